@@ -1,0 +1,1 @@
+"""Shared pieces of mmserve: stubs, hashing, transports, server skeleton, client and CLI."""

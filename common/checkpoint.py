@@ -1,0 +1,86 @@
+"""Reading a LLaVA checkpoint directory: config, fingerprint and selected tensors.
+
+Each service loads only its own part of the weights (the encoder the vision tower and projector, the
+decoder the language model), straight from the safetensors files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+_FINGERPRINT_SAMPLE = 1 << 20
+
+
+def load_config(model_dir: str | Path) -> dict:
+    """The checkpoint's config.json as a dict."""
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{model_dir} is not a checkpoint directory: no config.json")
+    return json.loads(path.read_text())
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's weight files, in a stable order."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A short hex id of the checkpoint: config plus the head and tail of every weight file.
+
+    Two checkpoints that differ in config or weights get different fingerprints, so their embeddings
+    never share a cache key. Reading only 2 MiB per file keeps this cheap for a 7B checkpoint.
+    """
+    h = hashlib.sha256()
+    h.update((Path(model_dir) / "config.json").read_bytes())
+    for path in safetensors_files(model_dir):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            h.update(f.read(_FINGERPRINT_SAMPLE))
+            f.seek(max(0, size - _FINGERPRINT_SAMPLE))
+            h.update(f.read(_FINGERPRINT_SAMPLE))
+    return h.hexdigest()[:16]
+
+
+def load_tensors(
+    model_dir: str | Path,
+    prefixes: Iterable[str],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Tensors whose names start with any of prefixes, keyed by their full names.
+
+    Only the matching tensors are read from disk; floating tensors are cast to dtype when given.
+    """
+    from safetensors import safe_open
+
+    prefixes = tuple(prefixes)
+    out: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if name.startswith(prefixes):
+                    t = f.get_tensor(name)
+                    if dtype is not None and t.is_floating_point():
+                        t = t.to(dtype)
+                    out[name] = t
+    return out
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """torch dtype from "float32"/"fp32", "float16"/"fp16"/"half", "bfloat16"/"bf16"."""
+    table = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    try:
+        return table[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use float32, float16 or bfloat16") from None

@@ -1,0 +1,73 @@
+"""Content hash of an image: the key of the embedding cache and of image-aware prefix reuse.
+
+The hash covers everything that changes the embedding: the model (its fingerprint), the tenant's cache
+salt, and the decoded pixels (mode, width, height, raw bytes). Every field is framed with a tag and its
+length, so two different records can never concatenate to the same byte stream (vLLM #54283 came from
+unframed concatenation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+from PIL import Image
+
+try:  # blake3 is faster; sha256 keeps the hash available where the wheel is missing.
+    from blake3 import blake3 as _blake3
+except ImportError:  # pragma: no cover - exercised only without blake3
+    _blake3 = None
+
+DIGEST_SIZE = 32
+_DOMAIN = b"mmserve.image.v1"
+
+
+def _hasher():
+    return _blake3() if _blake3 is not None else hashlib.sha256()
+
+
+def hash_algorithm() -> str:
+    """The name of the hash function in use ("blake3" or "sha256")."""
+    return "blake3" if _blake3 is not None else "sha256"
+
+
+def _frame(hasher, tag: bytes, value: bytes) -> None:
+    hasher.update(struct.pack("<B", len(tag)) + tag + struct.pack("<Q", len(value)))
+    hasher.update(value)
+
+
+def image_content_hash(
+    model_fingerprint: str,
+    cache_salt: str,
+    mode: str,
+    width: int,
+    height: int,
+    pixels: bytes | memoryview,
+) -> bytes:
+    """32-byte digest of a framed record of (model, salt, mode, size, pixels)."""
+    h = _hasher()
+    h.update(_DOMAIN)
+    _frame(h, b"model", model_fingerprint.encode())
+    _frame(h, b"salt", cache_salt.encode())
+    _frame(h, b"mode", mode.encode())
+    _frame(h, b"size", struct.pack("<QQ", width, height))
+    _frame(h, b"pixels", bytes(pixels))
+    return h.digest()[:DIGEST_SIZE]
+
+
+def hash_image(image: Image.Image, model_fingerprint: str, cache_salt: str = "") -> str:
+    """Hex content hash of a decoded PIL image (the wire form)."""
+    return image_content_hash(
+        model_fingerprint, cache_salt, image.mode, image.width, image.height, image.tobytes()
+    ).hex()
+
+
+def is_content_hash(text: str) -> bool:
+    """True when text looks like a hex content hash (64 hex digits)."""
+    if len(text) != 2 * DIGEST_SIZE:
+        return False
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True

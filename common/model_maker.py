@@ -1,0 +1,264 @@
+"""Make randomly initialised LLaVA-1.5-style checkpoints in Hugging Face format, offline.
+
+`mmserve make-model --preset tiny --out DIR` writes config, safetensors weights, a byte-level BPE
+tokenizer trained locally, a chat template and the image processor config, so that both
+`AutoProcessor.from_pretrained(DIR)` and `LlavaForConditionalGeneration.from_pretrained(DIR)` work with
+no network. Weights are drawn at a larger scale than the usual 0.02 init: a model at the usual scale
+repeats one token forever, which makes parity tests against Hugging Face prove little.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+IMAGE_TOKEN = "<image>"
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN]
+
+# In-order LLaVA-1.5 conversation format: "USER: <image>\nWhat is this? ASSISTANT:".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '\\n' }}"
+    "{% else %}{{ message['role'].upper() + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>\\n' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Shapes of one checkpoint preset."""
+
+    name: str
+    vision: dict
+    text: dict
+    image_size: int
+    vocab_size: int
+    projector_hidden_act: str = "gelu"
+    extra: dict = field(default_factory=dict)
+
+
+PRESETS: dict[str, Preset] = {
+    # 16 image tokens, 2+2 layers: builds and loads in about a second on a CPU.
+    "tiny": Preset(
+        name="tiny",
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    patch_size=7, projection_dim=32),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024),
+        image_size=28,
+        vocab_size=512,
+    ),
+    # 64 image tokens, 4+4 layers: for CPU load tests.
+    "small": Preset(
+        name="small",
+        vision=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                    patch_size=14, projection_dim=128),
+        text=dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=2048),
+        image_size=112,
+        vocab_size=2048,
+    ),
+    # The real shapes: CLIP ViT-L/14-336 (576 image tokens) and Llama-2-7B.
+    "llava-1.5-7b": Preset(
+        name="llava-1.5-7b",
+        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                    patch_size=14, projection_dim=768),
+        text=dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=32, max_position_embeddings=4096),
+        image_size=336,
+        vocab_size=32064,
+    ),
+}
+
+
+def _corpus(seed: int, n_lines: int) -> list[str]:
+    """A deterministic synthetic corpus for training the tokenizer (no downloads)."""
+    rng = random.Random(seed)
+    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st",
+              "tr", "ch", "sh", "th", "pl", "gr"]
+    vowels = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "io"]
+    codas = ["", "", "n", "r", "s", "t", "l", "m", "ng", "ck", "st"]
+    syllables = [o + v + c for o in onsets for v in vowels for c in codas]
+    common = ("the image shows a of and in on with what is this picture describe USER ASSISTANT "
+              "cat dog red blue green car tree sky person table \n").split(" ")
+    lines = []
+    for _ in range(n_lines):
+        words = []
+        for _ in range(rng.randint(4, 16)):
+            if rng.random() < 0.35:
+                words.append(rng.choice(common))
+            else:
+                words.append("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))))
+        sep = rng.choice([" ", " ", ", ", ". ", "? ", "\n"])
+        lines.append(sep.join(words) + rng.choice([".", "?", "!", ":", ""]) + str(rng.randint(0, 99)))
+    return lines
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE tokenizer with LLaVA's special tokens, padded to exactly vocab_size ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(seed, min(200_000, 40 * vocab_size)), trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:  # a small corpus can run out of merges: fill the rest so every logit is a token
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>", extra_special_tokens={"image_token": IMAGE_TOKEN},
+        model_max_length=1 << 20,
+    )
+
+
+def build_config(preset: Preset, tokenizer) -> "LlavaConfig":  # noqa: F821
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(image_size=preset.image_size, hidden_act="quick_gelu", layer_norm_eps=1e-5,
+                              **preset.vision)
+    text = LlamaConfig(
+        vocab_size=preset.vocab_size, rms_norm_eps=1e-5, rope_theta=10000.0,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **preset.text,
+    )
+    return LlavaConfig(
+        vision_config=vision, text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        projector_hidden_act=preset.projector_hidden_act,
+        vision_feature_select_strategy="default", vision_feature_layer=-2,
+        image_seq_length=(preset.image_size // preset.vision["patch_size"]) ** 2,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )
+
+
+@torch.no_grad()
+def _scale_init(model: torch.nn.Module, seed: int, gain: float) -> None:
+    """Redraw every weight at a scale where activations neither vanish nor saturate.
+
+    Matrices get N(0, gain / sqrt(fan_in)) so each layer's update is as large as its input; norms stay
+    at one with a little jitter; embeddings get unit variance. This makes greedy output vary from token
+    to token, unlike the usual std=0.02 init.
+    """
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        tmp = torch.empty(param.shape, dtype=torch.float32, device=device)
+        if param.dim() >= 2:
+            fan_in = param.shape[1] if "embed" not in name else 1
+            if "patch_embedding" in name:
+                fan_in = param[0].numel()
+            tmp.normal_(0.0, gain / fan_in**0.5, generator=gen)
+        elif name.endswith("bias"):
+            tmp.normal_(0.0, 0.02, generator=gen)
+        else:  # norm weights, class embedding
+            tmp.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 1.0, generator=gen)
+        param.copy_(tmp.to(param.dtype))
+
+
+def make_model(
+    preset: str,
+    out: str | Path,
+    seed: int = 0,
+    device: str | None = None,
+    dtype: str | None = None,
+    gain: float = 1.4,
+    progress: bool = True,
+) -> Path:
+    """Write a random LLaVA checkpoint for `preset` into `out` and return its path.
+
+    device defaults to CUDA when there is one (the 7B preset initialises in seconds there, minutes
+    on a CPU); dtype defaults to float32 for tiny/small and bfloat16 for the 7B shapes.
+    """
+    from tqdm.auto import tqdm
+    from transformers import CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    spec = PRESETS[preset]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if preset == "llava-1.5-7b"
+                                                      else torch.float32)
+    steps = tqdm(total=4, desc=f"make-model {preset}", disable=not progress, unit="step")
+    t0 = time.perf_counter()
+
+    steps.set_postfix_str("tokenizer")
+    tokenizer = build_tokenizer(spec.vocab_size, seed)
+    steps.update()
+
+    steps.set_postfix_str(f"init on {device}")
+    config = build_config(spec, tokenizer)
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(device):
+            model = LlavaForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    _scale_init(model, seed, gain)
+    model.config.dtype = torch_dtype
+    steps.update()
+
+    steps.set_postfix_str("save weights")
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
+    del model
+    steps.update()
+
+    steps.set_postfix_str("processor")
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": spec.image_size},
+        crop_size={"height": spec.image_size, "width": spec.image_size},
+        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=spec.vision["patch_size"],
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE, image_token=IMAGE_TOKEN,
+    )
+    processor.save_pretrained(out)
+    # Name the image processor by its portable class so every transformers version can load it.
+    for cfg_name in ("preprocessor_config.json", "processor_config.json"):
+        path = out / cfg_name
+        if path.exists():
+            data = json.loads(path.read_text())
+            _portable_class_names(data)
+            path.write_text(json.dumps(data, indent=2) + "\n")
+    (out / "mmserve_model.json").write_text(json.dumps(
+        {"preset": preset, "seed": seed, "gain": gain, "dtype": str(torch_dtype).removeprefix("torch."),
+         "made_on": device, "seconds": round(time.perf_counter() - t0, 2)}, indent=2) + "\n")
+    steps.update()
+    steps.close()
+    return out
+
+
+def _portable_class_names(data: dict) -> None:
+    for key, value in list(data.items()):
+        if isinstance(value, dict):
+            _portable_class_names(value)
+        elif key == "image_processor_type" and isinstance(value, str):
+            data[key] = value.removesuffix("Pil").removesuffix("Fast")

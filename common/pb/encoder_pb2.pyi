@@ -1,0 +1,102 @@
+from . import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "images", "accept", "cache_salt", "prefetch")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]
+    accept: _containers.RepeatedScalarFieldContainer[_common_pb2.Transport]
+    cache_salt: str
+    prefetch: bool
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., accept: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., cache_salt: _Optional[str] = ..., prefetch: _Optional[bool] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("embeddings",)
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[_common_pb2.EmbeddingRef]
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[_common_pb2.EmbeddingRef, _Mapping]]] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("images", "cache_salt")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]
+    cache_salt: str
+    def __init__(self, images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("content_hashes", "cache_salt")
+    CONTENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    content_hashes: _containers.RepeatedScalarFieldContainer[str]
+    cache_salt: str
+    def __init__(self, content_hashes: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("cached",)
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    cached: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, cached: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class EncoderStats(_message.Message):
+    __slots__ = ("cache_bytes_used", "cache_bytes_capacity", "entries", "hits", "misses", "evictions", "leased_bytes", "active_leases", "encodes", "images_per_s", "expired_leases", "inflight_dedups", "prefetches", "model_fingerprint", "device")
+    CACHE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ENCODES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_DEDUPS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    cache_bytes_used: int
+    cache_bytes_capacity: int
+    entries: int
+    hits: int
+    misses: int
+    evictions: int
+    leased_bytes: int
+    active_leases: int
+    encodes: int
+    images_per_s: float
+    expired_leases: int
+    inflight_dedups: int
+    prefetches: int
+    model_fingerprint: str
+    device: str
+    def __init__(self, cache_bytes_used: _Optional[int] = ..., cache_bytes_capacity: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., active_leases: _Optional[int] = ..., encodes: _Optional[int] = ..., images_per_s: _Optional[float] = ..., expired_leases: _Optional[int] = ..., inflight_dedups: _Optional[int] = ..., prefetches: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
