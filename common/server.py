@@ -1,0 +1,219 @@
+"""The one server skeleton both services run on.
+
+It owns everything that is not the service itself: a `grpc.aio` server with message limits large
+enough for inline embeddings, the standard health service (NOT_SERVING until the service says it is
+warm), server reflection, an interceptor that logs each RPC and turns exceptions into statuses, a
+Prometheus endpoint on its own port (off unless asked) and graceful shutdown on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.errors import ServiceError
+
+log = logging.getLogger("mmserve.server")
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20  # one 576x4096 fp32 embedding inline is 9 MiB; leave room
+
+
+def _short(method: str) -> str:
+    return method.rsplit("/", 1)[-1]
+
+
+class _StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Logs each RPC and maps exceptions to statuses: ServiceError keeps its code, anything else is
+    INTERNAL with the exception's type and message (never a bare "Exception calling application")."""
+
+    def __init__(self, service_name: str) -> None:
+        self._service_name = service_name
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = _short(handler_call_details.method)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler  # streaming-request RPCs: none in our protos
+
+    async def _fail(self, context, method: str, exc: BaseException, started: float) -> None:
+        if isinstance(exc, ServiceError):
+            code, message = exc.code, exc.message
+            log.info("%s %s -> %s: %s", self._service_name, method, code.name, message)
+        else:
+            code, message = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+            log.exception("%s %s failed after %.1f ms", self._service_name, method,
+                          1e3 * (time.perf_counter() - started))
+        await context.abort(code, message)
+
+    def _wrap_unary(self, behavior, method: str):
+        async def wrapper(request, context):
+            started = time.perf_counter()
+            try:
+                response = await behavior(request, context)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except BaseException as exc:  # noqa: BLE001 - every failure must become a status
+                await self._fail(context, method, exc, started)
+            log.debug("%s %s ok in %.1f ms", self._service_name, method,
+                      1e3 * (time.perf_counter() - started))
+            return response
+
+        return wrapper
+
+    def _wrap_stream(self, behavior, method: str):
+        async def wrapper(request, context):
+            started = time.perf_counter()
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except BaseException as exc:  # noqa: BLE001
+                await self._fail(context, method, exc, started)
+            log.debug("%s %s stream done in %.1f ms", self._service_name, method,
+                      1e3 * (time.perf_counter() - started))
+
+        return wrapper
+
+
+class GrpcService:
+    """A gRPC server with health, reflection, error mapping, metrics and graceful shutdown.
+
+    Usage::
+
+        server = GrpcService("encoder", host, port, metrics_port)
+        server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer,
+                   "mmserve.v1.EncoderService")
+        port = await server.start()       # health says NOT_SERVING
+        ...warm up...
+        server.set_serving(True)
+        await server.wait(on_shutdown=servicer.close)   # until SIGTERM/SIGINT
+    """
+
+    def __init__(
+        self,
+        name: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_port: int | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.name = name
+        self.host = host
+        self.port = port
+        self.metrics_port = metrics_port
+        self.bound_port: int | None = None
+        self._service_names: list[str] = []
+        self._stopping = asyncio.Event() if _has_loop() else None
+        self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self._server = grpc.aio.server(
+            interceptors=[_StatusInterceptor(name)],
+            options=[
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+
+    @property
+    def server(self) -> grpc.aio.Server:
+        return self._server
+
+    def add(self, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any,
+            service_full_name: str) -> None:
+        """Register a servicer (before start)."""
+        add_to_server(servicer, self._server)
+        self._service_names.append(service_full_name)
+
+    async def start(self) -> int:
+        """Bind and start serving RPCs; health reports NOT_SERVING until set_serving(True)."""
+        names = [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self._server)
+        address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        self.bound_port = self._server.add_insecure_port(address)
+        if self.bound_port == 0:
+            raise OSError(f"{self.name}: cannot bind {address}")
+        await self._server.start()
+        await self._set_health(False)
+        if self.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.metrics_port, addr=self.host)
+            log.info("%s metrics on http://%s:%d/metrics", self.name, self.host, self.metrics_port)
+        log.info("%s listening on %s:%d", self.name, self.host, self.bound_port)
+        return self.bound_port
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self._service_names]:
+            result = self._health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    def set_serving(self, serving: bool) -> None:
+        """Report SERVING (warm) or NOT_SERVING on the health service."""
+        asyncio.get_running_loop().create_task(self._set_health(serving))
+
+    async def wait(self, on_shutdown: Callable[[], Awaitable[None]] | None = None,
+                   grace: float = 5.0) -> None:
+        """Serve until SIGTERM/SIGINT (or stop()), then shut down gracefully."""
+        loop = asyncio.get_running_loop()
+        if self._stopping is None:
+            self._stopping = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._stopping.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        await self._stopping.wait()
+        log.info("%s shutting down", self.name)
+        await self._set_health(False)
+        if on_shutdown is not None:
+            await on_shutdown()
+        await self._server.stop(grace)
+
+    def request_stop(self) -> None:
+        """Make wait() return (as a signal would)."""
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop at once: NOT_SERVING, then let in-flight RPCs finish for up to grace seconds."""
+        await self._set_health(False)
+        await self._server.stop(grace)
+        self.request_stop()
+
+
+def _has_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """One log format for both services."""
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
