@@ -14,8 +14,12 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import LlavaConfig
 
 IMAGE_TOKEN = "<image>"
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN]
@@ -135,7 +139,8 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     )
 
 
-def build_config(preset: Preset, tokenizer) -> "LlavaConfig":  # noqa: F821
+def build_config(preset: Preset, tokenizer) -> LlavaConfig:
+    """The LlavaConfig of a preset, with token ids taken from the tokenizer."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
     vision = CLIPVisionConfig(image_size=preset.image_size, hidden_act="quick_gelu", layer_norm_eps=1e-5,
