@@ -1,0 +1,221 @@
+"""Python clients for both services (sync and asyncio), over the generated stubs.
+
+    from common.client import DecoderClient
+    with DecoderClient("127.0.0.1:50052") as client:
+        result = client.generate_text("USER: <image>\\nWhat is this? ASSISTANT:", images=["cat.png"])
+        print(result.text, result.usage)
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from common.server import DEFAULT_MAX_MESSAGE_BYTES
+
+ImageLike = str | Path | bytes | common_pb2.ImageInput
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+]
+
+
+def image_input(image: ImageLike) -> common_pb2.ImageInput:
+    """An ImageInput from a file path, encoded bytes, a content hash ("hash:<hex>") or an ImageInput."""
+    if isinstance(image, common_pb2.ImageInput):
+        return image
+    if isinstance(image, bytes):
+        return common_pb2.ImageInput(data=image)
+    text = str(image)
+    if text.startswith("hash:"):
+        return common_pb2.ImageInput(content_hash=text[len("hash:"):])
+    return common_pb2.ImageInput(data=Path(text).read_bytes())
+
+
+def sampling_params(
+    max_tokens: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    logprobs: int = 0,
+) -> decoder_pb2.SamplingParams:
+    """SamplingParams with API.md's defaults (0 means the server default / off; temperature 0 is greedy)."""
+    params = decoder_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=list(stop),
+        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs)
+    if seed is not None:
+        params.seed = seed
+    return params
+
+
+def generate_request(
+    prompt: str | None = None,
+    images: Iterable[ImageLike] = (),
+    chat: Sequence[dict] | None = None,
+    request_id: str | None = None,
+    cache_salt: str = "",
+    **sampling,
+) -> decoder_pb2.GenerateRequest:
+    """Build a GenerateRequest from a prompt with "<image>" markers, or from chat messages.
+
+    chat: [{"role": "user", "content": [{"type": "image", "image": <ImageLike>}, {"type": "text",
+    "text": "..."}]}, ...]; a plain string content is one text part.
+    """
+    request = decoder_pb2.GenerateRequest(
+        request_id=request_id or uuid.uuid4().hex, cache_salt=cache_salt,
+        sampling=sampling_params(**sampling))
+    if (prompt is None) == (chat is None):
+        raise ValueError("give exactly one of prompt or chat")
+    if prompt is not None:
+        request.prompt = prompt
+        request.images.extend(image_input(i) for i in images)
+        return request
+    for message in chat:
+        out = request.chat.messages.add(role=message["role"])
+        content = message["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        for part in parts:
+            if part["type"] == "text":
+                out.content.add(text=part["text"])
+            elif part["type"] == "image":
+                out.content.add(image=image_input(part["image"]))
+            else:
+                raise ValueError(f"unknown content part type {part['type']!r}")
+    return request
+
+
+@dataclass
+class GenerationResult:
+    """A whole generation, gathered from the stream."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[decoder_pb2.TokenLogprobs] = field(default_factory=list)
+    finish_reason: str = "UNSPECIFIED"
+    usage: decoder_pb2.Usage | None = None
+
+    def add(self, chunk: decoder_pb2.GenerateResponse) -> None:
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.finish_reason:
+            self.finish_reason = decoder_pb2.FinishReason.Name(chunk.finish_reason).removeprefix(
+                "FINISH_REASON_")
+            self.usage = chunk.usage
+
+
+class DecoderClient:
+    """Blocking client of the decoder service."""
+
+    def __init__(self, address: str, timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = decoder_pb2_grpc.DecoderServiceStub(self._channel)
+
+    def generate(self, prompt: str | None = None, images: Iterable[ImageLike] = (),
+                 **kwargs) -> Iterator[decoder_pb2.GenerateResponse]:
+        """Stream GenerateResponse chunks; kwargs are generate_request's (chat, sampling fields, ...)."""
+        return self.stub.Generate(generate_request(prompt, images, **kwargs), timeout=self.timeout)
+
+    def generate_text(self, prompt: str | None = None, images: Iterable[ImageLike] = (),
+                      **kwargs) -> GenerationResult:
+        """The whole generation at once."""
+        result = GenerationResult()
+        for chunk in self.generate(prompt, images, **kwargs):
+            result.add(chunk)
+        return result
+
+    def stats(self) -> decoder_pb2.DecoderStats:
+        return self.stub.GetStats(common_pb2.StatsRequest(), timeout=self.timeout or 10)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> DecoderClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncDecoderClient:
+    """asyncio client of the decoder service."""
+
+    def __init__(self, address: str, timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = decoder_pb2_grpc.DecoderServiceStub(self._channel)
+
+    async def generate(self, prompt: str | None = None, images: Iterable[ImageLike] = (),
+                       **kwargs) -> AsyncIterator[decoder_pb2.GenerateResponse]:
+        """Stream GenerateResponse chunks."""
+        call = self.stub.Generate(generate_request(prompt, images, **kwargs), timeout=self.timeout)
+        async for chunk in call:
+            yield chunk
+
+    async def generate_text(self, prompt: str | None = None, images: Iterable[ImageLike] = (),
+                            **kwargs) -> GenerationResult:
+        result = GenerationResult()
+        async for chunk in self.generate(prompt, images, **kwargs):
+            result.add(chunk)
+        return result
+
+    async def stats(self) -> decoder_pb2.DecoderStats:
+        return await self.stub.GetStats(common_pb2.StatsRequest(), timeout=self.timeout or 10)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncDecoderClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class EncoderClient:
+    """Blocking client of the encoder service."""
+
+    def __init__(self, address: str, timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
+
+    def encode(self, images: Iterable[ImageLike], accept: Sequence[int] = (common_pb2.TRANSPORT_INLINE,),
+               cache_salt: str = "", prefetch: bool = False,
+               request_id: str = "") -> encoder_pb2.EncodeResponse:
+        return self.stub.Encode(encoder_pb2.EncodeRequest(
+            request_id=request_id, images=[image_input(i) for i in images], accept=list(accept),
+            cache_salt=cache_salt, prefetch=prefetch), timeout=self.timeout)
+
+    def release(self, lease_ids: Iterable[str]) -> int:
+        return self.stub.Release(encoder_pb2.ReleaseRequest(lease_ids=list(lease_ids)),
+                                 timeout=self.timeout).released
+
+    def lookup(self, content_hashes: Iterable[str], cache_salt: str = "") -> list[bool]:
+        return list(self.stub.Lookup(encoder_pb2.LookupRequest(
+            content_hashes=list(content_hashes), cache_salt=cache_salt), timeout=self.timeout).cached)
+
+    def stats(self) -> encoder_pb2.EncoderStats:
+        return self.stub.GetStats(common_pb2.StatsRequest(), timeout=self.timeout or 10)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> EncoderClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,119 @@
+"""`mmserve up`: both services as child processes, healthy before it says so, stopped together.
+
+The tiny model is made on first use in a cache dir ($MMSERVE_HOME, default ~/.cache/mmserve), so a new
+user gets a working pair with one command and no downloads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from common.health import wait_until_serving
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("MMSERVE_HOME", Path.home() / ".cache" / "mmserve"))
+
+
+def ensure_model(model: str | None, preset: str = "tiny") -> Path:
+    """The checkpoint to serve: the given dir, or the preset made once into the cache dir."""
+    if model:
+        path = Path(model)
+        if not (path / "config.json").exists():
+            raise SystemExit(f"error: --model {model} is not a checkpoint directory (no config.json)")
+        return path
+    path = default_home() / "models" / preset
+    if not (path / "mmserve_model.json").exists():
+        from common.model_maker import make_model
+
+        print(f"making the {preset} model in {path} (first use only)", flush=True)
+        make_model(preset, path, device="cpu")
+    return path
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmserve up", description="Run the encoder and decoder together.")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the tiny preset, made on first use)")
+    p.add_argument("--preset", default="tiny", help="preset to make when --model is not given")
+    p.add_argument("--host", default="127.0.0.1", help="bind address of both services")
+    p.add_argument("--encoder-port", type=int, default=50051)
+    p.add_argument("--decoder-port", type=int, default=50052)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--encoder-arg", action="append", default=[], help="extra argument for the encoder")
+    p.add_argument("--decoder-arg", action="append", default=[], help="extra argument for the decoder")
+    return p
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "common.cli", *args])
+
+
+def _stop_all(children: list[subprocess.Popen], timeout: float = 15.0) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for child in children:
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    model = ensure_model(args.model, args.preset)
+    connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    encoder_addr = f"{connect_host}:{args.encoder_port}"
+    decoder_addr = f"{connect_host}:{args.decoder_port}"
+    common = ["--model", str(model), "--host", args.host, "--device", args.device, "--dtype", args.dtype]
+    children: list[subprocess.Popen] = []
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        for name, argv_child, addr in (
+            ("encoder", ["encoder", *common, "--port", str(args.encoder_port), *args.encoder_arg], encoder_addr),
+            ("decoder", ["decoder", *common, "--port", str(args.decoder_port), "--encoder", encoder_addr,
+                         *args.decoder_arg], decoder_addr),
+        ):
+            child = _spawn(argv_child)
+            children.append(child)
+            ok = wait_until_serving(addr, args.startup_timeout,
+                                    is_alive=lambda c=child: c.poll() is None and not stopping)
+            if not ok:
+                if stopping:
+                    return 0
+                print(f"error: the {name} did not become healthy at {addr} "
+                      f"(exit code {child.poll()}); see its log above", file=sys.stderr)
+                return 1
+            print(f"{name} serving at {addr}", flush=True)
+        print(
+            f"\nmmserve is up (model {model}).\n"
+            f"  mmserve generate --addr {decoder_addr} --prompt 'What is in this picture?' --image PATH\n"
+            f"  mmserve stats {decoder_addr}    mmserve stats {encoder_addr}\n"
+            "Ctrl-C stops both.", flush=True)
+        while not stopping:
+            for child in children:
+                if child.poll() is not None:
+                    print(f"error: a service exited with code {child.returncode}; stopping", file=sys.stderr)
+                    return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop_all(children)
