@@ -40,7 +40,8 @@ def ensure_model(model: str | None, preset: str = "tiny") -> Path:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmserve up", description="Run the encoder and decoder together.")
-    p.add_argument("--model", default=None, help="checkpoint dir (default: the tiny preset, made on first use)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint dir (default: the tiny preset, made on first use)")
     p.add_argument("--preset", default="tiny", help="preset to make when --model is not given")
     p.add_argument("--host", default="127.0.0.1", help="bind address of both services")
     p.add_argument("--encoder-port", type=int, default=50051)
@@ -87,11 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        for name, argv_child, addr in (
-            ("encoder", ["encoder", *common, "--port", str(args.encoder_port), *args.encoder_arg], encoder_addr),
-            ("decoder", ["decoder", *common, "--port", str(args.decoder_port), "--encoder", encoder_addr,
-                         *args.decoder_arg], decoder_addr),
-        ):
+        encoder_argv = ["encoder", *common, "--port", str(args.encoder_port), *args.encoder_arg]
+        decoder_argv = ["decoder", *common, "--port", str(args.decoder_port), "--encoder", encoder_addr,
+                        *args.decoder_arg]
+        for name, argv_child, addr in (("encoder", encoder_argv, encoder_addr),
+                                       ("decoder", decoder_argv, decoder_addr)):
             child = _spawn(argv_child)
             children.append(child)
             ok = wait_until_serving(addr, args.startup_timeout,
