@@ -1,0 +1,91 @@
+"""Load only the language-model tensors of a LLaVA checkpoint into our LlamaForCausalLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from common.checkpoint import load_config, load_tensors
+from decoder_svc.model.attention import AttentionBackend, TorchAttentionBackend
+from decoder_svc.model.config import TextModelConfig
+from decoder_svc.model.llama import LlamaForCausalLM
+from decoder_svc.model.rope import RotaryEmbedding
+
+# (checkpoint prefix, our prefix), most specific first. Both LLaVA layouts: the classic one written by
+# LlavaForConditionalGeneration.save_pretrained of older versions and by our maker, and the newer one.
+_KEY_MAP = (
+    ("language_model.model.", ""),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", ""),
+    ("lm_head.", "lm_head."),
+)
+
+
+def text_config_dict(model_dir: str | Path) -> dict:
+    """The text_config with transformers' defaults filled in (LLaVA configs often list only overrides)."""
+    raw = load_config(model_dir)
+    text = dict(raw.get("text_config") or raw)
+    try:
+        from transformers import AutoConfig
+
+        full = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        text = {**full.get_text_config().to_dict(), **text}
+    except Exception:  # noqa: BLE001 - a config transformers cannot read: use the raw dict as is
+        pass
+    if "tie_word_embeddings" not in (raw.get("text_config") or {}) and "tie_word_embeddings" in raw:
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return text
+
+
+def rename_language_model_key(name: str) -> str | None:
+    """Our parameter name for a checkpoint key, or None when the key is not language-model weight."""
+    for src, dst in _KEY_MAP:
+        if name.startswith(src):
+            return dst + name[len(src):]
+    return None
+
+
+def load_language_model(
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    backend: AttentionBackend | None = None,
+) -> LlamaForCausalLM:
+    """Build the model from the checkpoint's text config and load its weights (strictly)."""
+    cfg = TextModelConfig.from_hf(text_config_dict(model_dir))
+    tensors = load_tensors(model_dir, [p for p, _ in _KEY_MAP], device="cpu", dtype=dtype)
+    state = {}
+    for name, tensor in tensors.items():
+        ours = rename_language_model_key(name)
+        if ours is not None and "rotary_emb" not in ours:
+            state[ours] = tensor
+    tie = cfg.tie_word_embeddings or "lm_head.weight" not in state
+    if tie:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend or TorchAttentionBackend())
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = RotaryEmbedding(cfg).to(device)  # fp32 buffer, not in the checkpoint
+    if tie:
+        model.lm_head.weight = model.embed_tokens.weight
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (tie and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {model_dir} does not match the language model: "
+                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    return model.eval()
+
+
+def generation_eos_ids(model_dir: str | Path) -> list[int]:
+    """EOS ids as HF generate sees them: generation_config.json first, then the text config."""
+    path = Path(model_dir) / "generation_config.json"
+    eos = None
+    if path.exists():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = text_config_dict(model_dir).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
