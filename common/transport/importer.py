@@ -1,0 +1,71 @@
+"""The reader's side: turn an EmbeddingRef into a torch tensor, whichever transport carried it."""
+
+from __future__ import annotations
+
+import torch
+
+from common.pb import common_pb2
+from common.transport import cuda_ipc as cuda
+from common.transport import dtypes, inline, shm
+
+
+def readable_transports(device: torch.device | str | None = None) -> list[int]:
+    """Transports this process can read, best first: put this in EncodeRequest.accept.
+
+    CUDA IPC needs a CUDA reader device and cupy; SHM needs /dev/shm; inline always works. Whether a
+    given ref is readable (same GPU, same host) is `can_import`: a caller that gets an unreadable ref
+    asks again by content hash with only TRANSPORT_INLINE.
+    """
+    out = []
+    dev = torch.device(device) if device is not None else None
+    if (dev is None or dev.type == "cuda") and cuda.cuda_ipc_available():
+        out.append(common_pb2.TRANSPORT_CUDA_IPC)
+    if shm.shm_available():
+        out.append(common_pb2.TRANSPORT_SHM)
+    out.append(common_pb2.TRANSPORT_INLINE)
+    return out
+
+
+def can_import(ref: common_pb2.EmbeddingRef) -> bool:
+    """True when this process can read ref: its GPU is visible here, or its segment is on this host."""
+    kind = ref.WhichOneof("location")
+    if kind == "inline_data":
+        return True
+    if kind == "shm":
+        return shm.segment_exists(ref.shm.name)
+    if kind == "cuda_ipc":
+        return cuda.cuda_ipc_available() and cuda.local_device_index(ref.cuda_ipc.device_uuid) is not None
+    return False
+
+
+def import_embedding(ref: common_pb2.EmbeddingRef, device: torch.device | str | None = None,
+                     wait: bool = True) -> torch.Tensor:
+    """The embedding [num_image_tokens, hidden] as a tensor view of the encoder's arena where possible.
+
+    CUDA IPC: a view on the encoder's GPU (no copy); the current stream waits on the producer event
+    unless wait=False (tests use that to show stale reads). SHM: a CPU view of the mapped segment.
+    Inline: a CPU tensor. If `device` differs from where the view lives, the result is copied there.
+    The view is valid while the lease is held: copy it (or finish using it) before Release.
+    """
+    dtype = dtypes.to_torch(ref.dtype)
+    shape = list(ref.shape)
+    kind = ref.WhichOneof("location")
+    if kind == "inline_data":
+        raw = inline.read_bytes(ref.inline_data)
+    elif kind == "shm":
+        raw = shm.read_slice(ref.shm.name, ref.shm.offset, ref.nbytes, ref.shm.arena_nbytes)
+    elif kind == "cuda_ipc":
+        loc = ref.cuda_ipc
+        index = cuda.local_device_index(loc.device_uuid)
+        if index is None:
+            raise ValueError(f"GPU {loc.device_uuid} of this CUDA IPC ref is not visible in this process")
+        raw = cuda.read_slice(loc.mem_handle, index, loc.offset, ref.nbytes, loc.arena_nbytes,
+                              loc.event_handle, wait=wait)
+    else:
+        raise ValueError("EmbeddingRef has no location")
+    if raw.numel() != ref.nbytes:
+        raise ValueError(f"embedding has {raw.numel()} bytes, the ref says {ref.nbytes}")
+    out = dtypes.typed_view(raw, dtype, shape)
+    if device is not None and torch.device(device) != out.device:
+        out = out.to(device)
+    return out

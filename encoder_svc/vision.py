@@ -1,0 +1,171 @@
+"""The vision half of a LLaVA checkpoint: image processor, vision tower and projector.
+
+Only the vision tower and projector tensors are read from the checkpoint; the language model never
+leaves the disk. The forward pass reproduces `LlavaForConditionalGeneration.get_image_features`: the
+hidden states of `vision_feature_layer` (one layer or several, concatenated), the CLS token dropped
+under the "default" select strategy, then the projector. Layers after the deepest selected one do not
+change the result, so they are not built (a -2 feature layer saves one CLIP layer per image).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from common.checkpoint import load_config, load_tensors, model_fingerprint
+
+log = logging.getLogger(__name__)
+
+# Checkpoint layouts seen in the wild: "vision_tower.*" (transformers 5 CLIPVisionModel),
+# "vision_tower.vision_model.*" (llava-1.5-hf), "model.vision_tower.*" (LlavaModel-wrapped saves).
+_VISION_PREFIXES = ("vision_tower.", "model.vision_tower.")
+_PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
+
+
+def _strip(name: str, prefixes: Sequence[str]) -> str:
+    for prefix in prefixes:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def _feature_layers(layer: int | list[int], num_layers: int) -> list[int]:
+    """vision_feature_layer as non-negative indexes into hidden_states (num_layers + 1 entries)."""
+    layers = [layer] if isinstance(layer, int) else list(layer)
+    out = []
+    for idx in layers:
+        norm = idx if idx >= 0 else num_layers + 1 + idx
+        if not 0 <= norm <= num_layers:
+            raise ValueError(f"vision_feature_layer {idx} is outside 0..{num_layers}")
+        out.append(norm)
+    return out
+
+
+def _load_image_processor(model_dir: Path):
+    """The checkpoint's image processor, offline; falls back to the full processor's."""
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # older layouts keep it only inside processor_config.json
+        log.info("AutoImageProcessor failed (%s); using AutoProcessor's image_processor", exc)
+        return AutoProcessor.from_pretrained(str(model_dir), local_files_only=True).image_processor
+
+
+class VisionEncoder:
+    """Images to LLaVA image features, [num_image_tokens, text_hidden_size] per image.
+
+    Thread-safety: `encode` may be called from one worker thread at a time; `calls` and
+    `images_encoded` count tower invocations (tests use them to prove cache hits run no vision work).
+    """
+
+    def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoConfig, AutoModel
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        raw = load_config(self.model_dir)
+        if "vision_config" not in raw:
+            raise ValueError(f"{model_dir} has no vision_config: not a LLaVA checkpoint")
+        config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
+        self.config = config
+        self.fingerprint = model_fingerprint(self.model_dir)
+        self.select_strategy = config.vision_feature_select_strategy
+        if self.select_strategy not in ("default", "full"):
+            raise ValueError(f"unsupported vision_feature_select_strategy {self.select_strategy!r}")
+        num_layers = config.vision_config.num_hidden_layers
+        self.feature_layers = _feature_layers(config.vision_feature_layer, num_layers)
+        self.multi_layer = not isinstance(config.vision_feature_layer, int)
+
+        vision_cfg = copy.deepcopy(config.vision_config)
+        vision_cfg.num_hidden_layers = max(self.feature_layers)
+        tower = AutoModel.from_config(vision_cfg)
+        # Older transformers wrap the transformer in .vision_model; newer ones do not.
+        self._tower_core = getattr(tower, "vision_model", tower)
+        projector = LlavaMultiModalProjector(config)
+        self._load_weights(tower, projector, vision_cfg.num_hidden_layers)
+        self.tower = tower.to(self.device, dtype).eval()
+        self.projector = projector.to(self.device, dtype).eval()
+
+        self.image_processor = _load_image_processor(self.model_dir)
+        image_size = config.vision_config.image_size
+        patch = config.vision_config.patch_size
+        self.num_image_tokens = (image_size // patch) ** 2 + (0 if self.select_strategy == "default" else 1)
+        self.hidden_size = config.text_config.hidden_size
+        self.calls = 0
+        self.images_encoded = 0
+        self._count_lock = threading.Lock()
+
+    def _load_weights(self, tower: torch.nn.Module, projector: torch.nn.Module, keep_layers: int) -> None:
+        tensors = load_tensors(self.model_dir, _VISION_PREFIXES + _PROJECTOR_PREFIXES)
+        vision: dict[str, torch.Tensor] = {}
+        proj: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if name.startswith(_PROJECTOR_PREFIXES):
+                proj[_strip(name, _PROJECTOR_PREFIXES)] = t
+                continue
+            key = _strip(_strip(name, _VISION_PREFIXES), ("vision_model.",))
+            if key.startswith("encoder.layers."):
+                if int(key.split(".")[2]) >= keep_layers:
+                    continue  # past the deepest feature layer: never used
+            vision[key] = t
+        if not vision or not proj:
+            raise ValueError(f"{self.model_dir}: no vision tower or projector tensors found")
+        core = getattr(tower, "vision_model", tower)
+        missing, unexpected = core.load_state_dict(vision, strict=False)
+        # position_ids is a non-persistent buffer; post_layernorm is unused by LLaVA features.
+        missing = [k for k in missing
+                   if not k.endswith("position_ids") and not k.startswith("post_layernorm")]
+        if missing or unexpected:
+            raise ValueError(f"vision tower weights do not match: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        projector.load_state_dict(proj, strict=True)
+
+    @property
+    def embedding_nbytes(self) -> int:
+        """Bytes of one image's embedding in the output dtype."""
+        return self.num_image_tokens * self.hidden_size * torch.tensor([], dtype=self.dtype).element_size()
+
+    def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
+        """Pixel values [B, 3, H, W] (fp32, CPU) from the checkpoint's image processor."""
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        return out["pixel_values"]
+
+    @torch.inference_mode()
+    def forward_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Image features [B, num_image_tokens, text_hidden_size] from pixel values."""
+        pixel_values = pixel_values.to(self.device, self.dtype, non_blocking=True)
+        out = self.tower(pixel_values=pixel_values, output_hidden_states=True, return_dict=True)
+        hidden = out.hidden_states
+        pool = [hidden[i] for i in self.feature_layers]
+        if self.select_strategy == "default":
+            pool = [h[:, 1:] for h in pool]
+        selected = pool[0] if not self.multi_layer else torch.cat(pool, dim=-1)
+        feats = self.projector(selected)
+        with self._count_lock:
+            self.calls += 1
+            self.images_encoded += feats.shape[0]
+        return feats
+
+    def encode(self, images: Sequence[Image.Image]) -> list[torch.Tensor]:
+        """One [num_image_tokens, text_hidden_size] tensor per image, on the encoder's device."""
+        if not images:
+            return []
+        feats = self.forward_pixels(self.preprocess(images))
+        return list(feats.unbind(0))
+
+    def warm_up(self) -> None:
+        """Run one dummy image through the tower (first-call allocations, kernels, lazy imports)."""
+        size = self.config.vision_config.image_size
+        self.encode([Image.new("RGB", (size, size), (127, 127, 127))])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
