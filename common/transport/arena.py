@@ -102,3 +102,23 @@ class Arena(ABC):
         """Copy a contiguous tensor's bytes into the slice at offset (on the current stream on CUDA)."""
         src = tensor.contiguous().view(-1).view(torch.uint8)
         self.view(offset, src.numel()).copy_(src, non_blocking=True)
+
+
+class TensorArena(Arena):
+    """A private arena in one torch tensor: no export, so only the inline transport can serve it.
+
+    Used where neither shared memory nor cupy is available.
+    """
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self._buf = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        if offset + nbytes > self.capacity:
+            raise ValueError("slice past the end of the arena")
+        return self._buf[offset:offset + nbytes]
+
+    def close(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)

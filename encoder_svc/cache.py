@@ -1,0 +1,335 @@
+"""Content-addressed embedding cache over an arena: byte budget, LRU, leases, in-flight dedup.
+
+States of a key: absent -> pending (one producer runs the vision tower, others join) -> ready.
+A ready entry with no lease sits in the LRU `freeable` list and is evicted lazily, only when an
+insert needs its bytes. Leased entries are pinned; each lease expires after a TTL so a reader that
+crashed cannot pin memory forever. When the bytes an insert needs are all leased the insert fails
+with CacheFullError (never waits: a decoder holding leases while waiting for the encoder would
+deadlock). An item larger than the whole arena is refused with ItemTooLargeError.
+
+On CUDA every entry carries its producer event (interprocess), recorded after the write on the
+producer's stream; readers wait on it instead of the producer synchronising. A slice freed by
+eviction is only rewritten after the new writer's stream waits on the evicted entry's event.
+
+Thread-safe: the server's event loop and the vision worker thread both call in.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import heapq
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from common.transport.arena import Arena, SliceAllocator
+
+
+class CacheFullError(RuntimeError):
+    """Every byte the item needs is leased: the caller gets RESOURCE_EXHAUSTED."""
+
+
+class ItemTooLargeError(CacheFullError):
+    """The item is larger than the whole cache."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The encoder is stopping: the caller gets UNAVAILABLE and may retry elsewhere."""
+
+
+@dataclass
+class Entry:
+    """A ready embedding: a slice of the arena plus what a reader needs to view it."""
+
+    key: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    event: object | None = None  # torch.cuda.Event(interprocess=True) on GPU
+    event_handle: bytes = b""
+    leases: int = 0
+
+
+@dataclass
+class Handle:
+    """One request's grip on an entry: a lease unless it asked for none."""
+
+    entry: Entry
+    lease_id: str = ""
+    lease_expires_in_s: float = 0.0
+    hit: bool = False
+
+
+@dataclass
+class _Waiter:
+    future: cf.Future
+    want_lease: bool
+
+
+@dataclass
+class _Pending:
+    waiters: list[_Waiter] = field(default_factory=list)
+
+
+@dataclass
+class _Lease:
+    key: str
+    expires_at: float
+
+
+@dataclass
+class CacheStats:
+    """Counters and gauges of the cache (a snapshot)."""
+
+    bytes_used: int
+    capacity: int
+    entries: int
+    hits: int
+    misses: int
+    evictions: int
+    leased_bytes: int
+    active_leases: int
+    expired_leases: int
+    inflight_dedups: int
+
+
+class EmbeddingCache:
+    """Embeddings keyed by content hash, stored in `arena`, bounded by its capacity in bytes."""
+
+    def __init__(self, arena: Arena, lease_ttl_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.arena = arena
+        self.allocator = SliceAllocator(arena.capacity)
+        self.capacity = self.allocator.capacity
+        self.lease_ttl_s = lease_ttl_s
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._entries: dict[str, Entry] = {}
+        self._freeable: OrderedDict[str, None] = OrderedDict()  # unleased ready entries, LRU first
+        self._pending: dict[str, _Pending] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._expiry: list[tuple[float, str]] = []  # heap of (expires_at, lease_id)
+        self._leased_bytes = 0
+        self._reserved_inflight = 0  # slices allocated for writes not yet published
+        self.hits = self.misses = self.evictions = self.expired_leases = self.inflight_dedups = 0
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def contains(self, key: str) -> bool:
+        """True when key is ready in the cache (no LRU touch, no lease)."""
+        with self._lock:
+            return key in self._entries
+
+    def acquire(self, key: str, want_lease: bool = True, expected_nbytes: int | None = None,
+                produce: bool = True) -> tuple[cf.Future | None, bool]:
+        """Get key's entry: (future of a Handle, must_produce).
+
+        A hit resolves at once. A key already being produced joins that production. Otherwise, with
+        produce=True the caller must produce it and call `complete` or `fail`; with produce=False the
+        answer is (None, False). `expected_nbytes` lets a miss fail fast (CacheFullError, raised here)
+        when the item cannot fit, before any vision work runs.
+        """
+        with self._lock:
+            self._sweep_locked()
+            entry = self._entries.get(key)
+            if entry is not None:
+                self.hits += 1
+                fut: cf.Future = cf.Future()
+                fut.set_result(self._handle_locked(entry, want_lease, hit=True))
+                return fut, False
+            pending = self._pending.get(key)
+            fut = cf.Future()
+            if pending is not None:
+                self.inflight_dedups += 1
+                pending.waiters.append(_Waiter(fut, want_lease))
+                return fut, False
+            if not produce:
+                return None, False
+            if expected_nbytes is not None:
+                self._check_fits_locked(expected_nbytes)
+            self.misses += 1
+            self._pending[key] = _Pending([_Waiter(fut, want_lease)])
+            return fut, True
+
+    def lease(self, key: str) -> Handle | None:
+        """A new lease on a ready entry (touches LRU), or None when key is not cached."""
+        with self._lock:
+            self._sweep_locked()
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self.hits += 1
+            return self._handle_locked(entry, True, hit=True)
+
+    def read(self, entry: Entry) -> torch.Tensor:
+        """A typed view of entry in this process; on CUDA the current stream waits on its event.
+
+        Hold a lease while using the view.
+        """
+        raw = self.arena.view(entry.offset, entry.nbytes)
+        if entry.event is not None:
+            entry.event.wait(torch.cuda.current_stream(raw.device))
+        return raw.view(entry.dtype).view(entry.shape)
+
+    # -- producing ---------------------------------------------------------------------------------
+
+    def complete(self, key: str, tensor: torch.Tensor) -> None:
+        """Store the produced embedding for key and resolve everyone waiting for it.
+
+        On CUDA call this inside the producer's stream context: the write and the event go on it.
+        Raises nothing: a failure to store is delivered to the waiters.
+        """
+        nbytes = tensor.numel() * tensor.element_size()
+        try:
+            offset, fences = self._reserve(nbytes)
+        except CacheFullError as exc:
+            self.fail(key, exc)
+            return
+        try:
+            event, handle = self._write(offset, tensor, fences)
+        except BaseException as exc:
+            self.allocator.free(offset)
+            with self._lock:
+                self._reserved_inflight -= self.allocator.reserved_size(nbytes)
+            self.fail(key, exc)
+            raise
+        entry = Entry(key, offset, nbytes, tuple(tensor.shape), tensor.dtype, event, handle)
+        with self._lock:
+            self._reserved_inflight -= self.allocator.reserved_size(nbytes)
+            self._entries[key] = entry
+            pending = self._pending.pop(key, _Pending())
+            for waiter in pending.waiters:
+                if waiter.future.cancelled():
+                    continue
+                h = self._handle_locked(entry, waiter.want_lease, hit=False)
+                try:
+                    waiter.future.set_result(h)
+                except cf.InvalidStateError:  # cancelled between the check and here
+                    self._release_locked(h.lease_id)
+            if entry.leases == 0:
+                self._freeable[key] = None
+
+    def fail(self, key: str, exc: BaseException) -> None:
+        """Production of key failed: every waiter gets exc; a later acquire retries."""
+        with self._lock:
+            pending = self._pending.pop(key, None)
+        for waiter in pending.waiters if pending else []:
+            if not waiter.future.cancelled():
+                try:
+                    waiter.future.set_exception(exc)
+                except cf.InvalidStateError:
+                    pass
+
+    def _check_fits_locked(self, nbytes: int) -> None:
+        size = self.allocator.reserved_size(nbytes)
+        if size > self.capacity:
+            raise ItemTooLargeError(f"an embedding of {nbytes} bytes is larger than the whole cache "
+                                    f"({self.capacity} bytes)")
+        if self._leased_bytes + self._reserved_inflight + size > self.capacity:
+            raise CacheFullError(f"embedding cache full: {self._leased_bytes} of {self.capacity} bytes "
+                                 "are leased; release leases or retry later")
+
+    def _reserve(self, nbytes: int) -> tuple[int, list]:
+        """Allocate a slice, evicting LRU unleased entries as needed; returns (offset, fence events)."""
+        with self._lock:
+            self._sweep_locked()
+            self._check_fits_locked(nbytes)
+            fences = []
+            offset = self.allocator.alloc(nbytes)
+            while offset is None:
+                if not self._freeable:
+                    raise CacheFullError(f"embedding cache full: no unleased entry left to evict for "
+                                         f"{nbytes} bytes ({self._leased_bytes} bytes leased)")
+                victim_key, _ = self._freeable.popitem(last=False)
+                victim = self._entries.pop(victim_key)
+                self.allocator.free(victim.offset)
+                self.evictions += 1
+                if victim.event is not None:
+                    fences.append(victim.event)
+                offset = self.allocator.alloc(nbytes)
+            self._reserved_inflight += self.allocator.reserved_size(nbytes)
+            return offset, fences
+
+    def _write(self, offset: int, tensor: torch.Tensor, fences: list) -> tuple[object | None, bytes]:
+        if self.arena.device.type != "cuda":
+            self.arena.write(offset, tensor)
+            return None, b""
+        from common.transport.cuda_ipc import new_producer_event
+
+        stream = torch.cuda.current_stream(self.arena.device)
+        for fence in fences:  # the old entry's write may still be in flight on another stream
+            stream.wait_event(fence)
+        self.arena.write(offset, tensor)
+        event = new_producer_event()
+        event.record(stream)
+        return event, bytes(event.ipc_handle())
+
+    # -- leases ------------------------------------------------------------------------------------
+
+    def _handle_locked(self, entry: Entry, want_lease: bool, hit: bool) -> Handle:
+        if entry.key in self._freeable:
+            self._freeable.move_to_end(entry.key)
+        if not want_lease:
+            return Handle(entry, hit=hit)
+        lease_id = uuid.uuid4().hex
+        expires = self._clock() + self.lease_ttl_s
+        self._leases[lease_id] = _Lease(entry.key, expires)
+        heapq.heappush(self._expiry, (expires, lease_id))
+        if entry.leases == 0:
+            self._freeable.pop(entry.key, None)
+            self._leased_bytes += self.allocator.reserved_size(entry.nbytes)
+        entry.leases += 1
+        return Handle(entry, lease_id, self.lease_ttl_s, hit)
+
+    def _release_locked(self, lease_id: str) -> bool:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        entry = self._entries[lease.key]
+        entry.leases -= 1
+        if entry.leases == 0:
+            self._leased_bytes -= self.allocator.reserved_size(entry.nbytes)
+            self._freeable[entry.key] = None  # most recently used: it was just read
+        return True
+
+    def release(self, lease_ids: list[str] | tuple[str, ...]) -> int:
+        """Release leases; unknown or already released ids are ignored. Returns how many were live."""
+        with self._lock:
+            return sum(self._release_locked(lid) for lid in lease_ids)
+
+    def _sweep_locked(self) -> None:
+        now = self._clock()
+        while self._expiry and self._expiry[0][0] <= now:
+            _, lease_id = heapq.heappop(self._expiry)
+            if self._release_locked(lease_id):
+                self.expired_leases += 1
+
+    def sweep(self) -> None:
+        """Expire leases past their TTL (also done lazily by every other call)."""
+        with self._lock:
+            self._sweep_locked()
+
+    def stats(self) -> CacheStats:
+        """A consistent snapshot of the counters."""
+        with self._lock:
+            self._sweep_locked()
+            used = sum(self.allocator.reserved_size(e.nbytes) for e in self._entries.values())
+            return CacheStats(
+                bytes_used=used + self._reserved_inflight, capacity=self.capacity,
+                entries=len(self._entries), hits=self.hits, misses=self.misses, evictions=self.evictions,
+                leased_bytes=self._leased_bytes, active_leases=len(self._leases),
+                expired_leases=self.expired_leases, inflight_dedups=self.inflight_dedups)
+
+    def close(self) -> None:
+        """Fail pending productions and release the arena."""
+        with self._lock:
+            keys = list(self._pending)
+        for key in keys:
+            self.fail(key, ShuttingDownError("encoder shutting down"))
+        self.arena.close()

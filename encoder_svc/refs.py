@@ -1,0 +1,66 @@
+"""Transport choice and EmbeddingRef building on the encoder side."""
+
+from __future__ import annotations
+
+from common.pb import common_pb2
+from common.transport import dtypes, inline
+from common.transport.arena import Arena
+from common.transport.shm import ShmArena
+from encoder_svc.cache import Handle
+
+KNOWN_TRANSPORTS = (common_pb2.TRANSPORT_CUDA_IPC, common_pb2.TRANSPORT_SHM, common_pb2.TRANSPORT_INLINE)
+
+
+def served_transports(arena: Arena) -> set[int]:
+    """What this arena can hand out: its zero-copy transport (if exported) and always inline."""
+    out = {common_pb2.TRANSPORT_INLINE}
+    if isinstance(arena, ShmArena):
+        out.add(common_pb2.TRANSPORT_SHM)
+    elif getattr(arena, "mem_handle", None):  # CudaArena; not imported here: it needs no cupy
+        out.add(common_pb2.TRANSPORT_CUDA_IPC)
+    return out
+
+
+def choose_transport(accept, served: set[int]) -> int:
+    """The first transport in accept that is served; inline when none is (or accept is empty).
+
+    Raises ValueError for UNSPECIFIED or values this server does not know.
+    """
+    for value in accept:
+        if value not in KNOWN_TRANSPORTS:
+            raise ValueError(f"unknown transport {value} in accept")
+    for value in accept:
+        if value in served:
+            return value
+    return common_pb2.TRANSPORT_INLINE
+
+
+def build_ref(handle: Handle, transport: int, arena: Arena, inline_bytes: bytes | None = None
+              ) -> common_pb2.EmbeddingRef:
+    """The EmbeddingRef for one handle; inline refs carry the bytes and no lease."""
+    entry = handle.entry
+    ref = common_pb2.EmbeddingRef(
+        content_hash=entry.key, shape=list(entry.shape), dtype=dtypes.to_wire(entry.dtype),
+        nbytes=entry.nbytes, cache_hit=handle.hit)
+    if transport == common_pb2.TRANSPORT_INLINE:
+        ref.inline_data = inline_bytes if inline_bytes is not None else b""
+        return ref
+    ref.lease_id = handle.lease_id
+    ref.lease_expires_in_s = handle.lease_expires_in_s
+    if transport == common_pb2.TRANSPORT_SHM:
+        ref.shm.name = arena.name
+        ref.shm.offset = entry.offset
+        ref.shm.arena_nbytes = arena.capacity
+    else:
+        loc = ref.cuda_ipc
+        loc.mem_handle = arena.mem_handle
+        loc.offset = entry.offset
+        loc.device_uuid = arena.device_uuid
+        loc.event_handle = entry.event_handle
+        loc.arena_nbytes = arena.capacity
+    return ref
+
+
+def inline_payload(tensor) -> bytes:
+    """The bytes of an embedding view for the inline transport."""
+    return inline.to_bytes(tensor)

@@ -1,0 +1,265 @@
+"""EncoderService: Encode, Prefetch, Release, Lookup and GetStats over the cache and vision worker.
+
+The servicer never runs vision work on the event loop: images are decoded and hashed in a thread,
+tower work is queued to the vision worker, and the RPC awaits the cache's futures. Every lease a
+failing request took is released before the error goes out, so errors never pin cache memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from common.errors import ServiceError, invalid_argument, not_found, resource_exhausted, unavailable
+from common.hashing import hash_image, is_content_hash
+from common.images import ImageError, ImageLimits, decode_image
+from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
+from common.transport.arena import Arena, TensorArena
+from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, ShuttingDownError
+from encoder_svc.metrics import EncoderMetrics
+from encoder_svc.refs import build_ref, choose_transport, inline_payload, served_transports
+from encoder_svc.vision import VisionEncoder
+from encoder_svc.worker import DEMAND, PREFETCH, VisionWorker
+
+log = logging.getLogger("mmserve.encoder")
+
+SERVICE_NAME = "mmserve.v1.EncoderService"
+
+
+@dataclass
+class EncoderConfig:
+    """Everything an encoder needs to start (the CLI fills it)."""
+
+    model: str | Path
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    cache_bytes: int = 1 << 30
+    lease_ttl_s: float = 60.0
+    max_batch_size: int = 8
+    limits: ImageLimits = field(default_factory=ImageLimits)
+    arena: str = "auto"  # auto | shm | cuda | private
+
+
+def make_arena(kind: str, capacity: int, device: torch.device) -> Arena:
+    """The arena for a device: CUDA IPC on GPUs with cupy, /dev/shm on CPUs, else a private one."""
+    from common.transport.shm import ShmArena, shm_available
+
+    if kind == "auto":
+        if device.type == "cuda":
+            from common.transport.cuda_ipc import cuda_ipc_available
+
+            kind = "cuda" if cuda_ipc_available() else "private"
+        else:
+            kind = "shm" if shm_available() else "private"
+    if kind == "cuda":
+        from common.transport.cuda_ipc import CudaArena
+
+        return CudaArena(capacity, device)
+    if kind == "shm":
+        return ShmArena(capacity)
+    return TensorArena(capacity, device)
+
+
+def _await(fut: cf.Future) -> asyncio.Future:
+    return asyncio.wrap_future(fut)
+
+
+def _release_when_done(cache: EmbeddingCache, fut: cf.Future) -> None:
+    """A request gave up on fut: drop the lease it will carry, now or when it resolves."""
+
+    def _drop(f: cf.Future) -> None:
+        if not f.cancelled() and f.exception() is None and f.result().lease_id:
+            cache.release([f.result().lease_id])
+
+    fut.add_done_callback(_drop)
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
+    """The EncoderService RPCs over one vision runner, cache and worker."""
+
+    def __init__(self, vision: VisionEncoder, cache: EmbeddingCache, worker: VisionWorker,
+                 limits: ImageLimits = ImageLimits(), registry: CollectorRegistry | None = REGISTRY) -> None:
+        self.vision = vision
+        self.cache = cache
+        self.worker = worker
+        self.limits = limits
+        self.served = served_transports(cache.arena)
+        self.metrics = EncoderMetrics(cache, worker, registry)
+        self.prefetches = 0
+        self._closing = False
+
+    @property
+    def closing(self) -> bool:
+        """True once close() has begun."""
+        return self._closing
+
+    @classmethod
+    def build(cls, config: EncoderConfig, registry: CollectorRegistry | None = REGISTRY) -> EncoderServicer:
+        """Load the vision tower and make the arena, cache and worker for config."""
+        device = torch.device(config.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        vision = VisionEncoder(config.model, device, config.dtype)
+        if vision.embedding_nbytes > config.cache_bytes:
+            raise ValueError(f"--cache-bytes {config.cache_bytes} cannot hold one image's embedding "
+                             f"({vision.embedding_nbytes} bytes)")
+        arena = make_arena(config.arena, config.cache_bytes, device)
+        cache = EmbeddingCache(arena, config.lease_ttl_s)
+        worker = VisionWorker(vision, cache, config.max_batch_size)
+        return cls(vision, cache, worker, config.limits, registry)
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise unavailable("encoder is shutting down")
+
+    def _check_count(self, images) -> None:
+        if not images:
+            raise invalid_argument("no images in the request")
+        if len(images) > self.limits.max_images_per_request:
+            raise invalid_argument(f"{len(images)} images in one request; the limit is "
+                                   f"{self.limits.max_images_per_request}")
+
+    def _decode_all(self, images, salt: str) -> list[tuple[str, object | None]]:
+        """(content hash, decoded image or None for hash-only inputs) per input; runs in a thread."""
+        out: list[tuple[str, object | None]] = []
+        for i, item in enumerate(images):
+            kind = item.WhichOneof("source")
+            if kind == "data":
+                try:
+                    image = decode_image(item.data, self.limits)
+                except ImageError as exc:
+                    raise invalid_argument(f"image {i}: {exc}") from None
+                out.append((hash_image(image, self.vision.fingerprint, salt), image))
+            elif kind == "content_hash":
+                text = item.content_hash.lower()
+                if not is_content_hash(text):
+                    raise invalid_argument(f"image {i}: content_hash is not a 64-digit hex digest")
+                out.append((text, None))
+            else:
+                raise invalid_argument(f"image {i}: neither data nor content_hash is set")
+        return out
+
+    def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int) -> cf.Future:
+        try:
+            fut, produce = self.cache.acquire(key, want_lease, self.vision.embedding_nbytes,
+                                              produce=image is not None)
+        except CacheFullError as exc:
+            raise resource_exhausted(f"image {index}: {exc}") from None
+        if fut is None:
+            raise not_found(f"image {index}: content hash {key} is not in the encoder cache; "
+                            "send the image bytes instead")
+        if produce:
+            self.worker.submit(key, image, priority)
+        elif priority == DEMAND and not fut.done():
+            self.worker.boost(key)  # joined a queued prefetch: it is needed now
+        return fut
+
+    @staticmethod
+    def _map_error(index: int, exc: BaseException) -> BaseException:
+        if isinstance(exc, ServiceError):
+            return exc
+        if isinstance(exc, CacheFullError):
+            return resource_exhausted(f"image {index}: {exc}")
+        if isinstance(exc, ShuttingDownError):
+            return unavailable(f"image {index}: {exc}")
+        return ServiceError(grpc.StatusCode.INTERNAL, f"image {index}: {type(exc).__name__}: {exc}")
+
+    def _inline_bytes(self, handle: Handle) -> bytes:
+        """Copy an entry out (under its lease) for the inline transport; runs in a thread."""
+        view = self.cache.read(handle.entry)
+        return inline_payload(view)
+
+    # -- RPCs --------------------------------------------------------------------------------------
+
+    async def Encode(self, request: encoder_pb2.EncodeRequest, context) -> encoder_pb2.EncodeResponse:
+        started = time.perf_counter()
+        self._check_open()
+        try:
+            transport = choose_transport(request.accept, self.served)
+        except ValueError as exc:
+            raise invalid_argument(str(exc)) from None
+        self._check_count(request.images)
+        items = await asyncio.to_thread(self._decode_all, request.images, request.cache_salt)
+        priority = PREFETCH if request.prefetch else DEMAND
+        futures: list[cf.Future] = []
+        handles: list[Handle] = []
+        try:
+            for i, (key, image) in enumerate(items):
+                futures.append(self._acquire(i, key, image, True, priority))
+            for i, fut in enumerate(futures):
+                try:
+                    handles.append(await _await(fut))
+                except (asyncio.CancelledError, ServiceError):
+                    raise
+                except Exception as exc:
+                    raise self._map_error(i, exc) from None
+            refs = []
+            for handle in handles:
+                if transport == common_pb2.TRANSPORT_INLINE:
+                    data = await asyncio.to_thread(self._inline_bytes, handle)
+                    self.cache.release([handle.lease_id])
+                    refs.append(build_ref(handle, transport, self.cache.arena, data))
+                else:
+                    refs.append(build_ref(handle, transport, self.cache.arena))
+        except BaseException:
+            for fut in futures:
+                _release_when_done(self.cache, fut)
+            raise
+        self.metrics.observe_encode(time.perf_counter() - started, all(h.hit for h in handles))
+        return encoder_pb2.EncodeResponse(embeddings=refs)
+
+    async def Prefetch(self, request: encoder_pb2.PrefetchRequest, context) -> encoder_pb2.PrefetchResponse:
+        self._check_open()
+        self._check_count(request.images)
+        items = await asyncio.to_thread(self._decode_all, request.images, request.cache_salt)
+        accepted = 0
+        for i, (key, image) in enumerate(items):
+            try:
+                self._acquire(i, key, image, False, PREFETCH)
+            except ServiceError as exc:  # fire-and-forget: an image that cannot be cached is skipped
+                log.info("prefetch skipped: %s", exc.message)
+                continue
+            accepted += 1
+        self.prefetches += accepted
+        return encoder_pb2.PrefetchResponse(accepted=accepted)
+
+    async def Release(self, request: encoder_pb2.ReleaseRequest, context) -> encoder_pb2.ReleaseResponse:
+        return encoder_pb2.ReleaseResponse(released=self.cache.release(list(request.lease_ids)))
+
+    async def Lookup(self, request: encoder_pb2.LookupRequest, context) -> encoder_pb2.LookupResponse:
+        # The salt is already inside each content hash; the field exists for symmetry with Encode.
+        return encoder_pb2.LookupResponse(
+            cached=[self.cache.contains(h.lower()) for h in request.content_hashes])
+
+    async def GetStats(self, request: common_pb2.StatsRequest, context) -> encoder_pb2.EncoderStats:
+        s = self.cache.stats()
+        return encoder_pb2.EncoderStats(
+            cache_bytes_used=s.bytes_used, cache_bytes_capacity=s.capacity, entries=s.entries,
+            hits=s.hits, misses=s.misses, evictions=s.evictions, leased_bytes=s.leased_bytes,
+            active_leases=s.active_leases, encodes=self.worker.encodes,
+            images_per_s=self.worker.images_per_s(), expired_leases=s.expired_leases,
+            inflight_dedups=s.inflight_dedups, prefetches=self.prefetches,
+            model_fingerprint=self.vision.fingerprint, device=str(self.vision.device))
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def warm_up(self) -> None:
+        """One dummy image through the tower, off the event loop."""
+        await asyncio.to_thread(self.vision.warm_up)
+
+    async def close(self) -> None:
+        """Refuse new work, stop the worker, free the arena (unlinks the SHM segment)."""
+        self._closing = True
+        await asyncio.to_thread(self.worker.stop)
+        self.cache.close()
+        self.metrics.close()

@@ -1,0 +1,153 @@
+"""The vision worker: one thread that batches queued images and runs the tower.
+
+Demand work goes before prefetch (lookahead) work: a priority queue ordered by (priority, arrival).
+A batch holds jobs of one priority only, so on a GPU a demand batch runs on the high-priority CUDA
+stream and a prefetch batch on the low-priority side stream. A demand request that joins a queued
+prefetch job boosts it to demand priority.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from encoder_svc.cache import EmbeddingCache, ShuttingDownError
+from encoder_svc.vision import VisionEncoder
+
+log = logging.getLogger(__name__)
+
+DEMAND = 0
+PREFETCH = 1
+
+
+@dataclass
+class _Job:
+    key: str
+    image: Image.Image
+    priority: int
+    stale: bool = False
+
+
+class VisionWorker:
+    """Runs queued images through `vision` in batches and stores results in `cache`."""
+
+    def __init__(self, vision: VisionEncoder, cache: EmbeddingCache, max_batch_size: int = 8) -> None:
+        self.vision = vision
+        self.cache = cache
+        self.max_batch_size = max(1, max_batch_size)
+        self._heap: list[tuple[int, int, _Job]] = []
+        self._jobs: dict[str, _Job] = {}
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self.batches = 0
+        self.encodes = 0
+        self.busy_s = 0.0
+        self.started_at = time.monotonic()
+        self._streams: dict[int, object] = {}
+        if vision.device.type == "cuda":
+            # Lower number = higher priority; 0 is the default (lowest) priority.
+            low, high = torch.cuda.Stream.priority_range()
+            self._streams[DEMAND] = torch.cuda.Stream(vision.device, priority=min(low, high))
+            self._streams[PREFETCH] = torch.cuda.Stream(vision.device, priority=max(low, high))
+        self._thread = threading.Thread(target=self._run, name="vision-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: str, image: Image.Image, priority: int = DEMAND) -> None:
+        """Queue image for key; the cache gets `complete(key, ...)` or `fail(key, ...)` later."""
+        with self._cv:
+            if self._stopped:
+                self.cache.fail(key, ShuttingDownError("encoder shutting down"))
+                return
+            job = _Job(key, image, priority)
+            self._jobs[key] = job
+            heapq.heappush(self._heap, (priority, next(self._seq), job))
+            self._cv.notify()
+
+    def boost(self, key: str) -> None:
+        """Move a queued prefetch job for key to demand priority (a demand request joined it)."""
+        with self._cv:
+            job = self._jobs.get(key)
+            if job is None or job.priority == DEMAND:
+                return
+            job.stale = True
+            fresh = _Job(key, job.image, DEMAND)
+            self._jobs[key] = fresh
+            heapq.heappush(self._heap, (DEMAND, next(self._seq), fresh))
+
+    def queued(self) -> int:
+        """Jobs waiting for the tower."""
+        with self._cv:
+            return len(self._jobs)
+
+    def _next_batch(self) -> list[_Job] | None:
+        with self._cv:
+            while True:
+                while self._heap and self._heap[0][2].stale:
+                    heapq.heappop(self._heap)
+                if self._heap or self._stopped:
+                    break
+                self._cv.wait()
+            if self._stopped:
+                return None
+            batch: list[_Job] = []
+            priority = self._heap[0][0]
+            while self._heap and len(batch) < self.max_batch_size and self._heap[0][0] == priority:
+                _, _, job = heapq.heappop(self._heap)
+                if not job.stale:
+                    batch.append(job)
+                    del self._jobs[job.key]
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            if batch:
+                self._run_batch(batch)
+
+    def _run_batch(self, batch: list[_Job]) -> None:
+        t0 = time.monotonic()
+        stream = self._streams.get(batch[0].priority)
+        try:
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    self._encode_and_store(batch)
+            else:
+                self._encode_and_store(batch)
+        except Exception as exc:  # the tower failed: every job of the batch fails, the worker lives on
+            log.exception("vision batch of %d failed", len(batch))
+            for job in batch:
+                self.cache.fail(job.key, exc)
+        self.busy_s += time.monotonic() - t0
+
+    def _encode_and_store(self, batch: list[_Job]) -> None:
+        feats = self.vision.encode([job.image for job in batch])
+        self.batches += 1
+        self.encodes += len(batch)
+        for job, feat in zip(batch, feats, strict=True):
+            self.cache.complete(job.key, feat)
+
+    def images_per_s(self) -> float:
+        """Images through the tower per second since the worker started."""
+        return self.encodes / max(time.monotonic() - self.started_at, 1e-9)
+
+    def stop(self) -> None:
+        """Stop after the current batch; queued jobs fail (their callers get UNAVAILABLE)."""
+        with self._cv:
+            self._stopped = True
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+            self._heap.clear()
+            self._cv.notify_all()
+        for job in jobs:
+            self.cache.fail(job.key, ShuttingDownError("encoder shutting down"))
+        self._thread.join(timeout=30)
