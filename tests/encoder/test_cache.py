@@ -1,0 +1,160 @@
+"""The embedding cache: hits, LRU eviction of unleased entries, leases, TTL, full cache, dedup."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from common.transport.arena import ALIGNMENT, TensorArena
+from encoder_svc.cache import CacheFullError, EmbeddingCache, ItemTooLargeError
+
+ITEM = ALIGNMENT * 4  # bytes of one test embedding (fp32 [8, 32])
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _tensor(seed: int) -> torch.Tensor:
+    return torch.randn(8, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def _put(cache: EmbeddingCache, key: str, seed: int, want_lease: bool = True):
+    fut, produce = cache.acquire(key, want_lease)
+    assert produce
+    cache.complete(key, _tensor(seed))
+    return fut.result(0)
+
+
+def test_miss_then_hit_reads_same_values():
+    cache = EmbeddingCache(TensorArena(8 * ITEM))
+    h = _put(cache, "a", 1)
+    assert not h.hit and h.lease_id
+    fut, produce = cache.acquire("a")
+    h2 = fut.result(0)
+    assert not produce and h2.hit and h2.lease_id != h.lease_id
+    assert torch.equal(cache.read(h2.entry), _tensor(1))
+    s = cache.stats()
+    assert (s.hits, s.misses, s.entries, s.active_leases, s.leased_bytes) == (1, 1, 1, 2, ITEM)
+    assert cache.release([h.lease_id, h2.lease_id, "unknown", h.lease_id]) == 2
+    assert cache.stats().active_leases == 0 and cache.stats().leased_bytes == 0
+
+
+def test_leased_entries_survive_eviction_unleased_go_lru_first():
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    pinned = _put(cache, "pinned", 0)
+    for i, key in enumerate(["old", "mid", "new"]):
+        _put(cache, key, i + 1, want_lease=False)
+    cache.acquire("old", want_lease=False)  # touch: "old" becomes most recently used
+    _put(cache, "x", 9, want_lease=False)  # needs one slot: evicts the LRU unleased entry, "mid"
+    assert cache.contains("old") and not cache.contains("mid") and cache.contains("new")
+    for i in range(3):
+        _put(cache, f"y{i}", 10 + i, want_lease=False)
+    assert cache.contains("pinned"), "a leased entry was evicted"
+    assert torch.equal(cache.read(pinned.entry), _tensor(0)), "a leased entry was overwritten"
+    assert cache.stats().evictions == 4
+    cache.release([pinned.lease_id])
+
+
+def test_full_of_leases_refuses_and_keeps_entries_intact():
+    cache = EmbeddingCache(TensorArena(2 * ITEM))
+    a, b = _put(cache, "a", 1), _put(cache, "b", 2)
+    with pytest.raises(CacheFullError):  # fast path: refused before any vision work
+        cache.acquire("c", expected_nbytes=ITEM)
+    fut, produce = cache.acquire("c")  # slow path: the producer finds no room
+    assert produce
+    cache.complete("c", _tensor(3))
+    with pytest.raises(CacheFullError):
+        fut.result(0)
+    assert torch.equal(cache.read(a.entry), _tensor(1)) and torch.equal(cache.read(b.entry), _tensor(2))
+    cache.release([a.lease_id])
+    assert not _put(cache, "c", 3).hit  # room again: "a" is evicted, "c" stored (a retry works)
+    assert not cache.contains("a") and cache.contains("b")
+    cache.release([b.lease_id])
+
+
+def test_item_larger_than_cache_is_rejected():
+    cache = EmbeddingCache(TensorArena(ITEM))
+    with pytest.raises(ItemTooLargeError):
+        cache.acquire("big", expected_nbytes=2 * ITEM)
+    fut, _ = cache.acquire("big")
+    cache.complete("big", torch.zeros(2 * ITEM // 4))
+    with pytest.raises(ItemTooLargeError):
+        fut.result(0)
+    assert cache.stats().entries == 0
+
+
+def test_unreleased_lease_expires_and_unpins():
+    clock = FakeClock()
+    cache = EmbeddingCache(TensorArena(ITEM), lease_ttl_s=5.0, clock=clock)
+    h = _put(cache, "a", 1)
+    with pytest.raises(CacheFullError):
+        cache.acquire("b", expected_nbytes=ITEM)
+    clock.t = 4.9
+    assert cache.stats().active_leases == 1
+    clock.t = 5.0
+    s = cache.stats()
+    assert (s.active_leases, s.expired_leases, s.leased_bytes) == (0, 1, 0)
+    _put(cache, "b", 2, want_lease=False)  # "a" is evictable again
+    assert not cache.contains("a")
+    assert cache.release([h.lease_id]) == 0  # releasing an expired lease is a no-op
+
+
+def test_inflight_dedup_one_production_many_waiters():
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    results, producers = [], []
+    barrier = threading.Barrier(16)
+
+    def request():
+        barrier.wait()
+        fut, produce = cache.acquire("img")
+        producers.append(produce)
+        if produce:
+            threading.Timer(0.05, cache.complete, ("img", _tensor(5))).start()
+        results.append(fut.result(5))
+
+    threads = [threading.Thread(target=request) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert producers.count(True) == 1
+    assert len({h.lease_id for h in results}) == 16
+    s = cache.stats()
+    assert s.misses == 1 and s.hits + s.inflight_dedups == 15 and s.active_leases == 16
+    cache.release([h.lease_id for h in results])
+    assert cache.stats().active_leases == 0
+
+
+def test_failed_production_reaches_every_waiter_and_allows_retry():
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    f1, p1 = cache.acquire("a")
+    f2, p2 = cache.acquire("a")
+    assert p1 and not p2
+    cache.fail("a", RuntimeError("tower broke"))
+    for f in (f1, f2):
+        with pytest.raises(RuntimeError, match="tower broke"):
+            f.result(0)
+    assert cache.acquire("a")[1], "after a failure the next request produces again"
+
+
+def test_cancelled_waiter_gets_no_lease():
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    f1, _ = cache.acquire("a")
+    f2, _ = cache.acquire("a")
+    assert f2.cancel()
+    cache.complete("a", _tensor(1))
+    assert cache.stats().active_leases == 1
+    cache.release([f1.result(0).lease_id])
+
+
+def test_produce_false_does_not_create_pending():
+    cache = EmbeddingCache(TensorArena(ITEM))
+    assert cache.acquire("nope", produce=False) == (None, False)
+    assert cache.stats().misses == 0
