@@ -1,0 +1,18 @@
+"""The in-process decoder engine: requests, scheduler, block manager, sampler and the step loop."""
+
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
+from decoder_svc.engine.engine import (
+    EngineConfig,
+    EngineStats,
+    LLMEngine,
+    QueueFullError,
+    RequestOutput,
+    Usage,
+)
+from decoder_svc.engine.request import FinishReason
+from decoder_svc.engine.sampler import TokenLogprobs
+from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
+
+__all__ = ["EmbeddingRequest", "EmbeddingSource", "EmbeddingStatus", "EngineConfig", "EngineStats",
+           "FinishReason", "InvalidRequestError", "LLMEngine", "QueueFullError", "RequestOutput",
+           "SamplingParams", "TokenLogprobs", "Usage"]

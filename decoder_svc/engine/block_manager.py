@@ -1,0 +1,224 @@
+"""Paged KV blocks with image-aware prefix caching.
+
+A full block's hash chains its parent's hash, its token ids and its extra keys: for every image that
+overlaps the block, (image content hash, offset of the block's first image token within that image);
+the cache salt enters the first block. Blocks nobody holds stay cached in an LRU free queue until a new
+allocation evicts them. A hit never covers a request's last token (its logits are needed) and the
+block's tokens are compared, so a hash collision cannot serve wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from dataclasses import dataclass, field
+
+from decoder_svc.engine.request import Request
+
+_ROOT = b"mmserve.kv.v1"
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """One physical KV block; prev/next link it into the free queue while unreferenced."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+    prev: KVBlock | None = field(default=None, repr=False)
+    next: KVBlock | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: O(1) pop from the LRU end, append and remove anywhere."""
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._head, self._tail = KVBlock(-1), KVBlock(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._len = 0
+        for b in blocks:
+            self.append(b)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _insert(self, block: KVBlock, before: KVBlock) -> None:
+        block.prev, block.next = before.prev, before
+        before.prev.next = block
+        before.prev = block
+        self._len += 1
+
+    def append(self, block: KVBlock) -> None:
+        """Add as most recently used."""
+        self._insert(block, self._tail)
+
+    def appendleft(self, block: KVBlock) -> None:
+        """Add as the next to evict (blocks without cached content are worth nothing)."""
+        self._insert(block, self._head.next)
+
+    def remove(self, block: KVBlock) -> None:
+        """Take a block out (a prefix hit revived it)."""
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self._len -= 1
+
+    def popleft(self) -> KVBlock:
+        """The least recently used free block."""
+        if self._len == 0:
+            raise IndexError("no free blocks")
+        block = self._head.next
+        self.remove(block)
+        return block
+
+
+@dataclass
+class BlockStats:
+    """Block-pool counters."""
+
+    num_blocks: int
+    used_blocks: int
+    cached_free_blocks: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+
+
+def image_extra_keys(request: Request, start: int, end: int) -> tuple:
+    """(content hash, offset of the block's first image token in the image) per image in [start, end)."""
+    return tuple((img.content_hash, max(start - img.offset, 0))
+                 for img in request.images if img.offset < end and img.end > start)
+
+
+def hash_block(parent: bytes, token_ids: tuple[int, ...], extra: tuple) -> bytes:
+    """H(parent, tokens, extra keys); pickling frames each field, so distinct records never collide."""
+    return hashlib.sha256(pickle.dumps((parent, token_ids, extra), protocol=5)).digest()
+
+
+class BlockManager:
+    """Allocates KV blocks to requests and reuses cached prefixes."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_hashes: dict[str, list[bytes]] = {}
+        self._req_num_registered: dict[str, int] = {}
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # -- hashing ---------------------------------------------------------------------------------
+    def block_hashes(self, request: Request, num_tokens: int | None = None) -> list[bytes]:
+        """Hashes of the request's full blocks among its first num_tokens tokens (memoised)."""
+        hashes = self._req_hashes.setdefault(request.request_id, [])
+        n_full = (request.num_tokens if num_tokens is None else num_tokens) // self.block_size
+        if len(hashes) < n_full:
+            tokens = request.all_token_ids
+            bs = self.block_size
+            for i in range(len(hashes), n_full):
+                extra = image_extra_keys(request, i * bs, (i + 1) * bs)
+                if i == 0 and request.cache_salt:
+                    extra = (("salt", request.cache_salt),) + extra
+                parent = hashes[i - 1] if i else _ROOT
+                hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+        return hashes[:n_full]
+
+    # -- prefix lookup ---------------------------------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """The longest run of cached blocks matching the request's start; never its last token."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        tokens = request.all_token_ids
+        hit: list[KVBlock] = []
+        for i, h in enumerate(self.block_hashes(request)[:max_blocks]):
+            block = self.cached.get(h)
+            expect = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            if block is None or block.token_ids != expect:
+                break
+            hit.append(block)
+        return hit
+
+    def record_prefix_query(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Count one admission's prefix lookup in the stats."""
+        self.prefix_queried_tokens += queried_tokens
+        self.prefix_hit_tokens += hit_tokens
+
+    # -- allocation ------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for num_new_tokens after the request's computed tokens (plus computed_blocks, a
+        fresh prefix hit). Returns False, changing nothing, when the pool cannot supply the blocks."""
+        computed_blocks = computed_blocks or []
+        held = self.req_blocks.get(request.request_id, [])
+        total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        need = -(-total // self.block_size) - len(held) - len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # in the free queue, not evictable
+        if need > len(self.free_queue) - revived:
+            return False
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        for b in computed_blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+            blocks.append(b)
+        for _ in range(max(need, 0)):
+            b = self.free_queue.popleft()
+            self._evict(b)
+            b.ref_cnt = 1
+            blocks.append(b)
+        self._register_full_blocks(request, total)
+        return True
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash, block.token_ids = None, ()
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        # The tokens of every block that this step fills are known now, and its KV is written by this
+        # step's forward before any later step can look it up.
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        blocks = self.req_blocks[rid]
+        hashes = self.block_hashes(request, num_tokens)
+        start = self._req_num_registered.get(rid, 0)
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i in range(start, len(hashes)):
+            b = blocks[i]
+            if b.block_hash is None and hashes[i] not in self.cached:
+                b.block_hash, b.token_ids = hashes[i], tuple(tokens[i * bs:(i + 1) * bs])
+                self.cached[hashes[i]] = b
+        self._req_num_registered[rid] = max(start, len(hashes))
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references; its cached blocks stay reusable until evicted."""
+        rid = request.request_id
+        # Tail blocks first, so a prefix's later blocks are evicted before its earlier ones.
+        for b in reversed(self.req_blocks.pop(rid, [])):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                (self.free_queue.append if b.block_hash is not None else self.free_queue.appendleft)(b)
+        self._req_num_registered.pop(rid, None)
+        self._req_hashes.pop(rid, None)
+
+    def block_table(self, request: Request) -> list[int]:
+        """Physical block ids of the request, in order."""
+        return [b.block_id for b in self.req_blocks.get(request.request_id, [])]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request (cached or empty)."""
+        return len(self.free_queue)
+
+    def stats(self) -> BlockStats:
+        """Current pool counters."""
+        cached_free = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+        return BlockStats(len(self.blocks), len(self.blocks) - len(self.free_queue), cached_free,
+                          self.prefix_queried_tokens, self.prefix_hit_tokens)

@@ -1,0 +1,90 @@
+"""Where the engine gets image embeddings from: a small interface with a local and a remote side.
+
+Contract (every implementation):
+
+- Keys are (request_id, content_hash). `request` is idempotent per key: asking twice is one ask.
+- `request` never blocks on encoding. A local source may compute synchronously inside it; a remote one
+  (`prefetch.py`: a gRPC encoder client on a background thread or event loop) sends the ask and
+  returns at once. `prefetch=True` marks lookahead work the encoder may run at lower priority.
+- `poll` is non-blocking and says PENDING, READY or FAILED. The scheduler never schedules an image
+  token until its key is READY, and fails the request (with `error()`'s text) on FAILED, so a dead
+  encoder cannot hang the engine.
+- `get` is called only when READY and returns [num_image_tokens, hidden] rows, ideally zero-copy
+  (a view into shared memory or a CUDA IPC arena, synchronised with the producer). The engine copies
+  the rows it needs into its own input buffer during the step, and may call `get` again on a later
+  step for the same key (an image can straddle prefill chunks).
+- `release` ends the engine's use of a key (or of every key of a request when content_hash is None):
+  the source drops its lease. Idempotent; unknown keys are ignored. After release the engine never
+  reads the rows again.
+- `lookahead` receives the next queued requests' images whose KV is not cached yet; the default asks
+  for each with prefetch=True.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+
+class EmbeddingStatus(enum.Enum):
+    """The state of one (request, image) key at the source."""
+
+    UNKNOWN = "unknown"  # never requested (or released)
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """One image a request needs."""
+
+    request_id: str
+    content_hash: str
+    image: bytes | Image.Image | None  # encoded file, decoded image, or None: the source knows the hash
+    cache_salt: str = ""
+    prefetch: bool = False
+
+
+class EmbeddingSource(ABC):
+    """Produces image embeddings for the engine; see the module docstring for the contract."""
+
+    @abstractmethod
+    def request(self, req: EmbeddingRequest) -> None:
+        """Start producing (or leasing) the embedding of req.content_hash for req.request_id."""
+
+    @abstractmethod
+    def poll(self, request_id: str, content_hash: str) -> EmbeddingStatus:
+        """Non-blocking state of the key."""
+
+    @abstractmethod
+    def get(self, request_id: str, content_hash: str) -> torch.Tensor:
+        """The embedding rows [num_tokens, hidden] of a READY key."""
+
+    @abstractmethod
+    def release(self, request_id: str, content_hash: str | None = None) -> None:
+        """Release one key, or every key of the request when content_hash is None."""
+
+    def error(self, request_id: str, content_hash: str) -> str:
+        """Why a FAILED key failed (a message for the client)."""
+        return f"embedding of image {content_hash[:16]} failed"
+
+    def cache_hit(self, request_id: str, content_hash: str) -> bool:
+        """Whether a READY key was served from the encoder's cache without running the vision tower."""
+        return False
+
+    def is_ready(self, request_id: str, content_hash: str) -> bool:
+        """poll() == READY."""
+        return self.poll(request_id, content_hash) == EmbeddingStatus.READY
+
+    def lookahead(self, requests: list[EmbeddingRequest]) -> None:
+        """Prefetch hook, called each step with queued requests' uncached images (prefetch=True)."""
+        for req in requests:
+            self.request(req)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop background work and release everything."""

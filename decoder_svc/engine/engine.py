@@ -1,0 +1,371 @@
+"""LLMEngine: the in-process decoder. Each step: schedule, gather image rows, run the model, sample,
+update requests, free the finished."""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from common.checkpoint import model_fingerprint, parse_dtype
+from common.hashing import hash_image, is_content_hash
+from common.images import ImageLimits, decode_image
+from decoder_svc.engine.block_manager import BlockManager
+from decoder_svc.engine.detokenizer import IncrementalDetokenizer
+from decoder_svc.engine.embedding_source import EmbeddingSource
+from decoder_svc.engine.fusion import fuse_image_rows, image_rows_for_chunk
+from decoder_svc.engine.request import FinishReason, ImagePlaceholder, Request
+from decoder_svc.engine.sampler import Sampler, TokenLogprobs
+from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
+from decoder_svc.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from decoder_svc.model import KVCacheSpec, allocate_kv_cache, generation_eos_ids, load_language_model
+from decoder_svc.model.attention import AttentionMetadata
+from decoder_svc.tokenization import PromptTokenizer, TokenizedPrompt
+
+log = logging.getLogger(__name__)
+
+ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests waiting (the service answers RESOURCE_EXHAUSTED)."""
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start."""
+
+    model_dir: str | Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # wins over kv_cache_bytes
+    kv_cache_bytes: int | None = None  # default: half the free GPU memory, or 512 MiB on CPU
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    encoder_max_ahead: int = 4
+    default_max_tokens: int = 256
+    max_waiting: int = 4096
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class Usage:
+    """Per-request accounting, filled on the last output."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    images: int
+    images_encoder_cache_hits: int
+    images_skipped_by_kv_reuse: int
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True on the request's last output."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's state and counters."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_cached_free_blocks: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    images_encoded: int
+    images_encoder_cache_hits: int
+    images_skipped_by_kv_reuse: int
+    preemptions: int
+    finished: int
+    aborted: int
+    failed: int
+
+
+class LLMEngine:
+    """Continuous-batching generation over our paged-KV language model."""
+
+    def __init__(self, config: EngineConfig, embedding_source: EmbeddingSource | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = parse_dtype(config.dtype)
+        self.model = load_language_model(config.model_dir, self.device, self.dtype)
+        self.model_config = self.model.config
+        self.tokenizer = PromptTokenizer(config.model_dir)
+        self.fingerprint = model_fingerprint(config.model_dir)
+        self.eos_token_ids = frozenset(generation_eos_ids(config.model_dir))
+        self.mm_token_ids = torch.tensor(sorted(self.tokenizer.mm_token_ids), device=self.device)
+        if embedding_source is None:
+            from decoder_svc.engine.local_source import LocalEmbeddingSource
+
+            embedding_source = LocalEmbeddingSource(config.model_dir, self.device, self.dtype)
+        self.source = embedding_source
+        num_blocks = self._num_kv_blocks()
+        self.kv_spec = KVCacheSpec.for_model(self.model_config, num_blocks, config.block_size, self.dtype)
+        self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.encoder_max_ahead),
+            self.blocks, self.source)
+        self.sampler = Sampler()
+        self._pending: list[RequestOutput] = []  # aborts and failures, reported by the next step
+        self._num_finished = self._num_aborted = self._num_failed = 0
+        self._ids: set[str] = set()
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = KVCacheSpec.bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        budget = cfg.kv_cache_bytes
+        if budget is None:
+            budget = torch.cuda.mem_get_info(self.device)[0] // 2 if self.device.type == "cuda" else 512 << 20
+        # No point holding more than every sequence at full length.
+        useful = -(-self.model_config.max_model_len // cfg.block_size) * cfg.max_num_seqs
+        return max(1, min(budget // per_block, useful))
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        images: Sequence[ImageLike] = (),
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | None = None,
+        cache_salt: str = "",
+    ) -> Request:
+        """Tokenize, hash images, validate and queue a request. `prompt` marks images with `<image>`;
+        `messages` (chat) go through the chat template and mark images with {"type": "image"} parts.
+
+        Raises InvalidRequestError / PromptError (ValueError subclasses) for bad input and
+        QueueFullError when the queue is full.
+        """
+        if request_id in self._ids:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        sampling = sampling or SamplingParams()
+        sampling.validate(self.model_config.vocab_size)
+        decoded = [self._open_image(i, img) for i, img in enumerate(images)]
+        sizes = [(d.height, d.width) if d is not None else None for d in decoded]
+        if messages is not None:
+            tokenized = self.tokenizer.encode_chat(messages, sizes)
+        elif prompt:
+            tokenized = self.tokenizer.encode_prompt(prompt, sizes)
+        else:
+            raise InvalidRequestError("empty input: give a prompt or chat messages")
+        max_tokens = sampling.max_tokens or self.config.default_max_tokens
+        self._check_length(tokenized, max_tokens)
+        placeholders = [
+            ImagePlaceholder(
+                offset=ph.offset, length=ph.length, image=src if not isinstance(src, str) else None,
+                content_hash=src if isinstance(src, str) else hash_image(img, self.fingerprint, cache_salt))
+            for ph, src, img in zip(tokenized.placeholders, images, decoded, strict=True)
+        ]
+        req = Request(
+            request_id=request_id, prompt_token_ids=tokenized.token_ids, sampling=sampling,
+            max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, images=placeholders,
+            cache_salt=cache_salt,
+            detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, sampling.stop),
+        )
+        self._ids.add(request_id)
+        self.scheduler.add(req)
+        return req
+
+    def _open_image(self, index: int, image: ImageLike) -> Image.Image | None:
+        # Decoding is needed anyway: the content hash covers the decoded pixels.
+        if isinstance(image, str):
+            if not is_content_hash(image):
+                raise InvalidRequestError(f"image {index}: not a content hash: {image[:20]!r}")
+            return None
+        if isinstance(image, bytes):
+            try:
+                return decode_image(image, ImageLimits())
+            except ValueError as exc:
+                raise InvalidRequestError(f"image {index}: {exc}") from None
+        if isinstance(image, Image.Image):
+            return image.convert("RGB")
+        raise InvalidRequestError(f"image {index}: unsupported type {type(image).__name__}")
+
+    def _check_length(self, tokenized: TokenizedPrompt, max_tokens: int) -> None:
+        total = len(tokenized.token_ids) + max_tokens
+        if total > self.model_config.max_model_len:
+            n_prompt = len(tokenized.token_ids)
+            raise InvalidRequestError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) "
+                                      f"exceeds the context length {self.model_config.max_model_len}")
+        capacity = self.kv_spec.num_blocks * self.kv_spec.block_size
+        if total > capacity:
+            raise InvalidRequestError(f"prompt + max_tokens ({total}) exceeds the KV cache ({capacity})")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks and embeddings; its ABORT output comes with the next step."""
+        req = self.scheduler.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        req.finish(FinishReason.ABORT)
+        self._num_aborted += 1
+        self._pending.append(self._final_output(req, [], "", []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        """True while any request is queued or running, or an output is still to be returned."""
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # -- the step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the outputs of every request that produced tokens or ended."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        outputs += self._fail(sched)
+        if not sched.chunks:
+            return outputs
+        input_ids, positions, meta, is_prompt, logits_idx = self._prepare_batch(sched.chunks)
+        embeds = self.model.embed(input_ids)
+        rows = [r for c in sched.chunks for r in image_rows_for_chunk(c.request, c.start, c.end)]
+        embeds = fuse_image_rows(embeds, input_ids, self.mm_token_ids, rows, is_prompt)
+        logits = self.model(positions, meta, self.kv_caches, logits_idx, inputs_embeds=embeds)
+        sampling_chunks = [c for c in sched.chunks if c.samples]
+        sampled = self.sampler.sample(logits, [c.request for c in sampling_chunks])
+        self.scheduler.update_after_step(sched.chunks)
+        for chunk, token, lp in zip(sampling_chunks, sampled.token_ids, sampled.logprobs, strict=True):
+            outputs.append(self._append_token(chunk.request, token, lp))
+        return outputs
+
+    def _prepare_batch(self, chunks: list[ScheduledChunk]):
+        """Flat ids and positions of the scheduled tokens plus the attention metadata."""
+        bs = self.kv_spec.block_size
+        ids, pos, slots, starts, seq_lens, tables, is_prompt, logits_idx = [], [], [], [0], [], [], [], []
+        for c in chunks:
+            req = c.request
+            table = self.blocks.block_table(req)
+            tokens = req.all_token_ids
+            ids += tokens[c.start:c.end]
+            pos += range(c.start, c.end)
+            slots += [table[p // bs] * bs + p % bs for p in range(c.start, c.end)]
+            is_prompt += [p < req.num_prompt_tokens for p in range(c.start, c.end)]
+            starts.append(starts[-1] + c.num_tokens)
+            seq_lens.append(c.end)
+            tables.append(table)
+            if c.samples:
+                logits_idx.append(starts[-1] - 1)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.long),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                                      device=dev),
+            block_size=bs,
+        )
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev), meta,
+                torch.tensor(is_prompt, dtype=torch.bool, device=dev),
+                torch.tensor(logits_idx, dtype=torch.long, device=dev))
+
+    def _append_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        """Record a sampled token, detokenize it, and finish the request if a stop condition holds."""
+        req.output_token_ids.append(token)
+        sp = req.sampling
+        text = req.detokenizer.add([token])
+        reason = None
+        if token in sp.stop_token_ids or (token in req.eos_token_ids and not sp.ignore_eos):
+            reason = FinishReason.STOP
+        elif req.detokenizer.stopped:
+            reason = FinishReason.STOP
+        elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.model_config.max_model_len:
+            reason = FinishReason.LENGTH
+        lps = [lp] if lp is not None else []
+        if reason is None:
+            return RequestOutput(req.request_id, [token], text, lps)
+        text += req.detokenizer.finish()
+        self.scheduler.remove(req)
+        self.sampler.forget(req.request_id)
+        req.finish(reason)
+        self._num_finished += 1
+        return self._final_output(req, [token], text, lps)
+
+    def _fail(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        outs = []
+        for req in sched.failed:  # the scheduler already freed their blocks and embeddings
+            req.finish(FinishReason.ERROR, req.error)
+            self.sampler.forget(req.request_id)
+            self._num_failed += 1
+            outs.append(self._final_output(req, [], "", []))
+        return outs
+
+    def _final_output(self, req: Request, tokens: list[int], text: str,
+                      lps: list[TokenLogprobs]) -> RequestOutput:
+        self._ids.discard(req.request_id)
+        usage = Usage(
+            prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_token_ids),
+            cached_prompt_tokens=max(req.num_cached_tokens, 0), images=len(req.images),
+            images_encoder_cache_hits=sum(i.encoder_cache_hit and not i.skipped_by_kv_reuse
+                                          for i in req.images),
+            images_skipped_by_kv_reuse=sum(i.skipped_by_kv_reuse for i in req.images),
+        )
+        return RequestOutput(req.request_id, tokens, text, lps, req.finish_reason, usage, req.error)
+
+    # -- introspection ---------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Current state and counters."""
+        b, c = self.blocks.stats(), self.scheduler.counters
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_blocks_used=b.used_blocks, kv_blocks_total=b.num_blocks,
+            kv_cached_free_blocks=b.cached_free_blocks,
+            prefix_queried_tokens=b.prefix_queried_tokens, prefix_hit_tokens=b.prefix_hit_tokens,
+            images_encoded=c.images_encoded, images_encoder_cache_hits=c.images_encoder_cache_hits,
+            images_skipped_by_kv_reuse=c.images_skipped_by_kv_reuse, preemptions=c.preemptions,
+            finished=self._num_finished, aborted=self._num_aborted, failed=self._num_failed,
+        )
+
+    def generate(self, request_id: str, prompt: str | None = None, images: Sequence[ImageLike] = (),
+                 **kwargs: Any) -> RequestOutput:
+        """Add one request and step until it finishes; returns its merged output (tests, scripts)."""
+        self.add_request(request_id, prompt, images, **kwargs)
+        merged = RequestOutput(request_id, [], "")
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id != request_id:
+                    continue
+                merged.new_token_ids += out.new_token_ids
+                merged.text += out.text
+                merged.logprobs += out.logprobs
+                if out.finished:
+                    merged.finish_reason, merged.usage, merged.error = out.finish_reason, out.usage, out.error
+                    return merged
+        return merged
+
+
+def image_to_png(image: Image.Image) -> bytes:
+    """PNG bytes of a PIL image."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()

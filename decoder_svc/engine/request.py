@@ -1,0 +1,113 @@
+"""Request state. One rule for every phase: the request has num_tokens tokens (prompt + output) and
+num_computed_tokens of them have KV in the cache; each step schedules some of the rest."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from decoder_svc.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
+    from decoder_svc.engine.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    """Where the request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended (mirrors the API's FinishReason, plus ERROR for failed requests)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class EmbeddingState(enum.Enum):
+    """Progress of one image's embedding for one request."""
+
+    PENDING = "pending"  # not asked for yet
+    REQUESTED = "requested"  # asked the embedding source; not ready yet
+    READY = "ready"  # rows can be read
+    DONE = "done"  # every token of the placeholder is in KV; lease released
+    SKIPPED = "skipped"  # the whole placeholder was in cached KV: never needed
+    FAILED = "failed"
+
+
+@dataclass
+class ImagePlaceholder:
+    """One image of a request: its token span, content hash and embedding progress."""
+
+    offset: int
+    length: int
+    content_hash: str
+    image: bytes | Image.Image | None = None  # None: known to the encoder by hash only
+    state: EmbeddingState = EmbeddingState.PENDING
+    embedding: torch.Tensor | None = None  # [length, hidden] once READY
+    encoder_cache_hit: bool = False
+    skipped_by_kv_reuse: bool = False
+
+    @property
+    def end(self) -> int:
+        """One past the last placeholder token."""
+        return self.offset + self.length
+
+
+@dataclass
+class Request:
+    """A generation request as the scheduler and engine see it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    images: list[ImagePlaceholder] = field(default_factory=list)
+    cache_salt: str = ""
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    detokenizer: IncrementalDetokenizer | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length, image placeholders included."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output ids."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request has a finish reason."""
+        return self.status == RequestStatus.FINISHED
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        """Mark the request finished (the owner frees its resources)."""
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error

@@ -1,0 +1,46 @@
+"""Per-request sampling settings, validated once when the request arrives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses (the service answers INVALID_ARGUMENT)."""
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. temperature 0 is greedy; top_k 0 and top_p 0 mean off."""
+
+    max_tokens: int = 0  # 0: the engine's default
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int = 0  # N > 0: each new token's logprob and the top N
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError for values no sampler can honour."""
+        if self.max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.logprobs <= vocab_size:
+            raise InvalidRequestError(f"logprobs must be in [0, {vocab_size}], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty")
+        if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids out of the vocabulary")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0 or self.top_k == 1

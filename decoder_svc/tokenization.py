@@ -1,0 +1,122 @@
+"""Prompt tokenization exactly as the checkpoint's Hugging Face processor does it.
+
+`processor(text=prompt, images=...)` replaces each `<image>` with N copies of the image token (N from
+the vision config and crop size) and tokenizes the result with the default special tokens. We do the
+same without decoding pixels: for LLaVA-1.5 N does not depend on the image, and the processor itself
+reports it (`_get_num_multimodal_tokens`), so the ids equal HF's by construction, and tests check it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.checkpoint import load_config
+
+log = logging.getLogger(__name__)
+
+
+class PromptError(ValueError):
+    """A prompt the model cannot take (the service answers INVALID_ARGUMENT)."""
+
+
+class PlaceholderMismatchError(PromptError):
+    """The number of image placeholders differs from the number of images."""
+
+
+@dataclass(frozen=True)
+class PlaceholderRange:
+    """The token span [offset, offset + length) that image number image_index fills."""
+
+    offset: int
+    length: int
+    image_index: int
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """Prompt token ids with image placeholders already expanded."""
+
+    token_ids: list[int]
+    placeholders: list[PlaceholderRange]
+    text: str
+
+
+class PromptTokenizer:
+    """Tokenizer + processor of one checkpoint, loaded offline from its directory."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        self.tokenizer = self.processor.tokenizer
+        config = load_config(model_dir)
+        self.image_token: str = getattr(self.processor, "image_token", "<image>")
+        self.image_token_id: int = int(config.get("image_token_index", config.get("image_token_id", -1)))
+        if self.image_token_id < 0:
+            self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.mm_token_ids: frozenset[int] = frozenset({self.image_token_id})
+        self._fallback_image_tokens = config.get("image_seq_length")
+
+    def num_image_tokens(self, image_size: tuple[int, int] | None = None) -> int:
+        """Placeholder tokens for one image of (height, width); LLaVA-1.5 ignores the size."""
+        size = image_size or (1, 1)
+        try:
+            data = self.processor._get_num_multimodal_tokens(image_sizes=[list(size)])
+            return int(data.num_image_tokens[0])
+        except (AttributeError, NotImplementedError, KeyError, TypeError):
+            if self._fallback_image_tokens is None:
+                raise
+            return int(self._fallback_image_tokens)
+
+    def encode_prompt(self, prompt: str, image_sizes: Sequence[tuple[int, int] | None] = (),
+                      add_special_tokens: bool = True) -> TokenizedPrompt:
+        """Tokenize a prompt whose `<image>` markers stand for the given images, in order."""
+        if not prompt:
+            raise PromptError("empty prompt")
+        pieces = prompt.split(self.image_token)
+        if len(pieces) - 1 != len(image_sizes):
+            raise PlaceholderMismatchError(
+                f"prompt has {len(pieces) - 1} {self.image_token} placeholders but {len(image_sizes)} images")
+        counts = [self.num_image_tokens(size) for size in image_sizes]
+        text = pieces[0]
+        for count, piece in zip(counts, pieces[1:], strict=True):
+            text += self.image_token * count + piece
+        ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return TokenizedPrompt(ids, self._placeholders(ids, counts), text)
+
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    image_sizes: Sequence[tuple[int, int] | None] = ()) -> TokenizedPrompt:
+        """Render chat messages with the checkpoint's chat template, then tokenize like HF does.
+
+        Image parts are `{"type": "image"}` entries in a message's content list, in order.
+        """
+        if not messages:
+            raise PromptError("empty chat")
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # HF's tokenizing chat path skips special tokens when the template already wrote BOS.
+        bos = self.tokenizer.bos_token
+        add_special = not (bos and text.startswith(bos))
+        return self.encode_prompt(text, image_sizes, add_special_tokens=add_special)
+
+    def _placeholders(self, ids: list[int], counts: list[int]) -> list[PlaceholderRange]:
+        # Runs of image tokens, split into images of the expected lengths (adjacent images merge).
+        positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(positions) != sum(counts):
+            raise PlaceholderMismatchError(
+                f"tokenized prompt has {len(positions)} image tokens, expected {sum(counts)}")
+        out, k = [], 0
+        for index, count in enumerate(counts):
+            span = positions[k:k + count]
+            if span and span[-1] - span[0] != count - 1:
+                raise PlaceholderMismatchError(f"image {index}: its placeholder tokens are not contiguous")
+            out.append(PlaceholderRange(span[0] if span else 0, count, index))
+            k += count
+        return out
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
