@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
+from common.images import ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.server import GrpcService
 from encoder_svc.server import SERVICE_NAME, EncoderConfig, EncoderServicer
@@ -46,13 +47,17 @@ class EncoderHarness:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.service = GrpcService("encoder-test", "127.0.0.1", 0)
-        self.service.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, self.servicer, SERVICE_NAME)
+        self.service: GrpcService = self.call(self._make_service())  # grpc.aio binds to this loop
         self.port = self.call(self.service.start())
         self.call(self.servicer.warm_up())
         self.loop.call_soon_threadsafe(self.service.set_serving, True)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = encoder_pb2_grpc.EncoderServiceStub(self.channel)
+
+    async def _make_service(self) -> GrpcService:
+        service = GrpcService("encoder-test", "127.0.0.1", 0)
+        service.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, self.servicer, SERVICE_NAME)
+        return service
 
     def call(self, coro, timeout: float = 60):
         """Run a coroutine on the server's loop and wait for it."""
@@ -76,8 +81,14 @@ class EncoderHarness:
 
 @pytest.fixture(scope="module")
 def encoder_server(tiny_model_dir) -> Iterator[EncoderHarness]:
-    """One CPU encoder (SHM arena, 1 MiB cache) shared by a test module."""
-    harness = EncoderHarness(EncoderConfig(model=tiny_model_dir, cache_bytes=1 << 20, lease_ttl_s=30))
+    """One CPU encoder (SHM arena, 1 MiB cache) shared by a test module.
+
+    Limits: 4 images per request; sides up to 12000 px, so that a decompression bomb (more pixels than
+    Pillow's limit) can be told apart from an image that is merely too wide.
+    """
+    limits = ImageLimits(max_side=12000, max_images_per_request=4)
+    harness = EncoderHarness(EncoderConfig(model=tiny_model_dir, cache_bytes=1 << 20, lease_ttl_s=30,
+                                           limits=limits))
     yield harness
     harness.close()
 

@@ -1,0 +1,213 @@
+"""The encoder service through a real grpc.aio server on 127.0.0.1: results, cache, dedup, errors."""
+
+from __future__ import annotations
+
+import io
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+from prometheus_client import generate_latest
+
+from common.images import ImageLimits, decode_image
+from common.pb import common_pb2, encoder_pb2
+from common.transport import import_embedding
+from encoder_svc.server import EncoderConfig, EncoderServicer
+from tests.encoder.conftest import EncoderHarness, encode_request, image_bytes
+
+SHM, INLINE, CUDA = common_pb2.TRANSPORT_SHM, common_pb2.TRANSPORT_INLINE, common_pb2.TRANSPORT_CUDA_IPC
+
+
+def _png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_health_serving_after_warm_up(encoder):
+    stub = health_pb2_grpc.HealthStub(encoder.channel)
+    assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    assert encoder.servicer.vision.calls >= 1  # the warm-up ran the tower
+
+
+def test_encode_values_then_repeat_is_a_hit_with_no_tower_work(encoder):
+    data = image_bytes(100)
+    vision = encoder.servicer.vision
+    expected = vision.encode([decode_image(data)])[0]
+    calls = vision.calls
+    first = encoder.stub.Encode(encode_request(data, accept=[CUDA, SHM, INLINE]), timeout=30)
+    assert vision.calls == calls + 1
+    ref = first.embeddings[0]
+    assert ref.WhichOneof("location") == "shm"  # CUDA IPC is not served by a CPU encoder: next choice
+    assert not ref.cache_hit and ref.lease_id and ref.lease_expires_in_s > 0
+    assert list(ref.shape) == [16, 64] and ref.dtype == common_pb2.DTYPE_FLOAT32
+    torch.testing.assert_close(import_embedding(ref), expected, rtol=0, atol=0)
+
+    again = encoder.stub.Encode(encode_request(data, accept=[INLINE]), timeout=30)
+    by_hash = encoder.stub.Encode(encoder_pb2.EncodeRequest(
+        images=[common_pb2.ImageInput(content_hash=ref.content_hash)], accept=[SHM]), timeout=30)
+    assert vision.calls == calls + 1, "cache hits must not run the vision tower"
+    inline = again.embeddings[0]
+    assert inline.cache_hit and not inline.lease_id and inline.WhichOneof("location") == "inline_data"
+    assert torch.equal(import_embedding(inline), expected)
+    assert by_hash.embeddings[0].cache_hit and by_hash.embeddings[0].content_hash == ref.content_hash
+    assert encoder.stats().active_leases == 2
+    encoder.release_all(first)
+    encoder.release_all(by_hash)
+
+    lookup = encoder.stub.Lookup(encoder_pb2.LookupRequest(content_hashes=[ref.content_hash, "ab" * 32]))
+    assert list(lookup.cached) == [True, False]
+    # the same pixels under another tenant's salt are a different key
+    salted = encoder.stub.Encode(encode_request(data, cache_salt="tenant-b"), timeout=30)
+    assert salted.embeddings[0].content_hash != ref.content_hash and not salted.embeddings[0].cache_hit
+    encoder.release_all(salted)
+
+
+def test_batch_of_images_in_one_request(encoder):
+    datas = [image_bytes(200 + i, (30 + 7 * i, 30)) for i in range(3)]
+    calls = encoder.servicer.vision.calls
+    resp = encoder.stub.Encode(encode_request(*datas), timeout=30)
+    expected = encoder.servicer.vision.encode([decode_image(d) for d in datas])
+    assert encoder.servicer.vision.calls == calls + 2  # one batch for the request, one for `expected`
+    for ref, e in zip(resp.embeddings, expected, strict=True):
+        torch.testing.assert_close(import_embedding(ref), e, rtol=1e-6, atol=1e-6)
+    encoder.release_all(resp)
+
+
+def test_16_concurrent_encodes_of_one_new_image_run_the_tower_once(encoder):
+    data = image_bytes(300)
+    vision = encoder.servicer.vision
+    calls, images = vision.calls, vision.images_encoded
+    with ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(
+            lambda _: encoder.stub.Encode(encode_request(data), timeout=30), range(16)))
+    assert vision.calls == calls + 1 and vision.images_encoded == images + 1
+    hashes = {r.embeddings[0].content_hash for r in responses}
+    leases = {r.embeddings[0].lease_id for r in responses}
+    assert len(hashes) == 1 and len(leases) == 16
+    first = import_embedding(responses[0].embeddings[0])
+    assert all(torch.equal(import_embedding(r.embeddings[0]), first) for r in responses)
+    for r in responses:
+        encoder.release_all(r)
+
+
+def test_prefetch_then_encode_is_a_hit(encoder):
+    data = image_bytes(400)
+    resp = encoder.stub.Prefetch(encoder_pb2.PrefetchRequest(images=[common_pb2.ImageInput(data=data)]))
+    assert resp.accepted == 1
+    key = None
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        enc = encoder.stub.Encode(encode_request(data), timeout=30)
+        key = enc.embeddings[0]
+        encoder.release_all(enc)
+        if key.cache_hit:
+            break
+        time.sleep(0.05)  # Encode may have joined the running prefetch: not yet a hit
+    assert key is not None and key.cache_hit
+    assert encoder.stats().prefetches >= 1
+
+
+def test_release_of_unknown_leases_is_a_no_op(encoder):
+    assert encoder.stub.Release(encoder_pb2.ReleaseRequest(lease_ids=["nope", ""])).released == 0
+
+
+def _bomb() -> bytes:
+    # 9000 x 9000 = 81 Mpx, above Pillow's 64 Mpx limit, but only a few KiB as a 1-bit PNG.
+    return _png(Image.new("1", (9000, 9000)))
+
+
+BAD_DATA = {
+    "empty": (b"", "empty"),
+    "truncated": (image_bytes(1)[:60], "cannot decode"),
+    "corrupt": (image_bytes(1)[:40] + b"\x00" * 400, "cannot decode"),
+    "not_an_image": (b"%PDF-1.4 certainly not an image", "cannot decode"),
+    "bomb": (None, "decompression bomb"),
+    "too_wide": (None, "exceeds the maximum side"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DATA))
+def test_bad_image_is_invalid_argument_naming_its_index(encoder, case):
+    data, words = BAD_DATA[case]
+    if case == "bomb":
+        data = _bomb()
+    elif case == "too_wide":
+        data = _png(Image.new("RGB", (12001, 2)))
+    calls = encoder.servicer.vision.calls
+    with pytest.raises(grpc.RpcError) as err:
+        encoder.stub.Encode(encode_request(image_bytes(1), data), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "image 1" in err.value.details() and words in err.value.details()
+    assert encoder.servicer.vision.calls == calls, "nothing is encoded when an input is bad"
+    ok = encoder.stub.Encode(encode_request(image_bytes(2)), timeout=30)  # still serving
+    encoder.release_all(ok)
+
+
+def test_request_level_errors(encoder):
+    def code_of(request) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as err:
+            encoder.stub.Encode(request, timeout=30)
+        return err.value.code(), err.value.details()
+
+    good = image_bytes(5)
+    code, msg = code_of(encode_request(*[good] * 5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "limit is 4" in msg
+    code, msg = code_of(encode_request())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "no images" in msg
+    for accept in ([common_pb2.TRANSPORT_UNSPECIFIED], [SHM, 99]):
+        code, msg = code_of(encode_request(good, accept=accept))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "unknown transport" in msg
+    unknown = common_pb2.ImageInput(content_hash="0f" * 32)
+    code, msg = code_of(encoder_pb2.EncodeRequest(images=[common_pb2.ImageInput(data=good), unknown]))
+    assert code == grpc.StatusCode.NOT_FOUND and "image 1" in msg and "send the image bytes" in msg
+    code, msg = code_of(encoder_pb2.EncodeRequest(images=[common_pb2.ImageInput(content_hash="xyz")]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "image 0" in msg
+    # image 0 was leased before image 1 failed: the fixture checks that lease was given back
+
+
+def test_metrics_exposed(encoder):
+    resp = encoder.stub.Encode(encode_request(image_bytes(600)), timeout=30)
+    encoder.release_all(resp)
+    text = generate_latest(encoder.registry).decode()
+    for name in ("mmserve_encoder_cache_hits_total", "mmserve_encoder_cache_misses_total",
+                 "mmserve_encoder_cache_evictions_total", "mmserve_encoder_cache_bytes_used",
+                 "mmserve_encoder_cache_leased_bytes", "mmserve_encoder_encode_latency_seconds_bucket"):
+        assert name in text
+    stats = encoder.stats()
+    assert stats.misses >= 1 and stats.encodes >= 1 and stats.model_fingerprint
+    assert stats.cache_bytes_used > 0 and stats.cache_bytes_capacity == 1 << 20
+
+
+def test_cache_full_of_leases_is_resource_exhausted_then_recovers(tiny_model_dir):
+    # room for exactly two 4 KiB embeddings; leases expire quickly for the second half of the test
+    harness = EncoderHarness(EncoderConfig(model=tiny_model_dir, cache_bytes=2 * 4096, lease_ttl_s=1.0))
+    try:
+        held = harness.stub.Encode(encode_request(image_bytes(1), image_bytes(2)), timeout=30)
+        calls = harness.servicer.vision.calls
+        with pytest.raises(grpc.RpcError) as err:
+            harness.stub.Encode(encode_request(image_bytes(3)), timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "image 0" in err.value.details()
+        assert harness.servicer.vision.calls == calls  # refused before running the tower
+        hit = harness.stub.Encode(encode_request(image_bytes(1), accept=[INLINE]), timeout=10)
+        assert hit.embeddings[0].cache_hit  # leased entries are intact and still served
+        time.sleep(1.2)  # nobody releases: the leases expire and unpin
+        stats = harness.stats()
+        assert stats.active_leases == 0 and stats.expired_leases == 2
+        third = harness.stub.Encode(encode_request(image_bytes(3)), timeout=10)
+        assert not third.embeddings[0].cache_hit and harness.stats().evictions == 1
+        harness.release_all(third)
+        del held
+    finally:
+        harness.close()
+
+
+def test_cache_smaller_than_one_embedding_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="cannot hold one image"):
+        EncoderServicer.build(EncoderConfig(model=tiny_model_dir, cache_bytes=1000,
+                                            limits=ImageLimits()), registry=None)
