@@ -1,0 +1,103 @@
+# mmserve: one image for the encoder service, the decoder service and the `mmserve` CLI
+# (the compose services differ only by command). See docs/docker.md.
+#
+# CPU (default):  docker build -t mmserve:cpu .
+# Offline:        docker/wheelhouse.sh && docker build --build-arg OFFLINE=1 -t mmserve:cpu .
+# No registry:    docker/make-base-image.sh && docker build --build-arg BASE_IMAGE=mmserve-base:bookworm ...
+# GPU:            docker build -t mmserve:gpu \
+#                   --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#                   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+#                   --build-arg EXTRAS=gpu .
+#
+# The base needs python3 >= 3.10 with venv; one without python3 (the CUDA images) gets it from apt
+# (online builds only: an offline GPU build needs a base that already has python3 and python3-venv).
+# Works with the classic builder and with BuildKit.
+
+ARG BASE_IMAGE=python:3.11-slim
+
+# ---------------------------------------------------------------------------------------------
+FROM ${BASE_IMAGE} AS build
+# OFFLINE=1: install only from docker/wheelhouse (pip --no-index); 0: the wheelhouse first, then indexes.
+ARG OFFLINE=0
+# Pin torch: a bare `torch` from PyPI is the multi-GB CUDA build.
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# pyproject extras: "gpu" adds cupy.
+ARG EXTRAS=
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=ignore \
+    DEBIAN_FRONTEND=noninteractive
+
+RUN set -eu; \
+    if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    python3 -m venv /opt/mmserve
+
+COPY docker/wheelhouse/ /wheelhouse/
+RUN set -eu; \
+    if [ "$OFFLINE" = 1 ]; then \
+        ls /wheelhouse/torch-*.whl >/dev/null 2>&1 || { echo "OFFLINE=1 but docker/wheelhouse has no torch wheel: run docker/wheelhouse.sh" >&2; exit 1; }; \
+        set -- --no-index --find-links /wheelhouse; \
+        /opt/mmserve/bin/pip install "$@" "$TORCH_SPEC"; \
+    else \
+        /opt/mmserve/bin/pip install --find-links /wheelhouse --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"; \
+    fi
+
+# Dependencies before the sources, so that a code change does not reinstall them.
+COPY pyproject.toml README.md /src/
+RUN set -eu; \
+    if [ "$OFFLINE" = 1 ]; then set -- --no-index --find-links /wheelhouse; else set -- --find-links /wheelhouse; fi; \
+    /opt/mmserve/bin/python -c 'import sys, tomllib; \
+p = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]; \
+extras = [e for e in sys.argv[1].split(",") if e]; \
+print("\n".join(p["dependencies"] + [r for e in extras for r in p["optional-dependencies"][e]]))' \
+        "$EXTRAS" > /tmp/reqs.txt; \
+    /opt/mmserve/bin/pip install "$@" -r /tmp/reqs.txt
+
+COPY common/ /src/common/
+COPY encoder_svc/ /src/encoder_svc/
+COPY decoder_svc/ /src/decoder_svc/
+COPY bench/ /src/bench/
+RUN set -eu; \
+    if [ "$OFFLINE" = 1 ]; then set -- --no-index --find-links /wheelhouse; else set -- --find-links /wheelhouse; fi; \
+    /opt/mmserve/bin/pip wheel "$@" --no-deps --wheel-dir /tmp/dist /src; \
+    /opt/mmserve/bin/pip install "$@" --no-deps /tmp/dist/mmserve-*.whl; \
+    /opt/mmserve/bin/pip uninstall -y setuptools wheel >/dev/null 2>&1 || true; \
+    /opt/mmserve/bin/mmserve --help >/dev/null
+# Drop what a server never runs (~190 MB): torch's C++ test binaries, headers (no JIT C++ builds
+# here), protoc. Keep bin/torch_shm_manager (torch's shared-memory tensor sharing). TRIM=0 keeps all.
+ARG TRIM=1
+RUN set -eu; \
+    if [ "$TRIM" = 1 ]; then \
+        t=$(/opt/mmserve/bin/python -c 'import os, importlib.util as u; print(os.path.dirname(u.find_spec("torch").origin))'); \
+        rm -rf "$t/test" "$t/include"; \
+        find "$t/bin" -mindepth 1 ! -name torch_shm_manager -exec rm -rf {} +; \
+        /opt/mmserve/bin/python -c 'import torch; torch.ones(2) @ torch.ones(2)'; \
+    fi
+
+# ---------------------------------------------------------------------------------------------
+FROM ${BASE_IMAGE}
+ENV DEBIAN_FRONTEND=noninteractive
+RUN set -eu; \
+    if ! python3 -c 'import venv' 2>/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends python3 \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    useradd --uid 10001 --user-group --create-home --home-dir /home/mmserve --shell /bin/sh mmserve; \
+    mkdir -p /models && chown mmserve:mmserve /models
+
+COPY --from=build /opt/mmserve /opt/mmserve
+
+# Checkpoints are local directories (--model DIR): never reach for a model hub at run time.
+ENV PATH=/opt/mmserve/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    HF_HUB_DISABLE_TELEMETRY=1
+USER mmserve
+WORKDIR /home/mmserve
+# /models: the compose file mounts the model volume (or a checkpoint dir) here.
+VOLUME ["/models"]
+EXPOSE 50051 50052
+CMD ["mmserve", "--help"]
