@@ -1,0 +1,60 @@
+"""`python -m encoder_svc` as a real process: SERVING after warm-up, metrics, clean SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import torch
+
+from common.health import wait_until_serving
+from common.pb import encoder_pb2, encoder_pb2_grpc
+from common.transport import import_embedding
+from common.transport.shm import SHM_DIR
+from encoder_svc.main import build_arg_parser
+from tests.encoder.conftest import encode_request, image_bytes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_arg_parser_defaults():
+    args = build_arg_parser().parse_args(["--model", "m"])
+    assert (args.host, args.port, args.device, args.dtype) == ("127.0.0.1", 50051, "cpu", "float32")
+    assert args.metrics_port is None and args.cache_bytes > 0 and args.lease_ttl > 0
+
+
+def test_module_entry_point_serves_and_stops_cleanly(tiny_model_dir):
+    port, metrics_port = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "encoder_svc", "--model", str(tiny_model_dir), "--port", str(port),
+         "--metrics-port", str(metrics_port), "--cache-bytes", str(1 << 20), "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_until_serving(f"127.0.0.1:{port}", timeout=90, is_alive=lambda: proc.poll() is None), \
+            proc.stdout.read() if proc.poll() is not None else "not SERVING in time"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+            resp = stub.Encode(encode_request(image_bytes(7)), timeout=30)
+            ref = resp.embeddings[0]
+            emb = import_embedding(ref)
+            assert emb.shape == (16, 64) and torch.isfinite(emb).all()
+            stub.Release(encoder_pb2.ReleaseRequest(lease_ids=[ref.lease_id]), timeout=10)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+        assert b"mmserve_encoder_cache_misses_total 1.0" in metrics
+        segment = SHM_DIR / ref.shm.name
+        assert segment.exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not segment.exists(), "the encoder must unlink its shared memory on shutdown"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
