@@ -160,6 +160,9 @@ def build_config(preset: Preset, tokenizer) -> LlavaConfig:
     )
 
 
+_RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "out_proj.weight", "fc2.weight")
+
+
 @torch.no_grad()
 def _scale_init(model: torch.nn.Module, seed: int, gain: float) -> None:
     """Redraw every weight at a scale where activations neither vanish nor saturate.
@@ -170,13 +173,21 @@ def _scale_init(model: torch.nn.Module, seed: int, gain: float) -> None:
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    config = model.config
+    depth = {"vision": config.vision_config.num_hidden_layers, "text": config.text_config.num_hidden_layers}
     for name, param in model.named_parameters():
         tmp = torch.empty(param.shape, dtype=torch.float32, device=device)
         if param.dim() >= 2:
             fan_in = param.shape[1] if "embed" not in name else 1
             if "patch_embedding" in name:
                 fan_in = param[0].numel()
-            tmp.normal_(0.0, gain / fan_in**0.5, generator=gen)
+            std = gain / fan_in**0.5
+            if name.endswith(_RESIDUAL_OUTPUTS):
+                # Layers that write into the residual stream are scaled by 1/sqrt(depth) so the sum of
+                # all layers stays comparable to the token embedding: deep random models otherwise lose
+                # the token's identity and fall into repeating one token.
+                std /= depth["vision" if "vision_tower" in name else "text"] ** 0.5
+            tmp.normal_(0.0, std, generator=gen)
         elif name.endswith("bias"):
             tmp.normal_(0.0, 0.02, generator=gen)
         else:  # norm weights, class embedding
