@@ -48,7 +48,8 @@ class HFOracle:
         ref, logits = self.generate(prompt, images, n)
         if ours == ref:
             return
-        i = next((k for k, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), min(len(ours), len(ref)))
+        diffs = [k for k, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b]
+        i = diffs[0] if diffs else min(len(ours), len(ref))
         margin = None
         if i < logits.shape[0]:
             top2 = torch.topk(logits[i], 2).values

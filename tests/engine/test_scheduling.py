@@ -1,0 +1,157 @@
+"""Scheduler behaviour through the engine: images that are not ready, failures, KV reuse, lookahead,
+abort, and that nothing leaks."""
+
+from __future__ import annotations
+
+import torch
+
+from decoder_svc.engine import EmbeddingRequest, EmbeddingSource, EmbeddingStatus, FinishReason
+from decoder_svc.engine.local_source import LocalEmbeddingSource
+from tests.engine.conftest import greedy, run_all
+
+ONE = "USER: a <image>\nWhat is shown in this picture, and which colours? ASSISTANT:"
+TEXT = "USER: describe the red car on the table. ASSISTANT:"
+
+
+class GatedSource(EmbeddingSource):
+    """Wraps the local source; keeps chosen hashes PENDING (or FAILED) until opened. Records every ask."""
+
+    def __init__(self, inner: LocalEmbeddingSource) -> None:
+        self.inner = inner
+        self.closed: set[str] = set()
+        self.failing: set[str] = set()
+        self.asks: list[EmbeddingRequest] = []
+        self.released: list[tuple[str, str | None]] = []
+
+    def request(self, req: EmbeddingRequest) -> None:
+        self.asks.append(req)
+        self.inner.request(req)
+
+    def poll(self, request_id: str, content_hash: str) -> EmbeddingStatus:
+        status = self.inner.poll(request_id, content_hash)
+        if status == EmbeddingStatus.UNKNOWN:
+            return status
+        if content_hash in self.failing:
+            return EmbeddingStatus.FAILED
+        return EmbeddingStatus.PENDING if content_hash in self.closed else status
+
+    def get(self, request_id: str, content_hash: str) -> torch.Tensor:
+        return self.inner.get(request_id, content_hash)
+
+    def release(self, request_id: str, content_hash: str | None = None) -> None:
+        self.released.append((request_id, content_hash))
+        self.inner.release(request_id, content_hash)
+
+    def error(self, request_id: str, content_hash: str) -> str:
+        if content_hash in self.failing:
+            return "encoder exploded"
+        return self.inner.error(request_id, content_hash)
+
+    def cache_hit(self, request_id: str, content_hash: str) -> bool:
+        return self.inner.cache_hit(request_id, content_hash)
+
+
+def _engine(make_engine, tiny_model_dir, **kw):
+    source = GatedSource(LocalEmbeddingSource(tiny_model_dir))
+    engine = make_engine(**kw)
+    engine.source = engine.scheduler.source = source
+    return engine, source
+
+
+def _hash_of(engine, rid):
+    return engine.scheduler.get(rid).images[0].content_hash
+
+
+def test_unready_image_blocks_only_its_request(make_engine, tiny_model_dir, hf_oracle, images):
+    engine, source = _engine(make_engine, tiny_model_dir, max_num_batched_tokens=64)
+    req = engine.add_request("img", ONE, images[:1], sampling=greedy(12))
+    source.closed.add(req.images[0].content_hash)
+    engine.add_request("txt", TEXT, sampling=greedy(12))
+    got: dict = {}
+    for _ in range(30):
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    # The text request finished while the image request sat just before its image.
+    assert len(got["txt"]) == 12 and "img" not in got
+    assert req.num_computed_tokens == req.images[0].offset
+    source.closed.clear()
+    rest = run_all(engine)
+    hf_oracle.assert_same_tokens(rest["img"]["tokens"], ONE, images[:1], 12)
+    hf_oracle.assert_same_tokens(got["txt"], TEXT, [], 12)
+
+
+def test_failed_image_fails_request_not_engine(make_engine, tiny_model_dir, images):
+    engine, source = _engine(make_engine, tiny_model_dir)
+    req = engine.add_request("bad", ONE, images[:1], sampling=greedy(8))
+    source.failing.add(req.images[0].content_hash)
+    engine.add_request("ok", TEXT, sampling=greedy(8))
+    res = run_all(engine)
+    assert res["bad"]["finish"] == FinishReason.ERROR and "encoder exploded" in res["bad"]["error"]
+    assert res["ok"]["finish"] == FinishReason.LENGTH and len(res["ok"]["tokens"]) == 8
+    assert engine.stats().failed == 1 and engine.stats().kv_blocks_used == 0
+    assert source.inner.num_leases == 0
+
+
+def test_images_in_cached_prefix_are_never_requested(make_engine, tiny_model_dir, images):
+    engine, source = _engine(make_engine, tiny_model_dir, max_num_batched_tokens=13)
+    engine.generate("first", ONE, images[:1], sampling=greedy(4))
+    asks_before = len(source.asks)
+    out = engine.generate("second", ONE, images[:1], sampling=greedy(4))
+    assert len(source.asks) == asks_before  # neither a demand nor a prefetch ask
+    assert out.usage.images_skipped_by_kv_reuse == 1 and out.usage.cached_prompt_tokens > 0
+    # Another image at the same place: the prefix stops before it and the encoder is asked.
+    out = engine.generate("third", ONE, images[1:2], sampling=greedy(4))
+    assert len(source.asks) == asks_before + 1 and out.usage.images_skipped_by_kv_reuse == 0
+    offset = engine.tokenizer.encode_prompt(ONE, [None]).placeholders[0].offset
+    assert out.usage.cached_prompt_tokens == offset // 16 * 16
+
+
+def test_encoder_cache_hit_counted(make_engine, tiny_model_dir, images):
+    engine, _ = _engine(make_engine, tiny_model_dir, enable_prefix_caching=False)
+    a = engine.generate("a", ONE, images[:1], sampling=greedy(2))
+    b = engine.generate("b", "<image> again", images[:1], sampling=greedy(2))
+    assert a.usage.images_encoder_cache_hits == 0 and b.usage.images_encoder_cache_hits == 1
+    s = engine.stats()
+    assert (s.images_encoded, s.images_encoder_cache_hits) == (1, 1)
+
+
+def test_lookahead_prefetches_queued_images(make_engine, tiny_model_dir, images):
+    engine, source = _engine(make_engine, tiny_model_dir, max_num_seqs=1, encoder_max_ahead=2)
+    for i in range(4):
+        engine.add_request(f"r{i}", ONE, images[i:i + 1], sampling=greedy(2))
+    engine.step()  # r0 runs; r1 and r2 are the next two in the queue
+    prefetched = {a.request_id for a in source.asks if a.prefetch}
+    assert prefetched == {"r1", "r2"}
+    run_all(engine)
+    assert source.inner.num_leases == 0
+
+
+def test_abort_frees_everything(make_engine, tiny_model_dir, images):
+    engine, source = _engine(make_engine, tiny_model_dir, max_num_batched_tokens=20)
+    engine.add_request("mid-prefill", ONE, images[:1], sampling=greedy(50))
+    engine.add_request("decoding", TEXT, sampling=greedy(50))
+    engine.add_request("queued", ONE, images[1:2], sampling=greedy(50))
+    for _ in range(4):
+        engine.step()
+    assert engine.stats().kv_blocks_used > 0
+    for rid in ("mid-prefill", "decoding", "queued"):
+        assert engine.abort(rid)
+    assert not engine.abort("unknown")
+    outs = engine.step()
+    assert {o.request_id for o in outs} == {"mid-prefill", "decoding", "queued"}
+    assert all(o.finish_reason == FinishReason.ABORT for o in outs)
+    s = engine.stats()
+    assert (s.kv_blocks_used, s.running, s.waiting, s.aborted) == (0, 0, 0, 3)
+    assert source.inner.num_leases == 0 and not engine.has_unfinished()
+
+
+def test_nothing_held_after_all_requests_end(make_engine, tiny_model_dir, images):
+    engine, source = _engine(make_engine, tiny_model_dir, num_kv_blocks=12, max_num_batched_tokens=24)
+    for i in range(5):
+        engine.add_request(f"r{i}", ONE if i % 2 else TEXT, images[i % 4:i % 4 + 1] if i % 2 else [],
+                           sampling=greedy(10))
+    run_all(engine)
+    s = engine.stats()
+    assert s.kv_blocks_used == 0 and s.kv_cached_free_blocks > 0 and s.finished == 5
+    assert s.running == s.waiting == 0 and source.inner.num_leases == 0
+    assert all(b.ref_cnt == 0 for b in engine.blocks.blocks)

@@ -1,0 +1,56 @@
+"""Tokenization equals processor(text=..., images=...) of the checkpoint's HF processor."""
+
+from __future__ import annotations
+
+import pytest
+
+from decoder_svc.tokenization import PlaceholderMismatchError, PromptError, PromptTokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return PromptTokenizer(tiny_model_dir)
+
+
+@pytest.mark.parametrize("prompt", [
+    "USER: <image>\nWhat is this? ASSISTANT:",
+    "<image>",
+    "<image><image>two adjacent",
+    "text then <image>",
+    "no images at all, just text 123 \u00e9\u4e16\U0001f642",
+    "a<image>b<image>c<image>d",
+])
+def test_same_ids_as_hf_processor(tok, hf_oracle, images, prompt):
+    n = prompt.count("<image>")
+    imgs = [images[i % len(images)] for i in range(n)]
+    ours = tok.encode_prompt(prompt, [(im.height, im.width) for im in imgs])
+    ref = hf_oracle.processor(text=prompt, images=imgs or None)["input_ids"][0]
+    assert ours.token_ids == list(ref)
+    assert len(ours.placeholders) == n
+    for k, ph in enumerate(ours.placeholders):
+        assert ph.image_index == k and ph.length == 16
+        assert set(ours.token_ids[ph.offset:ph.offset + ph.length]) == {tok.image_token_id}
+    assert sum(t == tok.image_token_id for t in ours.token_ids) == 16 * n
+
+
+def test_image_size_not_needed(tok):
+    sized = tok.encode_prompt("<image>x", [(999, 3)]).token_ids
+    assert tok.encode_prompt("<image>x", [None]).token_ids == sized
+
+
+def test_chat_template_same_as_hf(tok, hf_oracle, images):
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
+    ours = tok.encode_chat(messages, [None])
+    text = hf_oracle.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours.token_ids == list(hf_oracle.processor(text=text, images=images[:1])["input_ids"][0])
+
+
+def test_placeholder_count_mismatch(tok):
+    with pytest.raises(PlaceholderMismatchError, match="2 <image> placeholders but 1 images"):
+        tok.encode_prompt("<image><image>", [None])
+    with pytest.raises(PlaceholderMismatchError):
+        tok.encode_prompt("no marker", [None])
+    assert issubclass(PlaceholderMismatchError, ValueError)
+    with pytest.raises(PromptError):
+        tok.encode_prompt("", [])
