@@ -44,7 +44,6 @@ def _cmd_health(args: argparse.Namespace) -> int:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from common.client import DecoderClient, EncoderClient
 
@@ -58,8 +57,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
                 print(f"error: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
                 return 1
         kind = "decoder" if client_cls is DecoderClient else "encoder"
-        print(json.dumps({"service": kind, **MessageToDict(
-            stats, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)}, indent=2))
+        fields = {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
+        print(json.dumps({"service": kind, **fields}, indent=2))
         return 0
     print(f"error: {args.address} serves neither DecoderService nor EncoderService", file=sys.stderr)
     return 1

@@ -1,0 +1,5 @@
+import sys
+
+from decoder_svc.main import main
+
+sys.exit(main())

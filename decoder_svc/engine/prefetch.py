@@ -1,0 +1,271 @@
+"""The remote embedding source: image embeddings from encoder services over gRPC.
+
+- Content-addressed: each image is first asked for by its hash; its bytes travel only when the encoder
+  answers NOT_FOUND.
+- Zero-copy where it can: the decoder accepts CUDA IPC (same GPU), then shared memory (same host), then
+  inline bytes, and falls back by itself when a ref it got cannot be opened here.
+- Cross-service lookahead: the scheduler hands over the images of the next queued requests with
+  prefetch=True, so the encoder works (at low priority) while this decoder computes.
+- Never hangs: each ask runs on a worker thread with per-attempt deadlines and retries with
+  exponential backoff; an encoder that stays down fails the key with UNAVAILABLE.
+- Several encoders are routed by consistent hash of the content hash.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from PIL import Image
+
+from common.client import CHANNEL_OPTIONS
+from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
+from common.transport.importer import can_import, import_embedding, readable_transports
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
+from decoder_svc.engine.routing import HashRing
+
+log = logging.getLogger("mmserve.decoder.prefetch")
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long to keep trying an encoder before failing the image."""
+
+    attempt_timeout_s: float = 30.0
+    total_timeout_s: float = 20.0
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+
+
+@dataclass
+class _Slot:
+    """One (request, image) key."""
+
+    status: EmbeddingStatus = EmbeddingStatus.PENDING
+    prefetch: bool = False
+    tensor: torch.Tensor | None = None
+    lease_id: str = ""
+    encoder: str = ""
+    cache_hit: bool = False
+    transport: str = ""
+    error: str = ""
+    code: grpc.StatusCode | None = None
+    released: bool = False
+    got: bool = False
+
+
+@dataclass
+class RemoteSourceStats:
+    """What this decoder asked of its encoders."""
+
+    requested: int = 0
+    prefetched: int = 0               # keys first asked for by lookahead
+    ready_at_prefill: int = 0         # prefetched keys already READY when prefill first read them
+    cache_hits: int = 0
+    bytes_resent: int = 0             # images whose bytes had to follow their hash (NOT_FOUND)
+    failures: int = 0
+    active_leases: int = 0
+    transports: dict[str, int] = field(default_factory=dict)
+
+
+class EncoderUnavailableError(RuntimeError):
+    """The encoder could not be reached within the retry policy."""
+
+
+class RemoteEmbeddingSource(EmbeddingSource):
+    """EmbeddingSource backed by one or more encoder services."""
+
+    def __init__(self, addresses: list[str], device: torch.device | str = "cpu",
+                 retry: RetryPolicy = RetryPolicy(), max_workers: int = 8,
+                 transports: list[int] | None = None) -> None:
+        self.device = torch.device(device)
+        self.retry = retry
+        self.ring = HashRing(addresses)
+        self.accept = transports or readable_transports(self.device)
+        self._channels = {a: grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.ring.addresses}
+        self._stubs = {a: encoder_pb2_grpc.EncoderServiceStub(c) for a, c in self._channels.items()}
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="embed-fetch")
+        self._lock = threading.Lock()
+        self._slots: dict[tuple[str, str], _Slot] = {}
+        self._failed_requests: dict[str, grpc.StatusCode] = {}
+        self._closed = False
+        self.stats = RemoteSourceStats()
+
+    # -- EmbeddingSource ---------------------------------------------------------------------------
+    def request(self, req: EmbeddingRequest) -> None:
+        key = (req.request_id, req.content_hash)
+        with self._lock:
+            if key in self._slots or self._closed:
+                return
+            self._slots[key] = _Slot(prefetch=req.prefetch, encoder=self.ring.route(req.content_hash))
+            self.stats.requested += 1
+            self.stats.prefetched += int(req.prefetch)
+        self._pool.submit(self._fetch, key, req)
+
+    def poll(self, request_id: str, content_hash: str) -> EmbeddingStatus:
+        with self._lock:
+            slot = self._slots.get((request_id, content_hash))
+            return slot.status if slot is not None else EmbeddingStatus.UNKNOWN
+
+    def get(self, request_id: str, content_hash: str) -> torch.Tensor:
+        with self._lock:
+            slot = self._slots.get((request_id, content_hash))
+            if slot is None or slot.status != EmbeddingStatus.READY or slot.tensor is None:
+                raise KeyError(f"embedding {content_hash[:16]} for {request_id} is not ready")
+            if not slot.got:
+                slot.got = True
+                self.stats.ready_at_prefill += int(slot.prefetch)
+            return slot.tensor
+
+    def release(self, request_id: str, content_hash: str | None = None) -> None:
+        with self._lock:
+            keys = ([(request_id, content_hash)] if content_hash is not None
+                    else [k for k in self._slots if k[0] == request_id])
+            leases: dict[str, list[str]] = {}
+            for key in keys:
+                slot = self._slots.pop(key, None)
+                if slot is None:
+                    continue
+                slot.released = True  # a fetch still in flight releases its lease when it lands
+                slot.tensor = None
+                if slot.lease_id:
+                    leases.setdefault(slot.encoder, []).append(slot.lease_id)
+                    self.stats.active_leases -= 1
+        for encoder, ids in leases.items():
+            self._pool.submit(self._release_leases, encoder, ids)
+
+    def error(self, request_id: str, content_hash: str) -> str:
+        with self._lock:
+            slot = self._slots.get((request_id, content_hash))
+            return slot.error if slot is not None else ""
+
+    def pop_error_code(self, request_id: str) -> grpc.StatusCode | None:
+        """The gRPC status the request's failed image calls for (e.g. UNAVAILABLE); forgets it."""
+        with self._lock:
+            return self._failed_requests.pop(request_id, None)
+
+    def cache_hit(self, request_id: str, content_hash: str) -> bool:
+        with self._lock:
+            slot = self._slots.get((request_id, content_hash))
+            return bool(slot and slot.cache_hit)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            requests = {rid for rid, _ in self._slots}
+        for rid in requests:
+            self.release(rid)
+        self._pool.shutdown(wait=True, cancel_futures=False)
+        for channel in self._channels.values():
+            channel.close()
+
+    def snapshot(self) -> RemoteSourceStats:
+        """A copy of the counters."""
+        with self._lock:
+            return RemoteSourceStats(**{**self.stats.__dict__, "transports": dict(self.stats.transports)})
+
+    # -- the worker side ------------------------------------------------------------------------
+    def _fetch(self, key: tuple[str, str], req: EmbeddingRequest) -> None:
+        with self._lock:
+            slot = self._slots.get(key)
+            encoder = slot.encoder if slot else self.ring.route(req.content_hash)
+        try:
+            ref = self._encode(encoder, req, self.accept)
+            if not can_import(ref):  # e.g. an SHM segment on another host: ask for the bytes instead
+                self._release_leases(encoder, [ref.lease_id] if ref.lease_id else [])
+                ref = self._encode(encoder, req, [common_pb2.TRANSPORT_INLINE])
+            tensor = import_embedding(ref, device=self.device)
+        except grpc.RpcError as exc:
+            self._fail(key, exc.code(), f"encoder {encoder}: {exc.code().name}: {exc.details()}")
+            return
+        except EncoderUnavailableError as exc:
+            self._fail(key, grpc.StatusCode.UNAVAILABLE, str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - a broken ref fails this image, never the engine
+            log.exception("importing embedding %s failed", req.content_hash[:16])
+            self._fail(key, grpc.StatusCode.INTERNAL, f"cannot read embedding: {type(exc).__name__}: {exc}")
+            return
+        transport = ref.WhichOneof("location") or "none"
+        with self._lock:
+            slot = self._slots.get(key)
+            stale = slot is None or slot.released
+            if not stale:
+                slot.tensor, slot.lease_id, slot.cache_hit = tensor, ref.lease_id, ref.cache_hit
+                slot.transport, slot.status = transport, EmbeddingStatus.READY
+                self.stats.cache_hits += int(ref.cache_hit)
+                self.stats.active_leases += int(bool(ref.lease_id))
+                self.stats.transports[transport] = self.stats.transports.get(transport, 0) + 1
+        if stale and ref.lease_id:  # released (aborted) while in flight: give the lease back now
+            self._release_leases(encoder, [ref.lease_id])
+
+    def _encode(self, encoder: str, req: EmbeddingRequest, accept: list[int]) -> common_pb2.EmbeddingRef:
+        """Encode by hash, then with bytes on NOT_FOUND, retrying while the encoder is unreachable."""
+        by_hash = common_pb2.ImageInput(content_hash=req.content_hash)
+        try:
+            return self._call_encode(encoder, req, by_hash, accept)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND or req.image is None:
+                raise
+        with self._lock:
+            self.stats.bytes_resent += 1
+        return self._call_encode(encoder, req, common_pb2.ImageInput(data=_image_bytes(req.image)), accept)
+
+    def _call_encode(self, encoder: str, req: EmbeddingRequest, image: common_pb2.ImageInput,
+                     accept: list[int]) -> common_pb2.EmbeddingRef:
+        request = encoder_pb2.EncodeRequest(request_id=req.request_id, images=[image], accept=accept,
+                                            cache_salt=req.cache_salt, prefetch=req.prefetch)
+        policy = self.retry
+        deadline = time.monotonic() + policy.total_timeout_s
+        backoff = policy.initial_backoff_s
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                reply = self._stubs[encoder].Encode(request, timeout=policy.attempt_timeout_s,
+                                                    wait_for_ready=False)
+                return reply.embeddings[0]
+            except grpc.RpcError as exc:
+                if exc.code() not in _RETRYABLE or self._closed:
+                    raise
+                if time.monotonic() + backoff > deadline:
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                    raise EncoderUnavailableError(
+                        f"encoder {encoder} unreachable after {attempts} attempts over "
+                        f"{policy.total_timeout_s:.0f} s: {exc.code().name}: {exc.details()}") from None
+                log.warning("encoder %s: %s, retrying in %.2f s", encoder, exc.code().name, backoff)
+                time.sleep(backoff)
+                backoff = min(policy.max_backoff_s, backoff * 2)
+
+    def _release_leases(self, encoder: str, lease_ids: list[str]) -> None:
+        if not lease_ids:
+            return
+        try:
+            self._stubs[encoder].Release(encoder_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=5.0)
+        except grpc.RpcError as exc:  # the lease expires by its TTL on the encoder anyway
+            log.warning("release of %d leases on %s failed: %s", len(lease_ids), encoder, exc.code().name)
+
+    def _fail(self, key: tuple[str, str], code: grpc.StatusCode, message: str) -> None:
+        with self._lock:
+            slot = self._slots.get(key)
+            self.stats.failures += 1
+            if slot is not None and not slot.released:
+                slot.status, slot.code, slot.error = EmbeddingStatus.FAILED, code, message
+                self._failed_requests[key[0]] = code
+
+
+def _image_bytes(image: bytes | Image.Image) -> bytes:
+    if isinstance(image, bytes):
+        return image
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()

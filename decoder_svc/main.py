@@ -1,0 +1,108 @@
+"""`mmserve decoder`: start the decoder service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from common.pb import decoder_pb2_grpc
+from common.server import GrpcService, configure_logging
+
+log = logging.getLogger("mmserve.decoder")
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """The decoder's command-line options."""
+    p = argparse.ArgumentParser(prog="mmserve decoder", description="LLaVA decoder service")
+    p.add_argument("--model", required=True, help="Hugging Face LLaVA checkpoint directory")
+    p.add_argument("--encoder", action="append", default=[], metavar="HOST:PORT",
+                   help="encoder address (repeat for several: images are routed by consistent hash)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50052, help="0 picks a free port")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=int, default=None)
+    kv.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--encoder-max-ahead", type=int, default=4,
+                   help="queued requests whose images are requested ahead of their prefill (0: off)")
+    p.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens when a request gives 0")
+    p.add_argument("--max-waiting", type=int, default=4096, help="queue size before RESOURCE_EXHAUSTED")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--encoder-timeout", type=float, default=20.0,
+                   help="seconds of retries before an unreachable encoder fails a request (UNAVAILABLE)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off if unset)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def build_engine(args: argparse.Namespace):
+    """The engine with a remote embedding source over the given encoders."""
+    from decoder_svc.engine.engine import EngineConfig, LLMEngine
+    from decoder_svc.engine.prefetch import RemoteEmbeddingSource, RetryPolicy
+
+    if not args.encoder:
+        raise SystemExit("error: give at least one --encoder HOST:PORT")
+    config = EngineConfig(
+        model_dir=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        encoder_max_ahead=args.encoder_max_ahead, default_max_tokens=args.max_tokens_default,
+        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching)
+    source = RemoteEmbeddingSource(args.encoder, device=args.device,
+                                   retry=RetryPolicy(total_timeout_s=args.encoder_timeout))
+    return LLMEngine(config, embedding_source=source)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Load, bind, warm up, report SERVING, run until SIGTERM/SIGINT, then shut down cleanly."""
+    from decoder_svc.engine_loop import EngineLoop
+    from decoder_svc.metrics import DecoderMetrics
+    from decoder_svc.server import SERVICE_NAME, DecoderServicer
+
+    engine = await asyncio.to_thread(build_engine, args)
+    metrics = DecoderMetrics()
+
+    def on_step(engine, outputs, seconds: float) -> None:
+        metrics.step_seconds.observe(seconds)
+
+    loop = EngineLoop(engine, on_step=on_step)
+    servicer = DecoderServicer(loop, metrics)
+    service = GrpcService("decoder", args.host, args.port, args.metrics_port)
+    service.add(decoder_pb2_grpc.add_DecoderServiceServicer_to_server, servicer, SERVICE_NAME)
+    port = await service.start()
+    # Warm-up: one short text-only generation compiles nothing but touches every layer once.
+    await asyncio.to_thread(engine.generate, "warm-up", "warm up", sampling=None)
+    loop.start()
+
+    async def refresh_metrics() -> None:
+        while True:
+            metrics.observe_stats(loop.stats_snapshot)
+            await asyncio.sleep(1.0)
+
+    refresher = asyncio.create_task(refresh_metrics())
+    service.set_serving(True)
+    log.info("decoder ready on %s:%d (%s, %s, encoders %s)", args.host, port, args.device, args.dtype,
+             ", ".join(args.encoder))
+
+    async def shutdown() -> None:
+        refresher.cancel()
+        await asyncio.to_thread(loop.stop)
+        await asyncio.to_thread(engine.source.close)
+
+    await service.wait(on_shutdown=shutdown)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,179 @@
+"""DecoderService: streaming Generate over the engine loop, and GetStats."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from common.errors import ServiceError, invalid_argument, resource_exhausted
+from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
+from decoder_svc.engine.engine import LLMEngine, QueueFullError, RequestOutput
+from decoder_svc.engine.request import FinishReason
+from decoder_svc.engine.sampling_params import SamplingParams
+from decoder_svc.engine_loop import EngineLoop
+from decoder_svc.metrics import DecoderMetrics
+
+log = logging.getLogger("mmserve.decoder")
+
+SERVICE_NAME = "mmserve.v1.DecoderService"
+_FINISH = {FinishReason.STOP: decoder_pb2.FINISH_REASON_STOP,
+           FinishReason.LENGTH: decoder_pb2.FINISH_REASON_LENGTH,
+           FinishReason.ABORT: decoder_pb2.FINISH_REASON_ABORT}
+
+
+@dataclass
+class ParsedRequest:
+    """A GenerateRequest in the engine's terms."""
+
+    prompt: str | None
+    messages: list[dict] | None
+    images: list[bytes | str]  # encoded file, or a content hash
+    sampling: SamplingParams
+    cache_salt: str
+
+
+def _image(index: int, image: common_pb2.ImageInput) -> bytes | str:
+    kind = image.WhichOneof("source")
+    if kind == "data":
+        return image.data
+    if kind == "content_hash":
+        return image.content_hash
+    raise invalid_argument(f"image {index}: neither data nor content_hash is set")
+
+
+def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
+    """Validate the request's shape and turn it into engine arguments (INVALID_ARGUMENT on misuse)."""
+    s = request.sampling
+    sampling = SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        if not request.prompt:
+            raise invalid_argument("empty prompt")
+        images = [_image(i, img) for i, img in enumerate(request.images)]
+        return ParsedRequest(request.prompt, None, images, sampling, request.cache_salt)
+    if kind == "chat":
+        if request.images:
+            raise invalid_argument("chat requests carry their images in the messages, not in `images`")
+        messages, images = [], []
+        for message in request.chat.messages:
+            content = []
+            for part in message.content:
+                if part.WhichOneof("part") == "image":
+                    images.append(_image(len(images), part.image))
+                    content.append({"type": "image"})
+                else:
+                    content.append({"type": "text", "text": part.text})
+            messages.append({"role": message.role, "content": content})
+        if not messages:
+            raise invalid_argument("empty chat")
+        return ParsedRequest(None, messages, images, sampling, request.cache_salt)
+    raise invalid_argument("empty input: set prompt or chat")
+
+
+def _response(output: RequestOutput) -> decoder_pb2.GenerateResponse:
+    response = decoder_pb2.GenerateResponse(token_ids=output.new_token_ids, text=output.text)
+    for lp in output.logprobs:
+        response.logprobs.add(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+    if output.finish_reason is not None:
+        response.finish_reason = _FINISH.get(output.finish_reason, decoder_pb2.FINISH_REASON_UNSPECIFIED)
+    if output.usage is not None:
+        u = output.usage
+        response.usage.CopyFrom(decoder_pb2.Usage(
+            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+            cached_prompt_tokens=u.cached_prompt_tokens, images=u.images,
+            images_encoder_cache_hits=u.images_encoder_cache_hits,
+            images_skipped_by_kv_reuse=u.images_skipped_by_kv_reuse))
+    return response
+
+
+class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
+    """Generate and GetStats over an EngineLoop."""
+
+    def __init__(self, loop: EngineLoop, metrics: DecoderMetrics | None = None) -> None:
+        self.loop = loop
+        self.metrics = metrics
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.loop.engine
+
+    async def _add(self, request_id: str, parsed: ParsedRequest) -> None:
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(request_id, parsed.prompt, parsed.images, messages=parsed.messages,
+                               sampling=parsed.sampling, cache_salt=parsed.cache_salt)
+        try:
+            await self.loop.submit(add)
+        except QueueFullError as exc:
+            raise resource_exhausted(str(exc)) from None
+        except ValueError as exc:  # InvalidRequestError, PromptError, PlaceholderMismatchError
+            raise invalid_argument(str(exc)) from None
+
+    def _error_status(self, request_id: str, output: RequestOutput) -> ServiceError:
+        pop = getattr(self.engine.source, "pop_error_code", None)
+        code = pop(request_id) if pop is not None else None
+        return ServiceError(code or grpc.StatusCode.INTERNAL, output.error or "request failed")
+
+    async def Generate(self, request: decoder_pb2.GenerateRequest, context
+                       ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
+        started = time.perf_counter()
+        parsed = parse_request(request)
+        # Internal ids are always unique; the client's id is for logs.
+        request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        outputs = self.loop.open_stream(request_id)
+        finished = False
+        last = None
+        try:
+            await self._add(request_id, parsed)
+            while not finished:
+                output: RequestOutput = await outputs.get()
+                if output.error:
+                    finished = True
+                    self._count("failed")
+                    raise self._error_status(request_id, output)
+                finished = output.finished
+                now = time.perf_counter()
+                if self.metrics is not None and output.new_token_ids:
+                    (self.metrics.ttft if last is None else self.metrics.itl).observe(
+                        now - (started if last is None else last))
+                    last = now
+                yield _response(output)
+            self._count("finished")
+            if self.metrics is not None:
+                self.metrics.e2e.observe(time.perf_counter() - started)
+        finally:
+            self.loop.close_stream(request_id)
+            if not finished:  # client cancel, deadline, or a failure above: free blocks and leases now
+                self._count("aborted")
+                try:
+                    await self.loop.submit(lambda engine: engine.abort(request_id))
+                except RuntimeError:
+                    pass
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(outcome).inc()
+
+    async def GetStats(self, request: common_pb2.StatsRequest, context) -> decoder_pb2.DecoderStats:
+        s = await self.loop.submit(lambda engine: engine.stats())
+        stats = decoder_pb2.DecoderStats(
+            running=s.running, waiting=s.waiting, kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_total=s.kv_blocks_total, kv_blocks_cached_free=s.kv_cached_free_blocks,
+            prefix_cache_queried_tokens=s.prefix_queried_tokens, prefix_cache_hit_tokens=s.prefix_hit_tokens,
+            images_encoded=s.images_encoded, images_encoder_cache_hits=s.images_encoder_cache_hits,
+            images_skipped_by_kv_reuse=s.images_skipped_by_kv_reuse, preemptions=s.preemptions,
+            requests_finished=s.finished, requests_aborted=s.aborted)
+        snapshot = getattr(self.engine.source, "snapshot", None)
+        if snapshot is not None:
+            remote = snapshot()
+            stats.active_leases = remote.active_leases
+            stats.images_prefetched = remote.prefetched
+            stats.lookahead_ready_at_prefill = remote.ready_at_prefill
+        return stats
