@@ -55,7 +55,8 @@ class TextModelConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_type = rope.pop("type", None) or rope.get("rope_type", "default")  # older configs say "type"
+        rope["rope_type"] = rope_type
         if rope_type not in _ROPE_TYPES:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: {sorted(_ROPE_TYPES)}")
         if cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
