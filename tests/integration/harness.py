@@ -1,0 +1,112 @@
+"""Starts the encoder and decoder as real subprocesses on free loopback ports and talks to them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.client import DecoderClient, EncoderClient
+from common.health import wait_until_serving
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    """One service subprocess and its log file."""
+
+    name: str
+    argv: list[str]
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> None:
+        log = self.log_path.open("ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "common.cli", *self.argv,
+                                      "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
+                                     cwd=ROOT, env=env)
+        if not wait_until_serving(self.address, timeout, is_alive=lambda: self.proc.poll() is None):
+            self.stop()
+            raise RuntimeError(f"{self.name} did not become healthy; log:\n{self.log_tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code, self.proc = self.proc.returncode, None
+        return code
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+
+@dataclass
+class Pair:
+    """An encoder and a decoder wired together."""
+
+    model_dir: Path
+    workdir: Path
+    encoder_args: list[str] = field(default_factory=list)
+    decoder_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.encoder = Service("encoder", ["encoder", "--model", str(self.model_dir), *self.encoder_args],
+                               free_port(), self.workdir / "encoder.log")
+        self.decoder = Service(
+            "decoder", ["decoder", "--model", str(self.model_dir), "--encoder", "", *self.decoder_args],
+            free_port(), self.workdir / "decoder.log")
+        self.decoder.argv[self.decoder.argv.index("--encoder") + 1] = self.encoder.address
+
+    def start(self) -> Pair:
+        self.encoder.start()
+        self.decoder.start()
+        return self
+
+    def stop(self) -> None:
+        self.decoder.stop()
+        self.encoder.stop()
+
+    def decoder_client(self, timeout: float | None = 120.0) -> DecoderClient:
+        return DecoderClient(self.decoder.address, timeout=timeout)
+
+    def encoder_client(self, timeout: float | None = 30.0) -> EncoderClient:
+        return EncoderClient(self.encoder.address, timeout=timeout)
+
+    def wait_idle(self, timeout: float = 30.0) -> tuple:
+        """Poll until the decoder holds no blocks or leases and the encoder no leases; return both stats."""
+        deadline = time.monotonic() + timeout
+        with self.decoder_client() as dec, self.encoder_client() as enc:
+            while True:
+                d, e = dec.stats(), enc.stats()
+                idle = (d.running == 0 and d.waiting == 0 and d.kv_blocks_used == 0 and d.active_leases == 0
+                        and e.active_leases == 0)
+                if idle or time.monotonic() > deadline:
+                    return d, e
+                time.sleep(0.1)

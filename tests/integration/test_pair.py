@@ -1,0 +1,163 @@
+"""The whole stack through gRPC: parity with HF, reuse, cancellation, errors."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from common.client import DecoderClient
+from tests.integration.conftest import png
+
+PROMPT_1 = "USER: <image>\nWhat is in this picture? ASSISTANT:"
+PROMPT_2 = "USER: <image>\nCompare with <image>\nWhich is brighter? ASSISTANT:"
+TEXT = "USER: Tell me a story about a red car. ASSISTANT:"
+N = 16
+
+
+def test_parity_with_hf_text_one_and_two_images(pair, oracle, test_images):
+    with pair.decoder_client() as client:
+        for prompt, images in ((TEXT, []), (PROMPT_1, test_images[:1]), (PROMPT_2, test_images[1:3])):
+            result = client.generate_text(prompt, [png(i) for i in images], max_tokens=N)
+            oracle.assert_same_tokens(result.token_ids, prompt, images, N)
+            assert result.usage.images == len(images)
+            assert result.usage.completion_tokens == len(result.token_ids)
+            assert result.text == oracle.processor.decode(result.token_ids, skip_special_tokens=True)
+
+
+def test_32_concurrent_mixed_requests_with_repeated_images_match_hf(pair, oracle, test_images):
+    cases = [(TEXT, []), (PROMPT_1, [test_images[0]]), (PROMPT_1, [test_images[1]]),
+             (PROMPT_2, [test_images[0], test_images[3]]), (PROMPT_1, [test_images[3]]),
+             (PROMPT_2, [test_images[2], test_images[2]]), (PROMPT_1, [test_images[2]]),
+             ("USER: <image>\nDescribe it in detail please. ASSISTANT:", [test_images[1]])]
+    jobs = [cases[i % len(cases)] for i in range(32)]
+
+    def run(job):
+        prompt, images = job
+        with DecoderClient(pair.decoder.address, timeout=300) as client:
+            return client.generate_text(prompt, [png(i) for i in images], max_tokens=N, cache_salt="mix")
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(run, jobs))
+    for (prompt, images), result in zip(jobs, results, strict=True):
+        oracle.assert_same_tokens(result.token_ids, prompt, images, N)
+    dec, enc = pair.wait_idle()
+    assert dec.kv_blocks_used == 0 and dec.active_leases == 0 and enc.active_leases == 0
+
+
+def test_identical_second_request_reuses_prefix_and_skips_its_images(pair, test_images):
+    prompt = "USER: <image>\nFirst look at this <image>\nnow tell me everything you see there. ASSISTANT:"
+    images = [png(test_images[2]), png(test_images[3])]
+    with pair.decoder_client() as client:
+        first = client.generate_text(prompt, images, max_tokens=8, cache_salt="reuse")
+        enc_before = pair.encoder_client().stats()
+        second = client.generate_text(prompt, images, max_tokens=8, cache_salt="reuse")
+        enc_after = pair.encoder_client().stats()
+    assert second.token_ids == first.token_ids
+    block_size = 16
+    assert second.usage.cached_prompt_tokens >= second.usage.prompt_tokens - block_size
+    assert second.usage.images_skipped_by_kv_reuse == 2
+    # Skipped means not even asked for: the encoder saw no new lookups.
+    assert enc_after.hits + enc_after.misses == enc_before.hits + enc_before.misses
+
+
+def test_same_text_with_another_image_reuses_nothing_past_the_image_start(pair, oracle, test_images):
+    prompt = ("USER: Here is a long preamble that fills more than one block of tokens for sure, then "
+              "<image>\nand more text after the image. ASSISTANT:")
+    with pair.decoder_client() as client:
+        client.generate_text(prompt, [png(test_images[0])], max_tokens=4, cache_salt="other")
+        result = client.generate_text(prompt, [png(test_images[1])], max_tokens=N, cache_salt="other")
+    ids = oracle.processor(text=prompt, images=[test_images[1]], return_tensors="pt")["input_ids"][0]
+    image_start = int((ids == oracle.model.config.image_token_index).nonzero()[0])
+    assert 0 < result.usage.cached_prompt_tokens <= image_start
+    assert result.usage.images_skipped_by_kv_reuse == 0
+    oracle.assert_same_tokens(result.token_ids, prompt, [test_images[1]], N)
+
+
+def test_cancelled_streams_free_blocks_and_leases(pair, test_images):
+    started = threading.Barrier(9)
+
+    def run(i):
+        with DecoderClient(pair.decoder.address, timeout=60) as client:
+            stream = client.generate(PROMPT_1, [png(test_images[i % 4])], max_tokens=200, ignore_eos=True,
+                                     cache_salt=f"cancel-{i}")
+            next(stream)  # the request is running: it holds blocks (and maybe a lease)
+            started.wait()
+            stream.cancel()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    started.wait()
+    for t in threads:
+        t.join()
+    dec, enc = pair.wait_idle()
+    assert (dec.running, dec.waiting, dec.kv_blocks_used, dec.active_leases) == (0, 0, 0, 0)
+    assert enc.active_leases == 0 and enc.leased_bytes == 0
+    assert dec.requests_aborted >= 8
+
+
+def test_deadline_aborts_and_frees(pair, test_images):
+    with DecoderClient(pair.decoder.address, timeout=0.5) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate_text(PROMPT_1, [png(test_images[0])], max_tokens=500, ignore_eos=True,
+                                 cache_salt="deadline")
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    dec, enc = pair.wait_idle()
+    assert dec.kv_blocks_used == 0 and dec.active_leases == 0 and enc.active_leases == 0
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(prompt="USER: <image> and <image> ASSISTANT:", images=1), "image"),   # 2 markers, 1 image
+    (dict(prompt="USER: hello ASSISTANT:", images=1), "image"),                 # 0 markers, 1 image
+    (dict(prompt="USER: hi", max_tokens=100000), "context"),
+    (dict(prompt="USER: hi", temperature=-1.0), "temperature"),
+    (dict(prompt="USER: hi", top_p=1.5), "top_p"),
+    (dict(prompt="USER: hi", top_k=-2), "top_k"),
+    (dict(prompt="USER: <image> hi", image_bytes=b"not an image"), "image 0"),
+    (dict(prompt="USER: <image> hi", image_bytes=b""), "image 0"),
+])
+def test_bad_requests_are_invalid_argument(pair, test_images, kwargs, needle):
+    prompt = kwargs.pop("prompt")
+    n_images = kwargs.pop("images", 0)
+    images = [png(test_images[0])] * n_images
+    if "image_bytes" in kwargs:
+        images = [kwargs.pop("image_bytes")]
+    with pair.decoder_client() as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate_text(prompt, images, **kwargs)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert needle in err.value.details()
+        # ...and the service goes on serving.
+        assert client.generate_text(TEXT, max_tokens=2).finish_reason in ("LENGTH", "STOP")
+
+
+def test_empty_input_is_invalid_argument(pair):
+    from common.pb import decoder_pb2
+
+    with pair.decoder_client() as client:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stub.Generate(decoder_pb2.GenerateRequest(request_id="empty"), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_unknown_content_hash_is_not_found(pair):
+    with pair.decoder_client() as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate_text(PROMPT_1, ["hash:" + "ab" * 32], max_tokens=4)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+    dec, enc = pair.wait_idle()
+    assert dec.kv_blocks_used == 0 and enc.active_leases == 0
+
+
+def test_chat_request_matches_hf_chat_template(pair, oracle, test_images):
+    chat = [{"role": "user", "content": [{"type": "image", "image": png(test_images[0])},
+                                         {"type": "text", "text": "What is this?"}]}]
+    with pair.decoder_client() as client:
+        result = client.generate_text(chat=chat, max_tokens=N)
+    text = oracle.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
+        add_generation_prompt=True)
+    oracle.assert_same_tokens(result.token_ids, text, [test_images[0]], N)
