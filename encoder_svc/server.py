@@ -50,15 +50,19 @@ class EncoderConfig:
 
 def make_arena(kind: str, capacity: int, device: torch.device) -> Arena:
     """The arena for a device: CUDA IPC on GPUs with cupy, /dev/shm on CPUs, else a private one."""
-    from common.transport.shm import ShmArena, shm_available
+    from common.transport.shm import ShmArena, shm_available, shm_free_bytes
 
     if kind == "auto":
         if device.type == "cuda":
             from common.transport.cuda_ipc import cuda_ipc_available
 
             kind = "cuda" if cuda_ipc_available() else "private"
+        elif shm_available() and shm_free_bytes() >= capacity:
+            kind = "shm"
         else:
-            kind = "shm" if shm_available() else "private"
+            log.warning("no room for a %d-byte arena in /dev/shm: embeddings go inline only "
+                        "(give the container shm_size or ipc: host for zero-copy)", capacity)
+            kind = "private"
     if kind == "cuda":
         from common.transport.cuda_ipc import CudaArena
 

@@ -25,6 +25,12 @@ def shm_available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
+def shm_free_bytes() -> int:
+    """Bytes free on /dev/shm (containers default to 64 MiB unless given shm_size or ipc: host)."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
 def segment_exists(name: str) -> bool:
     """True when /dev/shm/name exists here, i.e. the producer runs on this host."""
     return bool(name) and "/" not in name and (SHM_DIR / name).exists()
@@ -47,6 +53,11 @@ class ShmArena(Arena):
     """The producer's arena: creates /dev/shm/<name> of capacity bytes; close() unlinks it."""
 
     def __init__(self, capacity: int, name: str | None = None) -> None:
+        # tmpfs accepts ftruncate past its size and then SIGBUSes the writer: refuse up front.
+        free = shm_free_bytes()
+        if capacity > free:
+            raise MemoryError(f"/dev/shm has {free} bytes free, the arena needs {capacity}: lower "
+                              "--cache-bytes or give the container more shared memory (shm_size, ipc: host)")
         self.name = name or f"mmserve-enc-{os.getpid()}-{secrets.token_hex(4)}"
         self.path = SHM_DIR / self.name
         self.capacity = capacity

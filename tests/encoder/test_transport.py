@@ -95,3 +95,28 @@ def test_transport_choice_helpers():
     gpu = common_pb2.EmbeddingRef(cuda_ipc=common_pb2.CudaIpcLocation(device_uuid="00" * 16))
     assert not can_import(gpu)
     assert can_import(common_pb2.EmbeddingRef(inline_data=b"\0\0\0\0"))
+
+
+def test_arena_choice_and_transport_negotiation(monkeypatch):
+    from common.transport import shm as shm_mod
+    from common.transport.arena import TensorArena
+    from encoder_svc.refs import choose_transport, served_transports
+    from encoder_svc.server import make_arena
+
+    shm_arena = make_arena("auto", 1 << 16, torch.device("cpu"))
+    # a container's small /dev/shm: writing past it would SIGBUS, so auto falls back to inline only
+    monkeypatch.setattr(shm_mod, "shm_free_bytes", lambda: 1 << 16)
+    huge = make_arena("auto", 1 << 20, torch.device("cpu"))
+    try:
+        assert isinstance(shm_arena, ShmArena) and isinstance(huge, TensorArena)
+        with pytest.raises(MemoryError, match="shm_size"):
+            make_arena("shm", 1 << 20, torch.device("cpu"))
+        SHM_, INL, CUDA = common_pb2.TRANSPORT_SHM, common_pb2.TRANSPORT_INLINE, common_pb2.TRANSPORT_CUDA_IPC
+        assert choose_transport([CUDA, SHM_, INL], served_transports(shm_arena)) == SHM_
+        assert choose_transport([CUDA, SHM_], served_transports(huge)) == INL  # inline always works
+        assert choose_transport([], served_transports(shm_arena)) == INL
+        with pytest.raises(ValueError, match="unknown transport"):
+            choose_transport([SHM_, 7], served_transports(shm_arena))
+    finally:
+        shm_arena.close()
+        huge.close()
