@@ -47,6 +47,19 @@ def _feature_layers(layer: int | list[int], num_layers: int) -> list[int]:
     return out
 
 
+def _init_unloaded(core: torch.nn.Module, missing: list[str]) -> None:
+    """Give tensors the checkpoint does not hold real values (to_empty left them uninitialised)."""
+    for module in core.modules():
+        # CLIP/SigLIP embeddings: position_ids = arange(num_positions), a non-persistent buffer.
+        ids = getattr(module, "position_ids", None)
+        if isinstance(ids, torch.Tensor):
+            if not hasattr(module, "num_positions"):
+                raise ValueError(f"cannot rebuild position_ids of {type(module).__name__}")
+            ids.copy_(torch.arange(module.num_positions).expand_as(ids))
+    if any(k.startswith("post_layernorm") for k in missing) and hasattr(core, "post_layernorm"):
+        core.post_layernorm.reset_parameters()  # unused by LLaVA features; defined values all the same
+
+
 def _load_image_processor(model_dir: Path):
     """The checkpoint's image processor, offline; falls back to the full processor's."""
     from transformers import AutoImageProcessor, AutoProcessor
@@ -88,10 +101,13 @@ class VisionEncoder:
 
         vision_cfg = copy.deepcopy(config.vision_config)
         vision_cfg.num_hidden_layers = max(self.feature_layers)
-        tower = AutoModel.from_config(vision_cfg)
-        # Older transformers wrap the transformer in .vision_model; newer ones do not.
-        self._tower_core = getattr(tower, "vision_model", tower)
-        projector = LlavaMultiModalProjector(config)
+        # Built on the meta device and then given empty storage: a random init of CLIP-L would cost
+        # seconds only to be overwritten by the checkpoint.
+        with torch.device("meta"):
+            tower = AutoModel.from_config(vision_cfg)
+            projector = LlavaMultiModalProjector(config)
+        tower.to_empty(device="cpu")
+        projector.to_empty(device="cpu")
         self._load_weights(tower, projector, vision_cfg.num_hidden_layers)
         self.tower = tower.to(self.device, dtype).eval()
         self.projector = projector.to(self.device, dtype).eval()
@@ -120,8 +136,10 @@ class VisionEncoder:
             vision[key] = t
         if not vision or not proj:
             raise ValueError(f"{self.model_dir}: no vision tower or projector tensors found")
+        # Older transformers wrap the transformer in .vision_model; newer ones do not.
         core = getattr(tower, "vision_model", tower)
         missing, unexpected = core.load_state_dict(vision, strict=False)
+        _init_unloaded(core, missing)
         # position_ids is a non-persistent buffer; post_layernorm is unused by LLaVA features.
         missing = [k for k in missing
                    if not k.endswith("position_ids") and not k.startswith("post_layernorm")]
