@@ -8,15 +8,12 @@ reports it (`_get_num_multimodal_tokens`), so the ids equal HF's by construction
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.checkpoint import load_config
-
-log = logging.getLogger(__name__)
 
 
 class PromptError(ValueError):

@@ -3,8 +3,6 @@ update requests, free the finished."""
 
 from __future__ import annotations
 
-import io
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +25,6 @@ from decoder_svc.engine.scheduler import ScheduledChunk, Scheduler, SchedulerCon
 from decoder_svc.model import KVCacheSpec, allocate_kv_cache, generation_eos_ids, load_language_model
 from decoder_svc.model.attention import AttentionMetadata
 from decoder_svc.tokenization import PromptTokenizer, TokenizedPrompt
-
-log = logging.getLogger(__name__)
 
 ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
 
@@ -160,6 +156,7 @@ class LLMEngine:
     ) -> Request:
         """Tokenize, hash images, validate and queue a request. `prompt` marks images with `<image>`;
         `messages` (chat) go through the chat template and mark images with {"type": "image"} parts.
+        `images` are, in order, encoded files, PIL images, or hex content hashes the encoder holds.
 
         Raises InvalidRequestError / PromptError (ValueError subclasses) for bad input and
         QueueFullError when the queue is full.
@@ -222,7 +219,10 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt + max_tokens ({total}) exceeds the KV cache ({capacity})")
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks and embeddings; its ABORT output comes with the next step."""
+        """Stop a request and free its blocks and embeddings; its ABORT output comes with the next step.
+
+        Like every method here, call it from the thread that calls step(): the engine is not thread-safe.
+        """
         req = self.scheduler.get(request_id)
         if req is None:
             return False
@@ -363,9 +363,3 @@ class LLMEngine:
                     return merged
         return merged
 
-
-def image_to_png(image: Image.Image) -> bytes:
-    """PNG bytes of a PIL image."""
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()

@@ -60,7 +60,7 @@ class _Slot:
     error: str = ""
     code: grpc.StatusCode | None = None
     released: bool = False
-    got: bool = False
+    polled: bool = False
 
 
 @dataclass
@@ -69,7 +69,8 @@ class RemoteSourceStats:
 
     requested: int = 0
     prefetched: int = 0               # keys first asked for by lookahead
-    ready_at_prefill: int = 0         # prefetched keys already READY when prefill first read them
+    ready_at_prefill: int = 0         # prefetched keys already READY when prefill first reached them
+    waited_at_prefill: int = 0        # prefetched keys still PENDING then
     cache_hits: int = 0
     bytes_resent: int = 0             # images whose bytes had to follow their hash (NOT_FOUND)
     failures: int = 0
@@ -91,7 +92,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
         self.retry = retry
         self.ring = HashRing(addresses)
         self.accept = transports or readable_transports(self.device)
-        self._channels = {a: grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.ring.addresses}
+        # Short reconnect backoff: a restarted encoder is found again within a second, not minutes.
+        options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+        self._channels = {a: grpc.insecure_channel(a, options=options) for a in self.ring.addresses}
         self._stubs = {a: encoder_pb2_grpc.EncoderServiceStub(c) for a, c in self._channels.items()}
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="embed-fetch")
         self._lock = threading.Lock()
@@ -114,16 +118,21 @@ class RemoteEmbeddingSource(EmbeddingSource):
     def poll(self, request_id: str, content_hash: str) -> EmbeddingStatus:
         with self._lock:
             slot = self._slots.get((request_id, content_hash))
-            return slot.status if slot is not None else EmbeddingStatus.UNKNOWN
+            if slot is None:
+                return EmbeddingStatus.UNKNOWN
+            if not slot.polled:  # the scheduler's first look, when prefill reaches the image
+                slot.polled = True
+                if slot.prefetch:
+                    ready = slot.status == EmbeddingStatus.READY
+                    self.stats.ready_at_prefill += int(ready)
+                    self.stats.waited_at_prefill += int(not ready)
+            return slot.status
 
     def get(self, request_id: str, content_hash: str) -> torch.Tensor:
         with self._lock:
             slot = self._slots.get((request_id, content_hash))
             if slot is None or slot.status != EmbeddingStatus.READY or slot.tensor is None:
                 raise KeyError(f"embedding {content_hash[:16]} for {request_id} is not ready")
-            if not slot.got:
-                slot.got = True
-                self.stats.ready_at_prefill += int(slot.prefetch)
             return slot.tensor
 
     def release(self, request_id: str, content_hash: str | None = None) -> None:
