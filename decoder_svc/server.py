@@ -169,11 +169,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             prefix_cache_queried_tokens=s.prefix_queried_tokens, prefix_cache_hit_tokens=s.prefix_hit_tokens,
             images_encoded=s.images_encoded, images_encoder_cache_hits=s.images_encoder_cache_hits,
             images_skipped_by_kv_reuse=s.images_skipped_by_kv_reuse, preemptions=s.preemptions,
-            requests_finished=s.finished, requests_aborted=s.aborted)
+            requests_finished=s.finished, requests_aborted=s.aborted, requests_failed=s.failed)
         snapshot = getattr(self.engine.source, "snapshot", None)
         if snapshot is not None:
             remote = snapshot()
             stats.active_leases = remote.active_leases
             stats.images_prefetched = remote.prefetched
             stats.lookahead_ready_at_prefill = remote.ready_at_prefill
+            stats.lookahead_waited_at_prefill = remote.waited_at_prefill
         return stats
