@@ -177,4 +177,5 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             stats.images_prefetched = remote.prefetched
             stats.lookahead_ready_at_prefill = remote.ready_at_prefill
             stats.lookahead_waited_at_prefill = remote.waited_at_prefill
+            stats.embedding_transports.update(remote.transports)
         return stats
