@@ -130,6 +130,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # aborts and failures, reported by the next step
         self._num_finished = self._num_aborted = self._num_failed = 0
         self._ids: set[str] = set()
+        self.last_step_num_tokens = 0
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -242,6 +243,7 @@ class LLMEngine:
         """Run one batch; return the outputs of every request that produced tokens or ended."""
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
+        self.last_step_num_tokens = sched.num_batched_tokens  # 0: every request waits (e.g. on images)
         outputs += self._fail(sched)
         if not sched.chunks:
             return outputs
