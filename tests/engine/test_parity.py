@@ -105,3 +105,13 @@ def test_chat_messages_equal_hf(make_engine, hf_oracle, images):
     prompt = hf_oracle.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     out = make_engine().generate("chat", None, images[:1], messages=messages, sampling=greedy(N))
     hf_oracle.assert_same_tokens(out.new_token_ids, prompt, images[:1], N)
+
+
+@pytest.mark.parametrize("budget", [7, 100_000])
+def test_same_image_twice_in_one_request(make_engine, hf_oracle, images, budget):
+    """Both placeholders share one content hash: releasing after the first must not starve the second."""
+    prompt = "USER: <image> versus <image>\nare they the same? ASSISTANT:"
+    engine = make_engine(max_num_batched_tokens=budget)
+    out = _check(engine, hf_oracle, prompt, [images[2], images[2]])
+    assert out.usage.images == 2
+    assert engine.source.num_leases == 0 and engine.stats().kv_blocks_used == 0
