@@ -66,6 +66,7 @@ def test_mixed_batch_staggered_arrivals(make_engine, hf_oracle, images):
                 engine.add_request(rid, prompt, imgs, sampling=greedy(N))
         for out in engine.step():
             results.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert engine.last_step_num_tokens <= 24 and engine.stats().running <= 3
         step += 1
     for _, rid, prompt, imgs in plan:
         hf_oracle.assert_same_tokens(results[rid], prompt, imgs, N)
