@@ -25,6 +25,13 @@ class ImageLimits:
     max_images_per_request: int = 16
 
 
+def encode_png(image: Image.Image) -> bytes:
+    """PNG bytes of a PIL image (lossless: decoding gives the same pixels, hence the same content hash)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
     """Decode an encoded image file (PNG, JPEG, WebP, GIF first frame, BMP) into RGB.
 

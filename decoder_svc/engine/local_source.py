@@ -1,88 +1,21 @@
 """An in-process embedding source: the checkpoint's CLIP vision tower + projector, run synchronously.
 
-It reproduces `LlavaForConditionalGeneration.get_image_features` (same HF modules, same feature layer
-and selection strategy, same projector), so the engine can be tested alone against HF. It keeps a small
-LRU of embeddings by content hash so that repeated images count as encoder-cache hits.
+It runs the encoder service's own VisionEncoder (which reproduces
+`LlavaForConditionalGeneration.get_image_features`) in-process, so the engine can be tested alone
+against HF. It keeps a small LRU of embeddings by content hash so that repeated images count as
+encoder-cache hits.
 """
 
 from __future__ import annotations
 
-import io
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from PIL import Image
-from torch import nn
 
-from common.checkpoint import load_tensors
 from common.images import decode_image
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
-
-
-class LlavaProjector(nn.Module):
-    """linear_1 -> act -> linear_2, as HF's LlavaMultiModalProjector."""
-
-    def __init__(self, in_dim: int, out_dim: int, act: str, bias: bool) -> None:
-        from transformers.activations import ACT2FN
-
-        super().__init__()
-        self.linear_1 = nn.Linear(in_dim, out_dim, bias=bias)
-        self.act = ACT2FN[act]
-        self.linear_2 = nn.Linear(out_dim, out_dim, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(self.act(self.linear_1(x)))
-
-
-class VisionEncoder(nn.Module):
-    """Vision tower + projector loaded from a LLaVA checkpoint's vision tensors only."""
-
-    def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
-        from transformers import AutoConfig, AutoModel, AutoProcessor
-
-        super().__init__()
-        cfg = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        self.feature_layer = cfg.vision_feature_layer
-        self.select_strategy = cfg.vision_feature_select_strategy
-        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        self.image_processor = processor.image_processor
-        n_layers = 1 if isinstance(self.feature_layer, int) else len(self.feature_layer)
-        self.vision_tower = AutoModel.from_config(cfg.vision_config)
-        self.multi_modal_projector = LlavaProjector(
-            cfg.vision_config.hidden_size * n_layers, cfg.text_config.hidden_size,
-            cfg.projector_hidden_act, getattr(cfg, "multimodal_projector_bias", True))
-        tensors = load_tensors(model_dir, ["vision_tower.", "multi_modal_projector.",
-                                           "model.vision_tower.", "model.multi_modal_projector."])
-        self.load_state_dict(self._match_keys(tensors), strict=True)
-        self.to(device=device, dtype=dtype).eval()
-        self.device, self.dtype = torch.device(device), dtype
-
-    def _match_keys(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        # Checkpoints differ in the "model." prefix and in the CLIP "vision_model." level.
-        wanted = set(self.state_dict())
-        out = {}
-        for name, t in tensors.items():
-            name = name.removeprefix("model.")
-            head, _, rest = name.partition(".")
-            for cand in (name, f"{head}.vision_model.{rest}", f"{head}.{rest.removeprefix('vision_model.')}"):
-                if cand in wanted:
-                    out[cand] = t
-                    break
-        return out
-
-    @torch.no_grad()
-    def forward(self, images: list[Image.Image]) -> list[torch.Tensor]:
-        """One [num_image_tokens, hidden] tensor per image."""
-        pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        pixels = pixels.to(self.device, self.dtype)
-        out = self.vision_tower(pixels, output_hidden_states=True, return_dict=True)
-        layers = [self.feature_layer] if isinstance(self.feature_layer, int) else list(self.feature_layer)
-        feats = [out.hidden_states[i] for i in layers]
-        if self.select_strategy == "default":
-            feats = [f[:, 1:] for f in feats]
-        return list(self.multi_modal_projector(torch.cat(feats, dim=-1)))
+from encoder_svc.vision import VisionEncoder
 
 
 class LocalEmbeddingSource(EmbeddingSource):
@@ -113,7 +46,7 @@ class LocalEmbeddingSource(EmbeddingSource):
             return
         try:
             image = decode_image(req.image) if isinstance(req.image, bytes) else req.image.convert("RGB")
-            emb = self.encoder([image])[0]
+            emb = self.encoder.encode([image])[0]
         except Exception as exc:  # noqa: BLE001 - any failure fails this image, not the engine
             self._leases[key] = (EmbeddingStatus.FAILED, False, f"{type(exc).__name__}: {exc}")
             return
@@ -151,10 +84,3 @@ class LocalEmbeddingSource(EmbeddingSource):
     def num_leases(self) -> int:
         """Keys currently held (a leak check for tests)."""
         return len(self._leases)
-
-
-def encode_png(image: Image.Image) -> bytes:
-    """PNG bytes of an image (handy for tests and clients)."""
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()

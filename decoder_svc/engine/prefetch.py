@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 import time
@@ -25,6 +24,7 @@ import torch
 from PIL import Image
 
 from common.client import CHANNEL_OPTIONS
+from common.images import encode_png
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.transport.importer import can_import, import_embedding, readable_transports
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
@@ -273,8 +273,4 @@ class RemoteEmbeddingSource(EmbeddingSource):
 
 
 def _image_bytes(image: bytes | Image.Image) -> bytes:
-    if isinstance(image, bytes):
-        return image
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
+    return image if isinstance(image, bytes) else encode_png(image)

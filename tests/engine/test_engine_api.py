@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.images import encode_png
 from decoder_svc.engine import FinishReason, InvalidRequestError, SamplingParams
-from decoder_svc.engine.local_source import encode_png
 from decoder_svc.tokenization import PlaceholderMismatchError
 
 ONE = "USER: <image>\nWhat is this? ASSISTANT:"

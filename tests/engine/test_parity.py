@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.conftest import greedy, run_all
+from tests.oracle import greedy, run_all
 
 N = 16
 TEXT = "USER: describe the red car on the table. ASSISTANT:"

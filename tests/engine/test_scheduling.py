@@ -7,7 +7,7 @@ import torch
 
 from decoder_svc.engine import EmbeddingRequest, EmbeddingSource, EmbeddingStatus, FinishReason
 from decoder_svc.engine.local_source import LocalEmbeddingSource
-from tests.engine.conftest import greedy, run_all
+from tests.oracle import greedy, run_all
 
 ONE = "USER: a <image>\nWhat is shown in this picture, and which colours? ASSISTANT:"
 TEXT = "USER: describe the red car on the table. ASSISTANT:"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from decoder_svc.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.engine.conftest import HFOracle, make_image, run_all
+from tests.oracle import HFOracle, make_image, run_all
 
 pytestmark = pytest.mark.gpu
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.conftest import HFOracle, make_image
 from tests.integration.conftest import png
 from tests.integration.harness import Pair
+from tests.oracle import HFOracle, make_image
 
 pytestmark = pytest.mark.gpu
 

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 from PIL import Image
 
-from tests.engine.conftest import HFOracle, make_image
+from common.images import encode_png
 from tests.integration.harness import Pair
+from tests.oracle import HFOracle, make_image
 
-
-def png(image: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
+png = encode_png
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from common.client import DecoderClient
-from tests.engine.conftest import make_image
 from tests.integration.conftest import png
 from tests.integration.harness import Pair
+from tests.oracle import make_image
 
 PROMPT = "USER: <image>\nWhat is in this picture? ASSISTANT:"
 
