@@ -107,7 +107,7 @@ class EngineLoop:
                     continue
                 started = time.perf_counter()
                 outputs = engine.step()
-                progressed = getattr(engine, "last_step_num_tokens", 1) > 0 or bool(outputs)
+                progressed = engine.last_step_num_tokens > 0 or bool(outputs)
                 if outputs:
                     self._deliver(outputs)
                 self.stats_snapshot = engine.stats()
