@@ -16,7 +16,8 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 # ---------------------------------------------------------------------------------------------
-FROM ${BASE_IMAGE} AS build
+# deps: a venv with torch and the project's dependencies (changes only with pyproject.toml).
+FROM ${BASE_IMAGE} AS deps
 # OFFLINE=1: install only from docker/wheelhouse (pip --no-index); 0: the wheelhouse first, then indexes.
 ARG OFFLINE=0
 # Pin torch: a bare `torch` from PyPI is the multi-GB CUDA build.
@@ -38,14 +39,12 @@ COPY docker/wheelhouse/ /wheelhouse/
 RUN set -eu; \
     if [ "$OFFLINE" = 1 ]; then \
         ls /wheelhouse/torch-*.whl >/dev/null 2>&1 || { echo "OFFLINE=1 but docker/wheelhouse has no torch wheel: run docker/wheelhouse.sh" >&2; exit 1; }; \
-        set -- --no-index --find-links /wheelhouse; \
-        /opt/mmserve/bin/pip install "$@" "$TORCH_SPEC"; \
+        /opt/mmserve/bin/pip install --no-index --find-links /wheelhouse "$TORCH_SPEC"; \
     else \
         /opt/mmserve/bin/pip install --find-links /wheelhouse --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"; \
     fi
 
-# Dependencies before the sources, so that a code change does not reinstall them.
-COPY pyproject.toml README.md /src/
+COPY pyproject.toml /src/
 RUN set -eu; \
     if [ "$OFFLINE" = 1 ]; then set -- --no-index --find-links /wheelhouse; else set -- --find-links /wheelhouse; fi; \
     /opt/mmserve/bin/python -c 'import sys, tomllib; \
@@ -53,8 +52,27 @@ p = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]; \
 extras = [e for e in sys.argv[1].split(",") if e]; \
 print("\n".join(p["dependencies"] + [r for e in extras for r in p["optional-dependencies"][e]]))' \
         "$EXTRAS" > /tmp/reqs.txt; \
-    /opt/mmserve/bin/pip install "$@" -r /tmp/reqs.txt
+    /opt/mmserve/bin/pip install "$@" -r /tmp/reqs.txt; \
+    /opt/mmserve/bin/pip uninstall -y setuptools wheel >/dev/null 2>&1 || true
 
+# Drop what a server never runs (~190 MB): torch's C++ test binaries, headers (no JIT C++ builds
+# here), protoc. Keep bin/torch_shm_manager (torch's shared-memory tensor sharing). TRIM=0 keeps all.
+ARG TRIM=1
+RUN set -eu; \
+    site=$(/opt/mmserve/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+    if [ "$TRIM" = 1 ]; then \
+        rm -rf "$site/torch/test" "$site/torch/include"; \
+        find "$site/torch/bin" -mindepth 1 ! -name torch_shm_manager -exec rm -rf {} +; \
+        /opt/mmserve/bin/python -c 'import torch; torch.ones(2) @ torch.ones(2)'; \
+    fi; \
+    echo /opt/mmserve-app > "$site/mmserve-app.pth"
+
+# ---------------------------------------------------------------------------------------------
+# app: the mmserve package itself, in its own small directory (its own small image layer, so a code
+# change rebuilds in seconds and does not copy the 1 GB of dependencies again).
+FROM deps AS app
+ARG OFFLINE=0
+COPY pyproject.toml README.md /src/
 COPY common/ /src/common/
 COPY encoder_svc/ /src/encoder_svc/
 COPY decoder_svc/ /src/decoder_svc/
@@ -62,19 +80,8 @@ COPY bench/ /src/bench/
 RUN set -eu; \
     if [ "$OFFLINE" = 1 ]; then set -- --no-index --find-links /wheelhouse; else set -- --find-links /wheelhouse; fi; \
     /opt/mmserve/bin/pip wheel "$@" --no-deps --wheel-dir /tmp/dist /src; \
-    /opt/mmserve/bin/pip install "$@" --no-deps /tmp/dist/mmserve-*.whl; \
-    /opt/mmserve/bin/pip uninstall -y setuptools wheel >/dev/null 2>&1 || true; \
-    /opt/mmserve/bin/mmserve --help >/dev/null
-# Drop what a server never runs (~190 MB): torch's C++ test binaries, headers (no JIT C++ builds
-# here), protoc. Keep bin/torch_shm_manager (torch's shared-memory tensor sharing). TRIM=0 keeps all.
-ARG TRIM=1
-RUN set -eu; \
-    if [ "$TRIM" = 1 ]; then \
-        t=$(/opt/mmserve/bin/python -c 'import os, importlib.util as u; print(os.path.dirname(u.find_spec("torch").origin))'); \
-        rm -rf "$t/test" "$t/include"; \
-        find "$t/bin" -mindepth 1 ! -name torch_shm_manager -exec rm -rf {} +; \
-        /opt/mmserve/bin/python -c 'import torch; torch.ones(2) @ torch.ones(2)'; \
-    fi
+    /opt/mmserve/bin/pip install --no-deps --target /opt/mmserve-app /tmp/dist/mmserve-*.whl; \
+    /opt/mmserve-app/bin/mmserve --help >/dev/null
 
 # ---------------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE}
@@ -87,10 +94,11 @@ RUN set -eu; \
     useradd --uid 10001 --user-group --create-home --home-dir /home/mmserve --shell /bin/sh mmserve; \
     mkdir -p /models && chown mmserve:mmserve /models
 
-COPY --from=build /opt/mmserve /opt/mmserve
+COPY --from=deps /opt/mmserve /opt/mmserve
+COPY --from=app /opt/mmserve-app /opt/mmserve-app
 
 # Checkpoints are local directories (--model DIR): never reach for a model hub at run time.
-ENV PATH=/opt/mmserve/bin:$PATH \
+ENV PATH=/opt/mmserve-app/bin:/opt/mmserve/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \

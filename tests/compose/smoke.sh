@@ -68,7 +68,7 @@ dump_and_down() {
     local rc=$?
     if [[ $rc != 0 ]]; then
         say "--- ps ---"; "${C[@]}" ps -a 2>/dev/null || "${C[@]}" ps
-        say "--- logs (last 60 lines each) ---"; "${C[@]}" logs --no-color --tail 60 2>&1 | tail -200
+        say "--- logs (last 60 lines each) ---"; "${C[@]}" logs --no-color --tail 60 2>&1 | sed "s/\x1b\[[0-9;]*[A-Za-z]//g" | tail -200
     fi
     if [[ "${MMSERVE_SMOKE_KEEP:-0}" == 1 ]]; then
         say "MMSERVE_SMOKE_KEEP=1: left up; stop with: ${C[*]} down -v"
@@ -159,7 +159,7 @@ gen() {  # gen LABEL ARGS...: one streamed generation; sets OUT, USAGE
     python3 - "$USAGE" <<'PY' || fail "$label: bad usage"
 import json, sys
 u = json.loads(sys.argv[1])
-assert u["finish_reason"] in ("length", "FINISH_REASON_LENGTH"), u
+assert u["finish_reason"].lower() in ("length", "finish_reason_length"), u
 assert int(u["usage"]["completion_tokens"]) == 16, u
 assert int(u["usage"]["images"]) == 1, u
 assert int(u["usage"]["prompt_tokens"]) > 1, u
@@ -185,8 +185,10 @@ if command -v mmserve >/dev/null 2>&1 && [[ "${MMSERVE_SMOKE_HOST_CLIENT:-1}" ==
 fi
 
 # --- stats --------------------------------------------------------------------------------------------
-DSTATS="$("${X[@]}" mmserve stats 127.0.0.1:50052)" || fail "mmserve stats (decoder) failed"
-ESTATS="$("${X[@]}" mmserve stats encoder:50051)" || fail "mmserve stats (encoder) failed"
+DSTATS="$("${X[@]}" mmserve stats 127.0.0.1:50052 2>/tmp/mmserve-smoke-stats.err)" \
+    || { tail -5 /tmp/mmserve-smoke-stats.err; fail "mmserve stats (decoder) failed"; }
+ESTATS="$("${X[@]}" mmserve stats encoder:50051 2>/tmp/mmserve-smoke-stats.err)" \
+    || { tail -5 /tmp/mmserve-smoke-stats.err; fail "mmserve stats (encoder) failed"; }
 say "decoder stats: $(python3 -c 'import json,sys; print(json.dumps(json.loads(sys.argv[1])))' "$DSTATS")"
 say "encoder stats: $(python3 -c 'import json,sys; print(json.dumps(json.loads(sys.argv[1])))' "$ESTATS")"
 python3 - "$DSTATS" "$ESTATS" <<'PY' || fail "stats do not show the requests"
@@ -201,12 +203,13 @@ PY
 # --- how the embedding crossed the container boundary ---------------------------------------------
 # With `ipc: host` the decoder maps the encoder's /dev/shm arena; without it, inline bytes.
 if [[ "${MMSERVE_SMOKE_GPU:-0}" != 1 ]]; then
-    seg="$("${C[@]}" exec -T encoder sh -c 'ls /dev/shm | grep "^mmserve-enc-" | head -1')"
-    maps="$("${X[@]}" sh -c 'cat /proc/[0-9]*/maps 2>/dev/null | grep -c "/dev/shm/mmserve-enc-"' || true)"
-    if [[ -n "$seg" && "${maps:-0}" -gt 0 ]]; then
-        say "embedding handoff: shared memory (decoder maps the encoder's /dev/shm/$seg)"
+    seg="$("${X[@]}" sh -c 'cat /proc/[0-9]*/maps 2>/dev/null' | grep -o '/dev/shm/mmserve-enc-[^ ]*' | sort -u | head -1)"
+    enc=0
+    [[ -n "$seg" ]] && enc="$("${C[@]}" exec -T encoder sh -c 'cat /proc/[0-9]*/maps 2>/dev/null' | grep -cF "$seg")"
+    if [[ -n "$seg" && "$enc" -gt 0 ]]; then
+        say "embedding handoff: shared memory (the decoder maps the encoder's $seg)"
     else
-        fail "embedding handoff: the decoder does not map the encoder's shm arena (segment '${seg}', maps ${maps:-0}): inline fallback, check ipc: host"
+        fail "embedding handoff: the decoder maps no shm arena of the encoder ('$seg'): inline fallback; check ipc: host"
     fi
 fi
 say "timings: build ${BUILD_S}s, up ${UP_S}s"
