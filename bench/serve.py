@@ -14,35 +14,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import shlex
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from bench.loadgen import LoadConfig, latency_samples, run_load, summarize_records
 from bench.plot import plot_cdfs
 from bench.report import environment, latency_rows, print_table, write_json
-from bench.services import Pair
 from bench.svcstats import StatsWindow
+from bench.targets import add_target_args, model_dir, target
 from bench.workload import BenchRequest, PromptMaker, build_requests
-
-
-def add_service_args(p: argparse.ArgumentParser) -> None:
-    """--addr/--encoder (running services) or --spawn --model (start a pair), device and dtype."""
-    p.add_argument("--addr", default="127.0.0.1:50052", help="decoder address")
-    p.add_argument("--encoder", default=None, help="encoder address (for its cache hit rate)")
-    p.add_argument("--spawn", action="store_true", help="start an encoder+decoder pair on --model")
-    p.add_argument("--model", default=None, help="checkpoint dir (spawning; also calibrates prompt length)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--encoder-args", default="", help='extra encoder flags for --spawn, e.g. "--arena shm"')
-    p.add_argument("--decoder-args", default="", help='extra decoder flags, e.g. "--num-kv-blocks 512"')
-    p.add_argument("--logs", default=None, help="directory for spawned services' logs")
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
     """The load generator's options."""
     p = argparse.ArgumentParser(prog="mmserve bench", description=__doc__.split("\n")[0])
-    add_service_args(p)
+    add_target_args(p, default_addr="127.0.0.1:50052")
+    p.add_argument("--spawn", action="store_true", help="start an encoder+decoder pair on --model/--preset")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
     p.add_argument("--request-rate", type=float, default=float("inf"),
@@ -64,22 +50,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="PNG of latency CDFs")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
-
-
-@contextlib.contextmanager
-def services(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]:
-    """(decoder, encoder) addresses: a spawned pair with --spawn, otherwise --addr and --encoder."""
-    if not args.spawn:
-        yield args.addr, args.encoder
-        return
-    if not args.model:
-        raise SystemExit("error: --spawn needs --model DIR")
-    pair = Pair(args.model, args.device, args.dtype, shlex.split(args.encoder_args),
-                shlex.split(args.decoder_args), args.logs).start()
-    try:
-        yield pair.decoder.address, pair.encoder.address
-    finally:
-        pair.stop()
 
 
 async def measure(decoder: str, encoder: str | None, requests: Sequence[BenchRequest], cfg: LoadConfig,
@@ -113,7 +83,7 @@ def print_summary(title: str, s: dict) -> None:
 
 async def run(args: argparse.Namespace) -> dict:
     """Run the benchmark described by args; returns the JSON payload."""
-    prompts = PromptMaker(args.model, seed=args.seed)
+    prompts = PromptMaker(model_dir(args, args.spawn), seed=args.seed)
     requests = build_requests(args.num_requests, args.repeat_ratio, args.prompt_len, prompts,
                               args.image_size, seed=args.seed, with_images=not args.no_images,
                               shared_len=args.shared_len)
@@ -123,7 +93,7 @@ async def run(args: argparse.Namespace) -> dict:
     cfg = LoadConfig(concurrency=args.concurrency, request_rate=args.request_rate,
                      output_len=args.output_len, ignore_eos=args.ignore_eos, timeout=args.timeout,
                      cache_salt=args.cache_salt, seed=args.seed)
-    with services(args) as (decoder, encoder):
+    with target(args, args.spawn) as (decoder, encoder):
         summary, samples = await measure(decoder, encoder, requests, cfg, warmup, args.progress)
     config = {k: v for k, v in vars(args).items() if k not in ("progress",)}
     payload = {"benchmark": "serve", "env": environment(args.device), "config": config, "results": summary}

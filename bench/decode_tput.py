@@ -1,0 +1,121 @@
+"""Decode tokens/s at batch 1, 8 and 32: our engine vs HF `generate` vs the memory-bandwidth bound.
+
+    python -m bench.decode_tput --model DIR [--device cuda --dtype bfloat16] [--out decode.json]
+
+Both run in this process on the same weights, text-only prompts of --prompt-len tokens, exactly
+--output-len new tokens (EOS ignored), greedy. Engine: the steps after the one that prefilled every
+request, timed directly. HF: (t(output_len) - t(1)) over batch * (output_len - 1) tokens, i.e. its
+prefill and first token taken out the same way. Bound: batch * copy bandwidth / LM weight bytes, with the
+bandwidth measured here by a large same-device copy (read + write bytes per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Sequence
+
+import torch
+
+from bench.bandwidth import bound_tokens_per_s, copy_bandwidth, weight_bytes
+from bench.hf_ref import load_hf, text_inputs, timed_generate
+from bench.models import add_model_args, resolve_model
+from bench.report import environment, print_table, write_json
+from bench.stats import ratio
+from bench.workload import PromptMaker
+from decoder_svc.engine.engine import EngineConfig, LLMEngine
+from decoder_svc.engine.sampling_params import SamplingParams
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """Options of the decode benchmark."""
+    p = argparse.ArgumentParser(prog="python -m bench.decode_tput", description=__doc__.split("\n")[0])
+    add_model_args(p)
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--copy-bytes", type=int, default=None, help="bytes of the bandwidth copy "
+                   "(default 2 GiB on a GPU, 256 MiB on a CPU)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF reference")
+    p.add_argument("--out", default=None)
+    return p
+
+
+def engine_decode(engine: LLMEngine, prompt: str, batch: int, output_len: int) -> tuple[float, int]:
+    """(seconds, tokens) of the decode steps of `batch` requests after all were prefilled."""
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    ids = [f"b{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, prompt, sampling=params)
+    started: set[str] = set()
+    t0, tokens = None, 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        if t0 is None:
+            started.update(o.request_id for o in outs if o.new_token_ids)
+            if len(started) == batch:
+                t0 = time.perf_counter()  # every request has its first token: decoding from here
+            continue
+        tokens += sum(len(o.new_token_ids) for o in outs)
+    return (time.perf_counter() - t0 if t0 else 0.0), tokens
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark; returns the JSON payload."""
+    model = resolve_model(args)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    device = torch.device(args.device)
+    prompt = PromptMaker(model, seed=0).text(args.prompt_len)
+    bs = 16
+    blocks = max(batches) * (-(-(args.prompt_len + args.output_len + 8) // bs)) + 16
+    engine = LLMEngine(EngineConfig(model, device=args.device, dtype=args.dtype, block_size=bs,
+                                    num_kv_blocks=blocks, max_num_seqs=max(batches),
+                                    max_num_batched_tokens=max(2048, max(batches) * (args.prompt_len + 8)),
+                                    enable_prefix_caching=False))
+    weights = weight_bytes(engine.model)
+    ours = {}
+    for b in batches:
+        engine_decode(engine, prompt, b, 4)  # warm-up at this batch size
+        ours[b] = engine_decode(engine, prompt, b, args.output_len)
+    del engine
+    gc.collect()
+    copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
+    bandwidth = copy_bandwidth(args.device, copy_bytes)
+    hf: dict[int, float] = {}
+    if not args.no_hf:
+        hf_model, processor = load_hf(model, args.device, args.dtype)
+        for b in batches:
+            inputs = text_inputs(processor, prompt, b, args.device)
+            timed_generate(hf_model, inputs, 4)  # warm-up at this batch size
+            t1, _ = timed_generate(hf_model, inputs, 1)
+            tn, _ = timed_generate(hf_model, inputs, args.output_len)
+            hf[b] = b * (args.output_len - 1) / (tn - t1) if tn > t1 else float("nan")
+        del hf_model
+    results = []
+    for b in batches:
+        seconds, tokens = ours[b]
+        tps = tokens / seconds if seconds else None
+        bound = bound_tokens_per_s(b, bandwidth, weights)
+        results.append({"batch": b, "engine_tokens_per_s": tps, "hf_tokens_per_s": hf.get(b),
+                        "engine_over_hf": ratio(tps or 0.0, hf.get(b) or 0.0),
+                        "bound_tokens_per_s": bound, "engine_fraction_of_bound": ratio(tps or 0.0, bound),
+                        "engine_decode_tokens": tokens, "engine_decode_s": seconds})
+    print_table(f"decode tokens/s on {device} ({args.dtype})",
+                ["batch", "engine", "HF generate", "engine/HF", "bandwidth bound", "engine/bound"],
+                [[r["batch"], r["engine_tokens_per_s"], r["hf_tokens_per_s"], r["engine_over_hf"],
+                  r["bound_tokens_per_s"], r["engine_fraction_of_bound"]] for r in results])
+    payload = {"benchmark": "decode_tput", "env": environment(args.device), "config": vars(args),
+               "weight_bytes": weights, "copy_bandwidth_bytes_per_s": bandwidth, "results": results}
+    write_json(args.out, payload)
+    return payload
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse argv and run."""
+    run(build_arg_parser().parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
