@@ -198,8 +198,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         futures: list[cf.Future] = []
         handles: list[Handle] = []
         try:
-            for i, (key, image) in enumerate(items):
-                futures.append(self._acquire(i, key, image, True, priority))
+            with self.worker.holding():
+                for i, (key, image) in enumerate(items):
+                    futures.append(self._acquire(i, key, image, True, priority))
             for i, fut in enumerate(futures):
                 try:
                     handles.append(await _await(fut))

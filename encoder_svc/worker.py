@@ -8,11 +8,13 @@ prefetch job boosts it to demand priority.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +72,13 @@ class VisionWorker:
             self._jobs[key] = job
             heapq.heappush(self._heap, (priority, next(self._seq), job))
             self._cv.notify()
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Submit several jobs as one: the worker takes none of them until the block ends, so the
+        images of one request land in one batch instead of racing the worker one by one."""
+        with self._cv:  # a re-entrant lock: submit() inside the block takes it again
+            yield
 
     def boost(self, key: str) -> None:
         """Move a queued prefetch job for key to demand priority (a demand request joined it)."""
