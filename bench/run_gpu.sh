@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Every benchmark on one GPU with the llava-1.5-7b preset in bf16, in about 8 minutes.
+#
+#   OUT=/some/dir bash bench/run_gpu.sh          (from the repository root)
+#
+# Env: OUT (required): where results go: results.json (all benchmarks merged, headline table),
+#      serve_cdf.png (latency CDFs of the serve run), run_gpu.log (console output, service log tails).
+#      MODEL_DIR (default /tmp/llava7b): made with make-model when missing. PYTHON (default python3).
+#      DEVICE / DTYPE / PRESET (default cuda / bfloat16 / llava-1.5-7b): change only to smoke-test the
+#      script itself, e.g. DEVICE=cpu DTYPE=float32 PRESET=tiny MODEL_DIR=/tmp/tiny on a CPU host.
+#      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
+#      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
+#      skipped instead; the merge still runs).
+# The project need not be pip-installed: PYTHONPATH is set to the repository root.
+set -u
+OUT=${OUT:?set OUT to the results directory}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+MODEL=${MODEL_DIR:-/tmp/llava7b}
+RES=$(mktemp -d /tmp/mmserve-bench.XXXXXX)
+LOG="$OUT/run_gpu.log"
+DEVICE=${DEVICE:-cuda}
+DT=(--device "$DEVICE" --dtype "${DTYPE:-bfloat16}")
+ENC_PORT=50061
+DEC_PORT=50062
+PIDS=()
+START=$SECONDS
+BUDGET=${BUDGET_S:-500}
+exec > >(tee -a "$LOG") 2>&1
+
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null; done
+}
+trap cleanup EXIT
+
+echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
+if [ ! -f "$MODEL/mmserve_model.json" ]; then
+  echo "== make-model ${PRESET:-llava-1.5-7b} -> $MODEL"
+  timeout 200 "$PY" -m common.cli make-model --preset "${PRESET:-llava-1.5-7b}" --out "$MODEL" "${DT[@]}" \
+    2>&1 | tail -3
+fi
+
+# step NAME LIMIT_S CMD...: run with a timeout of min(LIMIT_S, what is left of the budget).
+step() {
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET - (SECONDS - START)))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 5 ]; then echo "== $name: skipped (budget spent)"; return; fi
+  echo "== $name (timeout ${limit}s, t=$((SECONDS - START))s)"
+  timeout --kill-after=10 "$limit" "$@" --out "$RES/$name.json" > "$RES/$name.log" 2>&1
+  echo "   rc=$? after $((SECONDS - START))s"
+  grep -v -e "it/s]" -e "req/s]" "$RES/$name.log" | tail -40
+}
+
+wait_healthy() {
+  local deadline=$((SECONDS + $2))
+  until "$PY" -m common.cli health "127.0.0.1:$1" >/dev/null 2>&1; do
+    [ $SECONDS -ge $deadline ] && return 1
+    sleep 2
+  done
+}
+
+# 1. In-process: decode tokens/s (engine vs HF vs bandwidth bound). No services running yet.
+step decode_tput 150 "$PY" -m bench.decode_tput --model "$MODEL" "${DT[@]}" --batch-sizes 1,8,32 \
+  --prompt-len 64 --output-len 32
+
+# 2. Handoff: spawns its own encoders (cupy CUDA arena and /dev/shm arena).
+step handoff 90 "$PY" -m bench.handoff --model "$MODEL" "${DT[@]}" --iters 30 --image-size 336 \
+  --logs "$RES/logs-handoff"
+
+# 3. The shared pair for the serving benchmarks.
+echo "== starting encoder :$ENC_PORT and decoder :$DEC_PORT (t=$((SECONDS - START))s)"
+"$PY" -m common.cli encoder --model "$MODEL" "${DT[@]}" --port $ENC_PORT --cache-bytes 4000000000 \
+  > "$RES/encoder.log" 2>&1 &
+PIDS+=($!)
+"$PY" -m common.cli decoder --model "$MODEL" "${DT[@]}" --port $DEC_PORT --encoder 127.0.0.1:$ENC_PORT \
+  --kv-cache-bytes 24000000000 --max-num-seqs 64 > "$RES/decoder.log" 2>&1 &
+PIDS+=($!)
+if wait_healthy $ENC_PORT 150 && wait_healthy $DEC_PORT 150; then
+  echo "   pair ready after $((SECONDS - START))s"
+  SVC=(--addr 127.0.0.1:$DEC_PORT --encoder 127.0.0.1:$ENC_PORT --model "$MODEL" "${DT[@]}")
+  step encode_cache 60 "$PY" -m bench.encode_cache --encoder 127.0.0.1:$ENC_PORT --model "$MODEL" \
+    "${DT[@]}" --iters 16 --image-size 336
+  step ttft_prefix 75 "$PY" -m bench.ttft_prefix "${SVC[@]}" --rounds 5 --prompt-len 600
+  step serve 90 "$PY" -m bench.serve "${SVC[@]}" --num-requests 48 --concurrency 16 --repeat-ratio 0.5 \
+    --image-size 336 --prompt-len 64 --output-len 64 --warmup 2 --plot "$OUT/serve_cdf.png" --no-progress
+  step serve_tput 150 "$PY" -m bench.serve_tput "${SVC[@]}" --num-requests 64 --concurrency 64 \
+    --repeat-ratio 0.5 --output-len 32 --hf-batch 64 --no-progress
+  # 4. Lookahead: two more decoders (max-ahead 4 and 0, 8 running each) on the shared encoder.
+  step lookahead 150 "$PY" -m bench.lookahead --encoder 127.0.0.1:$ENC_PORT --model "$MODEL" "${DT[@]}" \
+    --decoder-args "--kv-cache-bytes 8000000000" --max-num-seqs 8 --num-requests 32 --concurrency 32 \
+    --output-len 16 --logs "$RES/logs-lookahead" --no-progress
+else
+  echo "   the pair did not become healthy"
+fi
+cleanup
+PIDS=()
+
+echo "== merge (t=$((SECONDS - START))s)"
+"$PY" -m bench.merge "$RES"/*.json --out "$OUT/results.json"
+for f in "$RES"/encoder.log "$RES"/decoder.log "$RES"/logs-*/*.log; do
+  [ -f "$f" ] || continue
+  echo "--- tail of $f"
+  tail -15 "$f"
+done
+echo "== done in $((SECONDS - START))s after the model; results in $OUT"
