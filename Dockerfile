@@ -23,8 +23,10 @@ ARG OFFLINE=0
 # Pin torch: a bare `torch` from PyPI is the multi-GB CUDA build.
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# pyproject extras: "gpu" adds cupy.
+# pyproject extras: "gpu" adds cupy-cuda12x. EXTRA_PIP: more requirements, e.g. "cupy-cuda13x" for a
+# CUDA 13 build (with EXTRAS empty).
 ARG EXTRAS=
+ARG EXTRA_PIP=
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=ignore \
     DEBIAN_FRONTEND=noninteractive
 
@@ -52,6 +54,7 @@ p = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]; \
 extras = [e for e in sys.argv[1].split(",") if e]; \
 print("\n".join(p["dependencies"] + [r for e in extras for r in p["optional-dependencies"][e]]))' \
         "$EXTRAS" > /tmp/reqs.txt; \
+    for r in $EXTRA_PIP; do echo "$r" >> /tmp/reqs.txt; done; \
     /opt/mmserve/bin/pip install "$@" -r /tmp/reqs.txt; \
     /opt/mmserve/bin/pip uninstall -y setuptools wheel >/dev/null 2>&1 || true
 

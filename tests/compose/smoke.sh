@@ -12,6 +12,7 @@
 # then picks the local base image and the offline build by itself.
 # Env: MMSERVE_BASE_IMAGE, MMSERVE_OFFLINE (0/1; default 1 when docker/wheelhouse has a torch wheel),
 #      MMSERVE_SMOKE_GPU=1 (add docker-compose.gpu.yml), MMSERVE_SMOKE_KEEP=1 (leave the stack up),
+#      MMSERVE_SMOKE_COMPOSE=v1 (use docker-compose even where `docker compose` exists),
 #      MMSERVE_SMOKE_PROJECT [mmserve-smoke], MMSERVE_SMOKE_TIMEOUT seconds for up [900].
 #      The published ports default to 15051/15052/19101/19102 here, so a stack on the usual ports
 #      is left alone.
@@ -28,7 +29,9 @@ fi
 if ! timeout 30 docker info >/dev/null 2>&1; then
     echo "SKIP: no Docker engine answers (docker info failed): the compose smoke test needs one"; exit 0
 fi
-if docker compose version >/dev/null 2>&1; then
+if [[ "${MMSERVE_SMOKE_COMPOSE:-}" == v1 ]] && command -v docker-compose >/dev/null 2>&1; then
+    COMPOSE=(docker-compose); COMPOSE_V2=0
+elif docker compose version >/dev/null 2>&1; then
     COMPOSE=(docker compose); COMPOSE_V2=1
 elif command -v docker-compose >/dev/null 2>&1; then
     COMPOSE=(docker-compose); COMPOSE_V2=0
@@ -199,6 +202,9 @@ assert int(d["requests_finished"]) >= 2, d
 assert int(d["images_encoded"]) >= 1, d
 assert int(e["encodes"]) >= 1, e
 PY
+# Which transport carried the embeddings (decoder stats), where the decoder reports it.
+TRANSPORTS="$(python3 -c 'import json, sys; print(json.dumps(json.loads(sys.argv[1]).get("embedding_transports")))' "$DSTATS")"
+say "decoder embedding_transports: $TRANSPORTS"
 
 # --- how the embedding crossed the container boundary ---------------------------------------------
 # With `ipc: host` the decoder maps the encoder's /dev/shm arena; without it, inline bytes.
@@ -206,6 +212,8 @@ if [[ "${MMSERVE_SMOKE_GPU:-0}" != 1 ]]; then
     seg="$("${X[@]}" sh -c 'cat /proc/[0-9]*/maps 2>/dev/null' | grep -o '/dev/shm/mmserve-enc-[^ ]*' | sort -u | head -1)"
     enc=0
     [[ -n "$seg" ]] && enc="$("${C[@]}" exec -T encoder sh -c 'cat /proc/[0-9]*/maps 2>/dev/null' | grep -cF "$seg")"
+    shm_n="$(python3 -c 'import json, sys; t = json.loads(sys.argv[1]) or {}; print(int(t.get("shm", -1)))' "$TRANSPORTS")"
+    [[ "$shm_n" == 0 ]] && fail "the decoder received no embedding by shm (embedding_transports: $TRANSPORTS); check ipc: host"
     if [[ -n "$seg" && "$enc" -gt 0 ]]; then
         say "embedding handoff: shared memory (the decoder maps the encoder's $seg)"
     else
