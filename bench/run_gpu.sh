@@ -104,6 +104,6 @@ echo "== merge (t=$((SECONDS - START))s)"
 for f in "$RES"/encoder.log "$RES"/decoder.log "$RES"/logs-*/*.log; do
   [ -f "$f" ] || continue
   echo "--- tail of $f"
-  tail -15 "$f"
+  grep -v NOT_FOUND "$f" | tail -15
 done
 echo "== done in $((SECONDS - START))s after the model; results in $OUT"

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> dict:
     with target(args, spawning) as (decoder, encoder):
         served, _ = asyncio.run(measure(decoder, encoder, requests, cfg, warmup, args.progress,
                                         desc="serve_tput"))
-    print_summary(f"served, {args.num_requests} requests at concurrency {args.concurrency}", served)
+    print_summary(f"served ({args.num_requests} req, conc. {args.concurrency})", served)
     hf = None
     if not args.no_hf and model is not None:
         hf = hf_throughput(model, args.device, args.dtype, requests, args.output_len, args.hf_batch)

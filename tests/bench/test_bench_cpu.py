@@ -1,0 +1,161 @@
+"""The CPU path of every benchmark runs on the tiny model and writes well-formed JSON, tables and PNGs.
+
+Speed is not checked. One encoder and two decoders (lookahead 4 and 0) are started once for the module
+and shared by the serving benchmarks; counts are tiny so the module takes about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import decode_tput, encode_cache, handoff, lookahead, merge, serve_tput, ttft_prefix
+from bench.plot import _plot_pillow, plot_cdfs
+from bench.services import decoder_service, encoder_service, start_all
+from bench.stats import percentile, summarize
+from bench.workload import image_schedule
+from common.cli import main as cli_main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+DECODER_ARGS = ["--num-kv-blocks", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
+
+
+@pytest.fixture(scope="module")
+def services(tiny_model_dir, tmp_path_factory):
+    """{"encoder", "on", "off"} addresses of services started together on the tiny model."""
+    logs = tmp_path_factory.mktemp("bench-logs")
+    enc = encoder_service(tiny_model_dir, logs)
+    on = decoder_service(tiny_model_dir, enc.address, logs, extra=[*DECODER_ARGS, "--encoder-max-ahead", "4"],
+                         name="decoder-on")
+    off = decoder_service(tiny_model_dir, enc.address, logs,
+                          extra=[*DECODER_ARGS, "--encoder-max-ahead", "0"], name="decoder-off")
+    start_all([enc, on, off], timeout=180)
+    yield {"encoder": enc.address, "on": on.address, "off": off.address}
+    for svc in (on, off, enc):
+        svc.stop()
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench-out")
+
+
+def _load(path: Path) -> dict:
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    payload = json.loads(text)
+    assert {"benchmark", "env", "config", "results"} <= payload.keys()
+    assert payload["env"]["device"] == "cpu" and payload["env"]["date_utc"]
+    return payload
+
+
+def _is_latency(summary: dict, n: int | None = None) -> None:
+    assert {"n", "mean_ms", "p50_ms", "p99_ms"} <= summary.keys()
+    assert summary["n"] > 0 and (n is None or summary["n"] == n)
+    assert 0 < summary["p50_ms"] <= summary["p99_ms"]
+
+
+def test_helpers(tmp_path):
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and math.isnan(percentile([], 50))
+    assert summarize([0.001, 0.003])["mean_ms"] == pytest.approx(2.0)
+    schedule = image_schedule(10, 0.5, seed=3)
+    assert schedule[0] == (0, False) and sum(r for _, r in schedule) == 5
+    assert all(img < sum(not r for _, r in schedule[:i]) for i, (img, r) in enumerate(schedule) if r)
+    samples = {"ttft": {"a": [0.01, 0.02], "b": [0.03]}, "e2e": {"a": [0.1]}}
+    _plot_pillow(samples, tmp_path / "p.png", "pillow fallback")
+    assert (tmp_path / "p.png").read_bytes().startswith(PNG_MAGIC)
+    assert plot_cdfs(samples, tmp_path / "m.png") in ("matplotlib", "pillow")
+    assert (tmp_path / "m.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_serve_via_cli(services, tiny_model_dir, out_dir, capsys):
+    code = cli_main(["bench", "--addr", services["on"], "--encoder", services["encoder"],
+                     "--model", str(tiny_model_dir), "--num-requests", "8", "--concurrency", "4",
+                     "--prompt-len", "8", "--shared-len", "24", "--output-len", "4", "--warmup", "1",
+                     "--request-rate", "50", "--out", str(out_dir / "serve.json"),
+                     "--plot", str(out_dir / "serve.png"), "--no-progress"])
+    assert code == 0
+    res = _load(out_dir / "serve.json")["results"]
+    assert res["completed"] == 8 and res["failed"] == 0 and res["total_output_tokens"] == 32
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        _is_latency(res[metric])
+    assert res["request_throughput_rps"] > 0 and res["output_token_throughput_tps"] > 0
+    cache = res["cache"]
+    assert 0 <= cache["prefix_cache_hit_rate"] <= 1 and 0 <= cache["encoder_cache_hit_rate"] <= 1
+    assert cache["images_skipped_by_kv_reuse"] >= 0 and res["repeat_requests"] == 4
+    assert (out_dir / "serve.png").read_bytes().startswith(PNG_MAGIC)
+    printed = capsys.readouterr().out
+    assert "TTFT" in printed and "prefix-cache hit rate" in printed
+
+
+def test_handoff(services, out_dir):
+    handoff.main(["--encoder", services["encoder"], "--iters", "3", "--out", str(out_dir / "handoff.json")])
+    results = _load(out_dir / "handoff.json")["results"]
+    assert {r["transport"] for r in results} == {"shm", "inline"}
+    for r in results:
+        _is_latency(r["total"], 3)
+        assert r["all_cache_hits"] and r["nbytes"] == 16 * 64 * 4 and r["first_call_ms"] > 0
+
+
+def test_encode_cache(services, out_dir):
+    encode_cache.main(["--encoder", services["encoder"], "--iters", "2", "--image-size", "32",
+                       "--out", str(out_dir / "encode_cache.json")])
+    res = _load(out_dir / "encode_cache.json")["results"]
+    for case in ("miss", "hit_bytes", "hit_hash"):
+        _is_latency(res[case], 2)
+    assert res["unexpected_cache_flags"] == 0 and res["transport"] == "shm"
+
+
+def test_ttft_prefix(services, tiny_model_dir, out_dir):
+    ttft_prefix.main(["--addr", services["on"], "--model", str(tiny_model_dir), "--rounds", "1",
+                      "--prompt-len", "60", "--image-size", "32", "--out", str(out_dir / "ttft.json")])
+    res = _load(out_dir / "ttft.json")["results"]
+    for case in ttft_prefix.CASES:
+        _is_latency(res[case], 1)
+    assert res["warm_prefix"]["mean_cached_prompt_tokens"] > res["cold"]["mean_cached_prompt_tokens"]
+
+
+def test_decode_tput(tiny_model_dir, out_dir):
+    decode_tput.main(["--model", str(tiny_model_dir), "--batch-sizes", "1,2", "--prompt-len", "8",
+                      "--output-len", "4", "--copy-bytes", str(8 << 20),
+                      "--out", str(out_dir / "decode.json")])
+    payload = _load(out_dir / "decode.json")
+    assert payload["weight_bytes"] > 0 and payload["copy_bandwidth_bytes_per_s"] > 0
+    assert [r["batch"] for r in payload["results"]] == [1, 2]
+    for r in payload["results"]:
+        assert r["engine_decode_tokens"] == r["batch"] * 3
+        assert r["engine_tokens_per_s"] > 0 and r["hf_tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0
+
+
+def test_serve_tput(services, tiny_model_dir, out_dir):
+    code = serve_tput.main(["--addr", services["on"], "--encoder", services["encoder"],
+                            "--model", str(tiny_model_dir), "--num-requests", "6", "--concurrency", "6",
+                            "--output-len", "3", "--prompt-len", "8", "--image-size", "32", "--hf-batch", "6",
+                            "--out", str(out_dir / "serve_tput.json"), "--no-progress"])
+    assert code == 0
+    res = _load(out_dir / "serve_tput.json")["results"]
+    assert res["served"]["completed"] == 6 and res["hf_generate"]["total_output_tokens"] == 18
+    assert res["served_over_hf_output_tps"] > 0
+
+
+def test_lookahead(services, tiny_model_dir, out_dir):
+    code = lookahead.main(["--encoder", services["encoder"], "--addr-on", services["on"],
+                           "--addr-off", services["off"], "--model", str(tiny_model_dir),
+                           "--num-requests", "12", "--concurrency", "12", "--output-len", "3",
+                           "--image-size", "32", "--out", str(out_dir / "lookahead.json"), "--no-progress"])
+    assert code == 0
+    res = _load(out_dir / "lookahead.json")["results"]
+    assert res["off"]["cache"]["images_prefetched"] == 0
+    assert res["on"]["cache"]["images_prefetched"] > 0  # 12 requests, 8 running: some queue
+    assert res["on_over_off_output_tps"] > 0
+
+
+def test_merge(out_dir, capsys):
+    files = sorted(str(p) for p in out_dir.glob("*.json") if p.name != "merged.json")
+    assert merge.main([*files, "--out", str(out_dir / "merged.json")]) == 0
+    merged = json.loads((out_dir / "merged.json").read_text())
+    assert not merged["errors"] and len(merged["benchmarks"]) == len(files) == 7
+    assert len(merged["headline"]) > 20 and "headline figures" in capsys.readouterr().out
