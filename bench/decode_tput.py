@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> dict:
         ours[b] = engine_decode(engine, prompt, b, args.output_len)
     del engine
     gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
     bandwidth = copy_bandwidth(args.device, copy_bytes)
     hf: dict[int, float] = {}

@@ -21,7 +21,7 @@ import torch
 from bench.embeds import TRANSPORT_NAMES, encode_and_import, sync
 from bench.models import add_model_args, resolve_model
 from bench.report import environment, print_table, write_json
-from bench.services import encoder_service, start_all, workdir
+from bench.services import encoder_service, workdir
 from bench.stats import summarize
 from bench.workload import random_png
 from common.client import EncoderClient
@@ -92,15 +92,25 @@ def run(args: argparse.Namespace) -> dict:
                 extra += ["--cache-bytes", str(min(256 << 20, shm_free_bytes() // 2))]
             services.append(encoder_service(model, logs, args.device, args.dtype, extra,
                                             name=f"encoder-{kind}"))
-        start_all(services)
+        for svc in services:
+            svc.launch()
         try:
             for kind, svc in zip(kinds, services, strict=True):
+                try:
+                    svc.wait(300)
+                except RuntimeError as exc:  # e.g. no cupy: report it, still time the other arenas
+                    results.append({"encoder": f"{kind} arena", "error": str(exc)[-1500:]})
+                    continue
                 results += bench_encoder(svc.address, f"{kind} arena", device, args.iters, image)
         finally:
             for svc in services:
                 svc.stop()
+    for r in results:
+        if "error" in r:
+            print(f"{r['encoder']}: failed to start:\n{r['error']}")
+    results_ok = [r for r in results if "error" not in r]
     rows = [[f"{r['transport']} ({r['encoder']})", r["nbytes"], r["first_call_ms"], r["total"]["mean_ms"],
-             r["total"]["p50_ms"], r["total"]["p99_ms"], r["import"]["p50_ms"]] for r in results]
+             r["total"]["p50_ms"], r["total"]["p99_ms"], r["import"]["p50_ms"]] for r in results_ok]
     print_table(f"handoff on {device}: Encode (cache hit) -> tensor ready, ms",
                 ["transport", "bytes", "first call", "mean", "p50", "p99", "import p50"], rows)
     payload = {"benchmark": "handoff", "env": environment(args.device), "config": vars(args),

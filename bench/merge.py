@@ -27,6 +27,9 @@ def headline(benchmarks: dict[str, dict]) -> list[list]:
     rows: list[list] = []
     h = _get(benchmarks, "handoff", "results") or []
     for r in h:
+        if "error" in r:
+            rows.append([f"handoff {r['encoder']}", "failed to start"])
+            continue
         rows.append([f"handoff {r['transport']} ({r['encoder']}, {r['nbytes']} B) p50 ms",
                      _get(r, "total", "p50_ms")])
         rows.append([f"handoff {r['transport']} first call ms", r.get("first_call_ms")])

@@ -55,10 +55,12 @@ step() {
   grep -v -e "it/s]" -e "req/s]" "$RES/$name.log" | tail -40
 }
 
+# wait_healthy PORT TIMEOUT_S [PID]: until SERVING; fails early when PID has exited.
 wait_healthy() {
   local deadline=$((SECONDS + $2))
   until "$PY" -m common.cli health "127.0.0.1:$1" >/dev/null 2>&1; do
     [ $SECONDS -ge $deadline ] && return 1
+    [ -n "${3:-}" ] && ! kill -0 "$3" 2>/dev/null && return 1
     sleep 2
   done
 }
@@ -73,13 +75,23 @@ step handoff 90 "$PY" -m bench.handoff --model "$MODEL" "${DT[@]}" --iters 30 --
 
 # 3. The shared pair for the serving benchmarks.
 echo "== starting encoder :$ENC_PORT and decoder :$DEC_PORT (t=$((SECONDS - START))s)"
-"$PY" -m common.cli encoder --model "$MODEL" "${DT[@]}" --port $ENC_PORT --cache-bytes 4000000000 \
-  > "$RES/encoder.log" 2>&1 &
-PIDS+=($!)
+start_encoder() {
+  "$PY" -m common.cli encoder --model "$MODEL" "${DT[@]}" --port $ENC_PORT --cache-bytes 4000000000 "$@" \
+    >> "$RES/encoder.log" 2>&1 &
+  ENC_PID=$!
+  PIDS+=($ENC_PID)
+}
+start_encoder
 "$PY" -m common.cli decoder --model "$MODEL" "${DT[@]}" --port $DEC_PORT --encoder 127.0.0.1:$ENC_PORT \
   --kv-cache-bytes 24000000000 --max-num-seqs 64 > "$RES/decoder.log" 2>&1 &
-PIDS+=($!)
-if wait_healthy $ENC_PORT 150 && wait_healthy $DEC_PORT 150; then
+DEC_PID=$!
+PIDS+=($DEC_PID)
+if ! wait_healthy $ENC_PORT 150 "$ENC_PID"; then
+  echo "   encoder (arena auto) did not start; retrying with --arena private (inline handoff only)"
+  kill "$ENC_PID" 2>/dev/null
+  start_encoder --arena private
+fi
+if wait_healthy $ENC_PORT 150 "$ENC_PID" && wait_healthy $DEC_PORT 150 "$DEC_PID"; then
   echo "   pair ready after $((SECONDS - START))s"
   SVC=(--addr 127.0.0.1:$DEC_PORT --encoder 127.0.0.1:$ENC_PORT --model "$MODEL" "${DT[@]}")
   step encode_cache 60 "$PY" -m bench.encode_cache --encoder 127.0.0.1:$ENC_PORT --model "$MODEL" \
