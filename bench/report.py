@@ -15,13 +15,23 @@ import torch
 from bench.stats import clean
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(device: str = "cpu") -> dict[str, Any]:
     """Where and when the numbers were taken: device name, versions, UTC time."""
     dev = torch.device(device)
     if dev.type == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(dev)
     else:
-        name = f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+        name = f"CPU {_cpu_model()} ({torch.get_num_threads()} threads)"
     return {"device": str(dev), "device_name": name, "torch": torch.__version__,
             "python": platform.python_version(), "host": platform.node(),
             "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),

@@ -118,4 +118,4 @@ for f in "$RES"/encoder.log "$RES"/decoder.log "$RES"/logs-*/*.log; do
   echo "--- tail of $f"
   grep -v NOT_FOUND "$f" | tail -15
 done
-echo "== done in $((SECONDS - START))s after the model; results in $OUT"
+echo "== done in $((SECONDS - START))s; results in $OUT"
