@@ -58,6 +58,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
                 return 1
         kind = "decoder" if client_cls is DecoderClient else "encoder"
         fields = {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
+        fields = {k: dict(v) if hasattr(v, "items") else v for k, v in fields.items()}  # map fields
         print(json.dumps({"service": kind, **fields}, indent=2))
         return 0
     print(f"error: {args.address} serves neither DecoderService nor EncoderService", file=sys.stderr)
