@@ -30,12 +30,15 @@ ARG EXTRA_PIP=
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=ignore \
     DEBIAN_FRONTEND=noninteractive
 
+# A base without python3, or without a working venv (Debian/Ubuntu split it into python3-venv),
+# gets them from apt.
 RUN set -eu; \
-    if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then \
+    if ! python3 -m venv /opt/mmserve >/dev/null 2>&1; then \
+        rm -rf /opt/mmserve; \
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
         && rm -rf /var/lib/apt/lists/*; \
-    fi; \
-    python3 -m venv /opt/mmserve
+        python3 -m venv /opt/mmserve; \
+    fi
 
 COPY docker/wheelhouse/ /wheelhouse/
 RUN set -eu; \
@@ -90,7 +93,7 @@ RUN set -eu; \
 FROM ${BASE_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
 RUN set -eu; \
-    if ! python3 -c 'import venv' 2>/dev/null; then \
+    if ! command -v python3 >/dev/null; then \
         apt-get update && apt-get install -y --no-install-recommends python3 \
         && rm -rf /var/lib/apt/lists/*; \
     fi; \
