@@ -21,7 +21,7 @@ import torch
 from bench.embeds import TRANSPORT_NAMES, encode_and_import, sync
 from bench.models import add_model_args, resolve_model
 from bench.report import environment, print_table, write_json
-from bench.services import encoder_service, workdir
+from bench.services import encoder_service, exit_on_sigterm, workdir
 from bench.stats import summarize
 from bench.workload import random_png
 from common.client import EncoderClient
@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> dict:
                 extra += ["--cache-bytes", str(min(256 << 20, shm_free_bytes() // 2))]
             services.append(encoder_service(model, logs, args.device, args.dtype, extra,
                                             name=f"encoder-{kind}"))
+        exit_on_sigterm()
         for svc in services:
             svc.launch()
         try:

@@ -31,8 +31,8 @@ BUDGET=${BUDGET_S:-500}
 exec > >(tee -a "$LOG") 2>&1
 
 cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null; done
+  for pid in ${PIDS[@]+"${PIDS[@]}"}; do kill "$pid" 2>/dev/null; done
+  for pid in ${PIDS[@]+"${PIDS[@]}"}; do wait "$pid" 2>/dev/null; done
 }
 trap cleanup EXIT
 

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class Service:
 
     def start(self, timeout: float = 600.0) -> Service:
         """Start and wait until SERVING; raises with the log tail when it dies or times out."""
+        exit_on_sigterm()
         return self.launch().wait(timeout)
 
     def launch(self) -> Service:
@@ -107,8 +109,15 @@ def decoder_service(model: str | Path, encoder_addr: str, logs: Path, device: st
     return Service(name, argv, logs / f"{name}.log")
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (e.g. from `timeout`) into SystemExit, so `finally` blocks stop spawned services."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def start_all(services: list[Service], timeout: float = 600.0) -> bool:
     """Launch every service, then wait for each; on any failure stop them all and raise."""
+    exit_on_sigterm()
     try:
         for s in services:
             s.launch()
