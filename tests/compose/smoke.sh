@@ -220,4 +220,9 @@ if [[ "${MMSERVE_SMOKE_GPU:-0}" != 1 ]]; then
         fail "embedding handoff: the decoder maps no shm arena of the encoder ('$seg'): inline fallback; check ipc: host"
     fi
 fi
+if [[ "${MMSERVE_SMOKE_GPU:-0}" == 1 ]]; then
+    ipc_n="$(python3 -c 'import json, sys; t = json.loads(sys.argv[1]) or {}; print(int(t.get("cuda_ipc", -1)))' "$TRANSPORTS")"
+    [[ "$ipc_n" == 0 ]] && fail "the decoder received no embedding by CUDA IPC (embedding_transports: $TRANSPORTS); check pid: host, ipc: host and MMSERVE_GPU"
+    say "embedding handoff: CUDA IPC ($TRANSPORTS)"
+fi
 say "timings: build ${BUILD_S}s, up ${UP_S}s"
