@@ -52,7 +52,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend: gather each sequence's context from its blocks, then dense SDPA (CPU or GPU)."""
+    """Reference backend (CPU or GPU): all decode rows in one padded SDPA call, then each prefill
+    chunk on its own (gather its context from its blocks, dense SDPA with a causal mask)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -60,25 +61,57 @@ class TorchAttentionBackend(AttentionBackend):
         # must be visible to its queries.
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        groups = q.shape[1] // k.shape[1]
-        bs = meta.block_size
         starts = meta.query_start_loc.tolist()
-        for i, seq_len in enumerate(meta.seq_lens.tolist()):
-            q_lo, q_hi = starts[i], starts[i + 1]
-            n_q = q_hi - q_lo
-            n_blocks = -(-seq_len // bs)
-            blocks = meta.block_tables[i, :n_blocks]
-            keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[-2:])[:seq_len]
-            values = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[-2:])[:seq_len]
-            if groups > 1:
-                keys = keys.repeat_interleave(groups, dim=1)
-                values = values.repeat_interleave(groups, dim=1)
-            # Query j sits at position seq_len - n_q + j and sees keys 0..that position.
-            q_pos = torch.arange(seq_len - n_q, seq_len, device=q.device)[:, None]
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
-            o = F.scaled_dot_product_attention(
-                q[q_lo:q_hi].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                attn_mask=mask, scale=scale,
-            )
-            out[q_lo:q_hi] = o.transpose(0, 1)
+        seq_lens = meta.seq_lens.tolist()
+        decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+        if len(decodes) > 1:  # one kernel for every single-token query instead of one per sequence
+            self._decode_batch(q, kv_cache, meta, scale, decodes, out)
+        else:
+            decodes = []
+        done = set(decodes)
+        for i, seq_len in enumerate(seq_lens):
+            if i not in done:
+                q_lo, q_hi = starts[i], starts[i + 1]
+                out[q_lo:q_hi] = self._one_sequence(q[q_lo:q_hi], kv_cache, meta.block_tables[i], seq_len,
+                                                    meta.block_size, scale)
         return out
+
+    @staticmethod
+    def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given blocks, [..., blocks * block_size, kv_heads, head_dim]."""
+        keys, values = kv_cache[0, blocks], kv_cache[1, blocks]
+        shape = (*blocks.shape[:-1], -1, *kv_cache.shape[-2:])
+        return keys.reshape(shape), values.reshape(shape)
+
+    def _one_sequence(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_len: int, block_size: int, scale: float) -> torch.Tensor:
+        n_q = q.shape[0]
+        keys, values = self._gather(kv_cache, block_table[:-(-seq_len // block_size)])
+        keys, values = keys[:seq_len], values[:seq_len]
+        groups = q.shape[1] // keys.shape[1]
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        # Query j sits at position seq_len - n_q + j and sees keys 0..that position.
+        q_pos = torch.arange(seq_len - n_q, seq_len, device=q.device)[:, None]
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                           attn_mask=mask, scale=scale)
+        return o.transpose(0, 1)
+
+    def _decode_batch(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      seqs: list[int], out: torch.Tensor) -> None:
+        device = q.device
+        rows = meta.query_start_loc[seqs].to(device)
+        lens = meta.seq_lens[seqs]
+        n_blocks = -(-int(lens.max()) // meta.block_size)
+        keys, values = self._gather(kv_cache, meta.block_tables[torch.tensor(seqs, device=device), :n_blocks])
+        groups = q.shape[1] // keys.shape[2]
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=2)
+            values = values.repeat_interleave(groups, dim=2)
+        # Padding past each sequence's length (and the blocks it does not own) is masked out.
+        mask = torch.arange(keys.shape[1], device=device)[None, :] < lens.to(device)[:, None]
+        o = F.scaled_dot_product_attention(q[rows][:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                           attn_mask=mask[:, None, None, :], scale=scale)
+        out[rows] = o[:, :, 0]
