@@ -116,7 +116,7 @@ else
         while :; do
             st="$(docker inspect -f '{{.State.Status}}/{{if .State.Health}}{{.State.Health.Status}}{{end}}' "$(cid "$svc")" 2>/dev/null)"
             [[ "$st" == running/healthy ]] && break
-            [[ "$st" == */unhealthy || "$st" == exited/* || "$st" == dead/* ]] && fail "$svc is $st"
+            [[ "$st" == */unhealthy || "$st" == exited/* || "$st" == dead/* || "$st" == restarting/* ]] && fail "$svc is $st"
             (( SECONDS > deadline )) && fail "$svc not healthy after ${UP_TIMEOUT}s ($st)"
             sleep 2
         done
@@ -132,13 +132,12 @@ for svc in encoder decoder; do
     say "$svc health: $(docker inspect -f '{{.State.Health.Status}}' "$(cid "$svc")")"
 done
 # Published ports must be bound to the loopback interface only.
-for p in 50051 50052; do
-    for svc in encoder decoder; do
-        b="$(docker port "$(cid "$svc")" "$p/tcp" 2>/dev/null)" || continue
-        [[ -z "$b" ]] && continue
-        say "$svc port $p -> $b"
-        grep -qv '^127\.0\.0\.1:' <<<"$b" && fail "$svc publishes $p beyond 127.0.0.1: $b"
-    done
+for svc in encoder decoder; do
+    while read -r line; do
+        [[ -z "$line" ]] && continue
+        say "$svc port $line"
+        [[ "$line" == *"-> 127.0.0.1:"* ]] || fail "$svc publishes a port beyond 127.0.0.1: $line"
+    done <<<"$(docker port "$(cid "$svc")")"
 done
 
 # --- a real generation with an image, from inside the decoder container ---------------------------
