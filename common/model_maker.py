@@ -264,6 +264,9 @@ def make_model(
             data = json.loads(path.read_text())
             _portable_class_names(data)
             path.write_text(json.dumps(data, indent=2) + "\n")
+    for path in out.iterdir():  # save_pretrained writes weights 0600: make the checkpoint readable to all
+        if path.is_file():
+            path.chmod(0o644)
     (out / "mmserve_model.json").write_text(json.dumps(
         {"preset": preset, "seed": seed, "gain": gain, "dtype": str(torch_dtype).removeprefix("torch."),
          "made_on": device, "seconds": round(time.perf_counter() - t0, 2)}, indent=2) + "\n")

@@ -78,6 +78,7 @@ async def serve(args: argparse.Namespace) -> None:
     port = await service.start()
     # Warm-up: one short text-only generation compiles nothing but touches every layer once.
     await asyncio.to_thread(engine.generate, "warm-up", "warm up", sampling=None)
+    engine.reset_stats()  # stats count users' requests only
     loop.start()
 
     async def refresh_metrics() -> None:

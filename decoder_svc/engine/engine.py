@@ -335,6 +335,12 @@ class LLMEngine:
         return RequestOutput(req.request_id, tokens, text, lps, req.finish_reason, usage, req.error)
 
     # -- introspection ---------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Zero the counters, not the caches (the service calls it after its warm-up request)."""
+        self.scheduler.counters = type(self.scheduler.counters)()
+        self.blocks.prefix_queried_tokens = self.blocks.prefix_hit_tokens = 0
+        self._num_finished = self._num_aborted = self._num_failed = 0
+
     def stats(self) -> EngineStats:
         """Current state and counters."""
         b, c = self.blocks.stats(), self.scheduler.counters

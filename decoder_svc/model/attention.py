@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,34 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         """Number of sequences in the batch."""
         return int(self.seq_lens.numel())
+
+    @cached_property
+    def decode_plan(self) -> DecodePlan | None:
+        """The single-token (decode) rows, gathered once per step for every layer; None if < 2."""
+        starts = self.query_start_loc
+        seqs = ((starts[1:] - starts[:-1]) == 1).nonzero().flatten()
+        if seqs.numel() < 2:
+            return None
+        lens = self.seq_lens[seqs]
+        n_blocks = -(-int(lens.max()) // self.block_size)
+        device = self.block_tables.device
+        # Host-to-device copies happen here, once, not in every layer (each would stall the stream).
+        seqs_dev = seqs.to(device, non_blocking=True)
+        key_mask = torch.arange(n_blocks * self.block_size)[None, :] < lens[:, None]
+        return DecodePlan(
+            seqs=set(seqs.tolist()), rows=starts[seqs].to(device, non_blocking=True),
+            block_tables=self.block_tables[seqs_dev, :n_blocks],
+            key_mask=key_mask[:, None, None, :].to(device, non_blocking=True))
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Where the decode rows of a step are and what each may attend to (padded to the longest)."""
+
+    seqs: set[int]               # sequence indexes in the batch
+    rows: torch.Tensor           # [n] their query rows (device)
+    block_tables: torch.Tensor   # [n, max_blocks] (device)
+    key_mask: torch.Tensor       # [n, 1, 1, max_blocks * block_size] True where a key exists (device)
 
 
 class AttentionBackend(ABC):
@@ -62,14 +91,11 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
-        decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
-        if len(decodes) > 1:  # one kernel for every single-token query instead of one per sequence
-            self._decode_batch(q, kv_cache, meta, scale, decodes, out)
-        else:
-            decodes = []
-        done = set(decodes)
-        for i, seq_len in enumerate(seq_lens):
+        plan = meta.decode_plan
+        if plan is not None:  # one kernel for every single-token query instead of one per sequence
+            self._decode_batch(q, kv_cache, plan, scale, out)
+        done = plan.seqs if plan is not None else set()
+        for i, seq_len in enumerate(meta.seq_lens.tolist()):
             if i not in done:
                 q_lo, q_hi = starts[i], starts[i + 1]
                 out[q_lo:q_hi] = self._one_sequence(q[q_lo:q_hi], kv_cache, meta.block_tables[i], seq_len,
@@ -99,19 +125,14 @@ class TorchAttentionBackend(AttentionBackend):
                                            attn_mask=mask, scale=scale)
         return o.transpose(0, 1)
 
-    def _decode_batch(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                      seqs: list[int], out: torch.Tensor) -> None:
-        device = q.device
-        rows = meta.query_start_loc[seqs].to(device)
-        lens = meta.seq_lens[seqs]
-        n_blocks = -(-int(lens.max()) // meta.block_size)
-        keys, values = self._gather(kv_cache, meta.block_tables[torch.tensor(seqs, device=device), :n_blocks])
+    def _decode_batch(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float,
+                      out: torch.Tensor) -> None:
+        keys, values = self._gather(kv_cache, plan.block_tables)
         groups = q.shape[1] // keys.shape[2]
         if groups > 1:
             keys = keys.repeat_interleave(groups, dim=2)
             values = values.repeat_interleave(groups, dim=2)
         # Padding past each sequence's length (and the blocks it does not own) is masked out.
-        mask = torch.arange(keys.shape[1], device=device)[None, :] < lens.to(device)[:, None]
-        o = F.scaled_dot_product_attention(q[rows][:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
-                                           attn_mask=mask[:, None, None, :], scale=scale)
-        out[rows] = o[:, :, 0]
+        o = F.scaled_dot_product_attention(q[plan.rows][:, :, None], keys.transpose(1, 2),
+                                           values.transpose(1, 2), attn_mask=plan.key_mask, scale=scale)
+        out[plan.rows] = o[:, :, 0]

@@ -51,7 +51,10 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        code, self.proc = self.proc.returncode, None
+        code, pid, self.proc = self.proc.returncode, self.proc.pid, None
+        # A killed encoder cannot unlink its shared-memory arena: do it for it.
+        for segment in Path("/dev/shm").glob(f"mmserve-enc-{pid}-*"):
+            segment.unlink(missing_ok=True)
         return code
 
     def log_tail(self, n: int = 40) -> str:
