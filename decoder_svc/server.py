@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -106,11 +107,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         return self.loop.engine
 
     async def _add(self, request_id: str, parsed: ParsedRequest) -> None:
-        def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, parsed.prompt, parsed.images, messages=parsed.messages,
-                               sampling=parsed.sampling, cache_salt=parsed.cache_salt)
         try:
-            await self.loop.submit(add)
+            # Decoding, hashing and tokenizing happen here, off the engine thread.
+            req = await asyncio.to_thread(
+                self.engine.make_request, request_id, parsed.prompt, parsed.images,
+                messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt)
+            await self.loop.submit(lambda engine: engine.add(req))
         except QueueFullError as exc:
             raise resource_exhausted(str(exc)) from None
         except ValueError as exc:  # InvalidRequestError, PromptError, PlaceholderMismatchError

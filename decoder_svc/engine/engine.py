@@ -155,17 +155,29 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         cache_salt: str = "",
     ) -> Request:
-        """Tokenize, hash images, validate and queue a request. `prompt` marks images with `<image>`;
-        `messages` (chat) go through the chat template and mark images with {"type": "image"} parts.
-        `images` are, in order, encoded files, PIL images, or hex content hashes the encoder holds.
+        """make_request, then add: validate, tokenize and queue a request (engine thread)."""
+        return self.add(self.make_request(request_id, prompt, images, messages=messages, sampling=sampling,
+                                          cache_salt=cache_salt))
 
-        Raises InvalidRequestError / PromptError (ValueError subclasses) for bad input and
-        QueueFullError when the queue is full.
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        images: Sequence[ImageLike] = (),
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | None = None,
+        cache_salt: str = "",
+    ) -> Request:
+        """Validate, decode and hash images, tokenize: everything but queueing. It reads engine state
+        that never changes, so a server runs it off the engine thread and a large image's decoding
+        never delays the running requests' steps.
+
+        `prompt` marks images with `<image>`; `messages` (chat) go through the chat template and mark
+        images with {"type": "image"} parts. `images` are, in order, encoded files, PIL images, or hex
+        content hashes the encoder holds. Raises InvalidRequestError / PromptError (ValueError
+        subclasses) for bad input.
         """
-        if request_id in self._ids:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
         sampling = sampling or SamplingParams()
         sampling.validate(self.model_config.vocab_size)
         decoded = [self._open_image(i, img) for i, img in enumerate(images)]
@@ -184,13 +196,21 @@ class LLMEngine:
                 content_hash=src if isinstance(src, str) else hash_image(img, self.fingerprint, cache_salt))
             for ph, src, img in zip(tokenized.placeholders, images, decoded, strict=True)
         ]
-        req = Request(
+        return Request(
             request_id=request_id, prompt_token_ids=tokenized.token_ids, sampling=sampling,
             max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, images=placeholders,
             cache_salt=cache_salt,
             detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, sampling.stop),
         )
-        self._ids.add(request_id)
+
+    def add(self, req: Request) -> Request:
+        """Queue a request made by make_request (engine thread). Raises InvalidRequestError for a
+        request id in use and QueueFullError when the queue is full."""
+        if req.request_id in self._ids:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        self._ids.add(req.request_id)
         self.scheduler.add(req)
         return req
 

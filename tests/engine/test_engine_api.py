@@ -29,7 +29,7 @@ def test_bad_requests_are_refused(make_engine, images):
         engine.add_request("g", "hi", sampling=SamplingParams(temperature=-1))
     engine.add_request("h", "hi", sampling=SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError, match="already in use"):
-        engine.add_request("h", "hi")
+        engine.add_request("h", "hi", sampling=SamplingParams(max_tokens=2))
     assert engine.stats().waiting == 1
 
 
