@@ -130,10 +130,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         # Internal ids are always unique; the client's id is for logs.
         request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
         outputs = self.loop.open_stream(request_id)
-        finished = False
+        added = finished = False
         last = None
         try:
             await self._add(request_id, parsed)
+            added = True
             while not finished:
                 output: RequestOutput = await outputs.get()
                 if output.error:
@@ -152,8 +153,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 self.metrics.e2e.observe(time.perf_counter() - started)
         finally:
             self.loop.close_stream(request_id)
-            if not finished:  # client cancel, deadline, or a failure above: free blocks and leases now
-                self._count("aborted")
+            if not finished:
+                self._count("aborted" if added else "rejected")
+                # Client cancel, deadline or a failure: free blocks and leases now. Also when the add
+                # itself was cancelled midway, since the engine may have queued the request already.
                 try:
                     await self.loop.submit(lambda engine: engine.abort(request_id))
                 except RuntimeError:

@@ -89,10 +89,13 @@ class Arena(ABC):
 
     capacity: int
     device: torch.device
+    _buf: torch.Tensor | None  # the whole buffer as uint8, set by each kind of arena
 
-    @abstractmethod
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor aliasing [offset, offset + nbytes) of the buffer (no copy)."""
+        if offset + nbytes > self.capacity:
+            raise ValueError("slice past the end of the arena")
+        return self._buf[offset:offset + nbytes]
 
     @abstractmethod
     def close(self) -> None:
@@ -114,11 +117,6 @@ class TensorArena(Arena):
         self.capacity = capacity
         self.device = torch.device(device)
         self._buf = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        if offset + nbytes > self.capacity:
-            raise ValueError("slice past the end of the arena")
-        return self._buf[offset:offset + nbytes]
 
     def close(self) -> None:
         self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)

@@ -94,11 +94,6 @@ class CudaArena(Arena):
         self._buf = view_device_ptr(self._ptr, capacity, self.device)
         self._closed = False
 
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        if offset + nbytes > self.capacity:
-            raise ValueError("slice past the end of the arena")
-        return self._buf[offset:offset + nbytes]
-
     def close(self) -> None:
         if self._closed:
             return

@@ -66,11 +66,6 @@ class ShmArena(Arena):
         self._buf = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._closed = False
 
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        if offset + nbytes > self.capacity:
-            raise ValueError("slice past the end of the arena")
-        return self._buf[offset:offset + nbytes]
-
     def close(self) -> None:
         if self._closed:
             return
