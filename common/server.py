@@ -57,7 +57,9 @@ class _StatusInterceptor(grpc.aio.ServerInterceptor):
     async def _fail(self, context, method: str, exc: BaseException, started: float) -> None:
         if isinstance(exc, ServiceError):
             code, message = exc.code, exc.message
-            log.info("%s %s -> %s: %s", self._service_name, method, code.name, message)
+            # NOT_FOUND is the normal answer to a hash-first Encode of a new image: not worth INFO.
+            level = logging.DEBUG if code == grpc.StatusCode.NOT_FOUND else logging.INFO
+            log.log(level, "%s %s -> %s: %s", self._service_name, method, code.name, message)
         else:
             code, message = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
             log.exception("%s %s failed after %.1f ms", self._service_name, method,
