@@ -84,6 +84,10 @@ async def serve(args: argparse.Namespace) -> None:
     async def refresh_metrics() -> None:
         while True:
             metrics.observe_stats(loop.stats_snapshot)
+            if loop.error is not None:  # the engine thread died: stop taking traffic, say why
+                log.error("engine loop failed (%s); health is now NOT_SERVING", loop.error)
+                service.set_serving(False)
+                return
             await asyncio.sleep(1.0)
 
     refresher = asyncio.create_task(refresh_metrics())
