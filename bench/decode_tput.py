@@ -21,7 +21,7 @@ import torch
 from bench.bandwidth import bound_tokens_per_s, copy_bandwidth, weight_bytes
 from bench.hf_ref import load_hf, text_inputs, timed_generate
 from bench.models import add_model_args, resolve_model
-from bench.report import environment, print_table, write_json
+from bench.report import print_table, save_result
 from bench.stats import ratio
 from bench.workload import PromptMaker
 from decoder_svc.engine.engine import EngineConfig, LLMEngine
@@ -107,10 +107,8 @@ def run(args: argparse.Namespace) -> dict:
                 ["batch", "engine", "HF generate", "engine/HF", "bandwidth bound", "engine/bound"],
                 [[r["batch"], r["engine_tokens_per_s"], r["hf_tokens_per_s"], r["engine_over_hf"],
                   r["bound_tokens_per_s"], r["engine_fraction_of_bound"]] for r in results])
-    payload = {"benchmark": "decode_tput", "env": environment(args.device), "config": vars(args),
-               "weight_bytes": weights, "copy_bandwidth_bytes_per_s": bandwidth, "results": results}
-    write_json(args.out, payload)
-    return payload
+    return save_result("decode_tput", args, results, weight_bytes=weights,
+                       copy_bandwidth_bytes_per_s=bandwidth)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import torch
 
 from bench.embeds import TRANSPORT_NAMES, encode_and_import, sync
 from bench.models import add_model_args, resolve_model
-from bench.report import environment, print_table, write_json
+from bench.report import print_table, save_result
 from bench.services import encoder_service, workdir
 from bench.stats import ratio, summarize
 from bench.workload import random_png
@@ -76,10 +76,7 @@ def run(args: argparse.Namespace) -> dict:
                 ["case", "n", "mean", "p50", "p99"],
                 [[k, results[k]["n"], results[k]["mean_ms"], results[k]["p50_ms"], results[k]["p99_ms"]]
                  for k in kinds])
-    payload = {"benchmark": "encode_cache", "env": environment(args.device), "config": vars(args),
-               "results": results}
-    write_json(args.out, payload)
-    return payload
+    return save_result("encode_cache", args, results)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

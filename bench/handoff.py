@@ -20,7 +20,7 @@ import torch
 
 from bench.embeds import TRANSPORT_NAMES, encode_and_import, sync
 from bench.models import add_model_args, resolve_model
-from bench.report import environment, print_table, write_json
+from bench.report import print_table, save_result
 from bench.services import encoder_service, exit_on_sigterm, workdir
 from bench.stats import summarize
 from bench.workload import random_png
@@ -114,10 +114,7 @@ def run(args: argparse.Namespace) -> dict:
              r["total"]["p50_ms"], r["total"]["p99_ms"], r["import"]["p50_ms"]] for r in results_ok]
     print_table(f"handoff on {device}: Encode (cache hit) -> tensor ready, ms",
                 ["transport", "bytes", "first call", "mean", "p50", "p99", "import p50"], rows)
-    payload = {"benchmark": "handoff", "env": environment(args.device), "config": vars(args),
-               "results": results}
-    write_json(args.out, payload)
-    return payload
+    return save_result("handoff", args, results)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 from bench.loadgen import LoadConfig
 from bench.models import add_model_args, resolve_model
-from bench.report import environment, print_table, write_json
+from bench.report import print_table, save_result
 from bench.serve import measure
 from bench.services import Service, decoder_service, encoder_service, start_all, workdir
 from bench.stats import ratio
@@ -103,10 +103,7 @@ def run(args: argparse.Namespace) -> dict:
              r["cache"].get("lookahead_ready_at_prefill")] for n, r in runs.items()]
     print_table("lookahead on vs off", ["run", "output tok/s", "TTFT mean", "TTFT p99", "E2E mean",
                                         "prefetched", "ready at prefill"], rows)
-    payload = {"benchmark": "lookahead", "env": environment(args.device), "config": vars(args),
-               "results": results}
-    write_json(args.out, payload)
-    return payload
+    return save_result("lookahead", args, results)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -47,6 +47,15 @@ def write_json(path: str | Path | None, payload: dict) -> None:
     out.write_text(json.dumps(clean(payload), indent=2, default=str) + "\n")
 
 
+def save_result(name: str, args: Any, results: Any, **extra: Any) -> dict:
+    """The standard payload of a benchmark (name, environment, config, results, extras), written to
+    args.out when set; returns it."""
+    payload = {"benchmark": name, "env": environment(args.device), "config": vars(args), **extra,
+               "results": results}
+    write_json(args.out, payload)
+    return payload
+
+
 def fmt(value: Any) -> str:
     """A compact cell: floats with 4 significant digits, None as '-'."""
     if value is None:

@@ -22,7 +22,7 @@ from PIL import Image
 
 from bench.hf_ref import image_inputs, load_hf, timed_generate
 from bench.loadgen import LoadConfig
-from bench.report import environment, print_table, write_json
+from bench.report import print_table, save_result
 from bench.serve import measure, print_summary
 from bench.stats import ratio
 from bench.targets import add_target_args, model_dir, target
@@ -95,10 +95,7 @@ def run(args: argparse.Namespace) -> dict:
         rows.append([f"HF generate (batch {hf['batch']})", hf["output_token_throughput_tps"],
                      hf["request_throughput_rps"], hf["duration_s"]])
     print_table("serving throughput", ["system", "output tokens/s", "requests/s", "seconds"], rows)
-    payload = {"benchmark": "serve_tput", "env": environment(args.device), "config": vars(args),
-               "results": results}
-    write_json(args.out, payload)
-    return payload
+    return save_result("serve_tput", args, results)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from bench.report import environment, print_table, write_json
+from bench.report import print_table, save_result
 from bench.stats import ratio, summarize
 from bench.targets import add_target_args, model_dir, target
 from bench.workload import PromptMaker, image_prompt, random_png
@@ -80,10 +80,7 @@ def run(args: argparse.Namespace) -> dict:
     print_table("TTFT, one image + text (ms)", columns,
                 [[c, results[c]["n"], results[c]["mean_ms"], results[c]["p50_ms"], results[c]["p99_ms"],
                   results[c]["mean_prompt_tokens"], results[c]["mean_cached_prompt_tokens"]] for c in CASES])
-    payload = {"benchmark": "ttft_prefix", "env": environment(args.device), "config": vars(args),
-               "results": results}
-    write_json(args.out, payload)
-    return payload
+    return save_result("ttft_prefix", args, results)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
