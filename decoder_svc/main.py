@@ -34,6 +34,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens when a request gives 0")
     p.add_argument("--max-waiting", type=int, default=4096, help="queue size before RESOURCE_EXHAUSTED")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
+                   help="kernels: auto takes Triton on CUDA and the torch reference elsewhere")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--encoder-timeout", type=float, default=20.0,
                    help="seconds of retries before an unreachable encoder fails a request (UNAVAILABLE)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off if unset)")
@@ -53,7 +56,8 @@ def build_engine(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         encoder_max_ahead=args.encoder_max_ahead, default_max_tokens=args.max_tokens_default,
-        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching)
+        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
     source = RemoteEmbeddingSource(args.encoder, device=args.device,
                                    retry=RetryPolicy(total_timeout_s=args.encoder_timeout))
     return LLMEngine(config, embedding_source=source)

@@ -9,6 +9,36 @@ import pytest
 
 from common.model_maker import make_model
 
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU): the kernel tests still
+# check them in CI. Set before any kernel module is imported, since triton.jit reads it then.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover - torch is a dependency
+    pass
+
+
+def _patch_triton_interpreter() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with int(array of shape (1,)), which
+    NumPy >= 2.4 refuses; a kernel's `range(lo, hi)` over loaded bounds then fails. Use .item()."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_triton_interpreter()
+
 
 def _made(tmp_path_factory: pytest.TempPathFactory, preset: str, seed: int) -> Path:
     # MMSERVE_TEST_MODEL_CACHE lets repeated local runs reuse checkpoints; CI makes them fresh.

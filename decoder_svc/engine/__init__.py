@@ -10,8 +10,8 @@ from decoder_svc.engine.engine import (
     Usage,
 )
 from decoder_svc.engine.request import FinishReason
-from decoder_svc.engine.sampler import TokenLogprobs
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
+from decoder_svc.runner.sampler import TokenLogprobs
 
 __all__ = ["EmbeddingRequest", "EmbeddingSource", "EmbeddingStatus", "EngineConfig", "EngineStats",
            "FinishReason", "InvalidRequestError", "LLMEngine", "QueueFullError", "RequestOutput",

@@ -1,5 +1,5 @@
-"""LLMEngine: the in-process decoder. Each step: schedule, gather image rows, run the model, sample,
-update requests, free the finished."""
+"""LLMEngine: the in-process decoder. Each step: schedule, hand the chunks to the model runner (which
+runs the model and samples), update requests, free the finished."""
 
 from __future__ import annotations
 
@@ -17,13 +17,19 @@ from common.images import ImageLimits, decode_image
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 from decoder_svc.engine.embedding_source import EmbeddingSource
-from decoder_svc.engine.fusion import fuse_image_rows, image_rows_for_chunk
+from decoder_svc.engine.fusion import image_rows_for_chunk
 from decoder_svc.engine.request import FinishReason, ImagePlaceholder, Request
-from decoder_svc.engine.sampler import Sampler, TokenLogprobs
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
 from decoder_svc.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from decoder_svc.model import KVCacheSpec, allocate_kv_cache, generation_eos_ids, load_language_model
-from decoder_svc.model.attention import AttentionMetadata
+from decoder_svc.model import generation_eos_ids, load_language_model
+from decoder_svc.runner import (
+    ModelInput,
+    ModelRunner,
+    RunnerConfig,
+    SamplingRow,
+    SequenceInput,
+    TokenLogprobs,
+)
 from decoder_svc.tokenization import PromptTokenizer, TokenizedPrompt
 
 ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
@@ -49,6 +55,8 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_waiting: int = 4096
     enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto: Triton kernels on CUDA, the torch reference elsewhere
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
 
 
 @dataclass
@@ -108,41 +116,29 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
-        self.model = load_language_model(config.model_dir, self.device, self.dtype)
+        self.model = load_language_model(config.model_dir, self.device, self.dtype, config.attention_backend)
         self.model_config = self.model.config
         self.tokenizer = PromptTokenizer(config.model_dir)
         self.fingerprint = model_fingerprint(config.model_dir)
         self.eos_token_ids = frozenset(generation_eos_ids(config.model_dir))
-        self.mm_token_ids = torch.tensor(sorted(self.tokenizer.mm_token_ids), device=self.device)
         if embedding_source is None:
             from decoder_svc.engine.local_source import LocalEmbeddingSource
 
             embedding_source = LocalEmbeddingSource(config.model_dir, self.device, self.dtype)
         self.source = embedding_source
-        num_blocks = self._num_kv_blocks()
-        self.kv_spec = KVCacheSpec.for_model(self.model_config, num_blocks, config.block_size, self.dtype)
-        self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, RunnerConfig(
+            config.device, self.dtype, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+            config.num_kv_blocks, config.kv_cache_bytes, config.enforce_eager),
+            sorted(self.tokenizer.mm_token_ids))
+        self.kv_spec = self.runner.initialize()
+        self.blocks = BlockManager(self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.encoder_max_ahead),
             self.blocks, self.source)
-        self.sampler = Sampler()
         self._pending: list[RequestOutput] = []  # aborts and failures, reported by the next step
         self._num_finished = self._num_aborted = self._num_failed = 0
         self._ids: set[str] = set()
         self.last_step_num_tokens = 0
-
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_block = KVCacheSpec.bytes_per_block(self.model_config, cfg.block_size, self.dtype)
-        budget = cfg.kv_cache_bytes
-        if budget is None:
-            budget = torch.cuda.mem_get_info(self.device)[0] // 2 if self.device.type == "cuda" else 512 << 20
-        # No point holding more than every sequence at full length.
-        useful = -(-self.model_config.max_model_len // cfg.block_size) * cfg.max_num_seqs
-        return max(1, min(budget // per_block, useful))
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(
@@ -267,49 +263,21 @@ class LLMEngine:
         outputs += self._fail(sched)
         if not sched.chunks:
             return outputs
-        input_ids, positions, meta, is_prompt, logits_idx = self._prepare_batch(sched.chunks)
-        embeds = self.model.embed(input_ids)
-        rows = [r for c in sched.chunks for r in image_rows_for_chunk(c.request, c.start, c.end)]
-        embeds = fuse_image_rows(embeds, input_ids, self.mm_token_ids, rows, is_prompt)
-        logits = self.model(positions, meta, self.kv_caches, logits_idx, inputs_embeds=embeds)
+        sampled = self.runner.execute(ModelInput([self._sequence_input(c) for c in sched.chunks])).sampled
         sampling_chunks = [c for c in sched.chunks if c.samples]
-        sampled = self.sampler.sample(logits, [c.request for c in sampling_chunks])
         self.scheduler.update_after_step(sched.chunks)
         for chunk, token, lp in zip(sampling_chunks, sampled.token_ids, sampled.logprobs, strict=True):
             outputs.append(self._append_token(chunk.request, token, lp))
         return outputs
 
-    def _prepare_batch(self, chunks: list[ScheduledChunk]):
-        """Flat ids and positions of the scheduled tokens plus the attention metadata."""
-        bs = self.kv_spec.block_size
-        ids, pos, slots, starts, seq_lens, tables, is_prompt, logits_idx = [], [], [], [0], [], [], [], []
-        for c in chunks:
-            req = c.request
-            table = self.blocks.block_table(req)
-            tokens = req.all_token_ids
-            ids += tokens[c.start:c.end]
-            pos += range(c.start, c.end)
-            slots += [table[p // bs] * bs + p % bs for p in range(c.start, c.end)]
-            is_prompt += [p < req.num_prompt_tokens for p in range(c.start, c.end)]
-            starts.append(starts[-1] + c.num_tokens)
-            seq_lens.append(c.end)
-            tables.append(table)
-            if c.samples:
-                logits_idx.append(starts[-1] - 1)
-        width = max(len(t) for t in tables)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.long),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
-                                      device=dev),
-            block_size=bs,
-        )
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev), meta,
-                torch.tensor(is_prompt, dtype=torch.bool, device=dev),
-                torch.tensor(logits_idx, dtype=torch.long, device=dev))
+    def _sequence_input(self, chunk: ScheduledChunk) -> SequenceInput:
+        """What the runner needs of one scheduled chunk."""
+        req = chunk.request
+        return SequenceInput(
+            token_ids=req.token_ids(chunk.start, chunk.end), start=chunk.start,
+            block_table=self.blocks.block_table(req), num_prompt_tokens=req.num_prompt_tokens,
+            image_rows=image_rows_for_chunk(req, chunk.start, chunk.end),
+            sampling=SamplingRow(req.request_id, req.sampling) if chunk.samples else None)
 
     def _append_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         """Record a sampled token, detokenize it, and finish the request if a stop condition holds."""
@@ -328,7 +296,7 @@ class LLMEngine:
             return RequestOutput(req.request_id, [token], text, lps)
         text += req.detokenizer.finish()
         self.scheduler.remove(req)
-        self.sampler.forget(req.request_id)
+        self.runner.forget(req.request_id)
         req.finish(reason)
         self._num_finished += 1
         return self._final_output(req, [token], text, lps)
@@ -337,7 +305,7 @@ class LLMEngine:
         outs = []
         for req in sched.failed:  # the scheduler already freed their blocks and embeddings
             req.finish(FinishReason.ERROR, req.error)
-            self.sampler.forget(req.request_id)
+            self.runner.forget(req.request_id)
             self._num_failed += 1
             outs.append(self._final_output(req, [], "", []))
         return outs

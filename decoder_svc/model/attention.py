@@ -18,27 +18,54 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionMetadata:
-    """Where each scheduled token's K/V goes and what each sequence may attend to."""
+    """Where each scheduled token's K/V goes and what each sequence may attend to.
 
-    slot_mapping: torch.Tensor  # [num_tokens] flat slot (block * block_size + row) of each new token
-    query_start_loc: torch.Tensor  # [num_seqs + 1] cumulative query lengths (CPU, int64)
-    seq_lens: torch.Tensor  # [num_seqs] context length after this step, new tokens included (CPU)
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] block ids, padded with 0 (device, int64)
+    The device tensors are all a kernel needs (a CUDA graph replays them with new contents); the CPU
+    copies serve the reference backend, which slices per sequence on the host.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot (block * block_size + row); -1: padding, not stored
+    query_start_loc: torch.Tensor  # [num_seqs + 1] cumulative query lengths (device, int32)
+    seq_lens: torch.Tensor  # [num_seqs] context length after this step, new tokens included (device, int32)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] block ids, padded with 0 (device, int32)
     block_size: int
+    max_query_len: int  # the longest chunk in the batch (1: decode only)
+    query_start_loc_cpu: torch.Tensor | None = None  # CPU copies for the reference backend
+    seq_lens_cpu: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, slot_mapping: list[int], query_lens: list[int], seq_lens: list[int],
+              block_tables: list[list[int]], block_size: int,
+              device: torch.device | str) -> AttentionMetadata:
+        """Metadata from host lists (tests, eager steps); the runner fills persistent buffers instead."""
+        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        starts[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        width = max((len(t) for t in block_tables), default=1) or 1
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        return cls(torch.tensor(slot_mapping, dtype=torch.int64, device=device), starts.to(device),
+                   lens.to(device), tables.to(device), block_size, max(query_lens, default=0), starts, lens)
 
     @property
     def num_seqs(self) -> int:
         """Number of sequences in the batch."""
-        return int(self.seq_lens.numel())
+        return int(self.block_tables.shape[0])
+
+    def host_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """query_start_loc and seq_lens on the host (int64)."""
+        starts, lens = self.query_start_loc_cpu, self.seq_lens_cpu
+        starts = self.query_start_loc.cpu() if starts is None else starts
+        lens = self.seq_lens.cpu() if lens is None else lens
+        return starts.long(), lens.long()
 
     @cached_property
     def decode_plan(self) -> DecodePlan | None:
         """The single-token (decode) rows, gathered once per step for every layer; None if < 2."""
-        starts = self.query_start_loc
+        starts, seq_lens = self.host_lens()
         seqs = ((starts[1:] - starts[:-1]) == 1).nonzero().flatten()
         if seqs.numel() < 2:
             return None
-        lens = self.seq_lens[seqs]
+        lens = seq_lens[seqs]
         n_blocks = -(-int(lens.max()) // self.block_size)
         device = self.block_tables.device
         # Host-to-device copies happen here, once, not in every layer (each would stall the stream).
@@ -46,7 +73,7 @@ class AttentionMetadata:
         key_mask = torch.arange(n_blocks * self.block_size)[None, :] < lens[:, None]
         return DecodePlan(
             seqs=set(seqs.tolist()), rows=starts[seqs].to(device, non_blocking=True),
-            block_tables=self.block_tables[seqs_dev, :n_blocks],
+            block_tables=self.block_tables[seqs_dev, :n_blocks].long(),
             key_mask=key_mask[:, None, None, :].to(device, non_blocking=True))
 
 
@@ -67,6 +94,8 @@ class AttentionBackend(ABC):
     kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]. Returns [tokens, heads, head_dim].
     """
 
+    supports_cuda_graphs = False  # True when forward never synchronises with the host
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -76,6 +105,9 @@ class AttentionBackend(ABC):
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' keys and values at their slots."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    keep = slot_mapping >= 0  # padded rows have no slot
+    if not bool(keep.all()):
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)
 
@@ -90,13 +122,14 @@ class TorchAttentionBackend(AttentionBackend):
         # must be visible to its queries.
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        starts = meta.query_start_loc.tolist()
+        starts_t, seq_lens = meta.host_lens()
+        starts = starts_t.tolist()
         plan = meta.decode_plan
         if plan is not None:  # one kernel for every single-token query instead of one per sequence
             self._decode_batch(q, kv_cache, plan, scale, out)
         done = plan.seqs if plan is not None else set()
-        for i, seq_len in enumerate(meta.seq_lens.tolist()):
-            if i not in done:
+        for i, seq_len in enumerate(seq_lens.tolist()):
+            if i not in done and seq_len > 0:
                 q_lo, q_hi = starts[i], starts[i + 1]
                 out[q_lo:q_hi] = self._one_sequence(q[q_lo:q_hi], kv_cache, meta.block_tables[i], seq_len,
                                                     meta.block_size, scale)
@@ -112,7 +145,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _one_sequence(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_len: int, block_size: int, scale: float) -> torch.Tensor:
         n_q = q.shape[0]
-        keys, values = self._gather(kv_cache, block_table[:-(-seq_len // block_size)])
+        keys, values = self._gather(kv_cache, block_table[:-(-seq_len // block_size)].long())
         keys, values = keys[:seq_len], values[:seq_len]
         groups = q.shape[1] // keys.shape[1]
         if groups > 1:

@@ -1,97 +1,112 @@
 """Llama-family decoder layers (Llama, Mistral, Qwen2) over flat token batches and a paged KV cache.
 
-Module and parameter names follow Hugging Face so checkpoint tensors load by name.
+q/k/v are one projection (`qkv_proj`) and gate/up another (`gate_up_proj`), fused at load from the
+checkpoint's separate tensors (loader.PACKED_MODULES): one matrix product each instead of three and
+two. Norms, the residual adds, rotary embedding and SiLU-and-multiply go through `ops`: the torch
+reference (CPU, tests) or fused Triton kernels (GPU), with the rounding points of Hugging Face's code.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from decoder_svc.model.attention import AttentionBackend, AttentionMetadata
 from decoder_svc.model.config import TextModelConfig
-from decoder_svc.model.rope import RotaryEmbedding
+from decoder_svc.model.ops import TorchOps
+from decoder_svc.model.rope import inv_frequencies
 
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in fp32 and cast back before the weight, as HF does."""
+    """RMS norm computed in fp32 and cast back before the weight, as HF does; with `residual`, adds it
+    first and returns the sum as the new residual (one fused kernel on the GPU)."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, ops: type[TorchOps]) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one product."""
 
-    def __init__(self, cfg: TextModelConfig) -> None:
+    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps]) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class SelfAttention(nn.Module):
-    """GQA self-attention; the backend does the paged-cache part."""
+    """GQA self-attention; the backend stores K/V and attends over the paged cache."""
 
-    def __init__(self, cfg: TextModelConfig) -> None:
+    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps]) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
-        q = RotaryEmbedding.apply(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = RotaryEmbedding.apply(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.rotary(q, k, positions, cos_sin)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(n, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residuals."""
+    """Pre-norm attention and MLP blocks; the residual stream travels beside the hidden states so each
+    residual add fuses into the norm that follows it."""
 
-    def __init__(self, cfg: TextModelConfig) -> None:
+    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps]) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, cos_sin, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """The language model. forward takes all scheduled tokens of a batch as one flat sequence."""
 
-    def __init__(self, cfg: TextModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: TextModelConfig, backend: AttentionBackend,
+                 ops: type[TorchOps] = TorchOps) -> None:
         super().__init__()
         self.config = cfg
         self.backend = backend
+        self.ops = ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg)
+        self.register_buffer("cos_sin", self.rotary_table(cfg), persistent=False)
+
+    def rotary_table(self, cfg: TextModelConfig) -> torch.Tensor:
+        """fp32 [max_position, head_dim]: cos then sin of every position's angles (indexed, no host work)."""
+        return self.ops.make_cos_sin_cache(inv_frequencies(cfg), cfg.max_position_embeddings)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [tokens, hidden]."""
@@ -108,8 +123,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run every layer over the flat batch; return fp32 logits only for rows logits_indices."""
         x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta, self.backend)
+            x, residual = layer(x, residual, positions, self.cos_sin, kv_cache, meta, self.backend)
         # Norm and lm_head only on the rows we sample from: the rest are partial prefill chunks.
-        return self.lm_head(self.norm(x[logits_indices])).float()
+        x, _ = self.norm(x[logits_indices], residual[logits_indices])
+        return self.lm_head(x).float()

@@ -8,10 +8,9 @@ from pathlib import Path
 import torch
 
 from common.checkpoint import load_config, load_tensors
-from decoder_svc.model.attention import AttentionBackend, TorchAttentionBackend
+from decoder_svc.model.backends import make_kernels
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.llama import LlamaForCausalLM
-from decoder_svc.model.rope import RotaryEmbedding
 
 # (checkpoint prefix, our prefix), most specific first. Both LLaVA layouts: the classic one written by
 # LlavaForConditionalGeneration.save_pretrained of older versions and by our maker, and the newer one.
@@ -21,6 +20,12 @@ _KEY_MAP = (
     ("model.language_model.", ""),
     ("lm_head.", "lm_head."),
 )
+
+# Checkpoint module -> (our fused module, shard index): shards are concatenated along the output rows.
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
 
 
 def text_config_dict(model_dir: str | Path) -> dict:
@@ -47,13 +52,34 @@ def rename_language_model_key(name: str) -> str | None:
     return None
 
 
+def pack_fused_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Concatenate q/k/v and gate/up tensors (weights and biases) into our fused modules' tensors."""
+    packed: dict[str, torch.Tensor] = {}
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        parts = name.split(".")
+        fused = PACKED_MODULES.get(parts[-2]) if len(parts) >= 2 else None
+        if fused is None:
+            packed[name] = tensor
+            continue
+        target = ".".join([*parts[:-2], fused[0], parts[-1]])
+        shards.setdefault(target, {})[fused[1]] = tensor
+    for target, by_index in shards.items():
+        expected = 3 if ".qkv_proj." in target else 2
+        if sorted(by_index) != list(range(expected)):
+            raise ValueError(f"checkpoint has {len(by_index)} of the {expected} shards of {target}")
+        packed[target] = torch.cat([by_index[i] for i in range(expected)], dim=0)
+    return packed
+
+
 def load_language_model(
     model_dir: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    backend: AttentionBackend | None = None,
+    attention_backend: str = "auto",
 ) -> LlamaForCausalLM:
-    """Build the model from the checkpoint's text config and load its weights (strictly)."""
+    """Build the model from the checkpoint's text config and load its weights (strictly), with the
+    kernels `attention_backend` names (backends.make_kernels: auto, torch or triton)."""
     cfg = TextModelConfig.from_hf(text_config_dict(model_dir))
     tensors = load_tensors(model_dir, [p for p, _ in _KEY_MAP], device="cpu", dtype=dtype)
     state = {}
@@ -61,13 +87,15 @@ def load_language_model(
         ours = rename_language_model_key(name)
         if ours is not None and "rotary_emb" not in ours:
             state[ours] = tensor
+    state = pack_fused_weights(state)
     tie = cfg.tie_word_embeddings or "lm_head.weight" not in state
     if tie:
         state.pop("lm_head.weight", None)
+    backend, ops = make_kernels(attention_backend, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend or TorchAttentionBackend())
+        model = LlamaForCausalLM(cfg, backend, ops)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary = RotaryEmbedding(cfg).to(device)  # fp32 buffer, not in the checkpoint
+    model.cos_sin = model.rotary_table(cfg).to(device)  # fp32, not in the checkpoint
     if tie:
         model.lm_head.weight = model.embed_tokens.weight
     missing, unexpected = model.load_state_dict(state, strict=False)

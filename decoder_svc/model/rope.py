@@ -1,4 +1,5 @@
-"""Rotary position embeddings, computed exactly as Hugging Face Llama does (fp32 angles)."""
+"""Rotary position embeddings' inverse frequencies, as Hugging Face computes them (the rotation itself
+is ops.rotary over a precomputed cos/sin table)."""
 
 from __future__ import annotations
 
@@ -27,24 +28,3 @@ def inv_frequencies(cfg: TextModelConfig) -> torch.Tensor:
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
     return inv_freq
-
-
-class RotaryEmbedding(torch.nn.Module):
-    """Applies RoPE to flat [tokens, heads, head_dim] queries and keys at arbitrary positions."""
-
-    def __init__(self, cfg: TextModelConfig) -> None:
-        super().__init__()
-        self.register_buffer("inv_freq", inv_frequencies(cfg), persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [tokens, 1, head_dim] for these positions, cast to the model dtype like HF."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x * cos + rotate_half(x) * sin."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin

@@ -22,16 +22,13 @@ def test_batched_decode_rows_equal_one_sequence_at_a_time():
     total = sum(query_lens)
     q = torch.randn(total, heads, dim)
     k, v = torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0)]),
-        seq_lens=torch.tensor(seq_lens), block_tables=tables, block_size=block_size)
+    meta = AttentionMetadata.build(slots, query_lens, seq_lens, tables.tolist(), block_size, "cpu")
     backend = TorchAttentionBackend()
     batched = backend.forward(q, k, v, kv_cache.clone(), meta, scale=dim**-0.5)
 
     cache = kv_cache.clone()
     write_kv(k, v, cache, meta.slot_mapping)
-    starts = meta.query_start_loc.tolist()
+    starts = meta.query_start_loc_cpu.tolist()
     for i, n in enumerate(seq_lens):
         ref = backend._one_sequence(q[starts[i]:starts[i + 1]], cache, tables[i], n, block_size, dim**-0.5)
         torch.testing.assert_close(batched[starts[i]:starts[i + 1]], ref, rtol=1e-5, atol=1e-6)

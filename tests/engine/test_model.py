@@ -48,7 +48,7 @@ def _our_logits(model, ids: torch.Tensor, split: int) -> torch.Tensor:
     def run(lo, hi):
         pos = torch.arange(lo, hi)
         slots = table[0, pos // 8] * 8 + pos % 8
-        meta = AttentionMetadata(slots, torch.tensor([0, hi - lo]), torch.tensor([hi]), table, 8)
+        meta = AttentionMetadata.build(slots.tolist(), [hi - lo], [hi], table.tolist(), 8, "cpu")
         return model(pos, meta, kv, torch.arange(hi - lo), input_ids=ids[lo:hi])
 
     with torch.no_grad():

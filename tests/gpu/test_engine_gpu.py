@@ -1,5 +1,6 @@
-"""The engine on CUDA: token parity with HF in fp32 (chunked, prefix cache, preemption), and the
-agreement rate with HF in bf16 (printed: bf16 greedy paths diverge legitimately on near ties)."""
+"""The engine on CUDA: token parity with HF in fp32 (chunked, prefix cache, preemption) with the Triton
+kernels and decode CUDA graphs (and with the torch reference), and the agreement rate with HF in bf16
+(>= 99% of tokens; bf16 greedy paths may diverge legitimately on near ties)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,13 @@ def _engine(model_dir, dtype: str, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**cfg))
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("budget", [13, 4096])
-def test_cuda_fp32_parity(tiny_model_dir, budget):
+def test_cuda_fp32_parity(tiny_model_dir, budget, backend):
     torch.backends.cuda.matmul.allow_tf32 = False
     oracle = HFOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
-    engine = _engine(tiny_model_dir, "float32", max_num_batched_tokens=budget)
+    engine = _engine(tiny_model_dir, "float32", max_num_batched_tokens=budget, attention_backend=backend)
+    assert engine.runner.uses_cuda_graphs == (backend == "triton")  # decode steps replay graphs
     cases = _cases()
     for rid, (prompt, imgs) in cases.items():  # all at once: mixed batches
         engine.add_request(rid, prompt, imgs, sampling=SamplingParams(max_tokens=N))
@@ -46,6 +49,7 @@ def test_cuda_fp32_parity(tiny_model_dir, budget):
         out = engine.generate(rid + "-warm", prompt, imgs, sampling=SamplingParams(max_tokens=N))
         oracle.assert_same_tokens(out.new_token_ids, prompt, imgs, N)
     assert engine.stats().prefix_hit_tokens > 0 and engine.stats().kv_blocks_used == 0
+    assert (engine.runner.graph_steps > 0) == (backend == "triton")
 
 
 def test_cuda_fp32_preemption_parity(tiny_model_dir):
@@ -75,3 +79,4 @@ def test_cuda_bf16_agreement_report(tiny_model_dir):
         print(f"bf16 {rid}: ours {ours}\n         hf   {ref}")
     print(f"bf16 greedy agreement with HF bf16: {agree}/{total} = {agree / total:.3f}; "
           f"common prefix {prefix}/{total} = {prefix / total:.3f}")
+    assert agree / total >= 0.99

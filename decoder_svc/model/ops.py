@@ -1,0 +1,70 @@
+"""Elementwise decoder ops (RMS norm, SwiGLU activation, RoPE) in plain torch: the reference.
+
+`TorchOps` reproduces Hugging Face Llama numerics op for op (same casts, same rounding points), so it is
+both the CPU implementation and the oracle that `decoder_svc.model.triton_ops.TritonOps` is tested
+against. Both classes expose the same four static methods; callers pick one and call through it.
+
+Shapes: tokens are flat rows, T >= 0. `x` [T, H]; `q` [T, Hq, D], `k` [T, Hk, D]; `positions` [T].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchOps:
+    """Reference ops in plain torch, matching HF LlamaRMSNorm / silu*up / apply_rotary_pos_emb exactly."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMS-normalise x (optionally after adding residual); returns (out, new_residual).
+
+        new_residual is x itself when residual is None, else x + residual in x.dtype (HF's
+        `residual + hidden_states`). out = weight * (h.float() * rsqrt(mean(h.float()^2) + eps)).to(dtype)
+        with h = new_residual: normalised in fp32, cast back, then multiplied by weight in the dtype.
+        Inputs are not modified.
+        """
+        h = x if residual is None else x + residual
+        dtype = h.dtype
+        hf = h.float()
+        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * hf.to(dtype), h
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2*I] = cat(gate, up) -> silu(gate) * up [T, I], both ops in x.dtype as HF does."""
+        gate, up = x.chunk(2, dim=-1)
+        # contiguous(): CPU silu takes a vector or a scalar path per element depending on layout, which
+        # differ by an ulp; HF's gate is a contiguous [T, I] gemm output, so match its layout exactly.
+        return F.silu(gate.contiguous()) * up
+
+    @staticmethod
+    def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half RoPE on q [T, Hq, D] and k [T, Hk, D]; returns new (q_rot, k_rot).
+
+        cos_sin_cache [max_pos, D] fp32 holds cat(cos, sin) of the D/2 frequencies per position. As in
+        HF, cos and sin are cast to the model dtype first and x*cos + rotate_half(x)*sin runs in that
+        dtype (each op rounded). q and k may be strided views; they are not modified.
+        """
+        half = cos_sin_cache.shape[-1] // 2
+        cs = cos_sin_cache[positions]
+        cos, sin = cs[:, :half], cs[:, half:]
+        # [T, 1, D]: broadcast over heads; cast before use, like HF's LlamaRotaryEmbedding output.
+        cos = torch.cat((cos, cos), dim=-1).to(q.dtype)[:, None, :]
+        sin = torch.cat((sin, sin), dim=-1).to(q.dtype)[:, None, :]
+
+        def rot(x: torch.Tensor) -> torch.Tensor:
+            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            return x * cos + rotated * sin
+
+        return rot(q), rot(k)
+
+    @staticmethod
+    def make_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+        """fp32 [max_positions, D]: row p = cat(cos(p * inv_freq), sin(p * inv_freq)), angles as HF."""
+        positions = torch.arange(max_positions, device=inv_freq.device)
+        freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)

@@ -1,0 +1,243 @@
+"""Triton kernels for the paged KV cache: storing new K/V, and one attention kernel for a flat varlen
+batch in which prefill chunks (causal within the chunk, full view of the cached prefix) and decode rows
+share a launch.
+
+Layout. Each program takes BLOCK_M query rows of one KV head: BLOCK_Q consecutive tokens of one
+sequence times the H_PER_KV query heads that share that KV head (GQA packed along the rows), so each
+key/value tile is read once for all of them. Programs are numbered flat over the batch; a program finds
+its sequence by binary search over `query_start_loc` (sequence i owns q-blocks starting at
+query_start_loc[i] // BLOCK_Q + i), so the grid needs no host-side table and a CUDA graph can replay it
+with new lengths. A third grid axis splits the keys (split-KV) when a few sequences alone would leave
+most of the GPU idle; a small second kernel merges the partial softmaxes.
+
+Nothing here syncs with the host: the host passes only the grid (an upper bound) and block shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from decoder_svc.model.attention import AttentionBackend, AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cr, stride_ch,
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # a padded row (CUDA-graph bucket): nothing to store
+        return
+    block, row = slot // block_size, slot % block_size
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < KV_HEADS) & (d < HEAD_DIM)
+    dst = block * stride_cb + row * stride_cr + h * stride_ch + d
+    k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence i whose first q-block (query_start_loc[i] // BLOCK_Q + i) is <= q_block."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    part_acc_ptr, part_ml_ptr, scale_log2, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cr, stride_ch, stride_bt,
+    NUM_HEADS: tl.constexpr, H_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + seq)
+    if local_block * BLOCK_Q >= q_len:  # the grid is an upper bound: spare programs stop here
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # tokens already in the cache before this step's chunk
+
+    m = tl.arange(0, BLOCK_M)
+    tok = local_block * BLOCK_Q + m // H_PER_KV
+    head = kv_head * H_PER_KV + m % H_PER_KV
+    row_ok = (m < BLOCK_Q * H_PER_KV) & (tok < q_len)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = context + tok  # each query sees keys 0..q_pos
+
+    num_keys = context + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(num_keys, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < num_keys
+        block = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        offs = block * stride_cb + (n % PAGE) * stride_cr + kv_head * stride_ch
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a padded row (seq_len 0) attends to nothing: zeros
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = (q_rows * NUM_HEADS + head) * NUM_SPLITS + split  # [tokens, heads, splits] row index
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (token * NUM_HEADS + head) * NUM_SPLITS
+    s = tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml_ptr + (base + s) * 2)
+    lse = tl.load(part_ml_ptr + (base + s) * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)  # empty splits have m = -inf: weight 0
+    total = tl.sum(lse * w, 0)
+    total = tl.where(total == 0.0, 1.0, total)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :])
+    o = tl.sum(acc * w[:, None], 0) / total
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each token's K/V [tokens, kv_heads, head_dim] at its slot; slots < 0 are skipped."""
+    tokens, kv_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _store_kv_kernel[(tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of every query row [tokens, heads, head_dim] over its sequence's paged K/V.
+
+    num_splits > 1 divides each sequence's keys among that many programs (then merges them): worth it
+    when num_seqs * kv_heads programs alone would leave most multiprocessors idle.
+    """
+    tokens, num_heads, head_dim = q.shape
+    out = torch.empty_like(q) if out is None else out
+    if tokens == 0:
+        return out
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    kv_heads = k_cache.shape[2]
+    h_per_kv = num_heads // kv_heads
+    # Decode-heavy batches use 16-row tiles (the smallest a tensor-core dot takes), prefill 64.
+    block_m = 16 if meta.max_query_len * h_per_kv <= 16 else 64
+    block_m = max(block_m, triton.next_power_of_2(h_per_kv))
+    block_q = block_m // h_per_kv
+    block_d = triton.next_power_of_2(max(head_dim, 16))
+    num_seqs = meta.block_tables.shape[0]
+    grid = (tokens // block_q + num_seqs, kv_heads, num_splits)
+    if num_splits > 1:
+        part_acc = torch.empty(tokens * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(tokens * num_heads * num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _paged_attention_kernel[grid](
+        out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        part_acc, part_ml, scale * _LOG2E, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        NUM_HEADS=num_heads, H_PER_KV=h_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if head_dim <= 128 else 32,
+        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _merge_splits_kernel[(tokens, num_heads)](
+            out, part_acc, part_ml, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits)
+    return out
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in Triton: one KV-store launch and one attention launch (plus a merge when the
+    keys are split) per layer, with no host synchronisation, so decode steps can be CUDA-graphed."""
+
+    def __init__(self, num_sms: int | None = None) -> None:
+        if num_sms is None and torch.cuda.is_available():
+            num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        self.num_sms = num_sms or 1
+
+    def num_splits(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> int:
+        """Split the keys only for decode-only batches whose (sequence, KV head) programs fill less than
+        one wave of the GPU; 16 at most (one split per >= 64 keys of a 1k context)."""
+        if meta.max_query_len != 1:
+            return 1
+        programs = meta.block_tables.shape[0] * kv_cache.shape[3]
+        if programs >= self.num_sms:
+            return 1
+        return min(16, triton.next_power_of_2(-(-self.num_sms // programs)))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        return paged_attention(q, kv_cache, meta, scale, self.num_splits(q, kv_cache, meta))

@@ -1,0 +1,219 @@
+"""Fused Triton versions of the `TorchOps` elementwise decoder ops, for GPU decode and prefill.
+
+Same signatures as `decoder_svc.model.ops.TorchOps`. Differences in side effects:
+
+- `rms_norm` with a residual writes x + residual IN PLACE into `residual` and returns it as the new
+  residual (the caller owns it); `x` is never written. Without a residual the new residual is `x`.
+- `silu_and_mul` returns a new [T, I] tensor.
+- `rotary` rotates q and k IN PLACE (they may be strided views of one fused qkv buffer) and returns them.
+
+Numerics follow HF's rounding points: fp32 math, rounding to the tensor dtype exactly where HF's
+dtype ops round. RMS norm and SwiGLU then differ from the reference only by the order of the fp32
+sum and by exp/rsqrt ulps. Rotary rounds once per output, where the reference (HF) rounds after
+each mul and the add: in bf16/fp16 an element may differ by one rounding; in fp32 they agree to ~1e-6.
+
+Only imported on GPU paths or under TRITON_INTERPRET=1 (tests), so triton is imported at the top.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from decoder_svc.model.ops import TorchOps
+
+# The Triton interpreter (3.6) truncates fp32 -> bf16 casts, where the GPU's cvt.rn rounds to nearest
+# even like torch; under it, _round does the RNE in integer ops so CPU tests see GPU/torch rounding.
+_EMULATE_BF16_RNE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    # fp32 x rounded to dtype, round-to-nearest-even. On GPU this is just the native conversion.
+    if _EMULATE_BF16_RNE and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out = tl.where(x == x, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), x.to(dtype))  # keep NaN
+    else:
+        out = x.to(dtype)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_stride, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per row: the whole row fits in registers (BLOCK >= n_cols), so one pass.
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31 at long prefills
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dtype = x_ptr.dtype.element_ty
+    h = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
+        # fp32 add then one rounding: bit-identical to torch's dtype add.
+        h = _round(h.to(tl.float32) + r.to(tl.float32), dtype)
+        tl.store(res_ptr + row * res_stride + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    var = tl.sum(hf * hf, axis=0) / n_cols
+    # libdevice rsqrtf, as torch.rsqrt uses on CUDA; HF casts back to the dtype before the weight.
+    normed = _round(hf * tl.math.rsqrt(var + eps), dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    # Product of two dtype values is exact in fp32, so this single rounding equals torch's dtype mul.
+    out = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, _round(out, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, BLOCK: tl.constexpr):
+    # Grid (rows, column blocks): small blocks give enough programs to fill the GPU at T=1.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = _round(gate / (1.0 + tl.exp(-gate)), dtype)  # HF rounds silu(gate) to the dtype
+    tl.store(out_ptr + row * out_stride + cols, _round(act.to(tl.float32) * up, dtype), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(base, s_head, s_dim, n_heads, cos, sin, half, d, d_mask,
+                  BLOCK_HEADS: tl.constexpr):
+    # All heads of one token as a [BLOCK_HEADS, BLOCK_HALF] tile; x1 = first half, x2 = second half.
+    heads = tl.arange(0, BLOCK_HEADS)
+    mask = (heads[:, None] < n_heads) & d_mask[None, :]
+    p1 = base + heads[:, None] * s_head + d[None, :] * s_dim
+    p2 = p1 + half * s_dim
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p2, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    # rotate_half(x) = cat(-x2, x1): out1 = x1*c - x2*s, out2 = x2*c + x1*s.
+    tl.store(p1, _round(x1 * c - x2 * s, dtype), mask=mask)
+    tl.store(p2, _round(x2 * c + x1 * s, dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr,
+                   q_s_tok, q_s_head, q_s_dim, k_s_tok, k_s_head, k_s_dim, cache_stride,
+                   n_q_heads, n_k_heads, half,
+                   BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # One program per token: cos/sin are loaded once and reused for every q and k head.
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < half
+    dtype = q_ptr.dtype.element_ty
+    cs = cache_ptr + pos * cache_stride
+    # HF casts cos/sin to the model dtype before use; round them the same way, then compute in fp32.
+    cos = _round(tl.load(cs + d, mask=d_mask, other=0.0).to(tl.float32), dtype).to(tl.float32)
+    sin = _round(tl.load(cs + half + d, mask=d_mask, other=0.0).to(tl.float32), dtype).to(tl.float32)
+    _rotate_heads(q_ptr + tok * q_s_tok, q_s_head, q_s_dim, n_q_heads, cos, sin, half, d, d_mask,
+                  BLOCK_QH)
+    _rotate_heads(k_ptr + tok * k_s_tok, k_s_head, k_s_dim, n_k_heads, cos, sin, half, d, d_mask,
+                  BLOCK_KH)
+
+
+def _row_major(x: torch.Tensor, name: str) -> None:
+    # Kernels index rows by stride(0) and columns as contiguous.
+    if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"{name} must be 2-D with a contiguous last dim, got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+
+
+class TritonOps:
+    """Triton kernels with TorchOps' signatures; rms_norm(residual) and rotary write in place."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * rmsnorm(h), h) with h = x, or h = x + residual written IN PLACE into residual.
+
+        weight must have x's dtype (the model casts its parameters), so out has x's dtype as in HF.
+        x is never modified; the returned residual is `x` or the `residual` tensor itself.
+        """
+        _row_major(x, "x")
+        if weight.dtype != x.dtype or weight.shape != (x.shape[1],):
+            raise ValueError(f"weight must be [{x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} "
+                             f"{weight.dtype}")
+        if residual is not None:
+            _row_major(residual, "residual")
+            if residual.shape != x.shape or residual.dtype != x.dtype:
+                raise ValueError("residual must match x in shape and dtype")
+        n_rows, n_cols = x.shape
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        new_residual = x if residual is None else residual
+        if n_rows == 0 or n_cols == 0:
+            return out, new_residual
+        weight = weight.contiguous()
+        block = triton.next_power_of_2(n_cols)
+        # Enough warps that each thread holds <= ~16 fp32 values of the row.
+        num_warps = min(max(block // 512, 1), 16)
+        res = residual if residual is not None else x  # dummy pointer when HAS_RESIDUAL is False
+        _rms_norm_kernel[(n_rows,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0),
+                                    n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                    num_warps=num_warps)
+        return out, new_residual
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2*I] = cat(gate, up) -> new tensor silu(gate) * up [T, I]; x is not modified."""
+        _row_major(x, "x")
+        n_rows, two_i = x.shape
+        if two_i % 2:
+            raise ValueError(f"last dim must be even (gate, up), got {two_i}")
+        n_cols = two_i // 2
+        out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+        if n_rows == 0 or n_cols == 0:
+            return out
+        # Small tiles at small T so the grid still covers the SMs; big tiles amortise at prefill.
+        block = 256 if n_rows < 64 else 1024
+        block = min(block, triton.next_power_of_2(n_cols))
+        grid = (n_rows, triton.cdiv(n_cols, block))
+        _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block,
+                                   num_warps=4 if block >= 512 else 2)
+        return out
+
+    @staticmethod
+    def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half RoPE applied IN PLACE to q [T, Hq, D] and k [T, Hk, D]; returns (q, k).
+
+        q and k may be arbitrary strided views (e.g. of one fused qkv buffer) but must not overlap.
+        Positions are not bounds-checked against the cache (a check would force a host sync).
+        """
+        if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+            raise ValueError(f"q [T, Hq, D] and k [T, Hk, D] expected, got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}")
+        if q.dtype != k.dtype:
+            raise ValueError("q and k must share a dtype")
+        n_tok, n_q_heads, head_dim = q.shape
+        if head_dim % 2 or cos_sin_cache.shape[-1] != head_dim:
+            raise ValueError(f"cos_sin_cache last dim must equal head_dim {head_dim} (even)")
+        if positions.shape != (n_tok,):
+            raise ValueError(f"positions must be [{n_tok}], got {tuple(positions.shape)}")
+        if n_tok == 0:
+            return q, k
+        half = head_dim // 2
+        cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+        positions = positions.contiguous()
+        n_k_heads = k.shape[1]
+        block_qh = triton.next_power_of_2(n_q_heads)
+        block_kh = triton.next_power_of_2(max(n_k_heads, 1))
+        tile = max(block_qh, block_kh) * triton.next_power_of_2(half)
+        _rotary_kernel[(n_tok,)](q, k, positions, cache, *q.stride(), *k.stride(), cache.stride(0),
+                                 n_q_heads, n_k_heads, half, BLOCK_QH=block_qh, BLOCK_KH=block_kh,
+                                 BLOCK_HALF=triton.next_power_of_2(half),
+                                 num_warps=min(max(tile // 256, 1), 8))
+        return q, k
+
+    @staticmethod
+    def make_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+        """Same fp32 [max_positions, D] cos|sin table as TorchOps (built once at load, no kernel needed)."""
+        return TorchOps.make_cos_sin_cache(inv_freq, max_positions)

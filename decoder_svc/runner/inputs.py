@@ -1,0 +1,60 @@
+"""What crosses the seam between the engine and the model runner: plain data, no scheduler objects.
+
+The engine turns its scheduler's output into a ModelInput (one SequenceInput per scheduled chunk); the
+runner turns that into device tensors, runs the model and samples, and answers with a ModelOutput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from decoder_svc.runner.sampler import SamplerOutput, SamplingRow
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence's share of a step: tokens [start, start + len(token_ids)) and where they go."""
+
+    token_ids: list[int]
+    start: int  # position of token_ids[0]
+    block_table: list[int]  # physical KV blocks of the sequence, covering every token up to the chunk's end
+    num_prompt_tokens: int  # image slots exist only below this position (generated ids are always text)
+    image_rows: list[torch.Tensor] = field(default_factory=list)  # rows of the chunk's image tokens, in order
+    sampling: SamplingRow | None = None  # None: a prefill chunk short of the last token (no logits)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed for this sequence in the step."""
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        """Context length once the step is done."""
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """Everything the runner computes in one step."""
+
+    sequences: list[SequenceInput]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the step."""
+        return sum(s.num_tokens for s in self.sequences)
+
+    @property
+    def is_plain_decode(self) -> bool:
+        """One text token per sequence: the shape CUDA graphs are captured for."""
+        return all(s.num_tokens == 1 and not s.image_rows for s in self.sequences)
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """One sampled token (and optional logprobs) per sequence that had `sampling`, in order."""
+
+    sampled: SamplerOutput
+    used_cuda_graph: bool = False

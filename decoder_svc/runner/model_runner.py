@@ -1,0 +1,247 @@
+"""ModelRunner: owns execution on the device.
+
+It holds the model, the KV cache, persistent device input buffers with pinned host staging, the decode
+CUDA graphs and the sampler. Each step it turns a ModelInput (plain lists from the engine) into device
+tensors with one batch of asynchronous copies, fuses the image rows, runs the model (replaying a graph
+when the step is plain decode) and samples, with one host synchronisation (the sampled ids).
+
+Contract with the engine: when execute() returns, the device has finished reading every image row the
+step used, so the engine may release those embeddings' leases at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
+from decoder_svc.model.attention import AttentionMetadata
+from decoder_svc.runner.cuda_graphs import DecodeGraphs
+from decoder_svc.runner.fusion import fuse_image_rows, image_slots
+from decoder_svc.runner.inputs import ModelInput, ModelOutput
+from decoder_svc.runner.sampler import Sampler, SamplerOutput
+
+log = logging.getLogger("mmserve.decoder.runner")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Sizes and switches of the runner."""
+
+    device: str
+    dtype: torch.dtype
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    num_kv_blocks: int | None = None  # wins over kv_cache_bytes
+    kv_cache_bytes: int | None = None  # default: half the GPU memory free after warm-up, or 512 MiB on CPU
+    enforce_eager: bool = False  # no CUDA graphs
+    progress: bool = True  # a progress bar while capturing graphs
+
+
+class StepBuffers:
+    """The step's input tensors on the device, each with a same-shaped (pinned) host twin to fill."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        shapes = {"input_ids": ((max_tokens,), torch.int64), "positions": ((max_tokens,), torch.int64),
+                  "slot_mapping": ((max_tokens,), torch.int64),
+                  "query_start_loc": ((max_seqs + 1,), torch.int32), "seq_lens": ((max_seqs,), torch.int32),
+                  "block_tables": ((max_seqs, max_blocks), torch.int32),
+                  "logits_indices": ((max_seqs,), torch.int64)}
+        self.host = {k: torch.zeros(s, dtype=t, pin_memory=pin) for k, (s, t) in shapes.items()}
+        self.np = {k: v.numpy() for k, v in self.host.items()}
+        self.dev = {k: torch.zeros(s, dtype=t, device=device) for k, (s, t) in shapes.items()}
+        self.dev["slot_mapping"].fill_(-1)
+
+    def upload(self, counts: dict[str, int]) -> None:
+        """Copy the first counts[name] rows of each host buffer to the device, asynchronously."""
+        for name, n in counts.items():
+            self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
+
+
+@dataclass
+class PreparedStep:
+    """A step's tensors, views into the persistent buffers."""
+
+    num_tokens: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    image_slots: torch.Tensor | None  # flat rows that take image embeddings
+
+
+class ModelRunner:
+    """Runs steps of the language model over the paged KV cache; knows nothing of the scheduler."""
+
+    def __init__(self, model: LlamaForCausalLM, config: RunnerConfig, mm_token_ids: list[int]) -> None:
+        self.model = model
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model_config = model.config
+        self.mm_token_ids = np.asarray(sorted(mm_token_ids), dtype=np.int64)
+        self.max_blocks_per_seq = -(-self.model_config.max_model_len // config.block_size)
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
+        self.sampler = Sampler(self.device)
+        self.kv_spec: KVCacheSpec | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
+        self._on_cuda = self.device.type == "cuda"
+        self._staged = torch.cuda.Event() if self._on_cuda else None  # host buffers free to refill
+        self.graph_steps = 0  # steps that replayed a CUDA graph (stats, tests)
+
+    # -- start-up ----------------------------------------------------------------------------------
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """True when decode steps replay captured graphs."""
+        return self.graphs is not None
+
+    def initialize(self) -> KVCacheSpec:
+        """Warm up (measuring activation memory), size and allocate the KV cache, capture decode graphs."""
+        if self._on_cuda:
+            self._profile_run()
+        num_blocks = self._num_kv_blocks()
+        self.kv_spec = KVCacheSpec.for_model(self.model_config, num_blocks, self.config.block_size,
+                                             self.config.dtype)
+        self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
+        if self._on_cuda and self.model.backend.supports_cuda_graphs and not self.config.enforce_eager:
+            self.graphs = DecodeGraphs(self.config.max_num_seqs)
+            self.graphs.capture(self._run_static, progress=self.config.progress)
+            log.info("captured %d decode CUDA graphs (%s) in %.0f MiB", len(self.graphs.sizes),
+                     self.graphs.sizes, self.graphs.memory_bytes / 2**20)
+        return self.kv_spec
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = KVCacheSpec.bytes_per_block(self.model_config, cfg.block_size, cfg.dtype)
+        budget = cfg.kv_cache_bytes
+        if budget is None:
+            budget = torch.cuda.mem_get_info(self.device)[0] // 2 if self._on_cuda else 512 << 20
+        # No point holding more than every sequence at full length.
+        useful = self.max_blocks_per_seq * cfg.max_num_seqs
+        return max(1, min(budget // per_block, useful))
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """One forward of the largest prefill (compiling its kernels), so the KV budget is taken from the
+        memory left after the activations' peak."""
+        n = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
+        bs = self.config.block_size
+        scratch = allocate_kv_cache(KVCacheSpec.for_model(self.model_config, 1, bs, self.config.dtype),
+                                    self.device)
+        meta = AttentionMetadata.build([-1] * n, [n], [n], [[0] * -(-n // bs)], bs, self.device)
+        rows = torch.arange(n - min(n, self.config.max_num_seqs), n, device=self.device)
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.model(torch.arange(n, device=self.device), meta, scratch, rows, input_ids=ids)
+        torch.cuda.synchronize(self.device)
+        del scratch
+        torch.cuda.empty_cache()
+
+    def _run_static(self, size: int) -> torch.Tensor:
+        """The model over the first `size` rows of the static buffers, as a plain decode step."""
+        d = self.buffers.dev
+        d["query_start_loc"][:size + 1] = torch.arange(size + 1, dtype=torch.int32, device=self.device)
+        d["logits_indices"][:size] = torch.arange(size, device=self.device)
+        meta = AttentionMetadata(d["slot_mapping"][:size], d["query_start_loc"][:size + 1],
+                                 d["seq_lens"][:size], d["block_tables"][:size], self.config.block_size,
+                                 max_query_len=1)
+        return self.model(d["positions"][:size], meta, self.kv_caches, d["logits_indices"][:size],
+                          input_ids=d["input_ids"][:size])
+
+    # -- the step ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ModelInput) -> ModelOutput:
+        """Run one step; sample for every sequence that has `sampling`."""
+        graph_size = None
+        if self.graphs is not None and batch.is_plain_decode:
+            graph_size = self.graphs.bucket_for(len(batch.sequences))
+        step = self._prepare(batch, graph_size)
+        rows = [s.sampling for s in batch.sequences if s.sampling is not None]
+        if graph_size is not None:
+            self.graph_steps += 1
+            logits = self.graphs.replay(graph_size)
+            if len(rows) == len(batch.sequences):
+                logits = logits[:len(rows)]
+            else:
+                keep = [i for i, s in enumerate(batch.sequences) if s.sampling is not None]
+                logits = logits[torch.tensor(keep, device=self.device)]
+        else:
+            embeds = self.model.embed(step.input_ids)
+            if step.image_slots is not None:
+                fuse_image_rows(embeds, step.image_slots, [r for s in batch.sequences for r in s.image_rows])
+            logits = self.model(step.positions, step.meta, self.kv_caches, step.logits_indices,
+                                inputs_embeds=embeds)
+        sampled = self.sampler.sample(logits, rows) if rows else SamplerOutput([], [])
+        if self._on_cuda and not rows and step.image_slots is not None:
+            # Sampling would have synchronised; without it, wait so the image leases can be released.
+            torch.cuda.current_stream(self.device).synchronize()
+        return ModelOutput(sampled, graph_size is not None)
+
+    def forget(self, request_id: str) -> None:
+        """Drop per-request state (the sampler's seeded generator) of a finished request."""
+        self.sampler.forget(request_id)
+
+    def _prepare(self, batch: ModelInput, graph_size: int | None) -> PreparedStep:
+        """Fill the host staging for this step, copy it to the device, and return views of the buffers."""
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous step's copies have left the pinned buffers
+        h = self.buffers.np
+        ids, pos, slots = h["input_ids"], h["positions"], h["slot_mapping"]
+        starts, lens, tables = h["query_start_loc"], h["seq_lens"], h["block_tables"]
+        logits_idx = h["logits_indices"]
+        bs = self.config.block_size
+        t, max_q, n_logits = 0, 0, 0
+        starts[0] = 0
+        img: list[np.ndarray] = []
+        for i, seq in enumerate(batch.sequences):
+            n, table = seq.num_tokens, seq.block_table
+            ids[t:t + n] = seq.token_ids
+            if n == 1:  # decode: skip numpy's per-call overhead
+                p = seq.start
+                pos[t], slots[t] = p, table[p // bs] * bs + p % bs
+            else:
+                p = np.arange(seq.start, seq.end)
+                pos[t:t + n] = p
+                slots[t:t + n] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
+            tables[i, :len(table)] = table
+            lens[i] = seq.end
+            if seq.image_rows:
+                img.append(t + image_slots(ids[t:t + n], seq.start, seq.num_prompt_tokens, self.mm_token_ids))
+            t += n
+            starts[i + 1] = t
+            max_q = max(max_q, n)
+            if seq.sampling is not None:
+                logits_idx[n_logits] = t - 1
+                n_logits += 1
+        num_seqs = len(batch.sequences)
+        if graph_size is not None:  # pad to the bucket: no slot, no context; logits for every row
+            pad = graph_size - num_seqs
+            ids[t:t + pad], pos[t:t + pad], slots[t:t + pad] = 0, 0, -1
+            lens[num_seqs:graph_size] = 0
+            starts[num_seqs + 1:graph_size + 1] = np.arange(t + 1, t + pad + 1)
+            t, num_seqs = t + pad, graph_size
+            logits_idx[:graph_size] = np.arange(graph_size)
+            n_logits = graph_size
+        self.buffers.upload({"input_ids": t, "positions": t, "slot_mapping": t,
+                             "query_start_loc": num_seqs + 1, "seq_lens": num_seqs, "block_tables": num_seqs,
+                             "logits_indices": n_logits})
+        slots_dev = None
+        if img:
+            slots_dev = torch.from_numpy(np.concatenate(img)).to(self.device, non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+        d, host = self.buffers.dev, self.buffers.host
+        meta = AttentionMetadata(
+            d["slot_mapping"][:t], d["query_start_loc"][:num_seqs + 1], d["seq_lens"][:num_seqs],
+            d["block_tables"][:num_seqs], bs, max_query_len=max_q,
+            query_start_loc_cpu=host["query_start_loc"][:num_seqs + 1],
+            seq_lens_cpu=host["seq_lens"][:num_seqs])
+        return PreparedStep(t, d["input_ids"][:t], d["positions"][:t], meta, d["logits_indices"][:n_logits],
+                            slots_dev)

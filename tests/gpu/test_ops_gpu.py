@@ -1,0 +1,90 @@
+"""Triton decoder ops against the torch reference on CUDA at Llama-7B sizes (bf16 and fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+pytest.importorskip("triton")
+
+from decoder_svc.model.ops import TorchOps  # noqa: E402
+
+if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a device
+    from decoder_svc.model.triton_ops import TritonOps
+
+HIDDEN, INTER, N_HEADS, HEAD_DIM = 4096, 11008, 32, 128
+TOKENS = [1, 7, 64, 1000]
+# Relative error norm bounds: bf16 allows a rounding here and there, fp32 only reordering of sums.
+REL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _rand(shape, dtype, gen, scale=1.0, offset=0.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen, device="cuda") * scale + offset).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_tok", TOKENS)
+def test_rms_norm_gpu(dtype, n_tok):
+    gen = torch.Generator(device="cuda").manual_seed(n_tok)
+    weight = _rand(HIDDEN, dtype, gen, scale=0.2, offset=1.0)
+    x = _rand((n_tok, HIDDEN), dtype, gen, scale=3.0)
+    res = _rand((n_tok, HIDDEN), dtype, gen, scale=10.0, offset=0.5)
+    x0 = x.clone()
+
+    out, new_res = TritonOps.rms_norm(x, weight, 1e-5)
+    ref, _ = TorchOps.rms_norm(x, weight, 1e-5)
+    assert new_res is x and _rel_err(out, ref) < REL[dtype]
+
+    ref, ref_res = TorchOps.rms_norm(x, weight, 1e-5, residual=res)
+    out, new_res = TritonOps.rms_norm(x, weight, 1e-5, residual=res)
+    assert new_res is res and torch.equal(res, ref_res)  # in place, bit-exact dtype add
+    assert _rel_err(out, ref) < REL[dtype]
+    assert torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_tok", TOKENS)
+def test_silu_and_mul_gpu(dtype, n_tok):
+    gen = torch.Generator(device="cuda").manual_seed(100 + n_tok)
+    x = _rand((n_tok, 2 * INTER), dtype, gen, scale=4.0)
+    out = TritonOps.silu_and_mul(x)
+    assert out.shape == (n_tok, INTER) and _rel_err(out, TorchOps.silu_and_mul(x)) < REL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_tok", TOKENS)
+@pytest.mark.parametrize("n_kv_heads", [N_HEADS, 8])
+def test_rotary_gpu(dtype, n_tok, n_kv_heads):
+    gen = torch.Generator(device="cuda").manual_seed(200 + n_tok)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
+    cache = TorchOps.make_cos_sin_cache(inv_freq, 8192)
+    positions = torch.randint(0, 8192, (n_tok,), generator=gen, device="cuda")
+    # q and k as strided views into one fused qkv output.
+    q_w, k_w = N_HEADS * HEAD_DIM, n_kv_heads * HEAD_DIM
+    buf = _rand((n_tok, q_w + 2 * k_w), dtype, gen, scale=2.0)
+    q = buf[:, :q_w].view(n_tok, N_HEADS, HEAD_DIM)
+    k = buf[:, q_w: q_w + k_w].view(n_tok, n_kv_heads, HEAD_DIM)
+    v_before = buf[:, q_w + k_w:].clone()
+    ref_q, ref_k = TorchOps.rotary(q, k, positions, cache)
+
+    out_q, out_k = TritonOps.rotary(q, k, positions, cache)
+    assert out_q is q and out_k is k
+    assert _rel_err(q, ref_q) < REL[dtype] and _rel_err(k, ref_k) < REL[dtype]
+    assert torch.equal(buf[:, q_w + k_w:], v_before)
+
+
+def test_empty_batches_gpu():
+    x = torch.empty(0, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    assert TritonOps.rms_norm(x, w, 1e-5, residual=x.clone())[0].shape == (0, HIDDEN)
+    assert TritonOps.silu_and_mul(torch.empty(0, 2 * INTER, device="cuda")).shape == (0, INTER)
+    q = torch.empty(0, N_HEADS, HEAD_DIM, device="cuda")
+    cache = torch.zeros(16, HEAD_DIM, device="cuda")
+    assert TritonOps.rotary(q, q[:, :8], torch.empty(0, dtype=torch.long, device="cuda"), cache)[0] is q
