@@ -222,6 +222,8 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention in Triton: one KV-store launch and one attention launch (plus a merge when the
     keys are split) per layer, with no host synchronisation, so decode steps can be CUDA-graphed."""
 
+    supports_cuda_graphs = True
+
     def __init__(self, num_sms: int | None = None) -> None:
         if num_sms is None and torch.cuda.is_available():
             num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count

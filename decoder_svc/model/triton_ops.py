@@ -9,8 +9,8 @@ Same signatures as `decoder_svc.model.ops.TorchOps`. Differences in side effects
 
 Numerics follow HF's rounding points: fp32 math, rounding to the tensor dtype exactly where HF's
 dtype ops round. RMS norm and SwiGLU then differ from the reference only by the order of the fp32
-sum and by exp/rsqrt ulps. Rotary rounds once per output, where the reference (HF) rounds after
-each mul and the add: in bf16/fp16 an element may differ by one rounding; in fp32 they agree to ~1e-6.
+sum and by exp/rsqrt ulps. Rotary rounds after each product and after the sum, as HF does; only an FMA
+contraction on the GPU can move a value by one rounding.
 
 Only imported on GPU paths or under TRITON_INTERPRET=1 (tests), so triton is imported at the top.
 """
@@ -94,9 +94,14 @@ def _rotate_heads(base, s_head, s_dim, n_heads, cos, sin, half, d, d_mask,
     x2 = x2.to(tl.float32)
     c = cos[None, :]
     s = sin[None, :]
-    # rotate_half(x) = cat(-x2, x1): out1 = x1*c - x2*s, out2 = x2*c + x1*s.
-    tl.store(p1, _round(x1 * c - x2 * s, dtype), mask=mask)
-    tl.store(p2, _round(x2 * c + x1 * s, dtype), mask=mask)
+    # rotate_half(x) = cat(-x2, x1): out1 = x1*c - x2*s, out2 = x2*c + x1*s, each product rounded to the
+    # dtype before the sum, as HF's `q * cos + rotate_half(q) * sin` does in bf16/fp16.
+    x1c = _round(x1 * c, dtype).to(tl.float32)
+    x2s = _round(x2 * s, dtype).to(tl.float32)
+    x2c = _round(x2 * c, dtype).to(tl.float32)
+    x1s = _round(x1 * s, dtype).to(tl.float32)
+    tl.store(p1, _round(x1c - x2s, dtype), mask=mask)
+    tl.store(p2, _round(x2c + x1s, dtype), mask=mask)
 
 
 @triton.jit

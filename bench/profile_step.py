@@ -1,0 +1,126 @@
+"""Where a decode step's time goes: host preparation, the model (graph replay or eager), sampling, and
+the GPU kernels by total time.
+
+    python -m bench.profile_step --model DIR --device cuda --dtype bfloat16 [--batch 1] [--enforce-eager]
+
+It prefills `--batch` text requests of `--prompt-len` tokens, then times `--steps` decode steps of the
+engine (wall clock, synchronised), the runner's parts, and profiles the same steps' kernels with
+torch.profiler. Launch overhead shows as wall time the kernels do not fill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+
+import torch
+
+from bench.models import add_model_args, resolve_model
+from bench.report import print_table, save_result
+from bench.workload import PromptMaker
+from decoder_svc.engine.engine import EngineConfig, LLMEngine
+from decoder_svc.engine.sampling_params import SamplingParams
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """Options of the step profile."""
+    p = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__.split("\n")[0])
+    add_model_args(p)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--top", type=int, default=12, help="kernels to list")
+    p.add_argument("--out", default=None)
+    return p
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Profile; returns the JSON payload."""
+    model = resolve_model(args)
+    device = torch.device(args.device)
+    blocks = args.batch * (-(-(args.prompt_len + 3 * args.steps + 8) // 16)) + 8
+    engine = LLMEngine(EngineConfig(
+        model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch, 1), num_kv_blocks=blocks,
+        enable_prefix_caching=False, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager))
+    prompt = PromptMaker(model, seed=0).text(args.prompt_len)
+    for i in range(args.batch):
+        params = SamplingParams(max_tokens=3 * args.steps, ignore_eos=True)
+        engine.add_request(f"p{i}", prompt, sampling=params)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                          for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(4):  # warm-up decode steps
+        engine.step()
+    # Parts of the runner, timed around its own calls.
+    runner, parts = engine.runner, {"prepare": 0.0, "model": 0.0, "sample": 0.0}
+    prepare, sample = runner._prepare, runner.sampler.sample
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            _sync(device)
+            parts[name] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    _sync(device)
+    wall = (time.perf_counter() - t0) / args.steps
+    runner._prepare, runner.sampler.sample = timed("prepare", prepare), timed("sample", sample)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    _sync(device)
+    parts["model"] = time.perf_counter() - t0 - parts["prepare"] - parts["sample"]
+    runner._prepare, runner.sampler.sample = prepare, sample
+    kernels = []
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            _sync(device)
+        for evt in prof.key_averages():
+            t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+            if t:
+                kernels.append({"kernel": evt.key[:70], "calls_per_step": evt.count / args.steps,
+                                "us_per_step": t / args.steps})
+        kernels.sort(key=lambda k: -k["us_per_step"])
+    gpu_us = sum(k["us_per_step"] for k in kernels)
+    result = {"batch": args.batch, "graphs": runner.uses_cuda_graphs, "wall_ms_per_step": wall * 1e3,
+              "tokens_per_s": args.batch / wall,
+              **{f"{k}_ms_per_step": v / args.steps * 1e3 for k, v in parts.items()},
+              "gpu_kernel_ms_per_step": gpu_us / 1e3, "kernels": kernels[:args.top]}
+    print_table(f"decode step, batch {args.batch}, graphs {runner.uses_cuda_graphs}",
+                ["wall ms", "tok/s", "prepare ms", "model ms", "sample ms", "GPU kernels ms"],
+                [[result[k] for k in ("wall_ms_per_step", "tokens_per_s", "prepare_ms_per_step",
+                                      "model_ms_per_step", "sample_ms_per_step", "gpu_kernel_ms_per_step")]])
+    if kernels:
+        print_table("kernels per step", ["kernel", "calls", "us"],
+                    [[k["kernel"], k["calls_per_step"], k["us_per_step"]] for k in kernels[:args.top]])
+    return save_result("profile_step", args, result)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse argv and run."""
+    run(build_arg_parser().parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
