@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> dict:
     blocks = args.batch * (-(-(args.prompt_len + 3 * args.steps + 8) // 16)) + 8
     engine = LLMEngine(EngineConfig(
         model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch, 1), num_kv_blocks=blocks,
-        enable_prefix_caching=False, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager))
+        enable_prefix_caching=False, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager))
     prompt = PromptMaker(model, seed=0).text(args.prompt_len)
     for i in range(args.batch):
         params = SamplingParams(max_tokens=3 * args.steps, ignore_eos=True)
