@@ -92,6 +92,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         self._on_cuda = self.device.type == "cuda"
+        if self._on_cuda and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches on the current device
         self._staged = torch.cuda.Event() if self._on_cuda else None  # host buffers free to refill
         self.graph_steps = 0  # steps that replayed a CUDA graph (stats, tests)
 
@@ -159,6 +161,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> ModelOutput:
         """Run one step; sample for every sequence that has `sampling`."""
+        if self._on_cuda and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # the engine thread may not be the one that built us
         graph_size = None
         if self.graphs is not None and batch.is_plain_decode:
             graph_size = self.graphs.bucket_for(len(batch.sequences))

@@ -64,9 +64,10 @@ def test_cuda_fp32_preemption_parity(tiny_model_dir):
         oracle.assert_same_tokens(results[rid]["tokens"], prompt, imgs, 20)
 
 
-def test_cuda_bf16_agreement_report(tiny_model_dir):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_bf16_agreement_report(tiny_model_dir, backend):
     oracle = HFOracle(tiny_model_dir, device="cuda", dtype=torch.bfloat16)
-    engine = _engine(tiny_model_dir, "bfloat16", max_num_batched_tokens=13)
+    engine = _engine(tiny_model_dir, "bfloat16", max_num_batched_tokens=13, attention_backend=backend)
     agree = total = prefix = 0
     for rid, (prompt, imgs) in _cases().items():
         ours = engine.generate(rid, prompt, imgs, sampling=SamplingParams(max_tokens=N)).new_token_ids
@@ -77,6 +78,6 @@ def test_cuda_bf16_agreement_report(tiny_model_dir):
         total += len(same)
         prefix += same.index(False) if False in same else len(same)
         print(f"bf16 {rid}: ours {ours}\n         hf   {ref}")
-    print(f"bf16 greedy agreement with HF bf16: {agree}/{total} = {agree / total:.3f}; "
+    print(f"bf16 ({backend}) greedy agreement with HF bf16: {agree}/{total} = {agree / total:.3f}; "
           f"common prefix {prefix}/{total} = {prefix / total:.3f}")
     assert agree / total >= 0.99
