@@ -144,8 +144,12 @@ class Scheduler:
                     break
                 hit_blocks = self.blocks.find_cached_prefix(req)
                 hit = len(hit_blocks) * self.blocks.block_size
-                n = self._limit_by_images(req, hit, min(req.num_tokens - hit, budget), out)
-                if n == 0:
+                wanted = min(req.num_tokens - hit, budget)
+                n = self._limit_by_images(req, hit, wanted, out)
+                if n == 0 or (n < wanted and n < self.blocks.block_size):
+                    # Cut short by an image not ready yet, before filling a block: wait in the queue
+                    # instead. Admitted once the image is ready, it finds the blocks that requests with
+                    # the same image computed meanwhile (or in the same step) and skips them.
                     continue
                 if not self.blocks.allocate_slots(req, n, hit_blocks):
                     break  # the pool is full: keep arrival order for the rest

@@ -1,23 +1,54 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for small steps.
 
-A decode step of a 7B model launches a few hundred small kernels; replaying them from a graph removes the
-host's launch cost, which otherwise dominates at small batches. Graphs are captured once per bucket batch
-size (1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond), largest first so that every smaller graph
-fits in the memory pool the first one reserved; a step with n sequences replays the smallest bucket >= n
-with the rest padded (padded rows store no K/V and attend to nothing).
+A step of a 7B model launches a few hundred small kernels; when the step computes few tokens, the
+host's launch cost exceeds the GPU's work. Replaying a captured graph removes it. Two families:
+
+- plain decode (one text token per sequence), keyed by the number of sequences: 1, 2, 4, 8, then steps
+  of 8 up to 64 and of 16 beyond, up to max_num_seqs; attention takes its decode shape (16-row tiles,
+  keys split across programs when there are few sequences);
+- any other step of at most 512 tokens (a prefill chunk after a prefix-cache hit, a short prompt,
+  decodes mixed with a small chunk), keyed by the number of tokens: 16, 32, ... 512. Padding tokens
+  are one-token sequences with no context; unused sequence slots are empty.
+
+Graphs take input embeddings (the runner embeds and fuses image rows into the static buffer first), so
+steps with image rows replay too. They are captured largest first so that every smaller graph fits in
+the memory pool the first one reserved.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from decoder_svc.model.attention import AttentionBackend
 
-def bucket_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture, ascending; the last one is max_num_seqs."""
+MAX_GRAPH_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Which graph: plain decode over `size` sequences, or any step of up to `size` tokens."""
+
+    decode: bool
+    size: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Token rows the graph computes."""
+        return self.size
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequence slots the graph's attention metadata has (padding included)."""
+        return self.size
+
+
+def decode_sizes(max_num_seqs: int) -> list[int]:
+    """Sequence counts of the decode graphs, ascending; the last one is max_num_seqs."""
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs]
     size = 8
     while size < max_num_seqs:
@@ -27,37 +58,65 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
-    """Captured decode graphs and their output tensors, by bucket size."""
+def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts of the graphs for other small steps, ascending."""
+    sizes, size = [16], 16
+    while size < min(MAX_GRAPH_TOKENS, max_num_batched_tokens):
+        size *= 2
+        sizes.append(size)
+    return sizes
 
-    def __init__(self, max_num_seqs: int) -> None:
-        self.sizes = bucket_sizes(max_num_seqs)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+class StepGraphs:
+    """Captured graphs and their output logits, by key."""
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.decode_sizes = decode_sizes(max_num_seqs)
+        self.mixed_sizes = mixed_sizes(max_num_batched_tokens)
+        self.keys = [GraphKey(True, s) for s in self.decode_sizes]
+        self.keys += [GraphKey(False, s) for s in self.mixed_sizes]
+        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0
 
-    def bucket_for(self, num_seqs: int) -> int | None:
-        """The smallest captured size that holds num_seqs sequences, or None (run eagerly)."""
-        i = bisect.bisect_left(self.sizes, num_seqs)
-        return self.sizes[i] if i < len(self.sizes) and self.sizes[i] in self._graphs else None
+    @staticmethod
+    def available(device: torch.device, backend: AttentionBackend) -> bool:
+        """Graphs need a CUDA device and an attention backend that never synchronises with the host."""
+        return device.type == "cuda" and backend.supports_cuda_graphs
 
-    def capture(self, run: Callable[[int], torch.Tensor], progress: bool = True) -> None:
-        """Capture run(batch_size) (the model over the runner's static buffers) at every bucket size."""
+    @property
+    def max_tokens(self) -> int:
+        """The most token rows any graph computes (the runner sizes its buffers to hold them)."""
+        return max(k.num_tokens for k in self.keys)
+
+    def key_for(self, num_seqs: int, num_tokens: int, plain_decode: bool) -> GraphKey | None:
+        """The smallest captured graph that can run this step, or None (run it eagerly)."""
+        if plain_decode:
+            i = bisect.bisect_left(self.decode_sizes, num_seqs)
+            if i < len(self.decode_sizes) and GraphKey(True, self.decode_sizes[i]) in self._graphs:
+                return GraphKey(True, self.decode_sizes[i])
+        i = bisect.bisect_left(self.mixed_sizes, num_tokens)
+        if i < len(self.mixed_sizes) and GraphKey(False, self.mixed_sizes[i]) in self._graphs:
+            return GraphKey(False, self.mixed_sizes[i])
+        return None
+
+    def capture(self, run: Callable[[GraphKey], torch.Tensor], progress: bool = True) -> None:
+        """Capture run(key) (the model over the runner's static buffers) for every key."""
         free_before = torch.cuda.mem_get_info()[0]
         pool = None
-        sizes = sorted(self.sizes, reverse=True)
-        for size in tqdm(sizes, desc="capturing decode CUDA graphs", disable=not progress, leave=False):
-            run(size)  # warm-up: compiles kernels and creates library handles outside the capture
+        keys = sorted(self.keys, key=lambda k: (-k.num_tokens, k.decode))
+        for key in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, leave=False):
+            run(key)  # warm-up: compiles kernels and creates library handles outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = run(size)
+                out = run(key)
             pool = graph.pool()
-            self._graphs[size] = (graph, out)
+            self._graphs[key] = (graph, out)
         torch.cuda.synchronize()
         self.memory_bytes = max(free_before - torch.cuda.mem_get_info()[0], 0)
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Replay the graph of a bucket size; returns its (static) logits [size, vocab]."""
-        graph, out = self._graphs[size]
+    def replay(self, key: GraphKey) -> torch.Tensor:
+        """Replay a graph; returns its (static) logits."""
+        graph, out = self._graphs[key]
         graph.replay()
         return out

@@ -19,7 +19,7 @@ import torch
 
 from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
 from decoder_svc.model.attention import AttentionMetadata
-from decoder_svc.runner.cuda_graphs import DecodeGraphs
+from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs
 from decoder_svc.runner.fusion import fuse_image_rows, image_slots
 from decoder_svc.runner.inputs import ModelInput, ModelOutput
 from decoder_svc.runner.sampler import Sampler, SamplerOutput
@@ -43,9 +43,11 @@ class RunnerConfig:
 
 
 class StepBuffers:
-    """The step's input tensors on the device, each with a same-shaped (pinned) host twin to fill."""
+    """The step's input tensors on the device, each with a same-shaped (pinned) host twin to fill, and
+    the input embeddings (device only) that CUDA graphs read."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         pin = device.type == "cuda"
         shapes = {"input_ids": ((max_tokens,), torch.int64), "positions": ((max_tokens,), torch.int64),
                   "slot_mapping": ((max_tokens,), torch.int64),
@@ -56,6 +58,7 @@ class StepBuffers:
         self.np = {k: v.numpy() for k, v in self.host.items()}
         self.dev = {k: torch.zeros(s, dtype=t, device=device) for k, (s, t) in shapes.items()}
         self.dev["slot_mapping"].fill_(-1)
+        self.embeds = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)  # hidden 0: no graphs
 
     def upload(self, counts: dict[str, int]) -> None:
         """Copy the first counts[name] rows of each host buffer to the device, asynchronously."""
@@ -83,39 +86,48 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.model_config = model.config
-        self.mm_token_ids = np.asarray(sorted(mm_token_ids), dtype=np.int64)
-        self.max_blocks_per_seq = -(-self.model_config.max_model_len // config.block_size)
-        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
-        self.sampler = Sampler(self.device)
-        self.kv_spec: KVCacheSpec | None = None
-        self.kv_caches: list[torch.Tensor] = []
-        self.graphs: DecodeGraphs | None = None
         self._on_cuda = self.device.type == "cuda"
         if self._on_cuda and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches on the current device
+        self.mm_token_ids = np.asarray(sorted(mm_token_ids), dtype=np.int64)
+        self.max_blocks_per_seq = -(-self.model_config.max_model_len // config.block_size)
+        self.graphs: StepGraphs | None = None
+        if not config.enforce_eager and StepGraphs.available(self.device, model.backend):
+            self.graphs = StepGraphs(config.max_num_seqs, config.max_num_batched_tokens)
+        graph_rows = self.graphs.max_tokens if self.graphs is not None else 0
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs, graph_rows)
+        hidden = self.model_config.hidden_size if graph_rows else 0  # the graphs' input embeddings
+        self.buffers = StepBuffers(max_tokens, max(config.max_num_seqs, graph_rows), self.max_blocks_per_seq,
+                                   hidden, config.dtype, self.device)
+        self.sampler = Sampler(self.device)
+        self.kv_spec: KVCacheSpec | None = None
+        self.kv_caches: list[torch.Tensor] = []
         self._staged = torch.cuda.Event() if self._on_cuda else None  # host buffers free to refill
         self.graph_steps = 0  # steps that replayed a CUDA graph (stats, tests)
 
     # -- start-up ----------------------------------------------------------------------------------
     @property
     def uses_cuda_graphs(self) -> bool:
-        """True when decode steps replay captured graphs."""
+        """True when small steps replay captured graphs."""
         return self.graphs is not None
 
     def initialize(self) -> KVCacheSpec:
-        """Warm up (measuring activation memory), size and allocate the KV cache, capture decode graphs."""
+        """Warm up (measuring activation memory), size and allocate the KV cache, capture the graphs."""
         if self._on_cuda:
             self._profile_run()
         num_blocks = self._num_kv_blocks()
         self.kv_spec = KVCacheSpec.for_model(self.model_config, num_blocks, self.config.block_size,
                                              self.config.dtype)
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
-        if self._on_cuda and self.model.backend.supports_cuda_graphs and not self.config.enforce_eager:
-            self.graphs = DecodeGraphs(self.config.max_num_seqs)
+        if self.graphs is not None:
+            # Capture over a valid empty step: one token per sequence, no slots, no context.
+            d = self.buffers.dev
+            d["query_start_loc"].copy_(torch.arange(d["query_start_loc"].numel(), dtype=torch.int32))
+            d["logits_indices"].copy_(torch.arange(d["logits_indices"].numel()))
             self.graphs.capture(self._run_static, progress=self.config.progress)
-            log.info("captured %d decode CUDA graphs (%s) in %.0f MiB", len(self.graphs.sizes),
-                     self.graphs.sizes, self.graphs.memory_bytes / 2**20)
+            log.info("captured %d CUDA graphs (decode %s, up to %d tokens %s) in %.0f MiB",
+                     len(self.graphs.keys), self.graphs.decode_sizes, self.graphs.max_tokens,
+                     self.graphs.mixed_sizes, self.graphs.memory_bytes / 2**20)
         return self.kv_spec
 
     def _num_kv_blocks(self) -> int:
@@ -146,16 +158,19 @@ class ModelRunner:
         del scratch
         torch.cuda.empty_cache()
 
-    def _run_static(self, size: int) -> torch.Tensor:
-        """The model over the first `size` rows of the static buffers, as a plain decode step."""
-        d = self.buffers.dev
-        d["query_start_loc"][:size + 1] = torch.arange(size + 1, dtype=torch.int32, device=self.device)
-        d["logits_indices"][:size] = torch.arange(size, device=self.device)
-        meta = AttentionMetadata(d["slot_mapping"][:size], d["query_start_loc"][:size + 1],
-                                 d["seq_lens"][:size], d["block_tables"][:size], self.config.block_size,
-                                 max_query_len=1)
-        return self.model(d["positions"][:size], meta, self.kv_caches, d["logits_indices"][:size],
-                          input_ids=d["input_ids"][:size])
+    def _logit_rows(self, key: GraphKey) -> int:
+        """Rows of logits a graph computes: one per sequence that may sample."""
+        return key.num_seqs if key.decode else min(key.num_tokens, self.config.max_num_seqs)
+
+    def _run_static(self, key: GraphKey) -> torch.Tensor:
+        """The model over the static buffers, shaped as `key` (what a graph captures). It must write no
+        buffer: a write would be captured and repeated at every replay."""
+        d, n_tok, n_seq, n_logits = self.buffers.dev, key.num_tokens, key.num_seqs, self._logit_rows(key)
+        meta = AttentionMetadata(d["slot_mapping"][:n_tok], d["query_start_loc"][:n_seq + 1],
+                                 d["seq_lens"][:n_seq], d["block_tables"][:n_seq], self.config.block_size,
+                                 max_query_len=1 if key.decode else n_tok)
+        return self.model(d["positions"][:n_tok], meta, self.kv_caches, d["logits_indices"][:n_logits],
+                          inputs_embeds=self.buffers.embeds[:n_tok])
 
     # -- the step ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -163,37 +178,38 @@ class ModelRunner:
         """Run one step; sample for every sequence that has `sampling`."""
         if self._on_cuda and self.device.index is not None:
             torch.cuda.set_device(self.device)  # the engine thread may not be the one that built us
-        graph_size = None
-        if self.graphs is not None and batch.is_plain_decode:
-            graph_size = self.graphs.bucket_for(len(batch.sequences))
-        step = self._prepare(batch, graph_size)
+        key = None
+        if self.graphs is not None:
+            key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, batch.is_plain_decode)
+        step = self._prepare(batch, key)
         rows = [s.sampling for s in batch.sequences if s.sampling is not None]
-        if graph_size is not None:
+        image_rows = [r for s in batch.sequences for r in s.image_rows]
+        if key is not None:
             self.graph_steps += 1
-            logits = self.graphs.replay(graph_size)
-            if len(rows) == len(batch.sequences):
-                logits = logits[:len(rows)]
-            else:
-                keep = [i for i, s in enumerate(batch.sequences) if s.sampling is not None]
-                logits = logits[torch.tensor(keep, device=self.device)]
+            embeds = self.buffers.embeds[:step.num_tokens]
+            torch.index_select(self.model.embed_tokens.weight, 0, step.input_ids, out=embeds)
         else:
             embeds = self.model.embed(step.input_ids)
-            if step.image_slots is not None:
-                fuse_image_rows(embeds, step.image_slots, [r for s in batch.sequences for r in s.image_rows])
+        if step.image_slots is not None:
+            fuse_image_rows(embeds, step.image_slots, image_rows)
+        if key is not None:
+            logits = self.graphs.replay(key)[:len(rows)]
+        else:
             logits = self.model(step.positions, step.meta, self.kv_caches, step.logits_indices,
                                 inputs_embeds=embeds)
         sampled = self.sampler.sample(logits, rows) if rows else SamplerOutput([], [])
         if self._on_cuda and not rows and step.image_slots is not None:
             # Sampling would have synchronised; without it, wait so the image leases can be released.
             torch.cuda.current_stream(self.device).synchronize()
-        return ModelOutput(sampled, graph_size is not None)
+        return ModelOutput(sampled, key is not None)
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state (the sampler's seeded generator) of a finished request."""
         self.sampler.forget(request_id)
 
-    def _prepare(self, batch: ModelInput, graph_size: int | None) -> PreparedStep:
-        """Fill the host staging for this step, copy it to the device, and return views of the buffers."""
+    def _prepare(self, batch: ModelInput, key: GraphKey | None) -> PreparedStep:
+        """Fill the host staging for this step, copy it to the device, and return views of the buffers.
+        For a graph, pad to its shape: one-token sequences with no slot and no context, then empty ones."""
         if self._staged is not None:
             self._staged.synchronize()  # the previous step's copies have left the pinned buffers
         h = self.buffers.np
@@ -225,14 +241,14 @@ class ModelRunner:
                 logits_idx[n_logits] = t - 1
                 n_logits += 1
         num_seqs = len(batch.sequences)
-        if graph_size is not None:  # pad to the bucket: no slot, no context; logits for every row
-            pad = graph_size - num_seqs
+        if key is not None:
+            pad = key.num_tokens - t
             ids[t:t + pad], pos[t:t + pad], slots[t:t + pad] = 0, 0, -1
-            lens[num_seqs:graph_size] = 0
-            starts[num_seqs + 1:graph_size + 1] = np.arange(t + 1, t + pad + 1)
-            t, num_seqs = t + pad, graph_size
-            logits_idx[:graph_size] = np.arange(graph_size)
-            n_logits = graph_size
+            starts[num_seqs + 1:num_seqs + pad + 1] = np.arange(t + 1, t + pad + 1)
+            starts[num_seqs + pad + 1:key.num_seqs + 1] = key.num_tokens
+            lens[num_seqs:key.num_seqs] = 0
+            logits_idx[n_logits:self._logit_rows(key)] = 0
+            t, num_seqs, n_logits = key.num_tokens, key.num_seqs, self._logit_rows(key)
         self.buffers.upload({"input_ids": t, "positions": t, "slot_mapping": t,
                              "query_start_loc": num_seqs + 1, "seq_lens": num_seqs, "block_tables": num_seqs,
                              "logits_indices": n_logits})

@@ -71,13 +71,32 @@ def test_unready_image_blocks_only_its_request(make_engine, tiny_model_dir, hf_o
     for _ in range(30):
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    # The text request finished while the image request sat just before its image.
+    # The text request finished while the image request waited in the queue: the 5 tokens before its
+    # image fill no block, so it is not admitted until the image is ready.
     assert len(got["txt"]) == 12 and "img" not in got
-    assert req.num_computed_tokens == req.images[0].offset
+    assert req.num_computed_tokens == 0 and req in engine.scheduler.waiting
     source.closed.clear()
     rest = run_all(engine)
     hf_oracle.assert_same_tokens(rest["img"]["tokens"], ONE, images[:1], 12)
     hf_oracle.assert_same_tokens(got["txt"], TEXT, [], 12)
+
+
+def test_same_image_waiting_together_is_computed_once(make_engine, tiny_model_dir, hf_oracle, images):
+    """Requests that wait for the same image are admitted together once it is ready; the later ones find
+    the first one's blocks (registered at allocation, written in the same step) and skip the image."""
+    engine, source = _engine(make_engine, tiny_model_dir)
+    reqs = [engine.add_request(f"r{i}", ONE, images[:1], sampling=greedy(8)) for i in range(3)]
+    source.closed.add(reqs[0].images[0].content_hash)
+    for _ in range(3):
+        assert engine.step() == [] and all(r.num_computed_tokens == 0 for r in reqs)
+    source.closed.clear()
+    res = run_all(engine)
+    for r in reqs:
+        hf_oracle.assert_same_tokens(res[r.request_id]["tokens"], ONE, images[:1], 8)
+    usages = [res[r.request_id]["usage"] for r in reqs]
+    assert usages[0].cached_prompt_tokens == 0
+    assert all(u.cached_prompt_tokens > 0 and u.images_skipped_by_kv_reuse == 1 for u in usages[1:])
+    assert engine.stats().images_encoded + engine.stats().images_encoder_cache_hits == 1
 
 
 def test_failed_image_fails_request_not_engine(make_engine, tiny_model_dir, images):
