@@ -33,8 +33,30 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=600, help="text tokens after the image")
     p.add_argument("--image-size", type=int, default=336)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf", action="store_true", help="also time HF generate of one token on the cold "
+                   "requests (PNG decode, processor, vision tower and prefill), in this process")
     p.add_argument("--out", default=None)
     return p
+
+
+def hf_ttft(args: argparse.Namespace, cold: list[tuple[str, bytes]]) -> list[float]:
+    """Seconds from PNG bytes to HF's first token, per cold request (HF has no prefix cache)."""
+    import io
+
+    from PIL import Image
+
+    from bench.hf_ref import image_inputs, load_hf, timed_generate
+
+    model, processor = load_hf(model_dir(args, True), args.device, args.dtype)
+    out = []
+    for i, (prompt, png) in enumerate([cold[0], *cold]):  # the first one again: warm-up
+        t0 = time.perf_counter()
+        inputs = image_inputs(model, processor, [prompt], [Image.open(io.BytesIO(png)).convert("RGB")],
+                              args.device)
+        seconds, _ = timed_generate(model, inputs, 1)
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out
 
 
 def ttft(client: DecoderClient, prompt: str, image: bytes) -> tuple[float, int, int]:
@@ -57,12 +79,14 @@ def run(args: argparse.Namespace) -> dict:
     spawning = args.addr is None
     prompts = PromptMaker(model_dir(args, spawning), seed=args.seed)
     samples: dict[str, list[tuple[float, int, int]]] = {c: [] for c in CASES}
+    cold: list[tuple[str, bytes]] = []
     with target(args, spawning) as (decoder, _), DecoderClient(decoder, timeout=600) as client:
         warm_img = random_png(args.seed * 7 + 99, args.image_size)  # first request pays one-off costs
         ttft(client, image_prompt(prompts.text(args.prompt_len)), warm_img)
         for r in range(args.rounds):
             image = random_png(args.seed * 1_000_003 + 31337 + r, args.image_size)
             prompt = image_prompt(prompts.text(args.prompt_len))
+            cold.append((prompt, image))
             try:
                 samples["cold"].append(ttft(client, prompt, image))
                 samples["warm_prefix"].append(ttft(client, prompt, image))
@@ -76,6 +100,13 @@ def run(args: argparse.Namespace) -> dict:
         results[case]["mean_prompt_tokens"] = sum(s[1] for s in rows) / len(rows) if rows else None
         results[case]["mean_cached_prompt_tokens"] = sum(s[2] for s in rows) / len(rows) if rows else None
     results["cold_over_warm_p50"] = ratio(results["cold"]["p50_ms"], results["warm_prefix"]["p50_ms"])
+    if args.hf:
+        results["hf_cold"] = summarize(hf_ttft(args, cold))
+        results["cold_over_hf_p50"] = ratio(results["cold"]["p50_ms"], results["hf_cold"]["p50_ms"])
+        print_table("HF generate, first token of the cold requests (ms)", ["n", "mean", "p50", "p99",
+                                                                          "mmserve cold / HF (p50)"],
+                    [[results["hf_cold"]["n"], results["hf_cold"]["mean_ms"], results["hf_cold"]["p50_ms"],
+                      results["hf_cold"]["p99_ms"], results["cold_over_hf_p50"]]])
     columns = ["case", "n", "mean", "p50", "p99", "prompt tok", "cached tok"]
     print_table("TTFT, one image + text (ms)", columns,
                 [[c, results[c]["n"], results[c]["mean_ms"], results[c]["p50_ms"], results[c]["p99_ms"],

@@ -139,8 +139,9 @@ class Scheduler:
 
         # Waiting requests, in order; one that waits for an image does not block those behind it.
         if not out.preempted:
+            held = 0  # requests kept queued for their image: they hold a slot, so demand stays bounded
             for req in list(self.waiting):
-                if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                if budget == 0 or len(self.running) + held >= self.config.max_num_seqs:
                     break
                 hit_blocks = self.blocks.find_cached_prefix(req)
                 hit = len(hit_blocks) * self.blocks.block_size
@@ -150,6 +151,7 @@ class Scheduler:
                     # Cut short by an image not ready yet, before filling a block: wait in the queue
                     # instead. Admitted once the image is ready, it finds the blocks that requests with
                     # the same image computed meanwhile (or in the same step) and skips them.
+                    held += 1
                     continue
                 if not self.blocks.allocate_slots(req, n, hit_blocks):
                     break  # the pool is full: keep arrival order for the rest
