@@ -88,10 +88,13 @@ async def serve(args: argparse.Namespace) -> None:
     async def refresh_metrics() -> None:
         while True:
             metrics.observe_stats(loop.stats_snapshot)
-            if loop.error is not None:  # the engine thread died: stop taking traffic, say why
-                log.error("engine loop failed (%s); health is now NOT_SERVING", loop.error)
+            if loop.error is not None:  # the engine thread died: stop taking traffic, say why, exit
+                log.error("engine loop failed (%s); health is now NOT_SERVING; exiting so that a "
+                          "restart policy brings the decoder back", loop.error)
                 service.set_serving(False)
-                return
+                await asyncio.sleep(_DEATH_GRACE_S)  # open streams receive their error first
+                service.request_stop()
+                raise EngineDied(str(loop.error))
             await asyncio.sleep(1.0)
 
     refresher = asyncio.create_task(refresh_metrics())
@@ -105,6 +108,15 @@ async def serve(args: argparse.Namespace) -> None:
         await asyncio.to_thread(engine.source.close)
 
     await service.wait(on_shutdown=shutdown)
+    if refresher.done() and not refresher.cancelled() and refresher.exception() is not None:
+        raise refresher.exception()
+
+
+class EngineDied(RuntimeError):
+    """The engine thread stopped on an error it could not absorb (a device error, a bug)."""
+
+
+_DEATH_GRACE_S = 1.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,4 +126,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(serve(args))
     except KeyboardInterrupt:
         pass
+    except EngineDied:
+        return 1
     return 0

@@ -3,6 +3,7 @@ runs the model and samples), update requests, free the finished."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,10 @@ from decoder_svc.runner import (
     TokenLogprobs,
 )
 from decoder_svc.tokenization import PromptTokenizer, TokenizedPrompt
+
+log = logging.getLogger("mmserve.decoder.engine")
+# Errors that leave the device unusable: the engine cannot absorb them (torch < 2.8 lacks the class).
+_DEVICE_ERRORS = tuple(c for c in (getattr(torch, "AcceleratorError", None),) if c is not None)
 
 ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
 
@@ -263,12 +268,42 @@ class LLMEngine:
         outputs += self._fail(sched)
         if not sched.chunks:
             return outputs
-        sampled = self.runner.execute(ModelInput([self._sequence_input(c) for c in sched.chunks])).sampled
-        sampling_chunks = [c for c in sched.chunks if c.samples]
-        self.scheduler.update_after_step(sched.chunks)
+        # Failure boundaries: what goes wrong with one request fails that request (INTERNAL, logged)
+        # and the engine steps on. A failed model call fails the step's requests; a device error
+        # (torch.AcceleratorError) is not ours to absorb and propagates: the service exits.
+        chunks, inputs = [], []
+        for chunk in sched.chunks:
+            try:
+                inputs.append(self._sequence_input(chunk))
+                chunks.append(chunk)
+            except Exception as exc:  # noqa: BLE001 - a bug or bad state of this request only
+                outputs.append(self._fail_request(chunk.request, exc))
+        if not chunks:
+            return outputs
+        try:
+            sampled = self.runner.execute(ModelInput(inputs)).sampled
+        except _DEVICE_ERRORS:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fail the batch, keep the engine
+            return outputs + [self._fail_request(c.request, exc) for c in chunks]
+        sampling_chunks = [c for c in chunks if c.samples]
+        self.scheduler.update_after_step(chunks)
         for chunk, token, lp in zip(sampling_chunks, sampled.token_ids, sampled.logprobs, strict=True):
-            outputs.append(self._append_token(chunk.request, token, lp))
+            try:
+                outputs.append(self._append_token(chunk.request, token, lp))
+            except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer on this request's text
+                outputs.append(self._fail_request(chunk.request, exc))
         return outputs
+
+    def _fail_request(self, req: Request, exc: BaseException) -> RequestOutput:
+        """End one request with an internal error, freeing its blocks and embeddings."""
+        log.error("request %s failed inside the engine", req.request_id, exc_info=exc)
+        if self.scheduler.get(req.request_id) is not None:
+            self.scheduler.remove(req)
+        self.runner.forget(req.request_id)
+        req.finish(FinishReason.ERROR, f"internal error: {type(exc).__name__}")
+        self._num_failed += 1
+        return self._final_output(req, [], "", [])
 
     def _sequence_input(self, chunk: ScheduledChunk) -> SequenceInput:
         """What the runner needs of one scheduled chunk."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below this a temperature only divides logits into inf/NaN: 0 (greedy) or at least this.
+MIN_TEMPERATURE = 1e-5
 
 
 class InvalidRequestError(ValueError):
@@ -27,9 +31,12 @@ class SamplingParams:
         """Raise InvalidRequestError for values no sampler can honour."""
         if self.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 <= self.top_p <= 1.0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidRequestError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, "
+                                      f"got {self.temperature}")
+        if not 0.0 <= self.top_p <= 1.0:  # NaN fails this too
             raise InvalidRequestError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")

@@ -52,3 +52,45 @@ def test_content_hash_reference(make_engine, images):
     unknown = engine.generate("unknown", ONE, ["ab" * 32], sampling=SamplingParams(max_tokens=8))
     assert unknown.finish_reason == FinishReason.ERROR and "not found" in unknown.error
     assert engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                 dict(temperature=1e-45), dict(temperature=-0.5),
+                                 dict(temperature=1.0, top_p=float("nan"))])
+def test_sampling_values_no_sampler_can_honour_are_refused(make_engine, bad):
+    engine = make_engine(num_kv_blocks=8)
+    with pytest.raises(InvalidRequestError, match="temperature|top_p"):
+        engine.add_request("x", "hi", sampling=SamplingParams(max_tokens=2, **bad))
+    ok = engine.generate("ok", "hi", sampling=SamplingParams(max_tokens=2, temperature=1e-5))
+    assert ok.finish_reason == FinishReason.LENGTH
+
+
+def test_a_failing_model_call_fails_its_requests_not_the_engine(make_engine, monkeypatch):
+    engine = make_engine(num_kv_blocks=32)
+    engine.add_request("a", "hi there", sampling=SamplingParams(max_tokens=4))
+    engine.add_request("b", "hello", sampling=SamplingParams(max_tokens=4))
+    real = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == ["a", "b"]
+    assert all(o.finish_reason == FinishReason.ERROR and o.error == "internal error: RuntimeError"
+               for o in outs)
+    assert engine.stats().kv_blocks_used == 0 and engine.stats().failed == 2 and not engine.has_unfinished()
+    monkeypatch.setattr(engine.runner, "execute", real)
+    out = engine.generate("c", "hi there", sampling=SamplingParams(max_tokens=4))
+    assert out.finish_reason == FinishReason.LENGTH and len(out.new_token_ids) == 4
+
+
+def test_a_failure_in_one_requests_output_fails_only_that_request(make_engine, monkeypatch):
+    engine = make_engine(num_kv_blocks=32)
+    bad = engine.add_request("bad", "hi there", sampling=SamplingParams(max_tokens=4))
+    engine.add_request("good", "hello", sampling=SamplingParams(max_tokens=4))
+    monkeypatch.setattr(bad.detokenizer, "add", lambda ids: 1 / 0)
+    results: dict = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            results.setdefault(o.request_id, []).append(o)
+    assert results["bad"][-1].finish_reason == FinishReason.ERROR
+    assert results["good"][-1].finish_reason == FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in results["good"]) == 4
+    assert engine.stats().kv_blocks_used == 0

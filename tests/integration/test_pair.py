@@ -114,6 +114,11 @@ def test_deadline_aborts_and_frees(pair, test_images):
     (dict(prompt="USER: hello ASSISTANT:", images=1), "image"),                 # 0 markers, 1 image
     (dict(prompt="USER: hi", max_tokens=100000), "context"),
     (dict(prompt="USER: hi", temperature=-1.0), "temperature"),
+    # These three killed the engine thread for good (torch.multinomial raised inside it).
+    (dict(prompt="USER: hi", temperature=float("nan")), "temperature"),
+    (dict(prompt="USER: hi", temperature=1e-45), "temperature"),
+    (dict(prompt="USER: hi", temperature=float("inf")), "temperature"),
+    (dict(prompt="USER: hi", temperature=1.0, top_p=float("nan")), "top_p"),
     (dict(prompt="USER: hi", top_p=1.5), "top_p"),
     (dict(prompt="USER: hi", top_k=-2), "top_k"),
     (dict(prompt="USER: <image> hi", image_bytes=b"not an image"), "image 0"),
