@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "images", "accept", "cache_salt", "prefetch")
+    __slots__ = ("request_id", "images", "accept", "cache_salt", "prefetch", "lease_owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]
     accept: _containers.RepeatedScalarFieldContainer[_common_pb2.Transport]
     cache_salt: str
     prefetch: bool
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., accept: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., cache_salt: _Optional[str] = ..., prefetch: _Optional[bool] = ...) -> None: ...
+    lease_owner: str
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., accept: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., cache_salt: _Optional[str] = ..., prefetch: _Optional[bool] = ..., lease_owner: _Optional[str] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("embeddings",)
@@ -42,10 +44,12 @@ class PrefetchResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_ids",)
+    __slots__ = ("lease_ids", "lease_owner")
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     lease_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    lease_owner: str
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ..., lease_owner: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# Below this a temperature only divides logits into inf/NaN: 0 (greedy) or at least this.
-MIN_TEMPERATURE = 1e-5
+from decoder_svc.runner.sampler import MIN_TEMPERATURE
 
 
 class InvalidRequestError(ValueError):
