@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ class ImageLimits:
 
     max_bytes: int = 32 * 1024 * 1024
     max_side: int = 8192
+    max_pixels: int = 4096 * 4096  # read from the header, before any pixel is decoded
     max_images_per_request: int = 16
 
 
@@ -32,31 +34,63 @@ def encode_png(image: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+def _public(exc: BaseException) -> str:
+    """An exception's message without object reprs (heap addresses stay in the logs, not in answers)."""
+    if isinstance(exc, Image.UnidentifiedImageError):
+        return "not a recognised image format"
+    return re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "<data>", str(exc))
+
+
+def _open_checked(data: bytes, limits: ImageLimits) -> Image.Image:
+    """Image.open (header only) with the byte, side and pixel limits checked before any decoding."""
+    if not data:
+        raise ImageError("empty image bytes")
+    if len(data) > limits.max_bytes:
+        raise ImageError(f"image file of {len(data)} bytes exceeds the limit of {limits.max_bytes}")
+    image = Image.open(io.BytesIO(data))
+    width, height = image.size
+    if max(width, height) > limits.max_side:
+        raise ImageError(f"image of {width}x{height} exceeds the maximum side of {limits.max_side}")
+    if width * height > limits.max_pixels:
+        raise ImageError(f"image of {width}x{height} has more than the {limits.max_pixels} pixels allowed")
+    return image
+
+
+def probe_image_size(data: bytes, limits: ImageLimits = ImageLimits()) -> tuple[int, int]:
+    """(height, width) from the file's header, limits checked, nothing decoded. Raises ImageError."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = _open_checked(data, limits)
+    except ImageError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageError(f"decompression bomb refused: {_public(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad files
+        raise ImageError(f"cannot decode image: {_public(exc)}") from None
+    if image.width < 1 or image.height < 1:
+        raise ImageError("image has no pixels")
+    return image.height, image.width
+
+
 def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
     """Decode an encoded image file (PNG, JPEG, WebP, GIF first frame, BMP) into RGB.
 
     Raises ImageError for empty, oversized, truncated or corrupt input, a non-image, or a
     decompression bomb.
     """
-    if not data:
-        raise ImageError("empty image bytes")
-    if len(data) > limits.max_bytes:
-        raise ImageError(f"image file of {len(data)} bytes exceeds the limit of {limits.max_bytes}")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
-            if max(width, height) > limits.max_side:
-                raise ImageError(f"image of {width}x{height} exceeds the maximum side of {limits.max_side}")
+            image = _open_checked(data, limits)
             image.seek(0)  # GIF and other animations: the first frame
             image.load()
     except ImageError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageError(f"decompression bomb refused: {exc}") from None
+        raise ImageError(f"decompression bomb refused: {_public(exc)}") from None
     except Exception as exc:  # Pillow raises many types for bad files: all mean "not an image we can use"
-        raise ImageError(f"cannot decode image: {type(exc).__name__}: {exc}") from None
+        raise ImageError(f"cannot decode image: {_public(exc)}") from None
     if image.width < 1 or image.height < 1:
         raise ImageError("image has no pixels")
     return image.convert("RGB")

@@ -22,6 +22,7 @@ from decoder_svc.metrics import DecoderMetrics
 log = logging.getLogger("mmserve.decoder")
 
 SERVICE_NAME = "mmserve.v1.DecoderService"
+MAX_REQUEST_ID_BYTES = 256  # the client's id only labels logs
 _FINISH = {FinishReason.STOP: decoder_pb2.FINISH_REASON_STOP,
            FinishReason.LENGTH: decoder_pb2.FINISH_REASON_LENGTH,
            FinishReason.ABORT: decoder_pb2.FINISH_REASON_ABORT}
@@ -49,6 +50,8 @@ def _image(index: int, image: common_pb2.ImageInput) -> bytes | str:
 
 def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
     """Validate the request's shape and turn it into engine arguments (INVALID_ARGUMENT on misuse)."""
+    if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise invalid_argument(f"request_id longer than {MAX_REQUEST_ID_BYTES} bytes")
     s = request.sampling
     sampling = SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,

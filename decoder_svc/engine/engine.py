@@ -14,7 +14,7 @@ from PIL import Image
 
 from common.checkpoint import model_fingerprint, parse_dtype
 from common.hashing import hash_image, is_content_hash
-from common.images import ImageLimits, decode_image
+from common.images import ImageLimits, decode_image, probe_image_size
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 from decoder_svc.engine.embedding_source import EmbeddingSource
@@ -36,6 +36,8 @@ from decoder_svc.tokenization import PromptTokenizer, TokenizedPrompt
 log = logging.getLogger("mmserve.decoder.engine")
 # Errors that leave the device unusable: the engine cannot absorb them (torch < 2.8 lacks the class).
 _DEVICE_ERRORS = tuple(c for c in (getattr(torch, "AcceleratorError", None),) if c is not None)
+
+MAX_SALT_BYTES = 256  # cache_salt: a tenant key, not a payload
 
 ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
 
@@ -60,6 +62,8 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_waiting: int = 4096
     enable_prefix_caching: bool = True
+    image_limits: ImageLimits = field(default_factory=ImageLimits)  # bytes, side, pixels, images/request
+    max_prompt_bytes: int = 1 << 20  # prompt text (or chat text parts), checked before tokenizing
     attention_backend: str = "auto"  # auto: Triton kernels on CUDA, the torch reference elsewhere
     enforce_eager: bool = False  # no CUDA graphs for decode steps
 
@@ -179,10 +183,11 @@ class LLMEngine:
         content hashes the encoder holds. Raises InvalidRequestError / PromptError (ValueError
         subclasses) for bad input.
         """
+        # Cheapest checks first: nothing is decoded or tokenized for a request refused on its sizes.
         sampling = sampling or SamplingParams()
         sampling.validate(self.model_config.vocab_size)
-        decoded = [self._open_image(i, img) for i, img in enumerate(images)]
-        sizes = [(d.height, d.width) if d is not None else None for d in decoded]
+        self._check_sizes(prompt, messages, images, cache_salt)
+        sizes = [self._image_size(i, img) for i, img in enumerate(images)]  # headers only
         if messages is not None:
             tokenized = self.tokenizer.encode_chat(messages, sizes)
         elif prompt:
@@ -191,6 +196,7 @@ class LLMEngine:
             raise InvalidRequestError("empty input: give a prompt or chat messages")
         max_tokens = sampling.max_tokens or self.config.default_max_tokens
         self._check_length(tokenized, max_tokens)
+        decoded = [self._open_image(i, img) for i, img in enumerate(images)]
         placeholders = [
             ImagePlaceholder(
                 offset=ph.offset, length=ph.length, image=src if not isinstance(src, str) else None,
@@ -215,15 +221,46 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def _open_image(self, index: int, image: ImageLike) -> Image.Image | None:
-        # Decoding is needed anyway: the content hash covers the decoded pixels.
+    def _check_sizes(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                     images: Sequence[ImageLike], cache_salt: str) -> None:
+        """Refuse oversized input before any work on it (the limits are EngineConfig's)."""
+        cfg = self.config
+        max_images = cfg.image_limits.max_images_per_request
+        if len(images) > max_images:
+            raise InvalidRequestError(f"{len(images)} images; at most {max_images} per request")
+        text_bytes = len((prompt or "").encode())
+        for message in messages or []:
+            content = message.get("content")
+            parts = content if isinstance(content, list) else [{"text": content or ""}]
+            text_bytes += sum(len(str(p.get("text", "")).encode()) for p in parts if isinstance(p, dict))
+        if text_bytes > cfg.max_prompt_bytes:
+            raise InvalidRequestError(f"prompt of {text_bytes} bytes exceeds the limit of "
+                                      f"{cfg.max_prompt_bytes}")
+        if len(cache_salt.encode()) > MAX_SALT_BYTES:
+            raise InvalidRequestError(f"cache_salt longer than {MAX_SALT_BYTES} bytes")
+
+    def _image_size(self, index: int, image: ImageLike) -> tuple[int, int] | None:
+        """(height, width) from the image's header, or None for a content hash (checked here)."""
         if isinstance(image, str):
             if not is_content_hash(image):
                 raise InvalidRequestError(f"image {index}: not a content hash: {image[:20]!r}")
             return None
         if isinstance(image, bytes):
             try:
-                return decode_image(image, ImageLimits())
+                return probe_image_size(image, self.config.image_limits)
+            except ValueError as exc:
+                raise InvalidRequestError(f"image {index}: {exc}") from None
+        if isinstance(image, Image.Image):
+            return image.height, image.width
+        raise InvalidRequestError(f"image {index}: unsupported type {type(image).__name__}")
+
+    def _open_image(self, index: int, image: ImageLike) -> Image.Image | None:
+        # Decoding is needed anyway: the content hash covers the decoded pixels.
+        if isinstance(image, str):
+            return None
+        if isinstance(image, bytes):
+            try:
+                return decode_image(image, self.config.image_limits)
             except ValueError as exc:
                 raise InvalidRequestError(f"image {index}: {exc}") from None
         if isinstance(image, Image.Image):

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from decoder_svc.runner.sampler import MIN_TEMPERATURE
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_BYTES = 256
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses (the service answers INVALID_ARGUMENT)."""
@@ -43,6 +46,11 @@ class SamplingParams:
             raise InvalidRequestError(f"logprobs must be in [0, {vocab_size}], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s.encode()) > MAX_STOP_BYTES for s in self.stop):
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings of {MAX_STOP_BYTES} bytes "
+                                      "each")
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS * 16:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS * 16} stop_token_ids")
         if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids out of the vocabulary")
 

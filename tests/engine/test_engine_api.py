@@ -94,3 +94,44 @@ def test_a_failure_in_one_requests_output_fails_only_that_request(make_engine, m
     assert results["good"][-1].finish_reason == FinishReason.LENGTH
     assert sum(len(o.new_token_ids) for o in results["good"]) == 4
     assert engine.stats().kv_blocks_used == 0
+
+
+def _refuse_work(monkeypatch, engine):
+    """Make any decoding or tokenizing fail loudly: a refused request must not reach them."""
+    import decoder_svc.engine.engine as engine_module
+
+    def boom(*a, **kw):
+        raise AssertionError("work done on a request that the limits refuse")
+
+    monkeypatch.setattr(engine_module, "decode_image", boom)
+    monkeypatch.setattr(engine.tokenizer, "encode_prompt", boom)
+    monkeypatch.setattr(engine.tokenizer, "encode_chat", boom)
+
+
+def test_limits_are_checked_before_any_decoding_or_tokenizing(make_engine, monkeypatch, images):
+    from PIL import Image
+
+    engine = make_engine(num_kv_blocks=8)
+    big = encode_png(Image.new("RGB", (8192, 8192)))  # ~200 KB of PNG, 201 MB of pixels
+    small = encode_png(images[0])
+    _refuse_work(monkeypatch, engine)
+    cases = [
+        (dict(prompt="USER: <image> hi", images=[big]), "pixels"),
+        (dict(prompt="USER: " + "<image>" * 17, images=[small] * 17), "at most 16"),
+        (dict(prompt="x" * (2 << 20)), "bytes exceeds"),
+        (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "x" * (2 << 20)}]}]),
+         "bytes exceeds"),
+        (dict(prompt="hi", cache_salt="s" * 300), "cache_salt"),
+        (dict(prompt="hi", sampling=SamplingParams(stop=["x" * 300])), "stop strings"),
+        (dict(prompt="hi", sampling=SamplingParams(stop=["a"] * 17)), "stop strings"),
+    ]
+    for kwargs, needle in cases:
+        with pytest.raises(InvalidRequestError, match=needle):
+            engine.make_request("x", **kwargs)
+
+
+def test_client_facing_image_errors_carry_no_heap_addresses(make_engine):
+    engine = make_engine(num_kv_blocks=8)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.make_request("x", "USER: <image> hi", [b"\x89PNG not really"])
+    assert " at 0x" not in str(err.value) and "image 0" in str(err.value)
