@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -184,27 +185,47 @@ class AsyncDecoderClient:
         await self.close()
 
 
-class EncoderClient:
-    """Blocking client of the encoder service."""
+def new_lease_owner() -> str:
+    """A fresh lease-owner secret (128 random bits, hex): the encoder binds leases to it."""
+    return secrets.token_hex(16)
 
-    def __init__(self, address: str, timeout: float | None = None) -> None:
+
+def _encode_request(images: Iterable[ImageLike], accept: Sequence[int], cache_salt: str, prefetch: bool,
+                    request_id: str, lease_owner: str) -> encoder_pb2.EncodeRequest:
+    return encoder_pb2.EncodeRequest(
+        request_id=request_id, images=[image_input(i) for i in images], accept=list(accept),
+        cache_salt=cache_salt, prefetch=prefetch, lease_owner=lease_owner)
+
+
+class EncoderClient:
+    """Blocking client of the encoder service.
+
+    Leases it takes are bound to `lease_owner` (a fresh secret per client unless one is given), so only
+    this client, or one given the same owner, can release them.
+    """
+
+    def __init__(self, address: str, timeout: float | None = None, lease_owner: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self.lease_owner = new_lease_owner() if lease_owner is None else lease_owner
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
 
     def encode(self, images: Iterable[ImageLike], accept: Sequence[int] = (common_pb2.TRANSPORT_INLINE,),
                cache_salt: str = "", prefetch: bool = False,
                request_id: str = "") -> encoder_pb2.EncodeResponse:
-        return self.stub.Encode(encoder_pb2.EncodeRequest(
-            request_id=request_id, images=[image_input(i) for i in images], accept=list(accept),
-            cache_salt=cache_salt, prefetch=prefetch), timeout=self.timeout)
+        """One EmbeddingRef per image; release the lease of each non-inline ref when done."""
+        return self.stub.Encode(_encode_request(images, accept, cache_salt, prefetch, request_id,
+                                                self.lease_owner), timeout=self.timeout)
 
     def release(self, lease_ids: Iterable[str]) -> int:
-        return self.stub.Release(encoder_pb2.ReleaseRequest(lease_ids=list(lease_ids)),
+        """Release this client's leases; returns how many were live (others' and unknown ids count 0)."""
+        return self.stub.Release(encoder_pb2.ReleaseRequest(lease_ids=list(lease_ids),
+                                                            lease_owner=self.lease_owner),
                                  timeout=self.timeout).released
 
     def lookup(self, content_hashes: Iterable[str], cache_salt: str = "") -> list[bool]:
+        """Whether each hash is cached under cache_salt."""
         return list(self.stub.Lookup(encoder_pb2.LookupRequest(
             content_hashes=list(content_hashes), cache_salt=cache_salt), timeout=self.timeout).cached)
 
@@ -219,3 +240,46 @@ class EncoderClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class AsyncEncoderClient:
+    """asyncio client of the encoder service; leases are bound to `lease_owner` as in EncoderClient."""
+
+    def __init__(self, address: str, timeout: float | None = None, lease_owner: str | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.lease_owner = new_lease_owner() if lease_owner is None else lease_owner
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
+
+    async def encode(self, images: Iterable[ImageLike],
+                     accept: Sequence[int] = (common_pb2.TRANSPORT_INLINE,), cache_salt: str = "",
+                     prefetch: bool = False, request_id: str = "") -> encoder_pb2.EncodeResponse:
+        """One EmbeddingRef per image; release the lease of each non-inline ref when done."""
+        return await self.stub.Encode(_encode_request(images, accept, cache_salt, prefetch, request_id,
+                                                      self.lease_owner), timeout=self.timeout)
+
+    async def release(self, lease_ids: Iterable[str]) -> int:
+        """Release this client's leases; returns how many were live (others' and unknown ids count 0)."""
+        reply = await self.stub.Release(encoder_pb2.ReleaseRequest(lease_ids=list(lease_ids),
+                                                                   lease_owner=self.lease_owner),
+                                        timeout=self.timeout)
+        return reply.released
+
+    async def lookup(self, content_hashes: Iterable[str], cache_salt: str = "") -> list[bool]:
+        """Whether each hash is cached under cache_salt."""
+        reply = await self.stub.Lookup(encoder_pb2.LookupRequest(
+            content_hashes=list(content_hashes), cache_salt=cache_salt), timeout=self.timeout)
+        return list(reply.cached)
+
+    async def stats(self) -> encoder_pb2.EncoderStats:
+        return await self.stub.GetStats(common_pb2.StatsRequest(), timeout=self.timeout or 10)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncEncoderClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -11,6 +11,19 @@ On CUDA every entry carries its producer event (interprocess), recorded after th
 producer's stream; readers wait on it instead of the producer synchronising. A slice freed by
 eviction is only rewritten after the new writer's stream waits on the evicted entry's event.
 
+Tenant isolation (issue 13):
+
+- Salt scope. Every entry (and every production in flight) remembers the cache_salt it was made under.
+  A key resolves only for a caller passing that same salt; for any other salt the entry behaves
+  exactly as if it were absent (no hit, no join, `contains` is False, no counter moves). Keys of images
+  sent as bytes already cover the salt (common/hashing.py), so this matters for hash-only access:
+  someone who learned another tenant's content hash cannot read its embedding or probe its presence.
+- Lease ownership. Every lease is bound to the owner string it was taken with; `release` frees only
+  leases whose owner equals the caller's, and counts nothing else, so a foreign lease id answers like
+  an unknown one. The empty owner is an anonymous owner of its own: leases taken with "" are freed
+  only by a release with "", and a release with "" never frees an owned lease. TTL expiry frees every
+  lease whatever its owner.
+
 Thread-safe: the server's event loop and the vision worker thread both call in.
 """
 
@@ -38,6 +51,10 @@ class ItemTooLargeError(CacheFullError):
     """The item is larger than the whole cache."""
 
 
+class SaltClashError(RuntimeError):
+    """A producer's key names an entry made under another salt: a content-hash collision."""
+
+
 class ShuttingDownError(RuntimeError):
     """The encoder is stopping: the caller gets UNAVAILABLE and may retry elsewhere."""
 
@@ -54,6 +71,7 @@ class Entry:
     event: object | None = None  # torch.cuda.Event(interprocess=True) on GPU
     event_handle: bytes = b""
     leases: int = 0
+    salt: str = ""  # the cache_salt it was made under: only that salt may reach it
 
 
 @dataclass
@@ -70,10 +88,12 @@ class Handle:
 class _Waiter:
     future: cf.Future
     want_lease: bool
+    owner: str = ""
 
 
 @dataclass
 class _Pending:
+    salt: str
     waiters: list[_Waiter] = field(default_factory=list)
 
 
@@ -81,6 +101,7 @@ class _Pending:
 class _Lease:
     key: str
     expires_at: float
+    owner: str = ""
 
 
 @dataclass
@@ -121,51 +142,69 @@ class EmbeddingCache:
 
     # -- reading -----------------------------------------------------------------------------------
 
-    def contains(self, key: str) -> bool:
-        """True when key is ready in the cache (no LRU touch, no lease)."""
+    def contains(self, key: str, salt: str = "") -> bool:
+        """True when key is ready in the cache under salt (no LRU touch, no lease)."""
         with self._lock:
-            return key in self._entries
+            return self._visible_locked(key, salt) is not None
+
+    def _visible_locked(self, key: str, salt: str) -> Entry | None:
+        """key's ready entry when it was made under salt; None (as if absent) otherwise."""
+        entry = self._entries.get(key)
+        return entry if entry is not None and entry.salt == salt else None
 
     def acquire(self, key: str, want_lease: bool = True, expected_nbytes: int | None = None,
-                produce: bool = True) -> tuple[cf.Future | None, bool]:
-        """Get key's entry: (future of a Handle, must_produce).
+                produce: bool = True, salt: str = "", owner: str = "") -> tuple[cf.Future | None, bool]:
+        """Get key's entry under salt: (future of a Handle, must_produce).
 
         A hit resolves at once. A key already being produced joins that production. Otherwise, with
         produce=True the caller must produce it and call `complete` or `fail`; with produce=False the
         answer is (None, False). `expected_nbytes` lets a miss fail fast (CacheFullError, raised here)
         when the item cannot fit, before any vision work runs.
+
+        An entry or production made under another salt is invisible: with produce=False the answer is
+        (None, False) as for an absent key. With produce=True the caller's key was derived from its
+        salt, so a clash means two salts hashed to one key (never, short of a hash collision): refused
+        with SaltClashError rather than letting one tenant's production replace the other's entry.
+        A lease taken here belongs to `owner` (see the module docstring).
         """
         with self._lock:
             self._sweep_locked()
             entry = self._entries.get(key)
+            pending = self._pending.get(key)
+            clash = ((entry is not None and entry.salt != salt)
+                     or (pending is not None and pending.salt != salt))
+            if clash:
+                if not produce:
+                    return None, False
+                raise SaltClashError(f"content hash {key} clashes with an entry of another cache_salt")
             if entry is not None:
                 self.hits += 1
                 fut: cf.Future = cf.Future()
-                fut.set_result(self._handle_locked(entry, want_lease, hit=True))
+                fut.set_result(self._handle_locked(entry, want_lease, hit=True, owner=owner))
                 return fut, False
-            pending = self._pending.get(key)
             fut = cf.Future()
             if pending is not None:
                 self.inflight_dedups += 1
-                pending.waiters.append(_Waiter(fut, want_lease))
+                pending.waiters.append(_Waiter(fut, want_lease, owner))
                 return fut, False
             if not produce:
                 return None, False
             if expected_nbytes is not None:
                 self._check_fits_locked(expected_nbytes)
             self.misses += 1
-            self._pending[key] = _Pending([_Waiter(fut, want_lease)])
+            self._pending[key] = _Pending(salt, [_Waiter(fut, want_lease, owner)])
             return fut, True
 
-    def lease(self, key: str) -> Handle | None:
-        """A new lease on a ready entry (touches LRU), or None when key is not cached."""
+    def lease(self, key: str, salt: str = "", owner: str = "") -> Handle | None:
+        """A new lease for owner on a ready entry made under salt (touches LRU), or None when there is
+        none (absent, or made under another salt)."""
         with self._lock:
             self._sweep_locked()
-            entry = self._entries.get(key)
+            entry = self._visible_locked(key, salt)
             if entry is None:
                 return None
             self.hits += 1
-            return self._handle_locked(entry, True, hit=True)
+            return self._handle_locked(entry, True, hit=True, owner=owner)
 
     def read(self, entry: Entry) -> torch.Tensor:
         """A typed view of entry in this process; on CUDA the current stream waits on its event.
@@ -199,19 +238,22 @@ class EmbeddingCache:
                 self._reserved_inflight -= self.allocator.reserved_size(nbytes)
             self.fail(key, exc)
             raise
-        entry = Entry(key, offset, nbytes, tuple(tensor.shape), tensor.dtype, event, handle)
         with self._lock:
             self._reserved_inflight -= self.allocator.reserved_size(nbytes)
+            pending = self._pending.pop(key, None)
+            # The producer's salt (from its acquire) goes with the entry; a complete() without an
+            # acquire has no salt to give, so its entry is reachable with the empty salt only.
+            salt = pending.salt if pending is not None else ""
+            entry = Entry(key, offset, nbytes, tuple(tensor.shape), tensor.dtype, event, handle, salt=salt)
             self._entries[key] = entry
-            pending = self._pending.pop(key, _Pending())
-            for waiter in pending.waiters:
+            for waiter in pending.waiters if pending is not None else []:
                 if waiter.future.cancelled():
                     continue
-                h = self._handle_locked(entry, waiter.want_lease, hit=False)
+                h = self._handle_locked(entry, waiter.want_lease, hit=False, owner=waiter.owner)
                 try:
                     waiter.future.set_result(h)
                 except cf.InvalidStateError:  # cancelled between the check and here
-                    self._release_locked(h.lease_id)
+                    self._release_locked(h.lease_id, owner=None)
             if entry.leases == 0:
                 self._freeable[key] = None
 
@@ -272,14 +314,14 @@ class EmbeddingCache:
 
     # -- leases ------------------------------------------------------------------------------------
 
-    def _handle_locked(self, entry: Entry, want_lease: bool, hit: bool) -> Handle:
+    def _handle_locked(self, entry: Entry, want_lease: bool, hit: bool, owner: str = "") -> Handle:
         if entry.key in self._freeable:
             self._freeable.move_to_end(entry.key)
         if not want_lease:
             return Handle(entry, hit=hit)
         lease_id = uuid.uuid4().hex
         expires = self._clock() + self.lease_ttl_s
-        self._leases[lease_id] = _Lease(entry.key, expires)
+        self._leases[lease_id] = _Lease(entry.key, expires, owner)
         heapq.heappush(self._expiry, (expires, lease_id))
         if entry.leases == 0:
             self._freeable.pop(entry.key, None)
@@ -287,10 +329,13 @@ class EmbeddingCache:
         entry.leases += 1
         return Handle(entry, lease_id, self.lease_ttl_s, hit)
 
-    def _release_locked(self, lease_id: str) -> bool:
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
+    def _release_locked(self, lease_id: str, owner: str | None) -> bool:
+        """Free lease_id if live and owned by owner; owner=None is the cache itself (expiry, a
+        cancelled waiter), which may free any lease."""
+        lease = self._leases.get(lease_id)
+        if lease is None or (owner is not None and lease.owner != owner):
             return False
+        del self._leases[lease_id]
         entry = self._entries[lease.key]
         entry.leases -= 1
         if entry.leases == 0:
@@ -298,16 +343,18 @@ class EmbeddingCache:
             self._freeable[entry.key] = None  # most recently used: it was just read
         return True
 
-    def release(self, lease_ids: list[str] | tuple[str, ...]) -> int:
-        """Release leases; unknown or already released ids are ignored. Returns how many were live."""
+    def release(self, lease_ids: list[str] | tuple[str, ...], owner: str = "") -> int:
+        """Release owner's leases; unknown, expired, already released ids and other owners' leases are
+        ignored alike (a caller learns nothing about leases that are not its own). Returns how many of
+        owner's leases were live and are now freed. The empty owner frees only leases taken with it."""
         with self._lock:
-            return sum(self._release_locked(lid) for lid in lease_ids)
+            return sum(self._release_locked(lid, owner) for lid in lease_ids)
 
     def _sweep_locked(self) -> None:
         now = self._clock()
         while self._expiry and self._expiry[0][0] <= now:
             _, lease_id = heapq.heappop(self._expiry)
-            if self._release_locked(lease_id):
+            if self._release_locked(lease_id, owner=None):
                 self.expired_leases += 1
 
     def sweep(self) -> None:

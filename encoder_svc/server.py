@@ -3,6 +3,10 @@
 The servicer never runs vision work on the event loop: images are decoded and hashed in a thread,
 tower work is queued to the vision worker, and the RPC awaits the cache's futures. Every lease a
 failing request took is released before the error goes out, so errors never pin cache memory.
+
+Tenant isolation (see encoder_svc/cache.py): a hash-only image resolves only under the cache_salt its
+entry was made with, else NOT_FOUND exactly as for an unknown hash (Lookup answers false, Prefetch
+skips it); leases belong to the request's lease_owner and Release frees only the caller's own.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from common.hashing import hash_image, is_content_hash
 from common.images import ImageError, ImageLimits, decode_image
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.transport.arena import Arena, TensorArena
-from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, ShuttingDownError
+from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError, ShuttingDownError
 from encoder_svc.metrics import EncoderMetrics
 from encoder_svc.refs import build_ref, choose_transport, inline_payload, served_transports
 from encoder_svc.vision import VisionEncoder
@@ -32,6 +36,7 @@ from encoder_svc.worker import DEMAND, PREFETCH, VisionWorker
 log = logging.getLogger("mmserve.encoder")
 
 SERVICE_NAME = "mmserve.v1.EncoderService"
+MAX_LEASE_OWNER_CHARS = 256  # it is stored with every lease: keep it small
 
 
 @dataclass
@@ -76,12 +81,12 @@ def _await(fut: cf.Future) -> asyncio.Future:
     return asyncio.wrap_future(fut)
 
 
-def _release_when_done(cache: EmbeddingCache, fut: cf.Future) -> None:
-    """A request gave up on fut: drop the lease it will carry, now or when it resolves."""
+def _release_when_done(cache: EmbeddingCache, fut: cf.Future, owner: str) -> None:
+    """A request gave up on fut: drop the lease it will carry (taken for owner), now or when it resolves."""
 
     def _drop(f: cf.Future) -> None:
         if not f.cancelled() and f.exception() is None and f.result().lease_id:
-            cache.release([f.result().lease_id])
+            cache.release([f.result().lease_id], owner)
 
     fut.add_done_callback(_drop)
 
@@ -133,6 +138,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise invalid_argument(f"{len(images)} images in one request; the limit is "
                                    f"{self.limits.max_images_per_request}")
 
+    @staticmethod
+    def _check_owner(owner: str) -> None:
+        if len(owner) > MAX_LEASE_OWNER_CHARS:
+            raise invalid_argument(f"lease_owner is {len(owner)} characters; the limit is "
+                                   f"{MAX_LEASE_OWNER_CHARS}")
+
     def _decode_all(self, images, salt: str) -> list[tuple[str, object | None]]:
         """(content hash, decoded image or None for hash-only inputs) per input; runs in a thread."""
         out: list[tuple[str, object | None]] = []
@@ -153,13 +164,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 raise invalid_argument(f"image {i}: neither data nor content_hash is set")
         return out
 
-    def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int) -> cf.Future:
+    def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int, salt: str,
+                 owner: str = "") -> cf.Future:
         try:
+            # A hash-only image (image None) never produces: it finds an entry of its own salt or none.
             fut, produce = self.cache.acquire(key, want_lease, self.vision.embedding_nbytes,
-                                              produce=image is not None)
+                                              produce=image is not None, salt=salt, owner=owner)
         except CacheFullError as exc:
             raise resource_exhausted(f"image {index}: {exc}") from None
-        if fut is None:
+        except SaltClashError as exc:  # only on a hash collision
+            raise ServiceError(grpc.StatusCode.INTERNAL, f"image {index}: {exc}") from None
+        if fut is None:  # absent, or made under another salt: the same answer either way
             raise not_found(f"image {index}: content hash {key} is not in the encoder cache; "
                             "send the image bytes instead")
         if produce:
@@ -193,14 +208,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         except ValueError as exc:
             raise invalid_argument(str(exc)) from None
         self._check_count(request.images)
-        items = await asyncio.to_thread(self._decode_all, request.images, request.cache_salt)
+        self._check_owner(request.lease_owner)
+        salt, owner = request.cache_salt, request.lease_owner
+        items = await asyncio.to_thread(self._decode_all, request.images, salt)
         priority = PREFETCH if request.prefetch else DEMAND
         futures: list[cf.Future] = []
         handles: list[Handle] = []
         try:
             with self.worker.holding():
                 for i, (key, image) in enumerate(items):
-                    futures.append(self._acquire(i, key, image, True, priority))
+                    futures.append(self._acquire(i, key, image, True, priority, salt, owner))
             for i, fut in enumerate(futures):
                 try:
                     handles.append(await _await(fut))
@@ -212,13 +229,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             for handle in handles:
                 if transport == common_pb2.TRANSPORT_INLINE:
                     data = await asyncio.to_thread(self._inline_bytes, handle)
-                    self.cache.release([handle.lease_id])
+                    self.cache.release([handle.lease_id], owner)
                     refs.append(build_ref(handle, transport, self.cache.arena, data))
                 else:
                     refs.append(build_ref(handle, transport, self.cache.arena))
         except BaseException:
             for fut in futures:
-                _release_when_done(self.cache, fut)
+                _release_when_done(self.cache, fut, owner)
             raise
         self.metrics.observe_encode(time.perf_counter() - started, all(h.hit for h in handles))
         return encoder_pb2.EncodeResponse(embeddings=refs)
@@ -230,7 +247,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         accepted = 0
         for i, (key, image) in enumerate(items):
             try:
-                self._acquire(i, key, image, False, PREFETCH)
+                self._acquire(i, key, image, False, PREFETCH, request.cache_salt)
             except ServiceError as exc:  # fire-and-forget: an image that cannot be cached is skipped
                 log.info("prefetch skipped: %s", exc.message)
                 continue
@@ -239,12 +256,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         return encoder_pb2.PrefetchResponse(accepted=accepted)
 
     async def Release(self, request: encoder_pb2.ReleaseRequest, context) -> encoder_pb2.ReleaseResponse:
-        return encoder_pb2.ReleaseResponse(released=self.cache.release(list(request.lease_ids)))
+        # Another owner's lease counts like an unknown id: nothing is freed and nothing is revealed.
+        # (An over-long owner needs no check here: it owns nothing, so it frees nothing.)
+        return encoder_pb2.ReleaseResponse(
+            released=self.cache.release(list(request.lease_ids), request.lease_owner))
 
     async def Lookup(self, request: encoder_pb2.LookupRequest, context) -> encoder_pb2.LookupResponse:
-        # The salt is already inside each content hash; the field exists for symmetry with Encode.
+        # A hash is "cached" only under the salt its entry was made with: no probing other tenants.
+        salt = request.cache_salt
         return encoder_pb2.LookupResponse(
-            cached=[self.cache.contains(h.lower()) for h in request.content_hashes])
+            cached=[self.cache.contains(h.lower(), salt) for h in request.content_hashes])
 
     async def GetStats(self, request: common_pb2.StatsRequest, context) -> encoder_pb2.EncoderStats:
         s = self.cache.stats()

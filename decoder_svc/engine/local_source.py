@@ -3,7 +3,8 @@
 It runs the encoder service's own VisionEncoder (which reproduces
 `LlavaForConditionalGeneration.get_image_features`) in-process, so the engine can be tested alone
 against HF. It keeps a small LRU of embeddings by content hash so that repeated images count as
-encoder-cache hits.
+encoder-cache hits. Like the encoder service, an entry answers a hash-only ask only under the cache_salt
+it was made with; under any other salt the image is "not found".
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class LocalEmbeddingSource(EmbeddingSource):
                  dtype: torch.dtype = torch.float32, cache_entries: int = 256) -> None:
         self.encoder = VisionEncoder(model_dir, device, dtype)
         self.cache_entries = cache_entries
-        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[str, torch.Tensor]] = OrderedDict()  # hash -> (salt, rows)
         self._leases: dict[tuple[str, str], tuple[EmbeddingStatus, bool, str]] = {}
         self.num_encoded = 0
         self.num_cache_hits = 0
@@ -36,7 +37,8 @@ class LocalEmbeddingSource(EmbeddingSource):
         if key in self._leases:
             return
         self.num_requests += 1
-        if req.content_hash in self._cache:
+        cached = self._cache.get(req.content_hash)
+        if cached is not None and cached[0] == req.cache_salt:  # another tenant's entry is not a hit
             self._cache.move_to_end(req.content_hash)
             self.num_cache_hits += 1
             self._leases[key] = (EmbeddingStatus.READY, True, "")
@@ -51,7 +53,7 @@ class LocalEmbeddingSource(EmbeddingSource):
             self._leases[key] = (EmbeddingStatus.FAILED, False, f"{type(exc).__name__}: {exc}")
             return
         self.num_encoded += 1
-        self._cache[req.content_hash] = emb
+        self._cache[req.content_hash] = (req.cache_salt, emb)
         while len(self._cache) > self.cache_entries:
             self._cache.popitem(last=False)
         self._leases[key] = (EmbeddingStatus.READY, False, "")
@@ -62,10 +64,10 @@ class LocalEmbeddingSource(EmbeddingSource):
     def get(self, request_id: str, content_hash: str) -> torch.Tensor:
         if self.poll(request_id, content_hash) != EmbeddingStatus.READY:
             raise KeyError(f"embedding {content_hash[:16]} for {request_id} is not ready")
-        emb = self._cache.get(content_hash)
-        if emb is None:  # evicted while leased: recompute is impossible without the image
+        cached = self._cache.get(content_hash)
+        if cached is None:  # evicted while leased: recompute is impossible without the image
             raise KeyError(f"embedding {content_hash[:16]} was evicted")
-        return emb
+        return cached[1]
 
     def release(self, request_id: str, content_hash: str | None = None) -> None:
         if content_hash is not None:

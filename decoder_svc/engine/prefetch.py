@@ -9,6 +9,10 @@
 - Never hangs: each ask runs on a worker thread with per-attempt deadlines and retries with
   exponential backoff; an encoder that stays down fails the key with UNAVAILABLE.
 - Several encoders are routed by consistent hash of the content hash.
+- Leases are this source's own: one lease-owner secret per source (one per decoder process) goes on
+  every Encode and Release, so no other client can release them and this one releases no one else's.
+- A hash-only image (no bytes) that the encoder does not hold under the request's cache_salt fails the
+  request with NOT_FOUND: the encoder never hands out another tenant's entry for a bare hash.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import grpc
 import torch
 from PIL import Image
 
-from common.client import CHANNEL_OPTIONS
+from common.client import CHANNEL_OPTIONS, new_lease_owner
 from common.images import encode_png
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.transport.importer import can_import, import_embedding, readable_transports
@@ -87,8 +91,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
 
     def __init__(self, addresses: list[str], device: torch.device | str = "cpu",
                  retry: RetryPolicy = RetryPolicy(), max_workers: int = 8,
-                 transports: list[int] | None = None) -> None:
+                 transports: list[int] | None = None, lease_owner: str | None = None) -> None:
         self.device = torch.device(device)
+        # Binds our leases to us at the encoder; never logged or sent anywhere but the encoders.
+        self._lease_owner = new_lease_owner() if lease_owner is None else lease_owner
         self.retry = retry
         self.ring = HashRing(addresses)
         self.accept = transports or readable_transports(self.device)
@@ -231,7 +237,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
     def _call_encode(self, encoder: str, req: EmbeddingRequest, image: common_pb2.ImageInput,
                      accept: list[int]) -> common_pb2.EmbeddingRef:
         request = encoder_pb2.EncodeRequest(request_id=req.request_id, images=[image], accept=accept,
-                                            cache_salt=req.cache_salt, prefetch=req.prefetch)
+                                            cache_salt=req.cache_salt, prefetch=req.prefetch,
+                                            lease_owner=self._lease_owner)
         policy = self.retry
         deadline = time.monotonic() + policy.total_timeout_s
         backoff = policy.initial_backoff_s
@@ -259,7 +266,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         if not lease_ids:
             return
         try:
-            self._stubs[encoder].Release(encoder_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=5.0)
+            self._stubs[encoder].Release(encoder_pb2.ReleaseRequest(
+                lease_ids=lease_ids, lease_owner=self._lease_owner), timeout=5.0)
         except grpc.RpcError as exc:  # the lease expires by its TTL on the encoder anyway
             log.warning("release of %d leases on %s failed: %s", len(lease_ids), encoder, exc.code().name)
 

@@ -68,9 +68,11 @@ class EncoderHarness:
     def stats(self) -> encoder_pb2.EncoderStats:
         return self.stub.GetStats(common_pb2.StatsRequest(), timeout=10)
 
-    def release_all(self, response: encoder_pb2.EncodeResponse) -> None:
+    def release_all(self, response: encoder_pb2.EncodeResponse, owner: str = "") -> int:
+        """Release the response's leases as `owner` (the lease_owner they were taken with)."""
         ids = [r.lease_id for r in response.embeddings if r.lease_id]
-        self.stub.Release(encoder_pb2.ReleaseRequest(lease_ids=ids), timeout=10)
+        return self.stub.Release(encoder_pb2.ReleaseRequest(lease_ids=ids, lease_owner=owner),
+                                 timeout=10).released
 
     def close(self) -> None:
         self.channel.close()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.transport.arena import ALIGNMENT, TensorArena
-from encoder_svc.cache import CacheFullError, EmbeddingCache, ItemTooLargeError
+from encoder_svc.cache import CacheFullError, EmbeddingCache, ItemTooLargeError, SaltClashError
 
 ITEM = ALIGNMENT * 4  # bytes of one test embedding (fp32 [8, 32])
 
@@ -158,3 +158,94 @@ def test_produce_false_does_not_create_pending():
     cache = EmbeddingCache(TensorArena(ITEM))
     assert cache.acquire("nope", produce=False) == (None, False)
     assert cache.stats().misses == 0
+
+
+# -- tenant isolation (issue 13) -------------------------------------------------------------------
+
+
+def _put_salted(cache: EmbeddingCache, key: str, seed: int, salt: str, owner: str = ""):
+    fut, produce = cache.acquire(key, salt=salt, owner=owner)
+    assert produce
+    cache.complete(key, _tensor(seed))
+    return fut.result(0)
+
+
+def test_hash_only_access_resolves_only_under_the_entrys_salt():
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    made = _put_salted(cache, "k", 1, salt="tenant-a")
+    before = cache.stats()
+    # Another salt (the empty one included) sees nothing: no handle, no lease, no counter moves.
+    for salt in ("tenant-b", ""):
+        assert cache.acquire("k", produce=False, salt=salt) == (None, False)
+        assert not cache.contains("k", salt)
+        assert cache.lease("k", salt=salt) is None
+    after = cache.stats()
+    assert (after.hits, after.misses, after.active_leases) == (before.hits, before.misses, 1)
+    # The right salt gets the very entry.
+    assert cache.contains("k", "tenant-a")
+    fut, produce = cache.acquire("k", produce=False, salt="tenant-a")
+    h = fut.result(0)
+    assert not produce and h.hit and torch.equal(cache.read(h.entry), _tensor(1))
+    leased = cache.lease("k", salt="tenant-a")
+    assert leased is not None and leased.hit
+    assert cache.release([made.lease_id, h.lease_id, leased.lease_id]) == 3
+
+
+def test_hash_only_ask_does_not_join_another_salts_production():
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    producer, produce = cache.acquire("k", salt="tenant-a")
+    assert produce
+    assert cache.acquire("k", produce=False, salt="tenant-b") == (None, False)
+    joined, produce = cache.acquire("k", produce=False, salt="tenant-a")
+    assert joined is not None and not produce
+    assert cache.stats().inflight_dedups == 1
+    cache.complete("k", _tensor(2))
+    assert cache.release([producer.result(0).lease_id, joined.result(0).lease_id]) == 2
+
+
+def test_producer_key_of_another_salt_is_refused_not_overwritten():
+    # Never happens for real keys (they hash the salt); a collision must not swap tenants' entries.
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    h = _put_salted(cache, "k", 1, salt="tenant-a", owner="a")
+    with pytest.raises(SaltClashError):
+        cache.acquire("k", salt="tenant-b")
+    assert cache.contains("k", "tenant-a") and not cache.contains("k", "tenant-b")
+    assert cache.release([h.lease_id], owner="a") == 1
+
+
+def test_release_frees_only_the_owners_leases():
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    alice = _put_salted(cache, "k", 1, salt="", owner="alice")
+    anon = cache.acquire("k")[0].result(0)  # the empty owner: anonymous
+    assert cache.stats().active_leases == 2
+    # Another owner, or the anonymous one, frees nothing of alice's and is told 0, as for an unknown id.
+    assert cache.release([alice.lease_id], owner="mallory") == 0
+    assert cache.release([alice.lease_id]) == 0
+    # An owner cannot free an anonymous lease either.
+    assert cache.release([anon.lease_id], owner="alice") == 0
+    s = cache.stats()
+    assert (s.active_leases, s.leased_bytes) == (2, ITEM)
+    assert cache.release([alice.lease_id, anon.lease_id, "unknown"], owner="alice") == 1
+    assert cache.release([anon.lease_id], owner="") == 1
+    assert cache.stats().active_leases == 0 and cache.stats().leased_bytes == 0
+
+
+def test_waiters_leases_belong_to_their_own_owners():
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    f1, _ = cache.acquire("k", owner="one")
+    f2, _ = cache.acquire("k", owner="two")  # joins the production
+    cache.complete("k", _tensor(3))
+    h1, h2 = f1.result(0), f2.result(0)
+    assert cache.release([h1.lease_id, h2.lease_id], owner="one") == 1
+    assert cache.release([h1.lease_id, h2.lease_id], owner="two") == 1
+
+
+def test_foreign_owned_lease_still_expires():
+    clock = FakeClock()
+    cache = EmbeddingCache(TensorArena(ITEM), lease_ttl_s=5.0, clock=clock)
+    h = _put_salted(cache, "k", 1, salt="", owner="alice")
+    assert cache.release([h.lease_id], owner="mallory") == 0
+    clock.t = 5.0
+    s = cache.stats()
+    assert (s.active_leases, s.expired_leases, s.leased_bytes) == (0, 1, 0)
+    assert cache.release([h.lease_id], owner="alice") == 0

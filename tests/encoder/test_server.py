@@ -211,3 +211,125 @@ def test_cache_smaller_than_one_embedding_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="cannot hold one image"):
         EncoderServicer.build(EncoderConfig(model=tiny_model_dir, cache_bytes=1000,
                                             limits=ImageLimits()), registry=None)
+
+
+# -- tenant isolation (issue 13) -------------------------------------------------------------------
+
+
+def _by_hash(*hashes: str, salt: str = "", owner: str = "", accept=(SHM,)) -> encoder_pb2.EncodeRequest:
+    return encoder_pb2.EncodeRequest(images=[common_pb2.ImageInput(content_hash=h) for h in hashes],
+                                     accept=list(accept), cache_salt=salt, lease_owner=owner)
+
+
+def _not_found(encoder, request) -> str:
+    with pytest.raises(grpc.RpcError) as err:
+        encoder.stub.Encode(request, timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+    return err.value.details()
+
+
+def test_hash_of_another_salt_is_not_found_exactly_like_an_unknown_hash(encoder):
+    data = image_bytes(700)
+    made = encoder.stub.Encode(encode_request(data, cache_salt="tenant-a", lease_owner="a"), timeout=30)
+    key = made.embeddings[0].content_hash
+    unknown = "cd" * 32
+    before = encoder.stats()
+    for salt in ("tenant-b", ""):
+        details = _not_found(encoder, _by_hash(key, salt=salt))
+        # The same words as for a hash nobody ever sent: nothing tells "exists elsewhere" apart.
+        assert details.replace(key, "H") == _not_found(encoder, _by_hash(unknown, salt=salt)).replace(
+            unknown, "H")
+        assert list(encoder.stub.Lookup(encoder_pb2.LookupRequest(
+            content_hashes=[key, unknown], cache_salt=salt)).cached) == [False, False]
+        prefetch = encoder.stub.Prefetch(encoder_pb2.PrefetchRequest(
+            images=[common_pb2.ImageInput(content_hash=key)], cache_salt=salt))
+        assert prefetch.accepted == 0
+    after = encoder.stats()
+    assert (after.hits, after.misses, after.active_leases) == (before.hits, before.misses, 1)
+
+    # In a batch, the foreign hash fails the request (naming its index) and leaks no lease.
+    own = image_bytes(701)
+    batch = encoder_pb2.EncodeRequest(images=[common_pb2.ImageInput(data=own),
+                                              common_pb2.ImageInput(content_hash=key)],
+                                      accept=[SHM], cache_salt="tenant-b", lease_owner="b")
+    assert _not_found(encoder, batch).startswith("image 1:")
+    deadline = time.monotonic() + 10
+    while encoder.stats().active_leases != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)  # a lease of the failed request is dropped when its encode lands
+    assert encoder.stats().active_leases == 1
+
+    # Under its own salt the hash resolves to the same entry.
+    again = encoder.stub.Encode(_by_hash(key, salt="tenant-a", owner="a"), timeout=30)
+    assert again.embeddings[0].cache_hit and again.embeddings[0].content_hash == key
+    torch.testing.assert_close(import_embedding(again.embeddings[0]), import_embedding(made.embeddings[0]),
+                               rtol=0, atol=0)
+    assert list(encoder.stub.Lookup(encoder_pb2.LookupRequest(
+        content_hashes=[key.upper()], cache_salt="tenant-a")).cached) == [True]
+    assert encoder.stub.Prefetch(encoder_pb2.PrefetchRequest(
+        images=[common_pb2.ImageInput(content_hash=key)], cache_salt="tenant-a")).accepted == 1
+    assert encoder.release_all(made, owner="a") + encoder.release_all(again, owner="a") == 2
+
+
+def test_release_by_another_owner_leaves_the_lease_active(encoder):
+    resp = encoder.stub.Encode(encode_request(image_bytes(710), lease_owner="alice"), timeout=30)
+    lease = resp.embeddings[0].lease_id
+    assert lease and encoder.stats().active_leases == 1
+    for owner in ("mallory", ""):
+        # Answered like an unknown id: 0, no error, and the lease stays.
+        assert encoder.stub.Release(encoder_pb2.ReleaseRequest(lease_ids=[lease], lease_owner=owner),
+                                    timeout=10).released == 0
+        assert encoder.stats().active_leases == 1
+    assert encoder.stub.Release(encoder_pb2.ReleaseRequest(lease_ids=[lease, "nope"], lease_owner="alice"),
+                                timeout=10).released == 1
+    s = encoder.stats()
+    assert s.active_leases == 0 and s.leased_bytes == 0
+
+
+def test_anonymous_leases_are_released_only_anonymously(encoder):
+    resp = encoder.stub.Encode(encode_request(image_bytes(720)), timeout=30)  # no lease_owner
+    lease = resp.embeddings[0].lease_id
+    assert encoder.stub.Release(encoder_pb2.ReleaseRequest(lease_ids=[lease], lease_owner="bob"),
+                                timeout=10).released == 0
+    assert encoder.stats().active_leases == 1
+    assert encoder.release_all(resp) == 1
+
+
+def test_owned_requests_leave_no_lease_behind_on_inline_and_errors(encoder):
+    # Leases the server takes and drops by itself (inline copies, failed requests) are the owner's too.
+    inline = encoder.stub.Encode(encode_request(image_bytes(730), accept=[INLINE], lease_owner="o"),
+                                 timeout=30)
+    assert not inline.embeddings[0].lease_id
+    bad = encode_request(image_bytes(731), b"not an image", lease_owner="o")
+    with pytest.raises(grpc.RpcError) as err:
+        encoder.stub.Encode(bad, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert encoder.stats().active_leases == 0
+
+
+def test_overlong_lease_owner_is_invalid_argument(encoder):
+    with pytest.raises(grpc.RpcError) as err:
+        encoder.stub.Encode(encode_request(image_bytes(740), lease_owner="x" * 257), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lease_owner" in err.value.details()
+
+
+def test_clients_bind_leases_to_their_own_owner(encoder):
+    import asyncio
+
+    from common.client import AsyncEncoderClient, EncoderClient
+
+    address = f"127.0.0.1:{encoder.port}"
+    with EncoderClient(address, timeout=30) as a, EncoderClient(address, timeout=30) as b:
+        assert a.lease_owner and a.lease_owner != b.lease_owner
+        lease = a.encode([image_bytes(750)], accept=[SHM]).embeddings[0].lease_id
+        assert b.release([lease]) == 0 and encoder.stats().active_leases == 1
+        with EncoderClient(address, timeout=30, lease_owner=a.lease_owner) as a_again:
+            assert a_again.release([lease]) == 1  # the owner is the secret, not the channel
+
+    async def run_async() -> tuple[int, int]:
+        async with AsyncEncoderClient(address, timeout=30) as c, AsyncEncoderClient(address, timeout=30) as d:
+            ref = (await c.encode([image_bytes(751)], accept=[SHM], cache_salt="s")).embeddings[0]
+            assert await c.lookup([ref.content_hash], cache_salt="s") == [True]
+            assert await c.lookup([ref.content_hash]) == [False]
+            return await d.release([ref.lease_id]), await c.release([ref.lease_id])
+
+    assert asyncio.run(run_async()) == (0, 1)

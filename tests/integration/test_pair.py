@@ -157,6 +157,23 @@ def test_unknown_content_hash_is_not_found(pair):
     assert dec.kv_blocks_used == 0 and enc.active_leases == 0
 
 
+def test_content_hash_of_another_tenant_is_not_found_and_resolves_under_its_own_salt(pair, oracle,
+                                                                                    test_images):
+    # Tenant A's image gets into the encoder under A's salt (inline: no lease to hand back).
+    with pair.encoder_client() as enc:
+        key = enc.encode([png(test_images[2])], cache_salt="tenant-a").embeddings[0].content_hash
+    with pair.decoder_client() as client:
+        for salt in ("tenant-b", ""):  # knowing the hash is not enough: the request fails, cleanly
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate_text(PROMPT_1, ["hash:" + key], max_tokens=4, cache_salt=salt)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+        result = client.generate_text(PROMPT_1, ["hash:" + key], max_tokens=4, cache_salt="tenant-a")
+    assert result.usage.images == 1 and result.usage.images_encoder_cache_hits == 1
+    oracle.assert_same_tokens(result.token_ids, PROMPT_1, [test_images[2]], 4)  # A's own image
+    dec, enc_stats = pair.wait_idle()
+    assert dec.kv_blocks_used == 0 and dec.active_leases == 0 and enc_stats.active_leases == 0
+
+
 def test_chat_request_matches_hf_chat_template(pair, oracle, test_images):
     chat = [{"role": "user", "content": [{"type": "image", "image": png(test_images[0])},
                                          {"type": "text", "text": "What is this?"}]}]
