@@ -7,16 +7,24 @@ for the whole buffer and no ref-count files. cupy is imported lazily: CPU instal
 Readers open each arena handle once per process (opening costs ~0.1 s the first time) and wrap slices
 as torch tensors with no copy. Each entry carries an interprocess event recorded on the producer's
 stream after its write; a reader makes its current stream wait on it, so it never sees stale bytes.
+
+A restarted encoder exports a new handle, so the reader's cache (keyed by handle) maps it afresh.
+`forget_arena` drops the old one: its IPC mapping is closed once the last view over it is collected,
+which lets the driver free a dead encoder's memory.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from common.transport.arena import Arena
+
+log = logging.getLogger("mmserve.transport")
 
 
 def _cupy():
@@ -120,6 +128,21 @@ class _Opened:
 _opened: dict[bytes, _Opened] = {}
 _opened_lock = threading.Lock()
 cuda_opens = 0  # arena handles opened by this process (tests check: once per arena)
+cuda_closes = 0  # IPC mappings closed again (after forget_arena and the last view's collection)
+
+
+def _close_mapping(ptr: int, device_index: int) -> None:
+    """Finalizer of an _Opened: runs once neither the cache nor any view refers to it."""
+    global cuda_closes
+    try:
+        cp = _cupy()
+        with cp.cuda.Device(device_index):
+            # Kernels queued on a view just collected may still read the mapping: let them finish.
+            cp.cuda.runtime.deviceSynchronize()
+            cp.cuda.runtime.ipcCloseMemHandle(ptr)
+        cuda_closes += 1
+    except Exception:  # noqa: BLE001 - a finalizer must not raise; the mapping leaks until exit
+        log.warning("closing a CUDA IPC mapping failed", exc_info=True)
 
 
 def open_arena(mem_handle: bytes, device_index: int, arena_nbytes: int) -> _Opened:
@@ -133,9 +156,24 @@ def open_arena(mem_handle: bytes, device_index: int, arena_nbytes: int) -> _Open
         with cp.cuda.Device(device_index):
             ptr = cp.cuda.runtime.ipcOpenMemHandle(mem_handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
         opened = _Opened(ptr=ptr, device=torch.device("cuda", device_index), nbytes=arena_nbytes)
+        # Views hold the _Opened as their owner, so the handle is closed only when none is left.
+        finalizer = weakref.finalize(opened, _close_mapping, ptr, device_index)
+        finalizer.atexit = False  # at exit the driver tears everything down anyway
         _opened[mem_handle] = opened
         cuda_opens += 1
         return opened
+
+
+def forget_arena(mem_handle: bytes) -> bool:
+    """Drop the cached mapping of an arena (a restarted encoder's old one); closed after its last view."""
+    with _opened_lock:
+        return _opened.pop(mem_handle, None) is not None
+
+
+def open_mappings() -> int:
+    """How many arenas this process holds mapped in its cache."""
+    with _opened_lock:
+        return len(_opened)
 
 
 def read_slice(mem_handle: bytes, device_index: int, offset: int, nbytes: int, arena_nbytes: int,

@@ -1,6 +1,14 @@
-"""The reader's side: turn an EmbeddingRef into a torch tensor, whichever transport carried it."""
+"""The reader's side: turn an EmbeddingRef into a torch tensor, whichever transport carried it.
+
+Arenas are mapped once per process and cached by identity: an SHM segment by name and inode, a CUDA
+arena by its IPC handle, so a restarted encoder's new arena is always mapped afresh. A caller that
+says which encoder a ref came from (`source`) also lets go of that encoder's previous arena as soon
+as a ref from its new one is read, so a dead encoder's memory is not pinned by this process.
+"""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -38,22 +46,53 @@ def can_import(ref: common_pb2.EmbeddingRef) -> bool:
     return False
 
 
+_ArenaKey = tuple[str, str | bytes]  # ("shm", segment name) or ("cuda_ipc", mem handle)
+
+_arena_of_source: dict[str, _ArenaKey] = {}
+_sources_lock = threading.Lock()
+
+
+def open_mappings() -> int:
+    """How many arenas (SHM segments and CUDA IPC arenas) this process holds mapped."""
+    return shm.open_mappings() + cuda.open_mappings()
+
+
+def _note_arena(source: str, key: _ArenaKey) -> None:
+    """Record source's current arena; forget the one it replaces (unless another source still uses it)."""
+    with _sources_lock:
+        old = _arena_of_source.get(source)
+        _arena_of_source[source] = key
+        if old is None or old == key or old in _arena_of_source.values():
+            return
+    kind, ident = old
+    if kind == "shm":
+        shm.forget_segment(ident)
+    else:
+        cuda.forget_arena(ident)
+
+
 def import_embedding(ref: common_pb2.EmbeddingRef, device: torch.device | str | None = None,
-                     wait: bool = True) -> torch.Tensor:
+                     wait: bool = True, source: str | None = None) -> torch.Tensor:
     """The embedding [num_image_tokens, hidden] as a tensor view of the encoder's arena where possible.
 
     CUDA IPC: a view on the encoder's GPU (no copy); the current stream waits on the producer event
     unless wait=False (tests use that to show stale reads). SHM: a CPU view of the mapped segment.
     Inline: a CPU tensor. If `device` differs from where the view lives, the result is copied there.
     The view is valid while the lease is held: copy it (or finish using it) before Release.
+
+    source names the encoder (its address) that sent ref: when a ref from a new arena of the same
+    source is read, the mapping of its previous arena (a restarted encoder's) is dropped. Views of the
+    old arena still in use stay valid; it is unmapped when the last is collected.
     """
     dtype = dtypes.to_torch(ref.dtype)
     shape = list(ref.shape)
     kind = ref.WhichOneof("location")
+    key: _ArenaKey | None = None
     if kind == "inline_data":
         raw = inline.read_bytes(ref.inline_data)
     elif kind == "shm":
         raw = shm.read_slice(ref.shm.name, ref.shm.offset, ref.nbytes, ref.shm.arena_nbytes)
+        key = ("shm", ref.shm.name)
     elif kind == "cuda_ipc":
         loc = ref.cuda_ipc
         index = cuda.local_device_index(loc.device_uuid)
@@ -61,8 +100,11 @@ def import_embedding(ref: common_pb2.EmbeddingRef, device: torch.device | str | 
             raise ValueError(f"GPU {loc.device_uuid} of this CUDA IPC ref is not visible in this process")
         raw = cuda.read_slice(loc.mem_handle, index, loc.offset, ref.nbytes, loc.arena_nbytes,
                               loc.event_handle, wait=wait)
+        key = ("cuda_ipc", loc.mem_handle)
     else:
         raise ValueError("EmbeddingRef has no location")
+    if source is not None and key is not None:  # after a good read: a failed one must not drop the old
+        _note_arena(source, key)
     if raw.numel() != ref.nbytes:
         raise ValueError(f"embedding has {raw.numel()} bytes, the ref says {ref.nbytes}")
     out = dtypes.typed_view(raw, dtype, shape)

@@ -168,3 +168,49 @@ def test_gpu_encoder_server_hands_out_cuda_ipc_refs(tiny_model_dir):
         assert harness.stats().active_leases == 0
     finally:
         harness.close()
+
+
+def _restart_reader(inbox, outbox) -> None:
+    """Child: read one ref per arena of the same source; report bytes, open mappings and closes."""
+    import gc
+
+    from common.transport import cuda_ipc, importer
+
+    torch.cuda.init()
+    for _ in range(2):
+        ref = common_pb2.EmbeddingRef.FromString(inbox.get(timeout=120))
+        raw = _bytes_of(importer.import_embedding(ref, source="encoder-0:50051"))
+        gc.collect()  # no view of the previous arena is left: its IPC mapping closes now
+        outbox.put((raw, importer.open_mappings(), cuda_ipc.cuda_opens, cuda_ipc.cuda_closes))
+
+
+def test_restarted_encoders_new_arena_is_mapped_and_the_old_one_closed():
+    first = EmbeddingCache(CudaArena(16 << 20, "cuda:0"))
+    second = None
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_restart_reader, args=(inbox, outbox))
+    proc.start()
+    try:
+        a = _store(first, "k", torch.full((64,), 1.0, device="cuda"))
+        inbox.put(build_ref(a, CUDA, first.arena).SerializeToString())
+        raw, mappings, opens, closes = outbox.get(timeout=120)
+        assert raw == _bytes_of(torch.full((64,), 1.0)) and (mappings, opens, closes) == (1, 1, 0)
+
+        second = EmbeddingCache(CudaArena(16 << 20, "cuda:0"))  # the encoder "restarted": a new handle
+        assert second.arena.mem_handle != first.arena.mem_handle
+        b = _store(second, "k", torch.full((64,), 2.0, device="cuda"))
+        inbox.put(build_ref(b, CUDA, second.arena).SerializeToString())
+        raw, mappings, opens, closes = outbox.get(timeout=120)
+        assert raw == _bytes_of(torch.full((64,), 2.0)), "read the old arena's bytes"
+        assert (mappings, opens, closes) == (1, 2, 1), "the superseded arena must be unmapped"
+        proc.join(60)
+        assert proc.exitcode == 0
+        first.release([a.lease_id])
+        second.release([b.lease_id])
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        first.close()  # only after the reader closed its mapping of it
+        if second is not None:
+            second.close()
