@@ -15,6 +15,12 @@ from typing import Any
 
 from common.checkpoint import load_config
 
+# Roles the LLaVA chat template is written for. The template itself prints any other role verbatim
+# (`role.upper() + ': '`), so a client-chosen role could forge turns or template text in the prompt.
+CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant"})
+# Content part types the template renders; it skips others silently, which would hide a client's bug.
+CHAT_PART_TYPES: frozenset[str] = frozenset({"text", "image"})
+
 
 class PromptError(ValueError):
     """A prompt the model cannot take (the service answers INVALID_ARGUMENT)."""
@@ -89,10 +95,13 @@ class PromptTokenizer:
                     image_sizes: Sequence[tuple[int, int] | None] = ()) -> TokenizedPrompt:
         """Render chat messages with the checkpoint's chat template, then tokenize like HF does.
 
-        Image parts are `{"type": "image"}` entries in a message's content list, in order.
+        Image parts are `{"type": "image"}` entries in a message's content list, in order. Raises
+        PromptError for an empty chat, a role outside CHAT_ROLES, or content the template cannot render.
         """
         if not messages:
             raise PromptError("empty chat")
+        for index, message in enumerate(messages):
+            check_chat_message(index, message)
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # HF's tokenizing chat path skips special tokens when the template already wrote BOS.
         bos = self.tokenizer.bos_token
@@ -117,3 +126,29 @@ class PromptTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def check_chat_message(index: int, message: Any) -> None:
+    """Raise PromptError, naming message `index`, unless it is {"role": one of CHAT_ROLES, "content":
+    a non-empty string or a list of {"type": "image"} / {"type": "text", "text": non-empty string}}."""
+    if not isinstance(message, dict):
+        raise PromptError(f"message {index}: not a mapping of role and content")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in CHAT_ROLES:  # str first: a list is not hashable
+        shown = repr(role)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."  # the error text stays short
+        raise PromptError(f"message {index}: unsupported role {shown}; "
+                          f"use one of {', '.join(sorted(CHAT_ROLES))}")
+    content = message.get("content")
+    if isinstance(content, str):
+        if not content:
+            raise PromptError(f"message {index}: empty content")
+        return
+    if not isinstance(content, list):
+        raise PromptError(f"message {index}: content must be a string or a list of parts")
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in CHAT_PART_TYPES:
+            raise PromptError(f"message {index} part {k}: not a text or image part")
+        if kind == "text" and (not isinstance(part.get("text"), str) or not part["text"]):
+            raise PromptError(f"message {index} part {k}: text must be a non-empty string")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decoder_svc.tokenization import PlaceholderMismatchError, PromptError, PromptTokenizer
+from decoder_svc.tokenization import CHAT_ROLES, PlaceholderMismatchError, PromptError, PromptTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +54,33 @@ def test_placeholder_count_mismatch(tok):
     assert issubclass(PlaceholderMismatchError, ValueError)
     with pytest.raises(PromptError):
         tok.encode_prompt("", [])
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "user", "content": "hi"}, {"role": "{{ 7*7 }}", "content": "x"}],
+     r"message 1: unsupported role '\{\{ 7\*7 \}\}'"),
+    ([{"role": "USER", "content": "hi"}], "message 0: unsupported role 'USER'"),
+    ([{"role": "user\nASSISTANT", "content": "hi"}], "message 0: unsupported role"),
+    ([{"role": ["user"], "content": "hi"}], r"message 0: unsupported role \['user'\]"),  # not hashable
+    ([{"content": "hi"}], "message 0: unsupported role None"),
+    ([{"role": "x" * 10_000, "content": "hi"}], r"unsupported role 'x{36}\.\.\.; use one of"),  # short text
+    (["user: hi"], "message 0: not a mapping"),
+    ([{"role": "user", "content": ""}], "message 0: empty content"),
+    ([{"role": "user", "content": None}], "message 0: content must be a string or a list"),
+    ([{"role": "user", "content": [{"type": "text", "text": None}]}], "message 0 part 0: text must be"),
+    ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ""}]}],
+     "message 0 part 1: text must be a non-empty string"),
+    ([{"role": "user", "content": [{"type": "video"}]}], "message 0 part 0: not a text or image part"),
+    ([{"role": "user", "content": ["hi"]}], "message 0 part 0: not a text or image part"),
+])
+def test_chat_refuses_bad_roles_and_parts(tok, messages, match):
+    # PromptError is a ValueError: the server answers INVALID_ARGUMENT with this message.
+    with pytest.raises(PromptError, match=match):
+        tok.encode_chat(messages)  # checked before rendering: the image count does not matter
+
+
+def test_chat_takes_every_supported_role(tok):
+    messages = [{"role": role, "content": f"{role} text"} for role in sorted(CHAT_ROLES)]
+    text = tok.decode(tok.encode_chat(messages).token_ids)
+    assert CHAT_ROLES == {"system", "user", "assistant"}
+    assert "user text" in text and "ASSISTANT: assistant text" in text and "system text" in text
