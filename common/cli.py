@@ -13,9 +13,17 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import math
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.server import GrpcService
 
 # Subcommands whose arguments belong to another module: (module, what to call with argv).
 _DELEGATED = {
@@ -24,6 +32,148 @@ _DELEGATED = {
     "up": "common.launcher",
     "bench": "bench.serve",
 }
+
+
+class UsageError(Exception):
+    """A user error found after parsing (a port in use, a cache too small): one line on stderr, exit 2."""
+
+
+def report_usage_error(prog: str, exc: BaseException) -> int:
+    """Print `prog: error: message` (argparse's form) and return the usage exit code, 2."""
+    print(f"{prog}: error: {exc}", file=sys.stderr)
+    return 2
+
+
+# argparse `type=` functions: a bad value exits 2 with one "error: argument ..." line, before any work.
+
+def int_in_range(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int in [low, high] (no upper bound when high is None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"at least {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, not {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in some messages
+    return parse
+
+
+positive_int = int_in_range(1)
+non_negative_int = int_in_range(0)
+port_number = int_in_range(0, 65535)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0 (seconds, mostly)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return value
+
+
+def dtype_name(text: str) -> str:
+    """An argparse type: a dtype alias (fp16, bf16, ...) as its torch name ("float16", ...)."""
+    from common.checkpoint import parse_dtype  # imports torch: only commands that need it get here
+
+    try:
+        return str(parse_dtype(text)).removeprefix("torch.")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def model_dir(text: str) -> str:
+    """An argparse type: a checkpoint directory (config.json and safetensors weights), checked before
+    anything loads so that a typo fails in a second rather than after the imports."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a checkpoint directory (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        raise argparse.ArgumentTypeError(f"{text} has no *.safetensors weights")
+    return text
+
+
+def image_arg(text: str) -> str:
+    """An argparse type: a readable image file, or `hash:<hex>` (a content hash the encoder holds)."""
+    if text.startswith("hash:"):
+        return text
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror}") from None
+    return text
+
+
+def output_dir(text: str) -> str:
+    """An argparse type: a directory to write into (made when missing); not an existing file."""
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    return text
+
+
+def preset_name(text: str) -> str:
+    """An argparse type: a model_maker preset name."""
+    from common.model_maker import PRESETS  # imports torch: only make-model parses this
+
+    if text not in PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose one of {', '.join(PRESETS)}")
+    return text
+
+
+def check_port_free(host: str, port: int, option: str = "--port") -> None:
+    """Raise UsageError when host:port cannot be listened on (port 0 picks a free one: no check).
+
+    Services call this before loading a model, so a busy port fails in a second, not after the load
+    (start_listening still catches one taken in between). The probe sets SO_REUSEADDR, as servers do,
+    so that sockets in TIME_WAIT from a previous run do not count; a listening socket still refuses it.
+    """
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {host}: {exc.strerror}") from None
+    errors: list[OSError] = []
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                errors.append(exc)
+    busy = [e for e in errors if e.errno == errno.EADDRINUSE]
+    if busy:
+        raise UsageError(f"{option} {port}: {host}:{port} is already in use")
+    if errors and len(errors) == len(infos):  # e.g. a privileged port, or an address not on this host
+        raise UsageError(f"{option} {port}: cannot listen on {host}:{port}: {errors[0].strerror}")
+
+
+async def start_listening(service: GrpcService) -> int:
+    """service.start(), with a port taken since check_port_free (a race) raised as a UsageError."""
+    try:
+        return await service.start()
+    except (RuntimeError, OSError) as exc:
+        # grpc raises RuntimeError("Failed to bind ...") (GrpcService.start raises OSError when an older
+        # grpc returns port 0), prometheus OSError(EADDRINUSE); another RuntimeError is a bug: re-raised.
+        if isinstance(exc, RuntimeError) and "bind" not in str(exc).lower():
+            raise
+        await service.stop(0)  # the gRPC port may be up when the metrics port failed
+        metrics = f", metrics port {service.metrics_port}" if service.metrics_port is not None else ""
+        reason = str(exc).split(";")[0]  # grpc's message goes on about GRPC_VERBOSITY
+        raise UsageError(f"cannot listen on {service.host}:{service.port}{metrics}: {reason}") from None
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -109,39 +259,41 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=f"see `mmserve {name} --help` ({module})", add_help=False)
 
     p = sub.add_parser("make-model", help="write a random LLaVA checkpoint in HF format")
-    p.add_argument("--preset", default="tiny", help="tiny, small or llava-1.5-7b")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--preset", type=preset_name, default="tiny", help="tiny, small or llava-1.5-7b")
+    p.add_argument("--out", type=output_dir, required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="where to initialise (default: cuda if present)")
-    p.add_argument("--dtype", default=None, help="float32, float16 or bfloat16")
+    p.add_argument("--dtype", type=dtype_name, default=None, help="float32, float16 or bfloat16")
     p.set_defaults(func=_cmd_make_model)
 
     p = sub.add_parser("health", help="exit 0 when HOST:PORT reports SERVING")
     p.add_argument("address", metavar="HOST:PORT")
     p.add_argument("--service", default="", help="a service name (default: the whole server)")
-    p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--timeout", type=positive_float, default=3.0)
     p.set_defaults(func=_cmd_health)
 
     p = sub.add_parser("stats", help="print a service's stats as JSON")
     p.add_argument("address", metavar="HOST:PORT")
-    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--timeout", type=positive_float, default=10.0)
     p.set_defaults(func=_cmd_stats)
 
     p = sub.add_parser("generate", help="stream a generation to stdout")
     p.add_argument("--addr", default="127.0.0.1:50052", help="decoder address")
     p.add_argument("--prompt", required=True,
                    help='text; "<image>" marks each image (added in front when missing); \\n is a newline')
-    p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    p.add_argument("--image", action="append", type=image_arg, default=[],
+                   help="image file, or hash:<hex> for one the encoder holds (repeatable)")
     p.add_argument("--chat", action="store_true", help="send as one user chat message (chat template)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    # Ranges are the proto fields' (uint32, int32, uint64): out of range, the request cannot be built.
+    p.add_argument("--max-tokens", type=int_in_range(0, 2**32 - 1), default=64, help="0: server default")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int_in_range(0, 2**31 - 1), default=0)
+    p.add_argument("--seed", type=int_in_range(0, 2**64 - 1), default=None)
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--cache-salt", default="")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=positive_float, default=300.0)
     p.add_argument("--usage", action="store_true", help="print finish reason and usage to stderr")
     p.set_defaults(func=_cmd_generate)
     return parser

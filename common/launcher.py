@@ -15,6 +15,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from common.cli import (
+    UsageError,
+    check_port_free,
+    dtype_name,
+    int_in_range,
+    model_dir,
+    positive_float,
+    report_usage_error,
+)
 from common.health import wait_until_serving
 
 
@@ -23,15 +32,22 @@ def default_home() -> Path:
 
 
 def ensure_model(model: str | None, preset: str = "tiny") -> Path:
-    """The checkpoint to serve: the given dir, or the preset made once into the cache dir."""
+    """The checkpoint to serve: the given dir, or the preset made once into the cache dir.
+
+    Raises UsageError for a directory that is not a checkpoint or a preset model_maker does not know.
+    """
     if model:
-        path = Path(model)
-        if not (path / "config.json").exists():
-            raise SystemExit(f"error: --model {model} is not a checkpoint directory (no config.json)")
-        return path
+        try:
+            return Path(model_dir(model))
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"--model: {exc}") from None
     path = default_home() / "models" / preset
     if not (path / "mmserve_model.json").exists():
-        from common.model_maker import make_model
+        # Checked only here: importing model_maker (torch) just to check a name would slow every start.
+        from common.model_maker import PRESETS, make_model
+
+        if preset not in PRESETS:
+            raise UsageError(f"--preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
         print(f"making the {preset} model in {path} (first use only)", flush=True)
         make_model(preset, path, device="cpu")
@@ -40,15 +56,18 @@ def ensure_model(model: str | None, preset: str = "tiny") -> Path:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmserve up", description="Run the encoder and decoder together.")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", type=model_dir, default=None,
                    help="checkpoint dir (default: the tiny preset, made on first use)")
     p.add_argument("--preset", default="tiny", help="preset to make when --model is not given")
     p.add_argument("--host", default="127.0.0.1", help="bind address of both services")
-    p.add_argument("--encoder-port", type=int, default=50051)
-    p.add_argument("--decoder-port", type=int, default=50052)
+    # Real ports (not 0): the decoder is told the encoder's address, and both are printed.
+    p.add_argument("--encoder-port", type=int_in_range(1, 65535), default=50051)
+    p.add_argument("--decoder-port", type=int_in_range(1, 65535), default=50052)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--startup-timeout", type=float, default=300.0)
+    # No string default: argparse would convert it, and dtype_name imports torch, which the launcher
+    # does not otherwise need; the services default to float32.
+    p.add_argument("--dtype", type=dtype_name, default=None, help="float32 (default), float16 or bfloat16")
+    p.add_argument("--startup-timeout", type=positive_float, default=300.0)
     p.add_argument("--encoder-arg", action="append", default=[], help="extra argument for the encoder")
     p.add_argument("--decoder-arg", action="append", default=[], help="extra argument for the decoder")
     return p
@@ -72,12 +91,26 @@ def _stop_all(children: list[subprocess.Popen], timeout: float = 15.0) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
-    model = ensure_model(args.model, args.preset)
+    """Start both services, wait for SERVING, and stop both on a signal or when either exits.
+    Exit codes: 0 after a clean stop, 1 when a service failed, 2 for a user error (one line on stderr)."""
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    if args.encoder_port == args.decoder_port:
+        parser.error(f"--encoder-port and --decoder-port are both {args.encoder_port}")
+    try:
+        # Before making a model or starting anything: a busy port would otherwise show up as a
+        # child's failure after its load.
+        check_port_free(args.host, args.encoder_port, "--encoder-port")
+        check_port_free(args.host, args.decoder_port, "--decoder-port")
+        model = ensure_model(args.model, args.preset)
+    except UsageError as exc:
+        return report_usage_error(parser.prog, exc)
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     encoder_addr = f"{connect_host}:{args.encoder_port}"
     decoder_addr = f"{connect_host}:{args.decoder_port}"
-    common = ["--model", str(model), "--host", args.host, "--device", args.device, "--dtype", args.dtype]
+    common = ["--model", str(model), "--host", args.host, "--device", args.device]
+    if args.dtype is not None:
+        common += ["--dtype", args.dtype]
     children: list[subprocess.Popen] = []
     stopping = False
 

@@ -7,6 +7,18 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from common.cli import (
+    UsageError,
+    check_port_free,
+    dtype_name,
+    model_dir,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+    report_usage_error,
+    start_listening,
+)
 from common.pb import decoder_pb2_grpc
 from common.server import GrpcService, configure_logging
 
@@ -16,30 +28,33 @@ log = logging.getLogger("mmserve.decoder")
 def build_arg_parser() -> argparse.ArgumentParser:
     """The decoder's command-line options."""
     p = argparse.ArgumentParser(prog="mmserve decoder", description="LLaVA decoder service")
-    p.add_argument("--model", required=True, help="Hugging Face LLaVA checkpoint directory")
+    p.add_argument("--model", type=model_dir, required=True, help="Hugging Face LLaVA checkpoint directory")
     p.add_argument("--encoder", action="append", default=[], metavar="HOST:PORT",
                    help="encoder address (repeat for several: images are routed by consistent hash)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50052, help="0 picks a free port")
+    p.add_argument("--port", type=port_number, default=50052, help="0 picks a free port")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--dtype", type=dtype_name, default="float32", help="float32, float16 or bfloat16")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="running requests at most")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--num-kv-blocks", type=int, default=None)
-    kv.add_argument("--kv-cache-bytes", type=int, default=None)
-    p.add_argument("--encoder-max-ahead", type=int, default=4,
+    kv.add_argument("--num-kv-blocks", type=positive_int, default=None)
+    kv.add_argument("--kv-cache-bytes", type=positive_int, default=None)
+    p.add_argument("--encoder-max-ahead", type=non_negative_int, default=4,
                    help="queued requests whose images are requested ahead of their prefill (0: off)")
-    p.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens when a request gives 0")
-    p.add_argument("--max-waiting", type=int, default=4096, help="queue size before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-tokens-default", type=positive_int, default=256,
+                   help="max_tokens when a request gives 0")
+    p.add_argument("--max-waiting", type=positive_int, default=4096,
+                   help="queue size before RESOURCE_EXHAUSTED")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
                    help="kernels: auto takes Triton on CUDA and the torch reference elsewhere")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--encoder-timeout", type=float, default=20.0,
+    p.add_argument("--encoder-timeout", type=positive_float, default=20.0,
                    help="seconds of retries before an unreachable encoder fails a request (UNAVAILABLE)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off if unset)")
+    p.add_argument("--metrics-port", type=port_number, default=None,
+                   help="Prometheus /metrics port (off if unset)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -49,8 +64,6 @@ def build_engine(args: argparse.Namespace):
     from decoder_svc.engine.engine import EngineConfig, LLMEngine
     from decoder_svc.engine.prefetch import RemoteEmbeddingSource, RetryPolicy
 
-    if not args.encoder:
-        raise SystemExit("error: give at least one --encoder HOST:PORT")
     config = EngineConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
@@ -65,6 +78,7 @@ def build_engine(args: argparse.Namespace):
 
 async def serve(args: argparse.Namespace) -> None:
     """Load, bind, warm up, report SERVING, run until SIGTERM/SIGINT, then shut down cleanly."""
+    from decoder_svc.engine.sampling_params import InvalidRequestError
     from decoder_svc.engine_loop import EngineLoop
     from decoder_svc.metrics import DecoderMetrics
     from decoder_svc.server import SERVICE_NAME, DecoderServicer
@@ -79,9 +93,19 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = DecoderServicer(loop, metrics)
     service = GrpcService("decoder", args.host, args.port, args.metrics_port)
     service.add(decoder_pb2_grpc.add_DecoderServiceServicer_to_server, servicer, SERVICE_NAME)
-    port = await service.start()
+    try:
+        port = await start_listening(service)
+    except UsageError:
+        await asyncio.to_thread(engine.source.close)
+        raise
     # Warm-up: one short text-only generation compiles nothing but touches every layer once.
-    await asyncio.to_thread(engine.generate, "warm-up", "warm up", sampling=None)
+    try:
+        await asyncio.to_thread(engine.generate, "warm-up", "warm up", sampling=None)
+    except InvalidRequestError as exc:  # the options leave no room for a short request
+        await service.stop(0)
+        await asyncio.to_thread(engine.source.close)
+        raise UsageError(f"the warm-up request does not fit: {exc}; give more --num-kv-blocks or "
+                         "--kv-cache-bytes, or a smaller --max-tokens-default") from None
     engine.reset_stats()  # stats count users' requests only
     loop.start()
 
@@ -120,12 +144,23 @@ _DEATH_GRACE_S = 1.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
+    """Run the decoder until a signal. Exit codes: 0 after a clean stop, 1 when the engine died (a
+    restart policy should bring it back), 2 for a user error (one line on stderr, nothing loaded)."""
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    if not args.encoder:
+        parser.error("give at least one --encoder HOST:PORT")
     configure_logging(args.log_level)
     try:
+        # Before the model loads: a busy port fails now, not after the load.
+        check_port_free(args.host, args.port)
+        if args.metrics_port is not None:
+            check_port_free(args.host, args.metrics_port, "--metrics-port")
         asyncio.run(serve(args))
     except KeyboardInterrupt:
         pass
+    except UsageError as exc:
+        return report_usage_error(parser.prog, exc)
     except EngineDied:
         return 1
     return 0

@@ -7,7 +7,17 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from common.checkpoint import parse_dtype
+from common.cli import (
+    UsageError,
+    check_port_free,
+    dtype_name,
+    model_dir,
+    port_number,
+    positive_float,
+    positive_int,
+    report_usage_error,
+    start_listening,
+)
 from common.images import ImageLimits
 from common.pb import encoder_pb2_grpc
 from common.server import GrpcService, configure_logging
@@ -18,17 +28,19 @@ log = logging.getLogger("mmserve.encoder")
 def build_arg_parser() -> argparse.ArgumentParser:
     """The encoder's command-line options."""
     p = argparse.ArgumentParser(prog="mmserve encoder", description="LLaVA vision encoder service")
-    p.add_argument("--model", required=True, help="Hugging Face LLaVA checkpoint directory")
+    p.add_argument("--model", type=model_dir, required=True, help="Hugging Face LLaVA checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--port", type=port_number, default=50051, help="0 picks a free port")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
-    p.add_argument("--cache-bytes", type=int, default=1 << 30, help="embedding cache (arena) size")
-    p.add_argument("--lease-ttl", type=float, default=60.0, help="seconds before an unreleased lease expires")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off if unset)")
-    p.add_argument("--max-batch-size", type=int, default=8, help="images per vision-tower batch")
-    p.add_argument("--max-images-per-request", type=int, default=ImageLimits.max_images_per_request)
-    p.add_argument("--max-image-side", type=int, default=ImageLimits.max_side, help="pixels")
+    p.add_argument("--dtype", type=dtype_name, default="float32", help="float32, float16 or bfloat16")
+    p.add_argument("--cache-bytes", type=positive_int, default=1 << 30, help="embedding cache (arena) size")
+    p.add_argument("--lease-ttl", type=positive_float, default=60.0,
+                   help="seconds before an unreleased lease expires")
+    p.add_argument("--metrics-port", type=port_number, default=None,
+                   help="Prometheus /metrics port (off if unset)")
+    p.add_argument("--max-batch-size", type=positive_int, default=8, help="images per vision-tower batch")
+    p.add_argument("--max-images-per-request", type=positive_int, default=ImageLimits.max_images_per_request)
+    p.add_argument("--max-image-side", type=positive_int, default=ImageLimits.max_side, help="pixels")
     p.add_argument("--arena", default="auto", choices=["auto", "shm", "cuda", "private"],
                    help="where embeddings live: auto picks cuda (GPU + cupy), else shm, else private")
     p.add_argument("--log-level", default="INFO")
@@ -37,6 +49,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace):
     """EncoderConfig from parsed arguments."""
+    from common.checkpoint import parse_dtype
     from encoder_svc.server import EncoderConfig
 
     return EncoderConfig(
@@ -49,11 +62,16 @@ async def serve(args: argparse.Namespace) -> None:
     """Load, bind, warm up, report SERVING, run until SIGTERM/SIGINT, then shut down cleanly."""
     from encoder_svc.server import SERVICE_NAME, EncoderServicer
 
-    servicer = await asyncio.to_thread(EncoderServicer.build, config_from_args(args))
+    try:
+        servicer = await asyncio.to_thread(EncoderServicer.build, config_from_args(args))
+    except ValueError as exc:
+        # build's ValueErrors are about the options or the checkpoint (a cache that cannot hold one
+        # embedding, not a LLaVA checkpoint, weights that do not match): the user's to fix.
+        raise UsageError(str(exc)) from None
     service = GrpcService("encoder", args.host, args.port, args.metrics_port)
     service.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer, SERVICE_NAME)
     try:
-        port = await service.start()
+        port = await start_listening(service)
         await servicer.warm_up()
         service.set_serving(True)
         log.info("encoder ready on %s:%d (%s, %s, arena %s)", args.host, port, servicer.vision.device,
@@ -72,5 +90,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse argv and run."""
-    return run(build_arg_parser().parse_args(argv))
+    """Parse argv and run; a user error is one line on stderr and exit code 2."""
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    try:
+        # Before the model loads: a busy port fails now, not after seconds (minutes for 7B) of loading.
+        check_port_free(args.host, args.port)
+        if args.metrics_port is not None:
+            check_port_free(args.host, args.metrics_port, "--metrics-port")
+        return run(args)
+    except UsageError as exc:
+        return report_usage_error(parser.prog, exc)

@@ -9,6 +9,7 @@ import sys
 import urllib.request
 
 import grpc
+import pytest
 import torch
 
 from common.health import wait_until_serving
@@ -16,6 +17,7 @@ from common.pb import encoder_pb2, encoder_pb2_grpc
 from common.transport import import_embedding
 from common.transport.shm import SHM_DIR
 from encoder_svc.main import build_arg_parser
+from tests.cli_errors import assert_usage_error, busy_port, decoy_model, run_cli
 from tests.encoder.conftest import encode_request, image_bytes
 
 
@@ -25,8 +27,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_arg_parser_defaults():
-    args = build_arg_parser().parse_args(["--model", "m"])
+def test_arg_parser_defaults(tmp_path):
+    args = build_arg_parser().parse_args(["--model", str(decoy_model(tmp_path / "m"))])
     assert (args.host, args.port, args.device, args.dtype) == ("127.0.0.1", 50051, "cpu", "float32")
     assert args.metrics_port is None and args.cache_bytes > 0 and args.lease_ttl > 0
 
@@ -58,3 +60,40 @@ def test_module_entry_point_serves_and_stops_cleanly(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# User errors: exit code 2 and one `mmserve encoder: error: ...` line, no traceback. The decoy model
+# cannot load, so the cases that use it prove the error comes before any loading.
+
+def test_missing_model_dir_is_a_usage_error(tmp_path):
+    last = assert_usage_error(run_cli("encoder", "--model", str(tmp_path / "missing"), "--port", "0",
+                                      timeout=30), "--model", "not a directory")
+    assert last.startswith("mmserve encoder: error:")
+    assert_usage_error(run_cli("encoder", "--model", str(tmp_path), timeout=30), "no config.json")
+
+
+@pytest.mark.parametrize("option, value, needle", [
+    ("--dtype", "float64x", "unknown dtype 'float64x'"),
+    ("--cache-bytes", "0", "--cache-bytes: must be at least 1"),
+    ("--max-batch-size", "-1", "--max-batch-size"),
+    ("--port", "70000", "--port: must be from 0 to 65535"),
+    ("--lease-ttl", "nan", "--lease-ttl: must be a positive number"),
+])
+def test_bad_option_values_are_usage_errors(tmp_path, option, value, needle):
+    result = run_cli("encoder", "--model", str(decoy_model(tmp_path / "m")), "--port", "0", option, value,
+                     timeout=30)
+    assert_usage_error(result, needle)
+
+
+@pytest.mark.parametrize("option", ["--port", "--metrics-port"])
+def test_busy_port_is_a_usage_error_before_loading(tmp_path, option):
+    with busy_port() as port:
+        args = ["--port", "0", option, str(port)] if option == "--metrics-port" else ["--port", str(port)]
+        result = run_cli("encoder", "--model", str(decoy_model(tmp_path / "m")), *args, timeout=30)
+    assert_usage_error(result, f"{option} {port}", "already in use")
+
+
+def test_cache_too_small_for_one_embedding_is_a_usage_error(tiny_model_dir):
+    result = run_cli("encoder", "--model", str(tiny_model_dir), "--port", "0", "--cache-bytes", "10",
+                     "--log-level", "WARNING", timeout=120)
+    assert_usage_error(result, "--cache-bytes 10 cannot hold one image's embedding")

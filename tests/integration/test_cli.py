@@ -10,7 +10,12 @@ import sys
 import time
 import urllib.request
 
+import grpc
+import pytest
+
+from common.client import DecoderClient
 from common.images import encode_png
+from tests.cli_errors import assert_usage_error, busy_port, decoy_model, run_cli
 from tests.integration.harness import ROOT, free_port
 from tests.oracle import make_image
 
@@ -54,6 +59,12 @@ def test_mmserve_up_makes_the_model_serves_and_stops_on_sigint(tmp_path, tiny_mo
         enc_stats = json.loads(_cli("stats", f"127.0.0.1:{enc_port}", env=env).stdout)
         assert enc_stats["service"] == "encoder" and enc_stats["active_leases"] == 0
         assert _cli("health", addr, env=env).returncode == 0
+        with DecoderClient(addr, timeout=30) as client:  # a role outside the template's is refused
+            with pytest.raises(grpc.RpcError) as err:
+                list(client.generate(chat=[{"role": "user", "content": "hi"},
+                                           {"role": "{{ 7*7 }}", "content": "x"}], max_tokens=2))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "message 1: unsupported role" in err.value.details()
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         metrics = urllib.request.urlopen(url, timeout=10).read().decode()
         assert "mmserve_decoder_time_to_first_token_seconds_count" in metrics
@@ -70,3 +81,64 @@ def test_mmserve_up_makes_the_model_serves_and_stops_on_sigint(tmp_path, tiny_mo
 def test_health_of_nothing_is_unreachable_exit_1():
     result = _cli("health", f"127.0.0.1:{free_port()}", "--timeout", "1")
     assert result.returncode == 1 and "UNREACHABLE" in result.stdout
+
+
+# User errors: exit code 2 and one `mmserve <cmd>: error: ...` line, no traceback. The decoy model
+# cannot load, so the cases that use it prove the error comes before any loading.
+
+def test_generate_usage_errors(tmp_path):
+    addr = f"127.0.0.1:{free_port()}"
+    last = assert_usage_error(run_cli("generate", "--addr", addr, "--prompt", "x", "--image",
+                                      str(tmp_path / "missing.png"), timeout=30), "--image", "no such file")
+    assert last.startswith("mmserve generate: error:")
+    assert_usage_error(run_cli("generate", "--addr", addr, "--prompt", "x", "--max-tokens", "-5", timeout=30),
+                       "--max-tokens", "not -5")
+    assert_usage_error(run_cli("generate", "--addr", addr, "--prompt", "x", "--top-k", "x", timeout=30),
+                       "--top-k", "not an integer")
+
+
+def test_make_model_usage_errors(tmp_path):
+    result = run_cli("make-model", "--preset", "bogus", "--out", str(tmp_path / "m"), timeout=60)
+    assert_usage_error(result, "unknown preset 'bogus'", "tiny")
+    assert not (tmp_path / "m").exists()
+    (tmp_path / "file").write_text("")
+    assert_usage_error(run_cli("make-model", "--out", str(tmp_path / "file"), timeout=30), "not a directory")
+
+
+def test_up_usage_errors(tmp_path):
+    assert_usage_error(run_cli("up", "--model", str(tmp_path / "missing"), timeout=30), "--model")
+    with busy_port() as port:  # found before a model is made or a service started
+        result = run_cli("up", "--model", str(decoy_model(tmp_path / "m")), "--encoder-port", str(port),
+                         "--decoder-port", str(free_port()), timeout=30)
+    assert_usage_error(result, f"--encoder-port {port}", "already in use")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--block-size", "0"], "--block-size: must be at least 1, not 0"),
+    (["--dtype", "float64x"], "unknown dtype 'float64x'"),
+    (["--num-kv-blocks", "-3"], "--num-kv-blocks"),
+    (["--encoder-timeout", "0"], "--encoder-timeout"),
+])
+def test_decoder_bad_option_values_are_usage_errors(tmp_path, args, needle):
+    result = run_cli("decoder", "--model", str(decoy_model(tmp_path / "m")), "--port", "0",
+                     "--encoder", "127.0.0.1:1", *args, timeout=30)
+    assert_usage_error(result, needle)
+
+
+def test_decoder_usage_errors(tmp_path):
+    last = assert_usage_error(run_cli("decoder", "--model", str(tmp_path / "missing"), "--encoder",
+                                      "127.0.0.1:1", timeout=30), "--model", "not a directory")
+    assert last.startswith("mmserve decoder: error:")
+    model = str(decoy_model(tmp_path / "m"))
+    assert_usage_error(run_cli("decoder", "--model", model, timeout=30), "--encoder")
+    for option in ("--port", "--metrics-port"):
+        with busy_port() as port:
+            ports = ["--port", str(port)] if option == "--port" else ["--port", "0", option, str(port)]
+            result = run_cli("decoder", "--model", model, "--encoder", "127.0.0.1:1", *ports, timeout=30)
+        assert_usage_error(result, f"{option} {port}", "already in use")
+
+
+def test_decoder_kv_cache_too_small_for_the_warm_up_is_a_usage_error(tiny_model_dir):
+    result = run_cli("decoder", "--model", str(tiny_model_dir), "--port", "0", "--encoder", "127.0.0.1:1",
+                     "--num-kv-blocks", "1", "--log-level", "WARNING", timeout=120)
+    assert_usage_error(result, "warm-up request does not fit", "--num-kv-blocks")
