@@ -55,8 +55,10 @@ class EncoderConfig:
 
 def make_arena(kind: str, capacity: int, device: torch.device) -> Arena:
     """The arena for a device: CUDA IPC on GPUs with cupy, /dev/shm on CPUs, else a private one."""
-    from common.transport.shm import ShmArena, shm_available, shm_free_bytes
+    from common.transport.shm import ShmArena, shm_available, shm_free_bytes, sweep_stale_segments
 
+    if kind in ("auto", "shm") and shm_available():
+        sweep_stale_segments()  # a SIGKILLed encoder's segment still fills /dev/shm; its lock is free
     if kind == "auto":
         if device.type == "cuda":
             from common.transport.cuda_ipc import cuda_ipc_available

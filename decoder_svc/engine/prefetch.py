@@ -38,14 +38,23 @@ log = logging.getLogger("mmserve.decoder.prefetch")
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Errors of the link, not of the encoder's judgement: their details name addresses.
+_TRANSPORT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
+                    grpc.StatusCode.CANCELLED}
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How long to keep trying an encoder before failing the image."""
+    """How long to keep trying an encoder before failing the image.
 
-    attempt_timeout_s: float = 30.0
+    total_timeout_s runs from the image's first ask, whatever happens after (a wait for a fetch worker,
+    the hash-first call, the call with bytes, retries), so an outage fails every image within it. A cache
+    full of leased entries (RESOURCE_EXHAUSTED) is retried for full_cache_wait_s at most, then fails.
+    """
+
+    attempt_timeout_s: float = 10.0  # one RPC; cut to what is left of total_timeout_s
     total_timeout_s: float = 20.0
+    full_cache_wait_s: float = 2.0
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 2.0
 
@@ -65,6 +74,7 @@ class _Slot:
     code: grpc.StatusCode | None = None
     released: bool = False
     polled: bool = False
+    deadline: float = 0.0  # monotonic time by which the image is ready or failed
 
 
 @dataclass
@@ -116,7 +126,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             if key in self._slots or self._closed:
                 return
-            self._slots[key] = _Slot(prefetch=req.prefetch, encoder=self.ring.route(req.content_hash))
+            self._slots[key] = _Slot(prefetch=req.prefetch, encoder=self.ring.route(req.content_hash),
+                                     deadline=time.monotonic() + self.retry.total_timeout_s)
             self.stats.requested += 1
             self.stats.prefetched += int(req.prefetch)
         self._pool.submit(self._fetch, key, req)
@@ -193,14 +204,20 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             slot = self._slots.get(key)
             encoder = slot.encoder if slot else self.ring.route(req.content_hash)
+            deadline = slot.deadline if slot else time.monotonic() + self.retry.total_timeout_s
         try:
-            ref = self._encode(encoder, req, self.accept)
+            ref = self._encode(encoder, req, self.accept, deadline)
             if not can_import(ref):  # e.g. an SHM segment on another host: ask for the bytes instead
                 self._release_leases(encoder, [ref.lease_id] if ref.lease_id else [])
-                ref = self._encode(encoder, req, [common_pb2.TRANSPORT_INLINE])
-            tensor = import_embedding(ref, device=self.device)
+                ref = self._encode(encoder, req, [common_pb2.TRANSPORT_INLINE], deadline)
+            # Keyed by encoder: a restarted encoder's new arena supersedes (and unmaps) its old one.
+            tensor = import_embedding(ref, device=self.device, source=encoder)
         except grpc.RpcError as exc:
-            self._fail(key, exc.code(), f"encoder {encoder}: {exc.code().name}: {exc.details()}")
+            # Clients see the encoder's own message for its refusals; transport errors name addresses
+            # and stay in the log.
+            log.warning("encoder %s: %s: %s", encoder, exc.code().name, exc.details())
+            detail = f": {exc.details()}" if exc.code() not in _TRANSPORT_CODES else ""
+            self._fail(key, exc.code(), f"encoder: {exc.code().name}{detail}")
             return
         except EncoderUnavailableError as exc:
             self._fail(key, grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -222,42 +239,50 @@ class RemoteEmbeddingSource(EmbeddingSource):
         if stale and ref.lease_id:  # released (aborted) while in flight: give the lease back now
             self._release_leases(encoder, [ref.lease_id])
 
-    def _encode(self, encoder: str, req: EmbeddingRequest, accept: list[int]) -> common_pb2.EmbeddingRef:
-        """Encode by hash, then with bytes on NOT_FOUND, retrying while the encoder is unreachable."""
+    def _encode(self, encoder: str, req: EmbeddingRequest, accept: list[int],
+                deadline: float) -> common_pb2.EmbeddingRef:
+        """Encode by hash, then with bytes on NOT_FOUND, retrying while the encoder is unreachable, all
+        by one deadline."""
         by_hash = common_pb2.ImageInput(content_hash=req.content_hash)
         try:
-            return self._call_encode(encoder, req, by_hash, accept)
+            return self._call_encode(encoder, req, by_hash, accept, deadline)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND or req.image is None:
                 raise
         with self._lock:
             self.stats.bytes_resent += 1
-        return self._call_encode(encoder, req, common_pb2.ImageInput(data=_image_bytes(req.image)), accept)
+        image = common_pb2.ImageInput(data=_image_bytes(req.image))
+        return self._call_encode(encoder, req, image, accept, deadline)
 
     def _call_encode(self, encoder: str, req: EmbeddingRequest, image: common_pb2.ImageInput,
-                     accept: list[int]) -> common_pb2.EmbeddingRef:
+                     accept: list[int], deadline: float) -> common_pb2.EmbeddingRef:
         request = encoder_pb2.EncodeRequest(request_id=req.request_id, images=[image], accept=accept,
                                             cache_salt=req.cache_salt, prefetch=req.prefetch,
                                             lease_owner=self._lease_owner)
         policy = self.retry
-        deadline = time.monotonic() + policy.total_timeout_s
         backoff = policy.initial_backoff_s
-        attempts = 0
+        attempts, full_since = 0, None
         while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EncoderUnavailableError(f"encoder unreachable within {policy.total_timeout_s:.0f} s "
+                                              f"({attempts} attempts)")
             attempts += 1
             try:
-                reply = self._stubs[encoder].Encode(request, timeout=policy.attempt_timeout_s,
+                reply = self._stubs[encoder].Encode(request, timeout=min(policy.attempt_timeout_s, left),
                                                     wait_for_ready=False)
                 return reply.embeddings[0]
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE or self._closed:
                     raise
-                if time.monotonic() + backoff > deadline:
-                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full_since = full_since or time.monotonic()
+                    if time.monotonic() + backoff - full_since > policy.full_cache_wait_s:
                         raise
+                if time.monotonic() + backoff > deadline:
                     raise EncoderUnavailableError(
-                        f"encoder {encoder} unreachable after {attempts} attempts over "
-                        f"{policy.total_timeout_s:.0f} s: {exc.code().name}: {exc.details()}") from None
+                        f"encoder unreachable after {attempts} attempts over {policy.total_timeout_s:.0f} s "
+                        f"({exc.code().name})") from None
                 log.warning("encoder %s: %s, retrying in %.2f s", encoder, exc.code().name, backoff)
                 time.sleep(backoff)
                 backoff = min(policy.max_backoff_s, backoff * 2)

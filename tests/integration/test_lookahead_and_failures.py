@@ -102,3 +102,33 @@ def test_full_queue_is_resource_exhausted(tiny_model_dir, tmp_path):
             assert len(list(waiting)) >= 1
     finally:
         pair.stop()
+
+
+def test_an_outage_fails_every_image_within_the_encoder_timeout(tiny_model_dir, tmp_path):
+    """More images than fetch workers: each fails within --encoder-timeout of its own first ask (the
+    window once ran per worker, so queued images failed at twice the timeout), naming no address."""
+    pair = Pair(tiny_model_dir, tmp_path, decoder_args=["--encoder-timeout", "2"]).start()
+    try:
+        pair.encoder.stop(sig=9)
+        errors: list = [None] * 12
+        elapsed: list = [None] * 12
+
+        def run(i):
+            started = time.monotonic()
+            with DecoderClient(pair.decoder.address, timeout=60) as c:
+                try:
+                    c.generate_text(PROMPT, [png(make_image(100 + i))], max_tokens=2)
+                except grpc.RpcError as exc:
+                    errors[i] = exc
+            elapsed[i] = time.monotonic() - started
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(e is not None and e.code() == grpc.StatusCode.UNAVAILABLE for e in errors)
+        assert max(elapsed) < 3.5, elapsed
+        assert not any(pair.encoder.address.split(":")[-1] in (e.details() or "") for e in errors)
+    finally:
+        pair.stop()
