@@ -178,8 +178,11 @@ class GrpcService:
         asyncio.get_running_loop().create_task(self._set_health(serving))
 
     async def wait(self, on_shutdown: Callable[[], Awaitable[None]] | None = None,
-                   grace: float = 5.0) -> None:
-        """Serve until SIGTERM/SIGINT (or stop()), then shut down gracefully."""
+                   grace: float = 5.0, drain: Callable[[], Awaitable[None]] | None = None,
+                   drain_timeout: float = 30.0) -> None:
+        """Serve until SIGTERM/SIGINT (or stop()), then shut down gracefully: NOT_SERVING, then
+        `drain()` (the service refuses new work and lets in-flight work finish) for up to drain_timeout
+        seconds, then on_shutdown(), then stop, cancelling what is left after `grace` seconds."""
         loop = asyncio.get_running_loop()
         if self._stopping is None:
             self._stopping = asyncio.Event()
@@ -191,6 +194,11 @@ class GrpcService:
         await self._stopping.wait()
         log.info("%s shutting down", self.name)
         await self._set_health(False)
+        if drain is not None:
+            try:
+                await asyncio.wait_for(drain(), drain_timeout)
+            except asyncio.TimeoutError:
+                log.warning("%s: drain did not finish within %.0f s", self.name, drain_timeout)
         if on_shutdown is not None:
             await on_shutdown()
         await self._server.stop(grace)

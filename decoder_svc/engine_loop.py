@@ -63,6 +63,19 @@ class EngineLoop:
             self._streams[request_id] = (asyncio.get_running_loop(), q)
         return q
 
+    @property
+    def num_open_streams(self) -> int:
+        """Requests whose outputs someone still awaits."""
+        with self._streams_lock:
+            return len(self._streams)
+
+    def fail_open_streams(self, message: str) -> None:
+        """End every open stream with an error output (a drain that ran out of time)."""
+        with self._streams_lock:
+            streams = list(self._streams.items())
+        for request_id, (loop, q) in streams:
+            loop.call_soon_threadsafe(q.put_nowait, RequestOutput(request_id, [], "", error=message))
+
     def close_stream(self, request_id: str) -> None:
         with self._streams_lock:
             self._streams.pop(request_id, None)

@@ -52,7 +52,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="kernels: auto takes Triton on CUDA and the torch reference elsewhere")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--encoder-timeout", type=positive_float, default=20.0,
-                   help="seconds of retries before an unreachable encoder fails a request (UNAVAILABLE)")
+                   help="seconds from an image's first ask until an unreachable encoder fails the request "
+                   "(UNAVAILABLE)")
+    p.add_argument("--drain-timeout", type=positive_float, default=30.0,
+                   help="on SIGTERM, seconds in-flight streams may take to finish (new ones get UNAVAILABLE)")
     p.add_argument("--metrics-port", type=port_number, default=None,
                    help="Prometheus /metrics port (off if unset)")
     p.add_argument("--log-level", default="INFO")
@@ -128,10 +131,13 @@ async def serve(args: argparse.Namespace) -> None:
 
     async def shutdown() -> None:
         refresher.cancel()
+        if loop.num_open_streams:  # the drain ran out of time: end the rest with a clear error
+            servicer.end_drain()
+            await asyncio.sleep(_DEATH_GRACE_S)
         await asyncio.to_thread(loop.stop)
         await asyncio.to_thread(engine.source.close)
 
-    await service.wait(on_shutdown=shutdown)
+    await service.wait(on_shutdown=shutdown, drain=servicer.drain, drain_timeout=args.drain_timeout)
     if refresher.done() and not refresher.cancelled() and refresher.exception() is not None:
         raise refresher.exception()
 

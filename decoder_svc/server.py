@@ -23,6 +23,8 @@ log = logging.getLogger("mmserve.decoder")
 
 SERVICE_NAME = "mmserve.v1.DecoderService"
 MAX_REQUEST_ID_BYTES = 256  # the client's id only labels logs
+_DRAIN_POLL_S = 0.05
+_SHUTTING_DOWN = "decoder shutting down: the drain timeout ended this request"
 _FINISH = {FinishReason.STOP: decoder_pb2.FINISH_REASON_STOP,
            FinishReason.LENGTH: decoder_pb2.FINISH_REASON_LENGTH,
            FinishReason.ABORT: decoder_pb2.FINISH_REASON_ABORT}
@@ -104,6 +106,17 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     def __init__(self, loop: EngineLoop, metrics: DecoderMetrics | None = None) -> None:
         self.loop = loop
         self.metrics = metrics
+        self.draining = False
+
+    async def drain(self) -> None:
+        """Refuse new requests (UNAVAILABLE) and return once every in-flight stream has ended."""
+        self.draining = True
+        while self.loop.num_open_streams:
+            await asyncio.sleep(_DRAIN_POLL_S)
+
+    def end_drain(self) -> None:
+        """Time is up: end the streams still open with UNAVAILABLE."""
+        self.loop.fail_open_streams(_SHUTTING_DOWN)
 
     @property
     def engine(self) -> LLMEngine:
@@ -122,6 +135,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             raise invalid_argument(str(exc)) from None
 
     def _error_status(self, request_id: str, output: RequestOutput) -> ServiceError:
+        if output.error == _SHUTTING_DOWN:
+            return ServiceError(grpc.StatusCode.UNAVAILABLE, _SHUTTING_DOWN)
         pop = getattr(self.engine.source, "pop_error_code", None)
         code = pop(request_id) if pop is not None else None
         return ServiceError(code or grpc.StatusCode.INTERNAL, output.error or "request failed")
@@ -129,6 +144,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     async def Generate(self, request: decoder_pb2.GenerateRequest, context
                        ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
         started = time.perf_counter()
+        if self.draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "decoder shutting down: send to another replica")
         parsed = parse_request(request)
         # Internal ids are always unique; the client's id is for logs.
         request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"

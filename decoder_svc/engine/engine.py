@@ -230,7 +230,7 @@ class LLMEngine:
             raise InvalidRequestError(f"{len(images)} images; at most {max_images} per request")
         text_bytes = len((prompt or "").encode())
         for message in messages or []:
-            content = message.get("content")
+            content = message.get("content") if isinstance(message, dict) else None
             parts = content if isinstance(content, list) else [{"text": content or ""}]
             text_bytes += sum(len(str(p.get("text", "")).encode()) for p in parts if isinstance(p, dict))
         if text_bytes > cfg.max_prompt_bytes:
