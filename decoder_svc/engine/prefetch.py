@@ -2,8 +2,12 @@
 
 - Content-addressed: each image is first asked for by its hash; its bytes travel only when the encoder
   answers NOT_FOUND.
-- Zero-copy where it can: the decoder accepts CUDA IPC (same GPU), then shared memory (same host), then
-  inline bytes, and falls back by itself when a ref it got cannot be opened here.
+- No bytes through gRPC where it can: the decoder accepts CUDA IPC (same GPU), then shared memory (same
+  host), then inline bytes, and falls back by itself when a ref it got cannot be opened here.
+- One copy, then the lease goes back: a fetched embedding is copied out of the encoder's arena at once
+  (device to device on a GPU) and kept only if the copy finished while its lease provably held; the
+  lease is released right after. A queued request therefore never reads a slice the encoder may have
+  reused for another image, however long it waits.
 - Cross-service lookahead: the scheduler hands over the images of the next queued requests with
   prefetch=True, so the encoder works (at low priority) while this decoder computes.
 - Never hangs: each ask runs on a worker thread with per-attempt deadlines and retries with
@@ -96,6 +100,19 @@ class EncoderUnavailableError(RuntimeError):
     """The encoder could not be reached within the retry policy."""
 
 
+class LeaseLapsedError(RuntimeError):
+    """An embedding could not be copied out within its lease, twice."""
+
+
+_LEASE_MARGIN_S = 0.05  # clock and scheduling slack between our timer and the encoder's
+
+
+def lease_held_through(sent_at: float, lease_expires_in_s: float, now: float) -> bool:
+    """True when a lease granted in reply to a request sent at `sent_at` (monotonic) was still valid at
+    `now`: the encoder counts its TTL from no earlier than the send."""
+    return now < sent_at + lease_expires_in_s - _LEASE_MARGIN_S
+
+
 class RemoteEmbeddingSource(EmbeddingSource):
     """EmbeddingSource backed by one or more encoder services."""
 
@@ -118,6 +135,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._failed_requests: dict[str, grpc.StatusCode] = {}
         self._closed = False
+        self._copy_streams: dict[int, torch.cuda.Stream] = {}  # one per fetch thread, on CUDA
         self.stats = RemoteSourceStats()
 
     # -- EmbeddingSource ---------------------------------------------------------------------------
@@ -206,12 +224,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
             encoder = slot.encoder if slot else self.ring.route(req.content_hash)
             deadline = slot.deadline if slot else time.monotonic() + self.retry.total_timeout_s
         try:
-            ref = self._encode(encoder, req, self.accept, deadline)
-            if not can_import(ref):  # e.g. an SHM segment on another host: ask for the bytes instead
-                self._release_leases(encoder, [ref.lease_id] if ref.lease_id else [])
-                ref = self._encode(encoder, req, [common_pb2.TRANSPORT_INLINE], deadline)
-            # Keyed by encoder: a restarted encoder's new arena supersedes (and unmaps) its old one.
-            tensor = import_embedding(ref, device=self.device, source=encoder)
+            ref, tensor = self._fetch_owned(encoder, req, deadline)
         except grpc.RpcError as exc:
             # Clients see the encoder's own message for its refusals; transport errors name addresses
             # and stay in the log.
@@ -219,7 +232,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
             detail = f": {exc.details()}" if exc.code() not in _TRANSPORT_CODES else ""
             self._fail(key, exc.code(), f"encoder: {exc.code().name}{detail}")
             return
-        except EncoderUnavailableError as exc:
+        except (EncoderUnavailableError, LeaseLapsedError) as exc:
             self._fail(key, grpc.StatusCode.UNAVAILABLE, str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - a broken ref fails this image, never the engine
@@ -231,13 +244,54 @@ class RemoteEmbeddingSource(EmbeddingSource):
             slot = self._slots.get(key)
             stale = slot is None or slot.released
             if not stale:
-                slot.tensor, slot.lease_id, slot.cache_hit = tensor, ref.lease_id, ref.cache_hit
+                slot.tensor, slot.cache_hit = tensor, ref.cache_hit
                 slot.transport, slot.status = transport, EmbeddingStatus.READY
                 self.stats.cache_hits += int(ref.cache_hit)
-                self.stats.active_leases += int(bool(ref.lease_id))
                 self.stats.transports[transport] = self.stats.transports.get(transport, 0) + 1
-        if stale and ref.lease_id:  # released (aborted) while in flight: give the lease back now
-            self._release_leases(encoder, [ref.lease_id])
+
+    def _fetch_owned(self, encoder: str, req: EmbeddingRequest,
+                     deadline: float) -> tuple[common_pb2.EmbeddingRef, torch.Tensor]:
+        """The embedding, copied out of the encoder's arena while its lease provably held, and the
+        lease given back at once.
+
+        A view kept until prefill could be read after its lease lapsed, when the encoder may already
+        have written another image (another tenant's) into the slice. The copy (a few microseconds
+        on a GPU) is taken right away, and it counts only if it finished before the lease could have
+        expired: the encoder starts the TTL no earlier than the moment we sent the Encode. Otherwise the
+        image is asked for again, once.
+        """
+        for attempt in range(2):
+            sent_at = time.monotonic()
+            ref = self._encode(encoder, req, self.accept, deadline)
+            if not can_import(ref):  # e.g. an SHM segment on another host: ask for the bytes instead
+                self._release_leases(encoder, [ref.lease_id] if ref.lease_id else [])
+                sent_at = time.monotonic()
+                ref = self._encode(encoder, req, [common_pb2.TRANSPORT_INLINE], deadline)
+            if not ref.lease_id:  # inline bytes: ours already
+                return ref, import_embedding(ref, device=self.device, source=encoder)
+            try:
+                tensor = self._copy_out(ref, encoder)
+            finally:
+                self._release_leases(encoder, [ref.lease_id])
+            if lease_held_through(sent_at, ref.lease_expires_in_s, time.monotonic()):
+                return ref, tensor
+            log.warning("embedding %s: copy finished after its lease could have lapsed (attempt %d)",
+                        req.content_hash[:16], attempt + 1)
+        raise LeaseLapsedError("embedding lease lapsed before it could be read; the encoder is overloaded")
+
+    def _copy_out(self, ref: common_pb2.EmbeddingRef, encoder: str) -> torch.Tensor:
+        """A tensor of our own with the ref's rows, complete when this returns."""
+        if self.device.type != "cuda":
+            # Keyed by encoder: a restarted encoder's new arena supersedes (and unmaps) its old one.
+            return import_embedding(ref, device=self.device, source=encoder).clone()
+        stream = self._copy_streams.get(threading.get_ident())
+        if stream is None:
+            stream = self._copy_streams.setdefault(threading.get_ident(), torch.cuda.Stream(self.device))
+        # On a side stream: the producer-event wait and the copy do not queue behind the model's steps.
+        with torch.cuda.stream(stream):
+            owned = import_embedding(ref, device=self.device, source=encoder).clone()
+        stream.synchronize()
+        return owned
 
     def _encode(self, encoder: str, req: EmbeddingRequest, accept: list[int],
                 deadline: float) -> common_pb2.EmbeddingRef:
