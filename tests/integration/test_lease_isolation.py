@@ -11,6 +11,9 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
+import pytest
+
 from common.client import DecoderClient, EncoderClient
 from tests.integration.conftest import png
 from tests.integration.harness import Pair
@@ -54,5 +57,25 @@ def test_expired_leases_never_show_another_tenants_image(tiny_model_dir, tmp_pat
             oracle.assert_same_tokens(result.token_ids, PROMPT, [img], 8)
         dec, enc_stats = pair.wait_idle()
         assert dec.active_leases == 0 and enc_stats.active_leases == 0
+    finally:
+        pair.stop()
+
+
+def test_a_cache_full_of_leased_entries_fails_fast(tiny_model_dir, tmp_path):
+    """RESOURCE_EXHAUSTED from the encoder is retried for RetryPolicy.full_cache_wait_s (2 s), not for
+    the whole encoder timeout (it once took 19 s)."""
+    pair = Pair(tiny_model_dir, tmp_path, encoder_args=["--cache-bytes", str(SLOT)],
+                decoder_args=["--encoder-timeout", "20"]).start()
+    try:
+        with EncoderClient(pair.encoder.address, timeout=30) as holder:
+            refs = holder.encode([png(make_image(700))], accept=(2,)).embeddings  # SHM: keeps its lease
+            assert refs[0].lease_id
+            with DecoderClient(pair.decoder.address, timeout=60) as client:
+                started = time.monotonic()
+                with pytest.raises(grpc.RpcError) as err:
+                    client.generate_text(PROMPT, [png(make_image(701))], max_tokens=2)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+                assert time.monotonic() - started < 5
+            holder.release([refs[0].lease_id])
     finally:
         pair.stop()
