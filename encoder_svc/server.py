@@ -37,6 +37,7 @@ log = logging.getLogger("mmserve.encoder")
 
 SERVICE_NAME = "mmserve.v1.EncoderService"
 MAX_LEASE_OWNER_CHARS = 256  # it is stored with every lease: keep it small
+MAX_SALT_CHARS = 256
 
 
 @dataclass
@@ -146,6 +147,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise invalid_argument(f"lease_owner is {len(owner)} characters; the limit is "
                                    f"{MAX_LEASE_OWNER_CHARS}")
 
+    @staticmethod
+    def _check_salt(salt: str) -> None:
+        # Stored with every entry: a tenant key, not a payload.
+        if len(salt) > MAX_SALT_CHARS:
+            raise invalid_argument(f"cache_salt is {len(salt)} characters; the limit is {MAX_SALT_CHARS}")
+
     def _decode_all(self, images, salt: str) -> list[tuple[str, object | None]]:
         """(content hash, decoded image or None for hash-only inputs) per input; runs in a thread."""
         out: list[tuple[str, object | None]] = []
@@ -211,6 +218,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise invalid_argument(str(exc)) from None
         self._check_count(request.images)
         self._check_owner(request.lease_owner)
+        self._check_salt(request.cache_salt)
         salt, owner = request.cache_salt, request.lease_owner
         items = await asyncio.to_thread(self._decode_all, request.images, salt)
         priority = PREFETCH if request.prefetch else DEMAND
@@ -245,6 +253,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     async def Prefetch(self, request: encoder_pb2.PrefetchRequest, context) -> encoder_pb2.PrefetchResponse:
         self._check_open()
         self._check_count(request.images)
+        self._check_salt(request.cache_salt)
         items = await asyncio.to_thread(self._decode_all, request.images, request.cache_salt)
         accepted = 0
         for i, (key, image) in enumerate(items):
@@ -266,6 +275,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     async def Lookup(self, request: encoder_pb2.LookupRequest, context) -> encoder_pb2.LookupResponse:
         # A hash is "cached" only under the salt its entry was made with: no probing other tenants.
         salt = request.cache_salt
+        self._check_salt(salt)
         return encoder_pb2.LookupResponse(
             cached=[self.cache.contains(h.lower(), salt) for h in request.content_hashes])
 

@@ -312,6 +312,18 @@ def test_overlong_lease_owner_is_invalid_argument(encoder):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lease_owner" in err.value.details()
 
 
+def test_overlong_cache_salt_is_invalid_argument(encoder):
+    from common.pb import encoder_pb2
+
+    salt = "s" * 257
+    lookup = encoder_pb2.LookupRequest(content_hashes=["ab" * 32], cache_salt=salt)
+    for call in (lambda: encoder.stub.Encode(encode_request(image_bytes(741), cache_salt=salt), timeout=30),
+                 lambda: encoder.stub.Lookup(lookup, timeout=30)):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in err.value.details()
+
+
 def test_clients_bind_leases_to_their_own_owner(encoder):
     import asyncio
 
