@@ -57,4 +57,3 @@ class ModelOutput:
     """One sampled token (and optional logprobs) per sequence that had `sampling`, in order."""
 
     sampled: SamplerOutput
-    used_cuda_graph: bool = False

@@ -201,7 +201,7 @@ class ModelRunner:
         if self._on_cuda and not rows and step.image_slots is not None:
             # Sampling would have synchronised; without it, wait so the image leases can be released.
             torch.cuda.current_stream(self.device).synchronize()
-        return ModelOutput(sampled, key is not None)
+        return ModelOutput(sampled)
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state (the sampler's seeded generator) of a finished request."""
