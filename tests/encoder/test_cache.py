@@ -249,3 +249,82 @@ def test_foreign_owned_lease_still_expires():
     s = cache.stats()
     assert (s.active_leases, s.expired_leases, s.leased_bytes) == (0, 1, 0)
     assert cache.release([h.lease_id], owner="alice") == 0
+
+
+# -- a new lease pins its entry, however the entry got there (issue 19) ------------------------------
+
+
+def _arena_bytes(cache: EmbeddingCache, handle) -> torch.Tensor:
+    """A copy of the raw arena bytes under the handle's slice."""
+    return cache.arena.view(handle.entry.offset, handle.entry.nbytes).clone()
+
+
+def _pressure(cache: EmbeddingCache, n: int, seed0: int = 100) -> None:
+    """Store n unleased entries, each of which must evict something once the arena is full."""
+    for i in range(n):
+        _put(cache, f"filler-{seed0 + i}", seed0 + i, want_lease=False)
+
+
+def _assert_pinned_then_evictable(cache: EmbeddingCache, key: str, handle, seed: int, raw: torch.Tensor):
+    """Under eviction pressure the leased entry stays, bytes unchanged; once released it goes."""
+    evictions = cache.stats().evictions
+    _pressure(cache, 6)  # the arena holds 3 items: every filler after the first evicts one
+    assert cache.stats().evictions >= evictions + 4, "the pressure evicted nothing: the test proves nothing"
+    assert cache.contains(key), "a leased entry was evicted"
+    assert torch.equal(_arena_bytes(cache, handle), raw), "a leased entry's arena bytes were overwritten"
+    assert torch.equal(cache.read(handle.entry), _tensor(seed))
+    again = cache.lease(key)
+    assert again is not None and again.entry.offset == handle.entry.offset
+    assert cache.release([handle.lease_id, again.lease_id]) == 2
+    _pressure(cache, 3, seed0=200)  # released: the entry is the LRU victim like any other
+    assert not cache.contains(key)
+
+
+def test_prefetched_entry_leased_on_hit_is_pinned():
+    """An entry stored without a lease (a prefetch) and then leased by a hit leaves the evictable LRU:
+    eviction pressure neither drops it nor rewrites its arena bytes."""
+    cache = EmbeddingCache(TensorArena(3 * ITEM))
+    prefetched = _put(cache, "p", 7, want_lease=False)
+    assert not prefetched.lease_id
+    fut, produce = cache.acquire("p")  # the demand request that follows the prefetch: a hit with a lease
+    h = fut.result(0)
+    assert not produce and h.hit and h.lease_id
+    _assert_pinned_then_evictable(cache, "p", h, 7, _arena_bytes(cache, h))
+
+
+def test_prefetched_entry_leased_by_lease_call_is_pinned():
+    """The same through `lease()` (the hash-only path): the new lease pins an unleased entry."""
+    cache = EmbeddingCache(TensorArena(3 * ITEM))
+    _put(cache, "p", 8, want_lease=False)
+    h = cache.lease("p")
+    assert h is not None and h.lease_id
+    _assert_pinned_then_evictable(cache, "p", h, 8, _arena_bytes(cache, h))
+
+
+def test_entry_leased_again_after_all_leases_released_is_pinned():
+    """An entry whose leases were all released is evictable again; a later lease must pin it anew."""
+    cache = EmbeddingCache(TensorArena(3 * ITEM))
+    first, second = _put(cache, "r", 9), cache.lease("r")
+    assert cache.release([first.lease_id, second.lease_id]) == 2
+    assert cache.stats().leased_bytes == 0
+    fut, produce = cache.acquire("r")
+    h = fut.result(0)
+    assert not produce and h.hit and cache.stats().leased_bytes == ITEM
+    _assert_pinned_then_evictable(cache, "r", h, 9, _arena_bytes(cache, h))
+
+
+@pytest.mark.parametrize("producer_leases", [False, True], ids=["prefetch-producer", "leased-producer"])
+def test_lease_taken_by_joining_an_inflight_encode_is_pinned(producer_leases):
+    """A request that joins an encode in flight gets its lease when the entry is stored: pinned from then
+    on, whether the producer itself held a lease (and releases it first) or was a prefetch."""
+    cache = EmbeddingCache(TensorArena(3 * ITEM))
+    producer, produce = cache.acquire("j", want_lease=producer_leases)
+    joiner, joined_produce = cache.acquire("j")
+    assert produce and not joined_produce and cache.stats().inflight_dedups == 1
+    cache.complete("j", _tensor(11))
+    p, h = producer.result(0), joiner.result(0)
+    assert h.lease_id and not h.hit and bool(p.lease_id) == producer_leases
+    if producer_leases:
+        assert cache.release([p.lease_id]) == 1
+    assert cache.stats().active_leases == 1
+    _assert_pinned_then_evictable(cache, "j", h, 11, _arena_bytes(cache, h))
