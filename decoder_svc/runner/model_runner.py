@@ -5,8 +5,9 @@ CUDA graphs and the sampler. Each step it turns a ModelInput (plain lists from t
 tensors with one batch of asynchronous copies, fuses the image rows, runs the model (replaying a graph
 when the step is plain decode) and samples, with one host synchronisation (the sampled ids).
 
-Contract with the engine: when execute() returns, the device has finished reading every image row the
-step used, so the engine may release those embeddings' leases at once.
+Image rows must be memory the decoder owns (the remote source copies embeddings out of the encoder's
+arena before handing them over): a step may still be reading them after execute() returns, and the
+caching allocator orders their reuse behind that work on the stream.
 """
 
 from __future__ import annotations
@@ -198,9 +199,6 @@ class ModelRunner:
             logits = self.model(step.positions, step.meta, self.kv_caches, step.logits_indices,
                                 inputs_embeds=embeds)
         sampled = self.sampler.sample(logits, rows) if rows else SamplerOutput([], [])
-        if self._on_cuda and not rows and step.image_slots is not None:
-            # Sampling would have synchronised; without it, wait so the image leases can be released.
-            torch.cuda.current_stream(self.device).synchronize()
         return ModelOutput(sampled)
 
     def forget(self, request_id: str) -> None:
