@@ -183,3 +183,74 @@ def test_chat_request_matches_hf_chat_template(pair, oracle, test_images):
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
         add_generation_prompt=True)
     oracle.assert_same_tokens(result.token_ids, text, [test_images[0]], N)
+
+
+# -- single-test rules, end to end (issue 19) -------------------------------------------------------
+
+BLOCK = 16
+SAMPLED = dict(temperature=0.8, top_k=20, top_p=0.9, ignore_eos=True)
+
+
+def _prompt_of_whole_blocks(oracle, blocks: int = 3) -> str:
+    """A text prompt whose token count is an exact multiple of the block size (at least `blocks` blocks)."""
+    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike".split()
+    body = "USER: repeat these words:"
+    for i in range(200):
+        prompt = f"{body} ASSISTANT:"
+        n = len(oracle.processor(text=prompt, return_tensors="pt")["input_ids"][0])
+        if n % BLOCK == 0 and n >= blocks * BLOCK:
+            return prompt
+        body += " " + words[i % len(words)]
+    raise AssertionError("no prompt of whole blocks found")
+
+
+def test_same_text_under_two_salts_shares_no_prefix(pair, oracle):
+    """The cache_salt goes into the first block's hash: another tenant's identical text reuses none of the
+    first one's KV (nor does the unsalted one), while the same tenant's does."""
+    prompt = "USER: " + "this shared preamble is long enough to fill several blocks " * 3 + "ASSISTANT:"
+    with pair.decoder_client() as client:
+        first = client.generate_text(prompt, max_tokens=N, cache_salt="issue19-tenant-a")
+        other = client.generate_text(prompt, max_tokens=N, cache_salt="issue19-tenant-b")
+        unsalted = client.generate_text(prompt, max_tokens=N)
+        again = client.generate_text(prompt, max_tokens=N, cache_salt="issue19-tenant-a")
+    assert first.usage.prompt_tokens > 2 * BLOCK
+    assert first.usage.cached_prompt_tokens == 0
+    assert other.usage.cached_prompt_tokens == 0
+    assert unsalted.usage.cached_prompt_tokens == 0
+    assert again.usage.cached_prompt_tokens == (again.usage.prompt_tokens - 1) // BLOCK * BLOCK > 0
+    for result in (first, other, unsalted, again):
+        oracle.assert_same_tokens(result.token_ids, prompt, [], N)
+
+
+def test_prompt_of_whole_blocks_sent_twice_still_computes_its_last_token(pair, oracle):
+    """A prompt of exactly k blocks, sent again: the prefix hit stops one block short (the last prompt
+    token is always computed, its logits pick the first new token), and the answer is unchanged."""
+    prompt = _prompt_of_whole_blocks(oracle)
+    with pair.decoder_client(timeout=30) as client:  # a hit over the whole prompt leaves nothing to run
+        first = client.generate_text(prompt, max_tokens=N, cache_salt="issue19-whole-blocks")
+        second = client.generate_text(prompt, max_tokens=N, cache_salt="issue19-whole-blocks")
+    n = first.usage.prompt_tokens
+    assert n % BLOCK == 0 and first.usage.cached_prompt_tokens == 0
+    assert second.usage.prompt_tokens == n and second.usage.cached_prompt_tokens == n - BLOCK
+    assert len(second.token_ids) == N and second.token_ids == first.token_ids
+    oracle.assert_same_tokens(second.token_ids, prompt, [], N)
+
+
+def test_seeded_sampling_equals_the_in_process_engine(pair, tiny_model_dir, test_images):
+    """Seeded top-k/top-p sampling through the services: the same seed gives the same tokens (also from a
+    warm prefix cache), another seed others, and the in-process engine with that seed gives the same."""
+    from decoder_svc.engine import EngineConfig, LLMEngine, SamplingParams
+
+    image = test_images[3]
+    with pair.decoder_client() as client:
+        runs = [client.generate_text(PROMPT_1, [png(image)], max_tokens=N, seed=seed,
+                                     cache_salt="issue19-seed", **SAMPLED).token_ids
+                for seed in (1234, 1234, 4321)]
+    assert len(runs[0]) == N and runs[0] == runs[1]
+    assert runs[2] != runs[0], "two seeds drew the same tokens: is it sampling at all?"
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=64))
+    local = engine.generate("local", PROMPT_1, [image], sampling=SamplingParams(max_tokens=N, seed=1234,
+                                                                                 **SAMPLED))
+    assert local.new_token_ids == runs[0]
+    greedy = engine.generate("greedy", PROMPT_1, [image], sampling=SamplingParams(max_tokens=N))
+    assert greedy.new_token_ids != runs[0], "the seeded run equals greedy: is it sampling at all?"
