@@ -81,7 +81,7 @@ def build_engine(args: argparse.Namespace):
 
 async def serve(args: argparse.Namespace) -> None:
     """Load, bind, warm up, report SERVING, run until SIGTERM/SIGINT, then shut down cleanly."""
-    from decoder_svc.engine.sampling_params import InvalidRequestError
+    from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
     from decoder_svc.engine_loop import EngineLoop
     from decoder_svc.metrics import DecoderMetrics
     from decoder_svc.server import SERVICE_NAME, DecoderServicer
@@ -103,7 +103,7 @@ async def serve(args: argparse.Namespace) -> None:
         raise
     # Warm-up: one short text-only generation compiles nothing but touches every layer once.
     try:
-        await asyncio.to_thread(engine.generate, "warm-up", "warm up", sampling=None)
+        await asyncio.to_thread(engine.generate, "warm-up", "warm up", sampling=SamplingParams(max_tokens=2))
     except InvalidRequestError as exc:  # the options leave no room for a short request
         await service.stop(0)
         await asyncio.to_thread(engine.source.close)

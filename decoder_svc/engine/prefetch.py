@@ -70,7 +70,6 @@ class _Slot:
     status: EmbeddingStatus = EmbeddingStatus.PENDING
     prefetch: bool = False
     tensor: torch.Tensor | None = None
-    lease_id: str = ""
     encoder: str = ""
     cache_hit: bool = False
     transport: str = ""
@@ -174,18 +173,13 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             keys = ([(request_id, content_hash)] if content_hash is not None
                     else [k for k in self._slots if k[0] == request_id])
-            leases: dict[str, list[str]] = {}
             for key in keys:
                 slot = self._slots.pop(key, None)
                 if slot is None:
                     continue
-                slot.released = True  # a fetch still in flight releases its lease when it lands
+                # Leases went back when the rows were copied; a fetch still in flight gives its own back.
+                slot.released = True
                 slot.tensor = None
-                if slot.lease_id:
-                    leases.setdefault(slot.encoder, []).append(slot.lease_id)
-                    self.stats.active_leases -= 1
-        for encoder, ids in leases.items():
-            self._pool.submit(self._release_leases, encoder, ids)
 
     def error(self, request_id: str, content_hash: str) -> str:
         with self._lock:
@@ -269,10 +263,14 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 ref = self._encode(encoder, req, [common_pb2.TRANSPORT_INLINE], deadline)
             if not ref.lease_id:  # inline bytes: ours already
                 return ref, import_embedding(ref, device=self.device, source=encoder)
+            with self._lock:
+                self.stats.active_leases += 1  # held only for the copy
             try:
                 tensor = self._copy_out(ref, encoder)
             finally:
                 self._release_leases(encoder, [ref.lease_id])
+                with self._lock:
+                    self.stats.active_leases -= 1
             if lease_held_through(sent_at, ref.lease_expires_in_s, time.monotonic()):
                 return ref, tensor
             log.warning("embedding %s: copy finished after its lease could have lapsed (attempt %d)",
@@ -291,6 +289,9 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with torch.cuda.stream(stream):
             owned = import_embedding(ref, device=self.device, source=encoder).clone()
         stream.synchronize()
+        # The model reads these rows on the default stream: tell the allocator, or once the rows are
+        # freed their block could go to this side stream's next copy while a queued step still reads it.
+        owned.record_stream(torch.cuda.default_stream(self.device))
         return owned
 
     def _encode(self, encoder: str, req: EmbeddingRequest, accept: list[int],
