@@ -101,10 +101,15 @@ async def serve(args: argparse.Namespace) -> None:
     except UsageError:
         await asyncio.to_thread(engine.source.close)
         raise
-    # Warm-up: one short text-only generation compiles nothing but touches every layer once.
+    # Warm-up: one short text-only generation compiles nothing but touches every layer once. First, a
+    # KV cache that cannot hold one request of the default length is a configuration error.
+    capacity = engine.kv_spec.num_blocks * engine.kv_spec.block_size
     try:
+        if capacity <= engine.config.default_max_tokens:
+            raise InvalidRequestError(f"the KV cache holds {capacity} tokens, fewer than one request of "
+                                      f"--max-tokens-default {engine.config.default_max_tokens}")
         await asyncio.to_thread(engine.generate, "warm-up", "warm up", sampling=SamplingParams(max_tokens=2))
-    except InvalidRequestError as exc:  # the options leave no room for a short request
+    except InvalidRequestError as exc:  # the options leave no room for a request
         await service.stop(0)
         await asyncio.to_thread(engine.source.close)
         raise UsageError(f"the warm-up request does not fit: {exc}; give more --num-kv-blocks or "

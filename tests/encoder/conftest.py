@@ -102,3 +102,19 @@ def encoder(encoder_server: EncoderHarness) -> Iterator[EncoderHarness]:
     """The module's encoder; after each test, no lease may be left active."""
     yield encoder_server
     assert encoder_server.stats().active_leases == 0, "a test (or the server) leaked a lease"
+
+
+@pytest.fixture
+def owners():
+    """Start arena owners in child processes (tests/encoder/test_shm_sweeper.ShmOwner); cleaned up after."""
+    from tests.encoder.test_shm_sweeper import ShmOwner
+
+    started: list[ShmOwner] = []
+
+    def start(**kw) -> ShmOwner:
+        started.append(ShmOwner(**kw))
+        return started[-1]
+
+    yield start
+    for owner in started:
+        owner.cleanup()

@@ -14,7 +14,6 @@ import torch
 
 from common.pb import common_pb2
 from common.transport import importer, shm
-from tests.encoder.test_shm_sweeper import ShmOwner
 
 pytestmark = pytest.mark.skipif(not shm.shm_available(), reason="needs /dev/shm")
 
@@ -32,17 +31,6 @@ def _mapped(name: str) -> bool:
         return any(line.split()[5:6] == [str(shm.SHM_DIR / name)] for line in maps)
 
 
-@pytest.fixture
-def owners():
-    started: list[ShmOwner] = []
-
-    def start(**kw) -> ShmOwner:
-        started.append(ShmOwner(**kw))
-        return started[-1]
-
-    yield start
-    for owner in started:
-        owner.cleanup()
 
 
 @pytest.fixture(autouse=True)

@@ -73,17 +73,6 @@ def prefix() -> str:
     return f"{shm.SEGMENT_PREFIX}test-{secrets.token_hex(4)}-"
 
 
-@pytest.fixture
-def owners():
-    started: list[ShmOwner] = []
-
-    def start(**kw) -> ShmOwner:
-        started.append(ShmOwner(**kw))
-        return started[-1]
-
-    yield start
-    for owner in started:
-        owner.cleanup()
 
 
 def test_sweep_removes_a_sigkilled_owners_segment(owners, prefix):
