@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from common.checkpoint import model_fingerprint
 from common.client import EncoderClient
+from common.hashing import hash_image
+from decoder_svc.engine.routing import HashRing
 from tests.integration.conftest import png
 from tests.integration.harness import Pair, Service, free_port
 from tests.oracle import make_image
@@ -17,17 +20,29 @@ def test_images_are_spread_over_two_encoders_and_each_lives_in_one(tiny_model_di
     pair = Pair(tiny_model_dir, tmp_path, decoder_args=["--encoder", second.address])
     try:
         pair.start()
-        images = [png(make_image(300 + i)) for i in range(8)]
+        # Ports are random, so the ring differs per run: pick 4 images that it routes to each encoder
+        # (8 random ones all landed on one encoder in about 1 run of 128).
+        ring = HashRing([pair.encoder.address, second.address])
+        fingerprint = model_fingerprint(tiny_model_dir)
+        chosen: dict[str, list[tuple[int, bytes]]] = {pair.encoder.address: [], second.address: []}
+        seed = 300
+        while min(len(v) for v in chosen.values()) < 4:
+            image = make_image(seed)
+            owner = ring.route(hash_image(image.convert("RGB"), fingerprint, f"img-{seed}"))
+            if len(chosen[owner]) < 4:
+                chosen[owner].append((seed, png(image)))
+            seed += 1
+        images = [item for items in chosen.values() for item in items]
         with pair.decoder_client() as client:
             # The image ends past the first full KV block, so round two asks the encoder again.
             for _ in range(2):
-                for i, image in enumerate(images):
-                    client.generate_text(PROMPT, [image], max_tokens=2, cache_salt=f"round-{i}")
+                for seed, image in images:
+                    client.generate_text(PROMPT, [image], max_tokens=2, cache_salt=f"img-{seed}")
         stats = []
         for address in (pair.encoder.address, second.address):
             with EncoderClient(address) as enc:
                 stats.append(enc.stats())
-        assert all(s.misses > 0 for s in stats)            # both encoders got work
+        assert [s.misses for s in stats] == [4, 4]          # each image went where the ring says
         assert sum(s.misses for s in stats) == 8            # each image was encoded once, on one encoder
         assert sum(s.entries for s in stats) == 8
         assert sum(s.hits for s in stats) == 8              # round two went back to the same encoder
