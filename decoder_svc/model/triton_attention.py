@@ -196,7 +196,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     block_m = max(block_m, triton.next_power_of_2(h_per_kv))
     block_q = block_m // h_per_kv
     block_d = triton.next_power_of_2(max(head_dim, 16))
-    num_seqs = meta.block_tables.shape[0]
+    num_seqs = meta.num_seqs
     grid = (tokens // block_q + num_seqs, kv_heads, num_splits)
     if num_splits > 1:
         part_acc = torch.empty(tokens * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device)
@@ -234,7 +234,7 @@ class TritonAttentionBackend(AttentionBackend):
         one wave of the GPU; 16 at most (one split per >= 64 keys of a 1k context)."""
         if meta.max_query_len != 1:
             return 1
-        programs = meta.block_tables.shape[0] * kv_cache.shape[3]
+        programs = meta.num_seqs * kv_cache.shape[3]
         if programs >= self.num_sms:
             return 1
         return min(16, triton.next_power_of_2(-(-self.num_sms // programs)))
