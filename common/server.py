@@ -36,12 +36,23 @@ class _StatusInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, service_name: str) -> None:
         self._service_name = service_name
+        # Wrapped once per handler object, not per call. The continuation still runs on every call, so
+        # interceptors after this one (authentication, say) see every call.
+        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        method = _short(handler_call_details.method)
+        cached = self._wrapped.get(id(handler))
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler, _short(handler_call_details.method))
+        if len(self._wrapped) < 256:  # the services' handlers are fixed; a per-call handler is not kept
+            self._wrapped[id(handler)] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler, method: str):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(handler.unary_unary, method),

@@ -24,6 +24,11 @@ _IDLE_WAIT_S = 0.5      # nothing to do: sleep until a command arrives
 _WAITING_POLL_S = 0.002  # requests wait on the encoder: poll again soon, without spinning a core
 
 
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, output in batch:
+        q.put_nowait(output)
+
+
 class EngineLoop:
     """The engine thread and its bridge to asyncio."""
 
@@ -98,12 +103,16 @@ class EngineLoop:
                 return
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up of each event loop per step, not one per output: each call_soon_threadsafe
+        # writes to the loop's self-pipe, and the engine thread should get back to stepping.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._streams_lock:
-            targets = [(self._streams.get(o.request_id), o) for o in outputs]
-        for target, output in targets:
-            if target is not None:
-                loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, output)
+            for output in outputs:
+                target = self._streams.get(output.request_id)
+                if target is not None:
+                    batches.setdefault(target[0], []).append((target[1], output))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _run(self) -> None:
         engine = self.engine

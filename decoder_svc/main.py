@@ -73,7 +73,8 @@ def build_engine(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         encoder_max_ahead=args.encoder_max_ahead, default_max_tokens=args.max_tokens_default,
         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        detokenize=False)  # the service detokenizes on its event loop (DecoderServicer)
     source = RemoteEmbeddingSource(args.encoder, device=args.device,
                                    retry=RetryPolicy(total_timeout_s=args.encoder_timeout))
     return LLMEngine(config, embedding_source=source)

@@ -13,8 +13,9 @@ import grpc
 
 from common.errors import ServiceError, invalid_argument, resource_exhausted
 from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
+from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 from decoder_svc.engine.engine import LLMEngine, QueueFullError, RequestOutput
-from decoder_svc.engine.request import FinishReason
+from decoder_svc.engine.request import FinishReason, Request
 from decoder_svc.engine.sampling_params import SamplingParams
 from decoder_svc.engine_loop import EngineLoop
 from decoder_svc.metrics import DecoderMetrics
@@ -84,6 +85,32 @@ def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
     raise invalid_argument("empty input: set prompt or chat")
 
 
+class OutputStream:
+    """One request's outputs, as the engine thread queues them, read one message at a time.
+
+    A read takes every output already queued and merges them, so a client that reads slower than the
+    engine steps gets several tokens per message instead of a growing backlog. An error output is
+    never merged: it ends the stream on its own read.
+    """
+
+    def __init__(self, queue: asyncio.Queue) -> None:
+        self._queue = queue
+        self._held: RequestOutput | None = None
+
+    async def read(self) -> RequestOutput:
+        """The next message's worth of output (waits for at least one)."""
+        output, self._held = self._held or await self._queue.get(), None
+        while not output.finished and not output.error and not self._queue.empty():
+            nxt: RequestOutput = self._queue.get_nowait()
+            if nxt.error:
+                self._held = nxt
+                break
+            output = RequestOutput(
+                output.request_id, output.new_token_ids + nxt.new_token_ids, output.text + nxt.text,
+                output.logprobs + nxt.logprobs, nxt.finish_reason, nxt.usage)
+        return output
+
+
 def _response(output: RequestOutput) -> decoder_pb2.GenerateResponse:
     response = decoder_pb2.GenerateResponse(token_ids=output.new_token_ids, text=output.text)
     for lp in output.logprobs:
@@ -122,7 +149,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     def engine(self) -> LLMEngine:
         return self.loop.engine
 
-    async def _add(self, request_id: str, parsed: ParsedRequest) -> None:
+    async def _add(self, request_id: str, parsed: ParsedRequest) -> Request:
         try:
             # Decoding, hashing and tokenizing happen here, off the engine thread.
             req = await asyncio.to_thread(
@@ -133,6 +160,13 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             raise resource_exhausted(str(exc)) from None
         except ValueError as exc:  # InvalidRequestError, PromptError, PlaceholderMismatchError
             raise invalid_argument(str(exc)) from None
+        return req
+
+    def _stream_detokenizer(self, req: Request) -> IncrementalDetokenizer | None:
+        """The stream's own detokenizer when the engine leaves the text to us (no stop strings)."""
+        if req.detokenizer is not None:
+            return None
+        return IncrementalDetokenizer(self.engine.tokenizer.tokenizer)
 
     def _error_status(self, request_id: str, output: RequestOutput) -> ServiceError:
         if output.error == _SHUTTING_DOWN:
@@ -149,19 +183,21 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         parsed = parse_request(request)
         # Internal ids are always unique; the client's id is for logs.
         request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
-        outputs = self.loop.open_stream(request_id)
+        outputs = OutputStream(self.loop.open_stream(request_id))
         added = finished = False
         last = None
         try:
-            await self._add(request_id, parsed)
+            detok = self._stream_detokenizer(await self._add(request_id, parsed))
             added = True
             while not finished:
-                output: RequestOutput = await outputs.get()
+                output = await outputs.read()
                 if output.error:
                     finished = True
                     self._count("failed")
                     raise self._error_status(request_id, output)
                 finished = output.finished
+                if detok is not None:
+                    output.text = detok.add(output.new_token_ids) + (detok.finish() if finished else "")
                 now = time.perf_counter()
                 if self.metrics is not None and output.new_token_ids:
                     (self.metrics.ttft if last is None else self.metrics.itl).observe(

@@ -22,13 +22,16 @@ class EncoderMetrics(Collector):
         self.encode_latency = Histogram(
             "mmserve_encoder_encode_latency_seconds", "Encode RPC latency", ["cache"],
             buckets=_LATENCY_BUCKETS, registry=None)
+        # Resolved once: labels() costs as much as the hit path's cache lookup.
+        self._latency = {True: self.encode_latency.labels(cache="hit"),
+                         False: self.encode_latency.labels(cache="miss")}
         self._registry = registry
         if registry is not None:
             registry.register(self)
 
     def observe_encode(self, seconds: float, all_hits: bool) -> None:
         """Record one Encode; labelled by whether every image was a cache hit."""
-        self.encode_latency.labels(cache="hit" if all_hits else "miss").observe(seconds)
+        self._latency[all_hits].observe(seconds)
 
     def collect(self):
         s = self._cache.stats()

@@ -173,6 +173,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 raise invalid_argument(f"image {i}: neither data nor content_hash is set")
         return out
 
+    async def _items(self, images, salt: str) -> list[tuple[str, object | None]]:
+        """_decode_all, in a thread when there are bytes to decode and hash; hash-only requests (the
+        decoders' hit path) are checked in place, without a thread hop."""
+        if all(item.WhichOneof("source") == "content_hash" for item in images):
+            return self._decode_all(images, salt)
+        return await asyncio.to_thread(self._decode_all, images, salt)
+
     def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int, salt: str,
                  owner: str = "") -> cf.Future:
         try:
@@ -220,7 +227,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._check_owner(request.lease_owner)
         self._check_salt(request.cache_salt)
         salt, owner = request.cache_salt, request.lease_owner
-        items = await asyncio.to_thread(self._decode_all, request.images, salt)
+        items = await self._items(request.images, salt)
         priority = PREFETCH if request.prefetch else DEMAND
         futures: list[cf.Future] = []
         handles: list[Handle] = []
@@ -230,7 +237,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     futures.append(self._acquire(i, key, image, True, priority, salt, owner))
             for i, fut in enumerate(futures):
                 try:
-                    handles.append(await _await(fut))
+                    # A hit is resolved already: take it without a trip through the event loop.
+                    handles.append(fut.result() if fut.done() else await _await(fut))
                 except (asyncio.CancelledError, ServiceError):
                     raise
                 except Exception as exc:
@@ -254,7 +262,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._check_open()
         self._check_count(request.images)
         self._check_salt(request.cache_salt)
-        items = await asyncio.to_thread(self._decode_all, request.images, request.cache_salt)
+        items = await self._items(request.images, request.cache_salt)
         accepted = 0
         for i, (key, image) in enumerate(items):
             try:

@@ -10,6 +10,7 @@ change the result, so they are not built (a -2 feature layer saves one CLIP laye
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -148,10 +149,10 @@ class VisionEncoder:
                              f"unexpected {unexpected[:5]}")
         projector.load_state_dict(proj, strict=True)
 
-    @property
+    @functools.cached_property
     def embedding_nbytes(self) -> int:
-        """Bytes of one image's embedding in the output dtype."""
-        return self.num_image_tokens * self.hidden_size * torch.tensor([], dtype=self.dtype).element_size()
+        """Bytes of one image's embedding in the output dtype (asked on every Encode: computed once)."""
+        return self.num_image_tokens * self.hidden_size * torch.empty((), dtype=self.dtype).element_size()
 
     def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
         """Pixel values [B, 3, H, W] (fp32, CPU) from the checkpoint's image processor."""

@@ -66,6 +66,10 @@ class EngineConfig:
     max_prompt_bytes: int = 1 << 20  # prompt text (or chat text parts), checked before tokenizing
     attention_backend: str = "auto"  # auto: Triton kernels on CUDA, the torch reference elsewhere
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # False: outputs carry token ids and no text, except for requests with stop strings (stopping needs
+    # the text). The service sets it and detokenizes on its event loop, so the engine thread spends
+    # its time on steps, not on the tokenizer.
+    detokenize: bool = True
 
 
 @dataclass
@@ -207,7 +211,8 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=tokenized.token_ids, sampling=sampling,
             max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, images=placeholders,
             cache_salt=cache_salt,
-            detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, sampling.stop),
+            detokenizer=(IncrementalDetokenizer(self.tokenizer.tokenizer, sampling.stop)
+                         if self.config.detokenize or sampling.stop else None),
         )
 
     def add(self, req: Request) -> Request:
@@ -355,18 +360,20 @@ class LLMEngine:
         """Record a sampled token, detokenize it, and finish the request if a stop condition holds."""
         req.output_token_ids.append(token)
         sp = req.sampling
-        text = req.detokenizer.add([token])
+        detok = req.detokenizer
+        text = detok.add([token]) if detok is not None else ""
         reason = None
         if token in sp.stop_token_ids or (token in req.eos_token_ids and not sp.ignore_eos):
             reason = FinishReason.STOP
-        elif req.detokenizer.stopped:
+        elif detok is not None and detok.stopped:
             reason = FinishReason.STOP
         elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.model_config.max_model_len:
             reason = FinishReason.LENGTH
         lps = [lp] if lp is not None else []
         if reason is None:
             return RequestOutput(req.request_id, [token], text, lps)
-        text += req.detokenizer.finish()
+        if detok is not None:
+            text += detok.finish()
         self.scheduler.remove(req)
         self.runner.forget(req.request_id)
         req.finish(reason)
