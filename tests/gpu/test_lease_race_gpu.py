@@ -1,0 +1,75 @@
+"""The lease race, forced: an encoder cache that holds one embedding (each new image evicts the last and
+is written into the same slice) and a decoder whose GPU work runs late on purpose. Every served token
+must still equal HF's.
+
+The decoder's GPU steps are delayed from outside the code under test: a sitecustomize module on its
+PYTHONPATH wraps ModelRunner.execute to queue a ~20 ms GPU sleep before each step, so the step's reads
+of image rows (fusion) run long after the host has scheduled them and moved on. If the decoder read
+the encoder's slice after giving its lease back, a later image written there would show up as wrong
+tokens.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from encoder_svc.vision import VisionEncoder
+from tests.integration.conftest import png
+from tests.integration.harness import ROOT, Pair
+from tests.oracle import HFOracle, make_image
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = "USER: <image>\nWhat is in this picture? ASSISTANT:"
+MAX_TOKENS = 12
+
+PLANT = textwrap.dedent('''
+    import torch
+    import decoder_svc.runner.model_runner as runner_module
+
+    _execute = runner_module.ModelRunner.execute
+
+    def execute(self, batch):
+        torch.cuda._sleep(40_000_000)  # GPU cycles (~20 ms): the step's reads run late
+        return _execute(self, batch)
+
+    runner_module.ModelRunner.execute = execute
+''')
+
+
+def test_one_slot_encoder_and_late_gpu_steps_still_serve_each_request_its_own_image(
+        tiny_model_dir, tmp_path, monkeypatch):
+    pytest.importorskip("cupy")
+    one_embedding = VisionEncoder(tiny_model_dir, torch.device("cpu"), torch.float32).embedding_nbytes
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(PLANT)
+    monkeypatch.setenv("PYTHONPATH", f"{plant}:{ROOT}")
+    images = [make_image(100 + i) for i in range(6)]
+    jobs = [images[i % 6] for i in range(12)]  # every image twice: evicted in between, encoded again
+    oracle = HFOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
+    for img in images:
+        oracle.generate(PROMPT, [img], MAX_TOKENS)  # before the pair starts: HF's time is not in the race
+    pair = Pair(tiny_model_dir, tmp_path,
+                encoder_args=["--device", "cuda", "--cache-bytes", str(one_embedding)],
+                decoder_args=["--device", "cuda", "--max-num-batched-tokens", "64"]).start()
+    try:
+        def serve(img):
+            with pair.decoder_client() as client:
+                return client.generate_text(PROMPT, [png(img)], max_tokens=MAX_TOKENS).token_ids
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            served = list(pool.map(serve, jobs))
+        for img, tokens in zip(jobs, served, strict=True):
+            oracle.assert_same_tokens(list(tokens), PROMPT, [img], MAX_TOKENS)
+        with pair.encoder_client() as enc:
+            stats = enc.stats()
+        assert stats.evictions >= len(images)  # the slice really was reused under the decoder
+        d, e = pair.wait_idle()
+        assert d.kv_blocks_used == 0 and d.active_leases == 0 and e.active_leases == 0
+    finally:
+        pair.stop()
