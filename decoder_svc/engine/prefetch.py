@@ -134,7 +134,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._failed_requests: dict[str, grpc.StatusCode] = {}
         self._closed = False
-        self._copy_streams: dict[int, torch.cuda.Stream] = {}  # one per fetch thread, on CUDA
+        self._copiers: dict[int, SideStreamCopier] = {}  # one per fetch thread, on CUDA
         self.stats = RemoteSourceStats()
 
     # -- EmbeddingSource ---------------------------------------------------------------------------
@@ -279,20 +279,13 @@ class RemoteEmbeddingSource(EmbeddingSource):
 
     def _copy_out(self, ref: common_pb2.EmbeddingRef, encoder: str) -> torch.Tensor:
         """A tensor of our own with the ref's rows, complete when this returns."""
+        # Keyed by encoder: a restarted encoder's new arena supersedes (and unmaps) its old one.
         if self.device.type != "cuda":
-            # Keyed by encoder: a restarted encoder's new arena supersedes (and unmaps) its old one.
             return import_embedding(ref, device=self.device, source=encoder).clone()
-        stream = self._copy_streams.get(threading.get_ident())
-        if stream is None:
-            stream = self._copy_streams.setdefault(threading.get_ident(), torch.cuda.Stream(self.device))
-        # On a side stream: the producer-event wait and the copy do not queue behind the model's steps.
-        with torch.cuda.stream(stream):
-            owned = import_embedding(ref, device=self.device, source=encoder).clone()
-        stream.synchronize()
-        # The model reads these rows on the default stream: tell the allocator, or once the rows are
-        # freed their block could go to this side stream's next copy while a queued step still reads it.
-        owned.record_stream(torch.cuda.default_stream(self.device))
-        return owned
+        copier = self._copiers.get(threading.get_ident())
+        if copier is None:
+            copier = self._copiers.setdefault(threading.get_ident(), SideStreamCopier(self.device))
+        return copier.copy(ref, encoder)
 
     def _encode(self, encoder: str, req: EmbeddingRequest, accept: list[int],
                 deadline: float) -> common_pb2.EmbeddingRef:
@@ -358,6 +351,45 @@ class RemoteEmbeddingSource(EmbeddingSource):
             if slot is not None and not slot.released:
                 slot.status, slot.code, slot.error = EmbeddingStatus.FAILED, code, message
                 self._failed_requests[key[0]] = code
+
+
+class SideStreamCopier:
+    """Copies embeddings to the decoder's GPU on a stream of its own (one copier per fetch thread).
+
+    A CUDA IPC view is copied device to device after the copy stream waits on the producer's event.
+    Rows in host memory (SHM, inline) go through a pinned staging buffer, so the upload is a real
+    asynchronous DMA that runs beside the model's kernels instead of a pageable copy. The fetch thread
+    waits for its own copy (the engine thread never does), and only then is the image READY: the
+    compute stream reads finished rows without any wait of its own.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._staging = torch.empty(0, dtype=torch.uint8).pin_memory()
+
+    def _stage(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (on the host) in the pinned buffer, same dtype and shape."""
+        nbytes = rows.numel() * rows.element_size()
+        if self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        staged = self._staging[:nbytes].view(rows.dtype).view(rows.shape)
+        staged.copy_(rows)
+        return staged
+
+    def copy(self, ref: common_pb2.EmbeddingRef, encoder: str) -> torch.Tensor:
+        """The ref's rows in a new tensor on our device, complete when this returns."""
+        with torch.cuda.stream(self.stream):
+            view = import_embedding(ref, source=encoder)  # an IPC view: the event wait is on this stream
+            if view.device.type != "cuda":
+                view = self._stage(view)
+            owned = torch.empty(view.shape, dtype=view.dtype, device=self.device)
+            owned.copy_(view, non_blocking=True)
+        self.stream.synchronize()
+        # The model reads these rows on the default stream: tell the allocator, or once the rows are
+        # freed their block could go to this stream's next copy while a queued step still reads them.
+        owned.record_stream(torch.cuda.default_stream(self.device))
+        return owned
 
 
 def _image_bytes(image: bytes | Image.Image) -> bytes:
