@@ -13,6 +13,7 @@ stream during compute kernels is what the serving-path issue asks for.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import time
 from collections.abc import Sequence
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
         images = [random_png(7000 + i, args.image_size) for i in range(args.images)]
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for i, img in enumerate(images):
                 engine.add_request(f"img-{i}", PROMPT, [img], sampling=SamplingParams(max_tokens=4))
                 for _ in range(6):
@@ -131,7 +132,9 @@ def run(args: argparse.Namespace) -> dict:
         trace_path = Path(args.trace) if args.trace else logs / "copy_overlap_trace.json"
         prof.export_chrome_trace(str(trace_path))
         embedding_bytes = engine.model_config.hidden_size * 64 * engine.dtype.itemsize  # >= 64 rows
-        result = analyze(json.loads(trace_path.read_text()), embedding_bytes)
+        opener = gzip.open if trace_path.suffix == ".gz" else open
+        with opener(trace_path, "rt") as f:
+            result = analyze(json.load(f), embedding_bytes)
         result["transports"] = dict(source.snapshot().transports)
         result["trace"] = str(trace_path)
     finally:

@@ -14,6 +14,7 @@ once per process: that first call is reported separately from the per-entry time
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Sequence
 
 import torch
@@ -49,6 +50,11 @@ def bench_encoder(address: str, label: str, device: torch.device, iters: int, im
     with EncoderClient(address, timeout=120) as client:
         first = encode_and_import(client, image, [readable_transports(device)[-1]], device)  # a miss
         by_hash = f"hash:{first.content_hash}"
+        floor = []  # a Lookup of the same hash: the RPC round trip with no lease, ref or import
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            client.lookup([first.content_hash])
+            floor.append(time.perf_counter() - t0)
         for transport in readable_transports(device):
             opening = encode_and_import(client, by_hash, [transport], device)
             if opening.transport != transport:
@@ -59,7 +65,7 @@ def bench_encoder(address: str, label: str, device: torch.device, iters: int, im
                 "shape": list(first.shape), "iters": iters,
                 "first_call_ms": opening.total_s * 1000, "first_import_ms": opening.import_s * 1000,
                 "rpc": summarize([r.rpc_s for r in runs]), "import": summarize([r.import_s for r in runs]),
-                "total": summarize([r.total_s for r in runs]),
+                "total": summarize([r.total_s for r in runs]), "lookup_rpc": summarize(floor),
                 "all_cache_hits": all(r.cache_hit for r in runs),
             })
     return out
@@ -111,9 +117,11 @@ def run(args: argparse.Namespace) -> dict:
             print(f"{r['encoder']}: failed to start:\n{r['error']}")
     results_ok = [r for r in results if "error" not in r]
     rows = [[f"{r['transport']} ({r['encoder']})", r["nbytes"], r["first_call_ms"], r["total"]["mean_ms"],
-             r["total"]["p50_ms"], r["total"]["p99_ms"], r["import"]["p50_ms"]] for r in results_ok]
+             r["total"]["p50_ms"], r["total"]["p99_ms"], r["rpc"]["p50_ms"], r["import"]["p50_ms"],
+             r["lookup_rpc"]["p50_ms"]] for r in results_ok]
     print_table(f"handoff on {device}: Encode (cache hit) -> tensor ready, ms",
-                ["transport", "bytes", "first call", "mean", "p50", "p99", "import p50"], rows)
+                ["transport", "bytes", "first call", "mean", "p50", "p99", "Encode p50", "import p50",
+                 "Lookup p50"], rows)
     return save_result("handoff", args, results)
 
 
