@@ -62,72 +62,41 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_engine(args: argparse.Namespace):
-    """The engine with a remote embedding source over the given encoders."""
-    from decoder_svc.engine.engine import EngineConfig, LLMEngine
-    from decoder_svc.engine.prefetch import RemoteEmbeddingSource, RetryPolicy
-
-    config = EngineConfig(
-        model_dir=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        encoder_max_ahead=args.encoder_max_ahead, default_max_tokens=args.max_tokens_default,
-        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        detokenize=False)  # the service detokenizes on its event loop (DecoderServicer)
-    source = RemoteEmbeddingSource(args.encoder, device=args.device,
-                                   retry=RetryPolicy(total_timeout_s=args.encoder_timeout))
-    return LLMEngine(config, embedding_source=source)
-
-
 async def serve(args: argparse.Namespace) -> None:
-    """Load, bind, warm up, report SERVING, run until SIGTERM/SIGINT, then shut down cleanly."""
-    from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
-    from decoder_svc.engine_loop import EngineLoop
+    """Start the engine core, bind, wait until it is warm, report SERVING, run until SIGTERM/SIGINT,
+    then shut down cleanly."""
+    from decoder_svc.core_client import CoreUsageError, EngineCoreClient
+    from decoder_svc.engine.input_processor import InputProcessor
+    from decoder_svc.engine_core import engine_config
     from decoder_svc.metrics import DecoderMetrics
     from decoder_svc.server import SERVICE_NAME, DecoderServicer
 
-    engine = await asyncio.to_thread(build_engine, args)
     metrics = DecoderMetrics()
-
-    def on_step(engine, outputs, seconds: float) -> None:
-        metrics.step_seconds.observe(seconds)
-
-    loop = EngineLoop(engine, on_step=on_step)
-    servicer = DecoderServicer(loop, metrics)
+    core = EngineCoreClient(args, on_step=lambda outputs, seconds: metrics.step_seconds.observe(seconds))
+    try:
+        info = await asyncio.to_thread(core.start)  # loads the model and warms up: minutes on a GPU
+    except CoreUsageError as exc:
+        raise UsageError(str(exc)) from None
+    inputs = await asyncio.to_thread(InputProcessor.for_model, engine_config(args), info.kv_capacity_tokens)
+    servicer = DecoderServicer(core, inputs, metrics)
     service = GrpcService("decoder", args.host, args.port, args.metrics_port)
     service.add(decoder_pb2_grpc.add_DecoderServiceServicer_to_server, servicer, SERVICE_NAME)
     try:
         port = await start_listening(service)
     except UsageError:
-        await asyncio.to_thread(engine.source.close)
+        await asyncio.to_thread(core.stop)
         raise
-    # Warm-up: one short text-only generation compiles nothing but touches every layer once. First, a
-    # KV cache that cannot hold one request of the default length is a configuration error.
-    capacity = engine.kv_spec.num_blocks * engine.kv_spec.block_size
-    try:
-        if capacity <= engine.config.default_max_tokens:
-            raise InvalidRequestError(f"the KV cache holds {capacity} tokens, fewer than one request of "
-                                      f"--max-tokens-default {engine.config.default_max_tokens}")
-        await asyncio.to_thread(engine.generate, "warm-up", "warm up", sampling=SamplingParams(max_tokens=2))
-    except InvalidRequestError as exc:  # the options leave no room for a request
-        await service.stop(0)
-        await asyncio.to_thread(engine.source.close)
-        raise UsageError(f"the warm-up request does not fit: {exc}; give more --num-kv-blocks or "
-                         "--kv-cache-bytes, or a smaller --max-tokens-default") from None
-    engine.reset_stats()  # stats count users' requests only
-    loop.start()
 
     async def refresh_metrics() -> None:
         while True:
-            metrics.observe_stats(loop.stats_snapshot)
-            if loop.error is not None:  # the engine thread died: stop taking traffic, say why, exit
-                log.error("engine loop failed (%s); health is now NOT_SERVING; exiting so that a "
-                          "restart policy brings the decoder back", loop.error)
+            if core.error is not None:  # the engine core died: stop taking traffic, say why, exit
+                log.error("engine core failed (%s); health is now NOT_SERVING; exiting so that a "
+                          "restart policy brings the decoder back", core.error)
                 service.set_serving(False)
                 await asyncio.sleep(_DEATH_GRACE_S)  # open streams receive their error first
                 service.request_stop()
-                raise EngineDied(str(loop.error))
+                raise EngineDied(core.error)
+            metrics.observe_stats((await core.stats()).engine)
             await asyncio.sleep(1.0)
 
     refresher = asyncio.create_task(refresh_metrics())
@@ -137,11 +106,10 @@ async def serve(args: argparse.Namespace) -> None:
 
     async def shutdown() -> None:
         refresher.cancel()
-        if loop.num_open_streams:  # the drain ran out of time: end the rest with a clear error
+        if core.num_open_streams:  # the drain ran out of time: end the rest with a clear error
             servicer.end_drain()
             await asyncio.sleep(_DEATH_GRACE_S)
-        await asyncio.to_thread(loop.stop)
-        await asyncio.to_thread(engine.source.close)
+        await asyncio.to_thread(core.stop)
 
     await service.wait(on_shutdown=shutdown, drain=servicer.drain, drain_timeout=args.drain_timeout)
     if refresher.done() and not refresher.cancelled() and refresher.exception() is not None:
@@ -149,7 +117,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 class EngineDied(RuntimeError):
-    """The engine thread stopped on an error it could not absorb (a device error, a bug)."""
+    """The engine core stopped on an error it could not absorb (a device error, a bug)."""
 
 
 _DEATH_GRACE_S = 1.0

@@ -1,4 +1,9 @@
-"""DecoderService: streaming Generate over the engine loop, and GetStats."""
+"""DecoderService: streaming Generate over the engine core (its own process), and GetStats.
+
+The front end's share of a request: input processing (validation, image decoding and hashing,
+tokenization) in a worker thread, then the engine core's outputs turned into stream messages, with
+detokenization here rather than on the core (which detokenizes only requests with stop strings).
+"""
 
 from __future__ import annotations
 
@@ -13,11 +18,12 @@ import grpc
 
 from common.errors import ServiceError, invalid_argument, resource_exhausted
 from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
+from decoder_svc.core_client import CoreDeadError, EngineCoreClient
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
-from decoder_svc.engine.engine import LLMEngine, QueueFullError, RequestOutput
-from decoder_svc.engine.request import FinishReason, Request
+from decoder_svc.engine.engine import QueueFullError, RequestOutput
+from decoder_svc.engine.input_processor import InputProcessor
+from decoder_svc.engine.request import FinishReason
 from decoder_svc.engine.sampling_params import SamplingParams
-from decoder_svc.engine_loop import EngineLoop
 from decoder_svc.metrics import DecoderMetrics
 
 log = logging.getLogger("mmserve.decoder")
@@ -86,7 +92,7 @@ def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
 
 
 class OutputStream:
-    """One request's outputs, as the engine thread queues them, read one message at a time.
+    """One request's outputs, as the engine core sends them, read one message at a time.
 
     A read takes every output already queued and merges them, so a client that reads slower than the
     engine steps gets several tokens per message instead of a growing backlog. An error output is
@@ -130,50 +136,49 @@ def _response(output: RequestOutput) -> decoder_pb2.GenerateResponse:
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     """Generate and GetStats over an EngineLoop."""
 
-    def __init__(self, loop: EngineLoop, metrics: DecoderMetrics | None = None) -> None:
-        self.loop = loop
+    def __init__(self, core: EngineCoreClient, inputs: InputProcessor,
+                 metrics: DecoderMetrics | None = None) -> None:
+        self.core = core
+        self.inputs = inputs
         self.metrics = metrics
         self.draining = False
 
     async def drain(self) -> None:
         """Refuse new requests (UNAVAILABLE) and return once every in-flight stream has ended."""
         self.draining = True
-        while self.loop.num_open_streams:
+        while self.core.num_open_streams:
             await asyncio.sleep(_DRAIN_POLL_S)
 
     def end_drain(self) -> None:
         """Time is up: end the streams still open with UNAVAILABLE."""
-        self.loop.fail_open_streams(_SHUTTING_DOWN)
+        self.core.fail_open_streams(_SHUTTING_DOWN)
 
-    @property
-    def engine(self) -> LLMEngine:
-        return self.loop.engine
-
-    async def _add(self, request_id: str, parsed: ParsedRequest) -> Request:
+    async def _add(self, request_id: str, parsed: ParsedRequest) -> None:
         try:
-            # Decoding, hashing and tokenizing happen here, off the engine thread.
+            # Decoding, hashing and tokenizing happen here, in a worker thread of the front end.
             req = await asyncio.to_thread(
-                self.engine.make_request, request_id, parsed.prompt, parsed.images,
+                self.inputs.make_request, request_id, parsed.prompt, parsed.images,
                 messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt)
-            await self.loop.submit(lambda engine: engine.add(req))
+            await self.core.add(req)
         except QueueFullError as exc:
             raise resource_exhausted(str(exc)) from None
         except ValueError as exc:  # InvalidRequestError, PromptError, PlaceholderMismatchError
             raise invalid_argument(str(exc)) from None
-        return req
+        except CoreDeadError as exc:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"decoder engine unavailable: {exc}") from None
 
-    def _stream_detokenizer(self, req: Request) -> IncrementalDetokenizer | None:
-        """The stream's own detokenizer when the engine leaves the text to us (no stop strings)."""
-        if req.detokenizer is not None:
+    def _stream_detokenizer(self, sampling: SamplingParams) -> IncrementalDetokenizer | None:
+        """The stream's own detokenizer; None when the core detokenizes (requests with stop strings,
+        whose stopping needs the text)."""
+        if sampling.stop:
             return None
-        return IncrementalDetokenizer(self.engine.tokenizer.tokenizer)
+        return IncrementalDetokenizer(self.inputs.tokenizer.tokenizer)
 
     def _error_status(self, request_id: str, output: RequestOutput) -> ServiceError:
         if output.error == _SHUTTING_DOWN:
             return ServiceError(grpc.StatusCode.UNAVAILABLE, _SHUTTING_DOWN)
-        pop = getattr(self.engine.source, "pop_error_code", None)
-        code = pop(request_id) if pop is not None else None
-        return ServiceError(code or grpc.StatusCode.INTERNAL, output.error or "request failed")
+        code = grpc.StatusCode[output.error_code] if output.error_code else grpc.StatusCode.INTERNAL
+        return ServiceError(code, output.error or "request failed")
 
     async def Generate(self, request: decoder_pb2.GenerateRequest, context
                        ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
@@ -183,11 +188,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         parsed = parse_request(request)
         # Internal ids are always unique; the client's id is for logs.
         request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
-        outputs = OutputStream(self.loop.open_stream(request_id))
+        outputs = OutputStream(self.core.open_stream(request_id))
         added = finished = False
         last = None
         try:
-            detok = self._stream_detokenizer(await self._add(request_id, parsed))
+            await self._add(request_id, parsed)
+            detok = self._stream_detokenizer(parsed.sampling)
             added = True
             while not finished:
                 output = await outputs.read()
@@ -208,14 +214,14 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             if self.metrics is not None:
                 self.metrics.e2e.observe(time.perf_counter() - started)
         finally:
-            self.loop.close_stream(request_id)
+            self.core.close_stream(request_id)
             if not finished:
                 self._count("aborted" if added else "rejected")
                 # Client cancel, deadline or a failure: free blocks and leases now. Also when the add
                 # itself was cancelled midway, since the engine may have queued the request already.
                 try:
-                    await self.loop.submit(lambda engine: engine.abort(request_id))
-                except RuntimeError:
+                    await self.core.abort(request_id)
+                except CoreDeadError:
                     pass
 
     def _count(self, outcome: str) -> None:
@@ -223,7 +229,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             self.metrics.requests.labels(outcome).inc()
 
     async def GetStats(self, request: common_pb2.StatsRequest, context) -> decoder_pb2.DecoderStats:
-        s = await self.loop.submit(lambda engine: engine.stats())
+        both = await self.core.stats()
+        s = both.engine
         stats = decoder_pb2.DecoderStats(
             running=s.running, waiting=s.waiting, kv_blocks_used=s.kv_blocks_used,
             kv_blocks_total=s.kv_blocks_total, kv_blocks_cached_free=s.kv_cached_free_blocks,
@@ -231,9 +238,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             images_encoded=s.images_encoded, images_encoder_cache_hits=s.images_encoder_cache_hits,
             images_skipped_by_kv_reuse=s.images_skipped_by_kv_reuse, preemptions=s.preemptions,
             requests_finished=s.finished, requests_aborted=s.aborted, requests_failed=s.failed)
-        snapshot = getattr(self.engine.source, "snapshot", None)
-        if snapshot is not None:
-            remote = snapshot()
+        remote = both.source
+        if remote is not None:
             stats.active_leases = remote.active_leases
             stats.images_prefetched = remote.prefetched
             stats.lookahead_ready_at_prefill = remote.ready_at_prefill

@@ -10,16 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 
 from common.checkpoint import model_fingerprint, parse_dtype
-from common.hashing import hash_image, is_content_hash
-from common.images import ImageLimits, decode_image, probe_image_size
+from common.images import ImageLimits
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 from decoder_svc.engine.embedding_source import EmbeddingSource
 from decoder_svc.engine.fusion import image_rows_for_chunk
-from decoder_svc.engine.request import FinishReason, ImagePlaceholder, Request
+from decoder_svc.engine.input_processor import ImageLike, InputProcessor
+from decoder_svc.engine.request import FinishReason, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
 from decoder_svc.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from decoder_svc.model import generation_eos_ids, load_language_model
@@ -31,15 +30,12 @@ from decoder_svc.runner import (
     SequenceInput,
     TokenLogprobs,
 )
-from decoder_svc.tokenization import PromptTokenizer, TokenizedPrompt
+from decoder_svc.tokenization import PromptTokenizer
 
 log = logging.getLogger("mmserve.decoder.engine")
 # Errors that leave the device unusable: the engine cannot absorb them (torch < 2.8 lacks the class).
 _DEVICE_ERRORS = tuple(c for c in (getattr(torch, "AcceleratorError", None),) if c is not None)
 
-MAX_SALT_BYTES = 256  # cache_salt: a tenant key, not a payload
-
-ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
 
 
 class QueueFullError(RuntimeError):
@@ -95,6 +91,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    error_code: str | None = None  # the gRPC status name the error calls for; None: INTERNAL
 
     @property
     def finished(self) -> bool:
@@ -144,6 +141,8 @@ class LLMEngine:
             config.num_kv_blocks, config.kv_cache_bytes, config.enforce_eager),
             sorted(self.tokenizer.mm_token_ids))
         self.kv_spec = self.runner.initialize()
+        self.inputs = InputProcessor(config, self.model_config, self.tokenizer, self.fingerprint,
+                                     self.eos_token_ids, self.kv_spec.num_blocks * self.kv_spec.block_size)
         self.blocks = BlockManager(self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.encoder_max_ahead),
@@ -178,42 +177,9 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         cache_salt: str = "",
     ) -> Request:
-        """Validate, decode and hash images, tokenize: everything but queueing. It reads engine state
-        that never changes, so a server runs it off the engine thread and a large image's decoding
-        never delays the running requests' steps.
-
-        `prompt` marks images with `<image>`; `messages` (chat) go through the chat template and mark
-        images with {"type": "image"} parts. `images` are, in order, encoded files, PIL images, or hex
-        content hashes the encoder holds. Raises InvalidRequestError / PromptError (ValueError
-        subclasses) for bad input.
-        """
-        # Cheapest checks first: nothing is decoded or tokenized for a request refused on its sizes.
-        sampling = sampling or SamplingParams()
-        sampling.validate(self.model_config.vocab_size)
-        self._check_sizes(prompt, messages, images, cache_salt)
-        sizes = [self._image_size(i, img) for i, img in enumerate(images)]  # headers only
-        if messages is not None:
-            tokenized = self.tokenizer.encode_chat(messages, sizes)
-        elif prompt:
-            tokenized = self.tokenizer.encode_prompt(prompt, sizes)
-        else:
-            raise InvalidRequestError("empty input: give a prompt or chat messages")
-        max_tokens = sampling.max_tokens or self.config.default_max_tokens
-        self._check_length(tokenized, max_tokens)
-        decoded = [self._open_image(i, img) for i, img in enumerate(images)]
-        placeholders = [
-            ImagePlaceholder(
-                offset=ph.offset, length=ph.length, image=src if not isinstance(src, str) else None,
-                content_hash=src if isinstance(src, str) else hash_image(img, self.fingerprint, cache_salt))
-            for ph, src, img in zip(tokenized.placeholders, images, decoded, strict=True)
-        ]
-        return Request(
-            request_id=request_id, prompt_token_ids=tokenized.token_ids, sampling=sampling,
-            max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, images=placeholders,
-            cache_salt=cache_salt,
-            detokenizer=(IncrementalDetokenizer(self.tokenizer.tokenizer, sampling.stop)
-                         if self.config.detokenize or sampling.stop else None),
-        )
+        """InputProcessor.make_request: validate, decode and hash images, tokenize (any thread)."""
+        return self.inputs.make_request(request_id, prompt, images, messages=messages, sampling=sampling,
+                                        cache_salt=cache_salt)
 
     def add(self, req: Request) -> Request:
         """Queue a request made by make_request (engine thread). Raises InvalidRequestError for a
@@ -223,64 +189,10 @@ class LLMEngine:
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
         self._ids.add(req.request_id)
+        if req.detokenizer is None and (self.config.detokenize or req.sampling.stop):
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, req.sampling.stop)
         self.scheduler.add(req)
         return req
-
-    def _check_sizes(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                     images: Sequence[ImageLike], cache_salt: str) -> None:
-        """Refuse oversized input before any work on it (the limits are EngineConfig's)."""
-        cfg = self.config
-        max_images = cfg.image_limits.max_images_per_request
-        if len(images) > max_images:
-            raise InvalidRequestError(f"{len(images)} images; at most {max_images} per request")
-        text_bytes = len((prompt or "").encode())
-        for message in messages or []:
-            content = message.get("content") if isinstance(message, dict) else None
-            parts = content if isinstance(content, list) else [{"text": content or ""}]
-            text_bytes += sum(len(str(p.get("text", "")).encode()) for p in parts if isinstance(p, dict))
-        if text_bytes > cfg.max_prompt_bytes:
-            raise InvalidRequestError(f"prompt of {text_bytes} bytes exceeds the limit of "
-                                      f"{cfg.max_prompt_bytes}")
-        if len(cache_salt.encode()) > MAX_SALT_BYTES:
-            raise InvalidRequestError(f"cache_salt longer than {MAX_SALT_BYTES} bytes")
-
-    def _image_size(self, index: int, image: ImageLike) -> tuple[int, int] | None:
-        """(height, width) from the image's header, or None for a content hash (checked here)."""
-        if isinstance(image, str):
-            if not is_content_hash(image):
-                raise InvalidRequestError(f"image {index}: not a content hash: {image[:20]!r}")
-            return None
-        if isinstance(image, bytes):
-            try:
-                return probe_image_size(image, self.config.image_limits)
-            except ValueError as exc:
-                raise InvalidRequestError(f"image {index}: {exc}") from None
-        if isinstance(image, Image.Image):
-            return image.height, image.width
-        raise InvalidRequestError(f"image {index}: unsupported type {type(image).__name__}")
-
-    def _open_image(self, index: int, image: ImageLike) -> Image.Image | None:
-        # Decoding is needed anyway: the content hash covers the decoded pixels.
-        if isinstance(image, str):
-            return None
-        if isinstance(image, bytes):
-            try:
-                return decode_image(image, self.config.image_limits)
-            except ValueError as exc:
-                raise InvalidRequestError(f"image {index}: {exc}") from None
-        if isinstance(image, Image.Image):
-            return image.convert("RGB")
-        raise InvalidRequestError(f"image {index}: unsupported type {type(image).__name__}")
-
-    def _check_length(self, tokenized: TokenizedPrompt, max_tokens: int) -> None:
-        total = len(tokenized.token_ids) + max_tokens
-        if total > self.model_config.max_model_len:
-            n_prompt = len(tokenized.token_ids)
-            raise InvalidRequestError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) "
-                                      f"exceeds the context length {self.model_config.max_model_len}")
-        capacity = self.kv_spec.num_blocks * self.kv_spec.block_size
-        if total > capacity:
-            raise InvalidRequestError(f"prompt + max_tokens ({total}) exceeds the KV cache ({capacity})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks and embeddings; its ABORT output comes with the next step.
