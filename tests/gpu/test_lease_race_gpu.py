@@ -11,6 +11,7 @@ tokens.
 
 from __future__ import annotations
 
+import os
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
@@ -48,7 +49,8 @@ def test_one_slot_encoder_and_late_gpu_steps_still_serve_each_request_its_own_im
     plant = tmp_path / "plant"
     plant.mkdir()
     (plant / "sitecustomize.py").write_text(PLANT)
-    monkeypatch.setenv("PYTHONPATH", f"{plant}:{ROOT}")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(plant), str(ROOT),
+                                                                 os.environ.get("PYTHONPATH", "")) if p))
     images = [make_image(100 + i) for i in range(6)]
     jobs = [images[i % 6] for i in range(12)]  # every image twice: evicted in between, encoded again
     oracle = HFOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
@@ -68,7 +70,8 @@ def test_one_slot_encoder_and_late_gpu_steps_still_serve_each_request_its_own_im
             oracle.assert_same_tokens(list(tokens), PROMPT, [img], MAX_TOKENS)
         with pair.encoder_client() as enc:
             stats = enc.stats()
-        assert stats.evictions >= len(images)  # the slice really was reused under the decoder
+        # The one slice really was rewritten under the decoder: each distinct image after the first.
+        assert stats.evictions >= len(images) - 1
         d, e = pair.wait_idle()
         assert d.kv_blocks_used == 0 and d.active_leases == 0 and e.active_leases == 0
     finally:
