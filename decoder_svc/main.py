@@ -81,12 +81,16 @@ def build_engine(args: argparse.Namespace):
 
 async def serve(args: argparse.Namespace) -> None:
     """Load, bind, warm up, report SERVING, run until SIGTERM/SIGINT, then shut down cleanly."""
+    from common.checkpoint import CheckpointError
     from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
     from decoder_svc.engine_loop import EngineLoop
     from decoder_svc.metrics import DecoderMetrics
     from decoder_svc.server import SERVICE_NAME, DecoderServicer
 
-    engine = await asyncio.to_thread(build_engine, args)
+    try:
+        engine = await asyncio.to_thread(build_engine, args)
+    except CheckpointError as exc:  # a configuration we cannot serve: say why in one line, exit 2
+        raise UsageError(f"--model {args.model}: {exc}") from None
     metrics = DecoderMetrics()
 
     def on_step(engine, outputs, seconds: float) -> None:
