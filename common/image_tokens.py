@@ -94,6 +94,11 @@ def image_token_layout(config: dict[str, Any], processor: dict[str, Any],
     vision = config.get("vision_config")
     if not isinstance(vision, dict):
         raise UnsupportedImageConfigError("config.json has no vision_config: not a LLaVA checkpoint")
+    model_type = config.get("model_type", "llava")
+    if model_type != "llava":  # e.g. llava_next: tiles each image, so its token count varies per image
+        raise UnsupportedImageConfigError(
+            f"model_type {model_type!r} is not supported; only LlavaForConditionalGeneration checkpoints "
+            "(model_type 'llava')")
     tower = vision.get("model_type", "clip_vision_model")
     if tower not in VISION_TOWER_HAS_CLS:
         raise UnsupportedImageConfigError(

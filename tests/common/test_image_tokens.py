@@ -99,6 +99,12 @@ def test_unsupported_configurations_are_refused(vision, image_processor, process
         image_token_layout(_config(vision, strategy, -1), processor, image_processor)
 
 
+def test_other_llava_families_are_refused():
+    config = {**_config(CLIP, "default", -2), "model_type": "llava_next"}
+    with pytest.raises(UnsupportedImageConfigError, match="model_type 'llava_next' is not supported"):
+        image_token_layout(config, {}, CLIP_PROC)
+
+
 def test_feature_layer_outside_the_tower():
     with pytest.raises(UnsupportedImageConfigError, match="vision_feature_layer 3 is outside"):
         image_token_layout(_config(CLIP, "default", [0, 3]), {}, CLIP_PROC)
