@@ -272,7 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=f"see `mmserve {name} --help` ({module})", add_help=False)
 
     p = sub.add_parser("make-model", help="write a random LLaVA checkpoint in HF format")
-    p.add_argument("--preset", type=preset_name, default="tiny", help="tiny, small or llava-1.5-7b")
+    p.add_argument("--preset", type=preset_name, default="tiny",
+                   help="tiny, small, llava-1.5-7b, or a real LLaVA-family architecture at small widths: "
+                   "llava-1.5-tiny, bakllava-tiny, llava-interleave-qwen-tiny (all random weights)")
     p.add_argument("--out", type=output_dir, required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="where to initialise (default: cuda if present)")
