@@ -16,6 +16,10 @@ import torch
 _FINGERPRINT_SAMPLE = 1 << 20
 
 
+class CheckpointError(ValueError):
+    """A checkpoint this server cannot serve: the services refuse it at start-up with this message."""
+
+
 def load_config(model_dir: str | Path) -> dict:
     """The checkpoint's config.json as a dict."""
     path = Path(model_dir) / "config.json"

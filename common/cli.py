@@ -90,16 +90,29 @@ def dtype_name(text: str) -> str:
 
 
 def model_dir(text: str) -> str:
-    """An argparse type: a checkpoint directory (config.json and safetensors weights), checked before
+    """An argparse type: a checkpoint directory (config.json and safetensors weights) or a Hugging Face
+    Hub id (owner/name, resolved later by resolve_model_arg). A local directory is checked before
     anything loads so that a typo fails in a second rather than after the imports."""
-    path = Path(text)
-    if not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is not a directory")
-    if not (path / "config.json").is_file():
-        raise argparse.ArgumentTypeError(f"{text} is not a checkpoint directory (no config.json)")
-    if not any(path.glob("*.safetensors")):
-        raise argparse.ArgumentTypeError(f"{text} has no *.safetensors weights")
+    from common.hub import ModelNotFoundError, check_checkpoint_dir, is_hub_id
+
+    if is_hub_id(text):
+        return text
+    try:
+        check_checkpoint_dir(Path(text).expanduser(), text)
+    except ModelNotFoundError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """Replace args.model (a directory or a Hub id, with args.revision) by its local checkpoint
+    directory, downloading a Hub model unless HF_HUB_OFFLINE=1; UsageError (one line) when it cannot."""
+    from common.hub import ModelNotFoundError, resolve_model
+
+    try:
+        args.model = str(resolve_model(args.model, getattr(args, "revision", None)))
+    except ModelNotFoundError as exc:
+        raise UsageError(f"--model: {exc}") from None
 
 
 def image_arg(text: str) -> str:
@@ -259,7 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=f"see `mmserve {name} --help` ({module})", add_help=False)
 
     p = sub.add_parser("make-model", help="write a random LLaVA checkpoint in HF format")
-    p.add_argument("--preset", type=preset_name, default="tiny", help="tiny, small or llava-1.5-7b")
+    p.add_argument("--preset", type=preset_name, default="tiny",
+                   help="tiny, small, llava-1.5-7b, or a real LLaVA-family architecture at small widths: "
+                   "llava-1.5-tiny, bakllava-tiny, llava-interleave-qwen-tiny (all random weights)")
     p.add_argument("--out", type=output_dir, required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="where to initialise (default: cuda if present)")

@@ -26,20 +26,29 @@ from common.cli import (
 )
 from common.health import wait_until_serving
 
+RANDOM_WEIGHTS_NOTE = (
+    "note: this checkpoint was made by `mmserve make-model` with random weights: its text is noise by "
+    "design.\n  To serve a real model: mmserve up --model llava-hf/llava-1.5-7b-hf --device cuda "
+    "--dtype bfloat16")
+
 
 def default_home() -> Path:
     return Path(os.environ.get("MMSERVE_HOME", Path.home() / ".cache" / "mmserve"))
 
 
-def ensure_model(model: str | None, preset: str = "tiny") -> Path:
-    """The checkpoint to serve: the given dir, or the preset made once into the cache dir.
+def ensure_model(model: str | None, preset: str = "tiny", revision: str | None = None) -> Path:
+    """The checkpoint to serve: the given dir or Hub id (resolved once here, so both services load the
+    same snapshot), or the preset made once into the cache dir.
 
-    Raises UsageError for a directory that is not a checkpoint or a preset model_maker does not know.
+    Raises UsageError for a directory that is not a checkpoint, a Hub model that cannot be had, or a
+    preset model_maker does not know.
     """
     if model:
+        from common.hub import ModelNotFoundError, resolve_model
+
         try:
-            return Path(model_dir(model))
-        except argparse.ArgumentTypeError as exc:
+            return resolve_model(model, revision)
+        except ModelNotFoundError as exc:
             raise UsageError(f"--model: {exc}") from None
     path = default_home() / "models" / preset
     if not (path / "mmserve_model.json").exists():
@@ -57,7 +66,9 @@ def ensure_model(model: str | None, preset: str = "tiny") -> Path:
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmserve up", description="Run the encoder and decoder together.")
     p.add_argument("--model", type=model_dir, default=None,
-                   help="checkpoint dir (default: the tiny preset, made on first use)")
+                   help="checkpoint dir or Hugging Face Hub id (default: the tiny preset, made on first use; "
+                   "random weights, so its text is noise)")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit for a Hub id --model")
     p.add_argument("--preset", default="tiny", help="preset to make when --model is not given")
     p.add_argument("--host", default="127.0.0.1", help="bind address of both services")
     # Real ports (not 0): the decoder is told the encoder's address, and both are printed.
@@ -102,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # child's failure after its load.
         check_port_free(args.host, args.encoder_port, "--encoder-port")
         check_port_free(args.host, args.decoder_port, "--decoder-port")
-        model = ensure_model(args.model, args.preset)
+        model = ensure_model(args.model, args.preset, args.revision)
     except UsageError as exc:
         return report_usage_error(parser.prog, exc)
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
@@ -142,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  mmserve generate --addr {decoder_addr} --prompt 'What is in this picture?' --image PATH\n"
             f"  mmserve stats {decoder_addr}    mmserve stats {encoder_addr}\n"
             "Ctrl-C stops both.", flush=True)
+        if (model / "mmserve_model.json").exists():  # made by the model maker: say what that means
+            print(RANDOM_WEIGHTS_NOTE, flush=True)
         while not stopping:
             for child in children:
                 if child.poll() is not None:

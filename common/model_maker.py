@@ -1,10 +1,16 @@
-"""Make randomly initialised LLaVA-1.5-style checkpoints in Hugging Face format, offline.
+"""Make randomly initialised LLaVA-family checkpoints in Hugging Face format, offline.
 
 `mmserve make-model --preset tiny --out DIR` writes config, safetensors weights, a byte-level BPE
 tokenizer trained locally, a chat template and the image processor config, so that both
 `AutoProcessor.from_pretrained(DIR)` and `LlavaForConditionalGeneration.from_pretrained(DIR)` work with
 no network. Weights are drawn at a larger scale than the usual 0.02 init: a model at the usual scale
 repeats one token forever, which makes parity tests against Hugging Face prove little.
+
+Besides tiny/small/llava-1.5-7b, three presets copy the architecture of the LLaVA-family checkpoints
+people run (vision tower type, image size, patch, feature strategy and layer, text architecture, rope,
+tied embeddings, chat template) at small widths, so CI checks each against Hugging Face on a CPU:
+llava-1.5-tiny (llava-hf/llava-1.5-7b-hf), bakllava-tiny (llava-hf/bakLlava-v1-hf) and
+llava-interleave-qwen-tiny (llava-hf/llava-interleave-qwen-0.5b-hf).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ if TYPE_CHECKING:
 
 IMAGE_TOKEN = "<image>"
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN]
+# Qwen2's tokenizer: no BOS, ChatML turn markers, <|endoftext|> pads.
+QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", IMAGE_TOKEN]
 
 # In-order LLaVA-1.5 conversation format: "USER: <image>\nWhat is this? ASSISTANT:".
 CHAT_TEMPLATE = (
@@ -41,6 +49,32 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
+# The chat template llava-hf ships with llava-1.5-7b-hf: images first, then text, "ASSISTANT:" to answer.
+LLAVA_15_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
+    "{% endif %}{# Render all images first #}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}"
+    "{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+# llava-interleave-qwen's ChatML template: per message, its images, then its text, then <|im_end|>.
+INTERLEAVE_QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{# Render all images first #}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>' }}"
+    "{% endfor %}{# Render all text next #}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ '\n' + content['text'] }}{% endfor %}{{'<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -48,11 +82,26 @@ class Preset:
 
     name: str
     vision: dict
-    text: dict
+    text: dict  # shapes, plus any text-config field to override (rope_theta, sliding_window, ...)
     image_size: int
     vocab_size: int
     projector_hidden_act: str = "gelu"
     extra: dict = field(default_factory=dict)
+    vision_type: str = "clip"  # clip (CLS row, CLIP processor) or siglip (no CLS, resize to a square)
+    text_type: str = "llama"  # llama, mistral or qwen2
+    select_strategy: str = "default"
+    feature_layer: int | list[int] = -2
+    tie_word_embeddings: bool = False
+    tokenizer_style: str = "llama"  # llama (<s> first) or qwen (no BOS, ChatML tokens)
+    chat_template: str = CHAT_TEMPLATE
+    copies: str = ""  # the real checkpoint whose architecture fields this preset copies
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Image tokens per image: patches, plus the CLS row under "full" for CLIP."""
+        patches = (self.image_size // self.vision["patch_size"]) ** 2
+        has_cls = self.vision_type == "clip"
+        return patches + int(has_cls) - (1 if self.select_strategy == "default" else 0)
 
 
 PRESETS: dict[str, Preset] = {
@@ -86,6 +135,42 @@ PRESETS: dict[str, Preset] = {
         image_size=336,
         vocab_size=32064,
     ),
+    # The three below copy real checkpoints' architecture fields at small widths (CPU parity tests).
+    # CLIP ViT-L/14-336 (576 image tokens, the CLS row dropped, layer -2) + Llama-2: llava-1.5-7b-hf.
+    "llava-1.5-tiny": Preset(
+        name="llava-1.5-tiny",
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    patch_size=14, projection_dim=32),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=4096, rope_theta=10000.0,
+                  rms_norm_eps=1e-5),
+        image_size=336, vocab_size=512, chat_template=LLAVA_15_CHAT_TEMPLATE,
+        copies="llava-hf/llava-1.5-7b-hf",
+    ),
+    # The same CLIP tower + Mistral-7B (GQA 4:1, 4096-token sliding window): bakLlava-v1-hf.
+    "bakllava-tiny": Preset(
+        name="bakllava-tiny",
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    patch_size=14, projection_dim=32),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=1, max_position_embeddings=32768, rope_theta=10000.0,
+                  rms_norm_eps=1e-5, sliding_window=4096),
+        image_size=336, vocab_size=512, text_type="mistral", chat_template=LLAVA_15_CHAT_TEMPLATE,
+        copies="llava-hf/bakLlava-v1-hf",
+    ),
+    # SigLIP so400m/14-384 (27x27 = 729 patches, no CLS row, "full", last layer, no pooling head) +
+    # Qwen1.5-0.5B-Chat (q/k/v biases, rope theta 1e6, tied embeddings, ChatML): llava-interleave-qwen.
+    "llava-interleave-qwen-tiny": Preset(
+        name="llava-interleave-qwen-tiny",
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    patch_size=14),
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1000000.0,
+                  rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=32768, max_window_layers=21),
+        image_size=384, vocab_size=512, vision_type="siglip", text_type="qwen2", select_strategy="full",
+        feature_layer=-1, tie_word_embeddings=True, tokenizer_style="qwen",
+        chat_template=INTERLEAVE_QWEN_CHAT_TEMPLATE, copies="llava-hf/llava-interleave-qwen-0.5b-hf",
+    ),
 }
 
 
@@ -112,8 +197,9 @@ def _corpus(seed: int, n_lines: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0):
-    """A byte-level BPE tokenizer with LLaVA's special tokens, padded to exactly vocab_size ids."""
+def build_tokenizer(vocab_size: int, seed: int = 0, style: str = "llama"):
+    """A byte-level BPE tokenizer padded to exactly vocab_size ids, with LLaVA's special tokens and BOS
+    (style "llama") or Qwen2's ChatML tokens and no BOS (style "qwen")."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -121,13 +207,18 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab_size, special_tokens=QWEN_SPECIAL_TOKENS if style == "qwen" else SPECIAL_TOKENS,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_corpus(seed, min(200_000, 40 * vocab_size)), trainer=trainer)
     missing = vocab_size - tok.get_vocab_size()
     if missing > 0:  # a small corpus can run out of merges: fill the rest so every logit is a token
         tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
+    if style == "qwen":
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+            extra_special_tokens={"image_token": IMAGE_TOKEN}, model_max_length=1 << 20)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
@@ -141,26 +232,35 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
 
 def build_config(preset: Preset, tokenizer) -> LlavaConfig:
     """The LlavaConfig of a preset, with token ids taken from the tokenizer."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+    import transformers
+    from transformers import CLIPVisionConfig, LlavaConfig, SiglipVisionConfig
 
-    vision = CLIPVisionConfig(image_size=preset.image_size, hidden_act="quick_gelu", layer_norm_eps=1e-5,
-                              **preset.vision)
-    text = LlamaConfig(
-        vocab_size=preset.vocab_size, rms_norm_eps=1e-5, rope_theta=10000.0,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **preset.text,
+    if preset.vision_type == "siglip":  # so400m: tanh GELU, eps 1e-6, LLaVA does not use the pooling head
+        vision = SiglipVisionConfig(image_size=preset.image_size, hidden_act="gelu_pytorch_tanh",
+                                    layer_norm_eps=1e-6, vision_use_head=False, **preset.vision)
+    else:
+        vision = CLIPVisionConfig(image_size=preset.image_size, hidden_act="quick_gelu", layer_norm_eps=1e-5,
+                                  **preset.vision)
+    text_cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}[preset.text_type]
+    text_fields = {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, **preset.text}
+    text = getattr(transformers, text_cls)(
+        vocab_size=preset.vocab_size, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=preset.tie_word_embeddings, **text_fields,
     )
     return LlavaConfig(
         vision_config=vision, text_config=text,
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         projector_hidden_act=preset.projector_hidden_act,
-        vision_feature_select_strategy="default", vision_feature_layer=-2,
-        image_seq_length=(preset.image_size // preset.vision["patch_size"]) ** 2,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        vision_feature_select_strategy=preset.select_strategy, vision_feature_layer=preset.feature_layer,
+        image_seq_length=preset.num_image_tokens,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=preset.tie_word_embeddings,
     )
 
 
 _RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "out_proj.weight", "fc2.weight")
+_TEXT_QKV_BIASES = ("q_proj.bias", "k_proj.bias", "v_proj.bias")
+_TIED_EMBED_STD = 0.15
 
 
 @torch.no_grad()
@@ -175,9 +275,14 @@ def _scale_init(model: torch.nn.Module, seed: int, gain: float) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     config = model.config
     depth = {"vision": config.vision_config.num_hidden_layers, "text": config.text_config.num_hidden_layers}
+    tied = bool(config.text_config.tie_word_embeddings)
     for name, param in model.named_parameters():
         tmp = torch.empty(param.shape, dtype=torch.float32, device=device)
-        if param.dim() >= 2:
+        if param.dim() >= 2 and name.endswith("embed_tokens.weight") and tied:
+            # Tied embeddings are also the output head: at unit scale each token's logit is dominated by
+            # its own input embedding, and greedy decoding repeats the last token forever.
+            tmp.normal_(0.0, _TIED_EMBED_STD, generator=gen)
+        elif param.dim() >= 2:
             fan_in = param.shape[1] if "embed" not in name else 1
             if "patch_embedding" in name:
                 fan_in = param[0].numel()
@@ -188,6 +293,9 @@ def _scale_init(model: torch.nn.Module, seed: int, gain: float) -> None:
                 # the token's identity and fall into repeating one token.
                 std /= depth["vision" if "vision_tower" in name else "text"] ** 0.5
             tmp.normal_(0.0, std, generator=gen)
+        elif name.endswith(_TEXT_QKV_BIASES) and "language_model" in name:
+            # Qwen2's q/k/v biases: large enough that a decoder which dropped them would differ.
+            tmp.normal_(0.0, 0.5, generator=gen)
         elif name.endswith("bias"):
             tmp.normal_(0.0, 0.02, generator=gen)
         else:  # norm weights, class embedding
@@ -210,7 +318,7 @@ def make_model(
     on a CPU); dtype defaults to float32 for tiny/small and bfloat16 for the 7B shapes.
     """
     from tqdm.auto import tqdm
-    from transformers import CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -224,7 +332,7 @@ def make_model(
     t0 = time.perf_counter()
 
     steps.set_postfix_str("tokenizer")
-    tokenizer = build_tokenizer(spec.vocab_size, seed)
+    tokenizer = build_tokenizer(spec.vocab_size, seed, spec.tokenizer_style)
     steps.update()
 
     steps.set_postfix_str(f"init on {device}")
@@ -246,15 +354,11 @@ def make_model(
     steps.update()
 
     steps.set_postfix_str("processor")
-    image_processor = CLIPImageProcessor(
-        size={"shortest_edge": spec.image_size},
-        crop_size={"height": spec.image_size, "width": spec.image_size},
-        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
-    )
     processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=spec.vision["patch_size"],
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE, image_token=IMAGE_TOKEN,
+        image_processor=_image_processor(spec), tokenizer=tokenizer, patch_size=spec.vision["patch_size"],
+        vision_feature_select_strategy=spec.select_strategy,
+        num_additional_image_tokens=1 if spec.vision_type == "clip" else 0,
+        chat_template=spec.chat_template, image_token=IMAGE_TOKEN,
     )
     processor.save_pretrained(out)
     # Name the image processor by its portable class so every transformers version can load it.
@@ -268,11 +372,24 @@ def make_model(
         if path.is_file():
             path.chmod(0o644)
     (out / "mmserve_model.json").write_text(json.dumps(
-        {"preset": preset, "seed": seed, "gain": gain, "dtype": str(torch_dtype).removeprefix("torch."),
-         "made_on": device, "seconds": round(time.perf_counter() - t0, 2)}, indent=2) + "\n")
+        {"preset": preset, "copies": spec.copies or None, "random_weights": True, "seed": seed,
+         "gain": gain, "dtype": str(torch_dtype).removeprefix("torch."), "made_on": device,
+         "seconds": round(time.perf_counter() - t0, 2)}, indent=2) + "\n")
     steps.update()
     steps.close()
     return out
+
+
+def _image_processor(spec: Preset):
+    """CLIP's (shortest edge, then center crop) or SigLIP's (resize to a square, mean/std 0.5)."""
+    from transformers import CLIPImageProcessor, SiglipImageProcessor
+
+    side = spec.image_size
+    if spec.vision_type == "siglip":
+        return SiglipImageProcessor(size={"height": side, "width": side}, resample=3,
+                                    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    return CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                              image_mean=CLIP_MEAN, image_std=CLIP_STD)
 
 
 def _portable_class_names(data: dict) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from common.checkpoint import CheckpointError
 from common.server import configure_logging
 from decoder_svc.engine.engine import EngineConfig, EngineStats, LLMEngine, RequestOutput
 from decoder_svc.engine.prefetch import RemoteSourceStats
@@ -160,6 +161,9 @@ def run_core(conn: Connection, args: argparse.Namespace) -> None:
     configure_logging(args.log_level)
     try:
         engine = build_engine(args)
+    except CheckpointError as exc:  # a configuration we cannot serve: one line, exit 2
+        conn.send(("usage", f"--model: {args.model}: {exc}"))
+        return
     except BaseException:  # noqa: BLE001 - reported to the front end, which exits with it
         conn.send(("failed", traceback.format_exc()))
         return

@@ -17,6 +17,7 @@ from common.cli import (
     positive_float,
     positive_int,
     report_usage_error,
+    resolve_model_arg,
     start_listening,
 )
 from common.pb import decoder_pb2_grpc
@@ -28,7 +29,10 @@ log = logging.getLogger("mmserve.decoder")
 def build_arg_parser() -> argparse.ArgumentParser:
     """The decoder's command-line options."""
     p = argparse.ArgumentParser(prog="mmserve decoder", description="LLaVA decoder service")
-    p.add_argument("--model", type=model_dir, required=True, help="Hugging Face LLaVA checkpoint directory")
+    p.add_argument("--model", type=model_dir, required=True,
+                   help="LLaVA checkpoint: a directory, or a Hugging Face Hub id (found in the HF cache, "
+                   "else downloaded unless HF_HUB_OFFLINE=1)")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit for a Hub id --model")
     p.add_argument("--encoder", action="append", default=[], metavar="HOST:PORT",
                    help="encoder address (repeat for several: images are routed by consistent hash)")
     p.add_argument("--host", default="127.0.0.1")
@@ -136,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_port_free(args.host, args.port)
         if args.metrics_port is not None:
             check_port_free(args.host, args.metrics_port, "--metrics-port")
+        resolve_model_arg(args)  # after the port checks: a download can take minutes
         asyncio.run(serve(args))
     except KeyboardInterrupt:
         pass

@@ -1,9 +1,9 @@
 """Prompt tokenization exactly as the checkpoint's Hugging Face processor does it.
 
-`processor(text=prompt, images=...)` replaces each `<image>` with N copies of the image token (N from
-the vision config and crop size) and tokenizes the result with the default special tokens. We do the
-same without decoding pixels: for LLaVA-1.5 N does not depend on the image, and the processor itself
-reports it (`_get_num_multimodal_tokens`), so the ids equal HF's by construction, and tests check it.
+`processor(text=prompt, images=...)` replaces each `<image>` with N copies of the image token and
+tokenizes the result with the default special tokens. We do the same without decoding pixels: for the
+LLaVA family N does not depend on the image, and common.image_tokens derives it from the processor and
+vision configs (the encoder uses the same number), so the ids equal HF's; tests check it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.checkpoint import load_config
+from common.image_tokens import ImageTokenLayout, load_image_token_layout
 
 # Roles the LLaVA chat template is written for. The template itself prints any other role verbatim
 # (`role.upper() + ': '`), so a client-chosen role could forge turns or template text in the prompt.
@@ -62,18 +63,12 @@ class PromptTokenizer:
         if self.image_token_id < 0:
             self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         self.mm_token_ids: frozenset[int] = frozenset({self.image_token_id})
-        self._fallback_image_tokens = config.get("image_seq_length")
+        # Raises UnsupportedImageConfigError at start-up for a configuration we cannot serve.
+        self.image_layout: ImageTokenLayout = load_image_token_layout(model_dir)
 
     def num_image_tokens(self, image_size: tuple[int, int] | None = None) -> int:
-        """Placeholder tokens for one image of (height, width); LLaVA-1.5 ignores the size."""
-        size = image_size or (1, 1)
-        try:
-            data = self.processor._get_num_multimodal_tokens(image_sizes=[list(size)])
-            return int(data.num_image_tokens[0])
-        except (AttributeError, NotImplementedError, KeyError, TypeError):
-            if self._fallback_image_tokens is None:
-                raise
-            return int(self._fallback_image_tokens)
+        """Placeholder tokens for one image of (height, width); the LLaVA family ignores the size."""
+        return self.image_layout.num_image_tokens
 
     def encode_prompt(self, prompt: str, image_sizes: Sequence[tuple[int, int] | None] = (),
                       add_special_tokens: bool = True) -> TokenizedPrompt:

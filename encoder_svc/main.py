@@ -16,6 +16,7 @@ from common.cli import (
     positive_float,
     positive_int,
     report_usage_error,
+    resolve_model_arg,
     start_listening,
 )
 from common.images import ImageLimits
@@ -28,7 +29,10 @@ log = logging.getLogger("mmserve.encoder")
 def build_arg_parser() -> argparse.ArgumentParser:
     """The encoder's command-line options."""
     p = argparse.ArgumentParser(prog="mmserve encoder", description="LLaVA vision encoder service")
-    p.add_argument("--model", type=model_dir, required=True, help="Hugging Face LLaVA checkpoint directory")
+    p.add_argument("--model", type=model_dir, required=True,
+                   help="LLaVA checkpoint: a directory, or a Hugging Face Hub id (found in the HF cache, "
+                   "else downloaded unless HF_HUB_OFFLINE=1)")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit for a Hub id --model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=50051, help="0 picks a free port")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -98,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_port_free(args.host, args.port)
         if args.metrics_port is not None:
             check_port_free(args.host, args.metrics_port, "--metrics-port")
+        resolve_model_arg(args)  # after the port checks: a download can take minutes
         return run(args)
     except UsageError as exc:
         return report_usage_error(parser.prog, exc)

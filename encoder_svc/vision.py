@@ -2,9 +2,11 @@
 
 Only the vision tower and projector tensors are read from the checkpoint; the language model never
 leaves the disk. The forward pass reproduces `LlavaForConditionalGeneration.get_image_features`: the
-hidden states of `vision_feature_layer` (one layer or several, concatenated), the CLS token dropped
-under the "default" select strategy, then the projector. Layers after the deepest selected one do not
-change the result, so they are not built (a -2 feature layer saves one CLIP layer per image).
+hidden states of `vision_feature_layer` (one layer or several, concatenated), the first row (CLIP's CLS
+token) dropped under the "default" select strategy, then the projector. The number of rows per image
+comes from common.image_tokens, the module the decoder counts placeholders with. Layers after the
+deepest selected one do not change the result, so they are not built (a -2 feature layer saves one CLIP
+layer per image).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from PIL import Image
 
 from common.checkpoint import load_config, load_tensors, model_fingerprint
+from common.image_tokens import UnsupportedImageConfigError, load_image_token_layout
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +93,12 @@ class VisionEncoder:
         raw = load_config(self.model_dir)
         if "vision_config" not in raw:
             raise ValueError(f"{model_dir} has no vision_config: not a LLaVA checkpoint")
+        # Before any weight is read: an image configuration we cannot serve fails here, with the reason.
+        self.layout = load_image_token_layout(self.model_dir)
         config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
         self.config = config
         self.fingerprint = model_fingerprint(self.model_dir)
-        self.select_strategy = config.vision_feature_select_strategy
-        if self.select_strategy not in ("default", "full"):
-            raise ValueError(f"unsupported vision_feature_select_strategy {self.select_strategy!r}")
+        self.select_strategy = self.layout.select_strategy
         num_layers = config.vision_config.num_hidden_layers
         self.feature_layers = _feature_layers(config.vision_feature_layer, num_layers)
         self.multi_layer = not isinstance(config.vision_feature_layer, int)
@@ -114,9 +117,7 @@ class VisionEncoder:
         self.projector = projector.to(self.device, dtype).eval()
 
         self.image_processor = _load_image_processor(self.model_dir)
-        image_size = config.vision_config.image_size
-        patch = config.vision_config.patch_size
-        self.num_image_tokens = (image_size // patch) ** 2 + (0 if self.select_strategy == "default" else 1)
+        self.num_image_tokens = self.layout.num_image_tokens
         self.hidden_size = config.text_config.hidden_size
         self.calls = 0
         self.images_encoded = 0
@@ -183,8 +184,13 @@ class VisionEncoder:
         return list(feats.unbind(0))
 
     def warm_up(self) -> None:
-        """Run one dummy image through the tower (first-call allocations, kernels, lazy imports)."""
+        """Run one dummy image through the tower (first-call allocations, kernels, lazy imports) and
+        check that it gives the promised number of rows."""
         size = self.config.vision_config.image_size
-        self.encode([Image.new("RGB", (size, size), (127, 127, 127))])
+        (feats,) = self.encode([Image.new("RGB", (size, size), (127, 127, 127))])
+        if feats.shape[0] != self.num_image_tokens:
+            raise UnsupportedImageConfigError(
+                f"the vision tower gives {feats.shape[0]} rows per image, the processor config "
+                f"{self.num_image_tokens} placeholder tokens")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.checkpoint import CheckpointError
+
 _SUPPORTED = {"llama", "mistral", "qwen2"}
 _ROPE_TYPES = {"default", "linear", "llama3"}
 
@@ -48,9 +50,10 @@ class TextModelConfig:
         """Parse a text_config dict in either rope style (`rope_theta` or a `rope_parameters` dict)."""
         model_type = cfg.get("model_type", "llama")
         if model_type not in _SUPPORTED:
-            raise ValueError(f"unsupported language model {model_type!r}; supported: {sorted(_SUPPORTED)}")
+            raise CheckpointError(f"unsupported language model {model_type!r}; "
+                                  f"supported: {sorted(_SUPPORTED)}")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only silu")
+            raise CheckpointError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only silu")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -58,9 +61,9 @@ class TextModelConfig:
         rope_type = rope.pop("type", None) or rope.get("rope_type", "default")  # older configs say "type"
         rope["rope_type"] = rope_type
         if rope_type not in _ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {sorted(_ROPE_TYPES)}")
+            raise CheckpointError(f"unsupported rope type {rope_type!r}; supported: {sorted(_ROPE_TYPES)}")
         if cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("partial rotary embeddings are not supported")
+            raise CheckpointError("partial rotary embeddings are not supported")
         attention_bias = bool(cfg.get("attention_bias", False))
         qwen2 = model_type == "qwen2"
         sliding = cfg.get("sliding_window")

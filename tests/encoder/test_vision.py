@@ -78,6 +78,12 @@ def test_feature_layer_list_and_full_strategy_match_hf(tiny_model_dir, tmp_path)
     d = _variant(tiny_model_dir, tmp_path / "multi",
                  {"vision_feature_layer": [0, -1], "vision_feature_select_strategy": "full"},
                  tensors_edit={"multi_modal_projector.linear_1.weight": linear_1})
+    # The processor must say "full" too, or HF's placeholders and features differ (the encoder refuses).
+    with pytest.raises(ValueError, match="strategy is 'default' but the model's is 'full'"):
+        VisionEncoder(d)
+    processor = json.loads((d / "processor_config.json").read_text())
+    processor["vision_feature_select_strategy"] = "full"
+    (d / "processor_config.json").write_text(json.dumps(processor))
     vision = VisionEncoder(d)
     images = _images(2)
     ours = vision.encode(images)

@@ -26,6 +26,7 @@ class Service:
     port: int
     log_path: Path
     proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
 
     @property
     def address(self) -> str:
@@ -33,7 +34,7 @@ class Service:
 
     def start(self, timeout: float = 120.0) -> None:
         log = self.log_path.open("ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen([sys.executable, "-m", "common.cli", *self.argv,
                                       "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
                                      cwd=ROOT, env=env)
@@ -68,17 +69,18 @@ class Service:
 class Pair:
     """An encoder and a decoder wired together."""
 
-    model_dir: Path
+    model_dir: Path | str  # a directory or a Hub id
     workdir: Path
     encoder_args: list[str] = field(default_factory=list)
     decoder_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # for both services
 
     def __post_init__(self) -> None:
         self.encoder = Service("encoder", ["encoder", "--model", str(self.model_dir), *self.encoder_args],
-                               free_port(), self.workdir / "encoder.log")
+                               free_port(), self.workdir / "encoder.log", env=self.env)
         self.decoder = Service(
             "decoder", ["decoder", "--model", str(self.model_dir), "--encoder", "", *self.decoder_args],
-            free_port(), self.workdir / "decoder.log")
+            free_port(), self.workdir / "decoder.log", env=self.env)
         self.decoder.argv[self.decoder.argv.index("--encoder") + 1] = self.encoder.address
 
     def start(self) -> Pair:
