@@ -20,6 +20,12 @@ from common.cli import (
     start_listening,
 )
 from common.pb import decoder_pb2_grpc
+from common.security.options import (
+    add_client_args,
+    add_server_args,
+    client_security_from_args,
+    server_security_from_args,
+)
 from common.server import GrpcService, configure_logging
 
 log = logging.getLogger("mmserve.decoder")
@@ -58,6 +64,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds in-flight streams may take to finish (new ones get UNAVAILABLE)")
     p.add_argument("--metrics-port", type=port_number, default=None,
                    help="Prometheus /metrics port (off if unset)")
+    add_server_args(p)
+    add_client_args(p, prefix="encoder-", what="the encoders")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -75,8 +83,10 @@ def build_engine(args: argparse.Namespace):
         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         detokenize=False)  # the service detokenizes on its event loop (DecoderServicer)
+    link = client_security_from_args(args, prefix="encoder-")
     source = RemoteEmbeddingSource(args.encoder, device=args.device,
-                                   retry=RetryPolicy(total_timeout_s=args.encoder_timeout))
+                                   retry=RetryPolicy(total_timeout_s=args.encoder_timeout),
+                                   tls=link.tls, token=link.token)
     return LLMEngine(config, embedding_source=source)
 
 
@@ -95,7 +105,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     loop = EngineLoop(engine, on_step=on_step)
     servicer = DecoderServicer(loop, metrics)
-    service = GrpcService("decoder", args.host, args.port, args.metrics_port)
+    service = GrpcService("decoder", args.host, args.port, args.metrics_port,
+                          security=getattr(args, "security", None))
     service.add(decoder_pb2_grpc.add_DecoderServiceServicer_to_server, servicer, SERVICE_NAME)
     try:
         port = await start_listening(service)
@@ -165,9 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         # Before the model loads: a busy port fails now, not after the load.
+        args.security = server_security_from_args(args)
+        client_security_from_args(args, prefix="encoder-")  # unreadable files: a usage error, now
         check_port_free(args.host, args.port)
         if args.metrics_port is not None:
-            check_port_free(args.host, args.metrics_port, "--metrics-port")
+            check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
         asyncio.run(serve(args))
     except KeyboardInterrupt:
         pass
