@@ -104,8 +104,11 @@ class ServerThread:
     def call(self, coro, timeout: float = 30):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def close(self) -> None:
+    def close(self, *cleanups) -> None:
+        """Stop the server, then await each cleanup() on its loop (e.g. a servicer's close)."""
         self.call(self.service.stop(0.2))
+        for cleanup in cleanups:
+            self.call(cleanup())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
