@@ -10,6 +10,8 @@ PERMISSION_DENIED; a service may name any tenant, and then acts for it.
 Then the request is scoped before the servicer sees it (identity.py): a top-level `cache_salt` field is
 moved into the tenant's namespace, and a top-level `lease_owner` field is bound to the caller. Doing it
 here, by field name, covers every RPC, including ones added later, without each servicer repeating it.
+A tenant's `accept` (transports) is cut to inline bytes: a shared-memory name or a CUDA IPC handle opens
+the encoder's whole arena, every tenant's embeddings, so only services get zero-copy refs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.pb import common_pb2
 from common.security.identity import (
     SERVICE,
     TENANT,
@@ -115,6 +118,9 @@ def scope_request(request, identity: CallIdentity | None) -> None:
                             f"a tenant's cache_salt needs {TENANT_HEADER} naming that tenant")
     if "lease_owner" in fields:
         request.lease_owner = scoped_owner(identity.principal, request.lease_owner)
+    if "accept" in fields and identity.principal.kind == TENANT:
+        del request.accept[:]
+        request.accept.append(common_pb2.TRANSPORT_INLINE)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -231,7 +231,9 @@ class RemoteEmbeddingSource(EmbeddingSource):
             # and stay in the log.
             log.warning("encoder %s: %s: %s", encoder, exc.code().name, exc.details())
             detail = f": {exc.details()}" if exc.code() not in _TRANSPORT_CODES else ""
-            self._fail(key, exc.code(), f"encoder: {exc.code().name}{detail}")
+            # The encoder refusing *our* credentials is the server's fault, not the client's token.
+            code = grpc.StatusCode.INTERNAL if exc.code() == grpc.StatusCode.UNAUTHENTICATED else exc.code()
+            self._fail(key, code, f"encoder: {exc.code().name}{detail}")
             return
         except (EncoderUnavailableError, LeaseLapsedError) as exc:
             self._fail(key, grpc.StatusCode.UNAVAILABLE, str(exc))

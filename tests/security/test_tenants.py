@@ -22,7 +22,7 @@ from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingStatu
 from decoder_svc.engine.prefetch import RemoteEmbeddingSource, RetryPolicy
 from encoder_svc.server import EncoderConfig, EncoderServicer
 from tests.oracle import make_image
-from tests.security.conftest import ALICE, BOB, ServerThread
+from tests.security.conftest import ALICE, BOB, DECODER, ServerThread
 
 SHM = common_pb2.TRANSPORT_SHM
 
@@ -71,14 +71,19 @@ def test_a_tenant_cannot_read_another_tenants_embedding_by_hash(encoder, pki):
 
 def test_a_tenant_cannot_release_another_tenants_lease(encoder, pki):
     image = encode_png(make_image(72))
-    # Both use the same lease_owner string: under auth, owners are bound to the caller.
-    with _client(encoder, pki, ALICE, "owner") as alice, _client(encoder, pki, BOB, "owner") as bob:
+    # All use the same lease_owner string: under auth, owners are bound to the caller. Leases are held by
+    # services (the decoder): a tenant gets inline bytes only, never a ref into the shared arena.
+    with _client(encoder, pki, DECODER, "owner") as service, _client(encoder, pki, ALICE, "owner") as alice, \
+            _client(encoder, pki, BOB, "owner") as bob:
+        inline = alice.encode([image], accept=[SHM]).embeddings[0]
+        assert inline.WhichOneof("location") == "inline_data" and not inline.lease_id
         before = alice.stats().active_leases
-        ref = alice.encode([image], accept=[SHM]).embeddings[0]
-        assert ref.lease_id
+        ref = service.encode([image], accept=[SHM]).embeddings[0]
+        assert ref.WhichOneof("location") == "shm" and ref.lease_id
+        assert alice.release([ref.lease_id]) == 0
         assert bob.release([ref.lease_id]) == 0
         assert alice.stats().active_leases == before + 1
-        assert alice.release([ref.lease_id]) == 1
+        assert service.release([ref.lease_id]) == 1
         assert alice.stats().active_leases == before
 
 
@@ -120,5 +125,21 @@ def test_the_decoder_link_without_its_certificate_is_refused(encoder, pki):
     try:
         assert _fetch(source, req) == EmbeddingStatus.FAILED
         assert source.pop_error_code("r2") == grpc.StatusCode.UNAVAILABLE
+    finally:
+        source.close()
+
+
+def test_a_decoder_the_encoder_does_not_accept_fails_its_images_as_internal(encoder, pki):
+    """A valid certificate that is no service, and no token: the encoder says UNAUTHENTICATED, which
+    is the decoder's misconfiguration, not its client's, so the request fails INTERNAL."""
+    image = make_image(75)
+    digest = hash_image(image, encoder.servicer.vision.fingerprint, "")
+    req = EmbeddingRequest("r3", digest, encode_png(image))
+    source = RemoteEmbeddingSource([encoder.address], tls=_tls(pki, "client"),
+                                   retry=RetryPolicy(total_timeout_s=5.0))
+    try:
+        assert _fetch(source, req) == EmbeddingStatus.FAILED
+        assert "UNAUTHENTICATED" in source.error("r3", digest)
+        assert source.pop_error_code("r3") == grpc.StatusCode.INTERNAL
     finally:
         source.close()
