@@ -143,3 +143,21 @@ def test_a_decoder_the_encoder_does_not_accept_fails_its_images_as_internal(enco
         assert source.pop_error_code("r3") == grpc.StatusCode.INTERNAL
     finally:
         source.close()
+
+
+def test_the_decoder_link_can_authenticate_with_a_service_token(encoder, pki):
+    image = make_image(76)
+    salt = scoped_salt("bob", "x")
+    digest = hash_image(image, encoder.servicer.vision.fingerprint, salt)
+    req = EmbeddingRequest("r4", digest, encode_png(image), cache_salt=salt)
+    # The `client` certificate is no service: the token makes this link service:decoder.
+    source = RemoteEmbeddingSource([encoder.address], tls=_tls(pki, "client"), token=DECODER,
+                                   retry=RetryPolicy(total_timeout_s=20))
+    try:
+        assert _fetch(source, req) == EmbeddingStatus.READY, source.error("r4", digest)
+        source.release("r4")
+    finally:
+        source.close()
+    with _client(encoder, pki, BOB) as bob, _client(encoder, pki, ALICE) as alice:
+        assert bob.lookup([digest], cache_salt="x") == [True]
+        assert alice.lookup([digest], cache_salt="x") == [False]
