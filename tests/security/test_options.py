@@ -7,29 +7,47 @@ import logging
 
 import pytest
 
-from common.security.options import ServerSecurity
+from common.security.options import SecurityConfigError, ServerSecurity, server_security_from_args
 from common.server import GrpcService
 from tests.cli_errors import assert_usage_error, decoy_model, run_cli
 
 
+def _server_args(*extra: str):
+    import argparse
+
+    from common.security.options import add_server_args
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    return parser.parse_args(list(extra))
+
+
+def test_server_options_that_cannot_work_are_refused(tmp_path, pki):
+    (tmp_path / "tokens").write_text("tenant:a short\n")
+    cases = [
+        (["--auth-tokens", str(tmp_path / "missing")], "No such file"),
+        (["--auth-tokens", str(tmp_path / "tokens")], "line 1.*shorter"),
+        (["--tls-cert", str(pki.server_cert)], "--tls-cert and --tls-key go together"),
+        (["--tls-client-ca", str(pki.ca_cert)], "--tls-client-ca needs"),
+        (["--tls-cert", str(pki.server_cert), "--tls-key", str(tmp_path / "nokey")], "--tls-key"),
+        (["--auth-cert-service", "decoder"], "--auth-cert-service needs"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(SecurityConfigError, match=message):
+            server_security_from_args(_server_args(*extra))
+    assert server_security_from_args(_server_args()) == ServerSecurity()  # plaintext, no auth, reflection
+
+
 @pytest.mark.parametrize("service", ["encoder", "decoder"])
-def test_bad_security_options_are_usage_errors_before_the_model_loads(service, tmp_path, pki):
+def test_bad_security_options_are_usage_errors_before_the_model_loads(service, tmp_path):
     model = str(decoy_model(tmp_path / "model"))
     base = [service, "--model", model, "--port", "0"] + (["--encoder", "127.0.0.1:1"] if service == "decoder"
                                                           else [])
-    (tmp_path / "tokens").write_text("tenant:a short\n")
-    cases = [
-        (["--auth-tokens", str(tmp_path / "missing")], ("--auth-tokens", "No such file")),
-        (["--auth-tokens", str(tmp_path / "tokens")], ("line 1", "shorter")),
-        (["--tls-cert", str(pki.server_cert)], ("--tls-cert and --tls-key go together",)),
-        (["--tls-client-ca", str(pki.ca_cert)], ("--tls-client-ca needs",)),
-        (["--tls-cert", str(pki.server_cert), "--tls-key", str(tmp_path / "nokey")], ("--tls-key",)),
-        (["--auth-cert-service", "decoder"], ("--auth-cert-service needs",)),
-    ]
+    assert_usage_error(run_cli(*base, "--auth-tokens", str(tmp_path / "missing")), "--auth-tokens",
+                       "No such file")
     if service == "decoder":
-        cases.append((["--encoder-tls-ca", str(tmp_path / "missing.pem")], ("--tls-ca", "No such file")))
-    for extra, needles in cases:
-        assert_usage_error(run_cli(*base, *extra), *needles)
+        assert_usage_error(run_cli(*base, "--encoder-tls-ca", str(tmp_path / "missing.pem")), "--tls-ca",
+                           "No such file")
 
 
 def test_plaintext_off_loopback_warns_and_metrics_stay_on_loopback(monkeypatch, caplog):
