@@ -130,12 +130,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, policy: AuthPolicy | None, service_name: str = "") -> None:
         self.policy = policy
         self._service_name = service_name
+        # Wrapped once per handler, not per call: the wrapper authenticates each call from its context.
+        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_SERVICES):
             return handler
-        method = handler_call_details.method
+        cached = self._wrapped.get(id(handler))
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler, handler_call_details.method)
+        if len(self._wrapped) < 256:  # the services' handlers are fixed; a per-call handler is not kept
+            self._wrapped[id(handler)] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler, method: str):
         kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
                 else "stream_unary" if handler.stream_unary else "stream_stream")
         make = getattr(grpc, f"{kind}_rpc_method_handler")
