@@ -200,7 +200,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 def _cmd_health(args: argparse.Namespace) -> int:
     from common.health import health_status
 
-    status = health_status(args.address, service=args.service, timeout=args.timeout)
+    status = health_status(args.address, service=args.service, timeout=args.timeout,
+                           tls=_client_security(args).tls)
     print(status)
     return 0 if status == "SERVING" else 1
 
@@ -210,8 +211,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
     from common.client import DecoderClient, EncoderClient
 
+    security = _client_security(args)
     for client_cls in (DecoderClient, EncoderClient):
-        with client_cls(args.address, timeout=args.timeout) as client:
+        with client_cls(args.address, timeout=args.timeout, tls=security.tls, token=security.token) as client:
             try:
                 stats = client.stats()
             except grpc.RpcError as exc:
@@ -243,7 +245,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             prompt = "<image>\n" * len(args.image) + prompt
         kwargs, prompt_arg, images = {}, prompt, args.image
     result = GenerationResult()
-    with DecoderClient(args.addr, timeout=args.timeout) as client:
+    security = _client_security(args)
+    with DecoderClient(args.addr, timeout=args.timeout, tls=security.tls, token=security.token) as client:
         try:
             for chunk in client.generate(
                     prompt_arg, images, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -263,6 +266,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                               preserving_proto_field_name=True)
         print(json.dumps({"finish_reason": result.finish_reason, "usage": usage}), file=sys.stderr)
     return 0
+
+
+def _client_security(args: argparse.Namespace):
+    """TLS and token from the client flags (common/security/options.py); exits 2 on a bad file."""
+    from common.security.options import client_security_from_args
+
+    return client_security_from_args(args)
+
+
+def _add_client_security_args(p: argparse.ArgumentParser) -> None:
+    from common.security.options import add_client_args
+
+    add_client_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -285,11 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("address", metavar="HOST:PORT")
     p.add_argument("--service", default="", help="a service name (default: the whole server)")
     p.add_argument("--timeout", type=positive_float, default=3.0)
+    _add_client_security_args(p)
     p.set_defaults(func=_cmd_health)
 
     p = sub.add_parser("stats", help="print a service's stats as JSON")
     p.add_argument("address", metavar="HOST:PORT")
     p.add_argument("--timeout", type=positive_float, default=10.0)
+    _add_client_security_args(p)
     p.set_defaults(func=_cmd_stats)
 
     p = sub.add_parser("generate", help="stream a generation to stdout")
@@ -310,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-salt", default="")
     p.add_argument("--timeout", type=positive_float, default=300.0)
     p.add_argument("--usage", action="store_true", help="print finish reason and usage to stderr")
+    _add_client_security_args(p)
     p.set_defaults(func=_cmd_generate)
     return parser
 
@@ -333,8 +352,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:  # e.g. an unreadable --tls-ca or --token-file
+        return report_usage_error(f"{parser.prog} {args.command}", exc)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Through the imported module: `python -m common.cli` would otherwise define a second UsageError
+    # class that the other modules' errors are not instances of.
+    from common.cli import main as _main
+
+    sys.exit(_main())

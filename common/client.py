@@ -4,6 +4,9 @@
     with DecoderClient("127.0.0.1:50052") as client:
         result = client.generate_text("USER: <image>\\nWhat is this? ASSISTANT:", images=["cat.png"])
         print(result.text, result.usage)
+
+Every client takes `tls=ClientTls.from_files(ca=..., cert=..., key=...)` for TLS or mutual TLS and
+`token=...` for a server started with --auth-tokens (common/security/, docs/security.md).
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from common.security.client_auth import token_interceptors
+from common.security.tls import ClientTls, open_aio_channel, open_channel
 from common.server import DEFAULT_MAX_MESSAGE_BYTES
 
 ImageLike = str | Path | bytes | common_pb2.ImageInput
@@ -117,10 +120,11 @@ class GenerationResult:
 class DecoderClient:
     """Blocking client of the decoder service."""
 
-    def __init__(self, address: str, timeout: float | None = None) -> None:
+    def __init__(self, address: str, timeout: float | None = None, tls: ClientTls | None = None,
+                 token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address, tls, CHANNEL_OPTIONS, token_interceptors(token))
         self.stub = decoder_pb2_grpc.DecoderServiceStub(self._channel)
 
     def generate(self, prompt: str | None = None, images: Iterable[ImageLike] = (),
@@ -152,10 +156,11 @@ class DecoderClient:
 class AsyncDecoderClient:
     """asyncio client of the decoder service."""
 
-    def __init__(self, address: str, timeout: float | None = None) -> None:
+    def __init__(self, address: str, timeout: float | None = None, tls: ClientTls | None = None,
+                 token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_aio_channel(address, tls, CHANNEL_OPTIONS, token_interceptors(token, aio=True))
         self.stub = decoder_pb2_grpc.DecoderServiceStub(self._channel)
 
     async def generate(self, prompt: str | None = None, images: Iterable[ImageLike] = (),
@@ -204,11 +209,12 @@ class EncoderClient:
     this client, or one given the same owner, can release them.
     """
 
-    def __init__(self, address: str, timeout: float | None = None, lease_owner: str | None = None) -> None:
+    def __init__(self, address: str, timeout: float | None = None, lease_owner: str | None = None,
+                 tls: ClientTls | None = None, token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.lease_owner = new_lease_owner() if lease_owner is None else lease_owner
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address, tls, CHANNEL_OPTIONS, token_interceptors(token))
         self.stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
 
     def encode(self, images: Iterable[ImageLike], accept: Sequence[int] = (common_pb2.TRANSPORT_INLINE,),
@@ -245,11 +251,12 @@ class EncoderClient:
 class AsyncEncoderClient:
     """asyncio client of the encoder service; leases are bound to `lease_owner` as in EncoderClient."""
 
-    def __init__(self, address: str, timeout: float | None = None, lease_owner: str | None = None) -> None:
+    def __init__(self, address: str, timeout: float | None = None, lease_owner: str | None = None,
+                 tls: ClientTls | None = None, token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.lease_owner = new_lease_owner() if lease_owner is None else lease_owner
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_aio_channel(address, tls, CHANNEL_OPTIONS, token_interceptors(token, aio=True))
         self.stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
 
     async def encode(self, images: Iterable[ImageLike],

@@ -81,6 +81,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=positive_float, default=300.0)
     p.add_argument("--encoder-arg", action="append", default=[], help="extra argument for the encoder")
     p.add_argument("--decoder-arg", action="append", default=[], help="extra argument for the decoder")
+    p.add_argument("--tls", action="store_true",
+                   help="TLS and bearer tokens on both services, mutual TLS between them; certificates and "
+                   "a token made on first use in $MMSERVE_HOME/tls (docs/security.md)")
     return p
 
 
@@ -119,6 +122,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     encoder_addr = f"{connect_host}:{args.encoder_port}"
     decoder_addr = f"{connect_host}:{args.decoder_port}"
+    security = None
+    if args.tls:
+        from common.security.local import ensure_local_security
+        from common.security.tls import ClientTls
+
+        extra = [] if args.host in ("0.0.0.0", "::") else [args.host]
+        security = ensure_local_security(default_home() / "tls", extra)
+        env = security.client_env()
+        health_tls = {"encoder": ClientTls.from_files(env["MMSERVE_TLS_CA"], env["MMSERVE_TLS_CERT"],
+                                                      env["MMSERVE_TLS_KEY"]),
+                      "decoder": ClientTls.from_files(env["MMSERVE_TLS_CA"])}
     common = ["--model", str(model), "--host", args.host, "--device", args.device]
     if args.dtype is not None:
         common += ["--dtype", args.dtype]
@@ -135,12 +149,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         encoder_argv = ["encoder", *common, "--port", str(args.encoder_port), *args.encoder_arg]
         decoder_argv = ["decoder", *common, "--port", str(args.decoder_port), "--encoder", encoder_addr,
                         *args.decoder_arg]
+        if security is not None:
+            encoder_argv += security.encoder_args()
+            decoder_argv += security.decoder_args()
         for name, argv_child, addr in (("encoder", encoder_argv, encoder_addr),
                                        ("decoder", decoder_argv, decoder_addr)):
             child = _spawn(argv_child)
             children.append(child)
             ok = wait_until_serving(addr, args.startup_timeout,
-                                    is_alive=lambda c=child: c.poll() is None and not stopping)
+                                    is_alive=lambda c=child: c.poll() is None and not stopping,
+                                    tls=health_tls[name] if security is not None else None)
             if not ok:
                 if stopping:
                     return 0
@@ -148,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"(exit code {child.poll()}); see its log above", file=sys.stderr)
                 return 1
             print(f"{name} serving at {addr}", flush=True)
+        if security is not None:
+            exports = " ".join(f"{k}={v}" for k, v in security.client_env().items())
+            print(f"\nTLS and tokens are on; for the commands below, first:\n  export {exports}", flush=True)
         print(
             f"\nmmserve is up (model {model}).\n"
             f"  mmserve generate --addr {decoder_addr} --prompt 'What is in this picture?' --image PATH\n"

@@ -4,6 +4,8 @@ It owns everything that is not the service itself: a `grpc.aio` server with mess
 enough for inline embeddings, the standard health service (NOT_SERVING until the service says it is
 warm), server reflection, an interceptor that logs each RPC and turns exceptions into statuses, a
 Prometheus endpoint on its own port (off unless asked) and graceful shutdown on SIGTERM/SIGINT.
+With a ServerSecurity it also serves TLS (mutual TLS with a client CA) and authenticates every RPC but
+health (common/security/); reflection is then off unless asked for.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.errors import ServiceError
+from common.security.auth import AuthInterceptor
+from common.security.options import ServerSecurity
+from common.security.tls import is_loopback
 
 log = logging.getLogger("mmserve.server")
 
@@ -129,17 +134,22 @@ class GrpcService:
         port: int = 0,
         metrics_port: int | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: ServerSecurity | None = None,
     ) -> None:
         self.name = name
         self.host = host
         self.port = port
         self.metrics_port = metrics_port
         self.bound_port: int | None = None
+        self.security = security or ServerSecurity()
+        # Auth outermost: nothing runs for a caller it refuses. Without tokens it still keeps the
+        # tenant salt namespace closed.
+        interceptors = [AuthInterceptor(self.security.auth, name), _StatusInterceptor(name)]
         self._service_names: list[str] = []
         self._stopping = asyncio.Event() if _has_loop() else None
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._server = grpc.aio.server(
-            interceptors=[_StatusInterceptor(name)],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -160,10 +170,18 @@ class GrpcService:
 
     async def start(self) -> int:
         """Bind and start serving RPCs; health reports NOT_SERVING until set_serving(True)."""
-        names = [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-        reflection.enable_server_reflection(names, self._server)
+        if self.security.reflection:
+            names = [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+            reflection.enable_server_reflection(names, self._server)
         address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-        self.bound_port = self._server.add_insecure_port(address)
+        if self.security.tls is not None:
+            self.bound_port = self._server.add_secure_port(address, self.security.tls.credentials())
+        else:
+            if not is_loopback(self.host):
+                log.warning("%s: plaintext on %s: anyone who reaches this port can use it; give "
+                            "--tls-cert/--tls-key (and --auth-tokens) off 127.0.0.1 (docs/security.md)",
+                            self.name, self.host)
+            self.bound_port = self._server.add_insecure_port(address)
         if self.bound_port == 0:
             raise OSError(f"{self.name}: cannot bind {address}")
         await self._server.start()
@@ -171,9 +189,13 @@ class GrpcService:
         if self.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            start_http_server(self.metrics_port, addr=self.host)
-            log.info("%s metrics on http://%s:%d/metrics", self.name, self.host, self.metrics_port)
-        log.info("%s listening on %s:%d", self.name, self.host, self.bound_port)
+            metrics_host = self.security.metrics_host
+            start_http_server(self.metrics_port, addr=metrics_host)
+            log.info("%s metrics on http://%s:%d/metrics", self.name, metrics_host, self.metrics_port)
+        log.info("%s listening on %s:%d (%s%s)", self.name, self.host, self.bound_port,
+                 "plaintext" if self.security.tls is None
+                 else "mutual TLS" if self.security.tls.mutual else "TLS",
+                 ", bearer tokens" if self.security.auth is not None else "")
         return self.bound_port
 
     async def _set_health(self, serving: bool) -> None:

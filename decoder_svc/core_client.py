@@ -48,11 +48,12 @@ class EngineCoreClient:
 
     def __init__(self, args: argparse.Namespace,
                  on_step: Callable[[list[RequestOutput], float], None] | None = None) -> None:
-        self._args = args
+        # The core needs the engine's and the encoder link's options, not the server's credentials.
+        self._args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "security"})
         self._on_step = on_step
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked; a clean interpreter
         self._conn, child_conn = ctx.Pipe()
-        self._process = ctx.Process(target=run_core, args=(child_conn, args), name="engine-core",
+        self._process = ctx.Process(target=run_core, args=(child_conn, self._args), name="engine-core",
                                     daemon=True)
         self._child_conn = child_conn
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -71,10 +71,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     """The engine with a remote embedding source over the given encoders."""
+    from common.security.options import client_security_from_args
     from decoder_svc.engine.prefetch import RemoteEmbeddingSource, RetryPolicy
 
+    link = client_security_from_args(args, prefix="encoder-")  # TLS and token of the encoder link
     source = RemoteEmbeddingSource(args.encoder, device=args.device,
-                                   retry=RetryPolicy(total_timeout_s=args.encoder_timeout))
+                                   retry=RetryPolicy(total_timeout_s=args.encoder_timeout),
+                                   tls=link.tls, token=link.token)
     return LLMEngine(engine_config(args), embedding_source=source)
 
 

@@ -21,6 +21,12 @@ from common.cli import (
     start_listening,
 )
 from common.pb import decoder_pb2_grpc
+from common.security.options import (
+    add_client_args,
+    add_server_args,
+    client_security_from_args,
+    server_security_from_args,
+)
 from common.server import GrpcService, configure_logging
 
 log = logging.getLogger("mmserve.decoder")
@@ -62,6 +68,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds in-flight streams may take to finish (new ones get UNAVAILABLE)")
     p.add_argument("--metrics-port", type=port_number, default=None,
                    help="Prometheus /metrics port (off if unset)")
+    add_server_args(p)
+    add_client_args(p, prefix="encoder-", what="the encoders")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -83,7 +91,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
     inputs = await asyncio.to_thread(InputProcessor.for_model, engine_config(args), info.kv_capacity_tokens)
     servicer = DecoderServicer(core, inputs, metrics)
-    service = GrpcService("decoder", args.host, args.port, args.metrics_port)
+    service = GrpcService("decoder", args.host, args.port, args.metrics_port,
+                          security=getattr(args, "security", None))
     service.add(decoder_pb2_grpc.add_DecoderServiceServicer_to_server, servicer, SERVICE_NAME)
     try:
         port = await start_listening(service)
@@ -137,9 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         # Before the model loads: a busy port fails now, not after the load.
+        args.security = server_security_from_args(args)
+        client_security_from_args(args, prefix="encoder-")  # unreadable files: a usage error, now
         check_port_free(args.host, args.port)
         if args.metrics_port is not None:
-            check_port_free(args.host, args.metrics_port, "--metrics-port")
+            check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
         resolve_model_arg(args)  # after the port checks: a download can take minutes
         asyncio.run(serve(args))
     except KeyboardInterrupt:

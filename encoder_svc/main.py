@@ -21,6 +21,7 @@ from common.cli import (
 )
 from common.images import ImageLimits
 from common.pb import encoder_pb2_grpc
+from common.security.options import add_server_args, server_security_from_args
 from common.server import GrpcService, configure_logging
 
 log = logging.getLogger("mmserve.encoder")
@@ -47,6 +48,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-side", type=positive_int, default=ImageLimits.max_side, help="pixels")
     p.add_argument("--arena", default="auto", choices=["auto", "shm", "cuda", "private"],
                    help="where embeddings live: auto picks cuda (GPU + cupy), else shm, else private")
+    add_server_args(p)
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -72,7 +74,8 @@ async def serve(args: argparse.Namespace) -> None:
         # build's ValueErrors are about the options or the checkpoint (a cache that cannot hold one
         # embedding, not a LLaVA checkpoint, weights that do not match): the user's to fix.
         raise UsageError(str(exc)) from None
-    service = GrpcService("encoder", args.host, args.port, args.metrics_port)
+    service = GrpcService("encoder", args.host, args.port, args.metrics_port,
+                          security=getattr(args, "security", None))
     service.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer, SERVICE_NAME)
     try:
         port = await start_listening(service)
@@ -99,9 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         # Before the model loads: a busy port fails now, not after seconds (minutes for 7B) of loading.
+        args.security = server_security_from_args(args)
         check_port_free(args.host, args.port)
         if args.metrics_port is not None:
-            check_port_free(args.host, args.metrics_port, "--metrics-port")
+            check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
         resolve_model_arg(args)  # after the port checks: a download can take minutes
         return run(args)
     except UsageError as exc:

@@ -15,6 +15,8 @@
 - Several encoders are routed by consistent hash of the content hash.
 - Leases are this source's own: one lease-owner secret per source (one per decoder process) goes on
   every Encode and Release, so no other client can release them and this one releases no one else's.
+- Security (docs/security.md): TLS or mutual TLS with `tls`; with `token`, this decoder authenticates as
+  a service and names each call's tenant (from its scoped cache_salt), so the encoder scopes it too.
 - A hash-only image (no bytes) that the encoder does not hold under the request's cache_salt fails the
   request with NOT_FOUND: the encoder never hands out another tenant's entry for a bare hash.
 """
@@ -34,6 +36,9 @@ from PIL import Image
 from common.client import CHANNEL_OPTIONS, new_lease_owner
 from common.images import encode_png
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
+from common.security.client_auth import auth_metadata
+from common.security.identity import tenant_of_salt
+from common.security.tls import ClientTls, open_channel
 from common.transport.importer import can_import, import_embedding, readable_transports
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
 from decoder_svc.engine.routing import HashRing
@@ -117,17 +122,19 @@ class RemoteEmbeddingSource(EmbeddingSource):
 
     def __init__(self, addresses: list[str], device: torch.device | str = "cpu",
                  retry: RetryPolicy = RetryPolicy(), max_workers: int = 8,
-                 transports: list[int] | None = None, lease_owner: str | None = None) -> None:
+                 transports: list[int] | None = None, lease_owner: str | None = None,
+                 tls: ClientTls | None = None, token: str | None = None) -> None:
         self.device = torch.device(device)
         # Binds our leases to us at the encoder; never logged or sent anywhere but the encoders.
         self._lease_owner = new_lease_owner() if lease_owner is None else lease_owner
+        self._token = token  # never logged
         self.retry = retry
         self.ring = HashRing(addresses)
         self.accept = transports or readable_transports(self.device)
         # Short reconnect backoff: a restarted encoder is found again within a second, not minutes.
         options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
-        self._channels = {a: grpc.insecure_channel(a, options=options) for a in self.ring.addresses}
+        self._channels = {a: open_channel(a, tls, options) for a in self.ring.addresses}
         self._stubs = {a: encoder_pb2_grpc.EncoderServiceStub(c) for a, c in self._channels.items()}
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="embed-fetch")
         self._lock = threading.Lock()
@@ -224,7 +231,9 @@ class RemoteEmbeddingSource(EmbeddingSource):
             # and stay in the log.
             log.warning("encoder %s: %s: %s", encoder, exc.code().name, exc.details())
             detail = f": {exc.details()}" if exc.code() not in _TRANSPORT_CODES else ""
-            self._fail(key, exc.code(), f"encoder: {exc.code().name}{detail}")
+            # The encoder refusing *our* credentials is the server's fault, not the client's token.
+            code = grpc.StatusCode.INTERNAL if exc.code() == grpc.StatusCode.UNAUTHENTICATED else exc.code()
+            self._fail(key, code, f"encoder: {exc.code().name}{detail}")
             return
         except (EncoderUnavailableError, LeaseLapsedError) as exc:
             self._fail(key, grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -318,7 +327,9 @@ class RemoteEmbeddingSource(EmbeddingSource):
             attempts += 1
             try:
                 reply = self._stubs[encoder].Encode(request, timeout=min(policy.attempt_timeout_s, left),
-                                                    wait_for_ready=False)
+                                                    wait_for_ready=False,
+                                                    metadata=auth_metadata(self._token,
+                                                                           tenant_of_salt(req.cache_salt)))
                 return reply.embeddings[0]
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE or self._closed:
@@ -341,7 +352,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         if not lease_ids:
             return
         call = self._stubs[encoder].Release.future(encoder_pb2.ReleaseRequest(
-            lease_ids=lease_ids, lease_owner=self._lease_owner), timeout=5.0)
+            lease_ids=lease_ids, lease_owner=self._lease_owner), timeout=5.0,
+            metadata=auth_metadata(self._token))
 
         def _log_failure(done: grpc.Future) -> None:
             if done.cancelled() or done.exception() is None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from bench.services import free_port
 from common.client import DecoderClient, EncoderClient
 from common.health import wait_until_serving
+from common.security.tls import ClientTls
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,6 +28,7 @@ class Service:
     log_path: Path
     proc: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+    health_tls: ClientTls | None = None  # for a service that serves TLS
 
     @property
     def address(self) -> str:
@@ -38,7 +40,8 @@ class Service:
         self.proc = subprocess.Popen([sys.executable, "-m", "common.cli", *self.argv,
                                       "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
                                      cwd=ROOT, env=env)
-        if not wait_until_serving(self.address, timeout, is_alive=lambda: self.proc.poll() is None):
+        if not wait_until_serving(self.address, timeout, is_alive=lambda: self.proc.poll() is None,
+                                  tls=self.health_tls):
             self.stop()
             raise RuntimeError(f"{self.name} did not become healthy; log:\n{self.log_tail()}")
 
