@@ -1,4 +1,5 @@
-"""`mmserve up`: both services as child processes, healthy before it says so, stopped together.
+"""`mmserve up`: both services as child processes, healthy before it says so, stopped together; and the
+OpenAI-compatible gateway in front of them (`--no-gateway` leaves it out).
 
 The tiny model is made on first use in a cache dir ($MMSERVE_HOME, default ~/.cache/mmserve), so a new
 user gets a working pair with one command and no downloads.
@@ -25,6 +26,7 @@ from common.cli import (
     report_usage_error,
 )
 from common.health import wait_until_serving
+from gateway.health import wait_until_http_healthy
 
 
 def default_home() -> Path:
@@ -70,6 +72,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=positive_float, default=300.0)
     p.add_argument("--encoder-arg", action="append", default=[], help="extra argument for the encoder")
     p.add_argument("--decoder-arg", action="append", default=[], help="extra argument for the decoder")
+    p.add_argument("--gateway-port", type=int_in_range(1, 65535), default=8000,
+                   help="port of the OpenAI-compatible HTTP gateway")
+    p.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
+    p.add_argument("--gateway-arg", action="append", default=[], help="extra argument for the gateway")
     return p
 
 
@@ -97,11 +103,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.encoder_port == args.decoder_port:
         parser.error(f"--encoder-port and --decoder-port are both {args.encoder_port}")
+    if not args.no_gateway and args.gateway_port in (args.encoder_port, args.decoder_port):
+        parser.error(f"--gateway-port {args.gateway_port} is also a service's port")
     try:
         # Before making a model or starting anything: a busy port would otherwise show up as a
         # child's failure after its load.
         check_port_free(args.host, args.encoder_port, "--encoder-port")
         check_port_free(args.host, args.decoder_port, "--decoder-port")
+        if not args.no_gateway:
+            check_port_free(args.host, args.gateway_port, "--gateway-port")
         model = ensure_model(args.model, args.preset)
     except UsageError as exc:
         return report_usage_error(parser.prog, exc)
@@ -124,12 +134,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         encoder_argv = ["encoder", *common, "--port", str(args.encoder_port), *args.encoder_arg]
         decoder_argv = ["decoder", *common, "--port", str(args.decoder_port), "--encoder", encoder_addr,
                         *args.decoder_arg]
-        for name, argv_child, addr in (("encoder", encoder_argv, encoder_addr),
-                                       ("decoder", decoder_argv, decoder_addr)):
+        gateway_url = f"http://{connect_host}:{args.gateway_port}"
+        gateway_argv = ["gateway", "--decoder", decoder_addr, "--host", args.host, "--port",
+                        str(args.gateway_port), "--model", str(model), *args.gateway_arg]
+        starts = [("encoder", encoder_argv, encoder_addr, wait_until_serving),
+                  ("decoder", decoder_argv, decoder_addr, wait_until_serving)]
+        if not args.no_gateway:
+            starts.append(("gateway", gateway_argv, f"{gateway_url}/health", wait_until_http_healthy))
+        for name, argv_child, addr, wait in starts:
             child = _spawn(argv_child)
             children.append(child)
-            ok = wait_until_serving(addr, args.startup_timeout,
-                                    is_alive=lambda c=child: c.poll() is None and not stopping)
+            ok = wait(addr, args.startup_timeout, is_alive=lambda c=child: c.poll() is None and not stopping)
             if not ok:
                 if stopping:
                     return 0
@@ -141,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"\nmmserve is up (model {model}).\n"
             f"  mmserve generate --addr {decoder_addr} --prompt 'What is in this picture?' --image PATH\n"
             f"  mmserve stats {decoder_addr}    mmserve stats {encoder_addr}\n"
+            + ("" if args.no_gateway else f"  OpenAI API: {gateway_url}/v1 (model {model.name!r})\n") +
             "Ctrl-C stops both.", flush=True)
         while not stopping:
             for child in children:
