@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -58,7 +59,6 @@ class GatewayProcess:
         return self
 
     def _wait_listening(self, timeout: float) -> bool:
-        import time
         import urllib.error
         import urllib.request
 
@@ -114,19 +114,25 @@ def start_failing_decoder() -> tuple[grpc.Server, str]:
 
 
 class ImageServer:
-    """A local HTTP server: GET /NAME answers files[NAME] (404 otherwise); /redirect/NAME redirects."""
+    """A local HTTP server: GET /NAME answers files[NAME] (404 otherwise); /redirect/NAME redirects to
+    /NAME, redirects[NAME] to that location; a name in `slow` answers after 5 s."""
 
-    def __init__(self, files: dict[str, bytes]) -> None:
-        files_ = files
+    def __init__(self, files: dict[str, bytes], redirects: dict[str, str] | None = None,
+                 slow: tuple[str, ...] = ()) -> None:
+        files_, redirects_ = files, redirects or {}
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 name = self.path.lstrip("/")
-                if name.startswith("redirect/"):
+                location = redirects_.get(name) or (
+                    "/" + name.removeprefix("redirect/") if name.startswith("redirect/") else None)
+                if location:
                     self.send_response(302)
-                    self.send_header("Location", "/" + name.removeprefix("redirect/"))
+                    self.send_header("Location", location)
                     self.end_headers()
                     return
+                if name in slow:
+                    time.sleep(5)
                 if name not in files_:
                     self.send_error(404)
                     return
@@ -134,7 +140,10 @@ class ImageServer:
                 self.send_header("Content-Type", "image/png")
                 self.send_header("Content-Length", str(len(files_[name])))
                 self.end_headers()
-                self.wfile.write(files_[name])
+                try:
+                    self.wfile.write(files_[name])
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout test)
+                    pass
 
             def log_message(self, *args) -> None:
                 pass
