@@ -105,4 +105,5 @@ def completion_request(req: CompletionRequest, cache_salt: str) -> decoder_pb2.G
                           "through /v1/chat/completions", "prompt", "invalid_value")
     return decoder_pb2.GenerateRequest(
         request_id=f"cmpl-{uuid.uuid4().hex}", prompt=prompt, cache_salt=cache_salt,
-        sampling=sampling_params(req, req.max_tokens, req.logprobs or 0))
+        # logprobs 0 still asks for the sampled tokens' logprobs: the decoder sends those with its top 1.
+        sampling=sampling_params(req, req.max_tokens, 0 if req.logprobs is None else max(req.logprobs, 1)))

@@ -118,7 +118,9 @@ def test_translation_follows_openai_defaults():
     body = {"model": "m", "prompt": ["p"], "temperature": 0}
     text = completion_request(parse_body(CompletionRequest, body), "")
     assert text.prompt == "p" and text.sampling.max_tokens == 16 and text.sampling.temperature == 0
-    assert not text.sampling.HasField("seed")
+    assert not text.sampling.HasField("seed") and text.sampling.logprobs == 0
+    with_logprobs = completion_request(parse_body(CompletionRequest, {**body, "logprobs": 0}), "")
+    assert with_logprobs.sampling.logprobs == 1  # the sampled token's logprob, no alternatives
 
 
 @pytest.mark.parametrize("body, param", [
