@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
+from bench.services import free_port
+from common.client import DecoderClient
 from common.images import encode_png
 from tests.gateway.conftest import KEY_A, KEY_B, openai_client
 from tests.gateway.harness import GatewayProcess, ImageServer, data_url
+from tests.integration.harness import Service
 from tests.oracle import make_image
 
 QUESTION = "What is in this picture? Describe it with care, colour by colour, shape by shape."
@@ -199,6 +203,34 @@ def test_dead_decoder_listed_first_is_skipped(open_gateway):
     for _ in range(3):
         reply = client.completions.create(model="tiny", prompt="USER: hi ASSISTANT:", max_tokens=2)
         assert reply.usage.completion_tokens >= 1
+
+
+def test_two_decoders_share_concurrent_requests(pair, tiny_model_dir, tmp_path):
+    """A second decoder on the same encoder; concurrent requests go to both (least outstanding)."""
+    argv = ["decoder", "--model", str(tiny_model_dir), "--encoder", pair.encoder.address,
+            "--num-kv-blocks", "256"]
+    second = Service("decoder2", argv, free_port(), tmp_path / "decoder2.log")
+    second.start()
+    g = GatewayProcess([pair.decoder.address, second.address], tmp_path / "gateway.log",
+                       ["--served-model-name", "tiny"]).start()
+    try:
+        addresses = [pair.decoder.address, second.address]
+        before = [DecoderClient(a, timeout=30).stats().requests_finished for a in addresses]
+        client = openai_client(g)
+
+        def one(i: int) -> int:
+            return client.completions.create(model="tiny", prompt=f"USER: story number {i} ASSISTANT:",
+                                             max_tokens=24, temperature=0,
+                                             extra_body={"ignore_eos": True}).usage.completion_tokens
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, range(8))) == [24] * 8
+        after = [DecoderClient(a, timeout=30).stats().requests_finished for a in addresses]
+        served = [a - b for a, b in zip(after, before, strict=True)]
+        assert sum(served) == 8 and min(served) >= 1, served
+    finally:
+        g.stop()
+        second.stop()
 
 
 def _aborted(pair) -> int:
