@@ -83,6 +83,7 @@ COPY common/ /src/common/
 COPY encoder_svc/ /src/encoder_svc/
 COPY decoder_svc/ /src/decoder_svc/
 COPY bench/ /src/bench/
+COPY gateway/ /src/gateway/
 RUN set -eu; \
     if [ "$OFFLINE" = 1 ]; then set -- --no-index --find-links /wheelhouse; else set -- --find-links /wheelhouse; fi; \
     /opt/mmserve/bin/pip wheel "$@" --no-deps --wheel-dir /tmp/dist /src; \
@@ -113,5 +114,5 @@ USER mmserve
 WORKDIR /home/mmserve
 # /models: the compose file mounts the model volume (or a checkpoint dir) here.
 VOLUME ["/models"]
-EXPOSE 50051 50052
+EXPOSE 50051 50052 8000
 CMD ["mmserve", "--help"]

@@ -3,6 +3,7 @@
     mmserve up                         both services on the tiny model (made on first use)
     mmserve encoder --model DIR ...    the encoder service
     mmserve decoder --model DIR --encoder HOST:PORT ...
+    mmserve gateway --decoder HOST:PORT   OpenAI-compatible HTTP API (gateway/)
     mmserve generate --prompt TEXT [--image PATH ...]
     mmserve stats HOST:PORT            either service's stats, as JSON
     mmserve health HOST:PORT           exit 0 when SERVING
@@ -30,6 +31,7 @@ _DELEGATED = {
     "encoder": "encoder_svc.main",
     "decoder": "decoder_svc.main",
     "up": "common.launcher",
+    "gateway": "gateway.main",
     "bench": "bench.serve",
 }
 

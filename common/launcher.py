@@ -1,4 +1,5 @@
-"""`mmserve up`: both services as child processes, healthy before it says so, stopped together.
+"""`mmserve up`: both services as child processes, healthy before it says so, stopped together; and the
+OpenAI-compatible gateway in front of them (`--no-gateway` leaves it out).
 
 The tiny model is made on first use in a cache dir ($MMSERVE_HOME, default ~/.cache/mmserve), so a new
 user gets a working pair with one command and no downloads.
@@ -25,6 +26,7 @@ from common.cli import (
     report_usage_error,
 )
 from common.health import wait_until_serving
+from gateway.health import wait_until_http_healthy
 
 RANDOM_WEIGHTS_NOTE = (
     "note: this checkpoint was made by `mmserve make-model` with random weights: its text is noise by "
@@ -84,6 +86,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls", action="store_true",
                    help="TLS and bearer tokens on both services, mutual TLS between them; certificates and "
                    "a token made on first use in $MMSERVE_HOME/tls (docs/security.md)")
+    p.add_argument("--gateway-port", type=int_in_range(1, 65535), default=8000,
+                   help="port of the OpenAI-compatible HTTP gateway")
+    p.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
+    p.add_argument("--gateway-arg", action="append", default=[], help="extra argument for the gateway")
     return p
 
 
@@ -111,11 +117,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.encoder_port == args.decoder_port:
         parser.error(f"--encoder-port and --decoder-port are both {args.encoder_port}")
+    if not args.no_gateway and args.gateway_port in (args.encoder_port, args.decoder_port):
+        parser.error(f"--gateway-port {args.gateway_port} is also a service's port")
     try:
         # Before making a model or starting anything: a busy port would otherwise show up as a
         # child's failure after its load.
         check_port_free(args.host, args.encoder_port, "--encoder-port")
         check_port_free(args.host, args.decoder_port, "--decoder-port")
+        if not args.no_gateway:
+            check_port_free(args.host, args.gateway_port, "--gateway-port")
         model = ensure_model(args.model, args.preset, args.revision)
     except UsageError as exc:
         return report_usage_error(parser.prog, exc)
@@ -133,6 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         health_tls = {"encoder": ClientTls.from_files(env["MMSERVE_TLS_CA"], env["MMSERVE_TLS_CERT"],
                                                       env["MMSERVE_TLS_KEY"]),
                       "decoder": ClientTls.from_files(env["MMSERVE_TLS_CA"])}
+    # The gateway speaks plaintext gRPC without tokens to the decoder: not under --tls (yet).
+    run_gateway = not args.no_gateway and security is None
+    if args.tls and not args.no_gateway:
+        print("note: the OpenAI gateway is not started with --tls (it does not forward TLS or tokens yet)",
+              file=sys.stderr)
     common = ["--model", str(model), "--host", args.host, "--device", args.device]
     if args.dtype is not None:
         common += ["--dtype", args.dtype]
@@ -152,13 +167,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if security is not None:
             encoder_argv += security.encoder_args()
             decoder_argv += security.decoder_args()
-        for name, argv_child, addr in (("encoder", encoder_argv, encoder_addr),
-                                       ("decoder", decoder_argv, decoder_addr)):
+        gateway_url = f"http://{connect_host}:{args.gateway_port}"
+        gateway_argv = ["gateway", "--decoder", decoder_addr, "--host", args.host, "--port",
+                        str(args.gateway_port), "--model", str(model), *args.gateway_arg]
+        starts = [("encoder", encoder_argv, encoder_addr), ("decoder", decoder_argv, decoder_addr)]
+        if run_gateway:
+            starts.append(("gateway", gateway_argv, f"{gateway_url}/health"))
+        for name, argv_child, addr in starts:
             child = _spawn(argv_child)
             children.append(child)
-            ok = wait_until_serving(addr, args.startup_timeout,
-                                    is_alive=lambda c=child: c.poll() is None and not stopping,
-                                    tls=health_tls[name] if security is not None else None)
+            alive = lambda c=child: c.poll() is None and not stopping  # noqa: E731
+            if name == "gateway":
+                ok = wait_until_http_healthy(addr, args.startup_timeout, is_alive=alive)
+            else:
+                ok = wait_until_serving(addr, args.startup_timeout, is_alive=alive,
+                                        tls=health_tls[name] if security is not None else None)
             if not ok:
                 if stopping:
                     return 0
@@ -173,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"\nmmserve is up (model {model}).\n"
             f"  mmserve generate --addr {decoder_addr} --prompt 'What is in this picture?' --image PATH\n"
             f"  mmserve stats {decoder_addr}    mmserve stats {encoder_addr}\n"
+            + (f"  OpenAI API: {gateway_url}/v1 (model {model.name!r})\n" if run_gateway else "") +
             "Ctrl-C stops both.", flush=True)
         if (model / "mmserve_model.json").exists():  # made by the model maker: say what that means
             print(RANDOM_WEIGHTS_NOTE, flush=True)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Compose smoke test: build the image, start model maker + encoder + decoder with
+# Compose smoke test: build the image, start model maker + encoder + decoder + gateway with
 # `docker compose up -d --wait`, send a real `mmserve generate` with an image from inside the
 # decoder container (and one from the host through the published 127.0.0.1 port when this host has
-# `mmserve`), check the stream, the usage and `mmserve stats` of both services, then `down -v`.
+# `mmserve`), one OpenAI chat completion with an image through the gateway, check the stream, the
+# usage and `mmserve stats` of both services, then `down -v`.
 #
 #   tests/compose/smoke.sh            # exit 0: passed, or skipped where no Docker engine runs
 #
@@ -16,7 +17,7 @@
 #      MMSERVE_SMOKE_HOST_CLIENT=0 (skip the request from the host; it is skipped, and says so, where
 #      the host has no `mmserve`),
 #      MMSERVE_SMOKE_PROJECT [mmserve-smoke], MMSERVE_SMOKE_TIMEOUT seconds for up [900].
-#      The published ports default to 15051/15052/19101/19102 here, so a stack on the usual ports
+#      The published ports default to 15051/15052/19101/19102/18000 here, so a stack on the usual ports
 #      is left alone.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -49,6 +50,7 @@ C=("${COMPOSE[@]}" -p "$PROJECT" "${FILES[@]}")
 export MMSERVE_ENCODER_PORT="${MMSERVE_ENCODER_PORT:-15051}" MMSERVE_DECODER_PORT="${MMSERVE_DECODER_PORT:-15052}"
 export MMSERVE_ENCODER_METRICS_PORT="${MMSERVE_ENCODER_METRICS_PORT:-19101}"
 export MMSERVE_DECODER_METRICS_PORT="${MMSERVE_DECODER_METRICS_PORT:-19102}"
+export MMSERVE_GATEWAY_PORT="${MMSERVE_GATEWAY_PORT:-18000}"
 
 # --- base image and build mode ------------------------------------------------------------------
 if [[ -z "${MMSERVE_BASE_IMAGE:-}" && "${MMSERVE_SMOKE_GPU:-0}" != 1 ]]; then
@@ -115,7 +117,7 @@ else
     say "up -d (docker-compose v1: waiting on the healthchecks by polling)"
     "${C[@]}" up -d || fail "docker-compose up -d failed"
     deadline=$((SECONDS + UP_TIMEOUT))
-    for svc in encoder decoder; do
+    for svc in encoder decoder gateway; do
         while :; do
             st="$(docker inspect -f '{{.State.Status}}/{{if .State.Health}}{{.State.Health.Status}}{{end}}' "$(cid "$svc")" 2>/dev/null)"
             [[ "$st" == running/healthy ]] && break
@@ -131,11 +133,11 @@ model_exit="$(docker inspect -f '{{.State.ExitCode}}' "$(cid model)")"
 [[ "$model_exit" == 0 ]] || fail "model maker exited $model_exit"
 say "model maker: $("${C[@]}" logs --no-color model 2>&1 | grep -o 'model: .*' | tail -1)"
 "${C[@]}" ps
-for svc in encoder decoder; do
+for svc in encoder decoder gateway; do
     say "$svc health: $(docker inspect -f '{{.State.Health.Status}}' "$(cid "$svc")")"
 done
 # Published ports must be bound to the loopback interface only.
-for svc in encoder decoder; do
+for svc in encoder decoder gateway; do
     while read -r line; do
         [[ -z "$line" ]] && continue
         say "$svc port $line"
@@ -192,6 +194,35 @@ elif [[ "${MMSERVE_SMOKE_HOST_CLIENT:-1}" != 1 ]]; then
 else
     say "skipped: the request from the host through 127.0.0.1:$MMSERVE_DECODER_PORT (no mmserve command on this host; pip install -e . to include it)"
 fi
+
+# --- one OpenAI chat completion with an image through the gateway -------------------------------------
+GW_REPLY="$("${C[@]}" exec -T gateway python - <<'PY' 2>/tmp/mmserve-smoke-gw.err
+import base64, io, json, os, urllib.request
+from PIL import Image
+im = Image.new("RGB", (96, 64))
+im.putdata([(x * 2 % 256, y * 4 % 256, (x + y) % 256) for y in range(64) for x in range(96)])
+buf = io.BytesIO(); im.save(buf, "PNG")
+body = {"model": os.path.basename(os.environ["MMSERVE_MODEL_DIR"]), "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}},
+            {"type": "text", "text": "What is this?"}]}]}
+headers = {"Content-Type": "application/json"}
+if os.environ.get("MMSERVE_API_KEY"):
+    headers["Authorization"] = "Bearer " + os.environ["MMSERVE_API_KEY"]
+req = urllib.request.Request("http://127.0.0.1:8000/v1/chat/completions", json.dumps(body).encode(), headers)
+print(urllib.request.urlopen(req, timeout=120).read().decode())
+PY
+)" || { cat /tmp/mmserve-smoke-gw.err; fail "chat completion through the gateway failed"; }
+say "gateway chat completion: $GW_REPLY"
+python3 - "$GW_REPLY" <<'PY' || fail "bad chat completion from the gateway"
+import json, sys
+r = json.loads(sys.argv[1])
+assert r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant", r
+assert r["usage"]["completion_tokens"] == 8 and r["choices"][0]["finish_reason"] == "length", r
+assert r["usage"]["prompt_tokens"] > 1 and "cached_tokens" in r["usage"]["prompt_tokens_details"], r
+PY
+python3 -c "import urllib.request, sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$MMSERVE_GATEWAY_PORT/health', timeout=10).status != 200)" \
+    || fail "host: gateway health on 127.0.0.1:$MMSERVE_GATEWAY_PORT"
 
 # --- stats --------------------------------------------------------------------------------------------
 DSTATS="$("${X[@]}" mmserve stats 127.0.0.1:50052 2>/tmp/mmserve-smoke-stats.err)" \

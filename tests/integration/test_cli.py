@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import pytest
 
 from common.client import DecoderClient
 from common.images import encode_png
+from gateway.health import http_healthy
 from tests.cli_errors import assert_usage_error, busy_port, decoy_model, run_cli
 from tests.integration.harness import ROOT, free_port
 from tests.oracle import make_image
@@ -27,11 +29,12 @@ def _cli(*args: str, env=None, timeout: float = 120) -> subprocess.CompletedProc
 
 def test_mmserve_up_makes_the_model_serves_and_stops_on_sigint(tmp_path, tiny_model_dir):
     env = {**os.environ, "MMSERVE_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
-    enc_port, dec_port, metrics_port = free_port(), free_port(), free_port()
+    enc_port, dec_port, metrics_port, gateway_port = free_port(), free_port(), free_port(), free_port()
     log = (tmp_path / "up.log").open("w+")
     up = subprocess.Popen(
         [sys.executable, "-m", "common.cli", "up", "--encoder-port", str(enc_port),
-         "--decoder-port", str(dec_port), "--decoder-arg=--metrics-port", f"--decoder-arg={metrics_port}"],
+         "--decoder-port", str(dec_port), "--decoder-arg=--metrics-port", f"--decoder-arg={metrics_port}",
+         "--gateway-port", str(gateway_port)],
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 240
@@ -68,10 +71,22 @@ def test_mmserve_up_makes_the_model_serves_and_stops_on_sigint(tmp_path, tiny_mo
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         metrics = urllib.request.urlopen(url, timeout=10).read().decode()
         assert "mmserve_decoder_time_to_first_token_seconds_count" in metrics
+        # README's OpenAI client call, against the gateway `mmserve up` started.
+        from openai import OpenAI
+
+        openai_client = OpenAI(base_url=f"http://127.0.0.1:{gateway_port}/v1", api_key="-", max_retries=0)
+        image_url = "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()
+        chat = openai_client.chat.completions.create(
+            model="tiny", max_tokens=4, temperature=0,
+            messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image_url}},
+                {"type": "text", "text": "What is in this picture?"}]}])
+        assert chat.usage.completion_tokens >= 1 and chat.choices[0].finish_reason in ("stop", "length")
 
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
         assert _cli("health", addr, env=env).returncode == 1  # both children are gone
+        assert not http_healthy(f"http://127.0.0.1:{gateway_port}/health")  # and the gateway
     finally:
         if up.poll() is None:
             up.kill()
@@ -111,6 +126,11 @@ def test_up_usage_errors(tmp_path):
         result = run_cli("up", "--model", str(decoy_model(tmp_path / "m")), "--encoder-port", str(port),
                          "--decoder-port", str(free_port()), timeout=30)
     assert_usage_error(result, f"--encoder-port {port}", "already in use")
+    with busy_port() as port:  # the gateway's port too
+        result = run_cli("up", "--model", str(decoy_model(tmp_path / "m")), "--encoder-port",
+                         str(free_port()), "--decoder-port", str(free_port()), "--gateway-port", str(port),
+                         timeout=30)
+    assert_usage_error(result, f"--gateway-port {port}", "already in use")
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -1,0 +1,341 @@
+"""The ASGI app: OpenAI routes over a DecoderPool.
+
+    POST /v1/chat/completions   messages with text and image_url parts; stream with SSE
+    POST /v1/completions        a text prompt
+    GET  /v1/models             the served model
+    GET  /health                200 when a decoder is SERVING, else 503
+    GET  /metrics               Prometheus
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.balancer import DecoderPool, Generation
+from gateway.config import GatewayConfig
+from gateway.errors import APIError, bad_request, from_rpc_error
+from gateway.images import ImageFetcher
+from gateway.metrics import GatewayMetrics
+from gateway.responses import (
+    FINISH_REASONS,
+    CompletionLogprobs,
+    ResponseHeader,
+    TokenTexts,
+    chat_chunk,
+    chat_completion,
+    chat_logprobs,
+    completion,
+    usage_body,
+    usage_chunk,
+)
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from gateway.sse import SSEResponse, sse_event
+from gateway.translate import chat_request, completion_request
+
+log = logging.getLogger("mmserve.gateway")
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; it never reaches that client
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away while the gateway was waiting on its behalf."""
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await work, cancelling it (and so any gRPC call it has open) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+class Gateway:
+    """The handlers, and what they share: decoders, image fetcher, metrics, tokenizer."""
+
+    def __init__(self, config: GatewayConfig, pool: DecoderPool | None = None) -> None:
+        self.config = config
+        self.pool = pool or DecoderPool.of(config.decoders)
+        self.fetcher = ImageFetcher(config.images)
+        self.metrics = GatewayMetrics()
+        self.texts = TokenTexts(config.model_dir)
+        self.created = int(time.time())
+
+    # --- plumbing ---------------------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> str | None:
+        """The caller's API key (None when the gateway has none); 401 for a missing or wrong one."""
+        if not self.config.api_keys:
+            return None
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise APIError(401, "missing API key: send `Authorization: Bearer KEY`", code="invalid_api_key")
+        # Compare with every key in constant time: no early exit that times which one matched.
+        matches = [hmac.compare_digest(key.encode(), k.encode()) for k in self.config.api_keys]
+        if not any(matches):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+        return key
+
+    def cache_salt(self, request: Request, api_key: str | None, body_salt: str | None) -> str:
+        """The decoder's cache_salt: the tenant of the API key, then the X-Cache-Salt header (or the body's
+        `cache_salt`). A header can split a tenant's cache further but never reach another tenant's."""
+        given = request.headers.get(self.config.cache_salt_header) or body_salt or ""
+        if api_key is None:
+            return given
+        tenant = self.config.tenant_of(api_key)
+        return f"{tenant}/{given}" if given else tenant
+
+    async def read_json(self, request: Request) -> object:
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+        try:
+            return json.loads(body)
+        except ValueError as exc:
+            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+    def check_model(self, model: str) -> None:
+        if model != self.config.served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.config.served_model_name!r}", param="model", code="model_not_found")
+
+    def error_response(self, endpoint: str, error: APIError) -> JSONResponse:
+        self._count(endpoint, error.status, error.code)
+        if error.status >= 500:
+            log.warning("%s: %d %s", endpoint, error.status, error.message)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    def _count(self, endpoint: str, status: int, code: str | None = None) -> None:
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        if status >= 400:
+            self.metrics.errors.labels(str(status), code or "none").inc()
+
+    async def _start(self, request: Request, endpoint: str, schema: type, translate) -> tuple:
+        """Authorize, parse, translate and start the Generate call: (parsed request, Generation)."""
+        api_key = self.authorize(request)
+        req = parse_body(schema, await self.read_json(request))
+        self.check_model(req.model)
+        salt = self.cache_salt(request, api_key, req.cache_salt)
+        grpc_request = await cancel_on_disconnect(request, translate(req, salt))
+        generation = await cancel_on_disconnect(
+            request, self.pool.generate(grpc_request, self.config.request_timeout_s))
+        return req, generation
+
+    async def _handle(self, request: Request, endpoint: str, schema: type, translate, respond) -> Response:
+        started = time.perf_counter()
+        try:
+            req, generation = await self._start(request, endpoint, schema, translate)
+            return await respond(request, req, generation, started)
+        except APIError as exc:
+            return self.error_response(endpoint, exc)
+        except grpc.aio.AioRpcError as exc:
+            return self.error_response(endpoint, from_rpc_error(exc))
+        except ClientDisconnected:
+            self.metrics.disconnects.inc()
+            self._count(endpoint, CLIENT_CLOSED_REQUEST)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    async def _chunks(self, generation: Generation, endpoint: str, started: float
+                      ) -> AsyncIterator:
+        """The decoder's messages, observing TTFT, E2E and token counts on the way."""
+        first = True
+        async for chunk in generation:
+            if first and chunk.token_ids:
+                first = False
+                self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started)
+            if chunk.finish_reason:
+                u = chunk.usage
+                self.metrics.observe_usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens)
+                self.metrics.e2e.labels(endpoint).observe(time.perf_counter() - started)
+            yield chunk
+
+    def _stream(self, endpoint: str, generation: Generation, events: AsyncIterator[dict]) -> SSEResponse:
+        """An SSE response of events, then `data: [DONE]`; a decoder error mid-stream becomes an error
+        event (the status line has gone out already); a client that leaves cancels the call."""
+        async def body() -> AsyncIterator[str]:
+            status, code, done = 200, None, False
+            try:
+                async for event in events:
+                    yield sse_event(event)
+                done = True
+            except grpc.aio.AioRpcError as exc:
+                error = from_rpc_error(exc)
+                status, code, done = error.status, error.code, True
+                yield sse_event(error.body())
+            finally:
+                generation.cancel()
+                if done:
+                    self._count(endpoint, status, code)
+                else:  # cancelled: the client went away
+                    self.metrics.disconnects.inc()
+                    self._count(endpoint, CLIENT_CLOSED_REQUEST)
+            yield sse_event("[DONE]")
+
+        return SSEResponse(body())
+
+    # --- routes -----------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        async def translate(req, salt):
+            return await chat_request(req, self.fetcher, salt)
+
+        return await self._handle(request, "chat", ChatCompletionRequest, translate, self._chat_response)
+
+    async def _chat_response(self, request: Request, req: ChatCompletionRequest, generation: Generation,
+                             started: float) -> Response:
+        head = ResponseHeader(generation.request_id, self.config.served_model_name)
+        top_n = req.top_logprobs or 0
+        chunks = self._chunks(generation, "chat", started)
+        if req.stream:
+            async def events() -> AsyncIterator[dict]:
+                include = req.include_usage
+                yield chat_chunk(head, {"role": "assistant", "content": ""}, include_usage=include)
+                async for chunk in chunks:
+                    logprobs = chat_logprobs(chunk, top_n, self.texts) if req.logprobs else None
+                    if chunk.text or logprobs:
+                        yield chat_chunk(head, {"content": chunk.text}, logprobs=logprobs,
+                                         include_usage=include)
+                    if chunk.finish_reason:
+                        yield chat_chunk(head, {}, FINISH_REASONS.get(chunk.finish_reason),
+                                         include_usage=include)
+                        if include:
+                            yield usage_chunk(head, "chat.completion.chunk", usage_body(chunk.usage))
+
+            return self._stream("chat", generation, events())
+
+        async def collect() -> dict:
+            text, logprobs, finish, usage = [], [], None, {}
+            async for chunk in chunks:
+                text.append(chunk.text)
+                if req.logprobs:
+                    logprobs.extend(chat_logprobs(chunk, top_n, self.texts))
+                if chunk.finish_reason:
+                    finish, usage = FINISH_REASONS.get(chunk.finish_reason), usage_body(chunk.usage)
+            return chat_completion(head, "".join(text), finish, usage, logprobs if req.logprobs else None)
+
+        body = await cancel_on_disconnect(request, collect())
+        self._count("chat", 200)
+        return JSONResponse(body)
+
+    async def completions(self, request: Request) -> Response:
+        async def translate(req, salt):
+            return completion_request(req, salt)
+
+        return await self._handle(request, "completions", CompletionRequest, translate,
+                                  self._completion_response)
+
+    async def _completion_response(self, request: Request, req: CompletionRequest, generation: Generation,
+                                   started: float) -> Response:
+        head = ResponseHeader(generation.request_id, self.config.served_model_name)
+        logprobs = CompletionLogprobs(req.logprobs, self.texts) if req.logprobs is not None else None
+        chunks = self._chunks(generation, "completions", started)
+        if req.stream:
+            async def events() -> AsyncIterator[dict]:
+                include = req.include_usage
+                async for chunk in chunks:
+                    part = logprobs.add(chunk) if logprobs is not None else None
+                    if chunk.text or part:
+                        yield completion(head, chunk.text, None, None, part, stream=True,
+                                         include_usage=include)
+                    if chunk.finish_reason:
+                        yield completion(head, "", FINISH_REASONS.get(chunk.finish_reason), None, None,
+                                         stream=True, include_usage=include)
+                        if include:
+                            yield usage_chunk(head, "text_completion", usage_body(chunk.usage))
+
+            return self._stream("completions", generation, events())
+
+        async def collect() -> dict:
+            text, finish, usage = [], None, {}
+            async for chunk in chunks:
+                text.append(chunk.text)
+                if logprobs is not None:
+                    logprobs.add(chunk)
+                if chunk.finish_reason:
+                    finish, usage = FINISH_REASONS.get(chunk.finish_reason), usage_body(chunk.usage)
+            return completion(head, "".join(text), finish, usage,
+                              logprobs.body if logprobs is not None else None)
+
+        body = await cancel_on_disconnect(request, collect())
+        self._count("completions", 200)
+        return JSONResponse(body)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+        except APIError as exc:
+            return self.error_response("models", exc)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.config.served_model_name, "object": "model", "created": self.created,
+             "owned_by": "mmserve"}]})
+
+    async def health(self, request: Request) -> Response:
+        """200 when at least one decoder reports SERVING (asked now, not from the last round)."""
+        statuses = await self.pool.check_health()
+        ok = any(s == "SERVING" for s in statuses.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "decoders": statuses},
+                            status_code=200 if ok else 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        for endpoint in self.pool.endpoints:
+            self.metrics.outstanding.labels(endpoint.address).set(endpoint.outstanding)
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette):
+        self.pool.start()
+        try:
+            yield
+        finally:
+            await self.fetcher.close()
+            await self.pool.close()
+
+
+def build_app(config: GatewayConfig, pool: DecoderPool | None = None) -> Starlette:
+    """The Starlette app for config (pool: decoders already connected, for tests)."""
+    gateway = Gateway(config, pool)
+    app = Starlette(routes=[
+        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+        Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/metrics", gateway.prometheus, methods=["GET"]),
+    ], lifespan=gateway.lifespan)
+    app.state.gateway = gateway
+    return app

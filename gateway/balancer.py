@@ -1,0 +1,165 @@
+"""Decoders behind the gateway: least-outstanding-requests balancing, health tracking, and one
+Generate call as an object that can be cancelled.
+
+A decoder that answers UNAVAILABLE before sending anything (down, or draining on SIGTERM) is skipped
+for another one; once tokens have flowed, an error ends the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.client import CHANNEL_OPTIONS
+from common.pb import decoder_pb2, decoder_pb2_grpc
+
+log = logging.getLogger("mmserve.gateway")
+
+
+@dataclass
+class DecoderEndpoint:
+    """One decoder: its channel, how many requests the gateway has open on it, its last health."""
+
+    address: str
+    channel: grpc.aio.Channel | None = None  # opened by DecoderPool.start, inside the serving event loop
+    stub: decoder_pb2_grpc.DecoderServiceStub | None = None
+    outstanding: int = 0
+    status: str = "UNKNOWN"  # the health service's answer: SERVING, NOT_SERVING, UNREACHABLE, ...
+
+    @property
+    def usable(self) -> bool:
+        return self.status in ("SERVING", "UNKNOWN")
+
+
+@dataclass
+class DecoderPool:
+    """Decoders balanced by least outstanding requests (ties taken in turn)."""
+
+    endpoints: list[DecoderEndpoint]
+    health_interval_s: float = 2.0
+    _turn: itertools.count = field(default_factory=itertools.count)
+    _health_task: asyncio.Task | None = None
+
+    @classmethod
+    def of(cls, addresses: Sequence[str], health_interval_s: float = 2.0) -> DecoderPool:
+        return cls([DecoderEndpoint(a) for a in addresses], health_interval_s)
+
+    def pick(self, exclude: Sequence[DecoderEndpoint] = ()) -> DecoderEndpoint | None:
+        """The usable decoder with the fewest outstanding requests (None when none is left to try)."""
+        candidates = [e for e in self.endpoints if e not in exclude]
+        usable = [e for e in candidates if e.usable] or candidates  # all look down: try anyway
+        if not usable:
+            return None
+        turn = next(self._turn)
+        n = len(usable)
+        rotated = [usable[(turn + i) % n] for i in range(n)]
+        return min(rotated, key=lambda e: e.outstanding)
+
+    async def check_health(self) -> dict[str, str]:
+        """Ask every decoder's health service once; returns {address: status}."""
+        async def one(endpoint: DecoderEndpoint) -> None:
+            try:
+                reply = await health_pb2_grpc.HealthStub(endpoint.channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2.0)
+                endpoint.status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError:
+                endpoint.status = "UNREACHABLE"
+
+        await asyncio.gather(*(one(e) for e in self.endpoints))
+        return {e.address: e.status for e in self.endpoints}
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # never let the loop die: a failed round leaves the old answers
+                log.exception("decoder health check failed")
+            await asyncio.sleep(self.health_interval_s)
+
+    def start(self) -> None:
+        """Open the channels and start health checks (grpc.aio channels belong to the running loop)."""
+        for endpoint in self.endpoints:
+            endpoint.channel = grpc.aio.insecure_channel(endpoint.address, options=CHANNEL_OPTIONS)
+            endpoint.stub = decoder_pb2_grpc.DecoderServiceStub(endpoint.channel)
+        self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await asyncio.gather(*(e.channel.close() for e in self.endpoints if e.channel is not None),
+                             return_exceptions=True)
+
+    async def generate(self, request: decoder_pb2.GenerateRequest, timeout: float | None) -> Generation:
+        """Start a Generate call and wait for its first message, so that errors the decoder finds in the
+        request (or a decoder that is down) surface before any HTTP response has started."""
+        tried: list[DecoderEndpoint] = []
+        while True:
+            endpoint = self.pick(exclude=tried)
+            if endpoint is None:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), details="no decoder available")
+            tried.append(endpoint)
+            generation = Generation(endpoint, endpoint.stub.Generate(request, timeout=timeout),
+                                    request.request_id)
+            try:
+                await generation.start()
+                return generation
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or len(tried) == len(self.endpoints):
+                    raise
+                log.warning("decoder %s unavailable (%s); trying another", endpoint.address, exc.details())
+                endpoint.status = "UNREACHABLE"
+
+
+class Generation:
+    """One Generate call on one decoder; counts as outstanding there until it ends or is cancelled."""
+
+    def __init__(self, endpoint: DecoderEndpoint, call: grpc.aio.UnaryStreamCall,
+                 request_id: str = "") -> None:
+        self.endpoint = endpoint
+        self.request_id = request_id
+        self.call = call
+        self.first: decoder_pb2.GenerateResponse | None = None
+        self.ended = False
+        endpoint.outstanding += 1
+
+    def _end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.endpoint.outstanding -= 1
+
+    async def start(self) -> None:
+        try:
+            first = await self.call.read()
+        except BaseException:
+            self.cancel()
+            raise
+        if first is grpc.aio.EOF:  # the decoder always sends a last message; this is a broken stream
+            self._end()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="the decoder ended the stream without a message")
+        self.first = first
+
+    async def __aiter__(self) -> AsyncIterator[decoder_pb2.GenerateResponse]:
+        try:
+            if self.first is not None:
+                yield self.first
+            while True:
+                chunk = await self.call.read()
+                if chunk is grpc.aio.EOF:
+                    break
+                yield chunk  # read on to EOF after the last message: the call then ends with OK
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Cancel the call if it is still open (the decoder then frees its KV blocks and leases)."""
+        if not self.call.done():
+            self.call.cancel()
+        self._end()

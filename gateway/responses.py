@@ -1,0 +1,133 @@
+"""DecoderService output to OpenAI response bodies: whole responses, stream chunks, usage, logprobs."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from common.pb import decoder_pb2
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+FINISH_REASONS = {decoder_pb2.FINISH_REASON_STOP: "stop", decoder_pb2.FINISH_REASON_LENGTH: "length",
+                  decoder_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+class TokenTexts:
+    """Token ids to the text pieces OpenAI's logprobs show. Without a tokenizer (no --model given) a
+    token is written `token_id:N`, as vLLM's return_tokens_as_token_ids does."""
+
+    def __init__(self, model_dir: str | Path | None) -> None:
+        self._tokenizer = None
+        if model_dir is not None:
+            from transformers import AutoTokenizer  # slow import: only when logprobs need text
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.text = lru_cache(maxsize=65536)(self._text)
+        self.bytes = lru_cache(maxsize=65536)(self._bytes)
+
+    def _text(self, token_id: int) -> str:
+        if self._tokenizer is None:
+            return f"token_id:{token_id}"
+        return self._tokenizer.decode([token_id])
+
+    def _bytes(self, token_id: int) -> list[int]:
+        """The token's UTF-8 bytes; a byte-fallback token (`<0xE2>`, part of a character) is its one byte,
+        where its text alone would read U+FFFD."""
+        if self._tokenizer is not None:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            match = _BYTE_TOKEN.fullmatch(piece or "")
+            if match:
+                return [int(match.group(1), 16)]
+        return list(self.text(token_id).encode())
+
+
+def usage_body(usage: decoder_pb2.Usage) -> dict:
+    """OpenAI's usage object, with the decoder's prefix-cache hits as cached_tokens."""
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+
+
+def chat_logprobs(chunk: decoder_pb2.GenerateResponse, top_n: int, texts: TokenTexts) -> list[dict]:
+    """choice.logprobs.content entries for the chunk's tokens."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = texts.text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": texts.bytes(token_id)}
+
+    return [{**entry(token_id, lp.logprob),
+             "top_logprobs": [entry(i, v) for i, v in zip(lp.top_ids[:top_n], lp.top_logprobs[:top_n],
+                                                           strict=True)]}
+            for token_id, lp in zip(chunk.token_ids, chunk.logprobs, strict=False)]
+
+
+@dataclass
+class CompletionLogprobs:
+    """The legacy completions logprobs object, built up chunk by chunk (text_offset runs on)."""
+
+    top_n: int
+    texts: TokenTexts
+    offset: int = 0
+    body: dict = field(default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                "text_offset": []})
+
+    def add(self, chunk: decoder_pb2.GenerateResponse) -> dict:
+        """Append the chunk's tokens; returns the part for these tokens alone (for a stream chunk)."""
+        part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, lp in zip(chunk.token_ids, chunk.logprobs, strict=False):
+            text = self.texts.text(token_id)
+            part["tokens"].append(text)
+            part["token_logprobs"].append(lp.logprob)
+            part["top_logprobs"].append({self.texts.text(i): v for i, v in zip(
+                lp.top_ids[:self.top_n], lp.top_logprobs[:self.top_n], strict=True)})
+            part["text_offset"].append(self.offset)
+            self.offset += len(text)
+        for key, values in part.items():
+            self.body[key].extend(values)
+        return part
+
+
+@dataclass
+class ResponseHeader:
+    """What every body of one response repeats."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def chat_completion(head: ResponseHeader, text: str, finish: str | None, usage: dict,
+                    logprobs: list[dict] | None) -> dict:
+    return {"id": head.id, "object": "chat.completion", "created": head.created, "model": head.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None if logprobs is None else {"content": logprobs},
+                         "finish_reason": finish}],
+            "usage": usage}
+
+
+def chat_chunk(head: ResponseHeader, delta: dict, finish: str | None = None,
+               logprobs: list[dict] | None = None, include_usage: bool = False) -> dict:
+    body = {"id": head.id, "object": "chat.completion.chunk", "created": head.created, "model": head.model,
+            "choices": [{"index": 0, "delta": delta,
+                         "logprobs": None if logprobs is None else {"content": logprobs},
+                         "finish_reason": finish}]}
+    if include_usage:
+        body["usage"] = None  # OpenAI: null on every chunk but the last, which carries it
+    return body
+
+
+def usage_chunk(head: ResponseHeader, obj: str, usage: dict) -> dict:
+    return {"id": head.id, "object": obj, "created": head.created, "model": head.model, "choices": [],
+            "usage": usage}
+
+
+def completion(head: ResponseHeader, text: str, finish: str | None, usage: dict | None,
+               logprobs: dict | None, stream: bool = False, include_usage: bool = False) -> dict:
+    """A text_completion body: the whole response, or (stream=True) one chunk of it."""
+    body = {"id": head.id, "object": "text_completion", "created": head.created, "model": head.model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+    if not stream or include_usage:
+        body["usage"] = usage
+    return body

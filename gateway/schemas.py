@@ -1,0 +1,126 @@
+"""OpenAI request bodies, validated with pydantic; unknown fields are ignored, as OpenAI servers do.
+
+Extensions some servers accept (vLLM's `top_k`, `ignore_eos`, `cache_salt`) are taken too, e.g. from the
+official client's `extra_body`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.errors import APIError, bad_request
+
+UINT32_MAX = 2**32 - 1
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_Lenient):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageURL | str  # the object form is OpenAI's; a bare string is common too
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class Message(_Lenient):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Lenient):
+    """Fields both endpoints share."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    n: int = Field(default=1, ge=1)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Extensions (vLLM's names).
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    ignore_eos: bool = False
+    cache_salt: str | None = Field(default=None, max_length=256)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def parse_body(model: type[BaseModel], body: object) -> BaseModel:
+    """Validate a JSON body; the first problem becomes a 400 naming the field as OpenAI does."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        # The deepest location is the most telling one among a union's alternatives.
+        first = max(exc.errors(), key=lambda e: len(e["loc"]))
+        param = _param_name(first["loc"])
+        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
+                       code="invalid_value") from None
+
+
+def _param_name(loc: tuple) -> str | None:
+    """`messages.0.content.1.image_url` from pydantic's location, without its union-branch labels
+    ("str", "list[...]") and with a discriminator tag that repeats the field name said once."""
+    parts: list[str] = []
+    for p in loc:
+        text = str(p)
+        if "[" in text or text[:1].isupper() or text in ("str", "int", "float", "bool"):
+            continue
+        if parts and parts[-1] == text:
+            continue
+        parts.append(text)
+    return ".".join(parts) or None

@@ -1,0 +1,109 @@
+"""OpenAI requests to DecoderService GenerateRequests.
+
+Sampling follows OpenAI's defaults where the decoder's differ: an omitted `temperature` is 1.0 (the
+decoder's 0 means greedy), an omitted `max_tokens` is the server's default for chat and 16 for
+completions. What the decoder cannot do (n > 1, penalties, tools, echo, suffix) is refused with a 400
+naming the parameter rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from common.pb import common_pb2, decoder_pb2
+from gateway.errors import bad_request
+from gateway.images import ImageFetcher
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, TextPart
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+IMAGE_MARKER = "<image>"  # the decoder's placeholder in a text prompt
+_ROLE = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+def _refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    if req.n != 1:
+        raise bad_request("n > 1 is not supported: send one request per completion", "n", "unsupported_value")
+    if req.frequency_penalty or req.presence_penalty:
+        param = "frequency_penalty" if req.frequency_penalty else "presence_penalty"
+        raise bad_request(f"{param} is not supported", param, "unsupported_parameter")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+    if len(req.stop_list()) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop sequences", "stop", "invalid_value")
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
+                    logprobs: int) -> decoder_pb2.SamplingParams:
+    """SamplingParams for the decoder from the shared OpenAI fields."""
+    params = decoder_pb2.SamplingParams(
+        max_tokens=max_tokens or 0,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=0.0 if req.top_p is None or req.top_p >= 1.0 else req.top_p,
+        top_k=max(req.top_k or 0, 0),  # vLLM's -1 means off, as the decoder's 0 does
+        stop=req.stop_list(), ignore_eos=req.ignore_eos, logprobs=logprobs)
+    if req.seed is not None:
+        params.seed = req.seed
+    return params
+
+
+def chat_logprobs_wanted(req: ChatCompletionRequest) -> int:
+    """How many top alternatives the decoder must send per token (at least 1 when logprobs are on: the
+    decoder sends the sampled token's logprob only alongside its top N)."""
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    return max(req.top_logprobs or 0, 1) if req.logprobs else 0
+
+
+async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher,
+                       cache_salt: str) -> decoder_pb2.GenerateRequest:
+    """A chat GenerateRequest; image URLs are fetched concurrently, each error naming its part."""
+    _refuse_unsupported(req)
+    if req.tools:
+        raise bad_request("tools are not supported", "tools", "unsupported_parameter")
+    out = decoder_pb2.GenerateRequest(
+        request_id=f"chatcmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
+        sampling=sampling_params(req, req.max_completion_tokens or req.max_tokens, chat_logprobs_wanted(req)))
+    fetches: list[tuple[common_pb2.ImageInput, str, str]] = []  # (image to fill, url, param)
+    for i, message in enumerate(req.messages):
+        chat_message = out.chat.messages.add(role=_ROLE.get(message.role, message.role))
+        parts = [TextPart(type="text", text=message.content)] if isinstance(message.content, str) else (
+            message.content or [])
+        for j, part in enumerate(parts):
+            if isinstance(part, ImagePart):
+                if message.role != "user":
+                    raise bad_request("only user messages may carry images", f"messages.{i}.content.{j}")
+                image = chat_message.content.add().image
+                fetches.append((image, part.url, f"messages.{i}.content.{j}.image_url"))
+            else:
+                chat_message.content.add(text=part.text)
+    if fetches:
+        datas = await asyncio.gather(*(fetcher.fetch(url, param) for _, url, param in fetches))
+        for (image, _, _), data in zip(fetches, datas, strict=True):
+            image.data = data
+    return out
+
+
+def completion_request(req: CompletionRequest, cache_salt: str) -> decoder_pb2.GenerateRequest:
+    """A text-prompt GenerateRequest (no images: chat completions carry those)."""
+    _refuse_unsupported(req)
+    if req.echo:
+        raise bad_request("echo is not supported", "echo", "unsupported_parameter")
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_value")
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise bad_request("exactly one prompt per request", "prompt", "unsupported_value")
+        prompt = prompt[0]
+    if not prompt:
+        raise bad_request("empty prompt", "prompt", "invalid_value")
+    if IMAGE_MARKER in prompt:
+        raise bad_request(f"the completions endpoint takes text only ({IMAGE_MARKER!r} found); send images "
+                          "through /v1/chat/completions", "prompt", "invalid_value")
+    return decoder_pb2.GenerateRequest(
+        request_id=f"cmpl-{uuid.uuid4().hex}", prompt=prompt, cache_salt=cache_salt,
+        # logprobs 0 still asks for the sampled tokens' logprobs: the decoder sends those with its top 1.
+        sampling=sampling_params(req, req.max_tokens, 0 if req.logprobs is None else max(req.logprobs, 1)))
