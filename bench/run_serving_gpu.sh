@@ -5,7 +5,8 @@
 #
 #   OUT=/some/dir bash bench/run_serving_gpu.sh [STEP ...]       (from the repository root)
 #
-# STEPs (default all): tests handoff serve_decode copy_overlap. Env: OUT (required), MODEL_DIR (default
+# STEPs (default all): tests handoff serve_decode copy_overlap gateway (the gateway step needs starlette,
+# uvicorn and pydantic installed). Env: OUT (required), MODEL_DIR (default
 # /tmp/llava7b, made when missing), PYTHON (default python3), BUDGET_S (default 560: each step's timeout
 # is cut to what is left).
 set -u
@@ -17,7 +18,7 @@ PY=${PYTHON:-python3}
 MODEL=${MODEL_DIR:-/tmp/llava7b}
 START=$SECONDS
 BUDGET=${BUDGET_S:-560}
-STEPS=${*:-tests handoff serve_decode copy_overlap}
+STEPS=${*:-tests handoff serve_decode copy_overlap gateway}
 DT=(--device cuda --dtype bfloat16)
 exec > >(tee -a "$OUT/run_serving_gpu.log") 2>&1
 
@@ -36,8 +37,9 @@ for s in $STEPS; do
   case $s in
     tests)
       step gpu_tests 240 "$PY" -m pytest -q -x -p no:cacheprovider tests/gpu/test_lease_race_gpu.py \
-        tests/gpu/test_pair_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_transport_gpu.py ;;
-    handoff|serve_decode|copy_overlap)
+        tests/gpu/test_pair_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_transport_gpu.py \
+        tests/gpu/test_real_configs_gpu.py ;;
+    handoff|serve_decode|copy_overlap|gateway)
       if [ ! -f "$MODEL/mmserve_model.json" ]; then
         step make_model 120 "$PY" -m common.cli make-model --preset llava-1.5-7b --out "$MODEL" "${DT[@]}"
       fi
@@ -48,6 +50,8 @@ for s in $STEPS; do
                         --batch-sizes 8,32 --output-len 192 --repeats 2 --out "$OUT/serve_decode.json" ;;
         copy_overlap) step copy_overlap 120 "$PY" -m bench.copy_overlap --model "$MODEL" "${DT[@]}" \
                         --trace "$OUT/copy_overlap_trace.json.gz" --out "$OUT/copy_overlap.json" ;;
+        gateway) step gateway_latency 150 "$PY" -m bench.gateway_latency --model "$MODEL" "${DT[@]}" \
+                   --rounds 30 --out "$OUT/gateway_latency.json" ;;
       esac ;;
     *) echo "unknown step $s" ;;
   esac
