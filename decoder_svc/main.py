@@ -30,7 +30,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmserve decoder", description="LLaVA decoder service")
     p.add_argument("--model", type=model_dir, required=True, help="Hugging Face LLaVA checkpoint directory")
     p.add_argument("--encoder", action="append", default=[], metavar="HOST:PORT",
-                   help="encoder address (repeat for several: images are routed by consistent hash)")
+                   help="encoder address (repeat for several: images are routed by consistent hash), or "
+                   "dns:///NAME:PORT for every address behind NAME (e.g. a headless Service), re-resolved "
+                   "every --encoder-resolve-interval seconds")
+    p.add_argument("--encoder-resolve-interval", type=positive_float, default=5.0,
+                   help="seconds between DNS lookups and health checks of dns:/// encoders")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=50052, help="0 picks a free port")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -75,7 +79,10 @@ def build_engine(args: argparse.Namespace):
         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         detokenize=False)  # the service detokenizes on its event loop (DecoderServicer)
-    source = RemoteEmbeddingSource(args.encoder, device=args.device,
+    from decoder_svc.engine.discovery import EncoderPool
+
+    pool = EncoderPool(args.encoder, interval_s=args.encoder_resolve_interval)
+    source = RemoteEmbeddingSource(pool, device=args.device,
                                    retry=RetryPolicy(total_timeout_s=args.encoder_timeout))
     return LLMEngine(config, embedding_source=source)
 
@@ -161,7 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_arg_parser()
     args = parser.parse_args(argv)
     if not args.encoder:
-        parser.error("give at least one --encoder HOST:PORT")
+        parser.error("give at least one --encoder HOST:PORT (or dns:///NAME:PORT)")
+    from decoder_svc.engine.discovery import parse_dns_target
+
+    for spec in args.encoder:
+        try:
+            parse_dns_target(spec)
+        except ValueError as exc:
+            parser.error(f"--encoder {exc}")
     configure_logging(args.log_level)
     try:
         # Before the model loads: a busy port fails now, not after the load.
