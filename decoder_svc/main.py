@@ -128,6 +128,7 @@ async def serve(args: argparse.Namespace) -> None:
     async def refresh_metrics() -> None:
         while True:
             metrics.observe_stats(loop.stats_snapshot)
+            metrics.encoders.set(len(engine.source.ring.members))
             if loop.error is not None:  # the engine thread died: stop taking traffic, say why, exit
                 log.error("engine loop failed (%s); health is now NOT_SERVING; exiting so that a "
                           "restart policy brings the decoder back", loop.error)

@@ -10,9 +10,11 @@ port), behind one name through an injectable resolver, while requests keep comin
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -233,12 +235,16 @@ def test_ring_grows_shrinks_and_ejects_under_load(encoders, images):
 
 
 def test_decoder_command_routes_through_dns(encoders, tiny_model_dir, tmp_path, images):
-    """`mmserve decoder --encoder dns:///localhost:PORT`: the system resolver, real health checks."""
+    """`mmserve decoder --encoder dns:///localhost:PORT`: the system resolver, real health checks (an
+    address of localhost that nothing serves, such as ::1, stays out of the ring), the ring's size in
+    the decoder's metrics."""
     a = encoders[0]
     if a.proc is None:
         a.start()  # the test above stops it
+    metrics_port = free_port()
     decoder = Service("decoder", ["decoder", "--model", str(tiny_model_dir), "--encoder",
-                                  f"dns:///localhost:{a.port}", "--encoder-resolve-interval", "0.5"],
+                                  f"dns:///localhost:{a.port}", "--encoder-resolve-interval", "0.5",
+                                  "--metrics-port", str(metrics_port)],
                       free_port(), tmp_path / "decoder.log")
     decoder.start()
     try:
@@ -247,5 +253,11 @@ def test_decoder_command_routes_through_dns(encoders, tiny_model_dir, tmp_path, 
             result = client.generate_text(PROMPT, [images[0].data], max_tokens=2, cache_salt="dns-cli")
         assert result.usage.images == 1
         assert a.misses() == before + 1  # the image went to the encoder behind localhost
+
+        def ring_size() -> str:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+            return re.search(r"^mmserve_decoder_encoders (\S+)$", text.decode(), re.M).group(1)
+
+        assert wait_for(lambda: ring_size() == "1.0", 30), ring_size()
     finally:
         decoder.stop()
