@@ -55,6 +55,7 @@ class CoreStats:
 
     engine: EngineStats
     source: RemoteSourceStats | None
+    encoders: int  # addresses in the encoder ring now
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -72,10 +73,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     """The engine with a remote embedding source over the given encoders."""
     from common.security.options import client_security_from_args
+    from decoder_svc.engine.discovery import EncoderPool, GrpcHealthCheck
     from decoder_svc.engine.prefetch import RemoteEmbeddingSource, RetryPolicy
 
     link = client_security_from_args(args, prefix="encoder-")  # TLS and token of the encoder link
-    source = RemoteEmbeddingSource(args.encoder, device=args.device,
+    pool = EncoderPool(args.encoder, interval_s=args.encoder_resolve_interval,
+                       health_check=GrpcHealthCheck(tls=link.tls))
+    source = RemoteEmbeddingSource(pool, device=args.device,
                                    retry=RetryPolicy(total_timeout_s=args.encoder_timeout),
                                    tls=link.tls, token=link.token)
     return LLMEngine(engine_config(args), embedding_source=source)
@@ -109,7 +113,9 @@ class EngineCore:
             return engine.abort(*args)
         if name == "stats":
             snapshot = getattr(engine.source, "snapshot", None)
-            return CoreStats(engine.stats(), snapshot() if snapshot is not None else None)
+            ring = getattr(engine.source, "ring", None)
+            return CoreStats(engine.stats(), snapshot() if snapshot is not None else None,
+                             len(ring.members) if ring is not None else 0)
         raise ValueError(f"unknown engine core call {name!r}")
 
     def _run_commands(self, timeout: float) -> None:

@@ -40,7 +40,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    "else downloaded unless HF_HUB_OFFLINE=1)")
     p.add_argument("--revision", default=None, help="Hub branch, tag or commit for a Hub id --model")
     p.add_argument("--encoder", action="append", default=[], metavar="HOST:PORT",
-                   help="encoder address (repeat for several: images are routed by consistent hash)")
+                   help="encoder address (repeat for several: images are routed by consistent hash), or "
+                   "dns:///NAME:PORT for every address behind NAME (e.g. a headless Service), re-resolved "
+                   "every --encoder-resolve-interval seconds")
+    p.add_argument("--encoder-resolve-interval", type=positive_float, default=5.0,
+                   help="seconds between DNS lookups and health checks of dns:/// encoders")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=50052, help="0 picks a free port")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -109,7 +113,9 @@ async def serve(args: argparse.Namespace) -> None:
                 await asyncio.sleep(_DEATH_GRACE_S)  # open streams receive their error first
                 service.request_stop()
                 raise EngineDied(core.error)
-            metrics.observe_stats((await core.stats()).engine)
+            stats = await core.stats()
+            metrics.observe_stats(stats.engine)
+            metrics.encoders.set(stats.encoders)
             await asyncio.sleep(1.0)
 
     refresher = asyncio.create_task(refresh_metrics())
@@ -142,7 +148,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_arg_parser()
     args = parser.parse_args(argv)
     if not args.encoder:
-        parser.error("give at least one --encoder HOST:PORT")
+        parser.error("give at least one --encoder HOST:PORT (or dns:///NAME:PORT)")
+    from decoder_svc.engine.discovery import parse_dns_target
+
+    for spec in args.encoder:
+        try:
+            parse_dns_target(spec)
+        except ValueError as exc:
+            parser.error(f"--encoder {exc}")
     configure_logging(args.log_level)
     try:
         # Before the model loads: a busy port fails now, not after the load.

@@ -21,6 +21,9 @@ class DecoderMetrics:
         self.requests = Counter("mmserve_decoder_requests", "Requests by how they ended", ["outcome"], **kw)
         self.step_seconds = Histogram("mmserve_decoder_step_seconds", "Engine step time",
                                       buckets=_LATENCY_BUCKETS, **kw)
+        # With dns:/// encoders this follows replicas as they come, go or fail health checks; 0 means
+        # every image fails with UNAVAILABLE.
+        self.encoders = Gauge("mmserve_decoder_encoders", "Encoder addresses in the routing ring", **kw)
         self.gauges = {name: Gauge(f"mmserve_decoder_{name}", doc, **kw) for name, doc in (
             ("running", "Running requests"),
             ("waiting", "Waiting requests"),

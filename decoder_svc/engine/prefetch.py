@@ -12,7 +12,9 @@
   prefetch=True, so the encoder works (at low priority) while this decoder computes.
 - Never hangs: each ask runs on a worker thread with per-attempt deadlines and retries with
   exponential backoff; an encoder that stays down fails the key with UNAVAILABLE.
-- Several encoders are routed by consistent hash of the content hash.
+- Several encoders are routed by consistent hash of the content hash; `dns:///NAME:PORT` finds them by
+  DNS and follows replicas as they come and go (discovery.py). An image whose encoder left the ring is
+  asked of its new owner on the next retry.
 - Leases are this source's own: one lease-owner secret per source (one per decoder process) goes on
   every Encode and Release, so no other client can release them and this one releases no one else's.
 - Security (docs/security.md): TLS or mutual TLS with `tls`; with `token`, this decoder authenticates as
@@ -40,8 +42,8 @@ from common.security.client_auth import auth_metadata
 from common.security.identity import tenant_of_salt
 from common.security.tls import ClientTls, open_channel
 from common.transport.importer import can_import, import_embedding, readable_transports
+from decoder_svc.engine.discovery import EncoderPool, NoEncoderError
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
-from decoder_svc.engine.routing import HashRing
 
 log = logging.getLogger("mmserve.decoder.prefetch")
 
@@ -120,7 +122,7 @@ def lease_held_through(sent_at: float, lease_expires_in_s: float, now: float) ->
 class RemoteEmbeddingSource(EmbeddingSource):
     """EmbeddingSource backed by one or more encoder services."""
 
-    def __init__(self, addresses: list[str], device: torch.device | str = "cpu",
+    def __init__(self, addresses: list[str] | EncoderPool, device: torch.device | str = "cpu",
                  retry: RetryPolicy = RetryPolicy(), max_workers: int = 8,
                  transports: list[int] | None = None, lease_owner: str | None = None,
                  tls: ClientTls | None = None, token: str | None = None) -> None:
@@ -129,13 +131,17 @@ class RemoteEmbeddingSource(EmbeddingSource):
         self._lease_owner = new_lease_owner() if lease_owner is None else lease_owner
         self._token = token  # never logged
         self.retry = retry
-        self.ring = HashRing(addresses)
+        # The ring of encoders; with dns:/// targets it changes on a background thread.
+        self.ring = addresses if isinstance(addresses, EncoderPool) else EncoderPool(addresses)
+        self.ring.start()
         self.accept = transports or readable_transports(self.device)
         # Short reconnect backoff: a restarted encoder is found again within a second, not minutes.
-        options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
-        self._channels = {a: open_channel(a, tls, options) for a in self.ring.addresses}
-        self._stubs = {a: encoder_pb2_grpc.EncoderServiceStub(c) for a, c in self._channels.items()}
+        self._channel_options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
+                                 ("grpc.min_reconnect_backoff_ms", 100),
+                                 ("grpc.max_reconnect_backoff_ms", 1000)]
+        self._tls = tls
+        self._channels: dict[str, grpc.Channel] = {}  # made on first use: discovered encoders come later
+        self._stubs: dict[str, encoder_pb2_grpc.EncoderServiceStub] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="embed-fetch")
         self._lock = threading.Lock()
         self._slots: dict[tuple[str, str], _Slot] = {}
@@ -150,11 +156,11 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             if key in self._slots or self._closed:
                 return
-            self._slots[key] = _Slot(prefetch=req.prefetch, encoder=self.ring.route(req.content_hash),
+            self._slots[key] = _Slot(prefetch=req.prefetch,
                                      deadline=time.monotonic() + self.retry.total_timeout_s)
             self.stats.requested += 1
             self.stats.prefetched += int(req.prefetch)
-        self._pool.submit(self._fetch, key, req)
+        self._pool.submit(self._fetch, key, req)  # routes there: the ring may be empty for a while
 
     def poll(self, request_id: str, content_hash: str) -> EmbeddingStatus:
         with self._lock:
@@ -210,6 +216,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         for rid in requests:
             self.release(rid)
         self._pool.shutdown(wait=True, cancel_futures=False)
+        self.ring.close()
         for channel in self._channels.values():
             channel.close()
 
@@ -222,10 +229,21 @@ class RemoteEmbeddingSource(EmbeddingSource):
     def _fetch(self, key: tuple[str, str], req: EmbeddingRequest) -> None:
         with self._lock:
             slot = self._slots.get(key)
-            encoder = slot.encoder if slot else self.ring.route(req.content_hash)
             deadline = slot.deadline if slot else time.monotonic() + self.retry.total_timeout_s
+        encoder = ""
         try:
-            ref, tensor = self._fetch_owned(encoder, req, deadline)
+            encoder = self._route(key, req, deadline)
+            while True:
+                try:
+                    ref, tensor = self._fetch_owned(encoder, req, deadline)
+                    break
+                except _EncoderLeftRing as moved:  # its replica went away: ask the image's new owner
+                    log.info("encoder %s left the ring; %s goes to %s", encoder, req.content_hash[:16],
+                             moved.owner)
+                    encoder = moved.owner
+                    with self._lock:
+                        if key in self._slots:
+                            self._slots[key].encoder = encoder
         except grpc.RpcError as exc:
             # Clients see the encoder's own message for its refusals; transport errors name addresses
             # and stay in the log.
@@ -286,6 +304,30 @@ class RemoteEmbeddingSource(EmbeddingSource):
                         req.content_hash[:16], attempt + 1)
         raise LeaseLapsedError("embedding lease lapsed before it could be read; the encoder is overloaded")
 
+    def _route(self, key: tuple[str, str], req: EmbeddingRequest, deadline: float) -> str:
+        """The image's encoder by the ring; while no encoder is serving, wait for one until deadline."""
+        while True:
+            try:
+                encoder = self.ring.route(req.content_hash)
+                break
+            except NoEncoderError as exc:
+                if self._closed or time.monotonic() + self.retry.initial_backoff_s > deadline:
+                    raise EncoderUnavailableError(str(exc)) from None
+                time.sleep(self.retry.initial_backoff_s)
+        with self._lock:
+            if key in self._slots:
+                self._slots[key].encoder = encoder
+        return encoder
+
+    def _stub(self, encoder: str) -> encoder_pb2_grpc.EncoderServiceStub:
+        with self._lock:
+            stub = self._stubs.get(encoder)
+            if stub is None:
+                channel = open_channel(encoder, self._tls, self._channel_options)
+                self._channels[encoder] = channel
+                stub = self._stubs[encoder] = encoder_pb2_grpc.EncoderServiceStub(channel)
+            return stub
+
     def _copy_out(self, ref: common_pb2.EmbeddingRef, encoder: str) -> torch.Tensor:
         """A tensor of our own with the ref's rows, complete when this returns."""
         # Keyed by encoder: a restarted encoder's new arena supersedes (and unmaps) its old one.
@@ -326,7 +368,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
                                               f"({attempts} attempts)")
             attempts += 1
             try:
-                reply = self._stubs[encoder].Encode(request, timeout=min(policy.attempt_timeout_s, left),
+                reply = self._stub(encoder).Encode(request, timeout=min(policy.attempt_timeout_s, left),
                                                     wait_for_ready=False,
                                                     metadata=auth_metadata(self._token,
                                                                            tenant_of_salt(req.cache_salt)))
@@ -334,6 +376,9 @@ class RemoteEmbeddingSource(EmbeddingSource):
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE or self._closed:
                     raise
+                owner = self._owner_now(req.content_hash)
+                if owner is not None and owner != encoder:
+                    raise _EncoderLeftRing(owner) from None
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full_since = full_since or time.monotonic()
                     if time.monotonic() + backoff - full_since > policy.full_cache_wait_s:
@@ -346,12 +391,18 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 time.sleep(backoff)
                 backoff = min(policy.max_backoff_s, backoff * 2)
 
+    def _owner_now(self, content_hash: str) -> str | None:
+        try:
+            return self.ring.route(content_hash)
+        except NoEncoderError:
+            return None
+
     def _release_leases(self, encoder: str, lease_ids: list[str]) -> None:
         """Give leases back without waiting for the answer: the image is ready as soon as its rows are
         copied, not one more round trip later."""
         if not lease_ids:
             return
-        call = self._stubs[encoder].Release.future(encoder_pb2.ReleaseRequest(
+        call = self._stub(encoder).Release.future(encoder_pb2.ReleaseRequest(
             lease_ids=lease_ids, lease_owner=self._lease_owner), timeout=5.0,
             metadata=auth_metadata(self._token))
 
@@ -409,6 +460,14 @@ class SideStreamCopier:
         # freed their block could go to this stream's next copy while a queued step still reads them.
         owned.record_stream(torch.cuda.default_stream(self.device))
         return owned
+
+
+class _EncoderLeftRing(Exception):
+    """The encoder being asked is no longer the image's owner (it left the ring); `owner` is."""
+
+    def __init__(self, owner: str) -> None:
+        super().__init__(owner)
+        self.owner = owner
 
 
 def _image_bytes(image: bytes | Image.Image) -> bytes:

@@ -1,7 +1,9 @@
 """Consistent hashing of image content hashes onto encoder replicas.
 
 Each image lives in one encoder's cache; adding or removing an encoder moves only about 1/N of the
-images to another one.
+images to another one. A ring is immutable: membership changes (DNS discovery, health ejection) build a
+new one with `with_members`, whose points for the surviving addresses are the same, so only the keys of
+the added or removed addresses change owner.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class HashRing:
         if not addresses:
             raise ValueError("at least one encoder address is needed")
         self.addresses = list(dict.fromkeys(addresses))
+        self.replicas = replicas
         points = []
         for address in self.addresses:
             for i in range(replicas):
@@ -34,3 +37,7 @@ class HashRing:
         """The address that owns key."""
         i = bisect.bisect(self._points, self._point(key)) % len(self._points)
         return self._owners[i]
+
+    def with_members(self, addresses: Sequence[str]) -> HashRing:
+        """A ring over `addresses` with this ring's number of points per address."""
+        return HashRing(addresses, self.replicas)

@@ -1,0 +1,252 @@
+"""The Kubernetes manifests: every overlay renders with `kubectl kustomize`, validates against the
+Kubernetes 1.30+ schemas offline (kubernetes-validate), and says what the services expect: gRPC probes
+on the ports the services listen on, flags the CLI accepts, a shared process namespace and a memory
+/dev/shm for the node-local pair, GPUs for the GPU overlays, drains that fit the grace period."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from decoder_svc.engine.discovery import parse_dns_target
+from decoder_svc.main import build_arg_parser as decoder_parser
+from encoder_svc.main import build_arg_parser as encoder_parser
+from tests.k8s.render import (
+    K8S,
+    KUBECTL,
+    OVERLAYS,
+    Rendered,
+    container,
+    environment,
+    expanded_args,
+    flag,
+    pod_spec,
+    render,
+    sleep_seconds,
+)
+
+pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed: it renders the "
+                                "Kustomize overlays (kubectl kustomize); install kubectl to run these")
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+# Kubernetes versions whose schemas every object must satisfy (strict: unknown fields are errors).
+VERSIONS = ["1.30.0", "1.32.0", "1.34.0", kubernetes_validate.latest_version() + ".0"]
+# pair-gpu shares one GPU through Dynamic Resource Allocation, whose v1 API (ResourceClaimTemplate,
+# PodSpec.resourceClaims[].resourceClaimTemplateName) exists from Kubernetes 1.34 on.
+MIN_VERSION = {"pair-gpu": (1, 34)}
+GPU_OVERLAYS = {"pair-gpu", "pair-gpu-single", "pools-gpu"}
+SERVICES = {"encoder": encoder_parser, "decoder": decoder_parser}
+GRPC_GRACE_S = 5  # GrpcService.wait: in-flight RPCs get this long after the drain and shutdown
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request) -> Rendered:
+    return Rendered(request.param, render(K8S / "overlays" / request.param))
+
+
+def pod_labels(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def deployments(r: Rendered) -> list[dict]:
+    found = r.of_kind("Deployment")
+    assert found, f"{r.name} renders no Deployment"
+    return found
+
+
+def mmserve_containers(r: Rendered):
+    """(deployment, container, service name) for each encoder or decoder container."""
+    for d in deployments(r):
+        for c in pod_spec(d)["containers"]:
+            args = expanded_args(r, c)
+            assert c["command"] == ["mmserve"] and args[0] in SERVICES, (r.name, c["name"], args)
+            yield d, c, args[0]
+
+
+def test_every_overlay_is_found():
+    assert {"pair-cpu", "pair-gpu", "pools-cpu", "pools-gpu"} <= set(OVERLAYS)
+
+
+def test_every_object_validates_against_the_kubernetes_schemas(overlay):
+    checked = 0
+    for obj in overlay.objects:
+        for version in VERSIONS:
+            if tuple(int(x) for x in version.split(".")[:2]) < MIN_VERSION.get(overlay.name, (1, 30)):
+                continue
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{overlay.name}: {obj['kind']}/{obj['metadata']['name']} on {version}: {exc}")
+            checked += 1
+    assert checked >= len(overlay.objects) * 2
+
+
+def test_probes_are_grpc_on_the_port_each_service_listens_on(overlay):
+    for _, c, service in mmserve_containers(overlay):
+        args = expanded_args(overlay, c)
+        port = int(flag(args, "--port"))
+        assert port == {"encoder": 50051, "decoder": 50052}[service]
+        assert port in [p["containerPort"] for p in c["ports"]]
+        assert flag(args, "--host") == "0.0.0.0"  # the kubelet probes the Pod IP
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"] == {"port": port}, (overlay.name, c["name"], probe)
+        # Liveness must not kill a container that is draining (NOT_SERVING for up to --drain-timeout).
+        live = c["livenessProbe"]
+        drain = float(flag(args, "--drain-timeout") or 0)
+        assert live["periodSeconds"] * live["failureThreshold"] > drain
+
+
+def test_flags_images_and_ports_match_the_cli(overlay, tiny_model_dir):
+    config = overlay.config()
+    assert config["MMSERVE_MODEL_DIR"].startswith("/models/")
+    for d, c, service in mmserve_containers(overlay):
+        args = expanded_args(overlay, c)
+        assert "$(" not in " ".join(args), f"unexpanded variable in {args}"
+        assert flag(args, "--model") == environment(overlay, c)["MMSERVE_MODEL_DIR"]
+        # The service's own parser accepts every flag and value (--model pointed at a real checkpoint).
+        args[args.index("--model") + 1] = str(tiny_model_dir)
+        parsed = SERVICES[service]().parse_args(args[1:])
+        assert parsed.device == ("cuda" if overlay.name in GPU_OVERLAYS else "cpu")
+        if service == "decoder":
+            for spec in parsed.encoder:
+                parse_dns_target(spec)  # the check main() makes
+        named = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert parsed.metrics_port in named.values()
+        assert c["image"] == ("mmserve:gpu" if overlay.name in GPU_OVERLAYS else "mmserve:cpu")
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert mounts["/models"] == "models"
+        assert {"/etc/mmserve/tls", "/etc/mmserve/auth"} <= set(mounts)  # the Secrets' places
+        assert d["spec"]["selector"]["matchLabels"].items() <= pod_labels(d).items()
+
+
+def test_services_point_at_named_container_ports(overlay):
+    for svc in overlay.of_kind("Service"):
+        selector = svc["spec"]["selector"]
+        pods = [d for d in deployments(overlay) if selector.items() <= pod_labels(d).items()]
+        assert pods, f"Service {svc['metadata']['name']} selects no Pod"
+        names = {p["name"]: p["containerPort"]
+                 for d in pods for c in pod_spec(d)["containers"] for p in c["ports"]}
+        for port in svc["spec"]["ports"]:
+            assert names[port["targetPort"]] == port["port"], (svc["metadata"]["name"], port)
+
+
+def test_grace_period_covers_prestop_and_drain(overlay):
+    for d in deployments(overlay):
+        grace = pod_spec(d)["terminationGracePeriodSeconds"]
+        for c in pod_spec(d)["containers"]:
+            args = expanded_args(overlay, c)
+            drain = float(flag(args, "--drain-timeout") or 0)
+            assert sleep_seconds(c) + drain + GRPC_GRACE_S < grace, (overlay.name, c["name"])
+            if args[0] == "decoder":
+                assert drain == 30
+
+
+def test_each_deployment_has_a_disruption_budget(overlay):
+    budgets = overlay.of_kind("PodDisruptionBudget")
+    for d in deployments(overlay):
+        labels = pod_labels(d).items()
+        assert [b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= labels], d["metadata"]
+
+
+def test_network_policies_admit_only_decoders_to_encoders_and_clients_to_decoders(overlay):
+    policies = overlay.of_kind("NetworkPolicy")
+    for d in deployments(overlay):
+        labels = pod_labels(d)
+        (policy,) = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+        rules = {port["port"]: rule["from"] for rule in policy["spec"]["ingress"] for port in rule["ports"]}
+        grpc_ports = {p["containerPort"] for c in pod_spec(d)["containers"] for p in c["ports"]
+                      if p["name"].endswith("grpc")}
+        if labels["app.kubernetes.io/component"] == "encoder":
+            decoders = {"app.kubernetes.io/name": "mmserve", "app.kubernetes.io/component": "decoder"}
+            assert rules[50051] == [{"podSelector": {"matchLabels": decoders}}]
+        else:  # a decoder, alone or in a pair: clients' namespaces and the gateway only
+            assert 50052 in rules and {"namespaceSelector": {"matchLabels": {"mmserve.io/client": "true"}}} \
+                in rules[50052]
+            assert all(set(peer) <= {"namespaceSelector", "podSelector"} for peer in rules[50052])
+            if labels["app.kubernetes.io/component"] == "pair":
+                assert 50051 in grpc_ports and 50051 not in rules  # the pair's encoder: localhost only
+
+
+def test_the_node_local_pair_shares_processes_shm_and_one_gpu(overlay):
+    if not overlay.name.startswith("pair"):
+        pytest.skip("pools overlay")
+    (pair,) = deployments(overlay)
+    spec = pod_spec(pair)
+    assert spec["shareProcessNamespace"] is True
+    (dshm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"]["medium"] == "Memory"
+    for name in ("encoder", "decoder"):
+        mounts = {m["mountPath"]: m["name"] for m in container(pair, name)["volumeMounts"]}
+        assert mounts["/dev/shm"] == "dshm"
+    decoder_args = expanded_args(overlay, container(pair, "decoder"))
+    assert flag(decoder_args, "--encoder") == "127.0.0.1:50051"  # the encoder beside it
+    encoder, decoder = container(pair, "encoder"), container(pair, "decoder")
+    if overlay.name == "pair-gpu":  # one DRA claim, listed by both containers: the same GPU
+        assert spec["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": "mmserve-gpu"}]
+        assert encoder["resources"]["claims"] == decoder["resources"]["claims"] == [{"name": "gpu"}]
+        overlay.get("ResourceClaimTemplate", "mmserve-gpu")
+    if overlay.name == "pair-gpu-single":
+        assert decoder["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert environment(overlay, encoder)["NVIDIA_VISIBLE_DEVICES"] == "all"
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.count": "1"}
+
+
+def test_pools_find_encoders_through_the_headless_service(overlay):
+    if not overlay.name.startswith("pools"):
+        pytest.skip("pair overlay")
+    decoder = overlay.get("Deployment", "mmserve-decoder")
+    target = parse_dns_target(flag(expanded_args(overlay, container(decoder, "decoder")), "--encoder"))
+    service = overlay.get("Service", target.host)
+    assert service["spec"]["clusterIP"] == "None"  # one DNS record per ready encoder Pod
+    assert service["spec"]["publishNotReadyAddresses"] is False
+    assert target.port in [p["port"] for p in service["spec"]["ports"]]
+    encoder = overlay.get("Deployment", "mmserve-encoder")
+    assert service["spec"]["selector"].items() <= pod_labels(encoder).items()
+    # The encoder stays up past the decoders' re-resolve interval after it leaves DNS.
+    decoder_args = expanded_args(overlay, container(decoder, "decoder"))
+    interval = float(flag(decoder_args, "--encoder-resolve-interval"))
+    assert sleep_seconds(container(encoder, "encoder")) > interval
+
+
+def test_gpu_overlays_ask_for_gpus_and_cpu_overlays_make_the_tiny_model(overlay):
+    specs = [pod_spec(d) for d in deployments(overlay)]
+    if overlay.name in GPU_OVERLAYS:
+        overlay.get("PersistentVolumeClaim", "mmserve-models")
+        assert overlay.config()["MMSERVE_DTYPE"] == "bfloat16"
+        for d in deployments(overlay):
+            gpus = [c for c in pod_spec(d)["containers"]
+                    if c["resources"].get("limits", {}).get("nvidia.com/gpu") or c["resources"].get("claims")]
+            assert gpus, f"{overlay.name}: {d['metadata']['name']} asks for no GPU"
+        if overlay.name == "pools-gpu":
+            for d in deployments(overlay):
+                (c,) = pod_spec(d)["containers"]
+                resources = c["resources"]
+                assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "1"
+        for spec in specs:
+            (models,) = [v for v in spec["volumes"] if v["name"] == "models"]
+            assert models["persistentVolumeClaim"] == {"claimName": "mmserve-models", "readOnly": True}
+    else:
+        assert overlay.config()["MMSERVE_MODEL_DIR"] == "/models/tiny"
+        for spec in specs:
+            (init,) = spec["initContainers"]
+            script = init["args"][0]
+            assert "mmserve make-model --preset tiny" in script and 'mv "$tmp" "$MMSERVE_MODEL_DIR"' in script
+            (models,) = [v for v in spec["volumes"] if v["name"] == "models"]
+            assert set(models) == {"name", "emptyDir"}
+            assert not overlay.of_kind("PersistentVolumeClaim")
+
+
+def test_the_node_path_component_replaces_the_claim(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {os.path.relpath(K8S / 'overlays' / 'pools-gpu', tmp_path)}\n"
+        f"components:\n  - {os.path.relpath(K8S / 'components' / 'models-hostpath', tmp_path)}\n")
+    r = Rendered("pools-gpu+hostpath", render(tmp_path))
+    assert not r.of_kind("PersistentVolumeClaim")
+    for d in deployments(r):
+        (models,) = [v for v in pod_spec(d)["volumes"] if v["name"] == "models"]
+        assert set(models) == {"name", "hostPath"} and models["hostPath"]["path"] == "/var/lib/mmserve/models"
+    for obj in r.objects:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
