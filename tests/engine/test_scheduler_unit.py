@@ -1,0 +1,229 @@
+"""The scheduler alone: synthetic requests, a fake embedding source, no model (vLLM's tests/v1/core is
+the model for these). Each test drives schedule() and update_after_step() by hand, the way the engine
+does, and checks budgets, image readiness, preemption, prefix hits, lookahead order, and that every end
+of a request gives back its blocks and its embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decoder_svc.engine.block_manager import BlockManager
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
+from decoder_svc.engine.request import ImagePlaceholder, Request, RequestStatus
+from decoder_svc.engine.sampling_params import SamplingParams
+from decoder_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+BLOCK = 4
+HIDDEN = 8
+IMAGE_TOKEN = 99
+
+
+class FakeSource(EmbeddingSource):
+    """Embeddings that become ready (or fail) when the test says so; records every call."""
+
+    def __init__(self) -> None:
+        self.status: dict[tuple[str, str], EmbeddingStatus] = {}
+        self.ready_hashes: set[str] = set()
+        self.failing_hashes: set[str] = set()
+        self.asks: list[EmbeddingRequest] = []
+        self.released: list[tuple[str, str | None]] = []
+
+    def request(self, req: EmbeddingRequest) -> None:
+        self.asks.append(req)
+        self.status.setdefault((req.request_id, req.content_hash), EmbeddingStatus.PENDING)
+
+    def poll(self, request_id: str, content_hash: str) -> EmbeddingStatus:
+        key = (request_id, content_hash)
+        if key not in self.status:
+            return EmbeddingStatus.UNKNOWN
+        if content_hash in self.failing_hashes:
+            return EmbeddingStatus.FAILED
+        return EmbeddingStatus.READY if content_hash in self.ready_hashes else EmbeddingStatus.PENDING
+
+    def get(self, request_id: str, content_hash: str) -> torch.Tensor:
+        return torch.zeros(4, HIDDEN)
+
+    def release(self, request_id: str, content_hash: str | None = None) -> None:
+        self.released.append((request_id, content_hash))
+        for key in [k for k in self.status if k[0] == request_id and content_hash in (None, k[1])]:
+            del self.status[key]
+
+    def held(self) -> set[tuple[str, str]]:
+        """Keys asked for and not released."""
+        return set(self.status)
+
+
+def make_request(rid: str, n_text: int, image_at: int | None = None, image_hash: str = "img-a",
+                 first_token: int = 1) -> Request:
+    """n_text text tokens, with a 4-token image inserted at image_at if given."""
+    tokens = list(range(first_token, first_token + n_text))
+    images = []
+    if image_at is not None:
+        tokens[image_at:image_at] = [IMAGE_TOKEN] * 4
+        images = [ImagePlaceholder(offset=image_at, length=4, content_hash=image_hash, image=b"png")]
+    return Request(rid, tokens, SamplingParams(max_tokens=8), max_tokens=8, images=images)
+
+
+def make_scheduler(num_blocks: int = 64, budget: int = 16, max_seqs: int = 8, ahead: int = 2
+                   ) -> tuple[Scheduler, FakeSource]:
+    source = FakeSource()
+    blocks = BlockManager(num_blocks, BLOCK, enable_prefix_caching=True)
+    return Scheduler(SchedulerConfig(budget, max_seqs, ahead), blocks, source), source
+
+
+def step(scheduler: Scheduler) -> SchedulerOutput:
+    """schedule(), then what the engine does after the model: advance, and append one sampled token
+    to every request whose chunk reached its end."""
+    out = scheduler.schedule()
+    scheduler.update_after_step(out.chunks)
+    for chunk in out.chunks:
+        if chunk.samples:
+            chunk.request.output_token_ids.append(7)
+    return out
+
+
+def chunks_of(out: SchedulerOutput) -> dict[str, tuple[int, int]]:
+    return {c.request.request_id: (c.start, c.num_tokens) for c in out.chunks}
+
+
+def finish(scheduler: Scheduler, req: Request) -> None:
+    scheduler.remove(req)
+    req.status = RequestStatus.FINISHED
+
+
+def test_token_budget_is_shared_in_arrival_order_and_prefill_is_chunked():
+    s, _ = make_scheduler(budget=16)
+    a, b = make_request("a", 10), make_request("b", 10, first_token=100)
+    s.add(a)
+    s.add(b)
+    assert chunks_of(step(s)) == {"a": (0, 10), "b": (0, 6)}
+    # a decodes (1 token) before b's prefill goes on with the rest of the budget
+    out = step(s)
+    assert chunks_of(out) == {"a": (10, 1), "b": (6, 4)}
+    assert out.num_batched_tokens == 5
+
+
+def test_decodes_come_before_prefill_chunks_when_the_budget_is_short():
+    s, _ = make_scheduler(budget=8)
+    a = make_request("a", 4)
+    s.add(a)
+    step(s)  # a is decoding now
+    b = make_request("b", 20, first_token=200)
+    s.add(b)
+    assert chunks_of(step(s)) == {"a": (4, 1), "b": (0, 7)}
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    s, _ = make_scheduler(budget=64, max_seqs=2)
+    reqs = [make_request(f"r{i}", 4, first_token=10 * i + 1) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    assert set(chunks_of(step(s))) == {"r0", "r1"}
+    assert [r.request_id for r in s.waiting] == ["r2"]
+    finish(s, reqs[0])
+    assert "r2" in chunks_of(step(s))
+
+
+def test_a_chunk_stops_before_an_image_that_is_not_ready_and_resumes_when_it_is():
+    s, src = make_scheduler(budget=32)
+    r = make_request("r", 8, image_at=4)  # tokens 0-3 text, 4-7 image, 8-11 text
+    s.add(r)
+    assert chunks_of(step(s)) == {"r": (0, 4)}  # a whole block before the image: admitted
+    assert chunks_of(step(s)) == {}  # waits on the image; nothing else to do
+    assert [(a.request_id, a.prefetch) for a in src.asks] == [("r", False)]
+    src.ready_hashes.add("img-a")
+    assert chunks_of(step(s)) == {"r": (4, 8)}
+    # every image token is in KV: the image is released at once, not at the end of the request
+    assert ("r", "img-a") in src.released
+
+
+def test_a_request_that_would_gain_less_than_a_block_waits_in_the_queue_for_its_image():
+    s, src = make_scheduler(budget=32)
+    r = make_request("r", 8, image_at=2)
+    s.add(r)
+    out = step(s)
+    assert chunks_of(out) == {} and list(s.waiting) == [r] and not s.running
+    assert src.asks and src.asks[0].content_hash == "img-a"  # asked for all the same
+    src.ready_hashes.add("img-a")
+    assert chunks_of(step(s)) == {"r": (0, 12)}
+
+
+def test_a_failed_image_fails_its_request_and_frees_everything():
+    s, src = make_scheduler(budget=32)
+    r = make_request("r", 8, image_at=4)
+    s.add(r)
+    step(s)
+    src.failing_hashes.add("img-a")
+    out = step(s)
+    assert out.failed == [r]
+    assert s.blocks.stats().used_blocks == 0 and not src.held()
+    assert not s.has_unfinished()
+
+
+def test_prefix_hit_skips_cached_blocks_and_the_image_inside_them():
+    s, src = make_scheduler(budget=64)
+    src.ready_hashes.add("img-a")
+    a = make_request("a", 12, image_at=4)  # 16 tokens: 4 blocks
+    s.add(a)
+    step(s)
+    b = make_request("b", 12, image_at=4)  # the same tokens and image
+    s.add(b)
+    out = step(s)
+    # The last token is never a hit (its logits are needed): 3 blocks hit, one left to compute.
+    assert chunks_of(out)["b"] == (12, 4)
+    assert b.num_cached_tokens == 12
+    assert b.images[0].skipped_by_kv_reuse and ("b", "img-a") not in {(x.request_id, x.content_hash)
+                                                                      for x in src.asks}
+
+
+def test_another_image_at_the_same_place_shares_nothing_past_it():
+    s, src = make_scheduler(budget=64)
+    src.ready_hashes |= {"img-a", "img-b"}
+    s.add(make_request("a", 12, image_at=4, image_hash="img-a"))
+    step(s)
+    b = make_request("b", 12, image_at=4, image_hash="img-b")
+    s.add(b)
+    assert chunks_of(step(s))["b"] == (4, 12)  # only the text block before the image is shared
+
+
+def test_lookahead_asks_for_the_next_queued_requests_images_in_order_with_prefetch():
+    s, src = make_scheduler(budget=8, max_seqs=1, ahead=2)
+    s.add(make_request("run", 4))
+    for i in range(4):
+        s.add(make_request(f"q{i}", 8, image_at=4, image_hash=f"img-{i}", first_token=100 * (i + 1)))
+    step(s)
+    prefetched = [(a.request_id, a.content_hash) for a in src.asks if a.prefetch]
+    assert prefetched == [("q0", "img-0"), ("q1", "img-1")]  # encoder_max_ahead = 2, in arrival order
+
+
+def test_out_of_blocks_preempts_the_latest_request_which_frees_its_blocks_and_images():
+    s, src = make_scheduler(num_blocks=4, budget=64)
+    src.ready_hashes.add("img-a")
+    a = make_request("a", 7)  # 2 blocks with its first decode
+    b = make_request("b", 4, image_at=0, first_token=50)  # 8 tokens: 2 blocks
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert s.blocks.num_free_blocks == 0
+    out = step(s)  # b's decode needs a third block for it: b (the later) gives its blocks back
+    assert out.preempted == [b] and chunks_of(out) == {"a": (7, 1)}
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert ("b", None) in src.released and list(s.waiting) == [b]
+
+
+def test_every_end_of_a_request_frees_its_blocks_and_embeddings():
+    s, src = make_scheduler(budget=64, max_seqs=2)
+    src.ready_hashes.add("img-a")
+    done = make_request("f", 8, image_at=4)
+    aborted = make_request("x", 8, image_at=4, first_token=40)
+    queued = make_request("w", 8, image_at=4, first_token=80)
+    for r in (done, aborted, queued):
+        s.add(r)
+    s.schedule()  # the images are asked for, blocks allocated; queued is looked ahead for
+    assert list(s.waiting) == [queued] and src.held()
+    for r in (done, aborted, queued):  # finish, abort and a request still queued leave the same way
+        finish(s, r)
+    assert s.blocks.stats().used_blocks == 0
+    assert not src.held()
+    assert not s.has_unfinished()
