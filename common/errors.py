@@ -17,6 +17,11 @@ class ServiceError(Exception):
         return f"ServiceError({self.code.name}, {self.message!r})"
 
 
+class InvalidInputError(ValueError):
+    """The client's input is wrong (the service answers INVALID_ARGUMENT with the message). Only these
+    become INVALID_ARGUMENT: any other exception is a fault of ours, INTERNAL and logged."""
+
+
 def invalid_argument(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.errors import ServiceError, invalid_argument, resource_exhausted
+from common.errors import InvalidInputError, ServiceError, invalid_argument, resource_exhausted
 from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from decoder_svc.core_client import CoreDeadError, EngineCoreClient
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
@@ -162,7 +162,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             await self.core.add(req)
         except QueueFullError as exc:
             raise resource_exhausted(str(exc)) from None
-        except ValueError as exc:  # InvalidRequestError, PromptError, PlaceholderMismatchError
+        except InvalidInputError as exc:  # InvalidRequestError, PromptError: the client's mistake
             raise invalid_argument(str(exc)) from None
         except CoreDeadError as exc:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"decoder engine unavailable: {exc}") from None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.checkpoint import load_config
+from common.errors import InvalidInputError
 from common.image_tokens import ImageTokenLayout, load_image_token_layout
 
 # Roles the LLaVA chat template is written for. The template itself prints any other role verbatim
@@ -23,7 +24,7 @@ CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant"})
 CHAT_PART_TYPES: frozenset[str] = frozenset({"text", "image"})
 
 
-class PromptError(ValueError):
+class PromptError(InvalidInputError):
     """A prompt the model cannot take (the service answers INVALID_ARGUMENT)."""
 
 

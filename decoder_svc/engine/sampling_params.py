@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from common.errors import InvalidInputError
 from decoder_svc.runner.sampler import MIN_TEMPERATURE
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
 
 
-class InvalidRequestError(ValueError):
+class InvalidRequestError(InvalidInputError):
     """A request the engine refuses (the service answers INVALID_ARGUMENT)."""
 
 

@@ -98,12 +98,12 @@ def test_a_failure_in_one_requests_output_fails_only_that_request(make_engine, m
 
 def _refuse_work(monkeypatch, engine):
     """Make any decoding or tokenizing fail loudly: a refused request must not reach them."""
-    import decoder_svc.engine.engine as engine_module
+    import decoder_svc.engine.input_processor as input_module
 
     def boom(*a, **kw):
         raise AssertionError("work done on a request that the limits refuse")
 
-    monkeypatch.setattr(engine_module, "decode_image", boom)
+    monkeypatch.setattr(input_module, "decode_image", boom)
     monkeypatch.setattr(engine.tokenizer, "encode_prompt", boom)
     monkeypatch.setattr(engine.tokenizer, "encode_chat", boom)
 
