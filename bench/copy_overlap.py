@@ -26,8 +26,8 @@ from bench.report import print_table, save_result
 from bench.services import encoder_service, exit_on_sigterm, workdir
 from bench.workload import PromptMaker, random_png
 from common.pb import common_pb2
+from decoder_svc.encoders.remote_source import RemoteEmbeddingSource
 from decoder_svc.engine.engine import EngineConfig, LLMEngine
-from decoder_svc.engine.prefetch import RemoteEmbeddingSource
 from decoder_svc.engine.sampling_params import SamplingParams
 
 PROMPT = "USER: <image>\nDescribe the picture. ASSISTANT:"

@@ -30,8 +30,8 @@ from typing import Any
 
 from common.checkpoint import CheckpointError
 from common.server import configure_logging
+from decoder_svc.encoders.remote_source import RemoteSourceStats
 from decoder_svc.engine.engine import EngineConfig, EngineStats, LLMEngine, RequestOutput
-from decoder_svc.engine.prefetch import RemoteSourceStats
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("mmserve.decoder.core")
@@ -73,8 +73,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     """The engine with a remote embedding source over the given encoders."""
     from common.security.options import client_security_from_args
-    from decoder_svc.engine.discovery import EncoderPool, GrpcHealthCheck
-    from decoder_svc.engine.prefetch import RemoteEmbeddingSource, RetryPolicy
+    from decoder_svc.encoders.discovery import EncoderPool, GrpcHealthCheck
+    from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 
     link = client_security_from_args(args, prefix="encoder-")  # TLS and token of the encoder link
     pool = EncoderPool(args.encoder, interval_s=args.encoder_resolve_interval,

@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.encoder:
         parser.error("give at least one --encoder HOST:PORT (or dns:///NAME:PORT)")
-    from decoder_svc.engine.discovery import parse_dns_target
+    from decoder_svc.encoders.discovery import parse_dns_target
 
     for spec in args.encoder:
         try:

@@ -4,7 +4,7 @@ Contract (every implementation):
 
 - Keys are (request_id, content_hash). `request` is idempotent per key: asking twice is one ask.
 - `request` never blocks on encoding. A local source may compute synchronously inside it; a remote one
-  (`prefetch.py`: a gRPC encoder client on a background thread or event loop) sends the ask and
+  (`decoder_svc/encoders/remote_source.py`: a gRPC encoder client on background threads) sends the ask and
   returns at once. `prefetch=True` marks lookahead work the encoder may run at lower priority.
 - `poll` is non-blocking and says PENDING, READY or FAILED. The scheduler never schedules an image
   token until its key is READY, and fails the request (with `error()`'s text) on FAILED, so a dead

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from decoder_svc.engine.discovery import (
+from decoder_svc.encoders.discovery import (
     DnsTarget,
     EncoderPool,
     NoEncoderError,
@@ -16,7 +16,7 @@ from decoder_svc.engine.discovery import (
     parse_dns_target,
     resolve_system,
 )
-from decoder_svc.engine.routing import HashRing
+from decoder_svc.encoders.routing import HashRing
 from decoder_svc.main import main as decoder_main
 
 

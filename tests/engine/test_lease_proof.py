@@ -2,7 +2,7 @@
 the lease could have lapsed, counting the TTL from when the Encode was sent (never later than the
 encoder's own start of it), with a margin."""
 
-from decoder_svc.engine.prefetch import lease_held_through
+from decoder_svc.encoders.remote_source import lease_held_through
 
 
 def test_copy_inside_the_lease_is_trusted_and_late_ones_are_not():

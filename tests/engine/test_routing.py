@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from decoder_svc.engine.routing import HashRing
+from decoder_svc.encoders.routing import HashRing
 
 
 def _keys(n: int) -> list[str]:

@@ -23,10 +23,10 @@ import pytest
 from common.checkpoint import model_fingerprint
 from common.client import DecoderClient, EncoderClient
 from common.hashing import hash_image
-from decoder_svc.engine.discovery import EncoderPool
+from decoder_svc.encoders.discovery import EncoderPool
+from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
+from decoder_svc.encoders.routing import HashRing
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingStatus
-from decoder_svc.engine.prefetch import RemoteEmbeddingSource, RetryPolicy
-from decoder_svc.engine.routing import HashRing
 from tests.integration.conftest import png
 from tests.integration.harness import Service, free_port
 from tests.oracle import make_image

@@ -22,8 +22,8 @@ import pytest
 from bench.services import free_port
 from common.client import DecoderClient
 from common.hashing import hash_image
+from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingStatus
-from decoder_svc.engine.prefetch import RemoteEmbeddingSource, RetryPolicy
 from encoder_svc.server import EncoderConfig
 from tests.encoder.conftest import EncoderHarness
 from tests.integration.conftest import png

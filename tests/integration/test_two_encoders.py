@@ -5,7 +5,7 @@ from __future__ import annotations
 from common.checkpoint import model_fingerprint
 from common.client import EncoderClient
 from common.hashing import hash_image
-from decoder_svc.engine.routing import HashRing
+from decoder_svc.encoders.routing import HashRing
 from tests.integration.conftest import png
 from tests.integration.harness import Pair, Service, free_port
 from tests.oracle import make_image

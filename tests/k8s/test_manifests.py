@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from decoder_svc.engine.discovery import parse_dns_target
+from decoder_svc.encoders.discovery import parse_dns_target
 from decoder_svc.main import build_arg_parser as decoder_parser
 from encoder_svc.main import build_arg_parser as encoder_parser
 from tests.k8s.render import (

@@ -18,8 +18,8 @@ from common.security.identity import scoped_salt
 from common.security.options import ServerSecurity
 from common.security.tls import ClientTls, ServerTls
 from common.security.tokens import TokenTable
+from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingStatus
-from decoder_svc.engine.prefetch import RemoteEmbeddingSource, RetryPolicy
 from encoder_svc.server import EncoderConfig, EncoderServicer
 from tests.oracle import make_image
 from tests.security.conftest import ALICE, BOB, DECODER, ServerThread

@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.security.tls import ClientTls, open_channel
-from decoder_svc.engine.routing import HashRing
+from decoder_svc.encoders.routing import HashRing
 
 log = logging.getLogger("mmserve.decoder.discovery")
 

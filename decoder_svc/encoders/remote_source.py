@@ -42,10 +42,10 @@ from common.security.client_auth import auth_metadata
 from common.security.identity import tenant_of_salt
 from common.security.tls import ClientTls, open_channel
 from common.transport.importer import can_import, import_embedding, readable_transports
-from decoder_svc.engine.discovery import EncoderPool, NoEncoderError
+from decoder_svc.encoders.discovery import EncoderPool, NoEncoderError
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
 
-log = logging.getLogger("mmserve.decoder.prefetch")
+log = logging.getLogger("mmserve.decoder.encoders")
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.RESOURCE_EXHAUSTED}
