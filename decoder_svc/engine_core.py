@@ -31,7 +31,7 @@ from typing import Any
 from common.checkpoint import CheckpointError
 from common.server import configure_logging
 from decoder_svc.encoders.remote_source import RemoteSourceStats
-from decoder_svc.engine.engine import EngineConfig, EngineStats, LLMEngine, RequestOutput
+from decoder_svc.engine.engine import EngineConfig, EngineStats, LLMEngine
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("mmserve.decoder.core")
@@ -135,14 +135,6 @@ class EngineCore:
             if not self.conn.poll(0):
                 return
 
-    def _tag_errors(self, outputs: list[RequestOutput]) -> None:
-        """Give each failed output the gRPC status its cause calls for (e.g. UNAVAILABLE)."""
-        pop = getattr(self.engine.source, "pop_error_code", None)
-        for output in outputs:
-            if output.error and output.error_code is None and pop is not None:
-                code = pop(output.request_id)
-                output.error_code = code.name if code is not None else None
-
     def run(self) -> None:
         """Serve until told to close or the pipe breaks."""
         engine = self.engine
@@ -160,7 +152,6 @@ class EngineCore:
             outputs = engine.step()
             progressed = engine.last_step_num_tokens > 0 or bool(outputs)
             if outputs:
-                self._tag_errors(outputs)
                 self.conn.send(("outputs", outputs, time.perf_counter() - started))
 
 

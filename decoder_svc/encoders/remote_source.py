@@ -199,10 +199,11 @@ class RemoteEmbeddingSource(EmbeddingSource):
             slot = self._slots.get((request_id, content_hash))
             return slot.error if slot is not None else ""
 
-    def pop_error_code(self, request_id: str) -> grpc.StatusCode | None:
-        """The gRPC status the request's failed image calls for (e.g. UNAVAILABLE); forgets it."""
+    def pop_error_code(self, request_id: str) -> str | None:
+        """The gRPC status name the request's failed image calls for (e.g. "UNAVAILABLE"); forgets it."""
         with self._lock:
-            return self._failed_requests.pop(request_id, None)
+            code = self._failed_requests.pop(request_id, None)
+        return code.name if code is not None else None
 
     def cache_hit(self, request_id: str, content_hash: str) -> bool:
         with self._lock:

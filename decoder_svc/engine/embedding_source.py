@@ -73,6 +73,11 @@ class EmbeddingSource(ABC):
         """Why a FAILED key failed (a message for the client)."""
         return f"embedding of image {content_hash[:16]} failed"
 
+    def pop_error_code(self, request_id: str) -> str | None:
+        """The gRPC status name (e.g. "UNAVAILABLE") that the request's failed image calls for, once;
+        None: an internal error."""
+        return None
+
     def cache_hit(self, request_id: str, content_hash: str) -> bool:
         """Whether a READY key was served from the encoder's cache without running the vision tower."""
         return False

@@ -298,7 +298,9 @@ class LLMEngine:
             req.finish(FinishReason.ERROR, req.error)
             self.runner.forget(req.request_id)
             self._num_failed += 1
-            outs.append(self._final_output(req, [], "", []))
+            out = self._final_output(req, [], "", [])
+            out.error_code = self.source.pop_error_code(req.request_id)  # e.g. UNAVAILABLE: the encoder
+            outs.append(out)
         return outs
 
     def _final_output(self, req: Request, tokens: list[int], text: str,
