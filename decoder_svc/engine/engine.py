@@ -16,7 +16,6 @@ from common.images import ImageLimits
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 from decoder_svc.engine.embedding_source import EmbeddingSource
-from decoder_svc.engine.fusion import image_rows_for_chunk
 from decoder_svc.engine.input_processor import ImageLike, InputProcessor
 from decoder_svc.engine.request import FinishReason, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -265,7 +264,7 @@ class LLMEngine:
         return SequenceInput(
             token_ids=req.token_ids(chunk.start, chunk.end), start=chunk.start,
             block_table=self.blocks.block_table(req), num_prompt_tokens=req.num_prompt_tokens,
-            image_rows=image_rows_for_chunk(req, chunk.start, chunk.end),
+            image_rows=self.scheduler.images.rows_for_chunk(req, chunk.start, chunk.end),
             sampling=SamplingRow(req.request_id, req.sampling) if chunk.samples else None)
 
     def _append_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
@@ -319,19 +318,20 @@ class LLMEngine:
     def reset_stats(self) -> None:
         """Zero the counters, not the caches (the service calls it after its warm-up request)."""
         self.scheduler.counters = type(self.scheduler.counters)()
+        self.scheduler.images.counters = type(self.scheduler.images.counters)()
         self.blocks.prefix_queried_tokens = self.blocks.prefix_hit_tokens = 0
         self._num_finished = self._num_aborted = self._num_failed = 0
 
     def stats(self) -> EngineStats:
         """Current state and counters."""
-        b, c = self.blocks.stats(), self.scheduler.counters
+        b, c, i = self.blocks.stats(), self.scheduler.counters, self.scheduler.images.counters
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_blocks_used=b.used_blocks, kv_blocks_total=b.num_blocks,
             kv_cached_free_blocks=b.cached_free_blocks,
             prefix_queried_tokens=b.prefix_queried_tokens, prefix_hit_tokens=b.prefix_hit_tokens,
-            images_encoded=c.images_encoded, images_encoder_cache_hits=c.images_encoder_cache_hits,
-            images_skipped_by_kv_reuse=c.images_skipped_by_kv_reuse, preemptions=c.preemptions,
+            images_encoded=i.images_encoded, images_encoder_cache_hits=i.images_encoder_cache_hits,
+            images_skipped_by_kv_reuse=i.images_skipped_by_kv_reuse, preemptions=c.preemptions,
             finished=self._num_finished, aborted=self._num_aborted, failed=self._num_failed,
         )
 

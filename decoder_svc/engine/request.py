@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 from decoder_svc.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
     from PIL import Image
 
     from decoder_svc.engine.detokenizer import IncrementalDetokenizer
@@ -55,7 +54,6 @@ class ImagePlaceholder:
     content_hash: str
     image: bytes | Image.Image | None = None  # None: known to the encoder by hash only
     state: EmbeddingState = EmbeddingState.PENDING
-    embedding: torch.Tensor | None = None  # [length, hidden] once READY
     encoder_cache_hit: bool = False
     skipped_by_kv_reuse: bool = False
 

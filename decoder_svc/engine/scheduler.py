@@ -13,8 +13,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from decoder_svc.engine.block_manager import BlockManager
-from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
-from decoder_svc.engine.request import EmbeddingState, ImagePlaceholder, Request, RequestStatus
+from decoder_svc.engine.embedding_source import EmbeddingSource
+from decoder_svc.engine.image_inputs import ImageInputs
+from decoder_svc.engine.request import EmbeddingState, Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,8 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerCounters:
-    """Monotonic counters for stats."""
+    """Monotonic counters for stats (the images' are ImageInputs.counters)."""
 
-    images_encoded: int = 0
-    images_encoder_cache_hits: int = 0
-    images_skipped_by_kv_reuse: int = 0
     preemptions: int = 0
 
 
@@ -75,7 +73,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, source: EmbeddingSource) -> None:
         self.config = config
         self.blocks = blocks
-        self.source = source
+        self.images = ImageInputs(source)  # every image's readiness, rows and release
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
@@ -103,9 +101,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.blocks.free(request)
-        self.source.release(request.request_id)
-        for img in request.images:
-            img.embedding = None
+        self.images.free(request)
 
     # -- the step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -169,13 +165,7 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = hit
         req.num_computed_tokens = hit
-        for img in req.images:
-            if img.end <= hit:  # its whole span is in cached KV: its embedding is never needed
-                if img.state in (EmbeddingState.REQUESTED, EmbeddingState.READY):
-                    self.source.release(req.request_id, img.content_hash)
-                if img.state != EmbeddingState.SKIPPED:
-                    self.counters.images_skipped_by_kv_reuse += 1
-                img.state, img.skipped_by_kv_reuse, img.embedding = EmbeddingState.SKIPPED, True, None
+        self.images.skip_cached(req, hit)
         self.waiting.remove(req)
         self.running.append(req)
         req.status = RequestStatus.RUNNING
@@ -183,15 +173,8 @@ class Scheduler:
     def update_after_step(self, chunks: list[ScheduledChunk]) -> None:
         """Advance computed tokens; release each image once every one of its tokens is in KV."""
         for chunk in chunks:
-            req = chunk.request
-            req.num_computed_tokens = chunk.end
-            for img in req.images:
-                if img.state == EmbeddingState.READY and img.end <= req.num_computed_tokens:
-                    img.state, img.embedding = EmbeddingState.DONE, None
-                    still_needed = any(o.content_hash == img.content_hash and o.state == EmbeddingState.READY
-                                       for o in req.images)
-                    if not still_needed:
-                        self.source.release(req.request_id, img.content_hash)
+            chunk.request.num_computed_tokens = chunk.end
+            self.images.release_computed(chunk.request)
 
     # -- images ----------------------------------------------------------------------------------
     def _limit_by_images(self, req: Request, start: int, n: int, out: SchedulerOutput) -> int:
@@ -200,60 +183,20 @@ class Scheduler:
         for img in req.images:
             if img.end <= start or img.offset >= end:
                 continue
-            state = self._ensure_embedding(req, img)
+            state = self.images.readiness(req, img)
             if state == EmbeddingState.FAILED:
-                req.error = req.error or self.source.error(req.request_id, img.content_hash) or "image failed"
                 out.failed.append(req)
                 return 0
             if state != EmbeddingState.READY:
                 return max(img.offset - start, 0)
         return n
 
-    def _ensure_embedding(self, req: Request, img: ImagePlaceholder) -> EmbeddingState:
-        rid, h = req.request_id, img.content_hash
-        if img.state == EmbeddingState.REQUESTED and self.source.poll(rid, h) == EmbeddingStatus.UNKNOWN:
-            img.state = EmbeddingState.PENDING  # released elsewhere (same hash done earlier): ask again
-        if img.state in (EmbeddingState.PENDING, EmbeddingState.DONE, EmbeddingState.SKIPPED):
-            self.source.request(EmbeddingRequest(rid, h, img.image, req.cache_salt, prefetch=False))
-            img.state = EmbeddingState.REQUESTED
-        if img.state == EmbeddingState.REQUESTED:
-            status = self.source.poll(rid, h)
-            if status == EmbeddingStatus.FAILED:
-                img.state = EmbeddingState.FAILED
-            elif status == EmbeddingStatus.READY:
-                rows = self.source.get(rid, h)
-                if rows.shape[0] != img.length:
-                    self._fail_shape(req, img, rows.shape[0])
-                    return EmbeddingState.FAILED
-                img.state, img.embedding = EmbeddingState.READY, rows
-                img.encoder_cache_hit = self.source.cache_hit(rid, h)
-                if img.encoder_cache_hit:
-                    self.counters.images_encoder_cache_hits += 1
-                else:
-                    self.counters.images_encoded += 1
-        return img.state
-
-    def _fail_shape(self, req: Request, img: ImagePlaceholder, rows: int) -> None:
-        img.state = EmbeddingState.FAILED
-        self.source.release(req.request_id, img.content_hash)
-        # Surfaced through source.error() normally; here the mismatch is ours to report.
-        req.error = f"embedding of image at {img.offset} has {rows} rows, the prompt has {img.length} tokens"
-
     def _lookahead(self) -> None:
         """Ask for the images of the next queued requests before their prefill (prefetch=True)."""
-        asks: list[EmbeddingRequest] = []
-        for req in list(self.waiting)[:self.config.encoder_max_ahead]:
-            pending = [img for img in req.images if img.state == EmbeddingState.PENDING]
-            if not pending:
-                continue
-            hit = len(self.blocks.find_cached_prefix(req)) * self.blocks.block_size
-            for img in pending:
-                if img.end > hit:  # images already in cached KV are never requested
-                    asks.append(EmbeddingRequest(req.request_id, img.content_hash, img.image, req.cache_salt,
-                                                 prefetch=True))
-                    img.state = EmbeddingState.REQUESTED
-        if asks:
-            self.source.lookahead(asks)
+        queued = [req for req in list(self.waiting)[:self.config.encoder_max_ahead]
+                  if any(img.state == EmbeddingState.PENDING for img in req.images)]
+        self.images.lookahead([(req, len(self.blocks.find_cached_prefix(req)) * self.blocks.block_size)
+                               for req in queued])
 
     # -- preemption ------------------------------------------------------------------------------
     def _pick_victim(self, exclude: set[str]) -> Request | None:
@@ -265,9 +208,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.blocks.free(req)
-        self.source.release(req.request_id)
-        for img in req.images:
-            img.state, img.embedding = EmbeddingState.PENDING, None
+        self.images.free(req, ask_again=True)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1

@@ -89,7 +89,7 @@ class PoisoningSource(EmbeddingSource):
 def _engine(make_engine, tiny_model_dir, **kw):
     source = PoisoningSource(LocalEmbeddingSource(tiny_model_dir))
     engine = make_engine(**kw)
-    engine.source = engine.scheduler.source = source
+    engine.source = engine.scheduler.images.source = source
     source.scheduler = engine.scheduler
     return engine, source
 

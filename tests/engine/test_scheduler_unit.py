@@ -225,5 +225,5 @@ def test_every_end_of_a_request_frees_its_blocks_and_embeddings():
     for r in (done, aborted, queued):  # finish, abort and a request still queued leave the same way
         finish(s, r)
     assert s.blocks.stats().used_blocks == 0
-    assert not src.held()
+    assert not src.held() and s.images.num_held == 0
     assert not s.has_unfinished()

@@ -54,7 +54,7 @@ class GatedSource(EmbeddingSource):
 def _engine(make_engine, tiny_model_dir, **kw):
     source = GatedSource(LocalEmbeddingSource(tiny_model_dir))
     engine = make_engine(**kw)
-    engine.source = engine.scheduler.source = source
+    engine.source = engine.scheduler.images.source = source
     return engine, source
 
 
