@@ -166,19 +166,10 @@ class LLMEngine:
         return self.add(self.make_request(request_id, prompt, images, messages=messages, sampling=sampling,
                                           cache_salt=cache_salt))
 
-    def make_request(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        images: Sequence[ImageLike] = (),
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        cache_salt: str = "",
-    ) -> Request:
-        """InputProcessor.make_request: validate, decode and hash images, tokenize (any thread)."""
-        return self.inputs.make_request(request_id, prompt, images, messages=messages, sampling=sampling,
-                                        cache_salt=cache_salt)
+    def make_request(self, *args: Any, **kwargs: Any) -> Request:
+        """InputProcessor.make_request (same arguments): validate, decode and hash images, tokenize.
+        Safe on any thread: it reads nothing the engine changes."""
+        return self.inputs.make_request(*args, **kwargs)
 
     def add(self, req: Request) -> Request:
         """Queue a request made by make_request (engine thread). Raises InvalidRequestError for a
