@@ -191,7 +191,7 @@ def test_stop_token_ids(make_engine):
 def test_eos_and_ignore_eos(make_engine):
     ref = _greedy_reference(make_engine).new_token_ids
     engine = make_engine()
-    engine.eos_token_ids = frozenset({ref[4]})  # pretend this token is the model's eos
+    engine.inputs.eos_token_ids = frozenset({ref[4]})  # pretend this token is the model's eos
     first = ref.index(ref[4])
     out = engine.generate("e", PROMPT, sampling=SamplingParams(max_tokens=24))
     assert out.new_token_ids == ref[:first + 1] and out.finish_reason == FinishReason.STOP
