@@ -25,6 +25,7 @@ from bench.report import print_table, save_result
 from bench.stats import ratio
 from bench.workload import PromptMaker
 from decoder_svc.engine.engine import EngineConfig, LLMEngine
+from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.engine.sampling_params import SamplingParams
 
 
@@ -69,10 +70,11 @@ def run(args: argparse.Namespace) -> dict:
     prompt = PromptMaker(model, seed=0).text(args.prompt_len)
     bs = 16
     blocks = max(batches) * (-(-(args.prompt_len + args.output_len + 8) // bs)) + 16
-    engine = LLMEngine(EngineConfig(model, device=args.device, dtype=args.dtype, block_size=bs,
-                                    num_kv_blocks=blocks, max_num_seqs=max(batches),
-                                    max_num_batched_tokens=max(2048, max(batches) * (args.prompt_len + 8)),
-                                    enable_prefix_caching=False))
+    config = EngineConfig(model, device=args.device, dtype=args.dtype, block_size=bs, num_kv_blocks=blocks,
+                          max_num_seqs=max(batches),
+                          max_num_batched_tokens=max(2048, max(batches) * (args.prompt_len + 8)),
+                          enable_prefix_caching=False)
+    engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     weights = weight_bytes(engine.model)
     ours = {}
     for b in batches:

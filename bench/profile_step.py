@@ -20,6 +20,7 @@ from bench.models import add_model_args, resolve_model
 from bench.report import print_table, save_result
 from bench.workload import PromptMaker
 from decoder_svc.engine.engine import EngineConfig, LLMEngine
+from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.engine.sampling_params import SamplingParams
 
 
@@ -47,10 +48,11 @@ def run(args: argparse.Namespace) -> dict:
     model = resolve_model(args)
     device = torch.device(args.device)
     blocks = args.batch * (-(-(args.prompt_len + 3 * args.steps + 8) // 16)) + 8
-    engine = LLMEngine(EngineConfig(
+    config = EngineConfig(
         model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch, 1), num_kv_blocks=blocks,
         enable_prefix_caching=False, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager))
+        enforce_eager=args.enforce_eager)
+    engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     prompt = PromptMaker(model, seed=0).text(args.prompt_len)
     for i in range(args.batch):
         params = SamplingParams(max_tokens=3 * args.steps, ignore_eos=True)

@@ -34,6 +34,7 @@ from bench.stats import ratio
 from bench.workload import PromptMaker
 from common.client import AsyncDecoderClient
 from decoder_svc.engine.engine import EngineConfig, LLMEngine
+from decoder_svc.engine.local_source import LocalEmbeddingSource
 
 BLOCK_SIZE = 16
 
@@ -62,9 +63,10 @@ def _num_blocks(args: argparse.Namespace, batch: int) -> int:
 def in_process(args: argparse.Namespace, model: str, prompts: list[str],
                batches: list[int]) -> dict[int, float]:
     """Engine tokens/s per batch size (best of --repeats)."""
-    engine = LLMEngine(EngineConfig(model, device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE,
-                                    num_kv_blocks=_num_blocks(args, max(batches)),
-                                    max_num_seqs=args.max_num_seqs, enable_prefix_caching=False))
+    config = EngineConfig(model, device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE,
+                          num_kv_blocks=_num_blocks(args, max(batches)), max_num_seqs=args.max_num_seqs,
+                          enable_prefix_caching=False)
+    engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     out = {}
     for b in batches:
         engine_decode(engine, prompts[0], b, 4)  # warm-up at this batch size

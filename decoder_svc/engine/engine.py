@@ -121,7 +121,9 @@ class EngineStats:
 class LLMEngine:
     """Continuous-batching generation over our paged-KV language model."""
 
-    def __init__(self, config: EngineConfig, embedding_source: EmbeddingSource | None = None) -> None:
+    def __init__(self, config: EngineConfig, embedding_source: EmbeddingSource) -> None:
+        """An engine over `embedding_source`: a remote one (decoder_svc.encoders.remote_source) in the
+        service, LocalEmbeddingSource.for_engine(config) in-process."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
@@ -130,10 +132,6 @@ class LLMEngine:
         self.tokenizer = PromptTokenizer(config.model_dir)
         self.fingerprint = model_fingerprint(config.model_dir)
         self.eos_token_ids = frozenset(generation_eos_ids(config.model_dir))
-        if embedding_source is None:
-            from decoder_svc.engine.local_source import LocalEmbeddingSource
-
-            embedding_source = LocalEmbeddingSource(config.model_dir, self.device, self.dtype)
         self.source = embedding_source
         self.runner = ModelRunner(self.model, RunnerConfig(
             config.device, self.dtype, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from common.checkpoint import parse_dtype
 from common.images import decode_image
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
 from encoder_svc.vision import VisionEncoder
+
+if TYPE_CHECKING:
+    from decoder_svc.engine.engine import EngineConfig
 
 
 class LocalEmbeddingSource(EmbeddingSource):
@@ -31,6 +36,11 @@ class LocalEmbeddingSource(EmbeddingSource):
         self.num_encoded = 0
         self.num_cache_hits = 0
         self.num_requests = 0
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig) -> LocalEmbeddingSource:
+        """The tower on the engine's device and dtype (tests, benchmarks and scripts)."""
+        return cls(config.model_dir, config.device, parse_dtype(config.dtype))
 
     def request(self, req: EmbeddingRequest) -> None:
         key = (req.request_id, req.content_hash)

@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from decoder_svc.engine import EngineConfig, LLMEngine
+from decoder_svc.engine.local_source import LocalEmbeddingSource
 from tests.oracle import HFOracle, make_image
 
 
@@ -30,6 +31,7 @@ def make_engine(tiny_model_dir: Path):
     def make(**overrides) -> LLMEngine:
         cfg = dict(model_dir=tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=2048)
         cfg.update(overrides)
-        return LLMEngine(EngineConfig(**cfg))
+        config = EngineConfig(**cfg)
+        return LLMEngine(config, LocalEmbeddingSource.for_engine(config))
 
     return make

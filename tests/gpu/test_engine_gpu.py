@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from decoder_svc.engine import EngineConfig, LLMEngine, SamplingParams
+from decoder_svc.engine.local_source import LocalEmbeddingSource
 from tests.oracle import HFOracle, make_image, run_all
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +30,8 @@ def _cases():
 def _engine(model_dir, dtype: str, **kw) -> LLMEngine:
     cfg = dict(model_dir=model_dir, device="cuda", dtype=dtype, num_kv_blocks=256)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
+    config = EngineConfig(**cfg)
+    return LLMEngine(config, LocalEmbeddingSource.for_engine(config))
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

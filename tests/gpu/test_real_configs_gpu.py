@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from decoder_svc.engine import EngineConfig, LLMEngine, SamplingParams
+from decoder_svc.engine.local_source import LocalEmbeddingSource
 from tests.conftest import _made
 from tests.integration.test_real_configs import CASES
 from tests.oracle import HFOracle, make_image, run_all
@@ -24,8 +25,9 @@ def test_cuda_fp32_triton_parity(tmp_path_factory, preset, budget):
     case = CASES[preset]
     model_dir = _made(tmp_path_factory, preset, seed=0)
     oracle = HFOracle(model_dir, device="cuda", dtype=torch.float32)
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cuda", dtype="float32", num_kv_blocks=512,
-                                    max_num_batched_tokens=budget, attention_backend="triton"))
+    config = EngineConfig(model_dir=model_dir, device="cuda", dtype="float32", num_kv_blocks=512,
+                          max_num_batched_tokens=budget, attention_backend="triton")
+    engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     assert engine.runner.uses_cuda_graphs
     images = [make_image(31, (40, 52)), make_image(32, (300, 180))]
     jobs = {"text": (case.text, []), "one": (case.one_image, images[:1]), "two": (case.two_images, images)}

@@ -240,6 +240,7 @@ def test_seeded_sampling_equals_the_in_process_engine(pair, tiny_model_dir, test
     """Seeded top-k/top-p sampling through the services: the same seed gives the same tokens (also from a
     warm prefix cache), another seed others, and the in-process engine with that seed gives the same."""
     from decoder_svc.engine import EngineConfig, LLMEngine, SamplingParams
+    from decoder_svc.engine.local_source import LocalEmbeddingSource
 
     image = test_images[3]
     with pair.decoder_client() as client:
@@ -248,7 +249,8 @@ def test_seeded_sampling_equals_the_in_process_engine(pair, tiny_model_dir, test
                 for seed in (1234, 1234, 4321)]
     assert len(runs[0]) == N and runs[0] == runs[1]
     assert runs[2] != runs[0], "two seeds drew the same tokens: is it sampling at all?"
-    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=64))
+    config = EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=64)
+    engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     local = engine.generate("local", PROMPT_1, [image], sampling=SamplingParams(max_tokens=N, seed=1234,
                                                                                  **SAMPLED))
     assert local.new_token_ids == runs[0]
