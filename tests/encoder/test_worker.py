@@ -20,10 +20,13 @@ class _FakeVision:
         self.batches: list[list[str]] = []
         self.gate = threading.Event()
 
-    def encode(self, images):
+    def prepare(self, image):
+        return image  # "images" are their keys here
+
+    def encode_prepared(self, images):
         if not self.batches:
             self.gate.wait(10)
-        self.batches.append([img for img in images])  # "images" are their keys here
+        self.batches.append(list(images))
         return [torch.full((4, 8), float(len(self.batches))) for _ in images]
 
 
@@ -37,7 +40,7 @@ def _submit(cache: EmbeddingCache, worker: VisionWorker, key: str, priority: int
 def test_demand_before_prefetch_and_batches_of_one_priority():
     vision = _FakeVision()
     cache = EmbeddingCache(TensorArena(1 << 16))
-    worker = VisionWorker(vision, cache, max_batch_size=3)
+    worker = VisionWorker(vision, cache, max_batch_images=3)
     try:
         futs = [_submit(cache, worker, "first", DEMAND)]  # occupies the worker until the gate opens
         while worker.queued():
@@ -59,10 +62,10 @@ def test_demand_before_prefetch_and_batches_of_one_priority():
 
 def test_a_failing_batch_fails_its_waiters_and_the_worker_lives_on():
     class Broken(_FakeVision):
-        def encode(self, images):
+        def encode_prepared(self, images):
             if any(k == "bad" for k in images):
                 raise RuntimeError("tower exploded")
-            return super().encode(images)
+            return super().encode_prepared(images)
 
     vision = Broken()
     vision.gate.set()
