@@ -103,6 +103,7 @@ class TorchPixelProcessor:
 
     def __init__(self, processor) -> None:
         self.recipe = recipe_from_processor(processor)
+        self._consts: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def max_abs_diff(self) -> float:
         """The promised bound on |pixel value - HF processor's pixel value|."""
@@ -160,10 +161,18 @@ class TorchPixelProcessor:
         if r.rescale_factor is not None:
             x = (x.double() * r.rescale_factor).float()
         if r.mean is not None:
-            mean = torch.tensor(np.asarray(r.mean, np.float32), device=x.device).view(1, 3, 1, 1)
-            std = torch.tensor(np.asarray(r.std, np.float32), device=x.device).view(1, 3, 1, 1)
+            mean, std = self._mean_std(x.device)
             x = (x - mean) / std
         return x
+
+    def _mean_std(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """mean and std as float32 [1, 3, 1, 1] on device, made once (a host-to-device copy would wait
+        for the stream's queued work)."""
+        if device not in self._consts:
+            mean = torch.tensor(np.asarray(self.recipe.mean, np.float32)).view(1, 3, 1, 1)
+            std = torch.tensor(np.asarray(self.recipe.std, np.float32)).view(1, 3, 1, 1)
+            self._consts[device] = (mean.to(device), std.to(device))
+        return self._consts[device]
 
     def __call__(self, images: list[torch.Tensor]) -> torch.Tensor:
         """Pixel values for images (uint8 [3, H, W] each, all on one device), in input order.
@@ -191,9 +200,16 @@ class TorchPixelProcessor:
         return x if len(groups) == 1 else torch.stack(out)
 
 
-def to_uint8_hwc(image) -> torch.Tensor:
-    """A PIL image as a contiguous uint8 [H, W, 3] RGB tensor (one copy of its pixels)."""
-    return torch.from_numpy(np.array(image.convert("RGB") if image.mode != "RGB" else image))
+def to_uint8_hwc(image, pin_memory: bool = False) -> torch.Tensor:
+    """A PIL image as a contiguous uint8 [H, W, 3] RGB tensor (one copy of its pixels). pin_memory puts
+    it in page-locked memory, so that its copy to a GPU is asynchronous and does not wait for the
+    tower's queued work."""
+    arr = np.asarray(image.convert("RGB") if image.mode != "RGB" else image)
+    if not pin_memory:
+        return torch.from_numpy(arr.copy())
+    out = torch.empty(arr.shape, dtype=torch.uint8, pin_memory=True)
+    out.numpy()[...] = arr
+    return out
 
 
 def to_uint8_chw(image) -> torch.Tensor:

@@ -200,7 +200,7 @@ class VisionEncoder:
         """
         if self.preprocess_mode == "hf":
             return self.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
-        return to_uint8_hwc(image)
+        return to_uint8_hwc(image, pin_memory=self.device.type == "cuda")
 
     def pixels(self, prepared: Sequence[torch.Tensor]) -> torch.Tensor:
         """Pixel values [B, 3, H, W] on the device from `prepare`'s outputs (torch mode: resized, cropped
