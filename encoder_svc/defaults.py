@@ -9,7 +9,8 @@ import os
 # tower's throughput on an H200 grows little while a batch's latency keeps growing.
 DEFAULT_MAX_BATCH_IMAGES = 32
 
-# auto: torch on CUDA (when the processor can be reproduced), else hf. See encoder_svc/vision.py.
+# auto: torch on CUDA in half precision (when the processor can be reproduced), else hf. See
+# encoder_svc/vision.py.
 PREPROCESS_MODES = ("auto", "hf", "torch")
 
 

@@ -51,7 +51,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--preprocess", default="auto", choices=list(PREPROCESS_MODES),
                    help="hf: the checkpoint's HF image processor in CPU threads (exact); torch: resize, "
                    "crop and normalise with torch ops on --device (within 2 uint8 levels of hf); "
-                   "auto: torch on CUDA, else hf")
+                   "auto: torch on CUDA in bfloat16/float16, else hf")
     p.add_argument("--preprocess-threads", type=positive_int, default=None,
                    help="threads preparing images off the tower's thread (default: cores - 1, at most 16)")
     p.add_argument("--max-images-per-request", type=positive_int, default=ImageLimits.max_images_per_request)

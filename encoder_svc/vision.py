@@ -84,8 +84,9 @@ class VisionEncoder:
     run in the worker's preprocessing pool) and `pixels` (a batch of prepared images to pixel values
     on the device). preprocess="hf" prepares with the checkpoint's HF image processor (exact; CPU);
     "torch" prepares only a uint8 tensor and resizes, crops and normalises on the device
-    (encoder_svc/pixels.py, within `pixel_tolerance` of the HF processor); "auto" is "torch" on CUDA
-    when the processor can be reproduced, else "hf".
+    (encoder_svc/pixels.py, within `pixel_tolerance` of the HF processor); "auto" is "torch" on CUDA in
+    half precision (where the tower's own rounding is far larger than a pixel level) when the processor
+    can be reproduced, else "hf" (fp32 keeps bit parity with HF's processor, the oracle tests' contract).
 
     Thread-safety: `encode`/`encode_prepared` may be called from one worker thread at a time; `calls`
     and `images_encoded` count tower invocations (tests use them to prove cache hits run no vision work).
@@ -138,7 +139,7 @@ class VisionEncoder:
         if mode not in PREPROCESS_MODES:
             raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {mode!r}")
         self.pixel_processor: TorchPixelProcessor | None = None
-        if mode == "hf" or (mode == "auto" and self.device.type != "cuda"):
+        if mode == "hf" or (mode == "auto" and (self.device.type != "cuda" or self.dtype == torch.float32)):
             return "hf"
         try:
             self.pixel_processor = TorchPixelProcessor(self.image_processor)
