@@ -52,6 +52,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="hf: the checkpoint's HF image processor in CPU threads (exact); torch: resize, "
                    "crop and normalise with torch ops on --device (within 2 uint8 levels of hf); "
                    "auto: torch on CUDA in bfloat16/float16, else hf")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs of the vision tower (on CUDA, demand batches replay graphs "
+                   "captured at startup for 1, 2, 4, ... --max-batch-images images)")
     p.add_argument("--preprocess-threads", type=positive_int, default=None,
                    help="threads preparing images off the tower's thread (default: cores - 1, at most 16)")
     p.add_argument("--max-images-per-request", type=positive_int, default=ImageLimits.max_images_per_request)
@@ -72,6 +75,7 @@ def config_from_args(args: argparse.Namespace):
         model=args.model, device=args.device, dtype=parse_dtype(args.dtype), cache_bytes=args.cache_bytes,
         lease_ttl_s=args.lease_ttl, max_batch_images=args.max_batch_images, arena=args.arena,
         preprocess=args.preprocess, preprocess_threads=args.preprocess_threads,
+        enforce_eager=args.enforce_eager,
         limits=ImageLimits(max_side=args.max_image_side, max_images_per_request=args.max_images_per_request))
 
 

@@ -53,6 +53,7 @@ class EncoderConfig:
     max_batch_images: int = DEFAULT_MAX_BATCH_IMAGES
     preprocess: str = "auto"  # auto | hf | torch (see VisionEncoder)
     preprocess_threads: int | None = None  # None: default_preprocess_threads()
+    enforce_eager: bool = False  # no CUDA graphs of the vision tower (they are captured on CUDA only)
     limits: ImageLimits = field(default_factory=ImageLimits)
     arena: str = "auto"  # auto | shm | cuda | private
 
@@ -123,6 +124,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         vision = VisionEncoder(config.model, device, config.dtype, preprocess=config.preprocess)
+        if not config.enforce_eager:
+            vision.capture_graphs(config.max_batch_images)  # before any other thread uses the GPU
         if vision.embedding_nbytes > config.cache_bytes:
             raise ValueError(f"--cache-bytes {config.cache_bytes} cannot hold one image's embedding "
                              f"({vision.embedding_nbytes} bytes)")

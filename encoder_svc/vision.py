@@ -128,6 +128,7 @@ class VisionEncoder:
 
         self.image_processor = _load_image_processor(self.model_dir)
         self.preprocess_mode = self._pick_preprocess(preprocess)
+        self.graphs = None  # GraphedForward once capture_graphs() succeeds
         self.num_image_tokens = self.layout.num_image_tokens
         self.hidden_size = config.text_config.hidden_size
         self.calls = 0
@@ -211,17 +212,44 @@ class VisionEncoder:
             return torch.stack(list(prepared))
         return self.pixel_processor([t.to(self.device, non_blocking=True).permute(2, 0, 1) for t in prepared])
 
-    @torch.inference_mode()
-    def forward_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Image features [B, num_image_tokens, text_hidden_size] from pixel values."""
-        pixel_values = pixel_values.to(self.device, self.dtype, non_blocking=True)
+    def _features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The tower and projector on device pixels in the model dtype (what CUDA graphs capture)."""
         out = self.tower(pixel_values=pixel_values, output_hidden_states=True, return_dict=True)
         hidden = out.hidden_states
         pool = [hidden[i] for i in self.feature_layers]
         if self.select_strategy == "default":
             pool = [h[:, 1:] for h in pool]
         selected = pool[0] if not self.multi_layer else torch.cat(pool, dim=-1)
-        feats = self.projector(selected)
+        return self.projector(selected)
+
+    def capture_graphs(self, max_batch: int) -> bool:
+        """Capture CUDA graphs of the tower for batches up to max_batch (encoder_svc/graphs.py); False
+        (and eager forwards) off CUDA or when capturing fails."""
+        if self.device.type != "cuda":
+            return False
+        from encoder_svc.graphs import GraphedForward, bucket_sizes
+
+        size = self.config.vision_config.image_size
+        sample = (self.config.vision_config.num_channels, size, size)
+        try:
+            self.graphs = GraphedForward(self._features, sample, self.dtype, self.device,
+                                         bucket_sizes(max_batch))
+        except Exception as exc:  # noqa: BLE001 - a tower that cannot be captured still runs eagerly
+            log.warning("CUDA graph capture of the vision tower failed, running eagerly: %s", exc)
+            self.graphs = None
+            return False
+        log.info("vision tower CUDA graphs captured for batches %s", self.graphs.buckets)
+        return True
+
+    @torch.inference_mode()
+    def forward_pixels(self, pixel_values: torch.Tensor, use_graphs: bool = False) -> torch.Tensor:
+        """Image features [B, num_image_tokens, text_hidden_size] from pixel values; from the CUDA graphs
+        when use_graphs and they were captured (one stream only may replay them: see graphs.py)."""
+        pixel_values = pixel_values.to(self.device, self.dtype, non_blocking=True)
+        if use_graphs and self.graphs is not None:
+            feats = self.graphs(pixel_values)
+        else:
+            feats = self._features(pixel_values)
         with self._count_lock:
             self.calls += 1
             self.images_encoded += feats.shape[0]
@@ -231,11 +259,12 @@ class VisionEncoder:
         """One [num_image_tokens, text_hidden_size] tensor per image, on the encoder's device."""
         return self.encode_prepared([self.prepare(image) for image in images])
 
-    def encode_prepared(self, prepared: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """`encode` for images already through `prepare`."""
+    def encode_prepared(self, prepared: Sequence[torch.Tensor],
+                        use_graphs: bool = False) -> list[torch.Tensor]:
+        """`encode` for images already through `prepare` (use_graphs: see forward_pixels)."""
         if not prepared:
             return []
-        return list(self.forward_pixels(self.pixels(prepared)).unbind(0))
+        return list(self.forward_pixels(self.pixels(prepared), use_graphs).unbind(0))
 
     def warm_up(self) -> None:
         """Run one dummy image through the tower (first-call allocations, kernels, lazy imports) and

@@ -167,7 +167,9 @@ class VisionWorker:
         self.busy_s += time.monotonic() - t0
 
     def _encode_and_store(self, batch: list[tuple[_Job, object]]) -> None:
-        feats = self.vision.encode_prepared([prepared for _, prepared in batch])
+        # CUDA graphs for demand batches only: their static buffers belong to one stream (graphs.py)
+        feats = self.vision.encode_prepared([prepared for _, prepared in batch],
+                                            use_graphs=batch[0][0].priority == DEMAND)
         self.batches += 1
         self.encodes += len(batch)
         for (job, _), feat in zip(batch, feats, strict=True):

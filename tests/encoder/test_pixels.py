@@ -165,3 +165,14 @@ def test_encode_rpc_with_torch_preprocessing(tiny_model_dir):
         assert (got - want).abs().max().item() == 0.0
     finally:
         harness.close()
+
+
+def test_graph_buckets_and_no_graphs_on_cpu(tiny_model_dir):
+    from encoder_svc.graphs import bucket_sizes
+
+    assert bucket_sizes(1) == [1] and bucket_sizes(8) == [1, 2, 4, 8] and bucket_sizes(12) == [1, 2, 4, 8, 12]
+    vision = VisionEncoder(tiny_model_dir)
+    assert not vision.capture_graphs(4) and vision.graphs is None
+    img = _image("noise", 30, 30)
+    assert torch.equal(vision.encode_prepared([vision.prepare(img)], use_graphs=True)[0],
+                       vision.encode([img])[0])

@@ -18,12 +18,14 @@ class _FakeVision:
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
+        self.graphed: list[bool] = []  # use_graphs per batch
         self.gate = threading.Event()
 
     def prepare(self, image):
         return image  # "images" are their keys here
 
-    def encode_prepared(self, images):
+    def encode_prepared(self, images, use_graphs=False):
+        self.graphed.append(use_graphs)
         if not self.batches:
             self.gate.wait(10)
         self.batches.append(list(images))
@@ -55,6 +57,7 @@ def test_demand_before_prefetch_and_batches_of_one_priority():
         assert vision.batches[0] == ["first"]
         assert vision.batches[1] == ["d0", "d1", "p3"], "demand work (and the boosted job) goes first"
         assert vision.batches[2:] == [["p0", "p1", "p2"]]
+        assert vision.graphed == [True, True, False], "CUDA graphs (one stream's) for demand batches only"
         assert worker.encodes == 7 and cache.stats().entries == 7
     finally:
         worker.stop()
@@ -62,10 +65,10 @@ def test_demand_before_prefetch_and_batches_of_one_priority():
 
 def test_a_failing_batch_fails_its_waiters_and_the_worker_lives_on():
     class Broken(_FakeVision):
-        def encode_prepared(self, images):
+        def encode_prepared(self, images, use_graphs=False):
             if any(k == "bad" for k in images):
                 raise RuntimeError("tower exploded")
-            return super().encode_prepared(images)
+            return super().encode_prepared(images, use_graphs)
 
     vision = Broken()
     vision.gate.set()

@@ -61,3 +61,39 @@ def test_encoder_on_cuda_with_torch_preprocessing_matches_hf(tiny_model_dir):
         torch.testing.assert_close(got[3].cpu(), want[3], rtol=0, atol=0.05)  # resized: within tolerance
     finally:
         harness.close()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_graphed_tower_matches_eager(tiny_model_dir, dtype, tol):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    vision = VisionEncoder(tiny_model_dir, "cuda", dtype)
+    assert vision.capture_graphs(8) and vision.graphs.buckets == [1, 2, 4, 8]
+    side = vision.config.vision_config.image_size
+    images = [_image("noise", side, side, seed=s) for s in range(9)]
+    prepared = [vision.prepare(i) for i in images]
+    for n in (1, 3, 8, 9):  # a bucket exactly, padded into 4, the largest, past it (eager)
+        eager = vision.encode_prepared(prepared[:n])
+        graphed = vision.encode_prepared(prepared[:n], use_graphs=True)
+        for e, g in zip(eager, graphed, strict=True):
+            torch.testing.assert_close(g.float(), e.float(), rtol=tol, atol=tol)
+    # a replay's result is a copy: the next replay does not change it
+    first = vision.encode_prepared(prepared[:1], use_graphs=True)[0].clone()
+    kept = vision.encode_prepared(prepared[:1], use_graphs=True)[0]
+    vision.encode_prepared(prepared[5:6], use_graphs=True)
+    assert torch.equal(kept, first)
+
+
+def test_encoder_service_captures_graphs_unless_eager(tiny_model_dir):
+    for eager in (False, True):
+        harness = EncoderHarness(EncoderConfig(model=tiny_model_dir, device="cuda", dtype=torch.bfloat16,
+                                               cache_bytes=1 << 20, max_batch_images=4, enforce_eager=eager))
+        try:
+            assert (harness.servicer.vision.graphs is None) == eager
+            img = _image("noise", 50, 40, seed=5)
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            resp = harness.stub.Encode(encode_request(buf.getvalue(), accept=[common_pb2.TRANSPORT_INLINE]),
+                                       timeout=60)
+            assert resp.embeddings[0].shape[0] == harness.servicer.vision.num_image_tokens
+        finally:
+            harness.close()

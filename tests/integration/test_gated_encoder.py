@@ -50,12 +50,12 @@ class Gate:
         self._open.set()
         self.entered = threading.Event()  # an encode reached the gate while it was closed
 
-    def __call__(self, images):
+    def __call__(self, images, **kw):
         if not self._open.is_set():
             self.entered.set()
             if not self._open.wait(60):
                 raise RuntimeError("the test never opened the gate")
-        return self._encode(images)
+        return self._encode(images, **kw)
 
     @contextmanager
     def closed(self) -> Iterator[None]:
