@@ -1,13 +1,14 @@
-"""The vision worker: a preprocessing pool feeding one thread that batches queued images and runs the tower.
+"""The vision worker: preprocessing pools feeding one thread that batches queued images and runs the tower.
 
-Each image starts preprocessing (`VisionEncoder.prepare`) in a thread pool the moment it is
-submitted, so decode-side work runs in parallel and the next batch is prepared while the tower runs
-the current one; the tower thread only stacks prepared images and launches the forward pass.
+Each image starts preprocessing (`VisionEncoder.prepare`) in a thread pool (one per priority) the
+moment it is submitted, so that work runs in parallel and the next batch is prepared while the tower
+runs the current one; the tower thread only stacks prepared images and launches the forward pass.
 
 Demand work goes before prefetch (lookahead) work: a priority queue ordered by (priority, arrival).
 A batch holds jobs of one priority only, so on a GPU a demand batch runs on the high-priority CUDA
-stream and a prefetch batch on the low-priority side stream. A demand request that joins a queued
-prefetch job boosts it to demand priority.
+stream and a prefetch batch on the low-priority side stream; demand batches replay the tower's CUDA
+graphs (graphs.py), whose buffers belong to one stream. A demand request that joins a queued prefetch
+job boosts it to demand priority.
 
 The batch follows the load: the tower thread takes every queued job of the head priority, up to
 `max_batch_images`, without waiting for more to arrive. One queued image runs alone at once (lowest
@@ -56,8 +57,13 @@ class VisionWorker:
         self.vision = vision
         self.cache = cache
         self.max_batch_images = max(1, max_batch_images)
-        self._pool = cf.ThreadPoolExecutor(preprocess_threads or default_preprocess_threads(),
-                                           thread_name_prefix="vision-prep")
+        threads = preprocess_threads or default_preprocess_threads()
+        # One pool per priority: a demand image never queues behind a burst of prefetch images (both
+        # share the cores; prefetch gets half the threads).
+        self._pools = {
+            DEMAND: cf.ThreadPoolExecutor(threads, thread_name_prefix="vision-prep"),
+            PREFETCH: cf.ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="vision-prep-lo"),
+        }
         self._heap: list[tuple[int, int, _Job]] = []
         self._jobs: dict[str, _Job] = {}
         self._seq = itertools.count()
@@ -82,7 +88,7 @@ class VisionWorker:
             if self._stopped:
                 self.cache.fail(key, ShuttingDownError("encoder shutting down"))
                 return
-            job = _Job(key, self._pool.submit(self.vision.prepare, image), priority)
+            job = _Job(key, self._pools[priority].submit(self.vision.prepare, image), priority)
             self._jobs[key] = job
             heapq.heappush(self._heap, (priority, next(self._seq), job))
             self._cv.notify()
@@ -191,4 +197,5 @@ class VisionWorker:
             job.prepared.cancel()
             self.cache.fail(job.key, ShuttingDownError("encoder shutting down"))
         self._thread.join(timeout=30)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
