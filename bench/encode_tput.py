@@ -275,6 +275,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.preprocess:
         extra += ["--preprocess", args.preprocess]
     svc = None
+    encoder_log = None
     address = args.encoder
     if address is None:
         # the default 1 GiB cache holds > 200 7B embeddings: every lease is released at once
@@ -288,6 +289,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         if svc is not None:
             svc.stop()
+            encoder_log = svc.log_tail(20)  # warnings only: e.g. a CUDA graph capture that failed
 
     hf, hf_processor = [], None
     if hf_batches:
@@ -321,7 +323,8 @@ def run(args: argparse.Namespace) -> dict:
                    for name, r in host["scaling"].items()])
     print_table("targets (issue 16)", ["", "value"], [[k, v] for k, v in targets.items()])
     return save_result("encode_tput", args, {"encode": encode, "hf": hf, "host": host, "targets": targets},
-                       hf_processor=hf_processor, encoder_stats=stats, model_dir=str(model_dir))
+                       hf_processor=hf_processor, encoder_stats=stats, encoder_log=encoder_log,
+                       model_dir=str(model_dir))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
