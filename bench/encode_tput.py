@@ -54,8 +54,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--channels", type=int, default=4, help="gRPC channels the clients share")
     p.add_argument("--max-batch-images", type=int, default=None, help="passed to a spawned encoder")
     p.add_argument("--preprocess", default=None, help="passed to a spawned encoder (auto, hf, torch)")
-    p.add_argument("--cache-bytes", type=int, default=2 << 30,
-                   help="a spawned encoder's cache: 2 leased embeddings per client (7B: 4.7 MB each)")
+    p.add_argument("--cache-bytes", type=int, default=None,
+                   help="a spawned encoder's cache (default 2 GiB on CUDA: 2 leased 7B embeddings of "
+                   "4.7 MB per client; 256 MiB on CPU)")
     p.add_argument("--host-threads", type=int, default=8, help="threads for the host-cost scaling run")
     p.add_argument("--seed", type=int, default=0, help="image seed: change it to miss on a warm encoder")
     p.add_argument("--out", default=None)
@@ -280,9 +281,9 @@ def run(args: argparse.Namespace) -> dict:
     encoder_log = None
     address = args.encoder
     if address is None:
+        cache = args.cache_bytes or (2 << 30 if device.type == "cuda" else 256 << 20)
         svc = encoder_service(model_dir, workdir(args.logs), args.device, args.dtype,
-                              extra=["--log-level", "WARNING", "--cache-bytes", str(args.cache_bytes),
-                                     *extra]).start()
+                              extra=["--log-level", "WARNING", "--cache-bytes", str(cache), *extra]).start()
         address = svc.address
     try:
         print(f"encode via {address}", flush=True)
