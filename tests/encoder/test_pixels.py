@@ -176,3 +176,19 @@ def test_graph_buckets_and_no_graphs_on_cpu(tiny_model_dir):
     img = _image("noise", 30, 30)
     assert torch.equal(vision.encode_prepared([vision.prepare(img)], use_graphs=True)[0],
                        vision.encode([img])[0])
+
+
+def test_siglip_square_resize_within_tolerance():
+    try:
+        from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil as cls
+    except ImportError:
+        from transformers import SiglipImageProcessor as cls
+    hf = cls(size={"height": 48, "width": 48}, resample=3, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    tp = TorchPixelProcessor(hf)
+    assert tp.recipe.resize_hw == (48, 48) and tp.recipe.crop_hw is None
+    for width, height in [(48, 48), (64, 20), (30, 90), (13, 9)]:
+        img = _image("noise", width, height, seed=width)
+        ref = hf(images=[img], return_tensors="pt")["pixel_values"]
+        got = tp([to_uint8_chw(img)])
+        assert got.shape == ref.shape == (1, 3, 48, 48)
+        assert (got - ref).abs().max().item() <= tp.max_abs_diff()
