@@ -50,7 +50,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    "(--max-batch-size is the old name)")
     p.add_argument("--preprocess", default="auto", choices=list(PREPROCESS_MODES),
                    help="hf: the checkpoint's HF image processor in CPU threads (exact); torch: resize, "
-                   "crop and normalise with torch ops on --device (within 2 uint8 levels of hf); "
+                   "crop and normalise with torch ops on --device (identical to hf without resampling, "
+                   "else a few uint8 levels off: encoder_svc/pixels.py); "
                    "auto: torch on CUDA in bfloat16/float16, else hf")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs of the vision tower (on CUDA, demand batches replay graphs "

@@ -13,7 +13,7 @@ from encoder_svc.pixels import TorchPixelProcessor, to_uint8_chw
 from encoder_svc.server import EncoderConfig
 from encoder_svc.vision import VisionEncoder
 from tests.encoder.conftest import EncoderHarness, encode_request
-from tests.encoder.test_pixels import SIZES, _clip_processor, _image
+from tests.encoder.test_pixels import SIZES, _clip_processor, _image, assert_within_tolerance
 from tests.encoder.test_vision import _hf_features
 
 pytestmark = pytest.mark.gpu
@@ -28,7 +28,7 @@ def test_cuda_pixels_within_the_stated_tolerance_of_hf(side):
             img = _image(kind, width, height)
             ref = hf(images=[img], return_tensors="pt")["pixel_values"]
             got = tp([to_uint8_chw(img).cuda()]).cpu()
-            assert (got - ref).abs().max().item() <= tp.max_abs_diff(), (side, width, height, kind)
+            assert_within_tolerance(tp, got, ref, kind, (side, width, height, kind))
             if (width, height) == (side, side):
                 assert torch.equal(got, ref)
 
