@@ -64,6 +64,8 @@ class GraphedForward:
         if b is None:
             return self.fn(pixels)
         graph, static_in, static_out = self._graphs[b]
+        if pixels.shape[1:] != static_in.shape[1:] or pixels.dtype != static_in.dtype:
+            return self.fn(pixels)  # not the captured image shape: eager
         n = pixels.shape[0]
         static_in[:n].copy_(pixels)
         graph.replay()
