@@ -6,7 +6,8 @@
 #   OUT=/some/dir bash bench/run_serving_gpu.sh [STEP ...]       (from the repository root)
 #
 # STEPs (default all): tests handoff serve_decode copy_overlap gateway (the gateway step needs starlette,
-# uvicorn and pydantic installed). Env: OUT (required), MODEL_DIR (default
+# uvicorn and pydantic installed). Not in the default: encode_tput (encoder throughput vs HF, ~3 min)
+# and encode_tests (the encoder's GPU preprocessing tests). Env: OUT (required), MODEL_DIR (default
 # /tmp/llava7b, made when missing), PYTHON (default python3), BUDGET_S (default 560: each step's timeout
 # is cut to what is left).
 set -u
@@ -39,7 +40,9 @@ for s in $STEPS; do
       step gpu_tests 240 "$PY" -m pytest -q -x -p no:cacheprovider tests/gpu/test_lease_race_gpu.py \
         tests/gpu/test_pair_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_transport_gpu.py \
         tests/gpu/test_real_configs_gpu.py ;;
-    handoff|serve_decode|copy_overlap|gateway)
+    encode_tests)
+      step encode_tests 120 "$PY" -m pytest -q -x -p no:cacheprovider tests/gpu/test_pixels_gpu.py ;;
+    handoff|serve_decode|copy_overlap|gateway|encode_tput)
       if [ ! -f "$MODEL/mmserve_model.json" ]; then
         step make_model 120 "$PY" -m common.cli make-model --preset llava-1.5-7b --out "$MODEL" "${DT[@]}"
       fi
@@ -50,6 +53,8 @@ for s in $STEPS; do
                         --batch-sizes 8,32 --output-len 192 --repeats 2 --out "$OUT/serve_decode.json" ;;
         copy_overlap) step copy_overlap 120 "$PY" -m bench.copy_overlap --model "$MODEL" "${DT[@]}" \
                         --trace "$OUT/copy_overlap_trace.json.gz" --out "$OUT/copy_overlap.json" ;;
+        encode_tput) step encode_tput 240 "$PY" -m bench.encode_tput --model "$MODEL" "${DT[@]}" \
+                       --images 256 --concurrency 1,8,32,64 --hf-batches 1,32 --out "$OUT/encode_tput.json" ;;
         gateway) step gateway_latency 150 "$PY" -m bench.gateway_latency --model "$MODEL" "${DT[@]}" \
                    --rounds 30 --out "$OUT/gateway_latency.json" ;;
       esac ;;

@@ -2,6 +2,8 @@
 
 - `vision.VisionEncoder`: vision tower + projector only, equal to HF `get_image_features`.
 - `cache.EmbeddingCache`: byte-bounded LRU over an arena, leases with a TTL, in-flight dedup.
-- `worker.VisionWorker`: one thread, demand before prefetch, batches per priority (CUDA streams).
+- `pixels.TorchPixelProcessor`: the checkpoint's image processor as torch ops (GPU preprocessing).
+- `worker.VisionWorker`: a preprocessing pool and one tower thread, demand before prefetch, batches
+  per priority that follow the queue (CUDA streams).
 - `server.EncoderServicer`: the gRPC API; `main.run(args)` / `python -m encoder_svc` start it.
 """

@@ -23,6 +23,7 @@ from common.images import ImageLimits
 from common.pb import encoder_pb2_grpc
 from common.security.options import add_server_args, server_security_from_args
 from common.server import GrpcService, configure_logging
+from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, PREPROCESS_MODES
 
 log = logging.getLogger("mmserve.encoder")
 
@@ -43,7 +44,20 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="seconds before an unreleased lease expires")
     p.add_argument("--metrics-port", type=port_number, default=None,
                    help="Prometheus /metrics port (off if unset)")
-    p.add_argument("--max-batch-size", type=positive_int, default=8, help="images per vision-tower batch")
+    p.add_argument("--max-batch-images", "--max-batch-size", dest="max_batch_images", type=positive_int,
+                   default=DEFAULT_MAX_BATCH_IMAGES,
+                   help="most images per vision-tower batch; batches follow the queue up to it "
+                   "(--max-batch-size is the old name)")
+    p.add_argument("--preprocess", default="auto", choices=list(PREPROCESS_MODES),
+                   help="hf: the checkpoint's HF image processor in CPU threads (exact); torch: resize, "
+                   "crop and normalise with torch ops on --device (identical to hf without resampling, "
+                   "else a few uint8 levels off: encoder_svc/pixels.py); "
+                   "auto: torch on CUDA in bfloat16/float16, else hf")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs of the vision tower (on CUDA, demand batches replay graphs "
+                   "captured at startup for 1, 2, 4, ... --max-batch-images images)")
+    p.add_argument("--preprocess-threads", type=positive_int, default=None,
+                   help="threads preparing images off the tower's thread (default: cores - 1, at most 16)")
     p.add_argument("--max-images-per-request", type=positive_int, default=ImageLimits.max_images_per_request)
     p.add_argument("--max-image-side", type=positive_int, default=ImageLimits.max_side, help="pixels")
     p.add_argument("--arena", default="auto", choices=["auto", "shm", "cuda", "private"],
@@ -60,7 +74,9 @@ def config_from_args(args: argparse.Namespace):
 
     return EncoderConfig(
         model=args.model, device=args.device, dtype=parse_dtype(args.dtype), cache_bytes=args.cache_bytes,
-        lease_ttl_s=args.lease_ttl, max_batch_size=args.max_batch_size, arena=args.arena,
+        lease_ttl_s=args.lease_ttl, max_batch_images=args.max_batch_images, arena=args.arena,
+        preprocess=args.preprocess, preprocess_threads=args.preprocess_threads,
+        enforce_eager=args.enforce_eager,
         limits=ImageLimits(max_side=args.max_image_side, max_images_per_request=args.max_images_per_request))
 
 

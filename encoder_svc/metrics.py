@@ -42,6 +42,8 @@ class EncoderMetrics(Collector):
             ("mmserve_encoder_expired_leases", "Leases that expired unreleased", s.expired_leases),
             ("mmserve_encoder_inflight_dedups", "Requests that joined a running encode", s.inflight_dedups),
             ("mmserve_encoder_images_encoded", "Images run through the vision tower", self._worker.encodes),
+            # images_encoded / vision_batches is the mean batch: it follows the queue up to --max-batch-images
+            ("mmserve_encoder_vision_batches", "Vision-tower batches run", self._worker.batches),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         for name, doc, value in (
@@ -51,6 +53,8 @@ class EncoderMetrics(Collector):
             ("mmserve_encoder_cache_entries", "Cached embeddings", s.entries),
             ("mmserve_encoder_active_leases", "Leases held now", s.active_leases),
             ("mmserve_encoder_queue_depth", "Images waiting for the vision tower", self._worker.queued()),
+            ("mmserve_encoder_cuda_graphs", "1 when demand batches replay CUDA graphs of the tower",
+             int(getattr(self._worker.vision, "graphs", None) is not None)),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         yield from self.encode_latency.collect()

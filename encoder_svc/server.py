@@ -28,6 +28,7 @@ from common.images import ImageError, ImageLimits, decode_image
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.transport.arena import Arena, TensorArena
 from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError, ShuttingDownError
+from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES
 from encoder_svc.metrics import EncoderMetrics
 from encoder_svc.refs import build_ref, choose_transport, inline_payload, served_transports
 from encoder_svc.vision import VisionEncoder
@@ -49,7 +50,10 @@ class EncoderConfig:
     dtype: torch.dtype = torch.float32
     cache_bytes: int = 1 << 30
     lease_ttl_s: float = 60.0
-    max_batch_size: int = 8
+    max_batch_images: int = DEFAULT_MAX_BATCH_IMAGES
+    preprocess: str = "auto"  # auto | hf | torch (see VisionEncoder)
+    preprocess_threads: int | None = None  # None: default_preprocess_threads()
+    enforce_eager: bool = False  # no CUDA graphs of the vision tower (they are captured on CUDA only)
     limits: ImageLimits = field(default_factory=ImageLimits)
     arena: str = "auto"  # auto | shm | cuda | private
 
@@ -119,13 +123,15 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         device = torch.device(config.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        vision = VisionEncoder(config.model, device, config.dtype)
+        vision = VisionEncoder(config.model, device, config.dtype, preprocess=config.preprocess)
+        if not config.enforce_eager:
+            vision.capture_graphs(config.max_batch_images)  # before any other thread uses the GPU
         if vision.embedding_nbytes > config.cache_bytes:
             raise ValueError(f"--cache-bytes {config.cache_bytes} cannot hold one image's embedding "
                              f"({vision.embedding_nbytes} bytes)")
         arena = make_arena(config.arena, config.cache_bytes, device)
         cache = EmbeddingCache(arena, config.lease_ttl_s)
-        worker = VisionWorker(vision, cache, config.max_batch_size)
+        worker = VisionWorker(vision, cache, config.max_batch_images, config.preprocess_threads)
         return cls(vision, cache, worker, config.limits, registry)
 
     # -- helpers -----------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from PIL import Image
 
 from common.checkpoint import load_config, load_tensors, model_fingerprint
 from common.image_tokens import UnsupportedImageConfigError, load_image_token_layout
+from encoder_svc.defaults import PREPROCESS_MODES
+from encoder_svc.pixels import TorchPixelProcessor, UnsupportedProcessorError, to_uint8_hwc
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +80,20 @@ def _load_image_processor(model_dir: Path):
 class VisionEncoder:
     """Images to LLaVA image features, [num_image_tokens, text_hidden_size] per image.
 
-    Thread-safety: `encode` may be called from one worker thread at a time; `calls` and
-    `images_encoded` count tower invocations (tests use them to prove cache hits run no vision work).
+    Preprocessing is split in two so it can leave the tower's thread: `prepare` (one image, thread-safe,
+    run in the worker's preprocessing pool) and `pixels` (a batch of prepared images to pixel values
+    on the device). preprocess="hf" prepares with the checkpoint's HF image processor (exact; CPU);
+    "torch" prepares only a uint8 tensor and resizes, crops and normalises on the device
+    (encoder_svc/pixels.py, within `pixel_tolerance` of the HF processor); "auto" is "torch" on CUDA in
+    half precision (where the tower's own rounding is far larger than a pixel level) when the processor
+    can be reproduced, else "hf" (fp32 keeps bit parity with HF's processor, the oracle tests' contract).
+
+    Thread-safety: `encode`/`encode_prepared` may be called from one worker thread at a time; `calls`
+    and `images_encoded` count tower invocations (tests use them to prove cache hits run no vision work).
     """
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, preprocess: str = "auto") -> None:
         from transformers import AutoConfig, AutoModel
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
@@ -117,11 +127,34 @@ class VisionEncoder:
         self.projector = projector.to(self.device, dtype).eval()
 
         self.image_processor = _load_image_processor(self.model_dir)
+        self.preprocess_mode = self._pick_preprocess(preprocess)
+        self.graphs = None  # GraphedForward once capture_graphs() succeeds
         self.num_image_tokens = self.layout.num_image_tokens
         self.hidden_size = config.text_config.hidden_size
         self.calls = 0
         self.images_encoded = 0
         self._count_lock = threading.Lock()
+
+    def _pick_preprocess(self, mode: str) -> str:
+        """"hf" or "torch" for the requested mode; "torch" on a processor it cannot reproduce raises."""
+        if mode not in PREPROCESS_MODES:
+            raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {mode!r}")
+        self.pixel_processor: TorchPixelProcessor | None = None
+        if mode == "hf" or (mode == "auto" and (self.device.type != "cuda" or self.dtype == torch.float32)):
+            return "hf"
+        try:
+            self.pixel_processor = TorchPixelProcessor(self.image_processor)
+        except UnsupportedProcessorError as exc:
+            if mode == "torch":
+                raise ValueError(f"--preprocess torch cannot reproduce this image processor: {exc}") from None
+            log.info("preprocessing with the HF image processor: %s", exc)
+            return "hf"
+        return "torch"
+
+    @property
+    def pixel_tolerance(self) -> float:
+        """Largest |pixel value - HF processor's| the preprocessing may give (0 for "hf")."""
+        return 0.0 if self.pixel_processor is None else self.pixel_processor.max_abs_diff()
 
     def _load_weights(self, tower: torch.nn.Module, projector: torch.nn.Module, keep_layers: int) -> None:
         tensors = load_tensors(self.model_dir, _VISION_PREFIXES + _PROJECTOR_PREFIXES)
@@ -156,21 +189,67 @@ class VisionEncoder:
         return self.num_image_tokens * self.hidden_size * torch.empty((), dtype=self.dtype).element_size()
 
     def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
-        """Pixel values [B, 3, H, W] (fp32, CPU) from the checkpoint's image processor."""
+        """Pixel values [B, 3, H, W] (fp32, CPU) from the checkpoint's HF image processor (the reference)."""
         out = self.image_processor(images=list(images), return_tensors="pt")
         return out["pixel_values"]
 
-    @torch.inference_mode()
-    def forward_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Image features [B, num_image_tokens, text_hidden_size] from pixel values."""
-        pixel_values = pixel_values.to(self.device, self.dtype, non_blocking=True)
+    def prepare(self, image: Image.Image) -> torch.Tensor:
+        """One image's host-side preprocessing; thread-safe (the HF processor keeps no per-call state, and
+        Pillow and numpy drop the GIL in decode, resize and array maths, so threads run it in parallel).
+
+        "hf": its pixel values [3, H, W] fp32. "torch": a uint8 [H, W, 3] tensor for `pixels` (copied to
+        the device as it is laid out, made channels-first there).
+        """
+        if self.preprocess_mode == "hf":
+            return self.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
+        return to_uint8_hwc(image, pin_memory=self.device.type == "cuda")
+
+    def pixels(self, prepared: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Pixel values [B, 3, H, W] on the device from `prepare`'s outputs (torch mode: resized, cropped
+        and normalised there). The HF processor works image by image, so stacking its per-image outputs
+        gives exactly its batched output."""
+        if self.preprocess_mode == "hf":
+            return torch.stack(list(prepared))
+        return self.pixel_processor([t.to(self.device, non_blocking=True).permute(2, 0, 1) for t in prepared])
+
+    def _features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The tower and projector on device pixels in the model dtype (what CUDA graphs capture)."""
         out = self.tower(pixel_values=pixel_values, output_hidden_states=True, return_dict=True)
         hidden = out.hidden_states
         pool = [hidden[i] for i in self.feature_layers]
         if self.select_strategy == "default":
             pool = [h[:, 1:] for h in pool]
         selected = pool[0] if not self.multi_layer else torch.cat(pool, dim=-1)
-        feats = self.projector(selected)
+        return self.projector(selected)
+
+    def capture_graphs(self, max_batch: int) -> bool:
+        """Capture CUDA graphs of the tower for batches up to max_batch (encoder_svc/graphs.py); False
+        (and eager forwards) off CUDA or when capturing fails."""
+        if self.device.type != "cuda":
+            return False
+        from encoder_svc.graphs import GraphedForward, bucket_sizes
+
+        size = self.config.vision_config.image_size
+        sample = (self.config.vision_config.num_channels, size, size)
+        try:
+            self.graphs = GraphedForward(self._features, sample, self.dtype, self.device,
+                                         bucket_sizes(max_batch))
+        except Exception as exc:  # noqa: BLE001 - a tower that cannot be captured still runs eagerly
+            log.warning("CUDA graph capture of the vision tower failed, running eagerly: %s", exc)
+            self.graphs = None
+            return False
+        log.info("vision tower CUDA graphs captured for batches %s", self.graphs.buckets)
+        return True
+
+    @torch.inference_mode()
+    def forward_pixels(self, pixel_values: torch.Tensor, use_graphs: bool = False) -> torch.Tensor:
+        """Image features [B, num_image_tokens, text_hidden_size] from pixel values; from the CUDA graphs
+        when use_graphs and they were captured (one stream only may replay them: see graphs.py)."""
+        pixel_values = pixel_values.to(self.device, self.dtype, non_blocking=True)
+        if use_graphs and self.graphs is not None:
+            feats = self.graphs(pixel_values)
+        else:
+            feats = self._features(pixel_values)
         with self._count_lock:
             self.calls += 1
             self.images_encoded += feats.shape[0]
@@ -178,10 +257,14 @@ class VisionEncoder:
 
     def encode(self, images: Sequence[Image.Image]) -> list[torch.Tensor]:
         """One [num_image_tokens, text_hidden_size] tensor per image, on the encoder's device."""
-        if not images:
+        return self.encode_prepared([self.prepare(image) for image in images])
+
+    def encode_prepared(self, prepared: Sequence[torch.Tensor],
+                        use_graphs: bool = False) -> list[torch.Tensor]:
+        """`encode` for images already through `prepare` (use_graphs: see forward_pixels)."""
+        if not prepared:
             return []
-        feats = self.forward_pixels(self.preprocess(images))
-        return list(feats.unbind(0))
+        return list(self.forward_pixels(self.pixels(prepared), use_graphs).unbind(0))
 
     def warm_up(self) -> None:
         """Run one dummy image through the tower (first-call allocations, kernels, lazy imports) and

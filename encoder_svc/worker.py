@@ -1,13 +1,23 @@
-"""The vision worker: one thread that batches queued images and runs the tower.
+"""The vision worker: preprocessing pools feeding one thread that batches queued images and runs the tower.
+
+Each image starts preprocessing (`VisionEncoder.prepare`) in a thread pool (one per priority) the
+moment it is submitted, so that work runs in parallel and the next batch is prepared while the tower
+runs the current one; the tower thread only stacks prepared images and launches the forward pass.
 
 Demand work goes before prefetch (lookahead) work: a priority queue ordered by (priority, arrival).
 A batch holds jobs of one priority only, so on a GPU a demand batch runs on the high-priority CUDA
-stream and a prefetch batch on the low-priority side stream. A demand request that joins a queued
-prefetch job boosts it to demand priority.
+stream and a prefetch batch on the low-priority side stream; demand batches replay the tower's CUDA
+graphs (graphs.py), whose buffers belong to one stream. A demand request that joins a queued prefetch
+job boosts it to demand priority.
+
+The batch follows the load: the tower thread takes every queued job of the head priority, up to
+`max_batch_images`, without waiting for more to arrive. One queued image runs alone at once (lowest
+latency); under load the queue grows while the tower is busy and the next batch is larger.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import heapq
 import itertools
@@ -21,6 +31,7 @@ import torch
 from PIL import Image
 
 from encoder_svc.cache import EmbeddingCache, ShuttingDownError
+from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
 from encoder_svc.vision import VisionEncoder
 
 log = logging.getLogger(__name__)
@@ -32,7 +43,7 @@ PREFETCH = 1
 @dataclass
 class _Job:
     key: str
-    image: Image.Image
+    prepared: cf.Future  # VisionEncoder.prepare(image), running in the pool
     priority: int
     stale: bool = False
 
@@ -40,10 +51,19 @@ class _Job:
 class VisionWorker:
     """Runs queued images through `vision` in batches and stores results in `cache`."""
 
-    def __init__(self, vision: VisionEncoder, cache: EmbeddingCache, max_batch_size: int = 8) -> None:
+    def __init__(self, vision: VisionEncoder, cache: EmbeddingCache,
+                 max_batch_images: int = DEFAULT_MAX_BATCH_IMAGES,
+                 preprocess_threads: int | None = None) -> None:
         self.vision = vision
         self.cache = cache
-        self.max_batch_size = max(1, max_batch_size)
+        self.max_batch_images = max(1, max_batch_images)
+        threads = preprocess_threads or default_preprocess_threads()
+        # One pool per priority: a demand image never queues behind a burst of prefetch images (both
+        # share the cores; prefetch gets half the threads).
+        self._pools = {
+            DEMAND: cf.ThreadPoolExecutor(threads, thread_name_prefix="vision-prep"),
+            PREFETCH: cf.ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="vision-prep-lo"),
+        }
         self._heap: list[tuple[int, int, _Job]] = []
         self._jobs: dict[str, _Job] = {}
         self._seq = itertools.count()
@@ -68,7 +88,7 @@ class VisionWorker:
             if self._stopped:
                 self.cache.fail(key, ShuttingDownError("encoder shutting down"))
                 return
-            job = _Job(key, image, priority)
+            job = _Job(key, self._pools[priority].submit(self.vision.prepare, image), priority)
             self._jobs[key] = job
             heapq.heappush(self._heap, (priority, next(self._seq), job))
             self._cv.notify()
@@ -87,7 +107,7 @@ class VisionWorker:
             if job is None or job.priority == DEMAND:
                 return
             job.stale = True
-            fresh = _Job(key, job.image, DEMAND)
+            fresh = _Job(key, job.prepared, DEMAND)
             self._jobs[key] = fresh
             heapq.heappush(self._heap, (DEMAND, next(self._seq), fresh))
 
@@ -108,7 +128,7 @@ class VisionWorker:
                 return None
             batch: list[_Job] = []
             priority = self._heap[0][0]
-            while self._heap and len(batch) < self.max_batch_size and self._heap[0][0] == priority:
+            while self._heap and len(batch) < self.max_batch_images and self._heap[0][0] == priority:
                 _, _, job = heapq.heappop(self._heap)
                 if not job.stale:
                     batch.append(job)
@@ -123,9 +143,23 @@ class VisionWorker:
             if batch:
                 self._run_batch(batch)
 
-    def _run_batch(self, batch: list[_Job]) -> None:
+    def _prepared(self, batch: list[_Job]) -> list[tuple[_Job, object]]:
+        """(job, prepared image) for the batch's jobs whose preprocessing succeeded; the others fail."""
+        out = []
+        for job in batch:
+            try:
+                out.append((job, job.prepared.result()))
+            except Exception as exc:  # a bad image fails its own key, not its batch
+                log.warning("preprocessing %s failed: %s", job.key[:16], exc)
+                self.cache.fail(job.key, exc)
+        return out
+
+    def _run_batch(self, jobs: list[_Job]) -> None:
+        batch = self._prepared(jobs)
+        if not batch:
+            return
         t0 = time.monotonic()
-        stream = self._streams.get(batch[0].priority)
+        stream = self._streams.get(batch[0][0].priority)
         try:
             if stream is not None:
                 with torch.cuda.stream(stream):
@@ -134,15 +168,17 @@ class VisionWorker:
                 self._encode_and_store(batch)
         except Exception as exc:  # the tower failed: every job of the batch fails, the worker lives on
             log.exception("vision batch of %d failed", len(batch))
-            for job in batch:
+            for job, _ in batch:
                 self.cache.fail(job.key, exc)
         self.busy_s += time.monotonic() - t0
 
-    def _encode_and_store(self, batch: list[_Job]) -> None:
-        feats = self.vision.encode([job.image for job in batch])
+    def _encode_and_store(self, batch: list[tuple[_Job, object]]) -> None:
+        # CUDA graphs for demand batches only: their static buffers belong to one stream (graphs.py)
+        feats = self.vision.encode_prepared([prepared for _, prepared in batch],
+                                            use_graphs=batch[0][0].priority == DEMAND)
         self.batches += 1
         self.encodes += len(batch)
-        for job, feat in zip(batch, feats, strict=True):
+        for (job, _), feat in zip(batch, feats, strict=True):
             self.cache.complete(job.key, feat)
 
     def images_per_s(self) -> float:
@@ -158,5 +194,8 @@ class VisionWorker:
             self._heap.clear()
             self._cv.notify_all()
         for job in jobs:
+            job.prepared.cancel()
             self.cache.fail(job.key, ShuttingDownError("encoder shutting down"))
         self._thread.join(timeout=30)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -29,7 +29,8 @@ class LocalEmbeddingSource(EmbeddingSource):
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, cache_entries: int = 256) -> None:
-        self.encoder = VisionEncoder(model_dir, device, dtype)
+        # The HF image processor, always: this source is what the engine's HF-parity tests run against.
+        self.encoder = VisionEncoder(model_dir, device, dtype, preprocess="hf")
         self.cache_entries = cache_entries
         self._cache: OrderedDict[str, tuple[str, torch.Tensor]] = OrderedDict()  # hash -> (salt, rows)
         self._leases: dict[tuple[str, str], tuple[EmbeddingStatus, bool, str]] = {}

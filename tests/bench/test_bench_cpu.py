@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import decode_tput, encode_cache, handoff, lookahead, merge, serve_tput, ttft_prefix
+from bench import decode_tput, encode_cache, encode_tput, handoff, lookahead, merge, serve_tput, ttft_prefix
 from bench.plot import _plot_pillow, plot_cdfs
 from bench.services import decoder_service, encoder_service, start_all
 from bench.stats import percentile, summarize
@@ -107,6 +107,23 @@ def test_encode_cache(services, out_dir):
     for case in ("miss", "hit_bytes", "hit_hash"):
         _is_latency(res[case], 2)
     assert res["unexpected_cache_flags"] == 0 and res["transport"] == "shm"
+
+
+def test_encode_tput(services, tiny_model_dir, out_dir):
+    encode_tput.main(["--encoder", services["encoder"], "--model", str(tiny_model_dir), "--images", "6",
+                      "--image-size", "32", "--concurrency", "1,3", "--hf-batches", "1,3",
+                      "--host-threads", "2", "--seed", "4242", "--out", str(out_dir / "encode_tput.json")])
+    payload = _load(out_dir / "encode_tput.json")
+    res = payload["results"]
+    assert [r["concurrency"] for r in res["encode"]] == [1, 3]
+    for r in res["encode"]:
+        _is_latency(r["latency"], 6)
+        assert r["images_per_s"] > 0 and r["cache_hits"] == 0, "distinct images: every Encode a miss"
+    assert [r["batch"] for r in res["hf"]] == [1, 3] and all(r["images_per_s"] > 0 for r in res["hf"])
+    assert res["targets"]["encode_c3_vs_best_hf"] > 0 and res["targets"]["c1_p50_over_hf_batch1"] > 0
+    assert {"decode_hash_hf", "decode_hash_uint8"} == res["host"]["scaling"].keys()
+    assert res["host"]["per_image"]["decode_png_ms"] > 0
+    assert int(payload["encoder_stats"]["encodes"]) >= 6 * 2  # (u)int64 fields come as strings in JSON
 
 
 def test_ttft_prefix(services, tiny_model_dir, out_dir):

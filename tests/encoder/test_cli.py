@@ -31,6 +31,15 @@ def test_arg_parser_defaults(tmp_path):
     args = build_arg_parser().parse_args(["--model", str(decoy_model(tmp_path / "m"))])
     assert (args.host, args.port, args.device, args.dtype) == ("127.0.0.1", 50051, "cpu", "float32")
     assert args.metrics_port is None and args.cache_bytes > 0 and args.lease_ttl > 0
+    assert (args.max_batch_images, args.preprocess, args.preprocess_threads) == (32, "auto", None)
+
+
+def test_max_batch_size_is_the_old_name_of_max_batch_images(tmp_path):
+    def parsed(*argv: str):
+        return build_arg_parser().parse_args(["--model", str(decoy_model(tmp_path / "m")), *argv])
+
+    assert parsed("--max-batch-size", "5").max_batch_images == 5
+    assert parsed("--max-batch-images", "64").max_batch_images == 64
 
 
 def test_module_entry_point_serves_and_stops_cleanly(tiny_model_dir):
@@ -76,6 +85,9 @@ def test_missing_model_dir_is_a_usage_error(tmp_path):
     ("--dtype", "float64x", "unknown dtype 'float64x'"),
     ("--cache-bytes", "0", "--cache-bytes: must be at least 1"),
     ("--max-batch-size", "-1", "--max-batch-size"),
+    ("--max-batch-images", "0", "--max-batch-images"),
+    ("--preprocess", "gpu", "invalid choice: 'gpu'"),
+    ("--preprocess-threads", "0", "--preprocess-threads"),
     ("--port", "70000", "--port: must be from 0 to 65535"),
     ("--lease-ttl", "nan", "--lease-ttl: must be a positive number"),
 ])

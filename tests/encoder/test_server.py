@@ -177,7 +177,8 @@ def test_metrics_exposed(encoder):
     text = generate_latest(encoder.registry).decode()
     for name in ("mmserve_encoder_cache_hits_total", "mmserve_encoder_cache_misses_total",
                  "mmserve_encoder_cache_evictions_total", "mmserve_encoder_cache_bytes_used",
-                 "mmserve_encoder_cache_leased_bytes", "mmserve_encoder_encode_latency_seconds_bucket"):
+                 "mmserve_encoder_cache_leased_bytes", "mmserve_encoder_encode_latency_seconds_bucket",
+                 "mmserve_encoder_vision_batches_total", "mmserve_encoder_cuda_graphs 0.0"):
         assert name in text
     stats = encoder.stats()
     assert stats.misses >= 1 and stats.encodes >= 1 and stats.model_fingerprint

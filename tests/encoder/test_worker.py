@@ -18,12 +18,17 @@ class _FakeVision:
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
+        self.graphed: list[bool] = []  # use_graphs per batch
         self.gate = threading.Event()
 
-    def encode(self, images):
+    def prepare(self, image):
+        return image  # "images" are their keys here
+
+    def encode_prepared(self, images, use_graphs=False):
+        self.graphed.append(use_graphs)
         if not self.batches:
             self.gate.wait(10)
-        self.batches.append([img for img in images])  # "images" are their keys here
+        self.batches.append(list(images))
         return [torch.full((4, 8), float(len(self.batches))) for _ in images]
 
 
@@ -37,7 +42,7 @@ def _submit(cache: EmbeddingCache, worker: VisionWorker, key: str, priority: int
 def test_demand_before_prefetch_and_batches_of_one_priority():
     vision = _FakeVision()
     cache = EmbeddingCache(TensorArena(1 << 16))
-    worker = VisionWorker(vision, cache, max_batch_size=3)
+    worker = VisionWorker(vision, cache, max_batch_images=3)
     try:
         futs = [_submit(cache, worker, "first", DEMAND)]  # occupies the worker until the gate opens
         while worker.queued():
@@ -52,6 +57,7 @@ def test_demand_before_prefetch_and_batches_of_one_priority():
         assert vision.batches[0] == ["first"]
         assert vision.batches[1] == ["d0", "d1", "p3"], "demand work (and the boosted job) goes first"
         assert vision.batches[2:] == [["p0", "p1", "p2"]]
+        assert vision.graphed == [True, True, False], "CUDA graphs (one stream's) for demand batches only"
         assert worker.encodes == 7 and cache.stats().entries == 7
     finally:
         worker.stop()
@@ -59,10 +65,10 @@ def test_demand_before_prefetch_and_batches_of_one_priority():
 
 def test_a_failing_batch_fails_its_waiters_and_the_worker_lives_on():
     class Broken(_FakeVision):
-        def encode(self, images):
+        def encode_prepared(self, images, use_graphs=False):
             if any(k == "bad" for k in images):
                 raise RuntimeError("tower exploded")
-            return super().encode(images)
+            return super().encode_prepared(images, use_graphs)
 
     vision = Broken()
     vision.gate.set()
@@ -76,5 +82,79 @@ def test_a_failing_batch_fails_its_waiters_and_the_worker_lives_on():
         except RuntimeError as exc:
             assert "tower exploded" in str(exc)
         assert _submit(cache, worker, "good", DEMAND).result(10).entry.key == "good"
+    finally:
+        worker.stop()
+
+
+def test_batches_follow_the_queue_up_to_max_batch_images():
+    vision = _FakeVision()
+    cache = EmbeddingCache(TensorArena(1 << 16))
+    worker = VisionWorker(vision, cache, max_batch_images=4)
+    try:
+        futs = [_submit(cache, worker, "first", DEMAND)]
+        while worker.queued():
+            pass
+        futs += [_submit(cache, worker, f"d{i}", DEMAND) for i in range(6)]
+        vision.gate.set()
+        for f in futs:
+            f.result(10)
+        # one image alone while idle; then all that queued, capped at 4; then the rest
+        assert vision.batches == [["first"], ["d0", "d1", "d2", "d3"], ["d4", "d5"]]
+    finally:
+        worker.stop()
+
+
+class _PrepVision(_FakeVision):
+    """Preparation runs in pool threads: records them, fails "bad", signals each key prepared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[str] = set()
+        self.prepared: dict[str, threading.Event] = {}
+
+    def prepare(self, image):
+        self.threads.add(threading.current_thread().name)
+        if image == "bad":
+            raise ValueError("cannot preprocess")
+        self.prepared.setdefault(image, threading.Event()).set()
+        return image
+
+
+def test_preprocessing_is_off_the_tower_thread_and_overlaps_it():
+    vision = _PrepVision()
+    for key in ("first", "next"):
+        vision.prepared[key] = threading.Event()
+    cache = EmbeddingCache(TensorArena(1 << 16))
+    worker = VisionWorker(vision, cache, preprocess_threads=2)
+    try:
+        first = _submit(cache, worker, "first", DEMAND)
+        while worker.queued():  # the tower thread took "first" and is held in the tower by the gate
+            pass
+        nxt = _submit(cache, worker, "next", DEMAND)
+        # "next" gets prepared while the tower is still busy with "first"
+        assert vision.prepared["next"].wait(10) and not first.done()
+        vision.gate.set()
+        first.result(10), nxt.result(10)
+        assert vision.threads and all(name.startswith("vision-prep") for name in vision.threads)
+    finally:
+        worker.stop()
+
+
+def test_a_bad_image_fails_alone_and_its_batch_runs():
+    vision = _PrepVision()
+    vision.gate.set()
+    cache = EmbeddingCache(TensorArena(1 << 16))
+    worker = VisionWorker(vision, cache)
+    try:
+        with worker.holding():
+            bad = _submit(cache, worker, "bad", DEMAND)
+            good = _submit(cache, worker, "good", DEMAND)
+        assert good.result(10).entry.key == "good"
+        try:
+            bad.result(10)
+            raise AssertionError("expected the preprocessing error")
+        except ValueError as exc:
+            assert "cannot preprocess" in str(exc)
+        assert vision.batches == [["good"]]
     finally:
         worker.stop()

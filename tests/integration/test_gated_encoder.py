@@ -50,12 +50,12 @@ class Gate:
         self._open.set()
         self.entered = threading.Event()  # an encode reached the gate while it was closed
 
-    def __call__(self, images):
+    def __call__(self, images, **kw):
         if not self._open.is_set():
             self.entered.set()
             if not self._open.wait(60):
                 raise RuntimeError("the test never opened the gate")
-        return self._encode(images)
+        return self._encode(images, **kw)
 
     @contextmanager
     def closed(self) -> Iterator[None]:
@@ -73,8 +73,8 @@ class GatedPair:
     def __init__(self, model_dir, workdir) -> None:
         self.encoder = EncoderHarness(EncoderConfig(model=model_dir, cache_bytes=2 * SLOT, lease_ttl_s=TTL_S))
         self.vision = self.encoder.servicer.vision
-        self.gate = Gate(self.vision.encode)
-        self.vision.encode = self.gate  # the worker calls self.vision.encode
+        self.gate = Gate(self.vision.encode_prepared)
+        self.vision.encode_prepared = self.gate  # the worker calls self.vision.encode_prepared
         self.address = f"127.0.0.1:{self.encoder.port}"
         self.releases: list[tuple[str, int]] = []  # (owner, leases freed) per Release the encoder served
         cache = self.encoder.servicer.cache

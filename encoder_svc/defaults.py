@@ -1,0 +1,19 @@
+"""Encoder option defaults shared by the CLI and the service (a module without torch, so that the CLI
+can check its arguments before the heavy imports)."""
+
+from __future__ import annotations
+
+import os
+
+# Most images per tower batch. The batch follows the queue up to this; past ~32 CLIP-L/336 images the
+# tower's throughput on an H200 grows little while a batch's latency keeps growing.
+DEFAULT_MAX_BATCH_IMAGES = 32
+
+# auto: torch on CUDA in half precision (when the processor can be reproduced), else hf. See
+# encoder_svc/vision.py.
+PREPROCESS_MODES = ("auto", "hf", "torch")
+
+
+def default_preprocess_threads() -> int:
+    """Threads for image preprocessing: the host's cores less one (the tower's and the RPCs'), 1 to 16."""
+    return max(1, min(16, (os.cpu_count() or 2) - 1))

@@ -1,0 +1,73 @@
+"""CUDA graphs of the vision tower + projector at bucketed batch sizes.
+
+At small batches the tower is bound by kernel launches from Python (CLIP-L/336: ~300 launches a
+forward), not by the GPU: a graph replays them in one call. Each bucket (1, 2, 4, ... up to the largest
+batch) has a static input and output; a batch of n images runs in the smallest bucket >= n (the padding
+rows are computed and dropped: images never interact in the tower). Larger batches run eagerly.
+
+The static buffers are shared by every replay, so one graph set may be replayed on one stream only:
+the worker uses it for demand batches (their stream); prefetch batches run eagerly on theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """Powers of two up to max_batch, and max_batch itself."""
+    sizes = []
+    b = 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_batch)
+    return sizes
+
+
+class GraphedForward:
+    """`fn(pixels)` replayed from CUDA graphs captured at `batch_sizes` (input [b, *sample_shape])."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], sample_shape: Sequence[int],
+                 dtype: torch.dtype, device: torch.device, batch_sizes: Sequence[int]) -> None:
+        self.fn = fn
+        self.buckets = sorted(set(batch_sizes))
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        pool = None
+        with torch.cuda.stream(side), torch.inference_mode():
+            for b in reversed(self.buckets):  # the largest first: later graphs fit in its memory pool
+                static_in = torch.zeros((b, *sample_shape), dtype=dtype, device=device)
+                for _ in range(2):  # outside the capture: lazy inits, cuBLAS workspaces, autotuning
+                    fn(static_in)
+                side.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                    static_out = fn(static_in)
+                pool = graph.pool()
+                self._graphs[b] = (graph, static_in, static_out)
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    def bucket(self, n: int) -> int | None:
+        """The bucket a batch of n images runs in; None when n is past the largest (eager)."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        """fn(pixels), from a graph when a bucket fits (on the caller's current stream)."""
+        b = self.bucket(pixels.shape[0])
+        if b is None:
+            return self.fn(pixels)
+        graph, static_in, static_out = self._graphs[b]
+        if pixels.shape[1:] != static_in.shape[1:] or pixels.dtype != static_in.dtype:
+            return self.fn(pixels)  # not the captured image shape: eager
+        n = pixels.shape[0]
+        static_in[:n].copy_(pixels)
+        graph.replay()
+        # a copy: the next replay overwrites static_out, and callers may keep the result
+        return static_out[:n].clone()
