@@ -174,5 +174,5 @@ def test_merge(out_dir, capsys):
     files = sorted(str(p) for p in out_dir.glob("*.json") if p.name != "merged.json")
     assert merge.main([*files, "--out", str(out_dir / "merged.json")]) == 0
     merged = json.loads((out_dir / "merged.json").read_text())
-    assert not merged["errors"] and len(merged["benchmarks"]) == len(files) == 7
+    assert not merged["errors"] and len(merged["benchmarks"]) == len(files) == 8  # one per benchmark above
     assert len(merged["headline"]) > 20 and "headline figures" in capsys.readouterr().out
