@@ -18,8 +18,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from decoder_svc.engine.engine import RequestOutput
-from decoder_svc.engine_core import CoreInfo, CoreStats, run_core
+from decoder_svc.engine.output_processor import RequestOutput
+from decoder_svc.engine_core import CoreInfo, run_core
+from decoder_svc.stats import DecoderStats
 
 log = logging.getLogger("mmserve.decoder.core_client")
 
@@ -114,7 +115,7 @@ class EngineCoreClient:
         """Stop a request; its ABORT output follows on its stream."""
         return await self.call("abort", request_id)
 
-    async def stats(self) -> CoreStats:
+    async def stats(self) -> DecoderStats:
         """The engine's and the embedding source's counters."""
         return await self.call("stats")
 

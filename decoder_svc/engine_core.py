@@ -30,9 +30,9 @@ from typing import Any
 
 from common.checkpoint import CheckpointError
 from common.server import configure_logging
-from decoder_svc.encoders.remote_source import RemoteSourceStats
-from decoder_svc.engine.engine import EngineConfig, EngineStats, LLMEngine
+from decoder_svc.engine.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
+from decoder_svc.stats import DecoderStats
 
 log = logging.getLogger("mmserve.decoder.core")
 
@@ -47,15 +47,6 @@ class CoreInfo:
     kv_capacity_tokens: int
     num_kv_blocks: int
     block_size: int
-
-
-@dataclass
-class CoreStats:
-    """The engine's counters and its embedding source's, read together on the core."""
-
-    engine: EngineStats
-    source: RemoteSourceStats | None
-    encoders: int  # addresses in the encoder ring now
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -114,8 +105,8 @@ class EngineCore:
         if name == "stats":
             snapshot = getattr(engine.source, "snapshot", None)
             ring = getattr(engine.source, "ring", None)
-            return CoreStats(engine.stats(), snapshot() if snapshot is not None else None,
-                             len(ring.members) if ring is not None else 0)
+            return DecoderStats(engine.stats(), snapshot() if snapshot is not None else None,
+                                len(ring.members) if ring is not None else 0)
         raise ValueError(f"unknown engine core call {name!r}")
 
     def _run_commands(self, timeout: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 from common.cli import (
@@ -30,6 +31,7 @@ from common.security.options import (
 from common.server import GrpcService, configure_logging
 
 log = logging.getLogger("mmserve.decoder")
+_STATS_LOG_INTERVAL_S = 10.0  # the stats line is logged at most this often, and only when it changed
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -105,6 +107,7 @@ async def serve(args: argparse.Namespace) -> None:
         raise
 
     async def refresh_metrics() -> None:
+        last_line, last_logged = "", 0.0
         while True:
             if core.error is not None:  # the engine core died: stop taking traffic, say why, exit
                 log.error("engine core failed (%s); health is now NOT_SERVING; exiting so that a "
@@ -114,8 +117,11 @@ async def serve(args: argparse.Namespace) -> None:
                 service.request_stop()
                 raise EngineDied(core.error)
             stats = await core.stats()
-            metrics.observe_stats(stats.engine)
-            metrics.encoders.set(stats.encoders)
+            metrics.observe_stats(stats)
+            line = stats.log_line()
+            if line != last_line and time.monotonic() - last_logged >= _STATS_LOG_INTERVAL_S:
+                log.info("stats: %s", line)
+                last_line, last_logged = line, time.monotonic()
             await asyncio.sleep(1.0)
 
     refresher = asyncio.create_task(refresh_metrics())

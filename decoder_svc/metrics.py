@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
+from common.stats_metrics import StatsCollector
+from decoder_svc.stats import DecoderStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class DecoderMetrics:
-    """TTFT, inter-token latency, prefix-cache and image counters, KV usage, queue sizes."""
+    """Latency histograms, requests by outcome, and the stats record's fields."""
 
     def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
         kw = {"registry": registry}
@@ -21,25 +24,10 @@ class DecoderMetrics:
         self.requests = Counter("mmserve_decoder_requests", "Requests by how they ended", ["outcome"], **kw)
         self.step_seconds = Histogram("mmserve_decoder_step_seconds", "Engine step time",
                                       buckets=_LATENCY_BUCKETS, **kw)
-        # With dns:/// encoders this follows replicas as they come, go or fail health checks; 0 means
-        # every image fails with UNAVAILABLE.
-        self.encoders = Gauge("mmserve_decoder_encoders", "Encoder addresses in the routing ring", **kw)
-        self.gauges = {name: Gauge(f"mmserve_decoder_{name}", doc, **kw) for name, doc in (
-            ("running", "Running requests"),
-            ("waiting", "Waiting requests"),
-            ("kv_blocks_used", "KV blocks held by requests"),
-            ("kv_blocks_total", "KV blocks in the pool"),
-            ("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"),
-            ("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache"),
-            ("images_encoded", "Images fetched from an encoder"),
-            ("images_encoder_cache_hits", "Images served from the encoder's cache"),
-            ("images_skipped_by_kv_reuse", "Images never encoded because their KV was cached"),
-            ("preemptions", "Requests preempted (recomputed later)"),
-        )}
+        # Every field of the service's stats record (decoder_svc/stats.py), from the latest snapshot.
+        self.latest: DecoderStats | None = None
+        self.stats = StatsCollector("mmserve_decoder", lambda: self.latest, registry)
 
-    def observe_stats(self, stats) -> None:
-        """Copy an EngineStats snapshot into the gauges."""
-        for name, gauge in self.gauges.items():
-            attr = {"prefix_cache_queried_tokens": "prefix_queried_tokens",
-                    "prefix_cache_hit_tokens": "prefix_hit_tokens"}.get(name, name)
-            gauge.set(getattr(stats, attr))
+    def observe_stats(self, stats: DecoderStats) -> None:
+        """Keep the newest stats record for the next scrape."""
+        self.latest = stats

@@ -18,10 +18,12 @@ import grpc
 
 from common.errors import InvalidInputError, ServiceError, invalid_argument, resource_exhausted
 from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
+from common.stats import to_message
 from decoder_svc.core_client import CoreDeadError, EngineCoreClient
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
-from decoder_svc.engine.engine import QueueFullError, RequestOutput
+from decoder_svc.engine.engine import QueueFullError
 from decoder_svc.engine.input_processor import InputProcessor
+from decoder_svc.engine.output_processor import RequestOutput
 from decoder_svc.engine.request import FinishReason
 from decoder_svc.engine.sampling_params import SamplingParams
 from decoder_svc.metrics import DecoderMetrics
@@ -229,20 +231,4 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             self.metrics.requests.labels(outcome).inc()
 
     async def GetStats(self, request: common_pb2.StatsRequest, context) -> decoder_pb2.DecoderStats:
-        both = await self.core.stats()
-        s = both.engine
-        stats = decoder_pb2.DecoderStats(
-            running=s.running, waiting=s.waiting, kv_blocks_used=s.kv_blocks_used,
-            kv_blocks_total=s.kv_blocks_total, kv_blocks_cached_free=s.kv_cached_free_blocks,
-            prefix_cache_queried_tokens=s.prefix_queried_tokens, prefix_cache_hit_tokens=s.prefix_hit_tokens,
-            images_encoded=s.images_encoded, images_encoder_cache_hits=s.images_encoder_cache_hits,
-            images_skipped_by_kv_reuse=s.images_skipped_by_kv_reuse, preemptions=s.preemptions,
-            requests_finished=s.finished, requests_aborted=s.aborted, requests_failed=s.failed)
-        remote = both.source
-        if remote is not None:
-            stats.active_leases = remote.active_leases
-            stats.images_prefetched = remote.prefetched
-            stats.lookahead_ready_at_prefill = remote.ready_at_prefill
-            stats.lookahead_waited_at_prefill = remote.waited_at_prefill
-            stats.embedding_transports.update(remote.transports)
-        return stats
+        return to_message(await self.core.stats(), decoder_pb2.DecoderStats)

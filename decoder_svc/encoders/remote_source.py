@@ -25,11 +25,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -41,9 +42,10 @@ from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.security.client_auth import auth_metadata
 from common.security.identity import tenant_of_salt
 from common.security.tls import ClientTls, open_channel
+from common.stats import stat
 from common.transport.importer import can_import, import_embedding, readable_transports
 from decoder_svc.encoders.discovery import EncoderPool, NoEncoderError
-from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
 
 log = logging.getLogger("mmserve.decoder.encoders")
 
@@ -74,7 +76,7 @@ class RetryPolicy:
 class _Slot:
     """One (request, image) key."""
 
-    status: EmbeddingStatus = EmbeddingStatus.PENDING
+    status: EmbeddingState = EmbeddingState.PENDING
     prefetch: bool = False
     tensor: torch.Tensor | None = None
     encoder: str = ""
@@ -89,17 +91,18 @@ class _Slot:
 
 @dataclass
 class RemoteSourceStats:
-    """What this decoder asked of its encoders."""
+    """What this decoder asked of its encoders (names as in the API's DecoderStats where it has them)."""
 
-    requested: int = 0
-    prefetched: int = 0               # keys first asked for by lookahead
-    ready_at_prefill: int = 0         # prefetched keys already READY when prefill first reached them
-    waited_at_prefill: int = 0        # prefetched keys still PENDING then
-    cache_hits: int = 0
-    bytes_resent: int = 0             # images whose bytes had to follow their hash (NOT_FOUND)
-    failures: int = 0
-    active_leases: int = 0
-    transports: dict[str, int] = field(default_factory=dict)
+    embeddings_requested: int = stat("Image embeddings asked of an encoder")
+    images_prefetched: int = stat("Images first asked for by lookahead, ahead of their prefill")
+    lookahead_ready_at_prefill: int = stat("Prefetched images already ready when prefill reached them")
+    lookahead_waited_at_prefill: int = stat("Prefetched images still encoding when prefill reached them")
+    embeddings_from_encoder_cache: int = stat("Embeddings an encoder served from its cache")
+    images_resent: int = stat("Images whose bytes had to follow their hash (the encoder did not have it)")
+    embedding_failures: int = stat("Image embeddings that failed (the request failed with them)")
+    active_leases: int = stat("Embedding leases this decoder holds now", "gauge")
+    embedding_transports: dict[str, int] = stat("Embeddings received, by transport", "labels",
+                                                label="transport")
 
 
 class EncoderUnavailableError(RuntimeError):
@@ -158,27 +161,27 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 return
             self._slots[key] = _Slot(prefetch=req.prefetch,
                                      deadline=time.monotonic() + self.retry.total_timeout_s)
-            self.stats.requested += 1
-            self.stats.prefetched += int(req.prefetch)
+            self.stats.embeddings_requested += 1
+            self.stats.images_prefetched += int(req.prefetch)
         self._pool.submit(self._fetch, key, req)  # routes there: the ring may be empty for a while
 
-    def poll(self, request_id: str, content_hash: str) -> EmbeddingStatus:
+    def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
         with self._lock:
             slot = self._slots.get((request_id, content_hash))
             if slot is None:
-                return EmbeddingStatus.UNKNOWN
+                return EmbeddingState.UNKNOWN
             if not slot.polled:  # the scheduler's first look, when prefill reaches the image
                 slot.polled = True
                 if slot.prefetch:
-                    ready = slot.status == EmbeddingStatus.READY
-                    self.stats.ready_at_prefill += int(ready)
-                    self.stats.waited_at_prefill += int(not ready)
+                    ready = slot.status == EmbeddingState.READY
+                    self.stats.lookahead_ready_at_prefill += int(ready)
+                    self.stats.lookahead_waited_at_prefill += int(not ready)
             return slot.status
 
     def get(self, request_id: str, content_hash: str) -> torch.Tensor:
         with self._lock:
             slot = self._slots.get((request_id, content_hash))
-            if slot is None or slot.status != EmbeddingStatus.READY or slot.tensor is None:
+            if slot is None or slot.status != EmbeddingState.READY or slot.tensor is None:
                 raise KeyError(f"embedding {content_hash[:16]} for {request_id} is not ready")
             return slot.tensor
 
@@ -224,7 +227,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
     def snapshot(self) -> RemoteSourceStats:
         """A copy of the counters."""
         with self._lock:
-            return RemoteSourceStats(**{**self.stats.__dict__, "transports": dict(self.stats.transports)})
+            return dataclasses.replace(self.stats, embedding_transports=dict(self.stats.embedding_transports))
 
     # -- the worker side ------------------------------------------------------------------------
     def _fetch(self, key: tuple[str, str], req: EmbeddingRequest) -> None:
@@ -267,9 +270,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
             stale = slot is None or slot.released
             if not stale:
                 slot.tensor, slot.cache_hit = tensor, ref.cache_hit
-                slot.transport, slot.status = transport, EmbeddingStatus.READY
-                self.stats.cache_hits += int(ref.cache_hit)
-                self.stats.transports[transport] = self.stats.transports.get(transport, 0) + 1
+                slot.transport, slot.status = transport, EmbeddingState.READY
+                self.stats.embeddings_from_encoder_cache += int(ref.cache_hit)
+                transports = self.stats.embedding_transports
+                transports[transport] = transports.get(transport, 0) + 1
 
     def _fetch_owned(self, encoder: str, req: EmbeddingRequest,
                      deadline: float) -> tuple[common_pb2.EmbeddingRef, torch.Tensor]:
@@ -350,7 +354,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
             if exc.code() != grpc.StatusCode.NOT_FOUND or req.image is None:
                 raise
         with self._lock:
-            self.stats.bytes_resent += 1
+            self.stats.images_resent += 1
         image = common_pb2.ImageInput(data=_image_bytes(req.image))
         return self._call_encode(encoder, req, image, accept, deadline)
 
@@ -418,9 +422,9 @@ class RemoteEmbeddingSource(EmbeddingSource):
     def _fail(self, key: tuple[str, str], code: grpc.StatusCode, message: str) -> None:
         with self._lock:
             slot = self._slots.get(key)
-            self.stats.failures += 1
+            self.stats.embedding_failures += 1
             if slot is not None and not slot.released:
-                slot.status, slot.code, slot.error = EmbeddingStatus.FAILED, code, message
+                slot.status, slot.code, slot.error = EmbeddingState.FAILED, code, message
                 self._failed_requests[key[0]] = code
 
 

@@ -30,13 +30,16 @@ import torch
 from PIL import Image
 
 
-class EmbeddingStatus(enum.Enum):
-    """The state of one (request, image) key at the source."""
+class EmbeddingState(enum.Enum):
+    """Where one (request, image) embedding stands. A source's `poll` answers with the first four; the
+    engine's image bookkeeping (engine/image_inputs.py) also marks an image DONE or SKIPPED."""
 
-    UNKNOWN = "unknown"  # never requested (or released)
-    PENDING = "pending"
-    READY = "ready"
+    UNKNOWN = "unknown"  # not asked for (never, or released since)
+    PENDING = "pending"  # asked for; being encoded or fetched
+    READY = "ready"  # rows can be read
     FAILED = "failed"
+    DONE = "done"  # every token of the image is in KV; its lease released
+    SKIPPED = "skipped"  # the image's whole span was in cached KV: never needed
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class EmbeddingSource(ABC):
         """Start producing (or leasing) the embedding of req.content_hash for req.request_id."""
 
     @abstractmethod
-    def poll(self, request_id: str, content_hash: str) -> EmbeddingStatus:
+    def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
         """Non-blocking state of the key."""
 
     @abstractmethod
@@ -84,7 +87,7 @@ class EmbeddingSource(ABC):
 
     def is_ready(self, request_id: str, content_hash: str) -> bool:
         """poll() == READY."""
-        return self.poll(request_id, content_hash) == EmbeddingStatus.READY
+        return self.poll(request_id, content_hash) == EmbeddingState.READY
 
     def lookahead(self, requests: list[EmbeddingRequest]) -> None:
         """Prefetch hook, called each step with queued requests' uncached images (prefetch=True)."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
-from decoder_svc.engine.request import EmbeddingState, ImagePlaceholder, Request
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
+from decoder_svc.engine.request import ImagePlaceholder, Request
 from decoder_svc.runner.fusion import FusionError
 
 
@@ -43,17 +43,18 @@ class ImageInputs:
     def readiness(self, req: Request, img: ImagePlaceholder) -> EmbeddingState:
         """Ask for the image if nobody has, and say where it stands (READY means its rows are here)."""
         rid, h = req.request_id, img.content_hash
-        if img.state == EmbeddingState.REQUESTED and self.source.poll(rid, h) == EmbeddingStatus.UNKNOWN:
-            img.state = EmbeddingState.PENDING  # released earlier (the same hash done before): ask again
-        if img.state in (EmbeddingState.PENDING, EmbeddingState.DONE, EmbeddingState.SKIPPED):
+        if img.state == EmbeddingState.PENDING and self.source.poll(rid, h) == EmbeddingState.UNKNOWN:
+            img.state = EmbeddingState.UNKNOWN  # released earlier (the same hash done before): ask again
+        if img.state in (EmbeddingState.UNKNOWN, EmbeddingState.DONE, EmbeddingState.SKIPPED):
             self.source.request(EmbeddingRequest(rid, h, img.image, req.cache_salt, prefetch=False))
-            img.state = EmbeddingState.REQUESTED
-        if img.state == EmbeddingState.REQUESTED:
+            img.state = EmbeddingState.PENDING
+        if img.state == EmbeddingState.PENDING:
             status = self.source.poll(rid, h)
-            if status == EmbeddingStatus.FAILED:
+            if status == EmbeddingState.FAILED:
                 img.state = EmbeddingState.FAILED
                 req.error = req.error or self.source.error(rid, h) or "image failed"
-            elif status == EmbeddingStatus.READY:
+                req.error_code = req.error_code or self.source.pop_error_code(rid)
+            elif status == EmbeddingState.READY:
                 self._take_rows(req, img)
         return img.state
 
@@ -80,10 +81,10 @@ class ImageInputs:
         asks: list[EmbeddingRequest] = []
         for req, hit in queued:
             for img in req.images:
-                if img.state == EmbeddingState.PENDING and img.end > hit:
+                if img.state == EmbeddingState.UNKNOWN and img.end > hit:
                     asks.append(EmbeddingRequest(req.request_id, img.content_hash, img.image, req.cache_salt,
                                                  prefetch=True))
-                    img.state = EmbeddingState.REQUESTED
+                    img.state = EmbeddingState.PENDING
         if asks:
             self.source.lookahead(asks)
 
@@ -108,7 +109,7 @@ class ImageInputs:
         for img in req.images:
             if img.end > hit:
                 continue
-            if img.state in (EmbeddingState.REQUESTED, EmbeddingState.READY):
+            if img.state in (EmbeddingState.PENDING, EmbeddingState.READY):
                 self._give_back(req, img.content_hash)
             if img.state != EmbeddingState.SKIPPED:
                 self.counters.images_skipped_by_kv_reuse += 1
@@ -132,7 +133,7 @@ class ImageInputs:
             del self._rows[key]
         if ask_again:
             for img in req.images:
-                img.state = EmbeddingState.PENDING
+                img.state = EmbeddingState.UNKNOWN
 
     def _give_back(self, req: Request, content_hash: str) -> None:
         self.source.release(req.request_id, content_hash)

@@ -17,7 +17,7 @@ import torch
 
 from common.checkpoint import parse_dtype
 from common.images import decode_image
-from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
 from encoder_svc.vision import VisionEncoder
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class LocalEmbeddingSource(EmbeddingSource):
         self.encoder = VisionEncoder(model_dir, device, dtype, preprocess="hf")
         self.cache_entries = cache_entries
         self._cache: OrderedDict[str, tuple[str, torch.Tensor]] = OrderedDict()  # hash -> (salt, rows)
-        self._leases: dict[tuple[str, str], tuple[EmbeddingStatus, bool, str]] = {}
+        self._leases: dict[tuple[str, str], tuple[EmbeddingState, bool, str]] = {}
         self.num_encoded = 0
         self.num_cache_hits = 0
         self.num_requests = 0
@@ -52,28 +52,28 @@ class LocalEmbeddingSource(EmbeddingSource):
         if cached is not None and cached[0] == req.cache_salt:  # another tenant's entry is not a hit
             self._cache.move_to_end(req.content_hash)
             self.num_cache_hits += 1
-            self._leases[key] = (EmbeddingStatus.READY, True, "")
+            self._leases[key] = (EmbeddingState.READY, True, "")
             return
         if req.image is None:
-            self._leases[key] = (EmbeddingStatus.FAILED, False, f"image {req.content_hash[:16]} not found")
+            self._leases[key] = (EmbeddingState.FAILED, False, f"image {req.content_hash[:16]} not found")
             return
         try:
             image = decode_image(req.image) if isinstance(req.image, bytes) else req.image.convert("RGB")
             emb = self.encoder.encode([image])[0]
         except Exception as exc:  # noqa: BLE001 - any failure fails this image, not the engine
-            self._leases[key] = (EmbeddingStatus.FAILED, False, f"{type(exc).__name__}: {exc}")
+            self._leases[key] = (EmbeddingState.FAILED, False, f"{type(exc).__name__}: {exc}")
             return
         self.num_encoded += 1
         self._cache[req.content_hash] = (req.cache_salt, emb)
         while len(self._cache) > self.cache_entries:
             self._cache.popitem(last=False)
-        self._leases[key] = (EmbeddingStatus.READY, False, "")
+        self._leases[key] = (EmbeddingState.READY, False, "")
 
-    def poll(self, request_id: str, content_hash: str) -> EmbeddingStatus:
-        return self._leases.get((request_id, content_hash), (EmbeddingStatus.UNKNOWN,))[0]
+    def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
+        return self._leases.get((request_id, content_hash), (EmbeddingState.UNKNOWN,))[0]
 
     def get(self, request_id: str, content_hash: str) -> torch.Tensor:
-        if self.poll(request_id, content_hash) != EmbeddingStatus.READY:
+        if self.poll(request_id, content_hash) != EmbeddingState.READY:
             raise KeyError(f"embedding {content_hash[:16]} for {request_id} is not ready")
         cached = self._cache.get(content_hash)
         if cached is None:  # evicted while leased: recompute is impossible without the image

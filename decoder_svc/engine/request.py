@@ -8,12 +8,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from decoder_svc.engine.embedding_source import EmbeddingState
 from decoder_svc.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from PIL import Image
-
-    from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -34,17 +33,6 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
-class EmbeddingState(enum.Enum):
-    """Progress of one image's embedding for one request."""
-
-    PENDING = "pending"  # not asked for yet
-    REQUESTED = "requested"  # asked the embedding source; not ready yet
-    READY = "ready"  # rows can be read
-    DONE = "done"  # every token of the placeholder is in KV; lease released
-    SKIPPED = "skipped"  # the whole placeholder was in cached KV: never needed
-    FAILED = "failed"
-
-
 @dataclass
 class ImagePlaceholder:
     """One image of a request: its token span, content hash and embedding progress."""
@@ -53,7 +41,7 @@ class ImagePlaceholder:
     length: int
     content_hash: str
     image: bytes | Image.Image | None = None  # None: known to the encoder by hash only
-    state: EmbeddingState = EmbeddingState.PENDING
+    state: EmbeddingState = EmbeddingState.UNKNOWN
     encoder_cache_hit: bool = False
     skipped_by_kv_reuse: bool = False
 
@@ -77,12 +65,12 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission; None until admitted
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: str | None = None  # the gRPC status name `error` calls for (e.g. UNAVAILABLE); None: INTERNAL
     num_preemptions: int = 0
-    detokenizer: IncrementalDetokenizer | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

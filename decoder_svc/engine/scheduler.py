@@ -1,5 +1,10 @@
 """Continuous batching with chunked prefill, image-aware prefix reuse and preemption by recompute.
 
+The step is three calls: `schedule()` picks the chunks, the model runner computes them, and
+`update_from_output()` advances the requests by what it computed (tokens in KV, images given back,
+sampled tokens appended, stop and length checks). Only the scheduler changes request state: every end
+of a request (stop, length, abort, failure) goes through `finish_request`.
+
 Each step shares one token budget: running requests first (decodes before prefill chunks), then
 waiting requests in arrival order. A chunk stops before the first image whose embedding is not ready;
 that request waits while others go on. When blocks run out, the most recently admitted running request
@@ -11,11 +16,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from decoder_svc.engine.block_manager import BlockManager
-from decoder_svc.engine.embedding_source import EmbeddingSource
+from decoder_svc.engine.embedding_source import EmbeddingSource, EmbeddingState
 from decoder_svc.engine.image_inputs import ImageInputs
-from decoder_svc.engine.request import EmbeddingState, Request, RequestStatus
+from decoder_svc.engine.request import FinishReason, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from decoder_svc.runner import ModelOutput, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     encoder_max_ahead: int = 4  # waiting requests whose images are prefetched each step
+    max_model_len: int | None = None  # a request stops (LENGTH) at this many tokens; None: no limit
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,8 @@ class SchedulerOutput:
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)  # an image failed: finish with an error
+    # Requests ended since the last schedule(): the runner drops its per-request state (seeded sampling).
+    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -61,10 +72,32 @@ class SchedulerOutput:
 
 
 @dataclass
+class RequestUpdate:
+    """What a step did for one request: the tokens it sampled (none for an ended request that was not
+    scheduled, e.g. aborted); `request.is_finished` says whether it ended."""
+
+    request: Request
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
 class SchedulerCounters:
     """Monotonic counters for stats (the images' are ImageInputs.counters)."""
 
     preemptions: int = 0
+    finished: int = 0  # ended by a stop condition or the length limit
+    aborted: int = 0
+    failed: int = 0
+
+    def count_end(self, reason: FinishReason) -> None:
+        """Count one ended request."""
+        if reason == FinishReason.ABORT:
+            self.aborted += 1
+        elif reason == FinishReason.ERROR:
+            self.failed += 1
+        else:
+            self.finished += 1
 
 
 class Scheduler:
@@ -76,37 +109,53 @@ class Scheduler:
         self.images = ImageInputs(source)  # every image's readiness, rows and release
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # queued, running, or ended and not reported yet
+        self._unreported: list[Request] = []  # ended outside update_from_output: reported by the next
+        self._finished_ids: list[str] = []  # ended since the last schedule()
         self.counters = SchedulerCounters()
 
     # -- membership ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        """Queue a new request."""
+        """Queue a new request (its id must not be in `requests`)."""
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self.waiting or self.running)
+        """True while any request is waiting or running, or an ended one is still to be reported."""
+        return bool(self.waiting or self.running or self._unreported)
 
     def get(self, request_id: str) -> Request | None:
-        """The live request with this id, if any."""
-        for req in (*self.running, *self.waiting):
-            if req.request_id == request_id:
-                return req
-        return None
+        """The live (not ended) request with this id, if any."""
+        req = self.requests.get(request_id)
+        return req if req is not None and not req.is_finished else None
 
-    def remove(self, request: Request) -> None:
-        """Take a request out of the queues and free its blocks and embeddings (finish, abort, failure)."""
+    def finish_request(self, request: Request, reason: FinishReason, error: str | None = None, *,
+                       reported: bool = False) -> None:
+        """End a request: the one path for stop, length, abort and failure. It leaves the queues and
+        its KV blocks and embeddings are freed. Its last update comes with the next update_from_output,
+        unless the caller reports it itself (`reported`). Ending an ended request does nothing."""
+        if request.is_finished:
+            return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.blocks.free(request)
         self.images.free(request)
+        request.finish(reason, error)
+        self.counters.count_end(reason)
+        self._finished_ids.append(request.request_id)
+        if reported:
+            self.requests.pop(request.request_id, None)
+        else:
+            self._unreported.append(request)
 
     # -- the step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's chunks under the token and sequence budgets."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        failed: list[Request] = []  # an image failed: the request ends with the image's error
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
 
@@ -117,7 +166,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = self._limit_by_images(req, req.num_computed_tokens,
-                                      min(req.num_tokens - req.num_computed_tokens, budget), out)
+                                      min(req.num_tokens - req.num_computed_tokens, budget), failed)
             if n == 0:
                 continue
             while not self.blocks.allocate_slots(req, n):
@@ -142,7 +191,7 @@ class Scheduler:
                 hit_blocks = self.blocks.find_cached_prefix(req)
                 hit = len(hit_blocks) * self.blocks.block_size
                 wanted = min(req.num_tokens - hit, budget)
-                n = self._limit_by_images(req, hit, wanted, out)
+                n = self._limit_by_images(req, hit, wanted, failed)
                 if n == 0 or (n < wanted and n < self.blocks.block_size):
                     # Cut short by an image not ready yet, before filling a block: wait in the queue
                     # instead. Admitted once the image is ready, it finds the blocks that requests with
@@ -155,14 +204,14 @@ class Scheduler:
                 out.chunks.append(ScheduledChunk(req, hit, n))
                 budget -= n
 
-        for req in out.failed:
-            self.remove(req)
+        for req in failed:
+            self.finish_request(req, FinishReason.ERROR, req.error)
         self._lookahead()
         return out
 
     def _admit(self, req: Request, hit: int) -> None:
         self.blocks.record_prefix_query(req.num_tokens, hit)
-        if req.num_cached_tokens < 0:
+        if req.num_cached_tokens is None:
             req.num_cached_tokens = hit
         req.num_computed_tokens = hit
         self.images.skip_cached(req, hit)
@@ -170,14 +219,45 @@ class Scheduler:
         self.running.append(req)
         req.status = RequestStatus.RUNNING
 
-    def update_after_step(self, chunks: list[ScheduledChunk]) -> None:
-        """Advance computed tokens; release each image once every one of its tokens is in KV."""
-        for chunk in chunks:
+    def update_from_output(self, scheduled: SchedulerOutput,
+                           output: ModelOutput | None) -> list[RequestUpdate]:
+        """Advance the requests by what the runner computed for `scheduled` (None: it computed nothing,
+        e.g. the batch failed): their tokens are in KV, images whose every token is in KV are given
+        back, sampled tokens are appended and stop conditions checked. Returns an update for every
+        request that sampled a token or ended since the last call."""
+        updates = [RequestUpdate(req) for req in self._unreported]
+        for req in self._unreported:
+            self.requests.pop(req.request_id, None)
+        self._unreported = []
+        if output is None:
+            return updates
+        # Requests ended since schedule() (a chunk the engine could not build) were not computed.
+        computed = [c for c in scheduled.chunks if not c.request.is_finished]
+        sampling = [c.request for c in computed if c.samples]
+        for chunk in computed:
             chunk.request.num_computed_tokens = chunk.end
             self.images.release_computed(chunk.request)
+        sampled = output.sampled
+        for req, token, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
+            req.output_token_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish_request(req, reason, reported=True)
+            updates.append(RequestUpdate(req, [token], [logprobs] if logprobs is not None else []))
+        return updates
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        """STOP on a stop or end-of-sequence token, LENGTH at max_tokens or the model's length."""
+        sp = req.sampling
+        if token in sp.stop_token_ids or (token in req.eos_token_ids and not sp.ignore_eos):
+            return FinishReason.STOP
+        max_len = self.config.max_model_len
+        if len(req.output_token_ids) >= req.max_tokens or (max_len is not None and req.num_tokens >= max_len):
+            return FinishReason.LENGTH
+        return None
 
     # -- images ----------------------------------------------------------------------------------
-    def _limit_by_images(self, req: Request, start: int, n: int, out: SchedulerOutput) -> int:
+    def _limit_by_images(self, req: Request, start: int, n: int, failed: list[Request]) -> int:
         """n, or fewer tokens so the chunk ends before the first image whose embedding is not ready."""
         end = start + n
         for img in req.images:
@@ -185,7 +265,7 @@ class Scheduler:
                 continue
             state = self.images.readiness(req, img)
             if state == EmbeddingState.FAILED:
-                out.failed.append(req)
+                failed.append(req)
                 return 0
             if state != EmbeddingState.READY:
                 return max(img.offset - start, 0)
@@ -194,7 +274,7 @@ class Scheduler:
     def _lookahead(self) -> None:
         """Ask for the images of the next queued requests before their prefill (prefetch=True)."""
         queued = [req for req in list(self.waiting)[:self.config.encoder_max_ahead]
-                  if any(img.state == EmbeddingState.PENDING for img in req.images)]
+                  if any(img.state == EmbeddingState.UNKNOWN for img in req.images)]
         self.images.lookahead([(req, len(self.blocks.find_cached_prefix(req)) * self.blocks.block_size)
                                for req in queued])
 

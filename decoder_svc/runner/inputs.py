@@ -40,6 +40,7 @@ class ModelInput:
     """Everything the runner computes in one step."""
 
     sequences: list[SequenceInput]
+    finished_request_ids: list[str] = field(default_factory=list)  # ended: drop their per-request state
 
     @property
     def num_tokens(self) -> int:

@@ -176,7 +176,12 @@ class ModelRunner:
     # -- the step ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> ModelOutput:
-        """Run one step; sample for every sequence that has `sampling`."""
+        """Run one step; sample for every sequence that has `sampling`. An empty batch only drops the
+        state of finished requests."""
+        for request_id in batch.finished_request_ids:
+            self.sampler.forget(request_id)
+        if not batch.sequences:
+            return ModelOutput(SamplerOutput([], []))
         if self._on_cuda and self.device.index is not None:
             torch.cuda.set_device(self.device)  # the engine thread may not be the one that built us
         key = None
@@ -200,10 +205,6 @@ class ModelRunner:
                                 inputs_embeds=embeds)
         sampled = self.sampler.sample(logits, rows) if rows else SamplerOutput([], [])
         return ModelOutput(sampled)
-
-    def forget(self, request_id: str) -> None:
-        """Drop per-request state (the sampler's seeded generator) of a finished request."""
-        self.sampler.forget(request_id)
 
     def _prepare(self, batch: ModelInput, key: GraphKey | None) -> PreparedStep:
         """Fill the host staging for this step, copy it to the device, and return views of the buffers.

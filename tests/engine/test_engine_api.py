@@ -75,7 +75,8 @@ def test_a_failing_model_call_fails_its_requests_not_the_engine(make_engine, mon
     assert sorted(o.request_id for o in outs) == ["a", "b"]
     assert all(o.finish_reason == FinishReason.ERROR and o.error == "internal error: RuntimeError"
                for o in outs)
-    assert engine.stats().kv_blocks_used == 0 and engine.stats().failed == 2 and not engine.has_unfinished()
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.requests_failed == 2 and not engine.has_unfinished()
     monkeypatch.setattr(engine.runner, "execute", real)
     out = engine.generate("c", "hi there", sampling=SamplingParams(max_tokens=4))
     assert out.finish_reason == FinishReason.LENGTH and len(out.new_token_ids) == 4
@@ -85,7 +86,7 @@ def test_a_failure_in_one_requests_output_fails_only_that_request(make_engine, m
     engine = make_engine(num_kv_blocks=32)
     bad = engine.add_request("bad", "hi there", sampling=SamplingParams(max_tokens=4))
     engine.add_request("good", "hello", sampling=SamplingParams(max_tokens=4))
-    monkeypatch.setattr(bad.detokenizer, "add", lambda ids: 1 / 0)
+    monkeypatch.setattr(engine.outputs._detokenizers[bad.request_id], "add", lambda ids: 1 / 0)
     results: dict = {}
     while engine.has_unfinished():
         for o in engine.step():

@@ -6,7 +6,7 @@ import torch
 
 from common.checkpoint import model_fingerprint
 from common.hashing import hash_image
-from decoder_svc.engine import EmbeddingRequest, EmbeddingStatus
+from decoder_svc.engine import EmbeddingRequest, EmbeddingState
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 
 
@@ -14,11 +14,11 @@ def test_hash_only_ask_resolves_only_under_the_salt_it_was_made_with(tiny_model_
     source = LocalEmbeddingSource(tiny_model_dir)
     key = hash_image(images[0], model_fingerprint(tiny_model_dir), "tenant-a")
     source.request(EmbeddingRequest("a1", key, images[0], cache_salt="tenant-a"))
-    assert source.poll("a1", key) == EmbeddingStatus.READY
+    assert source.poll("a1", key) == EmbeddingState.READY
     for rid, salt in (("b1", "tenant-b"), ("b2", "")):
         source.request(EmbeddingRequest(rid, key, None, cache_salt=salt))
-        assert source.poll(rid, key) == EmbeddingStatus.FAILED and "not found" in source.error(rid, key)
+        assert source.poll(rid, key) == EmbeddingState.FAILED and "not found" in source.error(rid, key)
     source.request(EmbeddingRequest("a2", key, None, cache_salt="tenant-a"))
-    assert source.poll("a2", key) == EmbeddingStatus.READY and source.cache_hit("a2", key)
+    assert source.poll("a2", key) == EmbeddingState.READY and source.cache_hit("a2", key)
     assert torch.equal(source.get("a2", key), source.get("a1", key))
     assert source.num_encoded == 1

@@ -50,7 +50,7 @@ def test_warm_prefix_cache_same_tokens(make_engine, hf_oracle, images):
     assert warm.usage.images_skipped_by_kv_reuse == 2
     stats = engine.stats()
     assert stats.images_skipped_by_kv_reuse == 2 and stats.images_encoded == 2
-    assert stats.prefix_hit_tokens == warm.usage.cached_prompt_tokens
+    assert stats.prefix_cache_hit_tokens == warm.usage.cached_prompt_tokens
 
 
 def test_mixed_batch_staggered_arrivals(make_engine, hf_oracle, images):

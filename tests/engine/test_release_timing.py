@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from decoder_svc.engine import EmbeddingRequest, EmbeddingSource, EmbeddingStatus, FinishReason
+from decoder_svc.engine import EmbeddingRequest, EmbeddingSource, EmbeddingState, FinishReason
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.engine.request import Request
 from tests.oracle import greedy, run_all
@@ -55,7 +55,7 @@ class PoisoningSource(EmbeddingSource):
         self._live.add((req.request_id, req.content_hash))
         self.inner.request(req)
 
-    def poll(self, request_id: str, content_hash: str) -> EmbeddingStatus:
+    def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
         return self.inner.poll(request_id, content_hash)
 
     def get(self, request_id: str, content_hash: str) -> torch.Tensor:

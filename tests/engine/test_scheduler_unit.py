@@ -1,5 +1,5 @@
 """The scheduler alone: synthetic requests, a fake embedding source, no model (vLLM's tests/v1/core is
-the model for these). Each test drives schedule() and update_after_step() by hand, the way the engine
+the model for these). Each test drives schedule() and update_from_output() by hand, the way the engine
 does, and checks budgets, image readiness, preemption, prefix hits, lookahead order, and that every end
 of a request gives back its blocks and its embeddings.
 """
@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 
 from decoder_svc.engine.block_manager import BlockManager
-from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingStatus
-from decoder_svc.engine.request import ImagePlaceholder, Request, RequestStatus
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
+from decoder_svc.engine.request import FinishReason, ImagePlaceholder, Request, RequestStatus
 from decoder_svc.engine.sampling_params import SamplingParams
-from decoder_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from decoder_svc.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from decoder_svc.runner import ModelOutput, SamplerOutput
 
 BLOCK = 4
 HIDDEN = 8
@@ -23,7 +24,7 @@ class FakeSource(EmbeddingSource):
     """Embeddings that become ready (or fail) when the test says so; records every call."""
 
     def __init__(self) -> None:
-        self.status: dict[tuple[str, str], EmbeddingStatus] = {}
+        self.status: dict[tuple[str, str], EmbeddingState] = {}
         self.ready_hashes: set[str] = set()
         self.failing_hashes: set[str] = set()
         self.asks: list[EmbeddingRequest] = []
@@ -31,15 +32,15 @@ class FakeSource(EmbeddingSource):
 
     def request(self, req: EmbeddingRequest) -> None:
         self.asks.append(req)
-        self.status.setdefault((req.request_id, req.content_hash), EmbeddingStatus.PENDING)
+        self.status.setdefault((req.request_id, req.content_hash), EmbeddingState.PENDING)
 
-    def poll(self, request_id: str, content_hash: str) -> EmbeddingStatus:
+    def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
         key = (request_id, content_hash)
         if key not in self.status:
-            return EmbeddingStatus.UNKNOWN
+            return EmbeddingState.UNKNOWN
         if content_hash in self.failing_hashes:
-            return EmbeddingStatus.FAILED
-        return EmbeddingStatus.READY if content_hash in self.ready_hashes else EmbeddingStatus.PENDING
+            return EmbeddingState.FAILED
+        return EmbeddingState.READY if content_hash in self.ready_hashes else EmbeddingState.PENDING
 
     def get(self, request_id: str, content_hash: str) -> torch.Tensor:
         return torch.zeros(4, HIDDEN)
@@ -72,14 +73,16 @@ def make_scheduler(num_blocks: int = 64, budget: int = 16, max_seqs: int = 8, ah
     return Scheduler(SchedulerConfig(budget, max_seqs, ahead), blocks, source), source
 
 
-def step(scheduler: Scheduler) -> SchedulerOutput:
-    """schedule(), then what the engine does after the model: advance, and append one sampled token
-    to every request whose chunk reached its end."""
+def model_output(out: SchedulerOutput, token: int = 7) -> ModelOutput:
+    """What a runner answers: `token` for every chunk that reaches its request's end."""
+    n = sum(c.samples for c in out.chunks)
+    return ModelOutput(SamplerOutput([token] * n, [None] * n))
+
+
+def step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
+    """The engine's step without a model: schedule(), then update_from_output() with `token` sampled."""
     out = scheduler.schedule()
-    scheduler.update_after_step(out.chunks)
-    for chunk in out.chunks:
-        if chunk.samples:
-            chunk.request.output_token_ids.append(7)
+    scheduler.update_from_output(out, model_output(out, token))
     return out
 
 
@@ -88,8 +91,7 @@ def chunks_of(out: SchedulerOutput) -> dict[str, tuple[int, int]]:
 
 
 def finish(scheduler: Scheduler, req: Request) -> None:
-    scheduler.remove(req)
-    req.status = RequestStatus.FINISHED
+    scheduler.finish_request(req, FinishReason.ABORT)
 
 
 def test_token_budget_is_shared_in_arrival_order_and_prefill_is_chunked():
@@ -155,10 +157,12 @@ def test_a_failed_image_fails_its_request_and_frees_everything():
     s.add(r)
     step(s)
     src.failing_hashes.add("img-a")
-    out = step(s)
-    assert out.failed == [r]
+    out = s.schedule()
+    assert r.finish_reason == FinishReason.ERROR and "failed" in r.error
     assert s.blocks.stats().used_blocks == 0 and not src.held()
-    assert not s.has_unfinished()
+    updates = s.update_from_output(out, model_output(out))
+    assert [(u.request, u.new_token_ids) for u in updates] == [(r, [])]
+    assert not s.has_unfinished() and s.counters.failed == 1 and "r" not in s.requests
 
 
 def test_prefix_hit_skips_cached_blocks_and_the_image_inside_them():
@@ -226,4 +230,64 @@ def test_every_end_of_a_request_frees_its_blocks_and_embeddings():
         finish(s, r)
     assert s.blocks.stats().used_blocks == 0
     assert not src.held() and s.images.num_held == 0
-    assert not s.has_unfinished()
+    assert s.has_unfinished()  # their last updates are still to be reported
+    assert [u.request for u in s.update_from_output(s.schedule(), None)] == [done, aborted, queued]
+    assert not s.has_unfinished() and not s.requests
+
+
+def test_update_from_output_appends_tokens_and_stops_on_eos_stop_tokens_and_length():
+    s, _ = make_scheduler(budget=64)
+    eos = make_request("eos", 4)
+    eos.eos_token_ids = frozenset({5})
+    stop = make_request("stop", 4, first_token=20)
+    stop.sampling = SamplingParams(max_tokens=8, stop_token_ids=[9])
+    length = make_request("len", 4, first_token=40)
+    length.max_tokens = 2
+    for r in (eos, stop, length):
+        s.add(r)
+    out = s.schedule()
+    s.update_from_output(out, ModelOutput(SamplerOutput([3, 3, 3], [None] * 3)))
+    assert [r.output_token_ids for r in (eos, stop, length)] == [[3], [3], [3]]
+    assert not any(r.is_finished for r in (eos, stop, length))
+    out = s.schedule()
+    assert chunks_of(out) == {"eos": (4, 1), "stop": (4, 1), "len": (4, 1)}
+    updates = s.update_from_output(out, ModelOutput(SamplerOutput([5, 9, 3], [None] * 3)))
+    assert [(u.request.request_id, u.new_token_ids) for u in updates] == [("eos", [5]), ("stop", [9]),
+                                                                          ("len", [3])]
+    assert [r.finish_reason for r in (eos, stop, length)] == [FinishReason.STOP, FinishReason.STOP,
+                                                               FinishReason.LENGTH]
+    assert not s.has_unfinished() and s.blocks.stats().used_blocks == 0 and s.counters.finished == 3
+    # The runner hears of them with the next schedule, so it can drop their sampling state.
+    assert sorted(s.schedule().finished_request_ids) == ["eos", "len", "stop"]
+
+
+def test_an_aborted_request_is_reported_once_by_the_next_update():
+    s, _ = make_scheduler(budget=64)
+    a, b = make_request("a", 4), make_request("b", 4, first_token=20)
+    s.add(a)
+    s.add(b)
+    step(s)
+    s.finish_request(a, FinishReason.ABORT)
+    s.finish_request(a, FinishReason.ERROR)  # ending an ended request does nothing
+    assert s.get("a") is None and "a" in s.requests  # its id stays taken until it is reported
+    out = s.schedule()
+    assert chunks_of(out) == {"b": (4, 1)}
+    updates = s.update_from_output(out, model_output(out))
+    assert [(u.request.request_id, u.request.finish_reason, u.new_token_ids) for u in updates] == [
+        ("a", FinishReason.ABORT, []), ("b", None, [7])]
+    assert s.counters.aborted == 1 and s.counters.failed == 0 and "a" not in s.requests
+    assert s.update_from_output(s.schedule(), None) == []  # nothing computed, nothing left to report
+    assert isinstance(updates[0], RequestUpdate)
+
+
+def test_a_request_ended_after_schedule_is_not_advanced():
+    s, _ = make_scheduler(budget=64)
+    a, b = make_request("a", 4), make_request("b", 4, first_token=20)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    s.finish_request(a, FinishReason.ERROR, "internal error: boom")  # e.g. its chunk could not be built
+    updates = s.update_from_output(out, ModelOutput(SamplerOutput([7], [None])))  # only b was computed
+    assert a.num_computed_tokens == 0 and a.output_token_ids == []
+    assert b.num_computed_tokens == 4 and b.output_token_ids == [7]
+    assert [(u.request.request_id, u.new_token_ids) for u in updates] == [("a", []), ("b", [7])]

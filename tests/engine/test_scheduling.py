@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from decoder_svc.engine import EmbeddingRequest, EmbeddingSource, EmbeddingStatus, FinishReason
+from decoder_svc.engine import EmbeddingRequest, EmbeddingSource, EmbeddingState, FinishReason
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from tests.oracle import greedy, run_all
 
@@ -27,13 +27,13 @@ class GatedSource(EmbeddingSource):
         self.asks.append(req)
         self.inner.request(req)
 
-    def poll(self, request_id: str, content_hash: str) -> EmbeddingStatus:
+    def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
         status = self.inner.poll(request_id, content_hash)
-        if status == EmbeddingStatus.UNKNOWN:
+        if status == EmbeddingState.UNKNOWN:
             return status
         if content_hash in self.failing:
-            return EmbeddingStatus.FAILED
-        return EmbeddingStatus.PENDING if content_hash in self.closed else status
+            return EmbeddingState.FAILED
+        return EmbeddingState.PENDING if content_hash in self.closed else status
 
     def get(self, request_id: str, content_hash: str) -> torch.Tensor:
         return self.inner.get(request_id, content_hash)
@@ -107,7 +107,7 @@ def test_failed_image_fails_request_not_engine(make_engine, tiny_model_dir, imag
     res = run_all(engine)
     assert res["bad"]["finish"] == FinishReason.ERROR and "encoder exploded" in res["bad"]["error"]
     assert res["ok"]["finish"] == FinishReason.LENGTH and len(res["ok"]["tokens"]) == 8
-    assert engine.stats().failed == 1 and engine.stats().kv_blocks_used == 0
+    assert engine.stats().requests_failed == 1 and engine.stats().kv_blocks_used == 0
     assert source.inner.num_leases == 0
 
 
@@ -160,7 +160,7 @@ def test_abort_frees_everything(make_engine, tiny_model_dir, images):
     assert {o.request_id for o in outs} == {"mid-prefill", "decoding", "queued"}
     assert all(o.finish_reason == FinishReason.ABORT for o in outs)
     s = engine.stats()
-    assert (s.kv_blocks_used, s.running, s.waiting, s.aborted) == (0, 0, 0, 3)
+    assert (s.kv_blocks_used, s.running, s.waiting, s.requests_aborted) == (0, 0, 0, 3)
     assert source.inner.num_leases == 0 and not engine.has_unfinished()
 
 
@@ -171,6 +171,6 @@ def test_nothing_held_after_all_requests_end(make_engine, tiny_model_dir, images
                            sampling=greedy(10))
     run_all(engine)
     s = engine.stats()
-    assert s.kv_blocks_used == 0 and s.kv_cached_free_blocks > 0 and s.finished == 5
+    assert s.kv_blocks_used == 0 and s.kv_blocks_cached_free > 0 and s.requests_finished == 5
     assert s.running == s.waiting == 0 and source.inner.num_leases == 0
     assert all(b.ref_cnt == 0 for b in engine.blocks.blocks)

@@ -50,7 +50,7 @@ def test_cuda_fp32_parity(tiny_model_dir, budget, backend):
     for rid, (prompt, imgs) in cases.items():  # warm prefix cache
         out = engine.generate(rid + "-warm", prompt, imgs, sampling=SamplingParams(max_tokens=N))
         oracle.assert_same_tokens(out.new_token_ids, prompt, imgs, N)
-    assert engine.stats().prefix_hit_tokens > 0 and engine.stats().kv_blocks_used == 0
+    assert engine.stats().prefix_cache_hit_tokens > 0 and engine.stats().kv_blocks_used == 0
     assert (engine.runner.graph_steps > 0) == (backend == "triton")
 
 

@@ -26,7 +26,7 @@ from common.hashing import hash_image
 from decoder_svc.encoders.discovery import EncoderPool
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 from decoder_svc.encoders.routing import HashRing
-from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingStatus
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from tests.integration.conftest import png
 from tests.integration.harness import Service, free_port
 from tests.oracle import make_image
@@ -96,10 +96,10 @@ class Load:
             self._seq += 1
             rid = f"load-{self._seq}"
         self.source.request(EmbeddingRequest(rid, image.content_hash, image.data))
-        status = wait_for(lambda: self.source.poll(rid, image.content_hash) != EmbeddingStatus.PENDING, 60)
+        status = wait_for(lambda: self.source.poll(rid, image.content_hash) != EmbeddingState.PENDING, 60)
         status = self.source.poll(rid, image.content_hash)
         with self._lock:
-            if status == EmbeddingStatus.READY:
+            if status == EmbeddingState.READY:
                 self.ok += 1
             else:
                 error = self.source.error(rid, image.content_hash)
@@ -229,7 +229,7 @@ def test_ring_grows_shrinks_and_ejects_under_load(encoders, images):
             passes = load.passes()
             assert wait_for(lambda: load.passes() > passes + N_IMAGES, 120)
         assert load.failures == []  # every request, across every change, got its embedding
-        assert source.snapshot().failures == 0
+        assert source.snapshot().embedding_failures == 0
     finally:
         source.close()
 

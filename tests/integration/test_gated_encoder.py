@@ -23,7 +23,7 @@ from bench.services import free_port
 from common.client import DecoderClient
 from common.hashing import hash_image
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
-from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingStatus
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from encoder_svc.server import EncoderConfig
 from tests.encoder.conftest import EncoderHarness
 from tests.integration.conftest import png
@@ -153,13 +153,13 @@ def test_source_release_while_fetch_in_flight_gives_the_lease_back_at_once(idle)
             source.request(EmbeddingRequest("gone", key, png(image)))
             assert idle.gate.entered.wait(10), "the encode never started"
             source.release("gone")
-            assert source.poll("gone", key) == EmbeddingStatus.UNKNOWN
+            assert source.poll("gone", key) == EmbeddingState.UNKNOWN
             assert not idle.encoder.servicer.cache.contains(key)  # still in flight
         # The encode completes; the Encode call waiting on it takes a lease for the source's owner.
         idle.wait_for("the encode is stored", lambda: idle.encoder.servicer.cache.contains(key), FAST_S)
         idle.wait_for("the lease is given back", lambda: idle.encoder.stats().active_leases == 0, FAST_S)
         assert (source._lease_owner, 1) in idle.releases, "the source never released its lease"
-        assert source.poll("gone", key) == EmbeddingStatus.UNKNOWN
+        assert source.poll("gone", key) == EmbeddingState.UNKNOWN
         assert source.snapshot().active_leases == 0
         # The source is still of use: the same image for a live request lands (a hit) and is READY.
         source.request(EmbeddingRequest("live", key, png(image)))

@@ -19,7 +19,7 @@ from common.security.options import ServerSecurity
 from common.security.tls import ClientTls, ServerTls
 from common.security.tokens import TokenTable
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
-from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingStatus
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from encoder_svc.server import EncoderConfig, EncoderServicer
 from tests.oracle import make_image
 from tests.security.conftest import ALICE, BOB, DECODER, ServerThread
@@ -87,10 +87,10 @@ def test_a_tenant_cannot_release_another_tenants_lease(encoder, pki):
         assert alice.stats().active_leases == before
 
 
-def _fetch(source: RemoteEmbeddingSource, req: EmbeddingRequest, timeout: float = 30.0) -> EmbeddingStatus:
+def _fetch(source: RemoteEmbeddingSource, req: EmbeddingRequest, timeout: float = 30.0) -> EmbeddingState:
     source.request(req)
     deadline = time.monotonic() + timeout
-    while source.poll(req.request_id, req.content_hash) == EmbeddingStatus.PENDING:
+    while source.poll(req.request_id, req.content_hash) == EmbeddingState.PENDING:
         assert time.monotonic() < deadline, "the fetch neither finished nor failed"
         time.sleep(0.02)
     return source.poll(req.request_id, req.content_hash)
@@ -104,7 +104,7 @@ def test_the_decoder_link_works_over_mtls_and_keeps_the_tenant(encoder, pki, tin
     source = RemoteEmbeddingSource([encoder.address], tls=_tls(pki, "decoder"),
                                    retry=RetryPolicy(total_timeout_s=20))
     try:
-        assert _fetch(source, req) == EmbeddingStatus.READY, source.error("r1", digest)
+        assert _fetch(source, req) == EmbeddingState.READY, source.error("r1", digest)
         assert tuple(source.get("r1", digest).shape) == (16, 64)
         source.release("r1")
     finally:
@@ -123,7 +123,7 @@ def test_the_decoder_link_without_its_certificate_is_refused(encoder, pki):
     source = RemoteEmbeddingSource([encoder.address], tls=_tls(pki, None),
                                    retry=RetryPolicy(total_timeout_s=1.0, attempt_timeout_s=0.5))
     try:
-        assert _fetch(source, req) == EmbeddingStatus.FAILED
+        assert _fetch(source, req) == EmbeddingState.FAILED
         assert source.pop_error_code("r2") == "UNAVAILABLE"
     finally:
         source.close()
@@ -138,7 +138,7 @@ def test_a_decoder_the_encoder_does_not_accept_fails_its_images_as_internal(enco
     source = RemoteEmbeddingSource([encoder.address], tls=_tls(pki, "client"),
                                    retry=RetryPolicy(total_timeout_s=5.0))
     try:
-        assert _fetch(source, req) == EmbeddingStatus.FAILED
+        assert _fetch(source, req) == EmbeddingState.FAILED
         assert "UNAUTHENTICATED" in source.error("r3", digest)
         assert source.pop_error_code("r3") == "INTERNAL"
     finally:
@@ -154,7 +154,7 @@ def test_the_decoder_link_can_authenticate_with_a_service_token(encoder, pki):
     source = RemoteEmbeddingSource([encoder.address], tls=_tls(pki, "client"), token=DECODER,
                                    retry=RetryPolicy(total_timeout_s=20))
     try:
-        assert _fetch(source, req) == EmbeddingStatus.READY, source.error("r4", digest)
+        assert _fetch(source, req) == EmbeddingState.READY, source.error("r4", digest)
         source.release("r4")
     finally:
         source.close()

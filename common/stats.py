@@ -1,0 +1,69 @@
+"""One stats record per service, read alike by the GetStats RPC, Prometheus and the logs.
+
+A service's record is a dataclass (possibly of dataclasses) whose fields say what they are with `stat`:
+a one-line doc and a kind. From that one definition:
+
+- `to_message` fills the API's stats message: every field whose name the message has (the record's
+  names are the API's names, so nothing is renamed on the way);
+- `StatsCollector` (common/stats_metrics.py) exports every field as `<prefix>_<name>`: a counter
+  (`_total`), a gauge, or a counter family labelled by key for a dict field; "info" fields (strings)
+  are left to the RPC;
+- `summary` is the compact line the services log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+KINDS = ("counter", "gauge", "labels", "info")
+
+
+def stat(doc: str, kind: str = "counter", default: Any = 0, label: str = "kind") -> Any:
+    """A stats field: `kind` is counter (monotonic), gauge, labels (a dict of counters by `label`) or
+    info (a string for the RPC only)."""
+    if kind not in KINDS:
+        raise ValueError(f"stat kind must be one of {KINDS}, not {kind!r}")
+    meta = {"doc": doc, "kind": kind, "label": label}
+    if kind == "labels":
+        return dataclasses.field(default_factory=dict, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def stat_fields(record: Any) -> Iterator[tuple[dataclasses.Field, Any]]:
+    """(field, value) for every stat of a record, nested records flattened in order; a nested record
+    that is None (a part the service runs without) contributes nothing."""
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if "kind" in f.metadata:
+            yield f, value
+        elif dataclasses.is_dataclass(value):
+            yield from stat_fields(value)
+        elif value is not None:
+            raise TypeError(f"{type(record).__name__}.{f.name} is neither a stat nor a record")
+
+
+def as_dict(record: Any) -> dict[str, Any]:
+    """The flat {name: value} of a record."""
+    return {f.name: value for f, value in stat_fields(record)}
+
+
+def to_message(record: Any, message_cls: type) -> Any:
+    """The API's stats message with every field of the record that it has."""
+    names = set(message_cls.DESCRIPTOR.fields_by_name)
+    message = message_cls()
+    for f, value in stat_fields(record):
+        if f.name not in names:
+            continue
+        if f.metadata["kind"] == "labels":
+            getattr(message, f.name).update(value)
+        else:
+            setattr(message, f.name, value)
+    return message
+
+
+def summary(record: Any, names: tuple[str, ...]) -> str:
+    """`name=value` for the given fields, for a log line."""
+    values = as_dict(record)
+    return " ".join(f"{name}={values[name]}" for name in names)

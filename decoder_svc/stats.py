@@ -1,0 +1,29 @@
+"""The decoder service's one stats record (see common/stats.py): GetStats, /metrics and the log line
+all read it. The engine core builds it, so the engine's and the embedding source's counters are read
+together, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.stats import stat, summary
+from decoder_svc.encoders.remote_source import RemoteSourceStats
+from decoder_svc.engine.engine import EngineStats
+
+# What the periodic log line shows.
+_LOGGED = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_hit_tokens",
+           "requests_finished", "requests_aborted", "requests_failed", "encoders")
+
+
+@dataclass
+class DecoderStats:
+    """The engine's state and counters, its encoders' side, and the routing ring's size."""
+
+    engine: EngineStats
+    source: RemoteSourceStats | None = None  # None: an in-process source (tests)
+    encoders: int = stat("Encoder addresses in the routing ring (0: every image fails with UNAVAILABLE)",
+                         "gauge")
+
+    def log_line(self) -> str:
+        """The compact form for the service's log."""
+        return summary(self, _LOGGED)

@@ -1,0 +1,60 @@
+"""The one stats record per service: every API field comes from it, and /metrics exports each field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from common.pb import decoder_pb2
+from common.stats import as_dict, stat, summary, to_message
+from common.stats_metrics import StatsCollector
+from decoder_svc.encoders.remote_source import RemoteSourceStats
+from decoder_svc.engine.engine import EngineStats
+from decoder_svc.stats import DecoderStats
+
+
+def _decoder_record() -> DecoderStats:
+    engine = EngineStats(**{name: i + 1 for i, name in enumerate(as_dict(EngineStats()))})
+    source = RemoteSourceStats(active_leases=2, images_prefetched=5, embedding_transports={"shm": 3})
+    return DecoderStats(engine, source, encoders=4)
+
+
+def test_every_field_of_the_decoder_stats_message_comes_from_the_record():
+    record = _decoder_record()
+    message = to_message(record, decoder_pb2.DecoderStats)
+    values = as_dict(record)
+    for name in decoder_pb2.DecoderStats.DESCRIPTOR.fields_by_name:
+        assert name in values, f"DecoderStats.{name} has no field in the service's stats record"
+        got = getattr(message, name)
+        assert (dict(got) if name == "embedding_transports" else got) == values[name]
+
+
+def test_the_metrics_export_every_stat_under_its_own_name():
+    registry = CollectorRegistry()
+    StatsCollector("mmserve_decoder", _decoder_record, registry)
+    text = generate_latest(registry).decode()
+    assert "mmserve_decoder_running 1.0" in text  # a gauge
+    assert "mmserve_decoder_preemptions_total" in text  # a counter
+    assert 'mmserve_decoder_embedding_transports_total{transport="shm"} 3.0' in text
+    assert "mmserve_decoder_encoders 4.0" in text
+    assert "mmserve_decoder_active_leases 2.0" in text
+
+
+def test_a_record_without_its_source_part_still_exports_and_answers():
+    record = DecoderStats(EngineStats(waiting=3))
+    assert to_message(record, decoder_pb2.DecoderStats).waiting == 3
+    assert "waiting=3" in record.log_line()
+
+
+def test_a_field_that_is_not_a_stat_is_refused():
+    @dataclass
+    class Bad:
+        ok: int = stat("fine")
+        oops: int = 0
+
+    with pytest.raises(TypeError, match="oops"):
+        summary(Bad(), ("ok",))
+    with pytest.raises(ValueError, match="kind"):
+        stat("x", "histogram")
