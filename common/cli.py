@@ -16,12 +16,21 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import math
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from common.arg_types import (  # noqa: F401 - the argparse types, re-exported for the commands
+    dtype_name,
+    int_in_range,
+    model_dir,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 if TYPE_CHECKING:
     from common.server import GrpcService
@@ -44,66 +53,6 @@ def report_usage_error(prog: str, exc: BaseException) -> int:
     """Print `prog: error: message` (argparse's form) and return the usage exit code, 2."""
     print(f"{prog}: error: {exc}", file=sys.stderr)
     return 2
-
-
-# argparse `type=` functions: a bad value exits 2 with one "error: argument ..." line, before any work.
-
-def int_in_range(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an int in [low, high] (no upper bound when high is None)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < low or (high is not None and value > high):
-            bound = f"at least {low}" if high is None else f"from {low} to {high}"
-            raise argparse.ArgumentTypeError(f"must be {bound}, not {value}")
-        return value
-
-    parse.__name__ = "int"  # argparse names the type in some messages
-    return parse
-
-
-positive_int = int_in_range(1)
-non_negative_int = int_in_range(0)
-port_number = int_in_range(0, 65535)
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite float > 0 (seconds, mostly)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
-    return value
-
-
-def dtype_name(text: str) -> str:
-    """An argparse type: a dtype alias (fp16, bf16, ...) as its torch name ("float16", ...)."""
-    from common.checkpoint import parse_dtype  # imports torch: only commands that need it get here
-
-    try:
-        return str(parse_dtype(text)).removeprefix("torch.")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def model_dir(text: str) -> str:
-    """An argparse type: a checkpoint directory (config.json and safetensors weights) or a Hugging Face
-    Hub id (owner/name, resolved later by resolve_model_arg). A local directory is checked before
-    anything loads so that a typo fails in a second rather than after the imports."""
-    from common.hub import ModelNotFoundError, check_checkpoint_dir, is_hub_id
-
-    if is_hub_id(text):
-        return text
-    try:
-        check_checkpoint_dir(Path(text).expanduser(), text)
-    except ModelNotFoundError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:

@@ -20,6 +20,7 @@ The core stops when told, or when the pipe breaks (the front end is gone): it ne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import time
@@ -29,8 +30,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from common.checkpoint import CheckpointError
+from common.config import from_args
 from common.server import configure_logging
-from decoder_svc.engine.engine import EngineConfig, LLMEngine
+from decoder_svc.config import DecoderConfig
+from decoder_svc.engine.config import EngineConfig
+from decoder_svc.engine.engine import LLMEngine
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
 from decoder_svc.stats import DecoderStats
 
@@ -50,15 +54,9 @@ class CoreInfo:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's configuration from the decoder's command line."""
-    return EngineConfig(
-        model_dir=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        encoder_max_ahead=args.encoder_max_ahead, default_max_tokens=args.max_tokens_default,
-        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        detokenize=False)  # the front end detokenizes; the core only for stop strings
+    """The engine's configuration from the decoder's command line; the front end detokenizes, the
+    core only for stop strings."""
+    return dataclasses.replace(from_args(DecoderConfig, args).engine, detokenize=False)
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
@@ -67,13 +65,14 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     from decoder_svc.encoders.discovery import EncoderPool, GrpcHealthCheck
     from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 
+    config = from_args(DecoderConfig, args)
     link = client_security_from_args(args, prefix="encoder-")  # TLS and token of the encoder link
-    pool = EncoderPool(args.encoder, interval_s=args.encoder_resolve_interval,
+    pool = EncoderPool(config.encoders.addresses, interval_s=config.encoders.resolve_interval_s,
                        health_check=GrpcHealthCheck(tls=link.tls))
-    source = RemoteEmbeddingSource(pool, device=args.device,
-                                   retry=RetryPolicy(total_timeout_s=args.encoder_timeout),
+    source = RemoteEmbeddingSource(pool, device=config.engine.device,
+                                   retry=RetryPolicy(total_timeout_s=config.encoders.timeout_s),
                                    tls=link.tls, token=link.token)
-    return LLMEngine(engine_config(args), embedding_source=source)
+    return LLMEngine(dataclasses.replace(config.engine, detokenize=False), embedding_source=source)
 
 
 def warm_up(engine: LLMEngine) -> None:

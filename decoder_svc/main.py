@@ -8,19 +8,8 @@ import logging
 import time
 from collections.abc import Sequence
 
-from common.cli import (
-    UsageError,
-    check_port_free,
-    dtype_name,
-    model_dir,
-    non_negative_int,
-    port_number,
-    positive_float,
-    positive_int,
-    report_usage_error,
-    resolve_model_arg,
-    start_listening,
-)
+from common.cli import UsageError, check_port_free, report_usage_error, resolve_model_arg, start_listening
+from common.config import add_options, from_args
 from common.pb import decoder_pb2_grpc
 from common.security.options import (
     add_client_args,
@@ -35,48 +24,13 @@ _STATS_LOG_INTERVAL_S = 10.0  # the stats line is logged at most this often, and
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    """The decoder's command-line options."""
+    """The decoder's command-line options: DecoderConfig's fields, then the security flags."""
+    from decoder_svc.config import DecoderConfig
+
     p = argparse.ArgumentParser(prog="mmserve decoder", description="LLaVA decoder service")
-    p.add_argument("--model", type=model_dir, required=True,
-                   help="LLaVA checkpoint: a directory, or a Hugging Face Hub id (found in the HF cache, "
-                   "else downloaded unless HF_HUB_OFFLINE=1)")
-    p.add_argument("--revision", default=None, help="Hub branch, tag or commit for a Hub id --model")
-    p.add_argument("--encoder", action="append", default=[], metavar="HOST:PORT",
-                   help="encoder address (repeat for several: images are routed by consistent hash), or "
-                   "dns:///NAME:PORT for every address behind NAME (e.g. a headless Service), re-resolved "
-                   "every --encoder-resolve-interval seconds")
-    p.add_argument("--encoder-resolve-interval", type=positive_float, default=5.0,
-                   help="seconds between DNS lookups and health checks of dns:/// encoders")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=50052, help="0 picks a free port")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", type=dtype_name, default="float32", help="float32, float16 or bfloat16")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget per step")
-    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="running requests at most")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--num-kv-blocks", type=positive_int, default=None)
-    kv.add_argument("--kv-cache-bytes", type=positive_int, default=None)
-    p.add_argument("--encoder-max-ahead", type=non_negative_int, default=4,
-                   help="queued requests whose images are requested ahead of their prefill (0: off)")
-    p.add_argument("--max-tokens-default", type=positive_int, default=256,
-                   help="max_tokens when a request gives 0")
-    p.add_argument("--max-waiting", type=positive_int, default=4096,
-                   help="queue size before RESOURCE_EXHAUSTED")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
-                   help="kernels: auto takes Triton on CUDA and the torch reference elsewhere")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--encoder-timeout", type=positive_float, default=20.0,
-                   help="seconds from an image's first ask until an unreachable encoder fails the request "
-                   "(UNAVAILABLE)")
-    p.add_argument("--drain-timeout", type=positive_float, default=30.0,
-                   help="on SIGTERM, seconds in-flight streams may take to finish (new ones get UNAVAILABLE)")
-    p.add_argument("--metrics-port", type=port_number, default=None,
-                   help="Prometheus /metrics port (off if unset)")
+    add_options(p, DecoderConfig)
     add_server_args(p)
     add_client_args(p, prefix="encoder-", what="the encoders")
-    p.add_argument("--log-level", default="INFO")
     return p
 
 
@@ -151,17 +105,14 @@ _DEATH_GRACE_S = 1.0
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the decoder until a signal. Exit codes: 0 after a clean stop, 1 when the engine died (a
     restart policy should bring it back), 2 for a user error (one line on stderr, nothing loaded)."""
+    from decoder_svc.config import DecoderConfig
+
     parser = build_arg_parser()
     args = parser.parse_args(argv)
-    if not args.encoder:
-        parser.error("give at least one --encoder HOST:PORT (or dns:///NAME:PORT)")
-    from decoder_svc.encoders.discovery import parse_dns_target
-
-    for spec in args.encoder:
-        try:
-            parse_dns_target(spec)
-        except ValueError as exc:
-            parser.error(f"--encoder {exc}")
+    try:
+        from_args(DecoderConfig, args)  # the config's own checks, before anything loads
+    except ValueError as exc:
+        parser.error(str(exc))
     configure_logging(args.log_level)
     try:
         # Before the model loads: a busy port fails now, not after the load.

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from common.checkpoint import model_fingerprint, parse_dtype
-from common.images import ImageLimits
 from common.stats import stat
 from decoder_svc.engine.block_manager import BlockManager
+from decoder_svc.engine.config import EngineConfig
 from decoder_svc.engine.embedding_source import EmbeddingSource
 from decoder_svc.engine.input_processor import ImageLike, InputProcessor
 from decoder_svc.engine.output_processor import OutputProcessor, RequestOutput
@@ -38,32 +37,6 @@ _DEVICE_ERRORS = tuple(c for c in (getattr(torch, "AcceleratorError", None),) if
 
 class QueueFullError(RuntimeError):
     """Too many requests waiting (the service answers RESOURCE_EXHAUSTED)."""
-
-
-@dataclass
-class EngineConfig:
-    """Everything the engine needs to start."""
-
-    model_dir: str | Path
-    device: str = "cpu"
-    dtype: str = "float32"
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # wins over kv_cache_bytes
-    kv_cache_bytes: int | None = None  # default: half the free GPU memory, or 512 MiB on CPU
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    encoder_max_ahead: int = 4
-    default_max_tokens: int = 256
-    max_waiting: int = 4096
-    enable_prefix_caching: bool = True
-    image_limits: ImageLimits = field(default_factory=ImageLimits)  # bytes, side, pixels, images/request
-    max_prompt_bytes: int = 1 << 20  # prompt text (or chat text parts), checked before tokenizing
-    attention_backend: str = "auto"  # auto: Triton kernels on CUDA, the torch reference elsewhere
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
-    # False: outputs carry token ids and no text, except for requests with stop strings (stopping needs
-    # the text). The service sets it and detokenizes on its event loop, so the engine thread spends
-    # its time on steps, not on the tokenizer.
-    detokenize: bool = True
 
 
 @dataclass

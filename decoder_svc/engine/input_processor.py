@@ -25,7 +25,7 @@ from decoder_svc.model.loader import text_config_dict
 from decoder_svc.tokenization import PromptTokenizer, TokenizedPrompt
 
 if TYPE_CHECKING:
-    from decoder_svc.engine.engine import EngineConfig
+    from decoder_svc.engine.config import EngineConfig
 
 MAX_SALT_BYTES = 256  # cache_salt: a tenant key, not a payload
 

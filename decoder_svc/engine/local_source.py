@@ -21,7 +21,7 @@ from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSourc
 from encoder_svc.vision import VisionEncoder
 
 if TYPE_CHECKING:
-    from decoder_svc.engine.engine import EngineConfig
+    from decoder_svc.engine.config import EngineConfig
 
 
 class LocalEmbeddingSource(EmbeddingSource):

@@ -1,0 +1,65 @@
+"""The decoder service's configuration tree; its command line is generated from it (common/config.py).
+
+    DecoderConfig
+      engine: EngineConfig        the model, KV cache, batching and kernels (decoder_svc/engine/engine.py)
+      encoders: EncoderLinkConfig  where the encoders are and how long to wait for them
+      host, port, ...              the gRPC server
+
+Security flags (TLS, tokens) are their own set, shared with the encoder: common/security/options.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.arg_types import port_number, positive_float
+from common.config import check_options, option, section
+from decoder_svc.engine.config import EngineConfig
+
+
+@dataclass
+class EncoderLinkConfig:
+    """The encoders this decoder fetches embeddings from."""
+
+    addresses: list[str] = option(
+        help="encoder address (repeat for several: images are routed by consistent hash), or "
+        "dns:///NAME:PORT for every address behind NAME (e.g. a headless Service), re-resolved every "
+        "--encoder-resolve-interval seconds", flag="--encoder", metavar="HOST:PORT", append=True,
+        default_factory=list)
+    resolve_interval_s: float = option(
+        5.0, "seconds between DNS lookups and health checks of dns:/// encoders",
+        flag="--encoder-resolve-interval", type=positive_float)
+    timeout_s: float = option(
+        20.0, "seconds from an image's first ask until an unreachable encoder fails the request "
+        "(UNAVAILABLE)", flag="--encoder-timeout", type=positive_float)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        from decoder_svc.encoders.discovery import parse_dns_target
+
+        for spec in self.addresses:
+            try:
+                parse_dns_target(spec)
+            except ValueError as exc:
+                raise ValueError(f"--encoder {exc}") from None
+
+
+@dataclass
+class DecoderConfig:
+    """Everything `mmserve decoder` is started with, but security."""
+
+    engine: EngineConfig = section(EngineConfig, "engine")
+    encoders: EncoderLinkConfig = section(EncoderLinkConfig, "encoders")
+    revision: str | None = option(None, "Hub branch, tag or commit for a Hub id --model")
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(50052, "gRPC port (0 picks a free one)", type=port_number)
+    metrics_port: int | None = option(None, "Prometheus /metrics port (off if unset)", type=port_number)
+    drain_timeout_s: float = option(
+        30.0, "on SIGTERM, seconds in-flight streams may take to finish (new ones get UNAVAILABLE)",
+        flag="--drain-timeout", type=positive_float)
+    log_level: str = option("INFO", "DEBUG, INFO, WARNING or ERROR")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if not self.encoders.addresses:
+            raise ValueError("give at least one --encoder HOST:PORT (or dns:///NAME:PORT)")

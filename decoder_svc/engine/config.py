@@ -1,0 +1,49 @@
+"""The engine's configuration (a light module: the command line reads it without loading torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.arg_types import dtype_name, non_negative_int, positive_int
+from common.arg_types import model_dir as model_dir_arg
+from common.config import check_options, option
+from common.images import ImageLimits
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start. Fields made with `option` are the decoder's command-line
+    flags too (common/config.py); the rest are set in code."""
+
+    model_dir: str | Path = option(
+        help="LLaVA checkpoint: a directory, or a Hugging Face Hub id (found in the HF cache, else "
+        "downloaded unless HF_HUB_OFFLINE=1)", flag="--model", type=model_dir_arg)
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    dtype: str = option("float32", "float32, float16 or bfloat16", type=dtype_name)
+    block_size: int = option(16, "tokens per KV block", type=positive_int)
+    num_kv_blocks: int | None = option(None, "KV blocks in the pool", type=positive_int, group="kv")
+    kv_cache_bytes: int | None = option(
+        None, "KV cache size (default: half the free GPU memory, or 512 MiB on CPU)", type=positive_int,
+        group="kv")
+    max_num_batched_tokens: int = option(2048, "token budget per step", type=positive_int)
+    max_num_seqs: int = option(64, "running requests at most", type=positive_int)
+    encoder_max_ahead: int = option(
+        4, "queued requests whose images are requested ahead of their prefill (0: off)",
+        type=non_negative_int)
+    default_max_tokens: int = option(256, "max_tokens when a request gives 0", flag="--max-tokens-default",
+                                     type=positive_int)
+    max_waiting: int = option(4096, "queue size before RESOURCE_EXHAUSTED", type=positive_int)
+    enable_prefix_caching: bool = option(True, "no reuse of cached prefix KV", flag="--no-prefix-caching")
+    attention_backend: str = option("auto", "kernels: auto takes Triton on CUDA and the torch reference "
+                                    "elsewhere", choices=("auto", "torch", "triton"))
+    enforce_eager: bool = option(False, "no CUDA graphs for decode steps")
+    image_limits: ImageLimits = field(default_factory=ImageLimits)  # bytes, side, pixels, images/request
+    max_prompt_bytes: int = 1 << 20  # prompt text (or chat text parts), checked before tokenizing
+    # False: outputs carry token ids and no text, except for requests with stop strings (stopping needs
+    # the text). The service sets it and detokenizes on its event loop, so the engine thread spends
+    # its time on steps, not on the tokenizer.
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        check_options(self)
