@@ -1,0 +1,88 @@
+"""The decoder's API messages in the engine's terms, and back: a GenerateRequest becomes engine arguments
+(its shape checked, INVALID_ARGUMENT on misuse), a RequestOutput becomes a GenerateResponse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.errors import invalid_argument
+from common.pb import common_pb2, decoder_pb2
+from decoder_svc.engine.output_processor import RequestOutput
+from decoder_svc.engine.request import FinishReason
+from decoder_svc.engine.sampling_params import SamplingParams
+
+MAX_REQUEST_ID_BYTES = 256  # the client's id only labels logs
+_FINISH = {FinishReason.STOP: decoder_pb2.FINISH_REASON_STOP,
+           FinishReason.LENGTH: decoder_pb2.FINISH_REASON_LENGTH,
+           FinishReason.ABORT: decoder_pb2.FINISH_REASON_ABORT}
+
+
+@dataclass
+class ParsedRequest:
+    """A GenerateRequest in the engine's terms."""
+
+    prompt: str | None
+    messages: list[dict] | None
+    images: list[bytes | str]  # encoded file, or a content hash
+    sampling: SamplingParams
+    cache_salt: str
+
+
+def _image(index: int, image: common_pb2.ImageInput) -> bytes | str:
+    kind = image.WhichOneof("source")
+    if kind == "data":
+        return image.data
+    if kind == "content_hash":
+        return image.content_hash
+    raise invalid_argument(f"image {index}: neither data nor content_hash is set")
+
+
+def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
+    """Validate the request's shape and turn it into engine arguments (INVALID_ARGUMENT on misuse)."""
+    if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise invalid_argument(f"request_id longer than {MAX_REQUEST_ID_BYTES} bytes")
+    s = request.sampling
+    sampling = SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        if not request.prompt:
+            raise invalid_argument("empty prompt")
+        images = [_image(i, img) for i, img in enumerate(request.images)]
+        return ParsedRequest(request.prompt, None, images, sampling, request.cache_salt)
+    if kind == "chat":
+        if request.images:
+            raise invalid_argument("chat requests carry their images in the messages, not in `images`")
+        messages, images = [], []
+        for message in request.chat.messages:
+            content = []
+            for part in message.content:
+                if part.WhichOneof("part") == "image":
+                    images.append(_image(len(images), part.image))
+                    content.append({"type": "image"})
+                else:
+                    content.append({"type": "text", "text": part.text})
+            messages.append({"role": message.role, "content": content})
+        if not messages:
+            raise invalid_argument("empty chat")
+        return ParsedRequest(None, messages, images, sampling, request.cache_salt)
+    raise invalid_argument("empty input: set prompt or chat")
+
+
+def to_response(output: RequestOutput) -> decoder_pb2.GenerateResponse:
+    """One stream message."""
+    response = decoder_pb2.GenerateResponse(token_ids=output.new_token_ids, text=output.text)
+    for lp in output.logprobs:
+        response.logprobs.add(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+    if output.finish_reason is not None:
+        response.finish_reason = _FINISH.get(output.finish_reason, decoder_pb2.FINISH_REASON_UNSPECIFIED)
+    if output.usage is not None:
+        u = output.usage
+        response.usage.CopyFrom(decoder_pb2.Usage(
+            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+            cached_prompt_tokens=u.cached_prompt_tokens, images=u.images,
+            images_encoder_cache_hits=u.images_encoder_cache_hits,
+            images_skipped_by_kv_reuse=u.images_skipped_by_kv_reuse))
+    return response
