@@ -41,6 +41,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", type=int, default=12, help="image requests that arrive while it does")
     p.add_argument("--image-size", type=int, default=336)
     p.add_argument("--trace", default=None, help="write the Chrome trace here")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: the profiler then records every compute kernel (inside a graph "
+                   "replay it records only some), so the overlap is measured in full")
     p.add_argument("--logs", default=None)
     p.add_argument("--out", default=None)
     return p
@@ -105,7 +108,8 @@ def run(args: argparse.Namespace) -> dict:
     source = RemoteEmbeddingSource([encoder.address], device=args.device,
                                    transports=[common_pb2.TRANSPORT_SHM, common_pb2.TRANSPORT_INLINE])
     engine = LLMEngine(EngineConfig(model, device=args.device, dtype=args.dtype, max_num_seqs=64,
-                                    kv_cache_bytes=8 << 30 if args.device.startswith("cuda") else None),
+                                    kv_cache_bytes=8 << 30 if args.device.startswith("cuda") else None,
+                                    enforce_eager=args.enforce_eager),
                        embedding_source=source)
     try:
         text = PromptMaker(model, seed=0).text(64)
