@@ -56,7 +56,10 @@ def build_ref(handle: Handle, transport: int, arena: Arena, inline_bytes: bytes 
         loc.mem_handle = arena.mem_handle
         loc.offset = entry.offset
         loc.device_uuid = arena.device_uuid
-        loc.event_handle = entry.event_handle
+        # A finished write is visible to any later reader: no event to open and wait on (opening an
+        # interprocess event costs the reader more than the rest of a hit's import).
+        if entry.event is not None and not entry.event.query():
+            loc.event_handle = entry.event_handle
         loc.arena_nbytes = arena.capacity
     return ref
 

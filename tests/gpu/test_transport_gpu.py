@@ -117,12 +117,17 @@ def test_reader_waits_on_the_producer_event_or_reads_stale_bytes():
             torch.cuda._sleep(int(3e9))  # ~1.5-2 s of GPU time before the write lands
             cache.complete("late", values)  # write + event, both queued behind the sleep
         handle = fut.result(0)
-        inbox.put(build_ref(handle, CUDA, arena).SerializeToString())  # no host synchronisation
+        pending = build_ref(handle, CUDA, arena)
+        assert pending.cuda_ipc.event_handle, "a write still in flight must come with its event"
+        inbox.put(pending.SerializeToString())  # no host synchronisation
         early, waited = outbox.get(timeout=120)
         proc.join(60)
         assert waited == _bytes_of(values), "waiting on the producer event must give the written values"
         assert early != waited, "without the wait the reader should have seen the stale (zero) bytes"
         assert early == bytes(len(early))
+        torch.cuda.synchronize()
+        assert build_ref(handle, CUDA, arena).cuda_ipc.event_handle == b"", \
+            "a finished write needs no event: the reader has nothing to wait for"
         cache.release([warm.lease_id, handle.lease_id])
     finally:
         torch.cuda.synchronize()
