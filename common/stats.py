@@ -5,7 +5,8 @@ a one-line doc and a kind. From that one definition:
 
 - `to_message` fills the API's stats message: every field whose name the message has (the record's
   names are the API's names, so nothing is renamed on the way);
-- `StatsCollector` (common/stats_metrics.py) exports every field as `<prefix>_<name>`: a counter
+- `StatsCollector` (common/stats_metrics.py) exports every field as `<prefix>_<name>` (or the field's
+  own `metric` name): a counter
   (`_total`), a gauge, or a counter family labelled by key for a dict field; "info" fields (strings)
   are left to the RPC;
 - `summary` is the compact line the services log.
@@ -20,12 +21,14 @@ from typing import Any
 KINDS = ("counter", "gauge", "labels", "info")
 
 
-def stat(doc: str, kind: str = "counter", default: Any = 0, label: str = "kind") -> Any:
+def stat(doc: str, kind: str = "counter", default: Any = 0, label: str = "kind", metric: str | None = None
+         ) -> Any:
     """A stats field: `kind` is counter (monotonic), gauge, labels (a dict of counters by `label`) or
-    info (a string for the RPC only)."""
+    info (a string for the RPC only). `metric` names the Prometheus metric when it is not the field's
+    name (metrics that existed before the record keep their names)."""
     if kind not in KINDS:
         raise ValueError(f"stat kind must be one of {KINDS}, not {kind!r}")
-    meta = {"doc": doc, "kind": kind, "label": label}
+    meta = {"doc": doc, "kind": kind, "label": label, "metric": metric}
     if kind == "labels":
         return dataclasses.field(default_factory=dict, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

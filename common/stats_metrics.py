@@ -32,7 +32,8 @@ class StatsCollector(Collector):
         if record is None:
             return
         for f, value in stat_fields(record):
-            name, doc, kind = f"{self._prefix}_{f.name}", f.metadata["doc"], f.metadata["kind"]
+            name = f"{self._prefix}_{f.metadata['metric'] or f.name}"
+            doc, kind = f.metadata["doc"], f.metadata["kind"]
             if kind == "counter":
                 yield CounterMetricFamily(name, doc, value=value)
             elif kind == "gauge":

@@ -100,18 +100,14 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         cache_salt: str = "",
     ) -> Request:
-        """make_request, then add: validate, tokenize and queue a request (engine thread)."""
-        return self.add(self.make_request(request_id, prompt, images, messages=messages, sampling=sampling,
-                                          cache_salt=cache_salt))
-
-    def make_request(self, *args: Any, **kwargs: Any) -> Request:
-        """InputProcessor.make_request (same arguments): validate, decode and hash images, tokenize.
-        Safe on any thread: it reads nothing the engine changes."""
-        return self.inputs.make_request(*args, **kwargs)
+        """Validate, tokenize and queue a request (engine thread): `self.inputs.make_request`, then
+        `add`. The service makes requests on its own threads and calls `add` only."""
+        return self.add(self.inputs.make_request(request_id, prompt, images, messages=messages,
+                                                 sampling=sampling, cache_salt=cache_salt))
 
     def add(self, req: Request) -> Request:
-        """Queue a request made by make_request (engine thread). Raises InvalidRequestError for a
-        request id in use and QueueFullError when the queue is full."""
+        """Queue a request made by InputProcessor.make_request (engine thread). Raises
+        InvalidRequestError for a request id in use and QueueFullError when the queue is full."""
         if req.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         if len(self.scheduler.waiting) >= self.config.max_waiting:

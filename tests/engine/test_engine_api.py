@@ -128,11 +128,11 @@ def test_limits_are_checked_before_any_decoding_or_tokenizing(make_engine, monke
     ]
     for kwargs, needle in cases:
         with pytest.raises(InvalidRequestError, match=needle):
-            engine.make_request("x", **kwargs)
+            engine.inputs.make_request("x", **kwargs)
 
 
 def test_client_facing_image_errors_carry_no_heap_addresses(make_engine):
     engine = make_engine(num_kv_blocks=8)
     with pytest.raises(InvalidRequestError) as err:
-        engine.make_request("x", "USER: <image> hi", [b"\x89PNG not really"])
+        engine.inputs.make_request("x", "USER: <image> hi", [b"\x89PNG not really"])
     assert " at 0x" not in str(err.value) and "image 0" in str(err.value)
