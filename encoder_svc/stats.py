@@ -1,0 +1,41 @@
+"""The encoder service's one stats record (see common/stats.py): GetStats, /metrics and the log line all
+read it. Field names are the API's (EncoderStats in encoder.proto); metrics that existed before the
+record keep their names (`metric=`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.stats import stat, summary
+
+# What the periodic log line shows.
+_LOGGED = ("entries", "hits", "misses", "evictions", "active_leases", "encodes", "queue_depth")
+
+
+@dataclass
+class EncoderStats:
+    """The embedding cache, the vision worker and the service's counters, read together."""
+
+    cache_bytes_used: int = stat("Arena bytes holding entries", "gauge")
+    cache_bytes_capacity: int = stat("Arena capacity in bytes", "gauge")
+    entries: int = stat("Cached embeddings", "gauge", metric="cache_entries")
+    hits: int = stat("Embedding cache hits", metric="cache_hits")
+    misses: int = stat("Embedding cache misses", metric="cache_misses")
+    evictions: int = stat("Embedding cache evictions", metric="cache_evictions")
+    leased_bytes: int = stat("Bytes pinned by leases", "gauge", metric="cache_leased_bytes")
+    active_leases: int = stat("Leases held now", "gauge")
+    encodes: int = stat("Images run through the vision tower", metric="images_encoded")
+    images_per_s: float = stat("Vision-tower throughput since start, images/s", "gauge", default=0.0)
+    expired_leases: int = stat("Leases that expired unreleased")
+    inflight_dedups: int = stat("Requests that joined a running encode")
+    prefetches: int = stat("Images asked for ahead of their prefill (Prefetch, or Encode with prefetch)")
+    # images_encoded / vision_batches is the mean batch: it follows the queue up to --max-batch-images
+    vision_batches: int = stat("Vision-tower batches run")
+    queue_depth: int = stat("Images waiting for the vision tower", "gauge")
+    cuda_graphs: int = stat("1 when demand batches replay CUDA graphs of the tower", "gauge")
+    model_fingerprint: str = stat("The checkpoint's fingerprint", "info", default="")
+    device: str = stat("Where the tower runs", "info", default="")
+
+    def log_line(self) -> str:
+        """The compact form for the service's log."""
+        return summary(self, _LOGGED)
