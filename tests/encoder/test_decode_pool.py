@@ -1,0 +1,144 @@
+"""The decode pool (encoder_svc/decode_pool.py): the same hash and pixels as the thread path and as
+`hash_image`, bad images failing alone, and a dead worker process failing its images, not hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from common.hashing import hash_image
+from common.images import ImageError, ImageLimits, decode_image
+from encoder_svc.decode_pool import DecodedImage, DecodePool, DecodeWorkerDied, decode_and_hash
+from tests.encoder.conftest import image_bytes
+
+FINGERPRINT = "test-model"
+HANG_GUARD_S = 120  # a generous bound that only a hang reaches
+
+
+def _file(mode: str, fmt: str, seed: int = 0, size: tuple[int, int] = (37, 23)) -> bytes:
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    arr = rng.integers(0, 256, (size[1], size[0], channels), dtype=np.uint8)
+    img = Image.fromarray(arr[..., 0] if channels == 1 else arr, mode)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+FILES = {
+    "png-rgb": _file("RGB", "PNG"),
+    "png-rgba": _file("RGBA", "PNG", seed=1),
+    "png-gray": _file("L", "PNG", seed=2),
+    "jpeg": _file("RGB", "JPEG", seed=3),
+    "gif": _file("RGB", "GIF", seed=4),
+}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = DecodePool(2)
+    p.start()
+    yield p
+    p.close()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, HANG_GUARD_S))
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_hash_and_pixels_match_hash_image(name):
+    data = FILES[name]
+    reference = decode_image(data)
+    decoded = decode_and_hash(data, ImageLimits(), FINGERPRINT, "salt-a")
+    assert decoded.content_hash == hash_image(reference, FINGERPRINT, "salt-a")
+    assert decoded.content_hash != decode_and_hash(data, ImageLimits(), FINGERPRINT, "salt-b").content_hash
+    assert (decoded.width, decoded.height) == reference.size
+    assert decoded.pixels == reference.tobytes()
+    assert decoded.to_pil().tobytes() == reference.tobytes() and decoded.to_pil().mode == "RGB"
+    np.testing.assert_array_equal(decoded.array(), np.asarray(reference))
+
+
+def test_pool_gives_what_the_thread_path_gives(pool):
+    async def both():
+        return await asyncio.gather(*(pool.decode(d, FINGERPRINT, "s") for d in FILES.values()))
+
+    for data, from_pool in zip(FILES.values(), run(both()), strict=True):
+        assert isinstance(from_pool, DecodedImage)
+        assert from_pool == decode_and_hash(data, ImageLimits(), FINGERPRINT, "s")
+
+
+def test_bad_image_fails_alone_with_the_thread_paths_message(pool):
+    bad = image_bytes(5)[:60]  # a truncated PNG
+    with pytest.raises(ImageError) as in_thread:
+        decode_and_hash(bad, ImageLimits(), FINGERPRINT, "")
+
+    async def mixed():
+        return await asyncio.gather(pool.decode(bad, FINGERPRINT, ""),
+                                    pool.decode(FILES["jpeg"], FINGERPRINT, ""), return_exceptions=True)
+
+    failed, good = run(mixed())
+    assert isinstance(failed, ImageError) and str(failed) == str(in_thread.value)
+    assert good == decode_and_hash(FILES["jpeg"], ImageLimits(), FINGERPRINT, "")
+
+
+def test_pool_applies_its_limits():
+    small = DecodePool(1, ImageLimits(max_side=16))
+    try:
+        with pytest.raises(ImageError, match="maximum side of 16"):
+            run(small.decode(FILES["png-rgb"], FINGERPRINT, ""))
+    finally:
+        small.close()
+
+
+def test_a_dying_worker_fails_its_images_and_the_pool_recovers():
+    pool = DecodePool(2)
+    try:
+        pool.start()
+
+        async def crash_among_others():
+            others = [pool.decode(d, FINGERPRINT, "") for d in FILES.values()]
+            return await asyncio.gather(pool.run(os._exit, 3), *others, return_exceptions=True)
+
+        crashed, *others = run(crash_among_others())
+        assert isinstance(crashed, DecodeWorkerDied)
+        # Images in flight with it fail the same way or were done before: none hangs, none is wrong.
+        for data, got in zip(FILES.values(), others, strict=True):
+            assert isinstance(got, DecodeWorkerDied) or got == decode_and_hash(data, ImageLimits(),
+                                                                               FINGERPRINT, "")
+        assert pool.restarts == 1
+        after = run(pool.decode(FILES["png-rgb"], FINGERPRINT, ""))
+        assert after == decode_and_hash(FILES["png-rgb"], ImageLimits(), FINGERPRINT, "")
+    finally:
+        pool.close()
+
+
+def test_a_worker_killed_while_idle_costs_no_request():
+    pool = DecodePool(1)
+    try:
+        pool.start()
+        executor = pool._executor
+        for pid in list(executor._processes):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not executor._broken:  # the executor notices the death in its own thread
+            assert time.monotonic() < deadline, "the executor never noticed its dead process"
+            time.sleep(0.05)
+        # This request did not kill it: it is retried on a fresh pool.
+        got = run(pool.decode(FILES["gif"], FINGERPRINT, ""))
+        assert got == decode_and_hash(FILES["gif"], ImageLimits(), FINGERPRINT, "")
+        assert pool.restarts == 1 and pool._executor is not executor
+    finally:
+        pool.close()
+
+
+def test_pool_needs_a_process():
+    with pytest.raises(ValueError, match="at least one process"):
+        DecodePool(0)
