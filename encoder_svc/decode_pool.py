@@ -21,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import logging
+import mmap
 import multiprocessing
+import os
 import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
@@ -70,69 +73,172 @@ class DecodeWorkerDied(RuntimeError):
     """A decode process died while it held this image (its caller may retry)."""
 
 
-def _ready(_: int) -> bool:
-    return True
+# -- in the worker processes -----------------------------------------------------------------------
+
+_mapped: dict[str, mmap.mmap] = {}  # a child's mappings of its pool's slot segments, by path
+
+
+def _slot_view(path: str) -> mmap.mmap:
+    # Plain mmap, not multiprocessing.shared_memory: on Python < 3.13 attaching registers the segment
+    # with the resource tracker, which would unlink it when this child exits (common/transport/shm.py).
+    if path not in _mapped:
+        with open(path, "r+b") as f:
+            _mapped[path] = mmap.mmap(f.fileno(), 0)
+    return _mapped[path]
+
+
+def decode_into_slot(data: bytes, limits: ImageLimits, fingerprint: str, salt: str, slot_path: str | None,
+                     offset: int, capacity: int) -> DecodedImage:
+    """`decode_and_hash` in a worker process. With a slot, pixels that fit are written into the pool's
+    shared segment at offset and come back empty (the parent copies them out): a pickle through the
+    result pipe cost the parent more CPU than decoding the image in a thread."""
+    decoded = decode_and_hash(data, limits, fingerprint, salt)
+    if slot_path is None or len(decoded.pixels) > capacity:
+        return decoded
+    _slot_view(slot_path)[offset:offset + len(decoded.pixels)] = decoded.pixels
+    return DecodedImage(decoded.content_hash, decoded.width, decoded.height, b"")
+
+
+def _ready(_: int) -> int:
+    time.sleep(0.02)  # long enough for the other tasks to go to other processes
+    return os.getpid()
+
+
+# -- in the server -------------------------------------------------------------------------------
+
+class _Generation:
+    """One executor and the result slots its processes write into; replaced as a whole when a process
+    dies (a slot of a broken executor may still be written by a process being terminated)."""
+
+    def __init__(self, processes: int, slot_bytes: int, slots: int) -> None:
+        # spawn, not fork: the server has gRPC, torch and CUDA threads that a fork would copy half-way.
+        self.executor = cf.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+        self.slot_bytes = slot_bytes
+        self.segment = None
+        self.free: list[int] = []
+        self.lock = threading.Lock()
+        if slots and slot_bytes:
+            from common.transport.shm import ShmArena, shm_available
+
+            try:
+                if shm_available():
+                    self.segment = ShmArena(slots * slot_bytes)  # swept like the arena if we die
+                    self.free = list(range(slots))
+            except (MemoryError, OSError) as exc:  # pixels then come back pickled
+                log.info("no shared memory for decoded pixels (%s): they come back through a pipe", exc)
+
+    def take_slot(self) -> int | None:
+        with self.lock:
+            return self.free.pop() if self.free else None
+
+    def give_slot(self, slot: int) -> None:
+        with self.lock:
+            self.free.append(slot)
+
+    def read(self, slot: int, nbytes: int) -> bytes:
+        return self.segment.view(slot * self.slot_bytes, nbytes).numpy().tobytes()
+
+    def close(self, wait: bool) -> None:
+        self.executor.shutdown(wait=wait, cancel_futures=True)
+        if self.segment is not None:
+            self.segment.close()  # unlinked; mappings die with their last user
 
 
 class DecodePool:
-    """`decode_and_hash` in `processes` spawned worker processes, replaced if one dies."""
+    """`decode_and_hash` in `processes` spawned worker processes, replaced if one dies.
 
-    def __init__(self, processes: int, limits: ImageLimits = ImageLimits()) -> None:
+    Decoded pixels come back through `slots` shared-memory slots of `slot_bytes` (larger images, or
+    when every slot is taken, through the result pipe)."""
+
+    def __init__(self, processes: int, limits: ImageLimits = ImageLimits(), slot_bytes: int = 1 << 20,
+                 slots: int | None = None) -> None:
         if processes < 1:
             raise ValueError(f"a decode pool needs at least one process, not {processes}")
         self.processes = processes
         self.limits = limits
+        self.slot_bytes = slot_bytes
+        self.slots = 4 * processes if slots is None else slots
         self.restarts = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._executor = self._new_executor()
+        self._gen = _Generation(processes, slot_bytes, self.slots)
 
-    def _new_executor(self) -> cf.ProcessPoolExecutor:
-        # spawn, not fork: the server has gRPC, torch and CUDA threads that a fork would copy half-way.
-        return cf.ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+    @property
+    def _executor(self) -> cf.ProcessPoolExecutor:
+        return self._gen.executor
 
-    def start(self) -> None:
+    def start(self, timeout_s: float = 120.0) -> None:
         """Start every process now (each spawn imports Pillow and blake3: not on a request's time)."""
-        list(self._executor.map(_ready, range(self.processes)))  # executor.map: on-demand spawns, all at once
+        gen, seen = self._gen, set()
+        deadline = time.monotonic() + timeout_s
+        while len(seen) < self.processes and time.monotonic() < deadline:
+            seen.update(gen.executor.map(_ready, range(self.processes)))
 
-    def _replace(self, broken: cf.ProcessPoolExecutor) -> None:
+    def _replace(self, broken: _Generation) -> None:
         with self._lock:
-            if self._executor is not broken or self._closed:
+            if self._gen is not broken or self._closed:
                 return  # another caller replaced it already
-            self._executor = self._new_executor()
+            self._gen = _Generation(self.processes, self.slot_bytes, self.slots)
             self.restarts += 1
         log.warning("an image decode process died: the decode pool was restarted (%d restarts)",
                     self.restarts)
-        broken.shutdown(wait=False, cancel_futures=True)
+        broken.close(wait=False)
 
-    def _submit(self, fn, *args) -> tuple[cf.ProcessPoolExecutor, cf.Future]:
+    def _submit(self, fn, args_for, want_slot: bool) -> tuple[_Generation, cf.Future, int | None]:
+        """Submit fn(*args_for(gen, slot)), with a result slot if wanted and one is free: (generation,
+        future, slot)."""
         for attempt in range(2):
-            executor = self._executor
+            gen = self._gen
+            slot = gen.take_slot() if want_slot else None
             try:
-                return executor, executor.submit(fn, *args)
+                return gen, gen.executor.submit(fn, *args_for(gen, slot)), slot
             except BrokenProcessPool:  # a child died before this request came: retry on a new pool
-                self._replace(executor)
+                if slot is not None:
+                    gen.give_slot(slot)
+                self._replace(gen)
                 if attempt:
                     raise DecodeWorkerDied("the image decode pool cannot start") from None
         raise AssertionError("unreachable")
 
-    async def run(self, fn, *args):
-        """fn(*args) in a worker process; DecodeWorkerDied if that process dies meanwhile."""
-        executor, fut = self._submit(fn, *args)
+    async def _result(self, gen: _Generation, fut: cf.Future):
         try:
             return await asyncio.wrap_future(fut)
         except BrokenProcessPool:
-            self._replace(executor)
+            self._replace(gen)
             raise DecodeWorkerDied("an image decode process died while decoding this image "
                                    "(the pool was restarted); retry the request") from None
 
+    async def run(self, fn, *args):
+        """fn(*args) in a worker process; DecodeWorkerDied if that process dies meanwhile."""
+        gen, fut, _ = self._submit(fn, lambda gen, slot: args, want_slot=False)
+        return await self._result(gen, fut)
+
     async def decode(self, data: bytes, fingerprint: str, salt: str) -> DecodedImage:
         """`decode_and_hash(data, ...)` in a worker process; ImageError for a bad image."""
-        return await self.run(decode_and_hash, data, self.limits, fingerprint, salt)
+
+        def args_for(gen: _Generation, slot: int | None) -> tuple:
+            if slot is None:
+                return data, self.limits, fingerprint, salt, None, 0, 0
+            path, offset = str(gen.segment.path), slot * gen.slot_bytes
+            return data, self.limits, fingerprint, salt, path, offset, gen.slot_bytes
+
+        gen, fut, slot = self._submit(decode_into_slot, args_for, want_slot=True)
+        try:
+            decoded = await self._result(gen, fut)
+            if slot is not None and not decoded.pixels:  # in the slot: copy out before it is reused
+                decoded = DecodedImage(decoded.content_hash, decoded.width, decoded.height,
+                                       gen.read(slot, 3 * decoded.width * decoded.height))
+            return decoded
+        finally:
+            if slot is not None:
+                if fut.done():  # the child is finished with the slot
+                    gen.give_slot(slot)
+                else:  # cancelled while the child may still write it: free it once it is done
+                    fut.add_done_callback(lambda _: gen.give_slot(slot))
 
     def close(self) -> None:
         """Stop the processes; queued images are cancelled."""
         with self._lock:
             self._closed = True
-            executor = self._executor
-        executor.shutdown(wait=True, cancel_futures=True)
+            gen = self._gen
+        gen.close(wait=True)

@@ -142,3 +142,56 @@ def test_a_worker_killed_while_idle_costs_no_request():
 def test_pool_needs_a_process():
     with pytest.raises(ValueError, match="at least one process"):
         DecodePool(0)
+
+
+def _distinct_files(n: int) -> list[bytes]:
+    return [_file("RGB", "PNG", seed=50 + i, size=(20 + i, 17 + 2 * i)) for i in range(n)]
+
+
+def test_slots_are_reused_only_after_their_pixels_were_copied_out():
+    files = _distinct_files(24)
+    pool = DecodePool(2, slots=2)  # far fewer slots than images in flight
+    try:
+        assert pool._gen.segment is not None, "this test needs /dev/shm"
+
+        async def all_at_once():
+            return await asyncio.gather(*(pool.decode(d, FINGERPRINT, "") for d in files))
+
+        for data, got in zip(files, run(all_at_once()), strict=True):
+            assert got == decode_and_hash(data, ImageLimits(), FINGERPRINT, "")
+        assert sorted(pool._gen.free) == [0, 1]
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("kw", [dict(slot_bytes=1000), dict(slots=0)],
+                         ids=["image-larger-than-slot", "no-slots"])
+def test_pixels_through_the_pipe_when_no_slot_fits(kw):
+    pool = DecodePool(1, **kw)
+    try:
+        got = run(pool.decode(FILES["png-rgb"], FINGERPRINT, ""))  # 37 x 23 x 3 bytes > 1000
+        assert got == decode_and_hash(FILES["png-rgb"], ImageLimits(), FINGERPRINT, "")
+    finally:
+        pool.close()
+
+
+def test_a_cancelled_decode_frees_its_slot_once_the_child_is_done():
+    files = _distinct_files(6)
+    pool = DecodePool(1, slots=3)
+    try:
+        async def cancel_some():
+            tasks = [asyncio.ensure_future(pool.decode(d, FINGERPRINT, "")) for d in files]
+            await asyncio.sleep(0)  # submitted
+            for t in tasks[:3]:
+                t.cancel()
+            return await asyncio.gather(*tasks[3:])
+
+        for data, got in zip(files[3:], run(cancel_some()), strict=True):
+            assert got == decode_and_hash(data, ImageLimits(), FINGERPRINT, "")
+        deadline = time.monotonic() + HANG_GUARD_S
+        while len(pool._gen.free) < 3:  # the cancelled ones' children finish in their own time
+            assert time.monotonic() < deadline, "a cancelled decode never gave its slot back"
+            time.sleep(0.05)
+        assert sorted(pool._gen.free) == [0, 1, 2]
+    finally:
+        pool.close()
