@@ -61,7 +61,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="threads preparing images off the tower's thread (default: cores - 1, at most 16)")
     p.add_argument("--decode-processes", type=non_negative_int, default=None,
                    help="processes decoding and hashing image bytes off the server's interpreter "
-                   "(default: cores - 1, at most 8; 0: in the server's threads)")
+                   "(default: cores - 1, at most 8, and 0 below 4 cores; 0: in the server's threads)")
     p.add_argument("--max-images-per-request", type=positive_int, default=ImageLimits.max_images_per_request)
     p.add_argument("--max-image-side", type=positive_int, default=ImageLimits.max_side, help="pixels")
     p.add_argument("--arena", default="auto", choices=["auto", "shm", "cuda", "private"],

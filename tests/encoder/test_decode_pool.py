@@ -195,3 +195,11 @@ def test_a_cancelled_decode_frees_its_slot_once_the_child_is_done():
         assert sorted(pool._gen.free) == [0, 1, 2]
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(1, 0), (2, 0), (3, 0), (4, 3), (9, 8), (64, 8)])
+def test_default_decode_processes(monkeypatch, cores, expected):
+    from encoder_svc import defaults
+
+    monkeypatch.setattr(defaults.os, "sched_getaffinity", lambda _: set(range(cores)), raising=False)
+    assert defaults.default_decode_processes() == expected
