@@ -50,6 +50,8 @@ from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from encoder_svc.decode_pool import DecodePool, decode_and_hash
 
 MAX_MESSAGE = 64 << 20
+TRANSPORTS = {"inline": common_pb2.TRANSPORT_INLINE, "shm": common_pb2.TRANSPORT_SHM,
+              "cuda_ipc": common_pb2.TRANSPORT_CUDA_IPC}
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -70,6 +72,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-bytes", type=int, default=None,
                    help="a spawned encoder's cache (default 2 GiB on CUDA: 2 leased 7B embeddings of "
                    "4.7 MB per client; 256 MiB on CPU)")
+    p.add_argument("--transport", default=None, choices=sorted(TRANSPORTS),
+                   help="how embeddings come back (default: cuda_ipc on CUDA, inline on CPU); shm and "
+                   "cuda_ipc take a lease that each client releases with its own Release call")
     p.add_argument("--host-threads", type=int, default=8, help="threads for the host-cost scaling run")
     p.add_argument("--seed", type=int, default=0, help="image seed: change it to miss on a warm encoder")
     p.add_argument("--out", default=None)
@@ -380,7 +385,8 @@ def run(args: argparse.Namespace) -> dict:
     model_dir = resolve_model(args)
     device = torch.device(args.device)
     levels, hf_batches = _ints(args.concurrency), _ints(args.hf_batches)
-    accept = [common_pb2.TRANSPORT_CUDA_IPC] if device.type == "cuda" else [common_pb2.TRANSPORT_INLINE]
+    transport = args.transport or ("cuda_ipc" if device.type == "cuda" else "inline")
+    accept = [TRANSPORTS[transport]]
 
     print("host costs", flush=True)
     host = run_host_costs(args, model_dir, make_pngs(min(args.images, 64), args.image_size, args.seed + 50),
