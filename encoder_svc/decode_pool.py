@@ -99,6 +99,18 @@ def decode_into_slot(data: bytes, limits: ImageLimits, fingerprint: str, salt: s
     return DecodedImage(decoded.content_hash, decoded.width, decoded.height, b"")
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Child initializer: exit once the server is gone. A SIGKILLed (OOM-killed) server cannot shut its
+    pool down, and the children, which hold both ends of their call queue, would wait on it forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _ready(_: int) -> int:
     time.sleep(0.02)  # long enough for the other tasks to go to other processes
     return os.getpid()
@@ -112,7 +124,8 @@ class _Generation:
 
     def __init__(self, processes: int, slot_bytes: int, slots: int) -> None:
         # spawn, not fork: the server has gRPC, torch and CUDA threads that a fork would copy half-way.
-        self.executor = cf.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+        self.executor = cf.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                                               initializer=_exit_with_parent, initargs=(os.getpid(),))
         self.slot_bytes = slot_bytes
         self.segment = None
         self.free: list[int] = []

@@ -7,7 +7,10 @@ import asyncio
 import io
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -203,3 +206,41 @@ def test_default_decode_processes(monkeypatch, cores, expected):
 
     monkeypatch.setattr(defaults.os, "sched_getaffinity", lambda _: set(range(cores)), raising=False)
     assert defaults.default_decode_processes() == expected
+
+
+_ORPHAN_SCRIPT = """
+import os
+from encoder_svc.decode_pool import DecodePool
+if __name__ == "__main__":
+    pool = DecodePool(2)
+    pool.start()
+    print(pool._gen.segment.path, flush=True)
+    print(" ".join(str(p) for p in pool._executor._processes), flush=True)
+    os.kill(os.getpid(), 9)  # as the OOM killer would: no shutdown of the pool
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL and /proc")
+def test_decode_processes_exit_when_the_server_is_killed(tmp_path):
+    script = tmp_path / "orphan.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=HANG_GUARD_S)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    segment, pids = proc.stdout.splitlines()
+    Path(segment).unlink(missing_ok=True)  # its owner died: what the next encoder's sweep would do
+    children = [int(p) for p in pids.split()]
+    assert len(children) == 2
+    deadline = time.monotonic() + HANG_GUARD_S
+    while any(Path(f"/proc/{pid}").exists() and "spawn_main" in _cmdline(pid) for pid in children):
+        assert time.monotonic() < deadline, "decode processes outlived their server"
+        time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:  # gone meanwhile
+        return ""
