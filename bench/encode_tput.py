@@ -2,6 +2,8 @@
 
     python -m bench.encode_tput --preset tiny --images 32                         (CPU smoke)
     python -m bench.encode_tput --model /tmp/llava7b --device cuda --dtype bfloat16 --out tput.json
+    python -m bench.encode_tput --preset llava-1.5-tiny --preprocess torch --decode-processes 0,8
+                                          (CPU, 336px tower input: the host path, threads vs processes)
 
 Every request is one new image (a distinct size x size PNG: always a cache miss), sent by `c` concurrent
 clients over gRPC; on CUDA the reply is a CUDA IPC ref released at once, on CPU the embedding comes
@@ -10,6 +12,11 @@ inline. The reference is Hugging Face on the same checkpoint in the same run: th
 1 and 32. Also measured: the host-side costs per image (decode, hash with blake3 and sha256, the HF
 processor, the uint8 copy the torch preprocessing starts from), and how much a thread pool speeds
 decode + hash + HF preprocessing up (it only can where Pillow and numpy drop the GIL).
+
+With a spawned encoder, each level also reports the encoder's CPU time per image (from /proc, Linux):
+its main process (gRPC, cache, worker threads: one interpreter, so this is the part the GIL can
+serialise) apart from its decode processes. `--decode-processes 0,8` spawns one encoder per value and
+runs the levels on each, side by side (the targets use the last).
 
 The issue-16 targets are printed: Encode at 64 clients >= 1.5x HF batch 32, Encode p50 at 1 client <=
 HF batch-1 time per image.
@@ -21,8 +28,10 @@ import argparse
 import asyncio
 import concurrent.futures as cf
 import hashlib
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 import torch
@@ -36,10 +45,13 @@ from bench.workload import random_png
 from common.checkpoint import parse_dtype
 from common.client import new_lease_owner
 from common.hashing import hash_algorithm, hash_image
-from common.images import decode_image
+from common.images import ImageLimits, decode_image
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
+from encoder_svc.decode_pool import DecodePool, decode_and_hash
 
 MAX_MESSAGE = 64 << 20
+TRANSPORTS = {"inline": common_pb2.TRANSPORT_INLINE, "shm": common_pb2.TRANSPORT_SHM,
+              "cuda_ipc": common_pb2.TRANSPORT_CUDA_IPC}
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -54,9 +66,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--channels", type=int, default=4, help="gRPC channels the clients share")
     p.add_argument("--max-batch-images", type=int, default=None, help="passed to a spawned encoder")
     p.add_argument("--preprocess", default=None, help="passed to a spawned encoder (auto, hf, torch)")
+    p.add_argument("--decode-processes", default=None,
+                   help="comma-separated --decode-processes values: one spawned encoder each, run side by "
+                   "side (0: decode in threads); default: the encoder's own default")
     p.add_argument("--cache-bytes", type=int, default=None,
                    help="a spawned encoder's cache (default 2 GiB on CUDA: 2 leased 7B embeddings of "
                    "4.7 MB per client; 256 MiB on CPU)")
+    p.add_argument("--transport", default=None, choices=sorted(TRANSPORTS),
+                   help="how embeddings come back (default: cuda_ipc on CUDA, inline on CPU); shm and "
+                   "cuda_ipc take a lease that each client releases with its own Release call")
     p.add_argument("--host-threads", type=int, default=8, help="threads for the host-cost scaling run")
     p.add_argument("--seed", type=int, default=0, help="image seed: change it to miss on a warm encoder")
     p.add_argument("--out", default=None)
@@ -67,6 +85,46 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def make_pngs(count: int, size: int, seed: int) -> list[bytes]:
     """count distinct noise PNGs (every one a different content hash)."""
     return [random_png(seed * 1_000_003 + i, size) for i in range(count)]
+
+
+# -- the encoder's CPU time ----------------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def encoder_cpu(pid: int | None) -> dict[str, float] | None:
+    """CPU seconds so far of the encoder's main process and of its child (decode) processes; None when
+    unknown (a running --encoder, or no /proc)."""
+    if pid is None or not Path(f"/proc/{pid}/stat").exists():
+        return None
+    children = 0.0
+    for child in _children(pid):
+        try:
+            children += _proc_cpu_s(child)
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
+            pass
+    return {"main": _proc_cpu_s(pid), "children": children}
+
+
+def _cpu_fields(before: dict | None, after: dict | None, images: int, wall: float) -> dict:
+    if before is None or after is None:
+        return {}
+    main, children = after["main"] - before["main"], max(0.0, after["children"] - before["children"])
+    return {"server_main_cpu_ms_per_image": 1000 * main / images, "server_main_cores": main / wall,
+            "decode_procs_cpu_ms_per_image": 1000 * children / images}
 
 
 # -- Encode over gRPC ------------------------------------------------------------------------------
@@ -141,16 +199,24 @@ def encoder_stats(address: str) -> dict:
     return MessageToDict(stats, preserving_proto_field_name=True)
 
 
-def run_encode(args: argparse.Namespace, address: str, levels: list[int], accept: list[int]) -> list[dict]:
-    """One level per concurrency, each on its own fresh images (warm-up level first, not reported)."""
+def run_encode(args: argparse.Namespace, address: str, levels: list[int], accept: list[int],
+               pid: int | None = None, label: str = "") -> list[dict]:
+    """One level per concurrency, each on its own fresh images (warm-up level first, not reported);
+    with the encoder's pid, its CPU time per image too."""
     asyncio.run(_encode_level(address, make_pngs(max(levels), args.image_size, args.seed + 99), max(levels),
                               accept, args.channels))
     out = []
     for n, c in enumerate(levels):
         pngs = make_pngs(args.images, args.image_size, args.seed + 1 + n)
-        out.append(asyncio.run(_encode_level(address, pngs, c, accept, args.channels)))
-        print(f"  encode c={c}: {out[-1]['images_per_s']:.1f} images/s, "
-              f"p50 {out[-1]['latency']['p50_ms']:.2f} ms", flush=True)
+        before = encoder_cpu(pid)
+        level = asyncio.run(_encode_level(address, pngs, c, accept, args.channels))
+        level.update(_cpu_fields(before, encoder_cpu(pid), len(pngs), level["wall_s"]))
+        out.append(level)
+        cpu = (f", encoder main process {level['server_main_cpu_ms_per_image']:.2f} ms CPU per image "
+               f"({level['server_main_cores']:.2f} cores), decode processes "
+               f"{level['decode_procs_cpu_ms_per_image']:.2f} ms" if "server_main_cores" in level else "")
+        print(f"  encode{label} c={c}: {level['images_per_s']:.1f} images/s, "
+              f"p50 {level['latency']['p50_ms']:.2f} ms{cpu}", flush=True)
     return out
 
 
@@ -252,7 +318,37 @@ def run_host_costs(args: argparse.Namespace, model_dir, pngs: list[bytes], threa
             list(pool.map(fn, pngs))
             pooled = 1000 * (time.perf_counter() - t0) / len(pngs)
         scaling[name] = {"1_thread_ms": single, "pool_ms": pooled, "speedup": single / pooled}
+    # Decode + hash in threads (as the server's to_thread does) and in as many processes
+    # (encoder_svc/decode_pool.py): the wall time, and this process's CPU per image, which in the server
+    # is the part that shares the GIL with gRPC and the tower thread.
+    single = _per_image_ms(lambda p: decode_and_hash(p, ImageLimits(), fingerprint, ""), pngs)
+    with cf.ThreadPoolExecutor(threads) as tpool:
+        list(tpool.map(lambda p: decode_and_hash(p, ImageLimits(), fingerprint, ""), pngs[:threads]))
+        c0, t0 = time.process_time(), time.perf_counter()
+        list(tpool.map(lambda p: decode_and_hash(p, ImageLimits(), fingerprint, ""), pngs))
+        in_threads = _ms_per_image(t0, c0, len(pngs))
+    pool = DecodePool(threads)
+    try:
+        pool.start()
+        c0, t0 = time.process_time(), time.perf_counter()
+        asyncio.run(_decode_all_in(pool, pngs, fingerprint))
+        in_procs = _ms_per_image(t0, c0, len(pngs))
+    finally:
+        pool.close()
+    scaling["decode_hash_threads"] = {"1_thread_ms": single, "pool_ms": in_threads[0],
+                                      "speedup": single / in_threads[0], "caller_cpu_ms": in_threads[1]}
+    scaling["decode_hash_processes"] = {"1_thread_ms": single, "pool_ms": in_procs[0],
+                                        "speedup": single / in_procs[0], "caller_cpu_ms": in_procs[1]}
     return {"per_image": costs, "threads": threads, "scaling": scaling, "hash": hash_algorithm()}
+
+
+def _ms_per_image(wall0: float, cpu0: float, n: int) -> tuple[float, float]:
+    """(wall ms, this process's CPU ms) per image since (wall0, cpu0)."""
+    return 1000 * (time.perf_counter() - wall0) / n, 1000 * (time.process_time() - cpu0) / n
+
+
+async def _decode_all_in(pool, pngs: list[bytes], fingerprint: str) -> None:
+    await asyncio.gather(*(pool.decode(p, fingerprint, "") for p in pngs))
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -261,12 +357,36 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _encode_on(args: argparse.Namespace, model_dir, device: torch.device, levels: list[int],
+               accept: list[int], extra: list[str], label: str) -> tuple[list[dict], dict, str | None]:
+    """The Encode levels on args.encoder, or on an encoder spawned with extra flags: (levels, the
+    encoder's stats, a spawned encoder's log tail)."""
+    svc = None
+    encoder_log = None
+    address = args.encoder
+    if address is None:
+        cache = args.cache_bytes or (2 << 30 if device.type == "cuda" else 256 << 20)
+        svc = encoder_service(model_dir, workdir(args.logs), args.device, args.dtype,
+                              extra=["--log-level", "WARNING", "--cache-bytes", str(cache), *extra]).start()
+        address = svc.address
+    try:
+        print(f"encode via {address}{label}", flush=True)
+        encode = run_encode(args, address, levels, accept, svc.proc.pid if svc else None, label)
+        stats = encoder_stats(address)
+    finally:
+        if svc is not None:
+            svc.stop()
+            encoder_log = svc.log_tail(20)  # warnings only: e.g. a CUDA graph capture that failed
+    return encode, stats, encoder_log
+
+
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark; returns the JSON payload."""
     model_dir = resolve_model(args)
     device = torch.device(args.device)
     levels, hf_batches = _ints(args.concurrency), _ints(args.hf_batches)
-    accept = [common_pb2.TRANSPORT_CUDA_IPC] if device.type == "cuda" else [common_pb2.TRANSPORT_INLINE]
+    transport = args.transport or ("cuda_ipc" if device.type == "cuda" else "inline")
+    accept = [TRANSPORTS[transport]]
 
     print("host costs", flush=True)
     host = run_host_costs(args, model_dir, make_pngs(min(args.images, 64), args.image_size, args.seed + 50),
@@ -277,22 +397,13 @@ def run(args: argparse.Namespace) -> dict:
         extra += ["--max-batch-images", str(args.max_batch_images)]
     if args.preprocess:
         extra += ["--preprocess", args.preprocess]
-    svc = None
-    encoder_log = None
-    address = args.encoder
-    if address is None:
-        cache = args.cache_bytes or (2 << 30 if device.type == "cuda" else 256 << 20)
-        svc = encoder_service(model_dir, workdir(args.logs), args.device, args.dtype,
-                              extra=["--log-level", "WARNING", "--cache-bytes", str(cache), *extra]).start()
-        address = svc.address
-    try:
-        print(f"encode via {address}", flush=True)
-        encode = run_encode(args, address, levels, accept)
-        stats = encoder_stats(address)
-    finally:
-        if svc is not None:
-            svc.stop()
-            encoder_log = svc.log_tail(20)  # warnings only: e.g. a CUDA graph capture that failed
+    variants = [None] if args.decode_processes is None or args.encoder else _ints(args.decode_processes)
+    by_variant = {}
+    for variant in variants:
+        label = "" if variant is None or len(variants) == 1 else f" (decode-processes {variant})"
+        more = [] if variant is None else ["--decode-processes", str(variant)]
+        encode, stats, encoder_log = _encode_on(args, model_dir, device, levels, accept, extra + more, label)
+        by_variant[str(variant)] = {"encode": encode, "encoder_stats": stats, "encoder_log": encoder_log}
 
     hf, hf_processor = [], None
     if hf_batches:
@@ -313,19 +424,27 @@ def run(args: argparse.Namespace) -> dict:
     }
     if targets["encode_c1_p50_ms"] is not None and targets["hf_batch1_ms_per_image"]:
         targets["c1_p50_over_hf_batch1"] = targets["encode_c1_p50_ms"] / targets["hf_batch1_ms_per_image"]
-    rows = [[f"Encode, {r['concurrency']} concurrent", r["images_per_s"], r["latency"]["p50_ms"],
-             r["latency"]["p99_ms"]] for r in encode]
-    rows += [[f"HF, batch {r['batch']}", r["images_per_s"], r["call"]["p50_ms"], r["call"]["p99_ms"]]
+    rows = []
+    for variant, run_ in by_variant.items():
+        label = "" if len(by_variant) == 1 else f" (decode-processes {variant})"
+        rows += [[f"Encode{label}, {r['concurrency']} concurrent", r["images_per_s"], r["latency"]["p50_ms"],
+                  r["latency"]["p99_ms"], r.get("server_main_cpu_ms_per_image", ""),
+                  r.get("decode_procs_cpu_ms_per_image", "")] for r in run_["encode"]]
+    rows += [[f"HF, batch {r['batch']}", r["images_per_s"], r["call"]["p50_ms"], r["call"]["p99_ms"], "", ""]
              for r in hf]
     print_table(f"encoder throughput ({args.device}, {args.dtype}, {args.image_size}px PNGs)",
-                ["", "images/s", "p50 ms", "p99 ms"], rows)
-    print_table("host costs per image (ms, one thread)", ["step", "ms"],
+                ["", "images/s", "p50 ms", "p99 ms", "main CPU ms/img", "decode procs CPU ms/img"], rows)
+    print_table("host costs per image (ms, one thread; then threads or processes)", ["step", "ms"],
                 [[k, v] for k, v in host["per_image"].items()]
-                + [[f"{name}, 1 / {host['threads']} threads (speed-up)",
-                    f"{r['1_thread_ms']:.3f} / {r['pool_ms']:.3f} ({r['speedup']:.2f}x)"]
+                + [[f"{name}, 1 / {host['threads']} threads or processes (speed-up)",
+                    f"{r['1_thread_ms']:.3f} / {r['pool_ms']:.3f} ({r['speedup']:.2f}x)"
+                    + (f", caller CPU {r['caller_cpu_ms']:.3f}" if "caller_cpu_ms" in r else "")]
                    for name, r in host["scaling"].items()])
     print_table("targets (issue 16)", ["", "value"], [[k, v] for k, v in targets.items()])
-    return save_result("encode_tput", args, {"encode": encode, "hf": hf, "host": host, "targets": targets},
+    results = {"encode": encode, "hf": hf, "host": host, "targets": targets}
+    if len(by_variant) > 1:
+        results["encode_by_decode_processes"] = {k: v["encode"] for k, v in by_variant.items()}
+    return save_result("encode_tput", args, results,
                        hf_processor=hf_processor, encoder_stats=stats, encoder_log=encoder_log,
                        model_dir=str(model_dir))
 

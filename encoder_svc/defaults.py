@@ -17,3 +17,18 @@ PREPROCESS_MODES = ("auto", "hf", "torch")
 def default_preprocess_threads() -> int:
     """Threads for image preprocessing: the host's cores less one (the tower's and the RPCs'), 1 to 16."""
     return max(1, min(16, (os.cpu_count() or 2) - 1))
+
+
+# Below this many cores the decode processes compete with the server for too few cores: measured on a
+# 2-core host, one process cost more server CPU per image (the pool's round trip) than it took off.
+MIN_CORES_FOR_DECODE_PROCESSES = 4
+
+
+def default_decode_processes() -> int:
+    """Processes decoding and hashing image bytes (0: the server's threads): the cores this process may
+    use less one (the server's own), at most 8; none on hosts of fewer than 4 cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return 0 if cores < MIN_CORES_FOR_DECODE_PROCESSES else min(8, cores - 1)

@@ -12,6 +12,7 @@ from common.cli import (
     check_port_free,
     dtype_name,
     model_dir,
+    non_negative_int,
     port_number,
     positive_float,
     positive_int,
@@ -58,6 +59,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    "captured at startup for 1, 2, 4, ... --max-batch-images images)")
     p.add_argument("--preprocess-threads", type=positive_int, default=None,
                    help="threads preparing images off the tower's thread (default: cores - 1, at most 16)")
+    p.add_argument("--decode-processes", type=non_negative_int, default=None,
+                   help="processes decoding and hashing image bytes off the server's interpreter "
+                   "(default: cores - 1, at most 8, and 0 below 4 cores; 0: in the server's threads)")
     p.add_argument("--max-images-per-request", type=positive_int, default=ImageLimits.max_images_per_request)
     p.add_argument("--max-image-side", type=positive_int, default=ImageLimits.max_side, help="pixels")
     p.add_argument("--arena", default="auto", choices=["auto", "shm", "cuda", "private"],
@@ -76,6 +80,7 @@ def config_from_args(args: argparse.Namespace):
         model=args.model, device=args.device, dtype=parse_dtype(args.dtype), cache_bytes=args.cache_bytes,
         lease_ttl_s=args.lease_ttl, max_batch_images=args.max_batch_images, arena=args.arena,
         preprocess=args.preprocess, preprocess_threads=args.preprocess_threads,
+        decode_processes=args.decode_processes,
         enforce_eager=args.enforce_eager,
         limits=ImageLimits(max_side=args.max_image_side, max_images_per_request=args.max_images_per_request))
 

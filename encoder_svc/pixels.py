@@ -216,10 +216,13 @@ class TorchPixelProcessor:
 
 
 def to_uint8_hwc(image, pin_memory: bool = False) -> torch.Tensor:
-    """A PIL image as a contiguous uint8 [H, W, 3] RGB tensor (one copy of its pixels). pin_memory puts
-    it in page-locked memory, so that its copy to a GPU is asynchronous and does not wait for the
-    tower's queued work."""
-    arr = np.asarray(image.convert("RGB") if image.mode != "RGB" else image)
+    """A PIL image (or a DecodedImage from encoder_svc/decode_pool.py, read in place) as a contiguous
+    uint8 [H, W, 3] RGB tensor (one copy of its pixels). pin_memory puts it in page-locked memory, so
+    that its copy to a GPU is asynchronous and does not wait for the tower's queued work."""
+    if hasattr(image, "array"):  # DecodedImage: raw RGB bytes already, no PIL round trip
+        arr = image.array()
+    else:
+        arr = np.asarray(image.convert("RGB") if image.mode != "RGB" else image)
     if not pin_memory:
         return torch.from_numpy(arr.copy())
     out = torch.empty(arr.shape, dtype=torch.uint8, pin_memory=True)

@@ -1,8 +1,9 @@
 """EncoderService: Encode, Prefetch, Release, Lookup and GetStats over the cache and vision worker.
 
-The servicer never runs vision work on the event loop: images are decoded and hashed in a thread,
-tower work is queued to the vision worker, and the RPC awaits the cache's futures. Every lease a
-failing request took is released before the error goes out, so errors never pin cache memory.
+The servicer never runs vision work on the event loop: images are decoded and hashed in a pool of
+worker processes (encoder_svc/decode_pool.py; in a thread with `decode_processes=0`), tower work is
+queued to the vision worker, and the RPC awaits the cache's futures. Every lease a failing request
+took is released before the error goes out, so errors never pin cache memory.
 
 Tenant isolation (see encoder_svc/cache.py): a hash-only image resolves only under the cache_salt its
 entry was made with, else NOT_FOUND exactly as for an unknown hash (Lookup answers false, Prefetch
@@ -23,12 +24,13 @@ import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.errors import ServiceError, invalid_argument, not_found, resource_exhausted, unavailable
-from common.hashing import hash_image, is_content_hash
-from common.images import ImageError, ImageLimits, decode_image
+from common.hashing import is_content_hash
+from common.images import ImageError, ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.transport.arena import Arena, TensorArena
 from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError, ShuttingDownError
-from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES
+from encoder_svc.decode_pool import DecodedImage, DecodePool, DecodeWorkerDied, decode_and_hash
+from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_decode_processes
 from encoder_svc.metrics import EncoderMetrics
 from encoder_svc.refs import build_ref, choose_transport, inline_payload, served_transports
 from encoder_svc.vision import VisionEncoder
@@ -53,6 +55,7 @@ class EncoderConfig:
     max_batch_images: int = DEFAULT_MAX_BATCH_IMAGES
     preprocess: str = "auto"  # auto | hf | torch (see VisionEncoder)
     preprocess_threads: int | None = None  # None: default_preprocess_threads()
+    decode_processes: int | None = None  # None: default_decode_processes(); 0: decode in threads
     enforce_eager: bool = False  # no CUDA graphs of the vision tower (they are captured on CUDA only)
     limits: ImageLimits = field(default_factory=ImageLimits)
     arena: str = "auto"  # auto | shm | cuda | private
@@ -102,8 +105,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     """The EncoderService RPCs over one vision runner, cache and worker."""
 
     def __init__(self, vision: VisionEncoder, cache: EmbeddingCache, worker: VisionWorker,
-                 limits: ImageLimits = ImageLimits(), registry: CollectorRegistry | None = REGISTRY) -> None:
+                 limits: ImageLimits = ImageLimits(), registry: CollectorRegistry | None = REGISTRY,
+                 decoder: DecodePool | None = None) -> None:
         self.vision = vision
+        self.decoder = decoder  # None: decode and hash in a thread
         self.cache = cache
         self.worker = worker
         self.limits = limits
@@ -132,7 +137,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         arena = make_arena(config.arena, config.cache_bytes, device)
         cache = EmbeddingCache(arena, config.lease_ttl_s)
         worker = VisionWorker(vision, cache, config.max_batch_images, config.preprocess_threads)
-        return cls(vision, cache, worker, config.limits, registry)
+        processes = default_decode_processes() if config.decode_processes is None else config.decode_processes
+        decoder = DecodePool(processes, config.limits) if processes > 0 else None
+        return cls(vision, cache, worker, config.limits, registry, decoder)
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -159,31 +166,63 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         if len(salt) > MAX_SALT_CHARS:
             raise invalid_argument(f"cache_salt is {len(salt)} characters; the limit is {MAX_SALT_CHARS}")
 
-    def _decode_all(self, images, salt: str) -> list[tuple[str, object | None]]:
+    @staticmethod
+    def _hash_only(index: int, item) -> str:
+        """The checked content hash of an input without bytes."""
+        kind = item.WhichOneof("source")
+        if kind != "content_hash":
+            raise invalid_argument(f"image {index}: neither data nor content_hash is set")
+        text = item.content_hash.lower()
+        if not is_content_hash(text):
+            raise invalid_argument(f"image {index}: content_hash is not a 64-digit hex digest")
+        return text
+
+    def _decode_all(self, images, salt: str) -> list[tuple[str, DecodedImage | None]]:
         """(content hash, decoded image or None for hash-only inputs) per input; runs in a thread."""
-        out: list[tuple[str, object | None]] = []
+        out: list[tuple[str, DecodedImage | None]] = []
         for i, item in enumerate(images):
-            kind = item.WhichOneof("source")
-            if kind == "data":
-                try:
-                    image = decode_image(item.data, self.limits)
-                except ImageError as exc:
-                    raise invalid_argument(f"image {i}: {exc}") from None
-                out.append((hash_image(image, self.vision.fingerprint, salt), image))
-            elif kind == "content_hash":
-                text = item.content_hash.lower()
-                if not is_content_hash(text):
-                    raise invalid_argument(f"image {i}: content_hash is not a 64-digit hex digest")
-                out.append((text, None))
-            else:
-                raise invalid_argument(f"image {i}: neither data nor content_hash is set")
+            if item.WhichOneof("source") != "data":
+                out.append((self._hash_only(i, item), None))
+                continue
+            try:
+                decoded = decode_and_hash(item.data, self.limits, self.vision.fingerprint, salt)
+            except ImageError as exc:
+                raise invalid_argument(f"image {i}: {exc}") from None
+            out.append((decoded.content_hash, decoded))
         return out
 
-    async def _items(self, images, salt: str) -> list[tuple[str, object | None]]:
-        """_decode_all, in a thread when there are bytes to decode and hash; hash-only requests (the
-        decoders' hit path) are checked in place, without a thread hop."""
+    async def _decode_in_pool(self, images, salt: str) -> list[tuple[str, DecodedImage | None]]:
+        """_decode_all with every image's bytes decoded and hashed in the pool, all at once."""
+        out: list[tuple[str, DecodedImage | None] | None] = [None] * len(images)
+        data: dict[int, bytes] = {}
+        for i, item in enumerate(images):  # every input checked before any work starts
+            if item.WhichOneof("source") == "data":
+                data[i] = item.data
+            else:
+                out[i] = (self._hash_only(i, item), None)
+        tasks = {i: asyncio.ensure_future(self.decoder.decode(d, self.vision.fingerprint, salt))
+                 for i, d in data.items()}
+        try:
+            for i, task in tasks.items():
+                try:
+                    decoded = await task
+                except ImageError as exc:
+                    raise invalid_argument(f"image {i}: {exc}") from None
+                except DecodeWorkerDied as exc:
+                    raise unavailable(f"image {i}: {exc}") from None
+                out[i] = (decoded.content_hash, decoded)
+        finally:
+            for task in tasks.values():  # an earlier image failed (or the RPC was cancelled)
+                task.cancel()
+        return out
+
+    async def _items(self, images, salt: str) -> list[tuple[str, DecodedImage | None]]:
+        """Each input's content hash and decoded image: decoded in the pool (or a thread) when there are
+        bytes; hash-only requests (the decoders' hit path) are checked in place, without a hop."""
         if all(item.WhichOneof("source") == "content_hash" for item in images):
             return self._decode_all(images, salt)
+        if self.decoder is not None:
+            return await self._decode_in_pool(images, salt)
         return await asyncio.to_thread(self._decode_all, images, salt)
 
     def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int, salt: str,
@@ -306,12 +345,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def warm_up(self) -> None:
-        """One dummy image through the tower, off the event loop."""
+        """Start the decode processes and run one dummy image through the tower, off the event loop."""
+        if self.decoder is not None:
+            await asyncio.to_thread(self.decoder.start)
         await asyncio.to_thread(self.vision.warm_up)
 
     async def close(self) -> None:
         """Refuse new work, stop the worker, free the arena (unlinks the SHM segment)."""
         self._closing = True
         await asyncio.to_thread(self.worker.stop)
+        if self.decoder is not None:
+            await asyncio.to_thread(self.decoder.close)
         self.cache.close()
         self.metrics.close()

@@ -193,15 +193,17 @@ class VisionEncoder:
         out = self.image_processor(images=list(images), return_tensors="pt")
         return out["pixel_values"]
 
-    def prepare(self, image: Image.Image) -> torch.Tensor:
+    def prepare(self, image) -> torch.Tensor:
         """One image's host-side preprocessing; thread-safe (the HF processor keeps no per-call state, and
         Pillow and numpy drop the GIL in decode, resize and array maths, so threads run it in parallel).
+        image: a PIL image, or a decode pool's DecodedImage (raw RGB pixels, read without another copy).
 
         "hf": its pixel values [3, H, W] fp32. "torch": a uint8 [H, W, 3] tensor for `pixels` (copied to
         the device as it is laid out, made channels-first there).
         """
         if self.preprocess_mode == "hf":
-            return self.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
+            pil = image if isinstance(image, Image.Image) else image.to_pil()
+            return self.image_processor(images=[pil], return_tensors="pt")["pixel_values"][0]
         return to_uint8_hwc(image, pin_memory=self.device.type == "cuda")
 
     def pixels(self, prepared: Sequence[torch.Tensor]) -> torch.Tensor:

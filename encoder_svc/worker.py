@@ -31,6 +31,7 @@ import torch
 from PIL import Image
 
 from encoder_svc.cache import EmbeddingCache, ShuttingDownError
+from encoder_svc.decode_pool import DecodedImage
 from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
 from encoder_svc.vision import VisionEncoder
 
@@ -82,8 +83,9 @@ class VisionWorker:
         self._thread = threading.Thread(target=self._run, name="vision-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, key: str, image: Image.Image, priority: int = DEMAND) -> None:
-        """Queue image for key; the cache gets `complete(key, ...)` or `fail(key, ...)` later."""
+    def submit(self, key: str, image: Image.Image | DecodedImage, priority: int = DEMAND) -> None:
+        """Queue image (PIL, or raw pixels from the decode pool) for key; the cache gets
+        `complete(key, ...)` or `fail(key, ...)` later."""
         with self._cv:
             if self._stopped:
                 self.cache.fail(key, ShuttingDownError("encoder shutting down"))

@@ -121,7 +121,8 @@ def test_encode_tput(services, tiny_model_dir, out_dir):
         assert r["images_per_s"] > 0 and r["cache_hits"] == 0, "distinct images: every Encode a miss"
     assert [r["batch"] for r in res["hf"]] == [1, 3] and all(r["images_per_s"] > 0 for r in res["hf"])
     assert res["targets"]["encode_c3_vs_best_hf"] > 0 and res["targets"]["c1_p50_over_hf_batch1"] > 0
-    assert {"decode_hash_hf", "decode_hash_uint8"} == res["host"]["scaling"].keys()
+    assert {"decode_hash_hf", "decode_hash_uint8", "decode_hash_threads", "decode_hash_processes"} == res[
+        "host"]["scaling"].keys()
     assert res["host"]["per_image"]["decode_png_ms"] > 0
     assert int(payload["encoder_stats"]["encodes"]) >= 6 * 2  # (u)int64 fields come as strings in JSON
 

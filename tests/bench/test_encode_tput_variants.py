@@ -1,0 +1,31 @@
+"""bench/encode_tput.py with spawned encoders, one per --decode-processes value: both runs are reported
+side by side, with the encoder's CPU time per image."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from bench import encode_tput
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the encoder's CPU time is read from /proc")
+def test_decode_processes_side_by_side(tiny_model_dir, tmp_path):
+    out = tmp_path / "encode_tput.json"
+    encode_tput.main(["--model", str(tiny_model_dir), "--images", "4", "--image-size", "32",
+                      "--concurrency", "1,2", "--hf-batches", "", "--host-threads", "2",
+                      "--decode-processes", "0,1", "--logs", str(tmp_path / "logs"), "--out", str(out)])
+    res = json.loads(out.read_text())["results"]
+    by_variant = res["encode_by_decode_processes"]
+    assert list(by_variant) == ["0", "1"]
+    for levels in by_variant.values():
+        assert [r["concurrency"] for r in levels] == [1, 2]
+        for r in levels:
+            assert r["images_per_s"] > 0 and r["cache_hits"] == 0
+            assert r["server_main_cpu_ms_per_image"] > 0 and r["server_main_cores"] > 0
+            assert r["decode_procs_cpu_ms_per_image"] >= 0
+    assert res["encode"] == by_variant["1"], "the targets use the last variant"
+    # Threads only: the encoder has no decode processes to spend CPU in.
+    assert all(r["decode_procs_cpu_ms_per_image"] == 0 for r in by_variant["0"])

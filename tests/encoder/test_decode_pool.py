@@ -1,0 +1,246 @@
+"""The decode pool (encoder_svc/decode_pool.py): the same hash and pixels as the thread path and as
+`hash_image`, bad images failing alone, and a dead worker process failing its images, not hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from common.hashing import hash_image
+from common.images import ImageError, ImageLimits, decode_image
+from encoder_svc.decode_pool import DecodedImage, DecodePool, DecodeWorkerDied, decode_and_hash
+from tests.encoder.conftest import image_bytes
+
+FINGERPRINT = "test-model"
+HANG_GUARD_S = 120  # a generous bound that only a hang reaches
+
+
+def _file(mode: str, fmt: str, seed: int = 0, size: tuple[int, int] = (37, 23)) -> bytes:
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    arr = rng.integers(0, 256, (size[1], size[0], channels), dtype=np.uint8)
+    img = Image.fromarray(arr[..., 0] if channels == 1 else arr, mode)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+FILES = {
+    "png-rgb": _file("RGB", "PNG"),
+    "png-rgba": _file("RGBA", "PNG", seed=1),
+    "png-gray": _file("L", "PNG", seed=2),
+    "jpeg": _file("RGB", "JPEG", seed=3),
+    "gif": _file("RGB", "GIF", seed=4),
+}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = DecodePool(2)
+    p.start()
+    yield p
+    p.close()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, HANG_GUARD_S))
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_hash_and_pixels_match_hash_image(name):
+    data = FILES[name]
+    reference = decode_image(data)
+    decoded = decode_and_hash(data, ImageLimits(), FINGERPRINT, "salt-a")
+    assert decoded.content_hash == hash_image(reference, FINGERPRINT, "salt-a")
+    assert decoded.content_hash != decode_and_hash(data, ImageLimits(), FINGERPRINT, "salt-b").content_hash
+    assert (decoded.width, decoded.height) == reference.size
+    assert decoded.pixels == reference.tobytes()
+    assert decoded.to_pil().tobytes() == reference.tobytes() and decoded.to_pil().mode == "RGB"
+    np.testing.assert_array_equal(decoded.array(), np.asarray(reference))
+
+
+def test_pool_gives_what_the_thread_path_gives(pool):
+    async def both():
+        return await asyncio.gather(*(pool.decode(d, FINGERPRINT, "s") for d in FILES.values()))
+
+    for data, from_pool in zip(FILES.values(), run(both()), strict=True):
+        assert isinstance(from_pool, DecodedImage)
+        assert from_pool == decode_and_hash(data, ImageLimits(), FINGERPRINT, "s")
+
+
+def test_bad_image_fails_alone_with_the_thread_paths_message(pool):
+    bad = image_bytes(5)[:60]  # a truncated PNG
+    with pytest.raises(ImageError) as in_thread:
+        decode_and_hash(bad, ImageLimits(), FINGERPRINT, "")
+
+    async def mixed():
+        return await asyncio.gather(pool.decode(bad, FINGERPRINT, ""),
+                                    pool.decode(FILES["jpeg"], FINGERPRINT, ""), return_exceptions=True)
+
+    failed, good = run(mixed())
+    assert isinstance(failed, ImageError) and str(failed) == str(in_thread.value)
+    assert good == decode_and_hash(FILES["jpeg"], ImageLimits(), FINGERPRINT, "")
+
+
+def test_pool_applies_its_limits():
+    small = DecodePool(1, ImageLimits(max_side=16))
+    try:
+        with pytest.raises(ImageError, match="maximum side of 16"):
+            run(small.decode(FILES["png-rgb"], FINGERPRINT, ""))
+    finally:
+        small.close()
+
+
+def test_a_dying_worker_fails_its_images_and_the_pool_recovers():
+    pool = DecodePool(2)
+    try:
+        pool.start()
+
+        async def crash_among_others():
+            others = [pool.decode(d, FINGERPRINT, "") for d in FILES.values()]
+            return await asyncio.gather(pool.run(os._exit, 3), *others, return_exceptions=True)
+
+        crashed, *others = run(crash_among_others())
+        assert isinstance(crashed, DecodeWorkerDied)
+        # Images in flight with it fail the same way or were done before: none hangs, none is wrong.
+        for data, got in zip(FILES.values(), others, strict=True):
+            assert isinstance(got, DecodeWorkerDied) or got == decode_and_hash(data, ImageLimits(),
+                                                                               FINGERPRINT, "")
+        assert pool.restarts == 1
+        after = run(pool.decode(FILES["png-rgb"], FINGERPRINT, ""))
+        assert after == decode_and_hash(FILES["png-rgb"], ImageLimits(), FINGERPRINT, "")
+    finally:
+        pool.close()
+
+
+def test_a_worker_killed_while_idle_costs_no_request():
+    pool = DecodePool(1)
+    try:
+        pool.start()
+        executor = pool._executor
+        for pid in list(executor._processes):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not executor._broken:  # the executor notices the death in its own thread
+            assert time.monotonic() < deadline, "the executor never noticed its dead process"
+            time.sleep(0.05)
+        # This request did not kill it: it is retried on a fresh pool.
+        got = run(pool.decode(FILES["gif"], FINGERPRINT, ""))
+        assert got == decode_and_hash(FILES["gif"], ImageLimits(), FINGERPRINT, "")
+        assert pool.restarts == 1 and pool._executor is not executor
+    finally:
+        pool.close()
+
+
+def test_pool_needs_a_process():
+    with pytest.raises(ValueError, match="at least one process"):
+        DecodePool(0)
+
+
+def _distinct_files(n: int) -> list[bytes]:
+    return [_file("RGB", "PNG", seed=50 + i, size=(20 + i, 17 + 2 * i)) for i in range(n)]
+
+
+def test_slots_are_reused_only_after_their_pixels_were_copied_out():
+    files = _distinct_files(24)
+    pool = DecodePool(2, slots=2)  # far fewer slots than images in flight
+    try:
+        assert pool._gen.segment is not None, "this test needs /dev/shm"
+
+        async def all_at_once():
+            return await asyncio.gather(*(pool.decode(d, FINGERPRINT, "") for d in files))
+
+        for data, got in zip(files, run(all_at_once()), strict=True):
+            assert got == decode_and_hash(data, ImageLimits(), FINGERPRINT, "")
+        assert sorted(pool._gen.free) == [0, 1]
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("kw", [dict(slot_bytes=1000), dict(slots=0)],
+                         ids=["image-larger-than-slot", "no-slots"])
+def test_pixels_through_the_pipe_when_no_slot_fits(kw):
+    pool = DecodePool(1, **kw)
+    try:
+        got = run(pool.decode(FILES["png-rgb"], FINGERPRINT, ""))  # 37 x 23 x 3 bytes > 1000
+        assert got == decode_and_hash(FILES["png-rgb"], ImageLimits(), FINGERPRINT, "")
+    finally:
+        pool.close()
+
+
+def test_a_cancelled_decode_frees_its_slot_once_the_child_is_done():
+    files = _distinct_files(6)
+    pool = DecodePool(1, slots=3)
+    try:
+        async def cancel_some():
+            tasks = [asyncio.ensure_future(pool.decode(d, FINGERPRINT, "")) for d in files]
+            await asyncio.sleep(0)  # submitted
+            for t in tasks[:3]:
+                t.cancel()
+            return await asyncio.gather(*tasks[3:])
+
+        for data, got in zip(files[3:], run(cancel_some()), strict=True):
+            assert got == decode_and_hash(data, ImageLimits(), FINGERPRINT, "")
+        deadline = time.monotonic() + HANG_GUARD_S
+        while len(pool._gen.free) < 3:  # the cancelled ones' children finish in their own time
+            assert time.monotonic() < deadline, "a cancelled decode never gave its slot back"
+            time.sleep(0.05)
+        assert sorted(pool._gen.free) == [0, 1, 2]
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(1, 0), (2, 0), (3, 0), (4, 3), (9, 8), (64, 8)])
+def test_default_decode_processes(monkeypatch, cores, expected):
+    from encoder_svc import defaults
+
+    monkeypatch.setattr(defaults.os, "sched_getaffinity", lambda _: set(range(cores)), raising=False)
+    assert defaults.default_decode_processes() == expected
+
+
+_ORPHAN_SCRIPT = """
+import os
+from encoder_svc.decode_pool import DecodePool
+if __name__ == "__main__":
+    pool = DecodePool(2)
+    pool.start()
+    print(pool._gen.segment.path, flush=True)
+    print(" ".join(str(p) for p in pool._executor._processes), flush=True)
+    os.kill(os.getpid(), 9)  # as the OOM killer would: no shutdown of the pool
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL and /proc")
+def test_decode_processes_exit_when_the_server_is_killed(tmp_path):
+    script = tmp_path / "orphan.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=HANG_GUARD_S)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    segment, pids = proc.stdout.splitlines()
+    Path(segment).unlink(missing_ok=True)  # its owner died: what the next encoder's sweep would do
+    children = [int(p) for p in pids.split()]
+    assert len(children) == 2
+    deadline = time.monotonic() + HANG_GUARD_S
+    while any(Path(f"/proc/{pid}").exists() and "spawn_main" in _cmdline(pid) for pid in children):
+        assert time.monotonic() < deadline, "decode processes outlived their server"
+        time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:  # gone meanwhile
+        return ""

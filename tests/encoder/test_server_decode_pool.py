@@ -1,0 +1,98 @@
+"""An encoder decoding in worker processes (--decode-processes) answers exactly as one decoding in
+threads: the same content hashes and embeddings; a bad image fails only its own request with
+INVALID_ARGUMENT; a decode process that dies fails its request with UNAVAILABLE and the next is served."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from common.hashing import hash_image
+from common.images import decode_image
+from common.pb import common_pb2
+from encoder_svc.server import EncoderConfig
+from tests.encoder.conftest import EncoderHarness, encode_request, image_bytes
+
+INLINE = common_pb2.TRANSPORT_INLINE
+IMAGES = [image_bytes(100 + i, size=(30 + i, 20 + 2 * i), fmt="PNG" if i % 2 else "JPEG") for i in range(5)]
+
+
+def _harness(model_dir, processes: int) -> EncoderHarness:
+    return EncoderHarness(EncoderConfig(model=model_dir, cache_bytes=1 << 20, lease_ttl_s=30,
+                                        decode_processes=processes))
+
+
+@pytest.fixture(scope="module")
+def pooled(tiny_model_dir):
+    harness = _harness(tiny_model_dir, 2)
+    yield harness
+    harness.close()
+
+
+def _encode(harness: EncoderHarness, *images: bytes, salt: str = ""):
+    return harness.stub.Encode(encode_request(*images, accept=[INLINE], cache_salt=salt), timeout=60)
+
+
+def test_processes_and_threads_give_the_same_hashes_and_embeddings(pooled, tiny_model_dir):
+    assert pooled.servicer.decoder is not None and pooled.servicer.decoder.processes == 2
+    threaded = _harness(tiny_model_dir, 0)
+    try:
+        assert threaded.servicer.decoder is None
+        from_pool = _encode(pooled, *IMAGES[:4], salt="tenant").embeddings
+        from_threads = _encode(threaded, *IMAGES[:4], salt="tenant").embeddings
+    finally:
+        threaded.close()
+    fingerprint = pooled.servicer.vision.fingerprint
+    for data, a, b in zip(IMAGES, from_pool, from_threads, strict=False):
+        assert a.content_hash == b.content_hash == hash_image(decode_image(data), fingerprint, "tenant")
+        assert a.inline_data == b.inline_data and len(a.inline_data) == a.nbytes > 0
+
+
+def test_a_bad_image_fails_only_its_request(pooled):
+    truncated = IMAGES[1][:80]
+    with pytest.raises(grpc.RpcError) as err:
+        _encode(pooled, IMAGES[0], truncated)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "image 1" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        _encode(pooled, b"not an image at all")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "image 0" in err.value.details()
+    assert len(_encode(pooled, IMAGES[2]).embeddings) == 1  # still serving
+    assert pooled.stats().active_leases == 0
+
+
+def test_a_decode_process_dying_mid_request_is_unavailable_then_served(pooled):
+    decoder = pooled.servicer.decoder
+    restarts = decoder.restarts
+
+    async def die(data, fingerprint, salt):  # this request's image kills its decode process
+        return await decoder.run(os._exit, 7)
+
+    decoder.decode, real = die, decoder.decode
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            _encode(pooled, IMAGES[3])
+    finally:
+        decoder.decode = real
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "decode process died" in err.value.details()
+    assert decoder.restarts == restarts + 1
+    assert _encode(pooled, IMAGES[3], salt="after-death").embeddings[0].content_hash
+    assert pooled.stats().active_leases == 0
+
+
+def test_decode_processes_killed_while_idle(pooled):
+    decoder = pooled.servicer.decoder
+    executor = decoder._executor
+    for pid in list(executor._processes):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while not executor._broken:  # noticed in the executor's own thread
+        assert time.monotonic() < deadline, "the executor never noticed its dead processes"
+        time.sleep(0.05)
+    # No request was decoding: the next one is served on a fresh pool.
+    assert len(_encode(pooled, IMAGES[4], salt="after-kill").embeddings) == 1
+    assert decoder._executor is not executor
