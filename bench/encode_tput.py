@@ -233,7 +233,7 @@ def run_hf(args: argparse.Namespace, model_dir, batches: list[int], images: list
     processor's class name."""
     from transformers import LlavaForConditionalGeneration
 
-    from encoder_svc.vision import _load_image_processor
+    from common.vision.tower import _load_image_processor
 
     device = torch.device(args.device)
     dtype = parse_dtype(args.dtype)
@@ -277,8 +277,8 @@ def _per_image_ms(fn, items) -> float:
 
 def run_host_costs(args: argparse.Namespace, model_dir, pngs: list[bytes], threads: int) -> dict:
     """Per-image host costs, one thread; then decode + hash + HF preprocessing over a thread pool."""
-    from encoder_svc.pixels import to_uint8_hwc
-    from encoder_svc.vision import _load_image_processor
+    from common.vision.pixels import to_uint8_hwc
+    from common.vision.tower import _load_image_processor
 
     processor = _load_image_processor(model_dir)
     images = [decode_image(p) for p in pngs]

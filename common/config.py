@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from common.arg_types import port_number
 
 _MISSING = dataclasses.MISSING
 
@@ -125,3 +128,17 @@ def check_options(config: Any) -> None:
                                                      f"not {item!r}")
             except argparse.ArgumentTypeError as exc:
                 raise ValueError(f"{_flag(f)}: {exc}") from None
+
+
+@dataclass
+class ServiceOptions:
+    """What every gRPC service is started with, besides its port (each service has its own default)
+    and security (common/security/options.py)."""
+
+    revision: str | None = option(None, "Hub branch, tag or commit for a Hub id --model")
+    host: str = option("127.0.0.1", "address to bind")
+    metrics_port: int | None = option(None, "Prometheus /metrics port (off if unset)", type=port_number)
+    log_level: str = option("INFO", "DEBUG, INFO, WARNING or ERROR")
+
+    def __post_init__(self) -> None:
+        check_options(self)

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from common.arg_types import positive_int
+from common.config import option
+
 # Pillow's own decompression-bomb guard: past this many pixels, open() raises.
 Image.MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
@@ -21,10 +24,13 @@ class ImageError(ValueError):
 class ImageLimits:
     """What one service accepts."""
 
-    max_bytes: int = 32 * 1024 * 1024
-    max_side: int = 8192
-    max_pixels: int = 4096 * 4096  # read from the header, before any pixel is decoded
-    max_images_per_request: int = 16
+    max_bytes: int = option(32 * 1024 * 1024, "largest encoded image, bytes", flag="--max-image-bytes",
+                            type=positive_int)
+    max_side: int = option(8192, "longest image side, pixels", flag="--max-image-side", type=positive_int)
+    # Read from the header, before any pixel is decoded.
+    max_pixels: int = option(4096 * 4096, "most pixels in an image", flag="--max-image-pixels",
+                             type=positive_int)
+    max_images_per_request: int = option(16, "most images in one request", type=positive_int)
 
 
 def encode_png(image: Image.Image) -> bytes:

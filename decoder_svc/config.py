@@ -3,7 +3,8 @@
     DecoderConfig
       engine: EngineConfig        the model, KV cache, batching and kernels (decoder_svc/engine/engine.py)
       encoders: EncoderLinkConfig  where the encoders are and how long to wait for them
-      host, port, ...              the gRPC server
+      service: ServiceOptions      host, metrics port, log level, Hub revision (common/config.py)
+      port, drain_timeout_s        the gRPC server
 
 Security flags (TLS, tokens) are their own set, shared with the encoder: common/security/options.py.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.arg_types import port_number, positive_float
-from common.config import check_options, option, section
+from common.config import ServiceOptions, check_options, option, section
 from decoder_svc.engine.config import EngineConfig
 
 
@@ -50,14 +51,11 @@ class DecoderConfig:
 
     engine: EngineConfig = section(EngineConfig, "engine")
     encoders: EncoderLinkConfig = section(EncoderLinkConfig, "encoders")
-    revision: str | None = option(None, "Hub branch, tag or commit for a Hub id --model")
-    host: str = option("127.0.0.1", "address to bind")
+    service: ServiceOptions = section(ServiceOptions, "service")
     port: int = option(50052, "gRPC port (0 picks a free one)", type=port_number)
-    metrics_port: int | None = option(None, "Prometheus /metrics port (off if unset)", type=port_number)
     drain_timeout_s: float = option(
         30.0, "on SIGTERM, seconds in-flight streams may take to finish (new ones get UNAVAILABLE)",
         flag="--drain-timeout", type=positive_float)
-    log_level: str = option("INFO", "DEBUG, INFO, WARNING or ERROR")
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.transport.arena import Arena, SliceAllocator
+from encoder_svc.defaults import DEFAULT_LEASE_TTL_S
 
 
 class CacheFullError(RuntimeError):
@@ -123,7 +124,7 @@ class CacheStats:
 class EmbeddingCache:
     """Embeddings keyed by content hash, stored in `arena`, bounded by its capacity in bytes."""
 
-    def __init__(self, arena: Arena, lease_ttl_s: float = 30.0,
+    def __init__(self, arena: Arena, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.arena = arena
         self.allocator = SliceAllocator(arena.capacity)

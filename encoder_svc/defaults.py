@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import os
 
+from common.vision import PREPROCESS_MODES  # noqa: F401 - the CLI's choices, defined with the tower
+
+# Seconds an unreleased lease lives (the CLI's --lease-ttl and EmbeddingCache's default).
+DEFAULT_LEASE_TTL_S = 60.0
+
 # Most images per tower batch. The batch follows the queue up to this; past ~32 CLIP-L/336 images the
 # tower's throughput on an H200 grows little while a batch's latency keeps growing.
 DEFAULT_MAX_BATCH_IMAGES = 32
 
-# auto: torch on CUDA in half precision (when the processor can be reproduced), else hf. See
-# encoder_svc/vision.py.
-PREPROCESS_MODES = ("auto", "hf", "torch")
 
 
 def default_preprocess_threads() -> int:

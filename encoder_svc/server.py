@@ -16,24 +16,26 @@ import asyncio
 import concurrent.futures as cf
 import logging
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from common.checkpoint import parse_dtype
 from common.errors import ServiceError, invalid_argument, not_found, resource_exhausted, unavailable
 from common.hashing import is_content_hash
 from common.images import ImageError, ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
+from common.stats import to_message
 from common.transport.arena import Arena, TensorArena
+from common.vision.tower import VisionEncoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError, ShuttingDownError
+from encoder_svc.config import EncoderConfig
 from encoder_svc.decode_pool import DecodedImage, DecodePool, DecodeWorkerDied, decode_and_hash
-from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_decode_processes
+from encoder_svc.defaults import default_decode_processes
 from encoder_svc.metrics import EncoderMetrics
 from encoder_svc.refs import build_ref, choose_transport, inline_payload, served_transports
-from encoder_svc.vision import VisionEncoder
+from encoder_svc.stats import EncoderStats
 from encoder_svc.worker import DEMAND, PREFETCH, VisionWorker
 
 log = logging.getLogger("mmserve.encoder")
@@ -41,24 +43,6 @@ log = logging.getLogger("mmserve.encoder")
 SERVICE_NAME = "mmserve.v1.EncoderService"
 MAX_LEASE_OWNER_CHARS = 256  # it is stored with every lease: keep it small
 MAX_SALT_CHARS = 256
-
-
-@dataclass
-class EncoderConfig:
-    """Everything an encoder needs to start (the CLI fills it)."""
-
-    model: str | Path
-    device: str = "cpu"
-    dtype: torch.dtype = torch.float32
-    cache_bytes: int = 1 << 30
-    lease_ttl_s: float = 60.0
-    max_batch_images: int = DEFAULT_MAX_BATCH_IMAGES
-    preprocess: str = "auto"  # auto | hf | torch (see VisionEncoder)
-    preprocess_threads: int | None = None  # None: default_preprocess_threads()
-    decode_processes: int | None = None  # None: default_decode_processes(); 0: decode in threads
-    enforce_eager: bool = False  # no CUDA graphs of the vision tower (they are captured on CUDA only)
-    limits: ImageLimits = field(default_factory=ImageLimits)
-    arena: str = "auto"  # auto | shm | cuda | private
 
 
 def make_arena(kind: str, capacity: int, device: torch.device) -> Arena:
@@ -113,7 +97,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.worker = worker
         self.limits = limits
         self.served = served_transports(cache.arena)
-        self.metrics = EncoderMetrics(cache, worker, registry)
+        self.metrics = EncoderMetrics(self.stats, registry)
         self.prefetches = 0
         self._closing = False
 
@@ -128,7 +112,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         device = torch.device(config.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        vision = VisionEncoder(config.model, device, config.dtype, preprocess=config.preprocess)
+        vision = VisionEncoder(config.model, device, parse_dtype(config.dtype), preprocess=config.preprocess)
         if not config.enforce_eager:
             vision.capture_graphs(config.max_batch_images)  # before any other thread uses the GPU
         if vision.embedding_nbytes > config.cache_bytes:
@@ -332,15 +316,20 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         return encoder_pb2.LookupResponse(
             cached=[self.cache.contains(h.lower(), salt) for h in request.content_hashes])
 
-    async def GetStats(self, request: common_pb2.StatsRequest, context) -> encoder_pb2.EncoderStats:
-        s = self.cache.stats()
-        return encoder_pb2.EncoderStats(
-            cache_bytes_used=s.bytes_used, cache_bytes_capacity=s.capacity, entries=s.entries,
-            hits=s.hits, misses=s.misses, evictions=s.evictions, leased_bytes=s.leased_bytes,
-            active_leases=s.active_leases, encodes=self.worker.encodes,
-            images_per_s=self.worker.images_per_s(), expired_leases=s.expired_leases,
-            inflight_dedups=s.inflight_dedups, prefetches=self.prefetches,
+    def stats(self) -> EncoderStats:
+        """The service's stats record: the cache, the worker and the service's counters, read now."""
+        c, w = self.cache.stats(), self.worker
+        return EncoderStats(
+            cache_bytes_used=c.bytes_used, cache_bytes_capacity=c.capacity, entries=c.entries, hits=c.hits,
+            misses=c.misses, evictions=c.evictions, leased_bytes=c.leased_bytes,
+            active_leases=c.active_leases, encodes=w.encodes, images_per_s=w.images_per_s(),
+            expired_leases=c.expired_leases, inflight_dedups=c.inflight_dedups, prefetches=self.prefetches,
+            vision_batches=w.batches, queue_depth=w.queued(),
+            cuda_graphs=int(getattr(self.vision, "graphs", None) is not None),
             model_fingerprint=self.vision.fingerprint, device=str(self.vision.device))
+
+    async def GetStats(self, request: common_pb2.StatsRequest, context) -> encoder_pb2.EncoderStats:
+        return to_message(self.stats(), encoder_pb2.EncoderStats)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

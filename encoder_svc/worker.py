@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from common.vision.tower import VisionEncoder
 from encoder_svc.cache import EmbeddingCache, ShuttingDownError
 from encoder_svc.decode_pool import DecodedImage
 from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
-from encoder_svc.vision import VisionEncoder
 
 log = logging.getLogger(__name__)
 

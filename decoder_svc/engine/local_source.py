@@ -17,8 +17,8 @@ import torch
 
 from common.checkpoint import parse_dtype
 from common.images import decode_image
+from common.vision.tower import VisionEncoder
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
-from encoder_svc.vision import VisionEncoder
 
 if TYPE_CHECKING:
     from decoder_svc.engine.config import EngineConfig

@@ -88,3 +88,31 @@ def test_an_option_on_by_default_needs_an_off_flag():
 
     with pytest.raises(TypeError, match="turns it off"):
         add_options(argparse.ArgumentParser(), Bad)
+
+
+def test_the_encoders_flags_give_its_dataclass_defaults_and_reach_their_fields(tmp_path):
+    from encoder_svc.config import EncoderConfig, EncoderServiceConfig
+    from encoder_svc.main import build_arg_parser as encoder_parser
+
+    model = str(decoy_model(tmp_path / "m"))
+    assert from_args(EncoderServiceConfig, encoder_parser().parse_args(["--model", model])) == \
+        EncoderServiceConfig(encoder=EncoderConfig(model=model))
+    args = encoder_parser().parse_args(["--model", model, "--max-batch-size", "4", "--lease-ttl", "5",
+                                        "--max-image-side", "640", "--decode-processes", "0", "--port", "7"])
+    config = from_args(EncoderServiceConfig, args)
+    e = config.encoder
+    assert (e.max_batch_images, e.lease_ttl_s, e.limits.max_side, e.decode_processes, config.port) == \
+        (4, 5.0, 640, 0, 7)
+    for f in _options(EncoderServiceConfig):
+        assert f.metadata["option"]["help"], f"{f.name} has no help text"
+
+
+def test_the_cache_and_the_cli_agree_on_the_lease_ttl():
+    import inspect
+
+    from encoder_svc.cache import EmbeddingCache
+    from encoder_svc.config import EncoderConfig
+
+    default = inspect.signature(EmbeddingCache).parameters["lease_ttl_s"].default
+    field = next(f for f in dataclasses.fields(EncoderConfig) if f.name == "lease_ttl_s")
+    assert default == field.default == 60.0

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from common.pb import decoder_pb2
+from common.pb import decoder_pb2, encoder_pb2
 from common.stats import as_dict, stat, summary, to_message
 from common.stats_metrics import StatsCollector
 from decoder_svc.encoders.remote_source import RemoteSourceStats
 from decoder_svc.engine.engine import EngineStats
 from decoder_svc.stats import DecoderStats
+from encoder_svc.stats import EncoderStats
 
 
 def _decoder_record() -> DecoderStats:
@@ -58,3 +59,20 @@ def test_a_field_that_is_not_a_stat_is_refused():
         summary(Bad(), ("ok",))
     with pytest.raises(ValueError, match="kind"):
         stat("x", "histogram")
+
+
+def test_every_field_of_the_encoder_stats_message_comes_from_the_record():
+    record = EncoderStats(hits=3, entries=2, images_per_s=1.5, model_fingerprint="fp", device="cpu")
+    message = to_message(record, encoder_pb2.EncoderStats)
+    values = as_dict(record)
+    for name in encoder_pb2.EncoderStats.DESCRIPTOR.fields_by_name:
+        assert name in values, f"EncoderStats.{name} has no field in the service's stats record"
+        assert getattr(message, name) == values[name]
+
+
+def test_encoder_metrics_keep_their_names():
+    registry = CollectorRegistry()
+    StatsCollector("mmserve_encoder", lambda: EncoderStats(hits=3, entries=2, device="cpu"), registry)
+    text = generate_latest(registry).decode()
+    assert "mmserve_encoder_cache_hits_total 3.0" in text and "mmserve_encoder_cache_entries 2.0" in text
+    assert "device" not in text.replace("mmserve_encoder_", "")  # info fields are the RPC's only

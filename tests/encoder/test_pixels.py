@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from common.pb import common_pb2
-from encoder_svc.pixels import (
+from common.vision.pixels import (
     MAX_LEVELS,
     MAX_MEAN_LEVELS,
     TorchPixelProcessor,
@@ -19,8 +19,8 @@ from encoder_svc.pixels import (
     recipe_from_processor,
     to_uint8_chw,
 )
+from common.vision.tower import VisionEncoder
 from encoder_svc.server import EncoderConfig
-from encoder_svc.vision import VisionEncoder
 from tests.encoder.conftest import EncoderHarness, encode_request
 from tests.encoder.test_vision import _hf_features
 
@@ -203,7 +203,7 @@ def test_encode_rpc_with_torch_preprocessing(tiny_model_dir):
 
 
 def test_graph_buckets_and_no_graphs_on_cpu(tiny_model_dir):
-    from encoder_svc.graphs import bucket_sizes
+    from common.vision.graphs import bucket_sizes
 
     assert bucket_sizes(1) == [1] and bucket_sizes(8) == [1, 2, 4, 8] and bucket_sizes(12) == [1, 2, 4, 8, 12]
     vision = VisionEncoder(tiny_model_dir)

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from encoder_svc.vision import VisionEncoder
+from common.vision.tower import VisionEncoder
 from tests.integration.conftest import png
 from tests.integration.harness import ROOT, Pair
 from tests.oracle import HFOracle, make_image

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from common.pb import common_pb2
-from encoder_svc.pixels import TorchPixelProcessor, to_uint8_chw
+from common.vision.pixels import TorchPixelProcessor, to_uint8_chw
+from common.vision.tower import VisionEncoder
 from encoder_svc.server import EncoderConfig
-from encoder_svc.vision import VisionEncoder
 from tests.encoder.conftest import EncoderHarness, encode_request
 from tests.encoder.test_pixels import SIZES, _clip_processor, _image, assert_within_tolerance
 from tests.encoder.test_vision import _hf_features
@@ -85,7 +85,7 @@ def test_graphed_tower_matches_eager(tiny_model_dir, dtype, tol):
 
 def test_encoder_service_captures_graphs_unless_eager(tiny_model_dir):
     for eager in (False, True):
-        harness = EncoderHarness(EncoderConfig(model=tiny_model_dir, device="cuda", dtype=torch.bfloat16,
+        harness = EncoderHarness(EncoderConfig(model=tiny_model_dir, device="cuda", dtype="bfloat16",
                                                cache_bytes=1 << 20, max_batch_images=4, enforce_eager=eager))
         try:
             assert (harness.servicer.vision.graphs is None) == eager

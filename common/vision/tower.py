@@ -23,8 +23,8 @@ from PIL import Image
 
 from common.checkpoint import load_config, load_tensors, model_fingerprint
 from common.image_tokens import UnsupportedImageConfigError, load_image_token_layout
-from encoder_svc.defaults import PREPROCESS_MODES
-from encoder_svc.pixels import TorchPixelProcessor, UnsupportedProcessorError, to_uint8_hwc
+from common.vision import PREPROCESS_MODES
+from common.vision.pixels import TorchPixelProcessor, UnsupportedProcessorError, to_uint8_hwc
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class VisionEncoder:
     run in the worker's preprocessing pool) and `pixels` (a batch of prepared images to pixel values
     on the device). preprocess="hf" prepares with the checkpoint's HF image processor (exact; CPU);
     "torch" prepares only a uint8 tensor and resizes, crops and normalises on the device
-    (encoder_svc/pixels.py, within `pixel_tolerance` of the HF processor); "auto" is "torch" on CUDA in
+    (common/vision/pixels.py, within `pixel_tolerance` of the HF processor); "auto" is "torch" on CUDA in
     half precision (where the tower's own rounding is far larger than a pixel level) when the processor
     can be reproduced, else "hf" (fp32 keeps bit parity with HF's processor, the oracle tests' contract).
 
@@ -225,11 +225,11 @@ class VisionEncoder:
         return self.projector(selected)
 
     def capture_graphs(self, max_batch: int) -> bool:
-        """Capture CUDA graphs of the tower for batches up to max_batch (encoder_svc/graphs.py); False
+        """Capture CUDA graphs of the tower for batches up to max_batch (common/vision/graphs.py); False
         (and eager forwards) off CUDA or when capturing fails."""
         if self.device.type != "cuda":
             return False
-        from encoder_svc.graphs import GraphedForward, bucket_sizes
+        from common.vision.graphs import GraphedForward, bucket_sizes
 
         size = self.config.vision_config.image_size
         sample = (self.config.vision_config.num_channels, size, size)

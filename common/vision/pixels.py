@@ -216,7 +216,7 @@ class TorchPixelProcessor:
 
 
 def to_uint8_hwc(image, pin_memory: bool = False) -> torch.Tensor:
-    """A PIL image (or a DecodedImage from encoder_svc/decode_pool.py, read in place) as a contiguous
+    """A PIL image (or a DecodedImage of the encoder's decode pool, read in place) as a contiguous
     uint8 [H, W, 3] RGB tensor (one copy of its pixels). pin_memory puts it in page-locked memory, so
     that its copy to a GPU is asynchronous and does not wait for the tower's queued work."""
     if hasattr(image, "array"):  # DecodedImage: raw RGB bytes already, no PIL round trip

@@ -1,0 +1,80 @@
+"""The encoder service's configuration tree; its command line is generated from it (common/config.py).
+
+    EncoderServiceConfig
+      encoder: EncoderConfig      the tower, the embedding cache, the workers
+        limits: ImageLimits       what one request may carry (common/images.py)
+      service: ServiceOptions     host, metrics port, log level, Hub revision
+      port                        the gRPC server's
+
+A light module (no torch): the command line checks its flags before anything heavy loads. Security
+flags (TLS, tokens) are their own set, shared with the decoder: common/security/options.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.arg_types import (
+    dtype_name,
+    model_dir,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
+from common.config import ServiceOptions, check_options, option, section
+from common.images import ImageLimits
+from common.vision import PREPROCESS_MODES
+from encoder_svc.defaults import DEFAULT_LEASE_TTL_S, DEFAULT_MAX_BATCH_IMAGES
+
+ARENAS = ("auto", "shm", "cuda", "private")
+
+
+@dataclass
+class EncoderConfig:
+    """Everything an encoder's tower, cache and workers start with."""
+
+    model: str | Path = option(
+        help="LLaVA checkpoint: a directory, or a Hugging Face Hub id (found in the HF cache, else "
+        "downloaded unless HF_HUB_OFFLINE=1)", type=model_dir)
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    dtype: str = option("float32", "float32, float16 or bfloat16", type=dtype_name)
+    cache_bytes: int = option(1 << 30, "embedding cache (arena) size in bytes", type=positive_int)
+    lease_ttl_s: float = option(DEFAULT_LEASE_TTL_S, "seconds before an unreleased lease expires",
+                                flag="--lease-ttl", type=positive_float)
+    max_batch_images: int = option(
+        DEFAULT_MAX_BATCH_IMAGES, "most images per vision-tower batch; batches follow the queue up to it "
+        "(--max-batch-size is the old name)", aliases=("--max-batch-size",), type=positive_int)
+    preprocess: str = option(
+        "auto", "hf: the checkpoint's HF image processor in CPU threads (exact); torch: resize, crop and "
+        "normalise with torch ops on --device (identical to hf without resampling, else a few uint8 "
+        "levels off: common/vision/pixels.py); auto: torch on CUDA in bfloat16/float16, else hf",
+        choices=PREPROCESS_MODES)
+    preprocess_threads: int | None = option(
+        None, "threads preparing images off the tower's thread (default: cores - 1, at most 16)",
+        type=positive_int)
+    decode_processes: int | None = option(
+        None, "processes decoding and hashing image bytes off the server's interpreter (default: cores "
+        "- 1, at most 8, and 0 below 4 cores; 0: in the server's threads)", type=non_negative_int)
+    enforce_eager: bool = option(
+        False, "no CUDA graphs of the vision tower (on CUDA, demand batches replay graphs captured at "
+        "startup for 1, 2, 4, ... --max-batch-images images)")
+    arena: str = option("auto", "where embeddings live: auto picks cuda (GPU + cupy), else shm, else "
+                        "private", choices=ARENAS)
+    limits: ImageLimits = section(ImageLimits, "image limits")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass
+class EncoderServiceConfig:
+    """Everything `mmserve encoder` is started with, but security."""
+
+    encoder: EncoderConfig = section(EncoderConfig, "vision tower and cache")
+    service: ServiceOptions = section(ServiceOptions, "service")
+    port: int = option(50051, "gRPC port (0 picks a free one)", type=port_number)
+
+    def __post_init__(self) -> None:
+        check_options(self)
