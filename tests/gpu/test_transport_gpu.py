@@ -77,7 +77,7 @@ def test_second_process_reads_cuda_ipc_refs_opening_the_arena_once():
             torch.bfloat16 if i % 2 else torch.float32) for i in range(16)]
         handles = [_store(cache, f"k{i}", t) for i, t in enumerate(tensors)]
         refs = [build_ref(h, CUDA, cache.arena) for h in handles]
-        assert all(r.cuda_ipc.event_handle and r.cuda_ipc.device_uuid for r in refs)
+        assert all(r.cuda_ipc.device_uuid for r in refs)  # event handles only for writes in flight
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         proc = ctx.Process(target=_reader, args=([r.SerializeToString() for r in refs], queue))
