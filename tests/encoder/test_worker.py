@@ -8,7 +8,7 @@ import torch
 
 from common.transport.arena import TensorArena
 from encoder_svc.cache import EmbeddingCache
-from encoder_svc.worker import DEMAND, PREFETCH, VisionWorker
+from encoder_svc.worker import DEMAND, MAX_PREFETCH_BATCH_IMAGES, PREFETCH, VisionWorker
 
 
 class _FakeVision:
@@ -156,5 +156,23 @@ def test_a_bad_image_fails_alone_and_its_batch_runs():
         except ValueError as exc:
             assert "cannot preprocess" in str(exc)
         assert vision.batches == [["good"]]
+    finally:
+        worker.stop()
+
+
+def test_prefetch_batches_stay_small_so_demand_never_waits_long_behind_one():
+    vision = _FakeVision()
+    cache = EmbeddingCache(TensorArena(1 << 20))
+    worker = VisionWorker(vision, cache, max_batch_images=32)
+    try:
+        futs = [_submit(cache, worker, "first", DEMAND)]
+        while worker.queued():
+            pass
+        futs += [_submit(cache, worker, f"p{i}", PREFETCH) for i in range(MAX_PREFETCH_BATCH_IMAGES + 2)]
+        futs += [_submit(cache, worker, f"d{i}", DEMAND) for i in range(12)]
+        vision.gate.set()
+        for f in futs:
+            f.result(10)
+        assert [len(b) for b in vision.batches] == [1, 12, MAX_PREFETCH_BATCH_IMAGES, 2]
     finally:
         worker.stop()
