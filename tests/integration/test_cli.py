@@ -71,6 +71,13 @@ def test_mmserve_up_makes_the_model_serves_and_stops_on_sigint(tmp_path, tiny_mo
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         metrics = urllib.request.urlopen(url, timeout=10).read().decode()
         assert "mmserve_decoder_time_to_first_token_seconds_count" in metrics
+        # The stats record's fields are metrics too, refreshed every second: the same numbers as GetStats.
+        deadline = time.monotonic() + 10
+        while "mmserve_decoder_requests_finished_total 2.0" not in metrics and time.monotonic() < deadline:
+            time.sleep(0.5)
+            metrics = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert "mmserve_decoder_requests_finished_total 2.0" in metrics
+        assert 'mmserve_decoder_embedding_transports_total{transport="shm"} 1.0' in metrics
         # README's OpenAI client call, against the gateway `mmserve up` started.
         from openai import OpenAI
 
