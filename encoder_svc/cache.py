@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -225,38 +225,56 @@ class EmbeddingCache:
         On CUDA call this inside the producer's stream context: the write and the event go on it.
         Raises nothing: a failure to store is delivered to the waiters.
         """
-        nbytes = tensor.numel() * tensor.element_size()
-        try:
-            offset, fences = self._reserve(nbytes)
-        except CacheFullError as exc:
-            self.fail(key, exc)
+        self.complete_many([(key, tensor)])
+
+    def complete_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """`complete` for a batch: on CUDA one event, recorded after all the batch's writes, fences every
+        entry of it (an interprocess event and its handle cost the tower thread more than a write)."""
+        placed: list[tuple[str, torch.Tensor, int, int]] = []  # (key, tensor, offset, nbytes)
+        fences: list = []
+        for key, tensor in items:
+            nbytes = tensor.numel() * tensor.element_size()
+            try:
+                offset, evicted = self._reserve(nbytes)
+            except CacheFullError as exc:
+                self.fail(key, exc)
+                continue
+            placed.append((key, tensor, offset, nbytes))
+            fences += evicted
+        if not placed:
             return
         try:
-            event, handle = self._write(offset, tensor, fences)
+            event, handle = self._write([(offset, tensor) for _, tensor, offset, _ in placed], fences)
         except BaseException as exc:
-            self.allocator.free(offset)
-            with self._lock:
-                self._reserved_inflight -= self.allocator.reserved_size(nbytes)
-            self.fail(key, exc)
+            for key, _, offset, nbytes in placed:
+                self.allocator.free(offset)
+                with self._lock:
+                    self._reserved_inflight -= self.allocator.reserved_size(nbytes)
+                self.fail(key, exc)
             raise
         with self._lock:
-            self._reserved_inflight -= self.allocator.reserved_size(nbytes)
-            pending = self._pending.pop(key, None)
-            # The producer's salt (from its acquire) goes with the entry; a complete() without an
-            # acquire has no salt to give, so its entry is reachable with the empty salt only.
-            salt = pending.salt if pending is not None else ""
-            entry = Entry(key, offset, nbytes, tuple(tensor.shape), tensor.dtype, event, handle, salt=salt)
-            self._entries[key] = entry
-            for waiter in pending.waiters if pending is not None else []:
-                if waiter.future.cancelled():
-                    continue
-                h = self._handle_locked(entry, waiter.want_lease, hit=False, owner=waiter.owner)
-                try:
-                    waiter.future.set_result(h)
-                except cf.InvalidStateError:  # cancelled between the check and here
-                    self._release_locked(h.lease_id, owner=None)
-            if entry.leases == 0:
-                self._freeable[key] = None
+            for key, tensor, offset, nbytes in placed:
+                self._reserved_inflight -= self.allocator.reserved_size(nbytes)
+                self._publish_locked(key, offset, nbytes, tensor, event, handle)
+
+    def _publish_locked(self, key: str, offset: int, nbytes: int, tensor: torch.Tensor, event,
+                        handle: bytes) -> None:
+        pending = self._pending.pop(key, None)
+        # The producer's salt (from its acquire) goes with the entry; a complete() without an
+        # acquire has no salt to give, so its entry is reachable with the empty salt only.
+        salt = pending.salt if pending is not None else ""
+        entry = Entry(key, offset, nbytes, tuple(tensor.shape), tensor.dtype, event, handle, salt=salt)
+        self._entries[key] = entry
+        for waiter in pending.waiters if pending is not None else []:
+            if waiter.future.cancelled():
+                continue
+            h = self._handle_locked(entry, waiter.want_lease, hit=False, owner=waiter.owner)
+            try:
+                waiter.future.set_result(h)
+            except cf.InvalidStateError:  # cancelled between the check and here
+                self._release_locked(h.lease_id, owner=None)
+        if entry.leases == 0:
+            self._freeable[key] = None
 
     def fail(self, key: str, exc: BaseException) -> None:
         """Production of key failed: every waiter gets exc; a later acquire retries."""
@@ -299,16 +317,19 @@ class EmbeddingCache:
             self._reserved_inflight += self.allocator.reserved_size(nbytes)
             return offset, fences
 
-    def _write(self, offset: int, tensor: torch.Tensor, fences: list) -> tuple[object | None, bytes]:
+    def _write(self, writes: list[tuple[int, torch.Tensor]], fences: list) -> tuple[object | None, bytes]:
+        """Copy each (offset, tensor) into the arena; on CUDA, after the fences, then one event."""
         if self.arena.device.type != "cuda":
-            self.arena.write(offset, tensor)
+            for offset, tensor in writes:
+                self.arena.write(offset, tensor)
             return None, b""
         from common.transport.cuda_ipc import new_producer_event
 
         stream = torch.cuda.current_stream(self.arena.device)
-        for fence in fences:  # the old entry's write may still be in flight on another stream
+        for fence in fences:  # an evicted entry's write may still be in flight on another stream
             stream.wait_event(fence)
-        self.arena.write(offset, tensor)
+        for offset, tensor in writes:
+            self.arena.write(offset, tensor)
         event = new_producer_event()
         event.record(stream)
         return event, bytes(event.ipc_handle())

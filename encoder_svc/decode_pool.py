@@ -2,32 +2,40 @@
 
 Every Encode that carries image bytes needs them decoded (Pillow), made RGB and hashed (the cache key)
 before the cache can be asked. That is about 1.5 ms of host work per 336px PNG, and much of it holds
-the GIL (Pillow's chunked decode loop, `tobytes`, the copies), so in threads it shared one interpreter
+the GIL (Pillow's chunked decode loop, `tobytes`, the copies), so in threads it shares one interpreter
 with gRPC, the cache and the vision worker. A pool of spawned processes does it off the server's
-interpreter: a child gets the file bytes and returns the hash and the raw RGB pixels (one pickle of
-width x height x 3 bytes), which the vision worker then uses without decoding or copying the image again.
+interpreter.
+
+The pool is driven from the server's event loop, with no threads of its own: a `ProcessPoolExecutor`
+costs the server about 1.4 ms of CPU per image in its management and queue-feeder threads and their
+hand-offs (H200 host, 64 clients), as much as gRPC itself. Here each child has one socket pair; the
+loop writes a small job message to it and reads the child's reply in a reader callback. The image
+travels through a shared-memory slot both ways: the loop copies the file bytes into a free slot, the
+child decodes them and writes the RGB pixels back into the same slot, the loop copies them out and
+frees the slot. Pixels larger than a slot come back in the reply itself; a file larger than a slot is
+decoded in a thread instead. With every slot taken, a request waits for one (the pool's backpressure).
 
 `decode_and_hash` is the one function both paths run, so the hash is the same either way
 (common/hashing.py frames it; tests check pool against threads against `hash_image`).
 
-A child that dies (a crash in a decoder library, the OOM killer) breaks the whole executor: the images
-then in flight fail with `DecodeWorkerDied` (UNAVAILABLE to their callers: they may retry), the pool is
-replaced at once and later requests are served. A submit that finds the pool already broken (a child
-died while idle) is retried on the new pool, since that request did not cause it.
+A child that dies (a crash in a decoder library, the OOM killer) is noticed at once (its socket
+closes) and replaced. Its images in flight are tried once more on the other processes; one that kills
+a second process fails with `DecodeWorkerDied` (UNAVAILABLE to its caller), so an image that crashes
+the decoder costs two restarts at most and never hangs. Children exit when the server dies.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
+import itertools
 import logging
 import mmap
 import multiprocessing
 import os
 import threading
 import time
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 from PIL import Image
@@ -75,7 +83,7 @@ class DecodeWorkerDied(RuntimeError):
 
 # -- in the worker processes -----------------------------------------------------------------------
 
-_mapped: dict[str, mmap.mmap] = {}  # a child's mappings of its pool's slot segments, by path
+_mapped: dict[str, mmap.mmap] = {}  # a child's mappings of its pool's slot segment, by path
 
 
 def _slot_view(path: str) -> mmap.mmap:
@@ -87,21 +95,21 @@ def _slot_view(path: str) -> mmap.mmap:
     return _mapped[path]
 
 
-def decode_into_slot(data: bytes, limits: ImageLimits, fingerprint: str, salt: str, slot_path: str | None,
-                     offset: int, capacity: int) -> DecodedImage:
-    """`decode_and_hash` in a worker process. With a slot, pixels that fit are written into the pool's
-    shared segment at offset and come back empty (the parent copies them out): a pickle through the
-    result pipe cost the parent more CPU than decoding the image in a thread."""
-    decoded = decode_and_hash(data, limits, fingerprint, salt)
-    if slot_path is None or len(decoded.pixels) > capacity:
+def decode_in_slot(slot_path: str, offset: int, length: int, capacity: int, limits: ImageLimits,
+                   fingerprint: str, salt: str) -> DecodedImage:
+    """`decode_and_hash` of the file bytes at [offset, offset + length) of the slot segment, in a worker
+    process. Pixels that fit the slot are written over it and come back empty (the parent copies them
+    out); larger ones come back in the reply."""
+    view = _slot_view(slot_path)
+    decoded = decode_and_hash(view[offset:offset + length], limits, fingerprint, salt)
+    if len(decoded.pixels) > capacity:
         return decoded
-    _slot_view(slot_path)[offset:offset + len(decoded.pixels)] = decoded.pixels
+    view[offset:offset + len(decoded.pixels)] = decoded.pixels
     return DecodedImage(decoded.content_hash, decoded.width, decoded.height, b"")
 
 
 def _exit_with_parent(parent: int) -> None:
-    """Child initializer: exit once the server is gone. A SIGKILLed (OOM-killed) server cannot shut its
-    pool down, and the children, which hold both ends of their call queue, would wait on it forever."""
+    """Exit once the server is gone, even in the middle of a job (a SIGKILLed server cannot stop us)."""
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -111,57 +119,52 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def _ready(_: int) -> int:
-    time.sleep(0.02)  # long enough for the other tasks to go to other processes
-    return os.getpid()
+def _child_main(conn, parent: int) -> None:
+    """A decode process: answer (job id, fn, args) messages with (job id, ok, result or exception)
+    until the server closes the socket."""
+    _exit_with_parent(parent)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            job_id, fn, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply = (job_id, True, fn(*args))
+        except Exception as exc:  # noqa: BLE001 - the server raises it for its caller
+            reply = (job_id, False, exc)
+        conn.send(reply)
 
 
 # -- in the server -------------------------------------------------------------------------------
 
-class _Generation:
-    """One executor and the result slots its processes write into; replaced as a whole when a process
-    dies (a slot of a broken executor may still be written by a process being terminated)."""
+@dataclass(eq=False)
+class _Job:
+    fn: object
+    args: tuple
+    future: asyncio.Future
+    slot: int | None = None
+    data: bytes = b""  # a decode's file bytes: copied into the slot again for a retry
+    retries_left: int = 0
+    sent_to: _Child | None = None
 
-    def __init__(self, processes: int, slot_bytes: int, slots: int) -> None:
-        # spawn, not fork: the server has gRPC, torch and CUDA threads that a fork would copy half-way.
-        self.executor = cf.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                                               initializer=_exit_with_parent, initargs=(os.getpid(),))
-        self.slot_bytes = slot_bytes
-        self.segment = None
-        self.free: list[int] = []
-        self.lock = threading.Lock()
-        if slots and slot_bytes:
-            from common.transport.shm import ShmArena, shm_available
 
-            try:
-                if shm_available():
-                    self.segment = ShmArena(slots * slot_bytes)  # swept like the arena if we die
-                    self.free = list(range(slots))
-            except (MemoryError, OSError) as exc:  # pixels then come back pickled
-                log.info("no shared memory for decoded pixels (%s): they come back through a pipe", exc)
-
-    def take_slot(self) -> int | None:
-        with self.lock:
-            return self.free.pop() if self.free else None
-
-    def give_slot(self, slot: int) -> None:
-        with self.lock:
-            self.free.append(slot)
-
-    def read(self, slot: int, nbytes: int) -> bytes:
-        return self.segment.view(slot * self.slot_bytes, nbytes).numpy().tobytes()
-
-    def close(self, wait: bool) -> None:
-        self.executor.shutdown(wait=wait, cancel_futures=True)
-        if self.segment is not None:
-            self.segment.close()  # unlinked; mappings die with their last user
+@dataclass(eq=False)
+class _Child:
+    process: multiprocessing.process.BaseProcess
+    conn: object  # multiprocessing.connection.Connection
+    jobs: dict[int, _Job] = field(default_factory=dict)
+    loop: asyncio.AbstractEventLoop | None = None  # the loop its reader is registered on
+    ready: bool = False
 
 
 class DecodePool:
-    """`decode_and_hash` in `processes` spawned worker processes, replaced if one dies.
+    """`decode_and_hash` in `processes` spawned worker processes, each replaced if it dies.
 
-    Decoded pixels come back through `slots` shared-memory slots of `slot_bytes` (larger images, or
-    when every slot is taken, through the result pipe)."""
+    File bytes and pixels go through `slots` shared-memory slots of `slot_bytes` each (see the module
+    docstring for what does not fit). Use it from one event loop at a time; `start` and `close` may be
+    called from any thread.
+    """
 
     def __init__(self, processes: int, limits: ImageLimits = ImageLimits(), slot_bytes: int = 1 << 20,
                  slots: int | None = None) -> None:
@@ -172,86 +175,239 @@ class DecodePool:
         self.slot_bytes = slot_bytes
         self.slots = 4 * processes if slots is None else slots
         self.restarts = 0
-        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._children: list[_Child] = []
         self._closed = False
-        self._gen = _Generation(processes, slot_bytes, self.slots)
+        self._lock = threading.Lock()  # start() and close() may come from other threads
+        self._waiting: deque[asyncio.Future] = deque()  # decodes waiting for a free slot
+        self.segment = None
+        self._free: list[int] = []
+        if self.slots and slot_bytes:
+            from common.transport.shm import ShmArena, shm_available
+
+            try:
+                if shm_available():
+                    self.segment = ShmArena(self.slots * slot_bytes)  # swept like the arena if we die
+                    self._free = list(range(self.slots))
+            except (MemoryError, OSError) as exc:
+                log.info("no shared memory for image slots (%s): images are decoded in threads", exc)
+
+    # -- processes ---------------------------------------------------------------------------------
+
+    def _spawn(self) -> _Child:
+        # spawn, not fork: the server has gRPC, torch and CUDA threads that a fork would copy half-way.
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe(duplex=True)
+        process = ctx.Process(target=_child_main, args=(theirs, os.getpid()), name="image-decode",
+                              daemon=True)
+        process.start()
+        theirs.close()  # the child's end lives in the child only: its death closes the socket
+        return _Child(process, ours)
+
+    def _ensure_children(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise DecodeWorkerDied("the image decode pool is closed")
+            while len(self._children) < self.processes:
+                self._children.append(self._spawn())
 
     @property
-    def _executor(self) -> cf.ProcessPoolExecutor:
-        return self._gen.executor
+    def pids(self) -> list[int]:
+        """The decode processes' pids."""
+        return [c.process.pid for c in self._children]
 
     def start(self, timeout_s: float = 120.0) -> None:
-        """Start every process now (each spawn imports Pillow and blake3: not on a request's time)."""
-        gen, seen = self._gen, set()
+        """Start every process and wait until each has imported Pillow and blake3 (not on a request's
+        time). Safe from any thread before the pool is used from an event loop."""
+        self._ensure_children()
         deadline = time.monotonic() + timeout_s
-        while len(seen) < self.processes and time.monotonic() < deadline:
-            seen.update(gen.executor.map(_ready, range(self.processes)))
+        for child in list(self._children):
+            if child.loop is None and not child.ready:
+                if child.conn.poll(max(0.0, deadline - time.monotonic())):
+                    child.conn.recv()  # ("ready", pid)
+                    child.ready = True
 
-    def _replace(self, broken: _Generation) -> None:
+    def listen(self) -> None:
+        """Read the processes' replies on the running event loop from now on, so that a process that dies
+        while idle is replaced at once (otherwise the first decode does this)."""
+        self._ensure_children()
+        self._bind(asyncio.get_running_loop())
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read every child's replies on loop (tests run one pool under several loops in turn)."""
+        for child in self._children:
+            if child.loop is loop:
+                continue
+            if child.loop is not None and not child.loop.is_closed():
+                child.loop.remove_reader(child.conn.fileno())
+            loop.add_reader(child.conn.fileno(), self._on_readable, child)
+            child.loop = loop
+
+    def _replace(self, dead: _Child) -> None:
+        """A child died: replace it, and retry its jobs elsewhere (once) or fail them."""
+        if dead.loop is not None and not dead.loop.is_closed():
+            dead.loop.remove_reader(dead.conn.fileno())
+        dead.conn.close()
+        dead.process.join(timeout=0)
         with self._lock:
-            if self._gen is not broken or self._closed:
-                return  # another caller replaced it already
-            self._gen = _Generation(self.processes, self.slot_bytes, self.slots)
-            self.restarts += 1
-        log.warning("an image decode process died: the decode pool was restarted (%d restarts)",
-                    self.restarts)
-        broken.close(wait=False)
+            if dead not in self._children:
+                return
+            self._children.remove(dead)
+            if not self._closed:
+                self._children.append(self._spawn())
+                self.restarts += 1
+        log.warning("an image decode process died (exit code %s): replaced (%d restarts)",
+                    dead.process.exitcode, self.restarts)
+        if dead.loop is not None and not dead.loop.is_closed():
+            self._bind(dead.loop)
+        for job in dead.jobs.values():
+            if job.retries_left > 0 and not job.future.done() and not self._closed:
+                job.retries_left -= 1
+                self._send(job)
+            else:
+                self._finish(job, None, DecodeWorkerDied(
+                    "an image decode process died while decoding this image (the process was "
+                    "replaced); retry the request"))
+        dead.jobs.clear()
 
-    def _submit(self, fn, args_for, want_slot: bool) -> tuple[_Generation, cf.Future, int | None]:
-        """Submit fn(*args_for(gen, slot)), with a result slot if wanted and one is free: (generation,
-        future, slot)."""
-        for attempt in range(2):
-            gen = self._gen
-            slot = gen.take_slot() if want_slot else None
-            try:
-                return gen, gen.executor.submit(fn, *args_for(gen, slot)), slot
-            except BrokenProcessPool:  # a child died before this request came: retry on a new pool
-                if slot is not None:
-                    gen.give_slot(slot)
-                self._replace(gen)
-                if attempt:
-                    raise DecodeWorkerDied("the image decode pool cannot start") from None
-        raise AssertionError("unreachable")
+    # -- jobs --------------------------------------------------------------------------------------
 
-    async def _result(self, gen: _Generation, fut: cf.Future):
+    def _send(self, job: _Job) -> None:
+        if job.slot is not None:  # (again, for a retry: the dead child may have written pixels over it)
+            self._slot(job.slot, len(job.data))[:] = np.frombuffer(job.data, dtype=np.uint8)
+        child = min(self._children, key=lambda c: len(c.jobs))
+        job_id = next(self._ids)
+        child.jobs[job_id] = job
+        job.sent_to = child
         try:
-            return await asyncio.wrap_future(fut)
-        except BrokenProcessPool:
-            self._replace(gen)
-            raise DecodeWorkerDied("an image decode process died while decoding this image "
-                                   "(the pool was restarted); retry the request") from None
+            child.conn.send((job_id, job.fn, job.args))
+        except OSError:  # it died just now: its reader sees the closed socket and handles its jobs
+            pass
+
+    def _on_readable(self, child: _Child) -> None:
+        """Every reply the child has sent so far (one loop pass for a burst of them)."""
+        while True:
+            try:
+                reply = child.conn.recv()
+            except (EOFError, OSError):
+                self._replace(child)
+                return
+            if reply[0] == "ready":
+                child.ready = True
+            else:
+                job_id, ok, value = reply
+                job = child.jobs.pop(job_id, None)
+                if job is not None:
+                    self._finish(job, value if ok else None, None if ok else value)
+            try:
+                if not child.conn.poll(0):
+                    return
+            except (EOFError, OSError):
+                self._replace(child)
+                return
+
+    def _finish(self, job: _Job, value, error: BaseException | None) -> None:
+        """Settle a job's future (unless its caller gave up) and free its slot."""
+        if error is None and job.slot is not None and isinstance(value, DecodedImage) and not value.pixels:
+            nbytes = 3 * value.width * value.height  # in the slot: copy out before it is reused
+            value = DecodedImage(value.content_hash, value.width, value.height,
+                                 self._slot(job.slot, nbytes).tobytes())
+        if job.slot is not None:
+            self._give_slot(job.slot)
+            job.slot = None
+        if job.future.done() or job.future.get_loop().is_closed():
+            return
+        if error is None:
+            job.future.set_result(value)
+        else:
+            job.future.set_exception(error)
+
+    def _slot(self, slot: int, nbytes: int) -> np.ndarray:
+        return self.segment.view(slot * self.slot_bytes, nbytes).numpy()
+
+    async def _take_slot(self) -> int:
+        while not self._free:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():  # woken, then cancelled: pass it on
+                    self._wake_one()
+                raise
+        return self._free.pop()
+
+    def _give_slot(self, slot: int) -> None:
+        self._free.append(slot)
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+
+    async def _submit(self, job: _Job):
+        loop = asyncio.get_running_loop()
+        self._ensure_children()
+        self._bind(loop)
+        self._send(job)
+        return await job.future
 
     async def run(self, fn, *args):
-        """fn(*args) in a worker process; DecodeWorkerDied if that process dies meanwhile."""
-        gen, fut, _ = self._submit(fn, lambda gen, slot: args, want_slot=False)
-        return await self._result(gen, fut)
+        """fn(*args) in a worker process (not retried); DecodeWorkerDied if that process dies meanwhile."""
+        return await self._submit(_Job(fn, args, asyncio.get_running_loop().create_future()))
 
     async def decode(self, data: bytes, fingerprint: str, salt: str) -> DecodedImage:
         """`decode_and_hash(data, ...)` in a worker process; ImageError for a bad image."""
-
-        def args_for(gen: _Generation, slot: int | None) -> tuple:
-            if slot is None:
-                return data, self.limits, fingerprint, salt, None, 0, 0
-            path, offset = str(gen.segment.path), slot * gen.slot_bytes
-            return data, self.limits, fingerprint, salt, path, offset, gen.slot_bytes
-
-        gen, fut, slot = self._submit(decode_into_slot, args_for, want_slot=True)
+        if self.segment is None or len(data) > self.slot_bytes:
+            return await asyncio.to_thread(decode_and_hash, data, self.limits, fingerprint, salt)
+        slot = await self._take_slot()
+        args = (str(self.segment.path), slot * self.slot_bytes, len(data), self.slot_bytes, self.limits,
+                fingerprint, salt)
+        job = _Job(decode_in_slot, args, asyncio.get_running_loop().create_future(), slot, data,
+                   retries_left=1)
         try:
-            decoded = await self._result(gen, fut)
-            if slot is not None and not decoded.pixels:  # in the slot: copy out before it is reused
-                decoded = DecodedImage(decoded.content_hash, decoded.width, decoded.height,
-                                       gen.read(slot, 3 * decoded.width * decoded.height))
-            return decoded
-        finally:
-            if slot is not None:
-                if fut.done():  # the child is finished with the slot
-                    gen.give_slot(slot)
-                else:  # cancelled while the child may still write it: free it once it is done
-                    fut.add_done_callback(lambda _: gen.give_slot(slot))
+            return await self._submit(job)
+        except BaseException:
+            if job.slot is not None and job.sent_to is None:  # never sent: nobody will free it
+                self._give_slot(job.slot)
+            raise
 
     def close(self) -> None:
-        """Stop the processes; queued images are cancelled."""
+        """Stop the processes; images in flight fail with DecodeWorkerDied."""
         with self._lock:
             self._closed = True
-            gen = self._gen
-        gen.close(wait=True)
+            children, self._children = self._children, []
+        try:
+            current = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        for child in children:
+            loop = child.loop
+            if loop is not None and loop is not current and loop.is_running():
+                # Reader removal and future settling belong to that loop's thread.
+                try:
+                    loop.call_soon_threadsafe(self._drop, child)
+                    continue
+                except RuntimeError:  # it closed meanwhile
+                    pass
+            self._drop(child)
+        for child in children:
+            child.process.join(timeout=5)
+            if child.process.is_alive():
+                child.process.kill()
+                child.process.join(timeout=5)
+        if self.segment is not None:
+            self.segment.close()  # unlinked; mappings die with their last user
+
+    def _drop(self, child: _Child) -> None:
+        """Forget a closed pool's child (on its loop's thread, or with no loop running) and fail its jobs."""
+        if not child.conn.closed:
+            if child.loop is not None and not child.loop.is_closed():
+                child.loop.remove_reader(child.conn.fileno())
+            child.conn.close()  # the child sees EOF and exits
+        for job in child.jobs.values():
+            self._finish(job, None, DecodeWorkerDied("the image decode pool was closed"))
+        child.jobs.clear()

@@ -33,6 +33,7 @@ from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashE
 from encoder_svc.config import EncoderConfig
 from encoder_svc.decode_pool import DecodedImage, DecodePool, DecodeWorkerDied, decode_and_hash
 from encoder_svc.defaults import default_decode_processes
+from encoder_svc.future_bridge import FutureBridge
 from encoder_svc.metrics import EncoderMetrics
 from encoder_svc.refs import build_ref, choose_transport, inline_payload, served_transports
 from encoder_svc.stats import EncoderStats
@@ -71,10 +72,6 @@ def make_arena(kind: str, capacity: int, device: torch.device) -> Arena:
     return TensorArena(capacity, device)
 
 
-def _await(fut: cf.Future) -> asyncio.Future:
-    return asyncio.wrap_future(fut)
-
-
 def _release_when_done(cache: EmbeddingCache, fut: cf.Future, owner: str) -> None:
     """A request gave up on fut: drop the lease it will carry (taken for owner), now or when it resolves."""
 
@@ -100,6 +97,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.metrics = EncoderMetrics(self.stats, registry)
         self.prefetches = 0
         self._closing = False
+        self._future_bridge: FutureBridge | None = None
 
     @property
     def closing(self) -> bool:
@@ -126,6 +124,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         return cls(vision, cache, worker, config.limits, registry, decoder)
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    def _bridge(self) -> FutureBridge:
+        """The bridge to the running loop (made on first use: the servicer is built off the loop)."""
+        loop = asyncio.get_running_loop()
+        if self._future_bridge is None or self._future_bridge.loop is not loop:
+            self._future_bridge = FutureBridge(loop)
+        return self._future_bridge
 
     def _check_open(self) -> None:
         if self._closing:
@@ -184,7 +189,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 data[i] = item.data
             else:
                 out[i] = (self._hash_only(i, item), None)
-        tasks = {i: asyncio.ensure_future(self.decoder.decode(d, self.vision.fingerprint, salt))
+        # One image (the usual request) is awaited in place: a task per image costs the loop more.
+        tasks = {i: (self.decoder.decode(d, self.vision.fingerprint, salt) if len(data) == 1 else
+                     asyncio.ensure_future(self.decoder.decode(d, self.vision.fingerprint, salt)))
                  for i, d in data.items()}
         try:
             for i, task in tasks.items():
@@ -197,7 +204,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 out[i] = (decoded.content_hash, decoded)
         finally:
             for task in tasks.values():  # an earlier image failed (or the RPC was cancelled)
-                task.cancel()
+                if isinstance(task, asyncio.Future):
+                    task.cancel()
+                else:
+                    task.close()  # a coroutine never awaited (its RPC failed first): no warning
         return out
 
     async def _items(self, images, salt: str) -> list[tuple[str, DecodedImage | None]]:
@@ -267,7 +277,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             for i, fut in enumerate(futures):
                 try:
                     # A hit is resolved already: take it without a trip through the event loop.
-                    handles.append(fut.result() if fut.done() else await _await(fut))
+                    handles.append(fut.result() if fut.done() else await self._bridge().wrap(fut))
                 except (asyncio.CancelledError, ServiceError):
                     raise
                 except Exception as exc:
@@ -337,6 +347,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         """Start the decode processes and run one dummy image through the tower, off the event loop."""
         if self.decoder is not None:
             await asyncio.to_thread(self.decoder.start)
+            self.decoder.listen()
         await asyncio.to_thread(self.vision.warm_up)
 
     async def close(self) -> None:

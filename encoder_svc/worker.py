@@ -187,8 +187,7 @@ class VisionWorker:
                                             use_graphs=batch[0][0].priority == DEMAND)
         self.batches += 1
         self.encodes += len(batch)
-        for (job, _), feat in zip(batch, feats, strict=True):
-            self.cache.complete(job.key, feat)
+        self.cache.complete_many([(job.key, feat) for (job, _), feat in zip(batch, feats, strict=True)])
 
     def images_per_s(self) -> float:
         """Images through the tower per second since the worker started."""

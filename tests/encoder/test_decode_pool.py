@@ -18,6 +18,7 @@ from PIL import Image
 
 from common.hashing import hash_image
 from common.images import ImageError, ImageLimits, decode_image
+from encoder_svc import decode_pool
 from encoder_svc.decode_pool import DecodedImage, DecodePool, DecodeWorkerDied, decode_and_hash
 from tests.encoder.conftest import image_bytes
 
@@ -112,34 +113,92 @@ def test_a_dying_worker_fails_its_images_and_the_pool_recovers():
 
         crashed, *others = run(crash_among_others())
         assert isinstance(crashed, DecodeWorkerDied)
-        # Images in flight with it fail the same way or were done before: none hangs, none is wrong.
+        # Images in flight with it are retried on the other process: none hangs, none is wrong.
         for data, got in zip(FILES.values(), others, strict=True):
-            assert isinstance(got, DecodeWorkerDied) or got == decode_and_hash(data, ImageLimits(),
-                                                                               FINGERPRINT, "")
-        assert pool.restarts == 1
+            assert got == decode_and_hash(data, ImageLimits(), FINGERPRINT, "")
+        assert pool.restarts == 1 and len(pool.pids) == 2
         after = run(pool.decode(FILES["png-rgb"], FINGERPRINT, ""))
         assert after == decode_and_hash(FILES["png-rgb"], ImageLimits(), FINGERPRINT, "")
+        assert sorted(pool._free) == list(range(pool.slots))
     finally:
         pool.close()
+
+
+def test_an_image_that_kills_two_processes_fails_and_is_not_retried_again(monkeypatch):
+    pool = DecodePool(2)
+    try:
+        pool.start()
+        monkeypatch.setattr(decode_pool, "decode_in_slot", _crash)  # what the children will be sent
+
+        async def poison():
+            return await pool.decode(FILES["png-rgb"], FINGERPRINT, "")
+
+        with pytest.raises(DecodeWorkerDied, match="died while decoding this image"):
+            run(poison())
+        assert pool.restarts == 2  # tried once more, never a third time
+        monkeypatch.undo()
+        assert run(poison()) == decode_and_hash(FILES["png-rgb"], ImageLimits(), FINGERPRINT, "")
+        assert sorted(pool._free) == list(range(pool.slots))
+    finally:
+        pool.close()
+
+
+def _crash(*args):
+    os._exit(9)
 
 
 def test_a_worker_killed_while_idle_costs_no_request():
     pool = DecodePool(1)
     try:
         pool.start()
-        executor = pool._executor
-        for pid in list(executor._processes):
-            os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + HANG_GUARD_S
-        while not executor._broken:  # the executor notices the death in its own thread
-            assert time.monotonic() < deadline, "the executor never noticed its dead process"
-            time.sleep(0.05)
-        # This request did not kill it: it is retried on a fresh pool.
-        got = run(pool.decode(FILES["gif"], FINGERPRINT, ""))
+        old = pool.pids
+
+        async def kill_then_decode():
+            await pool.run(os.getpid)  # the pool is read on this loop
+            os.kill(old[0], signal.SIGKILL)
+            deadline = time.monotonic() + HANG_GUARD_S
+            while pool.restarts == 0:  # its closed socket is noticed on the loop
+                assert time.monotonic() < deadline, "the pool never noticed its dead process"
+                await asyncio.sleep(0.05)
+            return await pool.decode(FILES["gif"], FINGERPRINT, "")
+
+        got = run(kill_then_decode())
         assert got == decode_and_hash(FILES["gif"], ImageLimits(), FINGERPRINT, "")
-        assert pool.restarts == 1 and pool._executor is not executor
+        assert pool.restarts == 1 and pool.pids != old
     finally:
         pool.close()
+
+
+def test_a_worker_killed_with_an_image_in_flight_is_retried_elsewhere():
+    pool = DecodePool(2)
+    try:
+        pool.start()
+
+        async def kill_one_mid_decode():
+            slow = asyncio.ensure_future(pool.run(time.sleep, 30))  # holds one process
+            await asyncio.sleep(0.2)
+            busy = next(c for c in pool._children if c.jobs)
+            image = asyncio.ensure_future(pool.decode(FILES["jpeg"], FINGERPRINT, ""))
+            await asyncio.sleep(0)
+            # Send the image to the busy process too, then kill it: the image must come back anyway.
+            os.kill(busy.process.pid, signal.SIGKILL)
+            got = await image
+            with pytest.raises(DecodeWorkerDied):  # run() jobs are not retried
+                await slow
+            return got
+
+        assert run(kill_one_mid_decode()) == decode_and_hash(FILES["jpeg"], ImageLimits(), FINGERPRINT, "")
+        assert pool.restarts == 1
+    finally:
+        pool.close()
+
+
+def test_a_closed_pool_refuses_work():
+    pool = DecodePool(1)
+    pool.start()
+    pool.close()
+    with pytest.raises(DecodeWorkerDied, match="closed"):
+        run(pool.decode(FILES["gif"], FINGERPRINT, ""))
 
 
 def test_pool_needs_a_process():
@@ -151,29 +210,40 @@ def _distinct_files(n: int) -> list[bytes]:
     return [_file("RGB", "PNG", seed=50 + i, size=(20 + i, 17 + 2 * i)) for i in range(n)]
 
 
-def test_slots_are_reused_only_after_their_pixels_were_copied_out():
+def test_images_wait_for_a_slot_and_slots_are_reused_after_their_pixels_were_copied_out():
     files = _distinct_files(24)
     pool = DecodePool(2, slots=2)  # far fewer slots than images in flight
     try:
-        assert pool._gen.segment is not None, "this test needs /dev/shm"
+        assert pool.segment is not None, "this test needs /dev/shm"
 
         async def all_at_once():
             return await asyncio.gather(*(pool.decode(d, FINGERPRINT, "") for d in files))
 
         for data, got in zip(files, run(all_at_once()), strict=True):
             assert got == decode_and_hash(data, ImageLimits(), FINGERPRINT, "")
-        assert sorted(pool._gen.free) == [0, 1]
+        assert sorted(pool._free) == [0, 1]
     finally:
         pool.close()
 
 
-@pytest.mark.parametrize("kw", [dict(slot_bytes=1000), dict(slots=0)],
-                         ids=["image-larger-than-slot", "no-slots"])
-def test_pixels_through_the_pipe_when_no_slot_fits(kw):
+def _solid_png(size: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), (10, 200, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(("data", "kw"), [
+    (_solid_png(200), dict(slot_bytes=4096)),  # a small file, 120 kB of pixels: back in the reply
+    (FILES["png-rgb"], dict(slot_bytes=1000)),  # a file larger than a slot: decoded in a thread
+    (FILES["png-rgb"], dict(slots=0)),  # no slots at all: threads
+], ids=["pixels-larger-than-slot", "file-larger-than-slot", "no-slots"])
+def test_images_that_do_not_fit_a_slot(data, kw):
     pool = DecodePool(1, **kw)
     try:
-        got = run(pool.decode(FILES["png-rgb"], FINGERPRINT, ""))  # 37 x 23 x 3 bytes > 1000
-        assert got == decode_and_hash(FILES["png-rgb"], ImageLimits(), FINGERPRINT, "")
+        assert len(data) < 4096 < 3 * 200 * 200
+        got = run(pool.decode(data, FINGERPRINT, ""))
+        assert got == decode_and_hash(data, ImageLimits(), FINGERPRINT, "")
+        assert sorted(pool._free) == list(range(len(pool._free)))
     finally:
         pool.close()
 
@@ -192,10 +262,10 @@ def test_a_cancelled_decode_frees_its_slot_once_the_child_is_done():
         for data, got in zip(files[3:], run(cancel_some()), strict=True):
             assert got == decode_and_hash(data, ImageLimits(), FINGERPRINT, "")
         deadline = time.monotonic() + HANG_GUARD_S
-        while len(pool._gen.free) < 3:  # the cancelled ones' children finish in their own time
+        while len(pool._free) < 3:  # the cancelled ones' children finish in their own time
             assert time.monotonic() < deadline, "a cancelled decode never gave its slot back"
             time.sleep(0.05)
-        assert sorted(pool._gen.free) == [0, 1, 2]
+        assert sorted(pool._free) == [0, 1, 2]
     finally:
         pool.close()
 
@@ -214,8 +284,8 @@ from encoder_svc.decode_pool import DecodePool
 if __name__ == "__main__":
     pool = DecodePool(2)
     pool.start()
-    print(pool._gen.segment.path, flush=True)
-    print(" ".join(str(p) for p in pool._executor._processes), flush=True)
+    print(pool.segment.path, flush=True)
+    print(" ".join(str(p) for p in pool.pids), flush=True)
     os.kill(os.getpid(), 9)  # as the OOM killer would: no shutdown of the pool
 """
 

@@ -86,13 +86,13 @@ def test_a_decode_process_dying_mid_request_is_unavailable_then_served(pooled):
 
 def test_decode_processes_killed_while_idle(pooled):
     decoder = pooled.servicer.decoder
-    executor = decoder._executor
-    for pid in list(executor._processes):
+    old, restarts = decoder.pids, decoder.restarts
+    for pid in old:
         os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 120
-    while not executor._broken:  # noticed in the executor's own thread
-        assert time.monotonic() < deadline, "the executor never noticed its dead processes"
+    while decoder.restarts < restarts + len(old):  # noticed on the server's event loop
+        assert time.monotonic() < deadline, "the pool never noticed its dead processes"
         time.sleep(0.05)
-    # No request was decoding: the next one is served on a fresh pool.
+    # No request was decoding: the next one is served by the new processes.
     assert len(_encode(pooled, IMAGES[4], salt="after-kill").embeddings) == 1
-    assert decoder._executor is not executor
+    assert not set(decoder.pids) & set(old)
