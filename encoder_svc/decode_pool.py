@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -48,14 +49,24 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DecodedImage:
-    """A decoded RGB image and its content hash: what the cache is keyed by and the vision worker reads."""
+    """A decoded RGB image and its content hash: what the cache is keyed by and the vision worker reads.
+
+    From `DecodePool.decode(..., in_slot=True)` the pixels are a view of the pool's shared-memory slot,
+    valid until `release()` (which gives the slot back; also done when the image is collected).
+    """
 
     content_hash: str  # hex, as on the wire
     width: int
     height: int
-    pixels: bytes  # RGB rows, exactly what `Image.tobytes()` gives (the hashed bytes)
+    pixels: bytes | memoryview  # RGB rows, exactly what `Image.tobytes()` gives (the hashed bytes)
+    slot: _SlotLease | None = field(default=None, compare=False, repr=False)
 
     mode = "RGB"
+
+    def release(self) -> None:
+        """Give the pixels' slot back to the pool (no-op for owned pixels; idempotent, any thread)."""
+        if self.slot is not None:
+            self.slot.release()
 
     def to_pil(self) -> Image.Image:
         """A PIL image over `pixels` (no copy; read-only)."""
@@ -138,6 +149,17 @@ def _child_main(conn, parent: int) -> None:
 
 # -- in the server -------------------------------------------------------------------------------
 
+class _SlotLease:
+    """One slot held for a DecodedImage's pixels: given back once, by release() or when collected."""
+
+    def __init__(self, pool: DecodePool, slot: int) -> None:
+        self._finalizer = weakref.finalize(self, pool._give_slot, slot)
+        self._finalizer.atexit = False
+
+    def release(self) -> None:
+        self._finalizer()  # runs at most once
+
+
 @dataclass(eq=False)
 class _Job:
     fn: object
@@ -147,6 +169,7 @@ class _Job:
     data: bytes = b""  # a decode's file bytes: copied into the slot again for a retry
     retries_left: int = 0
     sent_to: _Child | None = None
+    in_slot: bool = False  # a decode whose caller takes the pixels in their slot
 
 
 @dataclass(eq=False)
@@ -180,6 +203,8 @@ class DecodePool:
         self._closed = False
         self._lock = threading.Lock()  # start() and close() may come from other threads
         self._waiting: deque[asyncio.Future] = deque()  # decodes waiting for a free slot
+        self._slot_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the pool is used from
         self.segment = None
         self._free: list[int] = []
         if self.slots and slot_bytes:
@@ -188,6 +213,7 @@ class DecodePool:
             try:
                 if shm_available():
                     self.segment = ShmArena(self.slots * slot_bytes)  # swept like the arena if we die
+                    self._buffer = self.segment.view(0, self.segment.capacity).numpy()
                     self._free = list(range(self.slots))
             except (MemoryError, OSError) as exc:
                 log.info("no shared memory for image slots (%s): images are decoded in threads", exc)
@@ -235,6 +261,7 @@ class DecodePool:
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read every child's replies on loop (tests run one pool under several loops in turn)."""
+        self._loop = loop
         for child in self._children:
             if child.loop is loop:
                 continue
@@ -309,9 +336,13 @@ class DecodePool:
     def _finish(self, job: _Job, value, error: BaseException | None) -> None:
         """Settle a job's future (unless its caller gave up) and free its slot."""
         if error is None and job.slot is not None and isinstance(value, DecodedImage) and not value.pixels:
-            nbytes = 3 * value.width * value.height  # in the slot: copy out before it is reused
-            value = DecodedImage(value.content_hash, value.width, value.height,
-                                 self._slot(job.slot, nbytes).tobytes())
+            pixels = self._slot(job.slot, 3 * value.width * value.height)
+            if job.in_slot and not job.future.done():  # the caller reads them there, then releases
+                value = DecodedImage(value.content_hash, value.width, value.height,
+                                     memoryview(pixels), _SlotLease(self, job.slot))
+                job.slot = None
+            else:  # copied out before the slot is reused
+                value = DecodedImage(value.content_hash, value.width, value.height, pixels.tobytes())
         if job.slot is not None:
             self._give_slot(job.slot)
             job.slot = None
@@ -323,23 +354,41 @@ class DecodePool:
             job.future.set_exception(error)
 
     def _slot(self, slot: int, nbytes: int) -> np.ndarray:
-        return self.segment.view(slot * self.slot_bytes, nbytes).numpy()
+        start = slot * self.slot_bytes
+        return self._buffer[start:start + nbytes]
 
     async def _take_slot(self) -> int:
-        while not self._free:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiting.append(waiter)
+        while True:
+            with self._slot_lock:
+                if self._free:
+                    return self._free.pop()
+                waiter = asyncio.get_running_loop().create_future()
+                self._waiting.append(waiter)
             try:
                 await waiter
             except asyncio.CancelledError:
                 if waiter.done() and not waiter.cancelled():  # woken, then cancelled: pass it on
                     self._wake_one()
                 raise
-        return self._free.pop()
 
     def _give_slot(self, slot: int) -> None:
-        self._free.append(slot)
-        self._wake_one()
+        """Free a slot; from any thread (the vision worker frees the slots it read pixels from)."""
+        with self._slot_lock:
+            self._free.append(slot)
+            if not self._waiting:
+                return
+        loop = self._loop
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._wake_one()
+        elif loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._wake_one)
+            except RuntimeError:  # closed meanwhile: nobody waits any more
+                pass
 
     def _wake_one(self) -> None:
         while self._waiting:
@@ -359,15 +408,18 @@ class DecodePool:
         """fn(*args) in a worker process (not retried); DecodeWorkerDied if that process dies meanwhile."""
         return await self._submit(_Job(fn, args, asyncio.get_running_loop().create_future()))
 
-    async def decode(self, data: bytes, fingerprint: str, salt: str) -> DecodedImage:
-        """`decode_and_hash(data, ...)` in a worker process; ImageError for a bad image."""
+    async def decode(self, data: bytes, fingerprint: str, salt: str, in_slot: bool = False) -> DecodedImage:
+        """`decode_and_hash(data, ...)` in a worker process; ImageError for a bad image.
+
+        in_slot: leave the pixels in their shared-memory slot (no copy) when they fit; the caller must
+        then `release()` the image once it has read them (collecting it releases it too)."""
         if self.segment is None or len(data) > self.slot_bytes:
             return await asyncio.to_thread(decode_and_hash, data, self.limits, fingerprint, salt)
         slot = await self._take_slot()
         args = (str(self.segment.path), slot * self.slot_bytes, len(data), self.slot_bytes, self.limits,
                 fingerprint, salt)
         job = _Job(decode_in_slot, args, asyncio.get_running_loop().create_future(), slot, data,
-                   retries_left=1)
+                   retries_left=1, in_slot=in_slot)
         try:
             return await self._submit(job)
         except BaseException:

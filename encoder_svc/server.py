@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import functools
 import logging
 import time
 
@@ -70,6 +71,13 @@ def make_arena(kind: str, capacity: int, device: torch.device) -> Arena:
     if kind == "shm":
         return ShmArena(capacity)
     return TensorArena(capacity, device)
+
+
+def _release_images(items) -> None:
+    """Give back the pixel slots of decoded images (key, image or None) that no worker will read."""
+    for item in items:
+        if item is not None and item[1] is not None and hasattr(item[1], "release"):
+            item[1].release()
 
 
 def _release_when_done(cache: EmbeddingCache, fut: cf.Future, owner: str) -> None:
@@ -190,8 +198,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             else:
                 out[i] = (self._hash_only(i, item), None)
         # One image (the usual request) is awaited in place: a task per image costs the loop more.
-        tasks = {i: (self.decoder.decode(d, self.vision.fingerprint, salt) if len(data) == 1 else
-                     asyncio.ensure_future(self.decoder.decode(d, self.vision.fingerprint, salt)))
+        # Pixels stay in the pool's slots until the vision worker has read them (see _acquire).
+        decode = functools.partial(self.decoder.decode, fingerprint=self.vision.fingerprint, salt=salt,
+                                   in_slot=True)
+        tasks = {i: (decode(d) if len(data) == 1 else asyncio.ensure_future(decode(d)))
                  for i, d in data.items()}
         try:
             for i, task in tasks.items():
@@ -202,6 +212,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 except DecodeWorkerDied as exc:
                     raise unavailable(f"image {i}: {exc}") from None
                 out[i] = (decoded.content_hash, decoded)
+        except BaseException:
+            _release_images(out)
+            raise
         finally:
             for task in tasks.values():  # an earlier image failed (or the RPC was cancelled)
                 if isinstance(task, asyncio.Future):
@@ -221,20 +234,26 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int, salt: str,
                  owner: str = "") -> cf.Future:
+        """The cache's future for key; a miss goes to the vision worker with image, which then owns (and
+        releases) the image's pixel slot. Any other outcome releases it here."""
         try:
             # A hash-only image (image None) never produces: it finds an entry of its own salt or none.
             fut, produce = self.cache.acquire(key, want_lease, self.vision.embedding_nbytes,
                                               produce=image is not None, salt=salt, owner=owner)
         except CacheFullError as exc:
+            _release_images([(key, image)])
             raise resource_exhausted(f"image {index}: {exc}") from None
         except SaltClashError as exc:  # only on a hash collision
+            _release_images([(key, image)])
             raise ServiceError(grpc.StatusCode.INTERNAL, f"image {index}: {exc}") from None
+        if produce:
+            self.worker.submit(key, image, priority)
+            return fut
+        _release_images([(key, image)])  # a hit, or joined a production: its pixels are not needed
         if fut is None:  # absent, or made under another salt: the same answer either way
             raise not_found(f"image {index}: content hash {key} is not in the encoder cache; "
                             "send the image bytes instead")
-        if produce:
-            self.worker.submit(key, image, priority)
-        elif priority == DEMAND and not fut.done():
+        if priority == DEMAND and not fut.done():
             self.worker.boost(key)  # joined a queued prefetch: it is needed now
         return fut
 
@@ -291,6 +310,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 else:
                     refs.append(build_ref(handle, transport, self.cache.arena))
         except BaseException:
+            _release_images(items[len(futures):])  # not handed to _acquire (the rest it released)
             for fut in futures:
                 _release_when_done(self.cache, fut, owner)
             raise

@@ -94,12 +94,23 @@ class VisionWorker:
         `complete(key, ...)` or `fail(key, ...)` later."""
         with self._cv:
             if self._stopped:
+                if isinstance(image, DecodedImage):
+                    image.release()
                 self.cache.fail(key, ShuttingDownError("encoder shutting down"))
                 return
-            job = _Job(key, self._pools[priority].submit(self.vision.prepare, image), priority)
+            job = _Job(key, self._pools[priority].submit(self._prepare, image), priority)
             self._jobs[key] = job
             heapq.heappush(self._heap, (priority, next(self._seq), job))
             self._cv.notify()
+
+    def _prepare(self, image: Image.Image | DecodedImage):
+        """The tower's host-side preprocessing; then a decode pool's pixel slot goes back (prepare
+        copied the pixels out)."""
+        try:
+            return self.vision.prepare(image)
+        finally:
+            if isinstance(image, DecodedImage):
+                image.release()
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:

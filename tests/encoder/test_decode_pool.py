@@ -314,3 +314,41 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:  # gone meanwhile
         return ""
+
+
+def test_pixels_left_in_their_slot_hold_it_until_released():
+    pool = DecodePool(1, slots=2)
+    try:
+        async def both():
+            return await asyncio.gather(*(pool.decode(d, FINGERPRINT, "", in_slot=True)
+                                          for d in (FILES["png-rgb"], FILES["jpeg"])))
+
+        first, second = run(both())
+        for data, got in ((FILES["png-rgb"], first), (FILES["jpeg"], second)):
+            assert isinstance(got.pixels, memoryview)
+            assert got == decode_and_hash(data, ImageLimits(), FINGERPRINT, "")  # read in place
+        assert pool._free == []  # both slots are held by the images
+        first.release()
+        first.release()  # a second release gives nothing back twice
+        assert len(pool._free) == 1
+        del second, got  # collected: its slot comes back too
+        assert sorted(pool._free) == [0, 1]
+    finally:
+        pool.close()
+
+
+def test_a_decode_waiting_for_a_slot_gets_one_released_from_another_thread():
+    pool = DecodePool(1, slots=1)
+    try:
+        async def wait_for_slot():
+            held = await pool.decode(FILES["png-rgb"], FINGERPRINT, "", in_slot=True)
+            later = asyncio.ensure_future(pool.decode(FILES["gif"], FINGERPRINT, ""))
+            await asyncio.sleep(0.2)
+            assert not later.done()  # no slot free
+            await asyncio.to_thread(held.release)  # as the vision worker's thread does
+            return await later
+
+        assert run(wait_for_slot()) == decode_and_hash(FILES["gif"], ImageLimits(), FINGERPRINT, "")
+        assert pool._free == [0]
+    finally:
+        pool.close()

@@ -52,6 +52,22 @@ def test_processes_and_threads_give_the_same_hashes_and_embeddings(pooled, tiny_
         assert a.inline_data == b.inline_data and len(a.inline_data) == a.nbytes > 0
 
 
+def test_every_pixel_slot_comes_back(pooled):
+    """Misses (read by the worker), hits, a joined production and failed requests all give their
+    images' slots back to the decode pool."""
+    fresh = [image_bytes(300 + i, size=(25 + i, 19)) for i in range(6)]
+    _encode(pooled, *fresh[:3], salt="slots")
+    _encode(pooled, *fresh[:3], salt="slots")  # hits
+    with pytest.raises(grpc.RpcError):
+        _encode(pooled, fresh[3], fresh[4], b"broken", salt="slots")
+    _encode(pooled, fresh[5], fresh[5], salt="slots")  # one production, joined by its twin
+    decoder = pooled.servicer.decoder
+    deadline = time.monotonic() + 60
+    while sorted(decoder._free) != list(range(decoder.slots)):  # the worker's threads release theirs
+        assert time.monotonic() < deadline, f"slots never came back: {decoder._free}"
+        time.sleep(0.05)
+
+
 def test_a_bad_image_fails_only_its_request(pooled):
     truncated = IMAGES[1][:80]
     with pytest.raises(grpc.RpcError) as err:
@@ -68,7 +84,7 @@ def test_a_decode_process_dying_mid_request_is_unavailable_then_served(pooled):
     decoder = pooled.servicer.decoder
     restarts = decoder.restarts
 
-    async def die(data, fingerprint, salt):  # this request's image kills its decode process
+    async def die(data, fingerprint, salt, in_slot=False):  # this image kills its decode process
         return await decoder.run(os._exit, 7)
 
     decoder.decode, real = die, decoder.decode
