@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from common.thread_names import set_native_thread_name
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import EmbeddingCache, ShuttingDownError
 from encoder_svc.decode_pool import DecodedImage
@@ -68,8 +69,10 @@ class VisionWorker:
         # One pool per priority: a demand image never queues behind a burst of prefetch images (both
         # share the cores; prefetch gets half the threads).
         self._pools = {
-            DEMAND: cf.ThreadPoolExecutor(threads, thread_name_prefix="vision-prep"),
-            PREFETCH: cf.ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="vision-prep-lo"),
+            DEMAND: cf.ThreadPoolExecutor(threads, thread_name_prefix="vision-prep",
+                                          initializer=set_native_thread_name, initargs=("vision-prep",)),
+            PREFETCH: cf.ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="vision-prep-lo",
+                                            initializer=set_native_thread_name, initargs=("vision-prep-lo",)),
         }
         self._heap: list[tuple[int, int, _Job]] = []
         self._jobs: dict[str, _Job] = {}
@@ -156,6 +159,7 @@ class VisionWorker:
             return batch
 
     def _run(self) -> None:
+        set_native_thread_name("vision-worker")
         while True:
             batch = self._next_batch()
             if batch is None:
