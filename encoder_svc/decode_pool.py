@@ -181,6 +181,9 @@ class _Child:
     ready: bool = False
 
 
+MAX_STARTUP_FAILURES = 3  # children dead before ready, in a row, before the pool falls back to threads
+
+
 class DecodePool:
     """`decode_and_hash` in `processes` spawned worker processes, each replaced if it dies.
 
@@ -188,6 +191,8 @@ class DecodePool:
     docstring for what does not fit). Use it from one event loop at a time; `start` and `close` may be
     called from any thread.
     """
+
+    child_main = staticmethod(_child_main)  # what each process runs (tests substitute a broken one)
 
     def __init__(self, processes: int, limits: ImageLimits = ImageLimits(), slot_bytes: int = 1 << 20,
                  slots: int | None = None) -> None:
@@ -198,6 +203,8 @@ class DecodePool:
         self.slot_bytes = slot_bytes
         self.slots = 4 * processes if slots is None else slots
         self.restarts = 0
+        self.disabled = False  # set when children keep dying while starting: decode in threads then
+        self._startup_failures = 0
         self._ids = itertools.count()
         self._children: list[_Child] = []
         self._closed = False
@@ -224,7 +231,7 @@ class DecodePool:
         # spawn, not fork: the server has gRPC, torch and CUDA threads that a fork would copy half-way.
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=_child_main, args=(theirs, os.getpid()), name="image-decode",
+        process = ctx.Process(target=self.child_main, args=(theirs, os.getpid()), name="image-decode",
                               daemon=True)
         process.start()
         theirs.close()  # the child's end lives in the child only: its death closes the socket
@@ -234,7 +241,7 @@ class DecodePool:
         with self._lock:
             if self._closed:
                 raise DecodeWorkerDied("the image decode pool is closed")
-            while len(self._children) < self.processes:
+            while len(self._children) < self.processes and not self.disabled:
                 self._children.append(self._spawn())
 
     @property
@@ -245,13 +252,19 @@ class DecodePool:
     def start(self, timeout_s: float = 120.0) -> None:
         """Start every process and wait until each has imported Pillow and blake3 (not on a request's
         time). Safe from any thread before the pool is used from an event loop."""
-        self._ensure_children()
         deadline = time.monotonic() + timeout_s
-        for child in list(self._children):
-            if child.loop is None and not child.ready:
+        while not self.disabled and time.monotonic() < deadline:
+            self._ensure_children()
+            starting = [c for c in self._children if c.loop is None and not c.ready]
+            if not starting:
+                return
+            child = starting[0]
+            try:
                 if child.conn.poll(max(0.0, deadline - time.monotonic())):
                     child.conn.recv()  # ("ready", pid)
                     child.ready = True
+            except (EOFError, OSError):  # it died starting: replaced (or the pool gives up)
+                self._replace(child)
 
     def listen(self) -> None:
         """Read the processes' replies on the running event loop from now on, so that a process that dies
@@ -275,20 +288,27 @@ class DecodePool:
         if dead.loop is not None and not dead.loop.is_closed():
             dead.loop.remove_reader(dead.conn.fileno())
         dead.conn.close()
-        dead.process.join(timeout=0)
+        dead.process.join(timeout=0.1)  # reaped (for its exit code): its socket closed, it is gone
         with self._lock:
             if dead not in self._children:
                 return
             self._children.remove(dead)
-            if not self._closed:
+            # Children that die before they are ready (a broken environment) would be respawned forever.
+            self._startup_failures = 0 if dead.ready else self._startup_failures + 1
+            if self._startup_failures >= MAX_STARTUP_FAILURES and not self.disabled:
+                self.disabled = True
+                log.error("image decode processes died %d times in a row while starting (exit code %s): "
+                          "images are decoded in the server's threads from now on",
+                          self._startup_failures, dead.process.exitcode)
+            if not self._closed and not self.disabled:
                 self._children.append(self._spawn())
                 self.restarts += 1
-        log.warning("an image decode process died (exit code %s): replaced (%d restarts)",
-                    dead.process.exitcode, self.restarts)
+                log.warning("an image decode process died (exit code %s): replaced (%d restarts)",
+                            dead.process.exitcode, self.restarts)
         if dead.loop is not None and not dead.loop.is_closed():
             self._bind(dead.loop)
         for job in dead.jobs.values():
-            if job.retries_left > 0 and not job.future.done() and not self._closed:
+            if job.retries_left > 0 and not job.future.done() and not self._closed and self._children:
                 job.retries_left -= 1
                 self._send(job)
             else:
@@ -302,6 +322,9 @@ class DecodePool:
     def _send(self, job: _Job) -> None:
         if job.slot is not None:  # (again, for a retry: the dead child may have written pixels over it)
             self._slot(job.slot, len(job.data))[:] = np.frombuffer(job.data, dtype=np.uint8)
+        if not self._children:  # the pool gave up on its processes (see _replace)
+            self._finish(job, None, DecodeWorkerDied("the image decode processes could not start"))
+            return
         child = min(self._children, key=lambda c: len(c.jobs))
         job_id = next(self._ids)
         child.jobs[job_id] = job
@@ -406,6 +429,8 @@ class DecodePool:
 
     async def run(self, fn, *args):
         """fn(*args) in a worker process (not retried); DecodeWorkerDied if that process dies meanwhile."""
+        if self.disabled:
+            raise DecodeWorkerDied("the image decode processes could not start")
         return await self._submit(_Job(fn, args, asyncio.get_running_loop().create_future()))
 
     async def decode(self, data: bytes, fingerprint: str, salt: str, in_slot: bool = False) -> DecodedImage:
@@ -413,7 +438,7 @@ class DecodePool:
 
         in_slot: leave the pixels in their shared-memory slot (no copy) when they fit; the caller must
         then `release()` the image once it has read them (collecting it releases it too)."""
-        if self.segment is None or len(data) > self.slot_bytes:
+        if self.disabled or self.segment is None or len(data) > self.slot_bytes:
             return await asyncio.to_thread(decode_and_hash, data, self.limits, fingerprint, salt)
         slot = await self._take_slot()
         args = (str(self.segment.path), slot * self.slot_bytes, len(data), self.slot_bytes, self.limits,

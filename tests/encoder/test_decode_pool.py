@@ -352,3 +352,24 @@ def test_a_decode_waiting_for_a_slot_gets_one_released_from_another_thread():
         assert pool._free == [0]
     finally:
         pool.close()
+
+
+def _die_at_start(conn, parent):
+    os._exit(4)  # as a child whose imports fail would
+
+
+class _NeverStarts(DecodePool):
+    child_main = staticmethod(_die_at_start)
+
+
+def test_processes_that_keep_dying_at_start_leave_decoding_to_threads():
+    pool = _NeverStarts(2)
+    try:
+        pool.start(timeout_s=HANG_GUARD_S)  # returns: no endless respawning
+        assert pool.disabled and pool.restarts <= 2
+        got = run(pool.decode(FILES["png-rgb"], FINGERPRINT, "", in_slot=True))
+        assert got == decode_and_hash(FILES["png-rgb"], ImageLimits(), FINGERPRINT, "")
+        with pytest.raises(DecodeWorkerDied, match="could not start"):
+            run(pool.run(os.getpid))
+    finally:
+        pool.close()
