@@ -356,6 +356,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             expired_leases=c.expired_leases, inflight_dedups=c.inflight_dedups, prefetches=self.prefetches,
             vision_batches=w.batches, queue_depth=w.queued(),
             cuda_graphs=int(getattr(self.vision, "graphs", None) is not None),
+            decode_processes=0 if self.decoder is None or self.decoder.disabled else len(self.decoder.pids),
+            decode_restarts=0 if self.decoder is None else self.decoder.restarts,
             model_fingerprint=self.vision.fingerprint, device=str(self.vision.device))
 
     async def GetStats(self, request: common_pb2.StatsRequest, context) -> encoder_pb2.EncoderStats:

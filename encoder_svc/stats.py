@@ -33,6 +33,9 @@ class EncoderStats:
     vision_batches: int = stat("Vision-tower batches run")
     queue_depth: int = stat("Images waiting for the vision tower", "gauge")
     cuda_graphs: int = stat("1 when demand batches replay CUDA graphs of the tower", "gauge")
+    decode_processes: int = stat("Image decode processes running (0: images decode in the server's threads)",
+                                 "gauge")
+    decode_restarts: int = stat("Image decode processes replaced after they died")
     model_fingerprint: str = stat("The checkpoint's fingerprint", "info", default="")
     device: str = stat("Where the tower runs", "info", default="")
 

@@ -96,6 +96,8 @@ def test_a_decode_process_dying_mid_request_is_unavailable_then_served(pooled):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "decode process died" in err.value.details()
     assert decoder.restarts == restarts + 1
+    stats = pooled.servicer.stats()  # (not in the proto: /metrics and the log line)
+    assert stats.decode_restarts == restarts + 1 and stats.decode_processes == 2
     assert _encode(pooled, IMAGES[3], salt="after-death").embeddings[0].content_hash
     assert pooled.stats().active_leases == 0
 
