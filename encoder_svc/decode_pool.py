@@ -210,7 +210,7 @@ class DecodePool:
         self._closed = False
         self._lock = threading.Lock()  # start() and close() may come from other threads
         self._waiting: deque[asyncio.Future] = deque()  # decodes waiting for a free slot
-        self._slot_lock = threading.Lock()
+        self._slot_lock = threading.RLock()  # re-entrant: see _take_slot
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the pool is used from
         self.segment = None
         self._free: list[int] = []
@@ -381,11 +381,14 @@ class DecodePool:
         return self._buffer[start:start + nbytes]
 
     async def _take_slot(self) -> int:
+        loop = asyncio.get_running_loop()
         while True:
+            # Nothing that allocates Python objects runs under the lock: a garbage collection there
+            # could run a _SlotLease finalizer (-> _give_slot) in this very thread.
+            waiter = loop.create_future()
             with self._slot_lock:
                 if self._free:
                     return self._free.pop()
-                waiter = asyncio.get_running_loop().create_future()
                 self._waiting.append(waiter)
             try:
                 await waiter
