@@ -373,3 +373,12 @@ def test_processes_that_keep_dying_at_start_leave_decoding_to_threads():
             run(pool.run(os.getpid))
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(("free_mib", "expected_mib"), [(4096, 8), (200, 2), (40, 1), (0, 1)])
+def test_slots_are_as_large_as_shared_memory_allows(monkeypatch, free_mib, expected_mib):
+    from common.transport import shm
+
+    monkeypatch.setattr(shm, "shm_available", lambda: free_mib > 0)
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: free_mib << 20)
+    assert decode_pool._default_slot_bytes(32) == expected_mib << 20
