@@ -11,9 +11,11 @@ costs the server about 1.4 ms of CPU per image in its management and queue-feede
 hand-offs (H200 host, 64 clients), as much as gRPC itself. Here each child has one socket pair; the
 loop writes a small job message to it and reads the child's reply in a reader callback. The image
 travels through a shared-memory slot both ways: the loop copies the file bytes into a free slot, the
-child decodes them and writes the RGB pixels back into the same slot, the loop copies them out and
-frees the slot. Pixels larger than a slot come back in the reply itself; a file larger than a slot is
-decoded in a thread instead. With every slot taken, a request waits for one (the pool's backpressure).
+child decodes them and writes the RGB pixels back into the same slot. The server takes the pixels in
+place (`in_slot=True`) and the vision worker frees the slot once its preprocessing has copied them;
+other callers get a copy. Slots are as large as /dev/shm allows (8 MiB down to 1 MiB); pixels larger
+than a slot come back in the reply itself, and a file larger than a slot is decoded in a thread. With
+every slot taken, a request waits for one (the pool's backpressure).
 
 `decode_and_hash` is the one function both paths run, so the hash is the same either way
 (common/hashing.py frames it; tests check pool against threads against `hash_image`).
@@ -21,7 +23,9 @@ decoded in a thread instead. With every slot taken, a request waits for one (the
 A child that dies (a crash in a decoder library, the OOM killer) is noticed at once (its socket
 closes) and replaced. Its images in flight are tried once more on the other processes; one that kills
 a second process fails with `DecodeWorkerDied` (UNAVAILABLE to its caller), so an image that crashes
-the decoder costs two restarts at most and never hangs. Children exit when the server dies.
+the decoder costs two restarts at most and never hangs. Children exit when the server dies. Children
+that die while starting, three in a row (a broken environment), are not respawned: the pool then
+decodes in threads, and says so in the log and in the `decode_processes` stat.
 """
 
 from __future__ import annotations
