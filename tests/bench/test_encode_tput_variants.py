@@ -29,3 +29,14 @@ def test_decode_processes_side_by_side(tiny_model_dir, tmp_path):
     assert res["encode"] == by_variant["1"], "the targets use the last variant"
     # Threads only: the encoder has no decode processes to spend CPU in.
     assert all(r["decode_procs_cpu_ms_per_image"] == 0 for r in by_variant["0"])
+
+
+def test_steady_rate_leaves_out_the_ramp_and_the_drain():
+    from bench.encode_tput import steady_rate
+
+    # 100 replies: a slow start and end (every 10 ms), a steady middle (every 1 ms)
+    times = [0.01 * i for i in range(10)] + [0.1 + 0.001 * i for i in range(80)]
+    times += [0.18 + 0.01 * i for i in range(10)]
+    assert steady_rate(times) == pytest.approx(1000, rel=0.05)
+    assert len(times) / (max(times) - min(times)) < 400  # what the level's images/s would say
+    assert steady_rate(times[:9]) is None and steady_rate([1.0] * 20) is None
