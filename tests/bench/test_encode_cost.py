@@ -35,18 +35,24 @@ def test_thread_cpu_reads_native_thread_names():
 
     from common.thread_names import set_native_thread_name
 
+    burnt, may_exit = threading.Event(), threading.Event()
+
     def busy() -> None:
         set_native_thread_name("vision-worker")
         end = time.thread_time() + 0.1
         while time.thread_time() < end:
             pass
+        burnt.set()
+        may_exit.wait(60)  # alive (so in /proc) until it has been read
 
     before = encode_cost.thread_cpu(os.getpid())
     t = threading.Thread(target=busy)
     t.start()
-    while t.is_alive():
-        after = encode_cost.thread_cpu(os.getpid())  # read while the thread still exists
-        time.sleep(0.01)
-    t.join()
+    try:
+        assert burnt.wait(60)
+        after = encode_cost.thread_cpu(os.getpid())
+    finally:
+        may_exit.set()
+        t.join()
     assert after["vision-worker"] - before.get("vision-worker", 0.0) >= 0.05
     assert "loop (main thread)" in after
