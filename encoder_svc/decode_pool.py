@@ -444,8 +444,13 @@ class DecodePool:
 
     async def _submit(self, job: _Job):
         loop = asyncio.get_running_loop()
-        self._ensure_children()
-        self._bind(loop)
+        if self._closed:
+            raise DecodeWorkerDied("the image decode pool is closed")
+        # Once listening on this loop, children are bound as they start (_replace binds replacements):
+        # the lock and the walk over the children are not needed on every image.
+        if loop is not self._loop or len(self._children) < self.processes:
+            self._ensure_children()
+            self._bind(loop)
         self._send(job)
         return await job.future
 
