@@ -9,7 +9,8 @@ Every request is one new image (a distinct size x size PNG: always a cache miss)
 clients over gRPC; on CUDA the reply is a CUDA IPC ref released at once, on CPU the embedding comes
 inline. The reference is Hugging Face on the same checkpoint in the same run: the image processor
 (from PIL images, as the encoder gets them after decoding) plus `get_image_features`, in batches of
-1 and 32. Also measured: the host-side costs per image (decode, hash with blake3 and sha256, the HF
+1 and 32; and, as the ceiling, the encoder's own tower on prepared images at the largest batch. Also
+measured: the host-side costs per image (decode, hash with blake3 and sha256, the HF
 processor, the uint8 copy the torch preprocessing starts from), and how much a thread pool speeds
 decode + hash + HF preprocessing up (it only can where Pillow and numpy drop the GIL).
 
@@ -183,6 +184,7 @@ async def _encode_level(address: str, pngs: Sequence[bytes], concurrency: int, a
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(concurrency)))
+    replied = time.perf_counter()
     synced = await asyncio.to_thread(_wait_for_gpu, last) if last else None
     wall = time.perf_counter() - t0
     await release(stubs[0], last)
@@ -190,6 +192,9 @@ async def _encode_level(address: str, pngs: Sequence[bytes], concurrency: int, a
         await c.close()
     return {"concurrency": concurrency, "images": len(pngs), "wall_s": wall, "waited_for_gpu": synced,
             "images_per_s": len(pngs) / wall, "steady_images_per_s": steady_rate(finished),
+            # where a short level's time goes: the first reply (connections, the first batch), and the
+            # wait for the GPU after the last reply
+            "first_reply_ms": 1000 * (min(finished) - t0), "gpu_wait_ms": 1000 * (wall - (replied - t0)),
             "latency": summarize(latencies), "cache_hits": hits}
 
 
@@ -233,7 +238,8 @@ def run_encode(args: argparse.Namespace, address: str, levels: list[int], accept
         steady = level["steady_images_per_s"]
         steady = f" (steady {steady:.1f})" if steady else ""
         print(f"  encode{label} c={c}: {level['images_per_s']:.1f} images/s{steady}, "
-              f"p50 {level['latency']['p50_ms']:.2f} ms{cpu}", flush=True)
+              f"p50 {level['latency']['p50_ms']:.2f} ms, first reply {level['first_reply_ms']:.1f} ms, "
+              f"GPU wait {level['gpu_wait_ms']:.1f} ms{cpu}", flush=True)
     return out
 
 
@@ -281,6 +287,31 @@ def run_hf(args: argparse.Namespace, model_dir, batches: list[int], images: list
                     "ms_per_image": 1000 * wall / len(images), "call": summarize(calls)})
         print(f"  hf batch {b}: {out[-1]['images_per_s']:.1f} images/s", flush=True)
     return out, type(processor).__name__
+
+
+def run_tower(args: argparse.Namespace, model_dir, batch: int, images: list[Image.Image]) -> dict:
+    """The encoder's tower alone (mmserve's VisionEncoder, its CUDA graphs on CUDA), on images already
+    through `prepare`, in batches of `batch`: the ceiling of Encode without gRPC, decode or hashing."""
+    from common.vision.tower import VisionEncoder
+
+    device = torch.device(args.device)
+    vision = VisionEncoder(model_dir, device, parse_dtype(args.dtype), preprocess=args.preprocess or "auto")
+    graphs = vision.capture_graphs(batch)
+    prepared = [vision.prepare(img) for img in images]
+
+    def step(chunk) -> None:
+        vision.encode_prepared(chunk, use_graphs=graphs)
+        _sync(device)
+
+    step(prepared[:batch])  # warm-up
+    t0 = time.perf_counter()
+    for i in range(0, len(prepared), batch):
+        step(prepared[i:i + batch])
+    wall = time.perf_counter() - t0
+    out = {"batch": batch, "images": len(images), "cuda_graphs": bool(graphs), "wall_s": wall,
+           "images_per_s": len(images) / wall}
+    print(f"  tower alone, batch {batch}: {out['images_per_s']:.1f} images/s", flush=True)
+    return out
 
 
 # -- host-side costs -------------------------------------------------------------------------------
@@ -422,11 +453,12 @@ def run(args: argparse.Namespace) -> dict:
         encode, stats, encoder_log = _encode_on(args, model_dir, device, levels, accept, extra + more, label)
         by_variant[str(variant)] = {"encode": encode, "encoder_stats": stats, "encoder_log": encoder_log}
 
-    hf, hf_processor = [], None
+    hf, hf_processor, tower = [], None, None
     if hf_batches:
         print("hf reference", flush=True)
         images = [decode_image(p) for p in make_pngs(args.images, args.image_size, args.seed + 77)]
         hf, hf_processor = run_hf(args, model_dir, hf_batches, images)
+        tower = run_tower(args, model_dir, max(hf_batches), images)
 
     by_c = {r["concurrency"]: r for r in encode}
     by_b = {r["batch"]: r for r in hf}
@@ -454,6 +486,8 @@ def run(args: argparse.Namespace) -> dict:
                  for r in run_["encode"]]
     rows += [[f"HF, batch {r['batch']}", r["images_per_s"], "", r["call"]["p50_ms"], r["call"]["p99_ms"], "",
               ""] for r in hf]
+    if tower:
+        rows.append([f"tower alone, batch {tower['batch']}", tower["images_per_s"], "", "", "", "", ""])
     print_table(f"encoder throughput ({args.device}, {args.dtype}, {args.image_size}px PNGs)",
                 ["", "images/s", "steady images/s", "p50 ms", "p99 ms", "main CPU ms/img",
                  "decode procs CPU ms/img"], rows)
@@ -464,7 +498,7 @@ def run(args: argparse.Namespace) -> dict:
                     + (f", caller CPU {r['caller_cpu_ms']:.3f}" if "caller_cpu_ms" in r else "")]
                    for name, r in host["scaling"].items()])
     print_table("targets (issue 16)", ["", "value"], [[k, v] for k, v in targets.items()])
-    results = {"encode": encode, "hf": hf, "host": host, "targets": targets}
+    results = {"encode": encode, "hf": hf, "tower": tower, "host": host, "targets": targets}
     if len(by_variant) > 1:
         results["encode_by_decode_processes"] = {k: v["encode"] for k, v in by_variant.items()}
     return save_result("encode_tput", args, results,
