@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from common import event_loop
 from common.cli import UsageError, check_port_free, report_usage_error, resolve_model_arg, start_listening
 from common.config import add_options, from_args
 from common.pb import decoder_pb2_grpc
@@ -122,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.metrics_port is not None:
             check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
         resolve_model_arg(args)  # after the port checks: a download can take minutes
-        asyncio.run(serve(args))
+        event_loop.run(serve(args))
     except KeyboardInterrupt:
         pass
     except UsageError as exc:

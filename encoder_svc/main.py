@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from common import event_loop
 from common.cli import UsageError, check_port_free, report_usage_error, resolve_model_arg, start_listening
 from common.config import add_options, from_args
 from common.pb import encoder_pb2_grpc
@@ -74,7 +75,7 @@ async def _log_stats(servicer) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the encoder until a signal; returns the exit code."""
     configure_logging(args.log_level)
-    asyncio.run(serve(args))
+    event_loop.run(serve(args))
     return 0
 
 

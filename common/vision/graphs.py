@@ -58,6 +58,15 @@ class GraphedForward:
         """The bucket a batch of n images runs in; None when n is past the largest (eager)."""
         return next((b for b in self.buckets if b >= n), None)
 
+    def batch_size(self, waiting: int) -> int:
+        """How many of `waiting` images (at most the largest bucket) to run now: all of them, unless
+        padding them to their bucket would waste more than a quarter of it (17 images would run as 32);
+        then the largest bucket they fill (16), and the rest go with the next batch."""
+        b = self.bucket(waiting)
+        if b is None or 4 * (b - waiting) <= b:
+            return waiting
+        return max(size for size in self.buckets if size <= waiting)
+
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         """fn(pixels), from a graph when a bucket fits (on the caller's current stream)."""
         b = self.bucket(pixels.shape[0])

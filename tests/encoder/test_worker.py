@@ -104,6 +104,42 @@ def test_batches_follow_the_queue_up_to_max_batch_images():
         worker.stop()
 
 
+def test_a_demand_batch_is_cut_to_a_graph_size_rather_than_padded_by_more_than_a_quarter():
+    from common.vision.graphs import GraphedForward
+
+    vision = _FakeVision()
+    vision.graphs = GraphedForward.__new__(GraphedForward)  # its batch sizes only: nothing captured
+    vision.graphs.buckets = [1, 2, 4, 8, 16, 32]
+    cache = EmbeddingCache(TensorArena(1 << 20))
+    worker = VisionWorker(vision, cache, max_batch_images=32)
+    try:
+        futs = [_submit(cache, worker, "first", DEMAND)]
+        while worker.queued():
+            pass
+        futs += [_submit(cache, worker, f"d{i}", DEMAND) for i in range(19)]
+        futs += [_submit(cache, worker, f"p{i}", PREFETCH) for i in range(3)]  # prefetch is never cut
+        vision.gate.set()
+        for f in futs:
+            f.result(10)
+        # 19 waiting would run padded to 32: 16 run, then the 3 left (a graph of 4, one pad)
+        assert [len(b) for b in vision.batches] == [1, 16, 3, 3]
+        assert vision.batches[3] == ["p0", "p1", "p2"]
+    finally:
+        worker.stop()
+
+
+def test_graph_batch_size_wastes_at_most_a_quarter_of_a_graph_on_padding():
+    from common.vision.graphs import GraphedForward
+
+    graphs = GraphedForward.__new__(GraphedForward)
+    graphs.buckets = [1, 2, 4, 8, 16, 32]
+    sizes = {n: graphs.batch_size(n) for n in range(1, 33)}
+    assert sizes[17] == 16 and sizes[24] == 24 and sizes[5] == 4 and sizes[3] == 3 and sizes[32] == 32
+    for n, size in sizes.items():
+        assert 1 <= size <= n
+        assert 4 * (graphs.bucket(size) - size) <= graphs.bucket(size), (n, size)
+
+
 class _PrepVision(_FakeVision):
     """Preparation runs in pool threads: records them, fails "bad", signals each key prepared."""
 
