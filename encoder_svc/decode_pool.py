@@ -36,6 +36,8 @@ import logging
 import mmap
 import multiprocessing
 import os
+import pickle
+import struct
 import threading
 import time
 import weakref
@@ -134,21 +136,65 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def _child_main(conn, parent: int) -> None:
-    """A decode process: answer (job id, fn, args) messages with (job id, ok, result or exception)
-    until the server closes the socket."""
+# The socket protocol. Frames are multiprocessing's (a 4-byte big-endian length, then the payload), so
+# the child keeps its Connection; the server reads and writes the socket itself, from the event loop,
+# and parses every frame a read brings. A payload starts with a tag:
+# - DECODE: a decode job (job id, slot offset, file length, slot capacity, then fingerprint, salt and
+#   the slot segment's path), or its reply when the pixels are in the slot (job id, width, height, hex
+#   hash). Packed, not pickled: pickling these cost the server's loop more than the socket did.
+# - PICKLED: anything else, pickled: `run` jobs (job id, fn, args), their replies and failures (job id,
+#   ok, value), decodes whose pixels did not fit the slot, and the child's ("ready", pid).
+_FRAME = struct.Struct("!i")
+_DECODE, _PICKLED = b"D", b"P"
+_DECODE_JOB = struct.Struct("<QQQQHHH")  # job id, offset, length, capacity, len(fingerprint, salt, path)
+_DECODED = struct.Struct("<QII64s")  # job id, width, height, hex content hash
+
+
+def _decode_job(job_id: int, offset: int, length: int, capacity: int, fingerprint: str, salt: str,
+                path: str) -> bytes:
+    texts = [t.encode() for t in (fingerprint, salt, path)]
+    return _DECODE + _DECODE_JOB.pack(job_id, offset, length, capacity, *map(len, texts)) + b"".join(texts)
+
+
+def _run_decode_job(payload: bytes, limits: ImageLimits) -> bytes:
+    """A decode job's reply payload (in the child)."""
+    job_id, offset, length, capacity, *sizes = _DECODE_JOB.unpack_from(payload, 1)
+    texts, at = [], 1 + _DECODE_JOB.size
+    for size in sizes:
+        texts.append(payload[at:at + size].decode())
+        at += size
+    fingerprint, salt, path = texts
+    try:
+        decoded = decode_in_slot(path, offset, length, capacity, limits, fingerprint, salt)
+    except Exception as exc:  # noqa: BLE001 - the server raises it for its caller
+        return _PICKLED + pickle.dumps((job_id, False, exc))
+    if decoded.pixels:  # larger than the slot: they travel in the reply
+        return _PICKLED + pickle.dumps((job_id, True, decoded))
+    return _DECODE + _DECODED.pack(job_id, decoded.width, decoded.height, decoded.content_hash.encode())
+
+
+def _run_pickled_job(payload: bytes) -> bytes:
+    job_id, fn, args = pickle.loads(payload[1:])
+    try:
+        reply = (job_id, True, fn(*args))
+    except Exception as exc:  # noqa: BLE001 - the server raises it for its caller
+        reply = (job_id, False, exc)
+    return _PICKLED + pickle.dumps(reply)
+
+
+def _child_main(conn, parent: int, limits: ImageLimits) -> None:
+    """A decode process: answer job frames with reply frames until the server closes the socket."""
     _exit_with_parent(parent)
-    conn.send(("ready", os.getpid()))
+    conn.send_bytes(_PICKLED + pickle.dumps(("ready", os.getpid())))
     while True:
         try:
-            job_id, fn, args = conn.recv()
+            payload = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        try:
-            reply = (job_id, True, fn(*args))
-        except Exception as exc:  # noqa: BLE001 - the server raises it for its caller
-            reply = (job_id, False, exc)
-        conn.send(reply)
+        if payload[:1] == _DECODE:
+            conn.send_bytes(_run_decode_job(payload, limits))
+        else:
+            conn.send_bytes(_run_pickled_job(payload))
 
 
 # -- in the server -------------------------------------------------------------------------------
@@ -166,7 +212,7 @@ class _SlotLease:
 
 @dataclass(eq=False)
 class _Job:
-    fn: object
+    fn: object  # None for a decode (args: fingerprint, salt; the file bytes are in `data`)
     args: tuple
     future: asyncio.Future
     slot: int | None = None
@@ -183,6 +229,7 @@ class _Child:
     jobs: dict[int, _Job] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop | None = None  # the loop its reader is registered on
     ready: bool = False
+    inbox: bytearray = field(default_factory=bytearray)  # reply bytes read, not yet a whole frame
 
 
 # Slot sizes tried, largest first: 8 MiB holds a 1080p image's pixels (6.2 MB). Pixels that do not fit
@@ -239,6 +286,7 @@ class DecodePool:
             try:
                 if shm_available():
                     self.segment = ShmArena(self.slots * slot_bytes)  # swept like the arena if we die
+                    self._slot_path = str(self.segment.path)
                     self._buffer = self.segment.view(0, self.segment.capacity).numpy()
                     self._free = list(range(self.slots))
             except (MemoryError, OSError) as exc:
@@ -250,8 +298,8 @@ class DecodePool:
         # spawn, not fork: the server has gRPC, torch and CUDA threads that a fork would copy half-way.
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=self.child_main, args=(theirs, os.getpid()), name="image-decode",
-                              daemon=True)
+        process = ctx.Process(target=self.child_main, args=(theirs, os.getpid(), self.limits),
+                              name="image-decode", daemon=True)
         process.start()
         theirs.close()  # the child's end lives in the child only: its death closes the socket
         return _Child(process, ours)
@@ -280,7 +328,7 @@ class DecodePool:
             child = starting[0]
             try:
                 if child.conn.poll(max(0.0, deadline - time.monotonic())):
-                    child.conn.recv()  # ("ready", pid)
+                    child.conn.recv_bytes()  # ("ready", pid): the child's first frame
                     child.ready = True
             except (EOFError, OSError):  # it died starting: replaced (or the pool gives up)
                 self._replace(child)
@@ -348,32 +396,54 @@ class DecodePool:
         job_id = next(self._ids)
         child.jobs[job_id] = job
         job.sent_to = child
+        if job.fn is None:
+            payload = _decode_job(job_id, job.slot * self.slot_bytes, len(job.data), self.slot_bytes,
+                                  *job.args, self._slot_path)
+        else:
+            payload = _PICKLED + pickle.dumps((job_id, job.fn, job.args))
+        frame = memoryview(_FRAME.pack(len(payload)) + payload)
         try:
-            child.conn.send((job_id, job.fn, job.args))
+            while frame:  # a job frame is small: the socket takes it at once
+                frame = frame[os.write(child.conn.fileno(), frame):]
         except OSError:  # it died just now: its reader sees the closed socket and handles its jobs
             pass
 
     def _on_readable(self, child: _Child) -> None:
-        """Every reply the child has sent so far (one loop pass for a burst of them)."""
-        while True:
-            try:
-                reply = child.conn.recv()
-            except (EOFError, OSError):
-                self._replace(child)
-                return
+        """Every reply the child has sent so far: one read, then each whole frame in it."""
+        try:
+            data = os.read(child.conn.fileno(), 1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the socket closed: the child is gone
+            self._replace(child)
+            return
+        inbox = child.inbox
+        inbox += data
+        at = 0
+        while len(inbox) - at >= _FRAME.size:
+            (size,) = _FRAME.unpack_from(inbox, at)
+            if len(inbox) - at - _FRAME.size < size:
+                break
+            payload = bytes(inbox[at + _FRAME.size:at + _FRAME.size + size])
+            at += _FRAME.size + size
+            self._on_reply(child, payload)
+        del inbox[:at]
+
+    def _on_reply(self, child: _Child, payload: bytes) -> None:
+        if payload[:1] == _DECODE:
+            job_id, width, height, digest = _DECODED.unpack_from(payload, 1)
+            ok, value = True, DecodedImage(digest.decode(), width, height, b"")
+        else:
+            reply = pickle.loads(payload[1:])
             if reply[0] == "ready":
                 child.ready = True
-            else:
-                job_id, ok, value = reply
-                job = child.jobs.pop(job_id, None)
-                if job is not None:
-                    self._finish(job, value if ok else None, None if ok else value)
-            try:
-                if not child.conn.poll(0):
-                    return
-            except (EOFError, OSError):
-                self._replace(child)
                 return
+            job_id, ok, value = reply
+        job = child.jobs.pop(job_id, None)
+        if job is not None:
+            self._finish(job, value if ok else None, None if ok else value)
 
     def _finish(self, job: _Job, value, error: BaseException | None) -> None:
         """Settle a job's future (unless its caller gave up) and free its slot."""
@@ -468,9 +538,7 @@ class DecodePool:
         if self.disabled or self.segment is None or len(data) > self.slot_bytes:
             return await asyncio.to_thread(decode_and_hash, data, self.limits, fingerprint, salt)
         slot = await self._take_slot()
-        args = (str(self.segment.path), slot * self.slot_bytes, len(data), self.slot_bytes, self.limits,
-                fingerprint, salt)
-        job = _Job(decode_in_slot, args, asyncio.get_running_loop().create_future(), slot, data,
+        job = _Job(None, (fingerprint, salt), asyncio.get_running_loop().create_future(), slot, data,
                    retries_left=1, in_slot=in_slot)
         try:
             return await self._submit(job)
