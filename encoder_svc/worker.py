@@ -23,6 +23,10 @@ oldest before it takes another. Without it the thread launches a tiny batch for 
 that arrive and the GPU works through a long queue of them (H200, CLIP-L/336 in bf16: a 32-image batch
 runs at about 1000 images/s, small ones at a fraction of that); with it, images queue on the host while
 the GPU runs the current batch and the one launched behind it, and the next batch takes them all.
+The wait is bounded: it ends once a full batch is waiting, or after `FENCE_S_PER_IMAGE` per image of
+the oldest batch (more than the tower needs on an H200), so a GPU shared with another process (a
+decoder whose reads of the cache fence our next writes) cannot hold the thread, and with it the
+replies and the cache admissions of the next images, for longer than the batch's own work.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ PREFETCH = 1
 # Batches launched on the GPU and not yet finished before the tower thread waits: two keep the GPU busy
 # (the next batch is launched while the current one runs) and let the queue grow meanwhile.
 MAX_BATCHES_IN_FLIGHT = 2
+FENCE_S_PER_IMAGE = 0.0015  # the longest wait for the oldest batch, per image in it (CLIP-L/336: ~1 ms)
+FENCE_POLL_S = 0.001
 
 
 @dataclass
@@ -97,7 +103,7 @@ class VisionWorker:
         self.busy_s = 0.0
         self.started_at = time.monotonic()
         self._streams: dict[int, object] = {}
-        self._in_flight: deque = deque()  # CUDA events of launched batches, oldest first
+        self._in_flight: deque = deque()  # (CUDA event, images) of launched batches, oldest first
         if vision.device.type == "cuda":
             # Lower number = higher priority; 0 is the default (lowest) priority.
             low, high = torch.cuda.Stream.priority_range()
@@ -187,9 +193,18 @@ class VisionWorker:
                 self._wait_for_device()
 
     def _wait_for_device(self) -> None:
-        """Block until fewer than MAX_BATCHES_IN_FLIGHT launched batches are unfinished on the GPU."""
+        """Wait (bounded: see the module docstring) until fewer than MAX_BATCHES_IN_FLIGHT launched
+        batches are unfinished on the GPU."""
         while len(self._in_flight) >= MAX_BATCHES_IN_FLIGHT:
-            self._in_flight.popleft().synchronize()  # a blocking-sync event: no spinning, GIL released
+            done, images = self._in_flight.popleft()
+            deadline = time.monotonic() + images * FENCE_S_PER_IMAGE
+            while not done.query() and time.monotonic() < deadline and not self._full_batch_waiting():
+                time.sleep(FENCE_POLL_S)
+
+    def _full_batch_waiting(self) -> bool:
+        with self._cv:
+            waiting = sum(1 for job in self._jobs.values() if job.priority == DEMAND)
+        return waiting >= self.max_batch_images
 
     def _prepared(self, batch: list[_Job]) -> list[tuple[_Job, object]]:
         """(job, prepared image) for the batch's jobs whose preprocessing succeeded; the others fail."""
@@ -212,9 +227,9 @@ class VisionWorker:
             if stream is not None:
                 with torch.cuda.stream(stream):
                     self._encode_and_store(batch)
-                    done = torch.cuda.Event(blocking=True)
+                    done = torch.cuda.Event()
                     done.record(stream)
-                    self._in_flight.append(done)
+                    self._in_flight.append((done, len(batch)))
             else:
                 self._encode_and_store(batch)
         except Exception as exc:  # the tower failed: every job of the batch fails, the worker lives on

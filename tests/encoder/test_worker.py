@@ -212,3 +212,40 @@ def test_prefetch_batches_stay_small_so_demand_never_waits_long_behind_one():
         assert [len(b) for b in vision.batches] == [1, 12, MAX_PREFETCH_BATCH_IMAGES, 2]
     finally:
         worker.stop()
+
+
+class _Event:
+    """A stand-in CUDA event: done after `polls` queries (never, with None)."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls = polls
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.polls is not None and self.queries > self.polls
+
+
+def test_the_gpu_fence_waits_for_the_oldest_batch_but_never_past_its_bound():
+    import time
+
+    from encoder_svc import worker as worker_module
+
+    cache = EmbeddingCache(TensorArena(1 << 16))
+    worker = VisionWorker(_FakeVision(), cache, max_batch_images=4)
+    try:
+        finishes, newer = _Event(polls=3), _Event(polls=None)
+        worker._in_flight.extend([(finishes, 2), (newer, 2)])
+        worker._wait_for_device()
+        assert finishes.queries == 4 and list(worker._in_flight) == [(newer, 2)]
+
+        stuck = _Event(polls=None)  # e.g. queued behind another process's work on a shared GPU
+        worker._in_flight.append((stuck, 8))
+        t0 = time.monotonic()
+        worker._wait_for_device()
+        waited = time.monotonic() - t0
+        assert waited >= 2 * worker_module.FENCE_S_PER_IMAGE  # `newer` (2 images) held it that long
+        assert waited < 10 * 8 * worker_module.FENCE_S_PER_IMAGE + 1.0, "bounded, not until done"
+        assert len(worker._in_flight) == 1
+    finally:
+        worker.stop()
