@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +64,8 @@ class RetryPolicy:
     total_timeout_s runs from the image's first ask, whatever happens after (a wait for a fetch worker,
     the hash-first call, the call with bytes, retries), so an outage fails every image within it. A cache
     full of leased entries (RESOURCE_EXHAUSTED) is retried for full_cache_wait_s at most, then fails.
+    The pause before each retry is drawn at random below a bound that doubles from initial_backoff_s up
+    to max_backoff_s ("full jitter"), so images refused together retry apart.
     """
 
     attempt_timeout_s: float = 10.0  # one RPC; cut to what is left of total_timeout_s
@@ -384,16 +387,19 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 owner = self._owner_now(req.content_hash)
                 if owner is not None and owner != encoder:
                     raise _EncoderLeftRing(owner) from None
+                # Full jitter: callers turned away together (a full cache refuses every image but the
+                # one it admits) must not all come back together, or each wave admits one again.
+                pause = random.uniform(0.0, backoff)
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full_since = full_since or time.monotonic()
-                    if time.monotonic() + backoff - full_since > policy.full_cache_wait_s:
+                    if time.monotonic() + pause - full_since > policy.full_cache_wait_s:
                         raise
-                if time.monotonic() + backoff > deadline:
+                if time.monotonic() + pause > deadline:
                     raise EncoderUnavailableError(
                         f"encoder unreachable after {attempts} attempts over {policy.total_timeout_s:.0f} s "
                         f"({exc.code().name})") from None
-                log.warning("encoder %s: %s, retrying in %.2f s", encoder, exc.code().name, backoff)
-                time.sleep(backoff)
+                log.warning("encoder %s: %s, retrying in %.2f s", encoder, exc.code().name, pause)
+                time.sleep(pause)
                 backoff = min(policy.max_backoff_s, backoff * 2)
 
     def _owner_now(self, content_hash: str) -> str | None:

@@ -79,3 +79,35 @@ def test_a_cache_full_of_leased_entries_fails_fast(tiny_model_dir, tmp_path):
             holder.release([refs[0].lease_id])
     finally:
         pair.stop()
+
+
+def test_images_refused_together_by_a_one_slot_cache_retry_apart_and_are_all_served(tiny_model_dir,
+                                                                                     tmp_path):
+    """A full cache refuses every image but the one it admits; the refused ones retry (within the 2 s
+    full-cache wait) until each has had its turn, and no lease is left behind. On an H200, with the
+    decoder's GPU steps delayed (tests/gpu/test_lease_race_gpu.py), retries with equal pauses came back
+    in waves that each admitted one image, and the last ones ran out of time; pauses are now jittered
+    (test_full_cache_retries_are_jittered_and_bounded). On CPU the waves admit several images each, so
+    this passes either way: it guards the liveness, the unit test the jitter."""
+    pair = Pair(tiny_model_dir, tmp_path, encoder_args=["--cache-bytes", str(SLOT)]).start()
+    try:
+        images = [make_image(800 + i) for i in range(12)]
+        errors: list = []
+
+        def serve(img):
+            try:
+                with DecoderClient(pair.decoder.address, timeout=120) as client:
+                    client.generate_text(PROMPT, [png(img)], max_tokens=2)
+            except grpc.RpcError as exc:
+                errors.append(f"{exc.code().name}: {exc.details()}")
+
+        threads = [threading.Thread(target=serve, args=(img,)) for img in images]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert not errors, errors
+        dec, enc = pair.wait_idle()
+        assert dec.active_leases == 0 and enc.active_leases == 0
+    finally:
+        pair.stop()
