@@ -44,3 +44,9 @@ def run(main: Coroutine[Any, Any, T], choice: str | None = None) -> T:
 
         return uvloop.run(main)
     return asyncio.run(main)
+
+
+def running_kind() -> str:
+    """'uvloop' or 'asyncio': the loop running in this thread (for the services' startup log)."""
+    loop = asyncio.get_running_loop()
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"

@@ -81,8 +81,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     refresher = asyncio.create_task(refresh_metrics())
     service.set_serving(True)
-    log.info("decoder ready on %s:%d (%s, %s, encoders %s)", args.host, port, args.device, args.dtype,
-             ", ".join(args.encoder))
+    log.info("decoder ready on %s:%d (%s, %s, encoders %s, %s loop)", args.host, port, args.device,
+             args.dtype, ", ".join(args.encoder), event_loop.running_kind())
 
     async def shutdown() -> None:
         refresher.cancel()
@@ -118,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Before the model loads: a busy port fails now, not after the load.
         args.security = server_security_from_args(args)
+        try:
+            event_loop.loop_kind()  # $MMSERVE_EVENT_LOOP: a bad value is a usage error, now
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         client_security_from_args(args, prefix="encoder-")  # unreadable files: a usage error, now
         check_port_free(args.host, args.port)
         if args.metrics_port is not None:

@@ -49,8 +49,9 @@ async def serve(args: argparse.Namespace) -> None:
         port = await start_listening(service)
         await servicer.warm_up()
         service.set_serving(True)
-        log.info("encoder ready on %s:%d (%s, %s, arena %s)", args.host, port, servicer.vision.device,
-                 servicer.vision.dtype, type(servicer.cache.arena).__name__)
+        log.info("encoder ready on %s:%d (%s, %s, arena %s, %s loop)", args.host, port,
+                 servicer.vision.device, servicer.vision.dtype, type(servicer.cache.arena).__name__,
+                 event_loop.running_kind())
         logger = asyncio.create_task(_log_stats(servicer))
         try:
             await service.wait(on_shutdown=servicer.close)
@@ -90,6 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Before the model loads: a busy port fails now, not after seconds (minutes for 7B) of loading.
         args.security = server_security_from_args(args)
+        try:
+            event_loop.loop_kind()  # $MMSERVE_EVENT_LOOP: a bad value is a usage error, now
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         check_port_free(args.host, args.port)
         if args.metrics_port is not None:
             check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
