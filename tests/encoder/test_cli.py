@@ -109,3 +109,11 @@ def test_cache_too_small_for_one_embedding_is_a_usage_error(tiny_model_dir):
     result = run_cli("encoder", "--model", str(tiny_model_dir), "--port", "0", "--cache-bytes", "10",
                      "--log-level", "WARNING", timeout=120)
     assert_usage_error(result, "--cache-bytes 10 cannot hold one image's embedding")
+
+
+@pytest.mark.parametrize("service", ["encoder", "decoder"])
+def test_an_unknown_event_loop_is_a_usage_error(tmp_path, monkeypatch, service):
+    monkeypatch.setenv("MMSERVE_EVENT_LOOP", "trio")
+    extra = ["--encoder", "127.0.0.1:1"] if service == "decoder" else []
+    result = run_cli(service, "--model", str(decoy_model(tmp_path / "m")), "--port", "0", *extra, timeout=30)
+    assert_usage_error(result, "MMSERVE_EVENT_LOOP='trio'", "expected one of auto, asyncio, uvloop")
