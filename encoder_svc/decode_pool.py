@@ -48,7 +48,7 @@ import numpy as np
 from PIL import Image
 
 from common.hashing import image_content_hash
-from common.images import ImageLimits, decode_image
+from common.images import ImageError, ImageLimits, decode_image
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,8 @@ def _exit_with_parent(parent: int) -> None:
 # - PICKLED: anything else, pickled: `run` jobs (job id, fn, args), their replies and failures (job id,
 #   ok, value), decodes whose pixels did not fit the slot, and the child's ("ready", pid).
 _FRAME = struct.Struct("!i")
+_MAX_FRAME_BYTES = (1 << 31) - (1 << 20)  # a reply's payload, with room for its fields
+_READ_BYTES = 1 << 18  # one read of a child's replies (a decode's is 85 bytes; pixels past a slot, MBs)
 _DECODE, _PICKLED = b"D", b"P"
 _DECODE_JOB = struct.Struct("<QQQQHHH")  # job id, offset, length, capacity, len(fingerprint, salt, path)
 _DECODED = struct.Struct("<QII64s")  # job id, width, height, hex content hash
@@ -169,6 +171,9 @@ def _run_decode_job(payload: bytes, limits: ImageLimits) -> bytes:
     except Exception as exc:  # noqa: BLE001 - the server raises it for its caller
         return _PICKLED + pickle.dumps((job_id, False, exc))
     if decoded.pixels:  # larger than the slot: they travel in the reply
+        if len(decoded.pixels) > _MAX_FRAME_BYTES:  # the server's frames have a 31-bit length
+            return _PICKLED + pickle.dumps((job_id, False, ImageError(
+                f"{decoded.width}x{decoded.height} pixels are too many to hand over")))
         return _PICKLED + pickle.dumps((job_id, True, decoded))
     return _DECODE + _DECODED.pack(job_id, decoded.width, decoded.height, decoded.content_hash.encode())
 
@@ -411,7 +416,7 @@ class DecodePool:
     def _on_readable(self, child: _Child) -> None:
         """Every reply the child has sent so far: one read, then each whole frame in it."""
         try:
-            data = os.read(child.conn.fileno(), 1 << 20)
+            data = os.read(child.conn.fileno(), _READ_BYTES)
         except BlockingIOError:
             return
         except OSError:

@@ -243,13 +243,14 @@ def _solid_png(size: int) -> bytes:
 
 @pytest.mark.parametrize(("data", "kw"), [
     (_solid_png(200), dict(slot_bytes=4096)),  # a small file, 120 kB of pixels: back in the reply
+    (_solid_png(1000), dict(slot_bytes=32768)),  # 3 MB of pixels: a reply the loop reads in pieces
     (FILES["png-rgb"], dict(slot_bytes=1000)),  # a file larger than a slot: decoded in a thread
     (FILES["png-rgb"], dict(slots=0)),  # no slots at all: threads
-], ids=["pixels-larger-than-slot", "file-larger-than-slot", "no-slots"])
+], ids=["pixels-larger-than-slot", "pixels-in-several-reads", "file-larger-than-slot", "no-slots"])
 def test_images_that_do_not_fit_a_slot(data, kw):
     pool = DecodePool(1, **kw)
     try:
-        assert len(data) < 4096 < 3 * 200 * 200
+        assert len(data) < 32768 and 4096 < 3 * 200 * 200
         got = run(pool.decode(data, FINGERPRINT, ""))
         assert got == decode_and_hash(data, ImageLimits(), FINGERPRINT, "")
         assert sorted(pool._free) == list(range(len(pool._free)))
