@@ -39,6 +39,19 @@ def _submit(cache: EmbeddingCache, worker: VisionWorker, key: str, priority: int
     return fut
 
 
+def _run_behind_a_busy_first_batch(vision: _FakeVision, worker: VisionWorker, cache: EmbeddingCache,
+                                   jobs: list[tuple[str, int]]) -> None:
+    """Hold the worker in a first one-image batch, queue jobs (key, priority) behind it, then let all
+    of them run and wait for each."""
+    futs = [_submit(cache, worker, "first", DEMAND)]
+    while worker.queued():
+        pass
+    futs += [_submit(cache, worker, key, priority) for key, priority in jobs]
+    vision.gate.set()
+    for f in futs:
+        f.result(10)
+
+
 def test_demand_before_prefetch_and_batches_of_one_priority():
     vision = _FakeVision()
     cache = EmbeddingCache(TensorArena(1 << 16))
@@ -91,13 +104,7 @@ def test_batches_follow_the_queue_up_to_max_batch_images():
     cache = EmbeddingCache(TensorArena(1 << 16))
     worker = VisionWorker(vision, cache, max_batch_images=4)
     try:
-        futs = [_submit(cache, worker, "first", DEMAND)]
-        while worker.queued():
-            pass
-        futs += [_submit(cache, worker, f"d{i}", DEMAND) for i in range(6)]
-        vision.gate.set()
-        for f in futs:
-            f.result(10)
+        _run_behind_a_busy_first_batch(vision, worker, cache, [(f"d{i}", DEMAND) for i in range(6)])
         # one image alone while idle; then all that queued, capped at 4; then the rest
         assert vision.batches == [["first"], ["d0", "d1", "d2", "d3"], ["d4", "d5"]]
     finally:
@@ -113,14 +120,8 @@ def test_a_demand_batch_is_cut_to_a_graph_size_rather_than_padded_by_more_than_a
     cache = EmbeddingCache(TensorArena(1 << 20))
     worker = VisionWorker(vision, cache, max_batch_images=32)
     try:
-        futs = [_submit(cache, worker, "first", DEMAND)]
-        while worker.queued():
-            pass
-        futs += [_submit(cache, worker, f"d{i}", DEMAND) for i in range(19)]
-        futs += [_submit(cache, worker, f"p{i}", PREFETCH) for i in range(3)]  # prefetch is never cut
-        vision.gate.set()
-        for f in futs:
-            f.result(10)
+        _run_behind_a_busy_first_batch(vision, worker, cache, [(f"d{i}", DEMAND) for i in range(19)]
+                                       + [(f"p{i}", PREFETCH) for i in range(3)])  # prefetch: never cut
         # 19 waiting would run padded to 32: 16 run, then the 3 left (a graph of 4, one pad)
         assert [len(b) for b in vision.batches] == [1, 16, 3, 3]
         assert vision.batches[3] == ["p0", "p1", "p2"]
