@@ -250,3 +250,23 @@ def test_the_gpu_fence_waits_for_the_oldest_batch_but_never_past_its_bound():
         assert len(worker._in_flight) == 1
     finally:
         worker.stop()
+
+
+def test_the_gpu_fence_lets_a_full_batch_go_at_once():
+    vision = _FakeVision()
+    cache = EmbeddingCache(TensorArena(1 << 16))
+    worker = VisionWorker(vision, cache, max_batch_images=4)
+    try:
+        futs = [_submit(cache, worker, "first", DEMAND)]  # holds the worker: the others stay queued
+        while worker.queued():
+            pass
+        futs += [_submit(cache, worker, f"d{i}", DEMAND) for i in range(4)]
+        stuck = _Event(polls=None)
+        worker._in_flight.extend([(stuck, 1000), (_Event(polls=None), 1)])  # a bound of 1.5 s
+        worker._wait_for_device()  # returns at once: a full batch waits
+        assert stuck.queries == 1
+        vision.gate.set()
+        for f in futs:
+            f.result(10)
+    finally:
+        worker.stop()
