@@ -173,8 +173,7 @@ class VisionWorker:
             limit = self.max_batch_images if priority == DEMAND else self.max_prefetch_batch
             graphs = getattr(self.vision, "graphs", None)
             if priority == DEMAND and graphs is not None:  # demand batches replay the graphs
-                waiting = sum(1 for job in self._jobs.values() if job.priority == DEMAND)
-                limit = graphs.batch_size(min(waiting, limit))
+                limit = graphs.batch_size(min(self._demand_waiting(), limit))
             while self._heap and len(batch) < limit and self._heap[0][0] == priority:
                 _, _, job = heapq.heappop(self._heap)
                 if not job.stale:
@@ -203,8 +202,11 @@ class VisionWorker:
 
     def _full_batch_waiting(self) -> bool:
         with self._cv:
-            waiting = sum(1 for job in self._jobs.values() if job.priority == DEMAND)
-        return waiting >= self.max_batch_images
+            return self._demand_waiting() >= self.max_batch_images
+
+    def _demand_waiting(self) -> int:
+        """Demand jobs queued for the tower (call holding the lock)."""
+        return sum(1 for job in self._jobs.values() if job.priority == DEMAND)
 
     def _prepared(self, batch: list[_Job]) -> list[tuple[_Job, object]]:
         """(job, prepared image) for the batch's jobs whose preprocessing succeeded; the others fail."""
