@@ -40,13 +40,15 @@ def _submit(cache: EmbeddingCache, worker: VisionWorker, key: str, priority: int
 
 
 def _run_behind_a_busy_first_batch(vision: _FakeVision, worker: VisionWorker, cache: EmbeddingCache,
-                                   jobs: list[tuple[str, int]]) -> None:
-    """Hold the worker in a first one-image batch, queue jobs (key, priority) behind it, then let all
-    of them run and wait for each."""
+                                   jobs: list[tuple[str, int]], while_queued=None) -> None:
+    """Hold the worker in a first one-image batch, queue jobs (key, priority) behind it (and call
+    while_queued() then, if given), then let all of them run and wait for each."""
     futs = [_submit(cache, worker, "first", DEMAND)]
     while worker.queued():
         pass
     futs += [_submit(cache, worker, key, priority) for key, priority in jobs]
+    if while_queued is not None:
+        while_queued()
     vision.gate.set()
     for f in futs:
         f.result(10)
@@ -256,17 +258,15 @@ def test_the_gpu_fence_lets_a_full_batch_go_at_once():
     vision = _FakeVision()
     cache = EmbeddingCache(TensorArena(1 << 16))
     worker = VisionWorker(vision, cache, max_batch_images=4)
-    try:
-        futs = [_submit(cache, worker, "first", DEMAND)]  # holds the worker: the others stay queued
-        while worker.queued():
-            pass
-        futs += [_submit(cache, worker, f"d{i}", DEMAND) for i in range(4)]
-        stuck = _Event(polls=None)
+    stuck = _Event(polls=None)
+
+    def wait_with_a_full_batch_queued() -> None:
         worker._in_flight.extend([(stuck, 1000), (_Event(polls=None), 1)])  # a bound of 1.5 s
         worker._wait_for_device()  # returns at once: a full batch waits
+
+    try:
+        _run_behind_a_busy_first_batch(vision, worker, cache, [(f"d{i}", DEMAND) for i in range(4)],
+                                       wait_with_a_full_batch_queued)
         assert stuck.queries == 1
-        vision.gate.set()
-        for f in futs:
-            f.result(10)
     finally:
         worker.stop()
