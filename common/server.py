@@ -2,7 +2,7 @@
 
 It owns everything that is not the service itself: a `grpc.aio` server with message limits large
 enough for inline embeddings, the standard health service (NOT_SERVING until the service says it is
-warm), server reflection, an interceptor that logs each RPC and turns exceptions into statuses, a
+warm), server reflection, a wrapper on each handler that logs each RPC and turns exceptions into statuses, a
 Prometheus endpoint on its own port (off unless asked) and graceful shutdown on SIGTERM/SIGINT.
 With a ServerSecurity it also serves TLS (mutual TLS with a client CA) and authenticates every RPC but
 health (common/security/); reflection is then off unless asked for.
@@ -19,10 +19,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from common.errors import ServiceError
-from common.security.auth import AuthInterceptor
+from common.handler_wrapping import WrappingRegistrar, wrap_behavior
+from common.security.auth import AuthGuard
 from common.security.options import ServerSecurity
 from common.security.tls import is_loopback
 
@@ -35,40 +36,26 @@ def _short(method: str) -> str:
     return method.rsplit("/", 1)[-1]
 
 
-class _StatusInterceptor(grpc.aio.ServerInterceptor):
+class _StatusMapping:
     """Logs each RPC and maps exceptions to statuses: ServiceError keeps its code, anything else is
     INTERNAL with the exception's type and message (never a bare "Exception calling application")."""
 
     def __init__(self, service_name: str) -> None:
         self._service_name = service_name
-        # Wrapped once per handler object, not per call. The continuation still runs on every call, so
-        # interceptors after this one (authentication, say) see every call.
-        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        cached = self._wrapped.get(id(handler))
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(handler, _short(handler_call_details.method))
-        if len(self._wrapped) < 256:  # the services' handlers are fixed; a per-call handler is not kept
-            self._wrapped[id(handler)] = (handler, wrapped)
-        return wrapped
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """handler with its exceptions mapped to statuses (streaming-request RPCs, none in our protos,
+        as they are)."""
+        short = _short(method)
 
-    def _wrap(self, handler, method: str):
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        return handler  # streaming-request RPCs: none in our protos
+        def mapped(behavior, kind: str):
+            if kind == "unary_unary":
+                return self._wrap_unary(behavior, short)
+            if kind == "unary_stream":
+                return self._wrap_stream(behavior, short)
+            return behavior
+
+        return wrap_behavior(handler, mapped)
 
     async def _fail(self, context, method: str, exc: BaseException, started: float) -> None:
         if isinstance(exc, ServiceError):
@@ -143,20 +130,22 @@ class GrpcService:
         self.bound_port: int | None = None
         self.security = security or ServerSecurity()
         # Auth outermost: nothing runs for a caller it refuses. Without tokens it still keeps the
-        # tenant salt namespace closed.
-        interceptors = [AuthInterceptor(self.security.auth, name), _StatusInterceptor(name)]
+        # tenant salt namespace closed. Both wrap each handler once, as it is registered (no server
+        # interceptors: see common/handler_wrapping.py).
+        auth, statuses = AuthGuard(self.security.auth, name), _StatusMapping(name)
         self._service_names: list[str] = []
         self._stopping = asyncio.Event() if _has_loop() else None
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._server = grpc.aio.server(
-            interceptors=interceptors,
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),
             ],
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._registrar = WrappingRegistrar(
+            self._server, lambda method, handler: auth.wrap(method, statuses.wrap(method, handler)))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._registrar)
 
     @property
     def server(self) -> grpc.aio.Server:
@@ -165,14 +154,15 @@ class GrpcService:
     def add(self, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any,
             service_full_name: str) -> None:
         """Register a servicer (before start)."""
-        add_to_server(servicer, self._server)
+        add_to_server(servicer, self._registrar)
         self._service_names.append(service_full_name)
 
     async def start(self) -> int:
         """Bind and start serving RPCs; health reports NOT_SERVING until set_serving(True)."""
         if self.security.reflection:
             names = [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-            reflection.enable_server_reflection(names, self._server)
+            reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+                reflection.aio.ReflectionServicer(names), self._registrar)
         address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         if self.security.tls is not None:
             self.bound_port = self._server.add_secure_port(address, self.security.tls.credentials())

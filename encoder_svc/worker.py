@@ -31,7 +31,6 @@ replies and the cache admissions of the next images, for longer than the batch's
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import heapq
 import itertools
@@ -50,6 +49,7 @@ from common.vision.tower import VisionEncoder
 from encoder_svc.cache import EmbeddingCache, ShuttingDownError
 from encoder_svc.decode_pool import DecodedImage
 from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
+from encoder_svc.prep_threads import PrepTask, PrepThreads
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ FENCE_POLL_S = 0.001
 @dataclass
 class _Job:
     key: str
-    prepared: cf.Future  # VisionEncoder.prepare(image), running in the pool
+    prepared: PrepTask  # VisionEncoder.prepare(image), running on a prep thread
     priority: int
     stale: bool = False
 
@@ -87,12 +87,8 @@ class VisionWorker:
         threads = preprocess_threads or default_preprocess_threads()
         # One pool per priority: a demand image never queues behind a burst of prefetch images (both
         # share the cores; prefetch gets half the threads).
-        self._pools = {
-            DEMAND: cf.ThreadPoolExecutor(threads, thread_name_prefix="vision-prep",
-                                          initializer=set_native_thread_name, initargs=("vision-prep",)),
-            PREFETCH: cf.ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="vision-prep-lo",
-                                            initializer=set_native_thread_name, initargs=("vision-prep-lo",)),
-        }
+        self._pools = {DEMAND: PrepThreads(threads, "vision-prep"),
+                       PREFETCH: PrepThreads(max(1, threads // 2), "vision-prep-lo")}
         self._heap: list[tuple[int, int, _Job]] = []
         self._jobs: dict[str, _Job] = {}
         self._seq = itertools.count()
@@ -261,8 +257,7 @@ class VisionWorker:
             self._heap.clear()
             self._cv.notify_all()
         for job in jobs:
-            job.prepared.cancel()
             self.cache.fail(job.key, ShuttingDownError("encoder shutting down"))
         self._thread.join(timeout=30)
         for pool in self._pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown()

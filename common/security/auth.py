@@ -1,4 +1,4 @@
-"""Per-RPC authentication and tenant scoping, as a grpc.aio server interceptor.
+"""Per-RPC authentication and tenant scoping, wrapped around each RPC handler of a grpc.aio server.
 
 Every RPC except the health service must authenticate:
 - `authorization: Bearer <token>` metadata, looked up in the token file (tokens.py), or
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.handler_wrapping import wrap_behavior
 from common.pb import common_pb2
 from common.security.identity import (
     SERVICE,
@@ -123,37 +124,25 @@ def scope_request(request, identity: CallIdentity | None) -> None:
         request.accept.append(common_pb2.TRANSPORT_INLINE)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthGuard:
     """Authenticates each RPC (health excepted) and scopes its request messages; with policy None it
-    authenticates nobody and only keeps the tenant namespace closed (see scope_request)."""
+    authenticates nobody and only keeps the tenant namespace closed (see scope_request). `wrap` puts it
+    in front of a handler (at registration: common/handler_wrapping.py)."""
 
     def __init__(self, policy: AuthPolicy | None, service_name: str = "") -> None:
         self.policy = policy
         self._service_name = service_name
-        # Wrapped once per handler, not per call: the wrapper authenticates each call from its context.
-        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_SERVICES):
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """handler, authenticating and scoping each call first (health's handlers as they are)."""
+        if method.startswith(OPEN_SERVICES):
             return handler
-        cached = self._wrapped.get(id(handler))
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(handler, handler_call_details.method)
-        if len(self._wrapped) < 256:  # the services' handlers are fixed; a per-call handler is not kept
-            self._wrapped[id(handler)] = (handler, wrapped)
-        return wrapped
 
-    def _wrap(self, handler, method: str):
-        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
-                else "stream_unary" if handler.stream_unary else "stream_stream")
-        make = getattr(grpc, f"{kind}_rpc_method_handler")
-        behavior = getattr(handler, kind)
-        wrapped = (self._wrap_unary_response if kind.endswith("unary") else self._wrap_stream_response)(
-            behavior, method, kind.startswith("stream"))
-        return make(wrapped, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        def guarded(behavior, kind: str):
+            make = self._wrap_unary_response if kind.endswith("unary") else self._wrap_stream_response
+            return make(behavior, method, kind.startswith("stream"))
+
+        return wrap_behavior(handler, guarded)
 
     async def _admit(self, request_or_iterator, context, method: str, streaming_request: bool):
         """Authenticate, bind the identity to this task, scope the request(s); aborts on failure."""
