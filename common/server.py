@@ -2,8 +2,9 @@
 
 It owns everything that is not the service itself: a `grpc.aio` server with message limits large
 enough for inline embeddings, the standard health service (NOT_SERVING until the service says it is
-warm), server reflection, a wrapper on each handler that logs each RPC and turns exceptions into statuses, a
-Prometheus endpoint on its own port (off unless asked) and graceful shutdown on SIGTERM/SIGINT.
+warm), server reflection, a wrapper on each handler that logs each RPC and turns exceptions into
+statuses, a Prometheus endpoint on its own port (off unless asked) and graceful shutdown on
+SIGTERM/SIGINT. Handlers reach the server only through `add` (wrapped: authentication comes first).
 With a ServerSecurity it also serves TLS (mutual TLS with a client CA) and authenticates every RPC but
 health (common/security/); reflection is then off unless asked for.
 """
@@ -146,10 +147,6 @@ class GrpcService:
         self._registrar = WrappingRegistrar(
             self._server, lambda method, handler: auth.wrap(method, statuses.wrap(method, handler)))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._registrar)
-
-    @property
-    def server(self) -> grpc.aio.Server:
-        return self._server
 
     def add(self, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any,
             service_full_name: str) -> None:
