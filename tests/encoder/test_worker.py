@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -32,6 +34,18 @@ class _FakeVision:
         return [torch.full((4, 8), float(len(self.batches))) for _ in images]
 
 
+@contextlib.contextmanager
+def _running_worker(vision, arena_bytes: int = 1 << 16,
+                    **kwargs) -> Iterator[tuple[EmbeddingCache, VisionWorker]]:
+    """A cache and a worker over vision (VisionWorker's keyword arguments), stopped afterwards."""
+    cache = EmbeddingCache(TensorArena(arena_bytes))
+    worker = VisionWorker(vision, cache, **kwargs)
+    try:
+        yield cache, worker
+    finally:
+        worker.stop()
+
+
 def _submit(cache: EmbeddingCache, worker: VisionWorker, key: str, priority: int):
     fut, produce = cache.acquire(key, want_lease=False)
     if produce:
@@ -56,9 +70,7 @@ def _run_behind_a_busy_first_batch(vision: _FakeVision, worker: VisionWorker, ca
 
 def test_demand_before_prefetch_and_batches_of_one_priority():
     vision = _FakeVision()
-    cache = EmbeddingCache(TensorArena(1 << 16))
-    worker = VisionWorker(vision, cache, max_batch_images=3)
-    try:
+    with _running_worker(vision, max_batch_images=3) as (cache, worker):
         futs = [_submit(cache, worker, "first", DEMAND)]  # occupies the worker until the gate opens
         while worker.queued():
             pass
@@ -74,8 +86,6 @@ def test_demand_before_prefetch_and_batches_of_one_priority():
         assert vision.batches[2:] == [["p0", "p1", "p2"]]
         assert vision.graphed == [True, True, False], "CUDA graphs (one stream's) for demand batches only"
         assert worker.encodes == 7 and cache.stats().entries == 7
-    finally:
-        worker.stop()
 
 
 def test_a_failing_batch_fails_its_waiters_and_the_worker_lives_on():
@@ -87,9 +97,7 @@ def test_a_failing_batch_fails_its_waiters_and_the_worker_lives_on():
 
     vision = Broken()
     vision.gate.set()
-    cache = EmbeddingCache(TensorArena(1 << 16))
-    worker = VisionWorker(vision, cache)
-    try:
+    with _running_worker(vision) as (cache, worker):
         bad = _submit(cache, worker, "bad", DEMAND)
         try:
             bad.result(10)
@@ -97,20 +105,14 @@ def test_a_failing_batch_fails_its_waiters_and_the_worker_lives_on():
         except RuntimeError as exc:
             assert "tower exploded" in str(exc)
         assert _submit(cache, worker, "good", DEMAND).result(10).entry.key == "good"
-    finally:
-        worker.stop()
 
 
 def test_batches_follow_the_queue_up_to_max_batch_images():
     vision = _FakeVision()
-    cache = EmbeddingCache(TensorArena(1 << 16))
-    worker = VisionWorker(vision, cache, max_batch_images=4)
-    try:
+    with _running_worker(vision, max_batch_images=4) as (cache, worker):
         _run_behind_a_busy_first_batch(vision, worker, cache, [(f"d{i}", DEMAND) for i in range(6)])
         # one image alone while idle; then all that queued, capped at 4; then the rest
         assert vision.batches == [["first"], ["d0", "d1", "d2", "d3"], ["d4", "d5"]]
-    finally:
-        worker.stop()
 
 
 def test_a_demand_batch_is_cut_to_a_graph_size_rather_than_padded_by_more_than_a_quarter():
@@ -119,16 +121,12 @@ def test_a_demand_batch_is_cut_to_a_graph_size_rather_than_padded_by_more_than_a
     vision = _FakeVision()
     vision.graphs = GraphedForward.__new__(GraphedForward)  # its batch sizes only: nothing captured
     vision.graphs.buckets = [1, 2, 4, 8, 16, 32]
-    cache = EmbeddingCache(TensorArena(1 << 20))
-    worker = VisionWorker(vision, cache, max_batch_images=32)
-    try:
+    with _running_worker(vision, max_batch_images=32, arena_bytes=1 << 20) as (cache, worker):
         _run_behind_a_busy_first_batch(vision, worker, cache, [(f"d{i}", DEMAND) for i in range(19)]
                                        + [(f"p{i}", PREFETCH) for i in range(3)])  # prefetch: never cut
         # 19 waiting would run padded to 32: 16 run, then the 3 left (a graph of 4, one pad)
         assert [len(b) for b in vision.batches] == [1, 16, 3, 3]
         assert vision.batches[3] == ["p0", "p1", "p2"]
-    finally:
-        worker.stop()
 
 
 def test_graph_batch_size_wastes_at_most_a_quarter_of_a_graph_on_padding():
@@ -163,9 +161,7 @@ def test_preprocessing_is_off_the_tower_thread_and_overlaps_it():
     vision = _PrepVision()
     for key in ("first", "next"):
         vision.prepared[key] = threading.Event()
-    cache = EmbeddingCache(TensorArena(1 << 16))
-    worker = VisionWorker(vision, cache, preprocess_threads=2)
-    try:
+    with _running_worker(vision, preprocess_threads=2) as (cache, worker):
         first = _submit(cache, worker, "first", DEMAND)
         while worker.queued():  # the tower thread took "first" and is held in the tower by the gate
             pass
@@ -175,16 +171,12 @@ def test_preprocessing_is_off_the_tower_thread_and_overlaps_it():
         vision.gate.set()
         first.result(10), nxt.result(10)
         assert vision.threads and all(name.startswith("vision-prep") for name in vision.threads)
-    finally:
-        worker.stop()
 
 
 def test_a_bad_image_fails_alone_and_its_batch_runs():
     vision = _PrepVision()
     vision.gate.set()
-    cache = EmbeddingCache(TensorArena(1 << 16))
-    worker = VisionWorker(vision, cache)
-    try:
+    with _running_worker(vision) as (cache, worker):
         with worker.holding():
             bad = _submit(cache, worker, "bad", DEMAND)
             good = _submit(cache, worker, "good", DEMAND)
@@ -195,15 +187,11 @@ def test_a_bad_image_fails_alone_and_its_batch_runs():
         except ValueError as exc:
             assert "cannot preprocess" in str(exc)
         assert vision.batches == [["good"]]
-    finally:
-        worker.stop()
 
 
 def test_prefetch_batches_stay_small_so_demand_never_waits_long_behind_one():
     vision = _FakeVision()
-    cache = EmbeddingCache(TensorArena(1 << 20))
-    worker = VisionWorker(vision, cache, max_batch_images=32)
-    try:
+    with _running_worker(vision, max_batch_images=32, arena_bytes=1 << 20) as (cache, worker):
         futs = [_submit(cache, worker, "first", DEMAND)]
         while worker.queued():
             pass
@@ -213,8 +201,6 @@ def test_prefetch_batches_stay_small_so_demand_never_waits_long_behind_one():
         for f in futs:
             f.result(10)
         assert [len(b) for b in vision.batches] == [1, 12, MAX_PREFETCH_BATCH_IMAGES, 2]
-    finally:
-        worker.stop()
 
 
 class _Event:
@@ -234,9 +220,7 @@ def test_the_gpu_fence_waits_for_the_oldest_batch_but_never_past_its_bound():
 
     from encoder_svc import worker as worker_module
 
-    cache = EmbeddingCache(TensorArena(1 << 16))
-    worker = VisionWorker(_FakeVision(), cache, max_batch_images=4)
-    try:
+    with _running_worker(_FakeVision(), max_batch_images=4) as (cache, worker):
         finishes, newer = _Event(polls=3), _Event(polls=None)
         worker._in_flight.extend([(finishes, 2), (newer, 2)])
         worker._wait_for_device()
@@ -250,23 +234,17 @@ def test_the_gpu_fence_waits_for_the_oldest_batch_but_never_past_its_bound():
         assert waited >= 2 * worker_module.FENCE_S_PER_IMAGE  # `newer` (2 images) held it that long
         assert waited < 10 * 8 * worker_module.FENCE_S_PER_IMAGE + 1.0, "bounded, not until done"
         assert len(worker._in_flight) == 1
-    finally:
-        worker.stop()
 
 
 def test_the_gpu_fence_lets_a_full_batch_go_at_once():
     vision = _FakeVision()
-    cache = EmbeddingCache(TensorArena(1 << 16))
-    worker = VisionWorker(vision, cache, max_batch_images=4)
     stuck = _Event(polls=None)
 
     def wait_with_a_full_batch_queued() -> None:
         worker._in_flight.extend([(stuck, 1000), (_Event(polls=None), 1)])  # a bound of 1.5 s
         worker._wait_for_device()  # returns at once: a full batch waits
 
-    try:
+    with _running_worker(vision, max_batch_images=4) as (cache, worker):
         _run_behind_a_busy_first_batch(vision, worker, cache, [(f"d{i}", DEMAND) for i in range(4)],
                                        wait_with_a_full_batch_queued)
         assert stuck.queries == 1
-    finally:
-        worker.stop()
