@@ -90,10 +90,10 @@ def output_dir(text: str) -> str:
 
 def preset_name(text: str) -> str:
     """An argparse type: a model_maker preset name."""
-    from common.model_maker import PRESETS  # imports torch: only make-model parses this
+    from common.model_maker import preset_names  # imports torch: only make-model parses this
 
-    if text not in PRESETS:
-        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose one of {', '.join(PRESETS)}")
+    if text not in preset_names():
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose one of {', '.join(preset_names())}")
     return text
 
 

@@ -55,10 +55,10 @@ def ensure_model(model: str | None, preset: str = "tiny", revision: str | None =
     path = default_home() / "models" / preset
     if not (path / "mmserve_model.json").exists():
         # Checked only here: importing model_maker (torch) just to check a name would slow every start.
-        from common.model_maker import PRESETS, make_model
+        from common.model_maker import make_model, preset_names
 
-        if preset not in PRESETS:
-            raise UsageError(f"--preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        if preset not in preset_names():
+            raise UsageError(f"--preset: unknown preset {preset!r}; choose one of {', '.join(preset_names())}")
 
         print(f"making the {preset} model in {path} (first use only)", flush=True)
         make_model(preset, path, device="cpu")

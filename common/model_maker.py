@@ -174,6 +174,13 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def preset_names() -> list[str]:
+    """Every preset make_model knows: the LLaVA family's, then Qwen2.5-VL's."""
+    from common.model_maker_qwen import QWEN_PRESETS
+
+    return [*PRESETS, *QWEN_PRESETS]
+
+
 def _corpus(seed: int, n_lines: int) -> list[str]:
     """A deterministic synthetic corpus for training the tokenizer (no downloads)."""
     rng = random.Random(seed)
@@ -284,7 +291,7 @@ def _scale_init(model: torch.nn.Module, seed: int, gain: float) -> None:
             tmp.normal_(0.0, _TIED_EMBED_STD, generator=gen)
         elif param.dim() >= 2:
             fan_in = param.shape[1] if "embed" not in name else 1
-            if "patch_embedding" in name:
+            if "patch_embed" in name:  # conv patch embeddings: fan-in is one whole kernel
                 fan_in = param[0].numel()
             std = gain / fan_in**0.5
             if name.endswith(_RESIDUAL_OUTPUTS):
@@ -312,7 +319,8 @@ def make_model(
     gain: float = 1.4,
     progress: bool = True,
 ) -> Path:
-    """Write a random LLaVA checkpoint for `preset` into `out` and return its path.
+    """Write a random checkpoint (LLaVA family, or Qwen2.5-VL: common/model_maker_qwen.py) for `preset`
+    into `out` and return its path.
 
     device defaults to CUDA when there is one (the 7B preset initialises in seconds there, minutes
     on a CPU); dtype defaults to float32 for tiny/small and bfloat16 for the 7B shapes.
@@ -320,8 +328,12 @@ def make_model(
     from tqdm.auto import tqdm
     from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
+    from common.model_maker_qwen import QWEN_PRESETS, make_qwen_model
+
+    if preset in QWEN_PRESETS:
+        return make_qwen_model(preset, out, seed, device, dtype, gain, progress)
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(preset_names())}")
     spec = PRESETS[preset]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,10 @@
 """Prompt tokenization exactly as the checkpoint's Hugging Face processor does it.
 
-`processor(text=prompt, images=...)` replaces each `<image>` with N copies of the image token and
-tokenizes the result with the default special tokens. We do the same without decoding pixels: for the
-LLaVA family N does not depend on the image, and common.image_tokens derives it from the processor and
-vision configs (the encoder uses the same number), so the ids equal HF's; tests check it.
+`processor(text=prompt, images=...)` replaces each image token (`<image>`, Qwen's `<|image_pad|>`) with
+N copies and tokenizes the result with the default special tokens. We do the same without decoding
+pixels: for the LLaVA family N does not depend on the image, and common.image_tokens derives it from the
+processor and vision configs (the encoder uses the same number); for Qwen2.5-VL the caller passes each
+image's N, computed from its header (common.qwen_layout). The ids equal HF's; tests check it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from common.checkpoint import load_config
 from common.errors import InvalidInputError
 from common.image_tokens import ImageTokenLayout, load_image_token_layout
+from common.qwen_layout import QwenImageLayout, is_qwen_vl, load_qwen_layout
 
 # Roles the LLaVA chat template is written for. The template itself prints any other role verbatim
 # (`role.upper() + ': '`), so a client-chosen role could forge turns or template text in the prompt.
@@ -54,33 +56,49 @@ class PromptTokenizer:
     """Tokenizer + processor of one checkpoint, loaded offline from its directory."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        from transformers import AutoProcessor
+        from transformers import AutoProcessor, AutoTokenizer
 
-        self.processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        self.tokenizer = self.processor.tokenizer
         config = load_config(model_dir)
-        self.image_token: str = getattr(self.processor, "image_token", "<image>")
+        self.qwen_layout: QwenImageLayout | None = None
+        self.image_layout: ImageTokenLayout | None = None
+        if is_qwen_vl(config):
+            # The tokenizer carries the chat template; Qwen's full processor would also load a video
+            # processor (torchvision), which serving images does not need.
+            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            self.processor = self.tokenizer
+            self.qwen_layout = load_qwen_layout(model_dir)
+            self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
+        else:
+            self.processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+            self.tokenizer = self.processor.tokenizer
+            self.image_token = getattr(self.processor, "image_token", "<image>")
+            # Raises UnsupportedImageConfigError at start-up for a configuration we cannot serve.
+            self.image_layout = load_image_token_layout(model_dir)
         self.image_token_id: int = int(config.get("image_token_index", config.get("image_token_id", -1)))
         if self.image_token_id < 0:
             self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         self.mm_token_ids: frozenset[int] = frozenset({self.image_token_id})
-        # Raises UnsupportedImageConfigError at start-up for a configuration we cannot serve.
-        self.image_layout: ImageTokenLayout = load_image_token_layout(model_dir)
 
     def num_image_tokens(self, image_size: tuple[int, int] | None = None) -> int:
-        """Placeholder tokens for one image of (height, width); the LLaVA family ignores the size."""
+        """Placeholder tokens for one image of (height, width) of the LLaVA family (which ignores the
+        size). Qwen2.5-VL counts depend on the image: its callers pass image_token_counts."""
+        if self.image_layout is None:
+            raise PromptError("this model's image token count depends on the image: pass image_token_counts")
         return self.image_layout.num_image_tokens
 
     def encode_prompt(self, prompt: str, image_sizes: Sequence[tuple[int, int] | None] = (),
-                      add_special_tokens: bool = True) -> TokenizedPrompt:
-        """Tokenize a prompt whose `<image>` markers stand for the given images, in order."""
+                      add_special_tokens: bool = True,
+                      image_token_counts: Sequence[int] | None = None) -> TokenizedPrompt:
+        """Tokenize a prompt whose image markers stand for the given images, in order (one count per
+        image in image_token_counts, or image_sizes for the LLaVA family's fixed count)."""
         if not prompt:
             raise PromptError("empty prompt")
         pieces = prompt.split(self.image_token)
-        if len(pieces) - 1 != len(image_sizes):
+        counts = list(image_token_counts) if image_token_counts is not None else [
+            self.num_image_tokens(size) for size in image_sizes]
+        if len(pieces) - 1 != len(counts):
             raise PlaceholderMismatchError(
-                f"prompt has {len(pieces) - 1} {self.image_token} placeholders but {len(image_sizes)} images")
-        counts = [self.num_image_tokens(size) for size in image_sizes]
+                f"prompt has {len(pieces) - 1} {self.image_token} placeholders but {len(counts)} images")
         text = pieces[0]
         for count, piece in zip(counts, pieces[1:], strict=True):
             text += self.image_token * count + piece
@@ -88,7 +106,8 @@ class PromptTokenizer:
         return TokenizedPrompt(ids, self._placeholders(ids, counts), text)
 
     def encode_chat(self, messages: list[dict[str, Any]],
-                    image_sizes: Sequence[tuple[int, int] | None] = ()) -> TokenizedPrompt:
+                    image_sizes: Sequence[tuple[int, int] | None] = (),
+                    image_token_counts: Sequence[int] | None = None) -> TokenizedPrompt:
         """Render chat messages with the checkpoint's chat template, then tokenize like HF does.
 
         Image parts are `{"type": "image"}` entries in a message's content list, in order. Raises
@@ -102,7 +121,8 @@ class PromptTokenizer:
         # HF's tokenizing chat path skips special tokens when the template already wrote BOS.
         bos = self.tokenizer.bos_token
         add_special = not (bos and text.startswith(bos))
-        return self.encode_prompt(text, image_sizes, add_special_tokens=add_special)
+        return self.encode_prompt(text, image_sizes, add_special_tokens=add_special,
+                                  image_token_counts=image_token_counts)
 
     def _placeholders(self, ids: list[int], counts: list[int]) -> list[PlaceholderRange]:
         # Runs of image tokens, split into images of the expected lengths (adjacent images merge).

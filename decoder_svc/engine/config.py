@@ -38,6 +38,10 @@ class EngineConfig:
     attention_backend: str = option("auto", "kernels: auto takes Triton on CUDA and the torch reference "
                                     "elsewhere", choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "no CUDA graphs for decode steps")
+    max_image_tokens: int = option(
+        16384, "image tokens per image at most (Qwen2.5-VL: caps each image's max_pixels at this many "
+        "28x28 blocks)", type=positive_int)
+    max_image_tokens_per_request: int = option(32768, "image tokens per request at most", type=positive_int)
     image_limits: ImageLimits = field(default_factory=ImageLimits)  # bytes, side, pixels, images/request
     max_prompt_bytes: int = 1 << 20  # prompt text (or chat text parts), checked before tokenizing
     # False: outputs carry token ids and no text, except for requests with stop strings (stopping needs

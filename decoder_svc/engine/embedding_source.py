@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from common.qwen_layout import PixelRange
+
 
 class EmbeddingState(enum.Enum):
     """Where one (request, image) embedding stands. A source's `poll` answers with the first four; the
@@ -51,6 +53,7 @@ class EmbeddingRequest:
     image: bytes | Image.Image | None  # encoded file, decoded image, or None: the source knows the hash
     cache_salt: str = ""
     prefetch: bool = False
+    pixels: PixelRange | None = None  # Qwen2.5-VL: the pixel range to resize into (None: the model's)
 
 
 class EmbeddingSource(ABC):

@@ -99,11 +99,13 @@ class LLMEngine:
         messages: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None,
         cache_salt: str = "",
+        **image_kwargs: Any,
     ) -> Request:
         """Validate, tokenize and queue a request (engine thread): `self.inputs.make_request`, then
-        `add`. The service makes requests on its own threads and calls `add` only."""
+        `add`. The service makes requests on its own threads and calls `add` only. image_kwargs:
+        make_request's image_options and known_grids."""
         return self.add(self.inputs.make_request(request_id, prompt, images, messages=messages,
-                                                 sampling=sampling, cache_salt=cache_salt))
+                                                 sampling=sampling, cache_salt=cache_salt, **image_kwargs))
 
     def add(self, req: Request) -> Request:
         """Queue a request made by InputProcessor.make_request (engine thread). Raises
@@ -177,7 +179,8 @@ class LLMEngine:
             token_ids=req.token_ids(chunk.start, chunk.end), start=chunk.start,
             block_table=self.blocks.block_table(req), num_prompt_tokens=req.num_prompt_tokens,
             image_rows=self.scheduler.images.rows_for_chunk(req, chunk.start, chunk.end),
-            sampling=SamplingRow(req.request_id, req.sampling) if chunk.samples else None)
+            sampling=SamplingRow(req.request_id, req.sampling) if chunk.samples else None,
+            mrope_positions=req.mrope_positions, mrope_delta=req.mrope_delta)
 
     # -- introspection ---------------------------------------------------------------------------
     def reset_stats(self) -> None:

@@ -46,7 +46,8 @@ class ImageInputs:
         if img.state == EmbeddingState.PENDING and self.source.poll(rid, h) == EmbeddingState.UNKNOWN:
             img.state = EmbeddingState.UNKNOWN  # released earlier (the same hash done before): ask again
         if img.state in (EmbeddingState.UNKNOWN, EmbeddingState.DONE, EmbeddingState.SKIPPED):
-            self.source.request(EmbeddingRequest(rid, h, img.image, req.cache_salt, prefetch=False))
+            self.source.request(EmbeddingRequest(rid, h, img.image, req.cache_salt, prefetch=False,
+                                                 pixels=img.pixels))
             img.state = EmbeddingState.PENDING
         if img.state == EmbeddingState.PENDING:
             status = self.source.poll(rid, h)
@@ -83,7 +84,7 @@ class ImageInputs:
             for img in req.images:
                 if img.state == EmbeddingState.UNKNOWN and img.end > hit:
                     asks.append(EmbeddingRequest(req.request_id, img.content_hash, img.image, req.cache_salt,
-                                                 prefetch=True))
+                                                 prefetch=True, pixels=img.pixels))
                     img.state = EmbeddingState.PENDING
         if asks:
             self.source.lookahead(asks)

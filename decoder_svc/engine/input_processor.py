@@ -8,8 +8,10 @@ capacity), so the service runs it on any thread, or in another process than the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from PIL import Image
@@ -17,6 +19,7 @@ from PIL import Image
 from common.checkpoint import model_fingerprint
 from common.hashing import hash_image, is_content_hash
 from common.images import decode_image, probe_image_size
+from common.qwen_layout import Grid, ImageGeometryError, PixelRange, QwenImageLayout, mrope_positions
 from decoder_svc.engine.request import ImagePlaceholder, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
 from decoder_svc.model import generation_eos_ids
@@ -30,6 +33,16 @@ if TYPE_CHECKING:
 MAX_SALT_BYTES = 256  # cache_salt: a tenant key, not a payload
 
 ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
+MAX_REMEMBERED_GRIDS = 65536  # (salt, content hash) -> grid of Qwen images seen, for hash-only requests
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    """Per-image processor settings a request may give (vLLM's mm_processor_kwargs): a Qwen2.5-VL image
+    is resized into [min_pixels, max_pixels], within the server's range; 0 keeps the model's value."""
+
+    min_pixels: int = 0
+    max_pixels: int = 0
 
 
 @dataclass
@@ -42,6 +55,13 @@ class InputProcessor:
     fingerprint: str
     eos_token_ids: frozenset[int]
     kv_capacity_tokens: int  # blocks x block size: no request may need more
+    _grids: OrderedDict[tuple[str, str], Grid] = field(default_factory=OrderedDict, repr=False)
+    _grids_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # any thread makes requests
+
+    @property
+    def qwen(self) -> QwenImageLayout | None:
+        """The Qwen2.5-VL image layout, or None for the LLaVA family's fixed-size images."""
+        return self.tokenizer.qwen_layout
 
     @classmethod
     def for_model(cls, config: EngineConfig, kv_capacity_tokens: int) -> InputProcessor:
@@ -59,6 +79,8 @@ class InputProcessor:
         messages: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None,
         cache_salt: str = "",
+        image_options: Sequence[ImageOptions] | None = None,
+        known_grids: Mapping[str, Grid] | None = None,
     ) -> Request:
         """Validate, decode and hash images, tokenize: everything but queueing. It reads engine state
         that never changes, so a server runs it off the engine thread and a large image's decoding
@@ -74,26 +96,99 @@ class InputProcessor:
         sampling.validate(self.model_config.vocab_size)
         self._check_sizes(prompt, messages, images, cache_salt)
         sizes = [self._image_size(i, img) for i, img in enumerate(images)]  # headers only
+        ranges: list[PixelRange | None] = [None] * len(images)
+        grids: list[Grid | None] = [None] * len(images)
+        counts = None
+        if self.qwen is not None:
+            ranges = self._pixel_ranges(len(images), image_options)
+            grids = [self._grid(i, img, size, pixels, cache_salt, known_grids)
+                     for i, (img, size, pixels) in enumerate(zip(images, sizes, ranges, strict=True))]
+            counts = self._check_image_tokens([self.qwen.num_tokens(g) for g in grids])
         if messages is not None:
-            tokenized = self.tokenizer.encode_chat(messages, sizes)
+            tokenized = self.tokenizer.encode_chat(messages, sizes, image_token_counts=counts)
         elif prompt:
-            tokenized = self.tokenizer.encode_prompt(prompt, sizes)
+            tokenized = self.tokenizer.encode_prompt(prompt, sizes, image_token_counts=counts)
         else:
             raise InvalidRequestError("empty input: give a prompt or chat messages")
         max_tokens = sampling.max_tokens or self.config.default_max_tokens
         self._check_length(tokenized, max_tokens)
         decoded = [self._open_image(i, img) for i, img in enumerate(images)]
-        placeholders = [
-            ImagePlaceholder(
+        placeholders = []
+        for ph, src, img, grid, pixels in zip(tokenized.placeholders, images, decoded, grids, ranges,
+                                              strict=True):
+            key = src if isinstance(src, str) else hash_image(img, self._hash_fingerprint(pixels), cache_salt)
+            placeholders.append(ImagePlaceholder(
                 offset=ph.offset, length=ph.length, image=src if not isinstance(src, str) else None,
-                content_hash=src if isinstance(src, str) else hash_image(img, self.fingerprint, cache_salt))
-            for ph, src, img in zip(tokenized.placeholders, images, decoded, strict=True)
-        ]
-        return Request(
+                content_hash=key, grid=grid, pixels=pixels))
+            if grid is not None:
+                self._remember_grid(cache_salt, key, grid)
+        req = Request(
             request_id=request_id, prompt_token_ids=tokenized.token_ids, sampling=sampling,
             max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, images=placeholders,
             cache_salt=cache_salt,
         )
+        if self.qwen is not None:
+            req.mrope_positions, req.mrope_delta = mrope_positions(
+                len(req.prompt_token_ids), [(p.offset, p.grid) for p in placeholders], self.qwen.merge_size)
+        return req
+
+    # -- Qwen2.5-VL images -----------------------------------------------------------------------
+    def _hash_fingerprint(self, pixels: PixelRange | None) -> str:
+        """The model fingerprint an image is hashed under: with its pixel range for Qwen2.5-VL (the same
+        bytes resized two ways are two embeddings; the encoder hashes the same way)."""
+        return self.fingerprint if pixels is None else f"{self.fingerprint}|{pixels.key()}"
+
+    def _pixel_ranges(self, count: int, options: Sequence[ImageOptions] | None) -> list[PixelRange]:
+        options = list(options or [])
+        if len(options) > count:
+            raise InvalidRequestError(f"{len(options)} image options for {count} images")
+        options += [ImageOptions()] * (count - len(options))
+        cap = self.config.max_image_tokens * self.qwen.factor * self.qwen.factor
+        out = []
+        for i, opt in enumerate(options):
+            try:
+                out.append(self.qwen.pixel_range(opt.min_pixels, opt.max_pixels, cap))
+            except ImageGeometryError as exc:
+                raise InvalidRequestError(f"image {i}: {exc}") from None
+        return out
+
+    def _grid(self, index: int, image: ImageLike, size: tuple[int, int] | None, pixels: PixelRange,
+              salt: str, known: Mapping[str, Grid] | None) -> Grid:
+        if size is not None:
+            try:
+                return self.qwen.grid(size[0], size[1], pixels)
+            except ImageGeometryError as exc:
+                raise InvalidRequestError(f"image {index}: {exc}") from None
+        grid = (known or {}).get(image) or self.known_grid(salt, image)
+        if grid is None:
+            raise InvalidRequestError(f"image {index}: the grid of content hash {image} is unknown here; "
+                                      "send the image bytes instead")
+        try:
+            return self.qwen.check_grid(grid)
+        except ImageGeometryError as exc:
+            raise InvalidRequestError(f"image {index}: {exc}") from None
+
+    def _check_image_tokens(self, counts: list[int]) -> list[int]:
+        cfg = self.config
+        for i, n in enumerate(counts):
+            if n > cfg.max_image_tokens:
+                raise InvalidRequestError(f"image {i}: {n} image tokens; at most {cfg.max_image_tokens} per image")
+        if sum(counts) > cfg.max_image_tokens_per_request:
+            raise InvalidRequestError(f"{sum(counts)} image tokens; at most "
+                                      f"{cfg.max_image_tokens_per_request} per request")
+        return counts
+
+    def _remember_grid(self, salt: str, content_hash: str, grid: Grid) -> None:
+        with self._grids_lock:
+            self._grids[(salt, content_hash)] = grid
+            self._grids.move_to_end((salt, content_hash))
+            while len(self._grids) > MAX_REMEMBERED_GRIDS:
+                self._grids.popitem(last=False)
+
+    def known_grid(self, salt: str, content_hash: str) -> Grid | None:
+        """The grid of a Qwen image this processor has hashed under salt, if it remembers one."""
+        with self._grids_lock:
+            return self._grids.get((salt, content_hash))
 
     def _check_sizes(self, prompt: str | None, messages: list[dict[str, Any]] | None,
                      images: Sequence[ImageLike], cache_salt: str) -> None:

@@ -1,7 +1,7 @@
-"""An in-process embedding source: the checkpoint's CLIP vision tower + projector, run synchronously.
+"""An in-process embedding source: the checkpoint's vision tower (+ projector), run synchronously.
 
-It runs the encoder service's own VisionEncoder (which reproduces
-`LlavaForConditionalGeneration.get_image_features`) in-process, so the engine can be tested alone
+It runs the encoder service's own vision encoder (which reproduces `get_image_features` of
+LlavaForConditionalGeneration or Qwen2_5_VLForConditionalGeneration) in-process, so the engine can be tested alone
 against HF. It keeps a small LRU of embeddings by content hash so that repeated images count as
 encoder-cache hits. Like the encoder service, an entry answers a hash-only ask only under the cache_salt
 it was made with; under any other salt the image is "not found".
@@ -17,7 +17,7 @@ import torch
 
 from common.checkpoint import parse_dtype
 from common.images import decode_image
-from common.vision.tower import VisionEncoder
+from common.vision.qwen_encoder import QwenVisionEncoder, make_vision_encoder
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class LocalEmbeddingSource(EmbeddingSource):
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, cache_entries: int = 256) -> None:
         # The HF image processor, always: this source is what the engine's HF-parity tests run against.
-        self.encoder = VisionEncoder(model_dir, device, dtype, preprocess="hf")
+        self.encoder = make_vision_encoder(model_dir, device, dtype, preprocess="hf")
         self.cache_entries = cache_entries
         self._cache: OrderedDict[str, tuple[str, torch.Tensor]] = OrderedDict()  # hash -> (salt, rows)
         self._leases: dict[tuple[str, str], tuple[EmbeddingState, bool, str]] = {}
@@ -59,7 +59,10 @@ class LocalEmbeddingSource(EmbeddingSource):
             return
         try:
             image = decode_image(req.image) if isinstance(req.image, bytes) else req.image.convert("RGB")
-            emb = self.encoder.encode([image])[0]
+            if isinstance(self.encoder, QwenVisionEncoder):
+                emb = self.encoder.encode([image], [req.pixels])[0]
+            else:
+                emb = self.encoder.encode([image])[0]
         except Exception as exc:  # noqa: BLE001 - any failure fails this image, not the engine
             self._leases[key] = (EmbeddingState.FAILED, False, f"{type(exc).__name__}: {exc}")
             return

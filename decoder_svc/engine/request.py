@@ -8,6 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from common.qwen_layout import Grid, PixelRange
 from decoder_svc.engine.embedding_source import EmbeddingState
 from decoder_svc.engine.sampling_params import SamplingParams
 
@@ -44,6 +47,8 @@ class ImagePlaceholder:
     state: EmbeddingState = EmbeddingState.UNKNOWN
     encoder_cache_hit: bool = False
     skipped_by_kv_reuse: bool = False
+    grid: Grid | None = None  # (t, h, w) patches of a Qwen2.5-VL image; None for fixed-size LLaVA images
+    pixels: PixelRange | None = None  # the pixel range it is resized into (part of its content hash)
 
     @property
     def end(self) -> int:
@@ -71,6 +76,10 @@ class Request:
     error: str | None = None
     error_code: str | None = None  # the gRPC status name `error` calls for (e.g. UNAVAILABLE); None: INTERNAL
     num_preemptions: int = 0
+    # M-RoPE (Qwen2.5-VL): prompt positions [3, num_prompt_tokens], computed once at admission, and the
+    # offset of later tokens' positions from their index. None: 1D positions.
+    mrope_positions: np.ndarray | None = None
+    mrope_delta: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

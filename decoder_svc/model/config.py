@@ -7,7 +7,8 @@ from typing import Any
 
 from common.checkpoint import CheckpointError
 
-_SUPPORTED = {"llama", "mistral", "qwen2"}
+_SUPPORTED = {"llama", "mistral", "qwen2", "qwen2_5_vl_text", "qwen2_5_vl"}
+_QWEN2_LIKE = {"qwen2", "qwen2_5_vl_text", "qwen2_5_vl"}  # q/k/v biases, no o bias, an unused window
 _ROPE_TYPES = {"default", "linear", "llama3"}
 
 
@@ -32,6 +33,8 @@ class TextModelConfig:
     tie_word_embeddings: bool = False
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     sliding_window: int | None = None
+    # M-RoPE (Qwen2.5-VL): frequencies per (temporal, height, width) axis; empty for 1D rotary.
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def rope_type(self) -> str:
@@ -59,13 +62,19 @@ class TextModelConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.pop("type", None) or rope.get("rope_type", "default")  # older configs say "type"
+        mrope_section = tuple(int(x) for x in rope.pop("mrope_section", ()) or ())
+        if rope_type == "mrope":  # Qwen2.5-VL checkpoints' name for default frequencies over 3 axes
+            rope_type = "default"
+        if mrope_section and (len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2):
+            raise CheckpointError(f"mrope_section {list(mrope_section)} must be 3 sections summing to "
+                                  f"head_dim / 2 = {head_dim // 2}")
         rope["rope_type"] = rope_type
         if rope_type not in _ROPE_TYPES:
             raise CheckpointError(f"unsupported rope type {rope_type!r}; supported: {sorted(_ROPE_TYPES)}")
         if cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise CheckpointError("partial rotary embeddings are not supported")
         attention_bias = bool(cfg.get("attention_bias", False))
-        qwen2 = model_type == "qwen2"
+        qwen2 = model_type in _QWEN2_LIKE
         sliding = cfg.get("sliding_window")
         if qwen2 and not cfg.get("use_sliding_window", False):
             sliding = None  # Qwen2 configs carry a window they do not use
@@ -88,4 +97,5 @@ class TextModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=rope if rope_type != "default" else {},
             sliding_window=sliding,
+            mrope_section=mrope_section,
         )

@@ -89,6 +89,14 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def mrope_axes(cfg: TextModelConfig) -> torch.Tensor:
+    """[1, 1, head_dim] int64: the M-RoPE axis (0 t, 1 h, 2 w) of each cos/sin column; the cos and sin
+    halves repeat the sections (HF's mrope_section over cat(freqs, freqs)). Zeros for 1D rotary."""
+    half = cfg.head_dim // 2
+    axes = [a for a, n in enumerate(cfg.mrope_section) for _ in range(n)] or [0] * half
+    return torch.tensor(axes + axes, dtype=torch.int64).view(1, 1, -1)
+
+
 class LlamaForCausalLM(nn.Module):
     """The language model. forward takes all scheduled tokens of a batch as one flat sequence."""
 
@@ -103,6 +111,13 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("cos_sin", self.rotary_table(cfg), persistent=False)
+        # M-RoPE: which of the three position rows (t, h, w) each column of a cos/sin row reads.
+        self.register_buffer("mrope_axis", mrope_axes(cfg), persistent=False)
+
+    @property
+    def uses_mrope(self) -> bool:
+        """True when positions are [3, tokens] (Qwen2.5-VL) rather than [tokens]."""
+        return bool(self.config.mrope_section)
 
     def rotary_table(self, cfg: TextModelConfig) -> torch.Tensor:
         """fp32 [max_position, head_dim]: cos then sin of every position's angles (indexed, no host work)."""
@@ -121,11 +136,18 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run every layer over the flat batch; return fp32 logits only for rows logits_indices."""
+        """Run every layer over the flat batch; return fp32 logits only for rows logits_indices.
+        positions: [tokens], or [3, tokens] for M-RoPE."""
         x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
+        cos_sin = self.cos_sin
+        if self.uses_mrope:
+            # Each token's cos/sin row, its columns taken from the rows of its t, h or w position; the
+            # rotary kernels then read row i for token i.
+            cos_sin = self.cos_sin[positions].gather(0, self.mrope_axis.expand(1, positions.shape[1], -1))[0]
+            positions = torch.arange(positions.shape[1], device=positions.device)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.cos_sin, kv_cache, meta, self.backend)
+            x, residual = layer(x, residual, positions, cos_sin, kv_cache, meta, self.backend)
         # Norm and lm_head only on the rows we sample from: the rest are partial prefill chunks.
         x, _ = self.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()

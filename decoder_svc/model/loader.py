@@ -1,4 +1,4 @@
-"""Load only the language-model tensors of a LLaVA checkpoint into our LlamaForCausalLM."""
+"""Load only the language-model tensors of a LLaVA or Qwen2.5-VL checkpoint into our LlamaForCausalLM."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from common.checkpoint import load_config, load_tensors
 from decoder_svc.model.backends import make_kernels
 from decoder_svc.model.config import TextModelConfig
-from decoder_svc.model.llama import LlamaForCausalLM
+from decoder_svc.model.llama import LlamaForCausalLM, mrope_axes
 
 # (checkpoint prefix, our prefix), most specific first. Both LLaVA layouts: the classic one written by
 # LlavaForConditionalGeneration.save_pretrained of older versions and by our maker, and the newer one.
@@ -19,6 +19,10 @@ _KEY_MAP = (
     ("language_model.lm_head.", "lm_head."),
     ("model.language_model.", ""),
     ("lm_head.", "lm_head."),
+    # Qwen2.5-VL as published (and as transformers saves it): the language model at the top level.
+    ("model.layers.", "layers."),
+    ("model.embed_tokens.", "embed_tokens."),
+    ("model.norm.", "norm."),
 )
 
 # Checkpoint module -> (our fused module, shard index): shards are concatenated along the output rows.
@@ -96,6 +100,7 @@ def load_language_model(
         model = LlamaForCausalLM(cfg, backend, ops)
     model = model.to_empty(device=device).to(dtype)
     model.cos_sin = model.rotary_table(cfg).to(device)  # fp32, not in the checkpoint
+    model.mrope_axis = mrope_axes(cfg).to(device)
     if tie:
         model.lm_head.weight = model.embed_tokens.weight
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from decoder_svc.runner.sampler import SamplerOutput, SamplingRow
@@ -23,6 +24,10 @@ class SequenceInput:
     num_prompt_tokens: int  # image slots exist only below this position (generated ids are always text)
     image_rows: list[torch.Tensor] = field(default_factory=list)  # rows of the chunk's image tokens, in order
     sampling: SamplingRow | None = None  # None: a prefill chunk short of the last token (no logits)
+    # M-RoPE: the request's prompt positions [3, num_prompt_tokens] (shared, not copied) and the offset
+    # of generated tokens' positions from their index. None: 1D positions (the token's index).
+    mrope_positions: np.ndarray | None = None
+    mrope_delta: int = 0
 
     @property
     def num_tokens(self) -> int:

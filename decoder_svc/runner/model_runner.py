@@ -22,7 +22,7 @@ from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
 from decoder_svc.model.attention import AttentionMetadata
 from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs
 from decoder_svc.runner.fusion import fuse_image_rows, image_slots
-from decoder_svc.runner.inputs import ModelInput, ModelOutput
+from decoder_svc.runner.inputs import ModelInput, ModelOutput, SequenceInput
 from decoder_svc.runner.sampler import Sampler, SamplerOutput
 
 log = logging.getLogger("mmserve.decoder.runner")
@@ -48,9 +48,10 @@ class StepBuffers:
     the input embeddings (device only) that CUDA graphs read."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, position_rows: int = 1) -> None:
         pin = device.type == "cuda"
-        shapes = {"input_ids": ((max_tokens,), torch.int64), "positions": ((max_tokens,), torch.int64),
+        positions = (position_rows, max_tokens) if position_rows > 1 else (max_tokens,)
+        shapes = {"input_ids": ((max_tokens,), torch.int64), "positions": (positions, torch.int64),
                   "slot_mapping": ((max_tokens,), torch.int64),
                   "query_start_loc": ((max_seqs + 1,), torch.int32), "seq_lens": ((max_seqs,), torch.int32),
                   "block_tables": ((max_seqs, max_blocks), torch.int32),
@@ -64,7 +65,10 @@ class StepBuffers:
     def upload(self, counts: dict[str, int]) -> None:
         """Copy the first counts[name] rows of each host buffer to the device, asynchronously."""
         for name, n in counts.items():
-            self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
+            if name == "positions":  # [tokens] or, for M-RoPE, [3, tokens]
+                self.dev[name][..., :n].copy_(self.host[name][..., :n], non_blocking=True)
+            else:
+                self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
 
 
 @dataclass
@@ -98,8 +102,9 @@ class ModelRunner:
         graph_rows = self.graphs.max_tokens if self.graphs is not None else 0
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs, graph_rows)
         hidden = self.model_config.hidden_size if graph_rows else 0  # the graphs' input embeddings
+        self.mrope = model.uses_mrope
         self.buffers = StepBuffers(max_tokens, max(config.max_num_seqs, graph_rows), self.max_blocks_per_seq,
-                                   hidden, config.dtype, self.device)
+                                   hidden, config.dtype, self.device, position_rows=3 if self.mrope else 1)
         self.sampler = Sampler(self.device)
         self.kv_spec: KVCacheSpec | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -154,7 +159,8 @@ class ModelRunner:
         meta = AttentionMetadata.build([-1] * n, [n], [n], [[0] * -(-n // bs)], bs, self.device)
         rows = torch.arange(n - min(n, self.config.max_num_seqs), n, device=self.device)
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.model(torch.arange(n, device=self.device), meta, scratch, rows, input_ids=ids)
+        positions = torch.arange(n, device=self.device)
+        self.model(positions.expand(3, n) if self.mrope else positions, meta, scratch, rows, input_ids=ids)
         torch.cuda.synchronize(self.device)
         del scratch
         torch.cuda.empty_cache()
@@ -170,7 +176,7 @@ class ModelRunner:
         meta = AttentionMetadata(d["slot_mapping"][:n_tok], d["query_start_loc"][:n_seq + 1],
                                  d["seq_lens"][:n_seq], d["block_tables"][:n_seq], self.config.block_size,
                                  max_query_len=1 if key.decode else n_tok)
-        return self.model(d["positions"][:n_tok], meta, self.kv_caches, d["logits_indices"][:n_logits],
+        return self.model(d["positions"][..., :n_tok], meta, self.kv_caches, d["logits_indices"][:n_logits],
                           inputs_embeds=self.buffers.embeds[:n_tok])
 
     # -- the step ----------------------------------------------------------------------------------
@@ -224,11 +230,14 @@ class ModelRunner:
             ids[t:t + n] = seq.token_ids
             if n == 1:  # decode: skip numpy's per-call overhead
                 p = seq.start
-                pos[t], slots[t] = p, table[p // bs] * bs + p % bs
+                slots[t] = table[p // bs] * bs + p % bs
             else:
                 p = np.arange(seq.start, seq.end)
-                pos[t:t + n] = p
                 slots[t:t + n] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
+            if self.mrope:
+                self._mrope_positions(pos[:, t:t + n], seq)
+            else:
+                pos[t:t + n] = p
             tables[i, :len(table)] = table
             lens[i] = seq.end
             if seq.image_rows:
@@ -242,7 +251,7 @@ class ModelRunner:
         num_seqs = len(batch.sequences)
         if key is not None:
             pad = key.num_tokens - t
-            ids[t:t + pad], pos[t:t + pad], slots[t:t + pad] = 0, 0, -1
+            ids[t:t + pad], pos[..., t:t + pad], slots[t:t + pad] = 0, 0, -1
             starts[num_seqs + 1:num_seqs + pad + 1] = np.arange(t + 1, t + pad + 1)
             starts[num_seqs + pad + 1:key.num_seqs + 1] = key.num_tokens
             lens[num_seqs:key.num_seqs] = 0
@@ -262,5 +271,17 @@ class ModelRunner:
             d["block_tables"][:num_seqs], bs, max_query_len=max_q,
             query_start_loc_cpu=host["query_start_loc"][:num_seqs + 1],
             seq_lens_cpu=host["seq_lens"][:num_seqs])
-        return PreparedStep(t, d["input_ids"][:t], d["positions"][:t], meta, d["logits_indices"][:n_logits],
+        return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta, d["logits_indices"][:n_logits],
                             slots_dev)
+
+    @staticmethod
+    def _mrope_positions(out: np.ndarray, seq: SequenceInput) -> None:
+        """Fill out [3, n] with the M-RoPE positions of seq's tokens: the request's own below its prompt's
+        end, index + delta after it (generated tokens, or a request without images)."""
+        start, end, prompt = seq.start, seq.end, seq.num_prompt_tokens
+        known = seq.mrope_positions
+        split = max(start, min(end, prompt)) if known is not None else start
+        if split > start:
+            out[:, :split - start] = known[:, start:split]
+        if end > split:
+            out[:, split - start:] = np.arange(split, end) + seq.mrope_delta

@@ -1,0 +1,174 @@
+"""Qwen2.5-VL's image geometry: an image's patch grid from its size, its token count, and M-RoPE positions.
+
+Both services use this. The decoder counts an image's placeholder tokens from its header (width,
+height) without decoding pixels; the encoder resizes to the same grid. As in Hugging Face's
+Qwen2-VL image processor, an image is resized to multiples of patch x merge (28 px) with its pixel
+count inside [min_pixels, max_pixels] (`smart_resize`), cut into 14-px patches (grid h x w, t = 1 for
+an image) and merged 2x2, so it takes h * w / 4 tokens.
+
+M-RoPE (the language model's positions): a text token has the same position on all three axes (t, h,
+w), counting on from the previous token; an image's tokens take (start, start + row, start + column)
+over its merged grid, and the text after it continues from the largest position + 1. A request's
+positions are computed once, at admission; generated tokens take `index + delta`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.checkpoint import CheckpointError, load_config
+from common.errors import InvalidInputError
+
+QWEN_MODEL_TYPES = ("qwen2_5_vl",)
+MAX_ASPECT_RATIO = 200  # HF's smart_resize refuses longer/shorter > 200
+
+
+class ImageGeometryError(InvalidInputError):
+    """An image whose size (or requested pixel range) the model cannot take."""
+
+
+Grid = tuple[int, int, int]  # (t, h, w) in patches, before merging
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) the image is resized to: multiples of factor, pixels within [min, max], the aspect
+    ratio kept as closely as possible (Hugging Face's qwen2_vl smart_resize, the same rounding)."""
+    if min(height, width) < 1:
+        raise ImageGeometryError(f"image of {width}x{height} pixels")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ImageGeometryError(
+            f"image of {width}x{height} pixels: the aspect ratio must be at most {MAX_ASPECT_RATIO}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class PixelRange:
+    """The pixel-count range one image is resized into (min_pixels, max_pixels)."""
+
+    min_pixels: int
+    max_pixels: int
+
+    def key(self) -> str:
+        """Part of the content hash: the same bytes at two ranges are two cache entries."""
+        return f"pixels={self.min_pixels}-{self.max_pixels}"
+
+
+@dataclass(frozen=True)
+class QwenImageLayout:
+    """The image side of a Qwen2.5-VL checkpoint, as far as grids, token counts and positions go."""
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    min_pixels: int  # the checkpoint's defaults
+    max_pixels: int
+    image_token_id: int
+    vision_start_token_id: int
+
+    @property
+    def factor(self) -> int:
+        """Sides are resized to multiples of this many pixels."""
+        return self.patch_size * self.merge_size
+
+    def pixel_range(self, min_pixels: int = 0, max_pixels: int = 0, cap: int | None = None) -> PixelRange:
+        """The range for one image: a request may raise min_pixels and lower max_pixels (0: the
+        checkpoint's), within the checkpoint's range and the server's cap on max_pixels."""
+        top = self.max_pixels if cap is None else min(self.max_pixels, cap)
+        lo = min_pixels or self.min_pixels
+        hi = max_pixels or top
+        if lo < self.min_pixels:
+            raise ImageGeometryError(f"min_pixels {lo} is below the model's {self.min_pixels}")
+        if hi > top:
+            raise ImageGeometryError(f"max_pixels {hi} is above the server's limit of {top}")
+        if lo > hi:
+            raise ImageGeometryError(f"min_pixels {lo} is above max_pixels {hi}")
+        if hi < self.factor * self.factor:
+            raise ImageGeometryError(f"max_pixels {hi} is below one {self.factor}x{self.factor} block")
+        return PixelRange(lo, hi)
+
+    def grid(self, height: int, width: int, pixels: PixelRange) -> Grid:
+        """(t, h, w) patch grid of an image of height x width pixels."""
+        h, w = smart_resize(height, width, self.factor, pixels.min_pixels, pixels.max_pixels)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def num_tokens(self, grid: Sequence[int]) -> int:
+        """Placeholder tokens (= embedding rows) of an image of this grid."""
+        t, h, w = (int(x) for x in grid)
+        return t * h * w // (self.merge_size * self.merge_size)
+
+    def check_grid(self, grid: Sequence[int]) -> Grid:
+        """A grid reported for a hash-only image, checked (t, h, w all positive, h and w merge-aligned)."""
+        if len(grid) != 3 or min(grid) < 1 or grid[1] % self.merge_size or grid[2] % self.merge_size:
+            raise ImageGeometryError(f"grid {list(grid)} is not a (t, h, w) grid this model can take")
+        return int(grid[0]), int(grid[1]), int(grid[2])
+
+
+def mrope_positions(num_tokens: int, images: Sequence[tuple[int, Grid]], merge_size: int
+                    ) -> tuple[np.ndarray, int]:
+    """M-RoPE positions [3, num_tokens] (int64) of a prompt whose images are (offset, grid) spans in
+    token order, and the delta that generated tokens add to their index (as HF's get_rope_index)."""
+    out = np.empty((3, num_tokens), dtype=np.int64)
+    cursor, next_pos = 0, 0
+    for offset, (t, h, w) in sorted(images):
+        text = offset - cursor
+        out[:, cursor:offset] = np.arange(next_pos, next_pos + text)
+        next_pos += text
+        gh, gw = h // merge_size, w // merge_size
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        n = t * gh * gw
+        out[0, offset:offset + n] = tt.reshape(-1) + next_pos
+        out[1, offset:offset + n] = hh.reshape(-1) + next_pos
+        out[2, offset:offset + n] = ww.reshape(-1) + next_pos
+        next_pos += max(gh, gw) if n else 0
+        cursor = offset + n
+    out[:, cursor:] = np.arange(next_pos, next_pos + num_tokens - cursor)
+    top = int(out.max()) if num_tokens else -1
+    return out, top + 1 - num_tokens
+
+
+def is_qwen_vl(config: dict[str, Any]) -> bool:
+    """True for a Qwen2.5-VL checkpoint's config.json."""
+    return config.get("model_type") in QWEN_MODEL_TYPES
+
+
+def load_qwen_layout(model_dir: str | Path) -> QwenImageLayout:
+    """The layout from config.json and preprocessor_config.json; CheckpointError when it cannot be served."""
+    import json
+
+    config = load_config(model_dir)
+    if not is_qwen_vl(config):
+        raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen2.5-VL checkpoint")
+    vision = config.get("vision_config") or {}
+    path = Path(model_dir) / "preprocessor_config.json"
+    proc = json.loads(path.read_text()) if path.is_file() else {}
+    size = proc.get("size") or {}
+    patch = int(proc.get("patch_size", vision.get("patch_size", 14)))
+    merge = int(proc.get("merge_size", vision.get("spatial_merge_size", 2)))
+    temporal = int(proc.get("temporal_patch_size", vision.get("temporal_patch_size", 2)))
+    if patch != int(vision.get("patch_size", patch)) or merge != int(vision.get("spatial_merge_size", merge)):
+        raise CheckpointError(f"the image processor's patch {patch} / merge {merge} differ from the vision "
+                              f"tower's {vision.get('patch_size')} / {vision.get('spatial_merge_size')}")
+    min_pixels = int(size.get("shortest_edge") or proc.get("min_pixels") or 56 * 56)
+    max_pixels = int(size.get("longest_edge") or proc.get("max_pixels") or 28 * 28 * 1280)
+    text = config.get("text_config") or {}
+    image_token = config.get("image_token_id", text.get("image_token_id"))
+    vision_start = config.get("vision_start_token_id", text.get("vision_start_token_id"))
+    if image_token is None or vision_start is None:
+        raise CheckpointError("config.json names no image_token_id / vision_start_token_id")
+    return QwenImageLayout(patch, merge, temporal, min_pixels, max_pixels, int(image_token), int(vision_start))
