@@ -30,12 +30,22 @@ DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 
 class ImageInput(_message.Message):
-    __slots__ = ("data", "content_hash")
+    __slots__ = ("data", "content_hash", "min_pixels", "max_pixels")
     DATA_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     content_hash: str
-    def __init__(self, data: _Optional[bytes] = ..., content_hash: _Optional[str] = ...) -> None: ...
+    min_pixels: int
+    max_pixels: int
+    def __init__(self, data: _Optional[bytes] = ..., content_hash: _Optional[str] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
+
+class ImageGrid(_message.Message):
+    __slots__ = ("thw",)
+    THW_FIELD_NUMBER: _ClassVar[int]
+    thw: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, thw: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CudaIpcLocation(_message.Message):
     __slots__ = ("mem_handle", "offset", "device_uuid", "event_handle", "arena_nbytes")
@@ -62,7 +72,7 @@ class ShmLocation(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., arena_nbytes: _Optional[int] = ...) -> None: ...
 
 class EmbeddingRef(_message.Message):
-    __slots__ = ("content_hash", "shape", "dtype", "nbytes", "cache_hit", "lease_id", "lease_expires_in_s", "cuda_ipc", "shm", "inline_data")
+    __slots__ = ("content_hash", "shape", "dtype", "nbytes", "cache_hit", "lease_id", "lease_expires_in_s", "cuda_ipc", "shm", "inline_data", "grid_thw")
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +83,7 @@ class EmbeddingRef(_message.Message):
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
+    GRID_THW_FIELD_NUMBER: _ClassVar[int]
     content_hash: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
@@ -83,7 +94,8 @@ class EmbeddingRef(_message.Message):
     cuda_ipc: CudaIpcLocation
     shm: ShmLocation
     inline_data: bytes
-    def __init__(self, content_hash: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., lease_id: _Optional[str] = ..., lease_expires_in_s: _Optional[float] = ..., cuda_ipc: _Optional[_Union[CudaIpcLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., inline_data: _Optional[bytes] = ...) -> None: ...
+    grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, content_hash: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., lease_id: _Optional[str] = ..., lease_expires_in_s: _Optional[float] = ..., cuda_ipc: _Optional[_Union[CudaIpcLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., inline_data: _Optional[bytes] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -66,10 +66,12 @@ class LookupRequest(_message.Message):
     def __init__(self, content_hashes: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("cached",)
+    __slots__ = ("cached", "grids")
     CACHED_FIELD_NUMBER: _ClassVar[int]
+    GRIDS_FIELD_NUMBER: _ClassVar[int]
     cached: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, cached: _Optional[_Iterable[bool]] = ...) -> None: ...
+    grids: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageGrid]
+    def __init__(self, cached: _Optional[_Iterable[bool]] = ..., grids: _Optional[_Iterable[_Union[_common_pb2.ImageGrid, _Mapping]]] = ...) -> None: ...
 
 class EncoderStats(_message.Message):
     __slots__ = ("cache_bytes_used", "cache_bytes_capacity", "entries", "hits", "misses", "evictions", "leased_bytes", "active_leases", "encodes", "images_per_s", "expired_leases", "inflight_dedups", "prefetches", "model_fingerprint", "device")
