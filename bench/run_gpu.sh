@@ -8,6 +8,8 @@
 #      MODEL_DIR (default /tmp/llava7b): made with make-model when missing. PYTHON (default python3).
 #      DEVICE / DTYPE / PRESET (default cuda / bfloat16 / llava-1.5-7b): change only to smoke-test the
 #      script itself, e.g. DEVICE=cpu DTYPE=float32 PRESET=tiny MODEL_DIR=/tmp/tiny on a CPU host.
+#      SECTIONS (default llava): llava (the sections below), qwen (Qwen2.5-VL-7B shapes: bench/qwen_gpu.py,
+#      the model made in QWEN_MODEL_DIR, default /tmp/qwen7b), or llava,qwen.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
 #      skipped instead; the merge still runs).
@@ -37,7 +39,9 @@ cleanup() {
 trap cleanup EXIT
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
-if [ ! -f "$MODEL/mmserve_model.json" ]; then
+SECTIONS=${SECTIONS:-llava}
+if [[ ",$SECTIONS," != *,llava,* ]]; then MODEL=/nonexistent-skip; fi
+if [[ ",$SECTIONS," == *,llava,* ]] && [ ! -f "$MODEL/mmserve_model.json" ]; then
   echo "== make-model ${PRESET:-llava-1.5-7b} -> $MODEL"
   timeout 200 "$PY" -m common.cli make-model --preset "${PRESET:-llava-1.5-7b}" --out "$MODEL" "${DT[@]}" \
     2>&1 | tail -3
@@ -65,6 +69,7 @@ wait_healthy() {
   done
 }
 
+run_llava() {
 # 1. In-process: decode tokens/s (engine vs HF vs bandwidth bound). No services running yet.
 step decode_tput 150 "$PY" -m bench.decode_tput --model "$MODEL" "${DT[@]}" --batch-sizes 1,8,32 \
   --prompt-len 64 --output-len 32
@@ -110,6 +115,19 @@ else
 fi
 cleanup
 PIDS=()
+}
+[[ ",$SECTIONS," == *,llava,* ]] && run_llava
+
+# Qwen2.5-VL-7B shapes (random weights made here): tower, cold TTFT, batch-1 decode and bf16 agreement,
+# each beside HF transformers on the same weights.
+if [[ ",$SECTIONS," == *,qwen,* ]]; then
+  QMODEL=${QWEN_MODEL_DIR:-/tmp/qwen7b}
+  if [ ! -f "$QMODEL/mmserve_model.json" ]; then
+    echo "== make-model qwen2.5-vl-7b -> $QMODEL"
+    timeout 300 "$PY" -m common.cli make-model --preset qwen2.5-vl-7b --out "$QMODEL" "${DT[@]}" 2>&1 | tail -3
+  fi
+  step qwen_gpu 400 "$PY" -m bench.qwen_gpu --model "$QMODEL" "${DT[@]}"
+fi
 
 echo "== merge (t=$((SECONDS - START))s)"
 "$PY" -m bench.merge "$RES"/*.json --out "$OUT/results.json"

@@ -93,7 +93,8 @@ def preset_name(text: str) -> str:
     from common.model_maker import preset_names  # imports torch: only make-model parses this
 
     if text not in preset_names():
-        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose one of {', '.join(preset_names())}")
+        names = ", ".join(preset_names())
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose one of {names}")
     return text
 
 

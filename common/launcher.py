@@ -58,7 +58,8 @@ def ensure_model(model: str | None, preset: str = "tiny", revision: str | None =
         from common.model_maker import make_model, preset_names
 
         if preset not in preset_names():
-            raise UsageError(f"--preset: unknown preset {preset!r}; choose one of {', '.join(preset_names())}")
+            names = ", ".join(preset_names())
+            raise UsageError(f"--preset: unknown preset {preset!r}; choose one of {names}")
 
         print(f"making the {preset} model in {path} (first use only)", flush=True)
         make_model(preset, path, device="cpu")

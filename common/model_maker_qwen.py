@@ -100,7 +100,8 @@ def build_qwen_config(preset: QwenPreset, tokenizer):
                 rope_parameters={"rope_type": "default", "mrope_section": list(preset.mrope_section),
                                  "rope_theta": 1000000.0},
                 **preset.text)
-    vision = dict(hidden_act="silu", in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+    vision = dict(hidden_act="silu", in_channels=3, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2,
                   window_size=112, tokens_per_second=2, out_hidden_size=preset.text["hidden_size"],
                   **preset.vision)
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)

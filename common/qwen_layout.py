@@ -171,4 +171,5 @@ def load_qwen_layout(model_dir: str | Path) -> QwenImageLayout:
     vision_start = config.get("vision_start_token_id", text.get("vision_start_token_id"))
     if image_token is None or vision_start is None:
         raise CheckpointError("config.json names no image_token_id / vision_start_token_id")
-    return QwenImageLayout(patch, merge, temporal, min_pixels, max_pixels, int(image_token), int(vision_start))
+    return QwenImageLayout(patch, merge, temporal, min_pixels, max_pixels, int(image_token),
+                           int(vision_start))

@@ -77,7 +77,8 @@ class QwenVisionEncoder:
 
     def nbytes_for(self, grid: Sequence[int]) -> int:
         """Bytes of the embedding of an image of this grid, in the output dtype."""
-        return self.layout.num_tokens(grid) * self.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.layout.num_tokens(grid) * self.hidden_size * itemsize
 
     @functools.cached_property
     def embedding_nbytes(self) -> int:
@@ -91,12 +92,14 @@ class QwenVisionEncoder:
         pil = image if isinstance(image, Image.Image) else image.to_pil()
         pixels = pixels or self.default_pixels
         out = self.image_processor(images=[pil.convert("RGB")], return_tensors="pt",
-                                   size={"shortest_edge": pixels.min_pixels, "longest_edge": pixels.max_pixels})
+                                   size={"shortest_edge": pixels.min_pixels,
+                                         "longest_edge": pixels.max_pixels})
         grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
         return QwenPrepared(out["pixel_values"], grid)
 
     @torch.inference_mode()
-    def encode_prepared(self, prepared: Sequence[QwenPrepared], use_graphs: bool = False) -> list[torch.Tensor]:
+    def encode_prepared(self, prepared: Sequence[QwenPrepared],
+                        use_graphs: bool = False) -> list[torch.Tensor]:
         """The tower over every prepared image at once; one [tokens, hidden] tensor per image."""
         if not prepared:
             return []

@@ -114,7 +114,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.hidden = dim * merge * merge
         self.ln_q = RMSNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, out_dim))
+        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(),
+                                 nn.Linear(self.hidden, out_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.hidden))
@@ -170,7 +171,8 @@ class QwenVisionTower(nn.Module):
             pad_h, pad_w = -gh % win, -gw % win
             padded = np.pad(index, ((0, 0), (0, pad_h), (0, pad_w)), constant_values=-1)
             nh, nw = padded.shape[1] // win, padded.shape[2] // win
-            padded = padded.reshape(t, nh, win, nw, win).transpose(0, 1, 3, 2, 4).reshape(t, nh * nw, win * win)
+            padded = padded.reshape(t, nh, win, nw, win).transpose(0, 1, 3, 2, 4)
+            padded = padded.reshape(t, nh * nw, win * win)
             for window in padded.reshape(-1, win * win):
                 units = window[window >= 0]
                 if units.size:

@@ -56,7 +56,8 @@ class InputProcessor:
     eos_token_ids: frozenset[int]
     kv_capacity_tokens: int  # blocks x block size: no request may need more
     _grids: OrderedDict[tuple[str, str], Grid] = field(default_factory=OrderedDict, repr=False)
-    _grids_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # any thread makes requests
+    # make_request runs on any thread
+    _grids_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def qwen(self) -> QwenImageLayout | None:
@@ -172,7 +173,8 @@ class InputProcessor:
         cfg = self.config
         for i, n in enumerate(counts):
             if n > cfg.max_image_tokens:
-                raise InvalidRequestError(f"image {i}: {n} image tokens; at most {cfg.max_image_tokens} per image")
+                raise InvalidRequestError(f"image {i}: {n} image tokens; at most {cfg.max_image_tokens} "
+                                          "per image")
         if sum(counts) > cfg.max_image_tokens_per_request:
             raise InvalidRequestError(f"{sum(counts)} image tokens; at most "
                                       f"{cfg.max_image_tokens_per_request} per request")

@@ -1,8 +1,8 @@
 """An in-process embedding source: the checkpoint's vision tower (+ projector), run synchronously.
 
 It runs the encoder service's own vision encoder (which reproduces `get_image_features` of
-LlavaForConditionalGeneration or Qwen2_5_VLForConditionalGeneration) in-process, so the engine can be tested alone
-against HF. It keeps a small LRU of embeddings by content hash so that repeated images count as
+LlavaForConditionalGeneration or Qwen2_5_VLForConditionalGeneration) in-process, so the engine can be
+tested alone against HF. It keeps a small LRU of embeddings by content hash so that repeated images count as
 encoder-cache hits. Like the encoder service, an entry answers a hash-only ask only under the cache_salt
 it was made with; under any other salt the image is "not found".
 """

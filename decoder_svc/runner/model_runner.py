@@ -271,8 +271,8 @@ class ModelRunner:
             d["block_tables"][:num_seqs], bs, max_query_len=max_q,
             query_start_loc_cpu=host["query_start_loc"][:num_seqs + 1],
             seq_lens_cpu=host["seq_lens"][:num_seqs])
-        return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta, d["logits_indices"][:n_logits],
-                            slots_dev)
+        return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta,
+                            d["logits_indices"][:n_logits], slots_dev)
 
     @staticmethod
     def _mrope_positions(out: np.ndarray, seq: SequenceInput) -> None:

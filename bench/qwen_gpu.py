@@ -1,0 +1,248 @@
+"""Qwen2.5-VL on one GPU, side by side with HF transformers on the same weights, in one process.
+
+    python -m bench.qwen_gpu --model DIR [--device cuda --dtype bfloat16] [--out qwen.json]
+
+Figures (JSON with a `headline`):
+- vision tower: distinct --image-size square images per second, ours (batches of 1 and --batch) vs
+  HF's `visual` on the same pixel values; the HF processor's host time per image beside it;
+- cold TTFT: one image + --text-tokens text tokens through the engine with an in-process tower
+  (encode, prefill, first token), median of --ttft-rounds distinct images; HF's generate(max_new_tokens=1);
+- decode at batch 1: tokens/s after the first token (ignore EOS), engine vs HF generate, and the
+  bandwidth bound (LM weight bytes / copy bandwidth);
+- greedy agreement in the dtype: the fraction of --agreement-tokens tokens equal to HF's, position by
+  position, over --agreement-prompts prompts with one 448x448 image each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+
+from bench.bandwidth import copy_bandwidth
+from bench.report import save_result
+from common.checkpoint import parse_dtype
+from decoder_svc.engine import EngineConfig, LLMEngine
+from decoder_svc.engine.local_source import LocalEmbeddingSource
+from decoder_svc.engine.sampling_params import SamplingParams
+
+USER, END = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """Options of the Qwen2.5-VL benchmark."""
+    p = argparse.ArgumentParser(prog="python -m bench.qwen_gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--image-size", type=int, default=1024)
+    p.add_argument("--images", type=int, default=16, help="distinct images for the tower figures")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--text-tokens", type=int, default=500)
+    p.add_argument("--ttft-rounds", type=int, default=5)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--agreement-prompts", type=int, default=20)
+    p.add_argument("--agreement-tokens", type=int, default=32)
+    p.add_argument("--kv-cache-bytes", type=int, default=16 << 30)
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--out", default=None)
+    return p
+
+
+def images(n: int, side: int, seed: int = 0) -> list[Image.Image]:
+    """n distinct random RGB images."""
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tower_figures(engine: LLMEngine, hf, imgs: list[Image.Image], batch: int) -> dict:
+    """Images per second of our tower (batch 1 and `batch`) and HF's, on prepared pixel values."""
+    enc = engine.source.encoder
+    t0 = time.perf_counter()
+    prepared = [enc.prepare(i) for i in imgs]
+    prep_ms = (time.perf_counter() - t0) * 1000 / len(imgs)
+    out: dict = {"prep_ms_per_image": round(prep_ms, 2),
+                 "tokens_per_image": enc.layout.num_tokens(prepared[0].grid)}
+
+    def rate(fn, size: int) -> float:
+        fn(prepared[:size])  # warm-up (kernels, allocator)
+        sync(enc.device)
+        t = time.perf_counter()
+        for k in range(0, len(prepared) - size + 1, size):
+            fn(prepared[k:k + size])
+        sync(enc.device)
+        return (len(prepared) // size * size) / (time.perf_counter() - t)
+
+    out["ours_img_s_b1"] = round(rate(enc.encode_prepared, 1), 2)
+    out[f"ours_img_s_b{batch}"] = round(rate(enc.encode_prepared, batch), 2)
+    if hf is not None:
+        def hf_fn(chunk):
+            pv = torch.cat([p.pixel_values for p in chunk]).to(enc.device, hf.dtype)
+            grid = torch.tensor([p.grid for p in chunk], device=enc.device)
+            with torch.no_grad():
+                hf.model.visual(pv, grid_thw=grid)
+        out["hf_img_s_b1"] = round(rate(hf_fn, 1), 2)
+        out[f"hf_img_s_b{batch}"] = round(rate(hf_fn, batch), 2)
+    return out
+
+
+def text_of(engine: LLMEngine, n_tokens: int) -> str:
+    """A prompt body of about n_tokens tokens."""
+    words = "the image shows a red car on a table beside a tree under the blue sky".split()
+    text, k = "", 0
+    while len(engine.tokenizer.tokenizer(text)["input_ids"]) < n_tokens:
+        text += words[k % len(words)] + " "
+        k += 1
+    return text
+
+
+def ttft(engine: LLMEngine, hf, side: int, text: str, rounds: int) -> dict:
+    """Cold time to first token: encode + prefill + one token, fresh images each round."""
+    prompt = USER + IMAGE + text + END
+    ours, theirs = [], []
+    for i, img in enumerate(images(rounds + 1, side, seed=100)):
+        sync(engine.device)
+        t = time.perf_counter()
+        engine.generate(f"ttft{i}", prompt, [img], sampling=SamplingParams(max_tokens=1))
+        sync(engine.device)
+        if i:
+            ours.append(time.perf_counter() - t)
+        if hf is not None:
+            inputs = hf_inputs(engine, hf, prompt, [img])
+            sync(engine.device)
+            t = time.perf_counter()
+            with torch.no_grad():
+                hf.generate(**inputs, max_new_tokens=1, do_sample=False)
+            sync(engine.device)
+            if i:
+                theirs.append(time.perf_counter() - t)
+    out = {"ours_ms": round(statistics.median(ours) * 1000, 1)}
+    if theirs:
+        out["hf_ms"] = round(statistics.median(theirs) * 1000, 1)
+    return out
+
+
+def hf_inputs(engine: LLMEngine, hf, prompt: str, imgs: list[Image.Image]) -> dict:
+    """HF's inputs as its processor would make them (the image processor and the tokenizer)."""
+    enc = engine.source.encoder
+    counts, values, grids = [], [], []
+    for img in imgs:
+        p = enc.prepare(img)
+        values.append(p.pixel_values)
+        grids.append(p.grid)
+        counts.append(enc.layout.num_tokens(p.grid))
+    pieces = prompt.split("<|image_pad|>")
+    text = pieces[0] + "".join("<|image_pad|>" * n + s for n, s in zip(counts, pieces[1:], strict=True))
+    tok = engine.tokenizer.tokenizer(text, return_tensors="pt")
+    ids = tok["input_ids"].to(engine.device)
+    out = {"input_ids": ids, "attention_mask": tok["attention_mask"].to(engine.device),
+           "mm_token_type_ids": (ids == engine.tokenizer.image_token_id).int()}
+    if imgs:
+        out["pixel_values"] = torch.cat(values).to(engine.device, hf.dtype)
+        out["image_grid_thw"] = torch.tensor(grids, device=engine.device)
+    return out
+
+
+def decode_rate(engine: LLMEngine, hf, n: int) -> dict:
+    """Batch-1 decode tokens/s after the first token."""
+    prompt = USER + "describe a red car" + END
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    engine.generate("warm", prompt, sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("dec", prompt, sampling=params)
+    t0, count = None, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if t0 is None and out.new_token_ids:
+                sync(engine.device)
+                t0 = time.perf_counter()
+            elif t0 is not None:
+                count += len(out.new_token_ids)
+    sync(engine.device)
+    res = {"ours_tok_s": round(count / (time.perf_counter() - t0), 1)}
+    if hf is not None:
+        inputs = hf_inputs(engine, hf, prompt, [])
+        del inputs["mm_token_type_ids"]
+        times = []
+        for m in (1, n):
+            sync(engine.device)
+            t = time.perf_counter()
+            with torch.no_grad():
+                hf.generate(**inputs, max_new_tokens=m, min_new_tokens=m, do_sample=False)
+            sync(engine.device)
+            times.append(time.perf_counter() - t)
+        res["hf_tok_s"] = round((n - 1) / (times[1] - times[0]), 1)
+    return res
+
+
+def agreement(engine: LLMEngine, hf, prompts: int, tokens: int) -> dict:
+    """Position-wise equality of greedy tokens with HF's in the same dtype."""
+    equal = total = identical = 0
+    for i, img in enumerate(images(prompts, 448, seed=7)):
+        prompt = USER + IMAGE + f"question {i}: what is in this picture?" + END
+        ours = engine.generate(f"agree{i}", prompt, [img], sampling=SamplingParams(max_tokens=tokens,
+                                                                                    ignore_eos=True))
+        inputs = hf_inputs(engine, hf, prompt, [img])
+        with torch.no_grad():
+            seq = hf.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        ref = seq[0, inputs["input_ids"].shape[1]:].tolist()
+        equal += sum(a == b for a, b in zip(ours.new_token_ids, ref, strict=False))
+        total += len(ref)
+        identical += ours.new_token_ids == ref
+    return {"token_agreement": round(equal / max(total, 1), 4), "identical_sequences": identical,
+            "prompts": prompts}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every figure; print and save the JSON."""
+    args = build_arg_parser().parse_args(argv)
+    device, dtype = torch.device(args.device), parse_dtype(args.dtype)
+    config = EngineConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+                          kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=8, max_num_batched_tokens=4096)
+    engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
+    hf = None
+    if not args.no_hf:
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    result: dict = {"model": str(args.model), "device": torch.cuda.get_device_name(device)
+                    if device.type == "cuda" else "cpu", "dtype": args.dtype}
+    result["tower"] = tower_figures(engine, hf, images(args.images, args.image_size), args.batch)
+    print("tower", result["tower"], flush=True)
+    result["ttft"] = ttft(engine, hf, args.image_size, text_of(engine, args.text_tokens), args.ttft_rounds)
+    print("ttft", result["ttft"], flush=True)
+    result["decode_b1"] = decode_rate(engine, hf, args.decode_tokens)
+    lm_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    if device.type == "cuda":
+        bw = copy_bandwidth(args.device, 2 << 30)
+        result["decode_b1"]["bound_tok_s"] = round(bw / lm_bytes, 1)
+        result["decode_b1"]["fraction_of_bound"] = round(result["decode_b1"]["ours_tok_s"] * lm_bytes / bw, 3)
+    print("decode", result["decode_b1"], flush=True)
+    if hf is not None and args.agreement_prompts:
+        result["agreement"] = agreement(engine, hf, args.agreement_prompts, args.agreement_tokens)
+        print("agreement", result["agreement"], flush=True)
+    t, b = result["tower"], args.batch
+    result["headline"] = [
+        [f"qwen tower img/s (ours b1 / b{b})", f"{t['ours_img_s_b1']} / {t[f'ours_img_s_b{b}']}"],
+        [f"qwen tower img/s (HF b1 / b{b})", f"{t.get('hf_img_s_b1')} / {t.get(f'hf_img_s_b{b}')}"],
+        ["qwen cold TTFT ms (ours / HF)", f"{result['ttft']['ours_ms']} / {result['ttft'].get('hf_ms')}"],
+        ["qwen decode b1 tok/s (ours / HF / bound)", f"{result['decode_b1']['ours_tok_s']} / "
+         f"{result['decode_b1'].get('hf_tok_s')} / {result['decode_b1'].get('bound_tok_s')}"],
+        ["qwen greedy agreement with HF", str(result.get("agreement", {}).get("token_agreement"))],
+    ]
+    save_result("qwen_gpu", args, result, headline=result["headline"])
+    print(result["headline"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
