@@ -281,7 +281,9 @@ def _scale_init(model: torch.nn.Module, seed: int, gain: float) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     config = model.config
-    depth = {"vision": config.vision_config.num_hidden_layers, "text": config.text_config.num_hidden_layers}
+    vision = config.vision_config  # Qwen's vision config says depth (older transformers map no alias)
+    depth = {"vision": getattr(vision, "num_hidden_layers", None) or vision.depth,
+             "text": config.text_config.num_hidden_layers}
     tied = bool(config.text_config.tie_word_embeddings)
     for name, param in model.named_parameters():
         tmp = torch.empty(param.shape, dtype=torch.float32, device=device)
