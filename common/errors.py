@@ -17,6 +17,10 @@ class ServiceError(Exception):
         return f"ServiceError({self.code.name}, {self.message!r})"
 
 
+class UsageError(Exception):
+    """A user error found after parsing (a port in use, a cache too small): one line on stderr, exit 2."""
+
+
 class InvalidInputError(ValueError):
     """The client's input is wrong (the service answers INVALID_ARGUMENT with the message). Only these
     become INVALID_ARGUMENT: any other exception is a fault of ours, INTERNAL and logged."""
