@@ -68,11 +68,11 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
-        self.model = load_language_model(config.model_dir, self.device, self.dtype, config.attention_backend)
+        self.model = load_language_model(config.model, self.device, self.dtype, config.attention_backend)
         self.model_config = self.model.config
-        self.tokenizer = PromptTokenizer(config.model_dir)
-        self.fingerprint = model_fingerprint(config.model_dir)
-        self.eos_token_ids = frozenset(generation_eos_ids(config.model_dir))
+        self.tokenizer = PromptTokenizer(config.model)
+        self.fingerprint = model_fingerprint(config.model)
+        self.eos_token_ids = frozenset(generation_eos_ids(config.model))
         self.source = embedding_source
         self.runner = ModelRunner(self.model, RunnerConfig(
             config.device, self.dtype, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,

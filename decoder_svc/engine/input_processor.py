@@ -46,9 +46,9 @@ class InputProcessor:
     @classmethod
     def for_model(cls, config: EngineConfig, kv_capacity_tokens: int) -> InputProcessor:
         """Everything from the checkpoint directory: tokenizer and configs, no weights."""
-        return cls(config, TextModelConfig.from_hf(text_config_dict(config.model_dir)),
-                   PromptTokenizer(config.model_dir), model_fingerprint(config.model_dir),
-                   frozenset(generation_eos_ids(config.model_dir)), kv_capacity_tokens)
+        return cls(config, TextModelConfig.from_hf(text_config_dict(config.model)),
+                   PromptTokenizer(config.model), model_fingerprint(config.model),
+                   frozenset(generation_eos_ids(config.model)), kv_capacity_tokens)
 
     def make_request(
         self,

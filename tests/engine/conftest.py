@@ -29,7 +29,7 @@ def make_engine(tiny_model_dir: Path):
     """A factory of engines on the tiny checkpoint (fp32, CPU) with overridable config."""
 
     def make(**overrides) -> LLMEngine:
-        cfg = dict(model_dir=tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=2048)
+        cfg = dict(model=tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=2048)
         cfg.update(overrides)
         config = EngineConfig(**cfg)
         return LLMEngine(config, LocalEmbeddingSource.for_engine(config))
