@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from common.errors import UnavailableError
 from common.security.options import ClientSecurity
 from decoder_svc.config import DecoderConfig
 from decoder_svc.core_protocol import (
@@ -50,7 +51,7 @@ class CoreUsageError(CoreStartError):
     """The core refused its options (e.g. a KV cache too small for one request)."""
 
 
-class CoreDeadError(RuntimeError):
+class CoreDeadError(UnavailableError):
     """The core is gone; no call can be answered."""
 
 

@@ -40,11 +40,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.errors import CapacityError, UnavailableError
 from common.transport.arena import Arena, SliceAllocator
 from encoder_svc.defaults import DEFAULT_LEASE_TTL_S
 
 
-class CacheFullError(RuntimeError):
+class CacheFullError(CapacityError):
     """Every byte the item needs is leased: the caller gets RESOURCE_EXHAUSTED."""
 
 
@@ -56,7 +57,7 @@ class SaltClashError(RuntimeError):
     """A producer's key names an entry made under another salt: a content-hash collision."""
 
 
-class ShuttingDownError(RuntimeError):
+class ShuttingDownError(UnavailableError):
     """The encoder is stopping: the caller gets UNAVAILABLE and may retry elsewhere."""
 
 

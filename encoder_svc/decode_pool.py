@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
+from common.errors import UnavailableError
 from common.hashing import image_content_hash
 from common.images import ImageError, ImageLimits, decode_image
 
@@ -94,7 +95,7 @@ def decode_and_hash(data: bytes, limits: ImageLimits, fingerprint: str, salt: st
     return DecodedImage(digest.hex(), image.width, image.height, pixels)
 
 
-class DecodeWorkerDied(RuntimeError):
+class DecodeWorkerDied(UnavailableError):
     """A decode process died while it held this image (its caller may retry)."""
 
 

@@ -18,19 +18,18 @@ import functools
 import logging
 import time
 
-import grpc
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.checkpoint import parse_dtype
-from common.errors import ServiceError, invalid_argument, not_found, resource_exhausted, unavailable
+from common.errors import ServiceError, as_service_error, invalid_argument, not_found, unavailable
 from common.hashing import is_content_hash
 from common.images import ImageError, ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.stats import to_message
 from common.transport.arena import Arena, TensorArena
 from common.vision.tower import VisionEncoder
-from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError, ShuttingDownError
+from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
 from encoder_svc.decode_pool import DecodedImage, DecodePool, DecodeWorkerDied, decode_and_hash
 from encoder_svc.defaults import default_decode_processes
@@ -184,7 +183,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             try:
                 decoded = decode_and_hash(item.data, self.limits, self.vision.fingerprint, salt)
             except ImageError as exc:
-                raise invalid_argument(f"image {i}: {exc}") from None
+                raise self._map_error(i, exc) from None
             out.append((decoded.content_hash, decoded))
         return out
 
@@ -207,10 +206,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             for i, task in tasks.items():
                 try:
                     decoded = await task
-                except ImageError as exc:
-                    raise invalid_argument(f"image {i}: {exc}") from None
-                except DecodeWorkerDied as exc:
-                    raise unavailable(f"image {i}: {exc}") from None
+                except (ImageError, DecodeWorkerDied) as exc:
+                    raise self._map_error(i, exc) from None
                 out[i] = (decoded.content_hash, decoded)
         except BaseException:
             _release_images(out)
@@ -240,12 +237,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             # A hash-only image (image None) never produces: it finds an entry of its own salt or none.
             fut, produce = self.cache.acquire(key, want_lease, self.vision.embedding_nbytes,
                                               produce=image is not None, salt=salt, owner=owner)
-        except CacheFullError as exc:
+        except (CacheFullError, SaltClashError) as exc:  # SaltClashError: only on a hash collision
             _release_images([(key, image)])
-            raise resource_exhausted(f"image {index}: {exc}") from None
-        except SaltClashError as exc:  # only on a hash collision
-            _release_images([(key, image)])
-            raise ServiceError(grpc.StatusCode.INTERNAL, f"image {index}: {exc}") from None
+            raise self._map_error(index, exc) from None
         if produce:
             self.worker.submit(key, image, priority)
             return fut
@@ -258,14 +252,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         return fut
 
     @staticmethod
-    def _map_error(index: int, exc: BaseException) -> BaseException:
+    def _map_error(index: int, exc: BaseException) -> ServiceError:
+        """The status for image `index`'s failure (a ServiceError raised here is already one)."""
         if isinstance(exc, ServiceError):
             return exc
-        if isinstance(exc, CacheFullError):
-            return resource_exhausted(f"image {index}: {exc}")
-        if isinstance(exc, ShuttingDownError):
-            return unavailable(f"image {index}: {exc}")
-        return ServiceError(grpc.StatusCode.INTERNAL, f"image {index}: {type(exc).__name__}: {exc}")
+        return as_service_error(exc, f"image {index}: ")
 
     def _inline_bytes(self, handle: Handle) -> bytes:
         """Copy an entry out (under its lease) for the inline transport; runs in a thread."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from common.checkpoint import model_fingerprint, parse_dtype
+from common.errors import CapacityError
 from common.stats import stat
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.config import EngineConfig
@@ -35,7 +36,7 @@ _DEVICE_ERRORS = tuple(c for c in (getattr(torch, "AcceleratorError", None),) if
 
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(CapacityError):
     """Too many requests waiting (the service answers RESOURCE_EXHAUSTED)."""
 
 

@@ -11,8 +11,8 @@ import pytest
 from common.arg_types import dtype_name, int_in_range, model_dir, positive_float, positive_int
 from common.cli import image_arg
 from common.errors import UsageError
-from common.startup import check_port_free, start_listening
 from common.server import GrpcService
+from common.startup import check_port_free, start_listening
 from tests.cli_errors import busy_port, decoy_model
 
 
