@@ -11,7 +11,7 @@ On CUDA every entry carries its producer event (interprocess), recorded after th
 producer's stream; readers wait on it instead of the producer synchronising. A slice freed by
 eviction is only rewritten after the new writer's stream waits on the evicted entry's event.
 
-Tenant isolation (issue 13):
+Tenant isolation:
 
 - Salt scope. Every entry (and every production in flight) remembers the cache_salt it was made under.
   A key resolves only for a caller passing that same salt; for any other salt the entry behaves

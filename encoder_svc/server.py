@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.checkpoint import parse_dtype
 from common.errors import ServiceError, as_service_error, invalid_argument, not_found, unavailable
-from common.hashing import is_content_hash
+from common.hashing import check_cache_salt, is_content_hash
 from common.images import ImageError, ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.stats import to_message
@@ -43,7 +43,6 @@ log = logging.getLogger("mmserve.encoder")
 
 SERVICE_NAME = "mmserve.v1.EncoderService"
 MAX_LEASE_OWNER_CHARS = 256  # it is stored with every lease: keep it small
-MAX_SALT_CHARS = 256
 
 
 def make_arena(kind: str, capacity: int, device: torch.device) -> Arena:
@@ -94,9 +93,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     def __init__(self, vision: VisionEncoder, cache: EmbeddingCache, worker: VisionWorker,
                  limits: ImageLimits = ImageLimits(), registry: CollectorRegistry | None = REGISTRY,
-                 decoder: DecodePool | None = None) -> None:
+                 decode_pool: DecodePool | None = None) -> None:
         self.vision = vision
-        self.decoder = decoder  # None: decode and hash in a thread
+        self.decode_pool = decode_pool  # None: decode and hash in a thread
         self.cache = cache
         self.worker = worker
         self.limits = limits
@@ -127,8 +126,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         cache = EmbeddingCache(arena, config.lease_ttl_s)
         worker = VisionWorker(vision, cache, config.max_batch_images, config.preprocess_threads)
         processes = default_decode_processes() if config.decode_processes is None else config.decode_processes
-        decoder = DecodePool(processes, config.limits) if processes > 0 else None
-        return cls(vision, cache, worker, config.limits, registry, decoder)
+        decode_pool = DecodePool(processes, config.limits) if processes > 0 else None
+        return cls(vision, cache, worker, config.limits, registry, decode_pool)
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -158,9 +157,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     @staticmethod
     def _check_salt(salt: str) -> None:
-        # Stored with every entry: a tenant key, not a payload.
-        if len(salt) > MAX_SALT_CHARS:
-            raise invalid_argument(f"cache_salt is {len(salt)} characters; the limit is {MAX_SALT_CHARS}")
+        problem = check_cache_salt(salt)
+        if problem is not None:
+            raise invalid_argument(problem)
 
     @staticmethod
     def _hash_only(index: int, item) -> str:
@@ -198,7 +197,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 out[i] = (self._hash_only(i, item), None)
         # One image (the usual request) is awaited in place: a task per image costs the loop more.
         # Pixels stay in the pool's slots until the vision worker has read them (see _acquire).
-        decode = functools.partial(self.decoder.decode, fingerprint=self.vision.fingerprint, salt=salt,
+        decode = functools.partial(self.decode_pool.decode, fingerprint=self.vision.fingerprint, salt=salt,
                                    in_slot=True)
         tasks = {i: (decode(d) if len(data) == 1 else asyncio.ensure_future(decode(d)))
                  for i, d in data.items()}
@@ -225,7 +224,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         bytes; hash-only requests (the decoders' hit path) are checked in place, without a hop."""
         if all(item.WhichOneof("source") == "content_hash" for item in images):
             return self._decode_all(images, salt)
-        if self.decoder is not None:
+        if self.decode_pool is not None:
             return await self._decode_in_pool(images, salt)
         return await asyncio.to_thread(self._decode_all, images, salt)
 
@@ -339,7 +338,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     def stats(self) -> EncoderStats:
         """The service's stats record: the cache, the worker and the service's counters, read now."""
-        c, w = self.cache.stats(), self.worker
+        c, w, pool = self.cache.stats(), self.worker, self.decode_pool
         return EncoderStats(
             cache_bytes_used=c.bytes_used, cache_bytes_capacity=c.capacity, entries=c.entries, hits=c.hits,
             misses=c.misses, evictions=c.evictions, leased_bytes=c.leased_bytes,
@@ -347,8 +346,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             expired_leases=c.expired_leases, inflight_dedups=c.inflight_dedups, prefetches=self.prefetches,
             vision_batches=w.batches, queue_depth=w.queued(),
             cuda_graphs=int(getattr(self.vision, "graphs", None) is not None),
-            decode_processes=0 if self.decoder is None or self.decoder.disabled else len(self.decoder.pids),
-            decode_restarts=0 if self.decoder is None else self.decoder.restarts,
+            decode_processes=0 if pool is None or pool.disabled else len(pool.pids),
+            decode_restarts=0 if pool is None else pool.restarts,
             model_fingerprint=self.vision.fingerprint, device=str(self.vision.device))
 
     async def GetStats(self, request: common_pb2.StatsRequest, context) -> encoder_pb2.EncoderStats:
@@ -358,16 +357,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def warm_up(self) -> None:
         """Start the decode processes and run one dummy image through the tower, off the event loop."""
-        if self.decoder is not None:
-            await asyncio.to_thread(self.decoder.start)
-            self.decoder.listen()
+        if self.decode_pool is not None:
+            await asyncio.to_thread(self.decode_pool.start)
+            self.decode_pool.listen()
         await asyncio.to_thread(self.vision.warm_up)
 
     async def close(self) -> None:
         """Refuse new work, stop the worker, free the arena (unlinks the SHM segment)."""
         self._closing = True
         await asyncio.to_thread(self.worker.stop)
-        if self.decoder is not None:
-            await asyncio.to_thread(self.decoder.close)
+        if self.decode_pool is not None:
+            await asyncio.to_thread(self.decode_pool.close)
         self.cache.close()
         self.metrics.close()

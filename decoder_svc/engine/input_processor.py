@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from common.checkpoint import model_fingerprint
-from common.hashing import hash_image, is_content_hash
+from common.hashing import check_cache_salt, hash_image, is_content_hash
 from common.images import decode_image, probe_image_size
 from decoder_svc.engine.request import ImagePlaceholder, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -27,7 +27,6 @@ from decoder_svc.tokenization import PromptTokenizer, TokenizedPrompt
 if TYPE_CHECKING:
     from decoder_svc.engine.config import EngineConfig
 
-MAX_SALT_BYTES = 256  # cache_salt: a tenant key, not a payload
 
 ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
 
@@ -110,8 +109,9 @@ class InputProcessor:
         if text_bytes > cfg.max_prompt_bytes:
             raise InvalidRequestError(f"prompt of {text_bytes} bytes exceeds the limit of "
                                       f"{cfg.max_prompt_bytes}")
-        if len(cache_salt.encode()) > MAX_SALT_BYTES:
-            raise InvalidRequestError(f"cache_salt longer than {MAX_SALT_BYTES} bytes")
+        problem = check_cache_salt(cache_salt)
+        if problem is not None:
+            raise InvalidRequestError(problem)
 
     def _image_size(self, index: int, image: ImageLike) -> tuple[int, int] | None:
         """(height, width) from the image's header, or None for a content hash (checked here)."""
