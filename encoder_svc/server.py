@@ -31,7 +31,8 @@ from common.transport.arena import Arena, TensorArena
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
-from encoder_svc.decode_pool import DecodedImage, DecodePool, DecodeWorkerDied, decode_and_hash
+from encoder_svc.decode_pool import DecodePool, DecodeWorkerDied
+from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 from encoder_svc.defaults import default_decode_processes
 from encoder_svc.future_bridge import FutureBridge
 from encoder_svc.metrics import EncoderMetrics

@@ -47,7 +47,7 @@ from PIL import Image
 from common.thread_names import set_native_thread_name
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import EmbeddingCache, ShuttingDownError
-from encoder_svc.decode_pool import DecodedImage
+from encoder_svc.decoded_image import DecodedImage
 from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
 from encoder_svc.prep_threads import PrepTask, PrepThreads
 
