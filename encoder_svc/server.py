@@ -27,7 +27,7 @@ from common.hashing import check_cache_salt, is_content_hash
 from common.images import ImageError, ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.stats import to_message
-from common.transport.arena import Arena, TensorArena
+from common.transport.arena_factory import make_arena
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
@@ -44,32 +44,6 @@ log = logging.getLogger("mmserve.encoder")
 
 SERVICE_NAME = "mmserve.v1.EncoderService"
 MAX_LEASE_OWNER_CHARS = 256  # it is stored with every lease: keep it small
-
-
-def make_arena(kind: str, capacity: int, device: torch.device) -> Arena:
-    """The arena for a device: CUDA IPC on GPUs with cupy, /dev/shm on CPUs, else a private one."""
-    from common.transport.shm import ShmArena, shm_available, shm_free_bytes, sweep_stale_segments
-
-    if kind in ("auto", "shm") and shm_available():
-        sweep_stale_segments()  # a SIGKILLed encoder's segment still fills /dev/shm; its lock is free
-    if kind == "auto":
-        if device.type == "cuda":
-            from common.transport.cuda_ipc import cuda_ipc_available
-
-            kind = "cuda" if cuda_ipc_available() else "private"
-        elif shm_available() and shm_free_bytes() >= capacity:
-            kind = "shm"
-        else:
-            log.warning("no room for a %d-byte arena in /dev/shm: embeddings go inline only "
-                        "(give the container shm_size or ipc: host for zero-copy)", capacity)
-            kind = "private"
-    if kind == "cuda":
-        from common.transport.cuda_ipc import CudaArena
-
-        return CudaArena(capacity, device)
-    if kind == "shm":
-        return ShmArena(capacity)
-    return TensorArena(capacity, device)
 
 
 def _release_images(items) -> None:
