@@ -223,7 +223,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         import importlib
         import inspect
 
-        module = importlib.import_module(_DELEGATED[argv[0]])
+        try:
+            module = importlib.import_module(_DELEGATED[argv[0]])
+        except ModuleNotFoundError as exc:
+            if exc.name != "bench":
+                raise
+            # bench/ is not in the installed package (pyproject.toml): it runs from a source checkout.
+            return report_usage_error(f"mmserve {argv[0]}", UsageError(
+                "the benchmarks are not installed; run `mmserve bench` (or python -m bench.serve) from a "
+                "source checkout of mmserve"))
         if hasattr(module, "main"):
             return int(module.main(argv[1:]) or 0)
         result = module.run(module.build_arg_parser().parse_args(argv[1:]))
@@ -242,8 +250,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Through the imported module: `python -m common.cli` would otherwise define a second UsageError
-    # class that the other modules' errors are not instances of.
-    from common.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -35,6 +35,13 @@ def resolve_checkpoint(model: str, revision: str | None = None) -> str:
         raise UsageError(f"--model: {exc}") from None
 
 
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now (for harnesses that start services)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def check_port_free(host: str, port: int, option: str = "--port") -> None:
     """Raise UsageError when host:port cannot be listened on (port 0 picks a free one: no check).
 

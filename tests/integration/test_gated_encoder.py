@@ -19,9 +19,9 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from bench.services import free_port
 from common.client import DecoderClient
 from common.hashing import hash_image
+from common.startup import free_port
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from encoder_svc.server import EncoderConfig
