@@ -74,7 +74,6 @@ class LLMEngine:
         self.tokenizer = PromptTokenizer(config.model)
         self.fingerprint = model_fingerprint(config.model)
         self.eos_token_ids = frozenset(generation_eos_ids(config.model))
-        self.source = embedding_source
         self.runner = ModelRunner(self.model, RunnerConfig(
             config.device, self.dtype, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
             config.num_kv_blocks, config.kv_cache_bytes, config.enforce_eager),
@@ -86,9 +85,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.encoder_max_ahead,
                             self.model_config.max_model_len),
-            self.blocks, self.source)
+            self.blocks, embedding_source)
         self.outputs = OutputProcessor(self.tokenizer.tokenizer, config.detokenize)
         self.last_step_num_tokens = 0
+
+    @property
+    def source(self) -> EmbeddingSource:
+        """The embedding source; the scheduler's image bookkeeping holds it, the only reference."""
+        return self.scheduler.images.source
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(
