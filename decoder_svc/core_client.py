@@ -19,20 +19,8 @@ from typing import Any
 
 from common.errors import UnavailableError
 from common.security.options import ClientSecurity
+from decoder_svc import core_protocol as msg
 from decoder_svc.config import DecoderConfig
-from decoder_svc.core_protocol import (
-    AbortRequest,
-    AddRequest,
-    Close,
-    CoreCall,
-    CoreInfo,
-    Died,
-    GetStats,
-    Ready,
-    Reply,
-    StartRefused,
-    StepOutputs,
-)
 from decoder_svc.engine.output_processor import RequestOutput
 from decoder_svc.engine.request import Request
 from decoder_svc.engine_core import run_core
@@ -79,13 +67,13 @@ class EngineCoreClient:
         self._streams_lock = threading.Lock()
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._tokens = itertools.count()
-        self._outbox: queue.SimpleQueue[CoreCall | Close | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[msg.CoreCall | msg.Close | None] = queue.SimpleQueue()
         self._stopping = False
         self.error: str | None = None
-        self.info: CoreInfo | None = None
+        self.info: msg.CoreInfo | None = None
 
     # -- life ------------------------------------------------------------------------------------
-    def start(self) -> CoreInfo:
+    def start(self) -> msg.CoreInfo:
         """Start the core and wait (blocking) until it is loaded and warm; raises CoreStartError."""
         self._process.start()
         self._child_conn.close()  # ours is the only other end: EOF when the core exits
@@ -94,9 +82,9 @@ class EngineCoreClient:
                 raise CoreStartError(f"the engine core exited with code {self._process.exitcode} "
                                      "before it was ready (its log is above)")
         message = self._conn.recv()
-        if isinstance(message, StartRefused):
+        if isinstance(message, msg.StartRefused):
             raise CoreUsageError(message.message)
-        if not isinstance(message, Ready):
+        if not isinstance(message, msg.Ready):
             raise CoreStartError(f"the engine core could not start:\n{message.traceback}")
         self.info = message.info
         threading.Thread(target=self._read, name="core-reader", daemon=True).start()
@@ -106,7 +94,7 @@ class EngineCoreClient:
     def stop(self, timeout: float = 10.0) -> None:
         """Tell the core to close and wait for it; kill it if it does not go."""
         self._stopping = True
-        self._outbox.put(Close())
+        self._outbox.put(msg.Close())
         self._outbox.put(None)
         self._process.join(timeout)
         if self._process.is_alive():
@@ -115,7 +103,7 @@ class EngineCoreClient:
             self._process.join(5)
 
     # -- calls -----------------------------------------------------------------------------------
-    async def _call(self, make: Callable[[int], CoreCall]) -> Any:
+    async def _call(self, make: Callable[[int], msg.CoreCall]) -> Any:
         """Send make(token) to the core and return its answer (its exception is raised here)."""
         if self.error is not None:
             raise CoreDeadError(f"engine core died: {self.error}")
@@ -127,15 +115,15 @@ class EngineCoreClient:
 
     async def add(self, request: Request) -> None:
         """Queue a Request made by the InputProcessor."""
-        await self._call(lambda token: AddRequest(token, request))
+        await self._call(lambda token: msg.AddRequest(token, request))
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request; its ABORT output follows on its stream."""
-        return await self._call(lambda token: AbortRequest(token, request_id))
+        return await self._call(lambda token: msg.AbortRequest(token, request_id))
 
     async def stats(self) -> DecoderStats:
         """The engine's and the embedding source's counters."""
-        return await self._call(GetStats)
+        return await self._call(msg.GetStats)
 
     # -- streams ---------------------------------------------------------------------------------
     def open_stream(self, request_id: str) -> asyncio.Queue:
@@ -169,7 +157,7 @@ class EngineCoreClient:
             try:
                 self._conn.send(message)
             except (OSError, ValueError) as exc:  # the core is gone: the reader reports it
-                if not isinstance(message, Close):
+                if not isinstance(message, msg.Close):
                     self._answer(message.token, False, CoreDeadError(f"engine core unreachable: {exc}"))
 
     def _answer(self, token: int, ok: bool, value: Any) -> None:
@@ -200,13 +188,13 @@ class EngineCoreClient:
         try:
             while True:
                 message = self._conn.recv()
-                if isinstance(message, StepOutputs):
+                if isinstance(message, msg.StepOutputs):
                     self._deliver(message.outputs)
                     if self._on_step is not None:
                         self._on_step(message.outputs, message.step_seconds)
-                elif isinstance(message, Reply):
+                elif isinstance(message, msg.Reply):
                     self._answer(message.token, message.ok, message.value)
-                elif isinstance(message, Died):
+                elif isinstance(message, msg.Died):
                     reason = message.message
                     break
         except (EOFError, OSError):

@@ -23,21 +23,8 @@ from typing import Any
 from common.checkpoint import CheckpointError
 from common.security.options import ClientSecurity
 from common.server import configure_logging
+from decoder_svc import core_protocol as msg
 from decoder_svc.config import DecoderConfig
-from decoder_svc.core_protocol import (
-    AbortRequest,
-    AddRequest,
-    Close,
-    CoreCall,
-    CoreInfo,
-    Died,
-    GetStats,
-    Ready,
-    Reply,
-    StartFailed,
-    StartRefused,
-    StepOutputs,
-)
 from decoder_svc.engine.config import EngineConfig
 from decoder_svc.engine.engine import LLMEngine
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -87,14 +74,14 @@ class EngineCore:
         self.conn = conn
         self._closed = False
 
-    def _call(self, call: CoreCall) -> Any:
+    def _call(self, call: msg.CoreCall) -> Any:
         engine = self.engine
-        if isinstance(call, AddRequest):
+        if isinstance(call, msg.AddRequest):
             engine.add(call.request)  # the Request lives here now; the front end needs nothing back
             return None
-        if isinstance(call, AbortRequest):
+        if isinstance(call, msg.AbortRequest):
             return engine.abort(call.request_id)
-        if isinstance(call, GetStats):
+        if isinstance(call, msg.GetStats):
             return DecoderStats(engine.stats(), engine.source.stats())
         raise TypeError(f"unknown engine core call {type(call).__name__}")
 
@@ -103,13 +90,13 @@ class EngineCore:
             return
         while True:
             message = self.conn.recv()  # EOFError: the front end is gone
-            if isinstance(message, Close):
+            if isinstance(message, msg.Close):
                 self._closed = True
                 return
             try:
-                reply = Reply(message.token, True, self._call(message))
+                reply = msg.Reply(message.token, True, self._call(message))
             except Exception as exc:  # noqa: BLE001 - the caller's error (a duplicate id, a full queue)
-                reply = Reply(message.token, False, exc)
+                reply = msg.Reply(message.token, False, exc)
             self.conn.send(reply)
             if not self.conn.poll(0):
                 return
@@ -131,7 +118,7 @@ class EngineCore:
             outputs = engine.step()
             progressed = engine.last_step_num_tokens > 0 or bool(outputs)
             if outputs:
-                self.conn.send(StepOutputs(outputs, time.perf_counter() - started))
+                self.conn.send(msg.StepOutputs(outputs, time.perf_counter() - started))
 
 
 def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecurity) -> None:
@@ -141,20 +128,21 @@ def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecuri
     try:
         engine = build_engine(config, encoder_link)
     except CheckpointError as exc:  # a configuration we cannot serve: one line, exit 2
-        conn.send(StartRefused(f"--model: {config.engine.model}: {exc}"))
+        conn.send(msg.StartRefused(f"--model: {config.engine.model}: {exc}"))
         return
     except BaseException:  # noqa: BLE001 - reported to the front end, which exits with it
-        conn.send(StartFailed(traceback.format_exc()))
+        conn.send(msg.StartFailed(traceback.format_exc()))
         return
     try:
         try:
             warm_up(engine)
         except InvalidRequestError as exc:
-            conn.send(StartRefused(f"the warm-up request does not fit: {exc}; give more --num-kv-blocks "
+            conn.send(msg.StartRefused(f"the warm-up request does not fit: {exc}; give more --num-kv-blocks "
                                    "or --kv-cache-bytes, or a smaller --max-tokens-default"))
             return
         spec = engine.kv_spec
-        conn.send(Ready(CoreInfo(spec.num_blocks * spec.block_size, spec.num_blocks, spec.block_size)))
+        info = msg.CoreInfo(spec.num_blocks * spec.block_size, spec.num_blocks, spec.block_size)
+        conn.send(msg.Ready(info))
         try:
             EngineCore(engine, conn).run()
         except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -162,7 +150,7 @@ def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecuri
         except BaseException as exc:
             log.exception("engine core died")
             try:
-                conn.send(Died(f"{type(exc).__name__}: {exc}"))
+                conn.send(msg.Died(f"{type(exc).__name__}: {exc}"))
             finally:
                 raise SystemExit(1) from None
     finally:
