@@ -88,6 +88,7 @@ RUN set -eu; \
     if [ "$OFFLINE" = 1 ]; then set -- --no-index --find-links /wheelhouse; else set -- --find-links /wheelhouse; fi; \
     /opt/mmserve/bin/pip wheel "$@" --no-deps --wheel-dir /tmp/dist /src; \
     /opt/mmserve/bin/pip install --no-deps --target /opt/mmserve-app /tmp/dist/mmserve-*.whl; \
+    cp -r /src/bench /opt/mmserve-app/bench; \
     /opt/mmserve-app/bin/mmserve --help >/dev/null
 
 # ---------------------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> dict:
         opener = gzip.open if trace_path.suffix == ".gz" else open
         with opener(trace_path, "rt") as f:
             result = analyze(json.load(f), embedding_bytes)
-        result["transports"] = dict(source.snapshot().embedding_transports)
+        result["transports"] = dict(source.stats().embedding_transports)
         result["trace"] = str(trace_path)
     finally:
         source.close()

@@ -48,7 +48,8 @@ from common.client import new_lease_owner
 from common.hashing import hash_algorithm, hash_image
 from common.images import ImageLimits, decode_image
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
-from encoder_svc.decode_pool import DecodePool, decode_and_hash
+from encoder_svc.decode_pool import DecodePool
+from encoder_svc.decoded_image import decode_and_hash
 
 MAX_MESSAGE = 64 << 20
 TRANSPORTS = {"inline": common_pb2.TRANSPORT_INLINE, "shm": common_pb2.TRANSPORT_SHM,

@@ -14,13 +14,10 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import json
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from common.arg_types import (  # noqa: F401 - the argparse types, re-exported for the commands
     dtype_name,
@@ -31,9 +28,8 @@ from common.arg_types import (  # noqa: F401 - the argparse types, re-exported f
     positive_float,
     positive_int,
 )
-
-if TYPE_CHECKING:
-    from common.server import GrpcService
+from common.errors import UsageError
+from common.startup import report_usage_error
 
 # Subcommands whose arguments belong to another module: (module, what to call with argv).
 _DELEGATED = {
@@ -43,27 +39,6 @@ _DELEGATED = {
     "gateway": "gateway.main",
     "bench": "bench.serve",
 }
-
-
-class UsageError(Exception):
-    """A user error found after parsing (a port in use, a cache too small): one line on stderr, exit 2."""
-
-
-def report_usage_error(prog: str, exc: BaseException) -> int:
-    """Print `prog: error: message` (argparse's form) and return the usage exit code, 2."""
-    print(f"{prog}: error: {exc}", file=sys.stderr)
-    return 2
-
-
-def resolve_model_arg(args: argparse.Namespace) -> None:
-    """Replace args.model (a directory or a Hub id, with args.revision) by its local checkpoint
-    directory, downloading a Hub model unless HF_HUB_OFFLINE=1; UsageError (one line) when it cannot."""
-    from common.hub import ModelNotFoundError, resolve_model
-
-    try:
-        args.model = str(resolve_model(args.model, getattr(args, "revision", None)))
-    except ModelNotFoundError as exc:
-        raise UsageError(f"--model: {exc}") from None
 
 
 def image_arg(text: str) -> str:
@@ -96,49 +71,6 @@ def preset_name(text: str) -> str:
         names = ", ".join(preset_names())
         raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose one of {names}")
     return text
-
-
-def check_port_free(host: str, port: int, option: str = "--port") -> None:
-    """Raise UsageError when host:port cannot be listened on (port 0 picks a free one: no check).
-
-    Services call this before loading a model, so a busy port fails in a second, not after the load
-    (start_listening still catches one taken in between). The probe sets SO_REUSEADDR, as servers do,
-    so that sockets in TIME_WAIT from a previous run do not count; a listening socket still refuses it.
-    """
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise UsageError(f"--host {host}: {exc.strerror}") from None
-    errors: list[OSError] = []
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                errors.append(exc)
-    busy = [e for e in errors if e.errno == errno.EADDRINUSE]
-    if busy:
-        raise UsageError(f"{option} {port}: {host}:{port} is already in use")
-    if errors and len(errors) == len(infos):  # e.g. a privileged port, or an address not on this host
-        raise UsageError(f"{option} {port}: cannot listen on {host}:{port}: {errors[0].strerror}")
-
-
-async def start_listening(service: GrpcService) -> int:
-    """service.start(), with a port taken since check_port_free (a race) raised as a UsageError."""
-    try:
-        return await service.start()
-    except (RuntimeError, OSError) as exc:
-        # grpc raises RuntimeError("Failed to bind ...") (GrpcService.start raises OSError when an older
-        # grpc returns port 0), prometheus OSError(EADDRINUSE); another RuntimeError is a bug: re-raised.
-        if isinstance(exc, RuntimeError) and "bind" not in str(exc).lower():
-            raise
-        await service.stop(0)  # the gRPC port may be up when the metrics port failed
-        metrics = f", metrics port {service.metrics_port}" if service.metrics_port is not None else ""
-        reason = str(exc).split(";")[0]  # grpc's message goes on about GRPC_VERBOSITY
-        raise UsageError(f"cannot listen on {service.host}:{service.port}{metrics}: {reason}") from None
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -292,7 +224,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         import importlib
         import inspect
 
-        module = importlib.import_module(_DELEGATED[argv[0]])
+        try:
+            module = importlib.import_module(_DELEGATED[argv[0]])
+        except ModuleNotFoundError as exc:
+            if exc.name != "bench":
+                raise
+            # bench/ is not in the installed package (pyproject.toml): it runs from a source checkout.
+            return report_usage_error(f"mmserve {argv[0]}", UsageError(
+                "the benchmarks are not installed; run `mmserve bench` (or python -m bench.serve) from a "
+                "source checkout of mmserve"))
         if hasattr(module, "main"):
             return int(module.main(argv[1:]) or 0)
         result = module.run(module.build_arg_parser().parse_args(argv[1:]))
@@ -311,8 +251,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Through the imported module: `python -m common.cli` would otherwise define a second UsageError
-    # class that the other modules' errors are not instances of.
-    from common.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -142,3 +143,14 @@ class ServiceOptions:
 
     def __post_init__(self) -> None:
         check_options(self)
+
+
+def add_print_config(parser: argparse.ArgumentParser) -> None:
+    """The `--print-config` switch: print the effective configuration as JSON and exit."""
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective configuration (defaults filled in) as JSON and exit")
+
+
+def config_json(config: Any) -> str:
+    """The config tree as indented JSON (paths as strings)."""
+    return json.dumps(dataclasses.asdict(config), indent=2, default=str)

@@ -1,10 +1,9 @@
 """Wrapping every RPC handler once, where it is registered, instead of with server interceptors.
 
 A `grpc.aio` server interceptor runs on every call: a chain of Python coroutines that looks the handler
-up again and hands it back. Measured on the encoder (H200, 64 clients, two RPCs per image), the two
-interceptors' dispatch was the largest single item of Python time on the event loop after gRPC itself.
-The wrappers they applied were already cached per handler, so the same wrapping done once at
-registration gives every call the same behaviour without the dispatch.
+up again and hands it back, on the event loop's time (BENCHMARKS.md has the profile). The wrappers are
+the same for every call of a handler, so wrapping once at registration gives every call the same
+behaviour without the dispatch.
 """
 
 from __future__ import annotations

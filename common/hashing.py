@@ -22,6 +22,19 @@ DIGEST_SIZE = 32
 _DOMAIN = b"mmserve.image.v1"
 
 
+# The longest cache_salt either service takes, in UTF-8 bytes: a tenant key, not a payload (it is hashed
+# with every image and stored with every cache entry).
+MAX_CACHE_SALT_BYTES = 256
+
+
+def check_cache_salt(salt: str) -> str | None:
+    """Why `salt` is refused (a message for the client), or None when it is fine."""
+    size = len(salt.encode())
+    if size > MAX_CACHE_SALT_BYTES:
+        return f"cache_salt is {size} bytes; the limit is {MAX_CACHE_SALT_BYTES}"
+    return None
+
+
 def _hasher():
     return _blake3() if _blake3 is not None else hashlib.sha256()
 

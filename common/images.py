@@ -11,12 +11,13 @@ from PIL import Image
 
 from common.arg_types import positive_int
 from common.config import option
+from common.errors import InvalidInputError
 
 # Pillow's own decompression-bomb guard: past this many pixels, open() raises.
 Image.MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
 
-class ImageError(ValueError):
+class ImageError(InvalidInputError):
     """An image that cannot be used; the message says why."""
 
 

@@ -16,16 +16,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.cli import (
-    UsageError,
-    check_port_free,
-    dtype_name,
-    int_in_range,
-    model_dir,
-    positive_float,
-    report_usage_error,
-)
+from common.arg_types import dtype_name, int_in_range, model_dir, positive_float
+from common.errors import UsageError
 from common.health import wait_until_serving
+from common.startup import check_port_free, report_usage_error
 from gateway.health import wait_until_http_healthy
 
 RANDOM_WEIGHTS_NOTE = (

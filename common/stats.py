@@ -67,6 +67,7 @@ def to_message(record: Any, message_cls: type) -> Any:
 
 
 def summary(record: Any, names: tuple[str, ...]) -> str:
-    """`name=value` for the given fields, for a log line."""
+    """`name=value` for the given fields that the record has (a part it runs without has none), for a
+    log line."""
     values = as_dict(record)
-    return " ".join(f"{name}={values[name]}" for name in names)
+    return " ".join(f"{name}={values[name]}" for name in names if name in values)

@@ -1,14 +1,13 @@
 """The front end's side of the engine core (engine_core.py): start it, call it, receive its outputs.
 
-The core runs in a child process; this client owns the pipe to it. Calls (`add`, `abort`, `stats`) are
-awaited from asyncio; a sender thread writes them, so a large request (image bytes) never blocks the
-event loop. A reader thread receives each step's outputs and hands them to the streams' asyncio queues,
-one event-loop wake-up per step.
+The core runs in a child process; this client owns the pipe to it and speaks core_protocol.py. Calls
+(`add`, `abort`, `stats`) are awaited from asyncio; a sender thread writes them, so a large request
+(image bytes) never blocks the event loop. A reader thread receives each step's outputs and hands them
+to the streams' asyncio queues, one event-loop wake-up per step.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import logging
@@ -18,8 +17,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from common.errors import UnavailableError
+from common.security.options import ClientSecurity
+from decoder_svc import core_protocol as msg
+from decoder_svc.config import DecoderConfig
 from decoder_svc.engine.output_processor import RequestOutput
-from decoder_svc.engine_core import CoreInfo, run_core
+from decoder_svc.engine.request import Request
+from decoder_svc.engine_core import run_core
 from decoder_svc.stats import DecoderStats
 
 log = logging.getLogger("mmserve.decoder.core_client")
@@ -35,7 +39,7 @@ class CoreUsageError(CoreStartError):
     """The core refused its options (e.g. a KV cache too small for one request)."""
 
 
-class CoreDeadError(RuntimeError):
+class CoreDeadError(UnavailableError):
     """The core is gone; no call can be answered."""
 
 
@@ -47,27 +51,29 @@ def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 class EngineCoreClient:
     """Starts the engine core process and bridges it to asyncio."""
 
-    def __init__(self, args: argparse.Namespace,
+    def __init__(self, config: DecoderConfig, encoder_link: ClientSecurity | None = None,
                  on_step: Callable[[list[RequestOutput], float], None] | None = None) -> None:
-        # The core needs the engine's and the encoder link's options, not the server's credentials.
-        self._args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "security"})
+        """A client of a core (not started yet) that runs `config` and reaches the encoders with
+        `encoder_link`'s TLS and token; `on_step(outputs, seconds)` is called on the reader thread after
+        each step that produced outputs."""
         self._on_step = on_step
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked; a clean interpreter
         self._conn, child_conn = ctx.Pipe()
-        self._process = ctx.Process(target=run_core, args=(child_conn, self._args), name="engine-core",
+        link = encoder_link or ClientSecurity()
+        self._process = ctx.Process(target=run_core, args=(child_conn, config, link), name="engine-core",
                                     daemon=True)
         self._child_conn = child_conn
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._streams_lock = threading.Lock()
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._tokens = itertools.count()
-        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[msg.CoreCall | msg.Close | None] = queue.SimpleQueue()
         self._stopping = False
         self.error: str | None = None
-        self.info: CoreInfo | None = None
+        self.info: msg.CoreInfo | None = None
 
     # -- life ------------------------------------------------------------------------------------
-    def start(self) -> CoreInfo:
+    def start(self) -> msg.CoreInfo:
         """Start the core and wait (blocking) until it is loaded and warm; raises CoreStartError."""
         self._process.start()
         self._child_conn.close()  # ours is the only other end: EOF when the core exits
@@ -75,20 +81,20 @@ class EngineCoreClient:
             if not self._process.is_alive():
                 raise CoreStartError(f"the engine core exited with code {self._process.exitcode} "
                                      "before it was ready (its log is above)")
-        kind, payload = self._conn.recv()
-        if kind == "usage":
-            raise CoreUsageError(payload)
-        if kind != "ready":
-            raise CoreStartError(f"the engine core could not start:\n{payload}")
-        self.info = payload
+        message = self._conn.recv()
+        if isinstance(message, msg.StartRefused):
+            raise CoreUsageError(message.message)
+        if not isinstance(message, msg.Ready):
+            raise CoreStartError(f"the engine core could not start:\n{message.traceback}")
+        self.info = message.info
         threading.Thread(target=self._read, name="core-reader", daemon=True).start()
         threading.Thread(target=self._send, name="core-sender", daemon=True).start()
-        return payload
+        return message.info
 
     def stop(self, timeout: float = 10.0) -> None:
         """Tell the core to close and wait for it; kill it if it does not go."""
         self._stopping = True
-        self._outbox.put(("close",))
+        self._outbox.put(msg.Close())
         self._outbox.put(None)
         self._process.join(timeout)
         if self._process.is_alive():
@@ -97,27 +103,27 @@ class EngineCoreClient:
             self._process.join(5)
 
     # -- calls -----------------------------------------------------------------------------------
-    async def call(self, name: str, *args: Any) -> Any:
-        """Run engine.<name>(*args) on the core and return its answer (its exception is raised here)."""
+    async def _call(self, make: Callable[[int], msg.CoreCall]) -> Any:
+        """Send make(token) to the core and return its answer (its exception is raised here)."""
         if self.error is not None:
             raise CoreDeadError(f"engine core died: {self.error}")
         token = next(self._tokens)
         future = asyncio.get_running_loop().create_future()
         self._calls[token] = (asyncio.get_running_loop(), future)
-        self._outbox.put(("call", token, name, args))
+        self._outbox.put(make(token))
         return await future
 
-    async def add(self, request) -> None:
+    async def add(self, request: Request) -> None:
         """Queue a Request made by the InputProcessor."""
-        await self.call("add", request)
+        await self._call(lambda token: msg.AddRequest(token, request))
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request; its ABORT output follows on its stream."""
-        return await self.call("abort", request_id)
+        return await self._call(lambda token: msg.AbortRequest(token, request_id))
 
     async def stats(self) -> DecoderStats:
         """The engine's and the embedding source's counters."""
-        return await self.call("stats")
+        return await self._call(msg.GetStats)
 
     # -- streams ---------------------------------------------------------------------------------
     def open_stream(self, request_id: str) -> asyncio.Queue:
@@ -151,8 +157,8 @@ class EngineCoreClient:
             try:
                 self._conn.send(message)
             except (OSError, ValueError) as exc:  # the core is gone: the reader reports it
-                if message[0] == "call":
-                    self._answer(message[1], False, CoreDeadError(f"engine core unreachable: {exc}"))
+                if not isinstance(message, msg.Close):
+                    self._answer(message.token, False, CoreDeadError(f"engine core unreachable: {exc}"))
 
     def _answer(self, token: int, ok: bool, value: Any) -> None:
         entry = self._calls.pop(token, None)
@@ -182,15 +188,14 @@ class EngineCoreClient:
         try:
             while True:
                 message = self._conn.recv()
-                kind = message[0]
-                if kind == "outputs":
-                    self._deliver(message[1])
+                if isinstance(message, msg.StepOutputs):
+                    self._deliver(message.outputs)
                     if self._on_step is not None:
-                        self._on_step(message[1], message[2])
-                elif kind == "reply":
-                    self._answer(message[1], message[2], message[3])
-                elif kind == "died":
-                    reason = message[1]
+                        self._on_step(message.outputs, message.step_seconds)
+                elif isinstance(message, msg.Reply):
+                    self._answer(message.token, message.ok, message.value)
+                elif isinstance(message, msg.Died):
+                    reason = message.message
                     break
         except (EOFError, OSError):
             if self._stopping:

@@ -1,37 +1,29 @@
 """The engine core: the LLMEngine stepping in a process of its own, away from the gRPC front end.
 
-Why a process: with the engine on a thread beside the grpc.aio server, every token's delivery,
-detokenization and protobuf work took the GIL from the engine between its steps, and the GPU waited
-(measured on the H200: served decode at 0.83x the in-process engine at 8 streams, 0.71x at 32). In its
-own process the core's only serving work is one pickled message of outputs per step.
+Why a process: on a thread beside the grpc.aio server, every token's delivery, detokenization and
+protobuf work takes the GIL from the engine between its steps, and the GPU waits (BENCHMARKS.md has the
+measurements). In its own process the core's only serving work is one pickled message of outputs per
+step.
 
-The front end (core_client.EngineCoreClient) talks to it over one multiprocessing pipe:
-
-- front end -> core: ("call", token, name, args) for `add`, `abort` and `stats`, answered by
-  ("reply", token, ok, value); ("close",) to stop.
-- core -> front end: ("ready", CoreInfo) once loaded and warmed up, or ("usage", message) when the
-  options leave no room for a request, or ("failed", traceback) when it could not start; then
-  ("outputs", [RequestOutput], step_seconds) after each step that produced any, and ("died", message)
-  if the engine fails in a way it cannot absorb (the process then exits 1).
-
-The core stops when told, or when the pipe breaks (the front end is gone): it never outlives it.
+The front end (core_client.EngineCoreClient) talks to it over one multiprocessing pipe, in the messages
+of core_protocol.py. The core stops when told, or when the pipe breaks (the front end is gone): it never
+outlives it.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import signal
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from common.checkpoint import CheckpointError
-from common.config import from_args
+from common.security.options import ClientSecurity
 from common.server import configure_logging
+from decoder_svc import core_protocol as msg
 from decoder_svc.config import DecoderConfig
 from decoder_svc.engine.config import EngineConfig
 from decoder_svc.engine.engine import LLMEngine
@@ -44,35 +36,23 @@ _IDLE_WAIT_S = 0.5       # nothing to do: sleep until a command arrives
 _WAITING_POLL_S = 0.002  # requests wait on the encoder: poll again soon, without spinning a core
 
 
-@dataclass(frozen=True)
-class CoreInfo:
-    """What the front end needs to know of a started core."""
-
-    kv_capacity_tokens: int
-    num_kv_blocks: int
-    block_size: int
+def engine_config(config: DecoderConfig) -> EngineConfig:
+    """The engine's configuration in the core: the front end detokenizes, the core only for stop
+    strings."""
+    return dataclasses.replace(config.engine, detokenize=False)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's configuration from the decoder's command line; the front end detokenizes, the
-    core only for stop strings."""
-    return dataclasses.replace(from_args(DecoderConfig, args).engine, detokenize=False)
-
-
-def build_engine(args: argparse.Namespace) -> LLMEngine:
-    """The engine with a remote embedding source over the given encoders."""
-    from common.security.options import client_security_from_args
+def build_engine(config: DecoderConfig, encoder_link: ClientSecurity) -> LLMEngine:
+    """The engine with a remote embedding source over the configured encoders."""
     from decoder_svc.encoders.discovery import EncoderPool, GrpcHealthCheck
     from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 
-    config = from_args(DecoderConfig, args)
-    link = client_security_from_args(args, prefix="encoder-")  # TLS and token of the encoder link
     pool = EncoderPool(config.encoders.addresses, interval_s=config.encoders.resolve_interval_s,
-                       health_check=GrpcHealthCheck(tls=link.tls))
+                       health_check=GrpcHealthCheck(tls=encoder_link.tls))
     source = RemoteEmbeddingSource(pool, device=config.engine.device,
                                    retry=RetryPolicy(total_timeout_s=config.encoders.timeout_s),
-                                   tls=link.tls, token=link.token)
-    return LLMEngine(dataclasses.replace(config.engine, detokenize=False), embedding_source=source)
+                                   tls=encoder_link.tls, token=encoder_link.token)
+    return LLMEngine(engine_config(config), embedding_source=source)
 
 
 def warm_up(engine: LLMEngine) -> None:
@@ -94,33 +74,29 @@ class EngineCore:
         self.conn = conn
         self._closed = False
 
-    def _call(self, name: str, args: tuple) -> Any:
+    def _call(self, call: msg.CoreCall) -> Any:
         engine = self.engine
-        if name == "add":
-            engine.add(*args)  # the Request lives here now; the front end needs nothing back
+        if isinstance(call, msg.AddRequest):
+            engine.add(call.request)  # the Request lives here now; the front end needs nothing back
             return None
-        if name == "abort":
-            return engine.abort(*args)
-        if name == "stats":
-            snapshot = getattr(engine.source, "snapshot", None)
-            ring = getattr(engine.source, "ring", None)
-            return DecoderStats(engine.stats(), snapshot() if snapshot is not None else None,
-                                len(ring.members) if ring is not None else 0)
-        raise ValueError(f"unknown engine core call {name!r}")
+        if isinstance(call, msg.AbortRequest):
+            return engine.abort(call.request_id)
+        if isinstance(call, msg.GetStats):
+            return DecoderStats(engine.stats(), engine.source.stats())
+        raise TypeError(f"unknown engine core call {type(call).__name__}")
 
     def _run_commands(self, timeout: float) -> None:
         if not self.conn.poll(timeout):
             return
         while True:
             message = self.conn.recv()  # EOFError: the front end is gone
-            if message[0] == "close":
+            if isinstance(message, msg.Close):
                 self._closed = True
                 return
-            _, token, name, args = message
             try:
-                reply = ("reply", token, True, self._call(name, args))
+                reply = msg.Reply(message.token, True, self._call(message))
             except Exception as exc:  # noqa: BLE001 - the caller's error (a duplicate id, a full queue)
-                reply = ("reply", token, False, exc)
+                reply = msg.Reply(message.token, False, exc)
             self.conn.send(reply)
             if not self.conn.poll(0):
                 return
@@ -142,30 +118,31 @@ class EngineCore:
             outputs = engine.step()
             progressed = engine.last_step_num_tokens > 0 or bool(outputs)
             if outputs:
-                self.conn.send(("outputs", outputs, time.perf_counter() - started))
+                self.conn.send(msg.StepOutputs(outputs, time.perf_counter() - started))
 
 
-def run_core(conn: Connection, args: argparse.Namespace) -> None:
+def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecurity) -> None:
     """The core process's entry point (multiprocessing target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
-    configure_logging(args.log_level)
+    configure_logging(config.service.log_level)
     try:
-        engine = build_engine(args)
+        engine = build_engine(config, encoder_link)
     except CheckpointError as exc:  # a configuration we cannot serve: one line, exit 2
-        conn.send(("usage", f"--model: {args.model}: {exc}"))
+        conn.send(msg.StartRefused(f"--model: {config.engine.model}: {exc}"))
         return
     except BaseException:  # noqa: BLE001 - reported to the front end, which exits with it
-        conn.send(("failed", traceback.format_exc()))
+        conn.send(msg.StartFailed(traceback.format_exc()))
         return
     try:
         try:
             warm_up(engine)
         except InvalidRequestError as exc:
-            conn.send(("usage", f"the warm-up request does not fit: {exc}; give more --num-kv-blocks or "
-                                "--kv-cache-bytes, or a smaller --max-tokens-default"))
+            conn.send(msg.StartRefused(f"the warm-up request does not fit: {exc}; give more --num-kv-blocks "
+                                   "or --kv-cache-bytes, or a smaller --max-tokens-default"))
             return
         spec = engine.kv_spec
-        conn.send(("ready", CoreInfo(spec.num_blocks * spec.block_size, spec.num_blocks, spec.block_size)))
+        info = msg.CoreInfo(spec.num_blocks * spec.block_size, spec.num_blocks, spec.block_size)
+        conn.send(msg.Ready(info))
         try:
             EngineCore(engine, conn).run()
         except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -173,7 +150,7 @@ def run_core(conn: Connection, args: argparse.Namespace) -> None:
         except BaseException as exc:
             log.exception("engine core died")
             try:
-                conn.send(("died", f"{type(exc).__name__}: {exc}"))
+                conn.send(msg.Died(f"{type(exc).__name__}: {exc}"))
             finally:
                 raise SystemExit(1) from None
     finally:

@@ -9,16 +9,20 @@ import time
 from collections.abc import Sequence
 
 from common import event_loop
-from common.cli import UsageError, check_port_free, report_usage_error, resolve_model_arg, start_listening
-from common.config import add_options, from_args
+from common.config import add_options, add_print_config, config_json, from_args
+from common.errors import UsageError
 from common.pb import decoder_pb2_grpc
 from common.security.options import (
+    ClientSecurity,
+    ServerSecurity,
     add_client_args,
     add_server_args,
     client_security_from_args,
     server_security_from_args,
 )
 from common.server import GrpcService, configure_logging
+from common.startup import check_port_free, report_usage_error, resolve_checkpoint, start_listening
+from decoder_svc.config import DecoderConfig
 
 log = logging.getLogger("mmserve.decoder")
 _STATS_LOG_INTERVAL_S = 10.0  # the stats line is logged at most this often, and only when it changed
@@ -26,18 +30,18 @@ _STATS_LOG_INTERVAL_S = 10.0  # the stats line is logged at most this often, and
 
 def build_arg_parser() -> argparse.ArgumentParser:
     """The decoder's command-line options: DecoderConfig's fields, then the security flags."""
-    from decoder_svc.config import DecoderConfig
-
     p = argparse.ArgumentParser(prog="mmserve decoder", description="LLaVA decoder service")
     add_options(p, DecoderConfig)
     add_server_args(p)
     add_client_args(p, prefix="encoder-", what="the encoders")
+    add_print_config(p)
     return p
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(config: DecoderConfig, security: ServerSecurity | None = None,
+                encoder_link: ClientSecurity | None = None) -> None:
     """Start the engine core, bind, wait until it is warm, report SERVING, run until SIGTERM/SIGINT,
-    then shut down cleanly."""
+    then shut down cleanly. `security` is the server's TLS and auth, `encoder_link` the encoders'."""
     from decoder_svc.core_client import CoreUsageError, EngineCoreClient
     from decoder_svc.engine.input_processor import InputProcessor
     from decoder_svc.engine_core import engine_config
@@ -45,15 +49,16 @@ async def serve(args: argparse.Namespace) -> None:
     from decoder_svc.server import SERVICE_NAME, DecoderServicer
 
     metrics = DecoderMetrics()
-    core = EngineCoreClient(args, on_step=lambda outputs, seconds: metrics.step_seconds.observe(seconds))
+    core = EngineCoreClient(config, encoder_link,
+                            on_step=lambda outputs, seconds: metrics.step_seconds.observe(seconds))
     try:
         info = await asyncio.to_thread(core.start)  # loads the model and warms up: minutes on a GPU
     except CoreUsageError as exc:
         raise UsageError(str(exc)) from None
-    inputs = await asyncio.to_thread(InputProcessor.for_model, engine_config(args), info.kv_capacity_tokens)
+    inputs = await asyncio.to_thread(InputProcessor.for_model, engine_config(config), info.kv_capacity_tokens)
     servicer = DecoderServicer(core, inputs, metrics)
-    service = GrpcService("decoder", args.host, args.port, args.metrics_port,
-                          security=getattr(args, "security", None))
+    service = GrpcService("decoder", config.service.host, config.port, config.service.metrics_port,
+                          security=security)
     service.add(decoder_pb2_grpc.add_DecoderServiceServicer_to_server, servicer, SERVICE_NAME)
     try:
         port = await start_listening(service)
@@ -81,8 +86,9 @@ async def serve(args: argparse.Namespace) -> None:
 
     refresher = asyncio.create_task(refresh_metrics())
     service.set_serving(True)
-    log.info("decoder ready on %s:%d (%s, %s, encoders %s, %s loop)", args.host, port, args.device,
-             args.dtype, ", ".join(args.encoder), event_loop.running_kind())
+    log.info("decoder ready on %s:%d (%s, %s, encoders %s, %s loop)", config.service.host, port,
+             config.engine.device, config.engine.dtype, ", ".join(config.encoders.addresses),
+             event_loop.running_kind())
 
     async def shutdown() -> None:
         refresher.cancel()
@@ -91,7 +97,7 @@ async def serve(args: argparse.Namespace) -> None:
             await asyncio.sleep(_DEATH_GRACE_S)
         await asyncio.to_thread(core.stop)
 
-    await service.wait(on_shutdown=shutdown, drain=servicer.drain, drain_timeout=args.drain_timeout)
+    await service.wait(on_shutdown=shutdown, drain=servicer.drain, drain_timeout=config.drain_timeout_s)
     if refresher.done() and not refresher.cancelled() and refresher.exception() is not None:
         raise refresher.exception()
 
@@ -106,28 +112,30 @@ _DEATH_GRACE_S = 1.0
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the decoder until a signal. Exit codes: 0 after a clean stop, 1 when the engine died (a
     restart policy should bring it back), 2 for a user error (one line on stderr, nothing loaded)."""
-    from decoder_svc.config import DecoderConfig
-
     parser = build_arg_parser()
     args = parser.parse_args(argv)
     try:
-        from_args(DecoderConfig, args)  # the config's own checks, before anything loads
+        config = from_args(DecoderConfig, args)  # the config's own checks, before anything loads
     except ValueError as exc:
         parser.error(str(exc))
-    configure_logging(args.log_level)
+    if args.print_config:
+        print(config_json(config))
+        return 0
+    configure_logging(config.service.log_level)
     try:
         # Before the model loads: a busy port fails now, not after the load.
-        args.security = server_security_from_args(args)
+        security = server_security_from_args(args)
         try:
             event_loop.loop_kind()  # $MMSERVE_EVENT_LOOP: a bad value is a usage error, now
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        client_security_from_args(args, prefix="encoder-")  # unreadable files: a usage error, now
-        check_port_free(args.host, args.port)
-        if args.metrics_port is not None:
-            check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
-        resolve_model_arg(args)  # after the port checks: a download can take minutes
-        event_loop.run(serve(args))
+        encoder_link = client_security_from_args(args, prefix="encoder-")  # unreadable files: now
+        check_port_free(config.service.host, config.port)
+        if config.service.metrics_port is not None:
+            check_port_free(security.metrics_host, config.service.metrics_port, "--metrics-port")
+        # After the port checks: a download can take minutes.
+        config.engine.model = resolve_checkpoint(config.engine.model, config.service.revision)
+        event_loop.run(serve(config, security, encoder_link))
     except KeyboardInterrupt:
         pass
     except UsageError as exc:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.errors import InvalidInputError, ServiceError, invalid_argument, resource_exhausted
+from common.errors import InvalidInputError, ServiceError, as_service_error
 from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from common.stats import to_message
 from decoder_svc.core_client import CoreDeadError, EngineCoreClient
@@ -37,7 +37,7 @@ _SHUTTING_DOWN = "decoder shutting down: the drain timeout ended this request"
 
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
-    """Generate and GetStats over an EngineLoop."""
+    """Generate and GetStats over the engine core (core_client.EngineCoreClient)."""
 
     def __init__(self, core: EngineCoreClient, inputs: InputProcessor,
                  metrics: DecoderMetrics | None = None) -> None:
@@ -63,12 +63,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 self.inputs.make_request, request_id, parsed.prompt, parsed.images,
                 messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt)
             await self.core.add(req)
-        except QueueFullError as exc:
-            raise resource_exhausted(str(exc)) from None
-        except InvalidInputError as exc:  # InvalidRequestError, PromptError: the client's mistake
-            raise invalid_argument(str(exc)) from None
         except CoreDeadError as exc:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"decoder engine unavailable: {exc}") from None
+            raise as_service_error(exc, "decoder engine unavailable: ") from None
+        except (QueueFullError, InvalidInputError) as exc:  # InvalidInputError: the client's mistake
+            raise as_service_error(exc) from None
 
     def _stream_detokenizer(self, sampling: SamplingParams) -> IncrementalDetokenizer | None:
         """The stream's own detokenizer; None when the core detokenizes (requests with stop strings,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.stats import stat, summary
+from common.stats import summary
 from decoder_svc.encoders.remote_source import RemoteSourceStats
 from decoder_svc.engine.engine import EngineStats
 
@@ -17,12 +17,10 @@ _LOGGED = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_ca
 
 @dataclass
 class DecoderStats:
-    """The engine's state and counters, its encoders' side, and the routing ring's size."""
+    """The engine's state and counters, and its encoders' side (with the routing ring's size)."""
 
     engine: EngineStats
     source: RemoteSourceStats | None = None  # None: an in-process source (tests)
-    encoders: int = stat("Encoder addresses in the routing ring (0: every image fails with UNAVAILABLE)",
-                         "gauge")
 
     def log_line(self) -> str:
         """The compact form for the service's log."""

@@ -5,5 +5,5 @@
 - `pixels.TorchPixelProcessor`: the checkpoint's image processor as torch ops (GPU preprocessing).
 - `worker.VisionWorker`: a preprocessing pool and one tower thread, demand before prefetch, batches
   per priority that follow the queue (CUDA streams).
-- `server.EncoderServicer`: the gRPC API; `main.run(args)` / `python -m encoder_svc` start it.
+- `server.EncoderServicer`: the gRPC API; `main.main(argv)` / `python -m encoder_svc` start it.
 """

@@ -11,7 +11,7 @@ On CUDA every entry carries its producer event (interprocess), recorded after th
 producer's stream; readers wait on it instead of the producer synchronising. A slice freed by
 eviction is only rewritten after the new writer's stream waits on the evicted entry's event.
 
-Tenant isolation (issue 13):
+Tenant isolation:
 
 - Salt scope. Every entry (and every production in flight) remembers the cache_salt it was made under.
   A key resolves only for a caller passing that same salt; for any other salt the entry behaves
@@ -40,11 +40,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.errors import CapacityError, UnavailableError
 from common.transport.arena import Arena, SliceAllocator
 from encoder_svc.defaults import DEFAULT_LEASE_TTL_S
 
 
-class CacheFullError(RuntimeError):
+class CacheFullError(CapacityError):
     """Every byte the item needs is leased: the caller gets RESOURCE_EXHAUSTED."""
 
 
@@ -56,7 +57,7 @@ class SaltClashError(RuntimeError):
     """A producer's key names an entry made under another salt: a content-hash collision."""
 
 
-class ShuttingDownError(RuntimeError):
+class ShuttingDownError(UnavailableError):
     """The encoder is stopping: the caller gets UNAVAILABLE and may retry elsewhere."""
 
 

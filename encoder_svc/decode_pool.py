@@ -1,14 +1,15 @@
-"""Image decode and content hash, in a pool of worker processes (or the server's threads).
+"""The pool of image-decode processes (decode_child.py) that runs `decode_and_hash` (decoded_image.py)
+off the server's interpreter.
 
 Every Encode that carries image bytes needs them decoded (Pillow), made RGB and hashed (the cache key)
-before the cache can be asked. That is about 1.5 ms of host work per 336px PNG, and much of it holds
-the GIL (Pillow's chunked decode loop, `tobytes`, the copies), so in threads it shares one interpreter
+before the cache can be asked. That is host work of the order of a millisecond per image, much of it
+holding the GIL (Pillow's chunked decode loop, `tobytes`, the copies), so in threads it shares one interpreter
 with gRPC, the cache and the vision worker. A pool of spawned processes does it off the server's
 interpreter.
 
 The pool is driven from the server's event loop, with no threads of its own: a `ProcessPoolExecutor`
-costs the server about 1.4 ms of CPU per image in its management and queue-feeder threads and their
-hand-offs (H200 host, 64 clients), as much as gRPC itself. Here each child has one socket pair; the
+costs the server as much CPU per image in its management and queue-feeder threads and their hand-offs
+as gRPC itself (BENCHMARKS.md). Here each child has one socket pair; the
 loop writes a small job message to it and reads the child's reply in a reader callback. The image
 travels through a shared-memory slot both ways: the loop copies the file bytes into a free slot, the
 child decodes them and writes the RGB pixels back into the same slot. The server takes the pixels in
@@ -16,9 +17,6 @@ place (`in_slot=True`) and the vision worker frees the slot once its preprocessi
 other callers get a copy. Slots are as large as /dev/shm allows (8 MiB down to 1 MiB); pixels larger
 than a slot come back in the reply itself, and a file larger than a slot is decoded in a thread. With
 every slot taken, a request waits for one (the pool's backpressure).
-
-`decode_and_hash` is the one function both paths run, so the hash is the same either way
-(common/hashing.py frames it; tests check pool against threads against `hash_image`).
 
 A child that dies (a crash in a decoder library, the OOM killer) is noticed at once (its socket
 closes) and replaced. Its images in flight are tried once more on the other processes; one that kills
@@ -33,11 +31,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import mmap
 import multiprocessing
 import os
 import pickle
-import struct
 import threading
 import time
 import weakref
@@ -45,164 +41,27 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from PIL import Image
 
-from common.hashing import image_content_hash
-from common.images import ImageError, ImageLimits, decode_image
+from common.errors import UnavailableError
+from common.images import ImageLimits
+from encoder_svc.decode_child import (
+    DECODE,
+    DECODED,
+    FRAME,
+    PICKLED,
+    READ_BYTES,
+    child_main,
+    decode_job,
+)
+from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DecodedImage:
-    """A decoded RGB image and its content hash: what the cache is keyed by and the vision worker reads.
-
-    From `DecodePool.decode(..., in_slot=True)` the pixels are a view of the pool's shared-memory slot,
-    valid until `release()` (which gives the slot back; also done when the image is collected).
-    """
-
-    content_hash: str  # hex, as on the wire
-    width: int
-    height: int
-    pixels: bytes | memoryview  # RGB rows, exactly what `Image.tobytes()` gives (the hashed bytes)
-    slot: _SlotLease | None = field(default=None, compare=False, repr=False)
-
-    mode = "RGB"
-
-    def release(self) -> None:
-        """Give the pixels' slot back to the pool (no-op for owned pixels; idempotent, any thread)."""
-        if self.slot is not None:
-            self.slot.release()
-
-    def to_pil(self) -> Image.Image:
-        """A PIL image over `pixels` (no copy; read-only)."""
-        return Image.frombuffer("RGB", (self.width, self.height), self.pixels, "raw", "RGB", 0, 1)
-
-    def array(self) -> np.ndarray:
-        """A read-only uint8 [H, W, 3] view of `pixels` (no copy)."""
-        return np.frombuffer(self.pixels, dtype=np.uint8).reshape(self.height, self.width, 3)
-
-
-def decode_and_hash(data: bytes, limits: ImageLimits, fingerprint: str, salt: str) -> DecodedImage:
-    """Decode an image file (limits checked; ImageError for a bad one) and hash its RGB pixels.
-
-    The pixels are read out once and hashed in place: the same digest as `hash_image` on the decoded
-    image, without its copies."""
-    image = decode_image(data, limits)
-    pixels = image.tobytes()
-    digest = image_content_hash(fingerprint, salt, image.mode, image.width, image.height, pixels)
-    return DecodedImage(digest.hex(), image.width, image.height, pixels)
-
-
-class DecodeWorkerDied(RuntimeError):
+class DecodeWorkerDied(UnavailableError):
     """A decode process died while it held this image (its caller may retry)."""
 
 
-# -- in the worker processes -----------------------------------------------------------------------
-
-_mapped: dict[str, mmap.mmap] = {}  # a child's mappings of its pool's slot segment, by path
-
-
-def _slot_view(path: str) -> mmap.mmap:
-    # Plain mmap, not multiprocessing.shared_memory: on Python < 3.13 attaching registers the segment
-    # with the resource tracker, which would unlink it when this child exits (common/transport/shm.py).
-    if path not in _mapped:
-        with open(path, "r+b") as f:
-            _mapped[path] = mmap.mmap(f.fileno(), 0)
-    return _mapped[path]
-
-
-def decode_in_slot(slot_path: str, offset: int, length: int, capacity: int, limits: ImageLimits,
-                   fingerprint: str, salt: str) -> DecodedImage:
-    """`decode_and_hash` of the file bytes at [offset, offset + length) of the slot segment, in a worker
-    process. Pixels that fit the slot are written over it and come back empty (the parent copies them
-    out); larger ones come back in the reply."""
-    view = _slot_view(slot_path)
-    decoded = decode_and_hash(view[offset:offset + length], limits, fingerprint, salt)
-    if len(decoded.pixels) > capacity:
-        return decoded
-    view[offset:offset + len(decoded.pixels)] = decoded.pixels
-    return DecodedImage(decoded.content_hash, decoded.width, decoded.height, b"")
-
-
-def _exit_with_parent(parent: int) -> None:
-    """Exit once the server is gone, even in the middle of a job (a SIGKILLed server cannot stop us)."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-# The socket protocol. Frames are multiprocessing's (a 4-byte big-endian length, then the payload), so
-# the child keeps its Connection; the server reads and writes the socket itself, from the event loop,
-# and parses every frame a read brings. A payload starts with a tag:
-# - DECODE: a decode job (job id, slot offset, file length, slot capacity, then fingerprint, salt and
-#   the slot segment's path), or its reply when the pixels are in the slot (job id, width, height, hex
-#   hash). Packed, not pickled: pickling these cost the server's loop more than the socket did.
-# - PICKLED: anything else, pickled: `run` jobs (job id, fn, args), their replies and failures (job id,
-#   ok, value), decodes whose pixels did not fit the slot, and the child's ("ready", pid).
-_FRAME = struct.Struct("!i")
-_MAX_FRAME_BYTES = (1 << 31) - (1 << 20)  # a reply's payload, with room for its fields
-_READ_BYTES = 1 << 18  # one read of a child's replies (a decode's is 85 bytes; pixels past a slot, MBs)
-_DECODE, _PICKLED = b"D", b"P"
-_DECODE_JOB = struct.Struct("<QQQQHHH")  # job id, offset, length, capacity, len(fingerprint, salt, path)
-_DECODED = struct.Struct("<QII64s")  # job id, width, height, hex content hash
-
-
-def _decode_job(job_id: int, offset: int, length: int, capacity: int, fingerprint: str, salt: str,
-                path: str) -> bytes:
-    texts = [t.encode() for t in (fingerprint, salt, path)]
-    return _DECODE + _DECODE_JOB.pack(job_id, offset, length, capacity, *map(len, texts)) + b"".join(texts)
-
-
-def _run_decode_job(payload: bytes, limits: ImageLimits) -> bytes:
-    """A decode job's reply payload (in the child)."""
-    job_id, offset, length, capacity, *sizes = _DECODE_JOB.unpack_from(payload, 1)
-    texts, at = [], 1 + _DECODE_JOB.size
-    for size in sizes:
-        texts.append(payload[at:at + size].decode())
-        at += size
-    fingerprint, salt, path = texts
-    try:
-        decoded = decode_in_slot(path, offset, length, capacity, limits, fingerprint, salt)
-    except Exception as exc:  # noqa: BLE001 - the server raises it for its caller
-        return _PICKLED + pickle.dumps((job_id, False, exc))
-    if decoded.pixels:  # larger than the slot: they travel in the reply
-        if len(decoded.pixels) > _MAX_FRAME_BYTES:  # the server's frames have a 31-bit length
-            return _PICKLED + pickle.dumps((job_id, False, ImageError(
-                f"{decoded.width}x{decoded.height} pixels are too many to hand over")))
-        return _PICKLED + pickle.dumps((job_id, True, decoded))
-    return _DECODE + _DECODED.pack(job_id, decoded.width, decoded.height, decoded.content_hash.encode())
-
-
-def _run_pickled_job(payload: bytes) -> bytes:
-    job_id, fn, args = pickle.loads(payload[1:])
-    try:
-        reply = (job_id, True, fn(*args))
-    except Exception as exc:  # noqa: BLE001 - the server raises it for its caller
-        reply = (job_id, False, exc)
-    return _PICKLED + pickle.dumps(reply)
-
-
-def _child_main(conn, parent: int, limits: ImageLimits) -> None:
-    """A decode process: answer job frames with reply frames until the server closes the socket."""
-    _exit_with_parent(parent)
-    conn.send_bytes(_PICKLED + pickle.dumps(("ready", os.getpid())))
-    while True:
-        try:
-            payload = conn.recv_bytes()
-        except (EOFError, OSError):
-            return
-        if payload[:1] == _DECODE:
-            conn.send_bytes(_run_decode_job(payload, limits))
-        else:
-            conn.send_bytes(_run_pickled_job(payload))
-
-
-# -- in the server -------------------------------------------------------------------------------
 
 class _SlotLease:
     """One slot held for a DecodedImage's pixels: given back once, by release() or when collected."""
@@ -238,8 +97,8 @@ class _Child:
 
 
 # Slot sizes tried, largest first: 8 MiB holds a 1080p image's pixels (6.2 MB). Pixels that do not fit
-# come back through the socket and cost the event loop about 4x more (a 1024x1024 JPEG: 2.6 against
-# 0.64 ms of the server's CPU, 1 MiB against 4 MiB slots). Pages of /dev/shm are only used once written.
+# come back through the socket and cost the event loop several times more (BENCHMARKS.md). Pages of
+# /dev/shm are only used once written.
 SLOT_SIZES = (8 << 20, 4 << 20, 2 << 20, 1 << 20)
 
 
@@ -262,7 +121,7 @@ class DecodePool:
     called from any thread.
     """
 
-    child_main = staticmethod(_child_main)  # what each process runs (tests substitute a broken one)
+    child_main = staticmethod(child_main)  # what each process runs (tests substitute a broken one)
 
     def __init__(self, processes: int, limits: ImageLimits = ImageLimits(), slot_bytes: int | None = None,
                  slots: int | None = None) -> None:
@@ -402,11 +261,11 @@ class DecodePool:
         child.jobs[job_id] = job
         job.sent_to = child
         if job.fn is None:
-            payload = _decode_job(job_id, job.slot * self.slot_bytes, len(job.data), self.slot_bytes,
+            payload = decode_job(job_id, job.slot * self.slot_bytes, len(job.data), self.slot_bytes,
                                   *job.args, self._slot_path)
         else:
-            payload = _PICKLED + pickle.dumps((job_id, job.fn, job.args))
-        frame = memoryview(_FRAME.pack(len(payload)) + payload)
+            payload = PICKLED + pickle.dumps((job_id, job.fn, job.args))
+        frame = memoryview(FRAME.pack(len(payload)) + payload)
         try:
             while frame:  # a job frame is small: the socket takes it at once
                 frame = frame[os.write(child.conn.fileno(), frame):]
@@ -416,7 +275,7 @@ class DecodePool:
     def _on_readable(self, child: _Child) -> None:
         """Every reply the child has sent so far: one read, then each whole frame in it."""
         try:
-            data = os.read(child.conn.fileno(), _READ_BYTES)
+            data = os.read(child.conn.fileno(), READ_BYTES)
         except BlockingIOError:
             return
         except OSError:
@@ -427,18 +286,18 @@ class DecodePool:
         inbox = child.inbox
         inbox += data
         at = 0
-        while len(inbox) - at >= _FRAME.size:
-            (size,) = _FRAME.unpack_from(inbox, at)
-            if len(inbox) - at - _FRAME.size < size:
+        while len(inbox) - at >= FRAME.size:
+            (size,) = FRAME.unpack_from(inbox, at)
+            if len(inbox) - at - FRAME.size < size:
                 break
-            payload = bytes(inbox[at + _FRAME.size:at + _FRAME.size + size])
-            at += _FRAME.size + size
+            payload = bytes(inbox[at + FRAME.size:at + FRAME.size + size])
+            at += FRAME.size + size
             self._on_reply(child, payload)
         del inbox[:at]
 
     def _on_reply(self, child: _Child, payload: bytes) -> None:
-        if payload[:1] == _DECODE:
-            job_id, width, height, digest = _DECODED.unpack_from(payload, 1)
+        if payload[:1] == DECODE:
+            job_id, width, height, digest = DECODED.unpack_from(payload, 1)
             ok, value = True, DecodedImage(digest.decode(), width, height, b"")
         else:
             reply = pickle.loads(payload[1:])

@@ -2,7 +2,7 @@
 
 `concurrent.futures.ThreadPoolExecutor` was measured doing worse here: each `submit` takes the pool's
 idle-semaphore lock, which its busy threads take too, and under load the event loop waited on it
-(H200, 64 clients: a tenth of the loop's time in `_adjust_thread_count`). Here a submit is one
+(`_adjust_thread_count` in the loop's profile, BENCHMARKS.md). Here a submit is one
 `SimpleQueue.put` (C, never blocks) and each task's completion is one lock that its waiter acquires.
 """
 

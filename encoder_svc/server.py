@@ -18,21 +18,21 @@ import functools
 import logging
 import time
 
-import grpc
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.checkpoint import parse_dtype
-from common.errors import ServiceError, invalid_argument, not_found, resource_exhausted, unavailable
-from common.hashing import is_content_hash
+from common.errors import ServiceError, as_service_error, invalid_argument, not_found, unavailable
+from common.hashing import check_cache_salt, is_content_hash
 from common.images import ImageError, ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.stats import to_message
-from common.transport.arena import Arena, TensorArena
+from common.transport.arena_factory import make_arena
 from common.vision.tower import VisionEncoder
-from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError, ShuttingDownError
+from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
-from encoder_svc.decode_pool import DecodedImage, DecodePool, DecodeWorkerDied, decode_and_hash
+from encoder_svc.decode_pool import DecodePool, DecodeWorkerDied
+from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 from encoder_svc.defaults import default_decode_processes
 from encoder_svc.future_bridge import FutureBridge
 from encoder_svc.metrics import EncoderMetrics
@@ -44,33 +44,6 @@ log = logging.getLogger("mmserve.encoder")
 
 SERVICE_NAME = "mmserve.v1.EncoderService"
 MAX_LEASE_OWNER_CHARS = 256  # it is stored with every lease: keep it small
-MAX_SALT_CHARS = 256
-
-
-def make_arena(kind: str, capacity: int, device: torch.device) -> Arena:
-    """The arena for a device: CUDA IPC on GPUs with cupy, /dev/shm on CPUs, else a private one."""
-    from common.transport.shm import ShmArena, shm_available, shm_free_bytes, sweep_stale_segments
-
-    if kind in ("auto", "shm") and shm_available():
-        sweep_stale_segments()  # a SIGKILLed encoder's segment still fills /dev/shm; its lock is free
-    if kind == "auto":
-        if device.type == "cuda":
-            from common.transport.cuda_ipc import cuda_ipc_available
-
-            kind = "cuda" if cuda_ipc_available() else "private"
-        elif shm_available() and shm_free_bytes() >= capacity:
-            kind = "shm"
-        else:
-            log.warning("no room for a %d-byte arena in /dev/shm: embeddings go inline only "
-                        "(give the container shm_size or ipc: host for zero-copy)", capacity)
-            kind = "private"
-    if kind == "cuda":
-        from common.transport.cuda_ipc import CudaArena
-
-        return CudaArena(capacity, device)
-    if kind == "shm":
-        return ShmArena(capacity)
-    return TensorArena(capacity, device)
 
 
 def _release_images(items) -> None:
@@ -95,9 +68,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     def __init__(self, vision: VisionEncoder, cache: EmbeddingCache, worker: VisionWorker,
                  limits: ImageLimits = ImageLimits(), registry: CollectorRegistry | None = REGISTRY,
-                 decoder: DecodePool | None = None) -> None:
+                 decode_pool: DecodePool | None = None) -> None:
         self.vision = vision
-        self.decoder = decoder  # None: decode and hash in a thread
+        self.decode_pool = decode_pool  # None: decode and hash in a thread
         self.cache = cache
         self.worker = worker
         self.limits = limits
@@ -128,8 +101,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         cache = EmbeddingCache(arena, config.lease_ttl_s)
         worker = VisionWorker(vision, cache, config.max_batch_images, config.preprocess_threads)
         processes = default_decode_processes() if config.decode_processes is None else config.decode_processes
-        decoder = DecodePool(processes, config.limits) if processes > 0 else None
-        return cls(vision, cache, worker, config.limits, registry, decoder)
+        decode_pool = DecodePool(processes, config.limits) if processes > 0 else None
+        return cls(vision, cache, worker, config.limits, registry, decode_pool)
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -159,9 +132,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     @staticmethod
     def _check_salt(salt: str) -> None:
-        # Stored with every entry: a tenant key, not a payload.
-        if len(salt) > MAX_SALT_CHARS:
-            raise invalid_argument(f"cache_salt is {len(salt)} characters; the limit is {MAX_SALT_CHARS}")
+        problem = check_cache_salt(salt)
+        if problem is not None:
+            raise invalid_argument(problem)
 
     @staticmethod
     def _hash_only(index: int, item) -> str:
@@ -184,7 +157,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             try:
                 decoded = decode_and_hash(item.data, self.limits, self.vision.fingerprint, salt)
             except ImageError as exc:
-                raise invalid_argument(f"image {i}: {exc}") from None
+                raise self._map_error(i, exc) from None
             out.append((decoded.content_hash, decoded))
         return out
 
@@ -199,7 +172,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 out[i] = (self._hash_only(i, item), None)
         # One image (the usual request) is awaited in place: a task per image costs the loop more.
         # Pixels stay in the pool's slots until the vision worker has read them (see _acquire).
-        decode = functools.partial(self.decoder.decode, fingerprint=self.vision.fingerprint, salt=salt,
+        decode = functools.partial(self.decode_pool.decode, fingerprint=self.vision.fingerprint, salt=salt,
                                    in_slot=True)
         tasks = {i: (decode(d) if len(data) == 1 else asyncio.ensure_future(decode(d)))
                  for i, d in data.items()}
@@ -207,10 +180,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             for i, task in tasks.items():
                 try:
                     decoded = await task
-                except ImageError as exc:
-                    raise invalid_argument(f"image {i}: {exc}") from None
-                except DecodeWorkerDied as exc:
-                    raise unavailable(f"image {i}: {exc}") from None
+                except (ImageError, DecodeWorkerDied) as exc:
+                    raise self._map_error(i, exc) from None
                 out[i] = (decoded.content_hash, decoded)
         except BaseException:
             _release_images(out)
@@ -228,7 +199,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         bytes; hash-only requests (the decoders' hit path) are checked in place, without a hop."""
         if all(item.WhichOneof("source") == "content_hash" for item in images):
             return self._decode_all(images, salt)
-        if self.decoder is not None:
+        if self.decode_pool is not None:
             return await self._decode_in_pool(images, salt)
         return await asyncio.to_thread(self._decode_all, images, salt)
 
@@ -240,12 +211,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             # A hash-only image (image None) never produces: it finds an entry of its own salt or none.
             fut, produce = self.cache.acquire(key, want_lease, self.vision.embedding_nbytes,
                                               produce=image is not None, salt=salt, owner=owner)
-        except CacheFullError as exc:
+        except (CacheFullError, SaltClashError) as exc:  # SaltClashError: only on a hash collision
             _release_images([(key, image)])
-            raise resource_exhausted(f"image {index}: {exc}") from None
-        except SaltClashError as exc:  # only on a hash collision
-            _release_images([(key, image)])
-            raise ServiceError(grpc.StatusCode.INTERNAL, f"image {index}: {exc}") from None
+            raise self._map_error(index, exc) from None
         if produce:
             self.worker.submit(key, image, priority)
             return fut
@@ -258,14 +226,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         return fut
 
     @staticmethod
-    def _map_error(index: int, exc: BaseException) -> BaseException:
+    def _map_error(index: int, exc: BaseException) -> ServiceError:
+        """The status for image `index`'s failure (a ServiceError raised here is already one)."""
         if isinstance(exc, ServiceError):
             return exc
-        if isinstance(exc, CacheFullError):
-            return resource_exhausted(f"image {index}: {exc}")
-        if isinstance(exc, ShuttingDownError):
-            return unavailable(f"image {index}: {exc}")
-        return ServiceError(grpc.StatusCode.INTERNAL, f"image {index}: {type(exc).__name__}: {exc}")
+        return as_service_error(exc, f"image {index}: ")
 
     def _inline_bytes(self, handle: Handle) -> bytes:
         """Copy an entry out (under its lease) for the inline transport; runs in a thread."""
@@ -348,7 +313,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     def stats(self) -> EncoderStats:
         """The service's stats record: the cache, the worker and the service's counters, read now."""
-        c, w = self.cache.stats(), self.worker
+        c, w, pool = self.cache.stats(), self.worker, self.decode_pool
         return EncoderStats(
             cache_bytes_used=c.bytes_used, cache_bytes_capacity=c.capacity, entries=c.entries, hits=c.hits,
             misses=c.misses, evictions=c.evictions, leased_bytes=c.leased_bytes,
@@ -356,8 +321,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             expired_leases=c.expired_leases, inflight_dedups=c.inflight_dedups, prefetches=self.prefetches,
             vision_batches=w.batches, queue_depth=w.queued(),
             cuda_graphs=int(getattr(self.vision, "graphs", None) is not None),
-            decode_processes=0 if self.decoder is None or self.decoder.disabled else len(self.decoder.pids),
-            decode_restarts=0 if self.decoder is None else self.decoder.restarts,
+            decode_processes=0 if pool is None or pool.disabled else len(pool.pids),
+            decode_restarts=0 if pool is None else pool.restarts,
             model_fingerprint=self.vision.fingerprint, device=str(self.vision.device))
 
     async def GetStats(self, request: common_pb2.StatsRequest, context) -> encoder_pb2.EncoderStats:
@@ -367,16 +332,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def warm_up(self) -> None:
         """Start the decode processes and run one dummy image through the tower, off the event loop."""
-        if self.decoder is not None:
-            await asyncio.to_thread(self.decoder.start)
-            self.decoder.listen()
+        if self.decode_pool is not None:
+            await asyncio.to_thread(self.decode_pool.start)
+            self.decode_pool.listen()
         await asyncio.to_thread(self.vision.warm_up)
 
     async def close(self) -> None:
         """Refuse new work, stop the worker, free the arena (unlinks the SHM segment)."""
         self._closing = True
         await asyncio.to_thread(self.worker.stop)
-        if self.decoder is not None:
-            await asyncio.to_thread(self.decoder.close)
+        if self.decode_pool is not None:
+            await asyncio.to_thread(self.decode_pool.close)
         self.cache.close()
         self.metrics.close()

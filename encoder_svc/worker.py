@@ -47,7 +47,7 @@ from PIL import Image
 from common.thread_names import set_native_thread_name
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import EmbeddingCache, ShuttingDownError
-from encoder_svc.decode_pool import DecodedImage
+from encoder_svc.decoded_image import DecodedImage
 from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
 from encoder_svc.prep_threads import PrepTask, PrepThreads
 
@@ -82,7 +82,7 @@ class VisionWorker:
         self.max_batch_images = max(1, max_batch_images)
         # A demand image that arrives while a prefetch batch runs waits for all of it: kernels already
         # launched are not preempted by the high-priority stream. Small prefetch batches bound that wait
-        # (H200, llava-1.5-7b: lookahead on/off 0.89x with 32-image prefetch batches, 0.98x with 8).
+        # (BENCHMARKS.md has lookahead on and off at both batch sizes).
         self.max_prefetch_batch = min(self.max_batch_images, MAX_PREFETCH_BATCH_IMAGES)
         threads = preprocess_threads or default_preprocess_threads()
         # One pool per priority: a demand image never queues behind a burst of prefetch images (both

@@ -1,4 +1,4 @@
-"""Errors in OpenAI's shape, with HTTP statuses mapped from gRPC status codes (API.md)."""
+"""Errors in OpenAI's shape, with HTTP statuses mapped from gRPC status codes (common/errors.py)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 
-# API.md's gateway mapping; any code not listed is a 500.
-HTTP_STATUS_OF_GRPC = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
+from common.errors import HTTP_STATUS_OF_GRPC
 
 # OpenAI's `error.type` for each status (what its own API and the SDKs' exception classes use).
 ERROR_TYPE_OF_STATUS = {

@@ -13,15 +13,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.cli import (
-    UsageError,
-    check_port_free,
-    model_dir,
-    port_number,
-    positive_float,
-    positive_int,
-    report_usage_error,
-)
+from common.arg_types import model_dir, port_number, positive_float, positive_int
+from common.errors import UsageError
+from common.startup import check_port_free, report_usage_error
 from gateway.config import GatewayConfig
 from gateway.images import ImageFetchPolicy
 

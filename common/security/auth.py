@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.errors import ServiceError
 from common.handler_wrapping import wrap_behavior
 from common.pb import common_pb2
 from common.security.identity import (
@@ -43,13 +44,8 @@ log = logging.getLogger("mmserve.security")
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # probes (Docker, Kubernetes) carry no token
 
 
-class AuthError(Exception):
+class AuthError(ServiceError):
     """A call that does not pass: its status code and a message safe to send back."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,6 @@ def current_tenant() -> str | None:
 
 
 def bind_call(principal: Principal, tenant: str | None) -> None:
-    """Record the caller for the rest of this RPC's task (the auth interceptor calls this)."""
+    """Record the caller for the rest of this RPC's task (the auth guard calls this)."""
     _current.set(principal)
     _acting_for.set(tenant)

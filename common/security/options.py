@@ -12,7 +12,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from common.cli import UsageError
+from common.errors import UsageError
 from common.security.auth import AuthPolicy
 from common.security.identity import valid_name
 from common.security.tls import ClientTls, ServerTls, TlsConfigError

@@ -1,6 +1,6 @@
 """Encoder discovery: the set of encoders a decoder routes to, fixed or found by DNS.
 
-`--encoder HOST:PORT` names one encoder, always in the ring (as before). `--encoder dns:///NAME:PORT`
+`--encoder HOST:PORT` names one encoder, always in the ring. `--encoder dns:///NAME:PORT`
 names every address behind NAME (a Kubernetes headless Service has one A record per ready Pod):
 
 - NAME is resolved at start and again every `interval_s` seconds, on a background thread;

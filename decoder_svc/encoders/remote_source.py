@@ -106,6 +106,8 @@ class RemoteSourceStats:
     active_leases: int = stat("Embedding leases this decoder holds now", "gauge")
     embedding_transports: dict[str, int] = stat("Embeddings received, by transport", "labels",
                                                 label="transport")
+    encoders: int = stat("Encoder addresses in the routing ring (0: every image fails with UNAVAILABLE)",
+                         "gauge")
 
 
 class EncoderUnavailableError(RuntimeError):
@@ -154,7 +156,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         self._failed_requests: dict[str, grpc.StatusCode] = {}
         self._closed = False
         self._copiers: dict[int, SideStreamCopier] = {}  # one per fetch thread, on CUDA
-        self.stats = RemoteSourceStats()
+        self._counters = RemoteSourceStats()
 
     # -- EmbeddingSource ---------------------------------------------------------------------------
     def request(self, req: EmbeddingRequest) -> None:
@@ -164,8 +166,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 return
             self._slots[key] = _Slot(prefetch=req.prefetch,
                                      deadline=time.monotonic() + self.retry.total_timeout_s)
-            self.stats.embeddings_requested += 1
-            self.stats.images_prefetched += int(req.prefetch)
+            self._counters.embeddings_requested += 1
+            self._counters.images_prefetched += int(req.prefetch)
         self._pool.submit(self._fetch, key, req)  # routes there: the ring may be empty for a while
 
     def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
@@ -177,8 +179,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 slot.polled = True
                 if slot.prefetch:
                     ready = slot.status == EmbeddingState.READY
-                    self.stats.lookahead_ready_at_prefill += int(ready)
-                    self.stats.lookahead_waited_at_prefill += int(not ready)
+                    self._counters.lookahead_ready_at_prefill += int(ready)
+                    self._counters.lookahead_waited_at_prefill += int(not ready)
             return slot.status
 
     def get(self, request_id: str, content_hash: str) -> torch.Tensor:
@@ -227,10 +229,11 @@ class RemoteEmbeddingSource(EmbeddingSource):
         for channel in self._channels.values():
             channel.close()
 
-    def snapshot(self) -> RemoteSourceStats:
-        """A copy of the counters."""
+    def stats(self) -> RemoteSourceStats:
+        """A copy of the counters, with the routing ring's size."""
         with self._lock:
-            return dataclasses.replace(self.stats, embedding_transports=dict(self.stats.embedding_transports))
+            return dataclasses.replace(self._counters, encoders=len(self.ring.members),
+                                       embedding_transports=dict(self._counters.embedding_transports))
 
     # -- the worker side ------------------------------------------------------------------------
     def _fetch(self, key: tuple[str, str], req: EmbeddingRequest) -> None:
@@ -274,8 +277,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
             if not stale:
                 slot.tensor, slot.cache_hit = tensor, ref.cache_hit
                 slot.transport, slot.status = transport, EmbeddingState.READY
-                self.stats.embeddings_from_encoder_cache += int(ref.cache_hit)
-                transports = self.stats.embedding_transports
+                self._counters.embeddings_from_encoder_cache += int(ref.cache_hit)
+                transports = self._counters.embedding_transports
                 transports[transport] = transports.get(transport, 0) + 1
 
     def _fetch_owned(self, encoder: str, req: EmbeddingRequest,
@@ -299,13 +302,13 @@ class RemoteEmbeddingSource(EmbeddingSource):
             if not ref.lease_id:  # inline bytes: ours already
                 return ref, import_embedding(ref, device=self.device, source=encoder)
             with self._lock:
-                self.stats.active_leases += 1  # held only for the copy
+                self._counters.active_leases += 1  # held only for the copy
             try:
                 tensor = self._copy_out(ref, encoder)
             finally:
                 self._release_leases(encoder, [ref.lease_id])
                 with self._lock:
-                    self.stats.active_leases -= 1
+                    self._counters.active_leases -= 1
             if lease_held_through(sent_at, ref.lease_expires_in_s, time.monotonic()):
                 return ref, tensor
             log.warning("embedding %s: copy finished after its lease could have lapsed (attempt %d)",
@@ -357,7 +360,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
             if exc.code() != grpc.StatusCode.NOT_FOUND or req.image is None:
                 raise
         with self._lock:
-            self.stats.images_resent += 1
+            self._counters.images_resent += 1
         image = common_pb2.ImageInput(data=_image_bytes(req.image))
         return self._call_encode(encoder, req, image, accept, deadline)
 
@@ -428,7 +431,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
     def _fail(self, key: tuple[str, str], code: grpc.StatusCode, message: str) -> None:
         with self._lock:
             slot = self._slots.get(key)
-            self.stats.embedding_failures += 1
+            self._counters.embedding_failures += 1
             if slot is not None and not slot.released:
                 slot.status, slot.code, slot.error = EmbeddingState.FAILED, code, message
                 self._failed_requests[key[0]] = code

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.arg_types import dtype_name, non_negative_int, positive_int
-from common.arg_types import model_dir as model_dir_arg
+from common.arg_types import dtype_name, model_dir, non_negative_int, positive_int
 from common.config import check_options, option
 from common.images import ImageLimits
 
@@ -16,9 +15,9 @@ class EngineConfig:
     """Everything the engine needs to start. Fields made with `option` are the decoder's command-line
     flags too (common/config.py); the rest are set in code."""
 
-    model_dir: str | Path = option(
+    model: str | Path = option(
         help="LLaVA checkpoint: a directory, or a Hugging Face Hub id (found in the HF cache, else "
-        "downloaded unless HF_HUB_OFFLINE=1)", flag="--model", type=model_dir_arg)
+        "downloaded unless HF_HUB_OFFLINE=1)", type=model_dir)
     device: str = option("cpu", "cpu, cuda or cuda:N")
     dtype: str = option("float32", "float32, float16 or bfloat16", type=dtype_name)
     block_size: int = option(16, "tokens per KV block", type=positive_int)

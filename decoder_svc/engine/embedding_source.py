@@ -16,6 +16,7 @@ Contract (every implementation):
 - `release` ends the engine's use of a key (or of every key of a request when content_hash is None):
   the source drops its lease. Idempotent; unknown keys are ignored. After release the engine never
   reads the rows again.
+- `stats` is a copy of the source's counters (a remote source's asks, leases, transports), or None.
 - `lookahead` receives the next queued requests' images whose KV is not cached yet; the default asks
   for each with prefetch=True.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from PIL import Image
@@ -96,6 +98,10 @@ class EmbeddingSource(ABC):
         """Prefetch hook, called each step with queued requests' uncached images (prefetch=True)."""
         for req in requests:
             self.request(req)
+
+    def stats(self) -> Any:
+        """A copy of the source's own counters, a stats record (common/stats.py); None: it keeps none."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop background work and release everything."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from common.checkpoint import model_fingerprint, parse_dtype
+from common.errors import CapacityError
 from common.stats import stat
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.config import EngineConfig
@@ -35,7 +36,7 @@ _DEVICE_ERRORS = tuple(c for c in (getattr(torch, "AcceleratorError", None),) if
 
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(CapacityError):
     """Too many requests waiting (the service answers RESOURCE_EXHAUSTED)."""
 
 
@@ -68,12 +69,11 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
-        self.model = load_language_model(config.model_dir, self.device, self.dtype, config.attention_backend)
+        self.model = load_language_model(config.model, self.device, self.dtype, config.attention_backend)
         self.model_config = self.model.config
-        self.tokenizer = PromptTokenizer(config.model_dir)
-        self.fingerprint = model_fingerprint(config.model_dir)
-        self.eos_token_ids = frozenset(generation_eos_ids(config.model_dir))
-        self.source = embedding_source
+        self.tokenizer = PromptTokenizer(config.model)
+        self.fingerprint = model_fingerprint(config.model)
+        self.eos_token_ids = frozenset(generation_eos_ids(config.model))
         self.runner = ModelRunner(self.model, RunnerConfig(
             config.device, self.dtype, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
             config.num_kv_blocks, config.kv_cache_bytes, config.enforce_eager),
@@ -85,9 +85,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.encoder_max_ahead,
                             self.model_config.max_model_len),
-            self.blocks, self.source)
+            self.blocks, embedding_source)
         self.outputs = OutputProcessor(self.tokenizer.tokenizer, config.detokenize)
         self.last_step_num_tokens = 0
+
+    @property
+    def source(self) -> EmbeddingSource:
+        """The embedding source; the scheduler's image bookkeeping holds it, the only reference."""
+        return self.scheduler.images.source
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from common.checkpoint import model_fingerprint
-from common.hashing import hash_image, is_content_hash
+from common.hashing import check_cache_salt, hash_image, is_content_hash
 from common.images import decode_image, probe_image_size
 from common.qwen_layout import Grid, ImageGeometryError, PixelRange, QwenImageLayout, mrope_positions
 from decoder_svc.engine.request import ImagePlaceholder, Request
@@ -30,7 +30,6 @@ from decoder_svc.tokenization import PromptTokenizer, TokenizedPrompt
 if TYPE_CHECKING:
     from decoder_svc.engine.config import EngineConfig
 
-MAX_SALT_BYTES = 256  # cache_salt: a tenant key, not a payload
 
 ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
 MAX_REMEMBERED_GRIDS = 65536  # (salt, content hash) -> grid of Qwen images seen, for hash-only requests
@@ -67,9 +66,9 @@ class InputProcessor:
     @classmethod
     def for_model(cls, config: EngineConfig, kv_capacity_tokens: int) -> InputProcessor:
         """Everything from the checkpoint directory: tokenizer and configs, no weights."""
-        return cls(config, TextModelConfig.from_hf(text_config_dict(config.model_dir)),
-                   PromptTokenizer(config.model_dir), model_fingerprint(config.model_dir),
-                   frozenset(generation_eos_ids(config.model_dir)), kv_capacity_tokens)
+        return cls(config, TextModelConfig.from_hf(text_config_dict(config.model)),
+                   PromptTokenizer(config.model), model_fingerprint(config.model),
+                   frozenset(generation_eos_ids(config.model)), kv_capacity_tokens)
 
     def make_request(
         self,
@@ -207,8 +206,9 @@ class InputProcessor:
         if text_bytes > cfg.max_prompt_bytes:
             raise InvalidRequestError(f"prompt of {text_bytes} bytes exceeds the limit of "
                                       f"{cfg.max_prompt_bytes}")
-        if len(cache_salt.encode()) > MAX_SALT_BYTES:
-            raise InvalidRequestError(f"cache_salt longer than {MAX_SALT_BYTES} bytes")
+        problem = check_cache_salt(cache_salt)
+        if problem is not None:
+            raise InvalidRequestError(problem)
 
     def _image_size(self, index: int, image: ImageLike) -> tuple[int, int] | None:
         """(height, width) from the image's header, or None for a content hash (checked here)."""

@@ -41,7 +41,7 @@ class LocalEmbeddingSource(EmbeddingSource):
     @classmethod
     def for_engine(cls, config: EngineConfig) -> LocalEmbeddingSource:
         """The tower on the engine's device and dtype (tests, benchmarks and scripts)."""
-        return cls(config.model_dir, config.device, parse_dtype(config.dtype))
+        return cls(config.model, config.device, parse_dtype(config.dtype))
 
     def request(self, req: EmbeddingRequest) -> None:
         key = (req.request_id, req.content_hash)

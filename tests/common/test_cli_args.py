@@ -1,4 +1,4 @@
-"""The CLI's argument types and start-up checks (common/cli.py), in process."""
+"""The CLI's argument types and start-up checks (common/cli.py, common/startup.py), in process."""
 
 from __future__ import annotations
 
@@ -8,18 +8,11 @@ import socket
 
 import pytest
 
-from common.cli import (
-    UsageError,
-    check_port_free,
-    dtype_name,
-    image_arg,
-    int_in_range,
-    model_dir,
-    positive_float,
-    positive_int,
-    start_listening,
-)
+from common.arg_types import dtype_name, int_in_range, model_dir, positive_float, positive_int
+from common.cli import image_arg
+from common.errors import UsageError
 from common.server import GrpcService
+from common.startup import check_port_free, start_listening
 from tests.cli_errors import busy_port, decoy_model
 
 

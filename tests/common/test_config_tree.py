@@ -29,7 +29,7 @@ def test_flags_left_out_give_the_dataclass_defaults(tmp_path):
     model = str(decoy_model(tmp_path / "m"))
     args = build_arg_parser().parse_args(["--model", model, "--encoder", "127.0.0.1:1"])
     assert from_args(DecoderConfig, args) == DecoderConfig(
-        engine=EngineConfig(model_dir=model), encoders=EncoderLinkConfig(addresses=["127.0.0.1:1"]))
+        engine=EngineConfig(model=model), encoders=EncoderLinkConfig(addresses=["127.0.0.1:1"]))
 
 
 def test_every_flag_reaches_its_field(tmp_path):
@@ -70,11 +70,11 @@ def test_bad_flags_are_refused_by_argparse(tmp_path, capsys, argv, message):
 def test_a_config_made_in_code_meets_the_same_checks(tmp_path):
     model = str(decoy_model(tmp_path / "m"))
     with pytest.raises(ValueError, match="--block-size: must be at least 1"):
-        EngineConfig(model_dir=model, block_size=0)
+        EngineConfig(model=model, block_size=0)
     with pytest.raises(ValueError, match="--attention-backend"):
-        EngineConfig(model_dir=model, attention_backend="cuda")
+        EngineConfig(model=model, attention_backend="cuda")
     with pytest.raises(ValueError, match="at least one --encoder"):
-        DecoderConfig(engine=EngineConfig(model_dir=model))
+        DecoderConfig(engine=EngineConfig(model=model))
     with pytest.raises(ValueError, match="--encoder"):
         EncoderLinkConfig(["dns:///"])
 

@@ -60,7 +60,7 @@ def test_local_paths_win_and_are_checked(tiny_model_dir, tmp_path, monkeypatch):
 @pytest.mark.parametrize("command", [["decoder", "--encoder", "127.0.0.1:1", "--port", "0"],
                                      ["encoder", "--port", "0"], ["up"]])
 def test_cli_offline_miss_is_one_line(command, tmp_path, monkeypatch):
-    from bench.services import free_port
+    from common.startup import free_port
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))

@@ -18,8 +18,9 @@ from encoder_svc.stats import EncoderStats
 
 def _decoder_record() -> DecoderStats:
     engine = EngineStats(**{name: i + 1 for i, name in enumerate(as_dict(EngineStats()))})
-    source = RemoteSourceStats(active_leases=2, images_prefetched=5, embedding_transports={"shm": 3})
-    return DecoderStats(engine, source, encoders=4)
+    source = RemoteSourceStats(active_leases=2, images_prefetched=5, embedding_transports={"shm": 3},
+                               encoders=4)
+    return DecoderStats(engine, source)
 
 
 def test_every_field_of_the_decoder_stats_message_comes_from_the_record():

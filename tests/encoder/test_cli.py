@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -14,17 +13,12 @@ import torch
 
 from common.health import wait_until_serving
 from common.pb import encoder_pb2, encoder_pb2_grpc
+from common.startup import free_port
 from common.transport import import_embedding
 from common.transport.shm import SHM_DIR
 from encoder_svc.main import build_arg_parser
 from tests.cli_errors import assert_usage_error, busy_port, decoy_model, run_cli
 from tests.encoder.conftest import encode_request, image_bytes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_arg_parser_defaults(tmp_path):
@@ -43,7 +37,7 @@ def test_max_batch_size_is_the_old_name_of_max_batch_images(tmp_path):
 
 
 def test_module_entry_point_serves_and_stops_cleanly(tiny_model_dir):
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "encoder_svc", "--model", str(tiny_model_dir), "--port", str(port),
          "--metrics-port", str(metrics_port), "--cache-bytes", str(1 << 20), "--log-level", "WARNING"],

@@ -18,8 +18,9 @@ from PIL import Image
 
 from common.hashing import hash_image
 from common.images import ImageError, ImageLimits, decode_image
-from encoder_svc import decode_pool
-from encoder_svc.decode_pool import DecodedImage, DecodePool, DecodeWorkerDied, decode_and_hash
+from encoder_svc import decode_child, decode_pool
+from encoder_svc.decode_pool import DecodePool, DecodeWorkerDied
+from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 from tests.encoder.conftest import image_bytes
 
 FINGERPRINT = "test-model"
@@ -127,8 +128,8 @@ def test_a_dying_worker_fails_its_images_and_the_pool_recovers():
 def _crash_on_decode(conn, parent, limits):
     """A decode process whose every image decode kills it (as a crash in a decoder library would)."""
     monkey = pytest.MonkeyPatch()
-    monkey.setattr(decode_pool, "decode_in_slot", _crash)
-    decode_pool._child_main(conn, parent, limits)
+    monkey.setattr(decode_child, "decode_in_slot", _crash)
+    decode_child.child_main(conn, parent, limits)
 
 
 class _Poisoned(DecodePool):

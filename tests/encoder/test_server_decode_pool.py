@@ -38,10 +38,10 @@ def _encode(harness: EncoderHarness, *images: bytes, salt: str = ""):
 
 
 def test_processes_and_threads_give_the_same_hashes_and_embeddings(pooled, tiny_model_dir):
-    assert pooled.servicer.decoder is not None and pooled.servicer.decoder.processes == 2
+    assert pooled.servicer.decode_pool is not None and pooled.servicer.decode_pool.processes == 2
     threaded = _harness(tiny_model_dir, 0)
     try:
-        assert threaded.servicer.decoder is None
+        assert threaded.servicer.decode_pool is None
         from_pool = _encode(pooled, *IMAGES[:4], salt="tenant").embeddings
         from_threads = _encode(threaded, *IMAGES[:4], salt="tenant").embeddings
     finally:
@@ -61,7 +61,7 @@ def test_every_pixel_slot_comes_back(pooled):
     with pytest.raises(grpc.RpcError):
         _encode(pooled, fresh[3], fresh[4], b"broken", salt="slots")
     _encode(pooled, fresh[5], fresh[5], salt="slots")  # one production, joined by its twin
-    decoder = pooled.servicer.decoder
+    decoder = pooled.servicer.decode_pool
     deadline = time.monotonic() + 60
     while sorted(decoder._free) != list(range(decoder.slots)):  # the worker's threads release theirs
         assert time.monotonic() < deadline, f"slots never came back: {decoder._free}"
@@ -81,7 +81,7 @@ def test_a_bad_image_fails_only_its_request(pooled):
 
 
 def test_a_decode_process_dying_mid_request_is_unavailable_then_served(pooled):
-    decoder = pooled.servicer.decoder
+    decoder = pooled.servicer.decode_pool
     restarts = decoder.restarts
 
     async def die(data, fingerprint, salt, in_slot=False):  # this image kills its decode process
@@ -103,7 +103,7 @@ def test_a_decode_process_dying_mid_request_is_unavailable_then_served(pooled):
 
 
 def test_decode_processes_killed_while_idle(pooled):
-    decoder = pooled.servicer.decoder
+    decoder = pooled.servicer.decode_pool
     old, restarts = decoder.pids, decoder.restarts
     for pid in old:
         os.kill(pid, signal.SIGKILL)

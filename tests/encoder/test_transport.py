@@ -100,8 +100,8 @@ def test_transport_choice_helpers():
 def test_arena_choice_and_transport_negotiation(monkeypatch):
     from common.transport import shm as shm_mod
     from common.transport.arena import TensorArena
+    from common.transport.arena_factory import make_arena
     from encoder_svc.refs import choose_transport, served_transports
-    from encoder_svc.server import make_arena
 
     shm_arena = make_arena("auto", 1 << 16, torch.device("cpu"))
     # a container's small /dev/shm: writing past it would SIGBUS, so auto falls back to inline only

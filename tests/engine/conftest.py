@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from decoder_svc.engine import EngineConfig, LLMEngine
+from decoder_svc.engine import EmbeddingSource, EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from tests.oracle import HFOracle, make_image
 
@@ -28,10 +28,11 @@ def images() -> list[Image.Image]:
 def make_engine(tiny_model_dir: Path):
     """A factory of engines on the tiny checkpoint (fp32, CPU) with overridable config."""
 
-    def make(**overrides) -> LLMEngine:
-        cfg = dict(model_dir=tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=2048)
+    def make(source: EmbeddingSource | None = None, **overrides) -> LLMEngine:
+        """An engine over `source` (default: the local tower's), with EngineConfig `overrides`."""
+        cfg = dict(model=tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=2048)
         cfg.update(overrides)
         config = EngineConfig(**cfg)
-        return LLMEngine(config, LocalEmbeddingSource.for_engine(config))
+        return LLMEngine(config, source if source is not None else LocalEmbeddingSource.for_engine(config))
 
     return make

@@ -1,22 +1,19 @@
 """When the engine releases an image's embedding: only once every token of the image is in KV, or when the
 request leaves (finish, abort, failure, preemption), where releasing all of it is right.
 
-The source below plays an encoder that reuses a released slice at once: `get` hands out a private copy
-of the rows and `release` overwrites every copy handed out for the key with NaN. A release before the
-image's last token is computed therefore shows twice: in the record of `num_computed_tokens` at each
-release, and in the tokens, which stop matching HF.
+The source (tests/fakes.py: PoisoningSource) plays an encoder that reuses a released slice at once:
+`get` hands out a private copy of the rows and `release` overwrites every copy handed out for the key
+with NaN. A release before the image's last token is computed therefore shows twice: in the record of
+`num_computed_tokens` at each release, and in the tokens, which stop matching HF.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
-import torch
 
-from decoder_svc.engine import EmbeddingRequest, EmbeddingSource, EmbeddingState, FinishReason
+from decoder_svc.engine import FinishReason
 from decoder_svc.engine.local_source import LocalEmbeddingSource
-from decoder_svc.engine.request import Request
+from tests.fakes import PoisoningSource
 from tests.oracle import greedy, run_all
 
 N = 8
@@ -28,68 +25,9 @@ END = "USER: what is this picture of? <image>"
 TWICE = "USER: <image> versus <image>\nare they the same? ASSISTANT:"
 
 
-@dataclass(frozen=True)
-class Release:
-    """One release call and the request's progress at that moment."""
-
-    request_id: str
-    content_hash: str | None
-    num_computed_tokens: int
-    spans: tuple[tuple[int, int], ...]  # (offset, end) of each of the request's images with that hash
-    queued: bool  # the request was still running or waiting (it is not leaving)
-
-
-class PoisoningSource(EmbeddingSource):
-    """The local source, plus: private copies from `get`, NaN-filled at `release`; every release recorded."""
-
-    def __init__(self, inner: LocalEmbeddingSource) -> None:
-        self.inner = inner
-        self.scheduler = None  # set by _engine
-        self.requests: dict[str, Request] = {}
-        self.releases: list[Release] = []
-        self.handed_out: dict[tuple[str, str], list[torch.Tensor]] = {}
-        self.gets_after_release: list[tuple[str, str]] = []
-        self._live: set[tuple[str, str]] = set()
-
-    def request(self, req: EmbeddingRequest) -> None:
-        self._live.add((req.request_id, req.content_hash))
-        self.inner.request(req)
-
-    def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
-        return self.inner.poll(request_id, content_hash)
-
-    def get(self, request_id: str, content_hash: str) -> torch.Tensor:
-        if (request_id, content_hash) not in self._live:
-            self.gets_after_release.append((request_id, content_hash))
-        rows = self.inner.get(request_id, content_hash).clone()
-        self.handed_out.setdefault((request_id, content_hash), []).append(rows)
-        return rows
-
-    def release(self, request_id: str, content_hash: str | None = None) -> None:
-        req = self.requests[request_id]
-        spans = tuple((img.offset, img.end) for img in req.images
-                      if content_hash is None or img.content_hash == content_hash)
-        queued = req in self.scheduler.running or req in self.scheduler.waiting
-        self.releases.append(Release(request_id, content_hash, req.num_computed_tokens, spans, queued))
-        keys = [k for k in self.handed_out if k[0] == request_id and content_hash in (None, k[1])]
-        with torch.inference_mode():  # the rows were made in a step, as inference tensors
-            for key in keys:
-                for rows in self.handed_out.pop(key):
-                    rows.fill_(float("nan"))  # the slice now holds something else
-        self._live -= {k for k in self._live if k[0] == request_id and content_hash in (None, k[1])}
-        self.inner.release(request_id, content_hash)
-
-    def error(self, request_id: str, content_hash: str) -> str:
-        return self.inner.error(request_id, content_hash)
-
-    def cache_hit(self, request_id: str, content_hash: str) -> bool:
-        return self.inner.cache_hit(request_id, content_hash)
-
-
 def _engine(make_engine, tiny_model_dir, **kw):
     source = PoisoningSource(LocalEmbeddingSource(tiny_model_dir))
-    engine = make_engine(**kw)
-    engine.source = engine.scheduler.images.source = source
+    engine = make_engine(source=source, **kw)
     source.scheduler = engine.scheduler
     return engine, source
 

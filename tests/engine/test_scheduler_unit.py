@@ -6,53 +6,15 @@ of a request gives back its blocks and its embeddings.
 
 from __future__ import annotations
 
-import torch
-
 from decoder_svc.engine.block_manager import BlockManager
-from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
 from decoder_svc.engine.request import FinishReason, ImagePlaceholder, Request, RequestStatus
 from decoder_svc.engine.sampling_params import SamplingParams
 from decoder_svc.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from decoder_svc.runner import ModelOutput, SamplerOutput
+from tests.fakes import FakeSource
 
 BLOCK = 4
-HIDDEN = 8
 IMAGE_TOKEN = 99
-
-
-class FakeSource(EmbeddingSource):
-    """Embeddings that become ready (or fail) when the test says so; records every call."""
-
-    def __init__(self) -> None:
-        self.status: dict[tuple[str, str], EmbeddingState] = {}
-        self.ready_hashes: set[str] = set()
-        self.failing_hashes: set[str] = set()
-        self.asks: list[EmbeddingRequest] = []
-        self.released: list[tuple[str, str | None]] = []
-
-    def request(self, req: EmbeddingRequest) -> None:
-        self.asks.append(req)
-        self.status.setdefault((req.request_id, req.content_hash), EmbeddingState.PENDING)
-
-    def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
-        key = (request_id, content_hash)
-        if key not in self.status:
-            return EmbeddingState.UNKNOWN
-        if content_hash in self.failing_hashes:
-            return EmbeddingState.FAILED
-        return EmbeddingState.READY if content_hash in self.ready_hashes else EmbeddingState.PENDING
-
-    def get(self, request_id: str, content_hash: str) -> torch.Tensor:
-        return torch.zeros(4, HIDDEN)
-
-    def release(self, request_id: str, content_hash: str | None = None) -> None:
-        self.released.append((request_id, content_hash))
-        for key in [k for k in self.status if k[0] == request_id and content_hash in (None, k[1])]:
-            del self.status[key]
-
-    def held(self) -> set[tuple[str, str]]:
-        """Keys asked for and not released."""
-        return set(self.status)
 
 
 def make_request(rid: str, n_text: int, image_at: int | None = None, image_hash: str = "img-a",

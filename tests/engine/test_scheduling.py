@@ -3,59 +3,18 @@ abort, and that nothing leaks."""
 
 from __future__ import annotations
 
-import torch
-
-from decoder_svc.engine import EmbeddingRequest, EmbeddingSource, EmbeddingState, FinishReason
+from decoder_svc.engine import FinishReason
 from decoder_svc.engine.local_source import LocalEmbeddingSource
+from tests.fakes import GatedSource
 from tests.oracle import greedy, run_all
 
 ONE = "USER: a <image>\nWhat is shown in this picture, and which colours? ASSISTANT:"
 TEXT = "USER: describe the red car on the table. ASSISTANT:"
 
 
-class GatedSource(EmbeddingSource):
-    """Wraps the local source; keeps chosen hashes PENDING (or FAILED) until opened. Records every ask."""
-
-    def __init__(self, inner: LocalEmbeddingSource) -> None:
-        self.inner = inner
-        self.closed: set[str] = set()
-        self.failing: set[str] = set()
-        self.asks: list[EmbeddingRequest] = []
-        self.released: list[tuple[str, str | None]] = []
-
-    def request(self, req: EmbeddingRequest) -> None:
-        self.asks.append(req)
-        self.inner.request(req)
-
-    def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
-        status = self.inner.poll(request_id, content_hash)
-        if status == EmbeddingState.UNKNOWN:
-            return status
-        if content_hash in self.failing:
-            return EmbeddingState.FAILED
-        return EmbeddingState.PENDING if content_hash in self.closed else status
-
-    def get(self, request_id: str, content_hash: str) -> torch.Tensor:
-        return self.inner.get(request_id, content_hash)
-
-    def release(self, request_id: str, content_hash: str | None = None) -> None:
-        self.released.append((request_id, content_hash))
-        self.inner.release(request_id, content_hash)
-
-    def error(self, request_id: str, content_hash: str) -> str:
-        if content_hash in self.failing:
-            return "encoder exploded"
-        return self.inner.error(request_id, content_hash)
-
-    def cache_hit(self, request_id: str, content_hash: str) -> bool:
-        return self.inner.cache_hit(request_id, content_hash)
-
-
 def _engine(make_engine, tiny_model_dir, **kw):
     source = GatedSource(LocalEmbeddingSource(tiny_model_dir))
-    engine = make_engine(**kw)
-    engine.source = engine.scheduler.images.source = source
-    return engine, source
+    return make_engine(source=source, **kw), source
 
 
 def _hash_of(engine, rid):

@@ -28,7 +28,7 @@ def _cases():
 
 
 def _engine(model_dir, dtype: str, **kw) -> LLMEngine:
-    cfg = dict(model_dir=model_dir, device="cuda", dtype=dtype, num_kv_blocks=256)
+    cfg = dict(model=model_dir, device="cuda", dtype=dtype, num_kv_blocks=256)
     cfg.update(kw)
     config = EngineConfig(**cfg)
     return LLMEngine(config, LocalEmbeddingSource.for_engine(config))

@@ -25,7 +25,7 @@ def test_cuda_fp32_triton_parity(tmp_path_factory, preset, budget):
     case = CASES[preset]
     model_dir = _made(tmp_path_factory, preset, seed=0)
     oracle = HFOracle(model_dir, device="cuda", dtype=torch.float32)
-    config = EngineConfig(model_dir=model_dir, device="cuda", dtype="float32", num_kv_blocks=512,
+    config = EngineConfig(model=model_dir, device="cuda", dtype="float32", num_kv_blocks=512,
                           max_num_batched_tokens=budget, attention_backend="triton")
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     assert engine.runner.uses_cuda_graphs

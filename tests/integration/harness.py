@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.services import free_port
 from common.client import DecoderClient, EncoderClient
 from common.health import wait_until_serving
 from common.security.tls import ClientTls
+from common.startup import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -229,7 +229,7 @@ def test_ring_grows_shrinks_and_ejects_under_load(encoders, images):
             passes = load.passes()
             assert wait_for(lambda: load.passes() > passes + N_IMAGES, 120)
         assert load.failures == []  # every request, across every change, got its embedding
-        assert source.snapshot().embedding_failures == 0
+        assert source.stats().embedding_failures == 0
     finally:
         source.close()
 

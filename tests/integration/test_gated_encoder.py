@@ -19,9 +19,9 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from bench.services import free_port
 from common.client import DecoderClient
 from common.hashing import hash_image
+from common.startup import free_port
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from encoder_svc.server import EncoderConfig
@@ -160,7 +160,7 @@ def test_source_release_while_fetch_in_flight_gives_the_lease_back_at_once(idle)
         idle.wait_for("the lease is given back", lambda: idle.encoder.stats().active_leases == 0, FAST_S)
         assert (source._lease_owner, 1) in idle.releases, "the source never released its lease"
         assert source.poll("gone", key) == EmbeddingState.UNKNOWN
-        assert source.snapshot().active_leases == 0
+        assert source.stats().active_leases == 0
         # The source is still of use: the same image for a live request lands (a hit) and is READY.
         source.request(EmbeddingRequest("live", key, png(image)))
         idle.wait_for("the live key is ready", lambda: source.is_ready("live", key), FAST_S)

@@ -249,7 +249,7 @@ def test_seeded_sampling_equals_the_in_process_engine(pair, tiny_model_dir, test
                 for seed in (1234, 1234, 4321)]
     assert len(runs[0]) == N and runs[0] == runs[1]
     assert runs[2] != runs[0], "two seeds drew the same tokens: is it sampling at all?"
-    config = EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=64)
+    config = EngineConfig(model=tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=64)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     local = engine.generate("local", PROMPT_1, [image], sampling=SamplingParams(max_tokens=N, seed=1234,
                                                                                  **SAMPLED))

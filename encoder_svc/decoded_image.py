@@ -1,0 +1,62 @@
+"""An image decoded and content-hashed: the one function the decode pool's processes and the server's
+threads both run, so the hash is the same either way (common/hashing.py frames it; tests check pool
+against threads against `hash_image`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from PIL import Image
+
+from common.hashing import image_content_hash
+from common.images import ImageLimits, decode_image
+
+
+class SlotLease(Protocol):
+    """A hold on the shared-memory slot that a DecodedImage's pixels live in (decode_pool.py)."""
+
+    def release(self) -> None:
+        """Give the slot back (once; any thread)."""
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    """A decoded RGB image and its content hash: what the cache is keyed by and the vision worker reads.
+
+    From `DecodePool.decode(..., in_slot=True)` the pixels are a view of the pool's shared-memory slot,
+    valid until `release()` (which gives the slot back; also done when the image is collected).
+    """
+
+    content_hash: str  # hex, as on the wire
+    width: int
+    height: int
+    pixels: bytes | memoryview  # RGB rows, exactly what `Image.tobytes()` gives (the hashed bytes)
+    slot: SlotLease | None = field(default=None, compare=False, repr=False)
+
+    mode = "RGB"
+
+    def release(self) -> None:
+        """Give the pixels' slot back to the pool (no-op for owned pixels; idempotent, any thread)."""
+        if self.slot is not None:
+            self.slot.release()
+
+    def to_pil(self) -> Image.Image:
+        """A PIL image over `pixels` (no copy; read-only)."""
+        return Image.frombuffer("RGB", (self.width, self.height), self.pixels, "raw", "RGB", 0, 1)
+
+    def array(self) -> np.ndarray:
+        """A read-only uint8 [H, W, 3] view of `pixels` (no copy)."""
+        return np.frombuffer(self.pixels, dtype=np.uint8).reshape(self.height, self.width, 3)
+
+
+def decode_and_hash(data: bytes, limits: ImageLimits, fingerprint: str, salt: str) -> DecodedImage:
+    """Decode an image file (limits checked; ImageError for a bad one) and hash its RGB pixels.
+
+    The pixels are read out once and hashed in place: the same digest as `hash_image` on the decoded
+    image, without its copies."""
+    image = decode_image(data, limits)
+    pixels = image.tobytes()
+    digest = image_content_hash(fingerprint, salt, image.mode, image.width, image.height, pixels)
+    return DecodedImage(digest.hex(), image.width, image.height, pixels)
