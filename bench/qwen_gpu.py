@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run every figure; print and save the JSON."""
     args = build_arg_parser().parse_args(argv)
     device, dtype = torch.device(args.device), parse_dtype(args.dtype)
-    config = EngineConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                           kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=8, max_num_batched_tokens=4096)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     hf = None

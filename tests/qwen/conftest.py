@@ -37,7 +37,7 @@ def make_qwen_engine(qwen_model_dir: Path):
     """Engines on the tiny Qwen checkpoint (fp32, CPU, in-process vision tower)."""
 
     def make(**overrides) -> LLMEngine:
-        cfg = dict(model_dir=qwen_model_dir, num_kv_blocks=512, max_num_batched_tokens=2048)
+        cfg = dict(model=qwen_model_dir, num_kv_blocks=512, max_num_batched_tokens=2048)
         cfg.update(overrides)
         config = EngineConfig(**cfg)
         return LLMEngine(config, LocalEmbeddingSource.for_engine(config))
