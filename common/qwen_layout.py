@@ -142,6 +142,12 @@ def mrope_positions(num_tokens: int, images: Sequence[tuple[int, Grid]], merge_s
     return out, top + 1 - num_tokens
 
 
+def hash_fingerprint(fingerprint: str, pixels: PixelRange | None) -> str:
+    """The model fingerprint an image's content hash is made under: with its pixel range for Qwen2.5-VL
+    (the same bytes resized two ways are two embeddings). Both services hash with it."""
+    return fingerprint if pixels is None else f"{fingerprint}|{pixels.key()}"
+
+
 def is_qwen_vl(config: dict[str, Any]) -> bool:
     """True for a Qwen2.5-VL checkpoint's config.json."""
     return config.get("model_type") in QWEN_MODEL_TYPES

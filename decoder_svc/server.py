@@ -61,7 +61,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             # Decoding, hashing and tokenizing happen here, in a worker thread of the front end.
             req = await asyncio.to_thread(
                 self.inputs.make_request, request_id, parsed.prompt, parsed.images,
-                messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt)
+                messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt,
+                image_options=parsed.image_options)
             await self.core.add(req)
         except CoreDeadError as exc:
             raise as_service_error(exc, "decoder engine unavailable: ") from None

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.errors import invalid_argument
 from common.pb import common_pb2, decoder_pb2
+from decoder_svc.engine.input_processor import ImageOptions
 from decoder_svc.engine.output_processor import RequestOutput
 from decoder_svc.engine.request import FinishReason
 from decoder_svc.engine.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ class ParsedRequest:
     images: list[bytes | str]  # encoded file, or a content hash
     sampling: SamplingParams
     cache_salt: str
+    image_options: list[ImageOptions] = field(default_factory=list)  # per image (Qwen2.5-VL's pixels)
 
 
 def _image(index: int, image: common_pb2.ImageInput) -> bytes | str:
@@ -51,23 +53,25 @@ def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
         if not request.prompt:
             raise invalid_argument("empty prompt")
         images = [_image(i, img) for i, img in enumerate(request.images)]
-        return ParsedRequest(request.prompt, None, images, sampling, request.cache_salt)
+        options = [ImageOptions(img.min_pixels, img.max_pixels) for img in request.images]
+        return ParsedRequest(request.prompt, None, images, sampling, request.cache_salt, options)
     if kind == "chat":
         if request.images:
             raise invalid_argument("chat requests carry their images in the messages, not in `images`")
-        messages, images = [], []
+        messages, images, options = [], [], []
         for message in request.chat.messages:
             content = []
             for part in message.content:
                 if part.WhichOneof("part") == "image":
                     images.append(_image(len(images), part.image))
+                    options.append(ImageOptions(part.image.min_pixels, part.image.max_pixels))
                     content.append({"type": "image"})
                 else:
                     content.append({"type": "text", "text": part.text})
             messages.append({"role": message.role, "content": content})
         if not messages:
             raise invalid_argument("empty chat")
-        return ParsedRequest(None, messages, images, sampling, request.cache_salt)
+        return ParsedRequest(None, messages, images, sampling, request.cache_salt, options)
     raise invalid_argument("empty input: set prompt or chat")
 
 

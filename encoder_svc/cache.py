@@ -74,6 +74,7 @@ class Entry:
     event_handle: bytes = b""
     leases: int = 0
     salt: str = ""  # the cache_salt it was made under: only that salt may reach it
+    grid: tuple[int, ...] = ()  # the image's (t, h, w) patch grid (Qwen2.5-VL); () for fixed-size models
 
 
 @dataclass
@@ -148,6 +149,11 @@ class EmbeddingCache:
         """True when key is ready in the cache under salt (no LRU touch, no lease)."""
         with self._lock:
             return self._visible_locked(key, salt) is not None
+
+    def peek(self, key: str, salt: str = "") -> Entry | None:
+        """key's ready entry under salt, or None (no LRU touch, no lease: read only its metadata)."""
+        with self._lock:
+            return self._visible_locked(key, salt)
 
     def _visible_locked(self, key: str, salt: str) -> Entry | None:
         """key's ready entry when it was made under salt; None (as if absent) otherwise."""
@@ -228,11 +234,14 @@ class EmbeddingCache:
         """
         self.complete_many([(key, tensor)])
 
-    def complete_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def complete_many(self, items: Sequence[tuple[str, torch.Tensor]],
+                      grids: Sequence[tuple[int, ...]] | None = None) -> None:
         """`complete` for a batch: on CUDA one event, recorded after all the batch's writes, fences every
-        entry of it (an interprocess event and its handle cost the tower thread more than a write)."""
+        entry of it (an interprocess event and its handle cost the tower thread more than a write).
+        grids: each item's image grid, kept with its entry (Qwen2.5-VL)."""
         placed: list[tuple[str, torch.Tensor, int, int]] = []  # (key, tensor, offset, nbytes)
         fences: list = []
+        grid_of = dict(zip([k for k, _ in items], grids, strict=True)) if grids is not None else {}
         for key, tensor in items:
             nbytes = tensor.numel() * tensor.element_size()
             try:
@@ -256,15 +265,16 @@ class EmbeddingCache:
         with self._lock:
             for key, tensor, offset, nbytes in placed:
                 self._reserved_inflight -= self.allocator.reserved_size(nbytes)
-                self._publish_locked(key, offset, nbytes, tensor, event, handle)
+                self._publish_locked(key, offset, nbytes, tensor, event, handle, grid_of.get(key, ()))
 
     def _publish_locked(self, key: str, offset: int, nbytes: int, tensor: torch.Tensor, event,
-                        handle: bytes) -> None:
+                        handle: bytes, grid: tuple[int, ...] = ()) -> None:
         pending = self._pending.pop(key, None)
         # The producer's salt (from its acquire) goes with the entry; a complete() without an
         # acquire has no salt to give, so its entry is reachable with the empty salt only.
         salt = pending.salt if pending is not None else ""
-        entry = Entry(key, offset, nbytes, tuple(tensor.shape), tensor.dtype, event, handle, salt=salt)
+        entry = Entry(key, offset, nbytes, tuple(tensor.shape), tensor.dtype, event, handle, salt=salt,
+                      grid=tuple(grid))
         self._entries[key] = entry
         for waiter in pending.waiters if pending is not None else []:
             if waiter.future.cancelled():

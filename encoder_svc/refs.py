@@ -41,7 +41,7 @@ def build_ref(handle: Handle, transport: int, arena: Arena, inline_bytes: bytes 
     entry = handle.entry
     ref = common_pb2.EmbeddingRef(
         content_hash=entry.key, shape=list(entry.shape), dtype=dtypes.to_wire(entry.dtype),
-        nbytes=entry.nbytes, cache_hit=handle.hit)
+        nbytes=entry.nbytes, cache_hit=handle.hit, grid_thw=list(entry.grid))
     if transport == common_pb2.TRANSPORT_INLINE:
         ref.inline_data = inline_bytes if inline_bytes is not None else b""
         return ref

@@ -26,8 +26,10 @@ from common.errors import ServiceError, as_service_error, invalid_argument, not_
 from common.hashing import check_cache_salt, is_content_hash
 from common.images import ImageError, ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
+from common.qwen_layout import ImageGeometryError, PixelRange, hash_fingerprint
 from common.stats import to_message
 from common.transport.arena_factory import make_arena
+from common.vision.qwen_encoder import QwenVisionEncoder, make_vision_encoder
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
@@ -91,7 +93,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         device = torch.device(config.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        vision = VisionEncoder(config.model, device, parse_dtype(config.dtype), preprocess=config.preprocess)
+        vision = make_vision_encoder(config.model, device, parse_dtype(config.dtype), config.preprocess)
         if not config.enforce_eager:
             vision.capture_graphs(config.max_batch_images)  # before any other thread uses the GPU
         if vision.embedding_nbytes > config.cache_bytes:
@@ -147,6 +149,18 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise invalid_argument(f"image {index}: content_hash is not a 64-digit hex digest")
         return text
 
+    def _pixels(self, index: int, item) -> PixelRange | None:
+        """A Qwen2.5-VL image's pixel range (its min/max_pixels within the model's); None for LLaVA."""
+        if not isinstance(self.vision, QwenVisionEncoder):
+            return None
+        try:
+            return self.vision.layout.pixel_range(item.min_pixels, item.max_pixels)
+        except ImageGeometryError as exc:
+            raise invalid_argument(f"image {index}: {exc}") from None
+
+    def _fingerprint(self, index: int, item) -> str:
+        return hash_fingerprint(self.vision.fingerprint, self._pixels(index, item))
+
     def _decode_all(self, images, salt: str) -> list[tuple[str, DecodedImage | None]]:
         """(content hash, decoded image or None for hash-only inputs) per input; runs in a thread."""
         out: list[tuple[str, DecodedImage | None]] = []
@@ -155,7 +169,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 out.append((self._hash_only(i, item), None))
                 continue
             try:
-                decoded = decode_and_hash(item.data, self.limits, self.vision.fingerprint, salt)
+                decoded = decode_and_hash(item.data, self.limits, self._fingerprint(i, item), salt)
             except ImageError as exc:
                 raise self._map_error(i, exc) from None
             out.append((decoded.content_hash, decoded))
@@ -164,18 +178,18 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     async def _decode_in_pool(self, images, salt: str) -> list[tuple[str, DecodedImage | None]]:
         """_decode_all with every image's bytes decoded and hashed in the pool, all at once."""
         out: list[tuple[str, DecodedImage | None] | None] = [None] * len(images)
-        data: dict[int, bytes] = {}
+        data: dict[int, tuple[bytes, str]] = {}
         for i, item in enumerate(images):  # every input checked before any work starts
             if item.WhichOneof("source") == "data":
-                data[i] = item.data
+                data[i] = (item.data, self._fingerprint(i, item))
             else:
                 out[i] = (self._hash_only(i, item), None)
         # One image (the usual request) is awaited in place: a task per image costs the loop more.
         # Pixels stay in the pool's slots until the vision worker has read them (see _acquire).
-        decode = functools.partial(self.decode_pool.decode, fingerprint=self.vision.fingerprint, salt=salt,
-                                   in_slot=True)
-        tasks = {i: (decode(d) if len(data) == 1 else asyncio.ensure_future(decode(d)))
-                 for i, d in data.items()}
+        decode = functools.partial(self.decode_pool.decode, salt=salt, in_slot=True)
+        tasks = {i: (decode(d, fingerprint=fp) if len(data) == 1
+                     else asyncio.ensure_future(decode(d, fingerprint=fp)))
+                 for i, (d, fp) in data.items()}
         try:
             for i, task in tasks.items():
                 try:
@@ -204,18 +218,21 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         return await asyncio.to_thread(self._decode_all, images, salt)
 
     def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int, salt: str,
-                 owner: str = "") -> cf.Future:
+                 owner: str = "", pixels: PixelRange | None = None) -> cf.Future:
         """The cache's future for key; a miss goes to the vision worker with image, which then owns (and
         releases) the image's pixel slot. Any other outcome releases it here."""
         try:
             # A hash-only image (image None) never produces: it finds an entry of its own salt or none.
-            fut, produce = self.cache.acquire(key, want_lease, self.vision.embedding_nbytes,
+            nbytes = self.vision.embedding_nbytes
+            if pixels is not None and image is not None:  # Qwen2.5-VL: the size follows the image
+                nbytes = self.vision.nbytes_for(self.vision.layout.grid(image.height, image.width, pixels))
+            fut, produce = self.cache.acquire(key, want_lease, nbytes,
                                               produce=image is not None, salt=salt, owner=owner)
-        except (CacheFullError, SaltClashError) as exc:  # SaltClashError: only on a hash collision
+        except (CacheFullError, SaltClashError, ImageGeometryError) as exc:  # SaltClash: a hash collision
             _release_images([(key, image)])
             raise self._map_error(index, exc) from None
         if produce:
-            self.worker.submit(key, image, priority)
+            self.worker.submit(key, image, priority, pixels)
             return fut
         _release_images([(key, image)])  # a hit, or joined a production: its pixels are not needed
         if fut is None:  # absent, or made under another salt: the same answer either way
@@ -257,7 +274,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             with self.worker.holding():
                 for i, (key, image) in enumerate(items):
-                    futures.append(self._acquire(i, key, image, True, priority, salt, owner))
+                    futures.append(self._acquire(i, key, image, True, priority, salt, owner,
+                                                 self._pixels(i, request.images[i])))
             for i, fut in enumerate(futures):
                 try:
                     # A hit is resolved already: take it without a trip through the event loop.
@@ -290,7 +308,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         accepted = 0
         for i, (key, image) in enumerate(items):
             try:
-                self._acquire(i, key, image, False, PREFETCH, request.cache_salt)
+                self._acquire(i, key, image, False, PREFETCH, request.cache_salt, "",
+                              self._pixels(i, request.images[i]))
             except ServiceError as exc:  # fire-and-forget: an image that cannot be cached is skipped
                 log.info("prefetch skipped: %s", exc.message)
                 continue
@@ -308,8 +327,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         # A hash is "cached" only under the salt its entry was made with: no probing other tenants.
         salt = request.cache_salt
         self._check_salt(salt)
+        entries = [self.cache.peek(h.lower(), salt) for h in request.content_hashes]
         return encoder_pb2.LookupResponse(
-            cached=[self.cache.contains(h.lower(), salt) for h in request.content_hashes])
+            cached=[e is not None for e in entries],
+            grids=[common_pb2.ImageGrid(thw=list(e.grid) if e is not None else []) for e in entries])
 
     def stats(self) -> EncoderStats:
         """The service's stats record: the cache, the worker and the service's counters, read now."""

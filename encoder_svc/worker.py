@@ -32,6 +32,7 @@ replies and the cache admissions of the next images, for longer than the batch's
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from common.qwen_layout import PixelRange
 from common.thread_names import set_native_thread_name
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import EmbeddingCache, ShuttingDownError
@@ -108,25 +110,27 @@ class VisionWorker:
         self._thread = threading.Thread(target=self._run, name="vision-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, key: str, image: Image.Image | DecodedImage, priority: int = DEMAND) -> None:
+    def submit(self, key: str, image: Image.Image | DecodedImage, priority: int = DEMAND,
+               pixels: PixelRange | None = None) -> None:
         """Queue image (PIL, or raw pixels from the decode pool) for key; the cache gets
-        `complete(key, ...)` or `fail(key, ...)` later."""
+        `complete(key, ...)` or `fail(key, ...)` later. pixels: a Qwen2.5-VL image's pixel range."""
         with self._cv:
             if self._stopped:
                 if isinstance(image, DecodedImage):
                     image.release()
                 self.cache.fail(key, ShuttingDownError("encoder shutting down"))
                 return
-            job = _Job(key, self._pools[priority].submit(self._prepare, image), priority)
+            prepare = self._prepare if pixels is None else functools.partial(self._prepare, pixels=pixels)
+            job = _Job(key, self._pools[priority].submit(prepare, image), priority)
             self._jobs[key] = job
             heapq.heappush(self._heap, (priority, next(self._seq), job))
             self._cv.notify()
 
-    def _prepare(self, image: Image.Image | DecodedImage):
+    def _prepare(self, image: Image.Image | DecodedImage, pixels: PixelRange | None = None):
         """The tower's host-side preprocessing; then a decode pool's pixel slot goes back (prepare
         copied the pixels out)."""
         try:
-            return self.vision.prepare(image)
+            return self.vision.prepare(image) if pixels is None else self.vision.prepare(image, pixels)
         finally:
             if isinstance(image, DecodedImage):
                 image.release()
@@ -242,7 +246,9 @@ class VisionWorker:
                                             use_graphs=batch[0][0].priority == DEMAND)
         self.batches += 1
         self.encodes += len(batch)
-        self.cache.complete_many([(job.key, feat) for (job, _), feat in zip(batch, feats, strict=True)])
+        grids = [getattr(prepared, "grid", ()) for _, prepared in batch]  # Qwen2.5-VL images have one
+        items = [(job.key, feat) for (job, _), feat in zip(batch, feats, strict=True)]
+        self.cache.complete_many(items, grids)
 
     def images_per_s(self) -> float:
         """Images through the tower per second since the worker started."""

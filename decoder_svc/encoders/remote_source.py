@@ -362,6 +362,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             self._counters.images_resent += 1
         image = common_pb2.ImageInput(data=_image_bytes(req.image))
+        if req.pixels is not None:  # Qwen2.5-VL: resized into the range the decoder counted tokens with
+            image.min_pixels, image.max_pixels = req.pixels.min_pixels, req.pixels.max_pixels
         return self._call_encode(encoder, req, image, accept, deadline)
 
     def _call_encode(self, encoder: str, req: EmbeddingRequest, image: common_pb2.ImageInput,

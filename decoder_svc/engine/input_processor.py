@@ -19,7 +19,14 @@ from PIL import Image
 from common.checkpoint import model_fingerprint
 from common.hashing import check_cache_salt, hash_image, is_content_hash
 from common.images import decode_image, probe_image_size
-from common.qwen_layout import Grid, ImageGeometryError, PixelRange, QwenImageLayout, mrope_positions
+from common.qwen_layout import (
+    Grid,
+    ImageGeometryError,
+    PixelRange,
+    QwenImageLayout,
+    hash_fingerprint,
+    mrope_positions,
+)
 from decoder_svc.engine.request import ImagePlaceholder, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
 from decoder_svc.model import generation_eos_ids
@@ -116,7 +123,8 @@ class InputProcessor:
         placeholders = []
         for ph, src, img, grid, pixels in zip(tokenized.placeholders, images, decoded, grids, ranges,
                                               strict=True):
-            key = src if isinstance(src, str) else hash_image(img, self._hash_fingerprint(pixels), cache_salt)
+            key = src if isinstance(src, str) else hash_image(
+                img, hash_fingerprint(self.fingerprint, pixels), cache_salt)
             placeholders.append(ImagePlaceholder(
                 offset=ph.offset, length=ph.length, image=src if not isinstance(src, str) else None,
                 content_hash=key, grid=grid, pixels=pixels))
@@ -133,11 +141,6 @@ class InputProcessor:
         return req
 
     # -- Qwen2.5-VL images -----------------------------------------------------------------------
-    def _hash_fingerprint(self, pixels: PixelRange | None) -> str:
-        """The model fingerprint an image is hashed under: with its pixel range for Qwen2.5-VL (the same
-        bytes resized two ways are two embeddings; the encoder hashes the same way)."""
-        return self.fingerprint if pixels is None else f"{self.fingerprint}|{pixels.key()}"
-
     def _pixel_ranges(self, count: int, options: Sequence[ImageOptions] | None) -> list[PixelRange]:
         options = list(options or [])
         if len(options) > count:
