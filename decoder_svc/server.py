@@ -25,6 +25,7 @@ from decoder_svc.engine.engine import QueueFullError
 from decoder_svc.engine.input_processor import InputProcessor
 from decoder_svc.engine.output_processor import RequestOutput
 from decoder_svc.engine.sampling_params import SamplingParams
+from decoder_svc.input_lanes import InputLanes, InputOverloadedError
 from decoder_svc.metrics import DecoderMetrics
 from decoder_svc.stream import OutputStream
 from decoder_svc.wire import ParsedRequest, parse_request, to_response
@@ -40,10 +41,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     """Generate and GetStats over an EngineLoop."""
 
     def __init__(self, core: EngineCoreClient, inputs: InputProcessor,
-                 metrics: DecoderMetrics | None = None) -> None:
+                 metrics: DecoderMetrics | None = None, lanes: InputLanes | None = None) -> None:
         self.core = core
         self.inputs = inputs
         self.metrics = metrics
+        self.lanes = lanes or InputLanes()
         self.draining = False
 
     async def drain(self) -> None:
@@ -58,12 +60,13 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     async def _add(self, request_id: str, parsed: ParsedRequest) -> None:
         try:
-            # Decoding, hashing and tokenizing happen here, in a worker thread of the front end.
-            req = await asyncio.to_thread(
-                self.inputs.make_request, request_id, parsed.prompt, parsed.images,
+            # Decoding, hashing and tokenizing happen here, in a worker thread of the front end: text-only
+            # requests in a lane of their own, so that image work never holds them up (input_lanes.py).
+            req = await self.lanes.run(
+                len(parsed.images), self.inputs.make_request, request_id, parsed.prompt, parsed.images,
                 messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt)
             await self.core.add(req)
-        except QueueFullError as exc:
+        except (QueueFullError, InputOverloadedError) as exc:
             raise resource_exhausted(str(exc)) from None
         except InvalidInputError as exc:  # InvalidRequestError, PromptError: the client's mistake
             raise invalid_argument(str(exc)) from None
