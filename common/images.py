@@ -51,6 +51,12 @@ class ImageLimits:
     formats: str = option(",".join(DEFAULT_IMAGE_FORMATS), "image formats accepted, checked from the "
                           "file header before decoding", flag="--image-formats", type=image_format_list)
 
+    def __post_init__(self) -> None:
+        try:
+            image_format_list(self.formats)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"--image-formats: {exc}") from None
+
     @property
     def format_names(self) -> tuple[str, ...]:
         """The accepted formats, as Pillow names them."""
