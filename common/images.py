@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import re
 import warnings
@@ -12,6 +13,22 @@ from PIL import Image
 from common.arg_types import positive_int
 from common.config import option
 from common.errors import InvalidInputError
+
+# The formats the contract documents (API.md). Anything else (TIFF, ICO, EPS, ...) is refused from its
+# header, before any decoding: Pillow's other plugins are a larger attack surface, and EPS would run
+# Ghostscript where it is installed.
+DEFAULT_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+KNOWN_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "ICO", "PPM")
+
+
+def image_format_list(text: str) -> str:
+    """An argparse type: a comma-separated list of Pillow format names (normalised to upper case)."""
+    names = [n.strip().upper() for n in str(text).split(",") if n.strip()]
+    unknown = [n for n in names if n not in KNOWN_IMAGE_FORMATS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{unknown[0] if unknown else text!r}: give formats from {', '.join(KNOWN_IMAGE_FORMATS)}")
+    return ",".join(dict.fromkeys(names))
 
 # Pillow's own decompression-bomb guard: past this many pixels, open() raises.
 Image.MAX_IMAGE_PIXELS = 64 * 1024 * 1024
@@ -32,6 +49,19 @@ class ImageLimits:
     max_pixels: int = option(4096 * 4096, "most pixels in an image", flag="--max-image-pixels",
                              type=positive_int)
     max_images_per_request: int = option(16, "most images in one request", type=positive_int)
+    formats: str = option(",".join(DEFAULT_IMAGE_FORMATS), "image formats accepted, checked from the "
+                          "file header before decoding", flag="--image-formats", type=image_format_list)
+
+    def __post_init__(self) -> None:
+        try:
+            image_format_list(self.formats)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"--image-formats: {exc}") from None
+
+    @property
+    def format_names(self) -> tuple[str, ...]:
+        """The accepted formats, as Pillow names them."""
+        return tuple(image_format_list(self.formats).split(","))
 
 
 def encode_png(image: Image.Image) -> bytes:
@@ -54,13 +84,28 @@ def _open_checked(data: bytes, limits: ImageLimits) -> Image.Image:
         raise ImageError("empty image bytes")
     if len(data) > limits.max_bytes:
         raise ImageError(f"image file of {len(data)} bytes exceeds the limit of {limits.max_bytes}")
-    image = Image.open(io.BytesIO(data))
+    allowed = limits.format_names
+    try:
+        image = Image.open(io.BytesIO(data), formats=allowed)
+    except Image.UnidentifiedImageError:
+        raise ImageError(f"not an accepted image format (accepted: {', '.join(allowed)})") from None
     width, height = image.size
     if max(width, height) > limits.max_side:
         raise ImageError(f"image of {width}x{height} exceeds the maximum side of {limits.max_side}")
     if width * height > limits.max_pixels:
         raise ImageError(f"image of {width}x{height} has more than the {limits.max_pixels} pixels allowed")
     return image
+
+
+def check_image_format(data: bytes, formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS) -> str:
+    """The file's format, read from its header (nothing decoded); ImageError unless it is in formats."""
+    try:
+        with Image.open(io.BytesIO(data), formats=formats) as image:
+            return image.format or "?"
+    except Image.UnidentifiedImageError:
+        raise ImageError(f"not an accepted image format (accepted: {', '.join(formats)})") from None
+    except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad headers
+        raise ImageError(f"cannot read the image header: {_public(exc)}") from None
 
 
 def probe_image_size(data: bytes, limits: ImageLimits = ImageLimits()) -> tuple[int, int]:

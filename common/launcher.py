@@ -138,11 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         health_tls = {"encoder": ClientTls.from_files(env["MMSERVE_TLS_CA"], env["MMSERVE_TLS_CERT"],
                                                       env["MMSERVE_TLS_KEY"]),
                       "decoder": ClientTls.from_files(env["MMSERVE_TLS_CA"])}
-    # The gateway speaks plaintext gRPC without tokens to the decoder: not under --tls (yet).
-    run_gateway = not args.no_gateway and security is None
-    if args.tls and not args.no_gateway:
-        print("note: the OpenAI gateway is not started with --tls (it does not forward TLS or tokens yet)",
-              file=sys.stderr)
+    run_gateway = not args.no_gateway
     common = ["--model", str(model), "--host", args.host, "--device", args.device]
     if args.dtype is not None:
         common += ["--dtype", args.dtype]
@@ -162,9 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if security is not None:
             encoder_argv += security.encoder_args()
             decoder_argv += security.decoder_args()
+            gateway_security = security.gateway_args()
+        else:
+            gateway_security = []
         gateway_url = f"http://{connect_host}:{args.gateway_port}"
         gateway_argv = ["gateway", "--decoder", decoder_addr, "--host", args.host, "--port",
-                        str(args.gateway_port), "--model", str(model), *args.gateway_arg]
+                        str(args.gateway_port), "--model", str(model), *gateway_security, *args.gateway_arg]
         starts = [("encoder", encoder_argv, encoder_addr), ("decoder", decoder_argv, decoder_addr)]
         if run_gateway:
             starts.append(("gateway", gateway_argv, f"{gateway_url}/health"))

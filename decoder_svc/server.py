@@ -16,15 +16,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.errors import InvalidInputError, ServiceError, as_service_error
+from common.errors import CapacityError, InvalidInputError, ServiceError, as_service_error
 from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from common.stats import to_message
 from decoder_svc.core_client import CoreDeadError, EngineCoreClient
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
-from decoder_svc.engine.engine import QueueFullError
 from decoder_svc.engine.input_processor import InputProcessor
 from decoder_svc.engine.output_processor import RequestOutput
 from decoder_svc.engine.sampling_params import SamplingParams
+from decoder_svc.input_lanes import InputLanes
 from decoder_svc.metrics import DecoderMetrics
 from decoder_svc.stream import OutputStream
 from decoder_svc.wire import ParsedRequest, parse_request, to_response
@@ -40,10 +40,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     """Generate and GetStats over the engine core (core_client.EngineCoreClient)."""
 
     def __init__(self, core: EngineCoreClient, inputs: InputProcessor,
-                 metrics: DecoderMetrics | None = None) -> None:
+                 metrics: DecoderMetrics | None = None, lanes: InputLanes | None = None) -> None:
         self.core = core
         self.inputs = inputs
         self.metrics = metrics
+        self.lanes = lanes or InputLanes()
         self.draining = False
 
     async def drain(self) -> None:
@@ -58,15 +59,16 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     async def _add(self, request_id: str, parsed: ParsedRequest) -> None:
         try:
-            # Decoding, hashing and tokenizing happen here, in a worker thread of the front end.
-            req = await asyncio.to_thread(
-                self.inputs.make_request, request_id, parsed.prompt, parsed.images,
+            # Decoding, hashing and tokenizing happen here, in a worker thread of the front end: text-only
+            # requests in a lane of their own, so that image work never holds them up (input_lanes.py).
+            req = await self.lanes.run(
+                len(parsed.images), self.inputs.make_request, request_id, parsed.prompt, parsed.images,
                 messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt,
                 image_options=parsed.image_options)
             await self.core.add(req)
         except CoreDeadError as exc:
             raise as_service_error(exc, "decoder engine unavailable: ") from None
-        except (QueueFullError, InvalidInputError) as exc:  # InvalidInputError: the client's mistake
+        except (CapacityError, InvalidInputError) as exc:  # queue or input lanes full; the client's mistake
             raise as_service_error(exc) from None
 
     def _stream_detokenizer(self, sampling: SamplingParams) -> IncrementalDetokenizer | None:

@@ -18,6 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.client import CHANNEL_OPTIONS
 from common.pb import decoder_pb2, decoder_pb2_grpc
+from common.security.client_auth import token_interceptors
+from common.security.options import ClientSecurity
+from common.security.tls import open_aio_channel
 
 log = logging.getLogger("mmserve.gateway")
 
@@ -43,12 +46,15 @@ class DecoderPool:
 
     endpoints: list[DecoderEndpoint]
     health_interval_s: float = 2.0
+    security: ClientSecurity = field(default_factory=ClientSecurity)  # TLS and token towards the decoders
     _turn: itertools.count = field(default_factory=itertools.count)
     _health_task: asyncio.Task | None = None
 
     @classmethod
-    def of(cls, addresses: Sequence[str], health_interval_s: float = 2.0) -> DecoderPool:
-        return cls([DecoderEndpoint(a) for a in addresses], health_interval_s)
+    def of(cls, addresses: Sequence[str], health_interval_s: float = 2.0,
+           security: ClientSecurity | None = None) -> DecoderPool:
+        """A pool over addresses, connecting with security (plaintext without a token by default)."""
+        return cls([DecoderEndpoint(a) for a in addresses], health_interval_s, security or ClientSecurity())
 
     def pick(self, exclude: Sequence[DecoderEndpoint] = ()) -> DecoderEndpoint | None:
         """The usable decoder with the fewest outstanding requests (None when none is left to try)."""
@@ -85,7 +91,8 @@ class DecoderPool:
     def start(self) -> None:
         """Open the channels and start health checks (grpc.aio channels belong to the running loop)."""
         for endpoint in self.endpoints:
-            endpoint.channel = grpc.aio.insecure_channel(endpoint.address, options=CHANNEL_OPTIONS)
+            endpoint.channel = open_aio_channel(endpoint.address, self.security.tls, CHANNEL_OPTIONS,
+                                                token_interceptors(self.security.token, aio=True))
             endpoint.stub = decoder_pb2_grpc.DecoderServiceStub(endpoint.channel)
         self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
 

@@ -1,4 +1,13 @@
-"""The gateway's settings (from `mmserve gateway`'s flags)."""
+"""The gateway's configuration tree; `mmserve gateway`'s flags are generated from it (common/config.py).
+
+    GatewayConfig
+      images: ImageFetchPolicy     what image URLs may cost: sizes, counts, fetch concurrency, formats
+      limits: RequestLimits        what a request may carry before any work is done on it
+      http: HttpServerLimits       connections: header and body read timeouts, connection cap
+      upstream: ClientSecurity     TLS and token towards the decoders (common/security/options.py flags)
+
+Every default is defined here once; the command line shows it in --help.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +15,139 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.images import ImageFetchPolicy
+from common.arg_types import model_dir, port_number, positive_float, positive_int
+from common.config import check_options, option, section
+from common.images import DEFAULT_IMAGE_FORMATS, image_format_list
+from common.security.options import ClientSecurity
+from common.server import DEFAULT_MAX_MESSAGE_BYTES
+
+# The decoder's own limit on cache_salt (decoder_svc/engine/input_processor.py MAX_SALT_BYTES), which it
+# checks after every prefix is applied: the gateway's tenant prefix, and the decoder's tenant namespace
+# (`mmserve-tenant:<name>:`, name at most 64 characters) when the gateway authenticates with a token.
+DECODER_MAX_SALT_BYTES = 256
+UPSTREAM_TENANT_PREFIX_BYTES = len("mmserve-tenant:") + 64 + 1
+# Room in the upstream gRPC message for everything but image bytes (text, protobuf framing).
+UPSTREAM_MESSAGE_MARGIN = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class ImageFetchPolicy:
+    """Limits on the images a request may name, checked before any fetch."""
+
+    max_bytes: int = option(20 * 2**20, "largest image (URL body or data URL), bytes",
+                            flag="--max-image-bytes", type=positive_int)
+    timeout_s: float = option(10.0, "seconds per image URL", flag="--image-fetch-timeout",
+                              type=positive_float)
+    allow_private: bool = option(False, "also fetch image URLs on loopback, private and link-local "
+                                 "addresses", flag="--allow-private-image-urls")
+    max_images_per_request: int = option(16, "most images in one request (the decoder's default limit)",
+                                         type=positive_int)
+    max_total_image_bytes: int = option(
+        DEFAULT_MAX_MESSAGE_BYTES - UPSTREAM_MESSAGE_MARGIN,
+        "most image bytes in one request, all images together: must fit the decoder's gRPC message "
+        "(beyond it: 413)", type=positive_int)
+    fetch_concurrency: int = option(4, "image URLs fetched at once for one request",
+                                    flag="--image-fetch-concurrency", type=positive_int)
+    global_fetch_concurrency: int = option(64, "image URLs fetched at once by the whole gateway",
+                                           flag="--image-fetch-global-concurrency", type=positive_int)
+    formats: str = option(",".join(DEFAULT_IMAGE_FORMATS), "image formats accepted, checked from the "
+                          "file header before anything is decoded", flag="--image-formats",
+                          type=image_format_list)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    @property
+    def format_names(self) -> tuple[str, ...]:
+        return tuple(image_format_list(self.formats).split(","))
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may carry; each is checked before any fetch, template or upstream call."""
+
+    max_request_bytes: int = option(64 * 2**20, "largest request body, bytes (beyond it: 413)",
+                                    type=positive_int)
+    max_json_values: int = option(100_000, "most JSON objects and numbers in a body (beyond it: 413)",
+                                  type=positive_int)
+    max_messages: int = option(1024, "most chat messages in a request", type=positive_int)
+    max_content_parts: int = option(2048, "most content parts in a request, all messages together",
+                                    type=positive_int)
+    max_prompt_bytes: int = option(2**20, "largest rendered prompt, bytes: text plus each message's "
+                                   "template overhead (the decoder's default limit)", type=positive_int)
+    parse_off_loop_bytes: int = option(256 * 2**10, "bodies larger than this are parsed in a worker "
+                                       "thread, one at a time, so the event loop keeps serving",
+                                       type=positive_int)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True)
+class HttpServerLimits:
+    """Connection handling of the HTTP server (uvicorn's settings where it has them)."""
+
+    header_timeout_s: float = option(10.0, "seconds a client has to send a request's headers (then the "
+                                     "connection is closed)", flag="--header-timeout", type=positive_float)
+    body_timeout_s: float = option(60.0, "seconds a client has to send a request's body (then 408)",
+                                   flag="--body-timeout", type=positive_float)
+    keep_alive_s: int = option(5, "seconds an idle keep-alive connection stays open (uvicorn's "
+                               "timeout_keep_alive)", flag="--keep-alive-timeout", type=positive_int)
+    max_connections: int = option(2048, "open connections and requests at once; beyond it new requests "
+                                  "get 503 (uvicorn's limit_concurrency)", type=positive_int)
+    max_header_bytes: int = option(64 * 2**10, "largest request head, bytes (h11's incomplete-event "
+                                   "limit)", type=positive_int)
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 @dataclass
 class GatewayConfig:
-    """What the gateway serves and how."""
+    """Everything `mmserve gateway` is started with."""
 
-    decoders: list[str]
-    served_model_name: str = "mmserve"
-    api_keys: list[str] = field(default_factory=list)  # empty: no authentication
-    model_dir: Path | None = None  # its tokenizer writes logprob tokens as text
-    request_timeout_s: float = 600.0  # the gRPC deadline of each Generate call (then 504)
-    max_request_bytes: int = 64 * 2**20
-    images: ImageFetchPolicy = field(default_factory=ImageFetchPolicy)
-    cache_salt_header: str = "x-cache-salt"
+    decoders: list[str] = option(help="a decoder's gRPC address (repeatable: balanced by least outstanding "
+                                 "requests)", flag="--decoder", metavar="HOST:PORT", append=True,
+                                 default_factory=list)
+    host: str = option("127.0.0.1", "bind address")
+    port: int = option(8000, "HTTP port", type=port_number)
+    served_model_name: str | None = option(
+        None, "the model name clients send and /v1/models lists (default: --model's directory name, "
+        "else 'mmserve')")
+    model_dir: Path | str | None = option(
+        None, "the served checkpoint dir: its tokenizer writes logprob tokens as text (without it they "
+        "read token_id:N)", flag="--model", type=model_dir)
+    api_keys: list[str] = option(help="accept this bearer key (repeatable; also $MMSERVE_API_KEY); each key "
+                                 "is a tenant with its own prefix and embedding cache. Default: no "
+                                 "authentication", flag="--api-key", append=True, default_factory=list)
+    request_timeout_s: float = option(600.0, "deadline of each decoder call in seconds (then 504)",
+                                      flag="--request-timeout", type=positive_float)
+    cache_salt_header: str = option("x-cache-salt", "request header that may split a tenant's cache")
+    log_level: str = option("INFO", "DEBUG, INFO, WARNING or ERROR")
+    images: ImageFetchPolicy = section(ImageFetchPolicy, "image URLs")
+    limits: RequestLimits = section(RequestLimits, "request limits")
+    http: HttpServerLimits = section(HttpServerLimits, "HTTP connections")
+    upstream: ClientSecurity = field(default_factory=ClientSecurity)  # flags: common/security/options.py
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if not self.decoders:
+            raise ValueError("--decoder: give at least one decoder address")
+        if self.served_model_name is None:
+            self.served_model_name = Path(self.model_dir).name if self.model_dir else "mmserve"
+        if self.model_dir is not None:
+            self.model_dir = Path(self.model_dir)
 
     def tenant_of(self, api_key: str) -> str:
         """A stable, non-secret name for an API key: the prefix of every cache salt its requests get, so
         that tenants with different keys never share prefix KV or embeddings."""
         return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+    @property
+    def max_salt_bytes(self) -> int:
+        """The decoder's salt limit less what the gateway adds (tenant prefix) and, with a token upstream,
+        less the decoder's tenant namespace: the longest salt a client may send."""
+        reserve = len(self.tenant_of("x")) + 1 if self.api_keys else 0
+        if self.upstream.token:
+            reserve += UPSTREAM_TENANT_PREFIX_BYTES
+        return DECODER_MAX_SALT_BYTES - reserve

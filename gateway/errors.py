@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -14,6 +16,7 @@ ERROR_TYPE_OF_STATUS = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
@@ -29,9 +32,14 @@ class APIError(Exception):
     message: str
     param: str | None = None
     code: str | None = None
+    retry_after_s: int | None = None  # sent as Retry-After (429 and 503: real overload, worth a retry)
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
+
+    def headers(self) -> dict[str, str]:
+        """Retry-After, when the error is worth retrying."""
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
 
     def body(self) -> dict:
         """{"error": {"message", "type", "param", "code"}}, as OpenAI sends it."""
@@ -49,8 +57,41 @@ def http_status_of(code: grpc.StatusCode) -> int:
     return HTTP_STATUS_OF_GRPC.get(code, 500)
 
 
+log = logging.getLogger("mmserve.gateway")
+# Addresses and transport words in gRPC details ("ipv4:10.0.0.5:50052", "[::1]:50052", "host:port").
+_ADDRESS = re.compile(r"\b(?:ipv4|ipv6|unix|unix-abstract|dns):\S+|\[[0-9A-Fa-f:.]+\](?::\d+)?"
+                      r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\b[\w.-]+:\d{2,5}\b")
+# What the client is told for codes whose details come from the transport, not from the decoder's checks.
+_GENERIC = {
+    grpc.StatusCode.UNAVAILABLE: "no decoder is available now; retry later",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the decoder did not finish within the request timeout",
+    grpc.StatusCode.UNAUTHENTICATED: "the decoder refused the gateway's credentials",
+    grpc.StatusCode.PERMISSION_DENIED: "the decoder refused the gateway's credentials",
+}
+RETRY_AFTER_S = 1
+
+
+def scrub(details: str) -> str:
+    """details without network addresses (they stay in the gateway's log)."""
+    return _ADDRESS.sub("<address>", details)
+
+
 def from_rpc_error(exc: grpc.RpcError) -> APIError:
-    """An APIError for a failed DecoderService call; `code` carries the gRPC code's name, lowercase."""
+    """An APIError for a failed DecoderService call; `code` carries the gRPC code's name, lowercase.
+
+    The body never carries upstream addresses or transport messages: codes the transport produces get a
+    fixed message, the decoder's own validation messages are passed on with any address removed, and
+    a message too large for the gRPC limit is a 413, not a 429 that clients would retry."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    return APIError(http_status_of(code), details or code.name, code=code.name.lower())
+    details = (exc.details() if hasattr(exc, "details") else str(exc)) or code.name
+    status = http_status_of(code)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+        return APIError(413, "the request is larger than the decoder's message limit",
+                        code="request_too_large")
+    if code in _GENERIC or status == 500:
+        log.warning("decoder call failed: %s: %s", code.name, details)
+        message = _GENERIC.get(code, "the decoder failed to process the request")
+    else:
+        message = scrub(details)
+    retry = RETRY_AFTER_S if status in (429, 503) else None
+    return APIError(status, message, code=code.name.lower(), retry_after_s=retry)

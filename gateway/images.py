@@ -15,23 +15,36 @@ import base64
 import binascii
 import ipaddress
 import socket
-from dataclasses import dataclass
+from collections.abc import Sequence
 from urllib.parse import unquote_to_bytes
 
 import httpx
 
+from common.images import ImageError, check_image_format
+from gateway.admission import too_large
+from gateway.config import ImageFetchPolicy
 from gateway.errors import bad_request
 
+__all__ = ["ImageFetchPolicy", "ImageFetcher", "decode_data_url", "is_public_address"]
+
 MAX_REDIRECTS = 3
+# IPv6 ranges that carry an IPv4 address: judged by that address (NAT64 well-known prefix, RFC 6052), or
+# refused whole (the local-use NAT64 prefix of RFC 8215, whose embedding depends on the operator's setup).
+_NAT64_WELL_KNOWN = ipaddress.ip_network("64:ff9b::/96")
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
 
 
-@dataclass(frozen=True)
-class ImageFetchPolicy:
-    """Limits on the images a request may name."""
+class ByteBudget:
+    """The image bytes one request may still take, all images together (413 beyond it)."""
 
-    max_bytes: int = 20 * 2**20
-    timeout_s: float = 10.0
-    allow_private: bool = False  # --allow-private-image-urls: also fetch from loopback/private hosts
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int, param: str) -> None:
+        self.used += n
+        if self.used > self.limit:
+            raise too_large("the request's images together", self.limit, "bytes", "images_too_large", param)
 
 
 def decode_data_url(url: str, max_bytes: int, param: str) -> bytes:
@@ -55,11 +68,30 @@ def decode_data_url(url: str, max_bytes: int, param: str) -> bytes:
     return data
 
 
+def embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address stands for: IPv4-mapped (::ffff:a.b.c.d), IPv4-compatible
+    (::a.b.c.d), NAT64 (64:ff9b::a.b.c.d), 6to4 (2002:AABB:CCDD::) or Teredo's client; else None."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip.teredo is not None:
+        return ip.teredo[1]
+    if ip in _NAT64_WELL_KNOWN or (ip.packed[:12] == bytes(12) and int(ip) > 1):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def is_public_address(address: str) -> bool:
-    """Whether an IP address is a globally routable unicast address (IPv4-mapped IPv6 unwrapped)."""
+    """Whether an IP address is a globally routable unicast address; an IPv6 address that embeds an IPv4
+    one is judged by that IPv4 address, and the local-use NAT64 prefix is never public."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone id
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in _NAT64_LOCAL:
+            return False
+        inner = embedded_ipv4(ip)
+        if inner is not None:
+            ip = inner
     return ip.is_global and not ip.is_multicast
 
 
@@ -87,16 +119,52 @@ class ImageFetcher:
         self.policy = policy
         # trust_env=False: a proxy from the environment would bypass the address checks.
         self._client = httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False, trust_env=False)
+        self._slots = asyncio.Semaphore(policy.global_fetch_concurrency)  # the whole gateway's fetches
 
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def fetch(self, url: str, param: str) -> bytes:
-        """The image bytes at url (data, http or https); an APIError (400) names `param` on failure."""
-        if url.startswith("data:"):
-            return decode_data_url(url, self.policy.max_bytes, param)
+    async def fetch_all(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
+        """The bytes of each (url, param), in order: at most fetch_concurrency at once for this request
+        (and global_fetch_concurrency for the gateway), all within max_total_image_bytes. The first
+        failure, or the caller's cancellation (a client that left), cancels the fetches still running."""
+        budget = ByteBudget(self.policy.max_total_image_bytes)
+        mine = asyncio.Semaphore(self.policy.fetch_concurrency)
+
+        async def one(url: str, param: str) -> bytes:
+            async with mine, self._slots:
+                return await self.fetch(url, param, budget)
+
+        tasks = [asyncio.ensure_future(one(url, param)) for url, param in items]
         try:
-            return await asyncio.wait_for(self._fetch_http(url, param), self.policy.timeout_s)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:  # the failure first in request order, among those that ended
+                if task in done and task.exception() is not None:
+                    raise task.exception()
+            return [task.result() for task in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def fetch(self, url: str, param: str, budget: ByteBudget | None = None) -> bytes:
+        """The image bytes at url (data, http or https), format checked from the header; an APIError
+        (400, or 413 past the budget) names `param` on failure."""
+        budget = budget or ByteBudget(self.policy.max_total_image_bytes)
+        if url.startswith("data:"):
+            data = decode_data_url(url, self.policy.max_bytes, param)
+            budget.take(len(data), param)
+        else:
+            data = await self._fetch_url(url, param, budget)
+        try:
+            check_image_format(data, self.policy.format_names)
+        except ImageError as exc:
+            raise bad_request(f"{param}: {exc}", param, "invalid_image_format") from None
+        return data
+
+    async def _fetch_url(self, url: str, param: str, budget: ByteBudget) -> bytes:
+        try:
+            return await asyncio.wait_for(self._fetch_http(url, param, budget), self.policy.timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
             raise bad_request(f"timed out after {self.policy.timeout_s:g} s fetching the image URL",
                               param, "image_fetch_timeout") from None
@@ -104,7 +172,7 @@ class ImageFetcher:
             raise bad_request(f"cannot fetch the image URL: {type(exc).__name__}: {exc}", param,
                               "image_fetch_failed") from None
 
-    async def _fetch_http(self, url: str, param: str) -> bytes:
+    async def _fetch_http(self, url: str, param: str, budget: ByteBudget) -> bytes:
         for _ in range(MAX_REDIRECTS + 1):
             try:
                 target = httpx.URL(url)
@@ -121,7 +189,7 @@ class ImageFetcher:
                 if response.status_code != 200:
                     raise bad_request(f"fetching the image URL answered HTTP {response.status_code}", param,
                                       "image_fetch_failed")
-                return await self._read_limited(response, param)
+                return await self._read_limited(response, param, budget)
             finally:
                 await response.aclose()
         raise bad_request(f"more than {MAX_REDIRECTS} redirects fetching the image URL", param,
@@ -143,13 +211,17 @@ class ImageFetcher:
         extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
         return self._client.build_request("GET", pinned, headers=headers, extensions=extensions)
 
-    async def _read_limited(self, response: httpx.Response, param: str) -> bytes:
+    async def _read_limited(self, response: httpx.Response, param: str, budget: ByteBudget) -> bytes:
         limit = self.policy.max_bytes
         declared = response.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise bad_request(f"image larger than {limit} bytes", param, "image_too_large")
+        if declared is not None and declared.isdigit():
+            if int(declared) > limit:
+                raise bad_request(f"image larger than {limit} bytes", param, "image_too_large")
+            if budget.used + int(declared) > budget.limit:
+                budget.take(int(declared), param)
         chunks, size = [], 0
         async for chunk in response.aiter_bytes():
+            budget.take(len(chunk), param)
             size += len(chunk)
             if size > limit:
                 raise bad_request(f"image larger than {limit} bytes", param, "image_too_large")

@@ -1,7 +1,12 @@
 """`mmserve gateway`: the OpenAI-compatible HTTP front end, on uvicorn.
 
     mmserve gateway --decoder 127.0.0.1:50052 [--decoder ...] [--host 127.0.0.1] [--port 8000]
-                    [--served-model-name NAME] [--api-key KEY ...] [--model DIR] [--allow-private-image-urls]
+                    [--served-model-name NAME] [--api-key KEY ...] [--model DIR]
+                    [--tls-ca PEM [--tls-cert PEM --tls-key PEM]] [--token-file FILE]
+
+The flags are generated from GatewayConfig (gateway/config.py); the upstream security flags are the
+clients' (common/security/options.py), so `export MMSERVE_TLS_CA=... MMSERVE_TOKEN_FILE=...` works here
+as it does for `mmserve generate`.
 """
 
 from __future__ import annotations
@@ -11,55 +16,55 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from common.arg_types import model_dir, port_number, positive_float, positive_int
+from common.config import add_options, from_args
 from common.errors import UsageError
+from common.security.options import add_client_args, client_security_from_args
 from common.startup import check_port_free, report_usage_error
 from gateway.config import GatewayConfig
-from gateway.images import ImageFetchPolicy
 
 API_KEY_ENV = "MMSERVE_API_KEY"  # keys from the environment stay out of `ps` output
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
+    """`mmserve gateway`'s parser: GatewayConfig's options plus the client security flags."""
     p = argparse.ArgumentParser(prog="mmserve gateway",
                                 description="OpenAI-compatible HTTP API over one or more decoders.")
-    p.add_argument("--decoder", action="append", required=True, metavar="HOST:PORT",
-                   help="a decoder's gRPC address (repeatable: balanced by least outstanding requests)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address")
-    p.add_argument("--port", type=port_number, default=8000)
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send and /v1/models lists (default: --model's directory "
-                        "name, else 'mmserve')")
-    p.add_argument("--model", type=model_dir, default=None,
-                   help="the served checkpoint dir: its tokenizer writes logprob tokens as text "
-                        "(without it they read token_id:N)")
-    p.add_argument("--api-key", action="append", default=[],
-                   help=f"accept this bearer key (repeatable; also ${API_KEY_ENV}); each key is a tenant "
-                        "with its own prefix and embedding cache. Default: no authentication")
-    p.add_argument("--allow-private-image-urls", action="store_true",
-                   help="also fetch image URLs on loopback, private and link-local addresses")
-    p.add_argument("--image-fetch-timeout", type=positive_float, default=10.0, help="seconds per image URL")
-    p.add_argument("--max-image-bytes", type=positive_int, default=20 * 2**20)
-    p.add_argument("--max-request-bytes", type=positive_int, default=64 * 2**20)
-    p.add_argument("--request-timeout", type=positive_float, default=600.0,
-                   help="deadline of each decoder call in seconds (then 504)")
-    p.add_argument("--log-level", default="INFO")
+    add_options(p, GatewayConfig)
+    add_client_args(p, what="the decoders")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    """The config from parsed flags; raises UsageError (a bad combination or an unusable file)."""
     keys = list(args.api_key)
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])
-    name = args.served_model_name or (Path(args.model).name if args.model else "mmserve")
-    return GatewayConfig(
-        decoders=list(args.decoder), served_model_name=name, api_keys=keys,
-        model_dir=Path(args.model) if args.model else None, request_timeout_s=args.request_timeout,
-        max_request_bytes=args.max_request_bytes,
-        images=ImageFetchPolicy(max_bytes=args.max_image_bytes, timeout_s=args.image_fetch_timeout,
-                                allow_private=args.allow_private_image_urls))
+    upstream = client_security_from_args(args)
+    try:
+        return from_args(GatewayConfig, args, api_keys=keys, upstream=upstream)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def serve(config: GatewayConfig) -> None:
+    """Run uvicorn with the config's connection limits until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from gateway.app import build_app
+    from gateway.http_server import header_timeout_protocol
+
+    app = build_app(config)
+    scheme = "TLS" if config.upstream.tls else "plaintext"
+    print(f"gateway serving {config.served_model_name!r} at http://{config.host}:{config.port}/v1 over "
+          f"{', '.join(config.decoders)} ({scheme} gRPC{', token' if config.upstream.token else ''})",
+          flush=True)
+    limits = config.http
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
+                timeout_graceful_shutdown=30, timeout_keep_alive=limits.keep_alive_s,
+                limit_concurrency=limits.max_connections,
+                h11_max_incomplete_event_size=limits.max_header_bytes,
+                http=header_timeout_protocol(limits.header_timeout_s))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,19 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        check_port_free(args.host, args.port)
+        config = config_from_args(args)
+        check_port_free(config.host, config.port)
     except UsageError as exc:
         return report_usage_error(parser.prog, exc)
-    import uvicorn
-
-    from gateway.app import build_app
-
-    config = config_from_args(args)
-    app = build_app(config)
-    print(f"gateway serving {config.served_model_name!r} at http://{args.host}:{args.port}/v1 over "
-          f"{', '.join(config.decoders)}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=30)
+    serve(config)
     return 0
 
 

@@ -68,7 +68,7 @@ class _SamplingFields(_Lenient):
     # Extensions (vLLM's names).
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     ignore_eos: bool = False
-    cache_salt: str | None = Field(default=None, max_length=256)
+    cache_salt: str | None = None  # its limit: gateway/admission.py check_salt
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -8,7 +8,6 @@ naming the parameter rather than silently ignored.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 from common.pb import common_pb2, decoder_pb2
@@ -57,7 +56,8 @@ def chat_logprobs_wanted(req: ChatCompletionRequest) -> int:
 
 async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher,
                        cache_salt: str) -> decoder_pb2.GenerateRequest:
-    """A chat GenerateRequest; image URLs are fetched concurrently, each error naming its part."""
+    """A chat GenerateRequest; image URLs are fetched with bounded concurrency (ImageFetcher.fetch_all),
+    each error naming its part. The request's counts and sizes were admitted before (admission.py)."""
     _refuse_unsupported(req)
     if req.tools:
         raise bad_request("tools are not supported", "tools", "unsupported_parameter")
@@ -78,7 +78,7 @@ async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher,
             else:
                 chat_message.content.add(text=part.text)
     if fetches:
-        datas = await asyncio.gather(*(fetcher.fetch(url, param) for _, url, param in fetches))
+        datas = await fetcher.fetch_all([(url, param) for _, url, param in fetches])
         for (image, _, _), data in zip(fetches, datas, strict=True):
             image.data = data
     return out

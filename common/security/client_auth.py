@@ -44,9 +44,7 @@ class TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientI
         return continuation(self._details(client_call_details), request)
 
 
-class AioTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds the token's metadata to every call of an asyncio channel."""
-
+class _AioToken:
     def __init__(self, token: str) -> None:
         self._metadata = auth_metadata(token)
 
@@ -55,8 +53,19 @@ class AioTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnarySt
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                           details.wait_for_ready)
 
+
+class AioTokenInterceptor(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds the token's metadata to every unary call of an asyncio channel.
+
+    grpc.aio files an interceptor under the first call kind it implements only, so each kind needs an
+    interceptor object of its own (one that was both left streaming calls without the token)."""
+
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
+
+
+class AioStreamTokenInterceptor(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
+    """Adds the token's metadata to every server-streaming call of an asyncio channel (Generate)."""
 
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
@@ -66,4 +75,6 @@ def token_interceptors(token: str | None, aio: bool = False) -> list:
     """The interceptors that send token (none without one)."""
     if not token:
         return []
-    return [AioTokenInterceptor(token) if aio else TokenInterceptor(token)]
+    if aio:
+        return [AioTokenInterceptor(token), AioStreamTokenInterceptor(token)]
+    return [TokenInterceptor(token)]

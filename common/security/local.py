@@ -42,6 +42,10 @@ class LocalSecurity:
                 "--encoder-tls-cert", str(self.path("client-decoder.pem")),
                 "--encoder-tls-key", str(self.path("client-decoder.key"))]
 
+    def gateway_args(self) -> list[str]:
+        """TLS and the tenant's token towards the decoder (which requires a token under --tls)."""
+        return ["--tls-ca", str(self.path("ca.pem")), "--token-file", str(self.path("token"))]
+
     def client_env(self) -> dict[str, str]:
         """The environment that gives `mmserve generate/stats/health` TLS, a client certificate and the
         token."""

@@ -7,6 +7,7 @@ client that trusts the server's certificate may connect (and authenticates with 
 from __future__ import annotations
 
 import ipaddress
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,32 @@ def _read(path: str | Path | None, option: str) -> bytes | None:
     return data
 
 
+def _check_certificates(data: bytes | None, path: str | Path | None, option: str) -> None:
+    """TlsConfigError unless data holds at least one parseable X.509 certificate."""
+    if data is None:
+        return
+    try:
+        ssl.create_default_context(cadata=data.decode("ascii", "replace"))
+    except (ssl.SSLError, ValueError) as exc:
+        raise TlsConfigError(f"{option} {path}: not a valid PEM certificate ({exc})") from None
+
+
+def _check_key_pair(cert: str | Path | None, key: str | Path | None, cert_option: str,
+                    key_option: str) -> None:
+    """TlsConfigError naming the file and the problem: a key that is unreadable or not the
+    certificate's own (rather than gRPC's later, misleading "Failed to bind to address")."""
+    if cert is None or key is None:
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(str(cert), str(key))
+    except ssl.SSLError as exc:
+        if "KEY_VALUES_MISMATCH" in str(exc) or "key values mismatch" in str(exc):
+            raise TlsConfigError(f"{key_option} {key}: does not match the certificate in {cert_option} "
+                                 f"{cert}") from None
+        raise TlsConfigError(f"{key_option} {key}: not a usable PEM private key ({exc})") from None
+
+
 @dataclass(frozen=True)
 class ServerTls:
     """The server's certificate chain and key; client_ca turns on mutual TLS."""
@@ -40,8 +67,12 @@ class ServerTls:
 
     @classmethod
     def from_files(cls, cert: str | Path, key: str | Path, client_ca: str | Path | None = None) -> ServerTls:
-        """Load PEM files; raises TlsConfigError naming the option at fault."""
-        return cls(_read(cert, "--tls-cert"), _read(key, "--tls-key"), _read(client_ca, "--tls-client-ca"))
+        """Load PEM files; raises TlsConfigError naming the option, the file and the problem."""
+        tls = cls(_read(cert, "--tls-cert"), _read(key, "--tls-key"), _read(client_ca, "--tls-client-ca"))
+        _check_certificates(tls.cert_chain, cert, "--tls-cert")
+        _check_certificates(tls.client_ca, client_ca, "--tls-client-ca")
+        _check_key_pair(cert, key, "--tls-cert", "--tls-key")
+        return tls
 
     @property
     def mutual(self) -> bool:
@@ -72,7 +103,11 @@ class ClientTls:
         """Load PEM files; a certificate needs its key and the other way round."""
         if (cert is None) != (key is None):
             raise TlsConfigError("--tls-cert and --tls-key go together (a client certificate needs its key)")
-        return cls(_read(ca, "--tls-ca"), _read(cert, "--tls-cert"), _read(key, "--tls-key"), server_name)
+        tls = cls(_read(ca, "--tls-ca"), _read(cert, "--tls-cert"), _read(key, "--tls-key"), server_name)
+        _check_certificates(tls.ca, ca, "--tls-ca")
+        _check_certificates(tls.cert_chain, cert, "--tls-cert")
+        _check_key_pair(cert, key, "--tls-cert", "--tls-key")
+        return tls
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.private_key,

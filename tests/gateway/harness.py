@@ -85,20 +85,24 @@ class GatewayProcess:
 
 class FailingDecoder(decoder_pb2_grpc.DecoderServiceServicer):
     """Answers a prompt `fail:CODE` with that gRPC status before any output, and `fail-after-one:CODE`
-    after one token; anything else gets two tokens."""
+    after one token; anything else gets two tokens. Each failure's details name a peer address, as
+    gRPC's transport messages do: the gateway must not pass it on."""
 
     def Generate(self, request, context):
         prompt = request.prompt or "".join(
             p.text for m in request.chat.messages for p in m.content if p.WhichOneof("part") == "text")
         kind, _, code = prompt.partition(":")
         if kind == "fail":
-            context.abort(grpc.StatusCode[code], f"fake decoder fails with {code}")
+            context.abort(grpc.StatusCode[code], f"fake decoder fails with {code} at {FAKE_PEER}")
         yield decoder_pb2.GenerateResponse(token_ids=[7], text="a")
         if kind == "fail-after-one":
             context.abort(grpc.StatusCode[code], f"fake decoder fails with {code} mid-stream")
         yield decoder_pb2.GenerateResponse(
             token_ids=[8], text="b", finish_reason=decoder_pb2.FINISH_REASON_LENGTH,
             usage=decoder_pb2.Usage(prompt_tokens=3, completion_tokens=2))
+
+
+FAKE_PEER = "ipv4:10.9.8.7:50052"
 
 
 def start_failing_decoder() -> tuple[grpc.Server, str]:
@@ -120,10 +124,13 @@ class ImageServer:
     def __init__(self, files: dict[str, bytes], redirects: dict[str, str] | None = None,
                  slow: tuple[str, ...] = ()) -> None:
         files_, redirects_ = files, redirects or {}
+        self.hits: list[str] = []  # the paths asked for, in order
+        hits = self.hits
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                name = self.path.lstrip("/")
+                hits.append(self.path.lstrip("/"))
+                name = self.path.lstrip("/").split("?", 1)[0]  # a query only makes URLs distinct
                 location = redirects_.get(name) or (
                     "/" + name.removeprefix("redirect/") if name.startswith("redirect/") else None)
                 if location:

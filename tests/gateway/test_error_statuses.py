@@ -9,9 +9,10 @@ import pytest
 
 from bench.services import free_port
 from tests.gateway.conftest import openai_client
-from tests.gateway.harness import GatewayProcess, start_failing_decoder
+from tests.gateway.harness import FAKE_PEER, GatewayProcess, start_failing_decoder
 
 _5XX = openai.InternalServerError  # the client's class for every status >= 500
+PASSED_ON = {"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED"}  # the decoder's own messages
 STATUSES = [("INVALID_ARGUMENT", 400, openai.BadRequestError),
             ("UNAUTHENTICATED", 401, openai.AuthenticationError),
             ("PERMISSION_DENIED", 403, openai.PermissionDeniedError),
@@ -40,15 +41,20 @@ def test_grpc_status_becomes_http_status(fake_gateway, code, status, exc_type, s
         list(reply) if stream else None
     assert err.value.status_code == status
     assert err.value.body["code"] == code.lower()
-    assert f"fake decoder fails with {code}" in err.value.body["message"]
+    message = err.value.body["message"]
+    # The decoder's validation messages pass on; transport codes get a fixed message. No address ever.
+    assert (f"fake decoder fails with {code}" in message) == (code in PASSED_ON), message
+    assert "10.9.8.7" not in message and FAKE_PEER not in message
     assert set(err.value.body) == {"message", "type", "param", "code"}
+    if status in (429, 503):  # real overload: worth a retry, and the client is told when
+        assert err.value.response.headers.get("retry-after") == "1"
 
 
 def test_chat_error_body_shape(fake_gateway):
     reply = httpx.post(f"{fake_gateway.url}/v1/chat/completions", json={
         "model": "fake", "messages": [{"role": "user", "content": "fail:RESOURCE_EXHAUSTED"}]})
     assert reply.status_code == 429
-    assert reply.json() == {"error": {"message": "fake decoder fails with RESOURCE_EXHAUSTED",
+    assert reply.json() == {"error": {"message": "fake decoder fails with RESOURCE_EXHAUSTED at <address>",
                                       "type": "rate_limit_error", "param": None,
                                       "code": "resource_exhausted"}}
 
@@ -80,5 +86,6 @@ def test_no_live_decoder_is_503_and_unhealthy(tmp_path):
         with pytest.raises(openai.InternalServerError) as err:
             openai_client(g).completions.create(model="none", prompt="hi", max_tokens=2)
         assert err.value.status_code == 503 and err.value.body["code"] == "unavailable"
+        assert "127.0.0.1" not in err.value.response.text and "ipv4" not in err.value.response.text
     finally:
         g.stop()

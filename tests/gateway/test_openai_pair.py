@@ -166,9 +166,14 @@ def test_private_image_url_is_refused_by_default(gateway, client, images):
 
 
 def test_error_statuses_from_the_real_pair(pair, gateway, client, images):
-    # 400: the decoder refuses an undecodable image (INVALID_ARGUMENT), the gateway a bad field.
+    # 400: the gateway refuses what is no accepted image format (from the header), the decoder an image
+    # whose header passes but whose pixels are cut off (INVALID_ARGUMENT), the gateway a bad field.
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=chat_messages(data_url(b"not an image")),
+                                       max_tokens=2)
+    assert err.value.body["code"] == "invalid_image_format"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=chat_messages(data_url(images[0][:60])),
                                        max_tokens=2)
     assert err.value.body["type"] == "invalid_request_error" and err.value.body["code"] == "invalid_argument"
     with pytest.raises(openai.BadRequestError) as err:

@@ -108,3 +108,22 @@ def test_tls_config_errors_name_the_option(tmp_path, pki):
 def test_loopback_detection():
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "encoder"))
+
+
+def test_tls_start_up_errors_name_the_file_and_the_problem(tmp_path, pki):
+    """A garbage certificate or a key of another certificate is refused at start-up, with the file and
+    the problem named (gRPC itself would say only "Failed to bind to address")."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n")
+    with pytest.raises(TlsConfigError, match=f"--tls-cert {garbage}: not a valid PEM certificate"):
+        ServerTls.from_files(garbage, pki.server_key)
+    other_cert, other_key = pki.clients["client"]
+    with pytest.raises(TlsConfigError, match=f"--tls-key {other_key}: does not match the certificate"):
+        ServerTls.from_files(pki.server_cert, other_key)
+    bad_key = tmp_path / "bad.key"
+    bad_key.write_text("-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n")
+    with pytest.raises(TlsConfigError, match=f"--tls-key {bad_key}: not a usable PEM private key"):
+        ServerTls.from_files(pki.server_cert, bad_key)
+    with pytest.raises(TlsConfigError, match="--tls-key .*does not match"):
+        ClientTls.from_files(ca=pki.ca_cert, cert=other_cert, key=pki.server_key)
+    ServerTls.from_files(pki.server_cert, pki.server_key, pki.ca_cert)  # the matching pair loads

@@ -1,4 +1,5 @@
-"""`mmserve up --tls`: both services with TLS and tokens on 127.0.0.1, and the CLI through them."""
+"""`mmserve up --tls`: both services with TLS and tokens on 127.0.0.1, the CLI through them, and the
+OpenAI gateway in front, reaching the decoder with TLS and the token."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import httpx
 
 from common.images import encode_png
 from tests.integration.harness import ROOT, free_port
@@ -23,11 +26,11 @@ def _cli(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedPro
 def test_mmserve_up_tls_serves_a_request_with_tls_and_a_token(tmp_path, tiny_model_dir):
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MMSERVE_")}
     env = {**clean, "MMSERVE_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
-    enc_port, dec_port = free_port(), free_port()
+    enc_port, dec_port, gw_port = free_port(), free_port(), free_port()
     log_path = tmp_path / "up.log"
     up = subprocess.Popen(
         [sys.executable, "-m", "common.cli", "up", "--tls", "--model", str(tiny_model_dir),
-         "--encoder-port", str(enc_port), "--decoder-port", str(dec_port)],
+         "--encoder-port", str(enc_port), "--decoder-port", str(dec_port), "--gateway-port", str(gw_port)],
         stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 240
@@ -59,6 +62,13 @@ def test_mmserve_up_tls_serves_a_request_with_tls_and_a_token(tmp_path, tiny_mod
         assert enc_stats["service"] == "encoder" and enc_stats["encodes"] >= 1
         assert _cli("health", addr, env=secured).returncode == 0
         assert _cli("health", addr, env=env).returncode == 1  # plaintext cannot reach a TLS port
+
+        # The gateway is the public edge; the decoder behind it requires TLS and a token.
+        chat = httpx.post(f"http://127.0.0.1:{gw_port}/v1/chat/completions", timeout=120, json={
+            "model": tiny_model_dir.name, "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hello"}]})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["completion_tokens"] >= 1
     finally:
         if up.poll() is None:
             up.send_signal(signal.SIGINT)
