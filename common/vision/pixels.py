@@ -97,6 +97,23 @@ def recipe_from_processor(processor) -> PixelRecipe:
     return PixelRecipe(shortest, resize_hw, crop_hw, mode, rescale, mean, std)
 
 
+def pil_like_resize(batch: torch.Tensor, target: tuple[int, int], mode: str = "bicubic") -> torch.Tensor:
+    """[n, 3, H, W] uint8 (or uint8-valued) to uint8-valued float32 [n, 3, *target], as Pillow resizes.
+
+    Pillow resamples horizontally, rounds and clips to uint8, then vertically: the clip between the
+    passes matters where bicubic overshoots (upscaled noise), so the passes are kept apart.
+    """
+    height, width = batch.shape[-2:]
+    x = batch.float()
+    if target[1] != width:
+        x = F.interpolate(x, size=(height, target[1]), mode=mode, align_corners=False, antialias=True)
+        x = x.round_().clamp_(0, 255)
+    if target[0] != height:
+        x = F.interpolate(x, size=tuple(target), mode=mode, align_corners=False, antialias=True)
+        x = x.round_().clamp_(0, 255)
+    return x
+
+
 def _shortest_edge_size(height: int, width: int, edge: int) -> tuple[int, int]:
     """transformers' get_resize_output_image_size(default_to_square=False): the short side to edge,
     the long side scaled and truncated."""
@@ -147,16 +164,7 @@ class TorchPixelProcessor:
             target = _shortest_edge_size(height, width, r.shortest_edge)
         else:
             target = (height, width)
-        x = batch.float()
-        # Pillow resamples horizontally, rounds and clips to uint8, then vertically: the clip between
-        # the passes matters where bicubic overshoots (upscaled noise), so the passes are kept apart.
-        if target[1] != width:
-            x = F.interpolate(x, size=(height, target[1]), mode=r.mode, align_corners=False, antialias=True)
-            x = x.round_().clamp_(0, 255)
-        if target[0] != height:
-            x = F.interpolate(x, size=target, mode=r.mode, align_corners=False, antialias=True)
-            x = x.round_().clamp_(0, 255)
-        return x
+        return pil_like_resize(batch, target, r.mode)
 
     @staticmethod
     def _crop(x: torch.Tensor, crop_hw: tuple[int, int]) -> torch.Tensor:

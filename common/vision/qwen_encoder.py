@@ -20,6 +20,9 @@ from PIL import Image
 
 from common.checkpoint import load_config, model_fingerprint
 from common.qwen_layout import Grid, PixelRange, load_qwen_layout
+from common.vision import PREPROCESS_MODES
+from common.vision.pixels import to_uint8_hwc
+from common.vision.qwen_pixels import QwenTorchPixels
 from common.vision.qwen_tower import load_qwen_tower
 
 log = logging.getLogger(__name__)
@@ -27,10 +30,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class QwenPrepared:
-    """One image after the processor: patch rows [t*h*w, patch_dim] (fp32, host) and its grid."""
+    """One image ready for the tower: its grid, and either patch rows [t*h*w, patch_dim] from the HF
+    processor (fp32, host) or its uint8 [H, W, 3] pixels for the device-side processor."""
 
-    pixel_values: torch.Tensor
     grid: Grid
+    pixel_values: torch.Tensor | None = None
+    raw: torch.Tensor | None = None
 
 
 def load_qwen_image_processor(model_dir: str | Path):
@@ -51,14 +56,12 @@ class QwenVisionEncoder:
     Thread-safety as VisionEncoder: `prepare` on any thread; `encode_prepared` from one thread at a time.
     """
 
-    preprocess_mode = "hf"
-    pixel_tolerance = 0.0
     graphs = None  # shapes vary per batch: no CUDA graphs (see docs/architecture.md)
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, preprocess: str = "auto") -> None:
-        if preprocess not in ("auto", "hf"):
-            raise ValueError(f"--preprocess {preprocess} is not available for Qwen2.5-VL; use auto or hf")
+        if preprocess not in PREPROCESS_MODES:
+            raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {preprocess!r}")
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -70,6 +73,12 @@ class QwenVisionEncoder:
         if self.tower.merger.mlp[2].out_features != self.hidden_size:
             raise ValueError("the vision merger's output width differs from the language model's hidden size")
         self.image_processor = load_qwen_image_processor(self.model_dir)
+        # "auto": on the device in half precision (the tower's rounding dwarfs a pixel level), else HF's
+        # processor (fp32 keeps bit parity with HF, the oracle tests' contract).
+        on_device = preprocess == "torch" or (preprocess == "auto" and self.device.type == "cuda"
+                                              and dtype != torch.float32)
+        self.preprocess_mode = "torch" if on_device else "hf"
+        self.torch_pixels = QwenTorchPixels(self.image_processor) if on_device else None
         self.default_pixels = PixelRange(self.layout.min_pixels, self.layout.max_pixels)
         self.calls = 0
         self.images_encoded = 0
@@ -89,13 +98,16 @@ class QwenVisionEncoder:
     def prepare(self, image, pixels: PixelRange | None = None) -> QwenPrepared:
         """One image through the HF processor (resize within `pixels`, normalise, patchify); thread-safe.
         image: a PIL image or a decode pool's DecodedImage."""
-        pil = image if isinstance(image, Image.Image) else image.to_pil()
         pixels = pixels or self.default_pixels
+        if self.torch_pixels is not None:  # the grid from the size; the rest on the device
+            grid = self.layout.grid(image.height, image.width, pixels)
+            return QwenPrepared(grid, raw=to_uint8_hwc(image, pin_memory=self.device.type == "cuda"))
+        pil = image if isinstance(image, Image.Image) else image.to_pil()
         out = self.image_processor(images=[pil.convert("RGB")], return_tensors="pt",
                                    size={"shortest_edge": pixels.min_pixels,
                                          "longest_edge": pixels.max_pixels})
         grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
-        return QwenPrepared(out["pixel_values"], grid)
+        return QwenPrepared(grid, pixel_values=out["pixel_values"])
 
     @torch.inference_mode()
     def encode_prepared(self, prepared: Sequence[QwenPrepared],
@@ -103,13 +115,25 @@ class QwenVisionEncoder:
         """The tower over every prepared image at once; one [tokens, hidden] tensor per image."""
         if not prepared:
             return []
-        pixels = torch.cat([p.pixel_values for p in prepared]).to(self.device, self.dtype, non_blocking=True)
+        pixels = torch.cat([self._rows(p) for p in prepared]).to(self.dtype)
         grids = [p.grid for p in prepared]
         rows = self.tower(pixels, grids)
         with self._count_lock:
             self.calls += 1
             self.images_encoded += len(prepared)
         return list(rows.split([self.layout.num_tokens(g) for g in grids]))
+
+    def _rows(self, prepared: QwenPrepared) -> torch.Tensor:
+        """One image's patch rows on the device (fp32)."""
+        if prepared.raw is None:
+            return prepared.pixel_values.to(self.device, non_blocking=True)
+        image = prepared.raw.to(self.device, non_blocking=True).permute(2, 0, 1)
+        return self.torch_pixels(image, prepared.grid)
+
+    @property
+    def pixel_tolerance(self) -> float:
+        """Largest |pixel value - HF processor's| the preprocessing may give (0 for "hf")."""
+        return 0.0 if self.torch_pixels is None else self.torch_pixels.max_abs_diff()
 
     def encode(self, images: Sequence[Image.Image], pixels: Sequence[PixelRange | None] | None = None
                ) -> list[torch.Tensor]:
