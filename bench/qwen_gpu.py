@@ -3,14 +3,18 @@
     python -m bench.qwen_gpu --model DIR [--device cuda --dtype bfloat16] [--out qwen.json]
 
 Figures (JSON with a `headline`):
-- vision tower: distinct --image-size square images per second, ours (batches of 1 and --batch) vs
-  HF's `visual` on the same pixel values; the HF processor's host time per image beside it;
+- vision tower: distinct --image-size square images per second, ours (batches of 1 and --batch, the
+  device-side processor included, eager and with the elementwise steps compiled) vs HF's `visual` on
+  the HF processor's pixel values (its host time per image beside it), and the top kernels of ours;
 - cold TTFT: one image + --text-tokens text tokens through the engine with an in-process tower
   (encode, prefill, first token), median of --ttft-rounds distinct images; HF's generate(max_new_tokens=1);
 - decode at batch 1: tokens/s after the first token (ignore EOS), engine vs HF generate, and the
   bandwidth bound (LM weight bytes / copy bandwidth);
-- greedy agreement in the dtype: the fraction of --agreement-tokens tokens equal to HF's, position by
-  position, over --agreement-prompts prompts with one 448x448 image each.
+- greedy agreement in the dtype, teacher-forced: for --agreement-prompts prompts with one 448x448
+  image each, HF generates --agreement-tokens tokens; for each prefix of HF's sequence the engine
+  predicts the next token (one request per prefix; the shared prefix is cached), and the figure is
+  the fraction equal to HF's. Free-running sequences diverge for good at the first near-tie of
+  random weights, so the identical-sequence count is reported beside it.
 """
 
 from __future__ import annotations
@@ -66,12 +70,16 @@ def sync(device: torch.device) -> None:
 
 
 def tower_figures(engine: LLMEngine, hf, imgs: list[Image.Image], batch: int) -> dict:
-    """Images per second of our tower (batch 1 and `batch`) and HF's, on prepared pixel values."""
-    enc = engine.source.encoder
+    """Images per second of our tower (batch 1 and `batch`) and HF's, on prepared images."""
+    from common.vision.qwen_encoder import QwenVisionEncoder
+
+    hf_enc = engine.source.encoder  # the HF processor (the engine's parity source)
     t0 = time.perf_counter()
-    prepared = [enc.prepare(i) for i in imgs]
+    hf_prepared = [hf_enc.prepare(i) for i in imgs]
     prep_ms = (time.perf_counter() - t0) * 1000 / len(imgs)
-    out: dict = {"prep_ms_per_image": round(prep_ms, 2),
+    enc = QwenVisionEncoder(engine.config.model, engine.device, engine.dtype)  # device-side processor
+    prepared = [enc.prepare(i) for i in imgs]
+    out: dict = {"hf_processor_ms_per_image": round(prep_ms, 2), "preprocess": enc.preprocess_mode,
                  "tokens_per_image": enc.layout.num_tokens(prepared[0].grid)}
 
     def rate(fn, size: int) -> float:
@@ -83,8 +91,14 @@ def tower_figures(engine: LLMEngine, hf, imgs: list[Image.Image], batch: int) ->
         sync(enc.device)
         return (len(prepared) // size * size) / (time.perf_counter() - t)
 
+    out["eager_img_s_b1"] = round(rate(enc.encode_prepared, 1), 2)
+    out[f"eager_img_s_b{batch}"] = round(rate(enc.encode_prepared, batch), 2)
+    out["compiled"] = enc.compile_elementwise()
     out["ours_img_s_b1"] = round(rate(enc.encode_prepared, 1), 2)
     out[f"ours_img_s_b{batch}"] = round(rate(enc.encode_prepared, batch), 2)
+    if enc.device.type == "cuda":
+        out["top_kernels"] = top_kernels(lambda: enc.encode_prepared(prepared[:batch]))
+    prepared = hf_prepared
     if hf is not None:
         def hf_fn(chunk):
             pv = torch.cat([p.pixel_values for p in chunk]).to(enc.device, hf.dtype)
@@ -94,6 +108,17 @@ def tower_figures(engine: LLMEngine, hf, imgs: list[Image.Image], batch: int) ->
         out["hf_img_s_b1"] = round(rate(hf_fn, 1), 2)
         out[f"hf_img_s_b{batch}"] = round(rate(hf_fn, batch), 2)
     return out
+
+
+def top_kernels(fn, n: int = 12) -> list[list]:
+    """[name, ms, calls] of the n kernels with the most CUDA time in one call of fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, "device_time_total", 0), reverse=True)
+    return [[e.key[:70], round(getattr(e, "device_time_total", 0) / 1000, 2), e.count] for e in rows[:n]]
 
 
 def text_of(engine: LLMEngine, n_tokens: int) -> str:
@@ -185,21 +210,35 @@ def decode_rate(engine: LLMEngine, hf, n: int) -> dict:
 
 
 def agreement(engine: LLMEngine, hf, prompts: int, tokens: int) -> dict:
-    """Position-wise equality of greedy tokens with HF's in the same dtype."""
+    """Teacher-forced agreement of the engine's greedy next token with HF's (see the module docstring)."""
+    from common.qwen_layout import mrope_positions
+
     equal = total = identical = 0
+    greedy = SamplingParams(max_tokens=1, ignore_eos=True)
     for i, img in enumerate(images(prompts, 448, seed=7)):
         prompt = USER + IMAGE + f"question {i}: what is in this picture?" + END
-        ours = engine.generate(f"agree{i}", prompt, [img], sampling=SamplingParams(max_tokens=tokens,
-                                                                                    ignore_eos=True))
+        free = engine.generate(f"free{i}", prompt, [img],
+                               sampling=SamplingParams(max_tokens=tokens, ignore_eos=True))
         inputs = hf_inputs(engine, hf, prompt, [img])
         with torch.no_grad():
             seq = hf.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
         ref = seq[0, inputs["input_ids"].shape[1]:].tolist()
-        equal += sum(a == b for a, b in zip(ours.new_token_ids, ref, strict=False))
+        identical += free.new_token_ids == ref
+        for j in range(len(ref)):  # the prompt plus HF's first j tokens: does our next token equal HF's?
+            req = engine.inputs.make_request(f"tf{i}-{j}", prompt, [img], sampling=greedy)
+            req.prompt_token_ids = req.prompt_token_ids + ref[:j]
+            req.mrope_positions, req.mrope_delta = mrope_positions(
+                len(req.prompt_token_ids), [(p.offset, p.grid) for p in req.images],
+                engine.tokenizer.qwen_layout.merge_size)
+            engine.add(req)
+        outs = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        equal += sum(outs.get(f"tf{i}-{j}", [None])[0] == ref[j] for j in range(len(ref)))
         total += len(ref)
-        identical += ours.new_token_ids == ref
     return {"token_agreement": round(equal / max(total, 1), 4), "identical_sequences": identical,
-            "prompts": prompts}
+            "prompts": prompts, "tokens_per_prompt": tokens}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,7 +126,8 @@ if [[ ",$SECTIONS," == *,qwen,* ]]; then
     echo "== make-model qwen2.5-vl-7b -> $QMODEL"
     timeout 300 "$PY" -m common.cli make-model --preset qwen2.5-vl-7b --out "$QMODEL" "${DT[@]}" 2>&1 | tail -3
   fi
-  step qwen_gpu 400 "$PY" -m bench.qwen_gpu --model "$QMODEL" "${DT[@]}"
+  step qwen_gpu 300 "$PY" -m bench.qwen_gpu --model "$QMODEL" "${DT[@]}"
+  step qwen_serve 300 "$PY" -m bench.qwen_serve --model "$QMODEL" "${DT[@]}" --logs "$RES/logs-qwen"
 fi
 
 echo "== merge (t=$((SECONDS - START))s)"

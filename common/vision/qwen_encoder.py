@@ -142,8 +142,25 @@ class QwenVisionEncoder:
         return self.encode_prepared([self.prepare(i, r) for i, r in zip(images, ranges, strict=True)])
 
     def capture_graphs(self, max_batch: int) -> bool:
-        """No CUDA graphs: every batch has its own sequence length and chunk plan."""
+        """No CUDA graphs (every batch has its own sequence length and chunk plan); on CUDA the
+        elementwise steps are compiled instead (`compile_elementwise`). Returns False."""
+        if self.device.type == "cuda":
+            self.compile_elementwise()
         return False
+
+    def compile_elementwise(self) -> bool:
+        """Fuse the tower's norms and rotary with torch.compile, checked on a small image; False (and the
+        eager steps) when compiling fails."""
+        from common.vision.qwen_tower import VisionOps
+
+        self.tower.use_ops(VisionOps.compiled())
+        try:
+            self.encode([Image.new("RGB", (224, 224), (127, 127, 127))])
+        except Exception as exc:  # noqa: BLE001 - no compiler toolchain, or an inductor bug: run eagerly
+            log.warning("torch.compile of the vision tower's elementwise steps failed; eager: %s", exc)
+            self.tower.use_ops(VisionOps)
+            return False
+        return True
 
     def warm_up(self) -> None:
         """One small image through the tower; checks its rows against the layout's count."""

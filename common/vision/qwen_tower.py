@@ -21,8 +21,40 @@ from torch import nn
 Grid = tuple[int, int, int]
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm in fp32, cast back before the weight (HF's Qwen2_5_VLRMSNorm)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """2D rotary on q, k [N, heads, head_dim] in fp32, rounded back (HF's apply_rotary_pos_emb_vision)."""
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    qf, kf = q.float(), k.float()
+    return (qf * c + rotate_half(qf) * s).to(q.dtype), (kf * c + rotate_half(kf) * s).to(k.dtype)
+
+
+class VisionOps:
+    """The tower's elementwise steps. Eager by default; `compiled()` fuses each into one kernel with
+    torch.compile (GPU), which matters at thousands of patches per image."""
+
+    rms_norm = staticmethod(rms_norm)
+    rotary = staticmethod(rotary)
+
+    @classmethod
+    def compiled(cls) -> type[VisionOps]:
+        """A VisionOps whose steps are torch.compile'd (dynamic shapes: one compile for any batch)."""
+        return type("CompiledVisionOps", (cls,), {
+            "rms_norm": staticmethod(torch.compile(rms_norm, dynamic=True)),
+            "rotary": staticmethod(torch.compile(rotary, dynamic=True))})
+
+
 class RMSNorm(nn.Module):
     """RMS norm in fp32, cast back before the weight (HF's Qwen2_5_VLRMSNorm)."""
+
+    ops: type[VisionOps] = VisionOps
 
     def __init__(self, size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -30,9 +62,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -77,14 +107,12 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
+    ops: type[VisionOps] = VisionOps
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).permute(1, 0, 2, 3).unbind(0)
-        # Rotary in fp32, rounded back to the model dtype (HF's apply_rotary_pos_emb_vision).
-        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        qf, kf = q.float(), k.float()
-        q = (qf * c + rotate_half(qf) * s).to(x.dtype)
-        k = (kf * c + rotate_half(kf) * s).to(x.dtype)
+        q, k = self.ops.rotary(q, k, cos, sin)
         out = torch.empty_like(q)
         for rows in plan.groups:  # [chunks, L] -> [chunks, heads, L, head_dim]
             qc, kc, vc = (t[rows].transpose(1, 2) for t in (q, k, v))
@@ -153,6 +181,12 @@ class QwenVisionTower(nn.Module):
         quarter = int(vision["hidden_size"]) // heads // 2
         return 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
 
+    def use_ops(self, ops: type[VisionOps]) -> None:
+        """Run the elementwise steps with ops (VisionOps, or VisionOps.compiled() on a GPU)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, VisionAttention)):
+                module.ops = ops
+
     @property
     def patch_dim(self) -> int:
         """Values per patch row of pixel_values (channels x temporal x patch x patch)."""
@@ -195,8 +229,13 @@ class QwenVisionTower(nn.Module):
         device, unit = pixel_values.device, self.merge * self.merge
         window_order, cu_window, cu_image, pos = self.layout(grids)
         weight = self.patch_embed.proj.weight
-        x = self.patch_embed.proj(pixel_values.view(-1, self.channels, self.temporal, self.patch, self.patch)
-                                  .to(weight.dtype)).view(-1, self.dim)
+        if pixel_values.is_cuda:
+            # The Conv3d's stride equals its kernel: one matrix product over flattened patches, which
+            # cuDNN's 3D convolutions do far slower (the same sums; rounding may differ in bf16).
+            x = F.linear(pixel_values.to(weight.dtype), weight.view(self.dim, -1))
+        else:
+            x = self.patch_embed.proj(pixel_values.view(-1, self.channels, self.temporal, self.patch,
+                                                        self.patch).to(weight.dtype)).view(-1, self.dim)
         n = x.shape[0]
         order = torch.from_numpy(window_order).to(device, non_blocking=True)
         x = x.reshape(n // unit, unit, -1)[order].reshape(n, -1)

@@ -137,10 +137,10 @@ class LlamaForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run every layer over the flat batch; return fp32 logits only for rows logits_indices.
-        positions: [tokens], or [3, tokens] for M-RoPE."""
+        positions: [tokens], or [3, tokens] for M-RoPE (one row is enough where the three are equal)."""
         x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
         cos_sin = self.cos_sin
-        if self.uses_mrope:
+        if positions.dim() == 2:  # M-RoPE [3, tokens]
             # Each token's cos/sin row, its columns taken from the rows of its t, h or w position; the
             # rotary kernels then read row i for token i.
             cos_sin = self.cos_sin[positions].gather(0, self.mrope_axis.expand(1, positions.shape[1], -1))[0]

@@ -176,7 +176,8 @@ class ModelRunner:
         meta = AttentionMetadata(d["slot_mapping"][:n_tok], d["query_start_loc"][:n_seq + 1],
                                  d["seq_lens"][:n_seq], d["block_tables"][:n_seq], self.config.block_size,
                                  max_query_len=1 if key.decode else n_tok)
-        return self.model(d["positions"][..., :n_tok], meta, self.kv_caches, d["logits_indices"][:n_logits],
+        return self.model(self._positions(d["positions"], n_tok, key.decode), meta, self.kv_caches,
+                          d["logits_indices"][:n_logits],
                           inputs_embeds=self.buffers.embeds[:n_tok])
 
     # -- the step ----------------------------------------------------------------------------------
@@ -207,7 +208,8 @@ class ModelRunner:
         if key is not None:
             logits = self.graphs.replay(key)[:len(rows)]
         else:
-            logits = self.model(step.positions, step.meta, self.kv_caches, step.logits_indices,
+            positions = self._positions(step.positions, step.num_tokens, batch.is_plain_decode)
+            logits = self.model(positions, step.meta, self.kv_caches, step.logits_indices,
                                 inputs_embeds=embeds)
         sampled = self.sampler.sample(logits, rows) if rows else SamplerOutput([], [])
         return ModelOutput(sampled)
@@ -273,6 +275,13 @@ class ModelRunner:
             seq_lens_cpu=host["seq_lens"][:num_seqs])
         return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta,
                             d["logits_indices"][:n_logits], slots_dev)
+
+    def _positions(self, positions: torch.Tensor, n: int, plain_decode: bool) -> torch.Tensor:
+        """The first n positions as the model takes them. M-RoPE's three rows are equal for text tokens,
+        so a plain decode step passes one row: the model then reads its rotary table directly."""
+        if self.mrope:
+            return positions[0, :n] if plain_decode else positions[:, :n]
+        return positions[:n]
 
     @staticmethod
     def _mrope_positions(out: np.ndarray, seq: SequenceInput) -> None:
