@@ -14,7 +14,9 @@ Figures (JSON with a `headline`):
   image each, HF generates --agreement-tokens tokens; for each prefix of HF's sequence the engine
   predicts the next token (one request per prefix; the shared prefix is cached), and the figure is
   the fraction equal to HF's. Free-running sequences diverge for good at the first near-tie of
-  random weights, so the identical-sequence count is reported beside it.
+  random weights, so the identical-sequence count is reported beside it. The noise floor beside it:
+  HF against itself, its one-pass forward over the same prefixes against its own incremental decoding
+  (the same weights and dtype, the work only batched differently).
 """
 
 from __future__ import annotations
@@ -213,7 +215,7 @@ def agreement(engine: LLMEngine, hf, prompts: int, tokens: int) -> dict:
     """Teacher-forced agreement of the engine's greedy next token with HF's (see the module docstring)."""
     from common.qwen_layout import mrope_positions
 
-    equal = total = identical = 0
+    equal = total = identical = floor = 0
     greedy = SamplingParams(max_tokens=1, ignore_eos=True)
     for i, img in enumerate(images(prompts, 448, seed=7)):
         prompt = USER + IMAGE + f"question {i}: what is in this picture?" + END
@@ -237,8 +239,23 @@ def agreement(engine: LLMEngine, hf, prompts: int, tokens: int) -> dict:
                 outs.setdefault(out.request_id, []).extend(out.new_token_ids)
         equal += sum(outs.get(f"tf{i}-{j}", [None])[0] == ref[j] for j in range(len(ref)))
         total += len(ref)
+        floor += hf_self_agreement(hf, inputs, ref)
     return {"token_agreement": round(equal / max(total, 1), 4), "identical_sequences": identical,
+            "hf_self_agreement": round(floor / max(total, 1), 4),
             "prompts": prompts, "tokens_per_prompt": tokens}
+
+
+def hf_self_agreement(hf, inputs: dict, ref: list[int]) -> int:
+    """How many of ref's tokens HF's one-pass forward over prompt + ref[:-1] predicts (greedy)."""
+    n = inputs["input_ids"].shape[1]
+    extra = torch.tensor([ref[:-1]], device=inputs["input_ids"].device)
+    full = dict(inputs)
+    full["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
+    full["attention_mask"] = torch.ones_like(full["input_ids"])
+    full["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(extra)], dim=1).int()
+    with torch.no_grad():
+        logits = hf(**full).logits[0, n - 1:]
+    return sum(a == b for a, b in zip(logits.argmax(-1).tolist(), ref, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:

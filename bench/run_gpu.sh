@@ -127,7 +127,8 @@ if [[ ",$SECTIONS," == *,qwen,* ]]; then
     timeout 300 "$PY" -m common.cli make-model --preset qwen2.5-vl-7b --out "$QMODEL" "${DT[@]}" 2>&1 | tail -3
   fi
   step qwen_gpu 300 "$PY" -m bench.qwen_gpu --model "$QMODEL" "${DT[@]}"
-  step qwen_serve 300 "$PY" -m bench.qwen_serve --model "$QMODEL" "${DT[@]}" --logs "$RES/logs-qwen"
+  step qwen_serve 300 "$PY" -m bench.qwen_serve --model "$QMODEL" "${DT[@]}" --logs "$RES/logs-qwen" \
+    --requests 32 --max-num-seqs 4 --output-len 64
 fi
 
 echo "== merge (t=$((SECONDS - START))s)"

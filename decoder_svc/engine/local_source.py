@@ -29,8 +29,9 @@ class LocalEmbeddingSource(EmbeddingSource):
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, cache_entries: int = 256) -> None:
-        # The HF image processor, always: this source is what the engine's HF-parity tests run against.
-        self.encoder = make_vision_encoder(model_dir, device, dtype, preprocess="hf")
+        # "auto": the HF image processor in fp32 and on CPUs (what the engine's HF-parity tests run
+        # against); on a GPU in half precision, the device-side processor the encoder service runs.
+        self.encoder = make_vision_encoder(model_dir, device, dtype, preprocess="auto")
         self.cache_entries = cache_entries
         self._cache: OrderedDict[str, tuple[str, torch.Tensor]] = OrderedDict()  # hash -> (salt, rows)
         self._leases: dict[tuple[str, str], tuple[EmbeddingState, bool, str]] = {}

@@ -24,3 +24,17 @@ def test_torch_pixels_within_tolerance_of_hf(qwen_model_dir):
         else:
             assert diff.max().item() <= dev.pixel_tolerance
             assert diff.mean().item() <= dev.torch_pixels.max_mean_abs_diff()
+
+
+def test_fused_padded_mlp_equals_separate():
+    """The GPU's fused gate/up product with its zero-padded hidden width computes the same MLP."""
+    import torch
+
+    from common.vision.qwen_tower import GatedMLP
+
+    torch.manual_seed(0)
+    mlp, x = GatedMLP(32, 70), torch.randn(50, 32)
+    separate = mlp(x)
+    mlp.fuse(multiple=64)
+    assert mlp.fused[0].shape == (256, 32) and mlp.fused[2].shape == (32, 128)
+    torch.testing.assert_close(mlp(x), separate, rtol=1e-5, atol=1e-5)
