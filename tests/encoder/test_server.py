@@ -125,8 +125,9 @@ def _bomb() -> bytes:
 BAD_DATA = {
     "empty": (b"", "empty"),
     "truncated": (image_bytes(1)[:60], "cannot decode"),
-    "corrupt": (image_bytes(1)[:40] + b"\x00" * 400, "cannot decode"),
-    "not_an_image": (b"%PDF-1.4 certainly not an image", "cannot decode"),
+    # Refused from the header, before any decoding: the format allowlist (common/images.py).
+    "corrupt": (image_bytes(1)[:40] + b"\x00" * 400, "not an accepted image format"),
+    "not_an_image": (b"%PDF-1.4 certainly not an image", "not an accepted image format"),
     "bomb": (None, "decompression bomb"),
     "too_wide": (None, "exceeds the maximum side"),
 }
