@@ -60,3 +60,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model_dir_other(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second tiny checkpoint with other weights (for model-sensitivity tests)."""
     return _made(tmp_path_factory, "tiny", seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The qwen2.5-vl-tiny checkpoint (fp32, random weights scaled so greedy output varies)."""
+    return _made(tmp_path_factory, "qwen2.5-vl-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen_oracle(qwen_model_dir: Path):
+    """HF's Qwen2_5_VLForConditionalGeneration, fp32 on CPU (tests/qwen/oracle.py)."""
+    from tests.qwen.oracle import QwenOracle
+
+    return QwenOracle(qwen_model_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen_images() -> list:
+    """224x224, 640x480 and 1000x300 (width x height): 64, 391 and 396 image tokens."""
+    from tests.oracle import make_image
+
+    return [make_image(s, (h, w)) for s, (w, h) in [(11, (224, 224)), (12, (640, 480)), (13, (1000, 300))]]
