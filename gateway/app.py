@@ -30,6 +30,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError, bad_request, from_rpc_error
 from gateway.images import ImageFetcher
 from gateway.metrics import GatewayMetrics
+from gateway.model_info import ServedModel, max_model_len, model_root
 from gateway.responses import (
     FINISH_REASONS,
     CompletionLogprobs,
@@ -87,6 +88,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.texts = TokenTexts(config.model_dir)
         self.created = int(time.time())
+        self.served = ServedModel(tuple(config.served_model_names), model_root(config.model_dir),
+                                  max_model_len(config.model_dir))
 
     # --- plumbing ---------------------------------------------------------------------------------
 
@@ -115,9 +118,10 @@ class Gateway:
         return f"{tenant}/{given}" if given else tenant
 
     def check_model(self, model: str) -> None:
-        if model != self.config.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.config.served_model_name!r}", param="model", code="model_not_found")
+        if model not in self.config.served_model_names:
+            names = ", ".join(repr(n) for n in self.config.served_model_names)
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {names}",
+                           param="model", code="model_not_found")
 
     def error_response(self, endpoint: str, error: APIError) -> JSONResponse:
         self._count(endpoint, error.status, error.code)
@@ -303,8 +307,7 @@ class Gateway:
         except APIError as exc:
             return self.error_response("models", exc)
         return JSONResponse({"object": "list", "data": [
-            {"id": self.config.served_model_name, "object": "model", "created": self.created,
-             "owned_by": "mmserve"}]})
+            self.served.card(name, self.created) for name in self.served.names]})
 
     async def health(self, request: Request) -> Response:
         """200 when at least one decoder reports SERVING (asked now, not from the last round). The
