@@ -58,14 +58,14 @@ def test_autoscalers_target_each_deployment_on_exported_metrics(overlay):
     hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in overlay.of_kind("HorizontalPodAutoscaler")}
     names = {d["metadata"]["name"] for d in overlay.of_kind("Deployment")}
     assert set(hpas) == names  # every Deployment: encoder and decoder pools, or the pair; the gateway
-    exported = {"mmserve_encoder_images_per_second", "mmserve_decoder_waiting", "mmserve_decoder_running"}
+    exported = {"mmserve_encoder_queue_depth", "mmserve_decoder_waiting", "mmserve_decoder_running"}
     for name, hpa in hpas.items():
         assert hpa["apiVersion"] == "autoscaling/v2"
         metrics = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
         if name == "mmserve-gateway":
             assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
         elif name == "mmserve-encoder":
-            assert metrics == ["mmserve_encoder_images_per_second"]
+            assert metrics == ["mmserve_encoder_queue_depth"]
         else:
             assert set(metrics) == {"mmserve_decoder_waiting", "mmserve_decoder_running"}
         assert set(metrics) <= exported
@@ -73,6 +73,5 @@ def test_autoscalers_target_each_deployment_on_exported_metrics(overlay):
 
 def test_adapter_rules_name_the_hpa_metrics():
     rules = (K8S / "autoscaling" / "prometheus-adapter-values.yaml").read_text()
-    for needle in ("mmserve_encoder_images_encoded_total", "as: mmserve_encoder_images_per_second",
-                   "mmserve_decoder_(waiting|running)"):
+    for needle in ("mmserve_encoder_queue_depth", "mmserve_decoder_(waiting|running)"):
         assert needle in rules
