@@ -60,3 +60,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model_dir_other(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second tiny checkpoint with other weights (for model-sensitivity tests)."""
     return _made(tmp_path_factory, "tiny", seed=1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the modules that start services `slow` (tests/markers.py): `-m "not slow"` is the quick subset."""
+    from tests.markers import mark_slow
+
+    mark_slow(items, str(config.rootpath) + "/")
