@@ -22,6 +22,7 @@ Figures (JSON with a `headline`):
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -32,6 +33,7 @@ from PIL import Image
 from bench.bandwidth import copy_bandwidth
 from bench.report import save_result
 from common.checkpoint import parse_dtype
+from common.vision.qwen_encoder import QwenPrepared, load_qwen_image_processor
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.engine.sampling_params import SamplingParams
@@ -75,9 +77,8 @@ def tower_figures(engine: LLMEngine, hf, imgs: list[Image.Image], batch: int) ->
     """Images per second of our tower (batch 1 and `batch`) and HF's, on prepared images."""
     from common.vision.qwen_encoder import QwenVisionEncoder
 
-    hf_enc = engine.source.encoder  # the HF processor (the engine's parity source)
     t0 = time.perf_counter()
-    hf_prepared = [hf_enc.prepare(i) for i in imgs]
+    hf_prepared = [hf_prepare(engine, i) for i in imgs]
     prep_ms = (time.perf_counter() - t0) * 1000 / len(imgs)
     enc = QwenVisionEncoder(engine.config.model, engine.device, engine.dtype)  # device-side processor
     prepared = [enc.prepare(i) for i in imgs]
@@ -159,12 +160,23 @@ def ttft(engine: LLMEngine, hf, side: int, text: str, rounds: int) -> dict:
     return out
 
 
+@functools.cache
+def _hf_processor(model: str):
+    return load_qwen_image_processor(model)
+
+
+def hf_prepare(engine: LLMEngine, image: Image.Image) -> QwenPrepared:
+    """One image through the checkpoint's HF image processor (what HF's model is given)."""
+    out = _hf_processor(str(engine.config.model))(images=[image], return_tensors="pt")
+    return QwenPrepared(tuple(int(x) for x in out["image_grid_thw"][0]), pixel_values=out["pixel_values"])
+
+
 def hf_inputs(engine: LLMEngine, hf, prompt: str, imgs: list[Image.Image]) -> dict:
     """HF's inputs as its processor would make them (the image processor and the tokenizer)."""
     enc = engine.source.encoder
     counts, values, grids = [], [], []
     for img in imgs:
-        p = enc.prepare(img)
+        p = hf_prepare(engine, img)
         values.append(p.pixel_values)
         grids.append(p.grid)
         counts.append(enc.layout.num_tokens(p.grid))

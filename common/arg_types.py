@@ -43,13 +43,25 @@ def positive_float(text: str) -> float:
 
 
 def dtype_name(text: str) -> str:
-    """An argparse type: a dtype alias (fp16, bf16, ...) as its torch name ("float16", ...)."""
+    """An argparse type: a dtype alias (fp16, bf16, ...) as its torch name ("float16", ...), or "auto"
+    (common/devices.py: the checkpoint's dtype on a GPU, float32 on CPU)."""
+    if text.strip().lower() == "auto":
+        return "auto"
     from common.checkpoint import parse_dtype  # imports torch: only commands that need it get here
 
     try:
         return str(parse_dtype(text)).removeprefix("torch.")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def device_name(text: str) -> str:
+    """An argparse type: auto, cpu, cuda or cuda:N (lower-cased). Whether torch can use it is checked
+    when the config resolves it (common/devices.py resolve_device), with the fix in the message."""
+    name = text.strip().lower()
+    if name in ("auto", "cpu", "cuda") or (name.startswith("cuda:") and name[5:].isdigit()):
+        return name
+    raise argparse.ArgumentTypeError(f"unknown device {text!r}; use auto, cpu, cuda or cuda:N")
 
 
 def model_dir(text: str) -> str:

@@ -29,6 +29,7 @@ from common.arg_types import (  # noqa: F401 - the argparse types, re-exported f
     positive_int,
 )
 from common.errors import UsageError
+from common.help_format import DefaultsHelpFormatter
 from common.startup import report_usage_error
 
 # Subcommands whose arguments belong to another module: (module, what to call with argv).
@@ -75,8 +76,10 @@ def preset_name(text: str) -> str:
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from common.model_maker import make_model
+    from common.quiet import transformers_errors_only
 
-    out = make_model(args.preset, args.out, seed=args.seed, device=args.device, dtype=args.dtype)
+    with transformers_errors_only():
+        out = make_model(args.preset, args.out, seed=args.seed, device=args.device, dtype=args.dtype)
     print(out)
     return 0
 
@@ -194,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_security_args(p)
     p.set_defaults(func=_cmd_stats)
 
-    p = sub.add_parser("generate", help="stream a generation to stdout")
-    p.add_argument("--addr", default="127.0.0.1:50052", help="decoder address")
+    p = sub.add_parser("generate", help="stream a generation to stdout",
+                       formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--addr", default="127.0.0.1:50052", help="decoder address (`mmserve up` serves one here)")
     p.add_argument("--prompt", required=True,
                    help='text; "<image>" marks each image (added in front when missing); \\n is a newline')
     p.add_argument("--image", action="append", type=image_arg, default=[],

@@ -29,12 +29,14 @@ _MISSING = dataclasses.MISSING
 def option(default: Any = _MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002 - argparse's word
            type: Callable[[str], Any] | None = None, choices: tuple[str, ...] | None = None,  # noqa: A002
            metavar: str | None = None, aliases: tuple[str, ...] = (), group: str | None = None,
-           append: bool = False, default_factory: Callable[[], Any] | None = None) -> Any:
+           append: bool = False, default_factory: Callable[[], Any] | None = None,
+           nargs: str | None = None) -> Any:
     """A config field that is also a command-line option. No default: the flag is required.
     `group` puts options in a mutually exclusive group of that name; `append` makes a repeatable flag
-    whose values collect into a list (default_factory=list)."""
+    whose values collect into a list (default_factory=list); with `nargs="+"` too, one flag may also
+    take several values (`--served-model-name a b`)."""
     meta = {"help": help, "flag": flag, "type": type, "choices": choices, "metavar": metavar,
-            "aliases": aliases, "group": group, "append": append}
+            "aliases": aliases, "group": group, "append": append, "nargs": nargs}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata={"option": meta})
     return dataclasses.field(default=default, metadata={"option": meta})
@@ -79,7 +81,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str | None = 
                                 "turns it off")
         else:
             if meta["append"]:
-                kwargs.update(action="append", default=[])
+                kwargs.update(action="extend" if meta["nargs"] else "append", default=[])
+                if meta["nargs"]:
+                    kwargs["nargs"] = meta["nargs"]
             elif f.default is _MISSING and f.default_factory is _MISSING:
                 kwargs["required"] = True
             else:

@@ -16,11 +16,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.arg_types import dtype_name, int_in_range, model_dir, positive_float
+from common.arg_types import device_name, dtype_name, int_in_range, model_dir, positive_float
+from common.devices import resolve_device, resolve_dtype
 from common.errors import UsageError
 from common.health import wait_until_serving
+from common.help_format import DefaultsHelpFormatter
 from common.startup import check_port_free, report_usage_error
 from gateway.health import wait_until_http_healthy
+from gateway.model_info import default_served_name
 
 RANDOM_WEIGHTS_NOTE = (
     "note: this checkpoint was made by `mmserve make-model` with random weights: its text is noise by "
@@ -56,26 +59,49 @@ def ensure_model(model: str | None, preset: str = "tiny", revision: str | None =
             raise UsageError(f"--preset: unknown preset {preset!r}; choose one of {names}")
 
         print(f"making the {preset} model in {path} (first use only)", flush=True)
-        make_model(preset, path, device="cpu")
+        from common.quiet import transformers_errors_only
+
+        with transformers_errors_only():
+            make_model(preset, path, device="cpu")
     return path
 
 
+class _UpParser(argparse.ArgumentParser):
+    """`mmserve up`'s parser: --help lists the presets, read from the model maker only when help is
+    shown (it imports torch, which starting `up` does not otherwise need)."""
+
+    def format_help(self) -> str:
+        from common.model_maker import preset_names
+
+        for action in self._actions:
+            if action.dest == "preset":
+                action.help = f"preset made when --model is not given: {', '.join(preset_names())}"
+        return super().format_help()
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmserve up", description="Run the encoder and decoder together.")
+    """`mmserve up`'s flags; --help shows each default."""
+    p = _UpParser(prog="mmserve up", description="Run the encoder, the decoder and the OpenAI gateway "
+                  "together.", formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", type=model_dir, default=None,
                    help="checkpoint dir or Hugging Face Hub id (default: the tiny preset, made on first use; "
                    "random weights, so its text is noise)")
     p.add_argument("--revision", default=None, help="Hub branch, tag or commit for a Hub id --model")
-    p.add_argument("--preset", default="tiny", help="preset to make when --model is not given")
+    p.add_argument("--preset", default="tiny", help="preset made when --model is not given")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) OpenAI clients send (default: --model as given: a Hub id, or a "
+                   "directory's name; the preset's name without --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of both services")
     # Real ports (not 0): the decoder is told the encoder's address, and both are printed.
-    p.add_argument("--encoder-port", type=int_in_range(1, 65535), default=50051)
-    p.add_argument("--decoder-port", type=int_in_range(1, 65535), default=50052)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    # No string default: argparse would convert it, and dtype_name imports torch, which the launcher
-    # does not otherwise need; the services default to float32.
-    p.add_argument("--dtype", type=dtype_name, default=None, help="float32 (default), float16 or bfloat16")
-    p.add_argument("--startup-timeout", type=positive_float, default=300.0)
+    p.add_argument("--encoder-port", type=int_in_range(1, 65535), default=50051, help="encoder gRPC port")
+    p.add_argument("--decoder-port", type=int_in_range(1, 65535), default=50052, help="decoder gRPC port")
+    p.add_argument("--device", type=device_name, default="auto",
+                   help="auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", type=dtype_name, default="auto",
+                   help="auto (the checkpoint's dtype on a GPU, float32 on CPU), float32, float16 or "
+                   "bfloat16")
+    p.add_argument("--startup-timeout", type=positive_float, default=300.0,
+                   help="seconds each service has to become healthy")
     p.add_argument("--encoder-arg", action="append", default=[], help="extra argument for the encoder")
     p.add_argument("--decoder-arg", action="append", default=[], help="extra argument for the decoder")
     p.add_argument("--tls", action="store_true",
@@ -86,6 +112,30 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra argument for the gateway")
     return p
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    """The names the gateway serves: --served-model-name, else --model as the user typed it (a Hub id,
+    or a directory's name), else the preset's name."""
+    if args.served_model_name:
+        return list(args.served_model_name)
+    if args.model:
+        return [default_served_name(args.model)]
+    return [args.preset]
+
+
+def up_banner(model: Path, names: list[str], device: str, dtype: str, decoder_addr: str, encoder_addr: str,
+              gateway_url: str | None) -> str:
+    """What `up` prints once everything is healthy: what is served where, and the next commands."""
+    shown = ", ".join(repr(n) for n in names)
+    lines = [f"\nmmserve is up: {shown} on {device} in {dtype} (checkpoint {model}).",
+             f"  mmserve generate --addr {decoder_addr} --chat --prompt 'What is in this picture?' "
+             "--image PATH",
+             f"  mmserve stats {decoder_addr}    mmserve stats {encoder_addr}"]
+    if gateway_url is not None:
+        lines.append(f"  OpenAI API: {gateway_url}/v1, model={names[0]!r}")
+    lines.append("Ctrl-C stops them all.")
+    return "\n".join(lines)
 
 
 def _spawn(args: list[str]) -> subprocess.Popen:
@@ -121,7 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_port_free(args.host, args.decoder_port, "--decoder-port")
         if not args.no_gateway:
             check_port_free(args.host, args.gateway_port, "--gateway-port")
+        try:
+            device = resolve_device(args.device)  # cuda on a CPU build of torch: one line, now
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         model = ensure_model(args.model, args.preset, args.revision)
+        dtype = resolve_dtype(args.dtype, device, model)
     except UsageError as exc:
         return report_usage_error(parser.prog, exc)
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
@@ -139,9 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                       env["MMSERVE_TLS_KEY"]),
                       "decoder": ClientTls.from_files(env["MMSERVE_TLS_CA"])}
     run_gateway = not args.no_gateway
-    common = ["--model", str(model), "--host", args.host, "--device", args.device]
-    if args.dtype is not None:
-        common += ["--dtype", args.dtype]
+    common = ["--model", str(model), "--host", args.host, "--device", device, "--dtype", dtype]
+    names = served_names(args)
     children: list[subprocess.Popen] = []
     stopping = False
 
@@ -163,7 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             gateway_security = []
         gateway_url = f"http://{connect_host}:{args.gateway_port}"
         gateway_argv = ["gateway", "--decoder", decoder_addr, "--host", args.host, "--port",
-                        str(args.gateway_port), "--model", str(model), *gateway_security, *args.gateway_arg]
+                        str(args.gateway_port), "--model", str(model), *gateway_security]
+        if not any(a.startswith("--served-model-name") for a in args.gateway_arg):
+            gateway_argv += ["--served-model-name", *names]
+        gateway_argv += args.gateway_arg
         starts = [("encoder", encoder_argv, encoder_addr), ("decoder", decoder_argv, decoder_addr)]
         if run_gateway:
             starts.append(("gateway", gateway_argv, f"{gateway_url}/health"))
@@ -186,12 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if security is not None:
             exports = " ".join(f"{k}={v}" for k, v in security.client_env().items())
             print(f"\nTLS and tokens are on; for the commands below, first:\n  export {exports}", flush=True)
-        print(
-            f"\nmmserve is up (model {model}).\n"
-            f"  mmserve generate --addr {decoder_addr} --prompt 'What is in this picture?' --image PATH\n"
-            f"  mmserve stats {decoder_addr}    mmserve stats {encoder_addr}\n"
-            + (f"  OpenAI API: {gateway_url}/v1 (model {model.name!r})\n" if run_gateway else "") +
-            "Ctrl-C stops both.", flush=True)
+        print(up_banner(model, names, device, dtype, decoder_addr, encoder_addr,
+                        gateway_url if run_gateway else None), flush=True)
         if (model / "mmserve_model.json").exists():  # made by the model maker: say what that means
             print(RANDOM_WEIGHTS_NOTE, flush=True)
         while not stopping:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from common import event_loop
 from common.config import add_options, add_print_config, config_json, from_args
+from common.devices import resolve_dtype
 from common.errors import UsageError
 from common.pb import decoder_pb2_grpc
 from common.security.options import (
@@ -116,8 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = from_args(DecoderConfig, args)  # the config's own checks, before anything loads
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ValueError as exc:  # one line, e.g. --device cuda on a CPU build of torch
+        return report_usage_error(parser.prog, exc)
     if args.print_config:
         print(config_json(config))
         return 0
@@ -135,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_port_free(security.metrics_host, config.service.metrics_port, "--metrics-port")
         # After the port checks: a download can take minutes.
         config.engine.model = resolve_checkpoint(config.engine.model, config.service.revision)
+        c = config.engine
+        c.dtype = resolve_dtype(c.dtype, c.device, c.model)  # auto: a Hub id's snapshot is here now
         event_loop.run(serve(config, security, encoder_link))
     except KeyboardInterrupt:
         pass

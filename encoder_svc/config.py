@@ -24,6 +24,7 @@ from common.arg_types import (
     positive_int,
 )
 from common.config import ServiceOptions, check_options, option, section
+from common.devices import resolve_device_and_dtype
 from common.images import ImageLimits
 from common.vision import PREPROCESS_MODES
 from encoder_svc.defaults import DEFAULT_LEASE_TTL_S, DEFAULT_MAX_BATCH_IMAGES
@@ -38,8 +39,9 @@ class EncoderConfig:
     model: str | Path = option(
         help="LLaVA checkpoint: a directory, or a Hugging Face Hub id (found in the HF cache, else "
         "downloaded unless HF_HUB_OFFLINE=1)", type=model_dir)
-    device: str = option("cpu", "cpu, cuda or cuda:N")
-    dtype: str = option("float32", "float32, float16 or bfloat16", type=dtype_name)
+    device: str = option("auto", "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N")
+    dtype: str = option("auto", "auto (the checkpoint's dtype on a GPU, float32 on CPU), float32, float16 or "
+                        "bfloat16", type=dtype_name)
     cache_bytes: int = option(1 << 30, "embedding cache (arena) size in bytes", type=positive_int)
     lease_ttl_s: float = option(DEFAULT_LEASE_TTL_S, "seconds before an unreleased lease expires",
                                 flag="--lease-ttl", type=positive_float)
@@ -66,6 +68,7 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        resolve_device_and_dtype(self)  # auto: cuda when torch sees a GPU; the checkpoint's dtype there
 
 
 @dataclass

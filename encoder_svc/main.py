@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from common import event_loop
 from common.config import add_options, add_print_config, config_json, from_args
+from common.devices import resolve_dtype
 from common.errors import UsageError
 from common.pb import encoder_pb2_grpc
 from common.security.options import ServerSecurity, add_server_args, server_security_from_args
@@ -76,8 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = from_args(EncoderServiceConfig, args)  # the config's own checks, before anything loads
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ValueError as exc:  # one line, e.g. --device cuda on a CPU build of torch
+        return report_usage_error(parser.prog, exc)
     if args.print_config:
         print(config_json(config))
         return 0
@@ -93,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_port_free(security.metrics_host, config.service.metrics_port, "--metrics-port")
         # After the port checks: a download can take minutes.
         config.encoder.model = resolve_checkpoint(config.encoder.model, config.service.revision)
+        c = config.encoder
+        c.dtype = resolve_dtype(c.dtype, c.device, c.model)  # auto: a Hub id's snapshot is here now
         configure_logging(config.service.log_level)
         event_loop.run(serve(config, security))
         return 0

@@ -63,6 +63,10 @@ def parse_json_bounded(body: bytes, max_values: int) -> object:
 async def read_json(request: Request, limits: RequestLimits, body_timeout_s: float) -> object:
     """The request's JSON body: declared and actual size checked against max_request_bytes as it
     arrives, read within body_timeout_s (408), and parsed with bounds (off the loop when large)."""
+    media_type = request.headers.get("content-type", "application/json").partition(";")[0].strip().lower()
+    if media_type != "application/json":  # as vLLM: a form or text body is not read as JSON
+        raise APIError(415, f"unsupported Content-Type {media_type!r}: send application/json",
+                       code="unsupported_media_type")
     limit = limits.max_request_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:

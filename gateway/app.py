@@ -24,16 +24,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from common.pb import decoder_pb2
 from gateway.admission import admit_chat, admit_completion, check_salt, read_json
 from gateway.balancer import DecoderPool, Generation
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, bad_request, from_rpc_error
 from gateway.images import ImageFetcher
 from gateway.metrics import GatewayMetrics
+from gateway.model_info import ServedModel, max_model_len, model_root
 from gateway.responses import (
     FINISH_REASONS,
     CompletionLogprobs,
     ResponseHeader,
+    RunningUsage,
     TokenTexts,
     chat_chunk,
     chat_completion,
@@ -48,6 +51,7 @@ from gateway.translate import chat_request, completion_request
 
 log = logging.getLogger("mmserve.gateway")
 T = TypeVar("T")
+_NO_TOKENS = decoder_pb2.GenerateResponse()  # the first chat chunk (the role) carries no tokens
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; it never reaches that client
 
 
@@ -87,6 +91,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.texts = TokenTexts(config.model_dir)
         self.created = int(time.time())
+        self.served = ServedModel(tuple(config.served_model_names), model_root(config.model_dir),
+                                  max_model_len(config.model_dir))
 
     # --- plumbing ---------------------------------------------------------------------------------
 
@@ -115,9 +121,10 @@ class Gateway:
         return f"{tenant}/{given}" if given else tenant
 
     def check_model(self, model: str) -> None:
-        if model != self.config.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.config.served_model_name!r}", param="model", code="model_not_found")
+        if model not in self.config.served_model_names:
+            names = ", ".join(repr(n) for n in self.config.served_model_names)
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {names}",
+                           param="model", code="model_not_found")
 
     def error_response(self, endpoint: str, error: APIError) -> JSONResponse:
         self._count(endpoint, error.status, error.code)
@@ -226,15 +233,18 @@ class Gateway:
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 include = req.include_usage
-                yield chat_chunk(head, {"role": "assistant", "content": ""}, include_usage=include)
+                running = RunningUsage() if req.continuous_usage else None
+                yield chat_chunk(head, {"role": "assistant", "content": ""}, include_usage=include,
+                                 usage=running.add(_NO_TOKENS) if running else None)
                 async for chunk in chunks:
                     logprobs = chat_logprobs(chunk, top_n, self.texts) if req.logprobs else None
-                    if chunk.text or logprobs:
+                    so_far = running.add(chunk) if running else None
+                    if chunk.text or logprobs or (so_far and chunk.token_ids and not chunk.finish_reason):
                         yield chat_chunk(head, {"content": chunk.text}, logprobs=logprobs,
-                                         include_usage=include)
+                                         include_usage=include, usage=so_far)
                     if chunk.finish_reason:
                         yield chat_chunk(head, {}, FINISH_REASONS.get(chunk.finish_reason),
-                                         include_usage=include)
+                                         include_usage=include, usage=so_far)
                         if include:
                             yield usage_chunk(head, "chat.completion.chunk", usage_body(chunk.usage))
 
@@ -269,13 +279,15 @@ class Gateway:
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 include = req.include_usage
+                running = RunningUsage() if req.continuous_usage else None
                 async for chunk in chunks:
                     part = logprobs.add(chunk) if logprobs is not None else None
-                    if chunk.text or part:
-                        yield completion(head, chunk.text, None, None, part, stream=True,
+                    so_far = running.add(chunk) if running else None
+                    if chunk.text or part or (so_far and chunk.token_ids and not chunk.finish_reason):
+                        yield completion(head, chunk.text, None, so_far, part, stream=True,
                                          include_usage=include)
                     if chunk.finish_reason:
-                        yield completion(head, "", FINISH_REASONS.get(chunk.finish_reason), None, None,
+                        yield completion(head, "", FINISH_REASONS.get(chunk.finish_reason), so_far, None,
                                          stream=True, include_usage=include)
                         if include:
                             yield usage_chunk(head, "text_completion", usage_body(chunk.usage))
@@ -303,8 +315,7 @@ class Gateway:
         except APIError as exc:
             return self.error_response("models", exc)
         return JSONResponse({"object": "list", "data": [
-            {"id": self.config.served_model_name, "object": "model", "created": self.created,
-             "owned_by": "mmserve"}]})
+            self.served.card(name, self.created) for name in self.served.names]})
 
     async def health(self, request: Request) -> Response:
         """200 when at least one decoder reports SERVING (asked now, not from the last round). The

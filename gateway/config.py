@@ -20,6 +20,7 @@ from common.config import check_options, option, section
 from common.images import DEFAULT_IMAGE_FORMATS, image_format_list
 from common.security.options import ClientSecurity
 from common.server import DEFAULT_MAX_MESSAGE_BYTES
+from gateway.model_info import default_served_name
 
 # The decoder's own limit on cache_salt (decoder_svc/engine/input_processor.py MAX_SALT_BYTES), which it
 # checks after every prefix is applied: the gateway's tenant prefix, and the decoder's tenant namespace
@@ -111,9 +112,10 @@ class GatewayConfig:
                                  default_factory=list)
     host: str = option("127.0.0.1", "bind address")
     port: int = option(8000, "HTTP port", type=port_number)
-    served_model_name: str | None = option(
-        None, "the model name clients send and /v1/models lists (default: --model's directory name, "
-        "else 'mmserve')")
+    served_model_names: list[str] = option(
+        help="the model name(s) clients send and /v1/models lists; responses carry the first (default: "
+        "--model as given: a Hub id, or a directory's name; else 'mmserve')", flag="--served-model-name",
+        metavar="NAME", append=True, nargs="+", default_factory=list)
     model_dir: Path | str | None = option(
         None, "the served checkpoint dir: its tokenizer writes logprob tokens as text (without it they "
         "read token_id:N)", flag="--model", type=model_dir)
@@ -133,10 +135,17 @@ class GatewayConfig:
         check_options(self)
         if not self.decoders:
             raise ValueError("--decoder: give at least one decoder address")
-        if self.served_model_name is None:
-            self.served_model_name = Path(self.model_dir).name if self.model_dir else "mmserve"
+        if not self.served_model_names:
+            self.served_model_names = [default_served_name(self.model_dir)]
+        if len(set(self.served_model_names)) != len(self.served_model_names):
+            raise ValueError("--served-model-name: a name is given twice")
         if self.model_dir is not None:
             self.model_dir = Path(self.model_dir)
+
+    @property
+    def served_model_name(self) -> str:
+        """The name responses carry: the first --served-model-name."""
+        return self.served_model_names[0]
 
     def tenant_of(self, api_key: str) -> str:
         """A stable, non-secret name for an API key: the prefix of every cache salt its requests get, so

@@ -1,7 +1,7 @@
 """`mmserve gateway`: the OpenAI-compatible HTTP front end, on uvicorn.
 
     mmserve gateway --decoder 127.0.0.1:50052 [--decoder ...] [--host 127.0.0.1] [--port 8000]
-                    [--served-model-name NAME] [--api-key KEY ...] [--model DIR]
+                    [--served-model-name NAME ...] [--api-key KEY ...] [--model DIR]
                     [--tls-ca PEM [--tls-cert PEM --tls-key PEM]] [--token-file FILE]
 
 The flags are generated from GatewayConfig (gateway/config.py); the upstream security flags are the
@@ -56,7 +56,8 @@ def serve(config: GatewayConfig) -> None:
 
     app = build_app(config)
     scheme = "TLS" if config.upstream.tls else "plaintext"
-    print(f"gateway serving {config.served_model_name!r} at http://{config.host}:{config.port}/v1 over "
+    names = ", ".join(repr(n) for n in config.served_model_names)
+    print(f"gateway serving {names} at http://{config.host}:{config.port}/v1 over "
           f"{', '.join(config.decoders)} ({scheme} gRPC{', token' if config.upstream.token else ''})",
           flush=True)
     limits = config.http

@@ -108,12 +108,16 @@ def chat_completion(head: ResponseHeader, text: str, finish: str | None, usage: 
 
 
 def chat_chunk(head: ResponseHeader, delta: dict, finish: str | None = None,
-               logprobs: list[dict] | None = None, include_usage: bool = False) -> dict:
+               logprobs: list[dict] | None = None, include_usage: bool = False,
+               usage: dict | None = None) -> dict:
+    """One chat stream chunk; `usage` (continuous_usage_stats) is the usage so far."""
     body = {"id": head.id, "object": "chat.completion.chunk", "created": head.created, "model": head.model,
             "choices": [{"index": 0, "delta": delta,
                          "logprobs": None if logprobs is None else {"content": logprobs},
                          "finish_reason": finish}]}
-    if include_usage:
+    if usage is not None:
+        body["usage"] = usage
+    elif include_usage:
         body["usage"] = None  # OpenAI: null on every chunk but the last, which carries it
     return body
 
@@ -128,6 +132,26 @@ def completion(head: ResponseHeader, text: str, finish: str | None, usage: dict 
     """A text_completion body: the whole response, or (stream=True) one chunk of it."""
     body = {"id": head.id, "object": "text_completion", "created": head.created, "model": head.model,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
-    if not stream or include_usage:
+    if not stream or include_usage or usage is not None:
         body["usage"] = usage
     return body
+
+
+class RunningUsage:
+    """The usage so far of one streamed response, for continuous_usage_stats: completion tokens counted
+    as they arrive; prompt and cached tokens as the decoder last reported them (its final message)."""
+
+    def __init__(self) -> None:
+        self.completion_tokens = 0
+        self.last: decoder_pb2.Usage | None = None
+
+    def add(self, chunk: decoder_pb2.GenerateResponse) -> dict:
+        """Count the chunk's tokens; the usage body after it."""
+        self.completion_tokens += len(chunk.token_ids)
+        if chunk.HasField("usage"):
+            self.last = chunk.usage
+        prompt = self.last.prompt_tokens if self.last is not None else 0
+        cached = self.last.cached_prompt_tokens if self.last is not None else 0
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}

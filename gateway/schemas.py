@@ -1,4 +1,6 @@
-"""OpenAI request bodies, validated with pydantic; unknown fields are ignored, as OpenAI servers do.
+"""OpenAI request bodies, validated with pydantic; unknown fields are ignored, as OpenAI servers do, and
+known ones are checked as strictly as vLLM checks them (seed range, stream_options only with stream,
+image_url as an object).
 
 Extensions some servers accept (vLLM's `top_k`, `ignore_eos`, `cache_salt`) are taken too, e.g. from the
 official client's `extra_body`.
@@ -31,11 +33,11 @@ class TextPart(_Lenient):
 
 class ImagePart(_Lenient):
     type: Literal["image_url"]
-    image_url: ImageURL | str  # the object form is OpenAI's; a bare string is common too
+    image_url: ImageURL  # OpenAI's object form only, as vLLM requires: a bare string is a 400
 
     @property
     def url(self) -> str:
-        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+        return self.image_url.url
 
 
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
@@ -49,6 +51,7 @@ class Message(_Lenient):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage (tokens so far) on every chunk
 
 
 class _SamplingFields(_Lenient):
@@ -60,7 +63,7 @@ class _SamplingFields(_Lenient):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)  # vLLM's bound: a signed 64-bit seed
     n: int = Field(default=1, ge=1)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -68,6 +71,7 @@ class _SamplingFields(_Lenient):
     # Extensions (vLLM's names).
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX)
     cache_salt: str | None = None  # its limit: gateway/admission.py check_salt
 
     def stop_list(self) -> list[str]:
@@ -78,6 +82,11 @@ class _SamplingFields(_Lenient):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's continuous_usage_stats, which also needs include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(_SamplingFields):

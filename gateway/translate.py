@@ -21,6 +21,12 @@ _ROLE = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
 def _refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    if req.stream_options is not None and not req.stream:  # vLLM's rule
+        raise bad_request("stream_options can only be given when stream is true", "stream_options",
+                          "invalid_value")
+    if req.min_tokens:
+        raise bad_request("min_tokens is not supported yet: the decoder has no minimum length",
+                          "min_tokens", "unsupported_parameter")
     if req.n != 1:
         raise bad_request("n > 1 is not supported: send one request per completion", "n", "unsupported_value")
     if req.frequency_penalty or req.presence_penalty:

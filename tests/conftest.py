@@ -82,3 +82,10 @@ def qwen_images() -> list:
     from tests.oracle import make_image
 
     return [make_image(s, (h, w)) for s, (w, h) in [(11, (224, 224)), (12, (640, 480)), (13, (1000, 300))]]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the modules that start services `slow` (tests/markers.py): `-m "not slow"` is the quick subset."""
+    from tests.markers import mark_slow
+
+    mark_slow(items, str(config.rootpath) + "/")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from common.arg_types import dtype_name, model_dir, non_negative_int, positive_int
 from common.config import check_options, option
+from common.devices import resolve_device_and_dtype
 from common.images import ImageLimits
 
 
@@ -18,8 +19,9 @@ class EngineConfig:
     model: str | Path = option(
         help="LLaVA checkpoint: a directory, or a Hugging Face Hub id (found in the HF cache, else "
         "downloaded unless HF_HUB_OFFLINE=1)", type=model_dir)
-    device: str = option("cpu", "cpu, cuda or cuda:N")
-    dtype: str = option("float32", "float32, float16 or bfloat16", type=dtype_name)
+    device: str = option("auto", "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N")
+    dtype: str = option("auto", "auto (the checkpoint's dtype on a GPU, float32 on CPU), float32, float16 or "
+                        "bfloat16", type=dtype_name)
     block_size: int = option(16, "tokens per KV block", type=positive_int)
     num_kv_blocks: int | None = option(None, "KV blocks in the pool", type=positive_int, group="kv")
     kv_cache_bytes: int | None = option(
@@ -50,3 +52,4 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        resolve_device_and_dtype(self)  # auto: cuda when torch sees a GPU; the checkpoint's dtype there

@@ -61,8 +61,14 @@ def mmserve_containers(r: Rendered):
     for d in deployments(r):
         for c in pod_spec(d)["containers"]:
             args = expanded_args(r, c)
-            assert c["command"] == ["mmserve"] and args[0] in SERVICES, (r.name, c["name"], args)
-            yield d, c, args[0]
+            known = (*SERVICES, "gateway")
+            assert c["command"] == ["mmserve"] and args[0] in known, (r.name, c["name"], args)
+            if args[0] != "gateway":  # the gateway's checks: test_gateway.py
+                yield d, c, args[0]
+
+
+def is_gateway(d: dict) -> bool:
+    return pod_labels(d)["app.kubernetes.io/component"] == "gateway"
 
 
 def test_every_overlay_is_found():
@@ -154,6 +160,8 @@ def test_network_policies_admit_only_decoders_to_encoders_and_clients_to_decoder
     policies = overlay.of_kind("NetworkPolicy")
     for d in deployments(overlay):
         labels = pod_labels(d)
+        if is_gateway(d):
+            continue  # HTTP from clients' namespaces: test_gateway.py
         (policy,) = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
         rules = {port["port"]: rule["from"] for rule in policy["spec"]["ingress"] for port in rule["ports"]}
         grpc_ports = {p["containerPort"] for c in pod_spec(d)["containers"] for p in c["ports"]
@@ -172,7 +180,7 @@ def test_network_policies_admit_only_decoders_to_encoders_and_clients_to_decoder
 def test_the_node_local_pair_shares_processes_shm_and_one_gpu(overlay):
     if not overlay.name.startswith("pair"):
         pytest.skip("pools overlay")
-    (pair,) = deployments(overlay)
+    (pair,) = [d for d in deployments(overlay) if not is_gateway(d)]
     spec = pod_spec(pair)
     assert spec["shareProcessNamespace"] is True
     (dshm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
@@ -215,12 +223,12 @@ def test_gpu_overlays_ask_for_gpus_and_cpu_overlays_make_the_tiny_model(overlay)
     if overlay.name in GPU_OVERLAYS:
         overlay.get("PersistentVolumeClaim", "mmserve-models")
         assert overlay.config()["MMSERVE_DTYPE"] == "bfloat16"
-        for d in deployments(overlay):
+        for d in [d for d in deployments(overlay) if not is_gateway(d)]:  # the gateway needs no GPU
             gpus = [c for c in pod_spec(d)["containers"]
                     if c["resources"].get("limits", {}).get("nvidia.com/gpu") or c["resources"].get("claims")]
             assert gpus, f"{overlay.name}: {d['metadata']['name']} asks for no GPU"
         if overlay.name == "pools-gpu":
-            for d in deployments(overlay):
+            for d in [d for d in deployments(overlay) if not is_gateway(d)]:
                 (c,) = pod_spec(d)["containers"]
                 resources = c["resources"]
                 assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "1"

@@ -1,0 +1,81 @@
+"""Requests refused where vLLM refuses them (seed range, stream_options without stream, a bare-string
+image_url, a non-JSON body type), extensions not silently dropped (min_tokens), and continuous usage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from common.pb import decoder_pb2
+from gateway.errors import APIError
+from gateway.responses import RunningUsage
+from gateway.schemas import ChatCompletionRequest, parse_body
+from gateway.translate import chat_request
+from tests.gateway.conftest import KEY_A
+
+USER = [{"role": "user", "content": "x"}]
+EOS_OFF = {"ignore_eos": True}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": USER, "seed": 2**63}, "seed"),
+    ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "data:,x"}]}]},
+     "messages.0.content.0.image_url"),
+    ({"messages": USER, "min_tokens": 4}, "min_tokens"),
+])
+def test_vllm_strict_fields_are_400_naming_the_parameter(body, param):
+    with pytest.raises(APIError) as err:
+        asyncio.run(chat_request(parse_body(ChatCompletionRequest, {"model": "m", **body}), None, ""))
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_largest_seed_and_zero_min_tokens_pass():
+    req = parse_body(ChatCompletionRequest,
+                     {"model": "m", "messages": USER, "seed": 2**63 - 1, "min_tokens": 0})
+    assert asyncio.run(chat_request(req, None, "")).sampling.seed == 2**63 - 1
+
+
+def test_running_usage_counts_tokens_and_takes_the_decoders_prompt_count():
+    running = RunningUsage()
+    assert running.add(decoder_pb2.GenerateResponse(token_ids=[1, 2]))["completion_tokens"] == 2
+    last = decoder_pb2.GenerateResponse(token_ids=[3], usage=decoder_pb2.Usage(
+        prompt_tokens=7, completion_tokens=3, cached_prompt_tokens=4))
+    assert running.add(last) == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                                 "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_a_form_body_is_415(gateway):
+    request = urllib.request.Request(
+        f"{gateway.url}/v1/chat/completions", data=json.dumps({"model": "tiny", "messages": USER}).encode(),
+        headers={"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/x-www-form-urlencoded"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 415
+    assert json.loads(err.value.read())["error"]["code"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_stats_puts_usage_on_every_chunk(client, endpoint):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if endpoint == "chat":
+        stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0,
+                                                stream=True, stream_options=options, extra_body=EOS_OFF)
+    else:
+        stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0,
+                                           stream=True, stream_options=options, extra_body=EOS_OFF)
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 8  # cumulative, ending at the total
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens > 0
+
+
+def test_models_lists_root_and_max_model_len(open_gateway, tiny_model_dir):
+    with urllib.request.urlopen(f"{open_gateway.url}/v1/models", timeout=10) as reply:
+        card = json.loads(reply.read())["data"][0]
+    assert card["id"] == "tiny" and card["root"] == str(tiny_model_dir) and card["max_model_len"] == 1024

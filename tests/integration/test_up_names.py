@@ -1,0 +1,63 @@
+"""`mmserve up --model X` serves X under the name the user typed, as `vllm serve X` does: a directory's
+name, or a Hub id (here through an offline Hugging Face cache laid out by the test)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from tests.hub_cache import lay_out_hub_cache
+from tests.integration.harness import ROOT, free_port
+
+
+def _up_and_ask(tmp_path, model: str, name: str, env_extra: dict[str, str]) -> str:
+    """Run `mmserve up --model model`, call the official client with model=name; returns up's log."""
+    from openai import OpenAI
+
+    env = {**os.environ, "MMSERVE_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1", **env_extra}
+    gateway_port = free_port()
+    log_path = tmp_path / "up.log"
+    with log_path.open("w") as log:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "common.cli", "up", "--model", model, "--encoder-port", str(free_port()),
+             "--decoder-port", str(free_port()), "--gateway-port", str(gateway_port)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while "mmserve is up" not in log_path.read_text():
+            assert up.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "mmserve up did not come up"
+            time.sleep(0.5)
+        client = OpenAI(base_url=f"http://127.0.0.1:{gateway_port}/v1", api_key="-", max_retries=0)
+        models = client.models.list().data
+        assert [m.id for m in models] == [name]
+        reply = client.chat.completions.create(model=name, max_tokens=3, temperature=0,
+                                               messages=[{"role": "user", "content": "Hello"}])
+        assert reply.model == name and reply.usage.completion_tokens >= 1
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+        return log_path.read_text()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_up_serves_a_directory_under_its_name(tmp_path, tiny_model_dir):
+    model = tmp_path / "my-llava"
+    shutil.copytree(tiny_model_dir, model)
+    log = _up_and_ask(tmp_path, str(model), "my-llava", {})
+    assert "mmserve is up: 'my-llava' on cpu in float32" in log
+    assert "--chat" in log  # the printed next step
+
+
+def test_up_serves_a_hub_id_under_the_hub_id(tmp_path, tiny_model_dir):
+    cache = tmp_path / "hub"
+    lay_out_hub_cache(tiny_model_dir, cache, "llava-hf/my-llava")
+    log = _up_and_ask(tmp_path, "llava-hf/my-llava", "llava-hf/my-llava",
+                      {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    assert "'llava-hf/my-llava'" in log
