@@ -22,6 +22,7 @@ SLOW_MODULES = frozenset({
     "tests/gateway/test_strict_requests.py",
     "tests/k8s/test_pair_runs_locally.py",
     "tests/qwen/test_pair.py",
+    "tests/qwen/test_up_openai.py",
     "tests/security/test_secure_pair.py",
     "tests/security/test_up_tls.py",
 })
