@@ -90,6 +90,7 @@ class _Slot:
     released: bool = False
     polled: bool = False
     deadline: float = 0.0  # monotonic time by which the image is ready or failed
+    boosted: bool = False  # asked for by lookahead, then needed now: told the encoder so
 
 
 @dataclass
@@ -100,6 +101,7 @@ class RemoteSourceStats:
     images_prefetched: int = stat("Images first asked for by lookahead, ahead of their prefill")
     lookahead_ready_at_prefill: int = stat("Prefetched images already ready when prefill reached them")
     lookahead_waited_at_prefill: int = stat("Prefetched images still encoding when prefill reached them")
+    lookahead_boosted: int = stat("Prefetched images raised to demand priority when their prefill came")
     embeddings_from_encoder_cache: int = stat("Embeddings an encoder served from its cache")
     images_resent: int = stat("Images whose bytes had to follow their hash (the encoder did not have it)")
     embedding_failures: int = stat("Image embeddings that failed (the request failed with them)")
@@ -150,7 +152,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
         self._tls = tls
         self._channels: dict[str, grpc.Channel] = {}  # made on first use: discovered encoders come later
         self._stubs: dict[str, encoder_pb2_grpc.EncoderServiceStub] = {}
+        # Fetch workers block on their Encode call until the image is encoded, so lookahead's asks get
+        # threads of their own: queued behind them, an image needed now would wait for images needed later.
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="embed-fetch")
+        self._prefetch_pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="embed-prefetch")
         self._lock = threading.Lock()
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._failed_requests: dict[str, grpc.StatusCode] = {}
@@ -162,13 +167,24 @@ class RemoteEmbeddingSource(EmbeddingSource):
     def request(self, req: EmbeddingRequest) -> None:
         key = (req.request_id, req.content_hash)
         with self._lock:
-            if key in self._slots or self._closed:
+            if self._closed:
+                return
+            slot = self._slots.get(key)
+            if slot is not None:
+                # Asked for by lookahead and needed now, not ready yet: its Encode went out at low
+                # priority, so tell the encoder it is demand work (it moves the queued job up).
+                boost = (not req.prefetch and slot.prefetch and not slot.boosted
+                         and slot.status == EmbeddingState.PENDING and bool(slot.encoder))
+                if boost:
+                    slot.boosted = True
+                    self._pool.submit(self._boost, slot.encoder, req)
                 return
             self._slots[key] = _Slot(prefetch=req.prefetch,
                                      deadline=time.monotonic() + self.retry.total_timeout_s)
             self._counters.embeddings_requested += 1
             self._counters.images_prefetched += int(req.prefetch)
-        self._pool.submit(self._fetch, key, req)  # routes there: the ring may be empty for a while
+        # Routes there: the ring may be empty for a while.
+        (self._prefetch_pool if req.prefetch else self._pool).submit(self._fetch, key, req)
 
     def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
         with self._lock:
@@ -225,6 +241,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         for rid in requests:
             self.release(rid)
         self._pool.shutdown(wait=True, cancel_futures=False)
+        self._prefetch_pool.shutdown(wait=True, cancel_futures=False)
         self.ring.close()
         for channel in self._channels.values():
             channel.close()
@@ -406,6 +423,26 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 log.warning("encoder %s: %s, retrying in %.2f s", encoder, exc.code().name, pause)
                 time.sleep(pause)
                 backoff = min(policy.max_backoff_s, backoff * 2)
+
+    def _boost(self, encoder: str, req: EmbeddingRequest) -> None:
+        """A demand Encode by hash for an image whose lookahead Encode is still queued at the encoder:
+        it joins that production and raises it to demand priority. Its answer (a lease on the same
+        entry, once ready) is given back at once; the lookahead fetch delivers the rows. Best effort:
+        an image the encoder has not seen yet (NOT_FOUND) or any failure changes nothing."""
+        request = encoder_pb2.EncodeRequest(
+            request_id=req.request_id, images=[common_pb2.ImageInput(content_hash=req.content_hash)],
+            accept=self.accept, cache_salt=req.cache_salt,
+            prefetch=False, lease_owner=self._lease_owner)
+        try:
+            reply = self._stub(encoder).Encode(request, timeout=self.retry.attempt_timeout_s,
+                                               metadata=auth_metadata(self._token,
+                                                                      tenant_of_salt(req.cache_salt)))
+        except grpc.RpcError as exc:
+            log.debug("boost of %s: %s", req.content_hash[:16], exc.code().name)
+            return
+        with self._lock:
+            self._counters.lookahead_boosted += 1
+        self._release_leases(encoder, [ref.lease_id for ref in reply.embeddings if ref.lease_id])
 
     def _owner_now(self, content_hash: str) -> str | None:
         try:
