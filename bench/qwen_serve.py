@@ -7,9 +7,10 @@ each, so that requests queue and lookahead has something to act on).
 - Encode: --images distinct --image-size PNGs (always cache misses) from 1 and --concurrency clients
   over gRPC, CUDA IPC refs released at once (inline bytes on a CPU): images per second, the image
   processor and decode included (bench/encode_tput.py's loop).
-- Lookahead: --requests requests at once, each with 1 to 4 distinct images of --image-size (a new
-  cache salt per run: every image misses), the same requests to the decoder with lookahead and to
-  the one without; mean and p50/p90 time to the first token, and the ratio.
+- Lookahead: --requests requests (all at once, or one every --arrival-interval s), each with 1 to 4
+  distinct images of --image-size (a new cache salt per run: every image misses), the same requests to
+  the decoder with lookahead and to the one without; mean and p50/p90 time to the first token, the
+  ratio, and each decoder's lookahead counters.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import uuid
 from bench.encode_tput import _encode_level, make_pngs
 from bench.report import save_result
 from bench.services import decoder_service, encoder_service, start_all, workdir
-from common.client import AsyncDecoderClient
+from common.client import AsyncDecoderClient, DecoderClient
 from common.pb import common_pb2
 
 USER, END = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+LOOKAHEAD_STATS = ("images_prefetched", "lookahead_ready_at_prefill", "lookahead_waited_at_prefill",
+                   "lookahead_boosted", "images_encoded")
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -43,13 +46,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=24, help="requests of the lookahead run")
     p.add_argument("--max-num-seqs", type=int, default=2, help="running requests per decoder")
     p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--arrival-interval", type=float, default=0.0,
+                   help="seconds between the lookahead run's requests (0: all at once)")
     p.add_argument("--logs", default=None)
     p.add_argument("--out", default=None)
     return p
 
 
-async def _one(client: AsyncDecoderClient, prompt: str, pngs: list[bytes], salt: str, n: int) -> float:
-    """Seconds to the first token of one streamed request."""
+async def _one(client: AsyncDecoderClient, prompt: str, pngs: list[bytes], salt: str, n: int,
+               delay: float = 0.0) -> float:
+    """Seconds to the first token of one streamed request, sent after `delay` seconds."""
+    await asyncio.sleep(delay)
     t0 = time.perf_counter()
     first = None
     async for chunk in client.generate(prompt, pngs, max_tokens=n, ignore_eos=True, cache_salt=salt):
@@ -58,11 +65,13 @@ async def _one(client: AsyncDecoderClient, prompt: str, pngs: list[bytes], salt:
     return first if first is not None else float("nan")
 
 
-async def ttft_run(address: str, jobs: list[tuple[str, list[bytes]]], n: int) -> list[float]:
-    """Every job at once on one channel; their TTFTs in job order."""
+async def ttft_run(address: str, jobs: list[tuple[str, list[bytes]]], n: int,
+                   interval: float = 0.0) -> list[float]:
+    """Job i sent at i * interval (0: all at once) on one channel; their TTFTs in job order."""
     salt = uuid.uuid4().hex[:16]  # a fresh salt: every image misses the encoder cache
     async with AsyncDecoderClient(address, timeout=600) as client:
-        return list(await asyncio.gather(*(_one(client, p, imgs, salt, n) for p, imgs in jobs)))
+        return list(await asyncio.gather(*(_one(client, p, imgs, salt, n, i * interval)
+                                           for i, (p, imgs) in enumerate(jobs))))
 
 
 def summary(values: list[float]) -> dict:
@@ -107,8 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append((USER + IMAGE * count + f"request {i}: compare these pictures" + END, pngs))
         asyncio.run(ttft_run(on.address, jobs[:2], args.output_len))  # warm both paths once
         asyncio.run(ttft_run(off.address, jobs[:2], args.output_len))
-        ttft = {"on": summary(asyncio.run(ttft_run(on.address, jobs, args.output_len))),
-                "off": summary(asyncio.run(ttft_run(off.address, jobs, args.output_len)))}
+        gap = args.arrival_interval
+        ttft = {"on": summary(asyncio.run(ttft_run(on.address, jobs, args.output_len, gap))),
+                "off": summary(asyncio.run(ttft_run(off.address, jobs, args.output_len, gap)))}
+        for name, svc in (("on", on), ("off", off)):  # what lookahead did (counters since start)
+            with DecoderClient(svc.address, timeout=30) as client:
+                stats = client.stats()
+            ttft[f"{name}_stats"] = {f: getattr(stats, f) for f in LOOKAHEAD_STATS}
         ttft["mean_on_over_off"] = round(ttft["on"]["mean_ms"] / ttft["off"]["mean_ms"], 3)
         result["lookahead"] = ttft
         print("lookahead", ttft, flush=True)
