@@ -20,6 +20,7 @@ from common.errors import CapacityError, InvalidInputError, ServiceError, as_ser
 from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from common.stats import to_message
 from decoder_svc.core_client import CoreDeadError, EngineCoreClient
+from decoder_svc.encoders.grid_lookup import GridLookup
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 from decoder_svc.engine.input_processor import InputProcessor
 from decoder_svc.engine.output_processor import RequestOutput
@@ -40,12 +41,25 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     """Generate and GetStats over the engine core (core_client.EngineCoreClient)."""
 
     def __init__(self, core: EngineCoreClient, inputs: InputProcessor,
-                 metrics: DecoderMetrics | None = None, lanes: InputLanes | None = None) -> None:
+                 metrics: DecoderMetrics | None = None, lanes: InputLanes | None = None,
+                 grids: GridLookup | None = None) -> None:
         self.core = core
         self.inputs = inputs
         self.metrics = metrics
         self.lanes = lanes or InputLanes()
+        self.grids = grids  # Qwen2.5-VL: the encoders' grids of hash-only images
         self.draining = False
+
+    async def _known_grids(self, parsed: ParsedRequest) -> dict | None:
+        """Grids of the request's hash-only images this front end has not hashed itself (Qwen2.5-VL:
+        their token counts), from the encoders that hold them."""
+        if self.grids is None or self.inputs.qwen is None:
+            return None
+        missing = [i for i in parsed.images
+                   if isinstance(i, str) and self.inputs.known_grid(parsed.cache_salt, i) is None]
+        if not missing:
+            return None
+        return await asyncio.to_thread(self.grids.lookup, missing, parsed.cache_salt)
 
     async def drain(self) -> None:
         """Refuse new requests (UNAVAILABLE) and return once every in-flight stream has ended."""
@@ -61,10 +75,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         try:
             # Decoding, hashing and tokenizing happen here, in a worker thread of the front end: text-only
             # requests in a lane of their own, so that image work never holds them up (input_lanes.py).
+            known = await self._known_grids(parsed)
             req = await self.lanes.run(
                 len(parsed.images), self.inputs.make_request, request_id, parsed.prompt, parsed.images,
                 messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt,
-                image_options=parsed.image_options)
+                image_options=parsed.image_options, known_grids=known)
             await self.core.add(req)
         except CoreDeadError as exc:
             raise as_service_error(exc, "decoder engine unavailable: ") from None

@@ -7,10 +7,10 @@ import grpc
 import pytest
 from PIL import Image
 
-from common.client import GenerationResult, generate_request
+from common.client import DecoderClient, GenerationResult, generate_request
 from common.images import encode_png
 from common.pb import common_pb2, encoder_pb2
-from tests.integration.harness import Pair
+from tests.integration.harness import Pair, free_port
 from tests.qwen.test_parity import ONE, THREE
 
 N = 10
@@ -86,3 +86,28 @@ def test_transports_carry_any_row_count(qwen_pair, qwen_images):
         response = enc.encode([encode_png(i) for i in qwen_images], accept=(common_pb2.TRANSPORT_INLINE,))
         refs = response.embeddings
         assert [r.shape[0] for r in refs] == [64, 391, 396]
+
+
+def test_hash_only_image_counted_from_the_encoders_grid(qwen_pair, qwen_oracle, qwen_images, tmp_path):
+    """A second decoder that never saw the image's bytes tokenizes it by hash alone: its grid comes from
+    the encoder's Lookup answer."""
+    from tests.integration.harness import Service
+
+    with qwen_pair.encoder_client() as enc:
+        (ref,) = enc.encode([encode_png(qwen_images[0])]).embeddings
+        enc.release([ref.lease_id])
+    other = Service("decoder-2", ["decoder", "--model", str(qwen_pair.model_dir), "--encoder",
+                                  qwen_pair.encoder.address, "--num-kv-blocks", "256"],
+                    free_port(), tmp_path / "decoder-2.log")
+    other.start()
+    try:
+        request = generate_request(ONE, [], max_tokens=N)
+        request.images.add(content_hash=ref.content_hash)
+        result = GenerationResult()
+        with DecoderClient(other.address, timeout=300) as client:
+            for chunk in client.stub.Generate(request, timeout=300):
+                result.add(chunk)
+        assert result.token_ids == qwen_oracle.generate(ONE, [qwen_images[0]], N)
+        assert result.usage.images_encoder_cache_hits == 1
+    finally:
+        other.stop()

@@ -1,0 +1,76 @@
+"""The grids of hash-only images, asked of the encoders: how the decoder's front end tokenizes a Qwen2.5-VL
+image it has no bytes of and has not hashed itself (its token count depends on the image's size).
+
+Each hash goes to the encoder that owns it on the same consistent-hash ring the embedding fetches use,
+as one Lookup per encoder, under the request's cache salt (an entry made under another salt answers
+nothing). Best effort: an unreachable encoder or an absent entry leaves the hash out of the answer, and
+the input processor then refuses the image with INVALID_ARGUMENT, asking for its bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import grpc
+
+from common.client import CHANNEL_OPTIONS
+from common.pb import encoder_pb2, encoder_pb2_grpc
+from common.qwen_layout import Grid
+from common.security.client_auth import auth_metadata
+from common.security.identity import tenant_of_salt
+from common.security.tls import ClientTls, open_channel
+from decoder_svc.encoders.discovery import EncoderPool, NoEncoderError
+
+log = logging.getLogger("mmserve.decoder.grids")
+
+
+class GridLookup:
+    """Lookup RPCs to the encoders for the grids of content hashes (thread-safe)."""
+
+    def __init__(self, pool: EncoderPool, tls: ClientTls | None = None, token: str | None = None,
+                 timeout_s: float = 5.0) -> None:
+        self.pool = pool
+        self.pool.start()
+        self._tls, self._token, self.timeout_s = tls, token, timeout_s
+        self._stubs: dict[str, encoder_pb2_grpc.EncoderServiceStub] = {}
+        self._channels: list[grpc.Channel] = []
+        self._lock = threading.Lock()
+
+    def _stub(self, encoder: str) -> encoder_pb2_grpc.EncoderServiceStub:
+        with self._lock:
+            if encoder not in self._stubs:
+                channel = open_channel(encoder, self._tls, CHANNEL_OPTIONS)
+                self._channels.append(channel)
+                self._stubs[encoder] = encoder_pb2_grpc.EncoderServiceStub(channel)
+            return self._stubs[encoder]
+
+    def lookup(self, content_hashes: Sequence[str], cache_salt: str = "") -> dict[str, Grid]:
+        """{hash: (t, h, w)} for the hashes whose owning encoder holds them under cache_salt."""
+        by_encoder: dict[str, list[str]] = {}
+        for h in content_hashes:
+            try:
+                by_encoder.setdefault(self.pool.route(h), []).append(h)
+            except NoEncoderError:
+                return {}
+        out: dict[str, Grid] = {}
+        metadata = auth_metadata(self._token, tenant_of_salt(cache_salt))
+        for encoder, hashes in by_encoder.items():
+            try:
+                reply = self._stub(encoder).Lookup(
+                    encoder_pb2.LookupRequest(content_hashes=hashes, cache_salt=cache_salt),
+                    timeout=self.timeout_s, metadata=metadata)
+            except grpc.RpcError as exc:
+                log.info("grid lookup at %s: %s", encoder, exc.code().name)
+                continue
+            for h, cached, grid in zip(hashes, reply.cached, reply.grids, strict=False):
+                if cached and len(grid.thw) == 3:
+                    out[h] = (int(grid.thw[0]), int(grid.thw[1]), int(grid.thw[2]))
+        return out
+
+    def close(self) -> None:
+        """Close the channels and the pool's background work."""
+        self.pool.close()
+        for channel in self._channels:
+            channel.close()
