@@ -312,6 +312,20 @@ def _scale_init(model: torch.nn.Module, seed: int, gain: float) -> None:
         param.copy_(tmp.to(param.dtype))
 
 
+def init_random(model_cls, config, device: str, dtype: torch.dtype, seed: int, gain: float):
+    """model_cls(config) made directly on device in dtype, its weights redrawn by _scale_init."""
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    _scale_init(model, seed, gain)
+    model.config.dtype = dtype
+    return model
+
+
 def make_model(
     preset: str,
     out: str | Path,
@@ -350,16 +364,8 @@ def make_model(
     steps.update()
 
     steps.set_postfix_str(f"init on {device}")
-    config = build_config(spec, tokenizer)
-    old_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch_dtype)
-    try:
-        with torch.device(device):
-            model = LlavaForConditionalGeneration(config)
-    finally:
-        torch.set_default_dtype(old_dtype)
-    _scale_init(model, seed, gain)
-    model.config.dtype = torch_dtype
+    model = init_random(LlavaForConditionalGeneration, build_config(spec, tokenizer), device, torch_dtype,
+                        seed, gain)
     steps.update()
 
     steps.set_postfix_str("save weights")

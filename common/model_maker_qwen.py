@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common.model_maker import CLIP_MEAN, CLIP_STD, _portable_class_names, _scale_init, build_tokenizer
+from common.model_maker import CLIP_MEAN, CLIP_STD, _portable_class_names, build_tokenizer, init_random
 
 # Qwen2.5-VL's vision tokens, in the order of the real tokenizer's added tokens.
 QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
@@ -123,15 +123,7 @@ def make_qwen_model(preset: str, out: str | Path, seed: int = 0, device: str | N
     tokenizer = build_qwen_tokenizer(spec.vocab_size, seed)
     config = build_qwen_config(spec, tokenizer)
     steps.update()
-    old_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch_dtype)
-    try:
-        with torch.device(device):
-            model = Qwen2_5_VLForConditionalGeneration(config)
-    finally:
-        torch.set_default_dtype(old_dtype)
-    _scale_init(model, seed, gain)
-    model.config.dtype = torch_dtype
+    model = init_random(Qwen2_5_VLForConditionalGeneration, config, device, torch_dtype, seed, gain)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
     del model
     steps.update()

@@ -112,3 +112,25 @@ class Pair:
                 if idle or time.monotonic() > deadline:
                     return d, e
                 time.sleep(0.1)
+
+
+def start_up(tmp_path: Path, model: str, env_extra: dict[str, str] | None = None,
+             timeout: float = 240.0) -> tuple[subprocess.Popen, Path, int]:
+    """`mmserve up --model model` on free ports, waited for until it says it is up: (process, its log,
+    the gateway's port). The caller stops it (SIGINT) and kills it if that fails."""
+    env = {**os.environ, "MMSERVE_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    with log_path.open("w") as log:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "common.cli", "up", "--model", model, "--encoder-port", str(free_port()),
+             "--decoder-port", str(free_port()), "--gateway-port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    deadline = time.monotonic() + timeout
+    while "mmserve is up" not in log_path.read_text():
+        if up.poll() is not None or time.monotonic() > deadline:
+            up.kill()
+            up.wait()
+            raise AssertionError(f"mmserve up did not come up:\n{log_path.read_text()}")
+        time.sleep(0.5)
+    return up, log_path, port

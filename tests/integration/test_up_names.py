@@ -3,35 +3,19 @@ name, or a Hub id (here through an offline Hugging Face cache laid out by the te
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 from tests.hub_cache import lay_out_hub_cache
-from tests.integration.harness import ROOT, free_port
+from tests.integration.harness import start_up
 
 
 def _up_and_ask(tmp_path, model: str, name: str, env_extra: dict[str, str]) -> str:
     """Run `mmserve up --model model`, call the official client with model=name; returns up's log."""
     from openai import OpenAI
 
-    env = {**os.environ, "MMSERVE_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1", **env_extra}
-    gateway_port = free_port()
-    log_path = tmp_path / "up.log"
-    with log_path.open("w") as log:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "up", "--model", model, "--encoder-port", str(free_port()),
-             "--decoder-port", str(free_port()), "--gateway-port", str(gateway_port)],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    up, log_path, gateway_port = start_up(tmp_path, model, env_extra)
     try:
-        deadline = time.monotonic() + 240
-        while "mmserve is up" not in log_path.read_text():
-            assert up.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "mmserve up did not come up"
-            time.sleep(0.5)
         client = OpenAI(base_url=f"http://127.0.0.1:{gateway_port}/v1", api_key="-", max_retries=0)
         models = client.models.list().data
         assert [m.id for m in models] == [name]

@@ -5,14 +5,10 @@ chat template, <|vision_start|><|image_pad|><|vision_end|> per image)."""
 from __future__ import annotations
 
 import base64
-import os
 import signal
-import subprocess
-import sys
-import time
 
 from common.images import encode_png
-from tests.integration.harness import ROOT, free_port
+from tests.integration.harness import start_up
 
 N = 8
 
@@ -20,20 +16,8 @@ N = 8
 def test_up_serves_qwen_to_the_openai_client(tmp_path, qwen_model_dir, qwen_oracle, qwen_images):
     from openai import OpenAI
 
-    env = {**os.environ, "MMSERVE_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
-    port = free_port()
-    log_path = tmp_path / "up.log"
-    with log_path.open("w") as log:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "up", "--model", str(qwen_model_dir),
-             "--encoder-port", str(free_port()), "--decoder-port", str(free_port()), "--gateway-port",
-             str(port)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    up, _, port = start_up(tmp_path, str(qwen_model_dir))
     try:
-        deadline = time.monotonic() + 240
-        while "mmserve is up" not in log_path.read_text():
-            assert up.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "mmserve up did not come up"
-            time.sleep(0.5)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
         name = client.models.list().data[0].id
         url = "data:image/png;base64," + base64.b64encode(encode_png(qwen_images[1])).decode()
