@@ -1,6 +1,6 @@
 """The decoder's retries of a refused Encode: a full cache (RESOURCE_EXHAUSTED) is retried with jittered
-pauses under a doubling bound, for the full-cache wait at most; no encoder is needed (a fake stub and a
-fake clock)."""
+pauses under a doubling bound, for the full-cache wait at most; each attempt's timeout is cut to what is
+left of the image's deadline. No encoder is needed (a fake stub and a fake clock)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from common.pb import common_pb2
 from decoder_svc.encoders import remote_source
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
-from decoder_svc.engine.embedding_source import EmbeddingRequest
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 
 
 class _Refused(grpc.RpcError):
@@ -28,6 +28,29 @@ class _FullCacheStub:
     def Encode(self, request, **kwargs):  # noqa: N802 - the gRPC method's name
         self.calls += 1
         raise _Refused()
+
+
+class _Hung(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "Deadline Exceeded"
+
+
+class _HungStub:
+    """An encoder that never answers: each Encode uses up its whole timeout on the fake clock, then
+    fails with DEADLINE_EXCEEDED; the timeout of every attempt is recorded."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.clock = clock
+        self.timeouts: list[float] = []
+
+    def Encode(self, request, timeout=None, **kwargs):  # noqa: N802 - the gRPC method's name
+        assert timeout is not None  # an Encode without a timeout could hang the fetch worker forever
+        self.timeouts.append(timeout)
+        self.clock.now += timeout
+        raise _Hung()
 
 
 class _Clock:
@@ -78,3 +101,30 @@ def test_full_cache_retries_are_jittered_and_bounded(monkeypatch):
     # Callers refused together do not come back together: their pauses differ.
     firsts = {round(pauses[0], 6) for pauses, _ in runs}
     assert len(firsts) == len(runs)
+
+
+def test_each_attempt_timeout_is_cut_to_what_is_left_of_the_images_deadline(monkeypatch):
+    """The image's deadline starts at its ask, not when a fetch worker takes it up: an image that waited
+    4.5 s for a worker has 5.5 s left of 10, so its attempts get 3 s and then only the 2.5 s left (a full
+    3 s, or a deadline restarted by the worker, would end past the image's deadline)."""
+    clock = _Clock()
+    monkeypatch.setattr(remote_source, "time", clock)
+    monkeypatch.setattr(remote_source.random, "uniform", lambda lo, hi: 0.0)  # no pauses: exact sums
+    policy = RetryPolicy(attempt_timeout_s=3.0, total_timeout_s=10.0)
+    source = RemoteEmbeddingSource(["127.0.0.1:1"], retry=policy)
+    stub = _HungStub(clock)
+    monkeypatch.setattr(source, "_stub", lambda encoder: stub)
+    queued: list = []  # the fetch, held back from the worker pool so the test decides when it runs
+    monkeypatch.setattr(source._pool, "submit", lambda fn, *args: queued.append((fn, args)))
+    try:
+        asked_at = clock.now
+        source.request(EmbeddingRequest("r1", "cd" * 32, None))
+        clock.now += 4.5  # every fetch worker was busy
+        fn, args = queued.pop()
+        fn(*args)
+        assert stub.timeouts == pytest.approx([3.0, 2.5])
+        assert clock.now == pytest.approx(asked_at + policy.total_timeout_s)  # failed on time, not later
+        assert source.poll("r1", "cd" * 32) == EmbeddingState.FAILED
+        assert "unreachable" in source.error("r1", "cd" * 32)
+    finally:
+        source.close()

@@ -136,3 +136,34 @@ def test_client_facing_image_errors_carry_no_heap_addresses(make_engine):
     with pytest.raises(InvalidRequestError) as err:
         engine.inputs.make_request("x", "USER: <image> hi", [b"\x89PNG not really"])
     assert " at 0x" not in str(err.value) and "image 0" in str(err.value)
+
+
+def test_images_are_decoded_one_at_a_time_and_only_their_bytes_are_kept(make_engine, monkeypatch, images):
+    """Issue 32: sixteen 4096x4096 images must cost one decoded image at a time, not sixteen, and a
+    request keeps the encoded bytes only; the content hash still covers the decoded pixels."""
+    import weakref
+
+    import decoder_svc.engine.input_processor as input_module
+    from common.hashing import hash_image
+    from common.images import decode_image
+    from common.qwen_layout import hash_fingerprint
+
+    engine = make_engine(num_kv_blocks=64)
+    files = [encode_png(img) for img in images]
+    decoded: list[weakref.ref] = []
+
+    def decode_one(data, limits):
+        # Every image decoded before this one is garbage by now (CPython frees it at its last reference).
+        assert all(ref() is None for ref in decoded), "an earlier decoded image is still held"
+        image = decode_image(data, limits)
+        decoded.append(weakref.ref(image))
+        return image
+
+    monkeypatch.setattr(input_module, "decode_image", decode_one)
+    req = engine.inputs.make_request("x", "USER: " + "<image>" * len(files) + " hi", files,
+                                     cache_salt="tenant")
+    assert len(decoded) == len(files) and all(ref() is None for ref in decoded)
+    fingerprint = hash_fingerprint(engine.inputs.fingerprint, None)
+    for placeholder, data in zip(req.images, files, strict=True):
+        assert placeholder.image is data  # the file as sent, never its pixels
+        assert placeholder.content_hash == hash_image(decode_image(data), fingerprint, "tenant")
