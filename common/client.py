@@ -51,11 +51,13 @@ def sampling_params(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     logprobs: int = 0,
+    min_tokens: int = 0,
 ) -> decoder_pb2.SamplingParams:
     """SamplingParams with API.md's defaults (0 means the server default / off; temperature 0 is greedy)."""
     params = decoder_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=list(stop),
-        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs)
+        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs,
+        min_tokens=min_tokens)
     if seed is not None:
         params.seed = seed
     return params

@@ -11,33 +11,25 @@ from decoder_svc.engine.output_processor import RequestOutput
 class OutputStream:
     """One request's outputs, as the engine core sends them, read one message at a time.
 
-    A read takes every output already queued and merges them, so a client that reads slower than the
-    engine steps gets several tokens per message instead of a growing backlog. An error output is
-    never merged: it ends the stream on its own read. With a `detokenizer` (requests without stop
-    strings: the core detokenizes the others, since stopping needs the text) the read fills in the text.
+    Each read is one engine output: one step's token (with its text and logprobs), the last one with the
+    finish reason and usage, or an error. Outputs are never merged, even when the front end has fallen
+    behind the engine and several wait in the queue. Merging them (as this class once did) made a busy
+    host send a whole generation as one message, so a client saw its first token only with the last (TTFT
+    equal to end-to-end latency) and an SSE event with many tokens; one token per message is what
+    OpenAI clients and benchmark tools (aiperf, guidellm) count tokens and inter-token latency by. The
+    backlog this may leave is bounded by the request's max_tokens and costs one small message per token.
+    With a `detokenizer` (requests without stop strings: the core detokenizes the others, since stopping
+    needs the text) the read fills in the text.
     """
 
     def __init__(self, queue: asyncio.Queue, detokenizer: IncrementalDetokenizer | None = None) -> None:
         self._queue = queue
-        self._held: RequestOutput | None = None
         self.detokenizer = detokenizer
 
     async def read(self) -> RequestOutput:
-        """The next message's worth of output (waits for at least one)."""
-        output = await self._read_merged()
+        """The next engine output (waits for it)."""
+        output: RequestOutput = await self._queue.get()
         detok = self.detokenizer
         if detok is not None and not output.error:
             output.text = detok.add(output.new_token_ids) + (detok.finish() if output.finished else "")
-        return output
-
-    async def _read_merged(self) -> RequestOutput:
-        output, self._held = self._held or await self._queue.get(), None
-        while not output.finished and not output.error and not self._queue.empty():
-            nxt: RequestOutput = self._queue.get_nowait()
-            if nxt.error:
-                self._held = nxt
-                break
-            output = RequestOutput(
-                output.request_id, output.new_token_ids + nxt.new_token_ids, output.text + nxt.text,
-                output.logprobs + nxt.logprobs, nxt.finish_reason, nxt.usage)
         return output

@@ -47,7 +47,7 @@ def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
     sampling = SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+        ignore_eos=s.ignore_eos, logprobs=s.logprobs, min_tokens=s.min_tokens)
     kind = request.WhichOneof("input")
     if kind == "prompt":
         if not request.prompt:

@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from common.pb import decoder_pb2
 from gateway.admission import admit_chat, admit_completion, check_salt, read_json
-from gateway.balancer import DecoderPool, Generation
+from gateway.balancer import DecoderPool, GenerationGroup
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, bad_request, from_rpc_error
 from gateway.images import ImageFetcher
@@ -38,16 +38,18 @@ from gateway.responses import (
     ResponseHeader,
     RunningUsage,
     TokenTexts,
+    chat_choice,
     chat_chunk,
     chat_completion,
     chat_logprobs,
     completion,
-    usage_body,
+    completion_choice,
+    summed_usage,
     usage_chunk,
 )
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.sse import SSEResponse, sse_event
-from gateway.translate import chat_request, completion_request
+from gateway.translate import chat_request, completion_request, fan_out
 
 log = logging.getLogger("mmserve.gateway")
 T = TypeVar("T")
@@ -138,8 +140,9 @@ class Gateway:
             self.metrics.errors.labels(str(status), code or "none").inc()
 
     async def _start(self, request: Request, endpoint: str, schema: type, translate) -> tuple:
-        """Authorize, parse, admit, translate and start the Generate call: (parsed request, Generation).
-        Every count and size is checked (admission.py) before any image is fetched."""
+        """Authorize, parse, admit, translate and start the Generate calls, one per choice (`n`):
+        (parsed request, GenerationGroup). Every count and size is checked (admission.py) before any
+        image is fetched; images are fetched once for all choices."""
         api_key = self.authorize(request)
         body = await read_json(request, self.config.limits, self.config.http.body_timeout_s)
         req = parse_body(schema, body)
@@ -148,8 +151,8 @@ class Gateway:
         (admit_chat if schema is ChatCompletionRequest else admit_completion)(req, self.config)
         salt = self.cache_salt(request, api_key, req.cache_salt)
         grpc_request = await cancel_on_disconnect(request, translate(req, salt))
-        generation = await cancel_on_disconnect(
-            request, self.pool.generate(grpc_request, self.config.request_timeout_s))
+        generation = await cancel_on_disconnect(request, self.pool.generate_group(
+            fan_out(grpc_request, req.n), self.config.request_timeout_s, grpc_request.request_id))
         return req, generation
 
     async def _handle(self, request: Request, endpoint: str, schema: type, translate, respond) -> Response:
@@ -174,21 +177,27 @@ class Gateway:
             return self.error_response(endpoint, APIError(500, "internal error in the gateway",
                                                           code="internal_error"))
 
-    async def _chunks(self, generation: Generation, endpoint: str, started: float
-                      ) -> AsyncIterator:
-        """The decoder's messages, observing TTFT, E2E and token counts on the way."""
-        first = True
-        async for chunk in generation:
+    async def _chunks(self, generation: GenerationGroup, endpoint: str, started: float
+                      ) -> AsyncIterator[tuple[int, decoder_pb2.GenerateResponse]]:
+        """The decoders' messages as (choice index, message), observing TTFT (first token of any
+        choice), E2E (last choice's end) and token counts (the prompt once per request) on the way."""
+        first, open_choices = True, len(generation.members)
+        async for index, chunk in generation:
             if first and chunk.token_ids:
                 first = False
                 self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started)
             if chunk.finish_reason:
                 u = chunk.usage
-                self.metrics.observe_usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens)
-                self.metrics.e2e.labels(endpoint).observe(time.perf_counter() - started)
-            yield chunk
+                lead = index == 0
+                self.metrics.observe_usage(u.prompt_tokens if lead else 0,
+                                           u.cached_prompt_tokens if lead else 0, u.completion_tokens)
+                open_choices -= 1
+                if not open_choices:
+                    self.metrics.e2e.labels(endpoint).observe(time.perf_counter() - started)
+            yield index, chunk
 
-    def _stream(self, endpoint: str, generation: Generation, events: AsyncIterator[dict]) -> SSEResponse:
+    def _stream(self, endpoint: str, generation: GenerationGroup, events: AsyncIterator[dict]
+                ) -> SSEResponse:
         """An SSE response of events, then `data: [DONE]`; a decoder error mid-stream becomes an error
         event (the status line has gone out already); a client that leaves cancels the call."""
         async def body() -> AsyncIterator[str]:
@@ -225,44 +234,64 @@ class Gateway:
 
         return await self._handle(request, "chat", ChatCompletionRequest, translate, self._chat_response)
 
-    async def _chat_response(self, request: Request, req: ChatCompletionRequest, generation: Generation,
+    async def _whole(self, request: Request, endpoint: str, generation: GenerationGroup, collect
+                     ) -> Response:
+        """A whole (not streamed) response: collect() awaited, the calls cancelled if the client leaves."""
+        try:
+            body = await cancel_on_disconnect(request, collect())
+        finally:
+            generation.cancel()  # already ended unless the client left: free the decoder's blocks now
+        self._count(endpoint, 200)
+        return JSONResponse(body)
+
+    async def _chat_response(self, request: Request, req: ChatCompletionRequest, generation: GenerationGroup,
                              started: float) -> Response:
         head = ResponseHeader(generation.request_id, self.config.served_model_name)
-        top_n = req.top_logprobs or 0
+        top_n, n = req.top_logprobs or 0, len(generation.members)
         chunks = self._chunks(generation, "chat", started)
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 include = req.include_usage
                 running = RunningUsage() if req.continuous_usage else None
-                yield chat_chunk(head, {"role": "assistant", "content": ""}, include_usage=include,
-                                 usage=running.add(_NO_TOKENS) if running else None)
-                async for chunk in chunks:
+                finals: list = [None] * n
+                for index in range(n):  # every choice's role first, as vLLM sends them
+                    yield chat_chunk(head, {"role": "assistant", "content": ""}, include_usage=include,
+                                     usage=running.add(_NO_TOKENS) if running else None, index=index)
+                # One event per decoder message, so one token per event: the decoder sends one engine
+                # step per message (decoder_svc/stream.py). A token whose text is held back (part of a
+                # UTF-8 character, or a possible stop string) has no event of its own; its text comes
+                # with a later token's, as in vLLM.
+                async for index, chunk in chunks:
                     logprobs = chat_logprobs(chunk, top_n, self.texts) if req.logprobs else None
                     so_far = running.add(chunk) if running else None
                     if chunk.text or logprobs or (so_far and chunk.token_ids and not chunk.finish_reason):
                         yield chat_chunk(head, {"content": chunk.text}, logprobs=logprobs,
-                                         include_usage=include, usage=so_far)
+                                         include_usage=include, usage=so_far, index=index)
                     if chunk.finish_reason:
+                        finals[index] = chunk.usage
                         yield chat_chunk(head, {}, FINISH_REASONS.get(chunk.finish_reason),
-                                         include_usage=include, usage=so_far)
-                        if include:
-                            yield usage_chunk(head, "chat.completion.chunk", usage_body(chunk.usage))
+                                         include_usage=include, usage=so_far, index=index)
+                if include:
+                    yield usage_chunk(head, "chat.completion.chunk", summed_usage(finals))
 
             return self._stream("chat", generation, events())
 
         async def collect() -> dict:
-            text, logprobs, finish, usage = [], [], None, {}
-            async for chunk in chunks:
-                text.append(chunk.text)
+            texts: list[list[str]] = [[] for _ in range(n)]
+            logprobs: list[list[dict]] = [[] for _ in range(n)]
+            finish: list[str | None] = [None] * n
+            finals: list = [None] * n
+            async for index, chunk in chunks:
+                texts[index].append(chunk.text)
                 if req.logprobs:
-                    logprobs.extend(chat_logprobs(chunk, top_n, self.texts))
+                    logprobs[index].extend(chat_logprobs(chunk, top_n, self.texts))
                 if chunk.finish_reason:
-                    finish, usage = FINISH_REASONS.get(chunk.finish_reason), usage_body(chunk.usage)
-            return chat_completion(head, "".join(text), finish, usage, logprobs if req.logprobs else None)
+                    finish[index], finals[index] = FINISH_REASONS.get(chunk.finish_reason), chunk.usage
+            choices = [chat_choice(i, "".join(texts[i]), finish[i], logprobs[i] if req.logprobs else None)
+                       for i in range(n)]
+            return chat_completion(head, choices, summed_usage(finals))
 
-        body = await cancel_on_disconnect(request, collect())
-        self._count("chat", 200)
-        return JSONResponse(body)
+        return await self._whole(request, "chat", generation, collect)
 
     async def completions(self, request: Request) -> Response:
         async def translate(req, salt):
@@ -271,43 +300,49 @@ class Gateway:
         return await self._handle(request, "completions", CompletionRequest, translate,
                                   self._completion_response)
 
-    async def _completion_response(self, request: Request, req: CompletionRequest, generation: Generation,
-                                   started: float) -> Response:
+    async def _completion_response(self, request: Request, req: CompletionRequest,
+                                   generation: GenerationGroup, started: float) -> Response:
         head = ResponseHeader(generation.request_id, self.config.served_model_name)
-        logprobs = CompletionLogprobs(req.logprobs, self.texts) if req.logprobs is not None else None
+        n = len(generation.members)
+        logprobs = [CompletionLogprobs(req.logprobs, self.texts) for _ in range(n)] \
+            if req.logprobs is not None else None
         chunks = self._chunks(generation, "completions", started)
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 include = req.include_usage
                 running = RunningUsage() if req.continuous_usage else None
-                async for chunk in chunks:
-                    part = logprobs.add(chunk) if logprobs is not None else None
+                finals: list = [None] * n
+                async for index, chunk in chunks:  # one token per event: see _chat_response
+                    part = logprobs[index].add(chunk) if logprobs is not None else None
                     so_far = running.add(chunk) if running else None
                     if chunk.text or part or (so_far and chunk.token_ids and not chunk.finish_reason):
-                        yield completion(head, chunk.text, None, so_far, part, stream=True,
-                                         include_usage=include)
-                    if chunk.finish_reason:
-                        yield completion(head, "", FINISH_REASONS.get(chunk.finish_reason), so_far, None,
+                        yield completion(head, [completion_choice(index, chunk.text, None, part)], so_far,
                                          stream=True, include_usage=include)
-                        if include:
-                            yield usage_chunk(head, "text_completion", usage_body(chunk.usage))
+                    if chunk.finish_reason:
+                        finals[index] = chunk.usage
+                        choice = completion_choice(index, "", FINISH_REASONS.get(chunk.finish_reason), None)
+                        yield completion(head, [choice], so_far, stream=True, include_usage=include)
+                if include:
+                    yield usage_chunk(head, "text_completion", summed_usage(finals))
 
             return self._stream("completions", generation, events())
 
         async def collect() -> dict:
-            text, finish, usage = [], None, {}
-            async for chunk in chunks:
-                text.append(chunk.text)
+            texts: list[list[str]] = [[] for _ in range(n)]
+            finish: list[str | None] = [None] * n
+            finals: list = [None] * n
+            async for index, chunk in chunks:
+                texts[index].append(chunk.text)
                 if logprobs is not None:
-                    logprobs.add(chunk)
+                    logprobs[index].add(chunk)
                 if chunk.finish_reason:
-                    finish, usage = FINISH_REASONS.get(chunk.finish_reason), usage_body(chunk.usage)
-            return completion(head, "".join(text), finish, usage,
-                              logprobs.body if logprobs is not None else None)
+                    finish[index], finals[index] = FINISH_REASONS.get(chunk.finish_reason), chunk.usage
+            choices = [completion_choice(i, "".join(texts[i]), finish[i],
+                                         logprobs[i].body if logprobs is not None else None)
+                       for i in range(n)]
+            return completion(head, choices, summed_usage(finals))
 
-        body = await cancel_on_disconnect(request, collect())
-        self._count("completions", 200)
-        return JSONResponse(body)
+        return await self._whole(request, "completions", generation, collect)
 
     async def models(self, request: Request) -> Response:
         try:

@@ -2,7 +2,8 @@
 Generate call as an object that can be cancelled.
 
 A decoder that answers UNAVAILABLE before sending anything (down, or draining on SIGTERM) is skipped
-for another one; once tokens have flowed, an error ends the request.
+for another one; once tokens have flowed, an error ends the request. The n choices of one OpenAI request
+(`n` > 1) are a GenerationGroup on one decoder, so that they share the prompt's KV there.
 """
 
 from __future__ import annotations
@@ -123,6 +124,25 @@ class DecoderPool:
                 log.warning("decoder %s unavailable (%s); trying another", endpoint.address, exc.details())
                 endpoint.status = "UNREACHABLE"
 
+    async def generate_group(self, requests: Sequence[decoder_pb2.GenerateRequest], timeout: float | None,
+                             request_id: str) -> GenerationGroup:
+        """Start the calls of one request's choices, all on one decoder. The first is started alone and
+        its first token awaited (its prefill done, the prompt's full KV blocks in the decoder's prefix
+        cache); the others start then, so their prefills hit those blocks instead of all computing the
+        prompt at once. Any failure cancels the calls already open."""
+        first = await self.generate(requests[0], timeout)
+        endpoint, started = first.endpoint, [first]
+        try:
+            rest = [Generation(endpoint, endpoint.stub.Generate(r, timeout=timeout), r.request_id)
+                    for r in requests[1:]]
+            started += rest
+            await asyncio.gather(*(g.start() for g in rest))
+        except BaseException:
+            for generation in started:
+                generation.cancel()
+            raise
+        return GenerationGroup(request_id, started)
+
 
 class Generation:
     """One Generate call on one decoder; counts as outstanding there until it ends or is cancelled."""
@@ -170,3 +190,49 @@ class Generation:
         if not self.call.done():
             self.call.cancel()
         self._end()
+
+
+@dataclass
+class GenerationGroup:
+    """The Generate calls of one OpenAI request's choices; iterating gives (choice index, message) in
+    the order the messages arrive, each call's messages in order."""
+
+    request_id: str
+    members: list[Generation]
+
+    def cancel(self) -> None:
+        """Cancel every call still open."""
+        for generation in self.members:
+            generation.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, decoder_pb2.GenerateResponse]]:
+        if len(self.members) == 1:  # the usual case: no tasks, no queue
+            async for chunk in self.members[0]:
+                yield 0, chunk
+            return
+        queue: asyncio.Queue = asyncio.Queue()  # (index, message, error); message None: that call ended
+
+        async def pump(index: int, generation: Generation) -> None:
+            try:
+                async for chunk in generation:
+                    queue.put_nowait((index, chunk, None))
+                queue.put_nowait((index, None, None))
+            except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+                queue.put_nowait((index, None, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(self.members)]
+        try:
+            open_calls = len(tasks)
+            while open_calls:
+                index, chunk, error = await queue.get()
+                if error is not None:
+                    raise error
+                if chunk is None:
+                    open_calls -= 1
+                else:
+                    yield index, chunk
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.cancel()

@@ -44,11 +44,17 @@ class TokenTexts:
         return list(self.text(token_id).encode())
 
 
-def usage_body(usage: decoder_pb2.Usage) -> dict:
-    """OpenAI's usage object, with the decoder's prefix-cache hits as cached_tokens."""
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+def summed_usage(usages: list[decoder_pb2.Usage | None]) -> dict:
+    """OpenAI's usage object for a request's choices (choice index order; None: a choice without its
+    last message), with the decoder's prefix-cache hits as cached_tokens. As vLLM sums it for `n` > 1:
+    the prompt (and its cached tokens) once, as the first choice's call reports it, and every choice's
+    tokens."""
+    given = [u for u in usages if u is not None]
+    first = given[0] if given else decoder_pb2.Usage()
+    completion = sum(u.completion_tokens for u in given)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens}}
 
 
 def chat_logprobs(chunk: decoder_pb2.GenerateResponse, top_n: int, texts: TokenTexts) -> list[dict]:
@@ -98,21 +104,24 @@ class ResponseHeader:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def chat_completion(head: ResponseHeader, text: str, finish: str | None, usage: dict,
-                    logprobs: list[dict] | None) -> dict:
+def chat_choice(index: int, text: str, finish: str | None, logprobs: list[dict] | None) -> dict:
+    """One choice of a whole chat.completion."""
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": None if logprobs is None else {"content": logprobs}, "finish_reason": finish}
+
+
+def chat_completion(head: ResponseHeader, choices: list[dict], usage: dict) -> dict:
+    """A whole chat.completion of chat_choice()s."""
     return {"id": head.id, "object": "chat.completion", "created": head.created, "model": head.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None if logprobs is None else {"content": logprobs},
-                         "finish_reason": finish}],
-            "usage": usage}
+            "choices": choices, "usage": usage}
 
 
 def chat_chunk(head: ResponseHeader, delta: dict, finish: str | None = None,
                logprobs: list[dict] | None = None, include_usage: bool = False,
-               usage: dict | None = None) -> dict:
-    """One chat stream chunk; `usage` (continuous_usage_stats) is the usage so far."""
+               usage: dict | None = None, index: int = 0) -> dict:
+    """One chat stream chunk of choice `index`; `usage` (continuous_usage_stats) is the usage so far."""
     body = {"id": head.id, "object": "chat.completion.chunk", "created": head.created, "model": head.model,
-            "choices": [{"index": 0, "delta": delta,
+            "choices": [{"index": index, "delta": delta,
                          "logprobs": None if logprobs is None else {"content": logprobs},
                          "finish_reason": finish}]}
     if usage is not None:
@@ -127,11 +136,16 @@ def usage_chunk(head: ResponseHeader, obj: str, usage: dict) -> dict:
             "usage": usage}
 
 
-def completion(head: ResponseHeader, text: str, finish: str | None, usage: dict | None,
-               logprobs: dict | None, stream: bool = False, include_usage: bool = False) -> dict:
-    """A text_completion body: the whole response, or (stream=True) one chunk of it."""
+def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+    """One choice of a text_completion (whole, or a stream chunk's)."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completion(head: ResponseHeader, choices: list[dict], usage: dict | None, stream: bool = False,
+               include_usage: bool = False) -> dict:
+    """A text_completion body of completion_choice()s: the whole response, or (stream=True) one chunk."""
     body = {"id": head.id, "object": "text_completion", "created": head.created, "model": head.model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+            "choices": choices}
     if not stream or include_usage or usage is not None:
         body["usage"] = usage
     return body

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.errors import APIError, bad_request
 
 UINT32_MAX = 2**32 - 1
+MAX_N = 128  # OpenAI's bound on `n`
 
 
 class _Lenient(BaseModel):
@@ -64,7 +65,7 @@ class _SamplingFields(_Lenient):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)  # vLLM's bound: a signed 64-bit seed
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)  # choices: n decoder requests sharing the prompt's KV
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None

@@ -2,8 +2,9 @@
 
 Sampling follows OpenAI's defaults where the decoder's differ: an omitted `temperature` is 1.0 (the
 decoder's 0 means greedy), an omitted `max_tokens` is the server's default for chat and 16 for
-completions. What the decoder cannot do (n > 1, penalties, tools, echo, suffix) is refused with a 400
-naming the parameter rather than silently ignored.
+completions. vLLM's `min_tokens` passes through; `n` > 1 becomes n decoder requests (fan_out). What the
+decoder cannot do (penalties, tools, echo, suffix, best_of) is refused with a 400 naming the parameter
+rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ def _refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.stream_options is not None and not req.stream:  # vLLM's rule
         raise bad_request("stream_options can only be given when stream is true", "stream_options",
                           "invalid_value")
-    if req.min_tokens:
-        raise bad_request("min_tokens is not supported yet: the decoder has no minimum length",
-                          "min_tokens", "unsupported_parameter")
-    if req.n != 1:
-        raise bad_request("n > 1 is not supported: send one request per completion", "n", "unsupported_value")
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is not None and req.min_tokens > max_tokens:  # vLLM's rule
+        raise bad_request(f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})",
+                          "min_tokens", "invalid_value")
     if req.frequency_penalty or req.presence_penalty:
         param = "frequency_penalty" if req.frequency_penalty else "presence_penalty"
         raise bad_request(f"{param} is not supported", param, "unsupported_parameter")
@@ -46,7 +48,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=0.0 if req.top_p is None or req.top_p >= 1.0 else req.top_p,
         top_k=max(req.top_k or 0, 0),  # vLLM's -1 means off, as the decoder's 0 does
-        stop=req.stop_list(), ignore_eos=req.ignore_eos, logprobs=logprobs)
+        stop=req.stop_list(), ignore_eos=req.ignore_eos, logprobs=logprobs, min_tokens=req.min_tokens)
     if req.seed is not None:
         params.seed = req.seed
     return params
@@ -113,3 +115,20 @@ def completion_request(req: CompletionRequest, cache_salt: str) -> decoder_pb2.G
         request_id=f"cmpl-{uuid.uuid4().hex}", prompt=prompt, cache_salt=cache_salt,
         # logprobs 0 still asks for the sampled tokens' logprobs: the decoder sends those with its top 1.
         sampling=sampling_params(req, req.max_tokens, 0 if req.logprobs is None else max(req.logprobs, 1)))
+
+
+def fan_out(request: decoder_pb2.GenerateRequest, n: int) -> list[decoder_pb2.GenerateRequest]:
+    """The n decoder requests of an `n` > 1 request: the same prompt and sampling, ids `ID-0`..`ID-(n-1)`
+    and, as vLLM gives its parallel samples, seeds seed+0..seed+(n-1), so seeded choices differ from each
+    other yet repeat from call to call. n == 1 is the request itself."""
+    if n == 1:
+        return [request]
+    out = []
+    for i in range(n):
+        child = decoder_pb2.GenerateRequest()
+        child.CopyFrom(request)
+        child.request_id = f"{request.request_id}-{i}"
+        if request.sampling.HasField("seed"):
+            child.sampling.seed = (request.sampling.seed + i) % 2**64
+        out.append(child)
+    return out

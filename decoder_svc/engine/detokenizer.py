@@ -31,8 +31,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_ids: Sequence[int]) -> str:
-        """Append tokens; return the text that is now safe to send. Sets `stopped` on a stop string."""
+    def add(self, token_ids: Sequence[int], check_stop: bool = True) -> str:
+        """Append tokens; return the text that is now safe to send. Sets `stopped` on a stop string
+        (looked for only with check_stop: min_tokens turns it off for an output's first tokens)."""
         if self.stopped:
             return ""
         before = len(self.text)
@@ -43,7 +44,8 @@ class IncrementalDetokenizer:
             if len(new) > len(prefix) and not new.endswith(_REPLACEMENT):
                 self.text += new[len(prefix):]
                 self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        self._check_stop(before)
+        if check_stop:
+            self._check_stop(before)
         return self._take(len(self.text) if self.stopped else len(self.text) - self._hold)
 
     def finish(self) -> str:

@@ -88,7 +88,8 @@ class OutputProcessor:
         text = ""
         if detok is not None and tokens:
             try:
-                text = detok.add(tokens)
+                # Before min_tokens a stop string is not looked for (only text added later can stop).
+                text = detok.add(tokens, check_stop=req.sampling.stops_allowed(len(req.output_token_ids)))
             except Exception as exc:  # noqa: BLE001 - a bug or odd text of this request only
                 log.error("request %s failed inside the engine", req.request_id, exc_info=exc)
                 scheduler.finish_request(req, FinishReason.ERROR, f"internal error: {type(exc).__name__}",

@@ -29,11 +29,21 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int = 0  # N > 0: each new token's logprob and the top N
+    min_tokens: int = 0  # vLLM's: no stop (EOS, stop id or string) ends the output before this many tokens
+
+    def stops_allowed(self, num_output_tokens: int) -> bool:
+        """Whether a stop may end an output that has num_output_tokens tokens, the stopping one included.
+        As in vLLM, min_tokens tokens come before the stop (here an early EOS stays in the output, as with
+        ignore_eos, where vLLM masks its logit: no runner change for a rarely used option)."""
+        return num_output_tokens > self.min_tokens
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError for values no sampler can honour."""
         if self.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens and self.min_tokens > self.max_tokens):
+            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                                      f"got {self.min_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:

@@ -249,7 +249,8 @@ class Scheduler:
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         """STOP on a stop or end-of-sequence token, LENGTH at max_tokens or the model's length."""
         sp = req.sampling
-        if token in sp.stop_token_ids or (token in req.eos_token_ids and not sp.ignore_eos):
+        if sp.stops_allowed(len(req.output_token_ids)) and (
+                token in sp.stop_token_ids or (token in req.eos_token_ids and not sp.ignore_eos)):
             return FinishReason.STOP
         max_len = self.config.max_model_len
         if len(req.output_token_ids) >= req.max_tokens or (max_len is not None and req.num_tokens >= max_len):

@@ -213,6 +213,39 @@ def test_stop_string_trimmed(make_engine):
     assert len(out.new_token_ids) < 24
 
 
+def test_min_tokens_holds_eos_stop_ids_and_stop_strings_back(make_engine):
+    """EOS at the 2nd token would end the output; with min_tokens=8 the output is at least 8 tokens
+    before a stop, and the first stop after that ends it (vLLM's semantics)."""
+    ref = _greedy_reference(make_engine)
+    ids = ref.new_token_ids
+    engine = make_engine()
+    engine.inputs.eos_token_ids = frozenset({ids[1]})  # pretend the 2nd token is the model's eos
+    assert engine.generate("e", PROMPT, sampling=SamplingParams(max_tokens=24)).new_token_ids == ids[:2]
+    out = engine.generate("m", PROMPT, sampling=SamplingParams(max_tokens=24, min_tokens=8))
+    later = next((i for i in range(8, len(ids)) if ids[i] == ids[1]), None)  # the first eos it may honour
+    assert out.new_token_ids == (ids if later is None else ids[:later + 1])
+    assert len(out.new_token_ids) >= 8 and out.usage.completion_tokens == len(out.new_token_ids)
+    assert out.finish_reason == (FinishReason.LENGTH if later is None else FinishReason.STOP)
+    # A stop token id, likewise.
+    stop = make_engine().generate("s", PROMPT, sampling=SamplingParams(max_tokens=24, stop_token_ids=[ids[0]],
+                                                                        min_tokens=5))
+    assert len(stop.new_token_ids) >= 5 and stop.new_token_ids == ids[:len(stop.new_token_ids)]
+    # A stop string in the first tokens' text is not looked for; min_tokens=max_tokens gives all 24.
+    first_text = engine.generate("t", PROMPT, sampling=SamplingParams(max_tokens=2, ignore_eos=True)).text
+    stop_string = next(c for c in first_text if not c.isspace())
+    held = make_engine().generate("h", PROMPT, sampling=SamplingParams(max_tokens=24, min_tokens=24,
+                                                                       stop=[stop_string]))
+    assert held.new_token_ids == ids and held.finish_reason == FinishReason.LENGTH
+    early = make_engine().generate("x", PROMPT, sampling=SamplingParams(max_tokens=24, stop=[stop_string]))
+    assert len(early.new_token_ids) <= 2  # without min_tokens the same stop string ends it at once
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5).validate(vocab_size=512)
+    SamplingParams(max_tokens=0, min_tokens=5).validate(vocab_size=512)  # 0: the engine's default
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=1.5), dict(top_k=-2), dict(max_tokens=-1),
                                  dict(stop=[""]), dict(stop_token_ids=[10**6]), dict(logprobs=10**6)])
 def test_invalid_sampling_rejected(bad):

@@ -1,5 +1,6 @@
 """Requests refused where vLLM refuses them (seed range, stream_options without stream, a bare-string
-image_url, a non-JSON body type), extensions not silently dropped (min_tokens), and continuous usage."""
+image_url, a non-JSON body type, min_tokens above max_tokens, n over 128), extensions passed on (min_tokens,
+n), and continuous usage."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 
 from common.pb import decoder_pb2
 from gateway.errors import APIError
-from gateway.responses import RunningUsage
+from gateway.responses import RunningUsage, summed_usage
 from gateway.schemas import ChatCompletionRequest, parse_body
-from gateway.translate import chat_request
+from gateway.translate import chat_request, fan_out
 from tests.gateway.conftest import KEY_A
 
 USER = [{"role": "user", "content": "x"}]
@@ -26,7 +27,10 @@ EOS_OFF = {"ignore_eos": True}
     ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "data:,x"}]}]},
      "messages.0.content.0.image_url"),
-    ({"messages": USER, "min_tokens": 4}, "min_tokens"),
+    ({"messages": USER, "min_tokens": 4, "max_tokens": 3}, "min_tokens"),
+    ({"messages": USER, "min_tokens": 4, "max_completion_tokens": 3, "max_tokens": 9}, "min_tokens"),
+    ({"messages": USER, "n": 129}, "n"),
+    ({"messages": USER, "n": 0}, "n"),
 ])
 def test_vllm_strict_fields_are_400_naming_the_parameter(body, param):
     with pytest.raises(APIError) as err:
@@ -38,6 +42,28 @@ def test_largest_seed_and_zero_min_tokens_pass():
     req = parse_body(ChatCompletionRequest,
                      {"model": "m", "messages": USER, "seed": 2**63 - 1, "min_tokens": 0})
     assert asyncio.run(chat_request(req, None, "")).sampling.seed == 2**63 - 1
+
+
+def test_min_tokens_reaches_the_decoder_and_n_fans_out_with_vllms_seeds():
+    req = parse_body(ChatCompletionRequest, {"model": "m", "messages": USER, "min_tokens": 5,
+                                             "max_tokens": 5, "seed": 2**63 - 1})
+    out = asyncio.run(chat_request(req, None, ""))
+    assert out.sampling.min_tokens == 5
+    children = fan_out(out, 3)
+    assert [c.request_id for c in children] == [f"{out.request_id}-{i}" for i in range(3)]
+    assert [c.sampling.seed for c in children] == [2**63 - 1, 2**63, 2**63 + 1]  # seed + i, as vLLM
+    assert all(c.chat == out.chat and c.sampling.min_tokens == 5 for c in children)
+    unseeded = fan_out(asyncio.run(chat_request(parse_body(ChatCompletionRequest, {
+        "model": "m", "messages": USER}), None, "")), 2)
+    assert not any(c.sampling.HasField("seed") for c in unseeded)
+    assert fan_out(out, 1) == [out]
+
+
+def test_usage_of_several_choices_counts_the_prompt_once():
+    usages = [decoder_pb2.Usage(prompt_tokens=9, completion_tokens=4, cached_prompt_tokens=0),
+              decoder_pb2.Usage(prompt_tokens=9, completion_tokens=6, cached_prompt_tokens=8)]
+    assert summed_usage(usages) == {"prompt_tokens": 9, "completion_tokens": 10, "total_tokens": 19,
+                                    "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_running_usage_counts_tokens_and_takes_the_decoders_prompt_count():
