@@ -91,10 +91,10 @@ class Gateway:
         self.pool = pool or DecoderPool.of(config.decoders, security=config.upstream)
         self.fetcher = ImageFetcher(config.images)
         self.metrics = GatewayMetrics()
-        self.texts = TokenTexts(config.model_dir)
+        self.texts = TokenTexts(config.model)
         self.created = int(time.time())
-        self.served = ServedModel(tuple(config.served_model_names), model_root(config.model_dir),
-                                  max_model_len(config.model_dir))
+        self.served = ServedModel(tuple(config.served_model_names), model_root(config.model),
+                                  max_model_len(config.model))
 
     # --- plumbing ---------------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.arg_types import model_dir, port_number, positive_float, positive_int
+from common.arg_types import model_dir as model_arg
+from common.arg_types import port_number, positive_float, positive_int
 from common.config import check_options, option, section
 from common.images import DEFAULT_IMAGE_FORMATS, image_format_list
 from common.security.options import ClientSecurity
@@ -116,9 +117,9 @@ class GatewayConfig:
         help="the model name(s) clients send and /v1/models lists; responses carry the first (default: "
         "--model as given: a Hub id, or a directory's name; else 'mmserve')", flag="--served-model-name",
         metavar="NAME", append=True, nargs="+", default_factory=list)
-    model_dir: Path | str | None = option(
+    model: Path | str | None = option(
         None, "the served checkpoint dir: its tokenizer writes logprob tokens as text (without it they "
-        "read token_id:N)", flag="--model", type=model_dir)
+        "read token_id:N)", flag="--model", type=model_arg)
     api_keys: list[str] = option(help="accept this bearer key (repeatable; also $MMSERVE_API_KEY); each key "
                                  "is a tenant with its own prefix and embedding cache. Default: no "
                                  "authentication", flag="--api-key", append=True, default_factory=list)
@@ -136,11 +137,11 @@ class GatewayConfig:
         if not self.decoders:
             raise ValueError("--decoder: give at least one decoder address")
         if not self.served_model_names:
-            self.served_model_names = [default_served_name(self.model_dir)]
+            self.served_model_names = [default_served_name(self.model)]
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError("--served-model-name: a name is given twice")
-        if self.model_dir is not None:
-            self.model_dir = Path(self.model_dir)
+        if self.model is not None:
+            self.model = Path(self.model)
 
     @property
     def served_model_name(self) -> str:
