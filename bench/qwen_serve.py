@@ -49,6 +49,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--arrival-interval", type=float, default=0.0,
                    help="seconds between the lookahead run's requests (0: all at once)")
     p.add_argument("--no-encode", action="store_true", help="only the lookahead part")
+    p.add_argument("--no-lookahead", action="store_true", help="only the Encode part (no decoders)")
     p.add_argument("--logs", default=None)
     p.add_argument("--out", default=None)
     return p
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                          dec_args + ["--encoder-max-ahead", "4"], name="decoder-on")
     off = decoder_service(args.model, enc.address, logs, args.device, args.dtype,
                           dec_args + ["--encoder-max-ahead", "0"], name="decoder-off")
-    services = [enc, on, off]
+    services = [enc] if args.no_lookahead else [enc, on, off]
     result: dict = {"model": args.model, "device": args.device, "dtype": args.dtype,
                     "image_size": args.image_size}
     try:
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(steady {levels[c]['steady_images_per_s']})", flush=True)
         result["encode"] = {str(c): {k: levels[c][k] for k in ("images_per_s", "steady_images_per_s",
                                                                "latency")} for c in levels}
+        if args.no_lookahead:
+            return _finish(args, result)
         rng = random.Random(0)
         jobs = []
         for i in range(args.requests):
@@ -130,11 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in services:
             s.stop()
+    return _finish(args, result)
+
+
+def _finish(args: argparse.Namespace, result: dict) -> int:
+    """Add the headline, print and save."""
     c = str(args.concurrency)
-    result["headline"] = [["qwen lookahead mean TTFT on/off", result["lookahead"]["mean_on_over_off"]]]
-    if c in result["encode"]:
-        result["headline"].insert(0, [f"qwen Encode img/s at {c} clients ({args.image_size}px)",
-                                      round(result["encode"][c]["images_per_s"], 1)])
+    result["headline"] = []
+    if c in result.get("encode", {}):
+        result["headline"].append([f"qwen Encode img/s at {c} clients ({args.image_size}px)",
+                                   round(result["encode"][c]["images_per_s"], 1)])
+    if "lookahead" in result:
+        ratio = result["lookahead"]["mean_on_over_off"]
+        result["headline"].append(["qwen lookahead mean TTFT on/off", ratio])
     save_result("qwen_serve", args, result, headline=result["headline"])
     print(result["headline"])
     return 0
