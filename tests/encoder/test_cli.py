@@ -23,7 +23,7 @@ from tests.encoder.conftest import encode_request, image_bytes
 
 def test_arg_parser_defaults(tmp_path):
     args = build_arg_parser().parse_args(["--model", str(decoy_model(tmp_path / "m"))])
-    assert (args.host, args.port, args.device, args.dtype) == ("127.0.0.1", 50051, "cpu", "float32")
+    assert (args.host, args.port, args.device, args.dtype) == ("127.0.0.1", 50051, "auto", "auto")
     assert args.metrics_port is None and args.cache_bytes > 0 and args.lease_ttl > 0
     assert (args.max_batch_images, args.preprocess, args.preprocess_threads) == (32, "auto", None)
 
