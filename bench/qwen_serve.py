@@ -23,13 +23,12 @@ import time
 import uuid
 
 from bench.encode_tput import _encode_level, make_pngs
+from bench.qwen_gpu import END, IMAGE, USER
 from bench.report import save_result
 from bench.services import decoder_service, encoder_service, start_all, workdir
 from common.client import AsyncDecoderClient, DecoderClient
 from common.pb import common_pb2
 
-USER, END = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 LOOKAHEAD_STATS = ("images_prefetched", "lookahead_ready_at_prefill", "lookahead_waited_at_prefill",
                    "lookahead_boosted", "images_encoded")
 

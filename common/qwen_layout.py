@@ -14,6 +14,7 @@ positions are computed once, at admission; generated tokens take `index + delta`
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -155,8 +156,6 @@ def is_qwen_vl(config: dict[str, Any]) -> bool:
 
 def load_qwen_layout(model_dir: str | Path) -> QwenImageLayout:
     """The layout from config.json and preprocessor_config.json; CheckpointError when it cannot be served."""
-    import json
-
     config = load_config(model_dir)
     if not is_qwen_vl(config):
         raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen2.5-VL checkpoint")

@@ -9,7 +9,7 @@ tokenization) happens before a request reaches the engine (engine/input_processo
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +17,12 @@ import torch
 
 from common.checkpoint import model_fingerprint, parse_dtype
 from common.errors import CapacityError
+from common.qwen_layout import Grid
 from common.stats import stat
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.config import EngineConfig
 from decoder_svc.engine.embedding_source import EmbeddingSource
-from decoder_svc.engine.input_processor import ImageLike, InputProcessor
+from decoder_svc.engine.input_processor import ImageLike, ImageOptions, InputProcessor
 from decoder_svc.engine.output_processor import OutputProcessor, RequestOutput
 from decoder_svc.engine.request import FinishReason, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -104,13 +105,14 @@ class LLMEngine:
         messages: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None,
         cache_salt: str = "",
-        **image_kwargs: Any,
+        image_options: Sequence[ImageOptions] | None = None,
+        known_grids: Mapping[str, Grid] | None = None,
     ) -> Request:
         """Validate, tokenize and queue a request (engine thread): `self.inputs.make_request`, then
-        `add`. The service makes requests on its own threads and calls `add` only. image_kwargs:
-        make_request's image_options and known_grids."""
-        return self.add(self.inputs.make_request(request_id, prompt, images, messages=messages,
-                                                 sampling=sampling, cache_salt=cache_salt, **image_kwargs))
+        `add`. The service makes requests on its own threads and calls `add` only."""
+        return self.add(self.inputs.make_request(
+            request_id, prompt, images, messages=messages, sampling=sampling, cache_salt=cache_salt,
+            image_options=image_options, known_grids=known_grids))
 
     def add(self, req: Request) -> Request:
         """Queue a request made by InputProcessor.make_request (engine thread). Raises
