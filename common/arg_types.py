@@ -65,17 +65,31 @@ def device_name(text: str) -> str:
 
 
 def model_dir(text: str) -> str:
-    """An argparse type: a checkpoint directory (config.json and safetensors weights) or a Hugging Face
-    Hub id (owner/name, resolved later by resolve_model_arg). A local directory is checked before
+    """An argparse type: a checkpoint directory (config.json; its weights are checked by
+    `require_local_weights`, which a service's config calls unless it draws dummy weights) or a Hugging
+    Face Hub id (owner/name, resolved later by resolve_model_arg). A local directory is checked before
     anything loads so that a typo fails in a second rather than after the imports."""
     from common.hub import ModelNotFoundError, check_checkpoint_dir, is_hub_id
 
     if is_hub_id(text):
         return text
     try:
-        check_checkpoint_dir(Path(text).expanduser(), text)
+        check_checkpoint_dir(Path(text).expanduser(), text, require_weights=False)
     except ModelNotFoundError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def require_local_weights(model: str | Path, hint: str = "") -> None:
+    """ValueError naming --model when `model` is a local directory without *.safetensors weights (a Hub
+    id's snapshot is checked when it is resolved)."""
+    from common.hub import ModelNotFoundError, check_checkpoint_dir, is_hub_id
+
+    if is_hub_id(str(model)):
+        return
+    try:
+        check_checkpoint_dir(Path(model).expanduser(), str(model))
+    except ModelNotFoundError as exc:
+        raise ValueError(f"--model: {exc}{hint}") from None
 
 

@@ -40,11 +40,12 @@ def model_fingerprint(model_dir: str | Path) -> str:
     """A short hex id of the checkpoint: config plus the head and tail of every weight file.
 
     Two checkpoints that differ in config or weights get different fingerprints, so their embeddings
-    never share a cache key. Reading only 2 MiB per file keeps this cheap for a 7B checkpoint.
+    never share a cache key. Reading only 2 MiB per file keeps this cheap for a 7B checkpoint. A
+    directory without weight files (served with `--load-format dummy`) is fingerprinted by its config.
     """
     h = hashlib.sha256()
     h.update((Path(model_dir) / "config.json").read_bytes())
-    for path in safetensors_files(model_dir):
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
         size = path.stat().st_size
         h.update(f"{path.name}:{size}".encode())
         with path.open("rb") as f:

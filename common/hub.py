@@ -38,15 +38,16 @@ def hub_offline() -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
-def check_checkpoint_dir(path: str | Path, name: str | None = None) -> Path:
-    """path, if it holds config.json and safetensors weights; ModelNotFoundError otherwise."""
+def check_checkpoint_dir(path: str | Path, name: str | None = None, require_weights: bool = True) -> Path:
+    """path, if it holds config.json and (unless require_weights is False) safetensors weights;
+    ModelNotFoundError otherwise."""
     path = Path(path)
     shown = name or str(path)
     if not path.is_dir():
         raise ModelNotFoundError(f"{shown} is not a directory")
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{shown} is not a checkpoint directory (no config.json)")
-    if not any(path.glob("*.safetensors")):
+    if require_weights and not any(path.glob("*.safetensors")):
         raise ModelNotFoundError(f"{shown} has no *.safetensors weights")
     return path
 
@@ -66,7 +67,8 @@ def resolve_model(spec: str, revision: str | None = None, *, offline: bool | Non
     if not is_hub_id(spec):
         if revision:
             raise ModelNotFoundError(f"--revision {revision}: {spec} is a local directory, not a Hub id")
-        return check_checkpoint_dir(Path(spec).expanduser(), spec)
+        # Weights are checked by the service's config (a decoder with --load-format dummy needs none).
+        return check_checkpoint_dir(Path(spec).expanduser(), spec, require_weights=False)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,

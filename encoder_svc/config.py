@@ -22,6 +22,7 @@ from common.arg_types import (
     port_number,
     positive_float,
     positive_int,
+    require_local_weights,
 )
 from common.config import ServiceOptions, check_options, option, section
 from common.devices import resolve_device_and_dtype
@@ -68,6 +69,7 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        require_local_weights(self.model)
         resolve_device_and_dtype(self)  # auto: cuda when torch sees a GPU; the checkpoint's dtype there
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.arg_types import dtype_name, model_dir, non_negative_int, positive_int
+from common.arg_types import dtype_name, model_dir, non_negative_int, positive_int, require_local_weights
 from common.config import check_options, option
 from common.devices import resolve_device_and_dtype
 from common.images import ImageLimits
@@ -39,6 +39,13 @@ class EngineConfig:
     attention_backend: str = option("auto", "kernels: auto takes Triton on CUDA and the torch reference "
                                     "elsewhere", choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "no CUDA graphs for decode steps")
+    quantization: str = option(
+        "none", "fp8: quantize the decoder layers' projections to FP8 (e4m3, per output channel) at load; "
+        "FP8 checkpoints (compressed-tensors, HF fine-grained) are served in FP8 whatever this says",
+        choices=("none", "fp8"))
+    load_format: str = option(
+        "auto", "dummy: random weights made on the device from config.json (benchmarks of large shapes, "
+        "no weight files needed)", choices=("auto", "dummy"))
     max_image_tokens: int = option(
         16384, "image tokens per image at most (Qwen2.5-VL: caps each image's max_pixels at this many "
         "28x28 blocks)", type=positive_int)
@@ -52,4 +59,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.load_format != "dummy":
+            require_local_weights(self.model, " (--load-format dummy draws random weights instead)")
         resolve_device_and_dtype(self)  # auto: cuda when torch sees a GPU; the checkpoint's dtype there

@@ -70,7 +70,8 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
-        self.model = load_language_model(config.model, self.device, self.dtype, config.attention_backend)
+        self.model = load_language_model(config.model, self.device, self.dtype, config.attention_backend,
+                                         config.quantization, config.load_format)
         self.model_config = self.model.config
         self.tokenizer = PromptTokenizer(config.model)
         self.fingerprint = model_fingerprint(config.model)

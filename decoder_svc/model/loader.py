@@ -10,7 +10,18 @@ import torch
 from common.checkpoint import load_config, load_tensors
 from decoder_svc.model.backends import make_kernels
 from decoder_svc.model.config import TextModelConfig
+from decoder_svc.model.dummy import dummy_state
 from decoder_svc.model.llama import LlamaForCausalLM, mrope_axes
+from decoder_svc.model.quant.formats import checkpoint_fp8_format
+from decoder_svc.model.quant.fp8 import FP8_DTYPE
+from decoder_svc.model.quant.linear import swap_in_fp8
+from decoder_svc.model.quant.load import (
+    SCALE,
+    align_shard_blocks,
+    check_all_or_none,
+    quantize_projections,
+    read_fp8_checkpoint,
+)
 
 # (checkpoint prefix, our prefix), most specific first. Both LLaVA layouts: the classic one written by
 # LlavaForConditionalGeneration.save_pretrained of older versions and by our maker, and the newer one.
@@ -76,29 +87,54 @@ def pack_fused_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return packed
 
 
+LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("none", "fp8")
+
+
 def load_language_model(
     model_dir: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     attention_backend: str = "auto",
+    quantization: str = "none",
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
     """Build the model from the checkpoint's text config and load its weights (strictly), with the
-    kernels `attention_backend` names (backends.make_kernels: auto, torch or triton)."""
+    kernels `attention_backend` names (backends.make_kernels: auto, torch or triton).
+
+    quantization "fp8" quantizes the decoder layers' projections per output channel at load; an FP8
+    checkpoint (quant.formats) is served in FP8 whatever it says. load_format "dummy" draws random
+    weights on the device (model/dummy.py) instead of reading weight files."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; choose from {LOAD_FORMATS}")
     cfg = TextModelConfig.from_hf(text_config_dict(model_dir))
-    tensors = load_tensors(model_dir, [p for p, _ in _KEY_MAP], device="cpu", dtype=dtype)
-    state = {}
-    for name, tensor in tensors.items():
-        ours = rename_language_model_key(name)
-        if ours is not None and "rotary_emb" not in ours:
-            state[ours] = tensor
-    state = pack_fused_weights(state)
-    tie = cfg.tie_word_embeddings or "lm_head.weight" not in state
-    if tie:
-        state.pop("lm_head.weight", None)
+    fmt = checkpoint_fp8_format(load_config(model_dir))
     backend, ops = make_kernels(attention_backend, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, ops)
+    if load_format == "dummy":
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        state = dummy_state(shapes, cfg.num_layers, cfg.tie_word_embeddings, device, dtype)
+        fmt = None  # nothing is read, so nothing is FP8 yet
+    else:
+        state = _checkpoint_state(model_dir)
+    blocks: dict = {}
+    if fmt is not None:
+        blocks = align_shard_blocks(state, read_fp8_checkpoint(state, fmt, dtype, PACKED_MODULES),
+                                    PACKED_MODULES)
+        check_all_or_none(state, blocks, PACKED_MODULES)
+    state = pack_fused_weights(state)
+    if quantization == "fp8" and fmt is None:
+        blocks = quantize_projections(state, device)  # from the checkpoint's own precision
+    state = {n: t.to(dtype) if t.is_floating_point() and t.dtype != FP8_DTYPE and not n.endswith(SCALE)
+             else t for n, t in state.items()}
+    tie = cfg.tie_word_embeddings or "lm_head.weight" not in state
+    if tie:
+        state.pop("lm_head.weight", None)
     model = model.to_empty(device=device).to(dtype)
+    swap_in_fp8(model, blocks, ops)  # after .to(dtype), which would cast FP8 weights
     model.cos_sin = model.rotary_table(cfg).to(device)  # fp32, not in the checkpoint
     model.mrope_axis = mrope_axes(cfg).to(device)
     if tie:
@@ -109,6 +145,17 @@ def load_language_model(
         raise ValueError(f"checkpoint {model_dir} does not match the language model: "
                          f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     return model.eval()
+
+
+def _checkpoint_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The language model's tensors under our names, in the checkpoint's own dtypes (FP8 stays FP8)."""
+    tensors = load_tensors(model_dir, [p for p, _ in _KEY_MAP], device="cpu")
+    state = {}
+    for name, tensor in tensors.items():
+        ours = rename_language_model_key(name)
+        if ours is not None and "rotary_emb" not in ours:
+            state[ours] = tensor
+    return state
 
 
 def generation_eos_ids(model_dir: str | Path) -> list[int]:

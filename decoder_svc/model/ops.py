@@ -2,7 +2,7 @@
 
 `TorchOps` reproduces Hugging Face Llama numerics op for op (same casts, same rounding points), so it is
 both the CPU implementation and the oracle that `decoder_svc.model.triton_ops.TritonOps` is tested
-against. Both classes expose the same four static methods; callers pick one and call through it.
+against. Both classes expose the same static methods; callers pick one and call through it.
 
 Shapes: tokens are flat rows, T >= 0. `x` [T, H]; `q` [T, Hq, D], `k` [T, Hk, D]; `positions` [T].
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from decoder_svc.model.quant.fp8 import ScaleBlock, dequantize
 
 
 class TorchOps:
@@ -61,6 +63,13 @@ class TorchOps:
             return x * cos + rotated * sin
 
         return rot(q), rot(k)
+
+    @staticmethod
+    def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] @ (weight * scale)^T + bias with an FP8 weight [N, K] (quant.fp8's layout): the weight
+        dequantized in fp32, rounded once to x's dtype, then an ordinary product in that dtype."""
+        return F.linear(x, dequantize(weight, scale, block, x.dtype), bias)
 
     @staticmethod
     def make_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from decoder_svc.model.ops import TorchOps
+from decoder_svc.model.quant.fp8 import ScaleBlock
 
 # The Triton interpreter (3.6) truncates fp32 -> bf16 casts, where the GPU's cvt.rn rounds to nearest
 # even like torch; under it, _round does the RNE in integer ops so CPU tests see GPU/torch rounding.
@@ -217,6 +218,17 @@ class TritonOps:
                                  BLOCK_HALF=triton.next_power_of_2(half),
                                  num_warps=min(max(tile // 256, 1), 8))
         return q, k
+
+    @staticmethod
+    def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """TorchOps.fp8_linear on the GPU: weight-only FP8 kernels at small batches, FP8 tensor-core
+        products at large ones (quant/triton_fp8.py); fp32 activations take the reference path."""
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return TorchOps.fp8_linear(x, weight, scale, block, bias)
+        from decoder_svc.model.quant.triton_fp8 import fp8_linear
+
+        return fp8_linear(x, weight, scale, block, bias)
 
     @staticmethod
     def make_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:

@@ -8,7 +8,14 @@ import socket
 
 import pytest
 
-from common.arg_types import dtype_name, int_in_range, model_dir, positive_float, positive_int
+from common.arg_types import (
+    dtype_name,
+    int_in_range,
+    model_dir,
+    positive_float,
+    positive_int,
+    require_local_weights,
+)
 from common.cli import image_arg
 from common.errors import UsageError
 from common.server import GrpcService
@@ -40,8 +47,11 @@ def test_model_dir_and_image_arg(tmp_path):
     assert model_dir(str(decoy_model(tmp_path / "m"))) == str(tmp_path / "m")
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "config.json").write_text("{}")
-    with pytest.raises(argparse.ArgumentTypeError, match="no \\*.safetensors"):
-        model_dir(str(tmp_path / "w"))
+    assert model_dir(str(tmp_path / "w")) == str(tmp_path / "w")  # weights: the services' configs check
+    with pytest.raises(ValueError, match="--model: .* has no \\*.safetensors"):
+        require_local_weights(str(tmp_path / "w"))
+    with pytest.raises(argparse.ArgumentTypeError, match="no config.json"):
+        model_dir(str(tmp_path))
     assert image_arg("hash:abc") == "hash:abc"  # a content hash is not a file
     with pytest.raises(argparse.ArgumentTypeError, match="no such file"):
         image_arg(str(tmp_path / "x.png"))

@@ -1,0 +1,38 @@
+"""`--load-format dummy`: random weights made on the device from config.json alone, no weight files.
+
+For benchmarks of shapes nobody wants to write to disk (7B to 72B). The draw follows make-model's rule
+(common/model_maker.py) so greedy output varies as a real model's does, and decode lengths, acceptance
+of stop tokens and the FP8 accuracy measurements behave like a trained model's rather than repeating one
+token: matrices N(0, gain / sqrt(fan_in)), the layers writing into the residual stream further divided
+by sqrt(layers), norms near one, embeddings of unit variance (0.15 when tied to the output head).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight")
+_TIED_EMBED_STD = 0.15
+
+
+@torch.no_grad()
+def dummy_state(shapes: dict[str, torch.Size], num_layers: int, tied: bool, device: torch.device | str,
+                dtype: torch.dtype, seed: int = 0, gain: float = 1.4) -> dict[str, torch.Tensor]:
+    """A state dict of `shapes` (parameter name -> shape) drawn on `device` in `dtype`."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, shape in shapes.items():
+        t = torch.empty(shape, dtype=torch.float32, device=device)
+        if name.endswith("embed_tokens.weight"):
+            t.normal_(0.0, _TIED_EMBED_STD if tied else 1.0, generator=gen)
+        elif len(shape) >= 2:
+            std = gain / shape[1] ** 0.5
+            if name.endswith(_RESIDUAL_OUTPUTS):
+                std /= num_layers ** 0.5
+            t.normal_(0.0, std, generator=gen)
+        elif name.endswith("bias"):
+            t.normal_(0.0, 0.5 if "qkv_proj" in name else 0.02, generator=gen)
+        else:  # norm weights
+            t.normal_(1.0, 0.1, generator=gen)
+        state[name] = t.to(dtype)
+    return state

@@ -1,0 +1,74 @@
+"""FP8 (e4m3) weights: the scale layout, quantizing a weight and dequantizing one (the reference math).
+
+A quantized weight is `q` float8_e4m3fn [N, K] (N output rows) with fp32 scales `scale` [ceil(N / bn),
+ceil(K / bk)]: the weight is q * scale of its (row // bn, column // bk) block. Every published layout is
+one of these:
+
+- per output channel (bn = 1, bk = K): what `--quantization fp8` makes at load and compressed-tensors'
+  "channel" strategy;
+- per tensor (bn = N, bk = K): compressed-tensors' "tensor" strategy (stored here per channel, which is
+  the same numbers, so that q/k/v shards with different scales can share one fused matrix);
+- blocks (bn = bk = 128 usually): HF's fine-grained FP8 and compressed-tensors' "block" strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+
+
+@dataclass(frozen=True)
+class ScaleBlock:
+    """How many weight rows (bn) and columns (bk) share one scale."""
+
+    rows: int
+    cols: int
+
+    def grid(self, n: int, k: int) -> tuple[int, int]:
+        """The scale tensor's shape for an [n, k] weight."""
+        return -(-n // self.rows), -(-k // self.cols)
+
+    def is_per_channel(self, k: int) -> bool:
+        """One scale per output row over all k columns (the product applies it once, at the end)."""
+        return self.rows == 1 and self.cols >= k
+
+
+def per_channel_block(k: int) -> ScaleBlock:
+    """The per-output-channel layout for a weight with k input columns."""
+    return ScaleBlock(1, k)
+
+
+@torch.no_grad()
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [N, K], scale fp32 [N, 1]) with q * scale ~= weight; each row's largest magnitude
+    maps to 448. A zero row gets scale 1 (q is zero)."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def expand_scale(scale: torch.Tensor, block: ScaleBlock, n: int, k: int) -> torch.Tensor:
+    """fp32 [n, k]: every weight element's scale."""
+    full = scale.float().repeat_interleave(block.rows, dim=0)[:n]
+    return full.repeat_interleave(block.cols, dim=1)[:, :k]
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight q * scale in `dtype`, computed in fp32 and rounded once (the CPU reference path and the
+    'dequantized twin' the tests compare FP8 checkpoints with)."""
+    n, k = q.shape
+    if block.is_per_channel(k):
+        return (q.float() * scale.float().view(n, 1)).to(dtype)
+    return (q.float() * expand_scale(scale, block, n, k)).to(dtype)
+
+
+def rows_to_channels(scale: torch.Tensor, block: ScaleBlock, n: int) -> torch.Tensor:
+    """Scales with one row per weight row (bn = 1): lets shards of different layouts be concatenated."""
+    return scale.float().repeat_interleave(block.rows, dim=0)[:n]

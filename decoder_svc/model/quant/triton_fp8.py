@@ -1,0 +1,118 @@
+"""FP8 weight products on the GPU.
+
+- Small batches (decode, M <= 64 rows), and every batch of block-scaled weights: a weight-only Triton
+  kernel. It streams the FP8 weight (half the bytes of bf16: decode reads every weight once per step, so
+  this is where FP8 pays), widens it to the activation dtype in registers, multiplies on the tensor
+  cores with fp32 accumulation and applies the scales (per channel once at the end; per block after each
+  K block).
+- Large batches (prefill) of per-channel weights: `torch._scaled_mm`, FP8 x FP8 on the tensor cores
+  (twice the bf16 rate on Hopper), with the activations quantized per token on the fly.
+
+Only imported on GPU paths (TritonOps.fp8_linear); tested on the GPU (tests/gpu/test_fp8_gpu.py): the
+Triton 3.6 interpreter cannot run a loop bounded by a kernel argument under numpy 2.4.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from decoder_svc.model.quant.fp8 import FP8_DTYPE, FP8_MAX, ScaleBlock
+
+SMALL_M = 64  # rows up to which the weight-only kernel beats quantizing the activations
+
+
+def _configs(block_ks: tuple[int, ...]) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+            for n in (16, 32, 64, 128) for k in block_ks for w in (4,) for s in (3, 5)
+            if n * k <= 64 * 512]
+
+
+@triton.jit
+def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
+                        stride_xm, stride_wn, stride_sn, stride_sk, stride_om,
+                        SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, M_BUCKET: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Programs over (N blocks, M blocks): at decode there is one M block and N / BLOCK_N programs, each
+    # streaming its BLOCK_N weight rows once. M_BUCKET only keys the autotuner.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + rk) < K
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        part = tl.dot(x, w.to(x.dtype))
+        if PER_CHANNEL:
+            acc += part
+        else:  # BLOCK_K divides SCALE_COLS, so one scale column covers this K block
+            s = tl.load(s_ptr + (rn // SCALE_ROWS) * stride_sn + (k0 // SCALE_COLS) * stride_sk,
+                        mask=n_mask, other=0.0)
+            acc += part * s[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if PER_CHANNEL:
+        acc = acc * tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+_KEY = ["M_BUCKET", "N", "K", "PER_CHANNEL"]
+_per_channel_kernel = triton.autotune(configs=_configs((128, 256, 512)), key=_KEY)(_weight_only_kernel)
+_blocked_kernel = triton.autotune(configs=_configs((64, 128)), key=_KEY)(_weight_only_kernel)
+
+
+def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16, unit column stride) @ (weight * scale)^T + bias -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    bucket = min(triton.next_power_of_2(max(m, 16)), 128)
+    block_m = min(bucket, 64)
+    per_channel = block.is_per_channel(k)
+    if not per_channel and block.cols % 64:
+        raise ValueError(f"FP8 scale blocks of {block.cols} columns are not a multiple of 64")
+    kernel = _per_channel_kernel if per_channel else _blocked_kernel
+    s_stride_k = scale.stride(1) if scale.dim() == 2 else 0
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
+    kernel[grid](x, weight, scale, bias if bias is not None else x, out, m, n, k,
+                 x.stride(0), weight.stride(0), scale.stride(0), s_stride_k, out.stride(0),
+                 SCALE_ROWS=block.rows, SCALE_COLS=block.cols, PER_CHANNEL=per_channel,
+                 HAS_BIAS=bias is not None, M_BUCKET=bucket, BLOCK_M=block_m)
+    return out
+
+
+def scaled_mm_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ (weight * scale)^T + bias with x quantized per token (dynamic scales), FP8 x FP8 on the
+    tensor cores with per-row and per-column scales; per-channel weights only."""
+    xf = x.float()
+    x_scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    xq = (xf / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), bias=bias,
+                            out_dtype=x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The GPU FP8 product for TritonOps (same contract as TorchOps.fp8_linear, looser rounding)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    k = x.shape[1]
+    if block.is_per_channel(k) and x.shape[0] > SMALL_M and k % 16 == 0 and weight.shape[0] % 16 == 0:
+        return scaled_mm_fp8(x, weight, scale, bias)
+    return weight_only_fp8(x, weight, scale, block, bias)
