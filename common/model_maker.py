@@ -175,10 +175,11 @@ PRESETS: dict[str, Preset] = {
 
 
 def preset_names() -> list[str]:
-    """Every preset make_model knows: the LLaVA family's, then Qwen2.5-VL's."""
+    """Every preset make_model knows: the LLaVA family's, then Qwen2.5-VL's, then Qwen3-VL's."""
     from common.model_maker_qwen import QWEN_PRESETS
+    from common.model_maker_qwen3 import QWEN3_PRESETS
 
-    return [*PRESETS, *QWEN_PRESETS]
+    return [*PRESETS, *QWEN_PRESETS, *QWEN3_PRESETS]
 
 
 def _corpus(seed: int, n_lines: int) -> list[str]:
@@ -335,8 +336,8 @@ def make_model(
     gain: float = 1.4,
     progress: bool = True,
 ) -> Path:
-    """Write a random checkpoint (LLaVA family, or Qwen2.5-VL: common/model_maker_qwen.py) for `preset`
-    into `out` and return its path.
+    """Write a random checkpoint (LLaVA family; Qwen2.5-VL: common/model_maker_qwen.py; Qwen3-VL:
+    common/model_maker_qwen3.py) for `preset` into `out` and return its path.
 
     device defaults to CUDA when there is one (the 7B preset initialises in seconds there, minutes
     on a CPU); dtype defaults to float32 for tiny/small and bfloat16 for the 7B shapes.
@@ -345,9 +346,12 @@ def make_model(
     from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
     from common.model_maker_qwen import QWEN_PRESETS, make_qwen_model
+    from common.model_maker_qwen3 import QWEN3_PRESETS, make_qwen3_model
 
     if preset in QWEN_PRESETS:
         return make_qwen_model(preset, out, seed, device, dtype, gain, progress)
+    if preset in QWEN3_PRESETS:
+        return make_qwen3_model(preset, out, seed, device, dtype, gain, progress)
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(preset_names())}")
     spec = PRESETS[preset]

@@ -159,6 +159,12 @@ def load_qwen_layout(model_dir: str | Path) -> QwenImageLayout:
     config = load_config(model_dir)
     if not is_qwen_vl(config):
         raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen2.5-VL checkpoint")
+    return read_qwen_layout(model_dir, config)
+
+
+def read_qwen_layout(model_dir: str | Path, config: dict[str, Any]) -> QwenImageLayout:
+    """The layout of a checkpoint whose config.json is `config`, whatever its model type (Qwen2.5-VL and
+    Qwen3-VL lay images out alike: only the patch size and pixel range differ, both read here)."""
     vision = config.get("vision_config") or {}
     path = Path(model_dir) / "preprocessor_config.json"
     proc = json.loads(path.read_text()) if path.is_file() else {}

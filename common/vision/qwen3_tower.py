@@ -1,0 +1,271 @@
+"""Qwen3-VL's vision transformer with its DeepStack outputs, several images of any size in one forward.
+
+The patches of every image are concatenated into one sequence (the processor's order: each 2x2 merge
+block contiguous); attention stays inside each image. The math follows Hugging Face's
+`Qwen3VLVisionModel` step by step: the patch embedding (a Conv3d whose stride is its kernel, with a
+bias), a learned 2D position table bilinearly resampled to each image's grid (align_corners=True), 2D
+rotary in fp32, LayerNorm, a tanh-GELU MLP, the patch merger (LayerNorm, then 2x2 blocks through a GELU
+MLP) and, after the blocks named by `deepstack_visual_indexes`, one DeepStack merger each (the 2x2
+block concatenated first, then its LayerNorm). In fp32 on a CPU every output equals
+`get_image_features` (its pooler_output and each of its deepstack_features) exactly.
+
+Attention is batched as in qwen_tower: images of equal patch count go through one
+scaled_dot_product_attention call together, the same arithmetic per image as HF's call per image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.vision.qwen_tower import ChunkPlan, VisionAttention
+
+Grid = tuple[int, int, int]
+
+_LN_EPS = 1e-6  # every LayerNorm of HF's Qwen3-VL vision model
+
+
+@dataclass(frozen=True)
+class Qwen3VisionFeatures:
+    """One forward's outputs: `merged` [rows, out_hidden] and one [rows, out_hidden] per DeepStack level
+    (in `deepstack_visual_indexes` order); rows are every image's merged tokens, in image order."""
+
+    merged: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...]
+
+    @property
+    def parts(self) -> int:
+        """1 (the merged features) + the number of DeepStack levels."""
+        return 1 + len(self.deepstack)
+
+    def stacked(self) -> torch.Tensor:
+        """[parts, rows, out_hidden]: the merged features first, then each DeepStack level (the layout of
+        the multi-part embedding handoff)."""
+        return torch.stack((self.merged, *self.deepstack))
+
+    def split(self, rows: Sequence[int]) -> list[torch.Tensor]:
+        """The stacked tensor cut per image: [parts, rows_i, out_hidden] for each count in `rows`."""
+        return list(self.stacked().split(list(rows), dim=1))
+
+
+class VisionMLP(nn.Module):
+    """linear_fc2(gelu_tanh(linear_fc1(x))), with biases (HF's Qwen3VLVisionMLP)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(dim, hidden)
+        self.linear_fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
+
+
+class VisionBlock(nn.Module):
+    """Pre-LayerNorm attention (2D rotary, within each image) and MLP, with residuals."""
+
+    def __init__(self, dim: int, num_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=_LN_EPS)
+        self.norm2 = nn.LayerNorm(dim, eps=_LN_EPS)
+        self.attn = VisionAttention(dim, num_heads)  # qkv, proj: the same weights and math as Qwen2.5-VL's
+        self.mlp = VisionMLP(dim, hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, plan)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Each 2x2 block of patches (consecutive rows) through a two-layer GELU MLP. The final merger
+    normalises each patch first; a DeepStack merger (`postshuffle`) normalises the concatenated block."""
+
+    def __init__(self, out_dim: int, dim: int, merge: int, postshuffle: bool) -> None:
+        super().__init__()
+        self.hidden = dim * merge * merge
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.hidden if postshuffle else dim, eps=_LN_EPS)
+        self.linear_fc1 = nn.Linear(self.hidden, self.hidden)
+        self.linear_fc2 = nn.Linear(self.hidden, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.hidden)) if self.postshuffle else self.norm(x).view(-1, self.hidden)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+def block_order_positions(grid: Grid, merge: int) -> np.ndarray:
+    """(row, column) [t*h*w, 2] of each patch of one image in the processor's order (2x2 merge blocks
+    contiguous, row-major within and across blocks), repeated for each of the t frames."""
+    t, h, w = grid
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    shape = (h // merge, merge, w // merge, merge)
+    hw = np.stack([rows.reshape(shape).transpose(0, 2, 1, 3).reshape(-1),
+                   cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)], axis=1)
+    return np.tile(hw, (t, 1))
+
+
+def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bilinear taps (floor, floor + 1, clamped to the table) and weights along one axis, align_corners
+    =True, with the fp32 operations of transformers' _interpolation_axis_taps_weights (5.24): the source
+    coordinate is index * (side - 1) / (size - 1), each weight 1 - |distance|, so the sums are bit-equal.
+    Earlier releases (fast_pos_embed_interpolate) took the coordinates from torch.linspace, added the four
+    taps one by one and cast the weights to the table's dtype first: the same interpolation, rounded
+    differently (last bits in fp32; the weights' bf16 rounding in bf16)."""
+    src = index.to(torch.float32) * (side - 1) / torch.clamp(size - 1, min=1)
+    floor = torch.floor(src)
+    offsets = torch.arange(0, 2)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    return taps, weights
+
+
+def position_taps(positions: np.ndarray, sizes: np.ndarray, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices [N, 4] into the flattened side x side position table and their weights [N, 4] that
+    resample it bilinearly to each patch's image grid. positions: (row, column) per patch; sizes: that
+    patch's image (h, w)."""
+    pos, size = torch.from_numpy(positions), torch.from_numpy(sizes)
+    h_taps, h_weights = _axis_taps(pos[:, 0], size[:, 0], side)
+    w_taps, w_weights = _axis_taps(pos[:, 1], size[:, 1], side)
+    indices = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
+    weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
+    return indices, weights
+
+
+class Qwen3VisionTower(nn.Module):
+    """Pixel patches of several images (as Qwen2VLImageProcessor lays them out) to merged embeddings and
+    DeepStack features. Parameter names are HF's under `model.visual.`, so checkpoints load strictly."""
+
+    # Patch embedding as one matrix product (True), as the Conv3d (False), or by device (None: the
+    # product on a GPU, where cuDNN's 3D convolutions are slow; the Conv3d on a CPU, whose kernel sums in
+    # another order than a matrix product, about 1e-6 apart in fp32, and HF uses the Conv3d).
+    patch_as_linear: bool | None = None
+
+    def __init__(self, vision: dict) -> None:
+        super().__init__()
+        self.dim = int(vision["hidden_size"])
+        self.num_heads = int(vision.get("num_heads", vision.get("num_attention_heads")))
+        self.patch = int(vision.get("patch_size", 16))
+        self.temporal = int(vision.get("temporal_patch_size", 2))
+        self.merge = int(vision.get("spatial_merge_size", 2))
+        self.channels = int(vision.get("in_channels", 3))
+        act = vision.get("hidden_act", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"vision hidden_act {act!r} is not supported; only gelu_pytorch_tanh")
+        depth = int(vision.get("depth", vision.get("num_hidden_layers")))
+        self.deepstack_indexes = [int(i) for i in vision.get("deepstack_visual_indexes", ())]
+        if any(not 0 <= i < depth for i in self.deepstack_indexes):
+            raise ValueError(f"deepstack_visual_indexes {self.deepstack_indexes} outside 0..{depth - 1}")
+        num_positions = int(vision.get("num_position_embeddings", 2304))
+        self.side = int(num_positions**0.5)  # HF: int(num_position_embeddings ** 0.5), a square table
+        out_dim = int(vision["out_hidden_size"])
+        self.patch_embed = nn.Module()
+        kernel = (self.temporal, self.patch, self.patch)
+        self.patch_embed.proj = nn.Conv3d(self.channels, self.dim, kernel, stride=kernel, bias=True)
+        self.pos_embed = nn.Embedding(num_positions, self.dim)
+        self.blocks = nn.ModuleList(VisionBlock(self.dim, self.num_heads, int(vision["intermediate_size"]))
+                                    for _ in range(depth))
+        self.merger = PatchMerger(out_dim, self.dim, self.merge, postshuffle=False)
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(out_dim, self.dim, self.merge, postshuffle=True) for _ in self.deepstack_indexes)
+        self.register_buffer("inv_freq", self.rotary_inv_freq(vision), persistent=False)
+
+    @staticmethod
+    def rotary_inv_freq(vision: dict) -> torch.Tensor:
+        """fp32 inverse frequencies of the 2D rotary: head_dim / 4 of them, shared by rows and columns."""
+        theta = float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        heads = int(vision.get("num_heads", vision.get("num_attention_heads")))
+        quarter = int(vision["hidden_size"]) // heads // 2
+        return 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch row of pixel_values (channels x temporal x patch x patch)."""
+        return self.channels * self.temporal * self.patch * self.patch
+
+    @property
+    def parts(self) -> int:
+        """Tensors per image: the merged features and one per DeepStack level."""
+        return 1 + len(self.deepstack_indexes)
+
+    def num_rows(self, grid: Sequence[int]) -> int:
+        """Merged rows (= image tokens) of an image of this grid."""
+        t, h, w = (int(x) for x in grid)
+        return t * h * w // (self.merge * self.merge)
+
+    def layout(self, grids: Sequence[Grid]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Host-side plan of a batch: (row, column) of every patch, its image's (h, w), and the image
+        bounds in patches (cu_seqlens; each frame of a video is its own chunk, as in HF)."""
+        positions, sizes, cu = [], [], [0]
+        for t, h, w in grids:
+            if h % self.merge or w % self.merge:
+                raise ValueError(f"grid {(t, h, w)} is not a multiple of the {self.merge}x{self.merge} merge")
+            positions.append(block_order_positions((t, h, w), self.merge))
+            sizes.append(np.tile(np.array([[h, w]], dtype=np.int64), (t * h * w, 1)))
+            for _ in range(t):
+                cu.append(cu[-1] + h * w)
+        return np.concatenate(positions).astype(np.int64), np.concatenate(sizes), cu
+
+    def embed_patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, patch_dim] pixel rows to [N, dim] (the Conv3d, or its matrix product: `patch_as_linear`)."""
+        proj = self.patch_embed.proj
+        linear = self.patch_as_linear
+        if linear is None:
+            linear = pixel_values.device.type != "cpu"
+        pixels = pixel_values.to(proj.weight.dtype)
+        if linear:
+            return F.linear(pixels, proj.weight.view(self.dim, -1), proj.bias)
+        return proj(pixels.view(-1, self.channels, self.temporal, self.patch, self.patch)).view(-1, self.dim)
+
+    def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> Qwen3VisionFeatures:
+        """The features of pixel_values [sum of t*h*w, patch_dim]: merged [sum of t*h*w/4, out_hidden] and
+        one tensor of that shape per DeepStack level."""
+        device = pixel_values.device
+        positions, sizes, cu = self.layout(grids)
+        x = self.embed_patches(pixel_values)
+        indices, weights = position_taps(positions, sizes, self.side)
+        indices = indices.to(device, non_blocking=True)
+        weights = weights.to(device, non_blocking=True)
+        # HF gathers the 4 taps, weights them and sums over the taps (the weights cast to the table's dtype
+        # by the product); the same expression keeps the same rounding.
+        pos = (self.pos_embed(indices) * weights[:, :, None]).sum(1)
+        x = x + pos.to(x.dtype)
+        freqs = torch.from_numpy(positions).to(device, non_blocking=True)[..., None].float() * self.inv_freq
+        emb = freqs.reshape(x.shape[0], -1)  # cat(row frequencies, column frequencies)
+        emb = torch.cat((emb, emb), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        plan = ChunkPlan(cu, device)
+        deepstack: list[torch.Tensor] = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, plan)
+            if i in self.deepstack_indexes:
+                deepstack.append(self.deepstack_merger_list[self.deepstack_indexes.index(i)](x))
+        return Qwen3VisionFeatures(self.merger(x), tuple(deepstack))
+
+
+_PREFIXES = ("model.visual.", "visual.")
+
+
+def load_qwen3_tower(model_dir, vision: dict, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32) -> Qwen3VisionTower:
+    """The tower with the checkpoint's `model.visual.*` (or `visual.*`) weights, strictly."""
+    from common.checkpoint import load_tensors
+
+    state = {}
+    for name, tensor in load_tensors(model_dir, _PREFIXES).items():
+        prefix = next(p for p in _PREFIXES if name.startswith(p))
+        state[name[len(prefix):]] = tensor
+    with torch.device("meta"):
+        tower = Qwen3VisionTower(vision)
+    tower = tower.to_empty(device="cpu")
+    missing, unexpected = tower.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: vision tower weights do not match: missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
+    tower = tower.to(device, dtype).eval()
+    # Computed, not in the checkpoint, and kept in fp32 whatever the weights' dtype (as HF computes it).
+    tower.inv_freq = Qwen3VisionTower.rotary_inv_freq(vision).to(device)
+    return tower

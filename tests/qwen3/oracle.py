@@ -1,0 +1,71 @@
+"""The Qwen3-VL oracle: Hugging Face's Qwen3VLForConditionalGeneration on the same checkpoint.
+
+As for Qwen2.5-VL (tests/qwen/oracle.py), HF's processor class needs torchvision, so inputs are built
+from the checkpoint's Qwen2-VL image processor (PIL backend) and tokenizer: each <|image_pad|> expanded to
+the image's t*h*w/4 tokens, and mm_token_type_ids marking image tokens (get_rope_index reads it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from common.vision.qwen_encoder import load_qwen_image_processor
+
+IMAGE_PAD = "<|image_pad|>"
+
+
+class Qwen3Oracle:
+    """greedy `generate` and `get_image_features` (merged and DeepStack) of HF's model (fp32, CPU)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.image_processor = load_qwen_image_processor(model_dir)
+        self.model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.merge = int(self.model.config.vision_config.spatial_merge_size)
+
+    def pixels(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
+        """pixel_values [patches, patch_dim] and image_grid_thw [images, 3], one image at a time."""
+        outs = [self.image_processor(images=[image], return_tensors="pt") for image in images]
+        return torch.cat([o["pixel_values"] for o in outs]), torch.cat([o["image_grid_thw"] for o in outs])
+
+    def inputs(self, prompt: str, images: list[Image.Image]) -> dict:
+        """Model inputs for a raw prompt whose <|image_pad|> markers stand for images, in order."""
+        out: dict = {}
+        counts: list[int] = []
+        if images:
+            out["pixel_values"], out["image_grid_thw"] = self.pixels(images)
+            counts = [int(g.prod()) // self.merge**2 for g in out["image_grid_thw"]]
+        pieces = prompt.split(IMAGE_PAD)
+        assert len(pieces) - 1 == len(images)
+        text = pieces[0] + "".join(IMAGE_PAD * n + p for n, p in zip(counts, pieces[1:], strict=True))
+        enc = self.tokenizer(text, return_tensors="pt")
+        out["input_ids"], out["attention_mask"] = enc["input_ids"], enc["attention_mask"]
+        out["mm_token_type_ids"] = (enc["input_ids"] == self.model.config.image_token_id).int()
+        return out
+
+    def generate(self, prompt: str, images: list[Image.Image], n: int) -> list[int]:
+        """HF's greedy new tokens."""
+        inputs = self.inputs(prompt, images)
+        with torch.no_grad():
+            seq = self.model.generate(**inputs, do_sample=False, max_new_tokens=n)
+        return seq[0, inputs["input_ids"].shape[1]:].tolist()
+
+    def image_features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
+        """get_image_features of one batch as [parts, rows_i, hidden] per image: the merged features
+        (pooler_output) first, then each DeepStack level. Older transformers return a tuple
+        (merged per image, DeepStack levels) instead of an output object; both are read."""
+        with torch.no_grad():
+            out = self.model.get_image_features(pixel_values=pixel_values, image_grid_thw=grids)
+        if isinstance(out, tuple):
+            merged, levels = out
+        else:
+            merged, levels = out.pooler_output, out.deepstack_features
+        sizes = [int(g.prod()) // self.merge**2 for g in grids]
+        merged = torch.cat(list(merged)).split(sizes)
+        levels = [torch.cat(list(level)).split(sizes) for level in levels]
+        return [torch.stack([merged[i], *(level[i] for level in levels)]) for i in range(len(sizes))]
