@@ -1,0 +1,78 @@
+"""What one service accepts as a video, and the one error type for a video it cannot use.
+
+Every cap is checked against the container header (size of the bytes, duration, frame count, frame
+size, container and codec) before any frame is decoded, as common/images.py does for images.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from common.arg_types import positive_float, positive_int
+from common.config import option
+from common.errors import InvalidInputError
+
+# Containers are sniffed from their magic bytes and the demuxer is forced to that one: FFmpeg's other
+# demuxers (HLS, concat, image2 ...) can open further files or URLs named inside the data.
+# Our name -> FFmpeg's demuxer name.
+KNOWN_VIDEO_FORMATS = {"mp4": "mov", "matroska": "matroska", "avi": "avi"}
+DEFAULT_VIDEO_FORMATS = ("mp4", "matroska", "avi")  # matroska covers .webm and .mkv
+# Codecs by FFmpeg's canonical name; anything else (mjpeg, png, ffv1, raw ...) is refused from the header.
+DEFAULT_VIDEO_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4")
+
+
+class VideoError(InvalidInputError):
+    """A video that cannot be used (corrupt, no video stream, a codec refused, over a cap); the message
+    says why. An InvalidInputError, so a service answers it as INVALID_ARGUMENT."""
+
+
+def name_list(text: str, known: tuple[str, ...] | None = None) -> str:
+    """An argparse type: a comma-separated list of lower-case names (from `known` when given)."""
+    names = [n.strip().lower() for n in str(text).split(",") if n.strip()]
+    unknown = [n for n in names if known is not None and n not in known]
+    if not names or unknown:
+        choices = f": give names from {', '.join(known)}" if known else ""
+        raise argparse.ArgumentTypeError(f"{unknown[0] if unknown else text!r}{choices}")
+    return ",".join(dict.fromkeys(names))
+
+
+def video_format_list(text: str) -> str:
+    """An argparse type: containers from KNOWN_VIDEO_FORMATS."""
+    return name_list(text, tuple(KNOWN_VIDEO_FORMATS))
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What one service accepts, checked from the header before decoding."""
+
+    max_bytes: int = option(128 * 1024 * 1024, "largest encoded video, bytes", flag="--max-video-bytes",
+                            type=positive_int)
+    max_duration_s: float = option(300.0, "longest video, seconds", flag="--max-video-seconds",
+                                   type=positive_float)
+    # Frames in the stream, not sampled ones: decoding reads every frame up to the last sampled one.
+    max_frames: int = option(9000, "most frames in a video's stream", flag="--max-video-frames",
+                             type=positive_int)
+    max_pixels: int = option(3840 * 2160, "most pixels in one video frame", flag="--max-video-frame-pixels",
+                             type=positive_int)
+    formats: str = option(",".join(DEFAULT_VIDEO_FORMATS), "video containers accepted (mp4, matroska, avi)",
+                          flag="--video-formats", type=video_format_list)
+    codecs: str = option(",".join(DEFAULT_VIDEO_CODECS), "video codecs accepted (FFmpeg names)",
+                         flag="--video-codecs", type=name_list)
+
+    def __post_init__(self) -> None:
+        try:
+            video_format_list(self.formats)
+            name_list(self.codecs)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"video limits: {exc}") from None
+
+    @property
+    def format_names(self) -> tuple[str, ...]:
+        """The accepted containers, by our names (keys of KNOWN_VIDEO_FORMATS)."""
+        return tuple(video_format_list(self.formats).split(","))
+
+    @property
+    def codec_names(self) -> tuple[str, ...]:
+        """The accepted codecs, by FFmpeg's canonical names."""
+        return tuple(name_list(self.codecs).split(","))

@@ -1,0 +1,68 @@
+"""Sampled frames to a Qwen vision tower's patch rows, laid out as Hugging Face's video processors do.
+
+The steps are those of `Qwen2VLVideoProcessor._preprocess` / `Qwen3VLVideoProcessor._preprocess` (the
+torchvision backend; torchvision itself is not needed): every frame resized to the grid's size with
+bicubic antialiased interpolation, then HF's fused rescale-and-normalise in float32, then `patchify`: the
+frames padded to a multiple of the temporal patch size with the last one, grouped by it along time, and
+each group's patches in the order the tower expects (each merge block's patches contiguous; within a
+row: channel, then time, then the patch's pixels), the same flattening as the image path
+(common/vision/qwen_pixels.py), where an image is one frame repeated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from common.qwen_layout import Grid
+from common.video.config import QwenVideoConfig
+
+
+def resize_frames(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """uint8 [n, C, H, W] frames resized to size (h, w) as torchvision's v2 `resize` (BICUBIC, antialias),
+    which HF's video processors call: unchanged at the same size; on CPU torch's native uint8 kernel (it
+    rounds between its two passes), elsewhere float32 interpolation, clamped and rounded back to uint8."""
+    if tuple(frames.shape[-2:]) == tuple(size):
+        return frames
+    if frames.device.type == "cpu":
+        return F.interpolate(frames, size=list(size), mode="bicubic", align_corners=False, antialias=True)
+    out = F.interpolate(frames.float(), size=list(size), mode="bicubic", align_corners=False, antialias=True)
+    return out.clamp_(0, 255).round_().to(torch.uint8)
+
+
+def normalize_frames(frames: torch.Tensor, mean: Sequence[float], std: Sequence[float],
+                     rescale_factor: float = 1 / 255) -> torch.Tensor:
+    """float32 (x - mean) / std of uint8 [n, C, H, W] frames, with HF's fused rescale: mean and std are
+    scaled by 1 / rescale_factor in float32 and the frames are not divided by 255 (the same rounding as
+    TorchvisionBackend.rescale_and_normalize)."""
+    m = torch.tensor(list(mean), device=frames.device) * (1.0 / rescale_factor)
+    s = torch.tensor(list(std), device=frames.device) * (1.0 / rescale_factor)
+    return (frames.to(torch.float32) - m.view(-1, 1, 1)) / s.view(-1, 1, 1)
+
+
+def patchify(frames: torch.Tensor, patch_size: int, merge_size: int,
+             temporal_patch_size: int) -> torch.Tensor:
+    """[n, C, H, W] frames (H, W multiples of patch x merge) to rows [t*h*w, C*temporal*patch*patch]."""
+    if pad := -frames.shape[0] % temporal_patch_size:  # the last frame repeats to fill the last group
+        frames = torch.cat((frames, frames[-1:].expand(pad, -1, -1, -1)))
+    n, c, height, width = frames.shape
+    p, m, tp = patch_size, merge_size, temporal_patch_size
+    t, gh, gw = n // tp, height // p, width // p
+    x = frames.reshape(t, tp, c, gh // m, m, p, gw // m, m, p)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t * gh * gw, c * tp * p * p)
+
+
+def video_patches(frames: np.ndarray | torch.Tensor, config: QwenVideoConfig,
+                  device: str | torch.device = "cpu") -> tuple[torch.Tensor, Grid]:
+    """Patch rows (float32) and (t, h, w) grid of uint8 [n, H, W, 3] RGB sampled frames."""
+    x = torch.as_tensor(frames).to(device).permute(0, 3, 1, 2).contiguous()
+    g = config.geometry
+    n, _, height, width = x.shape
+    grid = g.grid(n, height, width)
+    x = resize_frames(x, (grid[1] * g.patch_size, grid[2] * g.patch_size))
+    x = normalize_frames(x, config.image_mean, config.image_std, config.rescale_factor)
+    return patchify(x, g.patch_size, g.merge_size, g.temporal_patch_size), grid

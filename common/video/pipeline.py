@@ -1,0 +1,40 @@
+"""One call from video bytes to what both services need: the sampled frames, the grid and token count
+(decoder), the timestamps for the prompt, and the content hash (encoder cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.qwen_layout import Grid
+from common.video.config import QwenVideoConfig
+from common.video.decode import DecodedVideo, decode_video
+from common.video.hashing import hash_video
+from common.video.limits import VideoLimits
+from common.video.timestamps import qwen2_5_vl_second_per_grid, qwen3_vl_timestamps
+
+
+@dataclass(frozen=True)
+class SampledVideo:
+    """A decoded, sampled video and its place in the model's input."""
+
+    decoded: DecodedVideo
+    grid: Grid
+    num_tokens: int
+    timestamps: list[float]  # seconds of each temporal group (Qwen3-VL writes them into the prompt)
+    second_per_grid: float  # seconds per temporal group (Qwen2.5-VL's M-RoPE time axis)
+    content_hash: str
+
+
+def read_video(data: bytes, config: QwenVideoConfig, model_fingerprint: str, cache_salt: str = "",
+               limits: VideoLimits = VideoLimits()) -> SampledVideo:
+    """Check, sample and decode encoded video bytes under config. Raises VideoError (INVALID_ARGUMENT)."""
+    video = decode_video(data, config.sampling.indices_for, limits)
+    n, height, width, _ = video.frames.shape
+    grid = config.geometry.grid(n, height, width)
+    tps = config.geometry.temporal_patch_size
+    info = video.info
+    return SampledVideo(
+        video, grid, config.geometry.num_tokens(grid),
+        qwen3_vl_timestamps(video.indices, info.fps, tps),
+        qwen2_5_vl_second_per_grid(n, info.total_frames, info.fps, tps),
+        hash_video(video.frames, video.indices, config, model_fingerprint, cache_salt))
