@@ -39,6 +39,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-bytes", type=int, default=None, help="bytes of the bandwidth copy "
                    "(default 2 GiB on a GPU, 256 MiB on a CPU)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF reference")
+    p.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                   help="the engine's --quantization (HF always runs the checkpoint as it is)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: the engine draws random weights (no HF reference then)")
     p.add_argument("--out", default=None)
     return p
 
@@ -73,7 +77,8 @@ def run(args: argparse.Namespace) -> dict:
     config = EngineConfig(model, device=args.device, dtype=args.dtype, block_size=bs, num_kv_blocks=blocks,
                           max_num_seqs=max(batches),
                           max_num_batched_tokens=max(2048, max(batches) * (args.prompt_len + 8)),
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, quantization=args.quantization,
+                          load_format=args.load_format)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     weights = weight_bytes(engine.model)
     ours = {}
@@ -87,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
     copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
     bandwidth = copy_bandwidth(args.device, copy_bytes)
     hf: dict[int, float] = {}
-    if not args.no_hf:
+    if not args.no_hf and args.load_format != "dummy":
         hf_model, processor = load_hf(model, args.device, args.dtype)
         for b in batches:
             inputs = text_inputs(processor, prompt, b, args.device)

@@ -48,6 +48,17 @@ def headline(benchmarks: dict[str, dict]) -> list[list]:
                  [f"decode tok/s batch {b}: HF generate", r["hf_tokens_per_s"]],
                  [f"decode batch {b}: engine/HF", r["engine_over_hf"]],
                  [f"decode batch {b}: engine/bandwidth bound", r["engine_fraction_of_bound"]]]
+    for name, label in (("serve_decode", "bf16"), ("serve_decode_fp8", "fp8")):
+        for r in _get(benchmarks, name, "results") or []:
+            b = r["batch"]
+            rows += [[f"decode tok/s batch {b} ({label}): through gRPC", r["served_tokens_per_s"]],
+                     [f"decode tok/s batch {b} ({label}): in-process engine", r["engine_tokens_per_s"]],
+                     [f"decode batch {b} ({label}): gRPC/in-process", r["served_over_engine"]]]
+    acc = _get(benchmarks, "fp8_accuracy", "results")
+    if acc:
+        per_layer = acc.get("per_layer_relative_error") or [None]
+        rows += [["FP8 vs bf16 teacher-forced top-1 agreement", acc.get("top1_agreement")],
+                 ["FP8 vs bf16 last-layer hidden rel. error", per_layer[-1]]]
     s = _get(benchmarks, "serve_tput", "results")
     if s:
         tps = "output_token_throughput_tps"

@@ -9,7 +9,8 @@
 #      DEVICE / DTYPE / PRESET (default cuda / bfloat16 / llava-1.5-7b): change only to smoke-test the
 #      script itself, e.g. DEVICE=cpu DTYPE=float32 PRESET=tiny MODEL_DIR=/tmp/tiny on a CPU host.
 #      SECTIONS (default llava): llava (the sections below), qwen (Qwen2.5-VL-7B shapes: bench/qwen_gpu.py,
-#      the model made in QWEN_MODEL_DIR, default /tmp/qwen7b), or llava,qwen.
+#      the model made in QWEN_MODEL_DIR, default /tmp/qwen7b), fp8 (bf16 vs FP8 decode in-process and
+#      through gRPC, FP8 accuracy; FP8_BATCHES default 1,32), or a list such as llava,qwen.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
 #      skipped instead; the merge still runs).
@@ -129,6 +130,23 @@ if [[ ",$SECTIONS," == *,qwen,* ]]; then
   step qwen_gpu 300 "$PY" -m bench.qwen_gpu --model "$QMODEL" "${DT[@]}"
   step qwen_serve 300 "$PY" -m bench.qwen_serve --model "$QMODEL" "${DT[@]}" --logs "$RES/logs-qwen" \
     --requests 32 --max-num-seqs 4 --output-len 64
+fi
+
+# FP8 against bf16 on the llava-1.5-7b shapes: decode at batch 1 and 32 in-process and through gRPC
+# (bench.serve_decode, each side by side with its own engine), and FP8's accuracy against bf16.
+if [[ ",$SECTIONS," == *,fp8,* ]]; then
+  FMODEL=${MODEL_DIR:-/tmp/llava7b}
+  if [ ! -f "$FMODEL/mmserve_model.json" ]; then
+    echo "== make-model ${PRESET:-llava-1.5-7b} -> $FMODEL"
+    timeout 200 "$PY" -m common.cli make-model --preset "${PRESET:-llava-1.5-7b}" --out "$FMODEL" "${DT[@]}" \
+      2>&1 | tail -3
+  fi
+  FP8_BATCHES=${FP8_BATCHES:-1,32}
+  step serve_decode 240 "$PY" -m bench.serve_decode --model "$FMODEL" "${DT[@]}" --batch-sizes "$FP8_BATCHES" \
+    --output-len 128 --repeats 2 --logs "$RES/logs-decode"
+  step serve_decode_fp8 240 "$PY" -m bench.serve_decode --model "$FMODEL" "${DT[@]}" --quantization fp8 \
+    --batch-sizes "$FP8_BATCHES" --output-len 128 --repeats 2 --logs "$RES/logs-decode-fp8"
+  step fp8_accuracy 150 "$PY" -m bench.fp8_accuracy --model "$FMODEL" "${DT[@]}" --prompts 16 --steps 256
 fi
 
 echo "== merge (t=$((SECONDS - START))s)"

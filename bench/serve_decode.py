@@ -48,6 +48,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2, help="timed rounds per batch size (the best counts)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="the same on both sides")
+    p.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                   help="both sides' --quantization (results are saved as serve_decode_fp8 for fp8)")
     p.add_argument("--engine-only", action="store_true")
     p.add_argument("--served-only", action="store_true")
     p.add_argument("--logs", default=None)
@@ -65,7 +67,7 @@ def in_process(args: argparse.Namespace, model: str, prompts: list[str],
     """Engine tokens/s per batch size (best of --repeats)."""
     config = EngineConfig(model, device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE,
                           num_kv_blocks=_num_blocks(args, max(batches)), max_num_seqs=args.max_num_seqs,
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, quantization=args.quantization)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     out = {}
     for b in batches:
@@ -115,7 +117,7 @@ def served(args: argparse.Namespace, model: str, prompts: list[str], batches: li
     """Service tokens/s per batch size (best of --repeats)."""
     decoder_args = ["--num-kv-blocks", str(_num_blocks(args, max(batches))), "--block-size", str(BLOCK_SIZE),
                     "--max-num-seqs", str(args.max_num_seqs), "--no-prefix-caching",
-                    "--max-tokens-default", "16"]
+                    "--max-tokens-default", "16", "--quantization", args.quantization]
     out = {}
     with Pair(model, args.device, args.dtype, decoder_args=decoder_args, logs=args.logs) as pair:
         for b in batches:
@@ -135,11 +137,12 @@ def run(args: argparse.Namespace) -> dict:
     svc = {} if args.engine_only else served(args, model, prompts, batches)
     results = [{"batch": b, "engine_tokens_per_s": ours.get(b), "served_tokens_per_s": svc.get(b),
                 "served_over_engine": ratio(svc.get(b) or 0.0, ours.get(b) or 0.0)} for b in batches]
-    print_table(f"decode tokens/s, served through gRPC vs in-process, on {args.device} ({args.dtype})",
+    weights = args.dtype + (" weights fp8" if args.quantization == "fp8" else "")
+    print_table(f"decode tokens/s, served through gRPC vs in-process, on {args.device} ({weights})",
                 ["streams = batch", "in-process engine", "served (gRPC)", "served/engine"],
                 [[r["batch"], r["engine_tokens_per_s"], r["served_tokens_per_s"], r["served_over_engine"]]
                  for r in results])
-    return save_result("serve_decode", args, results)
+    return save_result("serve_decode_fp8" if args.quantization == "fp8" else "serve_decode", args, results)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,11 +2,11 @@
 is written into the same slice) and a decoder whose GPU work runs late on purpose. Every served token
 must still equal HF's.
 
-The decoder's GPU steps are delayed from outside the code under test: a sitecustomize module on its
-PYTHONPATH wraps ModelRunner.execute to queue a ~20 ms GPU sleep before each step, so the step's reads
-of image rows (fusion) run long after the host has scheduled them and moved on. If the decoder read
-the encoder's slice after giving its lease back, a later image written there would show up as wrong
-tokens.
+The decoder's GPU work is delayed from outside the code under test: a sitecustomize module on its
+PYTHONPATH queues a ~20 ms GPU sleep either before each model step (the step's reads of image rows run
+long after the host has moved on) or before each embedding copy on the remote source's side stream (the
+copy out of the encoder's slice runs late). If the decoder read the encoder's slice after giving its
+lease back, or read its own copy before the copy finished, the wrong rows would show up as wrong tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.gpu
 PROMPT = "USER: <image>\nWhat is in this picture? ASSISTANT:"
 MAX_TOKENS = 12
 
-PLANT = textwrap.dedent('''
+LATE_STEPS = textwrap.dedent('''
     import torch
     import decoder_svc.runner.model_runner as runner_module
 
@@ -41,14 +41,33 @@ PLANT = textwrap.dedent('''
     runner_module.ModelRunner.execute = execute
 ''')
 
+# The embedding copy itself runs late: a GPU sleep queued on the copier's side stream before each copy.
+# Were the fetch thread not to wait for its copy before marking the image READY (or before giving the
+# encoder's lease back), the model would read unfinished rows, or rows of the next image written into
+# the one slot: wrong tokens.
+LATE_COPIES = textwrap.dedent('''
+    import torch
+    import decoder_svc.encoders.remote_source as source_module
 
-def test_one_slot_encoder_and_late_gpu_steps_still_serve_each_request_its_own_image(
-        tiny_model_dir, tmp_path, monkeypatch):
+    _copy = source_module.SideStreamCopier.copy
+
+    def copy(self, ref, encoder):
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(40_000_000)  # ~20 ms before the copy starts on the side stream
+        return _copy(self, ref, encoder)
+
+    source_module.SideStreamCopier.copy = copy
+''')
+
+
+@pytest.mark.parametrize("plant_code", [LATE_STEPS, LATE_COPIES], ids=["late-steps", "late-copies"])
+def test_one_slot_encoder_and_late_gpu_work_still_serve_each_request_its_own_image(
+        plant_code, tiny_model_dir, tmp_path, monkeypatch):
     pytest.importorskip("cupy")
     one_embedding = VisionEncoder(tiny_model_dir, torch.device("cpu"), torch.float32).embedding_nbytes
     plant = tmp_path / "plant"
     plant.mkdir()
-    (plant / "sitecustomize.py").write_text(PLANT)
+    (plant / "sitecustomize.py").write_text(plant_code)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(plant), str(ROOT),
                                                                  os.environ.get("PYTHONPATH", "")) if p))
     images = [make_image(100 + i) for i in range(6)]
