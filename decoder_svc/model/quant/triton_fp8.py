@@ -68,9 +68,16 @@ def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-_KEY = ["M_BUCKET", "N", "K", "PER_CHANNEL"]
+def _fit_scale_blocks(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    # A K block must lie inside one scale column: BLOCK_K divides SCALE_COLS.
+    cols = kwargs.get("SCALE_COLS", named_args.get("SCALE_COLS"))
+    return [c for c in configs if cols % c.kwargs["BLOCK_K"] == 0]
+
+
+_KEY = ["M_BUCKET", "N", "K", "PER_CHANNEL", "SCALE_ROWS", "SCALE_COLS"]
 _per_channel_kernel = triton.autotune(configs=_configs((128, 256, 512)), key=_KEY)(_weight_only_kernel)
-_blocked_kernel = triton.autotune(configs=_configs((64, 128)), key=_KEY)(_weight_only_kernel)
+_blocked_kernel = triton.autotune(configs=_configs((32, 64, 128)), key=_KEY,
+                                  prune_configs_by={"early_config_prune": _fit_scale_blocks})(_weight_only_kernel)
 
 
 def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
@@ -84,8 +91,8 @@ def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     bucket = min(triton.next_power_of_2(max(m, 16)), 128)
     block_m = min(bucket, 64)
     per_channel = block.is_per_channel(k)
-    if not per_channel and block.cols % 64:
-        raise ValueError(f"FP8 scale blocks of {block.cols} columns are not a multiple of 64")
+    if not per_channel and block.cols % 32:
+        raise ValueError(f"FP8 scale blocks of {block.cols} columns are not a multiple of 32")
     kernel = _per_channel_kernel if per_channel else _blocked_kernel
     s_stride_k = scale.stride(1) if scale.dim() == 2 else 0
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
