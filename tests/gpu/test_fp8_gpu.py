@@ -66,24 +66,41 @@ def test_scaled_mm_prefill(m):
            4e-2)
 
 
-def test_fp8_engine_with_graphs_follows_the_reference(tiny_model_dir, tmp_path):
-    """An FP8 engine on the GPU (Triton kernels, CUDA graphs) against the same FP8 weights run by the
-    torch reference on the GPU: teacher-forced top-1 agreement, both in bf16."""
+def _served(model_dir, dtype: str, backend: str = "triton", n: int = 24, **overrides) -> list[list[int]]:
     from decoder_svc.engine import EngineConfig, LLMEngine
     from decoder_svc.engine.local_source import LocalEmbeddingSource
     from tests.oracle import greedy, run_all
 
-    tokens = {}
-    for backend in ("triton", "torch"):
-        cfg = EngineConfig(model=tiny_model_dir, device=DEV, dtype="bfloat16", quantization="fp8",
-                           attention_backend=backend, num_kv_blocks=128, enforce_eager=backend == "torch")
-        engine = LLMEngine(cfg, LocalEmbeddingSource.for_engine(cfg))
-        for i in range(8):
-            engine.add_request(str(i), f"the quick brown fox {i} jumps over", sampling=greedy(24))
-        out = run_all(engine)
-        if backend == "triton":
-            assert engine.runner.graph_steps > 0
-        tokens[backend] = [out[str(i)]["tokens"] for i in range(8)]
-    same = sum(a == b for ta, tb in zip(tokens["triton"], tokens["torch"], strict=True)
-               for a, b in zip(ta, tb, strict=True))
-    assert same / (8 * 24) >= 0.9, tokens
+    cfg = EngineConfig(model=model_dir, device=DEV, dtype=dtype, attention_backend=backend,
+                       num_kv_blocks=128, enforce_eager=backend == "torch", **overrides)
+    engine = LLMEngine(cfg, LocalEmbeddingSource.for_engine(cfg))
+    for i in range(8):
+        engine.add_request(str(i), f"the quick brown fox {i} jumps over", sampling=greedy(n))
+    out = run_all(engine)
+    if backend == "triton":
+        assert engine.runner.graph_steps > 0
+    return [out[str(i)]["tokens"] for i in range(8)]
+
+
+def test_fp8_checkpoint_on_cuda_fp32_equals_its_twin(tiny_model_dir, tmp_path):
+    """fp32 activations take the reference product on the GPU too: the served FP8 checkpoint (graphs,
+    Triton attention) gives exactly its dequantized twin's tokens."""
+    from tests.quant.fp8_writer import write_fp8_checkpoint
+
+    write_fp8_checkpoint(tiny_model_dir, tmp_path / "fp8", tmp_path / "twin", "fine-grained")
+    assert _served(tmp_path / "fp8", "float32") == _served(tmp_path / "twin", "float32")
+
+
+def test_fp8_engine_with_graphs_follows_the_reference(tiny_model_dir):
+    """An FP8 engine on the GPU (Triton FP8 kernels, CUDA graphs) against the same FP8 weights run by the
+    torch reference on the GPU, both bf16: free-running greedy agreement, position by position."""
+    ours = _served(tiny_model_dir, "bfloat16", quantization="fp8")
+    ref = _served(tiny_model_dir, "bfloat16", backend="torch", quantization="fp8")
+    agree = total = 0
+    for a, b in zip(ours, ref, strict=True):
+        same = [x == y for x, y in zip(a, b, strict=False)] + [False] * abs(len(a) - len(b))
+        agree, total = agree + sum(same), total + len(same)
+        print(f"ours {a}\nref  {b}")
+    print(f"FP8 Triton vs torch reference, bf16: {agree}/{total} = {agree / total:.3f}")
+    # Different summation orders (and bf16 rounding) flip near-ties and everything after them.
+    assert agree / total >= 0.9
