@@ -66,18 +66,20 @@ def test_scaled_mm_prefill(m):
            4e-2)
 
 
-def _served(model_dir, dtype: str, backend: str = "triton", n: int = 24, **overrides) -> list[list[int]]:
+def _served(model_dir, dtype: str, backend: str = "triton", n: int = 24, check_graphs: bool = True,
+            **overrides) -> list[list[int]]:
     from decoder_svc.engine import EngineConfig, LLMEngine
     from decoder_svc.engine.local_source import LocalEmbeddingSource
     from tests.oracle import greedy, run_all
 
+    overrides.setdefault("enforce_eager", backend == "torch")
     cfg = EngineConfig(model=model_dir, device=DEV, dtype=dtype, attention_backend=backend,
-                       num_kv_blocks=128, enforce_eager=backend == "torch", **overrides)
+                       num_kv_blocks=128, **overrides)
     engine = LLMEngine(cfg, LocalEmbeddingSource.for_engine(cfg))
     for i in range(8):
         engine.add_request(str(i), f"the quick brown fox {i} jumps over", sampling=greedy(n))
     out = run_all(engine)
-    if backend == "triton":
+    if backend == "triton" and check_graphs:
         assert engine.runner.graph_steps > 0
     return [out[str(i)]["tokens"] for i in range(8)]
 
@@ -91,16 +93,10 @@ def test_fp8_checkpoint_on_cuda_fp32_equals_its_twin(tiny_model_dir, tmp_path):
     assert _served(tmp_path / "fp8", "float32") == _served(tmp_path / "twin", "float32")
 
 
-def test_fp8_engine_with_graphs_follows_the_reference(tiny_model_dir):
-    """An FP8 engine on the GPU (Triton FP8 kernels, CUDA graphs) against the same FP8 weights run by the
-    torch reference on the GPU, both bf16: free-running greedy agreement, position by position."""
-    ours = _served(tiny_model_dir, "bfloat16", quantization="fp8")
-    ref = _served(tiny_model_dir, "bfloat16", backend="torch", quantization="fp8")
-    agree = total = 0
-    for a, b in zip(ours, ref, strict=True):
-        same = [x == y for x, y in zip(a, b, strict=False)] + [False] * abs(len(a) - len(b))
-        agree, total = agree + sum(same), total + len(same)
-        print(f"ours {a}\nref  {b}")
-    print(f"FP8 Triton vs torch reference, bf16: {agree}/{total} = {agree / total:.3f}")
-    # Different summation orders (and bf16 rounding) flip near-ties and everything after them.
-    assert agree / total >= 0.9
+def test_fp8_engine_graphs_replay_the_eager_kernels(tiny_model_dir):
+    """The FP8 engine on the GPU in bf16 (Triton FP8 kernels): decode steps replayed from CUDA graphs give
+    exactly the tokens of the same kernels run eagerly. (How close FP8 stays to bf16 is measured on the
+    7B shapes by bench.fp8_accuracy; the kernels' error by the tests above.)"""
+    graphs = _served(tiny_model_dir, "bfloat16", quantization="fp8")
+    eager = _served(tiny_model_dir, "bfloat16", quantization="fp8", enforce_eager=True, check_graphs=False)
+    assert graphs == eager
