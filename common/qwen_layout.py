@@ -1,10 +1,12 @@
-"""Qwen2.5-VL's image geometry: an image's patch grid from its size, its token count, and M-RoPE positions.
+"""The Qwen-VL image geometry (Qwen2.5-VL and Qwen3-VL): an image's patch grid from its size, its token
+count, and M-RoPE positions.
 
 Both services use this. The decoder counts an image's placeholder tokens from its header (width,
 height) without decoding pixels; the encoder resizes to the same grid. As in Hugging Face's
-Qwen2-VL image processor, an image is resized to multiples of patch x merge (28 px) with its pixel
-count inside [min_pixels, max_pixels] (`smart_resize`), cut into 14-px patches (grid h x w, t = 1 for
-an image) and merged 2x2, so it takes h * w / 4 tokens.
+Qwen2-VL image processor, an image is resized to multiples of patch x merge (Qwen2.5-VL: 28 px, Qwen3-VL:
+32 px) with its pixel count inside [min_pixels, max_pixels] (`smart_resize`; both from the checkpoint's
+preprocessor_config.json), cut into patches (14 px, 16 px; grid h x w, t = 1 for an image) and merged
+2x2, so it takes h * w / 4 tokens.
 
 M-RoPE (the language model's positions): a text token has the same position on all three axes (t, h,
 w), counting on from the previous token; an image's tokens take (start, start + row, start + column)
@@ -26,7 +28,8 @@ import numpy as np
 from common.checkpoint import CheckpointError, load_config
 from common.errors import InvalidInputError
 
-QWEN_MODEL_TYPES = ("qwen2_5_vl",)
+# Image layouts alike (read_qwen_layout); the embeddings differ (Qwen3-VL adds DeepStack parts)
+QWEN_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 MAX_ASPECT_RATIO = 200  # HF's smart_resize refuses longer/shorter > 200
 
 
@@ -72,7 +75,8 @@ class PixelRange:
 
 @dataclass(frozen=True)
 class QwenImageLayout:
-    """The image side of a Qwen2.5-VL checkpoint, as far as grids, token counts and positions go."""
+    """The image side of a Qwen2.5-VL or Qwen3-VL checkpoint, as far as grids, token counts and positions
+    go."""
 
     patch_size: int
     merge_size: int
@@ -144,13 +148,13 @@ def mrope_positions(num_tokens: int, images: Sequence[tuple[int, Grid]], merge_s
 
 
 def hash_fingerprint(fingerprint: str, pixels: PixelRange | None) -> str:
-    """The model fingerprint an image's content hash is made under: with its pixel range for Qwen2.5-VL
+    """The model fingerprint an image's content hash is made under: with its pixel range for Qwen-VL
     (the same bytes resized two ways are two embeddings). Both services hash with it."""
     return fingerprint if pixels is None else f"{fingerprint}|{pixels.key()}"
 
 
 def is_qwen_vl(config: dict[str, Any]) -> bool:
-    """True for a Qwen2.5-VL checkpoint's config.json."""
+    """True for a Qwen2.5-VL or Qwen3-VL checkpoint's config.json: images laid out by grid."""
     return config.get("model_type") in QWEN_MODEL_TYPES
 
 
@@ -158,7 +162,8 @@ def load_qwen_layout(model_dir: str | Path) -> QwenImageLayout:
     """The layout from config.json and preprocessor_config.json; CheckpointError when it cannot be served."""
     config = load_config(model_dir)
     if not is_qwen_vl(config):
-        raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen2.5-VL checkpoint")
+        raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen2.5-VL or Qwen3-VL "
+                              "checkpoint")
     return read_qwen_layout(model_dir, config)
 
 

@@ -7,6 +7,10 @@ crashed cannot pin memory forever. When the bytes an insert needs are all leased
 with CacheFullError (never waits: a decoder holding leases while waiting for the encoder would
 deadlock). An item larger than the whole arena is refused with ItemTooLargeError.
 
+An entry is one tensor of any shape in one contiguous slice: [rows, hidden] for LLaVA and Qwen2.5-VL,
+[parts, rows, hidden] for Qwen3-VL (the merged features and each DeepStack level), so every part of an
+image is cached, leased, evicted and handed over together, and its bytes count once against the budget.
+
 On CUDA every entry carries its producer event (interprocess), recorded after the write on the
 producer's stream; readers wait on it instead of the producer synchronising. A slice freed by
 eviction is only rewritten after the new writer's stream waits on the evicted entry's event.
@@ -68,13 +72,13 @@ class Entry:
     key: str
     offset: int
     nbytes: int
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # [rows, hidden], or [parts, rows, hidden] for a multi-part embedding
     dtype: torch.dtype
     event: object | None = None  # torch.cuda.Event(interprocess=True) on GPU
     event_handle: bytes = b""
     leases: int = 0
     salt: str = ""  # the cache_salt it was made under: only that salt may reach it
-    grid: tuple[int, ...] = ()  # the image's (t, h, w) patch grid (Qwen2.5-VL); () for fixed-size models
+    grid: tuple[int, ...] = ()  # the image's (t, h, w) patch grid (Qwen-VL); () for fixed-size models
 
 
 @dataclass
@@ -238,7 +242,7 @@ class EmbeddingCache:
                       grids: Sequence[tuple[int, ...]] | None = None) -> None:
         """`complete` for a batch: on CUDA one event, recorded after all the batch's writes, fences every
         entry of it (an interprocess event and its handle cost the tower thread more than a write).
-        grids: each item's image grid, kept with its entry (Qwen2.5-VL)."""
+        grids: each item's image grid, kept with its entry (Qwen-VL)."""
         placed: list[tuple[str, torch.Tensor, int, int]] = []  # (key, tensor, offset, nbytes)
         fences: list = []
         grid_of = dict(zip([k for k, _ in items], grids, strict=True)) if grids is not None else {}

@@ -8,6 +8,9 @@ took is released before the error goes out, so errors never pin cache memory.
 Tenant isolation (see encoder_svc/cache.py): a hash-only image resolves only under the cache_salt its
 entry was made with, else NOT_FOUND exactly as for an unknown hash (Lookup answers false, Prefetch
 skips it); leases belong to the request's lease_owner and Release frees only the caller's own.
+
+An embedding travels as one EmbeddingRef whatever its shape: [rows, hidden] (LLaVA, Qwen2.5-VL) or
+[parts, rows, hidden] (Qwen3-VL's merged features and DeepStack levels: one entry, lease and location).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.qwen_layout import ImageGeometryError, PixelRange, hash_fingerprint
 from common.stats import to_message
 from common.transport.arena_factory import make_arena
-from common.vision.qwen_encoder import QwenVisionEncoder, make_vision_encoder
+from common.vision.qwen_encoder import make_vision_encoder, takes_pixel_ranges
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
@@ -150,8 +153,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         return text
 
     def _pixels(self, index: int, item) -> PixelRange | None:
-        """A Qwen2.5-VL image's pixel range (its min/max_pixels within the model's); None for LLaVA."""
-        if not isinstance(self.vision, QwenVisionEncoder):
+        """A Qwen-VL image's pixel range (its min/max_pixels within the model's); None for LLaVA."""
+        if not takes_pixel_ranges(self.vision):
             return None
         try:
             return self.vision.layout.pixel_range(item.min_pixels, item.max_pixels)
@@ -224,7 +227,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             # A hash-only image (image None) never produces: it finds an entry of its own salt or none.
             nbytes = self.vision.embedding_nbytes
-            if pixels is not None and image is not None:  # Qwen2.5-VL: the size follows the image
+            if pixels is not None and image is not None:  # Qwen-VL: the size (all parts) follows the image
                 nbytes = self.vision.nbytes_for(self.vision.layout.grid(image.height, image.width, pixels))
             fut, produce = self.cache.acquire(key, want_lease, nbytes,
                                               produce=image is not None, salt=salt, owner=owner)

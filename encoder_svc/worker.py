@@ -113,7 +113,7 @@ class VisionWorker:
     def submit(self, key: str, image: Image.Image | DecodedImage, priority: int = DEMAND,
                pixels: PixelRange | None = None) -> None:
         """Queue image (PIL, or raw pixels from the decode pool) for key; the cache gets
-        `complete(key, ...)` or `fail(key, ...)` later. pixels: a Qwen2.5-VL image's pixel range."""
+        `complete(key, ...)` or `fail(key, ...)` later. pixels: a Qwen-VL image's pixel range."""
         with self._cv:
             if self._stopped:
                 if isinstance(image, DecodedImage):
@@ -246,7 +246,7 @@ class VisionWorker:
                                             use_graphs=batch[0][0].priority == DEMAND)
         self.batches += 1
         self.encodes += len(batch)
-        grids = [getattr(prepared, "grid", ()) for _, prepared in batch]  # Qwen2.5-VL images have one
+        grids = [getattr(prepared, "grid", ()) for _, prepared in batch]  # Qwen-VL images have one
         items = [(job.key, feat) for (job, _), feat in zip(batch, feats, strict=True)]
         self.cache.complete_many(items, grids)
 

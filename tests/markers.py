@@ -25,6 +25,7 @@ SLOW_MODULES = frozenset({
     "tests/k8s/test_pair_runs_locally.py",
     "tests/qwen/test_pair.py",
     "tests/qwen/test_up_openai.py",
+    "tests/qwen3/test_encoder_service.py",
     "tests/security/test_secure_pair.py",
     "tests/security/test_up_tls.py",
 })

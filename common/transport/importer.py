@@ -8,6 +8,7 @@ as a ref from its new one is read, so a dead encoder's memory is not pinned by t
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -71,9 +72,25 @@ def _note_arena(source: str, key: _ArenaKey) -> None:
         cuda.forget_arena(ident)
 
 
+def check_shape(ref: common_pb2.EmbeddingRef, dtype: torch.dtype) -> tuple[int, ...]:
+    """ref's shape, checked: every size positive and exactly nbytes of dtype in all. Encoders send
+    [rows, hidden], or [parts, rows, hidden] for a multi-part embedding (Qwen3-VL's merged features and
+    DeepStack levels). ValueError otherwise: a malformed ref must not become a view of other bytes."""
+    shape = tuple(int(x) for x in ref.shape)
+    if not shape or min(shape) < 1:
+        raise ValueError(f"embedding shape {list(shape)} is empty or has a size below 1")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if math.prod(shape) * itemsize != ref.nbytes:
+        raise ValueError(f"embedding shape {list(shape)} of {dtype} is {math.prod(shape) * itemsize} bytes, "
+                         f"the ref says {ref.nbytes}")
+    return shape
+
+
 def import_embedding(ref: common_pb2.EmbeddingRef, device: torch.device | str | None = None,
                      wait: bool = True, source: str | None = None) -> torch.Tensor:
-    """The embedding [num_image_tokens, hidden] as a tensor view of the encoder's arena where possible.
+    """The embedding as a tensor view of the encoder's arena where possible, of the ref's shape:
+    [num_image_tokens, hidden], or [parts, num_image_tokens, hidden] for a multi-part embedding (part 0
+    the merged features, then the DeepStack levels), one contiguous row-major slice either way.
 
     CUDA IPC: a view on the encoder's GPU (no copy); the current stream waits on the producer event
     unless wait=False (tests use that to show stale reads). SHM: a CPU view of the mapped segment.
@@ -85,7 +102,7 @@ def import_embedding(ref: common_pb2.EmbeddingRef, device: torch.device | str | 
     old arena still in use stay valid; it is unmapped when the last is collected.
     """
     dtype = dtypes.to_torch(ref.dtype)
-    shape = list(ref.shape)
+    shape = check_shape(ref, dtype)  # before anything is mapped
     kind = ref.WhichOneof("location")
     key: _ArenaKey | None = None
     if kind == "inline_data":

@@ -6,7 +6,9 @@ the geometry is common/qwen_layout.py's. What differs is the output: each image 
 hidden] tensor, the merged features first and then one DeepStack level each (the language model adds
 level k to the image tokens' hidden states after its decoder layer k).
 
-Not wired into the services yet: nothing here is reached from encoder_svc or decoder_svc.
+`make_vision_encoder` picks it for `qwen3_vl` checkpoints: the encoder service caches each image's
+tensor as one entry (EmbeddingRef.shape = [parts, rows, hidden]) and the decoder's in-process source
+returns it as is.
 """
 
 from __future__ import annotations
@@ -129,6 +131,11 @@ class Qwen3VisionEncoder:
         checkpoint's)."""
         ranges = list(pixels) if pixels is not None else [None] * len(images)
         return self.encode_prepared([self.prepare(i, r) for i, r in zip(images, ranges, strict=True)])
+
+    def capture_graphs(self, max_batch: int) -> bool:
+        """No CUDA graphs (every batch has its own sequence length and chunk plan) and, unlike
+        QwenVisionEncoder, no compiled elementwise steps yet: the tower runs eagerly. Returns False."""
+        return False
 
     def warm_up(self) -> None:
         """One small image through the tower; checks its shape against the layout's token count."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from common.checkpoint import load_config, model_fingerprint
+from common.checkpoint import CheckpointError, load_config, model_fingerprint
 from common.qwen_layout import Grid, PixelRange, load_qwen_layout
 from common.vision import PREPROCESS_MODES
 from common.vision.pixels import to_uint8_hwc
@@ -66,6 +66,8 @@ class QwenVisionEncoder:
         self.device = torch.device(device)
         self.dtype = dtype
         config = load_config(self.model_dir)
+        if config.get("model_type") != "qwen2_5_vl":  # Qwen3-VL shares the layout, not the tower
+            raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen2.5-VL checkpoint")
         self.layout = load_qwen_layout(self.model_dir)
         self.fingerprint = model_fingerprint(self.model_dir)
         self.hidden_size = int((config.get("text_config") or config)["hidden_size"])
@@ -175,11 +177,24 @@ class QwenVisionEncoder:
 
 def make_vision_encoder(model_dir: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, preprocess: str = "auto"):
-    """The checkpoint's vision encoder: QwenVisionEncoder for Qwen2.5-VL, else the LLaVA VisionEncoder."""
+    """The checkpoint's vision encoder: Qwen3VisionEncoder for Qwen3-VL ([parts, tokens, hidden] per
+    image), QwenVisionEncoder for Qwen2.5-VL, else the LLaVA VisionEncoder ([tokens, hidden] each)."""
     from common.qwen_layout import is_qwen_vl
+    from common.vision.qwen3_encoder import Qwen3VisionEncoder, is_qwen3_vl
 
-    if is_qwen_vl(load_config(model_dir)):
+    config = load_config(model_dir)
+    if is_qwen3_vl(config):
+        return Qwen3VisionEncoder(model_dir, device, dtype, preprocess)
+    if is_qwen_vl(config):
         return QwenVisionEncoder(model_dir, device, dtype, preprocess)
     from common.vision.tower import VisionEncoder
 
     return VisionEncoder(model_dir, device, dtype, preprocess=preprocess)
+
+
+def takes_pixel_ranges(encoder) -> bool:
+    """True for an encoder whose images are resized into a pixel range (the Qwen-VL family): its callers
+    pass each image's PixelRange, and its entries have a grid and a size that follows the image."""
+    from common.vision.qwen3_encoder import Qwen3VisionEncoder
+
+    return isinstance(encoder, QwenVisionEncoder | Qwen3VisionEncoder)

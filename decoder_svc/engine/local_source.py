@@ -1,10 +1,12 @@
 """An in-process embedding source: the checkpoint's vision tower (+ projector), run synchronously.
 
 It runs the encoder service's own vision encoder (which reproduces `get_image_features` of
-LlavaForConditionalGeneration or Qwen2_5_VLForConditionalGeneration) in-process, so the engine can be
-tested alone against HF. It keeps a small LRU of embeddings by content hash so that repeated images count as
-encoder-cache hits. Like the encoder service, an entry answers a hash-only ask only under the cache_salt
-it was made with; under any other salt the image is "not found".
+LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration or Qwen3VLForConditionalGeneration)
+in-process, so the engine can be tested alone against HF. Its tensors have the encoder service's shapes:
+[rows, hidden], or [parts, rows, hidden] for Qwen3-VL (the merged features, then each DeepStack level).
+It keeps a small LRU of embeddings by content hash so that repeated images count as encoder-cache hits.
+Like the encoder service, an entry answers a hash-only ask only under the cache_salt it was made with;
+under any other salt the image is "not found".
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from common.checkpoint import load_config, parse_dtype
 from common.images import decode_image
 from common.qwen_layout import is_qwen_vl
-from common.vision.qwen_encoder import QwenVisionEncoder, make_vision_encoder
+from common.vision.qwen_encoder import make_vision_encoder, takes_pixel_ranges
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
 
 if TYPE_CHECKING:
@@ -31,12 +33,13 @@ class LocalEmbeddingSource(EmbeddingSource):
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, cache_entries: int = 256) -> None:
         # LLaVA: the HF image processor, always (the engine's HF-parity tests, CPU and GPU, run against
-        # it). Qwen2.5-VL: "auto", HF's processor in fp32 and on CPUs, the device-side one the encoder
+        # it). Qwen-VL: "auto", HF's processor in fp32 and on CPUs, the device-side one the encoder
         # service runs on a GPU in half precision (its host processor takes ~90 ms a 1024x1024 image).
         qwen = is_qwen_vl(load_config(model_dir))
         self.encoder = make_vision_encoder(model_dir, device, dtype, preprocess="auto" if qwen else "hf")
         self.cache_entries = cache_entries
-        self._cache: OrderedDict[str, tuple[str, torch.Tensor]] = OrderedDict()  # hash -> (salt, rows)
+        # hash -> (salt, embedding); a multi-part embedding is one entry, as in the encoder's cache
+        self._cache: OrderedDict[str, tuple[str, torch.Tensor]] = OrderedDict()
         self._leases: dict[tuple[str, str], tuple[EmbeddingState, bool, str]] = {}
         self.num_encoded = 0
         self.num_cache_hits = 0
@@ -63,7 +66,7 @@ class LocalEmbeddingSource(EmbeddingSource):
             return
         try:
             image = decode_image(req.image) if isinstance(req.image, bytes) else req.image.convert("RGB")
-            if isinstance(self.encoder, QwenVisionEncoder):
+            if takes_pixel_ranges(self.encoder):
                 emb = self.encoder.encode([image], [req.pixels])[0]
             else:
                 emb = self.encoder.encode([image])[0]
