@@ -256,10 +256,11 @@ def test_an_in_flight_prefetch_is_boosted_once_when_its_prefill_comes(rig):
     """An image whose low-priority Encode is queued at the encoder is raised when its request reaches
     prefill: one demand Encode by hash (no bytes, on a fetch worker), so it is ready without waiting for
     the unrelated prefetches queued before it. lookahead_boosted counts it once however often prefill
-    asks; the image is fetched once (the prefetch's Encode delivers the rows: no second fetch), and the
-    boost's own lease goes back."""
+    asks, before or after it is ready; the image is fetched once (the prefetch's Encode delivers the
+    rows: no second fetch), and the boost's own lease goes back."""
     enc = rig.encoder
     enc.queue("x", "u1", "u2")
+    enc.stall("x")  # once raised, x still takes a moment: prefill's next steps ask while it is pending
     rig.ask("r1", "x", prefetch=True)
     rig.ask("r2", "u1", prefetch=True)
     rig.ask("r3", "u2", prefetch=True)
@@ -267,15 +268,18 @@ def test_an_in_flight_prefetch_is_boosted_once_when_its_prefill_comes(rig):
     enc.wait_arrived("u1", prefetch=True)
 
     rig.ask("r1", "x", prefetch=False)  # prefill reached r1
-    assert rig.poll("r1", "x") in (EmbeddingState.PENDING, EmbeddingState.READY)
+    enc.wait_arrived("x", prefetch=False)
+    for _ in range(3):  # the next steps ask again while x is pending: no second boost
+        rig.ask("r1", "x", prefetch=False)
+        assert rig.poll("r1", "x") == EmbeddingState.PENDING
+    enc.stalled[_hash("x")].set()
     rig.wait_fetched("r1", "x")
     rig.wait_boosted("r1", "x")
     assert rig.poll("r1", "x") == EmbeddingState.READY
     assert rig.source.get("r1", _hash("x")).shape == (3, HIDDEN)
     assert rig.poll("r2", "u1") == rig.poll("r3", "u2") == EmbeddingState.PENDING  # not run first
 
-    for _ in range(3):  # later steps ask again: nothing more is sent, nothing more counted
-        rig.ask("r1", "x", prefetch=False)
+    rig.ask("r1", "x", prefetch=False)  # and once it is ready, nothing more either
     stats = rig.source.stats()
     assert stats.lookahead_boosted == 1
     assert stats.embeddings_requested == 3 and stats.images_prefetched == 3
