@@ -91,6 +91,7 @@ class _Slot:
     polled: bool = False
     deadline: float = 0.0  # monotonic time by which the image is ready or failed
     boosted: bool = False  # asked for by lookahead, then needed now: told the encoder so
+    started: bool = False  # a worker took its fetch up (one only: a queued duplicate sends nothing)
 
 
 @dataclass
@@ -172,10 +173,15 @@ class RemoteEmbeddingSource(EmbeddingSource):
             slot = self._slots.get(key)
             if slot is not None:
                 # Asked for by lookahead and needed now, not ready yet: its Encode went out at low
-                # priority, so tell the encoder it is demand work (it moves the queued job up).
+                # priority, so tell the encoder it is demand work (it moves the queued job up). Not
+                # sent yet (every prefetch worker busy): fetch it now on a fetch worker instead.
                 boost = (not req.prefetch and slot.prefetch and not slot.boosted
-                         and slot.status == EmbeddingState.PENDING and bool(slot.encoder))
-                if boost:
+                         and slot.status == EmbeddingState.PENDING)
+                if boost and not slot.started:
+                    slot.boosted = True
+                    self._counters.lookahead_boosted += 1
+                    self._pool.submit(self._fetch, key, req)
+                elif boost and slot.encoder:
                     slot.boosted = True
                     self._pool.submit(self._boost, slot.encoder, req)
                 return
@@ -217,6 +223,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 # Leases went back when the rows were copied; a fetch still in flight gives its own back.
                 slot.released = True
                 slot.tensor = None
+            if content_hash is None:  # the request is gone: nobody will ask for its error code
+                self._failed_requests.pop(request_id, None)
 
     def error(self, request_id: str, content_hash: str) -> str:
         with self._lock:
@@ -256,7 +264,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
     def _fetch(self, key: tuple[str, str], req: EmbeddingRequest) -> None:
         with self._lock:
             slot = self._slots.get(key)
-            deadline = slot.deadline if slot else time.monotonic() + self.retry.total_timeout_s
+            if slot is None or slot.started:  # released before it ran, or taken up by a demand fetch
+                return
+            slot.started = True
+            deadline = slot.deadline
         encoder = ""
         try:
             encoder = self._route(key, req, deadline)
