@@ -24,6 +24,7 @@ import triton.testing
 from decoder_svc.model.quant.fp8 import FP8_DTYPE, FP8_MAX, ScaleBlock
 
 SMALL_M = 64  # rows up to which the weight-only kernel beats quantizing the activations
+GEMV_ROWS = 1  # rows taken by the streaming GEMV (each further row would read the weights again)
 
 
 def _configs(block_ks: tuple[int, ...]) -> list[triton.Config]:
@@ -75,15 +76,65 @@ def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
+                 stride_om, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One activation row (batch-1 decode): no tensor cores, just streaming. Each program owns BLOCK_N
+    # weight rows, accumulates products elementwise over K in fp32 registers and reduces once at the end.
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + m * stride_xm + rk
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        else:
+            k_mask = (k0 + rk) < K
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if PER_CHANNEL:
+            acc += w * x[None, :]
+        else:
+            s = tl.load(s_ptr + (rn // SCALE_ROWS) * stride_sn + (k0 // SCALE_COLS) * stride_sk,
+                        mask=n_mask, other=0.0)
+            acc += w * x[None, :] * s[:, None]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1)
+    if PER_CHANNEL:
+        out = out * tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _gemv_configs() -> list[triton.Config]:
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+            for n, k, w, st in ((8, 512, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 3),
+                                (32, 256, 8, 3), (8, 1024, 8, 2), (4, 1024, 4, 3), (32, 128, 4, 4),
+                                (32, 64, 4, 4), (32, 32, 4, 4))]
+
+
 def _fit_scale_blocks(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    # A K block must lie inside one scale column: BLOCK_K divides SCALE_COLS.
+    # A K block must lie inside one scale column: BLOCK_K divides SCALE_COLS (per channel: any).
+    if kwargs.get("PER_CHANNEL", named_args.get("PER_CHANNEL")):
+        return configs
     cols = kwargs.get("SCALE_COLS", named_args.get("SCALE_COLS"))
-    return [c for c in configs if cols % c.kwargs["BLOCK_K"] == 0]
+    return [c for c in configs if cols % c.kwargs["BLOCK_K"] == 0] or configs[:0]
 
 
 _KEY = ["M_BUCKET", "N", "K", "PER_CHANNEL", "SCALE_ROWS", "SCALE_COLS"]
 _per_channel_kernel = triton.autotune(configs=_configs((256, 512)), key=_KEY,
                                       do_bench=_BRIEF_TIMING)(_weight_only_kernel)
+_gemv = triton.autotune(configs=_gemv_configs(), key=["N", "K", "PER_CHANNEL", "SCALE_ROWS", "SCALE_COLS"],
+                        do_bench=_BRIEF_TIMING,
+                        prune_configs_by={"early_config_prune": _fit_scale_blocks})(_gemv_kernel)
 _blocked_kernel = triton.autotune(configs=_configs((32, 64, 128)), key=_KEY, do_bench=_BRIEF_TIMING,
                                   prune_configs_by={"early_config_prune": _fit_scale_blocks}
                                   )(_weight_only_kernel)
@@ -97,13 +148,20 @@ def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    per_channel = block.is_per_channel(k)
+    s_stride_k = scale.stride(1) if scale.dim() == 2 else 0
+    if m <= GEMV_ROWS:
+        grid1 = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
+        _gemv[grid1](x, weight, scale, bias if bias is not None else x, out, n, k, x.stride(0),
+                     weight.stride(0), scale.stride(0), s_stride_k, out.stride(0), SCALE_ROWS=block.rows,
+                     SCALE_COLS=block.cols, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
+                     EVEN_K=k % 1024 == 0)
+        return out
     bucket = min(triton.next_power_of_2(max(m, 16)), 128)
     block_m = min(bucket, 64)
-    per_channel = block.is_per_channel(k)
     if not per_channel and block.cols % 32:
         raise ValueError(f"FP8 scale blocks of {block.cols} columns are not a multiple of 32")
     kernel = _per_channel_kernel if per_channel else _blocked_kernel
-    s_stride_k = scale.stride(1) if scale.dim() == 2 else 0
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
     kernel[grid](x, weight, scale, bias if bias is not None else x, out, m, n, k,
                  x.stride(0), weight.stride(0), scale.stride(0), s_stride_k, out.stride(0),
