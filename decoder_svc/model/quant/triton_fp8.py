@@ -24,7 +24,10 @@ import triton.testing
 from decoder_svc.model.quant.fp8 import FP8_DTYPE, FP8_MAX, ScaleBlock
 
 SMALL_M = 64  # rows up to which the weight-only kernel beats quantizing the activations
-GEMV_ROWS = 8  # rows taken by the streaming GEMV (reads the weights once for all of them)
+# Rows taken by the streaming GEMV. Measured on the H200 (bench.fp8_gemv): one row streams at up to 2.3 TB/s
+# here; a variant reading the weights once for up to 8 rows was slower at every row count than this
+# kernel at one row and the tensor-core kernel at several.
+GEMV_ROWS = 1
 
 
 def _configs(block_ks: tuple[int, ...]) -> list[triton.Config]:
@@ -77,60 +80,48 @@ def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
                  stride_om, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    # A few activation rows (decode at batch <= 8): no tensor cores, just streaming. Each program owns
-    # BLOCK_N weight rows, reads them once for all M rows, accumulates products elementwise over K in
-    # fp32 registers and reduces once at the end.
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One activation row (batch-1 decode): no tensor cores, just streaming. Each program owns BLOCK_N
+    # weight rows, accumulates products elementwise over K in fp32 registers and reduces once at the end.
     pid_n = tl.program_id(0)
-    rm = tl.arange(0, M_PAD)
+    m = tl.program_id(1).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    m_mask = rm < M
     n_mask = rn < N
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    x_ptrs = x_ptr + m * stride_xm + rk
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs).to(tl.float32)
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0).to(tl.float32)
         else:
             k_mask = (k0 + rk) < K
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if not PER_CHANNEL:
+        if PER_CHANNEL:
+            acc += w * x[None, :]
+        else:
             s = tl.load(s_ptr + (rn // SCALE_ROWS) * stride_sn + (k0 // SCALE_COLS) * stride_sk,
                         mask=n_mask, other=0.0)
-            w = w * s[:, None]
-        acc += x[:, None, :] * w[None, :, :]
+            acc += w * x[None, :] * s[:, None]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    out = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
+    out = tl.sum(acc, axis=1)
     if PER_CHANNEL:
-        out = out * tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)[None, :]
+        out = out * tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
     if HAS_BIAS:
-        out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def _gemv_configs() -> list[triton.Config]:
-    # (BLOCK_N, BLOCK_K, warps, stages); the accumulator holds M_PAD * BLOCK_N * BLOCK_K fp32 values.
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
-            for n, k, w, st in ((4, 512, 4, 4), (8, 256, 4, 4), (8, 512, 4, 3), (8, 512, 8, 4),
-                                (16, 256, 4, 4), (16, 512, 8, 3), (4, 1024, 4, 3), (32, 128, 4, 4),
-                                (16, 128, 4, 4), (16, 64, 4, 4), (16, 32, 4, 4), (8, 128, 4, 4),
-                                (4, 256, 4, 4))]
-
-
-def _fit_gemv(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    # Registers: keep the accumulator at 8192 values; and the scale-block rule of _fit_scale_blocks.
-    m_pad = kwargs.get("M_PAD", named_args.get("M_PAD"))
-    small = [c for c in configs if m_pad * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 8192]
-    return _fit_scale_blocks(small or configs[-1:], named_args, **kwargs)
+            for n, k, w, st in ((8, 512, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 3),
+                                (32, 256, 8, 3), (8, 1024, 8, 2), (4, 1024, 4, 3), (32, 128, 4, 4),
+                                (32, 64, 4, 4), (32, 32, 4, 4))]
 
 
 def _fit_scale_blocks(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -144,8 +135,8 @@ def _fit_scale_blocks(configs: list[triton.Config], named_args: dict, **kwargs) 
 _KEY = ["M_BUCKET", "N", "K", "PER_CHANNEL", "SCALE_ROWS", "SCALE_COLS"]
 _per_channel_kernel = triton.autotune(configs=_configs((256, 512)), key=_KEY,
                                       do_bench=_BRIEF_TIMING)(_weight_only_kernel)
-_gemv = triton.autotune(configs=_gemv_configs(), key=["M_PAD", *_KEY[1:]], do_bench=_BRIEF_TIMING,
-                        prune_configs_by={"early_config_prune": _fit_gemv})(
+_gemv = triton.autotune(configs=_gemv_configs(), key=_KEY[1:], do_bench=_BRIEF_TIMING,
+                        prune_configs_by={"early_config_prune": _fit_scale_blocks})(
     triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_gemv_kernel))
 _blocked_kernel = triton.autotune(configs=_configs((32, 64, 128)), key=_KEY, do_bench=_BRIEF_TIMING,
                                   prune_configs_by={"early_config_prune": _fit_scale_blocks}
@@ -163,11 +154,10 @@ def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     per_channel = block.is_per_channel(k)
     s_stride_k = scale.stride(1) if scale.dim() == 2 else 0
     if m <= GEMV_ROWS:
-        grid1 = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv[grid1](x, weight, scale, bias if bias is not None else x, out, m, n, k, x.stride(0),
+        grid1 = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
+        _gemv[grid1](x, weight, scale, bias if bias is not None else x, out, n, k, x.stride(0),
                      weight.stride(0), scale.stride(0), s_stride_k, out.stride(0), SCALE_ROWS=block.rows,
-                     SCALE_COLS=block.cols, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
-                     M_PAD=triton.next_power_of_2(m))
+                     SCALE_COLS=block.cols, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None)
         return out
     bucket = min(triton.next_power_of_2(max(m, 16)), 128)
     block_m = min(bucket, 64)
