@@ -36,7 +36,8 @@ class ImageInputs:
 
     def __init__(self, source: EmbeddingSource) -> None:
         self.source = source
-        self._rows: dict[tuple[str, str], torch.Tensor] = {}  # READY keys' rows [length, hidden]
+        # READY keys' rows: [length, hidden], or [parts, length, hidden] for multi-part (DeepStack) models
+        self._rows: dict[tuple[str, str], torch.Tensor] = {}
         self.counters = ImageCounters()
 
     # -- readiness -------------------------------------------------------------------------------
@@ -62,10 +63,10 @@ class ImageInputs:
     def _take_rows(self, req: Request, img: ImagePlaceholder) -> None:
         rid, h = req.request_id, img.content_hash
         rows = self.source.get(rid, h)
-        if rows.shape[0] != img.length:
+        if rows.dim() not in (2, 3) or rows.shape[-2] != img.length:
             img.state = EmbeddingState.FAILED
             self.source.release(rid, h)
-            req.error = (f"embedding of image at {img.offset} has {rows.shape[0]} rows, the prompt has "
+            req.error = (f"embedding of image at {img.offset} has shape {tuple(rows.shape)}, the prompt has "
                          f"{img.length} tokens")
             return
         self._rows[(rid, h)] = rows
@@ -91,7 +92,8 @@ class ImageInputs:
 
     # -- the runner's rows -----------------------------------------------------------------------
     def rows_for_chunk(self, req: Request, start: int, end: int) -> list[torch.Tensor]:
-        """The embedding rows of every image token in [start, end), in token order."""
+        """The embedding rows of every image token in [start, end), in token order ([n, hidden] each, or
+        [parts, n, hidden] for multi-part embeddings)."""
         rows = []
         for img in sorted(req.images, key=lambda i: i.offset):
             lo, hi = max(start, img.offset), min(end, img.end)
@@ -101,7 +103,7 @@ class ImageInputs:
             if image_rows is None or img.state != EmbeddingState.READY:
                 raise FusionError(f"request {req.request_id}: image at {img.offset} scheduled without its "
                                   "embedding")
-            rows.append(image_rows[lo - img.offset:hi - img.offset])
+            rows.append(image_rows.narrow(-2, lo - img.offset, hi - lo))
         return rows
 
     # -- giving images back ----------------------------------------------------------------------

@@ -7,8 +7,9 @@ from typing import Any
 
 from common.checkpoint import CheckpointError
 
-_SUPPORTED = {"llama", "mistral", "qwen2", "qwen2_5_vl_text", "qwen2_5_vl"}
+_SUPPORTED = {"llama", "mistral", "qwen2", "qwen2_5_vl_text", "qwen2_5_vl", "qwen3_vl_text", "qwen3_vl"}
 _QWEN2_LIKE = {"qwen2", "qwen2_5_vl_text", "qwen2_5_vl"}  # q/k/v biases, no o bias, an unused window
+_QWEN3_LIKE = {"qwen3_vl_text", "qwen3_vl"}  # RMSNorm on each head of q and k, an unused window
 _ROPE_TYPES = {"default", "linear", "llama3"}
 
 
@@ -35,6 +36,9 @@ class TextModelConfig:
     sliding_window: int | None = None
     # M-RoPE (Qwen2.5-VL): frequencies per (temporal, height, width) axis; empty for 1D rotary.
     mrope_section: tuple[int, ...] = ()
+    # Qwen3-VL: the axes take interleaved frequencies (t, h, w, t, h, w, ...) instead of three blocks.
+    mrope_interleaved: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary embedding
 
     @property
     def rope_type(self) -> str:
@@ -63,6 +67,7 @@ class TextModelConfig:
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.pop("type", None) or rope.get("rope_type", "default")  # older configs say "type"
         mrope_section = tuple(int(x) for x in rope.pop("mrope_section", ()) or ())
+        mrope_interleaved = bool(rope.pop("mrope_interleaved", False))
         if rope_type == "mrope":  # Qwen2.5-VL checkpoints' name for default frequencies over 3 axes
             rope_type = "default"
         if mrope_section and (len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2):
@@ -76,7 +81,7 @@ class TextModelConfig:
         attention_bias = bool(cfg.get("attention_bias", False))
         qwen2 = model_type in _QWEN2_LIKE
         sliding = cfg.get("sliding_window")
-        if qwen2 and not cfg.get("use_sliding_window", False):
+        if (qwen2 or model_type in _QWEN3_LIKE) and not cfg.get("use_sliding_window", False):
             sliding = None  # Qwen2 configs carry a window they do not use
         return cls(
             model_type=model_type,
@@ -98,4 +103,6 @@ class TextModelConfig:
             rope_scaling=rope if rope_type != "default" else {},
             sliding_window=sliding,
             mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved,
+            qk_norm=model_type in _QWEN3_LIKE,
         )

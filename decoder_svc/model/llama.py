@@ -56,6 +56,10 @@ class SelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.ops = ops
+        if cfg.qk_norm:  # Qwen3
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -64,9 +68,17 @@ class SelfAttention(nn.Module):
         q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = _per_head(self.q_norm, q), _per_head(self.k_norm, k)
         q, k = self.ops.rotary(q, k, positions, cos_sin)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
+
+
+def _per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """norm over the last dim of x [T, heads, head_dim] (a strided view of qkv: copied into rows)."""
+    out, _ = norm(x.reshape(-1, x.shape[-1]))
+    return out.view(x.shape)
 
 
 class DecoderLayer(nn.Module):
@@ -91,9 +103,15 @@ class DecoderLayer(nn.Module):
 
 def mrope_axes(cfg: TextModelConfig) -> torch.Tensor:
     """[1, 1, head_dim] int64: the M-RoPE axis (0 t, 1 h, 2 w) of each cos/sin column; the cos and sin
-    halves repeat the sections (HF's mrope_section over cat(freqs, freqs)). Zeros for 1D rotary."""
+    halves repeat the sections (HF's mrope_section over cat(freqs, freqs)). Zeros for 1D rotary.
+    Interleaved (Qwen3-VL's apply_interleaved_mrope): column i takes h when i % 3 == 1 and i < 3 * h's
+    section, w when i % 3 == 2 and i < 3 * w's section, else t."""
     half = cfg.head_dim // 2
-    axes = [a for a, n in enumerate(cfg.mrope_section) for _ in range(n)] or [0] * half
+    if cfg.mrope_interleaved and cfg.mrope_section:
+        sections = cfg.mrope_section
+        axes = [i % 3 if i % 3 and i < 3 * sections[i % 3] else 0 for i in range(half)]
+    else:
+        axes = [a for a, n in enumerate(cfg.mrope_section) for _ in range(n)] or [0] * half
     return torch.tensor(axes + axes, dtype=torch.int64).view(1, 1, -1)
 
 
@@ -135,9 +153,12 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
         input_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run every layer over the flat batch; return fp32 logits only for rows logits_indices.
-        positions: [tokens], or [3, tokens] for M-RoPE (one row is enough where the three are equal)."""
+        positions: [tokens], or [3, tokens] for M-RoPE (one row is enough where the three are equal).
+        deepstack (Qwen3-VL): (image rows [n], levels [L, n, hidden]); level i is added to the hidden
+        states of those rows after layer i, as HF's _deepstack_process does."""
         x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
         cos_sin = self.cos_sin
         if positions.dim() == 2:  # M-RoPE [3, tokens]
@@ -146,8 +167,16 @@ class LlamaForCausalLM(nn.Module):
             cos_sin = self.cos_sin[positions].gather(0, self.mrope_axis.expand(1, positions.shape[1], -1))[0]
             positions = torch.arange(positions.shape[1], device=positions.device)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        levels = deepstack[1].shape[0] if deepstack is not None else 0
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, positions, cos_sin, kv_cache, meta, self.backend)
+            if i < levels:
+                # HF adds the level to the layer's output (residual + mlp out), so the sum that our norms
+                # defer is made here; the next layer then starts from it with no residual.
+                slots, rows = deepstack
+                x = x + residual
+                x[slots] = x[slots] + rows[i]
+                residual = None
         # Norm and lm_head only on the rows we sample from: the rest are partial prefill chunks.
-        x, _ = self.norm(x[logits_indices], residual[logits_indices])
+        x, _ = self.norm(x[logits_indices], None if residual is None else residual[logits_indices])
         return self.lm_head(x).float()

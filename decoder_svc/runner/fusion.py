@@ -22,10 +22,23 @@ def image_slots(token_ids: np.ndarray, start: int, num_prompt_tokens: int,
     return np.nonzero(np.isin(token_ids, mm_token_ids) & in_prompt)[0]
 
 
-def fuse_image_rows(embeds: torch.Tensor, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
-    """Write rows (in order) into embeds at the flat row indexes `slots`; a count mismatch raises."""
-    n_rows = sum(r.shape[0] for r in rows)
+def fuse_image_rows(embeds: torch.Tensor, slots: torch.Tensor,
+                    rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """Write rows (in order) into embeds at the flat row indexes `slots`; a count mismatch raises.
+
+    Multi-part rows ([parts, n, hidden], Qwen3-VL) fuse their part 0; the other parts come back as one
+    [parts - 1, slots, hidden] tensor (the DeepStack levels the model adds after its first layers), in
+    the slots' order. None for plain rows."""
+    n_rows = sum(r.shape[-2] for r in rows)
     if slots.numel() != n_rows:
         raise FusionError(f"{slots.numel()} image-token positions but {n_rows} embedding rows")
-    if n_rows:
-        embeds[slots] = torch.cat([r.to(device=embeds.device, dtype=embeds.dtype) for r in rows])
+    if not n_rows:
+        return None
+    if len({r.dim() for r in rows}) != 1 or len({r.shape[:-2] for r in rows}) != 1:
+        raise FusionError(f"images of one step have different part counts: {[tuple(r.shape) for r in rows]}")
+    joined = torch.cat([r.to(device=embeds.device, dtype=embeds.dtype) for r in rows], dim=-2)
+    if joined.dim() == 2:
+        embeds[slots] = joined
+        return None
+    embeds[slots] = joined[0]
+    return joined[1:]

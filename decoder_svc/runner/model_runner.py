@@ -192,7 +192,9 @@ class ModelRunner:
         if self._on_cuda and self.device.index is not None:
             torch.cuda.set_device(self.device)  # the engine thread may not be the one that built us
         key = None
-        if self.graphs is not None:
+        # Steps with multi-part image rows (DeepStack) run eagerly: the graphs have no inputs for them.
+        multipart = any(r.dim() == 3 for s in batch.sequences for r in s.image_rows)
+        if self.graphs is not None and not multipart:
             key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, batch.is_plain_decode)
         step = self._prepare(batch, key)
         rows = [s.sampling for s in batch.sequences if s.sampling is not None]
@@ -203,14 +205,16 @@ class ModelRunner:
             torch.index_select(self.model.embed_tokens.weight, 0, step.input_ids, out=embeds)
         else:
             embeds = self.model.embed(step.input_ids)
+        deepstack = None
         if step.image_slots is not None:
-            fuse_image_rows(embeds, step.image_slots, image_rows)
+            levels = fuse_image_rows(embeds, step.image_slots, image_rows)
+            deepstack = (step.image_slots, levels) if levels is not None else None
         if key is not None:
             logits = self.graphs.replay(key)[:len(rows)]
         else:
             positions = self._positions(step.positions, step.num_tokens, batch.is_plain_decode)
             logits = self.model(positions, step.meta, self.kv_caches, step.logits_indices,
-                                inputs_embeds=embeds)
+                                inputs_embeds=embeds, deepstack=deepstack)
         sampled = self.sampler.sample(logits, rows) if rows else SamplerOutput([], [])
         return ModelOutput(sampled)
 
