@@ -124,18 +124,25 @@ class QwenImageLayout:
         return int(grid[0]), int(grid[1]), int(grid[2])
 
 
-def mrope_positions(num_tokens: int, images: Sequence[tuple[int, Grid]], merge_size: int
-                    ) -> tuple[np.ndarray, int]:
+def mrope_positions(num_tokens: int, images: Sequence[tuple], merge_size: int) -> tuple[np.ndarray, int]:
     """M-RoPE positions [3, num_tokens] (int64) of a prompt whose images are (offset, grid) spans in
-    token order, and the delta that generated tokens add to their index (as HF's get_rope_index)."""
+    token order, and the delta that generated tokens add to their index (as HF's get_rope_index).
+
+    A video span is (offset, grid, time_interval): its temporal positions are int(index x interval)
+    (Qwen2.5-VL: tokens_per_second x seconds per temporal group). As in transformers 5.24, the text
+    after any span continues max(h, w) / merge past its start, whatever its temporal extent."""
     out = np.empty((3, num_tokens), dtype=np.int64)
     cursor, next_pos = 0, 0
-    for offset, (t, h, w) in sorted(images):
+    for offset, (t, h, w), *rest in sorted(images, key=lambda span: span[0]):
+        interval = rest[0] if rest else 1
         text = offset - cursor
         out[:, cursor:offset] = np.arange(next_pos, next_pos + text)
         next_pos += text
         gh, gw = h // merge_size, w // merge_size
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        # float32 as torch computes it, truncated as .long() does
+        temporal = ((np.arange(t, dtype=np.float32) * np.float32(interval)).astype(np.int64) if rest
+                    else np.arange(t))
+        tt, hh, ww = np.meshgrid(temporal, np.arange(gh), np.arange(gw), indexing="ij")
         n = t * gh * gw
         out[0, offset:offset + n] = tt.reshape(-1) + next_pos
         out[1, offset:offset + n] = hh.reshape(-1) + next_pos

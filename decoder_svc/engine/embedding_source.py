@@ -9,7 +9,8 @@ Contract (every implementation):
 - `poll` is non-blocking and says PENDING, READY or FAILED. The scheduler never schedules an image
   token until its key is READY, and fails the request (with `error()`'s text) on FAILED, so a dead
   encoder cannot hang the engine.
-- `get` is called only when READY and returns [num_image_tokens, hidden] rows, ideally zero-copy
+- `get` is called only when READY and returns [num_image_tokens, hidden] rows (or [parts, tokens,
+  hidden] for a multi-part embedding: Qwen3-VL's DeepStack), ideally zero-copy
   (a view into shared memory or a CUDA IPC arena, synchronised with the producer). The engine copies
   the rows it needs into its own input buffer during the step, and may call `get` again on a later
   step for the same key (an image can straddle prefill chunks).
@@ -47,8 +48,20 @@ class EmbeddingState(enum.Enum):
 
 
 @dataclass(frozen=True)
+class VideoSource:
+    """A video as the encoder is sent it: the container file (None: known to it by content hash) and
+    the request's sampling and resize settings (0: the model's default)."""
+
+    data: bytes | None
+    fps: float = 0.0
+    max_frames: int = 0
+    min_pixels: int = 0
+    max_pixels: int = 0
+
+
+@dataclass(frozen=True)
 class EmbeddingRequest:
-    """One image a request needs."""
+    """One image (or video) a request needs."""
 
     request_id: str
     content_hash: str
@@ -56,6 +69,7 @@ class EmbeddingRequest:
     cache_salt: str = ""
     prefetch: bool = False
     pixels: PixelRange | None = None  # Qwen2.5-VL: the pixel range to resize into (None: the model's)
+    video: VideoSource | None = None  # set for a video (then `image` is None)
 
 
 class EmbeddingSource(ABC):

@@ -48,7 +48,7 @@ class ImageInputs:
             img.state = EmbeddingState.UNKNOWN  # released earlier (the same hash done before): ask again
         if img.state in (EmbeddingState.UNKNOWN, EmbeddingState.DONE, EmbeddingState.SKIPPED):
             self.source.request(EmbeddingRequest(rid, h, img.image, req.cache_salt, prefetch=False,
-                                                 pixels=img.pixels))
+                                                 pixels=img.pixels, video=img.video))
             img.state = EmbeddingState.PENDING
         if img.state == EmbeddingState.PENDING:
             status = self.source.poll(rid, h)
@@ -63,11 +63,11 @@ class ImageInputs:
     def _take_rows(self, req: Request, img: ImagePlaceholder) -> None:
         rid, h = req.request_id, img.content_hash
         rows = self.source.get(rid, h)
-        if rows.dim() not in (2, 3) or rows.shape[-2] != img.length:
+        if rows.dim() not in (2, 3) or rows.shape[-2] != img.total_rows:
             img.state = EmbeddingState.FAILED
             self.source.release(rid, h)
             req.error = (f"embedding of image at {img.offset} has shape {tuple(rows.shape)}, the prompt has "
-                         f"{img.length} tokens")
+                         f"{img.total_rows} tokens")
             return
         self._rows[(rid, h)] = rows
         img.state = EmbeddingState.READY
@@ -85,7 +85,7 @@ class ImageInputs:
             for img in req.images:
                 if img.state == EmbeddingState.UNKNOWN and img.end > hit:
                     asks.append(EmbeddingRequest(req.request_id, img.content_hash, img.image, req.cache_salt,
-                                                 prefetch=True, pixels=img.pixels))
+                                                 prefetch=True, pixels=img.pixels, video=img.video))
                     img.state = EmbeddingState.PENDING
         if asks:
             self.source.lookahead(asks)
@@ -103,7 +103,7 @@ class ImageInputs:
             if image_rows is None or img.state != EmbeddingState.READY:
                 raise FusionError(f"request {req.request_id}: image at {img.offset} scheduled without its "
                                   "embedding")
-            rows.append(image_rows.narrow(-2, lo - img.offset, hi - lo))
+            rows.append(image_rows.narrow(-2, img.row_offset + lo - img.offset, hi - lo))
         return rows
 
     # -- giving images back ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from common.qwen_layout import Grid, PixelRange
-from decoder_svc.engine.embedding_source import EmbeddingState
+from decoder_svc.engine.embedding_source import EmbeddingState, VideoSource
 from decoder_svc.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -49,6 +49,17 @@ class ImagePlaceholder:
     skipped_by_kv_reuse: bool = False
     grid: Grid | None = None  # (t, h, w) patches of a Qwen2.5-VL image; None for fixed-size LLaVA images
     pixels: PixelRange | None = None  # the pixel range it is resized into (part of its content hash)
+    # A video is one embedding whose rows may fill several spans (Qwen3-VL: one per group of frames,
+    # with timestamps between them): this span takes rows [row_offset, row_offset + length) of
+    # embedding_rows. For an image both are the defaults: the span is the whole embedding.
+    row_offset: int = 0
+    embedding_rows: int | None = None
+    video: VideoSource | None = None  # what the encoder is sent for a video (None: an image)
+
+    @property
+    def total_rows(self) -> int:
+        """Rows of the whole embedding this span takes part of."""
+        return self.length if self.embedding_rows is None else self.embedding_rows
 
     @property
     def end(self) -> int:
