@@ -9,8 +9,9 @@ image's N, computed from its header (common.qwen_layout). The ids equal HF's; te
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from common.qwen_layout import QwenImageLayout, is_qwen_vl, load_qwen_layout
 # (`role.upper() + ': '`), so a client-chosen role could forge turns or template text in the prompt.
 CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant"})
 # Content part types the template renders; it skips others silently, which would hide a client's bug.
-CHAT_PART_TYPES: frozenset[str] = frozenset({"text", "image"})
+# ("video" renders only in Qwen-VL templates; the input processor refuses videos for other models.)
+CHAT_PART_TYPES: frozenset[str] = frozenset({"text", "image", "video"})
 
 
 class PromptError(InvalidInputError):
@@ -44,12 +46,24 @@ class PlaceholderRange:
 
 
 @dataclass(frozen=True)
+class VideoPromptLayout:
+    """How one video fills a Qwen-VL prompt: `groups` runs of `tokens_per_group` video tokens. Qwen3-VL
+    writes each group's start time before its run (`<1.5 seconds><|vision_start|>...<|vision_end|>`,
+    as its processor does); Qwen2.5-VL's one run holds every group (groups == 1 here)."""
+
+    groups: int
+    tokens_per_group: int
+    timestamps: tuple[float, ...] | None = None  # Qwen3-VL: one per group
+
+
+@dataclass(frozen=True)
 class TokenizedPrompt:
-    """Prompt token ids with image placeholders already expanded."""
+    """Prompt token ids with image (and video) placeholders already expanded."""
 
     token_ids: list[int]
     placeholders: list[PlaceholderRange]
     text: str
+    video_spans: list[list[PlaceholderRange]] = field(default_factory=list)  # per video, its runs
 
 
 class PromptTokenizer:
@@ -77,7 +91,13 @@ class PromptTokenizer:
         self.image_token_id: int = int(config.get("image_token_index", config.get("image_token_id", -1)))
         if self.image_token_id < 0:
             self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
-        self.mm_token_ids: frozenset[int] = frozenset({self.image_token_id})
+        self.video_token: str | None = None
+        self.video_token_id: int | None = None
+        if self.qwen_layout is not None and config.get("video_token_id") is not None:
+            self.video_token = getattr(self.tokenizer, "video_token", None) or "<|video_pad|>"
+            self.video_token_id = int(config["video_token_id"])
+        self.mm_token_ids: frozenset[int] = frozenset(
+            {self.image_token_id} | ({self.video_token_id} if self.video_token_id is not None else set()))
 
     def num_image_tokens(self, image_size: tuple[int, int] | None = None) -> int:
         """Placeholder tokens for one image of (height, width) of the LLaVA family (which ignores the
@@ -88,26 +108,77 @@ class PromptTokenizer:
 
     def encode_prompt(self, prompt: str, image_sizes: Sequence[tuple[int, int] | None] = (),
                       add_special_tokens: bool = True,
-                      image_token_counts: Sequence[int] | None = None) -> TokenizedPrompt:
+                      image_token_counts: Sequence[int] | None = None,
+                      videos: Sequence[VideoPromptLayout] = ()) -> TokenizedPrompt:
         """Tokenize a prompt whose image markers stand for the given images, in order (one count per
-        image in image_token_counts, or image_sizes for the LLaVA family's fixed count)."""
+        image in image_token_counts, or image_sizes for the LLaVA family's fixed count), and whose video
+        markers (Qwen-VL's `<|video_pad|>`) stand for `videos`, in order."""
         if not prompt:
             raise PromptError("empty prompt")
-        pieces = prompt.split(self.image_token)
         counts = list(image_token_counts) if image_token_counts is not None else [
             self.num_image_tokens(size) for size in image_sizes]
-        if len(pieces) - 1 != len(counts):
+        if videos and self.video_token is None:
+            raise PromptError("this model does not take video input")
+        found = prompt.count(self.image_token)
+        if found != len(counts):
             raise PlaceholderMismatchError(
-                f"prompt has {len(pieces) - 1} {self.image_token} placeholders but {len(counts)} images")
-        text = pieces[0]
-        for count, piece in zip(counts, pieces[1:], strict=True):
-            text += self.image_token * count + piece
+                f"prompt has {found} {self.image_token} placeholders but {len(counts)} images")
+        if self.video_token is not None and prompt.count(self.video_token) != len(videos):
+            raise PlaceholderMismatchError(f"prompt has {prompt.count(self.video_token)} {self.video_token} "
+                                           f"placeholders but {len(videos)} videos")
+        text = self._expand(prompt, counts, videos)
         ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-        return TokenizedPrompt(ids, self._placeholders(ids, counts), text)
+        spans = self._video_spans(ids, videos) if videos else []
+        return TokenizedPrompt(ids, self._placeholders(ids, counts), text, spans)
+
+    def _expand(self, prompt: str, counts: list[int], videos: Sequence[VideoPromptLayout]) -> str:
+        """Each marker replaced by its tokens, as the HF processors do (Qwen3-VL's processor replaces a
+        whole `<|vision_start|><|video_pad|><|vision_end|>` with its timestamped groups)."""
+        markers = [re.escape(self.image_token)]
+        if self.video_token is not None:
+            framed = "<|vision_start|>" + self.video_token + "<|vision_end|>"
+            markers = [re.escape(framed), re.escape(self.video_token), *markers]
+        parts = re.split("(" + "|".join(markers) + ")", prompt)
+        images, clips = iter(counts), iter(videos)
+        out = [parts[0]]
+        for marker, piece in zip(parts[1::2], parts[2::2], strict=True):
+            if marker == self.image_token:
+                out.append(self.image_token * next(images))
+            else:
+                out.append(self._video_text(next(clips), framed=marker != self.video_token))
+            out.append(piece)
+        return "".join(out)
+
+    def _video_text(self, video: VideoPromptLayout, framed: bool) -> str:
+        pads = self.video_token * video.tokens_per_group
+        if video.timestamps is None:  # Qwen2.5-VL: one run, the marker's own frame kept
+            run = pads * video.groups
+            return "<|vision_start|>" + run + "<|vision_end|>" if framed else run
+        return "".join(f"<{t:.1f} seconds><|vision_start|>{pads}<|vision_end|>" for t in video.timestamps)
+
+    def _video_spans(self, ids: list[int],
+                     videos: Sequence[VideoPromptLayout]) -> list[list[PlaceholderRange]]:
+        positions = [i for i, t in enumerate(ids) if t == self.video_token_id]
+        if len(positions) != sum(v.groups * v.tokens_per_group for v in videos):
+            raise PlaceholderMismatchError(f"tokenized prompt has {len(positions)} video tokens, expected "
+                                           f"{sum(v.groups * v.tokens_per_group for v in videos)}")
+        out, k = [], 0
+        for index, video in enumerate(videos):
+            runs = []
+            for _ in range(video.groups):
+                span = positions[k:k + video.tokens_per_group]
+                if span[-1] - span[0] != video.tokens_per_group - 1:
+                    raise PlaceholderMismatchError(f"video {index}: its placeholder tokens are not "
+                                                   "contiguous")
+                runs.append(PlaceholderRange(span[0], video.tokens_per_group, index))
+                k += video.tokens_per_group
+            out.append(runs)
+        return out
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     image_sizes: Sequence[tuple[int, int] | None] = (),
-                    image_token_counts: Sequence[int] | None = None) -> TokenizedPrompt:
+                    image_token_counts: Sequence[int] | None = None,
+                    videos: Sequence[VideoPromptLayout] = ()) -> TokenizedPrompt:
         """Render chat messages with the checkpoint's chat template, then tokenize like HF does.
 
         Image parts are `{"type": "image"}` entries in a message's content list, in order. Raises
@@ -122,7 +193,7 @@ class PromptTokenizer:
         bos = self.tokenizer.bos_token
         add_special = not (bos and text.startswith(bos))
         return self.encode_prompt(text, image_sizes, add_special_tokens=add_special,
-                                  image_token_counts=image_token_counts)
+                                  image_token_counts=image_token_counts, videos=videos)
 
     def _placeholders(self, ids: list[int], counts: list[int]) -> list[PlaceholderRange]:
         # Runs of image tokens, split into images of the expected lengths (adjacent images merge).

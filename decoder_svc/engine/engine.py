@@ -21,7 +21,7 @@ from common.qwen_layout import Grid
 from common.stats import stat
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.config import EngineConfig
-from decoder_svc.engine.embedding_source import EmbeddingSource
+from decoder_svc.engine.embedding_source import EmbeddingSource, VideoSource
 from decoder_svc.engine.input_processor import ImageLike, ImageOptions, InputProcessor
 from decoder_svc.engine.output_processor import OutputProcessor, RequestOutput
 from decoder_svc.engine.request import FinishReason, Request
@@ -108,12 +108,13 @@ class LLMEngine:
         cache_salt: str = "",
         image_options: Sequence[ImageOptions] | None = None,
         known_grids: Mapping[str, Grid] | None = None,
+        videos: Sequence[VideoSource] = (),
     ) -> Request:
         """Validate, tokenize and queue a request (engine thread): `self.inputs.make_request`, then
         `add`. The service makes requests on its own threads and calls `add` only."""
         return self.add(self.inputs.make_request(
             request_id, prompt, images, messages=messages, sampling=sampling, cache_salt=cache_salt,
-            image_options=image_options, known_grids=known_grids))
+            image_options=image_options, known_grids=known_grids, videos=videos))
 
     def add(self, req: Request) -> Request:
         """Queue a request made by InputProcessor.make_request (engine thread). Raises

@@ -29,8 +29,10 @@ from common.qwen_layout import (
     hash_fingerprint,
     mrope_positions,
 )
+from decoder_svc.engine.embedding_source import VideoSource
 from decoder_svc.engine.request import ImagePlaceholder, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
+from decoder_svc.engine.videos import VideoInputs
 from decoder_svc.model import generation_eos_ids
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.loader import text_config_dict
@@ -92,6 +94,14 @@ class InputProcessor:
     _grids: OrderedDict[tuple[str, str], Grid] = field(default_factory=OrderedDict, repr=False)
     # make_request runs on any thread
     _grids_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _videos: VideoInputs | None = field(default=None, repr=False)
+
+    @property
+    def videos(self) -> VideoInputs:
+        """Video planning for this model (refuses videos where the model takes none)."""
+        if self._videos is None:
+            self._videos = VideoInputs.for_model(self.config, self.fingerprint, self.qwen)
+        return self._videos
 
     @property
     def qwen(self) -> QwenImageLayout | None:
@@ -116,6 +126,7 @@ class InputProcessor:
         cache_salt: str = "",
         image_options: Sequence[ImageOptions] | None = None,
         known_grids: Mapping[str, Grid] | None = None,
+        videos: Sequence[VideoSource] = (),
     ) -> Request:
         """Validate, decode and hash images, tokenize: everything but queueing. It reads engine state
         that never changes, so a server runs it off the engine thread and a large image's decoding
@@ -123,8 +134,9 @@ class InputProcessor:
 
         `prompt` marks images with `<image>`; `messages` (chat) go through the chat template and mark
         images with {"type": "image"} parts. `images` are, in order, encoded files, PIL images, or hex
-        content hashes the encoder holds. Raises InvalidRequestError / PromptError (ValueError
-        subclasses) for bad input.
+        content hashes the encoder holds. `videos` (Qwen-VL: `<|video_pad|>` markers, {"type": "video"}
+        parts) are container files with their settings; only their headers are read here. Raises
+        InvalidRequestError / PromptError (ValueError subclasses) for bad input.
         """
         # Cheapest checks first: nothing is decoded or tokenized for a request refused on its sizes.
         sampling = sampling or SamplingParams()
@@ -138,11 +150,15 @@ class InputProcessor:
             ranges = self._pixel_ranges(len(images), image_options)
             grids = [self._grid(i, img, size, pixels, cache_salt, known_grids)
                      for i, (img, size, pixels) in enumerate(zip(images, sizes, ranges, strict=True))]
-            counts = self._check_image_tokens([self.qwen.num_tokens(g) for g in grids])
+            counts = [self.qwen.num_tokens(g) for g in grids]
+        plans = self.videos.plan(videos, cache_salt) if videos else []
+        if self.qwen is not None:
+            self._check_image_tokens(counts, [p.num_tokens for p in plans])
+        layouts = [self.videos.prompt_layout(p) for p in plans]
         if messages is not None:
-            tokenized = self.tokenizer.encode_chat(messages, sizes, image_token_counts=counts)
+            tokenized = self.tokenizer.encode_chat(messages, sizes, image_token_counts=counts, videos=layouts)
         elif prompt:
-            tokenized = self.tokenizer.encode_prompt(prompt, sizes, image_token_counts=counts)
+            tokenized = self.tokenizer.encode_prompt(prompt, sizes, image_token_counts=counts, videos=layouts)
         else:
             raise InvalidRequestError("empty input: give a prompt or chat messages")
         max_tokens = sampling.max_tokens or self.config.default_max_tokens
@@ -162,14 +178,24 @@ class InputProcessor:
                 content_hash=key, grid=grid, pixels=pixels))
             if grid is not None:
                 self._remember_grid(cache_salt, key, grid)
+        spans = []  # M-RoPE spans: (offset, grid) of images, (offset, grid, time interval) of videos
+        for runs, plan, src in zip(tokenized.video_spans, plans, videos, strict=True):
+            for k, run in enumerate(runs):
+                grid = self.videos.span_grid(plan, len(runs))
+                placeholders.append(ImagePlaceholder(
+                    offset=run.offset, length=run.length, content_hash=plan.content_hash, grid=grid,
+                    row_offset=k * run.length, embedding_rows=plan.num_tokens, video=src))
+                spans.append((run.offset, grid, self.videos.time_interval(plan, len(runs))))
+        placeholders.sort(key=lambda p: p.offset)
         req = Request(
             request_id=request_id, prompt_token_ids=tokenized.token_ids, sampling=sampling,
             max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, images=placeholders,
             cache_salt=cache_salt,
         )
         if self.qwen is not None:
+            spans += [(p.offset, p.grid) for p in placeholders if p.video is None]
             req.mrope_positions, req.mrope_delta = mrope_positions(
-                len(req.prompt_token_ids), [(p.offset, p.grid) for p in placeholders], self.qwen.merge_size)
+                len(req.prompt_token_ids), spans, self.qwen.merge_size)
         return req
 
     # -- Qwen2.5-VL images -----------------------------------------------------------------------
@@ -203,16 +229,16 @@ class InputProcessor:
         except ImageGeometryError as exc:
             raise InvalidRequestError(f"image {index}: {exc}") from None
 
-    def _check_image_tokens(self, counts: list[int]) -> list[int]:
+    def _check_image_tokens(self, counts: list[int], video_counts: Sequence[int] = ()) -> None:
         cfg = self.config
         for i, n in enumerate(counts):
             if n > cfg.max_image_tokens:
                 raise InvalidRequestError(f"image {i}: {n} image tokens; at most {cfg.max_image_tokens} "
                                           "per image")
-        if sum(counts) > cfg.max_image_tokens_per_request:
-            raise InvalidRequestError(f"{sum(counts)} image tokens; at most "
+        total = sum(counts) + sum(video_counts)
+        if total > cfg.max_image_tokens_per_request:
+            raise InvalidRequestError(f"{total} image and video tokens; at most "
                                       f"{cfg.max_image_tokens_per_request} per request")
-        return counts
 
     def _remember_grid(self, salt: str, content_hash: str, grid: Grid) -> None:
         with self._grids_lock:

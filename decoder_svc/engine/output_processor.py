@@ -36,13 +36,13 @@ class Usage:
 
     @classmethod
     def of(cls, req: Request) -> Usage:
-        """The usage of a request so far."""
+        """The usage of a request so far (image counts: images only, not a video's runs)."""
+        images = [i for i in req.images if i.video is None]
         return cls(
             prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_token_ids),
-            cached_prompt_tokens=req.num_cached_tokens or 0, images=len(req.images),
-            images_encoder_cache_hits=sum(i.encoder_cache_hit and not i.skipped_by_kv_reuse
-                                          for i in req.images),
-            images_skipped_by_kv_reuse=sum(i.skipped_by_kv_reuse for i in req.images))
+            cached_prompt_tokens=req.num_cached_tokens or 0, images=len(images),
+            images_encoder_cache_hits=sum(i.encoder_cache_hit and not i.skipped_by_kv_reuse for i in images),
+            images_skipped_by_kv_reuse=sum(i.skipped_by_kv_reuse for i in images))
 
 
 @dataclass
