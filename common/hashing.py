@@ -44,9 +44,18 @@ def hash_algorithm() -> str:
     return "blake3" if _blake3 is not None else "sha256"
 
 
-def _frame(hasher, tag: bytes, value: bytes) -> None:
+def _frame(hasher, tag: bytes, value: bytes | memoryview) -> None:
     hasher.update(struct.pack("<B", len(tag)) + tag + struct.pack("<Q", len(value)))
     hasher.update(value)
+
+
+def framed_digest(domain: bytes, fields: list[tuple[bytes, bytes | memoryview]]) -> bytes:
+    """32-byte digest of domain, then each (tag, value) framed with its length (no value is copied)."""
+    h = _hasher()
+    h.update(domain)
+    for tag, value in fields:
+        _frame(h, tag, value)
+    return h.digest()[:DIGEST_SIZE]
 
 
 def image_content_hash(

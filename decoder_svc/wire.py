@@ -13,6 +13,9 @@ from decoder_svc.engine.request import FinishReason
 from decoder_svc.engine.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_BYTES = 256  # the client's id only labels logs
+# The contract takes videos (GenerateRequest.videos, chat video parts); the engine does not lay them out
+# yet (video placeholders, Qwen3-VL timestamps, M-RoPE over time), so the front end refuses them whole.
+VIDEO_NOT_SERVED = "this decoder does not serve video input yet"
 _FINISH = {FinishReason.STOP: decoder_pb2.FINISH_REASON_STOP,
            FinishReason.LENGTH: decoder_pb2.FINISH_REASON_LENGTH,
            FinishReason.ABORT: decoder_pb2.FINISH_REASON_ABORT}
@@ -39,10 +42,18 @@ def _image(index: int, image: common_pb2.ImageInput) -> bytes | str:
     raise invalid_argument(f"image {index}: neither data nor content_hash is set")
 
 
+def has_video(request: decoder_pb2.GenerateRequest) -> bool:
+    """True when the request carries a video: in `videos` or as a chat part."""
+    return bool(request.videos) or any(part.WhichOneof("part") == "video"
+                                       for message in request.chat.messages for part in message.content)
+
+
 def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
     """Validate the request's shape and turn it into engine arguments (INVALID_ARGUMENT on misuse)."""
     if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
         raise invalid_argument(f"request_id longer than {MAX_REQUEST_ID_BYTES} bytes")
+    if has_video(request):
+        raise invalid_argument(VIDEO_NOT_SERVED)
     s = request.sampling
     sampling = SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,

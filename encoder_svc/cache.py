@@ -7,7 +7,8 @@ crashed cannot pin memory forever. When the bytes an insert needs are all leased
 with CacheFullError (never waits: a decoder holding leases while waiting for the encoder would
 deadlock). An item larger than the whole arena is refused with ItemTooLargeError.
 
-An entry is one tensor of any shape in one contiguous slice: [rows, hidden] for LLaVA and Qwen2.5-VL,
+An entry (an image's or a video's) is one tensor of any shape in one contiguous slice: [rows, hidden] for
+LLaVA and Qwen2.5-VL,
 [parts, rows, hidden] for Qwen3-VL (the merged features and each DeepStack level), so every part of an
 image is cached, leased, evicted and handed over together, and its bytes count once against the budget.
 
@@ -46,6 +47,7 @@ import torch
 
 from common.errors import CapacityError, UnavailableError
 from common.transport.arena import Arena, SliceAllocator
+from common.video.timestamps import VideoTiming
 from encoder_svc.defaults import DEFAULT_LEASE_TTL_S
 
 
@@ -79,6 +81,7 @@ class Entry:
     leases: int = 0
     salt: str = ""  # the cache_salt it was made under: only that salt may reach it
     grid: tuple[int, ...] = ()  # the image's (t, h, w) patch grid (Qwen-VL); () for fixed-size models
+    timing: VideoTiming | None = None  # a video's group timestamps and seconds per group; None: an image
 
 
 @dataclass
@@ -239,13 +242,17 @@ class EmbeddingCache:
         self.complete_many([(key, tensor)])
 
     def complete_many(self, items: Sequence[tuple[str, torch.Tensor]],
-                      grids: Sequence[tuple[int, ...]] | None = None) -> None:
+                      grids: Sequence[tuple[int, ...]] | None = None,
+                      timings: Sequence[VideoTiming | None] | None = None) -> None:
         """`complete` for a batch: on CUDA one event, recorded after all the batch's writes, fences every
         entry of it (an interprocess event and its handle cost the tower thread more than a write).
-        grids: each item's image grid, kept with its entry (Qwen-VL)."""
+        grids: each item's image or video grid, kept with its entry (Qwen-VL); timings: each item's
+        video timing (None for an image)."""
         placed: list[tuple[str, torch.Tensor, int, int]] = []  # (key, tensor, offset, nbytes)
         fences: list = []
-        grid_of = dict(zip([k for k, _ in items], grids, strict=True)) if grids is not None else {}
+        keys = [k for k, _ in items]
+        grid_of = dict(zip(keys, grids, strict=True)) if grids is not None else {}
+        timing_of = dict(zip(keys, timings, strict=True)) if timings is not None else {}
         for key, tensor in items:
             nbytes = tensor.numel() * tensor.element_size()
             try:
@@ -269,16 +276,17 @@ class EmbeddingCache:
         with self._lock:
             for key, tensor, offset, nbytes in placed:
                 self._reserved_inflight -= self.allocator.reserved_size(nbytes)
-                self._publish_locked(key, offset, nbytes, tensor, event, handle, grid_of.get(key, ()))
+                self._publish_locked(key, offset, nbytes, tensor, event, handle, grid_of.get(key, ()),
+                                     timing_of.get(key))
 
     def _publish_locked(self, key: str, offset: int, nbytes: int, tensor: torch.Tensor, event,
-                        handle: bytes, grid: tuple[int, ...] = ()) -> None:
+                        handle: bytes, grid: tuple[int, ...] = (), timing: VideoTiming | None = None) -> None:
         pending = self._pending.pop(key, None)
         # The producer's salt (from its acquire) goes with the entry; a complete() without an
         # acquire has no salt to give, so its entry is reachable with the empty salt only.
         salt = pending.salt if pending is not None else ""
         entry = Entry(key, offset, nbytes, tuple(tensor.shape), tensor.dtype, event, handle, salt=salt,
-                      grid=tuple(grid))
+                      grid=tuple(grid), timing=timing)
         self._entries[key] = entry
         for waiter in pending.waiters if pending is not None else []:
             if waiter.future.cancelled():

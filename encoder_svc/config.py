@@ -3,6 +3,7 @@
     EncoderServiceConfig
       encoder: EncoderConfig      the tower, the embedding cache, the workers
         limits: ImageLimits       what one request may carry (common/images.py)
+        video_limits: VideoLimits the videos' caps, checked from their headers (common/video/limits.py)
       service: ServiceOptions     host, metrics port, log level, Hub revision
       port                        the gRPC server's
 
@@ -27,6 +28,7 @@ from common.arg_types import (
 from common.config import ServiceOptions, check_options, option, section
 from common.devices import resolve_device_and_dtype
 from common.images import ImageLimits
+from common.video.limits import VideoLimits
 from common.vision import PREPROCESS_MODES
 from encoder_svc.defaults import DEFAULT_LEASE_TTL_S, DEFAULT_MAX_BATCH_IMAGES
 
@@ -66,6 +68,8 @@ class EncoderConfig:
     arena: str = option("auto", "where embeddings live: auto picks cuda (GPU + cupy), else shm, else "
                         "private", choices=ARENAS)
     limits: ImageLimits = section(ImageLimits, "image limits")
+    video_limits: VideoLimits = section(VideoLimits, "video limits (Qwen2.5-VL, Qwen3-VL), checked from the "
+                                        "header before any frame is decoded")
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -42,6 +42,9 @@ def build_ref(handle: Handle, transport: int, arena: Arena, inline_bytes: bytes 
     ref = common_pb2.EmbeddingRef(
         content_hash=entry.key, shape=list(entry.shape), dtype=dtypes.to_wire(entry.dtype),
         nbytes=entry.nbytes, cache_hit=handle.hit, grid_thw=list(entry.grid))
+    if entry.timing is not None:  # a video: what its prompt layout needs besides the grid
+        ref.video_timestamps.extend(entry.timing.timestamps)
+        ref.second_per_grid = entry.timing.second_per_grid
     if transport == common_pb2.TRANSPORT_INLINE:
         ref.inline_data = inline_bytes if inline_bytes is not None else b""
         return ref
@@ -67,3 +70,14 @@ def build_ref(handle: Handle, transport: int, arena: Arena, inline_bytes: bytes 
 def inline_payload(tensor) -> bytes:
     """The bytes of an embedding view for the inline transport."""
     return inline.to_bytes(tensor)
+
+
+def grid_message(entry) -> common_pb2.ImageGrid:
+    """Lookup's answer for one hash: the entry's grid and, for a video, its timing (empty when absent)."""
+    if entry is None:
+        return common_pb2.ImageGrid()
+    grid = common_pb2.ImageGrid(thw=list(entry.grid))
+    if entry.timing is not None:
+        grid.video_timestamps.extend(entry.timing.timestamps)
+        grid.second_per_grid = entry.timing.second_per_grid
+    return grid

@@ -11,6 +11,12 @@ skips it); leases belong to the request's lease_owner and Release frees only the
 
 An embedding travels as one EmbeddingRef whatever its shape: [rows, hidden] (LLaVA, Qwen2.5-VL) or
 [parts, rows, hidden] (Qwen3-VL's merged features and DeepStack levels: one entry, lease and location).
+
+Videos (Qwen2.5-VL, Qwen3-VL; encoder_svc/videos.py) follow the images of a request: their settings and
+headers are checked against the caps (VideoLimits) and their content hash made from the bytes, in a
+thread, before anything is decoded; a miss is decoded and patched on a prep thread and run through the
+tower with its (t, h, w) grid; each video is one cache entry whose ref also carries its timing. Refs
+list the images first, then the videos.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.qwen_layout import ImageGeometryError, PixelRange, hash_fingerprint
 from common.stats import to_message
 from common.transport.arena_factory import make_arena
+from common.video.limits import VideoLimits
 from common.vision.qwen_encoder import make_vision_encoder, takes_pixel_ranges
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError
@@ -41,8 +48,9 @@ from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 from encoder_svc.defaults import default_decode_processes
 from encoder_svc.future_bridge import FutureBridge
 from encoder_svc.metrics import EncoderMetrics
-from encoder_svc.refs import build_ref, choose_transport, inline_payload, served_transports
+from encoder_svc.refs import build_ref, choose_transport, grid_message, inline_payload, served_transports
 from encoder_svc.stats import EncoderStats
+from encoder_svc.videos import VideoJob, plan_videos
 from encoder_svc.worker import DEMAND, PREFETCH, VisionWorker
 
 log = logging.getLogger("mmserve.encoder")
@@ -73,8 +81,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     def __init__(self, vision: VisionEncoder, cache: EmbeddingCache, worker: VisionWorker,
                  limits: ImageLimits = ImageLimits(), registry: CollectorRegistry | None = REGISTRY,
-                 decode_pool: DecodePool | None = None) -> None:
+                 decode_pool: DecodePool | None = None, video_limits: VideoLimits = VideoLimits()) -> None:
         self.vision = vision
+        self.video_limits = video_limits
+        self.video_config = getattr(vision, "video_config", None)  # None: the model takes no video
         self.decode_pool = decode_pool  # None: decode and hash in a thread
         self.cache = cache
         self.worker = worker
@@ -107,7 +117,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         worker = VisionWorker(vision, cache, config.max_batch_images, config.preprocess_threads)
         processes = default_decode_processes() if config.decode_processes is None else config.decode_processes
         decode_pool = DecodePool(processes, config.limits) if processes > 0 else None
-        return cls(vision, cache, worker, config.limits, registry, decode_pool)
+        return cls(vision, cache, worker, config.limits, registry, decode_pool, config.video_limits)
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -122,12 +132,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         if self._closing:
             raise unavailable("encoder is shutting down")
 
-    def _check_count(self, images) -> None:
-        if not images:
-            raise invalid_argument("no images in the request")
+    def _check_count(self, images, videos=()) -> None:
+        if not images and not videos:
+            raise invalid_argument("no images or videos in the request")
         if len(images) > self.limits.max_images_per_request:
             raise invalid_argument(f"{len(images)} images in one request; the limit is "
                                    f"{self.limits.max_images_per_request}")
+        if videos and self.video_config is None:
+            raise invalid_argument("this model takes no video input (video 0)")
+        if len(videos) > self.video_limits.max_per_request:
+            raise invalid_argument(f"{len(videos)} videos in one request; the limit is "
+                                   f"{self.video_limits.max_per_request}")
 
     @staticmethod
     def _check_owner(owner: str) -> None:
@@ -211,6 +226,26 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     task.close()  # a coroutine never awaited (its RPC failed first): no warning
         return out
 
+    async def _videos(self, videos, salt: str) -> list[tuple[str, VideoJob | None]]:
+        """Each video's content hash and, for bytes, its job: settings and header checked and the bytes
+        hashed in a thread (nothing decoded); hash-only requests are checked in place."""
+        if not videos:
+            return []
+        args = (videos, self.video_config, self.video_limits, self.vision.fingerprint, salt)
+        if all(v.WhichOneof("source") == "content_hash" for v in videos):
+            return plan_videos(*args)
+        return await asyncio.to_thread(plan_videos, *args)
+
+    async def _inputs(self, request, salt: str) -> tuple[list, list[tuple[str, VideoJob | None]]]:
+        """_items of the images and _videos of the videos; a failing video gives back the images' pixel
+        slots."""
+        items = await self._items(request.images, salt)
+        try:
+            return items, await self._videos(request.videos, salt)
+        except BaseException:
+            _release_images(items)
+            raise
+
     async def _items(self, images, salt: str) -> list[tuple[str, DecodedImage | None]]:
         """Each input's content hash and decoded image: decoded in the pool (or a thread) when there are
         bytes; hash-only requests (the decoders' hit path) are checked in place, without a hop."""
@@ -245,12 +280,33 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             self.worker.boost(key)  # joined a queued prefetch: it is needed now
         return fut
 
+    def _acquire_video(self, index: int, key: str, job: VideoJob | None, want_lease: bool, priority: int,
+                       salt: str, owner: str = "") -> cf.Future:
+        """_acquire for video `index`: its size is known from the header-derived grid, so a video that
+        cannot fit fails before it is decoded; a miss goes to the vision worker as a VideoJob."""
+        try:
+            nbytes = self.vision.nbytes_for(job.plan.grid) if job is not None else None
+            fut, produce = self.cache.acquire(key, want_lease, nbytes, produce=job is not None, salt=salt,
+                                              owner=owner)
+        except (CacheFullError, SaltClashError) as exc:
+            raise self._map_error(index, exc, "video") from None
+        if produce:
+            self.worker.submit(key, job, priority)
+            return fut
+        if fut is None:
+            raise not_found(f"video {index}: content hash {key} is not in the encoder cache; "
+                            "send the video bytes instead")
+        if priority == DEMAND and not fut.done():
+            self.worker.boost(key)
+        return fut
+
     @staticmethod
-    def _map_error(index: int, exc: BaseException) -> ServiceError:
-        """The status for image `index`'s failure (a ServiceError raised here is already one)."""
+    def _map_error(index: int, exc: BaseException, kind: str = "image") -> ServiceError:
+        """The status for input `index`'s failure (kind: image or video; a ServiceError raised here is
+        already one)."""
         if isinstance(exc, ServiceError):
             return exc
-        return as_service_error(exc, f"image {index}: ")
+        return as_service_error(exc, f"{kind} {index}: ")
 
     def _inline_bytes(self, handle: Handle) -> bytes:
         """Copy an entry out (under its lease) for the inline transport; runs in a thread."""
@@ -266,11 +322,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             transport = choose_transport(request.accept, self.served)
         except ValueError as exc:
             raise invalid_argument(str(exc)) from None
-        self._check_count(request.images)
+        self._check_count(request.images, request.videos)
         self._check_owner(request.lease_owner)
         self._check_salt(request.cache_salt)
         salt, owner = request.cache_salt, request.lease_owner
-        items = await self._items(request.images, salt)
+        items, videos = await self._inputs(request, salt)
         priority = PREFETCH if request.prefetch else DEMAND
         futures: list[cf.Future] = []
         handles: list[Handle] = []
@@ -279,14 +335,18 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 for i, (key, image) in enumerate(items):
                     futures.append(self._acquire(i, key, image, True, priority, salt, owner,
                                                  self._pixels(i, request.images[i])))
-            for i, fut in enumerate(futures):
+                for i, (key, job) in enumerate(videos):  # refs: images first, then videos
+                    futures.append(self._acquire_video(i, key, job, True, priority, salt, owner))
+            for n, fut in enumerate(futures):
                 try:
                     # A hit is resolved already: take it without a trip through the event loop.
                     handles.append(fut.result() if fut.done() else await self._bridge().wrap(fut))
                 except (asyncio.CancelledError, ServiceError):
                     raise
                 except Exception as exc:
-                    raise self._map_error(i, exc) from None
+                    video = n >= len(items)
+                    raise self._map_error(n - len(items) if video else n, exc,
+                                          "video" if video else "image") from None
             refs = []
             for handle in handles:
                 if transport == common_pb2.TRANSPORT_INLINE:
@@ -305,15 +365,20 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def Prefetch(self, request: encoder_pb2.PrefetchRequest, context) -> encoder_pb2.PrefetchResponse:
         self._check_open()
-        self._check_count(request.images)
+        self._check_count(request.images, request.videos)
         self._check_salt(request.cache_salt)
-        items = await self._items(request.images, request.cache_salt)
+        items, videos = await self._inputs(request, request.cache_salt)
         accepted = 0
-        for i, (key, image) in enumerate(items):
+        salt = request.cache_salt
+        acquires = [(lambda i=i, key=key, image=image: self._acquire(
+            i, key, image, False, PREFETCH, salt, "", self._pixels(i, request.images[i])))
+            for i, (key, image) in enumerate(items)]
+        acquires += [functools.partial(self._acquire_video, i, key, job, False, PREFETCH, salt)
+                     for i, (key, job) in enumerate(videos)]
+        for acquire in acquires:
             try:
-                self._acquire(i, key, image, False, PREFETCH, request.cache_salt, "",
-                              self._pixels(i, request.images[i]))
-            except ServiceError as exc:  # fire-and-forget: an image that cannot be cached is skipped
+                acquire()
+            except ServiceError as exc:  # fire-and-forget: an input that cannot be cached is skipped
                 log.info("prefetch skipped: %s", exc.message)
                 continue
             accepted += 1
@@ -331,9 +396,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         salt = request.cache_salt
         self._check_salt(salt)
         entries = [self.cache.peek(h.lower(), salt) for h in request.content_hashes]
-        return encoder_pb2.LookupResponse(
-            cached=[e is not None for e in entries],
-            grids=[common_pb2.ImageGrid(thw=list(e.grid) if e is not None else []) for e in entries])
+        return encoder_pb2.LookupResponse(cached=[e is not None for e in entries],
+                                          grids=[grid_message(e) for e in entries])
 
     def stats(self) -> EncoderStats:
         """The service's stats record: the cache, the worker and the service's counters, read now."""

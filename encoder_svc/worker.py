@@ -1,5 +1,8 @@
 """The vision worker: preprocessing pools feeding one thread that batches queued images and runs the tower.
 
+A video is one job like an image (encoder_svc/videos.py): its frames are decoded and patched on a prep
+thread, and the tower runs it with its (t, h, w) grid, in a batch with images or other videos.
+
 Each image starts preprocessing (`VisionEncoder.prepare`) in a thread pool (one per priority) the
 moment it is submitted, so that work runs in parallel and the next batch is prepared while the tower
 runs the current one; the tower thread only stacks prepared images and launches the forward pass.
@@ -52,6 +55,7 @@ from encoder_svc.cache import EmbeddingCache, ShuttingDownError
 from encoder_svc.decoded_image import DecodedImage
 from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
 from encoder_svc.prep_threads import PrepTask, PrepThreads
+from encoder_svc.videos import VideoJob
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +114,9 @@ class VisionWorker:
         self._thread = threading.Thread(target=self._run, name="vision-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, key: str, image: Image.Image | DecodedImage, priority: int = DEMAND,
+    def submit(self, key: str, image: Image.Image | DecodedImage | VideoJob, priority: int = DEMAND,
                pixels: PixelRange | None = None) -> None:
-        """Queue image (PIL, or raw pixels from the decode pool) for key; the cache gets
+        """Queue image (PIL, or raw pixels from the decode pool) or a video job for key; the cache gets
         `complete(key, ...)` or `fail(key, ...)` later. pixels: a Qwen-VL image's pixel range."""
         with self._cv:
             if self._stopped:
@@ -126,9 +130,11 @@ class VisionWorker:
             heapq.heappush(self._heap, (priority, next(self._seq), job))
             self._cv.notify()
 
-    def _prepare(self, image: Image.Image | DecodedImage, pixels: PixelRange | None = None):
-        """The tower's host-side preprocessing; then a decode pool's pixel slot goes back (prepare
-        copied the pixels out)."""
+    def _prepare(self, image: Image.Image | DecodedImage | VideoJob, pixels: PixelRange | None = None):
+        """The tower's host-side preprocessing (a video: decoding its sampled frames and patching them);
+        then a decode pool's pixel slot goes back (prepare copied the pixels out)."""
+        if isinstance(image, VideoJob):
+            return image.prepare()
         try:
             return self.vision.prepare(image) if pixels is None else self.vision.prepare(image, pixels)
         finally:
@@ -247,8 +253,9 @@ class VisionWorker:
         self.batches += 1
         self.encodes += len(batch)
         grids = [getattr(prepared, "grid", ()) for _, prepared in batch]  # Qwen-VL images have one
+        timings = [getattr(prepared, "timing", None) for _, prepared in batch]  # videos have one
         items = [(job.key, feat) for (job, _), feat in zip(batch, feats, strict=True)]
-        self.cache.complete_many(items, grids)
+        self.cache.complete_many(items, grids, timings)
 
     def images_per_s(self) -> float:
         """Images through the tower per second since the worker started."""

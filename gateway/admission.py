@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from gateway.config import DECODER_MAX_SALT_BYTES, GatewayConfig, ImageFetchPolicy, RequestLimits
 from gateway.errors import APIError, bad_request
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, ImagePart
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, VideoPart
 
 # Bytes a chat template adds around each message (role markers, separators): what the rendered prompt
 # costs beyond its text, so that a million empty messages count as what they are.
@@ -112,7 +112,7 @@ def admit_chat(req: ChatCompletionRequest, config: GatewayConfig) -> None:
     if len(req.messages) > limits.max_messages:
         raise bad_request(f"{len(req.messages)} messages; at most {limits.max_messages} per request",
                           "messages", "too_many_messages")
-    parts = n_images = inline_bytes = 0
+    parts = n_images = n_videos = inline_bytes = 0
     prompt_bytes = TEMPLATE_BYTES_PER_MESSAGE * len(req.messages)
     for i, message in enumerate(req.messages):
         content = message.content
@@ -123,8 +123,9 @@ def admit_chat(req: ChatCompletionRequest, config: GatewayConfig) -> None:
             continue
         for j, part in enumerate(content or []):
             parts += 1
-            if isinstance(part, ImagePart):
-                n_images += 1
+            if isinstance(part, ImagePart | VideoPart):
+                n_images += isinstance(part, ImagePart)
+                n_videos += isinstance(part, VideoPart)
                 if part.url.startswith("data:"):
                     inline_bytes += data_url_bytes(part.url)
             else:
@@ -134,11 +135,14 @@ def admit_chat(req: ChatCompletionRequest, config: GatewayConfig) -> None:
         raise bad_request(f"{parts} content parts; at most {limits.max_content_parts} per request",
                           "messages", "too_many_content_parts")
     check_image_count(n_images, images)
+    if n_videos > images.max_videos_per_request:
+        raise bad_request(f"{n_videos} videos; at most {images.max_videos_per_request} per request",
+                          "messages", "too_many_videos")
     if prompt_bytes > limits.max_prompt_bytes:
         raise too_large(f"the rendered prompt ({prompt_bytes} bytes with the template's share)",
                         limits.max_prompt_bytes, "bytes", "prompt_too_large", "messages")
     if inline_bytes > images.max_total_image_bytes:
-        raise too_large(f"the request's data-URL images ({inline_bytes} bytes)",
+        raise too_large(f"the request's data-URL images and videos ({inline_bytes} bytes)",
                         images.max_total_image_bytes, "bytes", "images_too_large", "messages")
     _admit_shared(req, config)
 

@@ -1,6 +1,6 @@
 """The ASGI app: OpenAI routes over a DecoderPool.
 
-    POST /v1/chat/completions   messages with text and image_url parts; stream with SSE
+    POST /v1/chat/completions   messages with text, image_url and video_url parts; stream with SSE
     POST /v1/completions        a text prompt
     GET  /v1/models             the served model
     GET  /health                200 when a decoder is SERVING, else 503
@@ -31,7 +31,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError, bad_request, from_rpc_error
 from gateway.images import ImageFetcher
 from gateway.metrics import GatewayMetrics
-from gateway.model_info import ServedModel, max_model_len, model_root
+from gateway.model_info import ServedModel, max_model_len, model_root, takes_video
 from gateway.responses import (
     FINISH_REASONS,
     CompletionLogprobs,
@@ -94,7 +94,7 @@ class Gateway:
         self.texts = TokenTexts(config.model)
         self.created = int(time.time())
         self.served = ServedModel(tuple(config.served_model_names), model_root(config.model),
-                                  max_model_len(config.model))
+                                  max_model_len(config.model), takes_video(config.model))
 
     # --- plumbing ---------------------------------------------------------------------------------
 
@@ -230,7 +230,7 @@ class Gateway:
 
     async def chat_completions(self, request: Request) -> Response:
         async def translate(req, salt):
-            return await chat_request(req, self.fetcher, salt)
+            return await chat_request(req, self.fetcher, salt, self.served.takes_video)
 
         return await self._handle(request, "chat", ChatCompletionRequest, translate, self._chat_response)
 

@@ -34,7 +34,8 @@ UPSTREAM_MESSAGE_MARGIN = 8 * 2**20
 
 @dataclass(frozen=True)
 class ImageFetchPolicy:
-    """Limits on the images a request may name, checked before any fetch."""
+    """Limits on the images and videos a request may name, checked before any fetch (a video URL is fetched
+    like an image URL: the same timeout, address rules, per-file and per-request byte limits)."""
 
     max_bytes: int = option(20 * 2**20, "largest image (URL body or data URL), bytes",
                             flag="--max-image-bytes", type=positive_int)
@@ -43,6 +44,9 @@ class ImageFetchPolicy:
     allow_private: bool = option(False, "also fetch image URLs on loopback, private and link-local "
                                  "addresses", flag="--allow-private-image-urls")
     max_images_per_request: int = option(16, "most images in one request (the decoder's default limit)",
+                                         type=positive_int)
+    max_videos_per_request: int = option(4, "most videos (video_url parts) in one request; their URLs are "
+                                         "fetched under the same rules and byte limits as images",
                                          type=positive_int)
     max_total_image_bytes: int = option(
         DEFAULT_MAX_MESSAGE_BYTES - UPSTREAM_MESSAGE_MARGIN,

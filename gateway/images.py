@@ -1,5 +1,6 @@
-"""Image URLs of OpenAI requests to encoded image bytes: `data:` URLs, and http(s) URLs fetched with a
-timeout and a size limit.
+"""Image and video URLs of OpenAI requests to encoded bytes: `data:` URLs, and http(s) URLs fetched with a
+timeout and a size limit (a video URL under the same policy as an image URL; its container is checked
+from its first bytes instead of an image format).
 
 Fetching a URL a client names is a server-side request forgery risk: by default every address the host
 name resolves to must be a public one (not loopback, private, link-local, shared, reserved or
@@ -47,13 +48,14 @@ class ByteBudget:
             raise too_large("the request's images together", self.limit, "bytes", "images_too_large", param)
 
 
-def decode_data_url(url: str, max_bytes: int, param: str) -> bytes:
-    """The bytes of a `data:[<mediatype>][;base64],<data>` URL (400 when malformed or too large)."""
+def decode_data_url(url: str, max_bytes: int, param: str, kind: str = "image") -> bytes:
+    """The bytes of a `data:[<mediatype>][;base64],<data>` URL (400 when malformed or too large); kind
+    (image, video) names the content in messages."""
     header, sep, payload = url[len("data:"):].partition(",")
     if not sep:
         raise bad_request("malformed data URL: no ',' after the media type", param)
     if len(payload) > max_bytes * 4 // 3 + 4:  # cheap check before decoding
-        raise bad_request(f"image larger than {max_bytes} bytes", param, "image_too_large")
+        raise bad_request(f"{kind} larger than {max_bytes} bytes", param, f"{kind}_too_large")
     if header.endswith(";base64"):
         try:
             data = base64.b64decode(payload, validate=True)
@@ -62,9 +64,9 @@ def decode_data_url(url: str, max_bytes: int, param: str) -> bytes:
     else:
         data = unquote_to_bytes(payload)
     if len(data) > max_bytes:
-        raise bad_request(f"image larger than {max_bytes} bytes", param, "image_too_large")
+        raise bad_request(f"{kind} larger than {max_bytes} bytes", param, f"{kind}_too_large")
     if not data:
-        raise bad_request("empty image in data URL", param)
+        raise bad_request(f"empty {kind} in data URL", param)
     return data
 
 
@@ -112,6 +114,16 @@ async def _public_address(host: str, port: int, param: str) -> str:
     return addresses[0]
 
 
+def check_video_container(data: bytes, param: str) -> None:
+    """400 unless data starts like a video container the encoder reads (MP4/MOV, Matroska/WebM, AVI);
+    the rest of the header is the encoder's to check (common/video/probe.py)."""
+    from common.video.probe import sniff_format  # PyAV and the video stack load only when a video comes
+
+    if sniff_format(data) is None:
+        raise bad_request(f"{param}: not a video container the server reads (MP4/MOV, Matroska/WebM, AVI)",
+                          param, "invalid_video_format")
+
+
 class ImageFetcher:
     """Turns image URLs into bytes under an ImageFetchPolicy; one HTTP connection pool for all requests."""
 
@@ -124,18 +136,22 @@ class ImageFetcher:
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def fetch_all(self, items: Sequence[tuple[str, str]]) -> list[bytes]:
+    async def fetch_all(self, items: Sequence[tuple[str, str]],
+                        kinds: Sequence[str] | None = None) -> list[bytes]:
         """The bytes of each (url, param), in order: at most fetch_concurrency at once for this request
-        (and global_fetch_concurrency for the gateway), all within max_total_image_bytes. The first
-        failure, or the caller's cancellation (a client that left), cancels the fetches still running."""
+        (and global_fetch_concurrency for the gateway), all within max_total_image_bytes (images and
+        videos together). kinds: each item's "image" (default) or "video". The first failure, or the
+        caller's cancellation (a client that left), cancels the fetches still running."""
         budget = ByteBudget(self.policy.max_total_image_bytes)
         mine = asyncio.Semaphore(self.policy.fetch_concurrency)
 
-        async def one(url: str, param: str) -> bytes:
+        async def one(url: str, param: str, kind: str) -> bytes:
             async with mine, self._slots:
-                return await self.fetch(url, param, budget)
+                return await self.fetch(url, param, budget, kind)
 
-        tasks = [asyncio.ensure_future(one(url, param)) for url, param in items]
+        kinds = list(kinds) if kinds is not None else ["image"] * len(items)
+        tasks = [asyncio.ensure_future(one(url, param, kind))
+                 for (url, param), kind in zip(items, kinds, strict=True)]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in tasks:  # the failure first in request order, among those that ended
@@ -147,32 +163,36 @@ class ImageFetcher:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def fetch(self, url: str, param: str, budget: ByteBudget | None = None) -> bytes:
-        """The image bytes at url (data, http or https), format checked from the header; an APIError
-        (400, or 413 past the budget) names `param` on failure."""
+    async def fetch(self, url: str, param: str, budget: ByteBudget | None = None,
+                    kind: str = "image") -> bytes:
+        """The image (or, kind "video", video) bytes at url (data, http or https), format checked from the
+        header; an APIError (400, or 413 past the budget) names `param` on failure."""
         budget = budget or ByteBudget(self.policy.max_total_image_bytes)
         if url.startswith("data:"):
-            data = decode_data_url(url, self.policy.max_bytes, param)
+            data = decode_data_url(url, self.policy.max_bytes, param, kind)
             budget.take(len(data), param)
         else:
-            data = await self._fetch_url(url, param, budget)
+            data = await self._fetch_url(url, param, budget, kind)
+        if kind == "video":
+            check_video_container(data, param)
+            return data
         try:
             check_image_format(data, self.policy.format_names)
         except ImageError as exc:
             raise bad_request(f"{param}: {exc}", param, "invalid_image_format") from None
         return data
 
-    async def _fetch_url(self, url: str, param: str, budget: ByteBudget) -> bytes:
+    async def _fetch_url(self, url: str, param: str, budget: ByteBudget, kind: str = "image") -> bytes:
         try:
-            return await asyncio.wait_for(self._fetch_http(url, param, budget), self.policy.timeout_s)
+            return await asyncio.wait_for(self._fetch_http(url, param, budget, kind), self.policy.timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
-            raise bad_request(f"timed out after {self.policy.timeout_s:g} s fetching the image URL",
-                              param, "image_fetch_timeout") from None
+            raise bad_request(f"timed out after {self.policy.timeout_s:g} s fetching the {kind} URL",
+                              param, f"{kind}_fetch_timeout") from None
         except httpx.HTTPError as exc:
-            raise bad_request(f"cannot fetch the image URL: {type(exc).__name__}: {exc}", param,
-                              "image_fetch_failed") from None
+            raise bad_request(f"cannot fetch the {kind} URL: {type(exc).__name__}: {exc}", param,
+                              f"{kind}_fetch_failed") from None
 
-    async def _fetch_http(self, url: str, param: str, budget: ByteBudget) -> bytes:
+    async def _fetch_http(self, url: str, param: str, budget: ByteBudget, kind: str = "image") -> bytes:
         for _ in range(MAX_REDIRECTS + 1):
             try:
                 target = httpx.URL(url)
@@ -189,7 +209,7 @@ class ImageFetcher:
                 if response.status_code != 200:
                     raise bad_request(f"fetching the image URL answered HTTP {response.status_code}", param,
                                       "image_fetch_failed")
-                return await self._read_limited(response, param, budget)
+                return await self._read_limited(response, param, budget, kind)
             finally:
                 await response.aclose()
         raise bad_request(f"more than {MAX_REDIRECTS} redirects fetching the image URL", param,
@@ -211,12 +231,14 @@ class ImageFetcher:
         extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
         return self._client.build_request("GET", pinned, headers=headers, extensions=extensions)
 
-    async def _read_limited(self, response: httpx.Response, param: str, budget: ByteBudget) -> bytes:
+    async def _read_limited(self, response: httpx.Response, param: str, budget: ByteBudget,
+                            kind: str = "image") -> bytes:
+        """The body, refused (before it is all read) past the per-file limit or the request's budget."""
         limit = self.policy.max_bytes
         declared = response.headers.get("content-length")
         if declared is not None and declared.isdigit():
             if int(declared) > limit:
-                raise bad_request(f"image larger than {limit} bytes", param, "image_too_large")
+                raise bad_request(f"{kind} larger than {limit} bytes", param, f"{kind}_too_large")
             if budget.used + int(declared) > budget.limit:
                 budget.take(int(declared), param)
         chunks, size = [], 0
@@ -224,8 +246,8 @@ class ImageFetcher:
             budget.take(len(chunk), param)
             size += len(chunk)
             if size > limit:
-                raise bad_request(f"image larger than {limit} bytes", param, "image_too_large")
+                raise bad_request(f"{kind} larger than {limit} bytes", param, f"{kind}_too_large")
             chunks.append(chunk)
         if not size:
-            raise bad_request("the image URL returned no bytes", param)
+            raise bad_request(f"the {kind} URL returned no bytes", param)
         return b"".join(chunks)

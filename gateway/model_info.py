@@ -54,6 +54,20 @@ def max_model_len(model_dir: str | Path | None) -> int | None:
         return None
 
 
+def takes_video(model_dir: str | Path | None) -> bool | None:
+    """Whether the checkpoint takes video input (its model_type is a Qwen VL one: Qwen2.5-VL, Qwen3-VL);
+    None when there is no readable config (then the decoder decides)."""
+    if model_dir is None:
+        return None
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    from common.video.config import VIDEO_MODEL_FAMILIES
+
+    return model_type in VIDEO_MODEL_FAMILIES
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """The names under which the gateway serves one checkpoint; the first is what responses carry."""
@@ -61,6 +75,7 @@ class ServedModel:
     names: tuple[str, ...]
     root: str | None = None
     max_model_len: int | None = None
+    takes_video: bool | None = None  # None: unknown (no --model), the decoder decides
 
     def card(self, name: str, created: int) -> dict:
         """One `/v1/models` entry, as vLLM writes it."""

@@ -1,6 +1,6 @@
 """OpenAI request bodies, validated with pydantic; unknown fields are ignored, as OpenAI servers do, and
 known ones are checked as strictly as vLLM checks them (seed range, stream_options only with stream,
-image_url as an object).
+image_url and video_url as objects).
 
 Extensions some servers accept (vLLM's `top_k`, `ignore_eos`, `cache_salt`) are taken too, e.g. from the
 official client's `extra_body`.
@@ -41,7 +41,22 @@ class ImagePart(_Lenient):
         return self.image_url.url
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Lenient):
+    url: str
+
+
+class VideoPart(_Lenient):
+    """vLLM's `{"type": "video_url", "video_url": {"url": ...}}` part (Qwen2.5-VL, Qwen3-VL)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+    @property
+    def url(self) -> str:
+        return self.video_url.url
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class Message(_Lenient):

@@ -14,7 +14,7 @@ import uuid
 from common.pb import common_pb2, decoder_pb2
 from gateway.errors import bad_request
 from gateway.images import ImageFetcher
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, TextPart
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, TextPart, VideoPart
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 IMAGE_MARKER = "<image>"  # the decoder's placeholder in a text prompt
@@ -62,17 +62,21 @@ def chat_logprobs_wanted(req: ChatCompletionRequest) -> int:
     return max(req.top_logprobs or 0, 1) if req.logprobs else 0
 
 
-async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher,
-                       cache_salt: str) -> decoder_pb2.GenerateRequest:
-    """A chat GenerateRequest; image URLs are fetched with bounded concurrency (ImageFetcher.fetch_all),
-    each error naming its part. The request's counts and sizes were admitted before (admission.py)."""
+async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_salt: str,
+                       takes_video: bool | None = None) -> decoder_pb2.GenerateRequest:
+    """A chat GenerateRequest; image and video URLs are fetched with bounded concurrency
+    (ImageFetcher.fetch_all), each error naming its part. The request's counts and sizes were admitted
+    before (admission.py). A video_url part becomes a chat video part (VideoInput with the model's
+    default sampling); takes_video False (a served model without video input, e.g. LLaVA) refuses it
+    with a 400 before anything is fetched, None leaves the decision to the decoder."""
     _refuse_unsupported(req)
     if req.tools:
         raise bad_request("tools are not supported", "tools", "unsupported_parameter")
     out = decoder_pb2.GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
         sampling=sampling_params(req, req.max_completion_tokens or req.max_tokens, chat_logprobs_wanted(req)))
-    fetches: list[tuple[common_pb2.ImageInput, str, str]] = []  # (image to fill, url, param)
+    # (image or video to fill, url, param, kind)
+    fetches: list[tuple[common_pb2.ImageInput | common_pb2.VideoInput, str, str, str]] = []
     for i, message in enumerate(req.messages):
         chat_message = out.chat.messages.add(role=_ROLE.get(message.role, message.role))
         parts = [TextPart(type="text", text=message.content)] if isinstance(message.content, str) else (
@@ -82,13 +86,23 @@ async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher,
                 if message.role != "user":
                     raise bad_request("only user messages may carry images", f"messages.{i}.content.{j}")
                 image = chat_message.content.add().image
-                fetches.append((image, part.url, f"messages.{i}.content.{j}.image_url"))
+                fetches.append((image, part.url, f"messages.{i}.content.{j}.image_url", "image"))
+            elif isinstance(part, VideoPart):
+                param = f"messages.{i}.content.{j}.video_url"
+                if takes_video is False:
+                    raise bad_request("this model does not take video input (video_url parts); send text "
+                                      "and images only", param, "unsupported_modality")
+                if message.role != "user":
+                    raise bad_request("only user messages may carry videos", f"messages.{i}.content.{j}")
+                video = chat_message.content.add().video
+                fetches.append((video, part.url, param, "video"))
             else:
                 chat_message.content.add(text=part.text)
     if fetches:
-        datas = await fetcher.fetch_all([(url, param) for _, url, param in fetches])
-        for (image, _, _), data in zip(fetches, datas, strict=True):
-            image.data = data
+        datas = await fetcher.fetch_all([(url, param) for _, url, param, _ in fetches],
+                                        [kind for *_, kind in fetches])
+        for (item, *_), data in zip(fetches, datas, strict=True):
+            item.data = data
     return out
 
 

@@ -41,11 +41,31 @@ class ImageInput(_message.Message):
     max_pixels: int
     def __init__(self, data: _Optional[bytes] = ..., content_hash: _Optional[str] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
+class VideoInput(_message.Message):
+    __slots__ = ("data", "content_hash", "fps", "max_frames", "min_pixels", "max_pixels")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    content_hash: str
+    fps: float
+    max_frames: int
+    min_pixels: int
+    max_pixels: int
+    def __init__(self, data: _Optional[bytes] = ..., content_hash: _Optional[str] = ..., fps: _Optional[float] = ..., max_frames: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
+
 class ImageGrid(_message.Message):
-    __slots__ = ("thw",)
+    __slots__ = ("thw", "video_timestamps", "second_per_grid")
     THW_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
+    SECOND_PER_GRID_FIELD_NUMBER: _ClassVar[int]
     thw: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, thw: _Optional[_Iterable[int]] = ...) -> None: ...
+    video_timestamps: _containers.RepeatedScalarFieldContainer[float]
+    second_per_grid: float
+    def __init__(self, thw: _Optional[_Iterable[int]] = ..., video_timestamps: _Optional[_Iterable[float]] = ..., second_per_grid: _Optional[float] = ...) -> None: ...
 
 class CudaIpcLocation(_message.Message):
     __slots__ = ("mem_handle", "offset", "device_uuid", "event_handle", "arena_nbytes")
@@ -72,7 +92,7 @@ class ShmLocation(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., arena_nbytes: _Optional[int] = ...) -> None: ...
 
 class EmbeddingRef(_message.Message):
-    __slots__ = ("content_hash", "shape", "dtype", "nbytes", "cache_hit", "lease_id", "lease_expires_in_s", "cuda_ipc", "shm", "inline_data", "grid_thw")
+    __slots__ = ("content_hash", "shape", "dtype", "nbytes", "cache_hit", "lease_id", "lease_expires_in_s", "cuda_ipc", "shm", "inline_data", "grid_thw", "video_timestamps", "second_per_grid")
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +104,8 @@ class EmbeddingRef(_message.Message):
     SHM_FIELD_NUMBER: _ClassVar[int]
     INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
+    SECOND_PER_GRID_FIELD_NUMBER: _ClassVar[int]
     content_hash: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
@@ -95,7 +117,9 @@ class EmbeddingRef(_message.Message):
     shm: ShmLocation
     inline_data: bytes
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, content_hash: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., lease_id: _Optional[str] = ..., lease_expires_in_s: _Optional[float] = ..., cuda_ipc: _Optional[_Union[CudaIpcLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., inline_data: _Optional[bytes] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
+    video_timestamps: _containers.RepeatedScalarFieldContainer[float]
+    second_per_grid: float
+    def __init__(self, content_hash: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., lease_id: _Optional[str] = ..., lease_expires_in_s: _Optional[float] = ..., cuda_ipc: _Optional[_Union[CudaIpcLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., inline_data: _Optional[bytes] = ..., grid_thw: _Optional[_Iterable[int]] = ..., video_timestamps: _Optional[_Iterable[float]] = ..., second_per_grid: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

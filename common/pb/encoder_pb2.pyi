@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "images", "accept", "cache_salt", "prefetch", "lease_owner")
+    __slots__ = ("request_id", "images", "accept", "cache_salt", "prefetch", "lease_owner", "videos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]
     accept: _containers.RepeatedScalarFieldContainer[_common_pb2.Transport]
     cache_salt: str
     prefetch: bool
     lease_owner: str
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., accept: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., cache_salt: _Optional[str] = ..., prefetch: _Optional[bool] = ..., lease_owner: _Optional[str] = ...) -> None: ...
+    videos: _containers.RepeatedCompositeFieldContainer[_common_pb2.VideoInput]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., accept: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., cache_salt: _Optional[str] = ..., prefetch: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[_common_pb2.VideoInput, _Mapping]]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("embeddings",)
@@ -30,12 +32,14 @@ class EncodeResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[_common_pb2.EmbeddingRef, _Mapping]]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("images", "cache_salt")
+    __slots__ = ("images", "cache_salt", "videos")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]
     cache_salt: str
-    def __init__(self, images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    videos: _containers.RepeatedCompositeFieldContainer[_common_pb2.VideoInput]
+    def __init__(self, images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[_common_pb2.VideoInput, _Mapping]]] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
     __slots__ = ("accepted",)

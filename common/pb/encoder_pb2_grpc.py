@@ -27,7 +27,7 @@ if _version_not_supported:
 
 
 class EncoderServiceStub:
-    """Turns images into embeddings, caches them by content hash and hands them over without copying.
+    """Turns images and videos into embeddings, caches them by content hash and hands them over without copying.
     """
 
     def __init__(self, channel):
@@ -64,7 +64,7 @@ class EncoderServiceStub:
 
 
 class EncoderServiceServicer:
-    """Turns images into embeddings, caches them by content hash and hands them over without copying.
+    """Turns images and videos into embeddings, caches them by content hash and hands them over without copying.
     """
 
     def Encode(self, request, context):
@@ -134,7 +134,7 @@ def add_EncoderServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class EncoderService:
-    """Turns images into embeddings, caches them by content hash and hands them over without copying.
+    """Turns images and videos into embeddings, caches them by content hash and hands them over without copying.
     """
 
     @staticmethod

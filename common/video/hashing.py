@@ -1,34 +1,35 @@
-"""Content hash of a sampled video: the key its embeddings are cached under.
+"""Content hash of a video: the key its embeddings are cached under and prefix KV reuse is keyed by.
 
-It is common.hashing's framed image record over the sampled frames' decoded pixels (all frames, in
-order, at their decoded size), made under a fingerprint that also names the sampling and resize
-parameters and the sampled indices (qwen_layout.hash_fingerprint's idea): the same file at another fps
-or max_frames, or resized into another pixel range, is another cache entry.
+It is made from the encoded container bytes, not from decoded frames: blake3 (common/hashing.py's
+framed record) over the bytes and a fingerprint of everything else that decides the embedding: the
+model, the frame sampling (fps, min/max frames), the resize (pixel range, patch sizes), normalisation
+and the tenant's cache salt. The bytes and those parameters fix the sampled frames and their pixels
+(decoding is deterministic), so this identifies the embedding as well as a hash of the frames would,
+and a decoder can compute it at admission from the request's bytes alone: hashing decoded frames would
+need a full decode of the video there, before the request is even queued. Both services call
+`hash_video_bytes` with the same resolved config (common/video/request.py), so they agree on the key.
+
+The same file re-encoded (other bytes, same pictures) is another entry: the price of not decoding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import numpy as np
-
-from common.hashing import image_content_hash
+from common.hashing import framed_digest
 from common.video.config import QwenVideoConfig
 
-
-def video_fingerprint(model_fingerprint: str, config: QwenVideoConfig, indices: Sequence[int]) -> str:
-    """The fingerprint a video's hash is made under: model, every processing parameter, sampled indices."""
-    frames = ",".join(str(int(i)) for i in indices)
-    return f"{model_fingerprint}|video|{config.key()}|indices={frames}"
+_DOMAIN = b"mmserve.video.v1"
 
 
-def hash_video(frames: np.ndarray, indices: Sequence[int], config: QwenVideoConfig, model_fingerprint: str,
-               cache_salt: str = "") -> str:
-    """Hex content hash of uint8 [n, H, W, 3] RGB frames sampled at indices under config."""
-    frames = np.ascontiguousarray(frames, dtype=np.uint8)
-    if frames.ndim != 4 or frames.shape[3] != 3 or frames.shape[0] != len(indices):
-        raise ValueError(f"frames {frames.shape} do not match {len(indices)} sampled RGB frames")
-    n, height, width, _ = frames.shape
-    # The mode tag keeps a video's record apart from any image's (whose mode is a Pillow mode).
-    return image_content_hash(video_fingerprint(model_fingerprint, config, indices), cache_salt,
-                              f"video:rgb24x{n}", width, height, frames.tobytes()).hex()
+def video_fingerprint(model_fingerprint: str, config: QwenVideoConfig) -> str:
+    """The fingerprint a video's hash is made under: the model and every processing parameter."""
+    return f"{model_fingerprint}|video|{config.key()}"
+
+
+def hash_video_bytes(data: bytes | memoryview, config: QwenVideoConfig, model_fingerprint: str,
+                     cache_salt: str = "") -> str:
+    """Hex content hash of an encoded video file processed under config (no frame is decoded)."""
+    return framed_digest(_DOMAIN, [
+        (b"model", video_fingerprint(model_fingerprint, config).encode()),
+        (b"salt", cache_salt.encode()),
+        (b"container", data),
+    ]).hex()

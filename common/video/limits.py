@@ -46,19 +46,26 @@ def video_format_list(text: str) -> str:
 class VideoLimits:
     """What one service accepts, checked from the header before decoding."""
 
-    max_bytes: int = option(128 * 1024 * 1024, "largest encoded video, bytes", flag="--max-video-bytes",
+    max_bytes: int = option(256 * 1024 * 1024, "largest encoded video, bytes", flag="--max-video-bytes",
                             type=positive_int)
-    max_duration_s: float = option(300.0, "longest video, seconds", flag="--max-video-seconds",
+    max_duration_s: float = option(600.0, "longest video, seconds", flag="--max-video-seconds",
                                    type=positive_float)
-    # Frames in the stream, not sampled ones: decoding reads every frame up to the last sampled one.
-    max_frames: int = option(9000, "most frames in a video's stream", flag="--max-video-frames",
-                             type=positive_int)
+    # Sampled frames (what the tower sees): a request's max_frames above it is refused, and a model's
+    # larger default is lowered to it.
+    max_frames: int = option(768, "most frames sampled from one video (a request's max_frames may not "
+                             "exceed it)", flag="--max-video-frames", type=positive_int)
+    # Frames in the stream, not sampled ones: decoding reads every frame up to the last sampled one, so
+    # this bounds the decoding work (600 s at 30 fps by default).
+    max_stream_frames: int = option(18000, "most frames in a video's stream, from its header",
+                                    flag="--max-video-stream-frames", type=positive_int)
     max_pixels: int = option(3840 * 2160, "most pixels in one video frame", flag="--max-video-frame-pixels",
                              type=positive_int)
     formats: str = option(",".join(DEFAULT_VIDEO_FORMATS), "video containers accepted (mp4, matroska, avi)",
                           flag="--video-formats", type=video_format_list)
     codecs: str = option(",".join(DEFAULT_VIDEO_CODECS), "video codecs accepted (FFmpeg names)",
                          flag="--video-codecs", type=name_list)
+    max_per_request: int = option(4, "most videos in one request", flag="--max-videos-per-request",
+                                  type=positive_int)
 
     def __post_init__(self) -> None:
         try:

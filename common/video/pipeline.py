@@ -1,5 +1,6 @@
 """One call from video bytes to what both services need: the sampled frames, the grid and token count
-(decoder), the timestamps for the prompt, and the content hash (encoder cache)."""
+(decoder), the timestamps for the prompt, and the content hash (encoder cache), plus the same without
+decoding a frame (`plan_video`: what a service needs before it decides to decode)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from dataclasses import dataclass
 from common.qwen_layout import Grid
 from common.video.config import QwenVideoConfig
 from common.video.decode import DecodedVideo, decode_video
-from common.video.hashing import hash_video
+from common.video.hashing import hash_video_bytes
 from common.video.limits import VideoLimits
-from common.video.timestamps import qwen2_5_vl_second_per_grid, qwen3_vl_timestamps
+from common.video.probe import VideoInfo, probe_video
+from common.video.timestamps import VideoTiming, qwen2_5_vl_second_per_grid, qwen3_vl_timestamps, video_timing
 
 
 @dataclass(frozen=True)
@@ -37,4 +39,28 @@ def read_video(data: bytes, config: QwenVideoConfig, model_fingerprint: str, cac
         video, grid, config.geometry.num_tokens(grid),
         qwen3_vl_timestamps(video.indices, info.fps, tps),
         qwen2_5_vl_second_per_grid(n, info.total_frames, info.fps, tps),
-        hash_video(video.frames, video.indices, config, model_fingerprint, cache_salt))
+        hash_video_bytes(data, config, model_fingerprint, cache_salt))
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """A video's header checked and its layout known, no frame decoded yet."""
+
+    info: VideoInfo
+    indices: tuple[int, ...]  # the frames to sample
+    grid: Grid
+    num_tokens: int
+    timing: VideoTiming
+    content_hash: str
+
+
+def plan_video(data: bytes, config: QwenVideoConfig, model_fingerprint: str, cache_salt: str = "",
+               limits: VideoLimits = VideoLimits()) -> VideoPlan:
+    """The header checked against limits, the sampled indices, grid, tokens, timing and content hash of
+    encoded video bytes, without decoding a frame (read_video's values). Raises VideoError."""
+    info = probe_video(data, limits)
+    indices = tuple(int(i) for i in config.sampling.indices_for(info))
+    grid = config.geometry.grid(len(indices), info.height, info.width)
+    return VideoPlan(info, indices, grid, config.geometry.num_tokens(grid),
+                     video_timing(indices, info.total_frames, info.fps, config.geometry.temporal_patch_size),
+                     hash_video_bytes(data, config, model_fingerprint, cache_salt))

@@ -82,8 +82,9 @@ def _info(container, stream, fmt: str, limits: VideoLimits) -> VideoInfo:
         raise VideoError("the video header gives neither a frame count nor a duration")
     if total < 1:
         raise VideoError("the video has no frames")
-    if total > limits.max_frames:
-        raise VideoError(f"video of {total} frames exceeds the limit of {limits.max_frames} frames")
+    if total > limits.max_stream_frames:
+        raise VideoError(f"video of {total} frames exceeds the limit of {limits.max_stream_frames} frames "
+                         "in a stream")
     duration = header_duration if header_duration is not None else total / fps
     if duration > limits.max_duration_s:
         raise VideoError(f"video of {duration:.1f} s exceeds the limit of {limits.max_duration_s:g} s")

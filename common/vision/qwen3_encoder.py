@@ -23,6 +23,7 @@ from PIL import Image
 
 from common.checkpoint import CheckpointError, load_config, model_fingerprint
 from common.qwen_layout import PixelRange, read_qwen_layout
+from common.video.config import load_qwen_video_config
 from common.vision import PREPROCESS_MODES
 from common.vision.pixels import to_uint8_hwc
 from common.vision.qwen3_tower import load_qwen3_tower
@@ -57,6 +58,7 @@ class Qwen3VisionEncoder:
         if not is_qwen3_vl(config):
             raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen3-VL checkpoint")
         self.layout = read_qwen_layout(self.model_dir, config)
+        self.video_config = load_qwen_video_config(self.model_dir)  # videos: sampling, resize, normalisation
         self.fingerprint = model_fingerprint(self.model_dir)
         self.hidden_size = int((config.get("text_config") or config)["hidden_size"])
         self.tower = load_qwen3_tower(self.model_dir, config["vision_config"], self.device, dtype)

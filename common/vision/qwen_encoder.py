@@ -20,6 +20,8 @@ from PIL import Image
 
 from common.checkpoint import CheckpointError, load_config, model_fingerprint
 from common.qwen_layout import Grid, PixelRange, load_qwen_layout
+from common.video.config import load_qwen_video_config
+from common.video.timestamps import VideoTiming
 from common.vision import PREPROCESS_MODES
 from common.vision.pixels import to_uint8_hwc
 from common.vision.qwen_pixels import QwenTorchPixels
@@ -30,12 +32,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class QwenPrepared:
-    """One image ready for the tower: its grid, and either patch rows [t*h*w, patch_dim] from the HF
-    processor (fp32, host) or its uint8 [H, W, 3] pixels for the device-side processor."""
+    """One image or video ready for the tower: its grid, and either patch rows [t*h*w, patch_dim] from the
+    HF processor or common/video (fp32, host) or an image's uint8 [H, W, 3] pixels for the device-side
+    processor; a video also has its timing (kept with its cache entry)."""
 
     grid: Grid
     pixel_values: torch.Tensor | None = None
     raw: torch.Tensor | None = None
+    timing: VideoTiming | None = None
 
 
 def load_qwen_image_processor(model_dir: str | Path):
@@ -69,6 +73,7 @@ class QwenVisionEncoder:
         if config.get("model_type") != "qwen2_5_vl":  # Qwen3-VL shares the layout, not the tower
             raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen2.5-VL checkpoint")
         self.layout = load_qwen_layout(self.model_dir)
+        self.video_config = load_qwen_video_config(self.model_dir)  # videos: sampling, resize, normalisation
         self.fingerprint = model_fingerprint(self.model_dir)
         self.hidden_size = int((config.get("text_config") or config)["hidden_size"])
         self.tower = load_qwen_tower(self.model_dir, config["vision_config"], self.device, dtype)

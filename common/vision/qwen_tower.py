@@ -1,7 +1,9 @@
 """Qwen2.5-VL's vision transformer, several images of any size in one forward.
 
 The patches of every image are concatenated into one sequence; attention stays inside each image (the
-full-attention blocks) or inside each 112-px window of it (the other blocks). The math follows Hugging
+full-attention blocks) or inside each 112-px window of it (the other blocks). A video is t temporal groups
+(t > 1) of the same size: as in HF's `get_video_features`, every group attends only within itself, and
+its windows and rotary positions are those of an image of one group. The math follows Hugging
 Face's `Qwen2_5_VisionTransformerPretrainedModel` step by step (Conv3d patch embedding, the 2x2
 window reordering, 2D rotary in fp32, RMSNorm, SiLU-gated MLP, the patch merger), so its rows equal
 `get_image_features` in fp32. Attention differs only in how it is batched: chunks of equal length
@@ -215,8 +217,9 @@ class QwenVisionTower(nn.Module):
         return self.channels * self.temporal * self.patch * self.patch
 
     def layout(self, grids: Sequence[Grid]) -> tuple[np.ndarray, list[int], list[int], np.ndarray]:
-        """Host-side plan of a batch: the window order of merge units, window and image chunk bounds
-        (cu_seqlens, in patches), and the (h, w) position of every patch in window order."""
+        """Host-side plan of a batch: the window order of merge units, window and full-attention chunk
+        bounds (cu_seqlens, in patches: one chunk per image, per temporal group of a video), and the (h, w)
+        position of every patch in window order."""
         unit = self.merge * self.merge
         win = self.window // self.merge // self.patch  # merge units per window side
         order, cu_window, cu_image, positions = [], [0], [0], []
@@ -241,7 +244,10 @@ class QwenVisionTower(nn.Module):
                            wpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)], axis=1)
             positions.append(np.tile(hw, (t, 1)))
             base += t * gh * gw
-            cu_image.append(cu_image[-1] + t * h * w)
+            # Full attention stays inside each temporal group of a video (HF's get_vision_cu_seqlens: one
+            # chunk of h*w patches per frame group); a group's windows are contiguous in window order.
+            for _ in range(t):
+                cu_image.append(cu_image[-1] + h * w)
         window_order = np.concatenate(order)
         pos = np.concatenate(positions).reshape(-1, unit, 2)[window_order].reshape(-1, 2)
         return window_order, cu_window, cu_image, pos

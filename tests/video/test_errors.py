@@ -57,7 +57,7 @@ def test_over_the_duration_cap(video, no_decoding) -> None:
 
 
 def test_over_the_frame_cap(video, no_decoding) -> None:
-    message = _refused(video, no_decoding, VideoLimits(max_frames=29))
+    message = _refused(video, no_decoding, VideoLimits(max_stream_frames=29))
     assert "30 frames" in message and "limit of 29 frames" in message
 
 

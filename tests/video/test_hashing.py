@@ -1,4 +1,5 @@
-"""Content hashes: equal for the same input, different for other pixels, sampling or resize parameters."""
+"""Content hashes from the container bytes: equal for the same input, different for other bytes, sampling,
+resize parameters, model or salt; computed without decoding; the same as read_video's and plan_video's."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from dataclasses import replace
 import pytest
 
 from common.hashing import is_content_hash
+from common.video import decode as decode_module
 from common.video.config import QWEN2_VL_VIDEO, QWEN3_VL_VIDEO
-from common.video.hashing import hash_video
-from common.video.pipeline import read_video
+from common.video.hashing import hash_video_bytes
+from common.video.pipeline import plan_video, read_video
 from tests.video.media import make_video
 
 
@@ -18,37 +20,48 @@ def data() -> bytes:
     return make_video(60, fps=10)  # 6 s
 
 
-def test_same_input_same_hash(data) -> None:
-    first = read_video(data, QWEN2_VL_VIDEO, "model").content_hash
+def test_same_input_same_hash_everywhere(data) -> None:
+    first = hash_video_bytes(data, QWEN2_VL_VIDEO, "model")
     assert is_content_hash(first)
-    assert read_video(bytes(data), QWEN2_VL_VIDEO, "model").content_hash == first
+    assert hash_video_bytes(bytes(data), QWEN2_VL_VIDEO, "model") == first
+    assert hash_video_bytes(memoryview(data), QWEN2_VL_VIDEO, "model") == first
+    assert read_video(data, QWEN2_VL_VIDEO, "model").content_hash == first
+    assert plan_video(data, QWEN2_VL_VIDEO, "model").content_hash == first
 
 
-def test_other_sampling_other_hash(data) -> None:
-    hashes = {
-        read_video(data, QWEN2_VL_VIDEO, "model").content_hash,
-        read_video(data, QWEN2_VL_VIDEO.with_request(fps=1.0), "model").content_hash,
-        read_video(data, QWEN2_VL_VIDEO.with_request(max_frames=4), "model").content_hash,
-        read_video(data, QWEN3_VL_VIDEO, "model").content_hash,
-    }
-    assert len(hashes) == 4
-
-
-def test_parameters_count_even_for_the_same_frames(data) -> None:
-    video = read_video(data, QWEN2_VL_VIDEO, "model").decoded
-    frames, indices = video.frames, video.indices
-    base = hash_video(frames, indices, QWEN2_VL_VIDEO, "model")
-    # fps 2.0 and 2.0000001 sample the same 12 frames: still two entries, as the key says
-    assert QWEN2_VL_VIDEO.with_request(fps=2.0000001).sampling.indices(60, 10.0).tolist() == indices.tolist()
-    assert hash_video(frames, indices, QWEN2_VL_VIDEO.with_request(fps=2.0000001), "model") != base
+def test_every_parameter_counts(data) -> None:
+    base = hash_video_bytes(data, QWEN2_VL_VIDEO, "model")
     other_range = replace(QWEN2_VL_VIDEO, geometry=replace(QWEN2_VL_VIDEO.geometry, max_pixels=28 * 28 * 64))
-    assert hash_video(frames, indices, other_range, "model") != base
-    assert hash_video(frames, indices, QWEN2_VL_VIDEO, "other model") != base
-    assert hash_video(frames, indices, QWEN2_VL_VIDEO, "model", cache_salt="tenant") != base
-    shifted = [int(i) + 1 for i in indices]
-    assert hash_video(frames, shifted, QWEN2_VL_VIDEO, "model") != base
-    changed = frames.copy()
-    changed[3, 0, 0, 0] ^= 1
-    assert hash_video(changed, indices, QWEN2_VL_VIDEO, "model") != base
-    with pytest.raises(ValueError, match="do not match"):
-        hash_video(frames[:-1], indices, QWEN2_VL_VIDEO, "model")
+    others = [
+        hash_video_bytes(data, QWEN2_VL_VIDEO.with_request(fps=1.0), "model"),
+        # fps 2.0 and 2.0000001 sample the same frames: still two entries, as the key says
+        hash_video_bytes(data, QWEN2_VL_VIDEO.with_request(fps=2.0000001), "model"),
+        hash_video_bytes(data, QWEN2_VL_VIDEO.with_request(max_frames=4), "model"),
+        hash_video_bytes(data, QWEN3_VL_VIDEO, "model"),
+        hash_video_bytes(data, other_range, "model"),
+        hash_video_bytes(data, QWEN2_VL_VIDEO, "other model"),
+        hash_video_bytes(data, QWEN2_VL_VIDEO, "model", cache_salt="tenant"),
+        hash_video_bytes(data[:-1] + bytes([data[-1] ^ 1]), QWEN2_VL_VIDEO, "model"),
+    ]
+    assert len({base, *others}) == len(others) + 1
+
+
+def test_framing_keeps_fields_apart(data) -> None:
+    # moving bytes between the salt and the model fingerprint must not give the same record
+    one, other = (hash_video_bytes(data, QWEN2_VL_VIDEO, m, salt) for m, salt in (("ab", "c"), ("a", "bc")))
+    assert one != other
+
+
+@pytest.mark.parametrize("config", [QWEN2_VL_VIDEO, QWEN3_VL_VIDEO], ids=["qwen2.5", "qwen3"])
+def test_plan_equals_read_video_without_decoding(data, config, monkeypatch) -> None:
+    full = read_video(data, config, "model")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("plan_video decoded a frame")
+
+    monkeypatch.setattr(decode_module, "decode_frames", refuse)
+    plan = plan_video(data, config, "model")
+    assert plan.indices == tuple(full.decoded.indices.tolist()) and plan.grid == full.grid
+    assert plan.num_tokens == full.num_tokens and plan.content_hash == full.content_hash
+    assert list(plan.timing.timestamps) == full.timestamps
+    assert plan.timing.second_per_grid == full.second_per_grid

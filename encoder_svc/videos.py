@@ -1,0 +1,84 @@
+"""Videos in the encoder service: a video's header is checked against the caps and its content hash made
+from its bytes without decoding a frame (`plan_videos`, off the event loop); a cache miss becomes a
+VideoJob, which the vision worker prepares on a prep thread like an image (the sampled frames decoded and
+patched as HF's video processor does) before the tower runs it with the video's (t, h, w) grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.errors import invalid_argument
+from common.video import (
+    QwenVideoConfig,
+    VideoError,
+    VideoLimits,
+    VideoPlan,
+    decode_video,
+    plan_video,
+    video_input_config,
+    video_patches,
+)
+from common.vision.qwen_encoder import QwenPrepared
+
+
+@dataclass(frozen=True)
+class VideoJob:
+    """A video to encode: its bytes, the config it is processed under and its header-derived plan."""
+
+    data: bytes
+    config: QwenVideoConfig
+    limits: VideoLimits
+    plan: VideoPlan
+
+    def prepare(self) -> QwenPrepared:
+        """Decode the planned frames and patch them (a prep thread's work); VideoError for a stream that
+        breaks after its header."""
+        video = decode_video(self.data, lambda _info: np.asarray(self.plan.indices, dtype=np.int64),
+                             self.limits)
+        rows, grid = video_patches(video.frames, self.config)
+        if tuple(grid) != tuple(self.plan.grid):  # the frames differ from what the header promised
+            raise VideoError(f"decoded frames give grid {list(grid)}, the header {list(self.plan.grid)}")
+        return QwenPrepared(tuple(grid), pixel_values=rows, timing=self.plan.timing)
+
+
+def hash_only(index: int, video) -> str:
+    """The checked content hash of a VideoInput without bytes."""
+    from common.hashing import is_content_hash
+
+    if video.WhichOneof("source") != "content_hash":
+        raise invalid_argument(f"video {index}: neither data nor content_hash is set")
+    text = video.content_hash.lower()
+    if not is_content_hash(text):
+        raise invalid_argument(f"video {index}: content_hash is not a 64-digit hex digest")
+    return text
+
+
+def plan_videos(videos: Sequence, base: QwenVideoConfig, limits: VideoLimits, fingerprint: str,
+                salt: str) -> list[tuple[str, VideoJob | None]]:
+    """(content hash, job or None for a hash-only input) per VideoInput; every video's settings and
+    header are checked before the first is hashed. INVALID_ARGUMENT naming the video otherwise."""
+    configs: list[QwenVideoConfig | None] = []
+    for i, video in enumerate(videos):
+        if video.WhichOneof("source") != "data":
+            hash_only(i, video)
+            configs.append(None)
+            continue
+        try:
+            configs.append(video_input_config(base, video, limits))
+        except VideoError as exc:
+            raise invalid_argument(f"video {i}: {exc}") from None
+    out: list[tuple[str, VideoJob | None]] = []
+    for i, (video, config) in enumerate(zip(videos, configs, strict=True)):
+        if config is None:
+            out.append((hash_only(i, video), None))
+            continue
+        try:
+            plan = plan_video(video.data, config, fingerprint, salt, limits)
+        except VideoError as exc:
+            raise invalid_argument(f"video {i}: {exc}") from None
+        out.append((plan.content_hash, VideoJob(video.data, config, limits, plan)))
+    return out
