@@ -77,9 +77,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             # requests in a lane of their own, so that image work never holds them up (input_lanes.py).
             known = await self._known_grids(parsed)
             req = await self.lanes.run(
-                len(parsed.images), self.inputs.make_request, request_id, parsed.prompt, parsed.images,
+                len(parsed.images) + len(parsed.videos), self.inputs.make_request, request_id, parsed.prompt,
+                parsed.images,
                 messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt,
-                image_options=parsed.image_options, known_grids=known)
+                image_options=parsed.image_options, known_grids=known, videos=parsed.videos)
             await self.core.add(req)
         except CoreDeadError as exc:
             raise as_service_error(exc, "decoder engine unavailable: ") from None

@@ -48,8 +48,8 @@ class PlaceholderRange:
 @dataclass(frozen=True)
 class VideoPromptLayout:
     """How one video fills a Qwen-VL prompt: `groups` runs of `tokens_per_group` video tokens. Qwen3-VL
-    writes each group's start time before its run (`<1.5 seconds><|vision_start|>...<|vision_end|>`,
-    as its processor does); Qwen2.5-VL's one run holds every group (groups == 1 here)."""
+    writes each group's time before its run (`<1.5 seconds><|vision_start|>...<|vision_end|>`, as its
+    processor does); Qwen2.5-VL's one run holds every group (groups == 1 here)."""
 
     groups: int
     tokens_per_group: int
@@ -132,28 +132,22 @@ class PromptTokenizer:
         return TokenizedPrompt(ids, self._placeholders(ids, counts), text, spans)
 
     def _expand(self, prompt: str, counts: list[int], videos: Sequence[VideoPromptLayout]) -> str:
-        """Each marker replaced by its tokens, as the HF processors do (Qwen3-VL's processor replaces a
-        whole `<|vision_start|><|video_pad|><|vision_end|>` with its timestamped groups)."""
-        markers = [re.escape(self.image_token)]
-        if self.video_token is not None:
-            framed = "<|vision_start|>" + self.video_token + "<|vision_end|>"
-            markers = [re.escape(framed), re.escape(self.video_token), *markers]
-        parts = re.split("(" + "|".join(markers) + ")", prompt)
+        """Each marker replaced by its tokens, as the HF processors do (Qwen3-VL's replaces a video's
+        `<|video_pad|>` with its timestamped groups, inside the template's own vision start/end)."""
+        markers = [self.image_token] + ([self.video_token] if self.video_token is not None else [])
+        parts = re.split("(" + "|".join(re.escape(m) for m in markers) + ")", prompt)
         images, clips = iter(counts), iter(videos)
         out = [parts[0]]
         for marker, piece in zip(parts[1::2], parts[2::2], strict=True):
-            if marker == self.image_token:
-                out.append(self.image_token * next(images))
-            else:
-                out.append(self._video_text(next(clips), framed=marker != self.video_token))
+            out.append(self.image_token * next(images) if marker == self.image_token
+                       else self._video_text(next(clips)))
             out.append(piece)
         return "".join(out)
 
-    def _video_text(self, video: VideoPromptLayout, framed: bool) -> str:
+    def _video_text(self, video: VideoPromptLayout) -> str:
         pads = self.video_token * video.tokens_per_group
-        if video.timestamps is None:  # Qwen2.5-VL: one run, the marker's own frame kept
-            run = pads * video.groups
-            return "<|vision_start|>" + run + "<|vision_end|>" if framed else run
+        if video.timestamps is None:  # Qwen2.5-VL: one run
+            return pads * video.groups
         return "".join(f"<{t:.1f} seconds><|vision_start|>{pads}<|vision_end|>" for t in video.timestamps)
 
     def _video_spans(self, ids: list[int],

@@ -7,15 +7,13 @@ from dataclasses import dataclass, field
 
 from common.errors import invalid_argument
 from common.pb import common_pb2, decoder_pb2
+from decoder_svc.engine.embedding_source import VideoSource
 from decoder_svc.engine.input_processor import ImageOptions
 from decoder_svc.engine.output_processor import RequestOutput
 from decoder_svc.engine.request import FinishReason
 from decoder_svc.engine.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_BYTES = 256  # the client's id only labels logs
-# The contract takes videos (GenerateRequest.videos, chat video parts); the engine does not lay them out
-# yet (video placeholders, Qwen3-VL timestamps, M-RoPE over time), so the front end refuses them whole.
-VIDEO_NOT_SERVED = "this decoder does not serve video input yet"
 _FINISH = {FinishReason.STOP: decoder_pb2.FINISH_REASON_STOP,
            FinishReason.LENGTH: decoder_pb2.FINISH_REASON_LENGTH,
            FinishReason.ABORT: decoder_pb2.FINISH_REASON_ABORT}
@@ -31,6 +29,7 @@ class ParsedRequest:
     sampling: SamplingParams
     cache_salt: str
     image_options: list[ImageOptions] = field(default_factory=list)  # per image (Qwen2.5-VL's pixels)
+    videos: list[VideoSource] = field(default_factory=list)  # Qwen-VL videos, in prompt order
 
 
 def _image(index: int, image: common_pb2.ImageInput) -> bytes | str:
@@ -42,18 +41,19 @@ def _image(index: int, image: common_pb2.ImageInput) -> bytes | str:
     raise invalid_argument(f"image {index}: neither data nor content_hash is set")
 
 
-def has_video(request: decoder_pb2.GenerateRequest) -> bool:
-    """True when the request carries a video: in `videos` or as a chat part."""
-    return bool(request.videos) or any(part.WhichOneof("part") == "video"
-                                       for message in request.chat.messages for part in message.content)
+def _video(index: int, video: common_pb2.VideoInput) -> VideoSource:
+    kind = video.WhichOneof("source")
+    if kind not in ("data", "content_hash"):
+        raise invalid_argument(f"video {index}: neither data nor content_hash is set")
+    # A hash-only video reaches the engine without bytes, which refuses it with a clear message.
+    return VideoSource(video.data if kind == "data" else None, video.fps, video.max_frames, video.min_pixels,
+                       video.max_pixels)
 
 
 def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
     """Validate the request's shape and turn it into engine arguments (INVALID_ARGUMENT on misuse)."""
     if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
         raise invalid_argument(f"request_id longer than {MAX_REQUEST_ID_BYTES} bytes")
-    if has_video(request):
-        raise invalid_argument(VIDEO_NOT_SERVED)
     s = request.sampling
     sampling = SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
@@ -65,24 +65,30 @@ def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
             raise invalid_argument("empty prompt")
         images = [_image(i, img) for i, img in enumerate(request.images)]
         options = [ImageOptions(img.min_pixels, img.max_pixels) for img in request.images]
-        return ParsedRequest(request.prompt, None, images, sampling, request.cache_salt, options)
+        videos = [_video(i, v) for i, v in enumerate(request.videos)]
+        return ParsedRequest(request.prompt, None, images, sampling, request.cache_salt, options, videos)
     if kind == "chat":
-        if request.images:
-            raise invalid_argument("chat requests carry their images in the messages, not in `images`")
-        messages, images, options = [], [], []
+        if request.images or request.videos:
+            raise invalid_argument("chat requests carry their images and videos in the messages, not in "
+                                   "`images`/`videos`")
+        messages, images, options, videos = [], [], [], []
         for message in request.chat.messages:
             content = []
             for part in message.content:
-                if part.WhichOneof("part") == "image":
+                kind = part.WhichOneof("part")
+                if kind == "image":
                     images.append(_image(len(images), part.image))
                     options.append(ImageOptions(part.image.min_pixels, part.image.max_pixels))
                     content.append({"type": "image"})
+                elif kind == "video":
+                    videos.append(_video(len(videos), part.video))
+                    content.append({"type": "video"})
                 else:
                     content.append({"type": "text", "text": part.text})
             messages.append({"role": message.role, "content": content})
         if not messages:
             raise invalid_argument("empty chat")
-        return ParsedRequest(None, messages, images, sampling, request.cache_salt, options)
+        return ParsedRequest(None, messages, images, sampling, request.cache_salt, options, videos)
     raise invalid_argument("empty input: set prompt or chat")
 
 

@@ -52,8 +52,7 @@ class EngineConfig:
         "28x28 blocks)", type=positive_int)
     max_image_tokens_per_request: int = option(32768, "image tokens per request at most", type=positive_int)
     image_limits: ImageLimits = field(default_factory=ImageLimits)  # bytes, side, pixels, images/request
-    video_limits: VideoLimits = field(default_factory=VideoLimits)  # bytes, seconds, frames, pixels, codecs
-    max_videos_per_request: int = 4
+    video_limits: VideoLimits = field(default_factory=VideoLimits)  # bytes, seconds, frames, videos/request
     max_prompt_bytes: int = 1 << 20  # prompt text (or chat text parts), checked before tokenizing
     # False: outputs carry token ids and no text, except for requests with stop strings (stopping needs
     # the text). The service sets it and detokenizes on its event loop, so the engine thread spends

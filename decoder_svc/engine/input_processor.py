@@ -151,7 +151,8 @@ class InputProcessor:
             grids = [self._grid(i, img, size, pixels, cache_salt, known_grids)
                      for i, (img, size, pixels) in enumerate(zip(images, sizes, ranges, strict=True))]
             counts = [self.qwen.num_tokens(g) for g in grids]
-        plans = self.videos.plan(videos, cache_salt) if videos else []
+        planned = self.videos.plan(videos, cache_salt) if videos else []
+        plans = [plan for plan, _ in planned]
         if self.qwen is not None:
             self._check_image_tokens(counts, [p.num_tokens for p in plans])
         layouts = [self.videos.prompt_layout(p) for p in plans]
@@ -179,7 +180,7 @@ class InputProcessor:
             if grid is not None:
                 self._remember_grid(cache_salt, key, grid)
         spans = []  # M-RoPE spans: (offset, grid) of images, (offset, grid, time interval) of videos
-        for runs, plan, src in zip(tokenized.video_spans, plans, videos, strict=True):
+        for runs, (plan, src) in zip(tokenized.video_spans, planned, strict=True):
             for k, run in enumerate(runs):
                 grid = self.videos.span_grid(plan, len(runs))
                 placeholders.append(ImagePlaceholder(

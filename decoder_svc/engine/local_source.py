@@ -4,7 +4,9 @@ It runs the encoder service's own vision encoder (which reproduces `get_image_fe
 LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration or Qwen3VLForConditionalGeneration)
 in-process, so the engine can be tested alone against HF. Its tensors have the encoder service's shapes:
 [rows, hidden], or [parts, rows, hidden] for Qwen3-VL (the merged features, then each DeepStack level).
-It keeps a small LRU of embeddings by content hash so that repeated images count as encoder-cache hits.
+Videos (Qwen-VL) are decoded and patched with common/video and encoded with the video's grid, as in the
+encoder service. It keeps a small LRU of embeddings by content hash so that repeated images count as
+encoder-cache hits.
 Like the encoder service, an entry answers a hash-only ask only under the cache_salt it was made with;
 under any other salt the image is "not found".
 """
@@ -20,8 +22,9 @@ import torch
 from common.checkpoint import load_config, parse_dtype
 from common.images import decode_image
 from common.qwen_layout import is_qwen_vl
-from common.vision.qwen_encoder import make_vision_encoder, takes_pixel_ranges
-from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
+from common.video import VideoLimits, decode_video, video_patches, video_request_config
+from common.vision.qwen_encoder import QwenPrepared, make_vision_encoder, takes_pixel_ranges
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState, VideoSource
 
 if TYPE_CHECKING:
     from decoder_svc.engine.config import EngineConfig
@@ -37,6 +40,7 @@ class LocalEmbeddingSource(EmbeddingSource):
         # service runs on a GPU in half precision (its host processor takes ~90 ms a 1024x1024 image).
         qwen = is_qwen_vl(load_config(model_dir))
         self.encoder = make_vision_encoder(model_dir, device, dtype, preprocess="auto" if qwen else "hf")
+        self.video_limits = VideoLimits()
         self.cache_entries = cache_entries
         # hash -> (salt, embedding); a multi-part embedding is one entry, as in the encoder's cache
         self._cache: OrderedDict[str, tuple[str, torch.Tensor]] = OrderedDict()
@@ -61,15 +65,18 @@ class LocalEmbeddingSource(EmbeddingSource):
             self.num_cache_hits += 1
             self._leases[key] = (EmbeddingState.READY, True, "")
             return
-        if req.image is None:
+        if req.image is None and (req.video is None or req.video.data is None):
             self._leases[key] = (EmbeddingState.FAILED, False, f"image {req.content_hash[:16]} not found")
             return
         try:
-            image = decode_image(req.image) if isinstance(req.image, bytes) else req.image.convert("RGB")
-            if takes_pixel_ranges(self.encoder):
-                emb = self.encoder.encode([image], [req.pixels])[0]
+            if req.video is not None:
+                emb = self._encode_video(req.video)
             else:
-                emb = self.encoder.encode([image])[0]
+                image = decode_image(req.image) if isinstance(req.image, bytes) else req.image.convert("RGB")
+                if takes_pixel_ranges(self.encoder):
+                    emb = self.encoder.encode([image], [req.pixels])[0]
+                else:
+                    emb = self.encoder.encode([image])[0]
         except Exception as exc:  # noqa: BLE001 - any failure fails this image, not the engine
             self._leases[key] = (EmbeddingState.FAILED, False, f"{type(exc).__name__}: {exc}")
             return
@@ -78,6 +85,15 @@ class LocalEmbeddingSource(EmbeddingSource):
         while len(self._cache) > self.cache_entries:
             self._cache.popitem(last=False)
         self._leases[key] = (EmbeddingState.READY, False, "")
+
+    def _encode_video(self, video: VideoSource) -> torch.Tensor:
+        """A video's embedding: its sampled frames decoded and patched (common/video), then the tower
+        with the video's grid, as the encoder service does (the settings come resolved)."""
+        config = video_request_config(self.encoder.video_config, video.fps, video.max_frames,
+                                      video.min_pixels, video.max_pixels, self.video_limits)
+        decoded = decode_video(video.data, config.sampling.indices_for, self.video_limits)
+        rows, grid = video_patches(decoded.frames, config)
+        return self.encoder.encode_prepared([QwenPrepared(tuple(grid), pixel_values=rows)])[0]
 
     def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
         return self._leases.get((request_id, content_hash), (EmbeddingState.UNKNOWN,))[0]

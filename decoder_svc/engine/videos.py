@@ -49,15 +49,17 @@ class VideoInputs:
                 base = None
         vision = load_config(config.model).get("vision_config") or {}
         return cls(base, config.video_limits, fingerprint, qwen.merge_size if qwen else 1,
-                   float(vision.get("tokens_per_second", 1)), config.max_videos_per_request)
+                   float(vision.get("tokens_per_second", 1)), config.video_limits.max_per_request)
 
     @property
     def timestamped(self) -> bool:
         """Qwen3-VL: one prompt run per temporal group, each after its start time."""
         return self.base is not None and self.base.geometry.family == "qwen3_vl"
 
-    def plan(self, videos: Sequence[VideoSource], salt: str) -> list[VideoPlan]:
-        """Every video's plan (header only); InvalidRequestError naming the video otherwise."""
+    def plan(self, videos: Sequence[VideoSource], salt: str) -> list[tuple[VideoPlan, VideoSource]]:
+        """Every video's plan (header only) and the source as the encoder is to be sent it: its settings
+        resolved and written out, so that the encoder, whatever its own defaults and caps, processes
+        (and hashes) it exactly as planned here. InvalidRequestError naming the video otherwise."""
         if self.base is None:
             raise InvalidRequestError("this model does not take video input")
         if len(videos) > self.max_videos:
@@ -75,9 +77,12 @@ class VideoInputs:
         plans = []
         for i, (video, config) in enumerate(zip(videos, configs, strict=True)):
             try:
-                plans.append(plan_video(video.data, config, self.fingerprint, salt, self.limits))
+                plan = plan_video(video.data, config, self.fingerprint, salt, self.limits)
             except VideoError as exc:
                 raise InvalidRequestError(f"video {i}: {exc}") from None
+            resolved = VideoSource(video.data, config.sampling.fps, config.sampling.max_frames,
+                                   config.geometry.min_pixels, config.geometry.max_pixels)
+            plans.append((plan, resolved))
         return plans
 
     def prompt_layout(self, plan: VideoPlan) -> VideoPromptLayout:
