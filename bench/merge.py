@@ -1,6 +1,10 @@
 """Merge benchmark JSON files into one, with a headline table of the figures BENCHMARKS.md lists.
 
     python -m bench.merge RESULTS_DIR/*.json --out results.json
+
+The table has the rows picked here from the benchmarks this module knows by name (FIXED), then the rows
+of any other payload that carries its own `headline` ([figure, value] pairs: bench.qwen_gpu for
+Qwen2.5-VL and Qwen3-VL, bench.qwen_serve, ...), in file order.
 """
 
 from __future__ import annotations
@@ -20,6 +24,19 @@ def _get(d: dict | None, *keys, default=None):
             return default
         d = d[k]
     return d
+
+
+# Benchmarks whose rows headline() picks itself; any other payload's own `headline` rows are appended.
+FIXED = frozenset({"handoff", "encode_cache", "ttft_prefix", "decode_tput", "serve_decode",
+                   "serve_decode_fp8", "fp8_accuracy", "serve_tput", "lookahead", "serve"})
+
+
+def payload_headline(payload: dict) -> list[list]:
+    """A payload's own `headline`: its well-formed [figure, value] rows (others are skipped)."""
+    rows = payload.get("headline") if isinstance(payload, dict) else None
+    if not isinstance(rows, list):
+        return []
+    return [[str(r[0]), r[1]] for r in rows if isinstance(r, (list, tuple)) and len(r) == 2]
 
 
 def headline(benchmarks: dict[str, dict]) -> list[list]:
@@ -81,6 +98,9 @@ def headline(benchmarks: dict[str, dict]) -> list[list]:
                  ["bench.serve TPOT p50 ms", _get(sv, "tpot", "p50_ms")],
                  ["bench.serve prefix-cache hit rate", _get(sv, "cache", "prefix_cache_hit_rate")],
                  ["bench.serve images skipped by KV reuse", _get(sv, "cache", "images_skipped_by_kv_reuse")]]
+    for name, payload in benchmarks.items():
+        if name not in FIXED:
+            rows += payload_headline(payload)
     return rows
 
 

@@ -1,6 +1,12 @@
-"""Qwen2.5-VL on one GPU, side by side with HF transformers on the same weights, in one process.
+"""Qwen2.5-VL or Qwen3-VL on one GPU, side by side with HF transformers on the same weights, in one process.
 
     python -m bench.qwen_gpu --model DIR [--device cuda --dtype bfloat16] [--out qwen.json]
+
+The family follows the checkpoint's model_type: `qwen2_5_vl` (HF's Qwen2_5_VLForConditionalGeneration,
+results saved as benchmark `qwen_gpu`, headline rows "qwen ...") or `qwen3_vl`
+(Qwen3VLForConditionalGeneration, benchmark `qwen3_gpu`, rows "qwen3 ..."), so both can be merged into
+one results.json. For Qwen3-VL both
+towers do the same work: the merged features and every DeepStack level (HF's `visual` returns both).
 
 Figures (JSON with a `headline`):
 - vision tower: distinct --image-size square images per second, ours (batches of 1 and --batch, the
@@ -32,8 +38,8 @@ from PIL import Image
 
 from bench.bandwidth import copy_bandwidth
 from bench.report import save_result
-from common.checkpoint import parse_dtype
-from common.vision.qwen_encoder import QwenPrepared, load_qwen_image_processor
+from common.checkpoint import load_config, parse_dtype
+from common.vision.qwen_encoder import QwenPrepared, load_qwen_image_processor, make_vision_encoder
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.engine.sampling_params import SamplingParams
@@ -41,9 +47,29 @@ from decoder_svc.engine.sampling_params import SamplingParams
 USER, END = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
+# model_type -> (family label of the headline rows, benchmark name, HF class in transformers)
+FAMILIES = {"qwen2_5_vl": ("qwen", "qwen_gpu", "Qwen2_5_VLForConditionalGeneration"),
+            "qwen3_vl": ("qwen3", "qwen3_gpu", "Qwen3VLForConditionalGeneration")}
+
+
+def family_of(model_dir) -> tuple[str, str, str]:
+    """(label, benchmark name, HF class name) of a Qwen-VL checkpoint; ValueError for any other."""
+    model_type = load_config(model_dir).get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(f"{model_dir}: model_type {model_type!r} is not one of {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def load_hf(model_dir, device: torch.device, dtype: torch.dtype):
+    """HF's model of the checkpoint's family, in dtype on device, eval mode."""
+    import transformers
+
+    cls = getattr(transformers, family_of(model_dir)[2])
+    return cls.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    """Options of the Qwen2.5-VL benchmark."""
+    """Options of the Qwen2.5-VL / Qwen3-VL benchmark."""
     p = argparse.ArgumentParser(prog="python -m bench.qwen_gpu", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cuda")
@@ -75,12 +101,11 @@ def sync(device: torch.device) -> None:
 
 def tower_figures(engine: LLMEngine, hf, imgs: list[Image.Image], batch: int) -> dict:
     """Images per second of our tower (batch 1 and `batch`) and HF's, on prepared images."""
-    from common.vision.qwen_encoder import QwenVisionEncoder
-
     t0 = time.perf_counter()
     hf_prepared = [hf_prepare(engine, i) for i in imgs]
     prep_ms = (time.perf_counter() - t0) * 1000 / len(imgs)
-    enc = QwenVisionEncoder(engine.config.model, engine.device, engine.dtype)  # device-side processor
+    # The family's encoder (QwenVisionEncoder or Qwen3VisionEncoder), device-side processor on a GPU.
+    enc = make_vision_encoder(engine.config.model, engine.device, engine.dtype)
     prepared = [enc.prepare(i) for i in imgs]
     out: dict = {"hf_processor_ms_per_image": round(prep_ms, 2), "preprocess": enc.preprocess_mode,
                  "tokens_per_image": enc.layout.num_tokens(prepared[0].grid)}
@@ -106,7 +131,7 @@ def tower_figures(engine: LLMEngine, hf, imgs: list[Image.Image], batch: int) ->
         def hf_fn(chunk):
             pv = torch.cat([p.pixel_values for p in chunk]).to(enc.device, hf.dtype)
             grid = torch.tensor([p.grid for p in chunk], device=enc.device)
-            with torch.no_grad():
+            with torch.no_grad():  # Qwen3-VL: the merged features and the DeepStack levels, as ours
                 hf.model.visual(pv, grid_thw=grid)
         out["hf_img_s_b1"] = round(rate(hf_fn, 1), 2)
         out[f"hf_img_s_b{batch}"] = round(rate(hf_fn, batch), 2)
@@ -274,15 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run every figure; print and save the JSON."""
     args = build_arg_parser().parse_args(argv)
     device, dtype = torch.device(args.device), parse_dtype(args.dtype)
+    label, name, _ = family_of(args.model)
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                           kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=8, max_num_batched_tokens=4096)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
-    hf = None
-    if not args.no_hf:
-        from transformers import Qwen2_5_VLForConditionalGeneration
-
-        hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    result: dict = {"model": str(args.model), "device": torch.cuda.get_device_name(device)
+    hf = None if args.no_hf else load_hf(args.model, device, dtype)
+    result: dict = {"model": str(args.model), "family": label, "device": torch.cuda.get_device_name(device)
                     if device.type == "cuda" else "cpu", "dtype": args.dtype}
     result["tower"] = tower_figures(engine, hf, images(args.images, args.image_size), args.batch)
     print("tower", result["tower"], flush=True)
@@ -300,14 +322,14 @@ def main(argv: list[str] | None = None) -> int:
         print("agreement", result["agreement"], flush=True)
     t, b = result["tower"], args.batch
     result["headline"] = [
-        [f"qwen tower img/s (ours b1 / b{b})", f"{t['ours_img_s_b1']} / {t[f'ours_img_s_b{b}']}"],
-        [f"qwen tower img/s (HF b1 / b{b})", f"{t.get('hf_img_s_b1')} / {t.get(f'hf_img_s_b{b}')}"],
-        ["qwen cold TTFT ms (ours / HF)", f"{result['ttft']['ours_ms']} / {result['ttft'].get('hf_ms')}"],
-        ["qwen decode b1 tok/s (ours / HF / bound)", f"{result['decode_b1']['ours_tok_s']} / "
+        [f"{label} tower img/s (ours b1 / b{b})", f"{t['ours_img_s_b1']} / {t[f'ours_img_s_b{b}']}"],
+        [f"{label} tower img/s (HF b1 / b{b})", f"{t.get('hf_img_s_b1')} / {t.get(f'hf_img_s_b{b}')}"],
+        [f"{label} cold TTFT ms (ours / HF)", f"{result['ttft']['ours_ms']} / {result['ttft'].get('hf_ms')}"],
+        [f"{label} decode b1 tok/s (ours / HF / bound)", f"{result['decode_b1']['ours_tok_s']} / "
          f"{result['decode_b1'].get('hf_tok_s')} / {result['decode_b1'].get('bound_tok_s')}"],
-        ["qwen greedy agreement with HF", str(result.get("agreement", {}).get("token_agreement"))],
+        [f"{label} greedy agreement with HF", str(result.get("agreement", {}).get("token_agreement"))],
     ]
-    save_result("qwen_gpu", args, result, headline=result["headline"])
+    save_result(name, args, result, headline=result["headline"])
     print(result["headline"])
     return 0
 

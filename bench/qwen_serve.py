@@ -1,6 +1,10 @@
-"""Qwen2.5-VL through the services: encoder throughput at rising concurrency, and lookahead on vs off.
+"""Qwen2.5-VL or Qwen3-VL through the services: encoder throughput at rising concurrency, and lookahead.
 
     python -m bench.qwen_serve --model DIR [--device cuda --dtype bfloat16] [--out qwen_serve.json]
+
+The family follows the checkpoint (bench.qwen_gpu.family_of): results saved as benchmark `qwen_serve`
+with headline rows "qwen ..." for Qwen2.5-VL, `qwen3_serve` and "qwen3 ..." for Qwen3-VL (whose encoder
+hands over [parts, rows, hidden] per image: the merged features and the DeepStack levels).
 
 Spawns one encoder and two decoders on it (`--encoder-max-ahead 4` and `0`, few running requests
 each, so that requests queue and lookahead has something to act on).
@@ -23,7 +27,7 @@ import time
 import uuid
 
 from bench.encode_tput import _encode_level, make_pngs
-from bench.qwen_gpu import END, IMAGE, USER
+from bench.qwen_gpu import END, IMAGE, USER, family_of
 from bench.report import save_result
 from bench.services import decoder_service, encoder_service, start_all, workdir
 from common.client import AsyncDecoderClient, DecoderClient
@@ -34,7 +38,7 @@ LOOKAHEAD_STATS = ("images_prefetched", "lookahead_ready_at_prefill", "lookahead
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    """Options of the service-level Qwen2.5-VL benchmark."""
+    """Options of the service-level Qwen2.5-VL / Qwen3-VL benchmark."""
     p = argparse.ArgumentParser(prog="python -m bench.qwen_serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cuda")
@@ -96,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     off = decoder_service(args.model, enc.address, logs, args.device, args.dtype,
                           dec_args + ["--encoder-max-ahead", "0"], name="decoder-off")
     services = [enc] if args.no_lookahead else [enc, on, off]
-    result: dict = {"model": args.model, "device": args.device, "dtype": args.dtype,
-                    "image_size": args.image_size}
+    result: dict = {"model": args.model, "family": family_of(args.model)[0], "device": args.device,
+                    "dtype": args.dtype, "image_size": args.image_size}
     try:
         start_all(services)
         accept = [common_pb2.TRANSPORT_CUDA_IPC if args.device == "cuda" else common_pb2.TRANSPORT_INLINE]
@@ -138,14 +142,15 @@ def main(argv: list[str] | None = None) -> int:
 def _finish(args: argparse.Namespace, result: dict) -> int:
     """Add the headline, print and save."""
     c = str(args.concurrency)
+    label = result["family"]
     result["headline"] = []
     if c in result.get("encode", {}):
-        result["headline"].append([f"qwen Encode img/s at {c} clients ({args.image_size}px)",
+        result["headline"].append([f"{label} Encode img/s at {c} clients ({args.image_size}px)",
                                    round(result["encode"][c]["images_per_s"], 1)])
     if "lookahead" in result:
         ratio = result["lookahead"]["mean_on_over_off"]
-        result["headline"].append(["qwen lookahead mean TTFT on/off", ratio])
-    save_result("qwen_serve", args, result, headline=result["headline"])
+        result["headline"].append([f"{label} lookahead mean TTFT on/off", ratio])
+    save_result(f"{label}_serve", args, result, headline=result["headline"])
     print(result["headline"])
     return 0
 

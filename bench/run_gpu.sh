@@ -9,8 +9,11 @@
 #      DEVICE / DTYPE / PRESET (default cuda / bfloat16 / llava-1.5-7b): change only to smoke-test the
 #      script itself, e.g. DEVICE=cpu DTYPE=float32 PRESET=tiny MODEL_DIR=/tmp/tiny on a CPU host.
 #      SECTIONS (default llava): llava (the sections below), qwen (Qwen2.5-VL-7B shapes: bench/qwen_gpu.py,
-#      the model made in QWEN_MODEL_DIR, default /tmp/qwen7b), fp8 (bf16 vs FP8 decode in-process and
-#      through gRPC, FP8 accuracy; FP8_BATCHES default 1,32), or a list such as llava,qwen.
+#      the model made in QWEN_MODEL_DIR, default /tmp/qwen7b), qwen3 (Qwen3-VL-8B shapes: bench/qwen_gpu.py
+#      then bench/qwen_serve.py, results qwen3_gpu and qwen3_serve; the model made in QWEN3_MODEL_DIR,
+#      default /tmp/qwen3_8b, from QWEN3_PRESET, default qwen3-vl-8b; QWEN3_GPU_ARGS / QWEN3_SERVE_ARGS add
+#      options, e.g. smaller figures for a CPU smoke test), fp8 (bf16 vs FP8 decode in-process and
+#      through gRPC, FP8 accuracy; FP8_BATCHES default 1,32), or a list such as llava,qwen,qwen3.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
 #      skipped instead; the merge still runs).
@@ -130,6 +133,32 @@ if [[ ",$SECTIONS," == *,qwen,* ]]; then
   step qwen_gpu 300 "$PY" -m bench.qwen_gpu --model "$QMODEL" "${DT[@]}"
   step qwen_serve 300 "$PY" -m bench.qwen_serve --model "$QMODEL" "${DT[@]}" --logs "$RES/logs-qwen" \
     --requests 32 --max-num-seqs 4 --output-len 64
+fi
+
+# Qwen3-VL-8B shapes (random weights made here): the same figures as the qwen section (the tower with its
+# DeepStack outputs on both sides), then the services (Encode img/s, lookahead on/off).
+# The 8B checkpoint is ~17 GB: made on the GPU in a minute or two; its timeout is cut to the budget too.
+if [[ ",$SECTIONS," == *,qwen3,* ]]; then
+  Q3MODEL=${QWEN3_MODEL_DIR:-/tmp/qwen3_8b}
+  Q3PRESET=${QWEN3_PRESET:-qwen3-vl-8b}
+  read -r -a Q3GPU <<< "${QWEN3_GPU_ARGS:-}"
+  read -r -a Q3SERVE <<< "${QWEN3_SERVE_ARGS:-}"
+  if [ ! -f "$Q3MODEL/mmserve_model.json" ]; then
+    Q3LEFT=$((BUDGET - (SECONDS - START)))
+    [ "$Q3LEFT" -gt 300 ] && Q3LEFT=300
+    echo "== make-model $Q3PRESET -> $Q3MODEL (timeout ${Q3LEFT}s)"
+    if [ "$Q3LEFT" -gt 5 ]; then
+      timeout --kill-after=10 "$Q3LEFT" "$PY" -m common.cli make-model --preset "$Q3PRESET" --out "$Q3MODEL" \
+        "${DT[@]}" 2>&1 | tail -3
+    fi
+  fi
+  if [ -f "$Q3MODEL/mmserve_model.json" ]; then
+    step qwen3_gpu 300 "$PY" -m bench.qwen_gpu --model "$Q3MODEL" "${DT[@]}" ${Q3GPU[@]+"${Q3GPU[@]}"}
+    step qwen3_serve 300 "$PY" -m bench.qwen_serve --model "$Q3MODEL" "${DT[@]}" --logs "$RES/logs-qwen3" \
+      --requests 32 --max-num-seqs 4 --output-len 64 ${Q3SERVE[@]+"${Q3SERVE[@]}"}
+  else
+    echo "== qwen3: no model in $Q3MODEL (make-model failed or the budget was spent); skipped"
+  fi
 fi
 
 # FP8 against bf16 on the llava-1.5-7b shapes: decode at batch 1 and 32 in-process and through gRPC

@@ -14,6 +14,7 @@ returns it as is.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,8 @@ from common.vision.qwen_encoder import QwenPrepared, load_qwen_image_processor
 from common.vision.qwen_pixels import QwenTorchPixels
 
 QWEN3_MODEL_TYPES = ("qwen3_vl",)
+
+log = logging.getLogger(__name__)
 
 
 def is_qwen3_vl(config: dict) -> bool:
@@ -135,9 +138,26 @@ class Qwen3VisionEncoder:
         return self.encode_prepared([self.prepare(i, r) for i, r in zip(images, ranges, strict=True)])
 
     def capture_graphs(self, max_batch: int) -> bool:
-        """No CUDA graphs (every batch has its own sequence length and chunk plan) and, unlike
-        QwenVisionEncoder, no compiled elementwise steps yet: the tower runs eagerly. Returns False."""
+        """No CUDA graphs (every batch has its own sequence length and chunk plan); on CUDA the
+        elementwise steps are compiled instead (`compile_elementwise`), as QwenVisionEncoder does.
+        Returns False."""
+        if self.device.type == "cuda":
+            self.compile_elementwise()
         return False
+
+    def compile_elementwise(self) -> bool:
+        """Fuse the tower's rotary, LayerNorms and residual adds with torch.compile, checked on a small
+        image; False (and the eager steps) when compiling fails."""
+        from common.vision.qwen3_tower import Qwen3VisionOps
+
+        self.tower.use_ops(Qwen3VisionOps.compiled())
+        try:
+            self.encode([Image.new("RGB", (224, 224), (127, 127, 127))])
+        except Exception as exc:  # noqa: BLE001 - no compiler toolchain, or an inductor bug: run eagerly
+            log.warning("torch.compile of the vision tower's elementwise steps failed; eager: %s", exc)
+            self.tower.use_ops(Qwen3VisionOps)
+            return False
+        return True
 
     def warm_up(self) -> None:
         """One small image through the tower; checks its shape against the layout's token count."""

@@ -11,6 +11,11 @@ block concatenated first, then its LayerNorm). In fp32 on a CPU every output equ
 
 Attention is batched as in qwen_tower: images of equal patch count go through one
 scaled_dot_product_attention call together, the same arithmetic per image as HF's call per image.
+
+The elementwise steps go through `Qwen3VisionOps` (eager: HF's exact operations). On a GPU the encoder
+switches to `Qwen3VisionOps.compiled()` (`use_ops`), as Qwen2.5-VL's tower does: the 2D rotary, the
+LayerNorms and the residual add before each block's second LayerNorm fused by torch.compile (dynamic
+shapes), bf16 results within rounding of the eager ones. The tanh GELU is one native kernel already.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.vision.qwen_tower import ChunkPlan, VisionAttention
+from common.vision.qwen_tower import ChunkPlan, VisionAttention, VisionOps, rotary
 
 Grid = tuple[int, int, int]
 
@@ -53,6 +58,35 @@ class Qwen3VisionFeatures:
         return list(self.stacked().split(list(rows), dim=1))
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """nn.LayerNorm's forward over the last dim."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its LayerNorm): a residual add and the next pre-norm (one pass when compiled)."""
+    x = x + delta
+    return x, F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+class Qwen3VisionOps(VisionOps):
+    """Qwen3-VL's elementwise steps: the rotary (VisionOps', used by VisionAttention), the LayerNorms and
+    the residual add + LayerNorm of each block. Eager by default (HF's operations, bit-equal in fp32);
+    `compiled()` fuses each with torch.compile (GPU)."""
+
+    layer_norm = staticmethod(layer_norm)
+    add_layer_norm = staticmethod(add_layer_norm)
+
+    @classmethod
+    def compiled(cls) -> type[Qwen3VisionOps]:
+        """A Qwen3VisionOps whose steps are torch.compile'd (dynamic shapes: one compile for any batch)."""
+        return type("CompiledQwen3VisionOps", (cls,), {
+            "rotary": staticmethod(torch.compile(rotary, dynamic=True)),
+            "layer_norm": staticmethod(torch.compile(layer_norm, dynamic=True)),
+            "add_layer_norm": staticmethod(torch.compile(add_layer_norm, dynamic=True))})
+
+
 class VisionMLP(nn.Module):
     """linear_fc2(gelu_tanh(linear_fc1(x))), with biases (HF's Qwen3VLVisionMLP)."""
 
@@ -68,6 +102,8 @@ class VisionMLP(nn.Module):
 class VisionBlock(nn.Module):
     """Pre-LayerNorm attention (2D rotary, within each image) and MLP, with residuals."""
 
+    ops: type[Qwen3VisionOps] = Qwen3VisionOps
+
     def __init__(self, dim: int, num_heads: int, hidden: int) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=_LN_EPS)
@@ -76,8 +112,10 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(dim, hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, plan)
-        return x + self.mlp(self.norm2(x))
+        n1, n2 = self.norm1, self.norm2
+        h = self.ops.layer_norm(x, n1.weight, n1.bias, n1.eps)
+        x, h = self.ops.add_layer_norm(x, self.attn(h, cos, sin, plan), n2.weight, n2.bias, n2.eps)
+        return x + self.mlp(h)
 
 
 class PatchMerger(nn.Module):
@@ -180,6 +218,12 @@ class Qwen3VisionTower(nn.Module):
         heads = int(vision.get("num_heads", vision.get("num_attention_heads")))
         quarter = int(vision["hidden_size"]) // heads // 2
         return 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+
+    def use_ops(self, ops: type[Qwen3VisionOps]) -> None:
+        """Run the elementwise steps with ops (Qwen3VisionOps, or Qwen3VisionOps.compiled() on a GPU)."""
+        for module in self.modules():
+            if isinstance(module, (VisionBlock, VisionAttention)):
+                module.ops = ops
 
     @property
     def patch_dim(self) -> int:
