@@ -381,24 +381,30 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 deadline: float) -> common_pb2.EmbeddingRef:
         """Encode by hash, then with bytes on NOT_FOUND, retrying while the encoder is unreachable, all
         by one deadline."""
-        by_hash = common_pb2.ImageInput(content_hash=req.content_hash)
+        video = req.video
         try:
-            return self._call_encode(encoder, req, by_hash, accept, deadline)
+            return self._call_encode(encoder, req, _by_hash(req), accept, deadline)
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND or req.image is None:
+            has_bytes = req.image is not None or (video is not None and video.data is not None)
+            if exc.code() != grpc.StatusCode.NOT_FOUND or not has_bytes:
                 raise
         with self._lock:
             self._counters.images_resent += 1
+        if video is not None:  # the settings come resolved: the encoder hashes it as the decoder did
+            item = common_pb2.VideoInput(data=video.data, fps=video.fps, max_frames=video.max_frames,
+                                         min_pixels=video.min_pixels, max_pixels=video.max_pixels)
+            return self._call_encode(encoder, req, item, accept, deadline)
         image = common_pb2.ImageInput(data=_image_bytes(req.image))
         if req.pixels is not None:  # Qwen2.5-VL: resized into the range the decoder counted tokens with
             image.min_pixels, image.max_pixels = req.pixels.min_pixels, req.pixels.max_pixels
         return self._call_encode(encoder, req, image, accept, deadline)
 
-    def _call_encode(self, encoder: str, req: EmbeddingRequest, image: common_pb2.ImageInput,
-                     accept: list[int], deadline: float) -> common_pb2.EmbeddingRef:
-        request = encoder_pb2.EncodeRequest(request_id=req.request_id, images=[image], accept=accept,
+    def _call_encode(self, encoder: str, req: EmbeddingRequest,
+                     item: common_pb2.ImageInput | common_pb2.VideoInput, accept: list[int],
+                     deadline: float) -> common_pb2.EmbeddingRef:
+        request = encoder_pb2.EncodeRequest(request_id=req.request_id, accept=accept,
                                             cache_salt=req.cache_salt, prefetch=req.prefetch,
-                                            lease_owner=self._lease_owner)
+                                            lease_owner=self._lease_owner, **_as_items(item))
         policy = self.retry
         backoff = policy.initial_backoff_s
         attempts, full_since = 0, None
@@ -441,9 +447,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         entry, once ready) is given back at once; the lookahead fetch delivers the rows. Best effort:
         an image the encoder has not seen yet (NOT_FOUND) or any failure changes nothing."""
         request = encoder_pb2.EncodeRequest(
-            request_id=req.request_id, images=[common_pb2.ImageInput(content_hash=req.content_hash)],
-            accept=self.accept, cache_salt=req.cache_salt,
-            prefetch=False, lease_owner=self._lease_owner)
+            request_id=req.request_id, accept=self.accept, cache_salt=req.cache_salt,
+            prefetch=False, lease_owner=self._lease_owner, **_as_items(_by_hash(req)))
         try:
             reply = self._stub(encoder).Encode(request, timeout=self.retry.attempt_timeout_s,
                                                metadata=auth_metadata(self._token,
@@ -485,6 +490,18 @@ class RemoteEmbeddingSource(EmbeddingSource):
             if slot is not None and not slot.released:
                 slot.status, slot.code, slot.error = EmbeddingState.FAILED, code, message
                 self._failed_requests[key[0]] = code
+
+
+def _by_hash(req: EmbeddingRequest) -> common_pb2.ImageInput | common_pb2.VideoInput:
+    """The request's image or video named by its content hash alone."""
+    if req.video is not None:
+        return common_pb2.VideoInput(content_hash=req.content_hash)
+    return common_pb2.ImageInput(content_hash=req.content_hash)
+
+
+def _as_items(item: common_pb2.ImageInput | common_pb2.VideoInput) -> dict:
+    """EncodeRequest fields carrying one image or one video."""
+    return {"videos": [item]} if isinstance(item, common_pb2.VideoInput) else {"images": [item]}
 
 
 class SideStreamCopier:
