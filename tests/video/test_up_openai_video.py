@@ -1,0 +1,40 @@
+"""`mmserve up --model <qwen3 dir>`: the official `openai` client sends a video as a `video_url` data: URL
+(as vLLM's OpenAI server accepts it) and gets HF's tokens; the gateway renders the checkpoint's chat
+template, the decoder lays the video out in timestamped groups, the encoder makes its DeepStack parts."""
+
+from __future__ import annotations
+
+import base64
+import signal
+
+from tests.integration.harness import start_up
+from tests.video.test_engine_video import VIDEO, VideoOracle
+
+N = 8
+
+
+def test_up_serves_a_qwen3_video_to_the_openai_client(tmp_path, qwen3_model_dir, qwen3_oracle):
+    from openai import OpenAI
+
+    up, _, port = start_up(tmp_path, str(qwen3_model_dir))
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        name = client.models.list().data[0].id
+        url = "data:video/mp4;base64," + base64.b64encode(VIDEO).decode()
+        content = [{"type": "video_url", "video_url": {"url": url}},
+                   {"type": "text", "text": "What happens in this video?"}]
+        reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": content}],
+                                               max_tokens=N, temperature=0)
+        oracle = VideoOracle(qwen3_oracle, qwen3_model_dir)
+        chat = [{"role": "user", "content": [{"type": "video"},
+                                             {"type": "text", "text": "What happens in this video?"}]}]
+        text = oracle.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        expected = oracle.generate(text, [], [VIDEO], N)
+        assert reply.usage.completion_tokens == N
+        assert reply.choices[0].message.content == oracle.tokenizer.decode(expected, skip_special_tokens=True)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
