@@ -10,8 +10,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import av
-
 from common.video.limits import KNOWN_VIDEO_FORMATS, VideoError, VideoLimits
 
 
@@ -48,6 +46,8 @@ def public_message(exc: BaseException) -> str:
 
 def _duration_s(container, stream) -> float | None:
     if container.duration is not None and container.duration > 0:
+        import av  # PyAV only where a video is opened: image-only hosts need not have it
+
         return container.duration / av.time_base
     if stream.duration is not None and stream.time_base is not None and stream.duration > 0:
         return float(stream.duration * stream.time_base)
@@ -104,6 +104,8 @@ def open_video(data: bytes,
     if fmt is None or fmt not in limits.format_names:
         raise VideoError(f"not an accepted video container (accepted: {', '.join(limits.format_names)})")
     try:
+        import av  # PyAV only where a video is opened: image-only hosts need not have it
+
         container = av.open(io.BytesIO(data), format=KNOWN_VIDEO_FORMATS[fmt])
     except Exception as exc:  # noqa: BLE001 - FFmpeg raises many types for bad data
         raise VideoError(f"cannot read the video container: {public_message(exc)}") from None
