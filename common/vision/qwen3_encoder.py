@@ -138,11 +138,10 @@ class Qwen3VisionEncoder:
         return self.encode_prepared([self.prepare(i, r) for i, r in zip(images, ranges, strict=True)])
 
     def capture_graphs(self, max_batch: int) -> bool:
-        """No CUDA graphs (every batch has its own sequence length and chunk plan); on CUDA the
-        elementwise steps are compiled instead (`compile_elementwise`), as QwenVisionEncoder does.
-        Returns False."""
-        if self.device.type == "cuda":
-            self.compile_elementwise()
+        """No CUDA graphs (every batch has its own sequence length and chunk plan), and, unlike
+        QwenVisionEncoder, no compiled elementwise steps either: on the H200 (Qwen3-VL-8B shapes, bf16,
+        1024x1024 images) `compile_elementwise` made the tower slower, 30.9 against 51.6 images/s at
+        batch 8 (docs/benchmarks/h200-2026-12-01-run14-qwen3.json). Returns False."""
         return False
 
     def compile_elementwise(self) -> bool:
