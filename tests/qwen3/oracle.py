@@ -66,6 +66,10 @@ class Qwen3Oracle:
         else:
             merged, levels = out.pooler_output, out.deepstack_features
         sizes = [int(g.prod()) // self.merge**2 for g in grids]
-        merged = torch.cat(list(merged)).split(sizes)
-        levels = [torch.cat(list(level)).split(sizes) for level in levels]
+
+        def rows(x) -> torch.Tensor:  # one [rows, hidden] tensor (transformers 5.17) or one per image
+            return x if isinstance(x, torch.Tensor) else torch.cat(list(x))
+
+        merged = rows(merged).split(sizes)
+        levels = [rows(level).split(sizes) for level in levels]
         return [torch.stack([merged[i], *(level[i] for level in levels)]) for i in range(len(sizes))]
