@@ -44,6 +44,9 @@ class EngineConfig:
         "none", "fp8: quantize the decoder layers' projections to FP8 (e4m3, per output channel) at load; "
         "FP8 checkpoints (compressed-tensors, HF fine-grained) are served in FP8 whatever this says",
         choices=("none", "fp8"))
+    tensor_parallel_size: int = option(
+        1, "ranks the language model is split over (one worker process per other rank; GPU N for rank N "
+        "on CUDA, gloo on CPU)", type=positive_int)
     load_format: str = option(
         "auto", "dummy: random weights made on the device from config.json (benchmarks of large shapes, "
         "no weight files needed)", choices=("auto", "dummy"))

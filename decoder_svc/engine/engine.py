@@ -28,7 +28,9 @@ from decoder_svc.engine.request import FinishReason, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
 from decoder_svc.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from decoder_svc.model import generation_eos_ids, load_language_model
+from decoder_svc.model.parallel import TensorParallel
 from decoder_svc.runner import ModelInput, ModelOutput, ModelRunner, RunnerConfig, SamplingRow, SequenceInput
+from decoder_svc.runner.tensor_parallel import TensorParallelGroup, TensorParallelRunner, rank_device
 from decoder_svc.tokenization import PromptTokenizer
 
 log = logging.getLogger("mmserve.decoder.engine")
@@ -70,17 +72,31 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
-        self.model = load_language_model(config.model, self.device, self.dtype, config.attention_backend,
-                                         config.quantization, config.load_format)
-        self.model_config = self.model.config
         self.tokenizer = PromptTokenizer(config.model)
-        self.fingerprint = model_fingerprint(config.model)
-        self.eos_token_ids = frozenset(generation_eos_ids(config.model))
-        self.runner = ModelRunner(self.model, RunnerConfig(
-            config.device, self.dtype, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
-            config.num_kv_blocks, config.kv_cache_bytes, config.enforce_eager),
-            sorted(self.tokenizer.mm_token_ids))
-        self.kv_spec = self.runner.initialize()
+        mm_token_ids = sorted(self.tokenizer.mm_token_ids)
+        self.tp_group: TensorParallelGroup | None = None
+        tp = None
+        if config.tensor_parallel_size > 1:
+            # The workers load their shards while this process loads its own (rank 0's).
+            self.tp_group = TensorParallelGroup(config, mm_token_ids)
+            tp = TensorParallel(0, config.tensor_parallel_size)
+            self.device = torch.device(rank_device(config.device, 0))
+        try:
+            self.model = load_language_model(config.model, self.device, self.dtype, config.attention_backend,
+                                             config.quantization, config.load_format, tp=tp)
+            self.model_config = self.model.config
+            self.fingerprint = model_fingerprint(config.model)
+            self.eos_token_ids = frozenset(generation_eos_ids(config.model))
+            # Tensor-parallel steps run eagerly: graphs with collectives inside are not done yet.
+            runner = ModelRunner(self.model, RunnerConfig(
+                str(self.device), self.dtype, config.block_size, config.max_num_seqs,
+                config.max_num_batched_tokens, config.num_kv_blocks, config.kv_cache_bytes,
+                config.enforce_eager or tp is not None), mm_token_ids)
+            self.runner = runner if self.tp_group is None else TensorParallelRunner(runner, self.tp_group)
+            self.kv_spec = self.runner.initialize()
+        except BaseException:
+            self.close()
+            raise
         self.inputs = InputProcessor(config, self.model_config, self.tokenizer, self.fingerprint,
                                      self.eos_token_ids, self.kv_spec.num_blocks * self.kv_spec.block_size)
         self.blocks = BlockManager(self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -90,6 +106,11 @@ class LLMEngine:
             self.blocks, embedding_source)
         self.outputs = OutputProcessor(self.tokenizer.tokenizer, config.detokenize)
         self.last_step_num_tokens = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; a single-device engine holds nothing)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     @property
     def source(self) -> EmbeddingSource:

@@ -14,6 +14,7 @@ from torch import nn
 from decoder_svc.model.attention import AttentionBackend, AttentionMetadata
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.ops import TorchOps
+from decoder_svc.model.parallel import TensorParallel, all_reduce, gather_vocab
 from decoder_svc.model.rope import inv_frequencies
 
 
@@ -33,22 +34,26 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one product."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one product. Tensor-parallel
+    (`reduce`): this rank's hidden columns, and the partial outputs summed over the ranks."""
 
-    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps]) -> None:
+    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps], reduce: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.ops = ops
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return all_reduce(out) if self.reduce else out
 
 
 class SelfAttention(nn.Module):
-    """GQA self-attention; the backend stores K/V and attends over the paged cache."""
+    """GQA self-attention; the backend stores K/V and attends over the paged cache. Tensor-parallel
+    (`reduce`): this rank's heads, and the o projection's partial outputs summed over the ranks."""
 
-    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps]) -> None:
+    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps], reduce: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -60,6 +65,7 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm = cfg.qk_norm
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -72,7 +78,8 @@ class SelfAttention(nn.Module):
             q, k = _per_head(self.q_norm, q), _per_head(self.k_norm, k)
         q, k = self.ops.rotary(q, k, positions, cos_sin)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        out = self.o_proj(out.reshape(n, self.q_size))
+        return all_reduce(out) if self.reduce else out
 
 
 def _per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -85,10 +92,10 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; the residual stream travels beside the hidden states so each
     residual add fuses into the norm that follows it."""
 
-    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps]) -> None:
+    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps], reduce: bool = False) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(cfg, ops)
-        self.mlp = MLP(cfg, ops)
+        self.self_attn = SelfAttention(cfg, ops, reduce)
+        self.mlp = MLP(cfg, ops, reduce)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -116,18 +123,24 @@ def mrope_axes(cfg: TextModelConfig) -> torch.Tensor:
 
 
 class LlamaForCausalLM(nn.Module):
-    """The language model. forward takes all scheduled tokens of a batch as one flat sequence."""
+    """The language model. forward takes all scheduled tokens of a batch as one flat sequence.
+
+    With `tp` (decoder_svc/model/parallel.py) `cfg` is this rank's local config (its heads and MLP
+    columns), the output head holds this rank's vocabulary slice, and the logits are gathered."""
 
     def __init__(self, cfg: TextModelConfig, backend: AttentionBackend,
-                 ops: type[TorchOps] = TorchOps) -> None:
+                 ops: type[TorchOps] = TorchOps, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.backend = backend
         self.ops = ops
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        reduce = self.tp is not None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, reduce) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        head_rows = self.tp.vocab_rows(cfg.vocab_size) if self.tp else cfg.vocab_size
+        self.lm_head = nn.Linear(cfg.hidden_size, head_rows, bias=False)
         self.register_buffer("cos_sin", self.rotary_table(cfg), persistent=False)
         # M-RoPE: which of the three position rows (t, h, w) each column of a cos/sin row reads.
         self.register_buffer("mrope_axis", mrope_axes(cfg), persistent=False)
@@ -179,4 +192,5 @@ class LlamaForCausalLM(nn.Module):
                 residual = None
         # Norm and lm_head only on the rows we sample from: the rest are partial prefill chunks.
         x, _ = self.norm(x[logits_indices], None if residual is None else residual[logits_indices])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        return gather_vocab(logits, self.config.vocab_size) if self.tp else logits

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 
-from common.checkpoint import load_config, load_tensors
+from common.checkpoint import CheckpointError, load_config, load_tensors
 from decoder_svc.model.backends import make_kernels
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.dummy import dummy_state
 from decoder_svc.model.llama import LlamaForCausalLM, mrope_axes
+from decoder_svc.model.parallel import TensorParallel, shard_state
 from decoder_svc.model.quant.formats import checkpoint_fp8_format
 from decoder_svc.model.quant.fp8 import FP8_DTYPE
 from decoder_svc.model.quant.linear import swap_in_fp8
@@ -98,6 +99,7 @@ def load_language_model(
     attention_backend: str = "auto",
     quantization: str = "none",
     load_format: str = "auto",
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from the checkpoint's text config and load its weights (strictly), with the
     kernels `attention_backend` names (backends.make_kernels: auto, torch or triton).
@@ -130,7 +132,15 @@ def load_language_model(
         blocks = quantize_projections(state, device)  # from the checkpoint's own precision
     state = {n: t.to(dtype) if t.is_floating_point() and t.dtype != FP8_DTYPE and not n.endswith(SCALE)
              else t for n, t in state.items()}
-    tie = cfg.tie_word_embeddings or "lm_head.weight" not in state
+    if tp is not None and tp.size > 1:
+        if blocks:
+            raise CheckpointError("FP8 weights with tensor parallelism are not supported yet")
+        tp.check(cfg)
+        state = shard_state(state, cfg, tp)  # the output head becomes this rank's own vocabulary slice
+        with torch.device("meta"):
+            model = LlamaForCausalLM(tp.local_config(cfg), backend, ops, tp)
+        cfg = model.config
+    tie = (cfg.tie_word_embeddings or "lm_head.weight" not in state) and model.tp is None
     if tie:
         state.pop("lm_head.weight", None)
     model = model.to_empty(device=device).to(dtype)

@@ -13,6 +13,7 @@ caching allocator orders their reuse behind that work on the stream.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,6 +111,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._staged = torch.cuda.Event() if self._on_cuda else None  # host buffers free to refill
         self.graph_steps = 0  # steps that replayed a CUDA graph (stats, tests)
+        # Tensor parallelism: every rank must size its KV cache alike (runner/tensor_parallel.py).
+        self.agree_blocks: Callable[[int], int] = lambda count: count
 
     # -- start-up ----------------------------------------------------------------------------------
     @property
@@ -121,7 +124,7 @@ class ModelRunner:
         """Warm up (measuring activation memory), size and allocate the KV cache, capture the graphs."""
         if self._on_cuda:
             self._profile_run()
-        num_blocks = self._num_kv_blocks()
+        num_blocks = self.agree_blocks(self._num_kv_blocks())
         self.kv_spec = KVCacheSpec.for_model(self.model_config, num_blocks, self.config.block_size,
                                              self.config.dtype)
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
