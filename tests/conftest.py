@@ -77,6 +77,20 @@ def qwen_oracle(qwen_model_dir: Path):
 
 
 @pytest.fixture(scope="session")
+def qwen3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The qwen3-vl-tiny checkpoint (fp32, random weights scaled so greedy output varies)."""
+    return _made(tmp_path_factory, "qwen3-vl-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen3_oracle(qwen3_model_dir: Path):
+    """HF's Qwen3VLForConditionalGeneration, fp32 on CPU (tests/qwen3/oracle.py)."""
+    from tests.qwen3.oracle import Qwen3Oracle
+
+    return Qwen3Oracle(qwen3_model_dir)
+
+
+@pytest.fixture(scope="session")
 def qwen_images() -> list:
     """224x224, 640x480 and 1000x300 (width x height): 64, 391 and 396 image tokens."""
     from tests.oracle import make_image

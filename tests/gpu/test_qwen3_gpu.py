@@ -10,13 +10,11 @@ are made here the same way (MMSERVE_TEST_MODEL_CACHE is honoured, as there).
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from common.model_maker import make_model
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from tests.oracle import greedy, run_all
@@ -29,24 +27,6 @@ N = 12
 # is ~0.010 from its fp32 one).
 BF16_VS_HF_BF16 = 0.03
 BF16_VS_FP32 = 0.05
-
-
-@pytest.fixture(scope="module")
-def qwen3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The qwen3-vl-tiny checkpoint (as tests/qwen3/conftest.py makes it)."""
-    cache = os.environ.get("MMSERVE_TEST_MODEL_CACHE")
-    out = (Path(cache) if cache else tmp_path_factory.mktemp("models")) / "qwen3-vl-tiny-seed0"
-    if not (out / "mmserve_model.json").exists():
-        make_model("qwen3-vl-tiny", out, seed=0, device="cpu", progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def qwen3_oracle(qwen3_model_dir: Path):
-    """HF's Qwen3VLForConditionalGeneration, fp32 on CPU (tests/qwen3/oracle.py)."""
-    from tests.qwen3.oracle import Qwen3Oracle
-
-    return Qwen3Oracle(qwen3_model_dir)
 
 
 def _engine(model_dir: Path, budget: int) -> LLMEngine:

@@ -1,33 +1,11 @@
-"""Fixtures for the Qwen3-VL tests: the tiny checkpoint (made once per session) and HF's model on it.
-The three test images (224x224, 640x480, 1000x300) are tests/conftest.py's `qwen_images`."""
+"""Fixtures for the Qwen3-VL tests. The tiny checkpoint and HF's model on it (`qwen3_model_dir`,
+`qwen3_oracle`) and the three test images (`qwen_images`) are session fixtures of tests/conftest.py."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-
-from common.model_maker import make_model
-
-
-@pytest.fixture(scope="session")
-def qwen3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The qwen3-vl-tiny checkpoint (fp32, random weights scaled so greedy output varies)."""
-    # MMSERVE_TEST_MODEL_CACHE lets repeated local runs reuse checkpoints, as in tests/conftest.py.
-    cache = os.environ.get("MMSERVE_TEST_MODEL_CACHE")
-    out = (Path(cache) if cache else tmp_path_factory.mktemp("models")) / "qwen3-vl-tiny-seed0"
-    if not (out / "mmserve_model.json").exists():
-        make_model("qwen3-vl-tiny", out, seed=0, device="cpu", progress=False)
-    return out
-
-
-@pytest.fixture(scope="session")
-def qwen3_oracle(qwen3_model_dir: Path):
-    """HF's Qwen3VLForConditionalGeneration, fp32 on CPU (tests/qwen3/oracle.py)."""
-    from tests.qwen3.oracle import Qwen3Oracle
-
-    return Qwen3Oracle(qwen3_model_dir)
 
 
 @pytest.fixture
