@@ -24,8 +24,8 @@ from common.qwen_layout import QwenImageLayout, is_qwen_vl, load_qwen_layout
 # (`role.upper() + ': '`), so a client-chosen role could forge turns or template text in the prompt.
 CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant"})
 # Content part types the template renders; it skips others silently, which would hide a client's bug.
-# ("video" renders only in Qwen-VL templates; the input processor refuses videos for other models.)
-CHAT_PART_TYPES: frozenset[str] = frozenset({"text", "image", "video"})
+CHAT_PART_TYPES: frozenset[str] = frozenset({"text", "image"})
+VIDEO_CHAT_PART_TYPES: frozenset[str] = CHAT_PART_TYPES | {"video"}  # Qwen-VL templates render videos
 
 
 class PromptError(InvalidInputError):
@@ -180,8 +180,9 @@ class PromptTokenizer:
         """
         if not messages:
             raise PromptError("empty chat")
+        part_types = VIDEO_CHAT_PART_TYPES if self.video_token is not None else CHAT_PART_TYPES
         for index, message in enumerate(messages):
-            check_chat_message(index, message)
+            check_chat_message(index, message, part_types)
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # HF's tokenizing chat path skips special tokens when the template already wrote BOS.
         bos = self.tokenizer.bos_token
@@ -209,9 +210,10 @@ class PromptTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
-def check_chat_message(index: int, message: Any) -> None:
+def check_chat_message(index: int, message: Any, part_types: frozenset[str] = CHAT_PART_TYPES) -> None:
     """Raise PromptError, naming message `index`, unless it is {"role": one of CHAT_ROLES, "content":
-    a non-empty string or a list of {"type": "image"} / {"type": "text", "text": non-empty string}}."""
+    a non-empty string or a list of {"type": "image"} / {"type": "text", "text": non-empty string}
+    (and {"type": "video"} where part_types has it: Qwen-VL models)}."""
     if not isinstance(message, dict):
         raise PromptError(f"message {index}: not a mapping of role and content")
     role = message.get("role")
@@ -229,7 +231,9 @@ def check_chat_message(index: int, message: Any) -> None:
         raise PromptError(f"message {index}: content must be a string or a list of parts")
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in CHAT_PART_TYPES:
-            raise PromptError(f"message {index} part {k}: not a text or image part")
+        if kind not in part_types:
+            names = [t for t in ("text", "image", "video") if t in part_types]
+            shown = " or ".join([", ".join(names[:-1]), names[-1]])
+            raise PromptError(f"message {index} part {k}: not a {shown} part")
         if kind == "text" and (not isinstance(part.get("text"), str) or not part["text"]):
             raise PromptError(f"message {index} part {k}: text must be a non-empty string")
