@@ -36,7 +36,7 @@ VERSIONS = ["1.30.0", "1.32.0", "1.34.0", kubernetes_validate.latest_version() +
 # pair-gpu shares one GPU through Dynamic Resource Allocation, whose v1 API (ResourceClaimTemplate,
 # PodSpec.resourceClaims[].resourceClaimTemplateName) exists from Kubernetes 1.34 on.
 MIN_VERSION = {"pair-gpu": (1, 34)}
-GPU_OVERLAYS = {"pair-gpu", "pair-gpu-single", "pools-gpu"}
+GPU_OVERLAYS = {"pair-gpu", "pair-gpu-single", "pools-gpu", "pools-gpu-tp2"}
 SERVICES = {"encoder": encoder_parser, "decoder": decoder_parser}
 GRPC_GRACE_S = 5  # GrpcService.wait: in-flight RPCs get this long after the drain and shutdown
 
@@ -72,7 +72,7 @@ def is_gateway(d: dict) -> bool:
 
 
 def test_every_overlay_is_found():
-    assert {"pair-cpu", "pair-gpu", "pools-cpu", "pools-gpu"} <= set(OVERLAYS)
+    assert {"pair-cpu", "pair-gpu", "pools-cpu", "pools-gpu", "pools-gpu-tp2"} <= set(OVERLAYS)
 
 
 def test_every_object_validates_against_the_kubernetes_schemas(overlay):
@@ -227,11 +227,14 @@ def test_gpu_overlays_ask_for_gpus_and_cpu_overlays_make_the_tiny_model(overlay)
             gpus = [c for c in pod_spec(d)["containers"]
                     if c["resources"].get("limits", {}).get("nvidia.com/gpu") or c["resources"].get("claims")]
             assert gpus, f"{overlay.name}: {d['metadata']['name']} asks for no GPU"
-        if overlay.name == "pools-gpu":
+        if overlay.name.startswith("pools-gpu"):
             for d in [d for d in deployments(overlay) if not is_gateway(d)]:
                 (c,) = pod_spec(d)["containers"]
                 resources = c["resources"]
-                assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "1"
+                # One GPU per Pod, except the tensor-parallel decoder: one per rank.
+                gpus = str(int(flag(expanded_args(overlay, c), "--tensor-parallel-size") or 1))
+                assert resources["requests"]["nvidia.com/gpu"] == gpus
+                assert resources["limits"]["nvidia.com/gpu"] == gpus
         for spec in specs:
             (models,) = [v for v in spec["volumes"] if v["name"] == "models"]
             assert models["persistentVolumeClaim"] == {"claimName": "mmserve-models", "readOnly": True}
@@ -258,3 +261,20 @@ def test_the_node_path_component_replaces_the_claim(tmp_path):
         assert set(models) == {"name", "hostPath"} and models["hostPath"]["path"] == "/var/lib/mmserve/models"
     for obj in r.objects:
         kubernetes_validate.validate(obj, "1.30.0", strict=True)
+
+
+def test_the_tensor_parallel_decoder_has_a_gpu_per_rank_and_shared_memory(tiny_model_dir):
+    r = Rendered("pools-gpu-tp2", render(K8S / "overlays" / "pools-gpu-tp2"))
+    decoder = container(r.get("Deployment", "mmserve-decoder"), "decoder")
+    args = expanded_args(r, decoder)
+    args[args.index("--model") + 1] = str(tiny_model_dir)
+    assert decoder_parser().parse_args(args[1:]).tensor_parallel_size == 2
+    assert decoder["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    # NCCL's segments: a memory-backed /dev/shm, not the container's 64 MiB.
+    spec = pod_spec(r.get("Deployment", "mmserve-decoder"))
+    (dshm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"]["medium"] == "Memory"
+    assert {m["mountPath"]: m["name"] for m in decoder["volumeMounts"]}["/dev/shm"] == "dshm"
+    encoder = container(r.get("Deployment", "mmserve-encoder"), "encoder")
+    assert "--tensor-parallel-size" not in expanded_args(r, encoder)
+    assert encoder["resources"]["limits"]["nvidia.com/gpu"] == "1"
