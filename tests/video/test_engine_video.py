@@ -204,3 +204,27 @@ def test_run_all_leaves_nothing(family):
     results = run_all(engine)
     assert all(r["error"] is None for r in results.values())
     assert engine.stats().kv_blocks_used == 0 and engine.scheduler.images.num_held == 0
+
+
+def test_lookahead_prefetches_queued_videos(family):
+    """Queued requests' videos are asked for ahead of their prefill (prefetch=True, with their bytes and
+    resolved settings), as images are; the tokens still equal HF's."""
+    from decoder_svc.engine import EngineConfig, LLMEngine
+    from decoder_svc.engine.local_source import LocalEmbeddingSource
+    from tests.fakes import GatedSource
+
+    make, oracle = family
+    model = make().config.model
+    cfg = EngineConfig(model=model, num_kv_blocks=512, max_num_seqs=1, encoder_max_ahead=2)
+    source = GatedSource(LocalEmbeddingSource.for_engine(cfg))
+    engine = LLMEngine(cfg, source)
+    clips = [noise_video(seed=10 + i) for i in range(3)]
+    for i, clip in enumerate(clips):
+        engine.add_request(f"r{i}", VIDEO_PROMPT, videos=[VideoSource(clip)], sampling=greedy(N))
+    engine.step()  # r0 runs; r1 and r2 are next in the queue
+    asks = [a for a in source.asks if a.prefetch]
+    assert {a.request_id for a in asks} == {"r1", "r2"}
+    assert all(a.video is not None and a.video.data is not None and a.video.fps > 0 for a in asks)
+    results = run_all(engine)
+    assert results["r2"]["tokens"] == oracle.generate(VIDEO_PROMPT, [], [clips[2]], N)
+    assert source.inner.num_leases == 0
