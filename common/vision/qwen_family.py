@@ -1,0 +1,192 @@
+"""What the Qwen-VL vision encoders share (Qwen2.5-VL: common/vision/qwen_encoder.py; Qwen3-VL:
+common/vision/qwen3_encoder.py): the checkpoint's layout and image processor, preparing images (HF's
+processor, or uint8 pixels for the device-side one), running several through the tower at once, sizes in
+bytes, the compiled elementwise steps and the warm-up. A subclass names its tower and what it returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from common.checkpoint import load_config, model_fingerprint
+from common.qwen_layout import Grid, PixelRange, read_qwen_layout
+from common.video.config import load_qwen_video_config
+from common.video.timestamps import VideoTiming
+from common.vision import PREPROCESS_MODES
+from common.vision.pixels import to_uint8_hwc
+from common.vision.qwen_pixels import QwenTorchPixels
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QwenPrepared:
+    """One image or video ready for the tower: its grid, and either patch rows [t*h*w, patch_dim] from the
+    HF processor or common/video (fp32, host) or an image's uint8 [H, W, 3] pixels for the device-side
+    processor; a video also has its timing (kept with its cache entry)."""
+
+    grid: Grid
+    pixel_values: torch.Tensor | None = None
+    raw: torch.Tensor | None = None
+    timing: VideoTiming | None = None
+
+
+def load_qwen_image_processor(model_dir: str | Path):
+    """The checkpoint's Qwen2-VL image processor with the PIL backend (transformers >= 5.2 names it
+    Qwen2VLImageProcessorPil; earlier 5.x releases' Qwen2VLImageProcessor is that one)."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as Processor,
+        )
+    except ImportError:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as Processor
+    return Processor.from_pretrained(str(model_dir), local_files_only=True)
+
+
+class QwenFamilyEncoder:
+    """Images to one Qwen-VL model's image embeddings, one tensor per image whose rows follow its grid.
+
+    Thread-safety as VisionEncoder: `prepare` on any thread; `encode_prepared` from one thread at a time.
+    Subclasses set `eager_ops` (the tower's elementwise ops class, with `.compiled()`) and implement
+    `_check_model`, `_load_tower`, `_merger_width` and `_per_image`.
+    """
+
+    graphs = None  # shapes vary per batch: no CUDA graphs (see docs/architecture.md)
+    eager_ops: type
+
+    def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, preprocess: str = "auto") -> None:
+        if preprocess not in PREPROCESS_MODES:
+            raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {preprocess!r}")
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        config = load_config(self.model_dir)
+        self._check_model(config)
+        self.layout = read_qwen_layout(self.model_dir, config)
+        self.video_config = load_qwen_video_config(self.model_dir)  # videos: sampling, resize, normalisation
+        self.fingerprint = model_fingerprint(self.model_dir)
+        self.hidden_size = int((config.get("text_config") or config)["hidden_size"])
+        self.tower = self._load_tower(config["vision_config"])
+        if self._merger_width() != self.hidden_size:
+            raise ValueError("the vision merger's output width differs from the language model's hidden size")
+        self.parts = int(getattr(self.tower, "parts", 1))  # tensors per image row (Qwen3-VL: DeepStack)
+        self.image_processor = load_qwen_image_processor(self.model_dir)
+        # "auto": on the device in half precision (the tower's rounding dwarfs a pixel level), else HF's
+        # processor (fp32 keeps bit parity with HF, the oracle tests' contract).
+        on_device = preprocess == "torch" or (preprocess == "auto" and self.device.type == "cuda"
+                                              and dtype != torch.float32)
+        self.preprocess_mode = "torch" if on_device else "hf"
+        self.torch_pixels = QwenTorchPixels(self.image_processor) if on_device else None
+        self.default_pixels = PixelRange(self.layout.min_pixels, self.layout.max_pixels)
+        self.calls = 0
+        self.images_encoded = 0
+        self._count_lock = threading.Lock()
+
+    # -- what a model names ------------------------------------------------------------------------
+    def _check_model(self, config: dict) -> None:
+        """CheckpointError unless config.json is this encoder's model."""
+        raise NotImplementedError
+
+    def _load_tower(self, vision_config: dict) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def _merger_width(self) -> int:
+        raise NotImplementedError
+
+    def _per_image(self, features, sizes: list[int]) -> list[torch.Tensor]:
+        """The tower's output over a batch split into one tensor per image of `sizes` rows."""
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------------------------------
+    def embedding_shape(self, rows: int) -> tuple[int, ...]:
+        """The tensor shape of an image of `rows` tokens: [rows, hidden], or [parts, rows, hidden]."""
+        return (rows, self.hidden_size) if self.parts == 1 else (self.parts, rows, self.hidden_size)
+
+    def nbytes_for(self, grid: Sequence[int]) -> int:
+        """Bytes of the embedding (every part) of an image of this grid, in the output dtype."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.parts * self.layout.num_tokens(grid) * self.hidden_size * itemsize
+
+    @functools.cached_property
+    def embedding_nbytes(self) -> int:
+        """Bytes of the largest image's embedding (max_pixels): what the cache must be able to hold."""
+        side = int(self.layout.max_pixels ** 0.5)
+        return self.nbytes_for(self.layout.grid(side, side, self.default_pixels))
+
+    def prepare(self, image, pixels: PixelRange | None = None) -> QwenPrepared:
+        """One image through the HF processor (resize within `pixels`, normalise, patchify), or only its
+        grid and uint8 pixels for the device-side processor; thread-safe. image: a PIL image or a decode
+        pool's DecodedImage."""
+        pixels = pixels or self.default_pixels
+        if self.torch_pixels is not None:  # the grid from the size; the rest on the device
+            grid = self.layout.grid(image.height, image.width, pixels)
+            return QwenPrepared(grid, raw=to_uint8_hwc(image, pin_memory=self.device.type == "cuda"))
+        pil = image if isinstance(image, Image.Image) else image.to_pil()
+        size = {"shortest_edge": pixels.min_pixels, "longest_edge": pixels.max_pixels}
+        out = self.image_processor(images=[pil.convert("RGB")], return_tensors="pt", size=size)
+        grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
+        return QwenPrepared(grid, pixel_values=out["pixel_values"])
+
+    @torch.inference_mode()
+    def encode_prepared(self, prepared: Sequence[QwenPrepared],
+                        use_graphs: bool = False) -> list[torch.Tensor]:
+        """The tower over every prepared image (or video) at once; one embedding_shape tensor each."""
+        if not prepared:
+            return []
+        pixels = torch.cat([self._rows(p) for p in prepared]).to(self.dtype)
+        grids = [p.grid for p in prepared]
+        features = self.tower(pixels, grids)
+        with self._count_lock:
+            self.calls += 1
+            self.images_encoded += len(prepared)
+        return self._per_image(features, [self.layout.num_tokens(g) for g in grids])
+
+    def _rows(self, prepared: QwenPrepared) -> torch.Tensor:
+        """One image's patch rows on the device (fp32)."""
+        if prepared.raw is None:
+            return prepared.pixel_values.to(self.device, non_blocking=True)
+        image = prepared.raw.to(self.device, non_blocking=True).permute(2, 0, 1)
+        return self.torch_pixels(image, prepared.grid)
+
+    @property
+    def pixel_tolerance(self) -> float:
+        """Largest |pixel value - HF processor's| the preprocessing may give (0 for "hf")."""
+        return 0.0 if self.torch_pixels is None else self.torch_pixels.max_abs_diff()
+
+    def encode(self, images: Sequence[Image.Image], pixels: Sequence[PixelRange | None] | None = None
+               ) -> list[torch.Tensor]:
+        """One embedding per image (each within its pixel range, or the checkpoint's)."""
+        ranges = list(pixels) if pixels is not None else [None] * len(images)
+        return self.encode_prepared([self.prepare(i, r) for i, r in zip(images, ranges, strict=True)])
+
+    def compile_elementwise(self) -> bool:
+        """Fuse the tower's elementwise steps (norms, rotary) with torch.compile, checked on a small
+        image; False (and the eager steps) when compiling fails."""
+        self.tower.use_ops(self.eager_ops.compiled())
+        try:
+            self.encode([Image.new("RGB", (224, 224), (127, 127, 127))])
+        except Exception as exc:  # noqa: BLE001 - no compiler toolchain, or an inductor bug: run eagerly
+            log.warning("torch.compile of the vision tower's elementwise steps failed; eager: %s", exc)
+            self.tower.use_ops(self.eager_ops)
+            return False
+        return True
+
+    def warm_up(self) -> None:
+        """One small image through the tower; checks its shape against the layout's token count."""
+        (feats,) = self.encode([Image.new("RGB", (224, 224), (127, 127, 127))])
+        rows = self.layout.num_tokens(self.layout.grid(224, 224, self.default_pixels))
+        expected = self.embedding_shape(rows)
+        if tuple(feats.shape) != expected:
+            raise ValueError(f"the vision tower gives {tuple(feats.shape)} for a 224x224 image, the layout "
+                             f"{expected}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
