@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -60,10 +60,13 @@ def load_tensors(
     prefixes: Iterable[str],
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    slicer: Callable[[str, list[int]], tuple[slice, ...] | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Tensors whose names start with any of prefixes, keyed by their full names.
 
     Only the matching tensors are read from disk; floating tensors are cast to dtype when given.
+    `slicer(name, shape)` may name the part of a tensor to read (a tensor-parallel rank's shard): only
+    those bytes are read. None reads it whole.
     """
     from safetensors import safe_open
 
@@ -73,7 +76,8 @@ def load_tensors(
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
                 if name.startswith(prefixes):
-                    t = f.get_tensor(name)
+                    part = slicer(name, f.get_slice(name).get_shape()) if slicer is not None else None
+                    t = f.get_tensor(name) if part is None else f.get_slice(name)[part]
                     if dtype is not None and t.is_floating_point():
                         t = t.to(dtype)
                     out[name] = t

@@ -9,6 +9,8 @@ by sqrt(layers), norms near one, embeddings of unit variance (0.15 when tied to 
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 _RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight")
@@ -18,10 +20,12 @@ _TIED_EMBED_STD = 0.15
 @torch.no_grad()
 def dummy_state(shapes: dict[str, torch.Size], num_layers: int, tied: bool, device: torch.device | str,
                 dtype: torch.dtype, seed: int = 0, gain: float = 1.4) -> dict[str, torch.Tensor]:
-    """A state dict of `shapes` (parameter name -> shape) drawn on `device` in `dtype`."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+    """A state dict of `shapes` (parameter name -> shape) drawn on `device` in `dtype`. Each tensor has
+    its own generator, seeded from `seed` and its name: tensor-parallel ranks, which draw only their
+    shards, draw the replicated tensors alike."""
     state = {}
     for name, shape in shapes.items():
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         t = torch.empty(shape, dtype=torch.float32, device=device)
         if name.endswith("embed_tokens.weight"):
             t.normal_(0.0, _TIED_EMBED_STD if tied else 1.0, generator=gen)

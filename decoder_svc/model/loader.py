@@ -12,7 +12,7 @@ from decoder_svc.model.backends import make_kernels
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.dummy import dummy_state
 from decoder_svc.model.llama import LlamaForCausalLM, mrope_axes
-from decoder_svc.model.parallel import TensorParallel, shard_state
+from decoder_svc.model.parallel import TensorParallel, finish_shard, shard_slices
 from decoder_svc.model.quant.formats import checkpoint_fp8_format
 from decoder_svc.model.quant.fp8 import FP8_DTYPE
 from decoder_svc.model.quant.linear import swap_in_fp8
@@ -106,7 +106,8 @@ def load_language_model(
 
     quantization "fp8" quantizes the decoder layers' projections per output channel at load; an FP8
     checkpoint (quant.formats) is served in FP8 whatever it says. load_format "dummy" draws random
-    weights on the device (model/dummy.py) instead of reading weight files."""
+    weights on the device (model/dummy.py) instead of reading weight files. `tp` (size > 1): this rank's
+    shard of every layer, read as slices of the checkpoint's tensors (model/parallel.py)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
     if load_format not in LOAD_FORMATS:
@@ -114,14 +115,22 @@ def load_language_model(
     cfg = TextModelConfig.from_hf(text_config_dict(model_dir))
     fmt = checkpoint_fp8_format(load_config(model_dir))
     backend, ops = make_kernels(attention_backend, device)
+    tp = tp if tp is not None and tp.size > 1 else None
+    if tp is not None:
+        if fmt is not None or quantization == "fp8":
+            raise CheckpointError("FP8 weights with tensor parallelism are not supported yet")
+        tp.check(cfg)
+    full_cfg = cfg
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, ops)
+        model = LlamaForCausalLM(tp.local_config(cfg) if tp else cfg, backend, ops, tp)
+    cfg = model.config
     if load_format == "dummy":
+        # Drawn per tensor from its name, so the replicated ones are the same on every rank.
         shapes = {n: p.shape for n, p in model.named_parameters()}
-        state = dummy_state(shapes, cfg.num_layers, cfg.tie_word_embeddings, device, dtype)
+        state = dummy_state(shapes, cfg.num_layers, cfg.tie_word_embeddings and tp is None, device, dtype)
         fmt = None  # nothing is read, so nothing is FP8 yet
     else:
-        state = _checkpoint_state(model_dir)
+        state = _checkpoint_state(model_dir, full_cfg, tp)
     blocks: dict = {}
     if fmt is not None:
         blocks = align_shard_blocks(state, read_fp8_checkpoint(state, fmt, dtype, PACKED_MODULES),
@@ -132,14 +141,6 @@ def load_language_model(
         blocks = quantize_projections(state, device)  # from the checkpoint's own precision
     state = {n: t.to(dtype) if t.is_floating_point() and t.dtype != FP8_DTYPE and not n.endswith(SCALE)
              else t for n, t in state.items()}
-    if tp is not None and tp.size > 1:
-        if blocks:
-            raise CheckpointError("FP8 weights with tensor parallelism are not supported yet")
-        tp.check(cfg)
-        state = shard_state(state, cfg, tp)  # the output head becomes this rank's own vocabulary slice
-        with torch.device("meta"):
-            model = LlamaForCausalLM(tp.local_config(cfg), backend, ops, tp)
-        cfg = model.config
     tie = (cfg.tie_word_embeddings or "lm_head.weight" not in state) and model.tp is None
     if tie:
         state.pop("lm_head.weight", None)
@@ -157,14 +158,23 @@ def load_language_model(
     return model.eval()
 
 
-def _checkpoint_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The language model's tensors under our names, in the checkpoint's own dtypes (FP8 stays FP8)."""
-    tensors = load_tensors(model_dir, [p for p, _ in _KEY_MAP], device="cpu")
+def _checkpoint_state(model_dir: str | Path, cfg: TextModelConfig,
+                      tp: TensorParallel | None = None) -> dict[str, torch.Tensor]:
+    """The language model's tensors under our names, in the checkpoint's own dtypes (FP8 stays FP8);
+    with `tp`, only this rank's slices are read (model/parallel.py)."""
+    def slicer(name: str, shape: list[int]) -> tuple[slice, ...] | None:
+        ours = rename_language_model_key(name)
+        return shard_slices(ours, cfg, tp) if ours is not None else None
+
+    tensors = load_tensors(model_dir, [p for p, _ in _KEY_MAP], device="cpu",
+                           slicer=slicer if tp is not None else None)
     state = {}
     for name, tensor in tensors.items():
         ours = rename_language_model_key(name)
         if ours is not None and "rotary_emb" not in ours:
             state[ours] = tensor
+    if tp is not None:
+        finish_shard(state, cfg, tp)
     return state
 
 

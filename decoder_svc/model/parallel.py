@@ -65,40 +65,41 @@ def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)[:, :vocab_size]
 
 
-def shard_state(state: dict[str, torch.Tensor], cfg: TextModelConfig,
-                tp: TensorParallel) -> dict[str, torch.Tensor]:
-    """This rank's share of a fused language-model state dict (q/k/v and gate/up already packed).
-
-    The output head is sliced by vocabulary rows: a tied head takes its rows from the embeddings, so the
-    result always has its own `lm_head.weight`."""
+def shard_slices(name: str, cfg: TextModelConfig, tp: TensorParallel) -> tuple[slice, ...] | None:
+    """The part of checkpoint tensor `name` (our names, before q/k/v and gate/up are fused) this rank
+    holds; None for a replicated tensor. Row-parallel biases and the output head are handled by
+    `finish_shard`, after reading."""
+    module, _, kind = name.rpartition(".")
+    leaf = module.rsplit(".", 1)[-1]
     h, kv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    q_local, kv_local = h // tp.size, max(1, kv // tp.size)
-    q0, kv0 = tp.rank * q_local * d, tp.kv_head_start(cfg) * d
-    i_local = inter // tp.size
-    i0 = tp.rank * i_local
-    out = {}
-    for name, t in state.items():
-        module, _, kind = name.rpartition(".")
-        leaf = module.rsplit(".", 1)[-1]
-        if leaf == "qkv_proj":
-            q, k, v = t.split([h * d, kv * d, kv * d], dim=0)
-            out[name] = torch.cat([q[q0:q0 + q_local * d], k[kv0:kv0 + kv_local * d],
-                                   v[kv0:kv0 + kv_local * d]]).contiguous()
-        elif leaf == "gate_up_proj":
-            gate, up = t.split([inter, inter], dim=0)
-            out[name] = torch.cat([gate[i0:i0 + i_local], up[i0:i0 + i_local]]).contiguous()
-        elif leaf in ("o_proj", "down_proj"):
-            if kind == "bias":  # added once, after the all-reduce
-                out[name] = t if tp.rank == 0 else torch.zeros_like(t)
-            else:
-                lo, n = (q0, q_local * d) if leaf == "o_proj" else (i0, i_local)
-                out[name] = t[:, lo:lo + n].contiguous()
-        elif name not in ("lm_head.weight",):
-            out[name] = t
-    head = state.get("lm_head.weight", state["embed_tokens.weight"])
-    rows = tp.vocab_rows(cfg.vocab_size)
-    piece = head[tp.rank * rows:(tp.rank + 1) * rows]
-    if piece.shape[0] < rows:  # the last slice of a vocabulary that does not divide evenly
-        piece = torch.cat([piece, piece.new_zeros(rows - piece.shape[0], piece.shape[1])])
-    out["lm_head.weight"] = piece.contiguous()
-    return out
+    q_local, kv_local, i_local = h // tp.size, max(1, kv // tp.size), inter // tp.size
+    rows = {"q_proj": (tp.rank * q_local * d, q_local * d),
+            "k_proj": (tp.kv_head_start(cfg) * d, kv_local * d),
+            "v_proj": (tp.kv_head_start(cfg) * d, kv_local * d),
+            "gate_proj": (tp.rank * i_local, i_local), "up_proj": (tp.rank * i_local, i_local)}
+    cols = {"o_proj": (tp.rank * q_local * d, q_local * d), "down_proj": (tp.rank * i_local, i_local)}
+    if leaf in rows:
+        lo, n = rows[leaf]
+        return (slice(lo, lo + n),)
+    if leaf in cols and kind == "weight":
+        lo, n = cols[leaf]
+        return (slice(None), slice(lo, lo + n))
+    if name == "lm_head.weight":
+        n = tp.vocab_rows(cfg.vocab_size)
+        return (slice(tp.rank * n, (tp.rank + 1) * n),)
+    return None
+
+
+def finish_shard(state: dict[str, torch.Tensor], cfg: TextModelConfig, tp: TensorParallel) -> None:
+    """After reading (in place): row-parallel biases kept on rank 0 only (the all-reduce adds them once),
+    and the output head as this rank's vocabulary slice, padded with zero rows, taken from the
+    embeddings when tied (every rank has its own head)."""
+    for name in [n for n in state if n.endswith(("o_proj.bias", "down_proj.bias")) and tp.rank]:
+        state[name] = torch.zeros_like(state[name])
+    n = tp.vocab_rows(cfg.vocab_size)
+    head = state.get("lm_head.weight")
+    if head is None or cfg.tie_word_embeddings:
+        head = state["embed_tokens.weight"][tp.rank * n:(tp.rank + 1) * n]
+    if head.shape[0] < n:  # the last slice of a vocabulary that does not divide evenly
+        head = torch.cat([head, head.new_zeros(n - head.shape[0], head.shape[1])])
+    state["lm_head.weight"] = head.contiguous()
