@@ -50,6 +50,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64, help="the same on both sides")
     p.add_argument("--quantization", default="none", choices=("none", "fp8"),
                    help="both sides' --quantization (results are saved as serve_decode_fp8 for fp8)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="both sides' --tensor-parallel-size (results saved with a _tpN suffix for N > 1)")
     p.add_argument("--engine-only", action="store_true")
     p.add_argument("--served-only", action="store_true")
     p.add_argument("--logs", default=None)
@@ -67,7 +69,8 @@ def in_process(args: argparse.Namespace, model: str, prompts: list[str],
     """Engine tokens/s per batch size (best of --repeats)."""
     config = EngineConfig(model, device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE,
                           num_kv_blocks=_num_blocks(args, max(batches)), max_num_seqs=args.max_num_seqs,
-                          enable_prefix_caching=False, quantization=args.quantization)
+                          enable_prefix_caching=False, quantization=args.quantization,
+                          tensor_parallel_size=args.tensor_parallel_size)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     out = {}
     for b in batches:
@@ -77,6 +80,7 @@ def in_process(args: argparse.Namespace, model: str, prompts: list[str],
             seconds, tokens = engine_decode(engine, prompts[0], b, args.output_len)
             best = max(best, tokens / seconds if seconds else 0.0)
         out[b] = best
+    engine.close()
     del engine
     gc.collect()
     if torch.device(args.device).type == "cuda":
@@ -117,7 +121,8 @@ def served(args: argparse.Namespace, model: str, prompts: list[str], batches: li
     """Service tokens/s per batch size (best of --repeats)."""
     decoder_args = ["--num-kv-blocks", str(_num_blocks(args, max(batches))), "--block-size", str(BLOCK_SIZE),
                     "--max-num-seqs", str(args.max_num_seqs), "--no-prefix-caching",
-                    "--max-tokens-default", "16", "--quantization", args.quantization]
+                    "--max-tokens-default", "16", "--quantization", args.quantization,
+                    "--tensor-parallel-size", str(args.tensor_parallel_size)]
     out = {}
     with Pair(model, args.device, args.dtype, decoder_args=decoder_args, logs=args.logs) as pair:
         for b in batches:
@@ -142,7 +147,10 @@ def run(args: argparse.Namespace) -> dict:
                 ["streams = batch", "in-process engine", "served (gRPC)", "served/engine"],
                 [[r["batch"], r["engine_tokens_per_s"], r["served_tokens_per_s"], r["served_over_engine"]]
                  for r in results])
-    return save_result("serve_decode_fp8" if args.quantization == "fp8" else "serve_decode", args, results)
+    name = "serve_decode_fp8" if args.quantization == "fp8" else "serve_decode"
+    if args.tensor_parallel_size > 1:
+        name += f"_tp{args.tensor_parallel_size}"
+    return save_result(name, args, results)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
