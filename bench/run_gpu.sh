@@ -13,7 +13,13 @@
 #      then bench/qwen_serve.py, results qwen3_gpu and qwen3_serve; the model made in QWEN3_MODEL_DIR,
 #      default /tmp/qwen3_8b, from QWEN3_PRESET, default qwen3-vl-8b; QWEN3_GPU_ARGS / QWEN3_SERVE_ARGS add
 #      options, e.g. smaller figures for a CPU smoke test), fp8 (bf16 vs FP8 decode in-process and
-#      through gRPC, FP8 accuracy; FP8_BATCHES default 1,32), or a list such as llava,qwen,qwen3.
+#      through gRPC, FP8 accuracy; FP8_BATCHES default 1,32), video (bench/video_serve.py, result qwen_video
+#      or qwen3_video: 30 s 448x448 30 fps clips sampled at the model's 2 fps, TTFT cold / warm through one
+#      decoder beside HF's vision + prefill, lookahead on/off over 16 video requests one every 0.5 s; on
+#      Qwen2.5-VL-7B shapes in QWEN_MODEL_DIR as the qwen section makes them, or Qwen3-VL-8B shapes in
+#      QWEN3_MODEL_DIR from QWEN3_PRESET with VIDEO_FAMILY=qwen3; VIDEO_HF=0 skips HF; VIDEO_ARGS adds
+#      options, e.g. tiny clips for a CPU smoke test; its step may take 480 s and making the model up to
+#      300 s more: give it BUDGET_S=900 or so), or a list such as llava,qwen,qwen3.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
 #      skipped instead; the merge still runs).
@@ -158,6 +164,39 @@ if [[ ",$SECTIONS," == *,qwen3,* ]]; then
       --requests 32 --max-num-seqs 4 --output-len 64 ${Q3SERVE[@]+"${Q3SERVE[@]}"}
   else
     echo "== qwen3: no model in $Q3MODEL (make-model failed or the budget was spent); skipped"
+  fi
+fi
+
+# Videos through the services (bench/video_serve.py): Qwen2.5-VL-7B shapes (the qwen section's model) or,
+# with VIDEO_FAMILY=qwen3, Qwen3-VL-8B shapes (the qwen3 section's). The clips are made on the host first
+# (8 x 30 s of 448x448 at 30 fps, libx264), then one encoder and two decoders (lookahead 4 and 0, 2 running
+# each) start; HF's model is loaded in the benchmark's process after they stop (VIDEO_HF=0: not at all).
+if [[ ",$SECTIONS," == *,video,* ]]; then
+  if [ "${VIDEO_FAMILY:-qwen}" = qwen3 ]; then
+    VMODEL=${QWEN3_MODEL_DIR:-/tmp/qwen3_8b}
+    VPRESET=${QWEN3_PRESET:-qwen3-vl-8b}
+  else
+    VMODEL=${QWEN_MODEL_DIR:-/tmp/qwen7b}
+    VPRESET=qwen2.5-vl-7b
+  fi
+  read -r -a VARGS <<< "${VIDEO_ARGS:-}"
+  VHF=()
+  [ "${VIDEO_HF:-1}" = 0 ] || VHF=(--hf)
+  if [ ! -f "$VMODEL/mmserve_model.json" ]; then
+    VLEFT=$((BUDGET - (SECONDS - START)))
+    [ "$VLEFT" -gt 300 ] && VLEFT=300
+    echo "== make-model $VPRESET -> $VMODEL (timeout ${VLEFT}s)"
+    if [ "$VLEFT" -gt 5 ]; then
+      timeout --kill-after=10 "$VLEFT" "$PY" -m common.cli make-model --preset "$VPRESET" --out "$VMODEL" \
+        "${DT[@]}" 2>&1 | tail -3
+    fi
+  fi
+  if [ -f "$VMODEL/mmserve_model.json" ]; then
+    step video 480 "$PY" -m bench.video_serve --model "$VMODEL" "${DT[@]}" --logs "$RES/logs-video" \
+      --clips 8 --clip-seconds 30 --clip-fps 30 --clip-size 448 --ttft-rounds 3 --requests 16 \
+      --arrival-interval 0.5 --output-len 32 --max-num-seqs 2 ${VHF[@]+"${VHF[@]}"} ${VARGS[@]+"${VARGS[@]}"}
+  else
+    echo "== video: no model in $VMODEL (make-model failed or the budget was spent); skipped"
   fi
 fi
 
