@@ -72,6 +72,8 @@ class ImageInputs:
         self._rows[(rid, h)] = rows
         img.state = EmbeddingState.READY
         img.encoder_cache_hit = self.source.cache_hit(rid, h)
+        if img.row_offset:  # a later run of a video: the video was counted with its first
+            return
         if img.encoder_cache_hit:
             self.counters.images_encoder_cache_hits += 1
         else:
