@@ -116,7 +116,7 @@ class ImageInputs:
                 continue
             if img.state in (EmbeddingState.PENDING, EmbeddingState.READY):
                 self._give_back(req, img.content_hash)
-            if img.state != EmbeddingState.SKIPPED:
+            if img.state != EmbeddingState.SKIPPED and not img.row_offset:  # a video counts once
                 self.counters.images_skipped_by_kv_reuse += 1
             img.state, img.skipped_by_kv_reuse = EmbeddingState.SKIPPED, True
 
