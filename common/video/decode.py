@@ -66,5 +66,6 @@ def decode_video(data: bytes, sample: Callable[[VideoInfo], np.ndarray],
                 or np.any(np.diff(indices) <= 0):
             raise ValueError(f"frame indices must increase within [0, {info.total_frames}): "
                              f"{indices.tolist()}")
+        limits.check_decoded(int(indices.size), info.width, info.height)
         frames = decode_frames(container, stream, indices, info)
     return DecodedVideo(frames, indices, info)

@@ -66,6 +66,18 @@ class VideoLimits:
                          flag="--video-codecs", type=name_list)
     max_per_request: int = option(4, "most videos in one request", flag="--max-videos-per-request",
                                   type=positive_int)
+    # The sampled frames are decoded at full size (HF resizes them afterwards, and so must we to match
+    # it): 768 frames of 1080p would be 4.8 GB of host memory for one video.
+    max_decoded_bytes: int = option(2 << 30, "most bytes of one video's sampled frames decoded (frames x "
+                                    "width x height x 3), from the header", flag="--max-video-decoded-bytes",
+                                    type=positive_int)
+
+    def check_decoded(self, frames: int, width: int, height: int) -> None:
+        """VideoError when `frames` sampled frames of width x height would pass max_decoded_bytes."""
+        size = frames * width * height * 3
+        if size > self.max_decoded_bytes:
+            raise VideoError(f"{frames} sampled frames of {width}x{height} are {size} bytes decoded; at "
+                             f"most {self.max_decoded_bytes} (lower max_frames or max_pixels' frame size)")
 
     def __post_init__(self) -> None:
         try:

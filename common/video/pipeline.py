@@ -60,6 +60,7 @@ def plan_video(data: bytes, config: QwenVideoConfig, model_fingerprint: str, cac
     encoded video bytes, without decoding a frame (read_video's values). Raises VideoError."""
     info = probe_video(data, limits)
     indices = tuple(int(i) for i in config.sampling.indices_for(info))
+    limits.check_decoded(len(indices), info.width, info.height)
     grid = config.geometry.grid(len(indices), info.height, info.width)
     return VideoPlan(info, indices, grid, config.geometry.num_tokens(grid),
                      video_timing(indices, info.total_frames, info.fps, config.geometry.temporal_patch_size),

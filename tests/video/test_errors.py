@@ -100,3 +100,22 @@ def test_too_short_to_sample_is_a_video_error() -> None:
 def test_limits_validate_their_lists() -> None:
     with pytest.raises(ValueError, match="video limits"):
         VideoLimits(formats="mp4,flv")
+
+
+def test_decoded_size_cap_is_checked_before_decoding(video, monkeypatch):
+    """Sampled frames x width x height x 3 over max_decoded_bytes: refused from the header, in planning
+    (both services) and in decoding, before any frame is decoded."""
+    from common.video.pipeline import plan_video
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a frame was decoded")
+
+    monkeypatch.setattr(decode_module, "decode_frames", refuse)
+    limits = VideoLimits(max_decoded_bytes=64 * 48 * 3 * 5)  # five 64x48 frames
+    with pytest.raises(VideoError, match=r"6 sampled frames of 64x48 are 55296 bytes decoded; at most 46080"):
+        decode_video(video, lambda info: np.arange(6), limits)
+    with pytest.raises(VideoError, match="bytes decoded; at most 46080"):
+        plan_video(video, QWEN3_VL_VIDEO, "fp", limits=limits)
+    # Five frames fit: the check passes and decoding is reached.
+    with pytest.raises(AssertionError, match="a frame was decoded"):
+        decode_video(video, lambda info: np.arange(5), limits)
