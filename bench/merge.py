@@ -65,7 +65,8 @@ def headline(benchmarks: dict[str, dict]) -> list[list]:
                  [f"decode tok/s batch {b}: HF generate", r["hf_tokens_per_s"]],
                  [f"decode batch {b}: engine/HF", r["engine_over_hf"]],
                  [f"decode batch {b}: engine/bandwidth bound", r["engine_fraction_of_bound"]]]
-    for name, label in (("serve_decode", "bf16"), ("serve_decode_fp8", "fp8")):
+    decodes = (("serve_decode", "bf16"), ("serve_decode_fp8", "fp8"), ("serve_decode_tp2", "bf16 TP=2"))
+    for name, label in decodes:
         for r in _get(benchmarks, name, "results") or []:
             b = r["batch"]
             rows += [[f"decode tok/s batch {b} ({label}): through gRPC", r["served_tokens_per_s"]],
