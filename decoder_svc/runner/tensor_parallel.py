@@ -160,9 +160,5 @@ class TensorParallelRunner:
         self.group.send(("step", _host_rows(batch)))
         return self.runner.execute(batch)
 
-    def close(self) -> None:
-        """Stop the workers."""
-        self.group.close()
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)

@@ -42,11 +42,6 @@ class Fp8Linear(nn.Module):
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def is_quantized_projection(module_name: str) -> bool:
-    """True for `layers.<i>.<...>.<projection>` names that FP8 replaces."""
-    return module_name.startswith("layers.") and module_name.rsplit(".", 1)[-1] in QUANTIZED_PROJECTIONS
-
-
 def swap_in_fp8(model: nn.Module, blocks: dict[str, ScaleBlock], ops: type[TorchOps]) -> None:
     """Replace each nn.Linear named in `blocks` (module name -> scale block) by an empty Fp8Linear on the
     same device; the caller then loads the FP8 weights and scales into them."""
