@@ -110,30 +110,40 @@ def build_qwen_config(preset: QwenPreset, tokenizer):
 def make_qwen_model(preset: str, out: str | Path, seed: int = 0, device: str | None = None,
                     dtype: str | None = None, gain: float = 1.4, progress: bool = True) -> Path:
     """Write a random Qwen2.5-VL checkpoint for `preset` into `out` and return its path."""
-    from tqdm.auto import tqdm
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     spec = QWEN_PRESETS[preset]
+    tokenizer = build_qwen_tokenizer(spec.vocab_size, seed)
+    return write_random_checkpoint(Qwen2_5_VLForConditionalGeneration, build_qwen_config(spec, tokenizer),
+                                   tokenizer, _write_image_processor, preset, spec.copies, out, seed, device,
+                                   dtype, gain, progress)
+
+
+def write_random_checkpoint(model_cls, config, tokenizer, write_processor, preset: str, copies: str | None,
+                            out: str | Path, seed: int, device: str | None, dtype: str | None, gain: float,
+                            progress: bool) -> Path:
+    """Init model_cls(config) at make-model's scale on `device` and write it, the tokenizer, the image
+    processor (write_processor(out)) and mmserve_model.json into `out` (the Qwen-VL presets' maker)."""
+    from tqdm.auto import tqdm
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = getattr(torch, dtype) if dtype else (torch.float32 if "tiny" in preset else torch.bfloat16)
     steps = tqdm(total=3, desc=f"make-model {preset}", disable=not progress, unit="step")
     t0 = time.perf_counter()
-    tokenizer = build_qwen_tokenizer(spec.vocab_size, seed)
-    config = build_qwen_config(spec, tokenizer)
     steps.update()
-    model = init_random(Qwen2_5_VLForConditionalGeneration, config, device, torch_dtype, seed, gain)
+    model = init_random(model_cls, config, device, torch_dtype, seed, gain)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
     del model
     steps.update()
     tokenizer.save_pretrained(out)
-    _write_image_processor(out)
-    for path in out.iterdir():
+    write_processor(out)
+    for path in out.iterdir():  # save_pretrained writes weights 0600: make the checkpoint readable to all
         if path.is_file():
             path.chmod(0o644)
     (out / "mmserve_model.json").write_text(json.dumps(
-        {"preset": preset, "copies": spec.copies, "random_weights": True, "seed": seed, "gain": gain,
+        {"preset": preset, "copies": copies, "random_weights": True, "seed": seed, "gain": gain,
          "dtype": str(torch_dtype).removeprefix("torch."), "made_on": device,
          "seconds": round(time.perf_counter() - t0, 2)}, indent=2) + "\n")
     steps.update()

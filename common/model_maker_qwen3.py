@@ -25,14 +25,11 @@ runs on a CPU in seconds. Vocabulary ids are the tiny tokenizer's own.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from common.model_maker import _portable_class_names, init_random
-from common.model_maker_qwen import IMAGE_PAD, build_qwen_tokenizer
+from common.model_maker import _portable_class_names
+from common.model_maker_qwen import IMAGE_PAD, build_qwen_tokenizer, write_random_checkpoint
 
 # Qwen3-VL-8B-Instruct's chat template, its tool-calling branches left out (a tiny model cannot call
 # tools): unlike Qwen2.5-VL's there is no default system turn; each image part becomes
@@ -137,34 +134,17 @@ def build_qwen3_config(preset: Qwen3Preset, tokenizer):
 def make_qwen3_model(preset: str, out: str | Path, seed: int = 0, device: str | None = None,
                      dtype: str | None = None, gain: float = 1.4, progress: bool = True) -> Path:
     """Write a random Qwen3-VL checkpoint for `preset` into `out` and return its path."""
-    from tqdm.auto import tqdm
     from transformers import Qwen3VLForConditionalGeneration
 
     spec = QWEN3_PRESETS[preset]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = getattr(torch, dtype) if dtype else (torch.float32 if "tiny" in preset else torch.bfloat16)
-    steps = tqdm(total=3, desc=f"make-model {preset}", disable=not progress, unit="step")
-    t0 = time.perf_counter()
     tokenizer = build_qwen3_tokenizer(spec.vocab_size, seed)
-    config = build_qwen3_config(spec, tokenizer)
-    steps.update()
-    model = init_random(Qwen3VLForConditionalGeneration, config, device, torch_dtype, seed, gain)
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
-    del model
-    steps.update()
-    tokenizer.save_pretrained(out)
+    return write_random_checkpoint(Qwen3VLForConditionalGeneration, build_qwen3_config(spec, tokenizer),
+                                   tokenizer, _write_image_processor, preset, spec.copies, out, seed, device,
+                                   dtype, gain, progress)
+
+
+def _write_image_processor(out: Path) -> None:
+    """preprocessor_config.json as Qwen3-VL-8B-Instruct has it (portable class name)."""
     data = json.loads(json.dumps(QWEN3_VL_IMAGE_PROCESSOR))
     _portable_class_names(data)
     (out / "preprocessor_config.json").write_text(json.dumps(data, indent=2) + "\n")
-    for path in out.iterdir():  # save_pretrained writes weights 0600: make the checkpoint readable to all
-        if path.is_file():
-            path.chmod(0o644)
-    (out / "mmserve_model.json").write_text(json.dumps(
-        {"preset": preset, "copies": spec.copies, "random_weights": True, "seed": seed, "gain": gain,
-         "dtype": str(torch_dtype).removeprefix("torch."), "made_on": device,
-         "seconds": round(time.perf_counter() - t0, 2)}, indent=2) + "\n")
-    steps.update()
-    steps.close()
-    return out

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.vision.qwen_tower import ChunkPlan, VisionAttention, VisionOps, rotary
+from common.vision.qwen_tower import ChunkPlan, QwenVisionTower, VisionAttention, VisionOps, rotary
 
 Grid = tuple[int, int, int]
 
@@ -211,13 +211,8 @@ class Qwen3VisionTower(nn.Module):
             PatchMerger(out_dim, self.dim, self.merge, postshuffle=True) for _ in self.deepstack_indexes)
         self.register_buffer("inv_freq", self.rotary_inv_freq(vision), persistent=False)
 
-    @staticmethod
-    def rotary_inv_freq(vision: dict) -> torch.Tensor:
-        """fp32 inverse frequencies of the 2D rotary: head_dim / 4 of them, shared by rows and columns."""
-        theta = float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-        heads = int(vision.get("num_heads", vision.get("num_attention_heads")))
-        quarter = int(vision["hidden_size"]) // heads // 2
-        return 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+    # The same 2D rotary frequencies as Qwen2.5-VL's tower.
+    rotary_inv_freq = staticmethod(QwenVisionTower.rotary_inv_freq)
 
     def use_ops(self, ops: type[Qwen3VisionOps]) -> None:
         """Run the elementwise steps with ops (Qwen3VisionOps, or Qwen3VisionOps.compiled() on a GPU)."""
