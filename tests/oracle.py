@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,12 @@ import torch
 from PIL import Image
 
 from decoder_svc.engine import LLMEngine, SamplingParams
+
+
+def image_identity(image: Image.Image) -> tuple:
+    """A memo key for an image by its content: never id(), which a later image may reuse once this one
+    is freed (an oracle keyed by id() once answered for the wrong image)."""
+    return image.mode, image.size, hashlib.blake2b(image.tobytes(), digest_size=16).hexdigest()
 
 
 def make_image(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
@@ -30,7 +37,7 @@ class HFOracle:
 
     def generate(self, prompt: str, images: list[Image.Image], max_new_tokens: int):
         """(token ids, per-step raw logits [n, vocab]) of greedy decoding."""
-        key = (prompt, tuple(id(i) for i in images), max_new_tokens)
+        key = (prompt, tuple(map(image_identity, images)), max_new_tokens)
         if key not in self._memo:
             inputs = self.processor(text=prompt, images=images or None, return_tensors="pt").to(self.device)
             if "pixel_values" in inputs:

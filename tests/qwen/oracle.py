@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from common.vision.qwen_encoder import load_qwen_image_processor
+from tests.oracle import image_identity
 
 IMAGE_PAD = "<|image_pad|>"
 
@@ -58,8 +59,8 @@ class QwenOracle:
         return out
 
     def generate(self, prompt: str, images: list[Image.Image], n: int, pixels=None) -> list[int]:
-        """HF's greedy tokens (memoised per prompt, image identities and settings)."""
-        key = (prompt, tuple(id(i) for i in images), n, str(pixels))
+        """HF's greedy tokens (memoised per prompt, image contents and settings)."""
+        key = (prompt, tuple(map(image_identity, images)), n, str(pixels))
         if key not in self._memo:
             inputs = self.inputs(prompt, images, pixels)
             with torch.no_grad():
