@@ -2,9 +2,10 @@
 shard of the model and KV cache (decoder_svc/runner/tp_worker.py).
 
 The scheduler, the block tables and sampling stay on rank 0. Each step rank 0 broadcasts the step's
-ModelInput (plain data; image rows as host tensors) on a gloo group, then every rank runs the same
-ModelRunner.execute on its shard: the layers' all-reduces and the logits' all-gather keep them in step,
-and every rank computes the same logits (the workers' samples are dropped).
+ModelInput as plain data on a gloo group and its image rows as one tensor on the default group (NCCL on
+GPUs: runner/step_rows.py), then every rank runs the same ModelRunner.execute on its shard: the layers'
+all-reduces and the logits' all-gather keep them in step, and every rank computes the same logits (the
+workers' samples are dropped).
 
 Workers are started as subprocesses (the engine core is a daemonic process, which multiprocessing does
 not let have children) and watched: a rank that dies ends rank 0's process (exit code 3) with a log line
@@ -29,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from decoder_svc.runner.inputs import ModelInput, SequenceInput
+from decoder_svc.runner.inputs import ModelInput
+from decoder_svc.runner.step_rows import broadcast_rows, split_rows
 
 if TYPE_CHECKING:
     from decoder_svc.engine.config import EngineConfig
@@ -122,16 +124,6 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
 
-def _host_rows(batch: ModelInput) -> ModelInput:
-    """The batch with its image rows on the host (workers move them to their own device)."""
-    if not any(s.image_rows for s in batch.sequences):
-        return batch
-    sequences = [SequenceInput(s.token_ids, s.start, s.block_table, s.num_prompt_tokens,
-                               [r.cpu() for r in s.image_rows], s.sampling, s.mrope_positions, s.mrope_delta)
-                 for s in batch.sequences]
-    return ModelInput(sequences, batch.finished_request_ids)
-
-
 # This process's gloo control group (set when it joins): host-side collectives use it on GPU hosts too.
 _CONTROL: list[Any] = [None]
 
@@ -157,7 +149,10 @@ class TensorParallelRunner:
 
     def execute(self, batch: ModelInput):
         """One step on every rank; rank 0's sampled tokens."""
-        self.group.send(("step", _host_rows(batch)))
+        plain, layout, packed = split_rows(batch)
+        self.group.send(("step", plain, layout))
+        if packed is not None:
+            broadcast_rows(packed)
         return self.runner.execute(batch)
 
     def __getattr__(self, name: str) -> Any:

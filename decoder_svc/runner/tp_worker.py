@@ -23,6 +23,7 @@ from common.checkpoint import parse_dtype
 from decoder_svc.model import load_language_model
 from decoder_svc.model.parallel import TensorParallel
 from decoder_svc.runner.model_runner import ModelRunner, RunnerConfig
+from decoder_svc.runner.step_rows import receive_rows
 from decoder_svc.runner.tensor_parallel import WorkerSpec, agree_on_blocks, init_group, rank_device
 
 log = logging.getLogger("mmserve.decoder.tp")
@@ -60,7 +61,8 @@ def run(spec: WorkerSpec) -> None:
         if message[0] == "init":
             runner.initialize()
         elif message[0] == "step":
-            runner.execute(message[1])
+            _, batch, layout = message
+            runner.execute(batch if layout is None else receive_rows(batch, layout, device))
         else:
             break
     dist.destroy_process_group()
