@@ -83,6 +83,8 @@ def headline(benchmarks: dict[str, dict]) -> list[list]:
         rows += [["serve 64 conc.: output tok/s", _get(s, "served", tps)],
                  ["serve 64 conc.: HF batched output tok/s", _get(s, "hf_generate", tps)],
                  ["serve 64 conc.: mmserve/HF", s.get("served_over_hf_output_tps")],
+                 ["serve 64 conc.: wall / roofline", _get(s, "roofline", "wall_over_roofline")],
+                 ["serve 64 conc.: TTFT p99 ms", _get(s, "served", "ttft", "p99_ms")],
                  ["serve 64 conc.: prefix-cache hit rate",
                   _get(s, "served", "cache", "prefix_cache_hit_rate")],
                  ["serve 64 conc.: encoder-cache hit rate",

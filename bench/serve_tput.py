@@ -23,6 +23,7 @@ from PIL import Image
 from bench.hf_ref import image_inputs, load_hf, timed_generate
 from bench.loadgen import LoadConfig
 from bench.report import print_table, save_result
+from bench.roofline import Workload, distinct, measure_roofline, patches_per_image
 from bench.serve import measure, print_summary
 from bench.stats import ratio
 from bench.targets import add_target_args, model_dir, target
@@ -69,6 +70,28 @@ def hf_throughput(model, device: str, dtype: str, requests, output_len: int, bat
             "batch": batch}
 
 
+def served_roofline(args: argparse.Namespace, model, requests, served: dict) -> dict | None:
+    """The run's wall time against the roofline of the same work (bench/roofline.py), with TTFT p99."""
+    if not served["completed"]:
+        return None
+    images = [r.image for r in requests if r.image]
+    work = Workload(requests=served["completed"], mean_prompt_tokens=served["mean_prompt_tokens"],
+                    output_len=args.output_len, concurrency=args.concurrency,
+                    distinct_images=distinct(images),
+                    patches_per_image=patches_per_image(model, args.image_size) if images else 0)
+    bound = measure_roofline(model, args.device, args.dtype, work, served["duration_s"])
+    bound["ttft_p99_ms"] = served["ttft"]["p99_ms"]
+    print_table("against the roofline", ["figure", "value"], [
+        ["roofline s (compute + memory)", f"{bound['roofline_s']:.3f} ({bound['compute_s']:.3f} + "
+                                          f"{bound['memory_s']:.3f})"],
+        ["peak FLOP/s", f"{bound['peak_flops']:.3g} ({bound['peak_source']})"],
+        ["copy bandwidth GB/s", f"{bound['bandwidth_bytes_s'] / 1e9:.1f}"],
+        ["wall s", f"{bound['wall_s']:.3f}"],
+        ["wall / roofline", f"{bound['wall_over_roofline']:.2f}"],
+        ["TTFT p99 ms", f"{bound['ttft_p99_ms']:.1f}"]])
+    return bound
+
+
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark; returns the JSON payload."""
     spawning = args.addr is None
@@ -83,10 +106,11 @@ def run(args: argparse.Namespace) -> dict:
         served, _ = asyncio.run(measure(decoder, encoder, requests, cfg, warmup, args.progress,
                                         desc="serve_tput"))
     print_summary(f"served ({args.num_requests} req, conc. {args.concurrency})", served)
+    bound = served_roofline(args, model, requests, served) if model is not None else None
     hf = None
     if not args.no_hf and model is not None:
         hf = hf_throughput(model, args.device, args.dtype, requests, args.output_len, args.hf_batch)
-    results = {"served": served, "hf_generate": hf,
+    results = {"served": served, "hf_generate": hf, "roofline": bound,
                "served_over_hf_output_tps": ratio(served["output_token_throughput_tps"] or 0.0,
                                                   hf["output_token_throughput_tps"]) if hf else None}
     rows = [["mmserve", served["output_token_throughput_tps"], served["request_throughput_rps"],

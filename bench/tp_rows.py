@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(f"image rows to rank 1 ({args.device})", ["images", "MB", "way", "p50 ms", "mean ms"], rows)
     by = {(r["images"], r["way"]): r["ms"]["p50_ms"] for r in results}
     speedups = {n: by[(n, "pickled")] / by[(n, "packed")] for n, _ in by}
-    headline = {f"packed_speedup_{n}_images": round(v, 2) for n, v in speedups.items()}
+    headline = [[f"TP rows to rank 1, {n} image(s): pickled / packed p50", round(v, 2)]
+                for n, v in speedups.items()]
     return save_result("tp_rows", args, results, headline=headline)
 
 

@@ -157,6 +157,9 @@ def test_serve_tput(services, tiny_model_dir, out_dir):
     res = _load(out_dir / "serve_tput.json")["results"]
     assert res["served"]["completed"] == 6 and res["hf_generate"]["total_output_tokens"] == 18
     assert res["served_over_hf_output_tps"] > 0
+    bound = res["roofline"]
+    assert bound["roofline_s"] > 0 and bound["wall_over_roofline"] > 0 and bound["ttft_p99_ms"] > 0
+    assert bound["workload"]["requests"] == 6 and bound["vision_flops"] > 0 and bound["decode_steps"] == 2
 
 
 def test_lookahead(services, tiny_model_dir, out_dir):
