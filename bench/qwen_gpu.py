@@ -38,14 +38,14 @@ from PIL import Image
 
 from bench.bandwidth import copy_bandwidth
 from bench.report import save_result
+from bench.workload import QWEN_END, QWEN_IMAGE, QWEN_USER
 from common.checkpoint import load_config, parse_dtype
 from common.vision.qwen_encoder import QwenPrepared, load_qwen_image_processor, make_vision_encoder
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.engine.sampling_params import SamplingParams
 
-USER, END = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+USER, END, IMAGE = QWEN_USER, QWEN_END, QWEN_IMAGE
 
 # model_type -> (family label of the headline rows, benchmark name, HF class in transformers)
 FAMILIES = {"qwen2_5_vl": ("qwen", "qwen_gpu", "Qwen2_5_VLForConditionalGeneration"),

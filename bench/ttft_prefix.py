@@ -19,7 +19,7 @@ import grpc
 from bench.report import print_table, save_result
 from bench.stats import ratio, summarize
 from bench.targets import add_target_args, model_dir, target
-from bench.workload import PromptMaker, image_prompt, random_png
+from bench.workload import PromptMaker, random_png
 from common.client import DecoderClient
 
 CASES = ("cold", "warm_prefix", "image_cached_new_text")
@@ -82,16 +82,16 @@ def run(args: argparse.Namespace) -> dict:
     cold: list[tuple[str, bytes]] = []
     with target(args, spawning) as (decoder, _), DecoderClient(decoder, timeout=600) as client:
         warm_img = random_png(args.seed * 7 + 99, args.image_size)  # first request pays one-off costs
-        ttft(client, image_prompt(prompts.text(args.prompt_len)), warm_img)
+        ttft(client, prompts.image_prompt(prompts.text(args.prompt_len)), warm_img)
         for r in range(args.rounds):
             image = random_png(args.seed * 1_000_003 + 31337 + r, args.image_size)
-            prompt = image_prompt(prompts.text(args.prompt_len))
+            prompt = prompts.image_prompt(prompts.text(args.prompt_len))
             cold.append((prompt, image))
             try:
                 samples["cold"].append(ttft(client, prompt, image))
                 samples["warm_prefix"].append(ttft(client, prompt, image))
                 samples["image_cached_new_text"].append(
-                    ttft(client, image_prompt(prompts.text(args.prompt_len)), image))
+                    ttft(client, prompts.image_prompt(prompts.text(args.prompt_len)), image))
             except grpc.RpcError as exc:
                 raise SystemExit(f"error: {exc.code().name}: {exc.details()}") from None
     results: dict = {}

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+QWEN_USER, QWEN_END = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 _SYLLABLES = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "ve", "da", "gu", "shi", "tor", "bel", "qua"]
 
 
@@ -34,8 +36,14 @@ class PromptMaker:
         self.rng = random.Random(seed)
         self.tokens_per_word = 1.5  # a guess used when no tokenizer is available
         self._tok = None
+        self.qwen = False  # the model takes Qwen-VL's prompt format
         if model_dir is not None:
             from transformers import AutoTokenizer
+
+            from common.checkpoint import load_config
+            from common.qwen_layout import is_qwen_vl
+
+            self.qwen = is_qwen_vl(load_config(model_dir))
 
             self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
             sample = random_words(random.Random(seed + 1), 400)
@@ -48,6 +56,10 @@ class PromptMaker:
             return self.text(tokens)
         finally:
             self.rng = saved
+
+    def image_prompt(self, text: str, num_images: int = 1, shared: str = "") -> str:
+        """`image_prompt` in this model's format."""
+        return image_prompt(text, num_images, shared, self.qwen)
 
     def text(self, tokens: int) -> str:
         """Fresh random text of roughly `tokens` tokens (exact count when a tokenizer is loaded)."""
@@ -64,10 +76,13 @@ class PromptMaker:
         return self._tok.decode(ids[:tokens]) if len(ids) > tokens else text
 
 
-def image_prompt(text: str, num_images: int = 1, shared: str = "") -> str:
-    """The LLaVA-1.5 prompt format: `<image>` markers, then the shared instruction, then the text."""
-    head = "USER: " + "<image>\n" * num_images
-    return head + (shared + "\n" if shared else "") + text + " ASSISTANT:"
+def image_prompt(text: str, num_images: int = 1, shared: str = "", qwen: bool = False) -> str:
+    """The image markers, then the shared instruction, then the text: in LLaVA-1.5's format, or with
+    qwen=True in Qwen-VL's ChatML with its vision tokens."""
+    body = (shared + "\n" if shared else "") + text
+    if qwen:
+        return QWEN_USER + QWEN_IMAGE * num_images + body + QWEN_END
+    return "USER: " + "<image>\n" * num_images + body + " ASSISTANT:"
 
 
 @dataclass
@@ -115,5 +130,6 @@ def build_requests(n: int, repeat_ratio: float, prompt_len: int, prompts: Prompt
             if image is None:
                 image = cache[image_id] = random_png(seed * 1_000_003 + image_id, image_size)
         text = prompts.text(prompt_len)
-        out.append(BenchRequest(image_prompt(text, 1 if with_images else 0, shared), image, image_id, repeat))
+        out.append(BenchRequest(prompts.image_prompt(text, 1 if with_images else 0, shared), image, image_id,
+                                repeat))
     return out

@@ -79,7 +79,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     from common.quiet import transformers_errors_only
 
     with transformers_errors_only():
-        out = make_model(args.preset, args.out, seed=args.seed, device=args.device, dtype=args.dtype)
+        out = make_model(args.preset, args.out, seed=args.seed, device=args.device, dtype=args.dtype,
+                         weights=args.weights)
     print(out)
     return 0
 
@@ -182,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="where to initialise (default: cuda if present)")
     p.add_argument("--dtype", type=dtype_name, default=None, help="float32, float16 or bfloat16")
+    p.add_argument("--weights", choices=("all", "vision"), default="all",
+                   help="vision: write only the vision tower's weights (Qwen-VL presets), for language "
+                   "models too large to write; serve the decoder with --load-format dummy")
     p.set_defaults(func=_cmd_make_model)
 
     p = sub.add_parser("health", help="exit 0 when HOST:PORT reports SERVING")

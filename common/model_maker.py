@@ -279,7 +279,7 @@ def _scale_init(model: torch.nn.Module, seed: int, gain: float) -> None:
     at one with a little jitter; embeddings get unit variance. This makes greedy output vary from token
     to token, unlike the usual std=0.02 init.
     """
-    device = next(model.parameters()).device
+    device = next(p for p in model.parameters() if not p.is_meta).device
     gen = torch.Generator(device=device).manual_seed(seed)
     config = model.config
     vision = config.vision_config  # Qwen's vision config says depth (older transformers map no alias)
@@ -287,6 +287,8 @@ def _scale_init(model: torch.nn.Module, seed: int, gain: float) -> None:
              "text": config.text_config.num_hidden_layers}
     tied = bool(config.text_config.tie_word_embeddings)
     for name, param in model.named_parameters():
+        if param.is_meta:  # a part left unmade (init_vision_only's language model)
+            continue
         tmp = torch.empty(param.shape, dtype=torch.float32, device=device)
         if param.dim() >= 2 and name.endswith("embed_tokens.weight") and tied:
             # Tied embeddings are also the output head: at unit scale each token's logit is dominated by
@@ -327,6 +329,26 @@ def init_random(model_cls, config, device: str, dtype: torch.dtype, seed: int, g
     return model
 
 
+def is_language_weight(name: str) -> bool:
+    """A parameter of the language model (HF's names in transformers 5: model.language_model.*, lm_head)."""
+    return name.startswith(("model.language_model.", "lm_head."))
+
+
+def init_vision_only(model_cls, config, device: str, dtype: torch.dtype, seed: int, gain: float):
+    """model_cls(config) with only its vision side made (on device, in dtype, at make-model's scale); the
+    language model stays on the meta device, taking no memory: for shapes too large to write."""
+    with torch.device("meta"):
+        model = model_cls(config)
+    for prefix, module in model.named_modules():
+        for key, param in list(module._parameters.items()):
+            if param is not None and not is_language_weight(f"{prefix}.{key}" if prefix else key):
+                module._parameters[key] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False)
+    _scale_init(model, seed, gain)
+    model.config.dtype = dtype
+    return model
+
+
 def make_model(
     preset: str,
     out: str | Path,
@@ -335,6 +357,7 @@ def make_model(
     dtype: str | None = None,
     gain: float = 1.4,
     progress: bool = True,
+    weights: str = "all",
 ) -> Path:
     """Write a random checkpoint (LLaVA family; Qwen2.5-VL: common/model_maker_qwen.py; Qwen3-VL:
     common/model_maker_qwen3.py) for `preset` into `out` and return its path.
@@ -348,12 +371,16 @@ def make_model(
     from common.model_maker_qwen import QWEN_PRESETS, make_qwen_model
     from common.model_maker_qwen3 import QWEN3_PRESETS, make_qwen3_model
 
+    if weights not in ("all", "vision"):
+        raise ValueError(f"weights must be 'all' or 'vision', not {weights!r}")
     if preset in QWEN_PRESETS:
-        return make_qwen_model(preset, out, seed, device, dtype, gain, progress)
+        return make_qwen_model(preset, out, seed, device, dtype, gain, progress, weights == "vision")
     if preset in QWEN3_PRESETS:
-        return make_qwen3_model(preset, out, seed, device, dtype, gain, progress)
+        return make_qwen3_model(preset, out, seed, device, dtype, gain, progress, weights == "vision")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(preset_names())}")
+    if weights != "all":
+        raise ValueError("weights='vision' is for the Qwen-VL presets; the LLaVA presets are written whole")
     spec = PRESETS[preset]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

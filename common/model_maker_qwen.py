@@ -6,6 +6,11 @@ of 32 (here every 2nd of 4), 112-px windows, 14-px patches merged 2x2, temporal 
 MLP in the tower, RMSNorm, M-RoPE sections [16, 24, 24] over a 128-dim head (here [2, 3, 3] over 16),
 rope theta 1e6, q/k/v biases, untied head, ChatML with <|vision_start|><|image_pad|><|vision_end|>,
 min_pixels 3136, max_pixels 12845056) at small widths. `qwen2.5-vl-7b` has the real shapes.
+`qwen2.5-vl-72b` has the 72B's language model as transformers' `Qwen2_5_VLTextConfig` defaults give it
+(80 layers, hidden 8192, 64 heads, 8 KV heads, MLP 29568, vocabulary 152064; the layer, width and head
+counts match the config Qwen published with Qwen2.5-VL-72B-Instruct-AWQ) and the 7B's vision tower (the
+72B's own tower config was not at hand; its merger outputs 8192). At 145 GB in bf16 it is meant to be made
+with `--weights vision` and served with `--load-format dummy`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,14 @@ from pathlib import Path
 
 import torch
 
-from common.model_maker import CLIP_MEAN, CLIP_STD, _portable_class_names, build_tokenizer, init_random
+from common.model_maker import (
+    CLIP_MEAN,
+    CLIP_STD,
+    _portable_class_names,
+    build_tokenizer,
+    init_random,
+    init_vision_only,
+)
 
 # Qwen2.5-VL's vision tokens, in the order of the real tokenizer's added tokens.
 QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
@@ -74,6 +86,16 @@ QWEN_PRESETS: dict[str, QwenPreset] = {
                   num_key_value_heads=4),
         vocab_size=152064, mrope_section=(16, 24, 24),
     ),
+    "qwen2.5-vl-72b": QwenPreset(
+        name="qwen2.5-vl-72b",
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                    fullatt_block_indexes=[7, 15, 23, 31]),
+        text=dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8),
+        vocab_size=152064, mrope_section=(16, 24, 24),
+        copies="transformers' Qwen2_5_VLTextConfig defaults (Qwen/Qwen2.5-VL-72B-Instruct's language "
+               "model shapes) with the 7B's vision tower",
+    ),
 }
 
 
@@ -108,7 +130,8 @@ def build_qwen_config(preset: QwenPreset, tokenizer):
 
 
 def make_qwen_model(preset: str, out: str | Path, seed: int = 0, device: str | None = None,
-                    dtype: str | None = None, gain: float = 1.4, progress: bool = True) -> Path:
+                    dtype: str | None = None, gain: float = 1.4, progress: bool = True,
+                    vision_only: bool = False) -> Path:
     """Write a random Qwen2.5-VL checkpoint for `preset` into `out` and return its path."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -116,14 +139,16 @@ def make_qwen_model(preset: str, out: str | Path, seed: int = 0, device: str | N
     tokenizer = build_qwen_tokenizer(spec.vocab_size, seed)
     return write_random_checkpoint(Qwen2_5_VLForConditionalGeneration, build_qwen_config(spec, tokenizer),
                                    tokenizer, _write_image_processor, preset, spec.copies, out, seed, device,
-                                   dtype, gain, progress)
+                                   dtype, gain, progress, vision_only)
 
 
 def write_random_checkpoint(model_cls, config, tokenizer, write_processor, preset: str, copies: str | None,
                             out: str | Path, seed: int, device: str | None, dtype: str | None, gain: float,
-                            progress: bool) -> Path:
+                            progress: bool, vision_only: bool = False) -> Path:
     """Init model_cls(config) at make-model's scale on `device` and write it, the tokenizer, the image
-    processor (write_processor(out)) and mmserve_model.json into `out` (the Qwen-VL presets' maker)."""
+    processor (write_processor(out)) and mmserve_model.json into `out` (the Qwen-VL presets' maker).
+    vision_only: write the vision tower's weights alone (the decoder serves such a checkpoint with
+    `--load-format dummy`), for language models too large to write."""
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -133,8 +158,17 @@ def write_random_checkpoint(model_cls, config, tokenizer, write_processor, prese
     steps = tqdm(total=3, desc=f"make-model {preset}", disable=not progress, unit="step")
     t0 = time.perf_counter()
     steps.update()
-    model = init_random(model_cls, config, device, torch_dtype, seed, gain)
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
+    if vision_only:
+        from safetensors.torch import save_file
+
+        model = init_vision_only(model_cls, config, device, torch_dtype, seed, gain)
+        weights = {name: t.contiguous() for name, t in model.state_dict().items() if not t.is_meta}
+        save_file(weights, str(out / "model-vision.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(out)
+        model.generation_config.save_pretrained(out)
+    else:
+        model = init_random(model_cls, config, device, torch_dtype, seed, gain)
+        model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
     del model
     steps.update()
     tokenizer.save_pretrained(out)
@@ -143,7 +177,8 @@ def write_random_checkpoint(model_cls, config, tokenizer, write_processor, prese
         if path.is_file():
             path.chmod(0o644)
     (out / "mmserve_model.json").write_text(json.dumps(
-        {"preset": preset, "copies": copies, "random_weights": True, "seed": seed, "gain": gain,
+        {"preset": preset, "copies": copies, "random_weights": True, "language_weights": not vision_only,
+         "seed": seed, "gain": gain,
          "dtype": str(torch_dtype).removeprefix("torch."), "made_on": device,
          "seconds": round(time.perf_counter() - t0, 2)}, indent=2) + "\n")
     steps.update()

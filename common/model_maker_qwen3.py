@@ -132,7 +132,8 @@ def build_qwen3_config(preset: Qwen3Preset, tokenizer):
 
 
 def make_qwen3_model(preset: str, out: str | Path, seed: int = 0, device: str | None = None,
-                     dtype: str | None = None, gain: float = 1.4, progress: bool = True) -> Path:
+                     dtype: str | None = None, gain: float = 1.4, progress: bool = True,
+                     vision_only: bool = False) -> Path:
     """Write a random Qwen3-VL checkpoint for `preset` into `out` and return its path."""
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -140,7 +141,7 @@ def make_qwen3_model(preset: str, out: str | Path, seed: int = 0, device: str | 
     tokenizer = build_qwen3_tokenizer(spec.vocab_size, seed)
     return write_random_checkpoint(Qwen3VLForConditionalGeneration, build_qwen3_config(spec, tokenizer),
                                    tokenizer, _write_image_processor, preset, spec.copies, out, seed, device,
-                                   dtype, gain, progress)
+                                   dtype, gain, progress, vision_only)
 
 
 def _write_image_processor(out: Path) -> None:

@@ -92,6 +92,14 @@ LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("none", "fp8")
 
 
+def _check_has_language_weights(model_dir: str | Path) -> None:
+    """A checkpoint made with `make-model --weights vision` holds no language model: say how to serve it."""
+    made = Path(model_dir) / "mmserve_model.json"
+    if made.exists() and json.loads(made.read_text()).get("language_weights") is False:
+        raise CheckpointError(f"{model_dir} holds only the vision tower's weights (make-model --weights "
+                              "vision): serve its language model with --load-format dummy")
+
+
 def load_language_model(
     model_dir: str | Path,
     device: str | torch.device = "cpu",
@@ -130,6 +138,7 @@ def load_language_model(
         state = dummy_state(shapes, cfg.num_layers, cfg.tie_word_embeddings and tp is None, device, dtype)
         fmt = None  # nothing is read, so nothing is FP8 yet
     else:
+        _check_has_language_weights(model_dir)
         state = _checkpoint_state(model_dir, full_cfg, tp)
     blocks: dict = {}
     if fmt is not None:
