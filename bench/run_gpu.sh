@@ -19,7 +19,12 @@
 #      Qwen2.5-VL-7B shapes in QWEN_MODEL_DIR as the qwen section makes them, or Qwen3-VL-8B shapes in
 #      QWEN3_MODEL_DIR from QWEN3_PRESET with VIDEO_FAMILY=qwen3; VIDEO_HF=0 skips HF; VIDEO_ARGS adds
 #      options, e.g. tiny clips for a CPU smoke test; its step may take 480 s and making the model up to
-#      300 s more: give it BUDGET_S=900 or so), or a list such as llava,qwen,qwen3.
+#      300 s more: give it BUDGET_S=900 or so), tp (two GPUs: TP=2 parity test, decode at TP=1 and TP=2,
+#      image rows to the workers, a Qwen2.5-VL-72B-shaped TP=2 decoder under 64 image requests against
+#      its roofline; the 72B tower made in QWEN72_MODEL_DIR, default /tmp/qwen72b, from QWEN72_PRESET;
+#      TP_KV_BYTES per rank, default 30 GB; a CPU smoke test: QWEN72_PRESET=qwen2.5-vl-tiny
+#      TP_KV_BYTES=50000000 with DEVICE=cpu and friends; BUDGET_S=1500 or so),
+#      or a list such as llava,qwen,qwen3.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
 #      skipped instead; the merge still runs).
@@ -215,6 +220,50 @@ if [[ ",$SECTIONS," == *,fp8,* ]]; then
   step serve_decode_fp8 240 "$PY" -m bench.serve_decode --model "$FMODEL" "${DT[@]}" --quantization fp8 \
     --batch-sizes "$FP8_BATCHES" --output-len 128 --repeats 2 --logs "$RES/logs-decode-fp8"
   step fp8_accuracy 150 "$PY" -m bench.fp8_accuracy --model "$FMODEL" "${DT[@]}" --prompts 16 --steps 256
+fi
+
+# Tensor parallelism on two GPUs of one host (the first two the process sees): TP=2 parity with TP=1 and
+# HF (tests/gpu), bf16 decode at TP=1 and TP=2 on llava-1.5-7b shapes side by side, how a step's image
+# rows reach rank 1 (pickled vs packed over NCCL), and a Qwen2.5-VL-72B-shaped decoder (dummy language
+# weights, the tower written by make-model --weights vision) under 64 concurrent image requests with the
+# encoder beside rank 0 on GPU 0, against the roofline of the same work.
+if [[ ",$SECTIONS," == *,tp,* ]]; then
+  TMODEL=${MODEL_DIR:-/tmp/llava7b}
+  if [ ! -f "$TMODEL/mmserve_model.json" ]; then
+    echo "== make-model ${PRESET:-llava-1.5-7b} -> $TMODEL"
+    timeout 200 "$PY" -m common.cli make-model --preset "${PRESET:-llava-1.5-7b}" --out "$TMODEL" "${DT[@]}" \
+      2>&1 | tail -3
+  fi
+  echo "== tests/gpu/test_tensor_parallel_gpu.py (t=$((SECONDS - START))s)"
+  timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tail -5
+  step tp_rows 90 "$PY" -m bench.tp_rows --device "$DEVICE"
+  for tp in 1 2; do
+    step "serve_decode_tp$tp" 300 "$PY" -m bench.serve_decode --model "$TMODEL" "${DT[@]}" --batch-sizes 1,32 \
+      --output-len 128 --repeats 2 --tensor-parallel-size $tp --logs "$RES/logs-decode-tp$tp"
+  done
+  Q72=${QWEN72_MODEL_DIR:-/tmp/qwen72b}
+  if [ ! -f "$Q72/mmserve_model.json" ]; then
+    echo "== make-model ${QWEN72_PRESET:-qwen2.5-vl-72b} --weights vision -> $Q72"
+    timeout 200 "$PY" -m common.cli make-model --preset "${QWEN72_PRESET:-qwen2.5-vl-72b}" --weights vision \
+      --out "$Q72" "${DT[@]}" 2>&1 | tail -3
+  fi
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m common.cli encoder --model "$Q72" "${DT[@]}" --port $ENC_PORT \
+    --cache-bytes 8000000000 >> "$RES/encoder-72b.log" 2>&1 &
+  ENC_PID=$!
+  "$PY" -m common.cli decoder --model "$Q72" "${DT[@]}" --port $DEC_PORT --encoder 127.0.0.1:$ENC_PORT \
+    --load-format dummy --tensor-parallel-size 2 --kv-cache-bytes "${TP_KV_BYTES:-30000000000}" --max-num-seqs 64 \
+    > "$RES/decoder-72b.log" 2>&1 &
+  DEC_PID=$!
+  PIDS+=($ENC_PID $DEC_PID)
+  if wait_healthy $ENC_PORT 300 "$ENC_PID" && wait_healthy $DEC_PORT 600 "$DEC_PID"; then
+    step serve_tput_72b 300 "$PY" -m bench.serve_tput --addr 127.0.0.1:$DEC_PORT --encoder 127.0.0.1:$ENC_PORT \
+      --model "$Q72" "${DT[@]}" --num-requests 64 --concurrency 64 --repeat-ratio 0.5 --image-size 448 \
+      --output-len 32 --no-hf --no-progress --name serve_tput_72b_tp2
+  else
+    echo "   the 72B-shaped pair did not become healthy"
+  fi
+  cleanup
+  PIDS=()
 fi
 
 echo "== merge (t=$((SECONDS - START))s)"

@@ -44,6 +44,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-batch", type=int, default=64, help="HF generate batch size")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--name", default="serve_tput", help="the benchmark's name in the JSON (and bench.merge)")
     p.add_argument("--out", default=None)
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
@@ -119,7 +120,12 @@ def run(args: argparse.Namespace) -> dict:
         rows.append([f"HF generate (batch {hf['batch']})", hf["output_token_throughput_tps"],
                      hf["request_throughput_rps"], hf["duration_s"]])
     print_table("serving throughput", ["system", "output tokens/s", "requests/s", "seconds"], rows)
-    return save_result("serve_tput", args, results)
+    label = args.name.removeprefix("serve_tput").strip("_") or "64 conc."
+    own = [[f"serve {label}: output tok/s", served["output_token_throughput_tps"]],
+           [f"serve {label}: TTFT p99 ms", served["ttft"]["p99_ms"]]]
+    if bound:
+        own.append([f"serve {label}: wall / roofline", bound["wall_over_roofline"]])
+    return save_result(args.name, args, results, headline=own)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
