@@ -17,6 +17,7 @@ from common.checkpoint import CheckpointError
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.runner.tensor_parallel import RANK_DIED_EXIT_CODE
+from tests.integration.conftest import png
 from tests.integration.harness import Pair
 from tests.oracle import HFOracle, greedy, make_image, run_all
 
@@ -78,6 +79,28 @@ def test_two_ranks_equal_hf(tiny_model_dir):
 def test_shapes_that_cannot_be_split_are_refused(tiny_model_dir):
     with pytest.raises(CheckpointError, match="cannot be split over 3"):
         _engine(tiny_model_dir, 3)
+
+
+@pytest.mark.parametrize("arena", ["shm", "private"])
+def test_two_ranks_behind_the_services_equal_hf(arena, tiny_model_dir, tmp_path):
+    """The TP=2 decoder service with embeddings from a real encoder (shared memory, or inline bytes from a
+    private arena): the rows reach rank 1 packed (runner/step_rows.py), the answers equal HF's and every
+    block and lease is given back."""
+    oracle = HFOracle(tiny_model_dir)
+    images = [make_image(7, (64, 48)), make_image(8)]
+    args = ["--tensor-parallel-size", "2", "--num-kv-blocks", "64", "--max-num-batched-tokens", "13"]
+    pair = Pair(tiny_model_dir, tmp_path, encoder_args=["--arena", arena], decoder_args=args).start()
+    try:
+        with pair.decoder_client() as client:
+            results = [client.generate_text(LLAVA_ONE, [png(image)], max_tokens=N) for image in images]
+            stats = client.stats()
+        with pair.encoder_client() as client:
+            leases = client.stats().active_leases
+    finally:
+        pair.stop()
+    for image, result in zip(images, results, strict=True):
+        oracle.assert_same_tokens(result.token_ids, LLAVA_ONE, [image], N)
+    assert (stats.kv_blocks_used, stats.running, leases) == (0, 0, 0)
 
 
 def test_a_killed_rank_stops_the_service(tiny_model_dir, tmp_path):
