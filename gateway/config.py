@@ -35,10 +35,13 @@ UPSTREAM_MESSAGE_MARGIN = 8 * 2**20
 @dataclass(frozen=True)
 class ImageFetchPolicy:
     """Limits on the images and videos a request may name, checked before any fetch (a video URL is fetched
-    like an image URL: the same timeout, address rules, per-file and per-request byte limits)."""
+    like an image URL: the same timeout, address rules and per-request byte limit; its own per-file one)."""
 
     max_bytes: int = option(20 * 2**20, "largest image (URL body or data URL), bytes",
                             flag="--max-image-bytes", type=positive_int)
+    max_video_bytes: int = option(128 * 2**20, "largest video (URL body or data URL), bytes (the encoder's "
+                                  "own --max-video-bytes applies too)", flag="--max-video-bytes",
+                                  type=positive_int)
     timeout_s: float = option(10.0, "seconds per image URL", flag="--image-fetch-timeout",
                               type=positive_float)
     allow_private: bool = option(False, "also fetch image URLs on loopback, private and link-local "
@@ -46,8 +49,7 @@ class ImageFetchPolicy:
     max_images_per_request: int = option(16, "most images in one request (the decoder's default limit)",
                                          type=positive_int)
     max_videos_per_request: int = option(4, "most videos (video_url parts) in one request; their URLs are "
-                                         "fetched under the same rules and byte limits as images",
-                                         type=positive_int)
+                                         "fetched under the same rules as images", type=positive_int)
     max_total_image_bytes: int = option(
         DEFAULT_MAX_MESSAGE_BYTES - UPSTREAM_MESSAGE_MARGIN,
         "most image bytes in one request, all images together: must fit the decoder's gRPC message "
@@ -62,6 +64,10 @@ class ImageFetchPolicy:
 
     def __post_init__(self) -> None:
         check_options(self)
+
+    def max_file_bytes(self, kind: str) -> int:
+        """The per-file limit of an image or (kind "video") a video."""
+        return self.max_video_bytes if kind == "video" else self.max_bytes
 
     @property
     def format_names(self) -> tuple[str, ...]:

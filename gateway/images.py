@@ -169,7 +169,7 @@ class ImageFetcher:
         header; an APIError (400, or 413 past the budget) names `param` on failure."""
         budget = budget or ByteBudget(self.policy.max_total_image_bytes)
         if url.startswith("data:"):
-            data = decode_data_url(url, self.policy.max_bytes, param, kind)
+            data = decode_data_url(url, self.policy.max_file_bytes(kind), param, kind)
             budget.take(len(data), param)
         else:
             data = await self._fetch_url(url, param, budget, kind)
@@ -234,7 +234,7 @@ class ImageFetcher:
     async def _read_limited(self, response: httpx.Response, param: str, budget: ByteBudget,
                             kind: str = "image") -> bytes:
         """The body, refused (before it is all read) past the per-file limit or the request's budget."""
-        limit = self.policy.max_bytes
+        limit = self.policy.max_file_bytes(kind)
         declared = response.headers.get("content-length")
         if declared is not None and declared.isdigit():
             if int(declared) > limit:

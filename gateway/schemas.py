@@ -2,8 +2,8 @@
 known ones are checked as strictly as vLLM checks them (seed range, stream_options only with stream,
 image_url and video_url as objects).
 
-Extensions some servers accept (vLLM's `top_k`, `ignore_eos`, `cache_salt`) are taken too, e.g. from the
-official client's `extra_body`.
+Extensions some servers accept (vLLM's `top_k`, `ignore_eos`, `cache_salt`, `mm_processor_kwargs`) are
+taken too, e.g. from the official client's `extra_body`.
 """
 
 from __future__ import annotations
@@ -105,8 +105,27 @@ class _SamplingFields(_Lenient):
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
+class MMProcessorKwargs(BaseModel):
+    """vLLM's `mm_processor_kwargs`, as far as Qwen-VL's processors take them per request: the pixel range
+    of every image and video of the request, and how its videos are sampled. Any other key is a 400: a
+    setting dropped in silence would give other tokens than the user asked for. The decoder checks the
+    values against the model's range and the server's caps."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_pixels: int | None = Field(default=None, ge=1, le=2**63 - 1)
+    max_pixels: int | None = Field(default=None, ge=1, le=2**63 - 1)
+    fps: float | None = Field(default=None, gt=0.0, le=1000.0)  # frames sampled per second of video
+    max_frames: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+
+    @property
+    def given(self) -> bool:
+        """Whether any setting was given."""
+        return any(v is not None for v in (self.min_pixels, self.max_pixels, self.fps, self.max_frames))
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[Message] = Field(min_length=1)
+    mm_processor_kwargs: MMProcessorKwargs | None = None  # vLLM's extension (Qwen-VL models)
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool = False

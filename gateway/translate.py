@@ -98,12 +98,29 @@ async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_
                 fetches.append((video, part.url, param, "video"))
             else:
                 chat_message.content.add(text=part.text)
+    _apply_processor_kwargs(req, fetches, takes_video)
     if fetches:
         datas = await fetcher.fetch_all([(url, param) for _, url, param, _ in fetches],
                                         [kind for *_, kind in fetches])
         for (item, *_), data in zip(fetches, datas, strict=True):
             item.data = data
     return out
+
+
+def _apply_processor_kwargs(req: ChatCompletionRequest, items: list[tuple], takes_video: bool | None) -> None:
+    """mm_processor_kwargs onto every image (its pixel range) and video (pixel range and sampling) of the
+    request; a 400 for a model whose images have a fixed size (LLaVA), where none of them means anything."""
+    kwargs = req.mm_processor_kwargs
+    if kwargs is None or not kwargs.given:
+        return
+    if takes_video is False:
+        raise bad_request("mm_processor_kwargs: this model's images have a fixed size and it takes no "
+                          "video; the settings apply to Qwen-VL models", "mm_processor_kwargs",
+                          "unsupported_parameter")
+    for item, *_ in items:
+        item.min_pixels, item.max_pixels = kwargs.min_pixels or 0, kwargs.max_pixels or 0
+        if isinstance(item, common_pb2.VideoInput):
+            item.fps, item.max_frames = kwargs.fps or 0.0, kwargs.max_frames or 0
 
 
 def completion_request(req: CompletionRequest, cache_salt: str) -> decoder_pb2.GenerateRequest:

@@ -23,7 +23,8 @@ from tests.video.media import make_video
 
 CLIP = make_video(12, fps=6, width=32, height=32)
 BIG = make_video(90, fps=10, width=320, height=240)
-LIMIT = len(CLIP) + 1000  # --max-image-bytes: CLIP fits, BIG does not
+LIMIT = len(CLIP) + 1000  # --max-video-bytes: CLIP fits, BIG does not
+IMAGE_LIMIT = 1000  # --max-image-bytes, below CLIP: the image cap does not apply to videos
 PNG = encode_png(Image.new("RGB", (8, 8), (10, 200, 30)))
 
 
@@ -58,11 +59,11 @@ def decoder():
 
 
 def _gateway(address, model_dir, tmp_path_factory) -> GatewayProcess:
-    assert len(BIG) > LIMIT
+    assert len(BIG) > LIMIT and len(CLIP) > IMAGE_LIMIT > len(PNG)
     return GatewayProcess([address], tmp_path_factory.mktemp("gw") / "gateway.log",
                           ["--model", str(model_dir), "--served-model-name", "m",
-                           "--allow-private-image-urls", "--max-image-bytes", str(LIMIT),
-                           "--max-videos-per-request", "2"]).start()
+                           "--allow-private-image-urls", "--max-video-bytes", str(LIMIT),
+                           "--max-image-bytes", str(IMAGE_LIMIT), "--max-videos-per-request", "2"]).start()
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +80,8 @@ def llava_gateway(decoder, tiny_model_dir, tmp_path_factory):
     g.stop()
 
 
-def _chat(gateway: GatewayProcess, *parts, role: str = "user") -> httpx.Response:
-    body = {"model": "m", "max_tokens": 2, "messages": [{"role": role, "content": list(parts)}]}
+def _chat(gateway: GatewayProcess, *parts, role: str = "user", **extra) -> httpx.Response:
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": role, "content": list(parts)}], **extra}
     return httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=60)
 
 
@@ -142,4 +143,35 @@ def test_a_model_without_video_input_answers_400(llava_gateway, decoder):
         _error(reply, 400, "unsupported_modality", "does not take video input")
         assert reply.json()["error"]["param"] == "messages.0.content.1.video_url"
         assert server.hits == []  # refused before fetching
+    assert len(recorder.requests) == before
+
+
+def test_mm_processor_kwargs_reach_every_image_and_video(qwen_gateway, decoder):
+    """vLLM's mm_processor_kwargs: the pixel range onto each image and video, fps and max_frames onto each
+    video; the decoder checks them against the model and its caps."""
+    recorder, _ = decoder
+    before = len(recorder.requests)
+    kwargs = {"min_pixels": 3136, "max_pixels": 200704, "fps": 1.0, "max_frames": 8}
+    reply = _chat(qwen_gateway, {"type": "image_url", "image_url": {"url": _data_url(PNG, "image/png")}},
+                  _video(_data_url(CLIP)), mm_processor_kwargs=kwargs)
+    assert reply.status_code == 200, reply.text
+    (request,) = recorder.requests[before:]
+    image, video = (part for part in request.chat.messages[0].content)
+    assert (image.image.min_pixels, image.image.max_pixels) == (3136, 200704)
+    assert (video.video.fps, video.video.max_frames, video.video.min_pixels, video.video.max_pixels) == \
+        (1.0, 8, 3136, 200704)
+
+
+def test_mm_processor_kwargs_refusals(qwen_gateway, llava_gateway, decoder):
+    recorder, _ = decoder
+    before = len(recorder.requests)
+    clip = _video(_data_url(CLIP))
+    _error(_chat(qwen_gateway, clip, mm_processor_kwargs={"num_frames": 8}), 400, "invalid_value",
+           "mm_processor_kwargs.num_frames")
+    _error(_chat(qwen_gateway, clip, mm_processor_kwargs={"fps": -1}), 400, "invalid_value",
+           "mm_processor_kwargs.fps")
+    image = {"type": "image_url", "image_url": {"url": _data_url(PNG, "image/png")}}
+    reply = _chat(llava_gateway, image, mm_processor_kwargs={"max_pixels": 200704})
+    _error(reply, 400, "unsupported_parameter", "fixed size")
+    assert reply.json()["error"]["param"] == "mm_processor_kwargs"
     assert len(recorder.requests) == before

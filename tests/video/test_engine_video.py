@@ -62,12 +62,12 @@ class VideoOracle:
     `<|image_pad|>` and `<|video_pad|>` expanded in place (Qwen3-VL's video into timestamped groups, as
     its processor's replace_video_token does), then one tokenization."""
 
-    def __init__(self, oracle, model_dir) -> None:
+    def __init__(self, oracle, model_dir, fps: float = 0.0) -> None:
         from common.vision.qwen_encoder import load_qwen_image_processor
 
         self.tokenizer, self.hf = oracle.tokenizer, oracle.model
         self.image_processor = load_qwen_image_processor(model_dir)
-        self.config = video_request_config(load_qwen_video_config(model_dir), limits=VideoLimits())
+        self.config = video_request_config(load_qwen_video_config(model_dir), fps=fps, limits=VideoLimits())
         self.qwen3 = self.config.geometry.family == "qwen3_vl"
 
     def _video_text(self, grid, decoded) -> str:

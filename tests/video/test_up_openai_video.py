@@ -1,6 +1,7 @@
 """`mmserve up --model <qwen3 dir>`: the official `openai` client sends a video as a `video_url` data: URL
 (as vLLM's OpenAI server accepts it) and gets HF's tokens; the gateway renders the checkpoint's chat
-template, the decoder lays the video out in timestamped groups, the encoder makes its DeepStack parts."""
+template, the decoder lays the video out in timestamped groups, the encoder makes its DeepStack parts; the
+request's mm_processor_kwargs (fps) sample it as HF does with that setting."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def test_up_serves_a_qwen3_video_to_the_openai_client(tmp_path, qwen3_model_dir,
         expected = oracle.generate(text, [], [VIDEO], N)
         assert reply.usage.completion_tokens == N
         assert reply.choices[0].message.content == oracle.tokenizer.decode(expected, skip_special_tokens=True)
+        # vLLM's mm_processor_kwargs: sampled at 4 fps instead of the model's 2, as HF samples it then.
+        denser = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": content}], max_tokens=N, temperature=0,
+            extra_body={"mm_processor_kwargs": {"fps": 4.0}})
+        expected = VideoOracle(qwen3_oracle, qwen3_model_dir, fps=4.0).generate(text, [], [VIDEO], N)
+        assert denser.usage.prompt_tokens > reply.usage.prompt_tokens
+        wanted = oracle.tokenizer.decode(expected, skip_special_tokens=True)
+        assert denser.choices[0].message.content == wanted
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
     finally:
