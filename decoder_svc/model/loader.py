@@ -12,7 +12,7 @@ from decoder_svc.model.backends import make_kernels
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.dummy import dummy_state
 from decoder_svc.model.llama import LlamaForCausalLM, mrope_axes
-from decoder_svc.model.parallel import TensorParallel, finish_shard, shard_slices
+from decoder_svc.model.parallel import TensorParallel, finish_shard, shard_fp8_scale, shard_slices
 from decoder_svc.model.quant.formats import checkpoint_fp8_format
 from decoder_svc.model.quant.fp8 import FP8_DTYPE
 from decoder_svc.model.quant.linear import swap_in_fp8
@@ -125,8 +125,6 @@ def load_language_model(
     backend, ops = make_kernels(attention_backend, device)
     tp = tp if tp is not None and tp.size > 1 else None
     if tp is not None:
-        if fmt is not None or quantization == "fp8":
-            raise CheckpointError("FP8 weights with tensor parallelism are not supported yet")
         tp.check(cfg)
     full_cfg = cfg
     with torch.device("meta"):
@@ -142,7 +140,9 @@ def load_language_model(
         state = _checkpoint_state(model_dir, full_cfg, tp)
     blocks: dict = {}
     if fmt is not None:
-        blocks = align_shard_blocks(state, read_fp8_checkpoint(state, fmt, dtype, PACKED_MODULES),
+        shard = (lambda module, scale, local: shard_fp8_scale(module, scale, fmt, local, full_cfg, tp)) \
+            if tp is not None else None
+        blocks = align_shard_blocks(state, read_fp8_checkpoint(state, fmt, dtype, PACKED_MODULES, shard),
                                     PACKED_MODULES)
         check_all_or_none(state, blocks, PACKED_MODULES)
     state = pack_fused_weights(state)

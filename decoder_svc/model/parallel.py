@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from common.checkpoint import CheckpointError
 from decoder_svc.model.config import TextModelConfig
+from decoder_svc.model.quant.formats import Fp8Format
+from decoder_svc.model.quant.fp8 import ScaleBlock, per_channel_block, rows_to_channels
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def shard_slices(name: str, cfg: TextModelConfig, tp: TensorParallel) -> tuple[s
             "v_proj": (tp.kv_head_start(cfg) * d, kv_local * d),
             "gate_proj": (tp.rank * i_local, i_local), "up_proj": (tp.rank * i_local, i_local)}
     cols = {"o_proj": (tp.rank * q_local * d, q_local * d), "down_proj": (tp.rank * i_local, i_local)}
-    if leaf in rows:
+    if leaf in rows and kind in ("weight", "bias"):  # FP8 scales are read whole (shard_fp8_scale)
         lo, n = rows[leaf]
         return (slice(lo, lo + n),)
     if leaf in cols and kind == "weight":
@@ -103,3 +105,41 @@ def finish_shard(state: dict[str, torch.Tensor], cfg: TextModelConfig, tp: Tenso
     if head.shape[0] < n:  # the last slice of a vocabulary that does not divide evenly
         head = torch.cat([head, head.new_zeros(n - head.shape[0], head.shape[1])])
     state["lm_head.weight"] = head.contiguous()
+
+
+def _full_dims(leaf: str, cfg: TextModelConfig) -> tuple[int, int]:
+    """(output rows, input columns) of a whole projection or the output head."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (cfg.intermediate_size, h), "up_proj": (cfg.intermediate_size, h),
+            "down_proj": (h, cfg.intermediate_size), "lm_head": (cfg.vocab_size, h)}[leaf]
+
+
+def shard_fp8_scale(module: str, scale: torch.Tensor, fmt: Fp8Format, local: tuple[int, int],
+                    cfg: TextModelConfig, tp: TensorParallel) -> tuple[torch.Tensor, ScaleBlock]:
+    """This rank's scales of an FP8 projection whose weight was read as a slice (`local` [n, k]) and whose
+    scales were read whole; cfg is the whole model's config. Rows of a column-parallel weight (and the
+    head's vocabulary slice) keep their scale blocks where the slice starts and ends on block edges, else
+    get one scale row per weight row (exact, as align_shard_blocks does for fused shards). Columns of a
+    row-parallel weight keep per-channel scales whole and block scales sliced; a slice that cuts through
+    a column block is refused (as vLLM refuses it)."""
+    slices = shard_slices(f"{module}.weight", cfg, tp)
+    if slices is None:
+        return fmt.scale_block(scale, *local)
+    n_full, k_full = _full_dims(module.rsplit(".", 1)[-1], cfg)
+    scale, block = fmt.scale_block(scale, n_full, k_full)
+    if len(slices) == 1:  # rows [lo, hi)
+        lo, hi = slices[0].start, slices[0].stop
+        if hi <= n_full and lo % block.rows == 0 and (hi % block.rows == 0 or hi == n_full):
+            return scale[lo // block.rows: -(-hi // block.rows)], block
+        rows = rows_to_channels(scale, block, n_full)[lo:hi]
+        pad = local[0] - rows.shape[0]  # the head's last slice, padded with zero rows by finish_shard
+        return torch.cat([rows, rows.new_ones(pad, rows.shape[1])]), ScaleBlock(1, block.cols)
+    lo, hi = slices[1].start, slices[1].stop  # columns [lo, hi)
+    if block.is_per_channel(k_full):
+        return scale, per_channel_block(hi - lo)
+    if lo % block.cols or (hi % block.cols and hi != k_full):
+        raise CheckpointError(f"{module}: {k_full} input columns split over {tp.size} ranks ({hi - lo} each) "
+                              f"cut through the checkpoint's {block.cols}-column scale blocks; serve it with "
+                              "fewer tensor-parallel ranks")
+    return scale[:, lo // block.cols: -(-hi // block.cols)], block

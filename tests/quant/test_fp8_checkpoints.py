@@ -134,3 +134,37 @@ def test_dummy_weights_need_no_files(tiny_model_dir: Path, tmp_path: Path) -> No
     quantized = LLMEngine(EngineConfig(model=bare, num_kv_blocks=64, load_format="dummy", quantization="fp8"),
                           LocalEmbeddingSource.for_engine(EngineConfig(model=tiny_model_dir)))
     assert len(_fp8_layers(quantized)) == 4 * quantized.model_config.num_layers
+
+
+@pytest.mark.parametrize("case", ["ct-channel", "ct-tensor", "ct-block", "fine-grained-unaligned"])
+def test_two_ranks_serve_an_fp8_checkpoint_as_one(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Each rank reads its slices of the FP8 weights and the scales that go with them (blocks kept where
+    the slice follows them, one scale per row where it does not): TP=2 gives TP=1's tokens, which are the
+    dequantized twin's."""
+    fp8_dir, twin_dir = tmp_path / "fp8", tmp_path / "twin"
+    write_fp8_checkpoint(tiny_model_dir, fp8_dir, twin_dir, **CASES[case])
+    split = _engine(fp8_dir, tensor_parallel_size=2)
+    layers = _fp8_layers(split)
+    assert layers and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
+    assert split.model_config.num_heads * 2 == json.loads((fp8_dir / "config.json").read_text())[
+        "text_config"]["num_attention_heads"]  # a real split
+    tokens = _tokens(split)
+    split.close()
+    assert tokens == _tokens(_engine(fp8_dir)) == _tokens(_engine(twin_dir))
+
+
+def test_quantize_at_load_with_two_ranks(tiny_model_dir: Path) -> None:
+    """`--quantization fp8` with TP=2: each rank quantizes its own shard per output channel."""
+    engine = _engine(tiny_model_dir, quantization="fp8", tensor_parallel_size=2)
+    assert _fp8_layers(engine)
+    tokens = _tokens(engine)
+    engine.close()
+    assert len(set(tokens[1])) > 4 and tokens != _tokens(_engine(tiny_model_dir))
+
+
+def test_a_split_through_column_blocks_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """48-column blocks: the o/down projections' 64 / 128 input columns split in two cut through them."""
+    fp8_dir, twin_dir = tmp_path / "fp8", tmp_path / "twin"
+    write_fp8_checkpoint(tiny_model_dir, fp8_dir, twin_dir, fmt="fine-grained", block=(32, 48))
+    with pytest.raises(CheckpointError, match="cut through the checkpoint's 48-column scale blocks"):
+        _engine(fp8_dir, tensor_parallel_size=2)

@@ -7,6 +7,8 @@ FP8 weights and their scales like any other tensor, once the shards' scale block
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from common.checkpoint import CheckpointError
@@ -25,11 +27,15 @@ SCALE = "weight_scale"  # our scale parameter's name (Fp8Linear.weight_scale)
 
 
 def read_fp8_checkpoint(state: dict[str, torch.Tensor], fmt: Fp8Format, dtype: torch.dtype,
-                        packed: dict[str, tuple[str, int]]) -> dict[str, ScaleBlock]:
+                        packed: dict[str, tuple[str, int]],
+                        shard: Callable[[str, torch.Tensor, tuple[int, int]], tuple[torch.Tensor, ScaleBlock]]
+                        | None = None) -> dict[str, ScaleBlock]:
     """Rewrite `state` (in place) from the checkpoint's FP8 layout to ours: per module `weight` (FP8) and
     `weight_scale` (fp32, as Fp8Format.scale_block canonicalises it). Modules we keep in `dtype` (e.g. an
     FP8 lm_head) are dequantized. `packed` maps checkpoint projections to our fused ones (q_proj ->
-    qkv_proj). Returns {checkpoint module name: its scale block} for the FP8 modules kept."""
+    qkv_proj). `shard(module, whole scale, local weight shape)`: a tensor-parallel rank's canonical scales
+    for its weight slice (model/parallel.py shard_fp8_scale). Returns {checkpoint module name: its scale
+    block} for the FP8 modules kept."""
     fp8_modules = [n[: -len(".weight")] for n, t in state.items()
                    if n.endswith(".weight") and t.dtype == FP8_DTYPE]
     scale_names = {f"{m}.{suffix}" for m in fp8_modules for suffix in (fmt.scale_suffix, "input_scale")}
@@ -45,7 +51,7 @@ def read_fp8_checkpoint(state: dict[str, torch.Tensor], fmt: Fp8Format, dtype: t
                                   f"{fmt.scale_suffix}")
         state.pop(f"{module}.input_scale", None)  # activations stay in the model dtype
         q = state[f"{module}.weight"]
-        scale, block = fmt.scale_block(scale, *q.shape)
+        scale, block = shard(module, scale, tuple(q.shape)) if shard else fmt.scale_block(scale, *q.shape)
         leaf = module.rsplit(".", 1)[-1]
         if module.startswith("layers.") and packed.get(leaf, (leaf,))[0] in QUANTIZED_PROJECTIONS:
             state[f"{module}.{SCALE}"] = scale
