@@ -205,15 +205,18 @@ if [[ ",$SECTIONS," == *,video,* ]]; then
   fi
 fi
 
+# make_llava_once DIR: the LLaVA preset (PRESET, default llava-1.5-7b) made in DIR unless it is there.
+make_llava_once() {
+  [ -f "$1/mmserve_model.json" ] && return
+  echo "== make-model ${PRESET:-llava-1.5-7b} -> $1"
+  timeout 200 "$PY" -m common.cli make-model --preset "${PRESET:-llava-1.5-7b}" --out "$1" "${DT[@]}" 2>&1 | tail -3
+}
+
 # FP8 against bf16 on the llava-1.5-7b shapes: decode at batch 1 and 32 in-process and through gRPC
 # (bench.serve_decode, each side by side with its own engine), and FP8's accuracy against bf16.
 if [[ ",$SECTIONS," == *,fp8,* ]]; then
   FMODEL=${MODEL_DIR:-/tmp/llava7b}
-  if [ ! -f "$FMODEL/mmserve_model.json" ]; then
-    echo "== make-model ${PRESET:-llava-1.5-7b} -> $FMODEL"
-    timeout 200 "$PY" -m common.cli make-model --preset "${PRESET:-llava-1.5-7b}" --out "$FMODEL" "${DT[@]}" \
-      2>&1 | tail -3
-  fi
+  make_llava_once "$FMODEL"
   FP8_BATCHES=${FP8_BATCHES:-1,32}
   step serve_decode 240 "$PY" -m bench.serve_decode --model "$FMODEL" "${DT[@]}" --batch-sizes "$FP8_BATCHES" \
     --output-len 128 --repeats 2 --logs "$RES/logs-decode"
@@ -229,11 +232,7 @@ fi
 # encoder beside rank 0 on GPU 0, against the roofline of the same work.
 if [[ ",$SECTIONS," == *,tp,* ]]; then
   TMODEL=${MODEL_DIR:-/tmp/llava7b}
-  if [ ! -f "$TMODEL/mmserve_model.json" ]; then
-    echo "== make-model ${PRESET:-llava-1.5-7b} -> $TMODEL"
-    timeout 200 "$PY" -m common.cli make-model --preset "${PRESET:-llava-1.5-7b}" --out "$TMODEL" "${DT[@]}" \
-      2>&1 | tail -3
-  fi
+  make_llava_once "$TMODEL"
   echo "== tests/gpu/test_tensor_parallel_gpu.py (t=$((SECONDS - START))s)"
   timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tail -5
   step tp_rows 90 "$PY" -m bench.tp_rows --device "$DEVICE"

@@ -70,6 +70,10 @@ class QwenPreset:
     copies: str = "Qwen/Qwen2.5-VL-7B-Instruct"
 
 
+# Qwen/Qwen2.5-VL-7B-Instruct's vision tower (its config.json's vision_config).
+QWEN25_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                        fullatt_block_indexes=[7, 15, 23, 31])
+
 QWEN_PRESETS: dict[str, QwenPreset] = {
     "qwen2.5-vl-tiny": QwenPreset(
         name="qwen2.5-vl-tiny",
@@ -80,16 +84,14 @@ QWEN_PRESETS: dict[str, QwenPreset] = {
     ),
     "qwen2.5-vl-7b": QwenPreset(
         name="qwen2.5-vl-7b",
-        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                    fullatt_block_indexes=[7, 15, 23, 31]),
+        vision=QWEN25_7B_VISION,
         text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                   num_key_value_heads=4),
         vocab_size=152064, mrope_section=(16, 24, 24),
     ),
     "qwen2.5-vl-72b": QwenPreset(
         name="qwen2.5-vl-72b",
-        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                    fullatt_block_indexes=[7, 15, 23, 31]),
+        vision=QWEN25_7B_VISION,
         text=dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
                   num_key_value_heads=8),
         vocab_size=152064, mrope_section=(16, 24, 24),
