@@ -12,7 +12,13 @@ from decoder_svc.model.backends import make_kernels
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.dummy import dummy_state
 from decoder_svc.model.llama import LlamaForCausalLM, mrope_axes
-from decoder_svc.model.parallel import TensorParallel, finish_shard, shard_fp8_scale, shard_slices
+from decoder_svc.model.parallel import (
+    TensorParallel,
+    finish_shard,
+    max_over_ranks,
+    shard_fp8_scale,
+    shard_slices,
+)
 from decoder_svc.model.quant.formats import checkpoint_fp8_format
 from decoder_svc.model.quant.fp8 import FP8_DTYPE
 from decoder_svc.model.quant.linear import swap_in_fp8
@@ -147,7 +153,8 @@ def load_language_model(
         check_all_or_none(state, blocks, PACKED_MODULES)
     state = pack_fused_weights(state)
     if quantization == "fp8" and fmt is None:
-        blocks = quantize_projections(state, device)  # from the checkpoint's own precision
+        # From the checkpoint's own precision; with TP, each row's scale over every rank's columns.
+        blocks = quantize_projections(state, device, max_over_ranks if tp is not None else None)
     state = {n: t.to(dtype) if t.is_floating_point() and t.dtype != FP8_DTYPE and not n.endswith(SCALE)
              else t for n, t in state.items()}
     tie = (cfg.tie_word_embeddings or "lm_head.weight" not in state) and model.tp is None

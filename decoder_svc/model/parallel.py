@@ -60,6 +60,12 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def max_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of x over the ranks, in place; returns it."""
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Every rank's [rows, vocab slice] logits joined into [rows, vocab_size] (padding dropped)."""
     parts = [torch.empty_like(logits) for _ in range(dist.get_world_size())]

@@ -153,13 +153,24 @@ def test_two_ranks_serve_an_fp8_checkpoint_as_one(case: str, tiny_model_dir: Pat
     assert tokens == _tokens(_engine(fp8_dir)) == _tokens(_engine(twin_dir))
 
 
-def test_quantize_at_load_with_two_ranks(tiny_model_dir: Path) -> None:
-    """`--quantization fp8` with TP=2: each rank quantizes its own shard per output channel."""
+def test_quantize_at_load_with_two_ranks(tiny_model_dir: Path, qwen3_model_dir: Path) -> None:
+    """`--quantization fp8` with TP=2: each rank quantizes its own shard, the o/down projections' rows with
+    their whole rows' scales (a max over the ranks), so TP=2 quantizes exactly as TP=1 and serves its
+    tokens. The Qwen3-VL text prompt is one whose first token is a near-tie (top-2 logits 3.877 / 3.696)
+    that per-shard scales flipped."""
     engine = _engine(tiny_model_dir, quantization="fp8", tensor_parallel_size=2)
     assert _fp8_layers(engine)
     tokens = _tokens(engine)
     engine.close()
     assert len(set(tokens[1])) > 4 and tokens != _tokens(_engine(tiny_model_dir))
+    assert tokens == _tokens(_engine(tiny_model_dir, quantization="fp8"))
+    chat = "<|im_start|>user\ntell me a story about cars<|im_end|>\n<|im_start|>assistant\n"
+    answers = []
+    for tp in (1, 2):
+        engine = _engine(qwen3_model_dir, quantization="fp8", tensor_parallel_size=tp)
+        answers.append(engine.generate("q", chat, [], sampling=greedy(8)).new_token_ids)
+        engine.close()
+    assert answers[0] == answers[1]
 
 
 def test_a_split_through_column_blocks_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:

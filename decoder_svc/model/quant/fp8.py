@@ -13,6 +13,7 @@ one of these:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +44,17 @@ def per_channel_block(k: int) -> ScaleBlock:
 
 
 @torch.no_grad()
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel(weight: torch.Tensor,
+                         reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn [N, K], scale fp32 [N, 1]) with q * scale ~= weight; each row's largest magnitude
-    maps to 448. A zero row gets scale 1 (q is zero)."""
+    maps to 448. A zero row gets scale 1 (q is zero). reduce_amax: the rows' largest magnitudes over the
+    whole weight when this is a column slice of it (tensor parallelism), so every slice gets the scales
+    of the whole rows."""
     w = weight.float()
     amax = w.abs().amax(dim=1, keepdim=True)
+    if reduce_amax is not None:
+        amax = reduce_amax(amax)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale

@@ -24,6 +24,7 @@ from decoder_svc.model.quant.fp8 import (
 from decoder_svc.model.quant.linear import QUANTIZED_PROJECTIONS
 
 SCALE = "weight_scale"  # our scale parameter's name (Fp8Linear.weight_scale)
+ROW_PARALLEL = ("o_proj", "down_proj")  # split by input columns under tensor parallelism
 
 
 def read_fp8_checkpoint(state: dict[str, torch.Tensor], fmt: Fp8Format, dtype: torch.dtype,
@@ -100,15 +101,21 @@ def check_all_or_none(state: dict[str, torch.Tensor], fused: dict[str, ScaleBloc
             raise CheckpointError(f"{name} is not FP8 but the other shards of its fused module are")
 
 
-def quantize_projections(state: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, ScaleBlock]:
+def quantize_projections(state: dict[str, torch.Tensor], device: torch.device | str,
+                         reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None
+                         ) -> dict[str, ScaleBlock]:
     """`--quantization fp8`: quantize every decoder-layer projection of a fused state (in place) per
-    output channel, on `device`; returns {module: block}."""
+    output channel, on `device`; returns {module: block}. reduce_amax (tensor parallelism): the largest
+    magnitude of each output row over every rank's columns, for the row-parallel projections (o, down),
+    so that each rank's slice gets the scales the whole weight has and TP=N quantizes as TP=1 does."""
     blocks = {}
     for name in [n for n in state if n.endswith(".weight")]:
         module = name[: -len(".weight")]
-        if not (module.startswith("layers.") and module.rsplit(".", 1)[-1] in QUANTIZED_PROJECTIONS):
+        leaf = module.rsplit(".", 1)[-1]
+        if not (module.startswith("layers.") and leaf in QUANTIZED_PROJECTIONS):
             continue
-        q, scale = quantize_per_channel(state[name].to(device))
+        across = reduce_amax if leaf in ROW_PARALLEL else None
+        q, scale = quantize_per_channel(state[name].to(device), across)
         state[name], state[f"{module}.{SCALE}"] = q, scale
         blocks[module] = per_channel_block(q.shape[1])
     return blocks
