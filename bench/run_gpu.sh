@@ -74,6 +74,19 @@ step() {
   grep -v -e "it/s]" -e "req/s]" "$RES/$name.log" | tail -40
 }
 
+# make_once DIR PRESET [ARGS...]: make-model PRESET into DIR unless a model is there; its timeout is
+# min(300 s, what is left of the budget). ARGS go to make-model (e.g. --weights vision).
+make_once() {
+  local dir=$1 preset=$2; shift 2
+  [ -f "$dir/mmserve_model.json" ] && return
+  local left=$((BUDGET - (SECONDS - START)))
+  [ "$left" -gt 300 ] && left=300
+  echo "== make-model $preset $* -> $dir (timeout ${left}s)"
+  [ "$left" -gt 5 ] || return
+  timeout --kill-after=10 "$left" "$PY" -m common.cli make-model --preset "$preset" --out "$dir" "${DT[@]}" \
+    "$@" 2>&1 | tail -3
+}
+
 # wait_healthy PORT TIMEOUT_S [PID]: until SERVING; fails early when PID has exited.
 wait_healthy() {
   local deadline=$((SECONDS + $2))
@@ -137,10 +150,7 @@ PIDS=()
 # each beside HF transformers on the same weights.
 if [[ ",$SECTIONS," == *,qwen,* ]]; then
   QMODEL=${QWEN_MODEL_DIR:-/tmp/qwen7b}
-  if [ ! -f "$QMODEL/mmserve_model.json" ]; then
-    echo "== make-model qwen2.5-vl-7b -> $QMODEL"
-    timeout 300 "$PY" -m common.cli make-model --preset qwen2.5-vl-7b --out "$QMODEL" "${DT[@]}" 2>&1 | tail -3
-  fi
+  make_once "$QMODEL" qwen2.5-vl-7b
   step qwen_gpu 300 "$PY" -m bench.qwen_gpu --model "$QMODEL" "${DT[@]}"
   step qwen_serve 300 "$PY" -m bench.qwen_serve --model "$QMODEL" "${DT[@]}" --logs "$RES/logs-qwen" \
     --requests 32 --max-num-seqs 4 --output-len 64
@@ -154,15 +164,7 @@ if [[ ",$SECTIONS," == *,qwen3,* ]]; then
   Q3PRESET=${QWEN3_PRESET:-qwen3-vl-8b}
   read -r -a Q3GPU <<< "${QWEN3_GPU_ARGS:-}"
   read -r -a Q3SERVE <<< "${QWEN3_SERVE_ARGS:-}"
-  if [ ! -f "$Q3MODEL/mmserve_model.json" ]; then
-    Q3LEFT=$((BUDGET - (SECONDS - START)))
-    [ "$Q3LEFT" -gt 300 ] && Q3LEFT=300
-    echo "== make-model $Q3PRESET -> $Q3MODEL (timeout ${Q3LEFT}s)"
-    if [ "$Q3LEFT" -gt 5 ]; then
-      timeout --kill-after=10 "$Q3LEFT" "$PY" -m common.cli make-model --preset "$Q3PRESET" --out "$Q3MODEL" \
-        "${DT[@]}" 2>&1 | tail -3
-    fi
-  fi
+  make_once "$Q3MODEL" "$Q3PRESET"
   if [ -f "$Q3MODEL/mmserve_model.json" ]; then
     step qwen3_gpu 300 "$PY" -m bench.qwen_gpu --model "$Q3MODEL" "${DT[@]}" ${Q3GPU[@]+"${Q3GPU[@]}"}
     step qwen3_serve 300 "$PY" -m bench.qwen_serve --model "$Q3MODEL" "${DT[@]}" --logs "$RES/logs-qwen3" \
@@ -187,15 +189,7 @@ if [[ ",$SECTIONS," == *,video,* ]]; then
   read -r -a VARGS <<< "${VIDEO_ARGS:-}"
   VHF=()
   [ "${VIDEO_HF:-1}" = 0 ] || VHF=(--hf)
-  if [ ! -f "$VMODEL/mmserve_model.json" ]; then
-    VLEFT=$((BUDGET - (SECONDS - START)))
-    [ "$VLEFT" -gt 300 ] && VLEFT=300
-    echo "== make-model $VPRESET -> $VMODEL (timeout ${VLEFT}s)"
-    if [ "$VLEFT" -gt 5 ]; then
-      timeout --kill-after=10 "$VLEFT" "$PY" -m common.cli make-model --preset "$VPRESET" --out "$VMODEL" \
-        "${DT[@]}" 2>&1 | tail -3
-    fi
-  fi
+  make_once "$VMODEL" "$VPRESET"
   if [ -f "$VMODEL/mmserve_model.json" ]; then
     step video 480 "$PY" -m bench.video_serve --model "$VMODEL" "${DT[@]}" --logs "$RES/logs-video" \
       --clips 8 --clip-seconds 30 --clip-fps 30 --clip-size 448 --ttft-rounds 3 --requests 16 \
@@ -205,18 +199,11 @@ if [[ ",$SECTIONS," == *,video,* ]]; then
   fi
 fi
 
-# make_llava_once DIR: the LLaVA preset (PRESET, default llava-1.5-7b) made in DIR unless it is there.
-make_llava_once() {
-  [ -f "$1/mmserve_model.json" ] && return
-  echo "== make-model ${PRESET:-llava-1.5-7b} -> $1"
-  timeout 200 "$PY" -m common.cli make-model --preset "${PRESET:-llava-1.5-7b}" --out "$1" "${DT[@]}" 2>&1 | tail -3
-}
-
 # FP8 against bf16 on the llava-1.5-7b shapes: decode at batch 1 and 32 in-process and through gRPC
 # (bench.serve_decode, each side by side with its own engine), and FP8's accuracy against bf16.
 if [[ ",$SECTIONS," == *,fp8,* ]]; then
   FMODEL=${MODEL_DIR:-/tmp/llava7b}
-  make_llava_once "$FMODEL"
+  make_once "$FMODEL" "${PRESET:-llava-1.5-7b}"
   FP8_BATCHES=${FP8_BATCHES:-1,32}
   step serve_decode 240 "$PY" -m bench.serve_decode --model "$FMODEL" "${DT[@]}" --batch-sizes "$FP8_BATCHES" \
     --output-len 128 --repeats 2 --logs "$RES/logs-decode"
@@ -232,7 +219,7 @@ fi
 # encoder beside rank 0 on GPU 0, against the roofline of the same work.
 if [[ ",$SECTIONS," == *,tp,* ]]; then
   TMODEL=${MODEL_DIR:-/tmp/llava7b}
-  make_llava_once "$TMODEL"
+  make_once "$TMODEL" "${PRESET:-llava-1.5-7b}"
   echo "== tests/gpu/test_tensor_parallel_gpu.py (t=$((SECONDS - START))s)"
   timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tail -5
   step tp_rows 90 "$PY" -m bench.tp_rows --device "$DEVICE"
@@ -241,11 +228,7 @@ if [[ ",$SECTIONS," == *,tp,* ]]; then
       --output-len 128 --repeats 2 --tensor-parallel-size $tp --logs "$RES/logs-decode-tp$tp"
   done
   Q72=${QWEN72_MODEL_DIR:-/tmp/qwen72b}
-  if [ ! -f "$Q72/mmserve_model.json" ]; then
-    echo "== make-model ${QWEN72_PRESET:-qwen2.5-vl-72b} --weights vision -> $Q72"
-    timeout 200 "$PY" -m common.cli make-model --preset "${QWEN72_PRESET:-qwen2.5-vl-72b}" --weights vision \
-      --out "$Q72" "${DT[@]}" 2>&1 | tail -3
-  fi
+  make_once "$Q72" "${QWEN72_PRESET:-qwen2.5-vl-72b}" --weights vision
   CUDA_VISIBLE_DEVICES=0 "$PY" -m common.cli encoder --model "$Q72" "${DT[@]}" --port $ENC_PORT \
     --cache-bytes 8000000000 >> "$RES/encoder-72b.log" 2>&1 &
   ENC_PID=$!
