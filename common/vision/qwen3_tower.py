@@ -20,6 +20,7 @@ shapes), bf16 results within rounding of the eager ones. The tanh GELU is one na
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.vision.qwen_tower import ChunkPlan, QwenVisionTower, VisionAttention, VisionOps, rotary
+from common.vision.attention import AttentionSpans, flash_supported
+from common.vision.qwen_tower import QwenVisionTower, VisionAttention, VisionOps, rotary, use_ops
 
 Grid = tuple[int, int, int]
 
@@ -86,6 +88,14 @@ class Qwen3VisionOps(VisionOps):
             "layer_norm": staticmethod(torch.compile(layer_norm, dynamic=True)),
             "add_layer_norm": staticmethod(torch.compile(add_layer_norm, dynamic=True))})
 
+    @classmethod
+    def fused(cls) -> type[Qwen3VisionOps]:
+        """A Qwen3VisionOps whose rotary and q/k/v split run as one Triton kernel (fused_ops.rotary_qkv);
+        the LayerNorms and the tanh GELU are single native kernels already."""
+        from common.vision import fused_ops
+
+        return type("FusedQwen3VisionOps", (cls,), {"rotary_qkv": staticmethod(fused_ops.rotary_qkv)})
+
 
 class VisionMLP(nn.Module):
     """linear_fc2(gelu_tanh(linear_fc1(x))), with biases (HF's Qwen3VLVisionMLP)."""
@@ -111,10 +121,11 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, num_heads)  # qkv, proj: the same weights and math as Qwen2.5-VL's
         self.mlp = VisionMLP(dim, hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: AttentionSpans
+                ) -> torch.Tensor:
         n1, n2 = self.norm1, self.norm2
         h = self.ops.layer_norm(x, n1.weight, n1.bias, n1.eps)
-        x, h = self.ops.add_layer_norm(x, self.attn(h, cos, sin, plan), n2.weight, n2.bias, n2.eps)
+        x, h = self.ops.add_layer_norm(x, self.attn(h, cos, sin, spans), n2.weight, n2.bias, n2.eps)
         return x + self.mlp(h)
 
 
@@ -173,6 +184,17 @@ def position_taps(positions: np.ndarray, sizes: np.ndarray, side: int) -> tuple[
     return indices, weights
 
 
+@functools.lru_cache(maxsize=512)
+def grid_taps(merge: int, side: int, t: int, h: int, w: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """One image's (or video's) part of a batch plan: its patches' (row, column) [t*h*w, 2], and the
+    position table's bilinear taps and weights for them (`position_taps`)."""
+    positions = block_order_positions((t, h, w), merge).astype(np.int64)
+    sizes = np.tile(np.array([[h, w]], dtype=np.int64), (len(positions), 1))
+    indices, weights = position_taps(positions, sizes, side)
+    positions.flags.writeable = False  # shared by every batch with this grid
+    return positions, indices, weights
+
+
 class Qwen3VisionTower(nn.Module):
     """Pixel patches of several images (as Qwen2VLImageProcessor lays them out) to merged embeddings and
     DeepStack features. Parameter names are HF's under `model.visual.`, so checkpoints load strictly."""
@@ -215,10 +237,8 @@ class Qwen3VisionTower(nn.Module):
     rotary_inv_freq = staticmethod(QwenVisionTower.rotary_inv_freq)
 
     def use_ops(self, ops: type[Qwen3VisionOps]) -> None:
-        """Run the elementwise steps with ops (Qwen3VisionOps, or Qwen3VisionOps.compiled() on a GPU)."""
-        for module in self.modules():
-            if isinstance(module, (VisionBlock, VisionAttention)):
-                module.ops = ops
+        """Run the elementwise steps with ops (Qwen3VisionOps, or its fused() or compiled() form on a GPU)."""
+        use_ops(self, ops)
 
     @property
     def patch_dim(self) -> int:
@@ -263,11 +283,15 @@ class Qwen3VisionTower(nn.Module):
         """The features of pixel_values [sum of t*h*w, patch_dim]: merged [sum of t*h*w/4, out_hidden] and
         one tensor of that shape per DeepStack level."""
         device = pixel_values.device
-        positions, sizes, cu = self.layout(grids)
+        for t, h, w in grids:
+            if h % self.merge or w % self.merge:
+                raise ValueError(f"grid {(t, h, w)} is not a multiple of the {self.merge}x{self.merge} merge")
+        parts = [grid_taps(self.merge, self.side, *grid) for grid in grids]  # cached per grid
+        positions = np.concatenate([part[0] for part in parts])
+        cu = np.concatenate([[0], np.cumsum([h * w for t, h, w in grids for _ in range(t)])])
         x = self.embed_patches(pixel_values)
-        indices, weights = position_taps(positions, sizes, self.side)
-        indices = indices.to(device, non_blocking=True)
-        weights = weights.to(device, non_blocking=True)
+        indices = torch.cat([part[1] for part in parts]).to(device, non_blocking=True)
+        weights = torch.cat([part[2] for part in parts]).to(device, non_blocking=True)
         # HF gathers the 4 taps, weights them and sums over the taps (the weights cast to the table's dtype
         # by the product); the same expression keeps the same rounding.
         pos = (self.pos_embed(indices) * weights[:, :, None]).sum(1)
@@ -276,10 +300,11 @@ class Qwen3VisionTower(nn.Module):
         emb = freqs.reshape(x.shape[0], -1)  # cat(row frequencies, column frequencies)
         emb = torch.cat((emb, emb), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        plan = ChunkPlan(cu, device)
+        flash = flash_supported(device, x.dtype, self.dim // self.num_heads)
+        spans = AttentionSpans.from_bounds(cu, device, flash)
         deepstack: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, plan)
+            x = block(x, cos, sin, spans)
             if i in self.deepstack_indexes:
                 deepstack.append(self.deepstack_merger_list[self.deepstack_indexes.index(i)](x))
         return Qwen3VisionFeatures(self.merger(x), tuple(deepstack))

@@ -13,12 +13,15 @@ instead of one call each, which is the same arithmetic per chunk and far fewer l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from common.vision.attention import AttentionSpans, flash_supported
 
 Grid = tuple[int, int, int]
 
@@ -39,11 +42,33 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 class VisionOps:
-    """The tower's elementwise steps. Eager by default; `compiled()` fuses each into one kernel with
-    torch.compile (GPU), which matters at thousands of patches per image."""
+    """The tower's elementwise steps. Eager by default (HF's operations, bit-equal in fp32); `fused()`
+    runs each as one Triton kernel (GPU: common/vision/fused_ops.py), `compiled()` fuses them with
+    torch.compile instead."""
 
     rms_norm = staticmethod(rms_norm)
     rotary = staticmethod(rotary)
+
+    @classmethod
+    def rotary_qkv(cls, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v) [N, heads, head_dim] from the qkv product [N, 3, heads, head_dim], q and k rotated."""
+        q, k, v = qkv.permute(1, 0, 2, 3).unbind(0)
+        q, k = cls.rotary(q, k, cos, sin)
+        return q, k, v
+
+    @classmethod
+    def add_rms_norm(cls, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its RMS norm): a residual add and the next pre-norm."""
+        x = x + delta
+        return x, cls.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up over the two halves of the fused gate/up product."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     @classmethod
     def compiled(cls) -> type[VisionOps]:
@@ -51,6 +76,18 @@ class VisionOps:
         return type("CompiledVisionOps", (cls,), {
             "rms_norm": staticmethod(torch.compile(rms_norm, dynamic=True)),
             "rotary": staticmethod(torch.compile(rotary, dynamic=True))})
+
+    @classmethod
+    def fused(cls) -> type[VisionOps]:
+        """A VisionOps whose rotary (with the q/k/v split), residual add + RMS norm and SiLU-gate run as
+        one Triton kernel each (CUDA tensors; CPU tensors only under TRITON_INTERPRET=1)."""
+        from common.vision import fused_ops
+
+        return type("FusedVisionOps", (cls,), {
+            "rotary_qkv": staticmethod(fused_ops.rotary_qkv),
+            "rms_norm": staticmethod(lambda x, weight, eps: fused_ops.add_rms_norm(x, None, weight, eps)[1]),
+            "add_rms_norm": staticmethod(fused_ops.add_rms_norm),
+            "silu_mul": staticmethod(fused_ops.silu_mul)})
 
 
 class RMSNorm(nn.Module):
@@ -77,6 +114,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim)
         self.fused: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    ops: type[VisionOps] = VisionOps
+
     def fuse(self, multiple: int = 64) -> None:
         """Gate and up as one product, the hidden width padded with zeros to a multiple of `multiple`.
 
@@ -98,21 +137,14 @@ class GatedMLP(nn.Module):
         if self.fused is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         weight, bias, down = self.fused
-        gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, down, self.down_proj.bias)
+        return F.linear(self.ops.silu_mul(F.linear(x, weight, bias)), down, self.down_proj.bias)
 
 
-class ChunkPlan:
-    """Attention chunks [start, end) of the flat sequence, grouped by length: per group, a [chunks, L]
-    index of token rows on the device (built once per forward, used by every block)."""
-
-    def __init__(self, cu_seqlens: Sequence[int], device: torch.device) -> None:
-        starts = np.asarray(cu_seqlens[:-1], dtype=np.int64)
-        lengths = np.diff(np.asarray(cu_seqlens, dtype=np.int64))
-        self.groups: list[torch.Tensor] = []
-        for length in np.unique(lengths[lengths > 0]):
-            rows = starts[lengths == length][:, None] + np.arange(length)[None, :]
-            self.groups.append(torch.from_numpy(rows).to(device, non_blocking=True))
+def use_ops(tower: nn.Module, ops: type) -> None:
+    """Give every module of the tower that runs elementwise steps (an `ops` class attribute) `ops`."""
+    for module in tower.modules():
+        if hasattr(type(module), "ops"):
+            module.ops = ops
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +154,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class VisionAttention(nn.Module):
-    """Multi-head attention with 2D rotary, within chunks (images or windows)."""
+    """Multi-head attention with 2D rotary, within spans (images, frame groups or windows)."""
 
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -133,19 +165,18 @@ class VisionAttention(nn.Module):
 
     ops: type[VisionOps] = VisionOps
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: AttentionSpans
+                ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).permute(1, 0, 2, 3).unbind(0)
-        q, k = self.ops.rotary(q, k, cos, sin)
-        out = torch.empty_like(q)
-        for rows in plan.groups:  # [chunks, L] -> [chunks, heads, L, head_dim]
-            qc, kc, vc = (t[rows].transpose(1, 2) for t in (q, k, v))
-            out[rows] = F.scaled_dot_product_attention(qc, kc, vc, scale=self.head_dim**-0.5).transpose(1, 2)
+        q, k, v = self.ops.rotary_qkv(self.qkv(x).view(n, 3, self.num_heads, self.head_dim), cos, sin)
+        out = spans.attend(q, k, v, self.head_dim**-0.5)
         return self.proj(out.reshape(n, -1))
 
 
 class VisionBlock(nn.Module):
     """Pre-norm attention and MLP with residuals."""
+
+    ops: type[VisionOps] = VisionOps
 
     def __init__(self, dim: int, num_heads: int, hidden: int) -> None:
         super().__init__()
@@ -154,9 +185,11 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, num_heads)
         self.mlp = GatedMLP(dim, hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, plan)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: AttentionSpans
+                ) -> torch.Tensor:
+        x, h = self.ops.add_rms_norm(x, self.attn(self.norm1(x), cos, sin, spans), self.norm2.weight,
+                                     self.norm2.eps)
+        return x + self.mlp(h)
 
 
 class PatchMerger(nn.Module):
@@ -206,10 +239,8 @@ class QwenVisionTower(nn.Module):
         return 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
 
     def use_ops(self, ops: type[VisionOps]) -> None:
-        """Run the elementwise steps with ops (VisionOps, or VisionOps.compiled() on a GPU)."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, VisionAttention)):
-                module.ops = ops
+        """Run the elementwise steps with ops (VisionOps, or its fused() or compiled() form on a GPU)."""
+        use_ops(self, ops)
 
     @property
     def patch_dim(self) -> int:
@@ -219,38 +250,17 @@ class QwenVisionTower(nn.Module):
     def layout(self, grids: Sequence[Grid]) -> tuple[np.ndarray, list[int], list[int], np.ndarray]:
         """Host-side plan of a batch: the window order of merge units, window and full-attention chunk
         bounds (cu_seqlens, in patches: one chunk per image, per temporal group of a video), and the (h, w)
-        position of every patch in window order."""
-        unit = self.merge * self.merge
+        position of every patch in window order. Each grid's part is computed once and cached."""
         win = self.window // self.merge // self.patch  # merge units per window side
-        order, cu_window, cu_image, positions = [], [0], [0], []
-        base = 0
-        for t, h, w in grids:
-            gh, gw = h // self.merge, w // self.merge
-            index = np.arange(t * gh * gw).reshape(t, gh, gw)
-            pad_h, pad_w = -gh % win, -gw % win
-            padded = np.pad(index, ((0, 0), (0, pad_h), (0, pad_w)), constant_values=-1)
-            nh, nw = padded.shape[1] // win, padded.shape[2] // win
-            padded = padded.reshape(t, nh, win, nw, win).transpose(0, 1, 3, 2, 4)
-            padded = padded.reshape(t, nh * nw, win * win)
-            for window in padded.reshape(-1, win * win):
-                units = window[window >= 0]
-                if units.size:
-                    order.append(units + base)
-                    cu_window.append(cu_window[-1] + units.size * unit)
-            # (h, w) of each patch, merge blocks contiguous (the processor's patch order).
-            hpos, wpos = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-            shape = (gh, self.merge, gw, self.merge)
-            hw = np.stack([hpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1),
-                           wpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)], axis=1)
-            positions.append(np.tile(hw, (t, 1)))
-            base += t * gh * gw
-            # Full attention stays inside each temporal group of a video (HF's get_vision_cu_seqlens: one
-            # chunk of h*w patches per frame group); a group's windows are contiguous in window order.
-            for _ in range(t):
-                cu_image.append(cu_image[-1] + h * w)
-        window_order = np.concatenate(order)
-        pos = np.concatenate(positions).reshape(-1, unit, 2)[window_order].reshape(-1, 2)
-        return window_order, cu_window, cu_image, pos
+        parts = [grid_windows(self.merge, win, *grid) for grid in grids]
+        bases = np.cumsum([0] + [len(order) for order, _, _ in parts[:-1]])
+        window_order = np.concatenate([part[0] + base for part, base in zip(parts, bases, strict=True)])
+        cu_window = np.concatenate([[0], np.cumsum(np.concatenate([lengths for _, lengths, _ in parts]))])
+        # Full attention stays inside each temporal group of a video (HF's get_vision_cu_seqlens: one
+        # chunk of h*w patches per frame group); a group's windows are contiguous in window order.
+        cu_image = np.concatenate([[0], np.cumsum([h * w for t, h, w in grids for _ in range(t)])])
+        pos = np.concatenate([positions for _, _, positions in parts])
+        return window_order, cu_window.tolist(), cu_image.tolist(), pos
 
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         """Merged embeddings [sum of t*h*w/4, out_hidden] for pixel_values [sum of t*h*w, patch_dim]."""
@@ -271,11 +281,42 @@ class QwenVisionTower(nn.Module):
         emb = freqs.reshape(n, -1)  # cat(h frequencies, w frequencies)
         emb = torch.cat((emb, emb), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        plans = {False: ChunkPlan(cu_window, device), True: ChunkPlan(cu_image, device)}
+        flash = flash_supported(device, x.dtype, self.dim // self.num_heads)
+        spans = {False: AttentionSpans.from_bounds(cu_window, device, flash),
+                 True: AttentionSpans.from_bounds(cu_image, device, flash)}
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, plans[i in self.full_blocks])
+            x = block(x, cos, sin, spans[i in self.full_blocks])
         merged = self.merger(x)
-        return merged[torch.argsort(order)]
+        restore = np.empty_like(window_order)
+        restore[window_order] = np.arange(len(window_order))
+        return merged[torch.from_numpy(restore).to(device, non_blocking=True)]
+
+
+@functools.lru_cache(maxsize=512)
+def grid_windows(merge: int, win: int, t: int, h: int, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One image's (or video's) part of a batch plan: the window order of its merge units (local indices),
+    its windows' lengths in patches, and the (h, w) position of each patch in window order. HF's
+    get_window_index: the grid of merge units padded to whole windows of win x win units, windows taken
+    row by row, the units of each window row by row, padding dropped (a window may come out empty)."""
+    unit = merge * merge
+    gh, gw = h // merge, w // merge
+    index = np.arange(t * gh * gw).reshape(t, gh, gw)
+    padded = np.pad(index, ((0, 0), (0, -gh % win), (0, -gw % win)), constant_values=-1)
+    nh, nw = padded.shape[1] // win, padded.shape[2] // win
+    windows = padded.reshape(t, nh, win, nw, win).transpose(0, 1, 3, 2, 4).reshape(-1, win * win)
+    valid = windows >= 0
+    order = windows[valid]
+    lengths = valid.sum(axis=1)
+    lengths = lengths[lengths > 0] * unit
+    # (h, w) of each patch, merge blocks contiguous (the processor's patch order), then in window order.
+    hpos, wpos = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    shape = (gh, merge, gw, merge)
+    hw = np.stack([hpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1),
+                   wpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)], axis=1)
+    positions = np.tile(hw, (t, 1)).reshape(-1, unit, 2)[order].reshape(-1, 2)
+    for array in (order, lengths, positions):
+        array.flags.writeable = False  # shared by every batch with this grid
+    return order, lengths, positions
 
 
 _PREFIXES = ("model.visual.", "visual.")
