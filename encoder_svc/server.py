@@ -49,6 +49,7 @@ from encoder_svc.defaults import default_decode_processes
 from encoder_svc.future_bridge import FutureBridge
 from encoder_svc.metrics import EncoderMetrics
 from encoder_svc.refs import build_ref, choose_transport, grid_message, inline_payload, served_transports
+from encoder_svc.stages import StageTotals, split_encode
 from encoder_svc.stats import EncoderStats
 from encoder_svc.videos import VideoJob, plan_videos
 from encoder_svc.worker import DEMAND, PREFETCH, VisionWorker
@@ -92,6 +93,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.served = served_transports(cache.arena)
         self.metrics = EncoderMetrics(self.stats, registry)
         self.prefetches = 0
+        self.stage_totals = StageTotals()  # where Encodes' time goes (encoder_svc/stages.py)
         self._closing = False
         self._future_bridge: FutureBridge | None = None
 
@@ -326,7 +328,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._check_owner(request.lease_owner)
         self._check_salt(request.cache_salt)
         salt, owner = request.cache_salt, request.lease_owner
+        checked = time.perf_counter()
         items, videos = await self._inputs(request, salt)
+        decoded = time.perf_counter()
         priority = PREFETCH if request.prefetch else DEMAND
         futures: list[cf.Future] = []
         handles: list[Handle] = []
@@ -337,6 +341,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                                                  self._pixels(i, request.images[i])))
                 for i, (key, job) in enumerate(videos):  # refs: images first, then videos
                     futures.append(self._acquire_video(i, key, job, True, priority, salt, owner))
+            waiting = time.perf_counter()
             for n, fut in enumerate(futures):
                 try:
                     # A hit is resolved already: take it without a trip through the event loop.
@@ -360,7 +365,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             for fut in futures:
                 _release_when_done(self.cache, fut, owner)
             raise
-        self.metrics.observe_encode(time.perf_counter() - started, all(h.hit for h in handles))
+        ended = time.perf_counter()
+        self.metrics.observe_encode(ended - started, all(h.hit for h in handles))
+        jobs = [self.worker.job_times(key) for key, _ in (*items, *videos)]
+        split = split_encode(started, checked, decoded, waiting, ended, jobs)
+        self.stage_totals.add(split)
+        self.metrics.observe_stages(split)
         return encoder_pb2.EncodeResponse(embeddings=refs)
 
     async def Prefetch(self, request: encoder_pb2.PrefetchRequest, context) -> encoder_pb2.PrefetchResponse:
@@ -402,6 +412,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     def stats(self) -> EncoderStats:
         """The service's stats record: the cache, the worker and the service's counters, read now."""
         c, w, pool = self.cache.stats(), self.worker, self.decode_pool
+        stage_seconds, encode_calls = self.stage_totals.snapshot()
         return EncoderStats(
             cache_bytes_used=c.bytes_used, cache_bytes_capacity=c.capacity, entries=c.entries, hits=c.hits,
             misses=c.misses, evictions=c.evictions, leased_bytes=c.leased_bytes,
@@ -411,6 +422,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             cuda_graphs=int(getattr(self.vision, "graphs", None) is not None),
             decode_processes=0 if pool is None or pool.disabled else len(pool.pids),
             decode_restarts=0 if pool is None else pool.restarts,
+            stage_seconds=stage_seconds, encode_calls=encode_calls, tower_device_seconds=w.tower_device_s,
             model_fingerprint=self.vision.fingerprint, device=str(self.vision.device))
 
     async def GetStats(self, request: common_pb2.StatsRequest, context) -> encoder_pb2.EncoderStats:

@@ -36,6 +36,13 @@ class EncoderStats:
     decode_processes: int = stat("Image decode processes running (0: images decode in the server's threads)",
                                  "gauge")
     decode_restarts: int = stat("Image decode processes replaced after they died")
+    # Where Encodes' time goes (encoder_svc/stages.py): seconds per stage summed over `encode_calls`
+    # Encodes; the stages of one Encode add up to its latency.
+    stage_seconds: dict = stat("Seconds of Encode time per stage (receive, decode, queue, preprocess, "
+                               "tower, handoff)", "labels", label="stage", metric="encode_stage_seconds")
+    encode_calls: int = stat("Encode RPCs answered (the stage sums' count)")
+    tower_device_seconds: float = stat("Device seconds of finished vision-tower batches (CUDA events; 0 on "
+                                       "a CPU)", default=0.0)
     model_fingerprint: str = stat("The checkpoint's fingerprint", "info", default="")
     device: str = stat("Where the tower runs", "info", default="")
 

@@ -41,7 +41,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -55,6 +55,7 @@ from encoder_svc.cache import EmbeddingCache, ShuttingDownError
 from encoder_svc.decoded_image import DecodedImage
 from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
 from encoder_svc.prep_threads import PrepTask, PrepThreads
+from encoder_svc.stages import JobTimes
 from encoder_svc.videos import VideoJob
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ PREFETCH = 1
 MAX_BATCHES_IN_FLIGHT = 2
 FENCE_S_PER_IMAGE = 0.0015  # the longest wait for the oldest batch, per image in it (CLIP-L/336: ~1 ms)
 FENCE_POLL_S = 0.001
+KEPT_JOB_TIMES = 4096  # the stamps of the last jobs, for the Encodes that waited on them (stages.py)
 
 
 @dataclass
@@ -74,6 +76,7 @@ class _Job:
     key: str
     prepared: PrepTask  # VisionEncoder.prepare(image), running on a prep thread
     priority: int
+    times: JobTimes
     stale: bool = False
 
 
@@ -106,6 +109,10 @@ class VisionWorker:
         self.started_at = time.monotonic()
         self._streams: dict[int, object] = {}
         self._in_flight: deque = deque()  # (CUDA event, images) of launched batches, oldest first
+        self._times: OrderedDict[str, JobTimes] = OrderedDict()
+        self._device_timers: deque = deque()  # (start, end) CUDA events of batches not yet read
+        self._device_lock = threading.Lock()
+        self._tower_device_s = 0.0
         if vision.device.type == "cuda":
             # Lower number = higher priority; 0 is the default (lowest) priority.
             low, high = torch.cuda.Stream.priority_range()
@@ -124,11 +131,41 @@ class VisionWorker:
                     image.release()
                 self.cache.fail(key, ShuttingDownError("encoder shutting down"))
                 return
-            prepare = self._prepare if pixels is None else functools.partial(self._prepare, pixels=pixels)
-            job = _Job(key, self._pools[priority].submit(prepare, image), priority)
+            times = JobTimes(submitted=time.perf_counter())
+            prepare = functools.partial(self._prepare_timed, times=times, pixels=pixels)
+            job = _Job(key, self._pools[priority].submit(prepare, image), priority, times)
             self._jobs[key] = job
+            self._times[key] = times
+            while len(self._times) > KEPT_JOB_TIMES:
+                self._times.popitem(last=False)
             heapq.heappush(self._heap, (priority, next(self._seq), job))
             self._cv.notify()
+
+    def _prepare_timed(self, image: Image.Image | DecodedImage | VideoJob, times: JobTimes,
+                       pixels: PixelRange | None = None):
+        """_prepare, stamped."""
+        times.prep_start = time.perf_counter()
+        try:
+            return self._prepare(image, pixels)
+        finally:
+            times.prep_end = time.perf_counter()
+
+    def job_times(self, key: str) -> JobTimes | None:
+        """The stamps of the latest job for key (None once forgotten: only the last jobs are kept)."""
+        with self._cv:
+            return self._times.get(key)
+
+    @property
+    def tower_device_s(self) -> float:
+        """Device seconds of the tower batches finished so far (CUDA events; 0 on a CPU)."""
+        self._collect_device_times()
+        return self._tower_device_s
+
+    def _collect_device_times(self) -> None:
+        with self._device_lock:
+            while self._device_timers and self._device_timers[0][1].query():
+                start, end = self._device_timers.popleft()
+                self._tower_device_s += start.elapsed_time(end) / 1000
 
     def _prepare(self, image: Image.Image | DecodedImage | VideoJob, pixels: PixelRange | None = None):
         """The tower's host-side preprocessing (a video: decoding its sampled frames and patching them);
@@ -155,7 +192,7 @@ class VisionWorker:
             if job is None or job.priority == DEMAND:
                 return
             job.stale = True
-            fresh = _Job(key, job.prepared, DEMAND)
+            fresh = _Job(key, job.prepared, DEMAND, job.times)
             self._jobs[key] = fresh
             heapq.heappush(self._heap, (DEMAND, next(self._seq), fresh))
 
@@ -196,6 +233,7 @@ class VisionWorker:
             if batch:
                 self._run_batch(batch)
                 self._wait_for_device()
+                self._collect_device_times()
 
     def _wait_for_device(self) -> None:
         """Wait (bounded: see the module docstring) until fewer than MAX_BATCHES_IN_FLIGHT launched
@@ -234,10 +272,14 @@ class VisionWorker:
         try:
             if stream is not None:
                 with torch.cuda.stream(stream):
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
                     self._encode_and_store(batch)
-                    done = torch.cuda.Event()
+                    done = torch.cuda.Event(enable_timing=True)
                     done.record(stream)
                     self._in_flight.append((done, len(batch)))
+                    with self._device_lock:
+                        self._device_timers.append((start, done))
             else:
                 self._encode_and_store(batch)
         except Exception as exc:  # the tower failed: every job of the batch fails, the worker lives on
@@ -247,9 +289,15 @@ class VisionWorker:
         self.busy_s += time.monotonic() - t0
 
     def _encode_and_store(self, batch: list[tuple[_Job, object]]) -> None:
+        started = time.perf_counter()
+        for job, _ in batch:
+            job.times.tower_start = started
         # CUDA graphs for demand batches only: their static buffers belong to one stream (graphs.py)
         feats = self.vision.encode_prepared([prepared for _, prepared in batch],
                                             use_graphs=batch[0][0].priority == DEMAND)
+        ended = time.perf_counter()
+        for job, _ in batch:
+            job.times.tower_end = ended
         self.batches += 1
         self.encodes += len(batch)
         grids = [getattr(prepared, "grid", ()) for _, prepared in batch]  # Qwen-VL images have one

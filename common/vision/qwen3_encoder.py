@@ -47,8 +47,9 @@ class Qwen3VisionEncoder(QwenFamilyEncoder):
         return features.split(sizes)
 
     def capture_graphs(self, max_batch: int) -> bool:
-        """No CUDA graphs (every batch has its own sequence length and chunk plan), and, unlike
-        QwenVisionEncoder, no compiled elementwise steps either: on the H200 (Qwen3-VL-8B shapes, bf16,
-        1024x1024 images) `compile_elementwise` made the tower slower, 30.9 against 51.6 images/s at
-        batch 8 (docs/benchmarks/h200-2026-12-01-run14-qwen3.json). Returns False."""
+        """No CUDA graphs (every batch has its own sequence length and spans). On CUDA the rotary runs as
+        a Triton kernel (`use_fused_ops`, at construction) and attention as one varlen FlashAttention
+        call per block; torch.compile of the elementwise steps made this tower slower on the H200 (30.9
+        against 51.6 images/s at batch 8, docs/benchmarks/h200-2026-12-01-run14-qwen3.json), so it is
+        not used. Returns False."""
         return False

@@ -203,6 +203,8 @@ class Qwen3VisionTower(nn.Module):
     # product on a GPU, where cuDNN's 3D convolutions are slow; the Conv3d on a CPU, whose kernel sums in
     # another order than a matrix product, about 1e-6 apart in fp32, and HF uses the Conv3d).
     patch_as_linear: bool | None = None
+    # Varlen FlashAttention where it runs (CUDA, half precision); False: the SDPA reference everywhere.
+    flash_attention = True
 
     def __init__(self, vision: dict) -> None:
         super().__init__()
@@ -300,7 +302,7 @@ class Qwen3VisionTower(nn.Module):
         emb = freqs.reshape(x.shape[0], -1)  # cat(row frequencies, column frequencies)
         emb = torch.cat((emb, emb), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        flash = flash_supported(device, x.dtype, self.dim // self.num_heads)
+        flash = self.flash_attention and flash_supported(device, x.dtype, self.dim // self.num_heads)
         spans = AttentionSpans.from_bounds(cu, device, flash)
         deepstack: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):

@@ -40,10 +40,9 @@ class QwenVisionEncoder(QwenFamilyEncoder):
         return list(features.split(sizes))
 
     def capture_graphs(self, max_batch: int) -> bool:
-        """No CUDA graphs (every batch has its own sequence length and chunk plan); on CUDA the
-        elementwise steps are compiled instead (`compile_elementwise`). Returns False."""
-        if self.device.type == "cuda":
-            self.compile_elementwise()
+        """No CUDA graphs (every batch has its own sequence length and spans). On CUDA the elementwise
+        steps already run as Triton kernels (`use_fused_ops`, at construction) and attention as one
+        varlen FlashAttention call per block. Returns False."""
         return False
 
 

@@ -90,6 +90,9 @@ class QwenFamilyEncoder:
         self.calls = 0
         self.images_encoded = 0
         self._count_lock = threading.Lock()
+        # On a GPU the elementwise steps run as Triton kernels (common/vision/fused_ops.py); the CPU keeps
+        # HF's exact eager steps.
+        self.fused_ops = self.device.type == "cuda" and self.use_fused_ops()
 
     # -- what a model names ------------------------------------------------------------------------
     def _check_model(self, config: dict) -> None:
@@ -167,6 +170,29 @@ class QwenFamilyEncoder:
         """One embedding per image (each within its pixel range, or the checkpoint's)."""
         ranges = list(pixels) if pixels is not None else [None] * len(images)
         return self.encode_prepared([self.prepare(i, r) for i, r in zip(images, ranges, strict=True)])
+
+    def use_fused_ops(self, tolerance: float = 2e-2) -> bool:
+        """Run the tower's elementwise steps as Triton kernels (`eager_ops.fused()`), checked against the
+        eager steps on a small image (relative error under `tolerance`); False (and the eager steps)
+        when they fail or disagree."""
+        probe = [Image.new("RGB", (224, 224), (127, 127, 127))]
+        probe[0].putpixel((5, 7), (255, 0, 0))  # not uniform: every row differs after attention
+        self.tower.use_ops(self.eager_ops)
+        try:
+            (want,) = self.encode(probe)
+            self.tower.use_ops(self.eager_ops.fused())
+            (got,) = self.encode(probe)
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        except Exception as exc:  # noqa: BLE001 - no Triton for this GPU or build: the eager steps run
+            log.warning("the vision tower's Triton kernels failed; eager steps: %s", exc)
+            self.tower.use_ops(self.eager_ops)
+            return False
+        if not err < tolerance:
+            log.warning("the vision tower's Triton kernels disagree with the eager steps (relative error "
+                        "%.3g); eager steps", err)
+            self.tower.use_ops(self.eager_ops)
+            return False
+        return True
 
     def compile_elementwise(self) -> bool:
         """Fuse the tower's elementwise steps (norms, rotary) with torch.compile, checked on a small

@@ -209,6 +209,9 @@ class PatchMerger(nn.Module):
 class QwenVisionTower(nn.Module):
     """Pixel patches of several images (as Qwen2VLImageProcessor lays them out) to merged embeddings."""
 
+    # Varlen FlashAttention where it runs (CUDA, half precision); False: the SDPA reference everywhere.
+    flash_attention = True
+
     def __init__(self, vision: dict) -> None:
         super().__init__()
         self.dim = int(vision["hidden_size"])
@@ -281,7 +284,7 @@ class QwenVisionTower(nn.Module):
         emb = freqs.reshape(n, -1)  # cat(h frequencies, w frequencies)
         emb = torch.cat((emb, emb), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        flash = flash_supported(device, x.dtype, self.dim // self.num_heads)
+        flash = self.flash_attention and flash_supported(device, x.dtype, self.dim // self.num_heads)
         spans = {False: AttentionSpans.from_bounds(cu_window, device, flash),
                  True: AttentionSpans.from_bounds(cu_image, device, flash)}
         for i, block in enumerate(self.blocks):

@@ -87,7 +87,7 @@ def test_spans_attend_within_each_span_only(bounds):
     spans = AttentionSpans.from_bounds(bounds, torch.device("cpu"), use_flash=False)
     assert spans.max_seqlen == int(np.diff(bounds).max())
     got = spans.attend(q, k, v, 0.3)
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         if end == start:
             continue
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))

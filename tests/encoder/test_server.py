@@ -186,6 +186,41 @@ def test_metrics_exposed(encoder):
     assert stats.cache_bytes_used > 0 and stats.cache_bytes_capacity == 1 << 20
 
 
+def _metric_sums(text: str, name: str) -> dict[str, float]:
+    """{label value: value} of every `name{...} value` sample line of a Prometheus text exposition."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels[len(name) + 1:-1]] = float(value)
+    return out
+
+
+def test_stage_split_is_exported_and_adds_up_to_the_latency(encoder):
+    """Each Encode's time split into stages (encoder_svc/stages.py): summed in GetStats, one histogram
+    per stage on /metrics, and the stages of every Encode add up to its latency."""
+    from encoder_svc.stages import STAGES
+
+    before = encoder.stats()
+    data = image_bytes(612)
+    for _ in range(2):  # a miss (decoded, preprocessed, through the tower), then a hit
+        encoder.release_all(encoder.stub.Encode(encode_request(data), timeout=30))
+    after = encoder.stats()
+    assert after.encode_calls - before.encode_calls == 2
+    assert set(after.stage_seconds) == set(STAGES)
+    delta = {s: after.stage_seconds[s] - before.stage_seconds.get(s, 0.0) for s in STAGES}
+    assert delta["decode"] > 0 and delta["preprocess"] > 0 and delta["tower"] > 0, delta
+    assert min(delta.values()) >= 0
+    text = generate_latest(encoder.registry).decode()
+    stage_sums = _metric_sums(text, "mmserve_encoder_stage_seconds_sum")
+    assert set(stage_sums) == {f'stage="{s}"' for s in STAGES}
+    assert _metric_sums(text, "mmserve_encoder_stage_seconds_count")['stage="tower"'] == after.encode_calls
+    latency = sum(_metric_sums(text, "mmserve_encoder_encode_latency_seconds_sum").values())
+    assert sum(stage_sums.values()) == pytest.approx(latency, rel=1e-6)
+    assert sum(after.stage_seconds.values()) == pytest.approx(latency, rel=1e-6)
+    assert "mmserve_encoder_encode_stage_seconds_total" in text
+
+
 def test_cache_full_of_leases_is_resource_exhausted_then_recovers(tiny_model_dir):
     # room for exactly two 4 KiB embeddings; leases expire quickly for the second half of the test
     harness = EncoderHarness(EncoderConfig(model=tiny_model_dir, cache_bytes=2 * 4096, lease_ttl_s=1.0))

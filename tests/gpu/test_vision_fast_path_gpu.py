@@ -1,0 +1,70 @@
+"""The vision towers' GPU fast path (common/vision/attention.py, fused_ops.py) on a CUDA device: varlen
+FlashAttention equals the SDPA reference over mixed spans (head dims 72 and 80, the Qwen3-VL and
+Qwen2.5-VL towers'), the Triton steps equal the eager ones in bf16, and both tiny Qwen towers on their
+default CUDA path (Triton steps + flash, bf16) stay close to the fp32 CPU tower, which equals HF's
+get_image_features exactly (tests/qwen, tests/qwen3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.vision.attention import AttentionSpans, flash_supported
+from common.vision.qwen_encoder import make_vision_encoder
+
+BF16_VS_FP32 = 0.05  # as tests/gpu/test_qwen3_gpu.py: HF's own bf16 tower is ~0.01 from its fp32 one
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("head_dim", [72, 80])
+def test_flash_spans_equal_the_reference(head_dim):
+    device = torch.device("cuda")
+    assert flash_supported(device, torch.bfloat16, head_dim)
+    bounds = [0, 64, 64, 128, 1353, 1417, 5513]  # windows, an empty span, images of odd lengths
+    q, k, v = (torch.randn(bounds[-1], 16, head_dim, device=device, dtype=torch.bfloat16) for _ in range(3))
+    fast = AttentionSpans.from_bounds(bounds, device, use_flash=True).attend(q, k, v, head_dim**-0.5)
+    ref = AttentionSpans.from_bounds(bounds, device, use_flash=False).attend(q, k, v, head_dim**-0.5)
+    assert torch.isfinite(fast).all()
+    assert _rel(fast, ref) < 1e-2
+
+
+def test_triton_steps_equal_the_eager_steps_in_bf16():
+    from common.vision import fused_ops
+    from common.vision.qwen_tower import VisionOps
+
+    torch.manual_seed(0)
+    qkv = torch.randn(4900, 3, 16, 80, device="cuda", dtype=torch.bfloat16)
+    emb = torch.randn(4900, 40, device="cuda")
+    cos, sin = torch.cat((emb, emb), -1).cos(), torch.cat((emb, emb), -1).sin()
+    pairs = zip(fused_ops.rotary_qkv(qkv, cos, sin), VisionOps.rotary_qkv(qkv, cos, sin), strict=True)
+    for got, want in pairs:
+        assert (got.float() - want.float()).abs().max().item() <= 2 ** -6 * want.float().abs().max().item()
+    x, d = (torch.randn(4900, 1280, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(1280, device="cuda", dtype=torch.bfloat16)
+    for got, want in zip(fused_ops.add_rms_norm(x, d, w, 1e-6), VisionOps.add_rms_norm(x, d, w, 1e-6),
+                         strict=True):
+        assert _rel(got, want) < 1e-2
+    gate_up = torch.randn(4900, 2 * 3456, device="cuda", dtype=torch.bfloat16)
+    assert _rel(fused_ops.silu_mul(gate_up), VisionOps.silu_mul(gate_up)) < 1e-2
+
+
+@pytest.mark.parametrize("family", ["qwen", "qwen3"])
+def test_default_cuda_tower_is_close_to_the_fp32_tower(family, qwen_model_dir, qwen3_model_dir, qwen_images):
+    model_dir = qwen_model_dir if family == "qwen" else qwen3_model_dir
+    cpu = make_vision_encoder(model_dir, "cpu", torch.float32, preprocess="hf")
+    gpu = make_vision_encoder(model_dir, "cuda", torch.bfloat16, preprocess="hf")
+    assert gpu.fused_ops and gpu.tower.flash_attention
+    prepared = [cpu.prepare(image) for image in qwen_images]  # the same HF pixels for both
+    refs = cpu.encode_prepared(prepared)
+    ours = gpu.encode_prepared(prepared)  # three sizes in one forward: mixed spans
+    for k, (o, r) in enumerate(zip(ours, refs, strict=True)):
+        assert o.shape == r.shape
+        assert _rel(o, r) < BF16_VS_FP32, f"image {k}: {_rel(o, r):.4f}"
+    gpu.tower.use_ops(gpu.eager_ops)  # the eager steps and the reference attention agree too
+    gpu.tower.flash_attention = False
+    for o, e in zip(ours, gpu.encode_prepared(prepared), strict=True):
+        assert _rel(o, e) < 0.03
