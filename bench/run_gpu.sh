@@ -252,11 +252,13 @@ fi
 # and Qwen2.5-VL-7B shapes (vision weights only, made here): the tower in-process (reference and fast
 # paths, HF's tower), a profile of one forward, and the encoder service through gRPC Encode (1 and 64
 # clients, mixed sizes, videos) with its stage split. VISION_ARGS sets its options (default --images 192
-# --videos 2), VISION_PRESETS the presets (CPU smoke: VISION_PRESETS="qwen3-vl-tiny qwen2.5-vl-tiny").
+# --videos 2), VISION_PRESETS the presets (CPU smoke: VISION_PRESETS="qwen3-vl-tiny qwen2.5-vl-tiny"),
+# VISION_TESTS the GPU test files run first.
 if [[ ",$SECTIONS," == *,vision,* ]]; then
   read -r -a VPARGS <<< "${VISION_ARGS:---images 192 --videos 2}"
-  echo "== tests/gpu/test_vision_fast_path_gpu.py (t=$((SECONDS - START))s)"
-  timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_vision_fast_path_gpu.py 2>&1 | tail -8
+  echo "== the vision GPU tests (t=$((SECONDS - START))s)"
+  timeout 240 "$PY" -m pytest -q -p no:cacheprovider ${VISION_TESTS:-tests/gpu/test_vision_fast_path_gpu.py} \
+    2>&1 | tail -8
   for fam in ${VISION_PRESETS:-qwen3-vl-8b qwen2.5-vl-7b}; do
     make_once "/tmp/vision-$fam" "$fam" --weights vision
     step "vision_$fam" 300 "$PY" -m bench.vision_path --model "/tmp/vision-$fam" "${DT[@]}" \

@@ -205,6 +205,29 @@ def hf_figures(model_dir: str, device: torch.device, dtype: torch.dtype, images:
     return out
 
 
+def host_costs(images: list[Image.Image]) -> dict:
+    """ms per image of the encoder's host work on one core: the PNG decode + hash the decode stage runs
+    (decode_and_hash, in this process: no pool), and PIL's decode alone."""
+    from common.images import ImageLimits
+    from encoder_svc.decoded_image import decode_and_hash
+
+    files = pngs(images)
+
+    def per_image(fn) -> float:
+        fn(files[0])
+        t0 = time.perf_counter()
+        for data in files:
+            fn(data)
+        return 1000 * (time.perf_counter() - t0) / len(files)
+
+    out = {"png_bytes": len(files[0]),
+           "decode_and_hash_ms": per_image(lambda d: decode_and_hash(d, ImageLimits(), "fp", "")),
+           "pil_decode_ms": per_image(lambda d: Image.open(io.BytesIO(d)).load())}
+    print(f"  host, per image: decode + hash {out['decode_and_hash_ms']:.1f} ms (PIL decode "
+          f"{out['pil_decode_ms']:.1f} ms, {out['png_bytes']} bytes)", flush=True)
+    return out
+
+
 # -- the encoder service -----------------------------------------------------------------------------
 
 async def encode_level(address: str, items: list[common_pb2.ImageInput | common_pb2.VideoInput],
@@ -327,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"model_type": config.get("model_type"), "max_pixels": pixels.max_pixels}
     result["tower"] = tower_figures(enc, images, pixels, batches, args.rounds)
     result["profile"] = profile_forward(enc, images, pixels)
+    from common.vision.attention import _DENSE_FASTER
+
+    result["attention_dense_cudnn"] = {str(key[:4]): dense for key, dense in _DENSE_FASTER.items()}
+    print(f"  attention: dense cuDNN chosen per (spans, length, heads, head_dim): "
+          f"{result['attention_dense_cudnn']}", flush=True)
+    result["host"] = host_costs(images[:4])
     print_table("fast forward, batch 1: top device kernels", ["kernel", "calls", "ms"],
                 result["profile"]["top"])
     print(f"  wall {result['profile']['wall_ms']:.1f} ms, device {result['profile']['device_ms']:.1f} ms",

@@ -21,15 +21,23 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("head_dim", [72, 80])
-def test_flash_spans_equal_the_reference(head_dim):
+@pytest.mark.parametrize("bounds", [[0, 64, 64, 128, 1353, 1417, 5513],  # an empty span, odd lengths
+                                    [0, 4096], [0, 1024, 2048, 3072]])  # uniform: cuDNN or FA2, timed
+def test_flash_spans_equal_the_reference(head_dim, bounds):
+    from common.vision import attention
+
     device = torch.device("cuda")
     assert flash_supported(device, torch.bfloat16, head_dim)
-    bounds = [0, 64, 64, 128, 1353, 1417, 5513]  # windows, an empty span, images of odd lengths
     q, k, v = (torch.randn(bounds[-1], 16, head_dim, device=device, dtype=torch.bfloat16) for _ in range(3))
-    fast = AttentionSpans.from_bounds(bounds, device, use_flash=True).attend(q, k, v, head_dim**-0.5)
+    spans = AttentionSpans.from_bounds(bounds, device, use_flash=True)
+    assert spans.uniform == (len(set(b - a for a, b in zip(bounds, bounds[1:], strict=False))) == 1)
+    fast = spans.attend(q, k, v, head_dim**-0.5)
     ref = AttentionSpans.from_bounds(bounds, device, use_flash=False).attend(q, k, v, head_dim**-0.5)
     assert torch.isfinite(fast).all()
     assert _rel(fast, ref) < 1e-2
+    if spans.uniform:  # both candidates agree, whichever was faster
+        dense = attention._dense(q, k, v, len(bounds) - 1, head_dim**-0.5)
+        assert _rel(dense, ref) < 1e-2
 
 
 def test_triton_steps_equal_the_eager_steps_in_bf16():
