@@ -16,6 +16,7 @@ SLOW_MODULES = frozenset({
     "tests/encoder/test_server_decode_pool.py",
     "tests/encoder/test_shm_sweeper.py",
     "tests/engine/test_tensor_parallel.py",
+    "tests/engine/test_tensor_parallel_four.py",
     "tests/gateway/test_aiperf.py",
     "tests/gateway/test_cli_gateway.py",
     "tests/gateway/test_error_statuses.py",

@@ -122,11 +122,15 @@ class ImageInputs:
 
     def release_computed(self, req: Request) -> None:
         """Images whose every token is in KV now: their rows are never read again."""
+        done = req.num_computed_tokens
         for img in req.images:
-            if img.state == EmbeddingState.READY and img.end <= req.num_computed_tokens:
+            if img.state == EmbeddingState.READY and img.end <= done:
                 img.state = EmbeddingState.DONE
                 # The same image twice in one prompt: keep its rows while another copy still needs them.
-                if not any(o.content_hash == img.content_hash and o.state == EmbeddingState.READY
+                # A video's rows until its last run is computed: given back between runs, the next run
+                # would ask for (and the encoder perhaps decode) the whole video again.
+                if not any(o.content_hash == img.content_hash
+                           and (o.state == EmbeddingState.READY or (o.video is not None and o.end > done))
                            for o in req.images):
                     self._give_back(req, img.content_hash)
 

@@ -61,20 +61,24 @@ def test_lower_max_pixels_per_image(qwen_pair, qwen_oracle, qwen_images):
     assert result.token_ids == qwen_oracle.generate(ONE, [qwen_images[1]], N, [(3136, 100_000)])
 
 
-@pytest.mark.parametrize("case", ["mismatch", "over_cap", "bad_range", "unknown_hash"])
+@pytest.mark.parametrize("case", ["mismatch", "over_cap", "bad_range", "over_server_range", "unknown_hash"])
 def test_bad_images_invalid_argument_nothing_held(qwen_pair, qwen_images, case):
     big = Image.new("RGB", (4200, 4100))  # 17.2M pixels: over the default 4096 x 4096 limit
     prompt, images = {"mismatch": (ONE, qwen_images[:2]), "over_cap": (ONE, [big]),
-                      "bad_range": (ONE, qwen_images[:1]), "unknown_hash": (ONE, [])}[case]
+                      "bad_range": (ONE, qwen_images[:1]), "over_server_range": (ONE, qwen_images[:1]),
+                      "unknown_hash": (ONE, [])}[case]
     request = generate_request(prompt, [encode_png(i) for i in images], max_tokens=N)
     if case == "unknown_hash":  # never sent here: its grid (hence its token count) is unknown
         request.images.add(content_hash="ab" * 32)
     if case == "bad_range":
         request.images[0].min_pixels = 2_000_000  # above the server's max (1024 tokens of 28x28)
+    if case == "over_server_range":  # above the server's 802816, below the checkpoint's 12845056
+        request.images[0].max_pixels = 1_000_000
     with qwen_pair.decoder_client(timeout=60) as client, pytest.raises(grpc.RpcError) as err:
         list(client.stub.Generate(request, timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert {"mismatch": "placeholder", "over_cap": "pixels allowed", "bad_range": "min_pixels",
+            "over_server_range": "above the server's limit of 802816",
             "unknown_hash": "send the image bytes"}[case] in err.value.details()
     dec, enc = qwen_pair.wait_idle()
     assert dec.kv_blocks_used == 0 and enc.active_leases == 0
