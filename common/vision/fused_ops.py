@@ -6,6 +6,7 @@ wide, so every extra pass costs tens of microseconds per block and milliseconds 
   product [N, 3, heads, head_dim] into three contiguous [N, heads, head_dim] tensors (what varlen
   attention reads).
 - `add_rms_norm`: (x + delta, RMSNorm of it) in one pass; delta None: the norm alone.
+- `add_layer_norm`: (x + delta, LayerNorm of it) in one pass (Qwen3-VL's blocks).
 - `silu_mul`: silu(gate) * up over the halves of the fused gate/up product.
 
 Each follows Hugging Face's order of operations and roundings (fp32 inside, the same casts), so bf16
@@ -72,6 +73,23 @@ if triton is not None:
                  .to(norm_out.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _add_layer_norm_kernel(x, delta, weight, bias, sum_out, norm_out, width, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < width
+        h = tl.load(x + row * width + cols, mask=mask, other=0.0)
+        h = h + tl.load(delta + row * width + cols, mask=mask, other=0.0)  # in the activations' dtype
+        tl.store(sum_out + row * width + cols, h, mask=mask)
+        hf = h.to(tl.float32)
+        mean = tl.sum(hf, axis=0) / width
+        centred = tl.where(mask, hf - mean, 0.0)
+        var = tl.sum(centred * centred, axis=0) / width
+        w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+        out = centred * tl.rsqrt(var + eps) * w + b  # F.layer_norm: fp32 inside, one rounding at the end
+        tl.store(norm_out + row * width + cols, out.to(norm_out.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _silu_mul_kernel(gate_up, out, width, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         start = tl.program_id(1) * BLOCK
@@ -116,6 +134,21 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if n:
         _add_rms_norm_kernel[(n,)](x, delta if delta is not None else x, weight, summed, normed, width, eps,
                                    HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(width))
+    return summed, normed
+
+
+def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, LayerNorm(x + delta) * weight + bias) over the last dim of contiguous [N, width]
+    tensors, as F.layer_norm computes it (fp32 statistics, the result rounded once)."""
+    if x.dim() != 2 or not x.is_contiguous() or delta.shape != x.shape:
+        raise ValueError("add_layer_norm takes contiguous [N, width] tensors of one shape")
+    delta = delta.contiguous()
+    n, width = x.shape
+    summed, normed = torch.empty_like(x), torch.empty_like(x)
+    if n:
+        _add_layer_norm_kernel[(n,)](x, delta, weight, bias, summed, normed, width, eps,
+                                     BLOCK=triton.next_power_of_2(width))
     return summed, normed
 
 

@@ -90,11 +90,12 @@ class Qwen3VisionOps(VisionOps):
 
     @classmethod
     def fused(cls) -> type[Qwen3VisionOps]:
-        """A Qwen3VisionOps whose rotary and q/k/v split run as one Triton kernel (fused_ops.rotary_qkv);
-        the LayerNorms and the tanh GELU are single native kernels already."""
+        """A Qwen3VisionOps whose rotary with the q/k/v split, and residual add + LayerNorm, run as one
+        Triton kernel each (fused_ops); the first LayerNorm and the tanh GELU are one native kernel each."""
         from common.vision import fused_ops
 
-        return type("FusedQwen3VisionOps", (cls,), {"rotary_qkv": staticmethod(fused_ops.rotary_qkv)})
+        return type("FusedQwen3VisionOps", (cls,), {"rotary_qkv": staticmethod(fused_ops.rotary_qkv),
+                                                    "add_layer_norm": staticmethod(fused_ops.add_layer_norm)})
 
 
 class VisionMLP(nn.Module):

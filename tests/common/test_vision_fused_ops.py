@@ -29,6 +29,7 @@ import numpy as np, torch
 from PIL import Image
 from common.vision import fused_ops
 from common.vision.qwen_tower import VisionOps
+from common.vision.qwen3_tower import Qwen3VisionOps
 from common.vision.qwen_encoder import make_vision_encoder
 torch.manual_seed(0)
 out = {}
@@ -46,6 +47,11 @@ for dtype in (torch.float32, torch.float16):
     out[f"add_rms_norm {dtype}"] = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, want))
     out[f"rms_norm {dtype}"] = (fused_ops.add_rms_norm(x, None, w, 1e-6)[1].float()
                                 - VisionOps.rms_norm(x, w, 1e-6).float()).abs().max().item()
+    b = torch.randn(80).to(dtype)
+    got = fused_ops.add_layer_norm(x, d, w, b, 1e-6)
+    want = Qwen3VisionOps.add_layer_norm(x, d, w, b, 1e-6)
+    out[f"add_layer_norm {dtype}"] = max((g.float() - r.float()).abs().max().item()
+                                         for g, r in zip(got, want))
     gate_up = torch.randn(n, 200).to(dtype)
     out[f"silu_mul {dtype}"] = (fused_ops.silu_mul(gate_up).float()
                                 - VisionOps.silu_mul(gate_up).float()).abs().max().item()
@@ -76,7 +82,7 @@ def test_fused_kernels_and_towers_match_the_eager_steps(qwen_model_dir, qwen3_mo
             assert diff <= 2e-6, (name, diff)
         else:
             assert diff <= 1e-3, (name, diff)  # fp16: an ulp where exp/rsqrt round differently
-    assert len(diffs) == 10
+    assert len(diffs) == 12
 
 
 @pytest.mark.parametrize("bounds", [[0, 5], [0, 3, 3, 10, 14, 21], [0, 64, 128, 150]])
