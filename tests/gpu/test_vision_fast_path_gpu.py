@@ -59,8 +59,10 @@ def test_triton_steps_equal_the_eager_steps_in_bf16():
     from common.vision.qwen3_tower import Qwen3VisionOps
 
     b = torch.randn(1280, device="cuda", dtype=torch.bfloat16)
-    for got, want in zip(fused_ops.add_layer_norm(x, d, w, b, 1e-6), Qwen3VisionOps.add_layer_norm(x, d, w, b, 1e-6),
-                         strict=True):
+    ln_pairs = zip(fused_ops.add_layer_norm(x, d, w, b, 1e-6),
+                   Qwen3VisionOps.add_layer_norm(x, d, w, b, 1e-6),
+                   strict=True)
+    for got, want in ln_pairs:
         assert _rel(got, want) < 1e-2
     gate_up = torch.randn(4900, 2 * 3456, device="cuda", dtype=torch.bfloat16)
     assert _rel(fused_ops.silu_mul(gate_up), VisionOps.silu_mul(gate_up)) < 1e-2
