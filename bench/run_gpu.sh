@@ -251,11 +251,12 @@ fi
 # The Qwen vision path (issue 37): the GPU tests of the fast path, then bench/vision_path.py on Qwen3-VL-8B
 # and Qwen2.5-VL-7B shapes (vision weights only, made here): the tower in-process (reference and fast
 # paths, HF's tower), a profile of one forward, and the encoder service through gRPC Encode (1 and 64
-# clients, mixed sizes, videos) with its stage split. VISION_ARGS sets its options (default --images 192
+# clients, mixed sizes, videos, one client against an encoder decoding in threads) with its stage split.
+# VISION_ARGS sets its options (default --images 192 --decode-threads-level
 # --videos 2), VISION_PRESETS the presets (CPU smoke: VISION_PRESETS="qwen3-vl-tiny qwen2.5-vl-tiny"),
 # VISION_TESTS the GPU test files run first.
 if [[ ",$SECTIONS," == *,vision,* ]]; then
-  read -r -a VPARGS <<< "${VISION_ARGS:---images 192 --videos 2}"
+  read -r -a VPARGS <<< "${VISION_ARGS:---images 192 --videos 2 --decode-threads-level}"
   echo "== the vision GPU tests (t=$((SECONDS - START))s)"
   timeout 240 "$PY" -m pytest -q -p no:cacheprovider ${VISION_TESTS:-tests/gpu/test_vision_fast_path_gpu.py} \
     2>&1 | tail -8

@@ -57,6 +57,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--videos", type=int, default=4, help="distinct clips for the video level (0: none)")
     p.add_argument("--video-seconds", type=float, default=30.0)
     p.add_argument("--video-size", type=int, default=448)
+    p.add_argument("--decode-threads-level", action="store_true",
+                   help="also one client against an encoder decoding in its threads (--decode-processes 0)")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-service", action="store_true")
     p.add_argument("--out", default=None)
@@ -112,15 +114,18 @@ def tower_figures(enc, images: list[Image.Image], pixels: PixelRange, batches: l
     prepared = [enc.prepare(im, pixels) for im in images]
     out: dict = {"grid": list(prepared[0].grid), "tokens": enc.layout.num_tokens(prepared[0].grid),
                  "fused_ops_default": bool(getattr(enc, "fused_ops", False))}
-    paths = {"reference": (enc.eager_ops, False)}
+    paths = {"reference": (enc.eager_ops, False, False)}
     if device.type == "cuda":
-        paths["fast"] = (enc.eager_ops.fused(), True)
-    for name, (ops, flash) in paths.items():
+        paths["fast"] = (enc.eager_ops.fused(), True, False)
+        if enc.capture_graphs(max(batches)):
+            paths["fast_graphs"] = (enc.eager_ops.fused(), True, True)  # replayed after two eager runs
+    for name, (ops, flash, graphs) in paths.items():
         enc.tower.use_ops(ops)
         enc.tower.flash_attention = flash
         for b in batches:
             chunk = prepared[:b]
-            secs = timed(lambda chunk=chunk: enc.encode_prepared(chunk), device, rounds)
+            secs = timed(lambda chunk=chunk, graphs=graphs: enc.encode_prepared(chunk, use_graphs=graphs),
+                         device, rounds)
             out[f"{name}_b{b}_images_per_s"] = b / secs
             out[f"{name}_b{b}_ms"] = 1000 * secs
             print(f"  tower {name} batch {b}: {b / secs:.1f} images/s ({1000 * secs:.1f} ms)", flush=True)
@@ -129,6 +134,8 @@ def tower_figures(enc, images: list[Image.Image], pixels: PixelRange, batches: l
         out["preprocess_ms"] = 1000 * secs
     enc.tower.use_ops(enc.eager_ops.fused() if getattr(enc, "fused_ops", False) else enc.eager_ops)
     enc.tower.flash_attention = True
+    if enc.graphs is not None:
+        out["graph_replays"] = enc.graphs.replays
     return out
 
 
@@ -281,43 +288,48 @@ def stage_split(before: dict, after: dict) -> dict:
     return {stage: 1000 * (float(sec1[stage]) - float(sec0.get(stage, 0.0))) / max(n, 1) for stage in sec1}
 
 
+def service_level(address: str, name: str, items: list, clients: int, tokens: int, cuda: bool) -> dict:
+    """One gRPC level (encode_level) with its tokens/s and the encoder's stage split over it; printed."""
+    before = encoder_stats(address)
+    result = asyncio.run(encode_level(address, items, clients, cuda))
+    result.update(name=name, tokens_per_s=tokens / result["wall_s"],
+                  stages_ms=stage_split(before, encoder_stats(address)))
+    stages = " ".join(f"{k} {result['stages_ms'].get(k, 0.0):.1f}" for k in STAGES)
+    print(f"  {name} c={clients}: {result['items_per_s']:.1f}/s, p50 {result['latency']['p50_ms']:.1f} ms, "
+          f"{result['tokens_per_s']:.0f} tokens/s; stages ms/Encode: {stages}", flush=True)
+    return result
+
+
 def service_figures(args: argparse.Namespace, enc_tokens, pixels: PixelRange) -> dict:
     """The encoder service through gRPC: each client count on fresh images, a mixed-size stream, videos;
-    each level with its stage split."""
+    each level with its stage split. With --decode-threads-level, one client again against an encoder
+    that decodes in its threads."""
     cuda = args.device == "cuda"
     logs = workdir(args.logs)
     extra = ["--cache-bytes", str(4 << 30 if cuda else 512 << 20)]
-    service = encoder_service(args.model, logs, args.device, args.dtype, extra).start(600)
+    side = (args.image_size, args.image_size)
+    tokens_each = enc_tokens(side)
+    most = max(int(c) for c in args.clients.split(","))
+
+    def image_inputs(images: list[Image.Image]) -> list[common_pb2.ImageInput]:
+        lo, hi = pixels.min_pixels, pixels.max_pixels
+        return [common_pb2.ImageInput(data=data, min_pixels=lo, max_pixels=hi) for data in pngs(images)]
+
     out: dict = {"levels": []}
+    service = encoder_service(args.model, logs, args.device, args.dtype, extra).start(600)
     try:
-        def level(name: str, items, clients: int, tokens: int) -> dict:
-            before = encoder_stats(service.address)
-            result = asyncio.run(encode_level(service.address, items, clients, cuda))
-            result.update(name=name, tokens_per_s=tokens / result["wall_s"],
-                          stages_ms=stage_split(before, encoder_stats(service.address)))
-            out["levels"].append(result)
-            stages = " ".join(f"{k} {result['stages_ms'].get(k, 0.0):.1f}" for k in STAGES)
-            print(f"  {name} c={clients}: {result['items_per_s']:.1f}/s, p50 "
-                  f"{result['latency']['p50_ms']:.1f} ms, {result['tokens_per_s']:.0f} tokens/s; "
-                  f"stages ms/Encode: {stages}", flush=True)
-            return result
-
-        def image_inputs(images: list[Image.Image]) -> list[common_pb2.ImageInput]:
-            lo, hi = pixels.min_pixels, pixels.max_pixels
-            return [common_pb2.ImageInput(data=data, min_pixels=lo, max_pixels=hi) for data in pngs(images)]
-
-        side = (args.image_size, args.image_size)
-        tokens_each = enc_tokens(side)
-        asyncio.run(encode_level(service.address, image_inputs(noise_images(16, side, 999)), 8,
+        address = service.address
+        asyncio.run(encode_level(address, image_inputs(noise_images(16, side, 999)), 8,
                                  cuda))  # warm-up: connections, kernels, allocator
         for seed, clients in enumerate(int(c) for c in args.clients.split(",")):
             images = noise_images(args.images if clients > 1 else min(args.images, 32), side, 100 + seed)
-            level("same-size", image_inputs(images), clients, tokens_each * len(images))
+            out["levels"].append(service_level(address, "same-size", image_inputs(images), clients,
+                                               tokens_each * len(images), cuda))
         rng = np.random.default_rng(7)
         sizes = [MIXED_SIZES[i] for i in rng.integers(0, len(MIXED_SIZES), args.images)]
         mixed = [noise_images(1, s, 500 + i)[0] for i, s in enumerate(sizes)]
-        level("mixed-sizes", image_inputs(mixed), max(int(c) for c in args.clients.split(",")),
-              sum(enc_tokens(s) for s in sizes))
+        out["levels"].append(service_level(address, "mixed-sizes", image_inputs(mixed), most,
+                                           sum(enc_tokens(s) for s in sizes), cuda))
         if args.videos:
             from bench.video_serve import make_clip, pick_codec
 
@@ -325,13 +337,24 @@ def service_figures(args: argparse.Namespace, enc_tokens, pixels: PixelRange) ->
             clips = [make_clip(args.video_seconds, 30, args.video_size, 900 + i, codec)
                      for i in range(args.videos)]
             videos = [common_pb2.VideoInput(data=c) for c in clips]
-            result = level("video", videos, 1, 0)
-            frames = 2 * args.video_seconds  # the model's 2 fps
-            result["frames_per_s"] = frames * len(videos) / result["wall_s"]
+            result = service_level(address, "video", videos, 1, 0, cuda)
+            frames = 2 * args.video_seconds * len(clips)  # at the model's 2 fps
+            result["frames_per_s"] = frames / result["wall_s"]
             print(f"  video: {result['frames_per_s']:.1f} frames/s", flush=True)
-        out["final_stats"] = encoder_stats(service.address)
+            out["levels"].append(result)
+        out["final_stats"] = encoder_stats(address)
     finally:
         service.stop()
+    if args.decode_threads_level:
+        threads = encoder_service(args.model, logs, args.device, args.dtype,
+                                  [*extra, "--decode-processes", "0"], name="encoder-threads").start(600)
+        try:
+            asyncio.run(encode_level(threads.address, image_inputs(noise_images(8, side, 998)), 1, cuda))
+            images = noise_images(min(args.images, 32), side, 300)
+            out["levels"].append(service_level(threads.address, "same-size, decode in threads",
+                                               image_inputs(images), 1, tokens_each * len(images), cuda))
+        finally:
+            threads.stop()
     return out
 
 
@@ -377,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             result[f"ours_over_hf_b{b}"] = ratio(fast, result["hf"][f"b{b}_images_per_s"])
     if not args.no_service:
         result["service"] = service_figures(args, tokens_of, pixels)
-    save_result("vision_path", args, result)
+    save_result(f"vision_path_{config.get('model_type')}", args, result)
     return 0
 
 

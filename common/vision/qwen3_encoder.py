@@ -45,11 +45,3 @@ class Qwen3VisionEncoder(QwenFamilyEncoder):
 
     def _per_image(self, features: Qwen3VisionFeatures, sizes: list[int]) -> list[torch.Tensor]:
         return features.split(sizes)
-
-    def capture_graphs(self, max_batch: int) -> bool:
-        """No CUDA graphs (every batch has its own sequence length and spans). On CUDA the rotary runs as
-        a Triton kernel (`use_fused_ops`, at construction) and attention as one varlen FlashAttention
-        call per block; torch.compile of the elementwise steps made this tower slower on the H200 (30.9
-        against 51.6 images/s at batch 8, docs/benchmarks/h200-2026-12-01-run14-qwen3.json), so it is
-        not used. Returns False."""
-        return False

@@ -282,35 +282,52 @@ class Qwen3VisionTower(nn.Module):
             return F.linear(pixels, proj.weight.view(self.dim, -1), proj.bias)
         return proj(pixels.view(-1, self.channels, self.temporal, self.patch, self.patch)).view(-1, self.dim)
 
-    def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> Qwen3VisionFeatures:
-        """The features of pixel_values [sum of t*h*w, patch_dim]: merged [sum of t*h*w/4, out_hidden] and
-        one tensor of that shape per DeepStack level."""
-        device = pixel_values.device
+    def plan(self, grids: Sequence[Grid], device: torch.device, dtype: torch.dtype) -> Qwen3TowerPlan:
+        """Everything a forward over these grids needs besides the pixels, on `device` (activations of
+        `dtype`): the resampled position embeddings, the rotary tables and the image spans."""
         for t, h, w in grids:
             if h % self.merge or w % self.merge:
                 raise ValueError(f"grid {(t, h, w)} is not a multiple of the {self.merge}x{self.merge} merge")
         parts = [grid_taps(self.merge, self.side, *grid) for grid in grids]  # cached per grid
         positions = np.concatenate([part[0] for part in parts])
         cu = np.concatenate([[0], np.cumsum([h * w for t, h, w in grids for _ in range(t)])])
-        x = self.embed_patches(pixel_values)
         indices = torch.cat([part[1] for part in parts]).to(device, non_blocking=True)
         weights = torch.cat([part[2] for part in parts]).to(device, non_blocking=True)
         # HF gathers the 4 taps, weights them and sums over the taps (the weights cast to the table's dtype
         # by the product); the same expression keeps the same rounding.
-        pos = (self.pos_embed(indices) * weights[:, :, None]).sum(1)
-        x = x + pos.to(x.dtype)
+        pos = (self.pos_embed(indices) * weights[:, :, None]).sum(1).to(dtype)
         freqs = torch.from_numpy(positions).to(device, non_blocking=True)[..., None].float() * self.inv_freq
-        emb = freqs.reshape(x.shape[0], -1)  # cat(row frequencies, column frequencies)
+        emb = freqs.reshape(len(positions), -1)  # cat(row frequencies, column frequencies)
         emb = torch.cat((emb, emb), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        flash = self.flash_attention and flash_supported(device, x.dtype, self.dim // self.num_heads)
-        spans = AttentionSpans.from_bounds(cu, device, flash)
+        flash = self.flash_attention and flash_supported(device, dtype, self.dim // self.num_heads)
+        return Qwen3TowerPlan(pos, emb.cos(), emb.sin(), AttentionSpans.from_bounds(cu, device, flash))
+
+    def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> Qwen3VisionFeatures:
+        """The features of pixel_values [sum of t*h*w, patch_dim]: merged [sum of t*h*w/4, out_hidden] and
+        one tensor of that shape per DeepStack level."""
+        dtype = self.patch_embed.proj.weight.dtype
+        return self.run(pixel_values, self.plan(grids, pixel_values.device, dtype))
+
+    def run(self, pixel_values: torch.Tensor, plan: Qwen3TowerPlan) -> Qwen3VisionFeatures:
+        """forward() with its plan made: device work only (what a CUDA graph captures)."""
+        x = self.embed_patches(pixel_values) + plan.pos
         deepstack: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, spans)
+            x = block(x, plan.cos, plan.sin, plan.spans)
             if i in self.deepstack_indexes:
                 deepstack.append(self.deepstack_merger_list[self.deepstack_indexes.index(i)](x))
         return Qwen3VisionFeatures(self.merger(x), tuple(deepstack))
+
+
+@dataclass(frozen=True)
+class Qwen3TowerPlan:
+    """A batch's layout on the device (Qwen3VisionTower.plan): the position embeddings resampled to each
+    patch, cos/sin of the 2D rotary per patch, and the image (frame group) spans."""
+
+    pos: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    spans: AttentionSpans
 
 
 _PREFIXES = ("model.visual.", "visual.")

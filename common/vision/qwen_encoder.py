@@ -39,12 +39,6 @@ class QwenVisionEncoder(QwenFamilyEncoder):
     def _per_image(self, features: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         return list(features.split(sizes))
 
-    def capture_graphs(self, max_batch: int) -> bool:
-        """No CUDA graphs (every batch has its own sequence length and spans). On CUDA the elementwise
-        steps already run as Triton kernels (`use_fused_ops`, at construction) and attention as one
-        varlen FlashAttention call per block. Returns False."""
-        return False
-
 
 def make_vision_encoder(model_dir: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, preprocess: str = "auto"):

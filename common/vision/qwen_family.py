@@ -59,7 +59,7 @@ class QwenFamilyEncoder:
     `_check_model`, `_load_tower`, `_merger_width` and `_per_image`.
     """
 
-    graphs = None  # shapes vary per batch: no CUDA graphs (see docs/architecture.md)
+    graphs = None  # SignatureGraphs once capture_graphs() is called on CUDA
     eager_ops: type
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
@@ -147,7 +147,8 @@ class QwenFamilyEncoder:
             return []
         pixels = torch.cat([self._rows(p) for p in prepared]).to(self.dtype)
         grids = [p.grid for p in prepared]
-        features = self.tower(pixels, grids)
+        tower = self.graphs if use_graphs and self.graphs is not None else self.tower
+        features = tower(pixels, grids)
         with self._count_lock:
             self.calls += 1
             self.images_encoded += len(prepared)
@@ -170,6 +171,17 @@ class QwenFamilyEncoder:
         """One embedding per image (each within its pixel range, or the checkpoint's)."""
         ranges = list(pixels) if pixels is not None else [None] * len(images)
         return self.encode_prepared([self.prepare(i, r) for i, r in zip(images, ranges, strict=True)])
+
+    def capture_graphs(self, max_batch: int) -> bool:
+        """On CUDA, replay demand batches (`encode_prepared(use_graphs=True)`) from CUDA graphs, one per
+        batch signature seen twice (common/vision/tower_graphs.py); the elementwise steps already run as
+        Triton kernels and attention as one call per block. False on a CPU (HF's exact eager path)."""
+        if self.device.type != "cuda":
+            return False
+        from common.vision.tower_graphs import SignatureGraphs
+
+        self.graphs = SignatureGraphs(self.tower)
+        return True
 
     def use_fused_ops(self, tolerance: float = 2e-2) -> bool:
         """Run the tower's elementwise steps as Triton kernels (`eager_ops.fused()`), checked against the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -265,10 +266,30 @@ class QwenVisionTower(nn.Module):
         pos = np.concatenate([positions for _, _, positions in parts])
         return window_order, cu_window.tolist(), cu_image.tolist(), pos
 
+    def plan(self, grids: Sequence[Grid], device: torch.device, dtype: torch.dtype) -> QwenTowerPlan:
+        """Everything a forward over these grids needs besides the pixels, on `device` (activations of
+        `dtype`): the window order and its inverse, the rotary tables and both attention spans."""
+        window_order, cu_window, cu_image, pos = self.layout(grids)
+        n = len(pos)
+        order = torch.from_numpy(window_order).to(device, non_blocking=True)
+        restore = np.empty_like(window_order)
+        restore[window_order] = np.arange(len(window_order))
+        freqs = torch.from_numpy(pos).to(device, non_blocking=True)[..., None].float() * self.inv_freq
+        emb = freqs.reshape(n, -1)  # cat(h frequencies, w frequencies)
+        emb = torch.cat((emb, emb), dim=-1)
+        flash = self.flash_attention and flash_supported(device, dtype, self.dim // self.num_heads)
+        return QwenTowerPlan(order, torch.from_numpy(restore).to(device, non_blocking=True), emb.cos(),
+                             emb.sin(), AttentionSpans.from_bounds(cu_window, device, flash),
+                             AttentionSpans.from_bounds(cu_image, device, flash))
+
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         """Merged embeddings [sum of t*h*w/4, out_hidden] for pixel_values [sum of t*h*w, patch_dim]."""
-        device, unit = pixel_values.device, self.merge * self.merge
-        window_order, cu_window, cu_image, pos = self.layout(grids)
+        dtype = self.patch_embed.proj.weight.dtype
+        return self.run(pixel_values, self.plan(grids, pixel_values.device, dtype))
+
+    def run(self, pixel_values: torch.Tensor, plan: QwenTowerPlan) -> torch.Tensor:
+        """forward() with its plan made: device work only (what a CUDA graph captures)."""
+        unit = self.merge * self.merge
         weight = self.patch_embed.proj.weight
         if pixel_values.is_cuda:
             # The Conv3d's stride equals its kernel: one matrix product over flattened patches, which
@@ -278,21 +299,23 @@ class QwenVisionTower(nn.Module):
             x = self.patch_embed.proj(pixel_values.view(-1, self.channels, self.temporal, self.patch,
                                                         self.patch).to(weight.dtype)).view(-1, self.dim)
         n = x.shape[0]
-        order = torch.from_numpy(window_order).to(device, non_blocking=True)
-        x = x.reshape(n // unit, unit, -1)[order].reshape(n, -1)
-        freqs = torch.from_numpy(pos).to(device, non_blocking=True)[..., None].float() * self.inv_freq
-        emb = freqs.reshape(n, -1)  # cat(h frequencies, w frequencies)
-        emb = torch.cat((emb, emb), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        flash = self.flash_attention and flash_supported(device, x.dtype, self.dim // self.num_heads)
-        spans = {False: AttentionSpans.from_bounds(cu_window, device, flash),
-                 True: AttentionSpans.from_bounds(cu_image, device, flash)}
+        x = x.reshape(n // unit, unit, -1)[plan.order].reshape(n, -1)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, spans[i in self.full_blocks])
-        merged = self.merger(x)
-        restore = np.empty_like(window_order)
-        restore[window_order] = np.arange(len(window_order))
-        return merged[torch.from_numpy(restore).to(device, non_blocking=True)]
+            x = block(x, plan.cos, plan.sin, plan.full_spans if i in self.full_blocks else plan.window_spans)
+        return self.merger(x)[plan.restore]
+
+
+@dataclass(frozen=True)
+class QwenTowerPlan:
+    """A batch's layout on the device (QwenVisionTower.plan): the window order of merge units and its
+    inverse, cos/sin of the 2D rotary per patch, the window spans and the full-attention spans."""
+
+    order: torch.Tensor
+    restore: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    window_spans: AttentionSpans
+    full_spans: AttentionSpans
 
 
 @functools.lru_cache(maxsize=512)

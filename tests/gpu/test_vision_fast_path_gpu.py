@@ -84,3 +84,20 @@ def test_default_cuda_tower_is_close_to_the_fp32_tower(family, qwen_model_dir, q
     gpu.tower.flash_attention = False
     for o, e in zip(ours, gpu.encode_prepared(prepared), strict=True):
         assert _rel(o, e) < 0.03
+
+
+@pytest.mark.parametrize("family", ["qwen", "qwen3"])
+def test_graph_replays_equal_the_eager_forward(family, qwen_model_dir, qwen3_model_dir, qwen_images):
+    """A batch signature seen twice is captured, then replayed: the same rows as the eager forward."""
+    model_dir = qwen_model_dir if family == "qwen" else qwen3_model_dir
+    gpu = make_vision_encoder(model_dir, "cuda", torch.bfloat16, preprocess="hf")
+    assert gpu.capture_graphs(8)
+    prepared = [gpu.prepare(image) for image in qwen_images]
+    eager = gpu.encode_prepared(prepared)
+    for _ in range(3):
+        replayed = gpu.encode_prepared(prepared, use_graphs=True)
+    assert gpu.graphs.replays == 2 and len(gpu.graphs.graphs) == 1  # captured at the second sight
+    for o, e in zip(replayed, eager, strict=True):
+        assert _rel(o, e) < 1e-3
+    other = gpu.encode_prepared(prepared[:1], use_graphs=True)  # a new signature: eager until seen twice
+    assert gpu.graphs.replays == 2 and _rel(other[0], eager[0]) < 1e-3
