@@ -62,9 +62,14 @@ class EncoderConfig:
     decode_processes: int | None = option(
         None, "processes decoding and hashing image bytes off the server's interpreter (default: cores "
         "- 1, at most 8, and 0 below 4 cores; 0: in the server's threads)", type=non_negative_int)
+    pool_decode_always: bool = option(
+        False, "decode every image in the decode processes, also an image while no other is decoding "
+        "(by default that one decodes in a server thread: about half its latency on an H200 host, without "
+        "the processes' isolation from a crash in an image library)")
     enforce_eager: bool = option(
-        False, "no CUDA graphs of the vision tower (on CUDA, demand batches replay graphs captured at "
-        "startup for 1, 2, 4, ... --max-batch-images images)")
+        False, "no CUDA graphs of the vision tower (on CUDA, LLaVA's demand batches replay graphs captured "
+        "at startup for 1, 2, 4, ... --max-batch-images images; Qwen-VL's, one graph per batch of image "
+        "sizes seen twice)")
     arena: str = option("auto", "where embeddings live: auto picks cuda (GPU + cupy), else shm, else "
                         "private", choices=ARENAS)
     limits: ImageLimits = section(ImageLimits, "image limits")

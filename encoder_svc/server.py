@@ -87,6 +87,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.video_limits = video_limits
         self.video_config = getattr(vision, "video_config", None)  # None: the model takes no video
         self.decode_pool = decode_pool  # None: decode and hash in a thread
+        self._decoding = 0  # Encodes decoding image bytes now (on the event loop: no lock)
+        self.pool_decode_always = False  # EncoderConfig.pool_decode_always
         self.cache = cache
         self.worker = worker
         self.limits = limits
@@ -119,7 +121,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         worker = VisionWorker(vision, cache, config.max_batch_images, config.preprocess_threads)
         processes = default_decode_processes() if config.decode_processes is None else config.decode_processes
         decode_pool = DecodePool(processes, config.limits) if processes > 0 else None
-        return cls(vision, cache, worker, config.limits, registry, decode_pool, config.video_limits)
+        servicer = cls(vision, cache, worker, config.limits, registry, decode_pool, config.video_limits)
+        servicer.pool_decode_always = config.pool_decode_always
+        return servicer
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -253,9 +257,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         bytes; hash-only requests (the decoders' hit path) are checked in place, without a hop."""
         if all(item.WhichOneof("source") == "content_hash" for item in images):
             return self._decode_all(images, salt)
-        if self.decode_pool is not None:
-            return await self._decode_in_pool(images, salt)
-        return await asyncio.to_thread(self._decode_all, images, salt)
+        # The pool's processes keep decoding off the server's interpreter under load, but the hop costs
+        # one image alone about as much as its decode (H200 host, 1024x1024 PNG: 25 ms in the pool, 12 ms
+        # in a thread; BENCHMARKS.md): the only request decoding right now decodes in a thread.
+        alone = self._decoding == 0 and not self.pool_decode_always
+        self._decoding += 1
+        try:
+            if self.decode_pool is not None and not alone:
+                return await self._decode_in_pool(images, salt)
+            return await asyncio.to_thread(self._decode_all, images, salt)
+        finally:
+            self._decoding -= 1
 
     def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int, salt: str,
                  owner: str = "", pixels: PixelRange | None = None) -> cf.Future:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -21,16 +23,51 @@ INLINE = common_pb2.TRANSPORT_INLINE
 IMAGES = [image_bytes(100 + i, size=(30 + i, 20 + 2 * i), fmt="PNG" if i % 2 else "JPEG") for i in range(5)]
 
 
-def _harness(model_dir, processes: int) -> EncoderHarness:
+def _harness(model_dir, processes: int, pool_always: bool = True) -> EncoderHarness:
     return EncoderHarness(EncoderConfig(model=model_dir, cache_bytes=1 << 20, lease_ttl_s=30,
-                                        decode_processes=processes))
+                                        decode_processes=processes, pool_decode_always=pool_always))
 
 
 @pytest.fixture(scope="module")
 def pooled(tiny_model_dir):
+    """Every image through the processes (--pool-decode-always: these tests are about the pool)."""
     harness = _harness(tiny_model_dir, 2)
     yield harness
     harness.close()
+
+
+def test_a_lone_image_decodes_in_a_thread_and_concurrent_ones_in_the_pool(tiny_model_dir):
+    """By default the one request decoding right now skips the process hop; while it decodes, another
+    goes to the pool."""
+    harness = _harness(tiny_model_dir, 2, pool_always=False)
+    servicer, pool = harness.servicer, harness.servicer.decode_pool
+    in_thread, release = threading.Event(), threading.Event()
+    pooled_calls = []
+    real_thread, real_pool = servicer._decode_all, pool.decode
+
+    def held_thread_decode(*args):
+        in_thread.set()
+        assert release.wait(30)
+        return real_thread(*args)
+
+    async def counted_pool_decode(*args, **kwargs):
+        pooled_calls.append(1)
+        return await real_pool(*args, **kwargs)
+
+    servicer._decode_all, pool.decode = held_thread_decode, counted_pool_decode
+    try:
+        with ThreadPoolExecutor(1) as background:
+            first = background.submit(_encode, harness, IMAGES[0])
+            assert in_thread.wait(30)  # the lone request is decoding in a thread
+            _encode(harness, IMAGES[1])  # meanwhile: through the pool
+            assert pooled_calls == [1]
+            release.set()
+            first.result(timeout=60)
+        assert pooled_calls == [1]
+    finally:
+        release.set()
+        servicer._decode_all, pool.decode = real_thread, real_pool
+        harness.close()
 
 
 def _encode(harness: EncoderHarness, *images: bytes, salt: str = ""):
