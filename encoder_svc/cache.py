@@ -149,6 +149,7 @@ class EmbeddingCache:
         self._leased_bytes = 0
         self._reserved_inflight = 0  # slices allocated for writes not yet published
         self.hits = self.misses = self.evictions = self.expired_leases = self.inflight_dedups = 0
+        self.abandoned = 0  # productions dropped because every waiter had gone (still_wanted)
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -309,6 +310,30 @@ class EmbeddingCache:
                     waiter.future.set_exception(exc)
                 except cf.InvalidStateError:
                     pass
+
+    def waiters(self, key: str) -> int:
+        """Callers waiting for key's production now (0: nobody, or key is not being produced)."""
+        with self._lock:
+            pending = self._pending.get(key)
+            return 0 if pending is None else sum(not w.future.cancelled() for w in pending.waiters)
+
+    def still_wanted(self, key: str) -> bool:
+        """Whether anyone still waits for key's production (a producer asks between frames or images).
+
+        When every waiter has gone (each one's future cancelled: its RPC was cancelled or timed out), the
+        production is dropped here, at once, so a later acquire starts a fresh one instead of joining
+        work that is stopping; the answer is False and the producer must stop and call neither
+        `complete` nor `fail`. Prefetch's waiters are never cancelled: prefetched work is always wanted.
+        """
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is None:  # failed or shut down meanwhile
+                return False
+            if any(not waiter.future.cancelled() for waiter in pending.waiters):
+                return True
+            del self._pending[key]
+            self.abandoned += 1
+            return False
 
     def _check_fits_locked(self, nbytes: int) -> None:
         size = self.allocator.reserved_size(nbytes)

@@ -50,6 +50,7 @@ from encoder_svc.future_bridge import FutureBridge
 from encoder_svc.metrics import EncoderMetrics
 from encoder_svc.refs import build_ref, choose_transport, grid_message, inline_payload, served_transports
 from encoder_svc.stats import EncoderStats
+from encoder_svc.video_lane import VideoLane
 from encoder_svc.videos import VideoJob, plan_videos
 from encoder_svc.worker import DEMAND, PREFETCH, VisionWorker
 
@@ -67,7 +68,9 @@ def _release_images(items) -> None:
 
 
 def _release_when_done(cache: EmbeddingCache, fut: cf.Future, owner: str) -> None:
-    """A request gave up on fut: drop the lease it will carry (taken for owner), now or when it resolves."""
+    """A request gave up on fut: drop the lease it will carry (taken for owner), now or when it resolves.
+    A pending fut is cancelled: its production stops once no request waits for it (video_lane.py)."""
+    fut.cancel()
 
     def _drop(f: cf.Future) -> None:
         if not f.cancelled() and f.exception() is None and f.result().lease_id:
@@ -88,6 +91,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.decode_pool = decode_pool  # None: decode and hash in a thread
         self.cache = cache
         self.worker = worker
+        self.video_lane = VideoLane(cache, worker.submit)  # videos decode apart from images' threads
         self.limits = limits
         self.served = served_transports(cache.arena)
         self.metrics = EncoderMetrics(self.stats, registry)
@@ -291,7 +295,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         except (CacheFullError, SaltClashError) as exc:
             raise self._map_error(index, exc, "video") from None
         if produce:
-            self.worker.submit(key, job, priority)
+            self.video_lane.start(key, job, priority)
             return fut
         if fut is None:
             raise not_found(f"video {index}: content hash {key} is not in the encoder cache; "
@@ -429,6 +433,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         """Refuse new work, stop the worker, free the arena (unlinks the SHM segment)."""
         self._closing = True
         await asyncio.to_thread(self.worker.stop)
+        self.video_lane.shutdown()
         if self.decode_pool is not None:
             await asyncio.to_thread(self.decode_pool.close)
         self.cache.close()
