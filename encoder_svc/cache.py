@@ -63,6 +63,10 @@ class SaltClashError(RuntimeError):
     """A producer's key names an entry made under another salt: a content-hash collision."""
 
 
+class ProductionAbandoned(Exception):  # noqa: N818 - not an error: nobody is left to tell
+    """Every caller of a production has gone (still_wanted answered False): its producer stops."""
+
+
 class ShuttingDownError(UnavailableError):
     """The encoder is stopping: the caller gets UNAVAILABLE and may retry elsewhere."""
 

@@ -51,7 +51,7 @@ from PIL import Image
 from common.qwen_layout import PixelRange
 from common.thread_names import set_native_thread_name
 from common.vision.tower import VisionEncoder
-from encoder_svc.cache import EmbeddingCache, ShuttingDownError
+from encoder_svc.cache import EmbeddingCache, ProductionAbandoned, ShuttingDownError
 from encoder_svc.decoded_image import DecodedImage
 from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
 from encoder_svc.prep_threads import PrepTask, PrepThreads
@@ -124,18 +124,22 @@ class VisionWorker:
                     image.release()
                 self.cache.fail(key, ShuttingDownError("encoder shutting down"))
                 return
-            prepare = self._prepare if pixels is None else functools.partial(self._prepare, pixels=pixels)
+            prepare = functools.partial(self._prepare, pixels=pixels, key=key)
             job = _Job(key, self._pools[priority].submit(prepare, image), priority)
             self._jobs[key] = job
             heapq.heappush(self._heap, (priority, next(self._seq), job))
             self._cv.notify()
 
-    def _prepare(self, image: Image.Image | DecodedImage | VideoJob, pixels: PixelRange | None = None):
+    def _prepare(self, image: Image.Image | DecodedImage | VideoJob, pixels: PixelRange | None = None,
+                 key: str | None = None):
         """The tower's host-side preprocessing (a video: decoding its sampled frames and patching them);
-        then a decode pool's pixel slot goes back (prepare copied the pixels out)."""
+        then a decode pool's pixel slot goes back (prepare copied the pixels out). Nothing is prepared
+        for a key whose every caller has gone (ProductionAbandoned)."""
         if isinstance(image, VideoJob):
             return image.prepare()
         try:
+            if key is not None and not self.cache.still_wanted(key):
+                raise ProductionAbandoned(key)
             return self.vision.prepare(image) if pixels is None else self.vision.prepare(image, pixels)
         finally:
             if isinstance(image, DecodedImage):
@@ -184,7 +188,8 @@ class VisionWorker:
                 _, _, job = heapq.heappop(self._heap)
                 if not job.stale:
                     batch.append(job)
-                    del self._jobs[job.key]
+                    if self._jobs.get(job.key) is job:  # an abandoned key may be in production again
+                        del self._jobs[job.key]
             return batch
 
     def _run(self) -> None:
@@ -219,10 +224,15 @@ class VisionWorker:
         out = []
         for job in batch:
             try:
-                out.append((job, job.prepared.result()))
+                prepared = job.prepared.result()
+            except ProductionAbandoned:  # dropped by the cache: neither complete nor fail it
+                continue
             except Exception as exc:  # a bad image fails its own key, not its batch
                 log.warning("preprocessing %s failed: %s", job.key[:16], exc)
                 self.cache.fail(job.key, exc)
+                continue
+            if self.cache.still_wanted(job.key):  # not when everyone left while it was prepared
+                out.append((job, prepared))
         return out
 
     def _run_batch(self, jobs: list[_Job]) -> None:
