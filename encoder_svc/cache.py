@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.errors import CapacityError, UnavailableError
+from common.errors import CapacityError, InvalidInputError, UnavailableError
 from common.transport.arena import Arena, SliceAllocator
 from common.video.timestamps import VideoTiming
 from encoder_svc.defaults import DEFAULT_LEASE_TTL_S
@@ -61,6 +61,10 @@ class ItemTooLargeError(CacheFullError):
 
 class SaltClashError(RuntimeError):
     """A producer's key names an entry made under another salt: a content-hash collision."""
+
+
+class EntryKindError(InvalidInputError):
+    """A content hash names an entry of the other kind: a video's given for an image, or the reverse."""
 
 
 class ProductionAbandoned(Exception):  # noqa: N818 - not an error: nobody is left to tell
@@ -108,6 +112,7 @@ class _Waiter:
 @dataclass
 class _Pending:
     salt: str
+    video: bool = False
     waiters: list[_Waiter] = field(default_factory=list)
 
 
@@ -173,7 +178,8 @@ class EmbeddingCache:
         return entry if entry is not None and entry.salt == salt else None
 
     def acquire(self, key: str, want_lease: bool = True, expected_nbytes: int | None = None,
-                produce: bool = True, salt: str = "", owner: str = "") -> tuple[cf.Future | None, bool]:
+                produce: bool = True, salt: str = "", owner: str = "",
+                video: bool = False) -> tuple[cf.Future | None, bool]:
         """Get key's entry under salt: (future of a Handle, must_produce).
 
         A hit resolves at once. A key already being produced joins that production. Otherwise, with
@@ -186,6 +192,9 @@ class EmbeddingCache:
         salt, so a clash means two salts hashed to one key (never, short of a hash collision): refused
         with SaltClashError rather than letting one tenant's production replace the other's entry.
         A lease taken here belongs to `owner` (see the module docstring).
+
+        `video` says which kind of input asks: an entry or production of the other kind (a video's hash
+        given as an image's, or the reverse) is refused with EntryKindError, never handed out as this one.
         """
         with self._lock:
             self._sweep_locked()
@@ -197,6 +206,12 @@ class EmbeddingCache:
                 if not produce:
                     return None, False
                 raise SaltClashError(f"content hash {key} clashes with an entry of another cache_salt")
+            found = (entry.timing is not None) if entry is not None else (
+                pending.video if pending is not None else video)
+            if found != video:
+                raise EntryKindError(f"content hash {key} names {'a video' if found else 'an image'}; "
+                                     f"{'a video' if video else 'an image'} input takes only "
+                                     f"{'a video' if video else 'an image'}'s hash")
             if entry is not None:
                 self.hits += 1
                 fut: cf.Future = cf.Future()
@@ -212,7 +227,7 @@ class EmbeddingCache:
             if expected_nbytes is not None:
                 self._check_fits_locked(expected_nbytes)
             self.misses += 1
-            self._pending[key] = _Pending(salt, [_Waiter(fut, want_lease, owner)])
+            self._pending[key] = _Pending(salt, video, [_Waiter(fut, want_lease, owner)])
             return fut, True
 
     def lease(self, key: str, salt: str = "", owner: str = "") -> Handle | None:

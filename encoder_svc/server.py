@@ -41,7 +41,7 @@ from common.transport.arena_factory import make_arena
 from common.video.limits import VideoLimits
 from common.vision.qwen_encoder import make_vision_encoder, takes_pixel_ranges
 from common.vision.tower import VisionEncoder
-from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError
+from encoder_svc.cache import CacheFullError, EmbeddingCache, EntryKindError, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
 from encoder_svc.decode_pool import DecodePool, DecodeWorkerDied
 from encoder_svc.decoded_image import DecodedImage, decode_and_hash
@@ -270,7 +270,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 nbytes = self.vision.nbytes_for(self.vision.layout.grid(image.height, image.width, pixels))
             fut, produce = self.cache.acquire(key, want_lease, nbytes,
                                               produce=image is not None, salt=salt, owner=owner)
-        except (CacheFullError, SaltClashError, ImageGeometryError) as exc:  # SaltClash: a hash collision
+        # SaltClash: a hash collision; EntryKind: a video's hash given for an image
+        except (CacheFullError, SaltClashError, ImageGeometryError, EntryKindError) as exc:
             _release_images([(key, image)])
             raise self._map_error(index, exc) from None
         if produce:
@@ -291,8 +292,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             nbytes = self.vision.nbytes_for(job.plan.grid) if job is not None else None
             fut, produce = self.cache.acquire(key, want_lease, nbytes, produce=job is not None, salt=salt,
-                                              owner=owner)
-        except (CacheFullError, SaltClashError) as exc:
+                                              owner=owner, video=True)
+        except (CacheFullError, SaltClashError, EntryKindError) as exc:
             raise self._map_error(index, exc, "video") from None
         if produce:
             self.video_lane.start(key, job, priority)
