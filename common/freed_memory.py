@@ -27,6 +27,10 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
 
 _MALLOC_TRIM = _load_malloc_trim()
 
+# A job that took this much (a 4096x4096 image is 48 MiB of pixels) is worth a trim after it; a trim walks
+# every arena, so small jobs go without.
+LARGE_JOB_BYTES = 32 << 20
+
 
 def release_freed_memory() -> bool:
     """Return memory freed since the last call to the system where glibc kept it; False where there is

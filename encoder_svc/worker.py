@@ -54,6 +54,7 @@ from common.vision.tower import VisionEncoder
 from encoder_svc.cache import EmbeddingCache, ProductionAbandoned, ShuttingDownError
 from encoder_svc.decoded_image import DecodedImage
 from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
+from encoder_svc.memory_return import input_nbytes, return_memory_after
 from encoder_svc.prep_threads import PrepTask, PrepThreads
 from encoder_svc.videos import VideoJob
 
@@ -255,6 +256,11 @@ class VisionWorker:
             for job, _ in batch:
                 self.cache.fail(job.key, exc)
         self.busy_s += time.monotonic() - t0
+        nbytes = sum(input_nbytes(prepared) for _, prepared in batch)
+        del batch
+        for job in jobs:
+            job.prepared = None  # the inputs go now, so that a large batch's memory can be given back
+        return_memory_after(nbytes)
 
     def _encode_and_store(self, batch: list[tuple[_Job, object]]) -> None:
         # CUDA graphs for demand batches only: their static buffers belong to one stream (graphs.py)
