@@ -186,6 +186,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._failed_requests: dict[str, grpc.StatusCode] = {}
         self._closed = False
+        self._open_calls: set[grpc.Future] = set()  # Encodes in flight: close() cancels them
         self._copiers: dict[int, SideStreamCopier] = {}  # one per fetch thread, on CUDA
         self._counters = RemoteSourceStats()
 
@@ -271,8 +272,11 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             self._closed = True
             requests = {rid for rid, _ in self._slots}
+            calls, self._open_calls = list(self._open_calls), set()
         for rid in requests:
             self.release(rid)
+        for call in calls:  # a fetch waiting on a busy encoder would hold the shutdown for its whole wait
+            call.cancel()
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._prefetch_pool.shutdown(wait=True, cancel_futures=False)
         self.ring.close()
@@ -481,6 +485,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         call = self._stub(encoder).Encode.future(
             request, timeout=max(busy_until - time.monotonic(), 0.001), wait_for_ready=False,
             metadata=auth_metadata(self._token, tenant_of_salt(req.cache_salt)))
+        self._track(call)
         limit = deadline  # until the encoder shows it is alive, an unreachable one's bound applies
         try:
             while True:
@@ -493,6 +498,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
                     return call.result(timeout=wait)
                 except grpc.FutureTimeoutError:
                     pass
+                except grpc.FutureCancelledError:  # close() cancelled it
+                    raise EncoderUnavailableError("the decoder is shutting down") from None
                 if not self._answers(encoder):
                     raise _Unresponsive()
                 limit = busy_until
@@ -500,6 +507,19 @@ class RemoteEmbeddingSource(EmbeddingSource):
                     self._counters.encoder_busy_waits += 1
         finally:
             call.cancel()  # a no-op once it has finished; otherwise the encoder may drop the work
+            self._untrack(call)
+
+    def _track(self, call: grpc.Future) -> None:
+        """Count call among the Encodes that close() cancels (cancelled at once when closed already)."""
+        with self._lock:
+            if self._closed:
+                call.cancel()
+            else:
+                self._open_calls.add(call)
+
+    def _untrack(self, call: grpc.Future) -> None:
+        with self._lock:
+            self._open_calls.discard(call)
 
     def _answers(self, encoder: str) -> bool:
         """Whether the encoder answers a stats call (any answer but a transport failure counts)."""
@@ -519,13 +539,19 @@ class RemoteEmbeddingSource(EmbeddingSource):
         request = encoder_pb2.EncodeRequest(
             request_id=req.request_id, accept=self.accept, cache_salt=req.cache_salt,
             prefetch=False, lease_owner=self._lease_owner, **_as_items(_by_hash(req)))
+        call = self._stub(encoder).Encode.future(request, timeout=self.retry.attempt_timeout_s,
+                                                 metadata=auth_metadata(self._token,
+                                                                        tenant_of_salt(req.cache_salt)))
+        self._track(call)
         try:
-            reply = self._stub(encoder).Encode(request, timeout=self.retry.attempt_timeout_s,
-                                               metadata=auth_metadata(self._token,
-                                                                      tenant_of_salt(req.cache_salt)))
+            reply = call.result()
+        except grpc.FutureCancelledError:  # close() cancelled it
+            return
         except grpc.RpcError as exc:
             log.debug("boost of %s: %s", req.content_hash[:16], exc.code().name)
             return
+        finally:
+            self._untrack(call)
         with self._lock:
             self._counters.lookahead_boosted += 1
         self._release_leases(encoder, [ref.lease_id for ref in reply.embeddings if ref.lease_id])

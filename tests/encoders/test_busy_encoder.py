@@ -32,6 +32,7 @@ class _BusyEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         self.needed = probes
         self.cond = threading.Condition()
         self.probes = self.encodes = self.abandoned = 0
+        self.time_left_when_abandoned: list[float] = []  # of each abandoned call's own deadline, seconds
 
     def GetStats(self, request, context):  # noqa: N802 - the gRPC method's name
         with self.cond:
@@ -39,13 +40,21 @@ class _BusyEncoder(encoder_pb2_grpc.EncoderServiceServicer):
             self.cond.notify_all()
         return encoder_pb2.EncoderStats()
 
+    def _wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
     def Encode(self, request, context):  # noqa: N802
+        context.add_callback(self._wake)  # the call ended (cancelled, or its deadline): stop waiting
         with self.cond:
             self.encodes += 1
+            self.cond.notify_all()
             done = self.cond.wait_for(lambda: not context.is_active() or (
                 self.needed is not None and self.probes >= self.needed), BOUND_S)
             if not done or not context.is_active():
                 self.abandoned += 1
+                self.time_left_when_abandoned.append(context.time_remaining() or 0.0)
+                self.cond.notify_all()
                 context.abort(grpc.StatusCode.CANCELLED, "the caller left")
         rows = b"\0" * 48
         return encoder_pb2.EncodeResponse(embeddings=[common_pb2.EmbeddingRef(
@@ -98,3 +107,18 @@ def test_an_encoder_busy_past_the_busy_timeout_is_deadline_exceeded(serve):
     assert state == EmbeddingState.FAILED and code == "DEADLINE_EXCEEDED", (code, error)
     assert "busy" in error and "unreachable" not in error.split("(")[0] and busy_waits >= 3
     assert encoder.encodes == 1
+
+
+def test_closing_the_source_cancels_a_call_to_a_busy_encoder(serve):
+    """A decoder shutting down (SIGTERM: its engine core closes the source) does not wait for a busy
+    encoder: the open Encode is cancelled, not left to run to its own deadline."""
+    encoder = _BusyEncoder(probes=None)
+    source = RemoteEmbeddingSource([serve(encoder)], retry=RetryPolicy(
+        attempt_timeout_s=BOUND_S, total_timeout_s=BOUND_S, busy_timeout_s=2 * BOUND_S))
+    source.request(EmbeddingRequest("r1", HASH, None))
+    with encoder.cond:
+        assert encoder.cond.wait_for(lambda: encoder.encodes == 1, BOUND_S)
+    source.close()
+    with encoder.cond:
+        assert encoder.cond.wait_for(lambda: encoder.abandoned == 1, BOUND_S)
+    assert encoder.time_left_when_abandoned[0] > BOUND_S, "the call ran into its deadline: never cancelled"
