@@ -38,6 +38,7 @@ class VideoLane:
         self._submit = submit
         self._threads = PrepThreads(threads, "video-decode")
         self._lock = threading.Lock()
+        self._stopping = False
         self.frames_decoded = 0  # every frame decoded, over all videos (the work done)
         self.abandoned = 0  # videos whose decoding stopped because every caller had gone
 
@@ -46,18 +47,20 @@ class VideoLane:
         self._threads.submit(self._run, (key, job, priority))
 
     def _frame_decoded(self, key: str) -> bool:
-        """Counts a decoded frame; whether to go on (somebody still waits for key)."""
+        """Counts a decoded frame; whether to go on (not shutting down, and somebody still waits for key)."""
         with self._lock:
             self.frames_decoded += 1
-        return self.cache.still_wanted(key)
+        return not self._stopping and self.cache.still_wanted(key)
 
     def _run(self, item: tuple[str, VideoJob, int]) -> None:
         key, job, priority = item
         try:
-            if not self.cache.still_wanted(key):  # everyone left while it queued
+            if self._stopping or not self.cache.still_wanted(key):  # everyone left while it queued
                 raise DecodeAbandoned
             ready = job.decoded(keep_going=lambda: self._frame_decoded(key))
         except DecodeAbandoned:
+            if self._stopping:  # the key stays pending: the cache's close fails it (shutting down)
+                return
             with self._lock:
                 self.abandoned += 1
             log.info("video %s: every caller has gone; decoding stopped", key[:16])
@@ -70,5 +73,7 @@ class VideoLane:
         self._submit(key, ready, priority)
 
     def shutdown(self) -> None:
-        """Let the queued videos run through (their keys fail once the worker has stopped), then exit."""
+        """Stop decoding at the next frame and let the threads exit; the videos' keys are left pending for
+        the cache's close to fail (UNAVAILABLE: shutting down)."""
+        self._stopping = True
         self._threads.shutdown()
