@@ -98,6 +98,7 @@ class _Slot:
     deadline: float = 0.0  # monotonic time by which the image is ready or failed
     boosted: bool = False  # asked for by lookahead, then needed now: told the encoder so
     started: bool = False  # a worker took its fetch up (one only: a queued duplicate sends nothing)
+    call: grpc.Future | None = None  # its Encode in flight: cancelled when the slot is released
 
 
 @dataclass
@@ -127,6 +128,10 @@ class EncoderUnavailableError(RuntimeError):
 
 class EncoderBusyError(RuntimeError):
     """The encoder was alive but had not finished the image within the policy's busy_timeout_s."""
+
+
+class _Released(Exception):  # noqa: N818 - not an error: nobody waits for the image any more
+    """The image's slot was released while its Encode was in flight: the call was cancelled."""
 
 
 class _Unresponsive(grpc.RpcError):
@@ -242,6 +247,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             keys = ([(request_id, content_hash)] if content_hash is not None
                     else [k for k in self._slots if k[0] == request_id])
+            calls = []
             for key in keys:
                 slot = self._slots.pop(key, None)
                 if slot is None:
@@ -249,8 +255,12 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 # Leases went back when the rows were copied; a fetch still in flight gives its own back.
                 slot.released = True
                 slot.tensor = None
+                if slot.call is not None:
+                    calls.append(slot.call)
             if content_hash is None:  # the request is gone: nobody will ask for its error code
                 self._failed_requests.pop(request_id, None)
+        for call in calls:  # nobody here needs the answer: the encoder stops the work if nobody else does
+            call.cancel()
 
     def error(self, request_id: str, content_hash: str) -> str:
         with self._lock:
@@ -325,6 +335,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
             return
         except EncoderBusyError as exc:
             self._fail(key, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+            return
+        except _Released:  # its request ended: nothing to deliver, nothing failed
             return
         except Exception as exc:  # noqa: BLE001 - a broken ref fails this image, never the engine
             log.exception("importing embedding %s failed", req.content_hash[:16])
@@ -485,7 +497,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         call = self._stub(encoder).Encode.future(
             request, timeout=max(busy_until - time.monotonic(), 0.001), wait_for_ready=False,
             metadata=auth_metadata(self._token, tenant_of_salt(req.cache_salt)))
-        self._track(call)
+        key = (req.request_id, req.content_hash)
+        self._track(call, key)
         limit = deadline  # until the encoder shows it is alive, an unreachable one's bound applies
         try:
             while True:
@@ -498,8 +511,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
                     return call.result(timeout=wait)
                 except grpc.FutureTimeoutError:
                     pass
-                except grpc.FutureCancelledError:  # close() cancelled it
-                    raise EncoderUnavailableError("the decoder is shutting down") from None
+                except grpc.FutureCancelledError:  # close() or release() cancelled it
+                    if self._closed:
+                        raise EncoderUnavailableError("the decoder is shutting down") from None
+                    raise _Released() from None
                 if not self._answers(encoder):
                     raise _Unresponsive()
                 limit = busy_until
@@ -507,19 +522,26 @@ class RemoteEmbeddingSource(EmbeddingSource):
                     self._counters.encoder_busy_waits += 1
         finally:
             call.cancel()  # a no-op once it has finished; otherwise the encoder may drop the work
-            self._untrack(call)
+            self._untrack(call, key)
 
-    def _track(self, call: grpc.Future) -> None:
-        """Count call among the Encodes that close() cancels (cancelled at once when closed already)."""
+    def _track(self, call: grpc.Future, key: tuple[str, str] | None = None) -> None:
+        """Count call among the Encodes that close() cancels, and as key's that release() cancels; it is
+        cancelled at once when the source is closed or key released already."""
         with self._lock:
-            if self._closed:
+            slot = self._slots.get(key) if key is not None else None
+            if self._closed or (key is not None and (slot is None or slot.released)):
                 call.cancel()
-            else:
-                self._open_calls.add(call)
+                return
+            self._open_calls.add(call)
+            if slot is not None:
+                slot.call = call
 
-    def _untrack(self, call: grpc.Future) -> None:
+    def _untrack(self, call: grpc.Future, key: tuple[str, str] | None = None) -> None:
         with self._lock:
             self._open_calls.discard(call)
+            slot = self._slots.get(key) if key is not None else None
+            if slot is not None and slot.call is call:
+                slot.call = None
 
     def _answers(self, encoder: str) -> bool:
         """Whether the encoder answers a stats call (any answer but a transport failure counts)."""

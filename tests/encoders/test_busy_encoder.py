@@ -122,3 +122,22 @@ def test_closing_the_source_cancels_a_call_to_a_busy_encoder(serve):
     with encoder.cond:
         assert encoder.cond.wait_for(lambda: encoder.abandoned == 1, BOUND_S)
     assert encoder.time_left_when_abandoned[0] > BOUND_S, "the call ran into its deadline: never cancelled"
+
+
+def test_releasing_a_request_cancels_its_encode_in_flight(serve):
+    """A request that ends (its client hung up) while its image is being encoded: the Encode is
+    cancelled, so the encoder can stop work nobody waits for; nothing counts as failed."""
+    encoder = _BusyEncoder(probes=None)
+    source = RemoteEmbeddingSource([serve(encoder)], retry=RetryPolicy(
+        attempt_timeout_s=BOUND_S, total_timeout_s=BOUND_S, busy_timeout_s=2 * BOUND_S))
+    try:
+        source.request(EmbeddingRequest("r1", HASH, None))
+        with encoder.cond:
+            assert encoder.cond.wait_for(lambda: encoder.encodes == 1, BOUND_S)
+        source.release("r1")
+        with encoder.cond:
+            assert encoder.cond.wait_for(lambda: encoder.abandoned == 1, BOUND_S)
+        assert encoder.time_left_when_abandoned[0] > BOUND_S, "never cancelled: it ran into its deadline"
+        assert source.stats().embedding_failures == 0
+    finally:
+        source.close()
