@@ -14,9 +14,9 @@ An embedding travels as one EmbeddingRef whatever its shape: [rows, hidden] (LLa
 
 Videos (Qwen2.5-VL, Qwen3-VL; encoder_svc/videos.py) follow the images of a request: their settings and
 headers are checked against the caps (VideoLimits) and their content hash made from the bytes, in a
-thread, before anything is decoded; a miss is decoded and patched on a prep thread and run through the
-tower with its (t, h, w) grid; each video is one cache entry whose ref also carries its timing. Refs
-list the images first, then the videos.
+thread, before anything is decoded; a miss is decoded and patched on the video lane (video_lane.py:
+threads of its own) and run through the tower with its (t, h, w) grid; each video is one cache entry
+whose ref also carries its timing. Refs list the images first, then the videos.
 """
 
 from __future__ import annotations

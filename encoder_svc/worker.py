@@ -1,7 +1,8 @@
 """The vision worker: preprocessing pools feeding one thread that batches queued images and runs the tower.
 
-A video is one job like an image (encoder_svc/videos.py): its frames are decoded and patched on a prep
-thread, and the tower runs it with its (t, h, w) grid, in a batch with images or other videos.
+A video is one job like an image (encoder_svc/videos.py): it comes here decoded and patched by the video
+lane (video_lane.py), and the tower runs it with its (t, h, w) grid, in a batch with images or videos.
+A job whose every caller has gone (cache.still_wanted) is neither prepared nor run through the tower.
 
 Each image starts preprocessing (`VisionEncoder.prepare`) in a thread pool (one per priority) the
 moment it is submitted, so that work runs in parallel and the next batch is prepared while the tower
