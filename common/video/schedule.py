@@ -70,7 +70,8 @@ def index_packets(container, stream) -> PacketIndex | None:
     key_pts: list[int] = []
     try:
         for packet in container.demux(stream):
-            if packet.size == 0:  # the demuxer's end-of-stream marker
+            # The demuxer's end-of-stream marker; packets an edit list cuts (decoded, never output).
+            if packet.size == 0 or packet.is_discard:
                 continue
             if packet.pts is None:
                 return None
