@@ -50,8 +50,8 @@ def _until(condition, what: str) -> None:
         time.sleep(0.01)
 
 
-def _request(*videos, images=()) -> encoder_pb2.EncodeRequest:
-    return encoder_pb2.EncodeRequest(videos=list(videos), accept=[SHM], cache_salt="work",
+def _request(*videos, images=(), salt="work") -> encoder_pb2.EncodeRequest:
+    return encoder_pb2.EncodeRequest(videos=list(videos), accept=[SHM], cache_salt=salt,
                                      images=[common_pb2.ImageInput(data=d) for d in images])
 
 
@@ -108,3 +108,16 @@ def test_a_video_whose_caller_hung_up_stops_at_the_next_frame(encoder, monkeypat
     assert len(response.embeddings) == 1 and not response.embeddings[0].cache_hit
     assert lane.frames_decoded - before == 451
     encoder.release_all(response)
+
+
+@pytest.mark.parametrize("cap, words", [
+    ({"max_decode_bytes": 450 * 64 * 48 * 3}, "video 0: reaching the sampled frames means decoding 451"),
+    ({"max_decode_s": 1e-9}, "video 0: decoding took longer than the limit of 1e-09 s a video"),
+])
+def test_a_video_over_its_decode_work_or_time_is_invalid_argument(encoder, monkeypatch, cap, words):
+    monkeypatch.setattr(encoder.servicer, "video_limits", VideoLimits(**cap))
+    with pytest.raises(grpc.RpcError) as err:  # a salt of its own: no hit on the video encoded before
+        encoder.stub.Encode(_request(FEW, salt=f"cap-{sorted(cap)}"), timeout=WAIT_S)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+    monkeypatch.undo()  # and the service goes on serving
+    encoder.release_all(encoder.stub.Encode(_request(images=[image_bytes(8)]), timeout=WAIT_S))
