@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.errors import CapacityError, UnavailableError
+from common.errors import CapacityError, InvalidInputError, UnavailableError
 from common.transport.arena import Arena, SliceAllocator
 from common.video.timestamps import VideoTiming
 from encoder_svc.defaults import DEFAULT_LEASE_TTL_S
@@ -61,6 +61,14 @@ class ItemTooLargeError(CacheFullError):
 
 class SaltClashError(RuntimeError):
     """A producer's key names an entry made under another salt: a content-hash collision."""
+
+
+class EntryKindError(InvalidInputError):
+    """A content hash names an entry of the other kind: a video's given for an image, or the reverse."""
+
+
+class ProductionAbandoned(Exception):  # noqa: N818 - not an error: nobody is left to tell
+    """Every caller of a production has gone (still_wanted answered False): its producer stops."""
 
 
 class ShuttingDownError(UnavailableError):
@@ -104,6 +112,7 @@ class _Waiter:
 @dataclass
 class _Pending:
     salt: str
+    video: bool = False
     waiters: list[_Waiter] = field(default_factory=list)
 
 
@@ -149,6 +158,7 @@ class EmbeddingCache:
         self._leased_bytes = 0
         self._reserved_inflight = 0  # slices allocated for writes not yet published
         self.hits = self.misses = self.evictions = self.expired_leases = self.inflight_dedups = 0
+        self.abandoned = 0  # productions dropped because every waiter had gone (still_wanted)
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -168,7 +178,8 @@ class EmbeddingCache:
         return entry if entry is not None and entry.salt == salt else None
 
     def acquire(self, key: str, want_lease: bool = True, expected_nbytes: int | None = None,
-                produce: bool = True, salt: str = "", owner: str = "") -> tuple[cf.Future | None, bool]:
+                produce: bool = True, salt: str = "", owner: str = "",
+                video: bool = False) -> tuple[cf.Future | None, bool]:
         """Get key's entry under salt: (future of a Handle, must_produce).
 
         A hit resolves at once. A key already being produced joins that production. Otherwise, with
@@ -181,6 +192,9 @@ class EmbeddingCache:
         salt, so a clash means two salts hashed to one key (never, short of a hash collision): refused
         with SaltClashError rather than letting one tenant's production replace the other's entry.
         A lease taken here belongs to `owner` (see the module docstring).
+
+        `video` says which kind of input asks: an entry or production of the other kind (a video's hash
+        given as an image's, or the reverse) is refused with EntryKindError, never handed out as this one.
         """
         with self._lock:
             self._sweep_locked()
@@ -192,6 +206,12 @@ class EmbeddingCache:
                 if not produce:
                     return None, False
                 raise SaltClashError(f"content hash {key} clashes with an entry of another cache_salt")
+            found = (entry.timing is not None) if entry is not None else (
+                pending.video if pending is not None else video)
+            if found != video:
+                raise EntryKindError(f"content hash {key} names {'a video' if found else 'an image'}; "
+                                     f"{'a video' if video else 'an image'} input takes only "
+                                     f"{'a video' if video else 'an image'}'s hash")
             if entry is not None:
                 self.hits += 1
                 fut: cf.Future = cf.Future()
@@ -207,7 +227,7 @@ class EmbeddingCache:
             if expected_nbytes is not None:
                 self._check_fits_locked(expected_nbytes)
             self.misses += 1
-            self._pending[key] = _Pending(salt, [_Waiter(fut, want_lease, owner)])
+            self._pending[key] = _Pending(salt, video, [_Waiter(fut, want_lease, owner)])
             return fut, True
 
     def lease(self, key: str, salt: str = "", owner: str = "") -> Handle | None:
@@ -309,6 +329,30 @@ class EmbeddingCache:
                     waiter.future.set_exception(exc)
                 except cf.InvalidStateError:
                     pass
+
+    def waiters(self, key: str) -> int:
+        """Callers waiting for key's production now (0: nobody, or key is not being produced)."""
+        with self._lock:
+            pending = self._pending.get(key)
+            return 0 if pending is None else sum(not w.future.cancelled() for w in pending.waiters)
+
+    def still_wanted(self, key: str) -> bool:
+        """Whether anyone still waits for key's production (a producer asks between frames or images).
+
+        When every waiter has gone (each one's future cancelled: its RPC was cancelled or timed out), the
+        production is dropped here, at once, so a later acquire starts a fresh one instead of joining
+        work that is stopping; the answer is False and the producer must stop and call neither
+        `complete` nor `fail`. Prefetch's waiters are never cancelled: prefetched work is always wanted.
+        """
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is None:  # failed or shut down meanwhile
+                return False
+            if any(not waiter.future.cancelled() for waiter in pending.waiters):
+                return True
+            del self._pending[key]
+            self.abandoned += 1
+            return False
 
     def _check_fits_locked(self, nbytes: int) -> None:
         size = self.allocator.reserved_size(nbytes)

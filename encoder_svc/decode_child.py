@@ -13,6 +13,7 @@ import struct
 import threading
 import time
 
+from common.freed_memory import LARGE_JOB_BYTES, release_freed_memory
 from common.images import ImageError, ImageLimits
 from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 
@@ -86,6 +87,16 @@ def _run_decode_job(payload: bytes, limits: ImageLimits) -> bytes:
         decoded = decode_in_slot(path, offset, length, capacity, limits, fingerprint, salt)
     except Exception as exc:  # noqa: BLE001 - the server raises it for its caller
         return PICKLED + pickle.dumps((job_id, False, exc))
+    nbytes = 3 * decoded.width * decoded.height
+    try:
+        return _decoded_reply(job_id, decoded)
+    finally:
+        del decoded
+        if nbytes >= LARGE_JOB_BYTES:  # a large image's freed blocks go back to the system
+            release_freed_memory()
+
+
+def _decoded_reply(job_id: int, decoded: DecodedImage) -> bytes:
     if decoded.pixels:  # larger than the slot: they travel in the reply
         if len(decoded.pixels) > MAX_FRAME_BYTES:  # the server's frames have a 31-bit length
             return PICKLED + pickle.dumps((job_id, False, ImageError(

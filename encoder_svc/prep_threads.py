@@ -80,3 +80,4 @@ class PrepThreads:
         set_native_thread_name(name)
         while (task := self._queue.get()) is not None:
             task.run()
+            task = None  # hold no finished task (its value: a prepared input) while waiting for the next

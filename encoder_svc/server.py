@@ -14,9 +14,9 @@ An embedding travels as one EmbeddingRef whatever its shape: [rows, hidden] (LLa
 
 Videos (Qwen2.5-VL, Qwen3-VL; encoder_svc/videos.py) follow the images of a request: their settings and
 headers are checked against the caps (VideoLimits) and their content hash made from the bytes, in a
-thread, before anything is decoded; a miss is decoded and patched on a prep thread and run through the
-tower with its (t, h, w) grid; each video is one cache entry whose ref also carries its timing. Refs
-list the images first, then the videos.
+thread, before anything is decoded; a miss is decoded and patched on the video lane (video_lane.py:
+threads of its own) and run through the tower with its (t, h, w) grid; each video is one cache entry
+whose ref also carries its timing. Refs list the images first, then the videos.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from common.transport.arena_factory import make_arena
 from common.video.limits import VideoLimits
 from common.vision.qwen_encoder import make_vision_encoder, takes_pixel_ranges
 from common.vision.tower import VisionEncoder
-from encoder_svc.cache import CacheFullError, EmbeddingCache, Handle, SaltClashError
+from encoder_svc.cache import CacheFullError, EmbeddingCache, EntryKindError, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
 from encoder_svc.decode_pool import DecodePool, DecodeWorkerDied
 from encoder_svc.decoded_image import DecodedImage, decode_and_hash
@@ -51,6 +51,7 @@ from encoder_svc.metrics import EncoderMetrics
 from encoder_svc.refs import build_ref, choose_transport, grid_message, inline_payload, served_transports
 from encoder_svc.stages import StageTotals, split_encode
 from encoder_svc.stats import EncoderStats
+from encoder_svc.video_lane import VideoLane
 from encoder_svc.videos import VideoJob, plan_videos
 from encoder_svc.worker import DEMAND, PREFETCH, VisionWorker
 
@@ -68,7 +69,9 @@ def _release_images(items) -> None:
 
 
 def _release_when_done(cache: EmbeddingCache, fut: cf.Future, owner: str) -> None:
-    """A request gave up on fut: drop the lease it will carry (taken for owner), now or when it resolves."""
+    """A request gave up on fut: drop the lease it will carry (taken for owner), now or when it resolves.
+    A pending fut is cancelled: its production stops once no request waits for it (video_lane.py)."""
+    fut.cancel()
 
     def _drop(f: cf.Future) -> None:
         if not f.cancelled() and f.exception() is None and f.result().lease_id:
@@ -91,6 +94,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.pool_decode_always = False  # EncoderConfig.pool_decode_always
         self.cache = cache
         self.worker = worker
+        self.video_lane = VideoLane(cache, worker.submit)  # videos decode apart from images' threads
         self.limits = limits
         self.served = served_transports(cache.arena)
         self.metrics = EncoderMetrics(self.stats, registry)
@@ -280,7 +284,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 nbytes = self.vision.nbytes_for(self.vision.layout.grid(image.height, image.width, pixels))
             fut, produce = self.cache.acquire(key, want_lease, nbytes,
                                               produce=image is not None, salt=salt, owner=owner)
-        except (CacheFullError, SaltClashError, ImageGeometryError) as exc:  # SaltClash: a hash collision
+        # SaltClash: a hash collision; EntryKind: a video's hash given for an image
+        except (CacheFullError, SaltClashError, ImageGeometryError, EntryKindError) as exc:
             _release_images([(key, image)])
             raise self._map_error(index, exc) from None
         if produce:
@@ -301,11 +306,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             nbytes = self.vision.nbytes_for(job.plan.grid) if job is not None else None
             fut, produce = self.cache.acquire(key, want_lease, nbytes, produce=job is not None, salt=salt,
-                                              owner=owner)
-        except (CacheFullError, SaltClashError) as exc:
+                                              owner=owner, video=True)
+        except (CacheFullError, SaltClashError, EntryKindError) as exc:
             raise self._map_error(index, exc, "video") from None
         if produce:
-            self.worker.submit(key, job, priority)
+            self.video_lane.start(key, job, priority)
             return fut
         if fut is None:
             raise not_found(f"video {index}: content hash {key} is not in the encoder cache; "
@@ -453,6 +458,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         """Refuse new work, stop the worker, free the arena (unlinks the SHM segment)."""
         self._closing = True
         await asyncio.to_thread(self.worker.stop)
+        self.video_lane.shutdown()
         if self.decode_pool is not None:
             await asyncio.to_thread(self.decode_pool.close)
         self.cache.close()

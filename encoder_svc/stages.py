@@ -3,7 +3,8 @@
     receive      argument checks, before any input is read
     decode       decoding and hashing the image files (a video: its header checks and hash)
     queue        waiting for a preprocessing thread and for the tower (behind other batches)
-    preprocess   the image processor (resize, normalise, patch; on a GPU: the host side of it)
+    preprocess   the image processor (resize, normalise, patch; on a GPU: the host side of it); a video's
+                 frame decoding and patching on the video lane, before the worker gets it
     tower        the vision tower over the batch holding the image, until its rows are in the cache
                  (on a GPU: launched, with the producer event recorded; the device's own time per
                  batch is `tower_device_seconds`)
@@ -51,7 +52,8 @@ def split_encode(started: float, checked: float, decoded: float, waiting: float,
     finished = [j for j in jobs if j is not None and j.tower_end > waiting]
     if finished:
         last = max(finished, key=lambda j: j.tower_end)
-        split["preprocess"] = _overlap(last.prep_start, last.prep_end, waiting, last.tower_end)
+        lane = _overlap(waiting, last.submitted, waiting, last.tower_end)  # a video, before the worker
+        split["preprocess"] = lane + _overlap(last.prep_start, last.prep_end, waiting, last.tower_end)
         split["tower"] = _overlap(last.tower_start, last.tower_end, waiting, last.tower_end)
         split["queue"] += max(0.0, last.tower_end - waiting - split["preprocess"] - split["tower"])
     split["handoff"] = max(0.0, (ended - started) - sum(split.values()))

@@ -1,13 +1,14 @@
-"""Videos in the encoder service: a video's header is checked against the caps and its content hash made
-from its bytes without decoding a frame (`plan_videos`, off the event loop); a cache miss becomes a
-VideoJob, which the vision worker prepares on a prep thread like an image (the sampled frames decoded and
-patched as HF's video processor does) before the tower runs it with the video's (t, h, w) grid.
+"""Videos in the encoder service: a video's header is checked against the caps, its decode work counted
+from its packet index and its content hash made from its bytes without decoding a frame (`plan_videos`,
+off the event loop); a cache miss becomes a VideoJob, which the video lane (video_lane.py) decodes and
+patches as HF's video processor does, on threads of its own, before the tower runs it with the video's
+(t, h, w) grid.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,22 +28,33 @@ from common.vision.qwen_encoder import QwenPrepared
 
 @dataclass(frozen=True)
 class VideoJob:
-    """A video to encode: its bytes, the config it is processed under and its header-derived plan."""
+    """A video to encode: its bytes, the config it is processed under and its header-derived plan; once
+    decoded and patched (`decoded`), also its prepared input for the tower."""
 
     data: bytes
     config: QwenVideoConfig
     limits: VideoLimits
     plan: VideoPlan
+    prepared: QwenPrepared | None = None
 
-    def prepare(self) -> QwenPrepared:
-        """Decode the planned frames and patch them (a prep thread's work); VideoError for a stream that
-        breaks after its header."""
+    def decode(self, keep_going: Callable[[], bool] | None = None) -> QwenPrepared:
+        """Decode the planned frames and patch them. VideoError for a stream that breaks after its header
+        or runs past its time budget; DecodeAbandoned once keep_going() (asked at every frame) is False."""
         video = decode_video(self.data, lambda _info: np.asarray(self.plan.indices, dtype=np.int64),
-                             self.limits)
+                             self.limits, keep_going)
         rows, grid = video_patches(video.frames, self.config)
         if tuple(grid) != tuple(self.plan.grid):  # the frames differ from what the header promised
             raise VideoError(f"decoded frames give grid {list(grid)}, the header {list(self.plan.grid)}")
         return QwenPrepared(tuple(grid), pixel_values=rows, timing=self.plan.timing)
+
+    def decoded(self, keep_going: Callable[[], bool] | None = None) -> VideoJob:
+        """This job with its frames decoded and patched (see `decode`)."""
+        return replace(self, prepared=self.decode(keep_going))
+
+    def prepare(self) -> QwenPrepared:
+        """The tower's input (what the vision worker calls on a prep thread): the frames decoded by the
+        video lane, or decoded here when the job comes straight to the worker."""
+        return self.prepared if self.prepared is not None else self.decode()
 
 
 def hash_only(index: int, video) -> str:

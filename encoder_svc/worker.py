@@ -1,7 +1,8 @@
 """The vision worker: preprocessing pools feeding one thread that batches queued images and runs the tower.
 
-A video is one job like an image (encoder_svc/videos.py): its frames are decoded and patched on a prep
-thread, and the tower runs it with its (t, h, w) grid, in a batch with images or other videos.
+A video is one job like an image (encoder_svc/videos.py): it comes here decoded and patched by the video
+lane (video_lane.py), and the tower runs it with its (t, h, w) grid, in a batch with images or videos.
+A job whose every caller has gone (cache.still_wanted) is neither prepared nor run through the tower.
 
 Each image starts preprocessing (`VisionEncoder.prepare`) in a thread pool (one per priority) the
 moment it is submitted, so that work runs in parallel and the next batch is prepared while the tower
@@ -51,9 +52,10 @@ from PIL import Image
 from common.qwen_layout import PixelRange
 from common.thread_names import set_native_thread_name
 from common.vision.tower import VisionEncoder
-from encoder_svc.cache import EmbeddingCache, ShuttingDownError
+from encoder_svc.cache import EmbeddingCache, ProductionAbandoned, ShuttingDownError
 from encoder_svc.decoded_image import DecodedImage
 from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
+from encoder_svc.memory_return import input_nbytes, return_memory_after
 from encoder_svc.prep_threads import PrepTask, PrepThreads
 from encoder_svc.stages import JobTimes
 from encoder_svc.videos import VideoJob
@@ -132,7 +134,7 @@ class VisionWorker:
                 self.cache.fail(key, ShuttingDownError("encoder shutting down"))
                 return
             times = JobTimes(submitted=time.perf_counter())
-            prepare = functools.partial(self._prepare_timed, times=times, pixels=pixels)
+            prepare = functools.partial(self._prepare_timed, times=times, pixels=pixels, key=key)
             job = _Job(key, self._pools[priority].submit(prepare, image), priority, times)
             self._jobs[key] = job
             self._times[key] = times
@@ -142,11 +144,11 @@ class VisionWorker:
             self._cv.notify()
 
     def _prepare_timed(self, image: Image.Image | DecodedImage | VideoJob, times: JobTimes,
-                       pixels: PixelRange | None = None):
+                       pixels: PixelRange | None = None, key: str | None = None):
         """_prepare, stamped."""
         times.prep_start = time.perf_counter()
         try:
-            return self._prepare(image, pixels)
+            return self._prepare(image, pixels, key)
         finally:
             times.prep_end = time.perf_counter()
 
@@ -167,12 +169,16 @@ class VisionWorker:
                 start, end = self._device_timers.popleft()
                 self._tower_device_s += start.elapsed_time(end) / 1000
 
-    def _prepare(self, image: Image.Image | DecodedImage | VideoJob, pixels: PixelRange | None = None):
+    def _prepare(self, image: Image.Image | DecodedImage | VideoJob, pixels: PixelRange | None = None,
+                 key: str | None = None):
         """The tower's host-side preprocessing (a video: decoding its sampled frames and patching them);
-        then a decode pool's pixel slot goes back (prepare copied the pixels out)."""
+        then a decode pool's pixel slot goes back (prepare copied the pixels out). Nothing is prepared
+        for a key whose every caller has gone (ProductionAbandoned)."""
         if isinstance(image, VideoJob):
             return image.prepare()
         try:
+            if key is not None and not self.cache.still_wanted(key):
+                raise ProductionAbandoned(key)
             return self.vision.prepare(image) if pixels is None else self.vision.prepare(image, pixels)
         finally:
             if isinstance(image, DecodedImage):
@@ -221,7 +227,8 @@ class VisionWorker:
                 _, _, job = heapq.heappop(self._heap)
                 if not job.stale:
                     batch.append(job)
-                    del self._jobs[job.key]
+                    if self._jobs.get(job.key) is job:  # an abandoned key may be in production again
+                        del self._jobs[job.key]
             return batch
 
     def _run(self) -> None:
@@ -257,10 +264,15 @@ class VisionWorker:
         out = []
         for job in batch:
             try:
-                out.append((job, job.prepared.result()))
+                prepared = job.prepared.result()
+            except ProductionAbandoned:  # dropped by the cache: neither complete nor fail it
+                continue
             except Exception as exc:  # a bad image fails its own key, not its batch
                 log.warning("preprocessing %s failed: %s", job.key[:16], exc)
                 self.cache.fail(job.key, exc)
+                continue
+            if self.cache.still_wanted(job.key):  # not when everyone left while it was prepared
+                out.append((job, prepared))
         return out
 
     def _run_batch(self, jobs: list[_Job]) -> None:
@@ -287,6 +299,11 @@ class VisionWorker:
             for job, _ in batch:
                 self.cache.fail(job.key, exc)
         self.busy_s += time.monotonic() - t0
+        nbytes = sum(input_nbytes(prepared) for _, prepared in batch)
+        del batch
+        for job in jobs:
+            job.prepared = None  # the inputs go now, so that a large batch's memory can be given back
+        return_memory_after(nbytes)
 
     def _encode_and_store(self, batch: list[tuple[_Job, object]]) -> None:
         started = time.perf_counter()

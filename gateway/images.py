@@ -97,20 +97,21 @@ def is_public_address(address: str) -> bool:
     return ip.is_global and not ip.is_multicast
 
 
-async def _public_address(host: str, port: int, param: str) -> str:
-    """The address to connect to for host: every address it resolves to must be public."""
+async def _public_address(host: str, port: int, param: str, kind: str = "image") -> str:
+    """The address to connect to for host: every address it resolves to must be public. kind (image,
+    video) names the URL in messages."""
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise bad_request(f"cannot resolve image URL host {host!r}: {exc.strerror}", param) from None
+        raise bad_request(f"cannot resolve {kind} URL host {host!r}: {exc.strerror}", param) from None
     addresses = [info[4][0] for info in infos]
     refused = [a for a in addresses if not is_public_address(a)]
     if refused or not addresses:
         raise bad_request(
-            f"image URL host {host!r} resolves to a non-public address "
+            f"{kind} URL host {host!r} resolves to a non-public address "
             f"({refused[0] if refused else 'none'}); "
             "the gateway fetches only from public addresses unless started with --allow-private-image-urls",
-            param, "image_url_forbidden")
+            param, f"{kind}_url_forbidden")
     return addresses[0]
 
 
@@ -197,30 +198,30 @@ class ImageFetcher:
             try:
                 target = httpx.URL(url)
             except httpx.InvalidURL as exc:
-                raise bad_request(f"invalid image URL: {exc}", param) from None
+                raise bad_request(f"invalid {kind} URL: {exc}", param) from None
             if target.scheme not in ("http", "https") or not target.host:
-                raise bad_request("image_url must be a data:, http: or https: URL", param)
-            request = self._request(target, await self._connect_to(target, param))
+                raise bad_request(f"{kind}_url must be a data:, http: or https: URL", param)
+            request = self._request(target, await self._connect_to(target, param, kind))
             response = await self._client.send(request, stream=True)
             try:
                 if response.is_redirect and "location" in response.headers:
                     url = str(target.join(response.headers["location"]))
                     continue
                 if response.status_code != 200:
-                    raise bad_request(f"fetching the image URL answered HTTP {response.status_code}", param,
-                                      "image_fetch_failed")
+                    raise bad_request(f"fetching the {kind} URL answered HTTP {response.status_code}", param,
+                                      f"{kind}_fetch_failed")
                 return await self._read_limited(response, param, budget, kind)
             finally:
                 await response.aclose()
-        raise bad_request(f"more than {MAX_REDIRECTS} redirects fetching the image URL", param,
-                          "image_fetch_failed")
+        raise bad_request(f"more than {MAX_REDIRECTS} redirects fetching the {kind} URL", param,
+                          f"{kind}_fetch_failed")
 
-    async def _connect_to(self, target: httpx.URL, param: str) -> str | None:
+    async def _connect_to(self, target: httpx.URL, param: str, kind: str = "image") -> str | None:
         """The checked address to pin the connection to (None: let the client resolve, when allowed)."""
         if self.policy.allow_private:
             return None
         return await _public_address(target.host, target.port or (443 if target.scheme == "https" else 80),
-                                     param)
+                                     param, kind)
 
     def _request(self, target: httpx.URL, address: str | None) -> httpx.Request:
         if address is None:

@@ -72,6 +72,26 @@ class VideoLimits:
                                     "width x height x 3), from the header", flag="--max-video-decoded-bytes",
                                     type=positive_int)
 
+    # Every frame decoded to reach the sampled ones, at full size (common/video/schedule.py seeks to the
+    # keyframe before each sampled frame): a long 1080p video with 4 frames sampled but a single keyframe
+    # would otherwise decode thousands of frames. The default is about 5500 1080p frames (3 minutes at
+    # 30 fps) or 1380 of 4K.
+    max_decode_bytes: int = option(32 << 30, "most bytes of frames decoded to reach one video's sampled "
+                                   "frames (frames decoded x width x height x 3), from the packet index "
+                                   "before decoding", flag="--max-video-decode-bytes", type=positive_int)
+    # The schedule bounds the work; this bounds its time on a loaded host (checked at each frame).
+    max_decode_s: float = option(60.0, "most seconds one video's decoding may take",
+                                 flag="--max-video-decode-seconds", type=positive_float)
+
+    def check_decode_work(self, frames: int, width: int, height: int) -> None:
+        """VideoError when decoding `frames` frames of width x height would pass max_decode_bytes."""
+        size = frames * width * height * 3
+        if size > self.max_decode_bytes:
+            raise VideoError(f"reaching the sampled frames means decoding {frames} frames of "
+                             f"{width}x{height}, {size} bytes; the limit is {self.max_decode_bytes} "
+                             "(--max-video-decode-bytes: sample fewer or earlier frames, or send a video "
+                             "with more keyframes)")
+
     def check_decoded(self, frames: int, width: int, height: int) -> None:
         """VideoError when `frames` sampled frames of width x height would pass max_decoded_bytes."""
         size = frames * width * height * 3

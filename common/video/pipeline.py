@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from common.qwen_layout import Grid
 from common.video.config import QwenVideoConfig
-from common.video.decode import DecodedVideo, decode_video
+from common.video.decode import DecodedVideo, decode_video, plan_decoding
 from common.video.hashing import hash_video_bytes
 from common.video.limits import VideoLimits
-from common.video.probe import VideoInfo, probe_video
+from common.video.probe import VideoInfo
 from common.video.timestamps import VideoTiming, qwen2_5_vl_second_per_grid, qwen3_vl_timestamps, video_timing
 
 
@@ -52,16 +52,17 @@ class VideoPlan:
     num_tokens: int
     timing: VideoTiming
     content_hash: str
+    frames_to_decode: int = 0  # every frame decoding goes through to reach the sampled ones
 
 
 def plan_video(data: bytes, config: QwenVideoConfig, model_fingerprint: str, cache_salt: str = "",
                limits: VideoLimits = VideoLimits()) -> VideoPlan:
     """The header checked against limits, the sampled indices, grid, tokens, timing and content hash of
-    encoded video bytes, without decoding a frame (read_video's values). Raises VideoError."""
-    info = probe_video(data, limits)
-    indices = tuple(int(i) for i in config.sampling.indices_for(info))
-    limits.check_decoded(len(indices), info.width, info.height)
+    encoded video bytes, without decoding a frame (read_video's values); the frames that decoding goes
+    through are counted from the packet index and checked against limits too. Raises VideoError."""
+    info, sampled, schedule = plan_decoding(data, config.sampling.indices_for, limits)
+    indices = tuple(int(i) for i in sampled)
     grid = config.geometry.grid(len(indices), info.height, info.width)
     return VideoPlan(info, indices, grid, config.geometry.num_tokens(grid),
                      video_timing(indices, info.total_frames, info.fps, config.geometry.temporal_patch_size),
-                     hash_video_bytes(data, config, model_fingerprint, cache_salt))
+                     hash_video_bytes(data, config, model_fingerprint, cache_salt), schedule.frames_to_decode)

@@ -3,8 +3,9 @@ image it has no bytes of and has not hashed itself (its token count depends on t
 
 Each hash goes to the encoder that owns it on the same consistent-hash ring the embedding fetches use,
 as one Lookup per encoder, under the request's cache salt (an entry made under another salt answers
-nothing). Best effort: an unreachable encoder or an absent entry leaves the hash out of the answer, and
-the input processor then refuses the image with INVALID_ARGUMENT, asking for its bytes.
+nothing). Best effort: an unreachable encoder, an absent entry or a video's entry (a video's hash given
+for an image) leaves the hash out of the answer, and the input processor then refuses the image with
+INVALID_ARGUMENT, asking for its bytes.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ class GridLookup:
                 log.info("grid lookup at %s: %s", encoder, exc.code().name)
                 continue
             for h, cached, grid in zip(hashes, reply.cached, reply.grids, strict=False):
-                if cached and len(grid.thw) == 3:
+                # A video's entry (it has timing) never stands for an image: left out like an absent one.
+                is_video = bool(grid.video_timestamps) or grid.second_per_grid > 0
+                if cached and len(grid.thw) == 3 and not is_video:
                     out[h] = (int(grid.thw[0]), int(grid.thw[1]), int(grid.thw[2]))
         return out
 

@@ -10,8 +10,13 @@
   reused for another image, however long it waits.
 - Cross-service lookahead: the scheduler hands over the images of the next queued requests with
   prefetch=True, so the encoder works (at low priority) while this decoder computes.
-- Never hangs: each ask runs on a worker thread with per-attempt deadlines and retries with
-  exponential backoff; an encoder that stays down fails the key with UNAVAILABLE.
+- Never hangs: each ask runs on a worker thread with deadlines and retries with exponential backoff; an
+  encoder that stays down fails the key with UNAVAILABLE.
+- Slow is not down: an Encode stays open while the encoder works on it (cancelling it would make the
+  encoder drop the work, encoder_svc/video_lane.py). Every `attempt_timeout_s` without an answer the
+  encoder is asked for its stats: one that answers is busy, and the call goes on, up to
+  `busy_timeout_s` from the first ask (then DEADLINE_EXCEEDED: "busy", not "unavailable"); one that
+  does not answer either is unreachable, and the call is cancelled and retried as before.
 - Several encoders are routed by consistent hash of the content hash; `dns:///NAME:PORT` finds them by
   DNS and follows replicas as they come and go (discovery.py). An image whose encoder left the ring is
   asked of its new owner on the next retry.
@@ -68,8 +73,9 @@ class RetryPolicy:
     to max_backoff_s ("full jitter"), so images refused together retry apart.
     """
 
-    attempt_timeout_s: float = 10.0  # one RPC; cut to what is left of total_timeout_s
-    total_timeout_s: float = 20.0
+    attempt_timeout_s: float = 10.0  # waiting for an answer before asking whether the encoder is alive
+    total_timeout_s: float = 20.0  # an encoder that never shows it is alive fails the image then
+    busy_timeout_s: float = 300.0  # an encoder that is alive but busy with the image fails it then
     full_cache_wait_s: float = 2.0
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 2.0
@@ -92,6 +98,7 @@ class _Slot:
     deadline: float = 0.0  # monotonic time by which the image is ready or failed
     boosted: bool = False  # asked for by lookahead, then needed now: told the encoder so
     started: bool = False  # a worker took its fetch up (one only: a queued duplicate sends nothing)
+    call: grpc.Future | None = None  # its Encode in flight: cancelled when the slot is released
 
 
 @dataclass
@@ -103,6 +110,8 @@ class RemoteSourceStats:
     lookahead_ready_at_prefill: int = stat("Prefetched images already ready when prefill reached them")
     lookahead_waited_at_prefill: int = stat("Prefetched images still encoding when prefill reached them")
     lookahead_boosted: int = stat("Prefetched images raised to demand priority when their prefill came")
+    encoder_busy_waits: int = stat("Waits past an Encode's attempt timeout because its encoder was busy, "
+                                   "not unreachable (it answered a stats call)")
     embeddings_from_encoder_cache: int = stat("Embeddings an encoder served from its cache")
     images_resent: int = stat("Images whose bytes had to follow their hash (the encoder did not have it)")
     embedding_failures: int = stat("Image embeddings that failed (the request failed with them)")
@@ -115,6 +124,27 @@ class RemoteSourceStats:
 
 class EncoderUnavailableError(RuntimeError):
     """The encoder could not be reached within the retry policy."""
+
+
+class EncoderBusyError(RuntimeError):
+    """The encoder was alive but had not finished the image within the policy's busy_timeout_s."""
+
+
+class _Released(Exception):  # noqa: N818 - not an error: nobody waits for the image any more
+    """The image's slot was released while its Encode was in flight: the call was cancelled."""
+
+
+class _Unresponsive(grpc.RpcError):
+    """An Encode without an answer from an encoder that did not answer a stats call either: unreachable."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the encoder answers no call"
+
+
+_PROBE_TIMEOUT_S = 2.0  # a stats call to an encoder that is alive takes milliseconds, however busy it is
 
 
 class LeaseLapsedError(RuntimeError):
@@ -161,6 +191,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._failed_requests: dict[str, grpc.StatusCode] = {}
         self._closed = False
+        self._open_calls: set[grpc.Future] = set()  # Encodes in flight: close() cancels them
         self._copiers: dict[int, SideStreamCopier] = {}  # one per fetch thread, on CUDA
         self._counters = RemoteSourceStats()
 
@@ -216,6 +247,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             keys = ([(request_id, content_hash)] if content_hash is not None
                     else [k for k in self._slots if k[0] == request_id])
+            calls = []
             for key in keys:
                 slot = self._slots.pop(key, None)
                 if slot is None:
@@ -223,8 +255,12 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 # Leases went back when the rows were copied; a fetch still in flight gives its own back.
                 slot.released = True
                 slot.tensor = None
+                if slot.call is not None:
+                    calls.append(slot.call)
             if content_hash is None:  # the request is gone: nobody will ask for its error code
                 self._failed_requests.pop(request_id, None)
+        for call in calls:  # nobody here needs the answer: the encoder stops the work if nobody else does
+            call.cancel()
 
     def error(self, request_id: str, content_hash: str) -> str:
         with self._lock:
@@ -246,8 +282,11 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             self._closed = True
             requests = {rid for rid, _ in self._slots}
+            calls, self._open_calls = list(self._open_calls), set()
         for rid in requests:
             self.release(rid)
+        for call in calls:  # a fetch waiting on a busy encoder would hold the shutdown for its whole wait
+            call.cancel()
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._prefetch_pool.shutdown(wait=True, cancel_futures=False)
         self.ring.close()
@@ -293,6 +332,11 @@ class RemoteEmbeddingSource(EmbeddingSource):
             return
         except (EncoderUnavailableError, LeaseLapsedError) as exc:
             self._fail(key, grpc.StatusCode.UNAVAILABLE, str(exc))
+            return
+        except EncoderBusyError as exc:
+            self._fail(key, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+            return
+        except _Released:  # its request ended: nothing to deliver, nothing failed
             return
         except Exception as exc:  # noqa: BLE001 - a broken ref fails this image, never the engine
             log.exception("importing embedding %s failed", req.content_hash[:16])
@@ -406,6 +450,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
                                             cache_salt=req.cache_salt, prefetch=req.prefetch,
                                             lease_owner=self._lease_owner, **_as_items(item))
         policy = self.retry
+        busy_until = deadline - policy.total_timeout_s + policy.busy_timeout_s  # from the first ask too
         backoff = policy.initial_backoff_s
         attempts, full_since = 0, None
         while True:
@@ -415,12 +460,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
                                               f"({attempts} attempts)")
             attempts += 1
             try:
-                reply = self._stub(encoder).Encode(request, timeout=min(policy.attempt_timeout_s, left),
-                                                    wait_for_ready=False,
-                                                    metadata=auth_metadata(self._token,
-                                                                           tenant_of_salt(req.cache_salt)))
-                return reply.embeddings[0]
+                return self._await_encode(encoder, req, request, deadline, busy_until).embeddings[0]
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not isinstance(exc, _Unresponsive):
+                    raise EncoderBusyError(self._busy_message()) from None  # the call's own timeout
                 if exc.code() not in _RETRYABLE or self._closed:
                     raise
                 owner = self._owner_now(req.content_hash)
@@ -441,6 +484,75 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 time.sleep(pause)
                 backoff = min(policy.max_backoff_s, backoff * 2)
 
+    def _busy_message(self) -> str:
+        return (f"the encoder was busy and had not finished this input within "
+                f"{self.retry.busy_timeout_s:.0f} s (it answered throughout: slow, not unreachable)")
+
+    def _await_encode(self, encoder: str, req: EmbeddingRequest, request: encoder_pb2.EncodeRequest,
+                      deadline: float, busy_until: float) -> encoder_pb2.EncodeResponse:
+        """One Encode, kept open while the encoder shows it is alive (see the module docstring).
+
+        Raises the call's RpcError, _Unresponsive (UNAVAILABLE) when neither the call nor a stats call
+        is answered by `deadline` (or within an attempt), EncoderBusyError past busy_until."""
+        call = self._stub(encoder).Encode.future(
+            request, timeout=max(busy_until - time.monotonic(), 0.001), wait_for_ready=False,
+            metadata=auth_metadata(self._token, tenant_of_salt(req.cache_salt)))
+        key = (req.request_id, req.content_hash)
+        self._track(call, key)
+        limit = deadline  # until the encoder shows it is alive, an unreachable one's bound applies
+        try:
+            while True:
+                wait = min(self.retry.attempt_timeout_s, limit - time.monotonic())
+                if wait <= 0:
+                    if limit == busy_until:
+                        raise EncoderBusyError(self._busy_message())
+                    raise _Unresponsive()
+                try:
+                    return call.result(timeout=wait)
+                except grpc.FutureTimeoutError:
+                    pass
+                except grpc.FutureCancelledError:  # close() or release() cancelled it
+                    if self._closed:
+                        raise EncoderUnavailableError("the decoder is shutting down") from None
+                    raise _Released() from None
+                if not self._answers(encoder):
+                    raise _Unresponsive()
+                limit = busy_until
+                with self._lock:
+                    self._counters.encoder_busy_waits += 1
+        finally:
+            call.cancel()  # a no-op once it has finished; otherwise the encoder may drop the work
+            self._untrack(call, key)
+
+    def _track(self, call: grpc.Future, key: tuple[str, str] | None = None) -> None:
+        """Count call among the Encodes that close() cancels, and as key's that release() cancels; it is
+        cancelled at once when the source is closed or key released already."""
+        with self._lock:
+            slot = self._slots.get(key) if key is not None else None
+            if self._closed or (key is not None and (slot is None or slot.released)):
+                call.cancel()
+                return
+            self._open_calls.add(call)
+            if slot is not None:
+                slot.call = call
+
+    def _untrack(self, call: grpc.Future, key: tuple[str, str] | None = None) -> None:
+        with self._lock:
+            self._open_calls.discard(call)
+            slot = self._slots.get(key) if key is not None else None
+            if slot is not None and slot.call is call:
+                slot.call = None
+
+    def _answers(self, encoder: str) -> bool:
+        """Whether the encoder answers a stats call (any answer but a transport failure counts)."""
+        try:
+            self._stub(encoder).GetStats(common_pb2.StatsRequest(),
+                                         timeout=min(_PROBE_TIMEOUT_S, self.retry.attempt_timeout_s),
+                                         metadata=auth_metadata(self._token))
+        except grpc.RpcError as exc:
+            return exc.code() not in _TRANSPORT_CODES
+        return True
+
     def _boost(self, encoder: str, req: EmbeddingRequest) -> None:
         """A demand Encode by hash for an image whose lookahead Encode is still queued at the encoder:
         it joins that production and raises it to demand priority. Its answer (a lease on the same
@@ -449,13 +561,19 @@ class RemoteEmbeddingSource(EmbeddingSource):
         request = encoder_pb2.EncodeRequest(
             request_id=req.request_id, accept=self.accept, cache_salt=req.cache_salt,
             prefetch=False, lease_owner=self._lease_owner, **_as_items(_by_hash(req)))
+        call = self._stub(encoder).Encode.future(request, timeout=self.retry.attempt_timeout_s,
+                                                 metadata=auth_metadata(self._token,
+                                                                        tenant_of_salt(req.cache_salt)))
+        self._track(call)
         try:
-            reply = self._stub(encoder).Encode(request, timeout=self.retry.attempt_timeout_s,
-                                               metadata=auth_metadata(self._token,
-                                                                      tenant_of_salt(req.cache_salt)))
+            reply = call.result()
+        except grpc.FutureCancelledError:  # close() cancelled it
+            return
         except grpc.RpcError as exc:
             log.debug("boost of %s: %s", req.content_hash[:16], exc.code().name)
             return
+        finally:
+            self._untrack(call)
         with self._lock:
             self._counters.lookahead_boosted += 1
         self._release_leases(encoder, [ref.lease_id for ref in reply.embeddings if ref.lease_id])

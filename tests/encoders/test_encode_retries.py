@@ -11,6 +11,7 @@ from common.pb import common_pb2
 from decoder_svc.encoders import remote_source
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
+from tests.encoders.fake_calls import FakeMethod
 
 
 class _Refused(grpc.RpcError):
@@ -24,8 +25,9 @@ class _Refused(grpc.RpcError):
 class _FullCacheStub:
     def __init__(self) -> None:
         self.calls = 0
+        self.Encode = FakeMethod(self._encode)
 
-    def Encode(self, request, **kwargs):  # noqa: N802 - the gRPC method's name
+    def _encode(self, request, **kwargs):
         self.calls += 1
         raise _Refused()
 
@@ -38,18 +40,39 @@ class _Hung(grpc.RpcError):
         return "Deadline Exceeded"
 
 
+class _HungCall:
+    """An Encode that never answers: each wait for it uses up its whole timeout on the fake clock."""
+
+    def __init__(self, stub: _HungStub) -> None:
+        self.stub = stub
+
+    def result(self, timeout=None):
+        assert timeout is not None  # a wait without a timeout could hang the fetch worker forever
+        self.stub.timeouts.append(timeout)
+        self.stub.clock.now += timeout
+        raise grpc.FutureTimeoutError()
+
+    def cancel(self) -> bool:
+        self.stub.cancelled += 1
+        return True
+
+
 class _HungStub:
-    """An encoder that never answers: each Encode uses up its whole timeout on the fake clock, then
-    fails with DEADLINE_EXCEEDED; the timeout of every attempt is recorded."""
+    """An encoder that never answers, nor its stats (a stopped process): the source's every wait for an
+    Encode is recorded, each uses up its timeout, and each unanswered Encode is cancelled."""
 
     def __init__(self, clock: _Clock) -> None:
         self.clock = clock
         self.timeouts: list[float] = []
+        self.cancelled = 0
+        self.Encode = FakeMethod(None)
+        self.Encode.future = self._start
 
-    def Encode(self, request, timeout=None, **kwargs):  # noqa: N802 - the gRPC method's name
-        assert timeout is not None  # an Encode without a timeout could hang the fetch worker forever
-        self.timeouts.append(timeout)
-        self.clock.now += timeout
+    def _start(self, request, timeout=None, **kwargs) -> _HungCall:
+        assert timeout is not None  # an Encode without a timeout could hang forever
+        return _HungCall(self)
+
+    def GetStats(self, request, **kwargs):  # noqa: N802 - the gRPC method's name
         raise _Hung()
 
 
@@ -122,7 +145,7 @@ def test_each_attempt_timeout_is_cut_to_what_is_left_of_the_images_deadline(monk
         clock.now += 4.5  # every fetch worker was busy
         fn, args = queued.pop()
         fn(*args)
-        assert stub.timeouts == pytest.approx([3.0, 2.5])
+        assert stub.timeouts == pytest.approx([3.0, 2.5]) and stub.cancelled == 2
         assert clock.now == pytest.approx(asked_at + policy.total_timeout_s)  # failed on time, not later
         assert source.poll("r1", "cd" * 32) == EmbeddingState.FAILED
         assert "unreachable" in source.error("r1", "cd" * 32)

@@ -24,6 +24,7 @@ import torch
 from common.pb import common_pb2, encoder_pb2
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
+from tests.encoders.fake_calls import FakeMethod
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,6 +86,7 @@ class FakeEncoder:
         self.failing: dict[str, grpc.StatusCode] = {}
         self.dead = False
         self.Release = _Release(self)
+        self.Encode = FakeMethod(self._encode)
 
     def queue(self, *names: str) -> None:
         for name in names:
@@ -98,7 +100,12 @@ class FakeEncoder:
         for gate in [*self.queued.values(), *self.stalled.values()]:
             gate.set()
 
-    def Encode(self, request, timeout=None, wait_for_ready=None, metadata=None):  # noqa: N802 - gRPC's name
+    def GetStats(self, request, timeout=None, metadata=None):  # noqa: N802 - gRPC's name
+        if self.dead:
+            raise _Status(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+        return encoder_pb2.EncoderStats()
+
+    def _encode(self, request, timeout=None, wait_for_ready=None, metadata=None):
         assert timeout is not None  # an Encode without a timeout could hang its worker forever
         call = _Call(request)
         with self.cond:

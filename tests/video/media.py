@@ -14,15 +14,22 @@ def frame_colour(i: int) -> tuple[int, int, int]:
 
 
 def make_video(num_frames: int = 20, fps: int = 10, codec: str = "mpeg4", fmt: str = "mp4",
-               width: int = 64, height: int = 48, pix_fmt: str = "yuv420p") -> bytes:
-    """Encoded bytes of a video of flat frames coloured frame_colour(i)."""
+               width: int = 64, height: int = 48, pix_fmt: str = "yuv420p", gop_size: int | None = None,
+               still: bool = False) -> bytes:
+    """Encoded bytes of a video of flat frames coloured frame_colour(i).
+
+    gop_size: frames from one keyframe to the next (the encoder's default otherwise); still: every frame
+    frame 0's colour, so the encoder adds no keyframe at a change of scene (one keyframe with a large
+    gop_size: a video that can only be decoded from its start)."""
     buf = io.BytesIO()
     with av.open(buf, "w", format=fmt) as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
+        if gop_size is not None:
+            stream.codec_context.gop_size = gop_size
         for i in range(num_frames):
             rgb = np.empty((height, width, 3), np.uint8)
-            rgb[...] = frame_colour(i)
+            rgb[...] = frame_colour(0 if still else i)
             for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():

@@ -7,6 +7,7 @@ lease, and the service keeps serving."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import grpc
@@ -151,6 +152,27 @@ def test_request_settings_images_first_and_salt(encoder, preset):
     with pytest.raises(grpc.RpcError) as err:
         _encode(encoder, common_pb2.VideoInput(content_hash=plan.content_hash))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "video 0" in err.value.details()
+
+
+def test_a_video_hash_given_as_an_image_is_invalid_argument(encoder):
+    response = _encode(encoder, common_pb2.VideoInput(data=VIDEO), salt="kinds")
+    (video,) = response.embeddings
+    encoder.release_all(response)
+    image = encode_png(make_image(2, (64, 64)))
+    image_hash = _encode(encoder, images=[image], accept=INLINE, salt="kinds").embeddings[0].content_hash
+    for request, words in (
+            (encoder_pb2.EncodeRequest(images=[common_pb2.ImageInput(content_hash=video.content_hash)]),
+             "image 0: content hash .* names a video"),
+            (encoder_pb2.EncodeRequest(videos=[common_pb2.VideoInput(content_hash=image_hash)]),
+             "video 0: content hash .* names an image")):
+        request.accept.append(INLINE)
+        request.cache_salt = "kinds"
+        with pytest.raises(grpc.RpcError) as err:
+            encoder.stub.Encode(request, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert re.search(words, err.value.details()), err.value.details()
+    assert _encode(encoder, common_pb2.VideoInput(content_hash=video.content_hash), accept=INLINE,
+                   salt="kinds").embeddings[0].cache_hit  # still served as what it is
 
 
 def test_prefetch_then_encode_runs_the_tower_once(encoder):

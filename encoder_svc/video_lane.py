@@ -1,0 +1,79 @@
+"""The video lane: threads of their own that decode and patch videos before the tower sees them.
+
+A video's decoding can take seconds (its frame count and size are capped from the header and packet
+index, common/video), so it must not hold the threads that prepare images, nor the tower thread, which
+waits for the prepared inputs of every job of its batch in turn. Videos are therefore decoded here, and
+only a video whose frames are ready goes to the vision worker, which then merely stacks its patches.
+
+Decoding asks the cache between frames whether anyone still waits for the video (`still_wanted`): when
+every caller has gone (its RPC cancelled, the decoder's own timeout), it stops at the next frame, and
+the production is dropped so that a later request starts afresh. Memory the frames took is given back
+to the system after each video (common/freed_memory.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from common.freed_memory import release_freed_memory
+from common.video.decode import DecodeAbandoned
+from encoder_svc.cache import EmbeddingCache
+from encoder_svc.prep_threads import PrepThreads
+from encoder_svc.videos import VideoJob
+
+log = logging.getLogger(__name__)
+
+DEFAULT_VIDEO_THREADS = 2  # videos decoded at once; FFmpeg's own threads come on top
+
+
+class VideoLane:
+    """Decodes VideoJobs on `threads` threads, then hands them to `submit(key, job, priority)` (the
+    vision worker's), or fails their key in `cache`; stops a job whose every caller has gone."""
+
+    def __init__(self, cache: EmbeddingCache, submit: Callable[[str, VideoJob, int], None],
+                 threads: int = DEFAULT_VIDEO_THREADS) -> None:
+        self.cache = cache
+        self._submit = submit
+        self._threads = PrepThreads(threads, "video-decode")
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.frames_decoded = 0  # every frame decoded, over all videos (the work done)
+        self.abandoned = 0  # videos whose decoding stopped because every caller had gone
+
+    def start(self, key: str, job: VideoJob, priority: int) -> None:
+        """Decode job for key (the cache's production of key) on the lane's threads."""
+        self._threads.submit(self._run, (key, job, priority))
+
+    def _frame_decoded(self, key: str) -> bool:
+        """Counts a decoded frame; whether to go on (not shutting down, and somebody still waits for key)."""
+        with self._lock:
+            self.frames_decoded += 1
+        return not self._stopping and self.cache.still_wanted(key)
+
+    def _run(self, item: tuple[str, VideoJob, int]) -> None:
+        key, job, priority = item
+        try:
+            if self._stopping or not self.cache.still_wanted(key):  # everyone left while it queued
+                raise DecodeAbandoned
+            ready = job.decoded(keep_going=lambda: self._frame_decoded(key))
+        except DecodeAbandoned:
+            if self._stopping:  # the key stays pending: the cache's close fails it (shutting down)
+                return
+            with self._lock:
+                self.abandoned += 1
+            log.info("video %s: every caller has gone; decoding stopped", key[:16])
+            return
+        except Exception as exc:  # noqa: BLE001 - a bad video fails its own key, never the lane
+            self.cache.fail(key, exc)
+            return
+        finally:
+            release_freed_memory()
+        self._submit(key, ready, priority)
+
+    def shutdown(self) -> None:
+        """Stop decoding at the next frame and let the threads exit; the videos' keys are left pending for
+        the cache's close to fail (UNAVAILABLE: shutting down)."""
+        self._stopping = True
+        self._threads.shutdown()

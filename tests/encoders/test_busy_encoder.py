@@ -1,0 +1,143 @@
+"""A busy encoder is not an unreachable one (issue 38, item 5): the decoder keeps an Encode open past its
+attempt timeout, and past the unreachable-encoder deadline, while the encoder answers stats calls, and
+gets the embedding from that one call; an encoder busy past `busy_timeout_s` fails the image with
+DEADLINE_EXCEEDED ("busy"), not UNAVAILABLE. A real gRPC server on 127.0.0.1 plays the encoder; its
+Encode answers only after a number of stats calls, so the waits are counted, not timed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
+from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
+from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
+
+HASH = "ab" * 32
+BOUND_S = 30.0  # bounds waits for what takes milliseconds; no test measures it
+# Slices of 0.1 s and an unreachable deadline of 0.25 s: an encoder that needs four stats calls before
+# it answers is busy for longer than an unreachable one is waited for.
+POLICY = RetryPolicy(attempt_timeout_s=0.1, total_timeout_s=0.25, busy_timeout_s=BOUND_S,
+                     initial_backoff_s=0.01, max_backoff_s=0.02)
+
+
+class _BusyEncoder(encoder_pb2_grpc.EncoderServiceServicer):
+    """Answers an Encode once it has been asked for its stats `probes` times (None: never)."""
+
+    def __init__(self, probes: int | None) -> None:
+        self.needed = probes
+        self.cond = threading.Condition()
+        self.probes = self.encodes = self.abandoned = 0
+        self.time_left_when_abandoned: list[float] = []  # of each abandoned call's own deadline, seconds
+
+    def GetStats(self, request, context):  # noqa: N802 - the gRPC method's name
+        with self.cond:
+            self.probes += 1
+            self.cond.notify_all()
+        return encoder_pb2.EncoderStats()
+
+    def _wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def Encode(self, request, context):  # noqa: N802
+        context.add_callback(self._wake)  # the call ended (cancelled, or its deadline): stop waiting
+        with self.cond:
+            self.encodes += 1
+            self.cond.notify_all()
+            done = self.cond.wait_for(lambda: not context.is_active() or (
+                self.needed is not None and self.probes >= self.needed), BOUND_S)
+            if not done or not context.is_active():
+                self.abandoned += 1
+                self.time_left_when_abandoned.append(context.time_remaining() or 0.0)
+                self.cond.notify_all()
+                context.abort(grpc.StatusCode.CANCELLED, "the caller left")
+        rows = b"\0" * 48
+        return encoder_pb2.EncodeResponse(embeddings=[common_pb2.EmbeddingRef(
+            content_hash=HASH, shape=[3, 4], dtype=common_pb2.DTYPE_FLOAT32, nbytes=48, inline_data=rows)])
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(encoder: _BusyEncoder) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        encoder_pb2_grpc.add_EncoderServiceServicer_to_server(encoder, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(0)
+
+
+def _fetch(address: str, policy: RetryPolicy = POLICY) -> tuple[EmbeddingState, str | None, str, int]:
+    """(final state, error code, error text, busy waits) of one image asked of the encoder at address."""
+    source = RemoteEmbeddingSource([address], retry=policy)
+    try:
+        source.request(EmbeddingRequest("r1", HASH, None))
+        deadline = time.monotonic() + BOUND_S
+        while source.poll("r1", HASH) == EmbeddingState.PENDING:
+            assert time.monotonic() < deadline, "the image neither arrived nor failed"
+            time.sleep(0.01)
+        state, error = source.poll("r1", HASH), source.error("r1", HASH)
+        return state, source.pop_error_code("r1"), error, source.stats().encoder_busy_waits
+    finally:
+        source.close()
+
+
+def test_a_busy_encoder_is_waited_for_on_one_open_call(serve):
+    encoder = _BusyEncoder(probes=4)
+    state, code, error, busy_waits = _fetch(serve(encoder))
+    assert state == EmbeddingState.READY, f"a busy encoder was taken for an unreachable one: {code} {error}"
+    assert encoder.encodes == 1 and encoder.probes >= 4 and busy_waits >= 4
+
+
+def test_an_encoder_busy_past_the_busy_timeout_is_deadline_exceeded(serve):
+    encoder = _BusyEncoder(probes=None)
+    state, code, error, busy_waits = _fetch(serve(encoder), RetryPolicy(
+        attempt_timeout_s=0.1, total_timeout_s=0.25, busy_timeout_s=0.6, initial_backoff_s=0.01))
+    assert state == EmbeddingState.FAILED and code == "DEADLINE_EXCEEDED", (code, error)
+    assert "busy" in error and "unreachable" not in error.split("(")[0] and busy_waits >= 3
+    assert encoder.encodes == 1
+
+
+def test_closing_the_source_cancels_a_call_to_a_busy_encoder(serve):
+    """A decoder shutting down (SIGTERM: its engine core closes the source) does not wait for a busy
+    encoder: the open Encode is cancelled, not left to run to its own deadline."""
+    encoder = _BusyEncoder(probes=None)
+    source = RemoteEmbeddingSource([serve(encoder)], retry=RetryPolicy(
+        attempt_timeout_s=BOUND_S, total_timeout_s=BOUND_S, busy_timeout_s=2 * BOUND_S))
+    source.request(EmbeddingRequest("r1", HASH, None))
+    with encoder.cond:
+        assert encoder.cond.wait_for(lambda: encoder.encodes == 1, BOUND_S)
+    source.close()
+    with encoder.cond:
+        assert encoder.cond.wait_for(lambda: encoder.abandoned == 1, BOUND_S)
+    assert encoder.time_left_when_abandoned[0] > BOUND_S, "the call ran into its deadline: never cancelled"
+
+
+def test_releasing_a_request_cancels_its_encode_in_flight(serve):
+    """A request that ends (its client hung up) while its image is being encoded: the Encode is
+    cancelled, so the encoder can stop work nobody waits for; nothing counts as failed."""
+    encoder = _BusyEncoder(probes=None)
+    source = RemoteEmbeddingSource([serve(encoder)], retry=RetryPolicy(
+        attempt_timeout_s=BOUND_S, total_timeout_s=BOUND_S, busy_timeout_s=2 * BOUND_S))
+    try:
+        source.request(EmbeddingRequest("r1", HASH, None))
+        with encoder.cond:
+            assert encoder.cond.wait_for(lambda: encoder.encodes == 1, BOUND_S)
+        source.release("r1")
+        with encoder.cond:
+            assert encoder.cond.wait_for(lambda: encoder.abandoned == 1, BOUND_S)
+        assert encoder.time_left_when_abandoned[0] > BOUND_S, "never cancelled: it ran into its deadline"
+        assert source.stats().embedding_failures == 0
+    finally:
+        source.close()
