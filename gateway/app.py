@@ -27,6 +27,7 @@ from starlette.routing import Route
 from common.pb import decoder_pb2
 from gateway.admission import admit_chat, admit_completion, check_salt, read_json
 from gateway.balancer import DecoderPool, GenerationGroup
+from gateway.byte_budget import ByteBudget, GatewayBytes
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, bad_request, from_rpc_error
 from gateway.images import ImageFetcher
@@ -90,6 +91,7 @@ class Gateway:
         self.config = config
         self.pool = pool or DecoderPool.of(config.decoders, security=config.upstream)
         self.fetcher = ImageFetcher(config.images)
+        self.bytes_in_flight = GatewayBytes(config.images.max_bytes_in_flight)
         self.metrics = GatewayMetrics()
         self.texts = TokenTexts(config.model)
         self.created = int(time.time())
@@ -150,9 +152,17 @@ class Gateway:
         self.check_model(req.model)
         (admit_chat if schema is ChatCompletionRequest else admit_completion)(req, self.config)
         salt = self.cache_salt(request, api_key, req.cache_salt)
-        grpc_request = await cancel_on_disconnect(request, translate(req, salt))
-        generation = await cancel_on_disconnect(request, self.pool.generate_group(
-            fan_out(grpc_request, req.n), self.config.request_timeout_s, grpc_request.request_id))
+        # Each choice's call carries the request's images: count them n times, and hold them against the
+        # gateway-wide budget until the request ends (GenerationGroup.cancel).
+        budget = ByteBudget(self.config.images.max_total_image_bytes, req.n, self.bytes_in_flight)
+        try:
+            grpc_request = await cancel_on_disconnect(request, translate(req, salt, budget))
+            generation = await cancel_on_disconnect(request, self.pool.generate_group(
+                fan_out(grpc_request, req.n), self.config.request_timeout_s, grpc_request.request_id))
+        except BaseException:
+            budget.release()
+            raise
+        generation.on_end = budget.release
         return req, generation
 
     async def _handle(self, request: Request, endpoint: str, schema: type, translate, respond) -> Response:
@@ -224,13 +234,13 @@ class Gateway:
                     self._count(endpoint, CLIENT_CLOSED_REQUEST)
             yield sse_event("[DONE]")
 
-        return SSEResponse(body())
+        return SSEResponse(body(), on_close=generation.cancel)
 
     # --- routes -----------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        async def translate(req, salt):
-            return await chat_request(req, self.fetcher, salt, self.served.takes_video)
+        async def translate(req, salt, budget):
+            return await chat_request(req, self.fetcher, salt, self.served.takes_video, budget)
 
         return await self._handle(request, "chat", ChatCompletionRequest, translate, self._chat_response)
 
@@ -294,7 +304,7 @@ class Gateway:
         return await self._whole(request, "chat", generation, collect)
 
     async def completions(self, request: Request) -> Response:
-        async def translate(req, salt):
+        async def translate(req, salt, budget):
             return completion_request(req, salt)
 
         return await self._handle(request, "completions", CompletionRequest, translate,
@@ -369,6 +379,7 @@ class Gateway:
     async def prometheus(self, request: Request) -> Response:
         for endpoint in self.pool.endpoints:
             self.metrics.outstanding.labels(endpoint.address).set(endpoint.outstanding)
+        self.metrics.media_bytes_held.set(self.bytes_in_flight.held)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # --- lifecycle --------------------------------------------------------------------------------

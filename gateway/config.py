@@ -54,6 +54,14 @@ class ImageFetchPolicy:
         DEFAULT_MAX_MESSAGE_BYTES - UPSTREAM_MESSAGE_MARGIN,
         "most image bytes in one request, all images together: must fit the decoder's gRPC message "
         "(beyond it: 413)", type=positive_int)
+    max_bytes_in_flight: int = option(
+        512 * 2**20, "most image and video bytes the whole gateway holds for the requests in flight, "
+        "each request's counted once per choice (beyond it: 429 with Retry-After); at least "
+        "--max-total-image-bytes", flag="--max-image-bytes-in-flight", type=positive_int)
+    max_images_all_choices: int = option(
+        64, "most images and videos of one request counted once per choice (n x per choice): the "
+        "decoder's input processing takes 64 at once, so more could never be admitted together "
+        "(beyond it: 400)", type=positive_int)
     fetch_concurrency: int = option(4, "image URLs fetched at once for one request",
                                     flag="--image-fetch-concurrency", type=positive_int)
     global_fetch_concurrency: int = option(64, "image URLs fetched at once by the whole gateway",
@@ -64,6 +72,9 @@ class ImageFetchPolicy:
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.max_bytes_in_flight < self.max_total_image_bytes:  # else a request could never fit
+            raise ValueError(f"--max-image-bytes-in-flight ({self.max_bytes_in_flight}) must be at least "
+                             f"--max-total-image-bytes ({self.max_total_image_bytes})")
 
     def max_file_bytes(self, kind: str) -> int:
         """The per-file limit of an image or (kind "video") a video."""

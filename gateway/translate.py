@@ -12,6 +12,7 @@ from __future__ import annotations
 import uuid
 
 from common.pb import common_pb2, decoder_pb2
+from gateway.byte_budget import ByteBudget
 from gateway.errors import bad_request
 from gateway.images import ImageFetcher
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, TextPart, VideoPart
@@ -63,12 +64,14 @@ def chat_logprobs_wanted(req: ChatCompletionRequest) -> int:
 
 
 async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_salt: str,
-                       takes_video: bool | None = None) -> decoder_pb2.GenerateRequest:
+                       takes_video: bool | None = None, budget: ByteBudget | None = None
+                       ) -> decoder_pb2.GenerateRequest:
     """A chat GenerateRequest; image and video URLs are fetched with bounded concurrency
     (ImageFetcher.fetch_all), each error naming its part. The request's counts and sizes were admitted
     before (admission.py). A video_url part becomes a chat video part (VideoInput with the model's
     default sampling); takes_video False (a served model without video input, e.g. LLaVA) refuses it
-    with a 400 before anything is fetched, None leaves the decision to the decoder."""
+    with a 400 before anything is fetched, None leaves the decision to the decoder. budget: the request's
+    byte budget (each byte counted once per choice), the fetcher's default without one."""
     _refuse_unsupported(req)
     if req.tools:
         raise bad_request("tools are not supported", "tools", "unsupported_parameter")
@@ -101,7 +104,7 @@ async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_
     _apply_processor_kwargs(req, fetches, takes_video)
     if fetches:
         datas = await fetcher.fetch_all([(url, param) for _, url, param, _ in fetches],
-                                        [kind for *_, kind in fetches])
+                                        [kind for *_, kind in fetches], budget)
         for (item, *_), data in zip(fetches, datas, strict=True):
             item.data = data
     return out
