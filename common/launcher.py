@@ -23,7 +23,7 @@ from common.health import wait_until_serving
 from common.help_format import DefaultsHelpFormatter
 from common.startup import check_port_free, report_usage_error
 from gateway.health import wait_until_http_healthy
-from gateway.model_info import default_served_name
+from gateway.model_info import default_served_names
 
 RANDOM_WEIGHTS_NOTE = (
     "note: this checkpoint was made by `mmserve make-model` with random weights: its text is noise by "
@@ -115,12 +115,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
-    """The names the gateway serves: --served-model-name, else --model as the user typed it (a Hub id,
-    or a directory's name), else the preset's name."""
+    """The names the gateway serves: --served-model-name, else --model as the user typed it (a Hub id; a
+    directory as typed and its name), else the preset's name."""
     if args.served_model_name:
         return list(args.served_model_name)
     if args.model:
-        return [default_served_name(args.model)]
+        return default_served_names(args.model)
     return [args.preset]
 
 

@@ -54,7 +54,6 @@ from gateway.translate import chat_request, completion_request, fan_out
 
 log = logging.getLogger("mmserve.gateway")
 T = TypeVar("T")
-_NO_TOKENS = decoder_pb2.GenerateResponse()  # the first chat chunk (the role) carries no tokens
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; it never reaches that client
 
 
@@ -124,8 +123,9 @@ class Gateway:
         tenant = self.config.tenant_of(api_key)
         return f"{tenant}/{given}" if given else tenant
 
-    def check_model(self, model: str) -> None:
-        if model not in self.config.served_model_names:
+    def check_model(self, model: str | None) -> None:
+        """404 for a model this gateway does not serve; no model at all means the served one (vLLM)."""
+        if model is not None and model not in self.config.served_model_names:
             names = ", ".join(repr(n) for n in self.config.served_model_names)
             raise APIError(404, f"the model {model!r} does not exist; this server serves {names}",
                            param="model", code="model_not_found")
@@ -244,6 +244,16 @@ class Gateway:
 
         return await self._handle(request, "chat", ChatCompletionRequest, translate, self._chat_response)
 
+    @staticmethod
+    def _running_usage(req, generation: GenerationGroup) -> RunningUsage | None:
+        """Usage so far for continuous_usage_stats (None without it), the prompt's counts taken from the
+        decoders' first messages, so that every chunk has them, the role chunks included (vLLM)."""
+        if not req.continuous_usage:
+            return None
+        running = RunningUsage()
+        running.prime([member.first for member in generation.members])
+        return running
+
     async def _whole(self, request: Request, endpoint: str, generation: GenerationGroup, collect
                      ) -> Response:
         """A whole (not streamed) response: collect() awaited, the calls cancelled if the client leaves."""
@@ -262,24 +272,26 @@ class Gateway:
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 include = req.include_usage
-                running = RunningUsage() if req.continuous_usage else None
+                running = self._running_usage(req, generation)
                 finals: list = [None] * n
                 for index in range(n):  # every choice's role first, as vLLM sends them
                     yield chat_chunk(head, {"role": "assistant", "content": ""}, include_usage=include,
-                                     usage=running.add(_NO_TOKENS) if running else None, index=index)
+                                     usage=running.body() if running else None, index=index)
                 # One event per decoder message, so one token per event: the decoder sends one engine
                 # step per message (decoder_svc/stream.py). A token whose text is held back (part of a
                 # UTF-8 character, or a possible stop string) has no event of its own; its text comes
-                # with a later token's, as in vLLM.
+                # with a later token's, as in vLLM. The last message's text comes with the finish reason,
+                # in one chunk, as vLLM sends it.
                 async for index, chunk in chunks:
                     logprobs = chat_logprobs(chunk, top_n, self.texts) if req.logprobs else None
                     so_far = running.add(chunk) if running else None
-                    if chunk.text or logprobs or (so_far and chunk.token_ids and not chunk.finish_reason):
-                        yield chat_chunk(head, {"content": chunk.text}, logprobs=logprobs,
-                                         include_usage=include, usage=so_far, index=index)
                     if chunk.finish_reason:
                         finals[index] = chunk.usage
-                        yield chat_chunk(head, {}, FINISH_REASONS.get(chunk.finish_reason),
+                        finish = FINISH_REASONS.get(chunk.finish_reason)
+                        yield chat_chunk(head, {"content": chunk.text}, finish, logprobs=logprobs,
+                                         include_usage=include, usage=so_far, index=index)
+                    elif chunk.text or logprobs or (so_far and chunk.token_ids):
+                        yield chat_chunk(head, {"content": chunk.text}, logprobs=logprobs,
                                          include_usage=include, usage=so_far, index=index)
                 if include:
                     yield usage_chunk(head, "chat.completion.chunk", summed_usage(finals))
@@ -320,18 +332,17 @@ class Gateway:
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 include = req.include_usage
-                running = RunningUsage() if req.continuous_usage else None
+                running = self._running_usage(req, generation)
                 finals: list = [None] * n
-                async for index, chunk in chunks:  # one token per event: see _chat_response
+                async for index, chunk in chunks:  # one token per event, the last text with the finish
                     part = logprobs[index].add(chunk) if logprobs is not None else None
                     so_far = running.add(chunk) if running else None
-                    if chunk.text or part or (so_far and chunk.token_ids and not chunk.finish_reason):
-                        yield completion(head, [completion_choice(index, chunk.text, None, part)], so_far,
-                                         stream=True, include_usage=include)
-                    if chunk.finish_reason:
+                    finish = FINISH_REASONS.get(chunk.finish_reason) if chunk.finish_reason else None
+                    if finish is not None:
                         finals[index] = chunk.usage
-                        choice = completion_choice(index, "", FINISH_REASONS.get(chunk.finish_reason), None)
-                        yield completion(head, [choice], so_far, stream=True, include_usage=include)
+                    if finish is not None or chunk.text or part or (so_far and chunk.token_ids):
+                        yield completion(head, [completion_choice(index, chunk.text, finish, part)], so_far,
+                                         stream=True, include_usage=include)
                 if include:
                     yield usage_chunk(head, "text_completion", summed_usage(finals))
 

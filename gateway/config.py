@@ -21,7 +21,7 @@ from common.config import check_options, option, section
 from common.images import DEFAULT_IMAGE_FORMATS, image_format_list
 from common.security.options import ClientSecurity
 from common.server import DEFAULT_MAX_MESSAGE_BYTES
-from gateway.model_info import default_served_name
+from gateway.model_info import default_served_names
 
 # The decoder's own limit on cache_salt (decoder_svc/engine/input_processor.py MAX_SALT_BYTES), which it
 # checks after every prefix is applied: the gateway's tenant prefix, and the decoder's tenant namespace
@@ -136,7 +136,7 @@ class GatewayConfig:
     port: int = option(8000, "HTTP port", type=port_number)
     served_model_names: list[str] = option(
         help="the model name(s) clients send and /v1/models lists; responses carry the first (default: "
-        "--model as given: a Hub id, or a directory's name; else 'mmserve')", flag="--served-model-name",
+        "--model as typed, and for a directory also its name; else 'mmserve')", flag="--served-model-name",
         metavar="NAME", append=True, nargs="+", default_factory=list)
     model: Path | str | None = option(
         None, "the served checkpoint dir: its tokenizer writes logprob tokens as text (without it they "
@@ -158,7 +158,7 @@ class GatewayConfig:
         if not self.decoders:
             raise ValueError("--decoder: give at least one decoder address")
         if not self.served_model_names:
-            self.served_model_names = [default_served_name(self.model)]
+            self.served_model_names = default_served_names(self.model)
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError("--served-model-name: a name is given twice")
         if self.model is not None:

@@ -51,7 +51,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
         top_k=max(req.top_k or 0, 0),  # vLLM's -1 means off, as the decoder's 0 does
         stop=req.stop_list(), ignore_eos=req.ignore_eos, logprobs=logprobs, min_tokens=req.min_tokens)
     if req.seed is not None:
-        params.seed = req.seed
+        params.seed = req.seed % 2**64  # a negative seed (vLLM's -1 too) as its two's complement
     return params
 
 
@@ -75,6 +75,10 @@ async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_
     _refuse_unsupported(req)
     if req.tools:
         raise bad_request("tools are not supported", "tools", "unsupported_parameter")
+    if req.media_io_kwargs:
+        raise bad_request("media_io_kwargs is not supported: choose how a video is sampled with "
+                          "mm_processor_kwargs' fps and max_frames", "media_io_kwargs",
+                          "unsupported_parameter")
     out = decoder_pb2.GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
         sampling=sampling_params(req, req.max_completion_tokens or req.max_tokens, chat_logprobs_wanted(req)))
@@ -86,8 +90,8 @@ async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_
             message.content or [])
         for j, part in enumerate(parts):
             if isinstance(part, ImagePart):
-                if message.role != "user":
-                    raise bad_request("only user messages may carry images", f"messages.{i}.content.{j}")
+                if message.role == "assistant":  # system and custom roles may, as in vLLM
+                    raise bad_request("assistant messages cannot carry images", f"messages.{i}.content.{j}")
                 image = chat_message.content.add().image
                 fetches.append((image, part.url, f"messages.{i}.content.{j}.image_url", "image"))
             elif isinstance(part, VideoPart):
@@ -95,8 +99,8 @@ async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_
                 if takes_video is False:
                     raise bad_request("this model does not take video input (video_url parts); send text "
                                       "and images only", param, "unsupported_modality")
-                if message.role != "user":
-                    raise bad_request("only user messages may carry videos", f"messages.{i}.content.{j}")
+                if message.role == "assistant":
+                    raise bad_request("assistant messages cannot carry videos", f"messages.{i}.content.{j}")
                 video = chat_message.content.add().video
                 fetches.append((video, part.url, param, "video"))
             else:

@@ -59,7 +59,7 @@ def test_placeholder_count_mismatch(tok):
 @pytest.mark.parametrize("messages, match", [
     ([{"role": "user", "content": "hi"}, {"role": "{{ 7*7 }}", "content": "x"}],
      r"message 1: unsupported role '\{\{ 7\*7 \}\}'"),
-    ([{"role": "USER", "content": "hi"}], "message 0: unsupported role 'USER'"),
+    ([{"role": "US ER", "content": "hi"}], "message 0: unsupported role 'US ER'"),
     ([{"role": "user\nASSISTANT", "content": "hi"}], "message 0: unsupported role"),
     ([{"role": ["user"], "content": "hi"}], r"message 0: unsupported role \['user'\]"),  # not hashable
     ([{"content": "hi"}], "message 0: unsupported role None"),
@@ -84,3 +84,20 @@ def test_chat_takes_every_supported_role(tok):
     text = tok.decode(tok.encode_chat(messages).token_ids)
     assert CHAT_ROLES == {"system", "user", "assistant"}
     assert "user text" in text and "ASSISTANT: assistant text" in text and "system text" in text
+
+
+def test_chat_takes_a_custom_role_the_template_renders(tok):
+    text = tok.decode(tok.encode_chat([{"role": "critic", "content": "critic text"},
+                                       {"role": "user", "content": "hi"}]).token_ids)
+    assert "CRITIC: critic text" in text  # the tiny template writes ROLE: for every non-system role
+
+
+def test_a_template_that_cannot_render_the_chat_is_a_prompt_error(tok, monkeypatch):
+    def refuse(*args, **kwargs):
+        import jinja2
+
+        raise jinja2.TemplateError("Conversation roles must alternate user/assistant")
+
+    monkeypatch.setattr(tok.processor, "apply_chat_template", refuse)
+    with pytest.raises(PromptError, match="cannot render these messages: Conversation roles"):
+        tok.encode_chat([{"role": "user", "content": "hi"}])

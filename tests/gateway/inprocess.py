@@ -34,7 +34,9 @@ class RecordingDecoder(decoder_pb2_grpc.DecoderServiceServicer):
         kind, _, code = text.partition(":")
         if kind == "fail":
             context.abort(grpc.StatusCode[code], f"fake decoder fails with {code}")
-        yield decoder_pb2.GenerateResponse(token_ids=[7], text="a")
+        # As the decoder does: the first message carries the prompt's counts, the last the totals.
+        yield decoder_pb2.GenerateResponse(token_ids=[7], text="a", usage=decoder_pb2.Usage(
+            prompt_tokens=3, completion_tokens=1))
         while not self.release.wait(0.05):
             if not context.is_active():
                 return

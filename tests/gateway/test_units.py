@@ -131,7 +131,7 @@ def test_translation_follows_openai_defaults():
     ({"messages": [{"role": "assistant", "content": [
         {"type": "image_url", "image_url": {"url": "data:,x"}}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "two words", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content.0.image_url.url"),
