@@ -57,3 +57,14 @@ def test_models_card_has_root_and_max_model_len(tiny_model_dir):
     assert permission["object"] == "model_permission" and permission["allow_sampling"] is True
     assert card["max_model_len"] == 1024  # the tiny preset's max_position_embeddings
     assert "max_model_len" not in ServedModel(("x",)).card("x", 1)
+
+
+def test_up_hint_names_a_real_model_of_the_served_family(tiny_model_dir, qwen_model_dir, qwen3_model_dir):
+    from common.launcher import random_weights_note
+
+    expected = {tiny_model_dir: "llava-hf/llava-1.5-7b-hf", qwen_model_dir: "Qwen/Qwen2.5-VL-7B-Instruct",
+                qwen3_model_dir: "Qwen/Qwen3-VL-8B-Instruct"}
+    for model, real in expected.items():
+        note = random_weights_note(model)
+        assert note.endswith(f"mmserve up --model {real}")
+        assert "--device" not in note and "--dtype" not in note  # auto picks both
