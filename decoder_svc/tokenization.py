@@ -22,6 +22,7 @@ from common.qwen_layout import QwenImageLayout, is_qwen_vl, load_qwen_layout
 
 # Roles the LLaVA chat template is written for. The template itself prints any other role verbatim
 # (`role.upper() + ': '`), so a client-chosen role could forge turns or template text in the prompt.
+GENERIC_IMAGE_MARKER = "<image>"  # the API's image marker in a text prompt (the LLaVA family's own token)
 CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant"})
 # Any other role is taken when it is a name (vLLM passes custom roles to the template): never text that
 # could reshape the rendered prompt. A template that cannot render it raises: PromptError.
@@ -122,6 +123,7 @@ class PromptTokenizer:
             self.num_image_tokens(size) for size in image_sizes]
         if videos and self.video_token is None:
             raise PromptError("this model does not take video input")
+        prompt = self._native_image_markers(prompt, len(counts))
         found = prompt.count(self.image_token)
         if found != len(counts):
             raise PlaceholderMismatchError(
@@ -133,6 +135,15 @@ class PromptTokenizer:
         ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         spans = self._video_spans(ids, videos) if videos else []
         return TokenizedPrompt(ids, self._placeholders(ids, counts), text, spans)
+
+    def _native_image_markers(self, prompt: str, n_images: int) -> str:
+        """A Qwen-VL prompt that marks its images with the generic `<image>` (the API's and `mmserve
+        generate`'s marker) and has none of the model's own: each `<image>` becomes the model's vision
+        block, as its chat template writes it. Prompts with the model's markers are left as HF takes them."""
+        if (self.qwen_layout is None or not n_images or self.image_token in prompt
+                or prompt.count(GENERIC_IMAGE_MARKER) != n_images):
+            return prompt
+        return prompt.replace(GENERIC_IMAGE_MARKER, f"<|vision_start|>{self.image_token}<|vision_end|>")
 
     def _expand(self, prompt: str, counts: list[int], videos: Sequence[VideoPromptLayout]) -> str:
         """Each marker replaced by its tokens, as the HF processors do (Qwen3-VL's replaces a video's

@@ -101,3 +101,15 @@ def test_a_template_that_cannot_render_the_chat_is_a_prompt_error(tok, monkeypat
     monkeypatch.setattr(tok.processor, "apply_chat_template", refuse)
     with pytest.raises(PromptError, match="cannot render these messages: Conversation roles"):
         tok.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_a_qwen_prompt_may_mark_images_with_the_generic_image_marker(qwen_model_dir):
+    # `mmserve generate --prompt "<image> ..."` promises <image> for every model: on Qwen-VL it is the
+    # model's vision block, exactly as if the prompt had written it.
+    qwen = PromptTokenizer(qwen_model_dir)
+    block = "<|vision_start|><|image_pad|><|vision_end|>"
+    native = qwen.encode_prompt(f"{block}\nWhat is it?", image_token_counts=[4])
+    generic = qwen.encode_prompt("<image>\nWhat is it?", image_token_counts=[4])
+    assert generic.token_ids == native.token_ids and generic.placeholders == native.placeholders
+    with pytest.raises(PlaceholderMismatchError):  # a count that does not match is still refused
+        qwen.encode_prompt("<image><image>\nWhat is it?", image_token_counts=[4])
