@@ -128,7 +128,7 @@ def admit_chat(req: ChatCompletionRequest, config: GatewayConfig) -> None:
             if isinstance(part, ImagePart | VideoPart):
                 n_images += isinstance(part, ImagePart)
                 n_videos += isinstance(part, VideoPart)
-                if part.url.startswith("data:"):
+                if part.url is not None and part.url.startswith("data:"):
                     inline_bytes += data_url_bytes(part.url)
             else:
                 check_text(part.text, f"messages.{i}.content.{j}.text")

@@ -31,6 +31,7 @@ from gateway.byte_budget import ByteBudget, GatewayBytes
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, bad_request, from_rpc_error
 from gateway.images import ImageFetcher
+from gateway.media_memo import MediaMemo
 from gateway.metrics import GatewayMetrics
 from gateway.model_info import ServedModel, max_model_len, model_root, takes_video
 from gateway.responses import (
@@ -91,6 +92,7 @@ class Gateway:
         self.pool = pool or DecoderPool.of(config.decoders, security=config.upstream)
         self.fetcher = ImageFetcher(config.images)
         self.bytes_in_flight = GatewayBytes(config.images.max_bytes_in_flight)
+        self.named_media = MediaMemo(config.images.max_named_media_bytes)  # vLLM's uuid, per tenant
         self.metrics = GatewayMetrics()
         self.texts = TokenTexts(config.model)
         self.created = int(time.time())
@@ -240,7 +242,8 @@ class Gateway:
 
     async def chat_completions(self, request: Request) -> Response:
         async def translate(req, salt, budget):
-            return await chat_request(req, self.fetcher, salt, self.served.takes_video, budget)
+            return await chat_request(req, self.fetcher, salt, self.served.takes_video, budget,
+                                      self.named_media)
 
         return await self._handle(request, "chat", ChatCompletionRequest, translate, self._chat_response)
 

@@ -15,8 +15,8 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.arg_types import int_in_range, port_number, positive_float, positive_int
 from common.arg_types import model_dir as model_arg
-from common.arg_types import port_number, positive_float, positive_int
 from common.config import check_options, option, section
 from common.images import DEFAULT_IMAGE_FORMATS, image_format_list
 from common.security.options import ClientSecurity
@@ -62,6 +62,10 @@ class ImageFetchPolicy:
         64, "most images and videos of one request counted once per choice (n x per choice): the "
         "decoder's input processing takes 64 at once, so more could never be admitted together "
         "(beyond it: 400)", type=positive_int)
+    max_named_media_bytes: int = option(
+        64 * 2**20, "most bytes of images and videos the gateway remembers by their parts' `uuid` (vLLM's), "
+        "per tenant key, so that a later part may name them without the file (0: remember none)",
+        flag="--max-uuid-media-bytes", type=int_in_range(0))
     fetch_concurrency: int = option(4, "image URLs fetched at once for one request",
                                     flag="--image-fetch-concurrency", type=positive_int)
     global_fetch_concurrency: int = option(64, "image URLs fetched at once by the whole gateway",

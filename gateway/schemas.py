@@ -32,28 +32,40 @@ class TextPart(_Lenient):
     text: str
 
 
-class ImagePart(_Lenient):
+class _NamedMedia(_Lenient):
+    """vLLM's `uuid`: a client's name for the file (media_memo.py); the file may then be left out."""
+
+    uuid: str | None = Field(default=None, min_length=1, max_length=256)
+
+    def model_post_init(self, context: object) -> None:
+        if self.uuid is None and getattr(self, self.type) is None:
+            raise ValueError(f"{self.type} is required unless the part names a file sent before by its uuid")
+
+
+class ImagePart(_NamedMedia):
     type: Literal["image_url"]
-    image_url: ImageURL  # OpenAI's object form only, as vLLM requires: a bare string is a 400
+    image_url: ImageURL | None = None  # OpenAI's object form only, as vLLM requires: a bare string is a 400
 
     @property
-    def url(self) -> str:
-        return self.image_url.url
+    def url(self) -> str | None:
+        """The URL, or None for a part that names a known file by its uuid only."""
+        return self.image_url.url if self.image_url is not None else None
 
 
 class VideoURL(_Lenient):
     url: str
 
 
-class VideoPart(_Lenient):
+class VideoPart(_NamedMedia):
     """vLLM's `{"type": "video_url", "video_url": {"url": ...}}` part (Qwen2.5-VL, Qwen3-VL)."""
 
     type: Literal["video_url"]
-    video_url: VideoURL
+    video_url: VideoURL | None = None
 
     @property
-    def url(self) -> str:
-        return self.video_url.url
+    def url(self) -> str | None:
+        """The URL, or None for a part that names a known file by its uuid only."""
+        return self.video_url.url if self.video_url is not None else None
 
 
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]

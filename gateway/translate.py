@@ -10,11 +10,13 @@ rather than silently ignored.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 from common.pb import common_pb2, decoder_pb2
 from gateway.byte_budget import ByteBudget
 from gateway.errors import bad_request
 from gateway.images import ImageFetcher
+from gateway.media_memo import MediaMemo
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, TextPart, VideoPart
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -64,14 +66,15 @@ def chat_logprobs_wanted(req: ChatCompletionRequest) -> int:
 
 
 async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_salt: str,
-                       takes_video: bool | None = None, budget: ByteBudget | None = None
-                       ) -> decoder_pb2.GenerateRequest:
+                       takes_video: bool | None = None, budget: ByteBudget | None = None,
+                       memo: MediaMemo | None = None) -> decoder_pb2.GenerateRequest:
     """A chat GenerateRequest; image and video URLs are fetched with bounded concurrency
     (ImageFetcher.fetch_all), each error naming its part. The request's counts and sizes were admitted
     before (admission.py). A video_url part becomes a chat video part (VideoInput with the model's
     default sampling); takes_video False (a served model without video input, e.g. LLaVA) refuses it
     with a 400 before anything is fetched, None leaves the decision to the decoder. budget: the request's
-    byte budget (each byte counted once per choice), the fetcher's default without one."""
+    byte budget (each byte counted once per choice), the fetcher's default without one. memo: the files
+    clients named by vLLM's `uuid` (media_memo.py); without one, a uuid-only part is a 400."""
     _refuse_unsupported(req)
     if req.tools:
         raise bad_request("tools are not supported", "tools", "unsupported_parameter")
@@ -82,8 +85,7 @@ async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_
     out = decoder_pb2.GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
         sampling=sampling_params(req, req.max_completion_tokens or req.max_tokens, chat_logprobs_wanted(req)))
-    # (image or video to fill, url, param, kind)
-    fetches: list[tuple[common_pb2.ImageInput | common_pb2.VideoInput, str, str, str]] = []
+    fetches: list[MediaPart] = []
     for i, message in enumerate(req.messages):
         chat_message = out.chat.messages.add(role=_ROLE.get(message.role, message.role))
         parts = [TextPart(type="text", text=message.content)] if isinstance(message.content, str) else (
@@ -93,7 +95,8 @@ async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_
                 if message.role == "assistant":  # system and custom roles may, as in vLLM
                     raise bad_request("assistant messages cannot carry images", f"messages.{i}.content.{j}")
                 image = chat_message.content.add().image
-                fetches.append((image, part.url, f"messages.{i}.content.{j}.image_url", "image"))
+                fetches.append(MediaPart(image, part.url, f"messages.{i}.content.{j}.image_url", "image",
+                                         part.uuid))
             elif isinstance(part, VideoPart):
                 param = f"messages.{i}.content.{j}.video_url"
                 if takes_video is False:
@@ -102,19 +105,54 @@ async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_
                 if message.role == "assistant":
                     raise bad_request("assistant messages cannot carry videos", f"messages.{i}.content.{j}")
                 video = chat_message.content.add().video
-                fetches.append((video, part.url, param, "video"))
+                fetches.append(MediaPart(video, part.url, param, "video", part.uuid))
             else:
                 chat_message.content.add(text=part.text)
     _apply_processor_kwargs(req, fetches, takes_video)
     if fetches:
-        datas = await fetcher.fetch_all([(url, param) for _, url, param, _ in fetches],
-                                        [kind for *_, kind in fetches], budget)
-        for (item, *_), data in zip(fetches, datas, strict=True):
-            item.data = data
+        budget = budget or ByteBudget(fetcher.policy.max_total_image_bytes)
+        await _fill_media(fetches, fetcher, cache_salt, budget, memo)
     return out
 
 
-def _apply_processor_kwargs(req: ChatCompletionRequest, items: list[tuple], takes_video: bool | None) -> None:
+@dataclass
+class MediaPart:
+    """An image or video of a chat request: the message field to fill, where its bytes come from (a URL,
+    or the uuid of a file sent before), the parameter that names it in errors."""
+
+    item: common_pb2.ImageInput | common_pb2.VideoInput
+    url: str | None
+    param: str
+    kind: str  # "image" or "video"
+    uuid: str | None = None
+
+
+async def _fill_media(parts: list[MediaPart], fetcher: ImageFetcher, salt: str, budget: ByteBudget,
+                      memo: MediaMemo | None) -> None:
+    """Each part's bytes: a uuid-only part from the tenant's memo (400 when it holds no such file), the
+    others fetched (a named one then remembered). Every byte counts against the request's budget."""
+    for part in parts:
+        if part.url is None:
+            data = memo.get(salt, part.kind, part.uuid) if memo is not None else None
+            param = part.param.rpartition(".")[0] + ".uuid"
+            if data is None:
+                raise bad_request(f"no {part.kind} named {part.uuid!r} is known here (never sent, or "
+                                  f"forgotten since): send it again with its {part.kind}_url", param,
+                                  f"unknown_{part.kind}_uuid")
+            budget.take(len(data), param)
+            part.item.data = data
+    fetched = [part for part in parts if part.url is not None]
+    if fetched:
+        datas = await fetcher.fetch_all([(p.url, p.param) for p in fetched], [p.kind for p in fetched],
+                                        budget)
+        for part, data in zip(fetched, datas, strict=True):
+            part.item.data = data
+            if part.uuid is not None and memo is not None:
+                memo.put(salt, part.kind, part.uuid, data)
+
+
+def _apply_processor_kwargs(req: ChatCompletionRequest, items: list[MediaPart],
+                            takes_video: bool | None) -> None:
     """mm_processor_kwargs onto every image (its pixel range) and video (pixel range and sampling) of the
     request; a 400 for a model whose images have a fixed size (LLaVA), where none of them means anything."""
     kwargs = req.mm_processor_kwargs
@@ -124,7 +162,8 @@ def _apply_processor_kwargs(req: ChatCompletionRequest, items: list[tuple], take
         raise bad_request("mm_processor_kwargs: this model's images have a fixed size and it takes no "
                           "video; the settings apply to Qwen-VL models", "mm_processor_kwargs",
                           "unsupported_parameter")
-    for item, *_ in items:
+    for part in items:
+        item = part.item
         item.min_pixels, item.max_pixels = kwargs.min_pixels or 0, kwargs.max_pixels or 0
         if isinstance(item, common_pb2.VideoInput):
             item.fps, item.max_frames = kwargs.fps or 0.0, kwargs.max_frames or 0
