@@ -172,6 +172,7 @@ def check_choice_images(n_media: int, n: int, images: ImageFetchPolicy) -> None:
 def admit_completion(req: CompletionRequest, config: GatewayConfig) -> None:
     """The prompt's text and size, before the decoder is called."""
     prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    prompts = [p for p in prompts if isinstance(p, str)]  # token ids: bounded by the body's value limit
     for i, prompt in enumerate(prompts):
         check_text(prompt, "prompt" if isinstance(req.prompt, str) else f"prompt.{i}")
     size = sum(len(p.encode()) for p in prompts)

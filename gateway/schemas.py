@@ -180,8 +180,13 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = None
 
 
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str]
+    # Text, or token ids (vLLM's): one prompt per request, as a string, a list of one string, a list of
+    # ids or a list of one list of ids. The body's JSON value limit bounds how many ids.
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False

@@ -170,7 +170,7 @@ def _apply_processor_kwargs(req: ChatCompletionRequest, items: list[MediaPart],
 
 
 def completion_request(req: CompletionRequest, cache_salt: str) -> decoder_pb2.GenerateRequest:
-    """A text-prompt GenerateRequest (no images: chat completions carry those)."""
+    """A GenerateRequest of a text prompt or of token ids (no images: chat completions carry those)."""
     _refuse_unsupported(req)
     if req.echo:
         raise bad_request("echo is not supported", "echo", "unsupported_parameter")
@@ -179,19 +179,24 @@ def completion_request(req: CompletionRequest, cache_salt: str) -> decoder_pb2.G
     if req.best_of not in (None, 1):
         raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_value")
     prompt = req.prompt
-    if isinstance(prompt, list):
+    if isinstance(prompt, list) and (not prompt or not isinstance(prompt[0], int)):  # a list of prompts
         if len(prompt) != 1:
             raise bad_request("exactly one prompt per request", "prompt", "unsupported_value")
         prompt = prompt[0]
     if not prompt:
         raise bad_request("empty prompt", "prompt", "invalid_value")
+    out = decoder_pb2.GenerateRequest(
+        request_id=f"cmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
+        # logprobs 0 still asks for the sampled tokens' logprobs: the decoder sends those with its top 1.
+        sampling=sampling_params(req, req.max_tokens, 0 if req.logprobs is None else max(req.logprobs, 1)))
+    if isinstance(prompt, list):  # token ids (vLLM's): the decoder checks them against the vocabulary
+        out.prompt_token_ids.ids.extend(prompt)
+        return out
     if IMAGE_MARKER in prompt:
         raise bad_request(f"the completions endpoint takes text only ({IMAGE_MARKER!r} found); send images "
                           "through /v1/chat/completions", "prompt", "invalid_value")
-    return decoder_pb2.GenerateRequest(
-        request_id=f"cmpl-{uuid.uuid4().hex}", prompt=prompt, cache_salt=cache_salt,
-        # logprobs 0 still asks for the sampled tokens' logprobs: the decoder sends those with its top 1.
-        sampling=sampling_params(req, req.max_tokens, 0 if req.logprobs is None else max(req.logprobs, 1)))
+    out.prompt = prompt
+    return out
 
 
 def fan_out(request: decoder_pb2.GenerateRequest, n: int) -> list[decoder_pb2.GenerateRequest]:

@@ -122,3 +122,15 @@ def test_processor_options_in_hfs_forms_or_refused(qwen_model_dir):
             reply = client.post("/v1/chat/completions", json=body)
             assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
         assert len(decoder.requests) == 1
+
+
+def test_token_id_prompts_reach_the_decoder_as_ids():
+    with fake_decoder() as (decoder, address), gateway_client(address) as client:
+        for prompt in ([5, 6, 7], [[5, 6, 7]]):
+            reply = client.post("/v1/completions", json={"model": "m", "prompt": prompt})
+            assert reply.status_code == 200, reply.text
+        assert [list(r.prompt_token_ids.ids) for r in decoder.requests] == [[5, 6, 7], [5, 6, 7]]
+        assert all(r.WhichOneof("input") == "prompt_token_ids" for r in decoder.requests)
+        for prompt in ([[1], [2]], [], [2**31]):
+            reply = client.post("/v1/completions", json={"model": "m", "prompt": prompt})
+            assert reply.status_code == 400, (prompt, reply.text)
