@@ -75,3 +75,23 @@ def test_gateway_refuses_a_token_in_plaintext_to_a_remote_decoder(tmp_path, pki,
     assert _gateway([*remote, "--tls-ca", str(pki.ca_cert)], capsys)[0] is None
     assert _gateway(["--decoder", "127.0.0.1:50052", "--token-file", str(token)], capsys)[0] is None
     assert _gateway(["--decoder", "10.1.2.3:50052"], capsys)[0] is None  # no token: nothing to leak
+
+
+def test_services_stop_at_start_with_one_line(tmp_path, tokens_file, capsys, monkeypatch):
+    from decoder_svc.main import main as decoder_main
+    from encoder_svc.main import main as encoder_main
+    from tests.cli_errors import decoy_model
+
+    model = str(decoy_model(tmp_path / "model"))  # refused before any load: it would fail to load
+    token = tmp_path / "encoder-token"
+    token.write_text("a-token-long-enough-for-any-check\n")
+    monkeypatch.delenv("MMSERVE_ENCODER_TOKEN", raising=False)
+    cases = [
+        (encoder_main, ["--host", "0.0.0.0", "--auth-tokens", str(tokens_file)], "--allow-plaintext-tokens"),
+        (decoder_main, ["--encoder", "10.0.0.7:50051", "--encoder-token-file", str(token)],
+         "--encoder-allow-plaintext-token"),
+    ]
+    for main, argv, opt_in in cases:
+        assert main(["--model", model, "--port", "0", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "plaintext" in err[-1] and opt_in in err[-1], err
