@@ -171,7 +171,11 @@ class Gateway:
         started = time.perf_counter()
         try:
             req, generation = await self._start(request, endpoint, schema, translate)
-            return await respond(request, req, generation, started)
+            try:
+                return await respond(request, req, generation, started)
+            except BaseException:  # no response will end the calls: end them (and free the bytes) now
+                generation.cancel()
+                raise
         except APIError as exc:
             return self.error_response(endpoint, exc)
         except grpc.aio.AioRpcError as exc:
