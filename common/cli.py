@@ -89,7 +89,7 @@ def _cmd_health(args: argparse.Namespace) -> int:
     from common.health import health_status
 
     status = health_status(args.address, service=args.service, timeout=args.timeout,
-                           tls=_client_security(args).tls)
+                           tls=_client_security(args, sends_token=False).tls)
     print(status)
     return 0 if status == "SERVING" else 1
 
@@ -156,11 +156,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client_security(args: argparse.Namespace):
-    """TLS and token from the client flags (common/security/options.py); exits 2 on a bad file."""
+def _client_security(args: argparse.Namespace, sends_token: bool = True):
+    """TLS and token from the client flags (common/security/options.py); exits 2 on a bad file, or on a
+    token that would go in plaintext off loopback (sends_token False: health, which sends none)."""
     from common.security.options import client_security_from_args
 
-    return client_security_from_args(args)
+    target = getattr(args, "address", None) or getattr(args, "addr", None)
+    return client_security_from_args(args, targets=[target] if sends_token and target else [])
 
 
 def _add_client_security_args(p: argparse.ArgumentParser) -> None:

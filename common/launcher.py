@@ -23,12 +23,25 @@ from common.health import wait_until_serving
 from common.help_format import DefaultsHelpFormatter
 from common.startup import check_port_free, report_usage_error
 from gateway.health import wait_until_http_healthy
-from gateway.model_info import default_served_name
+from gateway.model_info import default_served_names
 
-RANDOM_WEIGHTS_NOTE = (
-    "note: this checkpoint was made by `mmserve make-model` with random weights: its text is noise by "
-    "design.\n  To serve a real model: mmserve up --model llava-hf/llava-1.5-7b-hf --device cuda "
-    "--dtype bfloat16")
+# A real checkpoint of each family a preset copies (model_type -> Hub id); LLaVA for any other.
+REAL_MODEL_OF_FAMILY = {"qwen2_5_vl": "Qwen/Qwen2.5-VL-7B-Instruct", "qwen3_vl": "Qwen/Qwen3-VL-8B-Instruct"}
+REAL_LLAVA = "llava-hf/llava-1.5-7b-hf"
+
+
+def random_weights_note(model: Path) -> str:
+    """What `up` says after serving a model-maker checkpoint: its text is noise, and the command that
+    serves a real model of the same family (device and dtype are picked by auto: no flags needed)."""
+    from common.checkpoint import load_config
+
+    try:
+        model_type = load_config(model).get("model_type")
+    except Exception:  # noqa: BLE001 - an unreadable config: the note still says what matters
+        model_type = None
+    real = REAL_MODEL_OF_FAMILY.get(model_type, REAL_LLAVA)
+    return ("note: this checkpoint was made by `mmserve make-model` with random weights: its text is noise "
+            f"by design.\n  To serve a real model: mmserve up --model {real}")
 
 
 def default_home() -> Path:
@@ -89,8 +102,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None, help="Hub branch, tag or commit for a Hub id --model")
     p.add_argument("--preset", default="tiny", help="preset made when --model is not given")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the model name(s) OpenAI clients send (default: --model as given: a Hub id, or a "
-                   "directory's name; the preset's name without --model)")
+                   help="the model name(s) OpenAI clients send (default: --model as typed, and for a "
+                   "directory also its name; the preset's name without --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of both services")
     # Real ports (not 0): the decoder is told the encoder's address, and both are printed.
     p.add_argument("--encoder-port", type=int_in_range(1, 65535), default=50051, help="encoder gRPC port")
@@ -115,12 +128,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
-    """The names the gateway serves: --served-model-name, else --model as the user typed it (a Hub id,
-    or a directory's name), else the preset's name."""
+    """The names the gateway serves: --served-model-name, else --model as the user typed it (a Hub id; a
+    directory as typed and its name), else the preset's name."""
     if args.served_model_name:
         return list(args.served_model_name)
     if args.model:
-        return [default_served_name(args.model)]
+        return default_served_names(args.model)
     return [args.preset]
 
 
@@ -246,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(up_banner(model, names, device, dtype, decoder_addr, encoder_addr,
                         gateway_url if run_gateway else None), flush=True)
         if (model / "mmserve_model.json").exists():  # made by the model maker: say what that means
-            print(RANDOM_WEIGHTS_NOTE, flush=True)
+            print(random_weights_note(model), flush=True)
         while not stopping:
             for child in children:
                 if child.poll() is not None:

@@ -92,13 +92,13 @@ class QwenImageLayout:
         return self.patch_size * self.merge_size
 
     def pixel_range(self, min_pixels: int = 0, max_pixels: int = 0, cap: int | None = None) -> PixelRange:
-        """The range for one image: a request may raise min_pixels and lower max_pixels (0: the
-        checkpoint's), within the checkpoint's range and the server's cap on max_pixels."""
+        """The range for one image: a request may set min_pixels and lower max_pixels (0: the
+        checkpoint's), within the server's cap on max_pixels. A min_pixels below the checkpoint's is taken
+        as HF's processor and vLLM take it, raised to one merged block at least (a smaller one would let
+        a tiny image round to no patch at all)."""
         top = self.max_pixels if cap is None else min(self.max_pixels, cap)
-        lo = min_pixels or self.min_pixels
+        lo = max(min_pixels or self.min_pixels, self.factor * self.factor)
         hi = max_pixels or top
-        if lo < self.min_pixels:
-            raise ImageGeometryError(f"min_pixels {lo} is below the model's {self.min_pixels}")
         if hi > top:
             raise ImageGeometryError(f"max_pixels {hi} is above the server's limit of {top}")
         if lo > hi:

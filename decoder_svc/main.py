@@ -141,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             event_loop.loop_kind()  # $MMSERVE_EVENT_LOOP: a bad value is a usage error, now
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        encoder_link = client_security_from_args(args, prefix="encoder-")  # unreadable files: now
+        # Unreadable files, or a token in plaintext to a remote encoder: now, before the model loads.
+        encoder_link = client_security_from_args(args, prefix="encoder-", targets=args.encoder)
         check_port_free(config.service.host, config.port)
         if config.service.metrics_port is not None:
             check_port_free(security.metrics_host, config.service.metrics_port, "--metrics-port")

@@ -80,7 +80,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 len(parsed.images) + len(parsed.videos), self.inputs.make_request, request_id, parsed.prompt,
                 parsed.images,
                 messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt,
-                image_options=parsed.image_options, known_grids=known, videos=parsed.videos)
+                image_options=parsed.image_options, known_grids=known, videos=parsed.videos,
+                prompt_token_ids=parsed.prompt_token_ids)
             await self.core.add(req)
         except CoreDeadError as exc:
             raise as_service_error(exc, "decoder engine unavailable: ") from None

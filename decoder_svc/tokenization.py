@@ -22,7 +22,11 @@ from common.qwen_layout import QwenImageLayout, is_qwen_vl, load_qwen_layout
 
 # Roles the LLaVA chat template is written for. The template itself prints any other role verbatim
 # (`role.upper() + ': '`), so a client-chosen role could forge turns or template text in the prompt.
+GENERIC_IMAGE_MARKER = "<image>"  # the API's image marker in a text prompt (the LLaVA family's own token)
 CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant"})
+# Any other role is taken when it is a name (vLLM passes custom roles to the template): never text that
+# could reshape the rendered prompt. A template that cannot render it raises: PromptError.
+CUSTOM_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 # Content part types the template renders; it skips others silently, which would hide a client's bug.
 CHAT_PART_TYPES: frozenset[str] = frozenset({"text", "image"})
 VIDEO_CHAT_PART_TYPES: frozenset[str] = CHAT_PART_TYPES | {"video"}  # Qwen-VL templates render videos
@@ -119,6 +123,7 @@ class PromptTokenizer:
             self.num_image_tokens(size) for size in image_sizes]
         if videos and self.video_token is None:
             raise PromptError("this model does not take video input")
+        prompt = self._native_image_markers(prompt, len(counts))
         found = prompt.count(self.image_token)
         if found != len(counts):
             raise PlaceholderMismatchError(
@@ -130,6 +135,15 @@ class PromptTokenizer:
         ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         spans = self._video_spans(ids, videos) if videos else []
         return TokenizedPrompt(ids, self._placeholders(ids, counts), text, spans)
+
+    def _native_image_markers(self, prompt: str, n_images: int) -> str:
+        """A Qwen-VL prompt that marks its images with the generic `<image>` (the API's and `mmserve
+        generate`'s marker) and has none of the model's own: each `<image>` becomes the model's vision
+        block, as its chat template writes it. Prompts with the model's markers are left as HF takes them."""
+        if (self.qwen_layout is None or not n_images or self.image_token in prompt
+                or prompt.count(GENERIC_IMAGE_MARKER) != n_images):
+            return prompt
+        return prompt.replace(GENERIC_IMAGE_MARKER, f"<|vision_start|>{self.image_token}<|vision_end|>")
 
     def _expand(self, prompt: str, counts: list[int], videos: Sequence[VideoPromptLayout]) -> str:
         """Each marker replaced by its tokens, as the HF processors do (Qwen3-VL's replaces a video's
@@ -176,14 +190,18 @@ class PromptTokenizer:
         """Render chat messages with the checkpoint's chat template, then tokenize like HF does.
 
         Image parts are `{"type": "image"}` entries in a message's content list, in order. Raises
-        PromptError for an empty chat, a role outside CHAT_ROLES, or content the template cannot render.
+        PromptError for an empty chat, a role that is neither in CHAT_ROLES nor a CUSTOM_ROLE name, or
+        content the template cannot render.
         """
         if not messages:
             raise PromptError("empty chat")
         part_types = VIDEO_CHAT_PART_TYPES if self.video_token is not None else CHAT_PART_TYPES
         for index, message in enumerate(messages):
             check_chat_message(index, message, part_types)
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - jinja's TemplateError (raise_exception) and its kin
+            raise PromptError(f"the chat template cannot render these messages: {exc}") from None
         # HF's tokenizing chat path skips special tokens when the template already wrote BOS.
         bos = self.tokenizer.bos_token
         add_special = not (bos and text.startswith(bos))
@@ -217,11 +235,12 @@ def check_chat_message(index: int, message: Any, part_types: frozenset[str] = CH
     if not isinstance(message, dict):
         raise PromptError(f"message {index}: not a mapping of role and content")
     role = message.get("role")
-    if not isinstance(role, str) or role not in CHAT_ROLES:  # str first: a list is not hashable
+    if not isinstance(role, str) or not (role in CHAT_ROLES or CUSTOM_ROLE.fullmatch(role)):
         shown = repr(role)
         shown = shown if len(shown) <= 40 else shown[:37] + "..."  # the error text stays short
-        raise PromptError(f"message {index}: unsupported role {shown}; "
-                          f"use one of {', '.join(sorted(CHAT_ROLES))}")
+        raise PromptError(f"message {index}: unsupported role {shown}; use one of "
+                          f"{', '.join(sorted(CHAT_ROLES))} or a custom role's name (a letter, then up to "
+                          "63 letters, digits, '_', '.' or '-')")
     content = message.get("content")
     if isinstance(content, str):
         if not content:

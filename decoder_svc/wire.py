@@ -30,6 +30,7 @@ class ParsedRequest:
     cache_salt: str
     image_options: list[ImageOptions] = field(default_factory=list)  # per image (Qwen2.5-VL's pixels)
     videos: list[VideoSource] = field(default_factory=list)  # Qwen-VL videos, in prompt order
+    prompt_token_ids: list[int] | None = None  # a prompt given as token ids (text only)
 
 
 def _image(index: int, image: common_pb2.ImageInput) -> bytes | str:
@@ -89,7 +90,12 @@ def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
         if not messages:
             raise invalid_argument("empty chat")
         return ParsedRequest(None, messages, images, sampling, request.cache_salt, options, videos)
-    raise invalid_argument("empty input: set prompt or chat")
+    if kind == "prompt_token_ids":
+        if request.images or request.videos:
+            raise invalid_argument("a token-id prompt takes no images or videos: send a text prompt or chat")
+        return ParsedRequest(None, None, [], sampling, request.cache_salt,
+                             prompt_token_ids=list(request.prompt_token_ids.ids))
+    raise invalid_argument("empty input: set prompt, chat or prompt_token_ids")
 
 
 def to_response(output: RequestOutput) -> decoder_pb2.GenerateResponse:

@@ -101,9 +101,11 @@ def check_text(value: str, param: str) -> None:
 
 
 def data_url_bytes(url: str) -> int:
-    """The decoded size a data URL declares (its payload's length, base64 counted as 3/4)."""
+    """The decoded size a data URL declares (its payload's length, base64 counted as 3/4 less padding)."""
     header, _, payload = url.partition(",")
-    return len(payload) * 3 // 4 if header.endswith(";base64") else len(payload)
+    if header.endswith(";base64"):
+        return max(len(payload) * 3 // 4 - payload[-2:].count("="), 0)
+    return len(payload)
 
 
 def admit_chat(req: ChatCompletionRequest, config: GatewayConfig) -> None:
@@ -126,7 +128,7 @@ def admit_chat(req: ChatCompletionRequest, config: GatewayConfig) -> None:
             if isinstance(part, ImagePart | VideoPart):
                 n_images += isinstance(part, ImagePart)
                 n_videos += isinstance(part, VideoPart)
-                if part.url.startswith("data:"):
+                if part.url is not None and part.url.startswith("data:"):
                     inline_bytes += data_url_bytes(part.url)
             else:
                 check_text(part.text, f"messages.{i}.content.{j}.text")
@@ -141,8 +143,11 @@ def admit_chat(req: ChatCompletionRequest, config: GatewayConfig) -> None:
     if prompt_bytes > limits.max_prompt_bytes:
         raise too_large(f"the rendered prompt ({prompt_bytes} bytes with the template's share)",
                         limits.max_prompt_bytes, "bytes", "prompt_too_large", "messages")
-    if inline_bytes > images.max_total_image_bytes:
-        raise too_large(f"the request's data-URL images and videos ({inline_bytes} bytes)",
+    check_choice_images(n_images + n_videos, req.n, images)
+    # Every choice's decoder call carries the bytes: n choices cost n times them (byte_budget.py).
+    if inline_bytes * req.n > images.max_total_image_bytes:
+        per_choice = f" counted once per choice: n={req.n}" if req.n > 1 else ""
+        raise too_large(f"the request's data-URL images and videos ({inline_bytes} bytes{per_choice})",
                         images.max_total_image_bytes, "bytes", "images_too_large", "messages")
     _admit_shared(req, config)
 
@@ -154,9 +159,20 @@ def check_image_count(n_images: int, images: ImageFetchPolicy) -> None:
                           "messages", "too_many_images")
 
 
+def check_choice_images(n_media: int, n: int, images: ImageFetchPolicy) -> None:
+    """400 naming the limit when n choices of n_media images and videos each could never be admitted
+    together by the decoder (its input processing takes max_images_all_choices at once): retrying would
+    not help, so not a 429."""
+    if n_media and n_media * n > images.max_images_all_choices:
+        raise bad_request(f"n={n} choices of {n_media} images or videos each are {n_media * n}; at most "
+                          f"{images.max_images_all_choices} per request, all choices together: lower n",
+                          "n", "too_many_choice_images")
+
+
 def admit_completion(req: CompletionRequest, config: GatewayConfig) -> None:
     """The prompt's text and size, before the decoder is called."""
     prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    prompts = [p for p in prompts if isinstance(p, str)]  # token ids: bounded by the body's value limit
     for i, prompt in enumerate(prompts):
         check_text(prompt, "prompt" if isinstance(req.prompt, str) else f"prompt.{i}")
     size = sum(len(p.encode()) for p in prompts)

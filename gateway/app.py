@@ -27,9 +27,11 @@ from starlette.routing import Route
 from common.pb import decoder_pb2
 from gateway.admission import admit_chat, admit_completion, check_salt, read_json
 from gateway.balancer import DecoderPool, GenerationGroup
+from gateway.byte_budget import ByteBudget, GatewayBytes
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, bad_request, from_rpc_error
 from gateway.images import ImageFetcher
+from gateway.media_memo import MediaMemo
 from gateway.metrics import GatewayMetrics
 from gateway.model_info import ServedModel, max_model_len, model_root, takes_video
 from gateway.responses import (
@@ -53,7 +55,6 @@ from gateway.translate import chat_request, completion_request, fan_out
 
 log = logging.getLogger("mmserve.gateway")
 T = TypeVar("T")
-_NO_TOKENS = decoder_pb2.GenerateResponse()  # the first chat chunk (the role) carries no tokens
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; it never reaches that client
 
 
@@ -90,6 +91,8 @@ class Gateway:
         self.config = config
         self.pool = pool or DecoderPool.of(config.decoders, security=config.upstream)
         self.fetcher = ImageFetcher(config.images)
+        self.bytes_in_flight = GatewayBytes(config.images.max_bytes_in_flight)
+        self.named_media = MediaMemo(config.images.max_named_media_bytes)  # vLLM's uuid, per tenant
         self.metrics = GatewayMetrics()
         self.texts = TokenTexts(config.model)
         self.created = int(time.time())
@@ -122,8 +125,9 @@ class Gateway:
         tenant = self.config.tenant_of(api_key)
         return f"{tenant}/{given}" if given else tenant
 
-    def check_model(self, model: str) -> None:
-        if model not in self.config.served_model_names:
+    def check_model(self, model: str | None) -> None:
+        """404 for a model this gateway does not serve; no model at all means the served one (vLLM)."""
+        if model is not None and model not in self.config.served_model_names:
             names = ", ".join(repr(n) for n in self.config.served_model_names)
             raise APIError(404, f"the model {model!r} does not exist; this server serves {names}",
                            param="model", code="model_not_found")
@@ -150,16 +154,28 @@ class Gateway:
         self.check_model(req.model)
         (admit_chat if schema is ChatCompletionRequest else admit_completion)(req, self.config)
         salt = self.cache_salt(request, api_key, req.cache_salt)
-        grpc_request = await cancel_on_disconnect(request, translate(req, salt))
-        generation = await cancel_on_disconnect(request, self.pool.generate_group(
-            fan_out(grpc_request, req.n), self.config.request_timeout_s, grpc_request.request_id))
+        # Each choice's call carries the request's images: count them n times, and hold them against the
+        # gateway-wide budget until the request ends (GenerationGroup.cancel).
+        budget = ByteBudget(self.config.images.max_total_image_bytes, req.n, self.bytes_in_flight)
+        try:
+            grpc_request = await cancel_on_disconnect(request, translate(req, salt, budget))
+            generation = await cancel_on_disconnect(request, self.pool.generate_group(
+                fan_out(grpc_request, req.n), self.config.request_timeout_s, grpc_request.request_id))
+        except BaseException:
+            budget.release()
+            raise
+        generation.on_end = budget.release
         return req, generation
 
     async def _handle(self, request: Request, endpoint: str, schema: type, translate, respond) -> Response:
         started = time.perf_counter()
         try:
             req, generation = await self._start(request, endpoint, schema, translate)
-            return await respond(request, req, generation, started)
+            try:
+                return await respond(request, req, generation, started)
+            except BaseException:  # no response will end the calls: end them (and free the bytes) now
+                generation.cancel()
+                raise
         except APIError as exc:
             return self.error_response(endpoint, exc)
         except grpc.aio.AioRpcError as exc:
@@ -224,15 +240,26 @@ class Gateway:
                     self._count(endpoint, CLIENT_CLOSED_REQUEST)
             yield sse_event("[DONE]")
 
-        return SSEResponse(body())
+        return SSEResponse(body(), on_close=generation.cancel)
 
     # --- routes -----------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        async def translate(req, salt):
-            return await chat_request(req, self.fetcher, salt, self.served.takes_video)
+        async def translate(req, salt, budget):
+            return await chat_request(req, self.fetcher, salt, self.served.takes_video, budget,
+                                      self.named_media)
 
         return await self._handle(request, "chat", ChatCompletionRequest, translate, self._chat_response)
+
+    @staticmethod
+    def _running_usage(req, generation: GenerationGroup) -> RunningUsage | None:
+        """Usage so far for continuous_usage_stats (None without it), the prompt's counts taken from the
+        decoders' first messages, so that every chunk has them, the role chunks included (vLLM)."""
+        if not req.continuous_usage:
+            return None
+        running = RunningUsage()
+        running.prime([member.first for member in generation.members])
+        return running
 
     async def _whole(self, request: Request, endpoint: str, generation: GenerationGroup, collect
                      ) -> Response:
@@ -252,24 +279,26 @@ class Gateway:
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 include = req.include_usage
-                running = RunningUsage() if req.continuous_usage else None
+                running = self._running_usage(req, generation)
                 finals: list = [None] * n
                 for index in range(n):  # every choice's role first, as vLLM sends them
                     yield chat_chunk(head, {"role": "assistant", "content": ""}, include_usage=include,
-                                     usage=running.add(_NO_TOKENS) if running else None, index=index)
+                                     usage=running.body() if running else None, index=index)
                 # One event per decoder message, so one token per event: the decoder sends one engine
                 # step per message (decoder_svc/stream.py). A token whose text is held back (part of a
                 # UTF-8 character, or a possible stop string) has no event of its own; its text comes
-                # with a later token's, as in vLLM.
+                # with a later token's, as in vLLM. The last message's text comes with the finish reason,
+                # in one chunk, as vLLM sends it.
                 async for index, chunk in chunks:
                     logprobs = chat_logprobs(chunk, top_n, self.texts) if req.logprobs else None
                     so_far = running.add(chunk) if running else None
-                    if chunk.text or logprobs or (so_far and chunk.token_ids and not chunk.finish_reason):
-                        yield chat_chunk(head, {"content": chunk.text}, logprobs=logprobs,
-                                         include_usage=include, usage=so_far, index=index)
                     if chunk.finish_reason:
                         finals[index] = chunk.usage
-                        yield chat_chunk(head, {}, FINISH_REASONS.get(chunk.finish_reason),
+                        finish = FINISH_REASONS.get(chunk.finish_reason)
+                        yield chat_chunk(head, {"content": chunk.text}, finish, logprobs=logprobs,
+                                         include_usage=include, usage=so_far, index=index)
+                    elif chunk.text or logprobs or (so_far and chunk.token_ids):
+                        yield chat_chunk(head, {"content": chunk.text}, logprobs=logprobs,
                                          include_usage=include, usage=so_far, index=index)
                 if include:
                     yield usage_chunk(head, "chat.completion.chunk", summed_usage(finals))
@@ -294,7 +323,7 @@ class Gateway:
         return await self._whole(request, "chat", generation, collect)
 
     async def completions(self, request: Request) -> Response:
-        async def translate(req, salt):
+        async def translate(req, salt, budget):
             return completion_request(req, salt)
 
         return await self._handle(request, "completions", CompletionRequest, translate,
@@ -310,18 +339,17 @@ class Gateway:
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 include = req.include_usage
-                running = RunningUsage() if req.continuous_usage else None
+                running = self._running_usage(req, generation)
                 finals: list = [None] * n
-                async for index, chunk in chunks:  # one token per event: see _chat_response
+                async for index, chunk in chunks:  # one token per event, the last text with the finish
                     part = logprobs[index].add(chunk) if logprobs is not None else None
                     so_far = running.add(chunk) if running else None
-                    if chunk.text or part or (so_far and chunk.token_ids and not chunk.finish_reason):
-                        yield completion(head, [completion_choice(index, chunk.text, None, part)], so_far,
-                                         stream=True, include_usage=include)
-                    if chunk.finish_reason:
+                    finish = FINISH_REASONS.get(chunk.finish_reason) if chunk.finish_reason else None
+                    if finish is not None:
                         finals[index] = chunk.usage
-                        choice = completion_choice(index, "", FINISH_REASONS.get(chunk.finish_reason), None)
-                        yield completion(head, [choice], so_far, stream=True, include_usage=include)
+                    if finish is not None or chunk.text or part or (so_far and chunk.token_ids):
+                        yield completion(head, [completion_choice(index, chunk.text, finish, part)], so_far,
+                                         stream=True, include_usage=include)
                 if include:
                     yield usage_chunk(head, "text_completion", summed_usage(finals))
 
@@ -369,6 +397,7 @@ class Gateway:
     async def prometheus(self, request: Request) -> Response:
         for endpoint in self.pool.endpoints:
             self.metrics.outstanding.labels(endpoint.address).set(endpoint.outstanding)
+        self.metrics.media_bytes_held.set(self.bytes_in_flight.held)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # --- lifecycle --------------------------------------------------------------------------------

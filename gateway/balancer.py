@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -199,11 +199,15 @@ class GenerationGroup:
 
     request_id: str
     members: list[Generation]
+    on_end: Callable[[], None] | None = None  # called once, at the first cancel(): the request has ended
 
     def cancel(self) -> None:
-        """Cancel every call still open."""
+        """Cancel every call still open (each response path calls this when it ends)."""
         for generation in self.members:
             generation.cancel()
+        if self.on_end is not None:
+            on_end, self.on_end = self.on_end, None
+            on_end()
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, decoder_pb2.GenerateResponse]]:
         if len(self.members) == 1:  # the usual case: no tasks, no queue

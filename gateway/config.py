@@ -15,13 +15,13 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.arg_types import int_in_range, port_number, positive_float, positive_int
 from common.arg_types import model_dir as model_arg
-from common.arg_types import port_number, positive_float, positive_int
 from common.config import check_options, option, section
 from common.images import DEFAULT_IMAGE_FORMATS, image_format_list
 from common.security.options import ClientSecurity
 from common.server import DEFAULT_MAX_MESSAGE_BYTES
-from gateway.model_info import default_served_name
+from gateway.model_info import default_served_names
 
 # The decoder's own limit on cache_salt (decoder_svc/engine/input_processor.py MAX_SALT_BYTES), which it
 # checks after every prefix is applied: the gateway's tenant prefix, and the decoder's tenant namespace
@@ -54,6 +54,18 @@ class ImageFetchPolicy:
         DEFAULT_MAX_MESSAGE_BYTES - UPSTREAM_MESSAGE_MARGIN,
         "most image bytes in one request, all images together: must fit the decoder's gRPC message "
         "(beyond it: 413)", type=positive_int)
+    max_bytes_in_flight: int = option(
+        512 * 2**20, "most image and video bytes the whole gateway holds for the requests in flight, "
+        "each request's counted once per choice (beyond it: 429 with Retry-After); at least "
+        "--max-total-image-bytes", flag="--max-image-bytes-in-flight", type=positive_int)
+    max_images_all_choices: int = option(
+        64, "most images and videos of one request counted once per choice (n x per choice): the "
+        "decoder's input processing takes 64 at once, so more could never be admitted together "
+        "(beyond it: 400)", type=positive_int)
+    max_named_media_bytes: int = option(
+        64 * 2**20, "most bytes of images and videos the gateway remembers by their parts' `uuid` (vLLM's), "
+        "per tenant key, so that a later part may name them without the file (0: remember none)",
+        flag="--max-uuid-media-bytes", type=int_in_range(0))
     fetch_concurrency: int = option(4, "image URLs fetched at once for one request",
                                     flag="--image-fetch-concurrency", type=positive_int)
     global_fetch_concurrency: int = option(64, "image URLs fetched at once by the whole gateway",
@@ -64,6 +76,9 @@ class ImageFetchPolicy:
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.max_bytes_in_flight < self.max_total_image_bytes:  # else a request could never fit
+            raise ValueError(f"--max-image-bytes-in-flight ({self.max_bytes_in_flight}) must be at least "
+                             f"--max-total-image-bytes ({self.max_total_image_bytes})")
 
     def max_file_bytes(self, kind: str) -> int:
         """The per-file limit of an image or (kind "video") a video."""
@@ -125,7 +140,7 @@ class GatewayConfig:
     port: int = option(8000, "HTTP port", type=port_number)
     served_model_names: list[str] = option(
         help="the model name(s) clients send and /v1/models lists; responses carry the first (default: "
-        "--model as given: a Hub id, or a directory's name; else 'mmserve')", flag="--served-model-name",
+        "--model as typed, and for a directory also its name; else 'mmserve')", flag="--served-model-name",
         metavar="NAME", append=True, nargs="+", default_factory=list)
     model: Path | str | None = option(
         None, "the served checkpoint dir: its tokenizer writes logprob tokens as text (without it they "
@@ -147,7 +162,7 @@ class GatewayConfig:
         if not self.decoders:
             raise ValueError("--decoder: give at least one decoder address")
         if not self.served_model_names:
-            self.served_model_names = [default_served_name(self.model)]
+            self.served_model_names = default_served_names(self.model)
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError("--served-model-name: a name is given twice")
         if self.model is not None:

@@ -69,6 +69,10 @@ _GENERIC = {
     grpc.StatusCode.PERMISSION_DENIED: "the decoder refused the gateway's credentials",
 }
 RETRY_AFTER_S = 1
+# The decoder refusing the gateway's own credentials is the server's problem, not the client's: a 401
+# would tell the client its API key is wrong. 502 Bad Gateway: an upstream refused the gateway.
+_GATEWAY_CREDENTIALS = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+BAD_GATEWAY = 502
 
 
 def scrub(details: str) -> str:
@@ -81,10 +85,12 @@ def from_rpc_error(exc: grpc.RpcError) -> APIError:
 
     The body never carries upstream addresses or transport messages: codes the transport produces get a
     fixed message, the decoder's own validation messages are passed on with any address removed, and
-    a message too large for the gRPC limit is a 413, not a 429 that clients would retry."""
+    a message too large for the gRPC limit is a 413, not a 429 that clients would retry. The decoder
+    refusing the gateway's credentials (UNAUTHENTICATED, PERMISSION_DENIED) is a 502, not a 401 or 403
+    that would blame the client's API key."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else str(exc)) or code.name
-    status = http_status_of(code)
+    status = BAD_GATEWAY if code in _GATEWAY_CREDENTIALS else http_status_of(code)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
         return APIError(413, "the request is larger than the decoder's message limit",
                         code="request_too_large")

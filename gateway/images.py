@@ -22,7 +22,7 @@ from urllib.parse import unquote_to_bytes
 import httpx
 
 from common.images import ImageError, check_image_format
-from gateway.admission import too_large
+from gateway.byte_budget import ByteBudget
 from gateway.config import ImageFetchPolicy
 from gateway.errors import bad_request
 
@@ -33,19 +33,6 @@ MAX_REDIRECTS = 3
 # refused whole (the local-use NAT64 prefix of RFC 8215, whose embedding depends on the operator's setup).
 _NAT64_WELL_KNOWN = ipaddress.ip_network("64:ff9b::/96")
 _NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
-
-
-class ByteBudget:
-    """The image bytes one request may still take, all images together (413 beyond it)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    def take(self, n: int, param: str) -> None:
-        self.used += n
-        if self.used > self.limit:
-            raise too_large("the request's images together", self.limit, "bytes", "images_too_large", param)
 
 
 def decode_data_url(url: str, max_bytes: int, param: str, kind: str = "image") -> bytes:
@@ -137,13 +124,14 @@ class ImageFetcher:
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def fetch_all(self, items: Sequence[tuple[str, str]],
-                        kinds: Sequence[str] | None = None) -> list[bytes]:
+    async def fetch_all(self, items: Sequence[tuple[str, str]], kinds: Sequence[str] | None = None,
+                        budget: ByteBudget | None = None) -> list[bytes]:
         """The bytes of each (url, param), in order: at most fetch_concurrency at once for this request
         (and global_fetch_concurrency for the gateway), all within max_total_image_bytes (images and
-        videos together). kinds: each item's "image" (default) or "video". The first failure, or the
-        caller's cancellation (a client that left), cancels the fetches still running."""
-        budget = ByteBudget(self.policy.max_total_image_bytes)
+        videos together). kinds: each item's "image" (default) or "video"; budget: the request's, when it
+        counts each byte once per choice or holds it against the gateway's budget. The first failure, or
+        the caller's cancellation (a client that left), cancels the fetches still running."""
+        budget = budget or ByteBudget(self.policy.max_total_image_bytes)
         mine = asyncio.Semaphore(self.policy.fetch_concurrency)
 
         async def one(url: str, param: str, kind: str) -> bytes:
@@ -240,8 +228,7 @@ class ImageFetcher:
         if declared is not None and declared.isdigit():
             if int(declared) > limit:
                 raise bad_request(f"{kind} larger than {limit} bytes", param, f"{kind}_too_large")
-            if budget.used + int(declared) > budget.limit:
-                budget.take(int(declared), param)
+            budget.check_declared(int(declared), param)
         chunks, size = [], 0
         async for chunk in response.aiter_bytes():
             budget.take(len(chunk), param)

@@ -40,7 +40,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     keys = list(args.api_key)
     if os.environ.get(API_KEY_ENV):
         keys.append(os.environ[API_KEY_ENV])
-    upstream = client_security_from_args(args)
+    upstream = client_security_from_args(args, targets=args.decoder)
     try:
         return from_args(GatewayConfig, args, api_keys=keys, upstream=upstream)
     except ValueError as exc:

@@ -33,6 +33,10 @@ class GatewayMetrics:
         self.outstanding = Gauge("mmserve_gateway_decoder_outstanding", "open requests per decoder",
                                  ["decoder"], registry=r)
 
+        self.media_bytes_held = Gauge(
+            "mmserve_gateway_media_bytes_held", "image and video bytes held for the requests in flight, "
+            "each counted once per choice (--max-image-bytes-in-flight)", registry=r)
+
     def observe_usage(self, prompt: int, cached: int, completion: int) -> None:
         self.prompt_tokens.inc(prompt)
         self.cached_prompt_tokens.inc(cached)

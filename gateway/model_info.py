@@ -29,15 +29,21 @@ def model_root(model: str | Path | None) -> str | None:
     return hub_id_of_snapshot(model) or str(model)
 
 
-def default_served_name(model: str | Path | None) -> str:
-    """vLLM's rule: the name the user gave --model (a Hub id as such), for a local directory its name."""
+def default_served_names(model: str | Path | None) -> list[str]:
+    """The names served without --served-model-name: --model as typed, as vLLM answers to it (a Hub id;
+    a Hub cache snapshot as its Hub id), and for a local directory also its folder's name
+    (`/data/my-llava` answers to `/data/my-llava` and `my-llava`; responses carry the first)."""
     if model is None:
-        return DEFAULT_NAME
+        return [DEFAULT_NAME]
     from common.hub import is_hub_id
 
+    typed = str(model)
     if isinstance(model, str) and is_hub_id(model) and not Path(model).expanduser().is_dir():
-        return model
-    return hub_id_of_snapshot(model) or Path(model).expanduser().resolve().name
+        return [model]
+    hub_id = hub_id_of_snapshot(model)
+    if hub_id is not None:
+        return [hub_id]
+    return list(dict.fromkeys([typed, Path(model).expanduser().resolve().name]))
 
 
 def max_model_len(model_dir: str | Path | None) -> int | None:
@@ -80,7 +86,15 @@ class ServedModel:
     def card(self, name: str, created: int) -> dict:
         """One `/v1/models` entry, as vLLM writes it."""
         card: dict = {"id": name, "object": "model", "created": created, "owned_by": "mmserve",
-                      "root": self.root or name, "parent": None}
+                      "root": self.root or name, "parent": None, "permission": [_permission(created)]}
         if self.max_model_len is not None:
             card["max_model_len"] = self.max_model_len
         return card
+
+
+def _permission(created: int) -> dict:
+    """vLLM's one `model_permission` entry of a served model (what OpenAI's older API listed)."""
+    return {"id": f"modelperm-{created:x}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}

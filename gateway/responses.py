@@ -153,17 +153,29 @@ def completion(head: ResponseHeader, choices: list[dict], usage: dict | None, st
 
 class RunningUsage:
     """The usage so far of one streamed response, for continuous_usage_stats: completion tokens counted
-    as they arrive; prompt and cached tokens as the decoder last reported them (its final message)."""
+    as they arrive; prompt and cached tokens as the decoder last reported them (its first message, with
+    the first token, and its last)."""
 
     def __init__(self) -> None:
         self.completion_tokens = 0
         self.last: decoder_pb2.Usage | None = None
+
+    def prime(self, messages: list[decoder_pb2.GenerateResponse | None]) -> None:
+        """Take the prompt's counts from messages already received (the decoder's first message carries
+        them) without counting their tokens, which add() counts when they are streamed."""
+        for message in messages:
+            if message is not None and message.HasField("usage"):
+                self.last = message.usage
 
     def add(self, chunk: decoder_pb2.GenerateResponse) -> dict:
         """Count the chunk's tokens; the usage body after it."""
         self.completion_tokens += len(chunk.token_ids)
         if chunk.HasField("usage"):
             self.last = chunk.usage
+        return self.body()
+
+    def body(self) -> dict:
+        """The usage so far."""
         prompt = self.last.prompt_tokens if self.last is not None else 0
         cached = self.last.cached_prompt_tokens if self.last is not None else 0
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,

@@ -32,35 +32,52 @@ class TextPart(_Lenient):
     text: str
 
 
-class ImagePart(_Lenient):
+class _NamedMedia(_Lenient):
+    """vLLM's `uuid`: a client's name for the file (media_memo.py); the file may then be left out."""
+
+    uuid: str | None = Field(default=None, min_length=1, max_length=256)
+
+    def model_post_init(self, context: object) -> None:
+        if self.uuid is None and getattr(self, self.type) is None:
+            raise ValueError(f"{self.type} is required unless the part names a file sent before by its uuid")
+
+
+class ImagePart(_NamedMedia):
     type: Literal["image_url"]
-    image_url: ImageURL  # OpenAI's object form only, as vLLM requires: a bare string is a 400
+    image_url: ImageURL | None = None  # OpenAI's object form only, as vLLM requires: a bare string is a 400
 
     @property
-    def url(self) -> str:
-        return self.image_url.url
+    def url(self) -> str | None:
+        """The URL, or None for a part that names a known file by its uuid only."""
+        return self.image_url.url if self.image_url is not None else None
 
 
 class VideoURL(_Lenient):
     url: str
 
 
-class VideoPart(_Lenient):
+class VideoPart(_NamedMedia):
     """vLLM's `{"type": "video_url", "video_url": {"url": ...}}` part (Qwen2.5-VL, Qwen3-VL)."""
 
     type: Literal["video_url"]
-    video_url: VideoURL
+    video_url: VideoURL | None = None
 
     @property
-    def url(self) -> str:
-        return self.video_url.url
+    def url(self) -> str | None:
+        """The URL, or None for a part that names a known file by its uuid only."""
+        return self.video_url.url if self.video_url is not None else None
 
 
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
+ROLE_PATTERN = r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"  # a name, never text that could reshape the template
+
+
 class Message(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    # system, developer (OpenAI's newer system), user, assistant, or a custom role the chat template
+    # renders (as vLLM accepts them); a template that cannot render it makes the decoder answer 400.
+    role: str = Field(pattern=ROLE_PATTERN)
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -73,13 +90,13 @@ class StreamOptions(_Lenient):
 class _SamplingFields(_Lenient):
     """Fields both endpoints share."""
 
-    model: str
+    model: str | None = None  # None: the served model (vLLM's rule)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**63)  # vLLM's bound: a signed 64-bit seed
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # vLLM's bound: a signed 64-bit seed
     n: int = Field(default=1, ge=1, le=MAX_N)  # choices: n decoder requests sharing the prompt's KV
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -105,17 +122,44 @@ class _SamplingFields(_Lenient):
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
+class PixelSize(BaseModel):
+    """HF's newer form of a Qwen-VL pixel range: `size: {"shortest_edge": min, "longest_edge": max}`
+    (pixel counts, despite the names)."""
+
+    model_config = ConfigDict(extra="forbid")
+    shortest_edge: int | None = Field(default=None, ge=1, le=2**63 - 1)
+    longest_edge: int | None = Field(default=None, ge=1, le=2**63 - 1)
+
+
 class MMProcessorKwargs(BaseModel):
     """vLLM's `mm_processor_kwargs`, as far as Qwen-VL's processors take them per request: the pixel range
-    of every image and video of the request, and how its videos are sampled. Any other key is a 400: a
-    setting dropped in silence would give other tokens than the user asked for. The decoder checks the
-    values against the model's range and the server's caps."""
+    of every image and video of the request (`min_pixels`/`max_pixels`, or HF's `size` form), and how its
+    videos are sampled. `do_sample_frames` may be true (the server always samples frames by fps and
+    max_frames); false, or any other key, is a 400: a setting dropped in silence would give other tokens
+    than the user asked for. The decoder checks the values against the server's caps."""
 
     model_config = ConfigDict(extra="forbid")
     min_pixels: int | None = Field(default=None, ge=1, le=2**63 - 1)
     max_pixels: int | None = Field(default=None, ge=1, le=2**63 - 1)
+    size: PixelSize | None = None
     fps: float | None = Field(default=None, gt=0.0, le=1000.0)  # frames sampled per second of video
     max_frames: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    do_sample_frames: bool | None = None
+
+    def model_post_init(self, context: object) -> None:
+        if self.do_sample_frames is False:
+            raise bad_request("mm_processor_kwargs.do_sample_frames: false is not supported; the server "
+                              "samples a video's frames itself (set fps and max_frames to choose how)",
+                              "mm_processor_kwargs.do_sample_frames", "unsupported_value")
+        if self.size is not None:  # HF's names for the same two numbers; both forms must agree
+            pairs = (("min_pixels", self.size.shortest_edge), ("max_pixels", self.size.longest_edge))
+            for name, value in pairs:
+                given = getattr(self, name)
+                if value is not None and given is not None and given != value:
+                    raise bad_request(f"mm_processor_kwargs: {name} {given} and size {value} disagree",
+                                      f"mm_processor_kwargs.{name}", "invalid_value")
+                if value is not None:
+                    setattr(self, name, value)
 
     @property
     def given(self) -> bool:
@@ -126,6 +170,9 @@ class MMProcessorKwargs(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[Message] = Field(min_length=1)
     mm_processor_kwargs: MMProcessorKwargs | None = None  # vLLM's extension (Qwen-VL models)
+    # vLLM's media loading options (e.g. {"video": {"num_frames": 8}}): refused with a 400 rather than
+    # ignored (translate.py), since frames are chosen by mm_processor_kwargs' fps and max_frames here.
+    media_io_kwargs: dict | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
@@ -133,8 +180,13 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = None
 
 
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str]
+    # Text, or token ids (vLLM's): one prompt per request, as a string, a list of one string, a list of
+    # ids or a list of one list of ids. The body's JSON value limit bounds how many ids.
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False

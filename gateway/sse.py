@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from starlette.responses import StreamingResponse
 from starlette.types import Send
@@ -24,12 +25,15 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content) -> None:
+    def __init__(self, content, on_close: Callable[[], None] | None = None) -> None:
         # no-cache and no proxy buffering: tokens must reach the client as they are made.
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close  # also when the body never started (aclose() then runs no finally)
 
     async def stream_response(self, send: Send) -> None:
         try:
             await super().stream_response(send)
         finally:
             await self.body_iterator.aclose()
+            if self.on_close is not None:
+                self.on_close()

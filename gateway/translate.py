@@ -10,10 +10,13 @@ rather than silently ignored.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 from common.pb import common_pb2, decoder_pb2
+from gateway.byte_budget import ByteBudget
 from gateway.errors import bad_request
 from gateway.images import ImageFetcher
+from gateway.media_memo import MediaMemo
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, TextPart, VideoPart
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -50,7 +53,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
         top_k=max(req.top_k or 0, 0),  # vLLM's -1 means off, as the decoder's 0 does
         stop=req.stop_list(), ignore_eos=req.ignore_eos, logprobs=logprobs, min_tokens=req.min_tokens)
     if req.seed is not None:
-        params.seed = req.seed
+        params.seed = req.seed % 2**64  # a negative seed (vLLM's -1 too) as its two's complement
     return params
 
 
@@ -63,51 +66,93 @@ def chat_logprobs_wanted(req: ChatCompletionRequest) -> int:
 
 
 async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_salt: str,
-                       takes_video: bool | None = None) -> decoder_pb2.GenerateRequest:
+                       takes_video: bool | None = None, budget: ByteBudget | None = None,
+                       memo: MediaMemo | None = None) -> decoder_pb2.GenerateRequest:
     """A chat GenerateRequest; image and video URLs are fetched with bounded concurrency
     (ImageFetcher.fetch_all), each error naming its part. The request's counts and sizes were admitted
     before (admission.py). A video_url part becomes a chat video part (VideoInput with the model's
     default sampling); takes_video False (a served model without video input, e.g. LLaVA) refuses it
-    with a 400 before anything is fetched, None leaves the decision to the decoder."""
+    with a 400 before anything is fetched, None leaves the decision to the decoder. budget: the request's
+    byte budget (each byte counted once per choice), the fetcher's default without one. memo: the files
+    clients named by vLLM's `uuid` (media_memo.py); without one, a uuid-only part is a 400."""
     _refuse_unsupported(req)
     if req.tools:
         raise bad_request("tools are not supported", "tools", "unsupported_parameter")
+    if req.media_io_kwargs:
+        raise bad_request("media_io_kwargs is not supported: choose how a video is sampled with "
+                          "mm_processor_kwargs' fps and max_frames", "media_io_kwargs",
+                          "unsupported_parameter")
     out = decoder_pb2.GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
         sampling=sampling_params(req, req.max_completion_tokens or req.max_tokens, chat_logprobs_wanted(req)))
-    # (image or video to fill, url, param, kind)
-    fetches: list[tuple[common_pb2.ImageInput | common_pb2.VideoInput, str, str, str]] = []
+    fetches: list[MediaPart] = []
     for i, message in enumerate(req.messages):
         chat_message = out.chat.messages.add(role=_ROLE.get(message.role, message.role))
         parts = [TextPart(type="text", text=message.content)] if isinstance(message.content, str) else (
             message.content or [])
         for j, part in enumerate(parts):
             if isinstance(part, ImagePart):
-                if message.role != "user":
-                    raise bad_request("only user messages may carry images", f"messages.{i}.content.{j}")
+                if message.role == "assistant":  # system and custom roles may, as in vLLM
+                    raise bad_request("assistant messages cannot carry images", f"messages.{i}.content.{j}")
                 image = chat_message.content.add().image
-                fetches.append((image, part.url, f"messages.{i}.content.{j}.image_url", "image"))
+                fetches.append(MediaPart(image, part.url, f"messages.{i}.content.{j}.image_url", "image",
+                                         part.uuid))
             elif isinstance(part, VideoPart):
                 param = f"messages.{i}.content.{j}.video_url"
                 if takes_video is False:
                     raise bad_request("this model does not take video input (video_url parts); send text "
                                       "and images only", param, "unsupported_modality")
-                if message.role != "user":
-                    raise bad_request("only user messages may carry videos", f"messages.{i}.content.{j}")
+                if message.role == "assistant":
+                    raise bad_request("assistant messages cannot carry videos", f"messages.{i}.content.{j}")
                 video = chat_message.content.add().video
-                fetches.append((video, part.url, param, "video"))
+                fetches.append(MediaPart(video, part.url, param, "video", part.uuid))
             else:
                 chat_message.content.add(text=part.text)
     _apply_processor_kwargs(req, fetches, takes_video)
     if fetches:
-        datas = await fetcher.fetch_all([(url, param) for _, url, param, _ in fetches],
-                                        [kind for *_, kind in fetches])
-        for (item, *_), data in zip(fetches, datas, strict=True):
-            item.data = data
+        budget = budget or ByteBudget(fetcher.policy.max_total_image_bytes)
+        await _fill_media(fetches, fetcher, cache_salt, budget, memo)
     return out
 
 
-def _apply_processor_kwargs(req: ChatCompletionRequest, items: list[tuple], takes_video: bool | None) -> None:
+@dataclass
+class MediaPart:
+    """An image or video of a chat request: the message field to fill, where its bytes come from (a URL,
+    or the uuid of a file sent before), the parameter that names it in errors."""
+
+    item: common_pb2.ImageInput | common_pb2.VideoInput
+    url: str | None
+    param: str
+    kind: str  # "image" or "video"
+    uuid: str | None = None
+
+
+async def _fill_media(parts: list[MediaPart], fetcher: ImageFetcher, salt: str, budget: ByteBudget,
+                      memo: MediaMemo | None) -> None:
+    """Each part's bytes: a uuid-only part from the tenant's memo (400 when it holds no such file), the
+    others fetched (a named one then remembered). Every byte counts against the request's budget."""
+    for part in parts:
+        if part.url is None:
+            data = memo.get(salt, part.kind, part.uuid) if memo is not None else None
+            param = part.param.rpartition(".")[0] + ".uuid"
+            if data is None:
+                raise bad_request(f"no {part.kind} named {part.uuid!r} is known here (never sent, or "
+                                  f"forgotten since): send it again with its {part.kind}_url", param,
+                                  f"unknown_{part.kind}_uuid")
+            budget.take(len(data), param)
+            part.item.data = data
+    fetched = [part for part in parts if part.url is not None]
+    if fetched:
+        datas = await fetcher.fetch_all([(p.url, p.param) for p in fetched], [p.kind for p in fetched],
+                                        budget)
+        for part, data in zip(fetched, datas, strict=True):
+            part.item.data = data
+            if part.uuid is not None and memo is not None:
+                memo.put(salt, part.kind, part.uuid, data)
+
+
+def _apply_processor_kwargs(req: ChatCompletionRequest, items: list[MediaPart],
+                            takes_video: bool | None) -> None:
     """mm_processor_kwargs onto every image (its pixel range) and video (pixel range and sampling) of the
     request; a 400 for a model whose images have a fixed size (LLaVA), where none of them means anything."""
     kwargs = req.mm_processor_kwargs
@@ -117,14 +162,15 @@ def _apply_processor_kwargs(req: ChatCompletionRequest, items: list[tuple], take
         raise bad_request("mm_processor_kwargs: this model's images have a fixed size and it takes no "
                           "video; the settings apply to Qwen-VL models", "mm_processor_kwargs",
                           "unsupported_parameter")
-    for item, *_ in items:
+    for part in items:
+        item = part.item
         item.min_pixels, item.max_pixels = kwargs.min_pixels or 0, kwargs.max_pixels or 0
         if isinstance(item, common_pb2.VideoInput):
             item.fps, item.max_frames = kwargs.fps or 0.0, kwargs.max_frames or 0
 
 
 def completion_request(req: CompletionRequest, cache_salt: str) -> decoder_pb2.GenerateRequest:
-    """A text-prompt GenerateRequest (no images: chat completions carry those)."""
+    """A GenerateRequest of a text prompt or of token ids (no images: chat completions carry those)."""
     _refuse_unsupported(req)
     if req.echo:
         raise bad_request("echo is not supported", "echo", "unsupported_parameter")
@@ -133,19 +179,24 @@ def completion_request(req: CompletionRequest, cache_salt: str) -> decoder_pb2.G
     if req.best_of not in (None, 1):
         raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_value")
     prompt = req.prompt
-    if isinstance(prompt, list):
+    if isinstance(prompt, list) and (not prompt or not isinstance(prompt[0], int)):  # a list of prompts
         if len(prompt) != 1:
             raise bad_request("exactly one prompt per request", "prompt", "unsupported_value")
         prompt = prompt[0]
     if not prompt:
         raise bad_request("empty prompt", "prompt", "invalid_value")
+    out = decoder_pb2.GenerateRequest(
+        request_id=f"cmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
+        # logprobs 0 still asks for the sampled tokens' logprobs: the decoder sends those with its top 1.
+        sampling=sampling_params(req, req.max_tokens, 0 if req.logprobs is None else max(req.logprobs, 1)))
+    if isinstance(prompt, list):  # token ids (vLLM's): the decoder checks them against the vocabulary
+        out.prompt_token_ids.ids.extend(prompt)
+        return out
     if IMAGE_MARKER in prompt:
         raise bad_request(f"the completions endpoint takes text only ({IMAGE_MARKER!r} found); send images "
                           "through /v1/chat/completions", "prompt", "invalid_value")
-    return decoder_pb2.GenerateRequest(
-        request_id=f"cmpl-{uuid.uuid4().hex}", prompt=prompt, cache_salt=cache_salt,
-        # logprobs 0 still asks for the sampled tokens' logprobs: the decoder sends those with its top 1.
-        sampling=sampling_params(req, req.max_tokens, 0 if req.logprobs is None else max(req.logprobs, 1)))
+    out.prompt = prompt
+    return out
 
 
 def fan_out(request: decoder_pb2.GenerateRequest, n: int) -> list[decoder_pb2.GenerateRequest]:

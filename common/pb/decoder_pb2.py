@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as mmserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mmserve/v1/decoder.proto\x12\nmmserve.v1\x1a\x17mmserve/v1/common.proto\"\xd3\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\rB\x07\n\x05_seed\"w\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x05image\x18\x02 \x01(\x0b\x32\x16.mmserve.v1.ImageInputH\x00\x12\'\n\x05video\x18\x03 \x01(\x0b\x32\x16.mmserve.v1.VideoInputH\x00\x42\x06\n\x04part\"E\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12(\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x17.mmserve.v1.ContentPart\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.mmserve.v1.ChatMessage\"\xfc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.mmserve.v1.ChatMessagesH\x00\x12&\n\x06images\x18\x04 \x03(\x0b\x32\x16.mmserve.v1.ImageInput\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.mmserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12&\n\x06videos\x18\x07 \x03(\x0b\x32\x16.mmserve.v1.VideoInputB\x07\n\x05input\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xae\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x0e\n\x06images\x18\x04 \x01(\r\x12!\n\x19images_encoder_cache_hits\x18\x05 \x01(\r\x12\"\n\x1aimages_skipped_by_kv_reuse\x18\x06 \x01(\r\"\xb3\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.mmserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.mmserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.mmserve.v1.Usage\"\xab\x05\n\x0c\x44\x65\x63oderStats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12#\n\x1bprefix_cache_queried_tokens\x18\x05 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x06 \x01(\x04\x12\x16\n\x0eimages_encoded\x18\x07 \x01(\x04\x12!\n\x19images_encoder_cache_hits\x18\x08 \x01(\x04\x12\"\n\x1aimages_skipped_by_kv_reuse\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x19\n\x11requests_finished\x18\x0b \x01(\x04\x12\x18\n\x10requests_aborted\x18\x0c \x01(\x04\x12\x15\n\ractive_leases\x18\r \x01(\r\x12\x19\n\x11images_prefetched\x18\x0e \x01(\x04\x12\"\n\x1alookahead_ready_at_prefill\x18\x0f \x01(\x04\x12\x1d\n\x15kv_blocks_cached_free\x18\x10 \x01(\r\x12#\n\x1blookahead_waited_at_prefill\x18\x11 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x12 \x01(\x04\x12O\n\x14\x65mbedding_transports\x18\x13 \x03(\x0b\x32\x31.mmserve.v1.DecoderStats.EmbeddingTransportsEntry\x12\x19\n\x11lookahead_boosted\x18\x14 \x01(\x04\x1a:\n\x18\x45mbeddingTransportsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x99\x01\n\x0e\x44\x65\x63oderService\x12G\n\x08Generate\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse0\x01\x12>\n\x08GetStats\x12\x18.mmserve.v1.StatsRequest\x1a\x18.mmserve.v1.DecoderStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mmserve/v1/decoder.proto\x12\nmmserve.v1\x1a\x17mmserve/v1/common.proto\"\xd3\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\rB\x07\n\x05_seed\"w\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x05image\x18\x02 \x01(\x0b\x32\x16.mmserve.v1.ImageInputH\x00\x12\'\n\x05video\x18\x03 \x01(\x0b\x32\x16.mmserve.v1.VideoInputH\x00\x42\x06\n\x04part\"E\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12(\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x17.mmserve.v1.ContentPart\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.mmserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xae\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.mmserve.v1.ChatMessagesH\x00\x12\x30\n\x10prompt_token_ids\x18\x08 \x01(\x0b\x32\x14.mmserve.v1.TokenIdsH\x00\x12&\n\x06images\x18\x04 \x03(\x0b\x32\x16.mmserve.v1.ImageInput\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.mmserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12&\n\x06videos\x18\x07 \x03(\x0b\x32\x16.mmserve.v1.VideoInputB\x07\n\x05input\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xae\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x0e\n\x06images\x18\x04 \x01(\r\x12!\n\x19images_encoder_cache_hits\x18\x05 \x01(\r\x12\"\n\x1aimages_skipped_by_kv_reuse\x18\x06 \x01(\r\"\xb3\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.mmserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.mmserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.mmserve.v1.Usage\"\xab\x05\n\x0c\x44\x65\x63oderStats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12#\n\x1bprefix_cache_queried_tokens\x18\x05 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x06 \x01(\x04\x12\x16\n\x0eimages_encoded\x18\x07 \x01(\x04\x12!\n\x19images_encoder_cache_hits\x18\x08 \x01(\x04\x12\"\n\x1aimages_skipped_by_kv_reuse\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x19\n\x11requests_finished\x18\x0b \x01(\x04\x12\x18\n\x10requests_aborted\x18\x0c \x01(\x04\x12\x15\n\ractive_leases\x18\r \x01(\r\x12\x19\n\x11images_prefetched\x18\x0e \x01(\x04\x12\"\n\x1alookahead_ready_at_prefill\x18\x0f \x01(\x04\x12\x1d\n\x15kv_blocks_cached_free\x18\x10 \x01(\r\x12#\n\x1blookahead_waited_at_prefill\x18\x11 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x12 \x01(\x04\x12O\n\x14\x65mbedding_transports\x18\x13 \x03(\x0b\x32\x31.mmserve.v1.DecoderStats.EmbeddingTransportsEntry\x12\x19\n\x11lookahead_boosted\x18\x14 \x01(\x04\x1a:\n\x18\x45mbeddingTransportsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x99\x01\n\x0e\x44\x65\x63oderService\x12G\n\x08Generate\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse0\x01\x12>\n\x08GetStats\x12\x18.mmserve.v1.StatsRequest\x1a\x18.mmserve.v1.DecoderStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODERSTATS_EMBEDDINGTRANSPORTSENTRY']._loaded_options = None
   _globals['_DECODERSTATS_EMBEDDINGTRANSPORTSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1903
-  _globals['_FINISHREASON']._serialized_end=2023
+  _globals['_FINISHREASON']._serialized_start=1978
+  _globals['_FINISHREASON']._serialized_end=2098
   _globals['_SAMPLINGPARAMS']._serialized_start=66
   _globals['_SAMPLINGPARAMS']._serialized_end=277
   _globals['_CONTENTPART']._serialized_start=279
@@ -44,18 +44,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_end=469
   _globals['_CHATMESSAGES']._serialized_start=471
   _globals['_CHATMESSAGES']._serialized_end=528
-  _globals['_GENERATEREQUEST']._serialized_start=531
-  _globals['_GENERATEREQUEST']._serialized_end=783
-  _globals['_TOKENLOGPROBS']._serialized_start=785
-  _globals['_TOKENLOGPROBS']._serialized_end=856
-  _globals['_USAGE']._serialized_start=859
-  _globals['_USAGE']._serialized_end=1033
-  _globals['_GENERATERESPONSE']._serialized_start=1036
-  _globals['_GENERATERESPONSE']._serialized_end=1215
-  _globals['_DECODERSTATS']._serialized_start=1218
-  _globals['_DECODERSTATS']._serialized_end=1901
-  _globals['_DECODERSTATS_EMBEDDINGTRANSPORTSENTRY']._serialized_start=1843
-  _globals['_DECODERSTATS_EMBEDDINGTRANSPORTSENTRY']._serialized_end=1901
-  _globals['_DECODERSERVICE']._serialized_start=2026
-  _globals['_DECODERSERVICE']._serialized_end=2179
+  _globals['_TOKENIDS']._serialized_start=530
+  _globals['_TOKENIDS']._serialized_end=553
+  _globals['_GENERATEREQUEST']._serialized_start=556
+  _globals['_GENERATEREQUEST']._serialized_end=858
+  _globals['_TOKENLOGPROBS']._serialized_start=860
+  _globals['_TOKENLOGPROBS']._serialized_end=931
+  _globals['_USAGE']._serialized_start=934
+  _globals['_USAGE']._serialized_end=1108
+  _globals['_GENERATERESPONSE']._serialized_start=1111
+  _globals['_GENERATERESPONSE']._serialized_end=1290
+  _globals['_DECODERSTATS']._serialized_start=1293
+  _globals['_DECODERSTATS']._serialized_end=1976
+  _globals['_DECODERSTATS_EMBEDDINGTRANSPORTSENTRY']._serialized_start=1918
+  _globals['_DECODERSTATS_EMBEDDINGTRANSPORTSENTRY']._serialized_end=1976
+  _globals['_DECODERSERVICE']._serialized_start=2101
+  _globals['_DECODERSERVICE']._serialized_end=2254
 # @@protoc_insertion_point(module_scope)

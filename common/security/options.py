@@ -1,20 +1,29 @@
 """Command-line flags for transport security and authentication, and what they turn into.
 
 Servers: --tls-cert/--tls-key [--tls-client-ca] [--auth-tokens FILE] [--auth-cert-service CN]
-[--reflection] [--metrics-host]. Clients: --tls-ca [--tls-cert --tls-key] [--tls-server-name]
-[--token-file]; each has an environment default (MMSERVE_*), so `mmserve up --tls` can print one
-`export` line that the other commands then pick up.
+[--reflection] [--metrics-host] [--allow-plaintext-tokens]. Clients: --tls-ca [--tls-cert --tls-key]
+[--tls-server-name] [--token-file] [--allow-plaintext-token]; a token without TLS off loopback is refused
+(common/security/plaintext.py) unless allowed. Each has an environment default (MMSERVE_*), so
+`mmserve up --tls` can print one `export` line that the other commands then pick up.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.errors import UsageError
 from common.security.auth import AuthPolicy
 from common.security.identity import valid_name
+from common.security.plaintext import (
+    CLIENT_OPT_IN,
+    SERVER_OPT_IN,
+    PlaintextTokenError,
+    check_client_token,
+    check_server_tokens,
+)
 from common.security.tls import ClientTls, ServerTls, TlsConfigError
 from common.security.tokens import TokenFileError, TokenTable, read_token
 
@@ -58,6 +67,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="serve reflection even with --auth-tokens (it is on without them)")
     g.add_argument("--metrics-host", default="127.0.0.1",
                    help="bind address of --metrics-port (the metrics endpoint has no authentication)")
+    g.add_argument(SERVER_OPT_IN, action="store_true",
+                   help="accept --auth-tokens without TLS on a --host off loopback (tokens then cross the "
+                   "network in plaintext: a trusted network or a TLS sidecar only)")
 
 
 def server_security_from_args(args: argparse.Namespace) -> ServerSecurity:
@@ -78,7 +90,10 @@ def server_security_from_args(args: argparse.Namespace) -> ServerSecurity:
             raise SecurityConfigError(f"--auth-cert-service {bad[0]!r}: not a valid service name")
         if args.auth_tokens:
             auth = AuthPolicy(TokenTable.load(args.auth_tokens), frozenset(args.auth_cert_service))
-    except (TlsConfigError, TokenFileError) as exc:
+        # The parser's --host (both services have one); a parser without it binds loopback.
+        check_server_tokens(getattr(args, "host", "127.0.0.1"), tls is not None, auth is not None,
+                            args.allow_plaintext_tokens)
+    except (TlsConfigError, TokenFileError, PlaintextTokenError) as exc:
         raise SecurityConfigError(str(exc)) from None
     return ServerSecurity(tls=tls, auth=auth, reflection=auth is None or args.reflection,
                           metrics_host=args.metrics_host)
@@ -99,10 +114,15 @@ def add_client_args(p: argparse.ArgumentParser, prefix: str = "", what: str = "t
     g.add_argument(f"--{prefix}token-file", default=os.environ.get(f"{env}TOKEN_FILE"), metavar="FILE",
                    help=f"send the bearer token in FILE [${env}TOKEN_FILE; or the token itself in "
                    f"${env}TOKEN]")
+    g.add_argument(f"--{prefix}{CLIENT_OPT_IN.removeprefix('--')}", action="store_true",
+                   help="send the token without TLS to an address off loopback (in plaintext: a trusted "
+                   "network only)")
 
 
-def client_security_from_args(args: argparse.Namespace, prefix: str = "") -> ClientSecurity:
-    """ClientSecurity from parsed flags (see add_client_args); raises SecurityConfigError."""
+def client_security_from_args(args: argparse.Namespace, prefix: str = "",
+                              targets: Sequence[str] = ()) -> ClientSecurity:
+    """ClientSecurity from parsed flags (see add_client_args); raises SecurityConfigError, also for a
+    token that would go without TLS to one of `targets` off loopback (without the opt-in flag)."""
     attr = prefix.replace("-", "_")
     ca, cert, key = (getattr(args, f"{attr}tls_{n}") for n in ("ca", "cert", "key"))
     server_name = getattr(args, f"{attr}tls_server_name")
@@ -116,4 +136,11 @@ def client_security_from_args(args: argparse.Namespace, prefix: str = "") -> Cli
         raise SecurityConfigError(str(exc)) from None
     if token is None:
         token = os.environ.get("MMSERVE_" + prefix.upper().replace("-", "_") + "TOKEN") or None
+    try:
+        check_client_token(targets, tls is not None, token is not None,
+                           getattr(args, f"{attr}allow_plaintext_token", False),
+                           flag=f"--{prefix}token-file", tls_flag=f"--{prefix}tls-ca",
+                           opt_in=f"--{prefix}{CLIENT_OPT_IN.removeprefix('--')}")
+    except PlaintextTokenError as exc:
+        raise SecurityConfigError(str(exc)) from None
     return ClientSecurity(tls=tls, token=token)

@@ -130,12 +130,14 @@ class LLMEngine:
         image_options: Sequence[ImageOptions] | None = None,
         known_grids: Mapping[str, Grid] | None = None,
         videos: Sequence[VideoSource] = (),
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> Request:
         """Validate, tokenize and queue a request (engine thread): `self.inputs.make_request`, then
         `add`. The service makes requests on its own threads and calls `add` only."""
         return self.add(self.inputs.make_request(
             request_id, prompt, images, messages=messages, sampling=sampling, cache_salt=cache_salt,
-            image_options=image_options, known_grids=known_grids, videos=videos))
+            image_options=image_options, known_grids=known_grids, videos=videos,
+            prompt_token_ids=prompt_token_ids))
 
     def add(self, req: Request) -> Request:
         """Queue a request made by InputProcessor.make_request (engine thread). Raises

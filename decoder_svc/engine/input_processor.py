@@ -127,6 +127,7 @@ class InputProcessor:
         image_options: Sequence[ImageOptions] | None = None,
         known_grids: Mapping[str, Grid] | None = None,
         videos: Sequence[VideoSource] = (),
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> Request:
         """Validate, decode and hash images, tokenize: everything but queueing. It reads engine state
         that never changes, so a server runs it off the engine thread and a large image's decoding
@@ -135,7 +136,8 @@ class InputProcessor:
         `prompt` marks images with `<image>`; `messages` (chat) go through the chat template and mark
         images with {"type": "image"} parts. `images` are, in order, encoded files, PIL images, or hex
         content hashes the encoder holds. `videos` (Qwen-VL: `<|video_pad|>` markers, {"type": "video"}
-        parts) are container files with their settings; only their headers are read here. Raises
+        parts) are container files with their settings; only their headers are read here.
+        `prompt_token_ids` is a prompt already tokenized (text only), used as it is. Raises
         InvalidRequestError / PromptError (ValueError subclasses) for bad input.
         """
         # Cheapest checks first: nothing is decoded or tokenized for a request refused on its sizes.
@@ -156,7 +158,9 @@ class InputProcessor:
         if self.qwen is not None:
             self._check_image_tokens(counts, [p.num_tokens for p in plans])
         layouts = [self.videos.prompt_layout(p) for p in plans]
-        if messages is not None:
+        if prompt_token_ids is not None:
+            tokenized = self._token_id_prompt(prompt_token_ids, images, videos)
+        elif messages is not None:
             tokenized = self.tokenizer.encode_chat(messages, sizes, image_token_counts=counts, videos=layouts)
         elif prompt:
             tokenized = self.tokenizer.encode_prompt(prompt, sizes, image_token_counts=counts, videos=layouts)
@@ -308,6 +312,27 @@ class InputProcessor:
         if isinstance(image, Image.Image):
             return image.convert("RGB")
         raise InvalidRequestError(f"image {index}: unsupported type {type(image).__name__}")
+
+    def _token_id_prompt(self, ids: Sequence[int], images: Sequence[ImageLike],
+                         videos: Sequence[VideoSource]) -> TokenizedPrompt:
+        """A prompt given as token ids (vLLM's), checked: text only, every id in the vocabulary and none
+        an image or video token (which would need an embedding nobody sent)."""
+        if images or videos:
+            raise InvalidRequestError("a token-id prompt takes no images or videos")
+        if not ids:
+            raise InvalidRequestError("empty input: the token-id prompt has no ids")
+        if len(ids) >= self.model_config.max_model_len:  # before looking at each id
+            raise InvalidRequestError(f"prompt ({len(ids)} tokens) exceeds the context length "
+                                      f"{self.model_config.max_model_len}")
+        vocab, media = self.model_config.vocab_size, self.tokenizer.mm_token_ids
+        for index, token_id in enumerate(ids):
+            if not 0 <= token_id < vocab:
+                raise InvalidRequestError(f"prompt token {index}: id {token_id} is outside the vocabulary "
+                                          f"(0 to {vocab - 1})")
+            if token_id in media:
+                raise InvalidRequestError(f"prompt token {index}: id {token_id} is an image or video "
+                                          "placeholder; send images through a text prompt or chat")
+        return TokenizedPrompt(list(ids), [], "")
 
     def _check_length(self, tokenized: TokenizedPrompt, max_tokens: int) -> None:
         total = len(tokenized.token_ids) + max_tokens

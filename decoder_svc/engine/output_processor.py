@@ -4,7 +4,7 @@ After each step the scheduler reports, per request, the tokens it sampled and wh
 (`RequestUpdate`). The output processor turns those into `RequestOutput`s: it detokenizes (every request
 when `detokenize` is on, else only requests with stop strings, since stopping on a string needs the
 text), ends a request whose text reached a stop string (through the scheduler, the only owner of request
-state), and adds usage to each request's last output.
+state), and adds usage to each request's first and last outputs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ log = logging.getLogger("mmserve.decoder.engine")
 
 @dataclass
 class Usage:
-    """Per-request accounting, filled on the last output."""
+    """Per-request accounting, filled on the first and the last output."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -99,7 +99,12 @@ class OutputProcessor:
                 if detok.stopped:
                     scheduler.finish_request(req, FinishReason.STOP, reported=True)
         if not req.is_finished:
-            return RequestOutput(req.request_id, tokens, text, logprobs)
+            # The first tokens' output carries the usage so far too: the prompt's counts are known once
+            # it is prefilled, and a stream with usage on every chunk needs them (vLLM's
+            # continuous_usage_stats); later outputs leave it to the last one.
+            first = bool(tokens) and len(req.output_token_ids) == len(tokens)
+            usage = Usage.of(req) if first else None
+            return RequestOutput(req.request_id, tokens, text, logprobs, usage=usage)
         if detok is not None and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             text += detok.finish()
         self._detokenizers.pop(req.request_id, None)

@@ -59,7 +59,7 @@ def test_placeholder_count_mismatch(tok):
 @pytest.mark.parametrize("messages, match", [
     ([{"role": "user", "content": "hi"}, {"role": "{{ 7*7 }}", "content": "x"}],
      r"message 1: unsupported role '\{\{ 7\*7 \}\}'"),
-    ([{"role": "USER", "content": "hi"}], "message 0: unsupported role 'USER'"),
+    ([{"role": "US ER", "content": "hi"}], "message 0: unsupported role 'US ER'"),
     ([{"role": "user\nASSISTANT", "content": "hi"}], "message 0: unsupported role"),
     ([{"role": ["user"], "content": "hi"}], r"message 0: unsupported role \['user'\]"),  # not hashable
     ([{"content": "hi"}], "message 0: unsupported role None"),
@@ -84,3 +84,32 @@ def test_chat_takes_every_supported_role(tok):
     text = tok.decode(tok.encode_chat(messages).token_ids)
     assert CHAT_ROLES == {"system", "user", "assistant"}
     assert "user text" in text and "ASSISTANT: assistant text" in text and "system text" in text
+
+
+def test_chat_takes_a_custom_role_the_template_renders(tok):
+    text = tok.decode(tok.encode_chat([{"role": "critic", "content": "critic text"},
+                                       {"role": "user", "content": "hi"}]).token_ids)
+    assert "CRITIC: critic text" in text  # the tiny template writes ROLE: for every non-system role
+
+
+def test_a_template_that_cannot_render_the_chat_is_a_prompt_error(tok, monkeypatch):
+    def refuse(*args, **kwargs):
+        import jinja2
+
+        raise jinja2.TemplateError("Conversation roles must alternate user/assistant")
+
+    monkeypatch.setattr(tok.processor, "apply_chat_template", refuse)
+    with pytest.raises(PromptError, match="cannot render these messages: Conversation roles"):
+        tok.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_a_qwen_prompt_may_mark_images_with_the_generic_image_marker(qwen_model_dir):
+    # `mmserve generate --prompt "<image> ..."` promises <image> for every model: on Qwen-VL it is the
+    # model's vision block, exactly as if the prompt had written it.
+    qwen = PromptTokenizer(qwen_model_dir)
+    block = "<|vision_start|><|image_pad|><|vision_end|>"
+    native = qwen.encode_prompt(f"{block}\nWhat is it?", image_token_counts=[4])
+    generic = qwen.encode_prompt("<image>\nWhat is it?", image_token_counts=[4])
+    assert generic.token_ids == native.token_ids and generic.placeholders == native.placeholders
+    with pytest.raises(PlaceholderMismatchError):  # a count that does not match is still refused
+        qwen.encode_prompt("<image><image>\nWhat is it?", image_token_counts=[4])

@@ -13,9 +13,9 @@ from tests.gateway.harness import FAKE_PEER, GatewayProcess, start_failing_decod
 
 _5XX = openai.InternalServerError  # the client's class for every status >= 500
 PASSED_ON = {"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED"}  # the decoder's own messages
+# The decoder refusing the gateway's credentials is the server's problem: 502, never the client's 401/403.
 STATUSES = [("INVALID_ARGUMENT", 400, openai.BadRequestError),
-            ("UNAUTHENTICATED", 401, openai.AuthenticationError),
-            ("PERMISSION_DENIED", 403, openai.PermissionDeniedError),
+            ("UNAUTHENTICATED", 502, _5XX), ("PERMISSION_DENIED", 502, _5XX),
             ("NOT_FOUND", 404, openai.NotFoundError),
             ("RESOURCE_EXHAUSTED", 429, openai.RateLimitError), ("UNAVAILABLE", 503, _5XX),
             ("DEADLINE_EXCEEDED", 504, _5XX), ("INTERNAL", 500, _5XX), ("UNKNOWN", 500, _5XX),

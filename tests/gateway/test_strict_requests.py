@@ -99,6 +99,8 @@ def test_continuous_usage_stats_puts_usage_on_every_chunk(client, endpoint):
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 8  # cumulative, ending at the total
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens > 0
+    # The prompt's count from the first chunk on, as vLLM sends it (the decoder's first message has it).
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
 
 
 def test_models_lists_root_and_max_model_len(open_gateway, tiny_model_dir):

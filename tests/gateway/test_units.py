@@ -131,7 +131,7 @@ def test_translation_follows_openai_defaults():
     ({"messages": [{"role": "assistant", "content": [
         {"type": "image_url", "image_url": {"url": "data:,x"}}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "two words", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content.0.image_url.url"),
@@ -169,3 +169,14 @@ def test_api_keys_are_tenants_and_the_salt_header_splits_a_tenant():
     open_gw = Gateway(GatewayConfig(decoders=["x:1"]))
     assert open_gw.authorize(_request({})) is None
     assert open_gw.cache_salt(_request({"X-Cache-Salt": "p"}), None, None) == "p"
+
+
+def test_the_json_parser_stops_at_the_value_limit():
+    from gateway.admission import parse_json_bounded
+
+    # Past the limit comes malformed JSON: a parser that read on would answer 400 for it, not 413.
+    body = b'{"messages":[' + b'{"role":"user"},' * 200 + b'!!! not JSON'
+    with pytest.raises(APIError) as err:
+        parse_json_bounded(body, max_values=100)
+    assert err.value.status == 413 and "100 values" in err.value.message
+    assert parse_json_bounded(b'{"a":[{"b":1},{"c":2}]}', max_values=5) == {"a": [{"b": 1}, {"c": 2}]}

@@ -1,0 +1,77 @@
+"""Image and video bytes the gateway holds: per request, counted once per choice (`n` > 1 sends the bytes
+with every choice's decoder call), and for the whole gateway across the requests in flight.
+
+A request over its own budget is refused with 413 naming the limit: it would be refused the same way on
+an idle gateway. The gateway-wide budget is real overload: 429 with Retry-After, and every byte a
+request took is given back when it ends (success, error or a client that left), after which the
+memory is returned to the system (memory.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.admission import too_large
+from gateway.errors import APIError
+from gateway.memory import return_freed_memory_soon
+
+RETRY_AFTER_S = 1
+# Give memory back to the system after a request that held at least this many bytes ends.
+TRIM_AFTER_BYTES = 16 * 2**20
+
+
+@dataclass
+class GatewayBytes:
+    """The image and video bytes every request in flight holds together, at most `limit`."""
+
+    limit: int
+    held: int = 0
+
+    def reserve(self, n: int, param: str | None) -> None:
+        """Hold n more bytes; 429 (overload: retry later) when they do not fit beside the others."""
+        if self.held + n > self.limit:
+            raise APIError(429, f"the gateway holds {self.held} bytes of images and videos for requests in "
+                           f"flight (at most {self.limit}); retry later", param=param,
+                           code="gateway_busy", retry_after_s=RETRY_AFTER_S)
+        self.held += n
+
+    def give_back(self, n: int) -> None:
+        self.held -= n
+
+
+class ByteBudget:
+    """The bytes one request may still take: `limit` for all its images and videos together, each byte
+    counted `copies` times (once per choice), also held against the gateway-wide budget until release()."""
+
+    def __init__(self, limit: int, copies: int = 1, gateway: GatewayBytes | None = None) -> None:
+        self.limit = limit
+        self.copies = copies
+        self.gateway = gateway
+        self.used = 0  # bytes counted against limit: fetched bytes x copies
+        self._held = 0  # of those, what the gateway-wide budget holds for this request
+
+    def take(self, n: int, param: str | None) -> None:
+        """Count n fetched bytes (n x copies); 413 past the request's limit, 429 past the gateway's."""
+        cost = n * self.copies
+        if self.used + cost > self.limit:
+            self.used += cost
+            what = "the request's images and videos together" + (
+                f" (counted once per choice: n={self.copies})" if self.copies > 1 else "")
+            raise too_large(what, self.limit, "bytes", "images_too_large", param)
+        if self.gateway is not None:
+            self.gateway.reserve(cost, param)
+            self._held += cost
+        self.used += cost
+
+    def check_declared(self, n: int, param: str | None) -> None:
+        """413 now, before any byte is read, when a body that declares n bytes cannot fit the limit."""
+        if self.used + n * self.copies > self.limit:
+            self.take(n, param)
+
+    def release(self) -> None:
+        """Give this request's bytes back to the gateway-wide budget (idempotent)."""
+        if self.gateway is not None and self._held:
+            held, self._held = self._held, 0
+            self.gateway.give_back(held)
+            if held >= TRIM_AFTER_BYTES:
+                return_freed_memory_soon()
