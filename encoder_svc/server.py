@@ -439,7 +439,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             cuda_graphs=int(getattr(self.vision, "graphs", None) is not None),
             decode_processes=0 if pool is None or pool.disabled else len(pool.pids),
             decode_restarts=0 if pool is None else pool.restarts,
-            stage_seconds=stage_seconds, encode_calls=encode_calls, tower_device_seconds=w.tower_device_s,
+            stage_seconds=stage_seconds, encode_calls=encode_calls, tower_gpu_seconds=w.tower_gpu_s,
             model_fingerprint=self.vision.fingerprint, device=str(self.vision.device))
 
     async def GetStats(self, request: common_pb2.StatsRequest, context) -> encoder_pb2.EncoderStats:

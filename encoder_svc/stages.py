@@ -7,7 +7,7 @@
                  frame decoding and patching on the video lane, before the worker gets it
     tower        the vision tower over the batch holding the image, until its rows are in the cache
                  (on a GPU: launched, with the producer event recorded; the device's own time per
-                 batch is `tower_device_seconds`)
+                 batch is `tower_gpu_seconds`)
     handoff      the reply: back to the event loop, leases and refs, inline copies
 
 The worker stamps each job it runs (`JobTimes`); an Encode that waited for jobs takes the one that

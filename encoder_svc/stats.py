@@ -41,7 +41,7 @@ class EncoderStats:
     stage_seconds: dict = stat("Seconds of Encode time per stage (receive, decode, queue, preprocess, "
                                "tower, handoff)", "labels", label="stage", metric="encode_stage_seconds")
     encode_calls: int = stat("Encode RPCs answered (the stage sums' count)")
-    tower_device_seconds: float = stat("Device seconds of finished vision-tower batches (CUDA events; 0 on "
+    tower_gpu_seconds: float = stat("Device seconds of finished vision-tower batches (CUDA events; 0 on "
                                        "a CPU)", default=0.0)
     model_fingerprint: str = stat("The checkpoint's fingerprint", "info", default="")
     device: str = stat("Where the tower runs", "info", default="")

@@ -114,7 +114,7 @@ class VisionWorker:
         self._times: OrderedDict[str, JobTimes] = OrderedDict()
         self._device_timers: deque = deque()  # (start, end) CUDA events of batches not yet read
         self._device_lock = threading.Lock()
-        self._tower_device_s = 0.0
+        self._tower_gpu_s = 0.0
         if vision.device.type == "cuda":
             # Lower number = higher priority; 0 is the default (lowest) priority.
             low, high = torch.cuda.Stream.priority_range()
@@ -158,16 +158,16 @@ class VisionWorker:
             return self._times.get(key)
 
     @property
-    def tower_device_s(self) -> float:
+    def tower_gpu_s(self) -> float:
         """Device seconds of the tower batches finished so far (CUDA events; 0 on a CPU)."""
         self._collect_device_times()
-        return self._tower_device_s
+        return self._tower_gpu_s
 
     def _collect_device_times(self) -> None:
         with self._device_lock:
             while self._device_timers and self._device_timers[0][1].query():
                 start, end = self._device_timers.popleft()
-                self._tower_device_s += start.elapsed_time(end) / 1000
+                self._tower_gpu_s += start.elapsed_time(end) / 1000
 
     def _prepare(self, image: Image.Image | DecodedImage | VideoJob, pixels: PixelRange | None = None,
                  key: str | None = None):
