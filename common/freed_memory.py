@@ -2,8 +2,8 @@
 
 glibc keeps freed blocks in its arenas instead of returning them, and raises its mmap threshold after a
 large block is freed, so a process that once decoded a 4096x4096 image or a 1080p video's frames stays
-that large. The decoder calls this after each request's inputs (decoder_svc/engine/input_processor.py
-has the same function); the encoder after each video it decodes and in its image-decode processes after
+that large. The decoder calls this after each request's inputs (decoder_svc/engine/input_processor.py); the
+encoder after each video it decodes and in its image-decode processes after
 large images. One call took about 0.1 ms here.
 """
 

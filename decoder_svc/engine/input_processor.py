@@ -8,17 +8,16 @@ capacity), so the service runs it on any thread, or in another process than the 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
 from common.checkpoint import model_fingerprint
+from common.freed_memory import release_freed_memory
 from common.hashing import check_cache_salt, hash_image, is_content_hash
 from common.images import decode_image, probe_image_size
 from common.qwen_layout import (
@@ -44,32 +43,6 @@ if TYPE_CHECKING:
 
 ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
 MAX_REMEMBERED_GRIDS = 65536  # (salt, content hash) -> grid of Qwen images seen, for hash-only requests
-
-
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None where the C library is another (musl, macOS)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def release_freed_memory() -> None:
-    """Give memory freed since the last call back to the system, where glibc kept it.
-
-    A decoded 4096x4096 image is 64 MiB in Pillow's blocks, and hashing copies its pixels; glibc keeps
-    such freed blocks in its per-thread arenas rather than returning them, so without this each input
-    thread stays as large as the largest image request it ever handled. It took 0.1 ms here, next to
-    the 250 ms that decoding and hashing one 4096x4096 PNG takes.
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 @dataclass(frozen=True)
