@@ -18,7 +18,7 @@ and its activations would stay reserved in the pool).
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 Grid = tuple[int, int, int]
+SEEN_SIGNATURES = 4096  # signatures whose sightings are counted (least recently seen forgotten first)
 
 
 @dataclass
@@ -55,7 +56,7 @@ class SignatureGraphs:
         self.capture_after = capture_after
         self.max_graphs = max_graphs
         self.max_patches = max_patches
-        self.seen: Counter = Counter()
+        self.seen: OrderedDict[tuple, int] = OrderedDict()  # sightings of recent signatures, bounded
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.failed: set[tuple] = set()
         self.replays = 0
@@ -70,7 +71,9 @@ class SignatureGraphs:
                bool(getattr(self.tower, "flash_attention", True)))
         captured = self.graphs.get(key)
         if captured is None:
-            self.seen[key] += 1
+            self.seen[key] = self.seen.pop(key, 0) + 1
+            while len(self.seen) > SEEN_SIGNATURES:  # a stream of ragged batches: each signature is new
+                self.seen.popitem(last=False)
             if (self.seen[key] < self.capture_after or key in self.failed
                     or pixels.shape[0] > self.max_patches):
                 return self.tower(pixels, grids)
