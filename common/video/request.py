@@ -31,9 +31,10 @@ def video_request_config(base: QwenVideoConfig, fps: float = 0.0, max_frames: in
         raise VideoError(f"max_frames {top} is below one temporal patch of {sampling.temporal_patch_size} "
                          "frames")
     sampling = replace(sampling, max_frames=top)
-    lo, hi = min_pixels or geometry.min_pixels, max_pixels or geometry.max_pixels
-    if lo < geometry.min_pixels:
-        raise VideoError(f"min_pixels {lo} is below the model's {geometry.min_pixels}")
+    # A min_pixels below the model's is taken, as HF's video processors and vLLM take it, raised to one
+    # merged block at least (as for images: common/qwen_layout.py).
+    lo = max(min_pixels or geometry.min_pixels, geometry.factor * geometry.factor)
+    hi = max_pixels or geometry.max_pixels
     if hi > geometry.max_pixels:
         raise VideoError(f"max_pixels {hi} is above the model's {geometry.max_pixels}")
     if lo > hi:

@@ -120,3 +120,21 @@ def test_load_config_follows_hfs_file_order(tmp_path) -> None:
     assert (cfg.sampling.fps, cfg.sampling.max_frames, cfg.geometry.patch_size) == (4.0, 64, 16)
     (qwen3 / "processor_config.json").write_text(json.dumps({"video_processor": {"fps": 1}}))
     assert load_qwen_video_config(qwen3).sampling.fps == 1.0
+
+
+def test_a_requests_min_pixels_below_the_models_is_taken() -> None:
+    """As HF's Qwen2-VL video processor takes size["shortest_edge"] from the caller: a small clip keeps
+    its grid with a lower min_pixels instead of being scaled up to the model's (vLLM passes it on)."""
+    from common.video.request import video_request_config
+
+    hf_patches = qwen2_vl_function("get_num_of_video_patches")
+    low = 28 * 28 * 4
+    config = video_request_config(QWEN2_VL_VIDEO, min_pixels=low)
+    assert config.geometry.min_pixels == low
+    hf = SimpleNamespace(size={"shortest_edge": low, "longest_edge": QWEN2_VL_VIDEO.geometry.max_pixels},
+                         patch_size=14, merge_size=2, temporal_patch_size=2)
+    grid = config.geometry.grid(4, 56, 84)
+    assert grid[0] * grid[1] * grid[2] == hf_patches(hf, 4, 56, 84, {})
+    assert grid != QWEN2_VL_VIDEO.geometry.grid(4, 56, 84)  # the model's min_pixels scales it up
+    floor = video_request_config(QWEN2_VL_VIDEO, min_pixels=1).geometry.min_pixels
+    assert floor == 28 * 28  # one merged block at least
