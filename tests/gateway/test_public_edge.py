@@ -92,7 +92,7 @@ def test_images_over_the_byte_budget_are_413_not_a_retried_status(fake_decoder, 
     try:
         with ImageServer({"big.png": big}) as server:
             reply = _post(g, _chat(*[_image(f"{server.url}/big.png?{i}") for i in range(14)]))
-            error = _assert_error(reply, 413, "images together", "exceeds the limit of")
+            error = _assert_error(reply, 413, "images and videos together", "exceeds the limit of")
             assert error["code"] == "images_too_large"
     finally:
         g.stop()
@@ -108,7 +108,7 @@ def test_a_failed_fetch_cancels_the_rest(fake_decoder, tmp_path):
     try:
         with ImageServer({"big.png": big}) as server:
             reply = _post(g, _chat(*[_image(f"{server.url}/big.png?{i}") for i in range(16)]))
-            _assert_error(reply, 413, "images together")
+            _assert_error(reply, 413, "images and videos together")
             time.sleep(0.5)
             assert len(server.hits) <= 6, server.hits
     finally:

@@ -131,7 +131,7 @@ def test_video_url_limits(qwen_gateway, decoder):
                "too_many_videos", "3 videos", "at most 2")
         assert server.hits.count("still.png") == 1  # the count is refused before any fetch
     reply = _chat(qwen_gateway, _video(_data_url(CLIP)), role="assistant")
-    assert reply.status_code == 400 and "only user messages may carry videos" in reply.text
+    assert reply.status_code == 400 and "assistant messages cannot carry videos" in reply.text
     assert len(recorder.requests) == before
 
 
