@@ -1,8 +1,8 @@
 """The decoder service reads its embeddings from the encoder service over NIXL (UCX between the two
 processes), as it would from an encoder on another host: the encoder's arena is private (no shared
 memory to hand out) and registered with a NIXL agent (--nixl). Tokens equal HF's for LLaVA and for
-Qwen3-VL (multi-part DeepStack embeddings), every image came by NIXL, and no lease is left. A READ that
-fails falls back to the bytes, with the lease given back."""
+Qwen3-VL (multi-part DeepStack embeddings, images and a video), every input came by NIXL, and no lease
+is left. A READ that fails falls back to the bytes, with the lease given back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from common.client import EncoderClient
+from common.client import EncoderClient, GenerationResult, generate_request
 from common.pb import common_pb2
 from common.transport import nixl as nixl_transport
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
@@ -18,6 +18,7 @@ from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from tests.integration.conftest import png
 from tests.integration.harness import Pair
 from tests.qwen3.test_generate_parity import THREE
+from tests.video.test_engine_video import MIXED_PROMPT, VIDEO, VideoOracle
 
 if not nixl_transport.nixl_installed():
     pytest.skip("the nixl extra is not installed (pip install -e '.[nixl]')", allow_module_level=True)
@@ -106,5 +107,22 @@ def test_qwen3_multipart_over_nixl_equals_hf(qwen3_pair, qwen3_oracle, qwen_imag
         result = client.generate_text(THREE, [png(i) for i in qwen_images], max_tokens=N)
     assert result.token_ids == qwen3_oracle.generate(THREE, qwen_images, N)
     assert _transports(qwen3_pair) == {"nixl": 3}
+    dec, enc = qwen3_pair.wait_idle()
+    assert dec.active_leases == 0 and enc.active_leases == 0
+
+
+def test_qwen3_video_over_nixl_equals_hf(qwen3_pair, qwen3_oracle, qwen3_model_dir, qwen_images):
+    """A video's entry (timestamped groups, DeepStack parts) travels the same way as an image's."""
+    request = generate_request(MIXED_PROMPT, [png(qwen_images[0])], max_tokens=N)
+    request.videos.add(data=VIDEO)
+    before = _transports(qwen3_pair).get("nixl", 0)
+    result = GenerationResult()
+    with qwen3_pair.decoder_client(timeout=300) as client:
+        for chunk in client.stub.Generate(request, timeout=300):
+            result.add(chunk)
+    oracle = VideoOracle(qwen3_oracle, qwen3_model_dir)
+    assert result.token_ids == oracle.generate(MIXED_PROMPT, qwen_images[:1], [VIDEO], N)
+    after = _transports(qwen3_pair)
+    assert after.get("nixl", 0) - before == 2 and "inline_data" not in after  # the image and the video
     dec, enc = qwen3_pair.wait_idle()
     assert dec.active_leases == 0 and enc.active_leases == 0
