@@ -107,3 +107,24 @@ def test_a_slice_past_the_arena_is_refused_before_any_read(encoder_refs):
     bad.nixl.offset = a.nixl.arena_nbytes - 16
     with pytest.raises(ValueError, match="past the end"):
         import_embedding(bad)
+
+
+@pytest.mark.parametrize("read_before", [False, True], ids=["never-connected", "connected"])
+def test_a_dead_encoders_read_fails_cleanly(read_before):
+    """The encoder process is SIGKILLed (before any READ, or after one connected us): the next READ
+    raises NixlTransferError at once (the remote source then asks for the bytes), never hangs."""
+    ctx = mp.get_context("spawn")
+    refs, done = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_encoder_process, args=(refs, done), daemon=True)
+    proc.start()
+    try:
+        a, _ = [common_pb2.EmbeddingRef.FromString(r) for r in refs.get(timeout=120)]
+        source = f"dead-{read_before}"
+        if read_before:
+            assert torch.equal(import_embedding(a, source=source), _embedding(1))
+    finally:
+        proc.kill()
+        proc.join(30)
+    with pytest.raises(nixl_transport.NixlTransferError):
+        import_embedding(a, source=source)
+    assert nixl_transport.known_agent(source) == ""  # forgotten: a restarted encoder sends new metadata
