@@ -1,8 +1,9 @@
 """The decoder service reads its embeddings from the encoder service over NIXL (UCX between the two
 processes), as it would from an encoder on another host: the encoder's arena is private (no shared
-memory to hand out) and registered with a NIXL agent (--nixl). Tokens equal HF's for LLaVA and for
-Qwen3-VL (multi-part DeepStack embeddings, images and a video), every input came by NIXL, and no lease
-is left. A READ that fails falls back to the bytes, with the lease given back."""
+memory to hand out) and registered with a NIXL agent (--nixl). Tokens equal HF's for LLaVA, Qwen2.5-VL
+(images of different sizes) and Qwen3-VL (multi-part DeepStack embeddings, images and a video), every
+input came by NIXL, and no lease is left. A READ that fails falls back to the bytes, with the lease
+given back."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolic
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from tests.integration.conftest import png
 from tests.integration.harness import Pair
+from tests.qwen.test_parity import THREE as QWEN_THREE
 from tests.qwen3.test_generate_parity import THREE
 from tests.video.test_engine_video import MIXED_PROMPT, VIDEO, VideoOracle
 
@@ -92,6 +94,23 @@ def test_failed_read_falls_back_to_bytes_and_releases_the_lease(llava_pair, test
         source.close()
     _, enc_stats = llava_pair.wait_idle()
     assert enc_stats.active_leases == 0
+
+
+@pytest.fixture(scope="module")
+def qwen_pair(qwen_model_dir, tmp_path_factory):
+    pair = _nixl_pair(qwen_model_dir, tmp_path_factory.mktemp("nixl-qwen"))
+    yield pair
+    pair.stop()
+
+
+def test_qwen25_images_of_three_sizes_over_nixl_equal_hf(qwen_pair, qwen_oracle, qwen_images):
+    """Variable-size embeddings (Qwen2.5-VL: rows from each image's grid), one READ each."""
+    with qwen_pair.decoder_client(timeout=300) as client:
+        result = client.generate_text(QWEN_THREE, [png(i) for i in qwen_images], max_tokens=N)
+    assert result.token_ids == qwen_oracle.generate(QWEN_THREE, qwen_images, N)
+    assert _transports(qwen_pair) == {"nixl": 3}
+    dec, enc = qwen_pair.wait_idle()
+    assert dec.active_leases == 0 and enc.active_leases == 0
 
 
 @pytest.fixture(scope="module")
