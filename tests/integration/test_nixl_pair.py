@@ -7,17 +7,19 @@ given back."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
-from common.client import EncoderClient, GenerationResult, generate_request
+from common.client import AsyncDecoderClient, EncoderClient, GenerationResult, generate_request
 from common.pb import common_pb2
 from common.transport import nixl as nixl_transport
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from tests.integration.conftest import png
 from tests.integration.harness import Pair
+from tests.oracle import make_image
 from tests.qwen.test_parity import THREE as QWEN_THREE
 from tests.qwen3.test_generate_parity import THREE
 from tests.video.test_engine_video import MIXED_PROMPT, VIDEO, VideoOracle
@@ -61,6 +63,40 @@ def test_llava_over_nixl_equals_hf_and_leaves_no_lease(llava_pair, oracle, test_
     assert _transports(llava_pair) == {"nixl": 4}  # every image by NIXL, none inline
     dec, enc = llava_pair.wait_idle()
     assert dec.active_leases == 0 and enc.active_leases == 0 and dec.kv_blocks_used == 0
+
+
+async def _storm(address: str, images: list[bytes]) -> list[str]:
+    """40 streams with an image each; every other one cancelled by its client: half right after it is
+    sent (while its image is fetched), half after its first message."""
+    async def one(client: AsyncDecoderClient, i: int) -> str:
+        request = generate_request("USER: <image>\nstorm ASSISTANT:", [images[i % len(images)]],
+                                   request_id=f"storm{i}", max_tokens=8, cache_salt="storm")
+        call = client.stub.Generate(request, timeout=300)
+        if i % 4 == 1:
+            await asyncio.sleep(0)
+            call.cancel()
+            return "cancelled"
+        async for _ in call:
+            if i % 4 == 3:
+                call.cancel()
+                return "cancelled"
+        return "finished"
+
+    async with AsyncDecoderClient(address, timeout=300) as client:
+        return await asyncio.gather(*(one(client, i) for i in range(40)), return_exceptions=True)
+
+
+def test_cancel_storm_over_nixl_leaves_no_lease_or_block(llava_pair):
+    images = [png(make_image(700 + k)) for k in range(8)]
+    before = _transports(llava_pair)
+    outcomes = asyncio.run(_storm(llava_pair.decoder.address, images))
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    assert not errors, f"{len(errors)} streams failed, first: {errors[0]!r}"
+    assert outcomes.count("finished") == 20
+    after = _transports(llava_pair)
+    assert after.get("nixl", 0) > before.get("nixl", 0) and "inline_data" not in after
+    dec, enc = llava_pair.wait_idle()
+    assert dec.kv_blocks_used == 0 and dec.active_leases == 0 and enc.active_leases == 0
 
 
 def test_failed_read_falls_back_to_bytes_and_releases_the_lease(llava_pair, test_images, monkeypatch):
