@@ -11,7 +11,7 @@ from common import event_loop
 from common.config import add_options, add_print_config, config_json, from_args
 from common.devices import resolve_dtype
 from common.errors import UsageError
-from common.pb import common_pb2, encoder_pb2_grpc
+from common.pb import encoder_pb2_grpc
 from common.security.options import ServerSecurity, add_server_args, server_security_from_args
 from common.server import GrpcService, configure_logging
 from common.startup import check_port_free, report_usage_error, resolve_checkpoint, start_listening
@@ -32,6 +32,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 async def serve(config: EncoderServiceConfig, security: ServerSecurity | None = None) -> None:
     """Load, bind, warm up, report SERVING, run until SIGTERM/SIGINT, then shut down cleanly."""
+    from encoder_svc.refs import transport_names
     from encoder_svc.server import SERVICE_NAME, EncoderServicer
 
     try:
@@ -47,8 +48,7 @@ async def serve(config: EncoderServiceConfig, security: ServerSecurity | None = 
         port = await start_listening(service)
         await servicer.warm_up()
         service.set_serving(True)
-        transports = ",".join(sorted(common_pb2.Transport.Name(t).removeprefix("TRANSPORT_").lower()
-                                     for t in servicer.served))
+        transports = transport_names(servicer.served)
         log.info("encoder ready on %s:%d (%s, %s, arena %s, transports %s, %s loop)", config.service.host,
                  port, servicer.vision.device, servicer.vision.dtype, type(servicer.cache.arena).__name__,
                  transports, event_loop.running_kind())

@@ -26,6 +26,11 @@ def served_transports(arena: Arena, nixl: NixlExporter | None = None) -> set[int
     return out
 
 
+def transport_names(served: set[int]) -> str:
+    """The served transports for people: "inline,nixl,shm" (the ready line and stats)."""
+    return ",".join(sorted(common_pb2.Transport.Name(t).removeprefix("TRANSPORT_").lower() for t in served))
+
+
 def choose_transport(accept, served: set[int]) -> int:
     """The first transport in accept that is served; inline when none is (or accept is empty).
 

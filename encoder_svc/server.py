@@ -49,7 +49,14 @@ from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 from encoder_svc.defaults import default_decode_processes
 from encoder_svc.future_bridge import FutureBridge
 from encoder_svc.metrics import EncoderMetrics
-from encoder_svc.refs import build_ref, choose_transport, grid_message, inline_payload, served_transports
+from encoder_svc.refs import (
+    build_ref,
+    choose_transport,
+    grid_message,
+    inline_payload,
+    served_transports,
+    transport_names,
+)
 from encoder_svc.stages import StageTotals, split_encode
 from encoder_svc.stats import EncoderStats
 from encoder_svc.video_lane import VideoLane
@@ -445,7 +452,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             decode_processes=0 if pool is None or pool.disabled else len(pool.pids),
             decode_restarts=0 if pool is None else pool.restarts,
             stage_seconds=stage_seconds, encode_calls=encode_calls, tower_gpu_seconds=w.tower_gpu_s,
-            model_fingerprint=self.vision.fingerprint, device=str(self.vision.device))
+            model_fingerprint=self.vision.fingerprint, device=str(self.vision.device),
+            transports=transport_names(self.served))
 
     async def GetStats(self, request: common_pb2.StatsRequest, context) -> encoder_pb2.EncoderStats:
         return to_message(self.stats(), encoder_pb2.EncoderStats)

@@ -52,6 +52,8 @@ def _transports(pair) -> dict[str, int]:
 
 def test_llava_over_nixl_equals_hf_and_leaves_no_lease(llava_pair, oracle, test_images):
     assert "transports inline,nixl" in llava_pair.encoder.log_tail(200)  # the ready line says so
+    with llava_pair.encoder_client() as enc:
+        assert enc.stats().transports == "inline,nixl"  # and its stats
     images = test_images[:2]
     with llava_pair.decoder_client(timeout=300) as client:
         cold = client.generate_text(PROMPT_2, [png(i) for i in images], max_tokens=N)
