@@ -52,6 +52,7 @@ def _transports(pair) -> dict[str, int]:
 
 def test_llava_over_nixl_equals_hf_and_leaves_no_lease(llava_pair, oracle, test_images):
     assert "transports inline,nixl" in llava_pair.encoder.log_tail(200)  # the ready line says so
+    assert "transports shm,nixl,inline" in llava_pair.decoder.log_tail(200)  # what the decoder asks for
     with llava_pair.encoder_client() as enc:
         assert enc.stats().transports == "inline,nixl"  # and its stats
     images = test_images[:2]
