@@ -238,18 +238,17 @@ class NixlReader:
                 self._drop(name)  # fetch its metadata afresh next time
                 raise NixlTransferError(
                     f"NIXL READ from {name!r} refused: {type(exc).__name__}: {exc}") from None
-            done = False
+            state = "PROC"
             try:
                 state = self._agent.transfer(handle)
                 deadline = time.monotonic() + timeout_s
                 while state == "PROC":
                     if time.monotonic() > deadline:
-                        raise NixlTransferError(f"NIXL READ from {name!r} not done within {timeout_s:.0f} s")
+                        raise NixlTransferError(f"NIXL READ from {name!r} not done within {timeout_s:g} s")
                     time.sleep(_POLL_S)
                     state = self._agent.check_xfer_state(handle)
                 if state != "DONE":
                     raise NixlTransferError(f"NIXL READ from {name!r} failed ({state})")
-                done = True
             except NixlTransferError:
                 self._drop(name)
                 raise
@@ -258,7 +257,7 @@ class NixlReader:
                 raise NixlTransferError(
                     f"NIXL READ from {name!r} failed: {type(exc).__name__}: {exc}") from None
             finally:
-                if not done:
+                if state not in ("DONE", "ERR"):  # may still be in flight (a timeout, a broken check)
                     self._abandon()
                 try:
                     handle.release()

@@ -57,3 +57,59 @@ def test_a_nixl_ref_without_the_package_is_refused_cleanly(no_nixl):
     assert not can_import(ref)  # the remote source asks for the bytes instead
     with pytest.raises(nixl_transport.NixlTransferError, match="no nixl package"):
         import_embedding(ref)
+
+
+class _StuckAgent:
+    """A NIXL agent whose READs never finish (as toward a host that stopped answering)."""
+
+    backends = {"UCX": object()}
+
+    def __init__(self) -> None:
+        self.registered, self.removed = [], []
+
+    def add_remote_agent(self, metadata):
+        return metadata.decode()
+
+    def remove_remote_agent(self, name):
+        self.removed.append(name)
+
+    def register_memory(self, tensor):
+        self.registered.append(tensor.data_ptr())
+        return tensor.data_ptr()
+
+    def deregister_memory(self, reg):
+        self.registered.remove(reg)
+
+    def get_xfer_descs(self, descs, mem_type):
+        return descs
+
+    def initialize_xfer(self, op, local, remote, name):
+        return _Handle()
+
+    def transfer(self, handle):
+        return "PROC"
+
+    def check_xfer_state(self, handle):
+        return "PROC"
+
+
+class _Handle:
+    released = 0
+
+    def release(self):
+        _Handle.released += 1
+
+
+def test_a_read_that_never_finishes_times_out_and_its_buffer_is_never_reused(monkeypatch):
+    agent = _StuckAgent()
+    monkeypatch.setattr(nixl_transport, "_new_agent", lambda name: agent)
+    reader = nixl_transport.NixlReader()
+    loc = common_pb2.NixlLocation(agent_name="enc", agent_metadata=b"enc", address=1 << 20, arena_nbytes=4096)
+    with pytest.raises(nixl_transport.NixlTransferError, match="not done within"):
+        reader.read(loc, 1024, source="e", timeout_s=0.01)
+    assert _Handle.released == 1 and agent.removed == ["enc"] and reader.known_agent("e") == ""
+    first = agent.registered[-1]
+    with pytest.raises(nixl_transport.NixlTransferError):
+        reader.read(loc, 1024, source="e", timeout_s=0.01)
+    # The first buffer stays registered and is never handed to a second READ: a late write may land in it.
+    assert len(agent.registered) == 2 and first in agent.registered and agent.registered[-1] != first
