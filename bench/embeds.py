@@ -12,9 +12,9 @@ from common.pb import common_pb2
 from common.transport.importer import import_embedding
 
 TRANSPORT_NAMES = {common_pb2.TRANSPORT_CUDA_IPC: "cuda_ipc", common_pb2.TRANSPORT_SHM: "shm",
-                   common_pb2.TRANSPORT_INLINE: "inline"}
+                   common_pb2.TRANSPORT_INLINE: "inline", common_pb2.TRANSPORT_NIXL: "nixl"}
 LOCATION_TRANSPORT = {"cuda_ipc": common_pb2.TRANSPORT_CUDA_IPC, "shm": common_pb2.TRANSPORT_SHM,
-                      "inline_data": common_pb2.TRANSPORT_INLINE}
+                      "inline_data": common_pb2.TRANSPORT_INLINE, "nixl": common_pb2.TRANSPORT_NIXL}
 
 
 def sync(device: torch.device) -> None:

@@ -6,9 +6,10 @@
 
 Times cache hits requested by content hash, so the vision tower is out of the picture, for every
 transport the encoder serves and this process can read: CUDA IPC (GPU encoder with a cupy arena), shared
-memory and inline bytes. With --model it starts one encoder per arena kind (cuda and shm on a GPU, shm on
-a CPU). The first import of a zero-copy ref opens the arena (CUDA IPC: cudaIpcOpenMemHandle; SHM: mmap)
-once per process: that first call is reported separately from the per-entry times.
+memory, NIXL (with --nixl and the nixl extra: the spawned encoders register their arenas with a NIXL agent)
+and inline bytes. With --model it starts one encoder per arena kind (cuda and shm on a GPU, shm on a CPU).
+The first import of a zero-copy ref opens the arena (CUDA IPC: cudaIpcOpenMemHandle; SHM: mmap; NIXL: the
+agent's metadata) once per process: that first call is reported separately from the per-entry times.
 
 Where the time of a hit goes: spawned encoders export /metrics, and the benchmark reads their Encode
 handler time (the latency histogram, cache="hit") around the timed calls, so the table splits the RPC
@@ -42,6 +43,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--arenas", default=None, help="arena kinds to spawn, comma-separated "
                    "(default: cuda,shm on a GPU, shm on a CPU)")
+    p.add_argument("--nixl", action="store_true", help="spawned encoders also offer NIXL (--nixl)")
     p.add_argument("--iters", type=int, default=30, help="timed handoffs per transport")
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--out", default=None)
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
         kinds = args.arenas.split(",") if args.arenas else default_arenas(device)
         services = []
         for kind in kinds:
-            extra = ["--arena", kind, "--metrics-port", str(free_port())]
+            extra = ["--arena", kind, "--metrics-port", str(free_port())] + (["--nixl"] if args.nixl else [])
             if kind == "shm":  # containers often have a small /dev/shm
                 extra += ["--cache-bytes", str(min(256 << 20, shm_free_bytes() // 2))]
             services.append(encoder_service(model, logs, args.device, args.dtype, extra,

@@ -96,8 +96,13 @@ async def serve(config: DecoderConfig, security: ServerSecurity | None = None,
 
     refresher = asyncio.create_task(refresh_metrics())
     service.set_serving(True)
-    log.info("decoder ready on %s:%d (%s, %s, encoders %s, %s loop)", config.service.host, port,
-             config.engine.device, config.engine.dtype, ", ".join(config.encoders.addresses),
+    from common.pb import common_pb2
+    from common.transport import readable_transports
+
+    accepts = ",".join(common_pb2.Transport.Name(t).removeprefix("TRANSPORT_").lower()
+                       for t in readable_transports(config.engine.device))  # what its fetches ask for
+    log.info("decoder ready on %s:%d (%s, %s, encoders %s, transports %s, %s loop)", config.service.host,
+             port, config.engine.device, config.engine.dtype, ", ".join(config.encoders.addresses), accepts,
              event_loop.running_kind())
 
     async def shutdown() -> None:

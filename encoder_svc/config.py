@@ -72,6 +72,10 @@ class EncoderConfig:
         "sizes seen twice)")
     arena: str = option("auto", "where embeddings live: auto picks cuda (GPU + cupy), else shm, else "
                         "private", choices=ARENAS)
+    nixl: bool = option(
+        False, "register the arena with a NIXL agent and offer the NIXL transport to decoders that ask for "
+        "it (needs the nixl extra; without it the encoder logs why and serves the other transports). NIXL "
+        "has no authentication: use it on a trusted data network only")
     limits: ImageLimits = section(ImageLimits, "image limits")
     video_limits: VideoLimits = section(VideoLimits, "video limits (Qwen2.5-VL, Qwen3-VL), checked from the "
                                         "header before any frame is decoded")

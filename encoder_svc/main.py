@@ -32,6 +32,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 async def serve(config: EncoderServiceConfig, security: ServerSecurity | None = None) -> None:
     """Load, bind, warm up, report SERVING, run until SIGTERM/SIGINT, then shut down cleanly."""
+    from encoder_svc.refs import transport_names
     from encoder_svc.server import SERVICE_NAME, EncoderServicer
 
     try:
@@ -47,9 +48,10 @@ async def serve(config: EncoderServiceConfig, security: ServerSecurity | None = 
         port = await start_listening(service)
         await servicer.warm_up()
         service.set_serving(True)
-        log.info("encoder ready on %s:%d (%s, %s, arena %s, %s loop)", config.service.host, port,
-                 servicer.vision.device, servicer.vision.dtype, type(servicer.cache.arena).__name__,
-                 event_loop.running_kind())
+        transports = transport_names(servicer.served)
+        log.info("encoder ready on %s:%d (%s, %s, arena %s, transports %s, %s loop)", config.service.host,
+                 port, servicer.vision.device, servicer.vision.dtype, type(servicer.cache.arena).__name__,
+                 transports, event_loop.running_kind())
         logger = asyncio.create_task(_log_stats(servicer))
         try:
             await service.wait(on_shutdown=servicer.close)

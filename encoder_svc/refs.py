@@ -5,20 +5,30 @@ from __future__ import annotations
 from common.pb import common_pb2
 from common.transport import dtypes, inline
 from common.transport.arena import Arena
+from common.transport.nixl import NixlExporter
 from common.transport.shm import ShmArena
 from encoder_svc.cache import Handle
 
-KNOWN_TRANSPORTS = (common_pb2.TRANSPORT_CUDA_IPC, common_pb2.TRANSPORT_SHM, common_pb2.TRANSPORT_INLINE)
+KNOWN_TRANSPORTS = (common_pb2.TRANSPORT_CUDA_IPC, common_pb2.TRANSPORT_SHM, common_pb2.TRANSPORT_INLINE,
+                    common_pb2.TRANSPORT_NIXL)
 
 
-def served_transports(arena: Arena) -> set[int]:
-    """What this arena can hand out: its zero-copy transport (if exported) and always inline."""
+def served_transports(arena: Arena, nixl: NixlExporter | None = None) -> set[int]:
+    """What this arena can hand out: its zero-copy transport (if exported), NIXL when the arena is
+    registered with an agent, and always inline."""
     out = {common_pb2.TRANSPORT_INLINE}
+    if nixl is not None:
+        out.add(common_pb2.TRANSPORT_NIXL)
     if isinstance(arena, ShmArena):
         out.add(common_pb2.TRANSPORT_SHM)
     elif getattr(arena, "mem_handle", None):  # CudaArena; not imported here: it needs no cupy
         out.add(common_pb2.TRANSPORT_CUDA_IPC)
     return out
+
+
+def transport_names(served: set[int]) -> str:
+    """The served transports for people: "inline,nixl,shm" (the ready line and stats)."""
+    return ",".join(sorted(common_pb2.Transport.Name(t).removeprefix("TRANSPORT_").lower() for t in served))
 
 
 def choose_transport(accept, served: set[int]) -> int:
@@ -35,9 +45,10 @@ def choose_transport(accept, served: set[int]) -> int:
     return common_pb2.TRANSPORT_INLINE
 
 
-def build_ref(handle: Handle, transport: int, arena: Arena, inline_bytes: bytes | None = None
-              ) -> common_pb2.EmbeddingRef:
-    """The EmbeddingRef for one handle; inline refs carry the bytes and no lease."""
+def build_ref(handle: Handle, transport: int, arena: Arena, inline_bytes: bytes | None = None,
+              nixl: NixlExporter | None = None, nixl_agent_known: str = "") -> common_pb2.EmbeddingRef:
+    """The EmbeddingRef for one handle; inline refs carry the bytes and no lease. A NIXL ref carries
+    the agent's metadata unless the caller named that agent as loaded (nixl_agent_known)."""
     entry = handle.entry
     ref = common_pb2.EmbeddingRef(
         content_hash=entry.key, shape=list(entry.shape), dtype=dtypes.to_wire(entry.dtype),
@@ -54,6 +65,14 @@ def build_ref(handle: Handle, transport: int, arena: Arena, inline_bytes: bytes 
         ref.shm.name = arena.name
         ref.shm.offset = entry.offset
         ref.shm.arena_nbytes = arena.capacity
+    elif transport == common_pb2.TRANSPORT_NIXL:
+        if nixl is None:
+            raise ValueError("TRANSPORT_NIXL without a NIXL agent")
+        # A reader has no event to wait on: a GPU entry's write must be finished before its rows are
+        # handed out (untested on CPU-only CI, where the arena is host memory and there is no event).
+        if entry.event is not None and not entry.event.query():
+            entry.event.synchronize()
+        nixl.fill(ref.nixl, entry.offset, send_metadata=nixl_agent_known != nixl.name)
     else:
         loc = ref.cuda_ipc
         loc.mem_handle = arena.mem_handle

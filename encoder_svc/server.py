@@ -38,6 +38,7 @@ from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.qwen_layout import ImageGeometryError, PixelRange, hash_fingerprint
 from common.stats import to_message
 from common.transport.arena_factory import make_arena
+from common.transport.nixl import NixlExporter, make_exporter
 from common.video.limits import VideoLimits
 from common.vision.qwen_encoder import make_vision_encoder, takes_pixel_ranges
 from common.vision.tower import VisionEncoder
@@ -48,7 +49,14 @@ from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 from encoder_svc.defaults import default_decode_processes
 from encoder_svc.future_bridge import FutureBridge
 from encoder_svc.metrics import EncoderMetrics
-from encoder_svc.refs import build_ref, choose_transport, grid_message, inline_payload, served_transports
+from encoder_svc.refs import (
+    build_ref,
+    choose_transport,
+    grid_message,
+    inline_payload,
+    served_transports,
+    transport_names,
+)
 from encoder_svc.stages import StageTotals, split_encode
 from encoder_svc.stats import EncoderStats
 from encoder_svc.video_lane import VideoLane
@@ -85,7 +93,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     def __init__(self, vision: VisionEncoder, cache: EmbeddingCache, worker: VisionWorker,
                  limits: ImageLimits = ImageLimits(), registry: CollectorRegistry | None = REGISTRY,
-                 decode_pool: DecodePool | None = None, video_limits: VideoLimits = VideoLimits()) -> None:
+                 decode_pool: DecodePool | None = None, video_limits: VideoLimits = VideoLimits(),
+                 nixl: NixlExporter | None = None) -> None:
         self.vision = vision
         self.video_limits = video_limits
         self.video_config = getattr(vision, "video_config", None)  # None: the model takes no video
@@ -96,7 +105,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.worker = worker
         self.video_lane = VideoLane(cache, worker.submit)  # videos decode apart from images' threads
         self.limits = limits
-        self.served = served_transports(cache.arena)
+        self.nixl = nixl  # the arena registered with a NIXL agent (--nixl), or None
+        self.served = served_transports(cache.arena, nixl)
         self.metrics = EncoderMetrics(self.stats, registry)
         self.prefetches = 0
         self.stage_totals = StageTotals()  # where Encodes' time goes (encoder_svc/stages.py)
@@ -122,10 +132,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                              f"({vision.embedding_nbytes} bytes)")
         arena = make_arena(config.arena, config.cache_bytes, device)
         cache = EmbeddingCache(arena, config.lease_ttl_s)
+        nixl = make_exporter(arena) if config.nixl else None
         worker = VisionWorker(vision, cache, config.max_batch_images, config.preprocess_threads)
         processes = default_decode_processes() if config.decode_processes is None else config.decode_processes
         decode_pool = DecodePool(processes, config.limits) if processes > 0 else None
-        servicer = cls(vision, cache, worker, config.limits, registry, decode_pool, config.video_limits)
+        servicer = cls(vision, cache, worker, config.limits, registry, decode_pool, config.video_limits, nixl)
         servicer.pool_decode_always = config.pool_decode_always
         return servicer
 
@@ -376,7 +387,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     self.cache.release([handle.lease_id], owner)
                     refs.append(build_ref(handle, transport, self.cache.arena, data))
                 else:
-                    refs.append(build_ref(handle, transport, self.cache.arena))
+                    refs.append(build_ref(handle, transport, self.cache.arena, nixl=self.nixl,
+                                          nixl_agent_known=request.nixl_agent))
         except BaseException:
             _release_images(items[len(futures):])  # not handed to _acquire (the rest it released)
             for fut in futures:
@@ -440,7 +452,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             decode_processes=0 if pool is None or pool.disabled else len(pool.pids),
             decode_restarts=0 if pool is None else pool.restarts,
             stage_seconds=stage_seconds, encode_calls=encode_calls, tower_gpu_seconds=w.tower_gpu_s,
-            model_fingerprint=self.vision.fingerprint, device=str(self.vision.device))
+            model_fingerprint=self.vision.fingerprint, device=str(self.vision.device),
+            transports=transport_names(self.served))
 
     async def GetStats(self, request: common_pb2.StatsRequest, context) -> encoder_pb2.EncoderStats:
         return to_message(self.stats(), encoder_pb2.EncoderStats)
@@ -461,5 +474,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.video_lane.shutdown()
         if self.decode_pool is not None:
             await asyncio.to_thread(self.decode_pool.close)
+        if self.nixl is not None:  # before the arena it registered is freed
+            await asyncio.to_thread(self.nixl.close)
         self.cache.close()
         self.metrics.close()

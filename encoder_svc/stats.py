@@ -45,6 +45,7 @@ class EncoderStats:
                                        "a CPU)", default=0.0)
     model_fingerprint: str = stat("The checkpoint's fingerprint", "info", default="")
     device: str = stat("Where the tower runs", "info", default="")
+    transports: str = stat("Transports this encoder hands out, comma-separated", "info", default="")
 
     def log_line(self) -> str:
         """The compact form for the service's log."""

@@ -13,6 +13,7 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_CUDA_IPC: _ClassVar[Transport]
     TRANSPORT_SHM: _ClassVar[Transport]
     TRANSPORT_INLINE: _ClassVar[Transport]
+    TRANSPORT_NIXL: _ClassVar[Transport]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_CUDA_IPC: Transport
 TRANSPORT_SHM: Transport
 TRANSPORT_INLINE: Transport
+TRANSPORT_NIXL: Transport
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -91,8 +93,26 @@ class ShmLocation(_message.Message):
     arena_nbytes: int
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., arena_nbytes: _Optional[int] = ...) -> None: ...
 
+class NixlLocation(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "address", "offset", "arena_nbytes", "vram", "device_id")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ARENA_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    VRAM_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    address: int
+    offset: int
+    arena_nbytes: int
+    vram: bool
+    device_id: int
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., address: _Optional[int] = ..., offset: _Optional[int] = ..., arena_nbytes: _Optional[int] = ..., vram: _Optional[bool] = ..., device_id: _Optional[int] = ...) -> None: ...
+
 class EmbeddingRef(_message.Message):
-    __slots__ = ("content_hash", "shape", "dtype", "nbytes", "cache_hit", "lease_id", "lease_expires_in_s", "cuda_ipc", "shm", "inline_data", "grid_thw", "video_timestamps", "second_per_grid")
+    __slots__ = ("content_hash", "shape", "dtype", "nbytes", "cache_hit", "lease_id", "lease_expires_in_s", "cuda_ipc", "shm", "inline_data", "nixl", "grid_thw", "video_timestamps", "second_per_grid")
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +123,7 @@ class EmbeddingRef(_message.Message):
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     VIDEO_TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
     SECOND_PER_GRID_FIELD_NUMBER: _ClassVar[int]
@@ -116,10 +137,11 @@ class EmbeddingRef(_message.Message):
     cuda_ipc: CudaIpcLocation
     shm: ShmLocation
     inline_data: bytes
+    nixl: NixlLocation
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     video_timestamps: _containers.RepeatedScalarFieldContainer[float]
     second_per_grid: float
-    def __init__(self, content_hash: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., lease_id: _Optional[str] = ..., lease_expires_in_s: _Optional[float] = ..., cuda_ipc: _Optional[_Union[CudaIpcLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., inline_data: _Optional[bytes] = ..., grid_thw: _Optional[_Iterable[int]] = ..., video_timestamps: _Optional[_Iterable[float]] = ..., second_per_grid: _Optional[float] = ...) -> None: ...
+    def __init__(self, content_hash: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., lease_id: _Optional[str] = ..., lease_expires_in_s: _Optional[float] = ..., cuda_ipc: _Optional[_Union[CudaIpcLocation, _Mapping]] = ..., shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., inline_data: _Optional[bytes] = ..., nixl: _Optional[_Union[NixlLocation, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., video_timestamps: _Optional[_Iterable[float]] = ..., second_per_grid: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

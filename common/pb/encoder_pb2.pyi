@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "images", "accept", "cache_salt", "prefetch", "lease_owner", "videos")
+    __slots__ = ("request_id", "images", "accept", "cache_salt", "prefetch", "lease_owner", "videos", "nixl_agent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class EncodeRequest(_message.Message):
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     VIDEOS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]
     accept: _containers.RepeatedScalarFieldContainer[_common_pb2.Transport]
@@ -23,7 +24,8 @@ class EncodeRequest(_message.Message):
     prefetch: bool
     lease_owner: str
     videos: _containers.RepeatedCompositeFieldContainer[_common_pb2.VideoInput]
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., accept: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., cache_salt: _Optional[str] = ..., prefetch: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[_common_pb2.VideoInput, _Mapping]]] = ...) -> None: ...
+    nixl_agent: str
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., accept: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., cache_salt: _Optional[str] = ..., prefetch: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[_common_pb2.VideoInput, _Mapping]]] = ..., nixl_agent: _Optional[str] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("embeddings",)
@@ -78,7 +80,7 @@ class LookupResponse(_message.Message):
     def __init__(self, cached: _Optional[_Iterable[bool]] = ..., grids: _Optional[_Iterable[_Union[_common_pb2.ImageGrid, _Mapping]]] = ...) -> None: ...
 
 class EncoderStats(_message.Message):
-    __slots__ = ("cache_bytes_used", "cache_bytes_capacity", "entries", "hits", "misses", "evictions", "leased_bytes", "active_leases", "encodes", "images_per_s", "expired_leases", "inflight_dedups", "prefetches", "model_fingerprint", "device", "stage_seconds", "encode_calls", "tower_gpu_seconds")
+    __slots__ = ("cache_bytes_used", "cache_bytes_capacity", "entries", "hits", "misses", "evictions", "leased_bytes", "active_leases", "encodes", "images_per_s", "expired_leases", "inflight_dedups", "prefetches", "model_fingerprint", "device", "stage_seconds", "encode_calls", "tower_gpu_seconds", "transports")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,7 @@ class EncoderStats(_message.Message):
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOWER_GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     cache_bytes_used: int
     cache_bytes_capacity: int
     entries: int
@@ -122,4 +125,5 @@ class EncoderStats(_message.Message):
     stage_seconds: _containers.ScalarMap[str, float]
     encode_calls: int
     tower_gpu_seconds: float
-    def __init__(self, cache_bytes_used: _Optional[int] = ..., cache_bytes_capacity: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., active_leases: _Optional[int] = ..., encodes: _Optional[int] = ..., images_per_s: _Optional[float] = ..., expired_leases: _Optional[int] = ..., inflight_dedups: _Optional[int] = ..., prefetches: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., encode_calls: _Optional[int] = ..., tower_gpu_seconds: _Optional[float] = ...) -> None: ...
+    transports: str
+    def __init__(self, cache_bytes_used: _Optional[int] = ..., cache_bytes_capacity: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., active_leases: _Optional[int] = ..., encodes: _Optional[int] = ..., images_per_s: _Optional[float] = ..., expired_leases: _Optional[int] = ..., inflight_dedups: _Optional[int] = ..., prefetches: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., encode_calls: _Optional[int] = ..., tower_gpu_seconds: _Optional[float] = ..., transports: _Optional[str] = ...) -> None: ...

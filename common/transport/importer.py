@@ -15,15 +15,16 @@ import torch
 
 from common.pb import common_pb2
 from common.transport import cuda_ipc as cuda
-from common.transport import dtypes, inline, shm
+from common.transport import dtypes, inline, nixl, shm
 
 
 def readable_transports(device: torch.device | str | None = None) -> list[int]:
     """Transports this process can read, best first: put this in EncodeRequest.accept.
 
-    CUDA IPC needs a CUDA reader device and cupy; SHM needs /dev/shm; inline always works. Whether a
-    given ref is readable (same GPU, same host) is `can_import`: a caller that gets an unreadable ref
-    asks again by content hash with only TRANSPORT_INLINE.
+    CUDA IPC needs a CUDA reader device and cupy; SHM needs /dev/shm; NIXL the nixl package (it copies,
+    so it comes after the zero-copy ones); inline always works. Whether a given ref is readable (same
+    GPU, same host) is `can_import`: a caller that gets an unreadable ref asks again by content hash
+    with the transports that work across hosts (NIXL, if it accepts it, and inline).
     """
     out = []
     dev = torch.device(device) if device is not None else None
@@ -31,6 +32,8 @@ def readable_transports(device: torch.device | str | None = None) -> list[int]:
         out.append(common_pb2.TRANSPORT_CUDA_IPC)
     if shm.shm_available():
         out.append(common_pb2.TRANSPORT_SHM)
+    if nixl.nixl_installed():
+        out.append(common_pb2.TRANSPORT_NIXL)
     out.append(common_pb2.TRANSPORT_INLINE)
     return out
 
@@ -44,6 +47,8 @@ def can_import(ref: common_pb2.EmbeddingRef) -> bool:
         return shm.segment_exists(ref.shm.name)
     if kind == "cuda_ipc":
         return cuda.cuda_ipc_available() and cuda.local_device_index(ref.cuda_ipc.device_uuid) is not None
+    if kind == "nixl":  # whether the READ works shows only when it is tried (NixlTransferError)
+        return nixl.nixl_installed()
     return False
 
 
@@ -94,7 +99,9 @@ def import_embedding(ref: common_pb2.EmbeddingRef, device: torch.device | str | 
 
     CUDA IPC: a view on the encoder's GPU (no copy); the current stream waits on the producer event
     unless wait=False (tests use that to show stale reads). SHM: a CPU view of the mapped segment.
-    Inline: a CPU tensor. If `device` differs from where the view lives, the result is copied there.
+    Inline: a CPU tensor. NIXL: a tensor of our own, READ from the encoder's arena (on `device` when it
+    is a GPU, else on the host); NixlTransferError when the READ fails. If `device` differs from where
+    the view lives, the result is copied there.
     The view is valid while the lease is held: copy it (or finish using it) before Release.
 
     source names the encoder (its address) that sent ref: when a ref from a new arena of the same
@@ -118,6 +125,8 @@ def import_embedding(ref: common_pb2.EmbeddingRef, device: torch.device | str | 
         raw = cuda.read_slice(loc.mem_handle, index, loc.offset, ref.nbytes, loc.arena_nbytes,
                               loc.event_handle, wait=wait)
         key = ("cuda_ipc", loc.mem_handle)
+    elif kind == "nixl":  # the reader keeps its own agents per source
+        raw = nixl.read_slice(ref.nixl, ref.nbytes, source=source, device=device)
     else:
         raise ValueError("EmbeddingRef has no location")
     if source is not None and key is not None:  # after a good read: a failed one must not drop the old

@@ -3,7 +3,8 @@
 - Content-addressed: each image is first asked for by its hash; its bytes travel only when the encoder
   answers NOT_FOUND.
 - No bytes through gRPC where it can: the decoder accepts CUDA IPC (same GPU), then shared memory (same
-  host), then inline bytes, and falls back by itself when a ref it got cannot be opened here.
+  host), then NIXL (any host, with the nixl extra), then inline bytes, and falls back by itself when a
+  ref it got cannot be opened here (to NIXL or the bytes) or a NIXL READ fails (to the bytes).
 - One copy, then the lease goes back: a fetched embedding is copied out of the encoder's arena at once
   (device to device on a GPU) and kept only if the copy finished while its lease provably held; the
   lease is released right after. A queued request therefore never reads a slice the encoder may have
@@ -50,6 +51,7 @@ from common.security.identity import tenant_of_salt
 from common.security.tls import ClientTls, open_channel
 from common.stats import stat
 from common.transport.importer import can_import, import_embedding, readable_transports
+from common.transport.nixl import NixlTransferError, known_agent
 from decoder_svc.encoders.discovery import EncoderPool, NoEncoderError
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
 
@@ -367,25 +369,38 @@ class RemoteEmbeddingSource(EmbeddingSource):
         for attempt in range(2):
             sent_at = time.monotonic()
             ref = self._encode(encoder, req, self.accept, deadline)
-            if not can_import(ref):  # e.g. an SHM segment on another host: ask for the bytes instead
+            if not can_import(ref):  # e.g. an SHM segment on another host: NIXL or the bytes instead
                 self._release_leases(encoder, [ref.lease_id] if ref.lease_id else [])
                 sent_at = time.monotonic()
-                ref = self._encode(encoder, req, [common_pb2.TRANSPORT_INLINE], deadline)
+                ref = self._encode(encoder, req, self._across_hosts(ref), deadline)
             if not ref.lease_id:  # inline bytes: ours already
                 return ref, import_embedding(ref, device=self.device, source=encoder)
             with self._lock:
                 self._counters.active_leases += 1  # held only for the copy
+            tensor = None
             try:
                 tensor = self._copy_out(ref, encoder)
+            except NixlTransferError as exc:  # the lease goes back below; the bytes come by gRPC
+                log.warning("embedding %s: %s; asking for its bytes", req.content_hash[:16], exc)
             finally:
                 self._release_leases(encoder, [ref.lease_id])
                 with self._lock:
                     self._counters.active_leases -= 1
+            if tensor is None:
+                ref = self._encode(encoder, req, [common_pb2.TRANSPORT_INLINE], deadline)
+                return ref, import_embedding(ref, device=self.device, source=encoder)
             if lease_held_through(sent_at, ref.lease_expires_in_s, time.monotonic()):
                 return ref, tensor
             log.warning("embedding %s: copy finished after its lease could have lapsed (attempt %d)",
                         req.content_hash[:16], attempt + 1)
         raise LeaseLapsedError("embedding lease lapsed before it could be read; the encoder is overloaded")
+
+    def _across_hosts(self, ref: common_pb2.EmbeddingRef) -> list[int]:
+        """What to ask for instead of a ref this process cannot open: NIXL (if accepted and not what
+        failed) and inline."""
+        nixl = [common_pb2.TRANSPORT_NIXL] if (common_pb2.TRANSPORT_NIXL in self.accept
+                                               and ref.WhichOneof("location") != "nixl") else []
+        return [*nixl, common_pb2.TRANSPORT_INLINE]
 
     def _route(self, key: tuple[str, str], req: EmbeddingRequest, deadline: float) -> str:
         """The image's encoder by the ring; while no encoder is serving, wait for one until deadline."""
@@ -415,7 +430,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         """A tensor of our own with the ref's rows, complete when this returns."""
         # Keyed by encoder: a restarted encoder's new arena supersedes (and unmaps) its old one.
         if self.device.type != "cuda":
-            return import_embedding(ref, device=self.device, source=encoder).clone()
+            tensor = import_embedding(ref, device=self.device, source=encoder)
+            return tensor if ref.WhichOneof("location") == "nixl" else tensor.clone()  # NIXL's is ours
         copier = self._copiers.get(threading.get_ident())
         if copier is None:
             copier = self._copiers.setdefault(threading.get_ident(), SideStreamCopier(self.device))
@@ -449,6 +465,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         request = encoder_pb2.EncodeRequest(request_id=req.request_id, accept=accept,
                                             cache_salt=req.cache_salt, prefetch=req.prefetch,
                                             lease_owner=self._lease_owner, **_as_items(item))
+        if common_pb2.TRANSPORT_NIXL in accept:  # its agent's metadata comes once, not with every ref
+            request.nixl_agent = known_agent(encoder)
         policy = self.retry
         busy_until = deadline - policy.total_timeout_s + policy.busy_timeout_s  # from the first ask too
         backoff = policy.initial_backoff_s

@@ -1,0 +1,295 @@
+"""NIXL transport: embeddings READ across hosts from the encoder's arena by a transfer engine (UCX).
+
+Encoder side (`NixlExporter`): one agent per encoder process registers the whole arena once (DRAM for
+the shm and private arenas; VRAM for a CUDA arena, untested on CPU-only CI) and hands its metadata out
+once per decoder, inside the first NIXL ref that decoder gets (EncodeRequest.nixl_agent tells the encoder
+which agent the caller has loaded already). Refs carry the slice's address; the lease guards it as for
+CUDA IPC: the decoder READs the rows while it holds the lease, then releases it.
+
+Decoder side (`read_slice`): one agent per process, made on the first NIXL ref, with one registered
+staging buffer; it loads each encoder's agent once (a restarted encoder's new agent replaces the old),
+READs the rows into the staging buffer, checks the transfer until DONE within a deadline, and returns a
+copy of its own. Any failure (no package, unknown agent, an error or a timeout of the transfer, a dead
+encoder) raises NixlTransferError: the caller asks for the bytes instead. A READ never writes the
+encoder's memory, so a transfer abandoned on a timeout can harm nothing there; its staging buffer is
+never reused.
+
+The `nixl` package is optional (`pip install -e '.[nixl]'`) and imported only here, lazily: a wheel for
+CUDA 12 (`nixl_cu12`), CUDA 13 (`nixl_cu13`) or the meta package (`nixl`) all do.
+
+Progress: the encoder's agent does not run NIXL's own progress thread (it busy-polls a core); a thread
+of ours polls its backend every _PROGRESS_S instead, which is what UCX over TCP or shared memory needs
+on the target side to answer reads.
+
+Security: NIXL carries no authentication. Whoever holds an agent's metadata and an address can READ the
+registered arena: the data network between encoders and decoders must be trusted, and the gRPC Encode
+that hands out descriptors stays the authenticated step. Descriptors travel as plain protobuf fields,
+never as NIXL's pickled descriptor lists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import secrets
+import threading
+import time
+
+import torch
+
+from common.transport.arena import Arena
+
+log = logging.getLogger("mmserve.transport")
+
+_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # the meta package first: it picks the host's CUDA build
+_BACKEND = "UCX"
+_PROGRESS_S = 0.002  # the encoder's progress poll: well under a millisecond of CPU per second
+_READ_TIMEOUT_S = 10.0  # one READ of an embedding takes milliseconds; past this the encoder is gone
+_POLL_S = 0.0001  # between checks of a READ in flight
+
+
+class NixlUnavailableError(RuntimeError):
+    """No nixl package, or no UCX backend in it."""
+
+
+class NixlTransferError(RuntimeError):
+    """A NIXL READ could not be set up or did not finish: ask for the bytes instead."""
+
+
+def nixl_installed() -> bool:
+    """True when a nixl package is installed (found, not imported: importing loads UCX)."""
+    return any(importlib.util.find_spec(name) is not None for name in _MODULES)
+
+
+def nixl_module():
+    """The nixl API module (nixl_agent, nixl_agent_config); NixlUnavailableError when none is installed."""
+    for name in _MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise NixlUnavailableError("no nixl package installed (pip install -e '.[nixl]')")
+
+
+def _new_agent(name: str):
+    nixl = nixl_module()
+    try:
+        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=[_BACKEND]))
+    except Exception as exc:  # noqa: BLE001 - the bindings raise their own types
+        raise NixlUnavailableError(f"cannot start a NIXL agent: {type(exc).__name__}: {exc}") from None
+    if _BACKEND not in agent.backends:
+        raise NixlUnavailableError(f"NIXL has no {_BACKEND} backend here")
+    return agent
+
+
+def _mem_type(vram: bool) -> str:
+    return "VRAM" if vram else "DRAM"
+
+
+class NixlExporter:
+    """The encoder's agent: the arena registered once, its metadata for decoders, a progress poller."""
+
+    def __init__(self, arena: Arena, name: str | None = None) -> None:
+        self.name = name or f"mmserve-enc-{os.getpid()}-{secrets.token_hex(6)}"
+        self._agent = _new_agent(self.name)
+        whole = arena.view(0, arena.capacity)
+        self.vram = whole.device.type == "cuda"
+        self.device_id = (whole.device.index or 0) if self.vram else 0
+        self.base = whole.data_ptr()
+        self.capacity = arena.capacity
+        self._whole = whole  # keeps the registered memory alive as long as the registration
+        self._reg = self._agent.register_memory([(self.base, self.capacity, self.device_id, "")],
+                                                _mem_type(self.vram))
+        self.metadata: bytes = self._agent.get_agent_metadata()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
+        self._thread.start()
+        log.info("NIXL agent %s: arena of %d bytes registered (%s)", self.name, self.capacity,
+                 _mem_type(self.vram))
+
+    def _progress(self) -> None:
+        while not self._stop.wait(_PROGRESS_S):
+            try:
+                self._agent.get_new_notifs()  # progresses the backend: connections and reads are served
+            except Exception:  # noqa: BLE001 - keep serving; a broken peer is its reader's failure
+                log.debug("NIXL progress", exc_info=True)
+
+    def fill(self, loc, offset: int, send_metadata: bool) -> None:
+        """Set a NixlLocation message for the slice at offset."""
+        loc.agent_name = self.name
+        if send_metadata:
+            loc.agent_metadata = self.metadata
+        loc.address = self.base + offset
+        loc.offset = offset
+        loc.arena_nbytes = self.capacity
+        loc.vram = self.vram
+        loc.device_id = self.device_id
+
+    def close(self) -> None:
+        """Stop answering reads and deregister the arena (before the arena itself is freed)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        try:
+            self._agent.deregister_memory(self._reg)
+        except Exception:  # noqa: BLE001 - the process is shutting the arena down anyway
+            log.warning("NIXL deregistration failed", exc_info=True)
+        self._whole = None
+
+
+def make_exporter(arena: Arena) -> NixlExporter | None:
+    """The arena's NIXL exporter, or None (logged) when NIXL cannot run here."""
+    try:
+        return NixlExporter(arena)
+    except NixlUnavailableError as exc:
+        log.warning("NIXL transport not offered: %s", exc)
+        return None
+
+
+class NixlReader:
+    """The decoder's agent: remote agents loaded once per encoder, one registered staging buffer.
+
+    Reads are serialized (one lock): a READ of an embedding takes milliseconds, and one staging buffer
+    keeps registrations to one per size doubling."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device if device is not None and device.type == "cuda" else torch.device("cpu")
+        self.name = f"mmserve-dec-{os.getpid()}-{secrets.token_hex(6)}"
+        self._agent = _new_agent(self.name)
+        self._lock = threading.Lock()
+        self._loaded: set[str] = set()  # remote agents whose metadata is loaded
+        self._agent_of_source: dict[str, str] = {}
+        self._staging: torch.Tensor | None = None
+        self._staging_reg = None
+        self._abandoned: list[torch.Tensor] = []  # buffers a timed-out READ may still write: never reused
+        self.reads = 0
+        self.metadata_loads = 0
+
+    def known_agent(self, source: str) -> str:
+        """The encoder agent loaded for source (EncodeRequest.nixl_agent), or ""."""
+        with self._lock:
+            name = self._agent_of_source.get(source, "")
+            return name if name in self._loaded else ""
+
+    def _remote(self, loc, source: str | None) -> str:
+        name = loc.agent_name
+        if name not in self._loaded:
+            if not loc.agent_metadata:
+                raise NixlTransferError(f"NIXL agent {name!r} is not known here and the ref has no metadata")
+            try:
+                loaded = self._agent.add_remote_agent(loc.agent_metadata)
+            except Exception as exc:  # noqa: BLE001
+                raise NixlTransferError(f"cannot load NIXL agent {name!r}: {type(exc).__name__}") from None
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded != name:
+                self._drop(loaded)
+                raise NixlTransferError(f"NIXL metadata names agent {loaded!r}, the ref {name!r}")
+            self._loaded.add(name)
+            self.metadata_loads += 1
+        if source is not None:
+            old = self._agent_of_source.get(source)
+            self._agent_of_source[source] = name
+            if old is not None and old != name and old not in self._agent_of_source.values():
+                self._drop(old)  # the encoder restarted: its old agent is gone
+        return name
+
+    def _drop(self, name: str) -> None:
+        self._loaded.discard(name)
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception:  # noqa: BLE001 - forgetting a dead peer may fail; nothing depends on it
+            log.debug("removing NIXL agent %s", name, exc_info=True)
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < nbytes:
+            if self._staging_reg is not None:
+                self._agent.deregister_memory(self._staging_reg)
+                self._staging_reg = None
+            size = 1 << max(nbytes - 1, 1).bit_length()
+            self._staging = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._staging_reg = self._agent.register_memory(self._staging)
+        return self._staging
+
+    def _abandon(self) -> None:
+        """Never reuse the staging buffer: a READ still in flight may write it later."""
+        if self._staging is not None:
+            self._abandoned.append(self._staging)
+        self._staging, self._staging_reg = None, None
+
+    def read(self, loc, nbytes: int, source: str | None = None,
+             timeout_s: float = _READ_TIMEOUT_S) -> torch.Tensor:
+        """A uint8 tensor of our own with [loc.address, + nbytes) of the encoder's arena."""
+        if loc.offset + nbytes > loc.arena_nbytes:
+            raise ValueError("slice past the end of the NIXL arena")
+        with self._lock:
+            name = self._remote(loc, source)
+            staging = self._buffer(nbytes)
+            dev = (staging.device.index or 0) if staging.device.type == "cuda" else 0
+            try:
+                local = self._agent.get_xfer_descs([(staging.data_ptr(), nbytes, dev)],
+                                                   _mem_type(staging.device.type == "cuda"))
+                remote = self._agent.get_xfer_descs([(loc.address, nbytes, loc.device_id)],
+                                                    _mem_type(loc.vram))
+                handle = self._agent.initialize_xfer("READ", local, remote, name)
+            except Exception as exc:  # noqa: BLE001 - the bindings raise their own types
+                self._drop(name)  # fetch its metadata afresh next time
+                raise NixlTransferError(
+                    f"NIXL READ from {name!r} refused: {type(exc).__name__}: {exc}") from None
+            state = "PROC"
+            try:
+                state = self._agent.transfer(handle)
+                deadline = time.monotonic() + timeout_s
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise NixlTransferError(f"NIXL READ from {name!r} not done within {timeout_s:g} s")
+                    time.sleep(_POLL_S)
+                    state = self._agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise NixlTransferError(f"NIXL READ from {name!r} failed ({state})")
+            except NixlTransferError:
+                self._drop(name)
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. the remote agent disconnected (dead encoder)
+                self._drop(name)
+                raise NixlTransferError(
+                    f"NIXL READ from {name!r} failed: {type(exc).__name__}: {exc}") from None
+            finally:
+                if state not in ("DONE", "ERR"):  # may still be in flight (a timeout, a broken check)
+                    self._abandon()
+                try:
+                    handle.release()
+                except Exception:  # noqa: BLE001 - a handle of a failed READ may refuse release
+                    log.debug("releasing a NIXL transfer handle", exc_info=True)
+            self.reads += 1
+            return staging[:nbytes].clone()
+
+
+_reader: NixlReader | None = None
+_reader_lock = threading.Lock()
+
+
+def reader(device: torch.device | None = None) -> NixlReader:
+    """This process's reader, made on first use (NixlTransferError when NIXL cannot run here)."""
+    global _reader
+    with _reader_lock:
+        if _reader is None:
+            try:
+                _reader = NixlReader(device)
+            except NixlUnavailableError as exc:
+                raise NixlTransferError(str(exc)) from None
+        return _reader
+
+
+def known_agent(source: str) -> str:
+    """The encoder agent this process has loaded for source, or "" (never starts NIXL)."""
+    return _reader.known_agent(source) if _reader is not None else ""
+
+
+def read_slice(loc, nbytes: int, source: str | None = None,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """READ a NixlLocation's nbytes into a new uint8 tensor (on device's GPU when it is one, else host)."""
+    dev = torch.device(device) if device is not None else None
+    return reader(dev).read(loc, nbytes, source)
