@@ -100,9 +100,12 @@ def test_cancelled_streams_free_blocks_and_leases(pair, test_images):
 
 
 def test_deadline_aborts_and_frees(pair, test_images):
-    with DecoderClient(pair.decoder.address, timeout=0.5) as client:
+    # 800 tokens take the tiny model well over the deadline even on an idle machine (500 tokens under a
+    # 0.5 s deadline once finished in time in CI); a deadline that passes before the request runs must
+    # free everything too.
+    with DecoderClient(pair.decoder.address, timeout=0.25) as client:
         with pytest.raises(grpc.RpcError) as err:
-            client.generate_text(PROMPT_1, [png(test_images[0])], max_tokens=500, ignore_eos=True,
+            client.generate_text(PROMPT_1, [png(test_images[0])], max_tokens=800, ignore_eos=True,
                                  cache_salt="deadline")
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     dec, enc = pair.wait_idle()
