@@ -24,6 +24,7 @@
 #      its roofline; the 72B tower made in QWEN72_MODEL_DIR, default /tmp/qwen72b, from QWEN72_PRESET;
 #      TP_KV_BYTES per rank, default 30 GB; a CPU smoke test: QWEN72_PRESET=qwen2.5-vl-tiny
 #      TP_KV_BYTES=50000000 with DEVICE=cpu and friends; BUDGET_S=1500 or so),
+#      ttft (bench/ttft.py: time to first token with its split, per preset; see its block below),
 #      or a list such as llava,qwen,qwen3.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
@@ -264,6 +265,22 @@ if [[ ",$SECTIONS," == *,vision,* ]]; then
     make_once "/tmp/vision-$fam" "$fam" --weights vision
     step "vision_$fam" 300 "$PY" -m bench.vision_path --model "/tmp/vision-$fam" "${DT[@]}" \
       --logs "$RES/logs-vision-$fam" ${VPARGS[@]+"${VPARGS[@]}"}
+  done
+fi
+
+# Time to first token (issue 39): bench/ttft.py on each preset's real shapes (random weights, made here
+# and deleted after its step: three 7-8B checkpoints do not fit the disk together): cold and warm TTFT of
+# one 1024x1024 image + 500 tokens through gRPC with the decoder's TTFT split and the encoder's Encode
+# split, 32 one-image requests at once against their roofline, and HF's generate on the Qwen families.
+# TTFT_PRESETS (default "qwen2.5-vl-7b qwen3-vl-8b llava-1.5-7b"), TTFT_ARGS (default "--rounds 5 --hf";
+# CPU smoke: TTFT_PRESETS=qwen2.5-vl-tiny TTFT_ARGS="--rounds 1 --concurrency 2 --image-size 256").
+if [[ ",$SECTIONS," == *,ttft,* ]]; then
+  read -r -a TARGS <<< "${TTFT_ARGS:---rounds 5 --hf}"
+  for fam in ${TTFT_PRESETS:-qwen2.5-vl-7b qwen3-vl-8b llava-1.5-7b}; do
+    make_once "/tmp/ttft-$fam" "$fam"
+    step "ttft_$fam" 240 "$PY" -m bench.ttft --model "/tmp/ttft-$fam" "${DT[@]}" --logs "$RES/logs-ttft-$fam" \
+      "${TARGS[@]}"
+    [ "${TTFT_KEEP_MODELS:-0}" = 1 ] || rm -rf "/tmp/ttft-$fam"
   done
 fi
 

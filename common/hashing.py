@@ -84,6 +84,12 @@ def hash_image(image: Image.Image, model_fingerprint: str, cache_salt: str = "")
     ).hex()
 
 
+def file_digest(data: bytes | memoryview) -> bytes:
+    """32-byte digest of an encoded file's bytes as they are. Not a content hash (two files may hold the
+    same pixels): a key under which a service remembers the content hash it computed from the file."""
+    return framed_digest(b"mmserve.file.v1", [(b"bytes", data)])
+
+
 def is_content_hash(text: str) -> bool:
     """True when text looks like a hex content hash (64 hex digits)."""
     if len(text) != 2 * DIGEST_SIZE:

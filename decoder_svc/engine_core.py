@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import socket
 import time
 import traceback
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from common.checkpoint import CheckpointError
@@ -34,6 +35,37 @@ log = logging.getLogger("mmserve.decoder.core")
 
 _IDLE_WAIT_S = 0.5       # nothing to do: sleep until a command arrives
 _WAITING_POLL_S = 0.002  # requests wait on the encoder: poll again soon, without spinning a core
+
+
+class Wakeup:
+    """A socket pair the embedding source's threads poke when an embedding arrives or fails: the loop
+    waits on it beside the pipe, so a request whose image just came is scheduled now, not at the next
+    poll."""
+
+    def __init__(self) -> None:
+        self.reader, self._writer = socket.socketpair()
+        self.reader.setblocking(False)
+        self._writer.setblocking(False)
+
+    def set(self) -> None:
+        """Wake the loop (any thread; a wake already pending is enough)."""
+        try:
+            self._writer.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def clear(self) -> None:
+        """Drain the pokes received so far."""
+        try:
+            while self.reader.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        """Close both ends."""
+        self.reader.close()
+        self._writer.close()
 
 
 def engine_config(config: DecoderConfig) -> EngineConfig:
@@ -73,6 +105,8 @@ class EngineCore:
         self.engine = engine
         self.conn = conn
         self._closed = False
+        self.wakeup = Wakeup()
+        engine.source.on_change = self.wakeup.set
 
     def _call(self, call: msg.CoreCall) -> Any:
         engine = self.engine
@@ -86,7 +120,10 @@ class EngineCore:
         raise TypeError(f"unknown engine core call {type(call).__name__}")
 
     def _run_commands(self, timeout: float) -> None:
-        if not self.conn.poll(timeout):
+        ready = wait([self.conn, self.wakeup.reader], timeout)
+        if self.wakeup.reader in ready:
+            self.wakeup.clear()
+        if self.conn not in ready:
             return
         while True:
             message = self.conn.recv()  # EOFError: the front end is gone
@@ -144,7 +181,11 @@ def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecuri
         info = msg.CoreInfo(spec.num_blocks * spec.block_size, spec.num_blocks, spec.block_size)
         conn.send(msg.Ready(info))
         try:
-            EngineCore(engine, conn).run()
+            core = EngineCore(engine, conn)
+            try:
+                core.run()
+            finally:
+                core.wakeup.close()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             log.info("front end gone: engine core stopping")
         except BaseException as exc:

@@ -18,6 +18,7 @@ import grpc
 
 from common.errors import CapacityError, InvalidInputError, ServiceError, as_service_error
 from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
+from common.stage_totals import StageTotals
 from common.stats import to_message
 from decoder_svc.core_client import CoreDeadError, EngineCoreClient
 from decoder_svc.encoders.grid_lookup import GridLookup
@@ -25,6 +26,7 @@ from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 from decoder_svc.engine.input_processor import InputProcessor
 from decoder_svc.engine.output_processor import RequestOutput
 from decoder_svc.engine.sampling_params import SamplingParams
+from decoder_svc.engine.ttft_stages import STAGES, split_ttft
 from decoder_svc.input_lanes import InputLanes
 from decoder_svc.metrics import DecoderMetrics
 from decoder_svc.stream import OutputStream
@@ -49,6 +51,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.lanes = lanes or InputLanes()
         self.grids = grids  # Qwen2.5-VL: the encoders' grids of hash-only images
         self.draining = False
+        self.ttft_totals = StageTotals(STAGES)  # where time to first token goes (engine/ttft_stages.py)
 
     async def _known_grids(self, parsed: ParsedRequest) -> dict | None:
         """Grids of the request's hash-only images this front end has not hashed itself (Qwen2.5-VL:
@@ -71,7 +74,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         """Time is up: end the streams still open with UNAVAILABLE."""
         self.core.fail_open_streams(_SHUTTING_DOWN)
 
-    async def _add(self, request_id: str, parsed: ParsedRequest) -> None:
+    async def _add(self, request_id: str, parsed: ParsedRequest, received: float) -> None:
         try:
             # Decoding, hashing and tokenizing happen here, in a worker thread of the front end: text-only
             # requests in a lane of their own, so that image work never holds them up (input_lanes.py).
@@ -82,6 +85,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt,
                 image_options=parsed.image_options, known_grids=known, videos=parsed.videos,
                 prompt_token_ids=parsed.prompt_token_ids)
+            req.times.received, req.times.made = received, time.monotonic()
             await self.core.add(req)
         except CoreDeadError as exc:
             raise as_service_error(exc, "decoder engine unavailable: ") from None
@@ -103,7 +107,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     async def Generate(self, request: decoder_pb2.GenerateRequest, context
                        ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
-        started = time.perf_counter()
+        started, received = time.perf_counter(), time.monotonic()
         if self.draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "decoder shutting down: send to another replica")
         parsed = parse_request(request)
@@ -113,7 +117,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         added = finished = False
         last = None
         try:
-            await self._add(request_id, parsed)
+            await self._add(request_id, parsed, received)
             added = True
             while not finished:
                 output = await outputs.read()
@@ -122,6 +126,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                     self._count("failed")
                     raise self._error_status(request_id, output)
                 finished = output.finished
+                if output.times is not None:
+                    self._observe_ttft_split(split_ttft(output.times, time.monotonic()))
                 now = time.perf_counter()
                 if self.metrics is not None and output.new_token_ids:
                     (self.metrics.ttft if last is None else self.metrics.itl).observe(
@@ -142,9 +148,17 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 except CoreDeadError:
                     pass
 
+    def _observe_ttft_split(self, split: dict[str, float]) -> None:
+        self.ttft_totals.add(split)
+        if self.metrics is not None:
+            self.metrics.observe_ttft_stages(split)
+
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.requests.labels(outcome).inc()
 
     async def GetStats(self, request: common_pb2.StatsRequest, context) -> decoder_pb2.DecoderStats:
-        return to_message(await self.core.stats(), decoder_pb2.DecoderStats)
+        message = to_message(await self.core.stats(), decoder_pb2.DecoderStats)
+        seconds, message.ttft_calls = self.ttft_totals.snapshot()
+        message.ttft_stage_seconds.update(seconds)
+        return message

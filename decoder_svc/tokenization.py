@@ -5,6 +5,11 @@ N copies and tokenizes the result with the default special tokens. We do the sam
 pixels: for the LLaVA family N does not depend on the image, and common.image_tokens derives it from the
 processor and vision configs (the encoder uses the same number); for Qwen2.5-VL the caller passes each
 image's N, computed from its header (common.qwen_layout). The ids equal HF's; tests check it.
+
+The placeholder is a special token, which the tokenizer splits out before it reads the text around it:
+a run of N of them tokenizes to N copies of its id whatever N is. So the text is tokenized with each
+run written once and the ids are repeated afterwards (a 1225-token image costs the tokenizer one token,
+not 1225).
 """
 
 from __future__ import annotations
@@ -131,10 +136,27 @@ class PromptTokenizer:
         if self.video_token is not None and prompt.count(self.video_token) != len(videos):
             raise PlaceholderMismatchError(f"prompt has {prompt.count(self.video_token)} {self.video_token} "
                                            f"placeholders but {len(videos)} videos")
-        text = self._expand(prompt, counts, videos)
-        ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        text = self._expand(prompt, [1] * len(counts), [_one_per_run(v) for v in videos])
+        ids = self._repeat_runs(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"],
+                                counts, videos)
         spans = self._video_spans(ids, videos) if videos else []
         return TokenizedPrompt(ids, self._placeholders(ids, counts), text, spans)
+
+    def _repeat_runs(self, ids: Sequence[int], counts: list[int],
+                     videos: Sequence[VideoPromptLayout]) -> list[int]:
+        """ids whose image and video tokens, each written once per run, are repeated to their runs'
+        lengths (images in order, then each video's groups in order)."""
+        lengths = iter(counts)
+        groups = iter([v.tokens_per_group for v in videos for _ in range(v.groups)])
+        out: list[int] = []
+        for token in ids:
+            if token == self.image_token_id:
+                out.extend([token] * next(lengths, 1))
+            elif token == self.video_token_id and self.video_token_id is not None:
+                out.extend([token] * next(groups, 1))
+            else:
+                out.append(token)
+        return out
 
     def _native_image_markers(self, prompt: str, n_images: int) -> str:
         """A Qwen-VL prompt that marks its images with the generic `<image>` (the API's and `mmserve
@@ -226,6 +248,11 @@ class PromptTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _one_per_run(video: VideoPromptLayout) -> VideoPromptLayout:
+    """The same layout with one token per group (the text the tokenizer reads)."""
+    return VideoPromptLayout(video.groups, 1, video.timestamps)
 
 
 def check_chat_message(index: int, message: Any, part_types: frozenset[str] = CHAT_PART_TYPES) -> None:

@@ -36,6 +36,7 @@ from common.hashing import check_cache_salt, is_content_hash
 from common.images import ImageError, ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.qwen_layout import ImageGeometryError, PixelRange, hash_fingerprint
+from common.stage_totals import StageTotals
 from common.stats import to_message
 from common.transport.arena_factory import make_arena
 from common.transport.nixl import NixlExporter, make_exporter
@@ -57,7 +58,7 @@ from encoder_svc.refs import (
     served_transports,
     transport_names,
 )
-from encoder_svc.stages import StageTotals, split_encode
+from encoder_svc.stages import STAGES, split_encode
 from encoder_svc.stats import EncoderStats
 from encoder_svc.video_lane import VideoLane
 from encoder_svc.videos import VideoJob, plan_videos
@@ -109,7 +110,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.served = served_transports(cache.arena, nixl)
         self.metrics = EncoderMetrics(self.stats, registry)
         self.prefetches = 0
-        self.stage_totals = StageTotals()  # where Encodes' time goes (encoder_svc/stages.py)
+        self.stage_totals = StageTotals(STAGES)  # where Encodes' time goes (encoder_svc/stages.py)
         self._closing = False
         self._future_bridge: FutureBridge | None = None
 

@@ -17,9 +17,8 @@ encode already running counts only what it waited for. A cache hit has no queue,
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 STAGES = ("receive", "decode", "queue", "preprocess", "tower", "handoff")
 
@@ -58,24 +57,3 @@ def split_encode(started: float, checked: float, decoded: float, waiting: float,
         split["queue"] += max(0.0, last.tower_end - waiting - split["preprocess"] - split["tower"])
     split["handoff"] = max(0.0, (ended - started) - sum(split.values()))
     return split
-
-
-@dataclass
-class StageTotals:
-    """Seconds per stage summed over every Encode, and the number of Encodes (thread-safe)."""
-
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
-    calls: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, split: dict[str, float]) -> None:
-        """Count one Encode's split."""
-        with self._lock:
-            self.calls += 1
-            for stage, secs in split.items():
-                self.seconds[stage] += secs
-
-    def snapshot(self) -> tuple[dict[str, float], int]:
-        """(seconds per stage, Encodes) read together."""
-        with self._lock:
-            return dict(self.seconds), self.calls

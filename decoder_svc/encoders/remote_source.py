@@ -354,6 +354,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 self._counters.embeddings_from_encoder_cache += int(ref.cache_hit)
                 transports = self._counters.embedding_transports
                 transports[transport] = transports.get(transport, 0) + 1
+        if not stale:
+            self.notify_change()
 
     def _fetch_owned(self, encoder: str, req: EmbeddingRequest,
                      deadline: float) -> tuple[common_pb2.EmbeddingRef, torch.Tensor]:
@@ -623,9 +625,12 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             slot = self._slots.get(key)
             self._counters.embedding_failures += 1
-            if slot is not None and not slot.released:
+            failed = slot is not None and not slot.released
+            if failed:
                 slot.status, slot.code, slot.error = EmbeddingState.FAILED, code, message
                 self._failed_requests[key[0]] = code
+        if failed:
+            self.notify_change()
 
 
 def _by_hash(req: EmbeddingRequest) -> common_pb2.ImageInput | common_pb2.VideoInput:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,16 @@ class EmbeddingRequest:
 
 class EmbeddingSource(ABC):
     """Produces image embeddings for the engine; see the module docstring for the contract."""
+
+    # Called (on any thread) when a key turns READY or FAILED, so an engine loop asleep while its requests
+    # wait on embeddings wakes at once instead of at its next poll. None: nobody listens.
+    on_change: Callable[[], None] | None = None
+
+    def notify_change(self) -> None:
+        """Tell the listener, if any, that some key's state changed."""
+        listener = self.on_change
+        if listener is not None:
+            listener()
 
     @abstractmethod
     def request(self, req: EmbeddingRequest) -> None:

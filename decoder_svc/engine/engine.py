@@ -9,6 +9,7 @@ tokenization) happens before a request reaches the engine (engine/input_processo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -169,10 +170,16 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of every request that produced tokens or ended."""
+        started = time.monotonic()
         scheduled = self.scheduler.schedule()
         self.last_step_num_tokens = scheduled.num_batched_tokens  # 0: every request waits (e.g. on images)
         output = self._execute(scheduled)
         updates = self.scheduler.update_from_output(scheduled, output)
+        ended = time.monotonic()
+        for update in updates:  # a first token: this step finished the prompt (ttft_stages.py)
+            req = update.request
+            if update.new_token_ids and len(req.output_token_ids) == len(update.new_token_ids):
+                req.times.step_started, req.times.sampled = started, ended
         return self.outputs.process(updates, self.scheduler)
 
     def _execute(self, scheduled: SchedulerOutput) -> ModelOutput | None:

@@ -13,6 +13,7 @@ An image may straddle chunks: a chunk covering tokens [start, end) takes rows
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,7 @@ class ImageInputs:
             return
         self._rows[(rid, h)] = rows
         img.state = EmbeddingState.READY
+        req.times.note_image_ready(time.monotonic())
         img.encoder_cache_hit = self.source.cache_hit(rid, h)
         if img.row_offset:  # a later run of a video: the video was counted with its first
             return

@@ -8,8 +8,6 @@ capacity), so the service runs it on any thread, or in another process than the 
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -18,8 +16,9 @@ from PIL import Image
 
 from common.checkpoint import model_fingerprint
 from common.freed_memory import release_freed_memory
-from common.hashing import check_cache_salt, hash_image, is_content_hash
+from common.hashing import check_cache_salt, file_digest, hash_image, is_content_hash
 from common.images import decode_image, probe_image_size
+from common.memo import BoundedMemo
 from common.qwen_layout import (
     Grid,
     ImageGeometryError,
@@ -43,6 +42,9 @@ if TYPE_CHECKING:
 
 ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
 MAX_REMEMBERED_GRIDS = 65536  # (salt, content hash) -> grid of Qwen images seen, for hash-only requests
+# (file digest, fingerprint, salt) -> content hash of image files hashed here: a file sent again (a
+# repeated request, a conversation's next turn) is never decoded again just to learn its hash.
+MAX_REMEMBERED_FILES = 65536
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,9 @@ class InputProcessor:
     fingerprint: str
     eos_token_ids: frozenset[int]
     kv_capacity_tokens: int  # blocks x block size: no request may need more
-    _grids: OrderedDict[tuple[str, str], Grid] = field(default_factory=OrderedDict, repr=False)
-    # make_request runs on any thread
-    _grids_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # make_request runs on any thread: both memos are thread-safe
+    _grids: BoundedMemo[Grid] = field(default_factory=lambda: BoundedMemo(MAX_REMEMBERED_GRIDS), repr=False)
+    _files: BoundedMemo[str] = field(default_factory=lambda: BoundedMemo(MAX_REMEMBERED_FILES), repr=False)
     _videos: VideoInputs | None = field(default=None, repr=False)
 
     @property
@@ -219,16 +221,11 @@ class InputProcessor:
                                       f"{cfg.max_image_tokens_per_request} per request")
 
     def _remember_grid(self, salt: str, content_hash: str, grid: Grid) -> None:
-        with self._grids_lock:
-            self._grids[(salt, content_hash)] = grid
-            self._grids.move_to_end((salt, content_hash))
-            while len(self._grids) > MAX_REMEMBERED_GRIDS:
-                self._grids.popitem(last=False)
+        self._grids.put((salt, content_hash), grid)
 
     def known_grid(self, salt: str, content_hash: str) -> Grid | None:
         """The grid of a Qwen image this processor has hashed under salt, if it remembers one."""
-        with self._grids_lock:
-            return self._grids.get((salt, content_hash))
+        return self._grids.get((salt, content_hash))
 
     def _check_sizes(self, prompt: str | None, messages: list[dict[str, Any]] | None,
                      images: Sequence[ImageLike], cache_salt: str) -> None:
@@ -271,10 +268,18 @@ class InputProcessor:
         The decoded image lives only inside this call: a request keeps the encoded bytes (what the
         encoder is sent, should it not hold the hash), and its images are decoded one after the other,
         so sixteen 4096x4096 images cost one decoded image at a time (64 MiB in Pillow, and the 48 MiB
-        copy the hash reads), not sixteen.
+        copy the hash reads), not sixteen. A file hashed before (the same bytes, model settings and salt)
+        is not decoded again: its hash is remembered under the digest of its bytes.
         """
-        decoded = self._open_image(index, image)
-        return hash_image(decoded, hash_fingerprint(self.fingerprint, pixels), cache_salt)
+        fingerprint = hash_fingerprint(self.fingerprint, pixels)
+        key = (file_digest(image), fingerprint, cache_salt) if isinstance(image, bytes) else None
+        known = self._files.get(key) if key is not None else None
+        if known is not None:
+            return known
+        content_hash = hash_image(self._open_image(index, image), fingerprint, cache_salt)
+        if key is not None:
+            self._files.put(key, content_hash)
+        return content_hash
 
     def _open_image(self, index: int, image: bytes | Image.Image) -> Image.Image:
         if isinstance(image, bytes):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 from decoder_svc.engine.request import FinishReason, Request
+from decoder_svc.engine.ttft_stages import RequestTimes
 from decoder_svc.runner.sampler import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class RequestOutput:
     usage: Usage | None = None
     error: str | None = None
     error_code: str | None = None  # the gRPC status name the error calls for; None: INTERNAL
+    times: RequestTimes | None = None  # on the output with the first token: where its TTFT went
 
     @property
     def finished(self) -> bool:
@@ -98,18 +100,19 @@ class OutputProcessor:
             else:
                 if detok.stopped:
                     scheduler.finish_request(req, FinishReason.STOP, reported=True)
+        first = bool(tokens) and len(req.output_token_ids) == len(tokens)
+        times = req.times if first else None
         if not req.is_finished:
             # The first tokens' output carries the usage so far too: the prompt's counts are known once
             # it is prefilled, and a stream with usage on every chunk needs them (vLLM's
             # continuous_usage_stats); later outputs leave it to the last one.
-            first = bool(tokens) and len(req.output_token_ids) == len(tokens)
             usage = Usage.of(req) if first else None
-            return RequestOutput(req.request_id, tokens, text, logprobs, usage=usage)
+            return RequestOutput(req.request_id, tokens, text, logprobs, usage=usage, times=times)
         if detok is not None and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             text += detok.finish()
         self._detokenizers.pop(req.request_id, None)
         return RequestOutput(req.request_id, tokens, text, logprobs, req.finish_reason, Usage.of(req),
-                             req.error, req.error_code)
+                             req.error, req.error_code, times)
 
     @property
     def num_followed(self) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 from common.qwen_layout import Grid, PixelRange
 from decoder_svc.engine.embedding_source import EmbeddingState, VideoSource
 from decoder_svc.engine.sampling_params import SamplingParams
+from decoder_svc.engine.ttft_stages import RequestTimes
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -91,6 +92,7 @@ class Request:
     # offset of later tokens' positions from their index. None: 1D positions.
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
+    times: RequestTimes = field(default_factory=RequestTimes)  # stamps up to the first token
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,7 @@ the front of the queue.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -119,6 +120,7 @@ class Scheduler:
         """Queue a new request (its id must not be in `requests`)."""
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        request.times.added = time.monotonic()
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running, or an ended one is still to be reported."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from encoder_svc.stages import STAGES, JobTimes, StageTotals, split_encode
+from common.stage_totals import StageTotals
+from encoder_svc.stages import STAGES, JobTimes, split_encode
 
 
 def test_a_miss_splits_its_wait_into_queue_preprocess_and_tower():
@@ -33,7 +34,7 @@ def test_a_hit_has_no_worker_stages_and_the_last_job_sets_the_wait():
 
 
 def test_totals_sum_every_encode():
-    totals = StageTotals()
+    totals = StageTotals(STAGES)
     totals.add(dict.fromkeys(STAGES, 1.0))
     totals.add(dict.fromkeys(STAGES, 0.5))
     seconds, calls = totals.snapshot()

@@ -1,0 +1,264 @@
+"""Time to first token through the services, with where it goes: cold, warm, and 32 at once.
+
+    python -m bench.ttft --model DIR [--device cuda --dtype bfloat16] [--hf] [--out ttft.json]
+
+One encoder and one decoder on the checkpoint (LLaVA-1.5, Qwen2.5-VL or Qwen3-VL), then, one request at a
+time through gRPC `Generate` (1 output token):
+- cold: a new --image-size PNG of noise + about --text-tokens tokens of text (every image misses);
+- warm: the identical request again (its prefix is cached: all but the last tokens);
+each with the decoder's TTFT split (GetStats `ttft_stage_seconds`: input, submit, encode, queue,
+prefill, output; decoder_svc/engine/ttft_stages.py) and the encoder's Encode split (`stage_seconds`)
+over the cold rounds. Then --concurrency requests at once (distinct images, --burst-words words each,
+--burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a roofline made of the encoder's
+measured tower device time, the prompt tokens at the cold rounds' prefill rate and the decode steps at the
+copy bandwidth. With --hf (Qwen families), HF's `generate(max_new_tokens=1)` on the same weights and
+the cold prompts after the services stop (its processor excluded, as in bench/qwen_gpu.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+from google.protobuf.json_format import MessageToDict
+
+from bench.report import save_result
+from bench.services import Pair
+from bench.workload import PromptMaker, random_png, random_words
+from common.checkpoint import load_config
+from common.client import AsyncDecoderClient, DecoderClient, EncoderClient
+from common.qwen_layout import is_qwen_vl
+
+COPY_BANDWIDTH = 4.27e12  # H200 device copy, bytes/s (bench/bandwidth.py measured 4.27-4.29)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """Options of the TTFT benchmark."""
+    p = argparse.ArgumentParser(prog="python -m bench.ttft", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--image-size", type=int, default=1024)
+    p.add_argument("--text-tokens", type=int, default=500)
+    p.add_argument("--rounds", type=int, default=5, help="cold/warm pairs (after two unmeasured ones)")
+    p.add_argument("--concurrency", type=int, default=32, help="requests of the burst (0: none)")
+    p.add_argument("--burst-words", type=int, default=24)
+    p.add_argument("--burst-tokens", type=int, default=32)
+    p.add_argument("--hf", action="store_true", help="HF generate on the cold prompts (Qwen families)")
+    p.add_argument("--decoder-args", default="", help="extra decoder flags, one string")
+    p.add_argument("--encoder-args", default="", help="extra encoder flags, one string")
+    p.add_argument("--logs", default=None)
+    p.add_argument("--out", default=None)
+    return p
+
+
+def ms(seconds: float) -> float:
+    """Milliseconds, rounded for a report."""
+    return round(seconds * 1000, 2)
+
+
+class Probe:
+    """The pair's clients and the stage sums read before and after each measured request."""
+
+    def __init__(self, pair: Pair) -> None:
+        self.decoder = DecoderClient(pair.decoder.address, timeout=600)
+        self.encoder = EncoderClient(pair.encoder.address, timeout=60)
+
+    def snapshot(self) -> dict:
+        """Both services' stats as dicts (field names as in the protos)."""
+        opts = {"preserving_proto_field_name": True}
+        return {"decoder": MessageToDict(self.decoder.stats(), **opts),
+                "encoder": MessageToDict(self.encoder.stats(), **opts)}
+
+    def ttft(self, prompt: str, png: bytes, salt: str) -> tuple[float, dict]:
+        """(seconds to the first token, the stage split of this request: decoder and encoder, ms)."""
+        before = self.snapshot()
+        started, first = time.perf_counter(), None
+        for chunk in self.decoder.generate(prompt, [png], max_tokens=1, ignore_eos=True, cache_salt=salt):
+            if first is None and chunk.token_ids:
+                first = time.perf_counter() - started
+        return first if first is not None else float("nan"), split_between(before, self.snapshot())
+
+
+def split_between(before: dict, after: dict) -> dict:
+    """Mean ms per stage between two snapshots: the decoder's TTFT split and the encoder's Encode split."""
+    out = {}
+    for side, sums, calls in (("decoder", "ttft_stage_seconds", "ttft_calls"),
+                              ("encoder", "stage_seconds", "encode_calls")):
+        n = int(after[side].get(calls, 0)) - int(before[side].get(calls, 0))
+        s0, s1 = before[side].get(sums, {}), after[side].get(sums, {})
+        out[side] = {k: ms((v - s0.get(k, 0.0)) / n) for k, v in s1.items()} if n else {}
+        out[f"{side}_calls"] = n
+    g0, g1 = before["encoder"].get("tower_gpu_seconds", 0.0), after["encoder"].get("tower_gpu_seconds", 0.0)
+    out["encoder_tower_gpu_ms"] = ms(g1 - g0)
+    return out
+
+
+def mean_split(splits: list[dict], side: str) -> dict:
+    """Stage by stage mean of the rounds' splits (ms)."""
+    keys = {k for s in splits for k in s.get(side, {})}
+    return {k: round(statistics.mean(s.get(side, {}).get(k, 0.0) for s in splits), 2) for k in sorted(keys)}
+
+
+def summary(values: list[float]) -> dict:
+    """p50 / mean / min / max in ms."""
+    v = sorted(values)
+    return {"p50_ms": ms(statistics.median(v)), "mean_ms": ms(statistics.mean(v)), "min_ms": ms(v[0]),
+            "max_ms": ms(v[-1]), "n": len(v)}
+
+
+def cold_warm(probe: Probe, args: argparse.Namespace, words: PromptMaker,
+              texts: list[str]) -> tuple[dict, list[tuple[str, bytes]]]:
+    """Cold then warm per round (the first two rounds unmeasured: graphs and caches warm up)."""
+    salt = uuid.uuid4().hex[:16]
+    cold, warm, cold_splits, warm_splits, prompts = [], [], [], [], []
+    for i, text in enumerate(texts):
+        prompt, png = words.image_prompt(text), random_png(10_000 + i, args.image_size)
+        c, c_split = probe.ttft(prompt, png, salt)
+        w, w_split = probe.ttft(prompt, png, salt)
+        print(f"round {i}: cold {ms(c)} ms {c_split['decoder']}  warm {ms(w)} ms {w_split['decoder']}",
+              flush=True)
+        if i >= 2:
+            cold.append(c), warm.append(w), cold_splits.append(c_split), warm_splits.append(w_split)
+            prompts.append((prompt, png))
+    usage = probe.decoder.generate_text(prompts[0][0], [prompts[0][1]], max_tokens=1, cache_salt=salt).usage
+    return {
+        "prompt_tokens": usage.prompt_tokens if usage is not None else None,
+        "cold": summary(cold), "warm": summary(warm),
+        "cold_split_ms": mean_split(cold_splits, "decoder"),
+        "cold_encoder_split_ms": mean_split(cold_splits, "encoder"),
+        "cold_tower_gpu_ms": round(statistics.mean(s["encoder_tower_gpu_ms"] for s in cold_splits), 2),
+        "warm_split_ms": mean_split(warm_splits, "decoder"),
+    }, prompts
+
+
+async def _burst(address: str, jobs: list[tuple[str, bytes]], n: int) -> tuple[list[float], float]:
+    salt = uuid.uuid4().hex[:16]
+
+    async def one(client: AsyncDecoderClient, prompt: str, png: bytes) -> float:
+        started, first = time.perf_counter(), float("nan")
+        async for chunk in client.generate(prompt, [png], max_tokens=n, ignore_eos=True, cache_salt=salt):
+            if first != first and chunk.token_ids:  # NaN until the first token
+                first = time.perf_counter() - started
+        return first
+
+    async with AsyncDecoderClient(address, timeout=600) as client:
+        started = time.perf_counter()
+        ttfts = await asyncio.gather(*(one(client, p, png) for p, png in jobs))
+        return list(ttfts), time.perf_counter() - started
+
+
+def burst(probe: Probe, pair: Pair, args: argparse.Namespace, words: PromptMaker, prefill_s_per_token: float,
+          weight_bytes: int) -> dict:
+    """--concurrency distinct one-image requests at once, against their roofline."""
+    jobs = [(words.image_prompt(random_words(words.rng, args.burst_words)),
+             random_png(20_000 + i, args.image_size)) for i in range(args.concurrency)]
+    before = probe.snapshot()
+    ttfts, wall = asyncio.run(_burst(pair.decoder.address, jobs, args.burst_tokens))
+    after = probe.snapshot()
+    split = split_between(before, after)
+    prompt_tokens = int(after["decoder"].get("prefix_cache_queried_tokens", 0)) - int(
+        before["decoder"].get("prefix_cache_queried_tokens", 0))
+    tower_s = split["encoder_tower_gpu_ms"] / 1000
+    prefill_s = prompt_tokens * prefill_s_per_token
+    decode_s = args.burst_tokens * weight_bytes / COPY_BANDWIDTH
+    roofline = tower_s + prefill_s + decode_s
+    return {"ttft": summary(ttfts), "wall_ms": ms(wall), "prompt_tokens": prompt_tokens,
+            "roofline_ms": ms(roofline),
+            "roofline_parts_ms": {"tower_gpu": ms(tower_s), "prefill": ms(prefill_s), "decode": ms(decode_s)},
+            "wall_over_roofline": round(wall / roofline, 2) if roofline else None,
+            "split_ms": split["decoder"], "encoder_split_ms": split["encoder"]}
+
+
+def lm_weight_bytes(model: str, dtype: str) -> int:
+    """Bytes of the language model's weights read per decode step (safetensors sizes minus the tower's,
+    scaled to dtype)."""
+    from safetensors import safe_open
+
+    total, itemsize = 0, 1 if "8" in dtype else 2
+    for path in Path(model).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if "visual" in name or "vision_tower" in name or "multi_modal_projector" in name:
+                    continue
+                shape = f.get_slice(name).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n * itemsize
+    return total
+
+
+def hf_cold(args: argparse.Namespace, prompts: list[tuple[str, bytes]]) -> dict:
+    """HF generate(max_new_tokens=1) on the cold prompts, its processor's work excluded."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    from bench.qwen_gpu import load_hf
+    from common.checkpoint import parse_dtype
+    from common.qwen_layout import load_qwen_layout
+    from common.vision.qwen_encoder import load_qwen_image_processor
+    from decoder_svc.tokenization import PromptTokenizer
+
+    device = torch.device(args.device)
+    model = load_hf(args.model, device, parse_dtype(args.dtype))
+    processor, layout = load_qwen_image_processor(args.model), load_qwen_layout(args.model)
+    tok = PromptTokenizer(args.model)
+    times = []
+    for i, (prompt, png) in enumerate([prompts[0], *prompts]):  # the first one again: warm-up
+        out = processor(images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt")
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        ids = tok.encode_prompt(prompt, image_token_counts=[layout.num_tokens(grid)]).token_ids
+        input_ids = torch.tensor([ids], device=device)
+        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                  "mm_token_type_ids": (input_ids == tok.image_token_id).int(),
+                  "pixel_values": out["pixel_values"].to(device, model.dtype),
+                  "image_grid_thw": out["image_grid_thw"].to(device)}
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(**inputs, max_new_tokens=1, do_sample=False)
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        if i:
+            times.append(time.perf_counter() - started)
+    return summary(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; prints each part as it finishes and saves the result as `ttft`."""
+    args = build_arg_parser().parse_args(argv)
+    words = PromptMaker(args.model, seed=1)
+    texts = [words.text(args.text_tokens) for _ in range(args.rounds + 2)]
+    result: dict = {"model": load_config(args.model).get("model_type")}
+    pair = Pair(args.model, args.device, args.dtype, args.encoder_args.split(), args.decoder_args.split(),
+                args.logs)
+    pair.start()
+    try:
+        probe = Probe(pair)
+        result["single"], prompts = cold_warm(probe, args, words, texts)
+        print("single", result["single"], flush=True)
+        single = result["single"]
+        prefill_ms = single["cold_split_ms"].get("prefill", 0.0)
+        per_token = prefill_ms / 1000 / max(single["prompt_tokens"] or 1, 1)
+        if args.concurrency:
+            weights = lm_weight_bytes(args.model, args.dtype)
+            result["burst"] = burst(probe, pair, args, words, per_token, weights)
+            print("burst", result["burst"], flush=True)
+    finally:
+        pair.stop()
+    if args.hf and is_qwen_vl(load_config(args.model)):
+        result["hf_cold"] = hf_cold(args, prompts)
+        result["cold_over_hf"] = round(result["single"]["cold"]["p50_ms"] / result["hf_cold"]["p50_ms"], 3)
+        print("hf", result["hf_cold"], flush=True)
+    save_result("ttft", args, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
