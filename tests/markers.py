@@ -9,6 +9,7 @@ import pytest
 SLOW_MODULES = frozenset({
     "tests/bench/test_bench_cpu.py",
     "tests/bench/test_qwen_workload.py",
+    "tests/bench/test_soak_smoke.py",
     "tests/common/test_devices.py",
     "tests/common/test_unsupported_checkpoint.py",
     "tests/encoder/test_cli.py",
