@@ -25,7 +25,9 @@ from encoder_svc.videos import VideoJob
 
 log = logging.getLogger(__name__)
 
-DEFAULT_VIDEO_THREADS = 2  # videos decoded at once; FFmpeg's own threads come on top
+# Videos decoded at once; each uses up to --video-decode-threads threads of its own on top
+# (common/video/decode.py), all stopped at their next frame by the same `keep_going`.
+DEFAULT_VIDEO_THREADS = 2
 
 
 class VideoLane:

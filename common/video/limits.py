@@ -7,6 +7,7 @@ size, container and codec) before any frame is decoded, as common/images.py does
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from common.arg_types import positive_float, positive_int
@@ -20,6 +21,23 @@ KNOWN_VIDEO_FORMATS = {"mp4": "mov", "matroska": "matroska", "avi": "avi"}
 DEFAULT_VIDEO_FORMATS = ("mp4", "matroska", "avi")  # matroska covers .webm and .mkv
 # Codecs by FFmpeg's canonical name; anything else (mjpeg, png, ffv1, raw ...) is refused from the header.
 DEFAULT_VIDEO_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4")
+# Threads decoding one video (common/video/decode.py) when --video-decode-threads is not given: at most
+# this many, and no more than the cores this process may run on. The encoder decodes a few videos at once
+# (encoder_svc/video_lane.py), so each takes a few cores, not all of them.
+MAX_DEFAULT_DECODE_THREADS = 4
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS tells it), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def default_decode_threads() -> int:
+    """min(MAX_DEFAULT_DECODE_THREADS, available cores): one video's decode threads by default."""
+    return min(MAX_DEFAULT_DECODE_THREADS, available_cores())
 
 
 class VideoError(InvalidInputError):
@@ -82,6 +100,13 @@ class VideoLimits:
     # The schedule bounds the work; this bounds its time on a loaded host (checked at each frame).
     max_decode_s: float = option(60.0, "most seconds one video's decoding may take",
                                  flag="--max-video-decode-seconds", type=positive_float)
+    # Not a cap on what is accepted but on the threads one video's decoding uses (common/video/decode.py):
+    # its decode runs (each from a keyframe) split between threads, or FFmpeg's own threads for a video of
+    # one run. The frames are the same for any count.
+    decode_threads: int | None = option(
+        None, "threads decoding one video's frames: its runs from keyframe to sampled frame split between "
+        "them, or FFmpeg's codec threads when there is one run (default: cores, at most 4; 1: one thread)",
+        flag="--video-decode-threads", type=positive_int)
 
     def check_decode_work(self, frames: int, width: int, height: int) -> None:
         """VideoError when decoding `frames` frames of width x height would pass max_decode_bytes."""
@@ -99,7 +124,14 @@ class VideoLimits:
             raise VideoError(f"{frames} sampled frames of {width}x{height} are {size} bytes decoded; at "
                              f"most {self.max_decoded_bytes} (lower max_frames or max_pixels' frame size)")
 
+    @property
+    def decode_thread_count(self) -> int:
+        """The threads one video's decoding may use: decode_threads, or default_decode_threads()."""
+        return self.decode_threads if self.decode_threads is not None else default_decode_threads()
+
     def __post_init__(self) -> None:
+        if self.decode_threads is not None and self.decode_threads < 1:
+            raise ValueError(f"video limits: decode_threads must be at least 1, not {self.decode_threads}")
         try:
             video_format_list(self.formats)
             name_list(self.codecs)

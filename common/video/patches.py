@@ -7,6 +7,11 @@ frames padded to a multiple of the temporal patch size with the last one, groupe
 each group's patches in the order the tower expects (each merge block's patches contiguous; within a
 row: channel, then time, then the patch's pixels), the same flattening as the image path
 (common/vision/qwen_pixels.py), where an image is one frame repeated.
+
+`video_patches` patchifies the uint8 frames and normalises the rows after (`normalize_rows`, in place):
+patchify only moves values, and each value is normalised by the same float32 operations with its
+channel's mean and std, so the rows are HF's to the bit, for a quarter of the bytes moved by the
+patchify and no float32 temporaries.
 """
 
 from __future__ import annotations
@@ -38,9 +43,28 @@ def normalize_frames(frames: torch.Tensor, mean: Sequence[float], std: Sequence[
     """float32 (x - mean) / std of uint8 [n, C, H, W] frames, with HF's fused rescale: mean and std are
     scaled by 1 / rescale_factor in float32 and the frames are not divided by 255 (the same rounding as
     TorchvisionBackend.rescale_and_normalize)."""
-    m = torch.tensor(list(mean), device=frames.device) * (1.0 / rescale_factor)
-    s = torch.tensor(list(std), device=frames.device) * (1.0 / rescale_factor)
+    m, s = _fused_mean_std(mean, std, rescale_factor, frames.device)
     return (frames.to(torch.float32) - m.view(-1, 1, 1)) / s.view(-1, 1, 1)
+
+
+def _fused_mean_std(mean: Sequence[float], std: Sequence[float], rescale_factor: float,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 mean and std per channel, scaled by 1 / rescale_factor (HF's fused rescale)."""
+    m = torch.tensor(list(mean), device=device) * (1.0 / rescale_factor)
+    s = torch.tensor(list(std), device=device) * (1.0 / rescale_factor)
+    return m, s
+
+
+def normalize_rows(rows: torch.Tensor, channels: int, mean: Sequence[float], std: Sequence[float],
+                   rescale_factor: float = 1 / 255) -> torch.Tensor:
+    """float32 patch rows [N, C*...] of uint8 ones, each value normalised as `normalize_frames` does its
+    channel's (each row holds its channels' values one after another): the same values, bit for bit, in
+    one float32 tensor normalised in place."""
+    m, s = _fused_mean_std(mean, std, rescale_factor, rows.device)
+    out = rows.to(torch.float32)
+    per_channel = out.view(out.shape[0], channels, -1)
+    per_channel.sub_(m.view(1, -1, 1)).div_(s.view(1, -1, 1))
+    return out
 
 
 def patchify(frames: torch.Tensor, patch_size: int, merge_size: int,
@@ -58,11 +82,14 @@ def patchify(frames: torch.Tensor, patch_size: int, merge_size: int,
 
 def video_patches(frames: np.ndarray | torch.Tensor, config: QwenVideoConfig,
                   device: str | torch.device = "cpu") -> tuple[torch.Tensor, Grid]:
-    """Patch rows (float32) and (t, h, w) grid of uint8 [n, H, W, 3] RGB sampled frames."""
-    x = torch.as_tensor(frames).to(device).permute(0, 3, 1, 2).contiguous()
+    """Patch rows (float32) and (t, h, w) grid of uint8 [n, H, W, 3] RGB sampled frames: resized (when
+    the grid's size differs), patchified as uint8, then normalised (see the module's docstring)."""
+    x = torch.as_tensor(frames).to(device).permute(0, 3, 1, 2)  # a view: patchify's reshape copies once
     g = config.geometry
-    n, _, height, width = x.shape
+    n, channels, height, width = x.shape
     grid = g.grid(n, height, width)
-    x = resize_frames(x, (grid[1] * g.patch_size, grid[2] * g.patch_size))
-    x = normalize_frames(x, config.image_mean, config.image_std, config.rescale_factor)
-    return patchify(x, g.patch_size, g.merge_size, g.temporal_patch_size), grid
+    size = (grid[1] * g.patch_size, grid[2] * g.patch_size)
+    if (height, width) != size:
+        x = resize_frames(x.contiguous(), size)
+    rows = patchify(x, g.patch_size, g.merge_size, g.temporal_patch_size)
+    return normalize_rows(rows, channels, config.image_mean, config.image_std, config.rescale_factor), grid

@@ -49,6 +49,23 @@ class DecodeSchedule:
         """Every frame decoded to reach the sampled ones."""
         return sum(run.frames for run in self.runs)
 
+    def split(self, parts: int) -> tuple[DecodeSchedule, ...]:
+        """This schedule as up to `parts` schedules of consecutive runs, about equal in frames, each
+        decodable on its own container: a part starts with a seek (or at the stream's start), never with a
+        run that goes on from the previous one. One part (this schedule) when its frames are not indexed."""
+        total = self.frames_to_decode
+        if parts <= 1 or self.frame_pts is None or len(self.runs) < 2 or total < 1:
+            return (self,)
+        groups: list[list[DecodeRun]] = [[]]
+        done = 0  # frames of the runs before this one
+        for run in self.runs:
+            due = min(parts - 1, done * parts // total)  # the part this run's first frame falls in
+            if groups[-1] and run.seek_pts is not None and len(groups) <= due:
+                groups.append([])
+            groups[-1].append(run)
+            done += run.frames
+        return tuple(DecodeSchedule(tuple(g), self.frame_pts) for g in groups)
+
     @classmethod
     def in_order(cls, last: int) -> DecodeSchedule:
         """Decode from the first frame on, up to `last` (a stream without a usable packet index)."""
