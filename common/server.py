@@ -91,7 +91,8 @@ class _StatusMapping:
             try:
                 async for item in behavior(request, context):
                     yield item
-            except (asyncio.CancelledError, grpc.aio.AbortError):
+            # GeneratorExit: the client hung up while the stream was paused at a yield; the call is gone.
+            except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
                 raise
             except BaseException as exc:  # noqa: BLE001
                 await self._fail(context, method, exc, started)
