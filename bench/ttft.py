@@ -9,9 +9,10 @@ time through gRPC `Generate` (1 output token):
 each with the decoder's TTFT split (GetStats `ttft_stage_seconds`: input, submit, encode, queue,
 prefill, output; decoder_svc/engine/ttft_stages.py) and the encoder's Encode split (`stage_seconds`)
 over the cold rounds. Then --concurrency requests at once (distinct images, --burst-words words each,
---burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a roofline made of the encoder's
-measured tower device time, the prompt tokens at the cold rounds' prefill rate and the decode steps at the
-copy bandwidth. With --hf (Qwen families), HF's `generate(max_new_tokens=1)` on the same weights and
+--burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a roofline made of the images at
+the cold rounds' tower device time each (measured alone: batching only lowers it), the prompt tokens at
+the cold rounds' prefill rate and the decode steps at the copy bandwidth (the language model's weights
+read once per step). With --hf (Qwen families), HF's `generate(max_new_tokens=1)` on the same weights and
 the cold prompts after the services stop (its processor excluded, as in bench/qwen_gpu.py).
 """
 
@@ -152,7 +153,7 @@ async def _burst(address: str, jobs: list[tuple[str, bytes]], n: int) -> tuple[l
         return list(ttfts), time.perf_counter() - started
 
 
-def burst(probe: Probe, pair: Pair, args: argparse.Namespace, words: PromptMaker, prefill_s_per_token: float,
+def burst(probe: Probe, pair: Pair, args: argparse.Namespace, words: PromptMaker, single: dict,
           weight_bytes: int) -> dict:
     """--concurrency distinct one-image requests at once, against their roofline."""
     jobs = [(words.image_prompt(random_words(words.rng, args.burst_words)),
@@ -163,11 +164,15 @@ def burst(probe: Probe, pair: Pair, args: argparse.Namespace, words: PromptMaker
     split = split_between(before, after)
     prompt_tokens = int(after["decoder"].get("prefix_cache_queried_tokens", 0)) - int(
         before["decoder"].get("prefix_cache_queried_tokens", 0))
-    tower_s = split["encoder_tower_gpu_ms"] / 1000
-    prefill_s = prompt_tokens * prefill_s_per_token
+    # The tower's device time in the burst counts the decoder's kernels sharing the GPU: the roofline
+    # takes each image at its time alone instead.
+    tower_s = args.concurrency * single["cold_tower_gpu_ms"] / 1000
+    prefill_s = prompt_tokens * single["cold_split_ms"].get("prefill", 0.0) / 1000 / max(
+        single["prompt_tokens"] or 1, 1)
     decode_s = args.burst_tokens * weight_bytes / COPY_BANDWIDTH
     roofline = tower_s + prefill_s + decode_s
     return {"ttft": summary(ttfts), "wall_ms": ms(wall), "prompt_tokens": prompt_tokens,
+            "tower_gpu_ms_in_burst": split["encoder_tower_gpu_ms"],
             "roofline_ms": ms(roofline),
             "roofline_parts_ms": {"tower_gpu": ms(tower_s), "prefill": ms(prefill_s), "decode": ms(decode_s)},
             "wall_over_roofline": round(wall / roofline, 2) if roofline else None,
@@ -243,12 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         probe = Probe(pair)
         result["single"], prompts = cold_warm(probe, args, words, texts)
         print("single", result["single"], flush=True)
-        single = result["single"]
-        prefill_ms = single["cold_split_ms"].get("prefill", 0.0)
-        per_token = prefill_ms / 1000 / max(single["prompt_tokens"] or 1, 1)
         if args.concurrency:
             weights = lm_weight_bytes(args.model, args.dtype)
-            result["burst"] = burst(probe, pair, args, words, per_token, weights)
+            result["burst"] = burst(probe, pair, args, words, result["single"], weights)
             print("burst", result["burst"], flush=True)
     finally:
         pair.stop()

@@ -1,9 +1,13 @@
 """Content hash of an image: the key of the embedding cache and of image-aware prefix reuse.
 
-The hash covers everything that changes the embedding: the model (its fingerprint), the tenant's cache
-salt, and the decoded pixels (mode, width, height, raw bytes). Every field is framed with a tag and its
-length, so two different records can never concatenate to the same byte stream (vLLM #54283 came from
-unframed concatenation).
+The hash covers everything that changes the embedding: the model (its fingerprint, with the pixel range
+for Qwen-VL), the tenant's cache salt, and the image. An encoded file (what the services receive) is
+hashed as its bytes, which fix its pixels: both services name it without decoding it, so a repeated
+image is never decoded just to learn its name, and a new one is decoded once, by the encoder that embeds
+it (two encodings of one picture are two entries). A decoded image given in-process (a PIL image) is
+hashed as its pixels (mode, width, height, raw bytes). Every field is framed with a tag and its length,
+so two different records can never concatenate to the same byte stream (vLLM #54283 came from unframed
+concatenation).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ except ImportError:  # pragma: no cover - exercised only without blake3
 
 DIGEST_SIZE = 32
 _DOMAIN = b"mmserve.image.v1"
+_FILE_DOMAIN = b"mmserve.image-file.v1"
 
 
 # The longest cache_salt either service takes, in UTF-8 bytes: a tenant key, not a payload (it is hashed
@@ -84,10 +89,11 @@ def hash_image(image: Image.Image, model_fingerprint: str, cache_salt: str = "")
     ).hex()
 
 
-def file_digest(data: bytes | memoryview) -> bytes:
-    """32-byte digest of an encoded file's bytes as they are. Not a content hash (two files may hold the
-    same pixels): a key under which a service remembers the content hash it computed from the file."""
-    return framed_digest(b"mmserve.file.v1", [(b"bytes", data)])
+def hash_image_file(data: bytes | memoryview, model_fingerprint: str, cache_salt: str = "") -> str:
+    """Hex content hash of an encoded image file (the wire form): model, salt and the file's bytes,
+    nothing decoded."""
+    fields = [(b"model", model_fingerprint.encode()), (b"salt", cache_salt.encode()), (b"file", data)]
+    return framed_digest(_FILE_DOMAIN, fields).hex()
 
 
 def is_content_hash(text: str) -> bool:

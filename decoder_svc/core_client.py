@@ -21,6 +21,7 @@ from common.errors import UnavailableError
 from common.security.options import ClientSecurity
 from decoder_svc import core_protocol as msg
 from decoder_svc.config import DecoderConfig
+from decoder_svc.engine.following_bytes import detach_files
 from decoder_svc.engine.output_processor import RequestOutput
 from decoder_svc.engine.request import Request
 from decoder_svc.engine_core import run_core
@@ -103,19 +104,25 @@ class EngineCoreClient:
             self._process.join(5)
 
     # -- calls -----------------------------------------------------------------------------------
-    async def _call(self, make: Callable[[int], msg.CoreCall]) -> Any:
-        """Send make(token) to the core and return its answer (its exception is raised here)."""
+    async def _call(self, make: Callable[[int], msg.CoreCall], then: tuple = ()) -> Any:
+        """Send make(token), then the messages `then`, to the core and return its answer (its exception is
+        raised here)."""
         if self.error is not None:
             raise CoreDeadError(f"engine core died: {self.error}")
         token = next(self._tokens)
         future = asyncio.get_running_loop().create_future()
         self._calls[token] = (asyncio.get_running_loop(), future)
         self._outbox.put(make(token))
+        for message in then:
+            self._outbox.put(message)
         return await future
 
     async def add(self, request: Request) -> None:
-        """Queue a Request made by the InputProcessor."""
-        await self._call(lambda token: msg.AddRequest(token, request))
+        """Queue a Request made by the InputProcessor (it is the core's now: its image files leave it and
+        follow it in a message of their own, engine/following_bytes.py)."""
+        files = detach_files(request.images)
+        follow = (msg.ImageBytes(request.request_id, files),) if files else ()
+        await self._call(lambda token: msg.AddRequest(token, request), follow)
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request; its ABORT output follows on its stream."""
@@ -157,8 +164,9 @@ class EngineCoreClient:
             try:
                 self._conn.send(message)
             except (OSError, ValueError) as exc:  # the core is gone: the reader reports it
-                if not isinstance(message, msg.Close):
-                    self._answer(message.token, False, CoreDeadError(f"engine core unreachable: {exc}"))
+                token = getattr(message, "token", None)  # Close and ImageBytes have no caller waiting
+                if token is not None:
+                    self._answer(token, False, CoreDeadError(f"engine core unreachable: {exc}"))
 
     def _answer(self, token: int, ok: bool, value: Any) -> None:
         entry = self._calls.pop(token, None)

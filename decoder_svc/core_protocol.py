@@ -2,15 +2,16 @@
 (engine_core.py), one dataclass each; both ends import them from here and nowhere else.
 
 Front end -> core: a `CoreCall` (`AddRequest`, `AbortRequest`, `GetStats`) answered by one `Reply`
-with the same token; `Close` to stop.
+with the same token; right after an `AddRequest` whose images are files, their `ImageBytes` (no reply);
+`Close` to stop.
 
 Core -> front end, in order: `Ready` once loaded and warmed up, or `StartRefused` when the options leave
 no room for a request (a usage error), or `StartFailed` when it could not start; then `StepOutputs`
 after each step that produced any, `Reply`s as calls are served, and `Died` if the engine fails in a
 way it cannot absorb (the process then exits 1).
 
-The pipe pickles them; a message is small but for an `AddRequest`, which carries the request's image
-bytes.
+The pipe pickles them; every message is small but `ImageBytes`, which follows its request so that the
+request is scheduled without waiting for megabytes it may never need (engine/following_bytes.py).
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ class GetStats:
 
 
 CoreCall = AddRequest | AbortRequest | GetStats
+
+
+@dataclass(frozen=True)
+class ImageBytes:
+    """The encoded files of a request's images, in placeholder order, for its FollowingBytes (no reply)."""
+
+    request_id: str
+    files: list[bytes]
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -28,6 +30,7 @@ from decoder_svc import core_protocol as msg
 from decoder_svc.config import DecoderConfig
 from decoder_svc.engine.config import EngineConfig
 from decoder_svc.engine.engine import LLMEngine
+from decoder_svc.engine.following_bytes import FollowingBytes, awaiting_files
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
 from decoder_svc.stats import DecoderStats
 
@@ -98,8 +101,17 @@ def warm_up(engine: LLMEngine) -> None:
     engine.reset_stats()  # stats count users' requests only
 
 
+class _FrontEndGone:
+    """The pipe broke: what the command reader leaves in the inbox for the loop."""
+
+
 class EngineCore:
-    """The core's loop: commands in, steps, outputs out."""
+    """The core's loop: commands in, steps, outputs out.
+
+    A reader thread takes commands off the pipe while the loop steps, so a request's crossing (its image
+    bytes, megabytes) overlaps the GPU's work instead of waiting for the step to end, and every command
+    that arrived during a step is handled before the next one.
+    """
 
     def __init__(self, engine: LLMEngine, conn: Connection) -> None:
         self.engine = engine
@@ -107,6 +119,32 @@ class EngineCore:
         self._closed = False
         self.wakeup = Wakeup()
         engine.source.on_change = self.wakeup.set
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._receive, name="core-commands", daemon=True).start()
+
+    def _receive(self) -> None:
+        """The reader thread: every message into the inbox, then a poke of the loop; a request's image
+        files go straight into its placeholders (they come right after it)."""
+        awaiting: dict[str, list[FollowingBytes]] = {}
+        try:
+            while True:
+                message = self.conn.recv()
+                if isinstance(message, msg.ImageBytes):
+                    holders = awaiting.pop(message.request_id, [])
+                    for holder, data in zip(holders, message.files, strict=False):
+                        holder.set(data)
+                    continue
+                if isinstance(message, msg.AddRequest):
+                    holders = awaiting_files(message.request.images)
+                    if holders:
+                        awaiting[message.request.request_id] = holders
+                self._inbox.put(message)
+                self.wakeup.set()
+                if isinstance(message, msg.Close):
+                    return
+        except (EOFError, OSError):
+            self._inbox.put(_FrontEndGone())
+            self.wakeup.set()
 
     def _call(self, call: msg.CoreCall) -> Any:
         engine = self.engine
@@ -120,13 +158,17 @@ class EngineCore:
         raise TypeError(f"unknown engine core call {type(call).__name__}")
 
     def _run_commands(self, timeout: float) -> None:
-        ready = wait([self.conn, self.wakeup.reader], timeout)
-        if self.wakeup.reader in ready:
-            self.wakeup.clear()
-        if self.conn not in ready:
-            return
+        """Wait up to timeout for a command or an embedding's arrival, then handle every command in."""
+        if self._inbox.empty():
+            wait([self.wakeup.reader], timeout)
+        self.wakeup.clear()  # before draining: a command put after this pokes the next wait
         while True:
-            message = self.conn.recv()  # EOFError: the front end is gone
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, _FrontEndGone):
+                raise EOFError("the front end is gone")
             if isinstance(message, msg.Close):
                 self._closed = True
                 return
@@ -135,8 +177,6 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - the caller's error (a duplicate id, a full queue)
                 reply = msg.Reply(message.token, False, exc)
             self.conn.send(reply)
-            if not self.conn.poll(0):
-                return
 
     def run(self) -> None:
         """Serve until told to close or the pipe breaks."""

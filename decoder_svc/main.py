@@ -86,7 +86,7 @@ async def serve(config: DecoderConfig, security: ServerSecurity | None = None,
                 await asyncio.sleep(_DEATH_GRACE_S)  # open streams receive their error first
                 service.request_stop()
                 raise EngineDied(core.error)
-            stats = await core.stats()
+            stats = await servicer.stats()
             metrics.observe_stats(stats)
             line = stats.log_line()
             if line != last_line and time.monotonic() - last_logged >= _STATS_LOG_INTERVAL_S:

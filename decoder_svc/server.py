@@ -26,9 +26,10 @@ from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 from decoder_svc.engine.input_processor import InputProcessor
 from decoder_svc.engine.output_processor import RequestOutput
 from decoder_svc.engine.sampling_params import SamplingParams
-from decoder_svc.engine.ttft_stages import STAGES, split_ttft
+from decoder_svc.engine.ttft_stages import STAGES, FirstTokenStats, split_ttft
 from decoder_svc.input_lanes import InputLanes
 from decoder_svc.metrics import DecoderMetrics
+from decoder_svc.stats import DecoderStats
 from decoder_svc.stream import OutputStream
 from decoder_svc.wire import ParsedRequest, parse_request, to_response
 
@@ -157,8 +158,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         if self.metrics is not None:
             self.metrics.requests.labels(outcome).inc()
 
+    async def stats(self) -> DecoderStats:
+        """The service's stats record: the core's, with the front end's TTFT split."""
+        record = await self.core.stats()
+        record.first_token = FirstTokenStats(*self.ttft_totals.snapshot())
+        return record
+
     async def GetStats(self, request: common_pb2.StatsRequest, context) -> decoder_pb2.DecoderStats:
-        message = to_message(await self.core.stats(), decoder_pb2.DecoderStats)
-        seconds, message.ttft_calls = self.ttft_totals.snapshot()
-        message.ttft_stage_seconds.update(seconds)
-        return message
+        return to_message(await self.stats(), decoder_pb2.DecoderStats)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from common.stats import summary
 from decoder_svc.encoders.remote_source import RemoteSourceStats
 from decoder_svc.engine.engine import EngineStats
+from decoder_svc.engine.ttft_stages import FirstTokenStats
 
 # What the periodic log line shows.
 _LOGGED = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_hit_tokens",
@@ -21,6 +22,7 @@ class DecoderStats:
 
     engine: EngineStats
     source: RemoteSourceStats | None = None  # None: an in-process source (tests)
+    first_token: FirstTokenStats | None = None  # the front end's TTFT split (None: read in the core)
 
     def log_line(self) -> str:
         """The compact form for the service's log."""

@@ -10,7 +10,7 @@ from typing import Protocol
 import numpy as np
 from PIL import Image
 
-from common.hashing import image_content_hash
+from common.hashing import hash_image_file
 from common.images import ImageLimits, decode_image
 
 
@@ -52,11 +52,7 @@ class DecodedImage:
 
 
 def decode_and_hash(data: bytes, limits: ImageLimits, fingerprint: str, salt: str) -> DecodedImage:
-    """Decode an image file (limits checked; ImageError for a bad one) and hash its RGB pixels.
-
-    The pixels are read out once and hashed in place: the same digest as `hash_image` on the decoded
-    image, without its copies."""
+    """Decode an image file (limits checked; ImageError for a bad one) into RGB pixels, named by the
+    file's content hash (`hash_image_file`: the decoder names it the same way without decoding it)."""
     image = decode_image(data, limits)
-    pixels = image.tobytes()
-    digest = image_content_hash(fingerprint, salt, image.mode, image.width, image.height, pixels)
-    return DecodedImage(digest.hex(), image.width, image.height, pixels)
+    return DecodedImage(hash_image_file(data, fingerprint, salt), image.width, image.height, image.tobytes())

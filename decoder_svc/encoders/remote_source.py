@@ -54,6 +54,7 @@ from common.transport.importer import can_import, import_embedding, readable_tra
 from common.transport.nixl import NixlTransferError, known_agent
 from decoder_svc.encoders.discovery import EncoderPool, NoEncoderError
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
+from decoder_svc.engine.following_bytes import FollowingBytes
 
 log = logging.getLogger("mmserve.decoder.encoders")
 
@@ -456,7 +457,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
             item = common_pb2.VideoInput(data=video.data, fps=video.fps, max_frames=video.max_frames,
                                          min_pixels=video.min_pixels, max_pixels=video.max_pixels)
             return self._call_encode(encoder, req, item, accept, deadline)
-        image = common_pb2.ImageInput(data=_image_bytes(req.image))
+        image = common_pb2.ImageInput(data=_image_bytes(req.image, max(deadline - time.monotonic(), 0.0)))
         if req.pixels is not None:  # Qwen2.5-VL: resized into the range the decoder counted tokens with
             image.min_pixels, image.max_pixels = req.pixels.min_pixels, req.pixels.max_pixels
         return self._call_encode(encoder, req, image, accept, deadline)
@@ -692,5 +693,8 @@ class _EncoderLeftRing(Exception):
         self.owner = owner
 
 
-def _image_bytes(image: bytes | Image.Image) -> bytes:
+def _image_bytes(image: bytes | Image.Image | FollowingBytes, timeout: float) -> bytes:
+    """The file to send: as given, a PIL image as PNG, or bytes still on their way (waited for)."""
+    if isinstance(image, FollowingBytes):
+        return image.get(timeout)
     return image if isinstance(image, bytes) else encode_png(image)

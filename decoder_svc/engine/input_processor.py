@@ -16,8 +16,8 @@ from PIL import Image
 
 from common.checkpoint import model_fingerprint
 from common.freed_memory import release_freed_memory
-from common.hashing import check_cache_salt, file_digest, hash_image, is_content_hash
-from common.images import decode_image, probe_image_size
+from common.hashing import check_cache_salt, hash_image, hash_image_file, is_content_hash
+from common.images import probe_image_size
 from common.memo import BoundedMemo
 from common.qwen_layout import (
     Grid,
@@ -42,9 +42,6 @@ if TYPE_CHECKING:
 
 ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
 MAX_REMEMBERED_GRIDS = 65536  # (salt, content hash) -> grid of Qwen images seen, for hash-only requests
-# (file digest, fingerprint, salt) -> content hash of image files hashed here: a file sent again (a
-# repeated request, a conversation's next turn) is never decoded again just to learn its hash.
-MAX_REMEMBERED_FILES = 65536
 
 
 @dataclass(frozen=True)
@@ -66,9 +63,8 @@ class InputProcessor:
     fingerprint: str
     eos_token_ids: frozenset[int]
     kv_capacity_tokens: int  # blocks x block size: no request may need more
-    # make_request runs on any thread: both memos are thread-safe
+    # make_request runs on any thread: the memo is thread-safe
     _grids: BoundedMemo[Grid] = field(default_factory=lambda: BoundedMemo(MAX_REMEMBERED_GRIDS), repr=False)
-    _files: BoundedMemo[str] = field(default_factory=lambda: BoundedMemo(MAX_REMEMBERED_FILES), repr=False)
     _videos: VideoInputs | None = field(default=None, repr=False)
 
     @property
@@ -143,12 +139,13 @@ class InputProcessor:
             raise InvalidRequestError("empty input: give a prompt or chat messages")
         max_tokens = sampling.max_tokens or self.config.default_max_tokens
         self._check_length(tokenized, max_tokens)
-        # One image decoded at a time; nothing is remembered for a request refused on a later image.
+        # Files are named by their bytes (nothing decoded: the encoder decodes an image it lacks);
+        # in-process PIL images by their pixels, one converted at a time.
         try:
             keys = [src if isinstance(src, str) else self._hash_image(i, src, pixels, cache_salt)
                     for i, (src, pixels) in enumerate(zip(images, ranges, strict=True))]
-        finally:  # refused on its last image or not, a request leaves no decoded memory held
-            if any(not isinstance(src, str) for src in images):
+        finally:  # refused on its last image or not, a request leaves no converted memory held
+            if any(isinstance(src, Image.Image) for src in images):
                 release_freed_memory()
         placeholders = []
         for ph, src, key, grid, pixels in zip(tokenized.placeholders, images, keys, grids, ranges,
@@ -263,32 +260,13 @@ class InputProcessor:
 
     def _hash_image(self, index: int, image: bytes | Image.Image, pixels: PixelRange | None,
                     cache_salt: str) -> str:
-        """The content hash of one image, which covers its decoded pixels.
-
-        The decoded image lives only inside this call: a request keeps the encoded bytes (what the
-        encoder is sent, should it not hold the hash), and its images are decoded one after the other,
-        so sixteen 4096x4096 images cost one decoded image at a time (64 MiB in Pillow, and the 48 MiB
-        copy the hash reads), not sixteen. A file hashed before (the same bytes, model settings and salt)
-        is not decoded again: its hash is remembered under the digest of its bytes.
-        """
+        """The content hash of one image (common/hashing.py): a file's from its bytes, without decoding it
+        (its header was checked); a PIL image's from its RGB pixels, converted inside this call only."""
         fingerprint = hash_fingerprint(self.fingerprint, pixels)
-        key = (file_digest(image), fingerprint, cache_salt) if isinstance(image, bytes) else None
-        known = self._files.get(key) if key is not None else None
-        if known is not None:
-            return known
-        content_hash = hash_image(self._open_image(index, image), fingerprint, cache_salt)
-        if key is not None:
-            self._files.put(key, content_hash)
-        return content_hash
-
-    def _open_image(self, index: int, image: bytes | Image.Image) -> Image.Image:
         if isinstance(image, bytes):
-            try:
-                return decode_image(image, self.config.image_limits)
-            except ValueError as exc:
-                raise InvalidRequestError(f"image {index}: {exc}") from None
+            return hash_image_file(image, fingerprint, cache_salt)
         if isinstance(image, Image.Image):
-            return image.convert("RGB")
+            return hash_image(image.convert("RGB"), fingerprint, cache_salt)
         raise InvalidRequestError(f"image {index}: unsupported type {type(image).__name__}")
 
     def _token_id_prompt(self, ids: Sequence[int], images: Sequence[ImageLike],

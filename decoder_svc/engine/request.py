@@ -12,6 +12,7 @@ import numpy as np
 
 from common.qwen_layout import Grid, PixelRange
 from decoder_svc.engine.embedding_source import EmbeddingState, VideoSource
+from decoder_svc.engine.following_bytes import FollowingBytes
 from decoder_svc.engine.sampling_params import SamplingParams
 from decoder_svc.engine.ttft_stages import RequestTimes
 
@@ -44,7 +45,8 @@ class ImagePlaceholder:
     offset: int
     length: int
     content_hash: str
-    image: bytes | Image.Image | None = None  # None: known to the encoder by hash only
+    # None: known to the encoder by hash only; FollowingBytes: a file on its way to the engine core
+    image: bytes | Image.Image | FollowingBytes | None = None
     state: EmbeddingState = EmbeddingState.UNKNOWN
     encoder_cache_hit: bool = False
     skipped_by_kv_reuse: bool = False

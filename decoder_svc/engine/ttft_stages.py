@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.stats import stat
+
 STAGES = ("input", "submit", "encode", "queue", "prefill", "output")
 
 
@@ -49,3 +51,13 @@ def split_ttft(times: RequestTimes, delivered: float) -> dict[str, float]:
     end = max(delivered, sampled)
     return {"input": made - times.received, "submit": added - made, "encode": ready - added,
             "queue": step - ready, "prefill": sampled - step, "output": end - sampled}
+
+
+@dataclass
+class FirstTokenStats:
+    """The front end's sums of the TTFT split (names as in the API's DecoderStats)."""
+
+    ttft_stage_seconds: dict = stat("Seconds of time to first token per stage (input, submit, encode, "
+                                    "queue, prefill, output)", "labels", label="stage",
+                                    metric="first_token_stage_seconds")
+    ttft_calls: int = stat("Requests that produced a first token (the stage sums' count)")

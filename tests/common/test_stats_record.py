@@ -12,6 +12,7 @@ from common.stats import as_dict, stat, summary, to_message
 from common.stats_metrics import StatsCollector
 from decoder_svc.encoders.remote_source import RemoteSourceStats
 from decoder_svc.engine.engine import EngineStats
+from decoder_svc.engine.ttft_stages import FirstTokenStats
 from decoder_svc.stats import DecoderStats
 from encoder_svc.stats import EncoderStats
 
@@ -20,7 +21,7 @@ def _decoder_record() -> DecoderStats:
     engine = EngineStats(**{name: i + 1 for i, name in enumerate(as_dict(EngineStats()))})
     source = RemoteSourceStats(active_leases=2, images_prefetched=5, embedding_transports={"shm": 3},
                                encoders=4)
-    return DecoderStats(engine, source)
+    return DecoderStats(engine, source, FirstTokenStats({"input": 0.5, "prefill": 2.0}, 3))
 
 
 def test_every_field_of_the_decoder_stats_message_comes_from_the_record():
@@ -30,7 +31,7 @@ def test_every_field_of_the_decoder_stats_message_comes_from_the_record():
     for name in decoder_pb2.DecoderStats.DESCRIPTOR.fields_by_name:
         assert name in values, f"DecoderStats.{name} has no field in the service's stats record"
         got = getattr(message, name)
-        assert (dict(got) if name == "embedding_transports" else got) == values[name]
+        assert (dict(got) if name in ("embedding_transports", "ttft_stage_seconds") else got) == values[name]
 
 
 def test_the_metrics_export_every_stat_under_its_own_name():

@@ -1,5 +1,6 @@
 """The decode pool (encoder_svc/decode_pool.py): the same hash and pixels as the thread path and as
-`hash_image`, bad images failing alone, and a dead worker process failing its images, not hanging them."""
+`hash_image_file`, bad images failing alone, and a dead worker process failing its images, not hanging
+them."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common.hashing import hash_image
+from common.hashing import hash_image_file
 from common.images import ImageError, ImageLimits, decode_image
 from encoder_svc import decode_child, decode_pool
 from encoder_svc.decode_pool import DecodePool, DecodeWorkerDied
@@ -59,11 +60,11 @@ def run(coro):
 
 
 @pytest.mark.parametrize("name", sorted(FILES))
-def test_hash_and_pixels_match_hash_image(name):
+def test_hash_and_pixels_match_hash_image_file(name):
     data = FILES[name]
     reference = decode_image(data)
     decoded = decode_and_hash(data, ImageLimits(), FINGERPRINT, "salt-a")
-    assert decoded.content_hash == hash_image(reference, FINGERPRINT, "salt-a")
+    assert decoded.content_hash == hash_image_file(data, FINGERPRINT, "salt-a")
     assert decoded.content_hash != decode_and_hash(data, ImageLimits(), FINGERPRINT, "salt-b").content_hash
     assert (decoded.width, decoded.height) == reference.size
     assert decoded.pixels == reference.tobytes()

@@ -13,8 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from common.hashing import hash_image
-from common.images import decode_image
+from common.hashing import hash_image_file
 from common.pb import common_pb2
 from encoder_svc.server import EncoderConfig
 from tests.encoder.conftest import EncoderHarness, encode_request, image_bytes
@@ -85,7 +84,7 @@ def test_processes_and_threads_give_the_same_hashes_and_embeddings(pooled, tiny_
         threaded.close()
     fingerprint = pooled.servicer.vision.fingerprint
     for data, a, b in zip(IMAGES, from_pool, from_threads, strict=False):
-        assert a.content_hash == b.content_hash == hash_image(decode_image(data), fingerprint, "tenant")
+        assert a.content_hash == b.content_hash == hash_image_file(data, fingerprint, "tenant")
         assert a.inline_data == b.inline_data and len(a.inline_data) == a.nbytes > 0
 
 

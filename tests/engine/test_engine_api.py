@@ -38,7 +38,10 @@ def test_png_bytes_and_pil_give_same_tokens(make_engine, images):
     a = engine.generate("pil", ONE, images[:1], sampling=SamplingParams(max_tokens=8))
     b = engine.generate("png", ONE, [encode_png(images[0])], sampling=SamplingParams(max_tokens=8))
     assert a.new_token_ids == b.new_token_ids
-    assert b.usage.images_encoder_cache_hits == 1  # same pixels: same content hash
+    # A file is named by its bytes, a PIL image by its pixels: two entries; the same file again is one.
+    assert b.usage.images_encoder_cache_hits == 0
+    c = engine.generate("png2", ONE, [encode_png(images[0])], sampling=SamplingParams(max_tokens=8))
+    assert c.new_token_ids == a.new_token_ids and c.usage.images_encoder_cache_hits == 1
 
 
 def test_content_hash_reference(make_engine, images):
@@ -98,13 +101,13 @@ def test_a_failure_in_one_requests_output_fails_only_that_request(make_engine, m
 
 
 def _refuse_work(monkeypatch, engine):
-    """Make any decoding or tokenizing fail loudly: a refused request must not reach them."""
+    """Make any hashing or tokenizing fail loudly: a refused request must not reach them."""
     import decoder_svc.engine.input_processor as input_module
 
     def boom(*a, **kw):
         raise AssertionError("work done on a request that the limits refuse")
 
-    monkeypatch.setattr(input_module, "decode_image", boom)
+    monkeypatch.setattr(input_module, "hash_image_file", boom)
     monkeypatch.setattr(engine.tokenizer, "encode_prompt", boom)
     monkeypatch.setattr(engine.tokenizer, "encode_chat", boom)
 
@@ -138,32 +141,23 @@ def test_client_facing_image_errors_carry_no_heap_addresses(make_engine):
     assert " at 0x" not in str(err.value) and "image 0" in str(err.value)
 
 
-def test_images_are_decoded_one_at_a_time_and_only_their_bytes_are_kept(make_engine, monkeypatch, images):
-    """Issue 32: sixteen 4096x4096 images must cost one decoded image at a time, not sixteen, and a
-    request keeps the encoded bytes only; the content hash still covers the decoded pixels."""
-    import weakref
-
-    import decoder_svc.engine.input_processor as input_module
-    from common.hashing import hash_image
-    from common.images import decode_image
+def test_image_files_are_named_by_their_bytes_without_decoding(make_engine, monkeypatch, images):
+    """A request keeps the encoded bytes only and names each file by them: nothing is decoded on the
+    decoder (the encoder decodes an image it lacks), and the name is the encoder's (hash_image_file)."""
+    import common.images as images_module
+    from common.hashing import hash_image_file
     from common.qwen_layout import hash_fingerprint
 
     engine = make_engine(num_kv_blocks=64)
     files = [encode_png(img) for img in images]
-    decoded: list[weakref.ref] = []
 
-    def decode_one(data, limits):
-        # Every image decoded before this one is garbage by now (CPython frees it at its last reference).
-        assert all(ref() is None for ref in decoded), "an earlier decoded image is still held"
-        image = decode_image(data, limits)
-        decoded.append(weakref.ref(image))
-        return image
+    def no_decode(*args, **kwargs):
+        raise AssertionError("the decoder decoded an image file")
 
-    monkeypatch.setattr(input_module, "decode_image", decode_one)
+    monkeypatch.setattr(images_module, "decode_image", no_decode)
     req = engine.inputs.make_request("x", "USER: " + "<image>" * len(files) + " hi", files,
                                      cache_salt="tenant")
-    assert len(decoded) == len(files) and all(ref() is None for ref in decoded)
     fingerprint = hash_fingerprint(engine.inputs.fingerprint, None)
     for placeholder, data in zip(req.images, files, strict=True):
         assert placeholder.image is data  # the file as sent, never its pixels
-        assert placeholder.content_hash == hash_image(decode_image(data), fingerprint, "tenant")
+        assert placeholder.content_hash == hash_image_file(data, fingerprint, "tenant")

@@ -22,7 +22,7 @@ import pytest
 
 from common.checkpoint import model_fingerprint
 from common.client import DecoderClient, EncoderClient
-from common.hashing import hash_image
+from common.hashing import hash_image_file
 from decoder_svc.encoders.discovery import EncoderPool
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 from decoder_svc.encoders.routing import HashRing
@@ -167,7 +167,7 @@ def encoders(tiny_model_dir, tmp_path_factory):
 def images(tiny_model_dir) -> list[Img]:
     fingerprint = model_fingerprint(tiny_model_dir)
     picked = [make_image(500 + i) for i in range(N_IMAGES)]
-    return [Img(hash_image(im.convert("RGB"), fingerprint), png(im)) for im in picked]
+    return [Img(hash_image_file(png(im), fingerprint), png(im)) for im in picked]
 
 
 def test_ring_grows_shrinks_and_ejects_under_load(encoders, images):

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from common.client import DecoderClient
-from common.hashing import hash_image
+from common.hashing import hash_image_file
 from common.startup import free_port
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
@@ -98,7 +98,7 @@ class GatedPair:
 
     def key(self, image, salt: str = "") -> str:
         """The content hash both services give this image."""
-        return hash_image(image, self.vision.fingerprint, salt)
+        return hash_image_file(png(image), self.vision.fingerprint, salt)
 
     def decoder_stats(self):
         with DecoderClient(self.decoder.address, timeout=10) as client:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from common.checkpoint import model_fingerprint
 from common.client import EncoderClient
-from common.hashing import hash_image
+from common.hashing import hash_image_file
 from decoder_svc.encoders.routing import HashRing
 from tests.integration.conftest import png
 from tests.integration.harness import Pair, Service, free_port
@@ -28,7 +28,7 @@ def test_images_are_spread_over_two_encoders_and_each_lives_in_one(tiny_model_di
         seed = 300
         while min(len(v) for v in chosen.values()) < 4:
             image = make_image(seed)
-            owner = ring.route(hash_image(image.convert("RGB"), fingerprint, f"img-{seed}"))
+            owner = ring.route(hash_image_file(png(image), fingerprint, f"img-{seed}"))
             if len(chosen[owner]) < 4:
                 chosen[owner].append((seed, png(image)))
             seed += 1

@@ -8,7 +8,7 @@ import pytest
 
 from common.checkpoint import model_fingerprint
 from common.client import DecoderClient, EncoderClient
-from common.hashing import hash_image
+from common.hashing import hash_image_file
 from common.images import encode_png
 from common.security.identity import scoped_salt
 from common.security.tls import ClientTls
@@ -78,7 +78,8 @@ def test_a_tenant_cannot_use_another_tenants_image_hash(secure_pair, pki, tiny_m
     image = make_image(82)
     with _decoder(secure_pair, pki, ALICE) as alice, _decoder(secure_pair, pki, BOB) as bob:
         alice.generate_text(PROMPT, [encode_png(image)], max_tokens=2)
-        digest = hash_image(image, model_fingerprint(tiny_model_dir), scoped_salt("alice", ""))
+        fingerprint = model_fingerprint(tiny_model_dir)
+        digest = hash_image_file(encode_png(image), fingerprint, scoped_salt("alice", ""))
         assert alice.generate_text(PROMPT, [f"hash:{digest}"], max_tokens=2).usage.images == 1
         with pytest.raises(grpc.RpcError) as err:
             bob.generate_text(PROMPT, [f"hash:{digest}"], max_tokens=2)

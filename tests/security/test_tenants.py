@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from common.client import EncoderClient
-from common.hashing import hash_image
+from common.hashing import hash_image_file
 from common.images import encode_png
 from common.pb import common_pb2
 from common.security.auth import AuthPolicy
@@ -99,7 +99,7 @@ def _fetch(source: RemoteEmbeddingSource, req: EmbeddingRequest, timeout: float 
 def test_the_decoder_link_works_over_mtls_and_keeps_the_tenant(encoder, pki, tiny_model_dir):
     image = make_image(73)
     salt = scoped_salt("alice", "")  # what the decoder's auth interceptor made of Alice's request
-    digest = hash_image(image, encoder.servicer.vision.fingerprint, salt)
+    digest = hash_image_file(encode_png(image), encoder.servicer.vision.fingerprint, salt)
     req = EmbeddingRequest("r1", digest, encode_png(image), cache_salt=salt)
     source = RemoteEmbeddingSource([encoder.address], tls=_tls(pki, "decoder"),
                                    retry=RetryPolicy(total_timeout_s=20))
@@ -118,7 +118,7 @@ def test_the_decoder_link_works_over_mtls_and_keeps_the_tenant(encoder, pki, tin
 
 def test_the_decoder_link_without_its_certificate_is_refused(encoder, pki):
     image = make_image(74)
-    digest = hash_image(image, encoder.servicer.vision.fingerprint, "")
+    digest = hash_image_file(encode_png(image), encoder.servicer.vision.fingerprint, "")
     req = EmbeddingRequest("r2", digest, encode_png(image))
     source = RemoteEmbeddingSource([encoder.address], tls=_tls(pki, None),
                                    retry=RetryPolicy(total_timeout_s=1.0, attempt_timeout_s=0.5))
@@ -133,7 +133,7 @@ def test_a_decoder_the_encoder_does_not_accept_fails_its_images_as_internal(enco
     """A valid certificate that is no service, and no token: the encoder says UNAUTHENTICATED, which
     is the decoder's misconfiguration, not its client's, so the request fails INTERNAL."""
     image = make_image(75)
-    digest = hash_image(image, encoder.servicer.vision.fingerprint, "")
+    digest = hash_image_file(encode_png(image), encoder.servicer.vision.fingerprint, "")
     req = EmbeddingRequest("r3", digest, encode_png(image))
     source = RemoteEmbeddingSource([encoder.address], tls=_tls(pki, "client"),
                                    retry=RetryPolicy(total_timeout_s=5.0))
@@ -148,7 +148,7 @@ def test_a_decoder_the_encoder_does_not_accept_fails_its_images_as_internal(enco
 def test_the_decoder_link_can_authenticate_with_a_service_token(encoder, pki):
     image = make_image(76)
     salt = scoped_salt("bob", "x")
-    digest = hash_image(image, encoder.servicer.vision.fingerprint, salt)
+    digest = hash_image_file(encode_png(image), encoder.servicer.vision.fingerprint, salt)
     req = EmbeddingRequest("r4", digest, encode_png(image), cache_salt=salt)
     # The `client` certificate is no service: the token makes this link service:decoder.
     source = RemoteEmbeddingSource([encoder.address], tls=_tls(pki, "client"), token=DECODER,
