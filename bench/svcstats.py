@@ -22,6 +22,15 @@ def encoder_stats(address: str) -> dict:
         return _fields(client.stats())
 
 
+def stage_split(before: dict, after: dict, sums: str = "ttft_stage_seconds",
+                calls: str = "ttft_calls") -> dict:
+    """Mean ms per stage between two stats snapshots (dicts of GetStats fields): the decoder's TTFT split
+    by default, the encoder's Encode split with sums="stage_seconds", calls="encode_calls"."""
+    n = int(after.get(calls, 0)) - int(before.get(calls, 0))
+    s0, s1 = dict(before.get(sums, {})), dict(after.get(sums, {}))
+    return {k: round((v - s0.get(k, 0.0)) * 1000 / n, 2) for k, v in s1.items()} if n > 0 else {}
+
+
 def delta(before: dict, after: dict) -> dict:
     """after - before for every numeric counter."""
     return {k: after[k] - before[k] for k in after

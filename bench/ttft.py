@@ -29,6 +29,7 @@ from google.protobuf.json_format import MessageToDict
 
 from bench.report import save_result
 from bench.services import Pair
+from bench.svcstats import stage_split
 from bench.workload import PromptMaker, random_png, random_words
 from common.checkpoint import load_config
 from common.client import AsyncDecoderClient, DecoderClient, EncoderClient
@@ -87,13 +88,8 @@ class Probe:
 
 def split_between(before: dict, after: dict) -> dict:
     """Mean ms per stage between two snapshots: the decoder's TTFT split and the encoder's Encode split."""
-    out = {}
-    for side, sums, calls in (("decoder", "ttft_stage_seconds", "ttft_calls"),
-                              ("encoder", "stage_seconds", "encode_calls")):
-        n = int(after[side].get(calls, 0)) - int(before[side].get(calls, 0))
-        s0, s1 = before[side].get(sums, {}), after[side].get(sums, {})
-        out[side] = {k: ms((v - s0.get(k, 0.0)) / n) for k, v in s1.items()} if n else {}
-        out[f"{side}_calls"] = n
+    out = {"decoder": stage_split(before["decoder"], after["decoder"]),
+           "encoder": stage_split(before["encoder"], after["encoder"], "stage_seconds", "encode_calls")}
     g0, g1 = before["encoder"].get("tower_gpu_seconds", 0.0), after["encoder"].get("tower_gpu_seconds", 0.0)
     out["encoder_tower_gpu_ms"] = ms(g1 - g0)
     return out

@@ -38,6 +38,7 @@ import uuid
 import grpc
 import numpy as np
 
+from bench import svcstats
 from bench.qwen_gpu import END, USER, family_of
 from bench.report import save_result
 from bench.services import Service, decoder_service, encoder_service, exit_on_sigterm, start_all, workdir
@@ -248,8 +249,11 @@ def ttft_cold_warm(address: str, clips: list[bytes], rounds: int, timeout: float
     before = decoder_stats(address)
     for r in range(rounds):
         request = video_request(prompt_of(r), clips[r % len(clips)], f"cold-{uuid.uuid4().hex[:12]}", 1)
+        s0 = svcstats.decoder_stats(address)
         a = asyncio.run(_run(address, [request], timeout))[0]
+        s1 = svcstats.decoder_stats(address)
         b = asyncio.run(_run(address, [request], timeout))[0]
+        s2 = svcstats.decoder_stats(address)
         for res in (a, b):
             if "error" in res:
                 raise RuntimeError(f"a request failed: {res['error']}")
@@ -257,7 +261,9 @@ def ttft_cold_warm(address: str, clips: list[bytes], rounds: int, timeout: float
         warm.append(b["ttft"])
         rows.append({"cold_ms": round(a["ttft"] * 1000, 1), "warm_ms": round(b["ttft"] * 1000, 1),
                      "prompt_tokens": a.get("prompt_tokens"),
-                     "warm_cached_prompt_tokens": b.get("cached_prompt_tokens")})
+                     "warm_cached_prompt_tokens": b.get("cached_prompt_tokens"),
+                     "cold_split_ms": svcstats.stage_split(s0, s1),
+                     "warm_split_ms": svcstats.stage_split(s1, s2)})
         print(f"ttft round {r}: {rows[-1]}", flush=True)
     after = decoder_stats(address)
     out["stats"] = {k: after[k] - before[k] for k in DECODER_STATS}

@@ -33,12 +33,23 @@ def image_input(image: ImageLike) -> common_pb2.ImageInput:
     """An ImageInput from a file path, encoded bytes, a content hash ("hash:<hex>") or an ImageInput."""
     if isinstance(image, common_pb2.ImageInput):
         return image
-    if isinstance(image, bytes):
-        return common_pb2.ImageInput(data=image)
-    text = str(image)
-    if text.startswith("hash:"):
-        return common_pb2.ImageInput(content_hash=text[len("hash:"):])
-    return common_pb2.ImageInput(data=Path(text).read_bytes())
+    return fill_image_input(common_pb2.ImageInput(), image)
+
+
+def fill_image_input(field: common_pb2.ImageInput, image: ImageLike) -> common_pb2.ImageInput:
+    """Fill an ImageInput in place (a repeated field's new element) from anything image_input takes.
+
+    In place because appending a built message to a repeated field copies it again: 3-6 ms for a 3 MB
+    image with upb, against 0.4 ms for setting the bytes where they go."""
+    if isinstance(image, common_pb2.ImageInput):
+        field.CopyFrom(image)
+    elif isinstance(image, bytes):
+        field.data = image
+    elif str(image).startswith("hash:"):
+        field.content_hash = str(image)[len("hash:"):]
+    else:
+        field.data = Path(str(image)).read_bytes()
+    return field
 
 
 def sampling_params(
@@ -83,7 +94,8 @@ def generate_request(
         raise ValueError("give exactly one of prompt or chat")
     if prompt is not None:
         request.prompt = prompt
-        request.images.extend(image_input(i) for i in images)
+        for image in images:
+            fill_image_input(request.images.add(), image)
         return request
     for message in chat:
         out = request.chat.messages.add(role=message["role"])
@@ -93,7 +105,7 @@ def generate_request(
             if part["type"] == "text":
                 out.content.add(text=part["text"])
             elif part["type"] == "image":
-                out.content.add(image=image_input(part["image"]))
+                fill_image_input(out.content.add().image, part["image"])
             else:
                 raise ValueError(f"unknown content part type {part['type']!r}")
     return request
@@ -199,9 +211,11 @@ def new_lease_owner() -> str:
 
 def _encode_request(images: Iterable[ImageLike], accept: Sequence[int], cache_salt: str, prefetch: bool,
                     request_id: str, lease_owner: str) -> encoder_pb2.EncodeRequest:
-    return encoder_pb2.EncodeRequest(
-        request_id=request_id, images=[image_input(i) for i in images], accept=list(accept),
-        cache_salt=cache_salt, prefetch=prefetch, lease_owner=lease_owner)
+    request = encoder_pb2.EncodeRequest(request_id=request_id, accept=list(accept), cache_salt=cache_salt,
+                                        prefetch=prefetch, lease_owner=lease_owner)
+    for image in images:
+        fill_image_input(request.images.add(), image)
+    return request
 
 
 class EncoderClient:
