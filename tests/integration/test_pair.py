@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -259,3 +260,30 @@ def test_seeded_sampling_equals_the_in_process_engine(pair, tiny_model_dir, test
     assert local.new_token_ids == runs[0]
     greedy = engine.generate("greedy", PROMPT_1, [image], sampling=SamplingParams(max_tokens=N))
     assert greedy.new_token_ids != runs[0], "the seeded run equals greedy: is it sampling at all?"
+
+
+def test_ttft_split_is_exported_and_adds_up(pair, test_images):
+    """Each request's time to first token split into stages (decoder_svc/engine/ttft_stages.py), summed
+    in GetStats, adding up to no more than what the client saw; a cold request waits for its image's
+    embedding (the tiny model's 30-token prompt caches one block: its repeat fetches the image again, from
+    the encoder's cache)."""
+    from decoder_svc.engine.ttft_stages import STAGES
+
+    def first_token(client) -> float:
+        started = time.monotonic()
+        for _ in client.generate(PROMPT_1, [png(test_images[1])], max_tokens=1, cache_salt="split"):
+            pass
+        return time.monotonic() - started
+
+    with DecoderClient(pair.decoder.address, timeout=60) as client:
+        snapshots, latencies = [client.stats()], []
+        for _ in range(2):  # cold (a new salt: the encoder has no entry), then the same again
+            latencies.append(first_token(client))
+            snapshots.append(client.stats())
+    cold, warm = ({s: b.ttft_stage_seconds[s] - a.ttft_stage_seconds.get(s, 0.0) for s in STAGES}
+                  for a, b in zip(snapshots, snapshots[1:], strict=False))
+    assert [b.ttft_calls - a.ttft_calls for a, b in zip(snapshots, snapshots[1:], strict=False)] == [1, 1]
+    assert set(snapshots[-1].ttft_stage_seconds) == set(STAGES)
+    assert cold["encode"] > 0 and cold["prefill"] > 0 and cold["input"] > 0, (cold, warm)
+    for split, latency in ((cold, latencies[0]), (warm, latencies[1])):
+        assert min(split.values()) >= 0 and 0 < sum(split.values()) <= latency

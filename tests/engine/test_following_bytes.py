@@ -1,0 +1,73 @@
+"""Image files that follow their request to the engine core (decoder_svc/engine/following_bytes.py), and
+the core's wake-up when an embedding arrives (decoder_svc/engine_core.py)."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from multiprocessing.connection import wait
+
+import pytest
+
+from decoder_svc.encoders.remote_source import _image_bytes
+from decoder_svc.engine.embedding_source import EmbeddingSource
+from decoder_svc.engine.following_bytes import (
+    BytesNeverCameError,
+    FollowingBytes,
+    awaiting_files,
+    detach_files,
+)
+from decoder_svc.engine.request import ImagePlaceholder
+from decoder_svc.engine_core import Wakeup
+
+
+def test_the_bytes_never_travel_inside_the_request():
+    holder = FollowingBytes(3)
+    holder.set(b"abc")
+    copy = pickle.loads(pickle.dumps(holder))
+    assert copy.size == 3 and len(copy) == 3
+    with pytest.raises(BytesNeverCameError, match="3 bytes"):
+        copy.get(timeout=0.01)
+    assert holder.get(timeout=0) == b"abc"
+
+
+def test_a_reader_waits_for_bytes_set_by_another_thread():
+    holder = FollowingBytes(4)
+    threading.Timer(0.05, holder.set, args=(b"data",)).start()
+    started = time.monotonic()
+    assert _image_bytes(holder, timeout=5.0) == b"data"
+    assert time.monotonic() - started >= 0.04
+
+
+def test_detach_leaves_holders_in_order_and_keeps_hash_only_and_pil_images():
+    a, b = b"file-a", b"file-bb"
+    images = [ImagePlaceholder(0, 1, "h1", a), ImagePlaceholder(5, 1, "h2", None),
+              ImagePlaceholder(9, 1, "h3", b)]
+    files = detach_files(images)
+    assert files == [a, b]
+    assert images[1].image is None and [h.size for h in awaiting_files(images)] == [len(a), len(b)]
+    for holder, data in zip(awaiting_files(images), files, strict=True):
+        holder.set(data)
+    assert [_image_bytes(img.image, 0) for img in (images[0], images[2])] == [a, b]
+
+
+def test_an_arriving_embedding_wakes_the_core_and_the_wake_is_drained():
+    wakeup = Wakeup()
+    try:
+        class Source(EmbeddingSource):
+            request = poll = get = release = None
+
+        source = Source.__new__(Source)
+        source.on_change = wakeup.set
+        assert wait([wakeup.reader], 0) == []
+        threading.Timer(0.05, source.notify_change).start()
+        started = time.monotonic()
+        assert wait([wakeup.reader], 5.0) == [wakeup.reader]
+        assert time.monotonic() - started < 2.0
+        for _ in range(3):  # several pokes before the loop looks: one wake, then drained
+            source.notify_change()
+        wakeup.clear()
+        assert wait([wakeup.reader], 0) == []
+    finally:
+        wakeup.close()
