@@ -33,6 +33,9 @@ class EncoderLinkConfig:
     timeout_s: float = option(
         20.0, "seconds from an image's first ask until an unreachable encoder fails the request "
         "(UNAVAILABLE)", flag="--encoder-timeout", type=positive_float)
+    send_ahead: bool = option(
+        True, "no sending of a new image file to its encoder as its request arrives (the engine then "
+        "sends it when the encoder answers its ask by hash NOT_FOUND)", flag="--no-send-ahead")
 
     def __post_init__(self) -> None:
         check_options(self)

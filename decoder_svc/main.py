@@ -57,16 +57,15 @@ async def serve(config: DecoderConfig, security: ServerSecurity | None = None,
     except CoreUsageError as exc:
         raise UsageError(str(exc)) from None
     inputs = await asyncio.to_thread(InputProcessor.for_model, engine_config(config), info.kv_capacity_tokens)
-    grids = None
-    if inputs.qwen is not None:  # hash-only images' token counts come from the encoders' grids
-        from decoder_svc.encoders.discovery import EncoderPool, GrpcHealthCheck
-        from decoder_svc.encoders.grid_lookup import GridLookup
+    # The front end's own link to the encoders: Qwen-VL hash-only images' grids, new files sent ahead.
+    from decoder_svc.encoders.discovery import EncoderPool, GrpcHealthCheck
+    from decoder_svc.encoders.front_link import FrontEndLink
 
-        link = encoder_link or ClientSecurity()
-        pool = EncoderPool(config.encoders.addresses, interval_s=config.encoders.resolve_interval_s,
-                           health_check=GrpcHealthCheck(tls=link.tls))
-        grids = GridLookup(pool, link.tls, link.token)
-    servicer = DecoderServicer(core, inputs, metrics, grids=grids)
+    link = encoder_link or ClientSecurity()
+    pool = EncoderPool(config.encoders.addresses, interval_s=config.encoders.resolve_interval_s,
+                       health_check=GrpcHealthCheck(tls=link.tls))
+    servicer = DecoderServicer(core, inputs, metrics, encoders=FrontEndLink(pool, link.tls, link.token),
+                               send_ahead=config.encoders.send_ahead)
     service = GrpcService("decoder", config.service.host, config.port, config.service.metrics_port,
                           security=security)
     service.add(decoder_pb2_grpc.add_DecoderServiceServicer_to_server, servicer, SERVICE_NAME)
@@ -111,8 +110,8 @@ async def serve(config: DecoderConfig, security: ServerSecurity | None = None,
             servicer.end_drain()
             await asyncio.sleep(_DEATH_GRACE_S)
         await asyncio.to_thread(core.stop)
-        if grids is not None:
-            grids.close()
+        if servicer.encoders is not None:
+            servicer.encoders.close()
 
     await service.wait(on_shutdown=shutdown, drain=servicer.drain, drain_timeout=config.drain_timeout_s)
     if refresher.done() and not refresher.cancelled() and refresher.exception() is not None:

@@ -17,14 +17,16 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.errors import CapacityError, InvalidInputError, ServiceError, as_service_error
+from common.memo import BoundedMemo
 from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from common.stage_totals import StageTotals
 from common.stats import to_message
 from decoder_svc.core_client import CoreDeadError, EngineCoreClient
-from decoder_svc.encoders.grid_lookup import GridLookup
+from decoder_svc.encoders.front_link import FileAhead, FrontEndLink
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 from decoder_svc.engine.input_processor import InputProcessor
 from decoder_svc.engine.output_processor import RequestOutput
+from decoder_svc.engine.request import Request
 from decoder_svc.engine.sampling_params import SamplingParams
 from decoder_svc.engine.ttft_stages import STAGES, FirstTokenStats, split_ttft
 from decoder_svc.input_lanes import InputLanes
@@ -37,6 +39,7 @@ log = logging.getLogger("mmserve.decoder")
 
 SERVICE_NAME = "mmserve.v1.DecoderService"
 _DRAIN_POLL_S = 0.05
+MAX_SENT_AHEAD = 65536  # (salt, content hash) of files sent ahead, remembered so a repeat is not resent
 _SHUTTING_DOWN = "decoder shutting down: the drain timeout ended this request"
 
 
@@ -45,25 +48,27 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     def __init__(self, core: EngineCoreClient, inputs: InputProcessor,
                  metrics: DecoderMetrics | None = None, lanes: InputLanes | None = None,
-                 grids: GridLookup | None = None) -> None:
+                 encoders: FrontEndLink | None = None, send_ahead: bool = True) -> None:
         self.core = core
         self.inputs = inputs
         self.metrics = metrics
         self.lanes = lanes or InputLanes()
-        self.grids = grids  # Qwen2.5-VL: the encoders' grids of hash-only images
+        self.encoders = encoders  # grids of hash-only Qwen-VL images; new files sent ahead
+        self.send_ahead = send_ahead and encoders is not None
+        self._sent_ahead: BoundedMemo[bool] = BoundedMemo(MAX_SENT_AHEAD)  # (salt, hash) sent recently
         self.draining = False
         self.ttft_totals = StageTotals(STAGES)  # where time to first token goes (engine/ttft_stages.py)
 
     async def _known_grids(self, parsed: ParsedRequest) -> dict | None:
         """Grids of the request's hash-only images this front end has not hashed itself (Qwen2.5-VL:
         their token counts), from the encoders that hold them."""
-        if self.grids is None or self.inputs.qwen is None:
+        if self.encoders is None or self.inputs.qwen is None:
             return None
         missing = [i for i in parsed.images
                    if isinstance(i, str) and self.inputs.known_grid(parsed.cache_salt, i) is None]
         if not missing:
             return None
-        return await asyncio.to_thread(self.grids.lookup, missing, parsed.cache_salt)
+        return await asyncio.to_thread(self.encoders.lookup, missing, parsed.cache_salt)
 
     async def drain(self) -> None:
         """Refuse new requests (UNAVAILABLE) and return once every in-flight stream has ended."""
@@ -87,11 +92,31 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 image_options=parsed.image_options, known_grids=known, videos=parsed.videos,
                 prompt_token_ids=parsed.prompt_token_ids)
             req.times.received, req.times.made = received, time.monotonic()
+            self._send_files_ahead(req)
             await self.core.add(req)
         except CoreDeadError as exc:
             raise as_service_error(exc, "decoder engine unavailable: ") from None
         except (CapacityError, InvalidInputError) as exc:  # queue or input lanes full; the client's mistake
             raise as_service_error(exc) from None
+
+    def _send_files_ahead(self, req: Request) -> None:
+        """A file this front end has not sent lately goes to its encoder now, in the background
+        (encoders/front_link.py); its placeholder says so, and the engine asks for it by hash only,
+        waiting briefly if the encoder has not received it yet."""
+        if not self.send_ahead:
+            return
+        files = []
+        for img in req.images:
+            key = (req.cache_salt, img.content_hash)
+            if not isinstance(img.image, bytes) or self._sent_ahead.get(key) is not None:
+                continue
+            self._sent_ahead.put(key, True)
+            px = img.pixels
+            files.append(FileAhead(img.content_hash, img.image, px.min_pixels if px else 0,
+                                   px.max_pixels if px else 0))
+            img.sent_ahead = True
+        if files:  # serialising megabytes is not the event loop's work
+            asyncio.get_running_loop().run_in_executor(None, self.encoders.send_ahead, files, req.cache_salt)
 
     def _stream_detokenizer(self, sampling: SamplingParams) -> IncrementalDetokenizer | None:
         """The stream's own detokenizer; None when the core detokenizes (requests with stop strings,

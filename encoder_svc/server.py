@@ -32,7 +32,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.checkpoint import parse_dtype
 from common.errors import ServiceError, as_service_error, invalid_argument, not_found, unavailable
-from common.hashing import check_cache_salt, is_content_hash
+from common.hashing import check_cache_salt, hash_image_file, is_content_hash
 from common.images import ImageError, ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.qwen_layout import ImageGeometryError, PixelRange, hash_fingerprint
@@ -50,6 +50,7 @@ from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 from encoder_svc.defaults import default_decode_processes
 from encoder_svc.future_bridge import FutureBridge
 from encoder_svc.metrics import EncoderMetrics
+from encoder_svc.pending_files import PendingFiles
 from encoder_svc.refs import (
     build_ref,
     choose_transport,
@@ -68,6 +69,8 @@ log = logging.getLogger("mmserve.encoder")
 
 SERVICE_NAME = "mmserve.v1.EncoderService"
 MAX_LEASE_OWNER_CHARS = 256  # it is stored with every lease: keep it small
+_HASH_IN_THREAD_BYTES = 256 << 10  # files this large are hashed off the event loop
+_PENDING_WAIT_S = 30.0  # a hash-only ask waits this long at most for a file being decoded here
 
 
 def _release_images(items) -> None:
@@ -110,6 +113,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.served = served_transports(cache.arena, nixl)
         self.metrics = EncoderMetrics(self.stats, registry)
         self.prefetches = 0
+        self.pending = PendingFiles()  # files being decoded: hash-only asks wait for them (pending_files.py)
         self.stage_totals = StageTotals(STAGES)  # where Encodes' time goes (encoder_svc/stages.py)
         self._closing = False
         self._future_bridge: FutureBridge | None = None
@@ -188,6 +192,33 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         if not is_content_hash(text):
             raise invalid_argument(f"image {index}: content_hash is not a 64-digit hex digest")
         return text
+
+    async def _register_files(self, images, salt: str) -> list:
+        """Register the request's image files as pending under their content hashes (the hash of their
+        bytes, taken in a thread for large files), before any decoding; returns what `pending.end` takes.
+        An input refused later (a bad pixel range, say) just registers nothing useful for a while."""
+        data = [(i, item) for i, item in enumerate(images) if item.WhichOneof("source") == "data"]
+        if not data:
+            return []
+
+        def keys() -> list:
+            out = []
+            for i, item in data:
+                try:
+                    out.append((salt, hash_image_file(item.data, self._fingerprint(i, item), salt)))
+                except ServiceError:  # a bad pixel range: refused when the input is read
+                    continue
+            return out
+
+        big = sum(len(item.data) for _, item in data) >= _HASH_IN_THREAD_BYTES
+        return self.pending.begin(await asyncio.to_thread(keys) if big else keys())
+
+    async def _await_pending(self, images, salt: str) -> None:
+        """A hash-only image whose file is being decoded here waits until its entry exists."""
+        keys = [(salt, item.content_hash.lower()) for item in images
+                if item.WhichOneof("source") == "content_hash"]
+        if keys and len(self.pending):
+            await self.pending.wait(keys, _PENDING_WAIT_S)
 
     def _pixels(self, index: int, item) -> PixelRange | None:
         """A Qwen-VL image's pixel range (its min/max_pixels within the model's); None for LLaVA."""
@@ -358,18 +389,27 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._check_salt(request.cache_salt)
         salt, owner = request.cache_salt, request.lease_owner
         checked = time.perf_counter()
-        items, videos = await self._inputs(request, salt)
+        await self._await_pending(request.images, salt)  # counted as decode: another call decodes it
+        pending = await self._register_files(request.images, salt)
+        try:
+            items, videos = await self._inputs(request, salt)
+        except BaseException:
+            self.pending.end(pending)
+            raise
         decoded = time.perf_counter()
         priority = PREFETCH if request.prefetch else DEMAND
         futures: list[cf.Future] = []
         handles: list[Handle] = []
         try:
             with self.worker.holding():
-                for i, (key, image) in enumerate(items):
-                    futures.append(self._acquire(i, key, image, True, priority, salt, owner,
-                                                 self._pixels(i, request.images[i])))
-                for i, (key, job) in enumerate(videos):  # refs: images first, then videos
-                    futures.append(self._acquire_video(i, key, job, True, priority, salt, owner))
+                try:
+                    for i, (key, image) in enumerate(items):
+                        futures.append(self._acquire(i, key, image, True, priority, salt, owner,
+                                                     self._pixels(i, request.images[i])))
+                    for i, (key, job) in enumerate(videos):  # refs: images first, then videos
+                        futures.append(self._acquire_video(i, key, job, True, priority, salt, owner))
+                finally:
+                    self.pending.end(pending)  # the entries exist: asks by hash find them now
             waiting = time.perf_counter()
             for n, fut in enumerate(futures):
                 try:
@@ -407,21 +447,29 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._check_open()
         self._check_count(request.images, request.videos)
         self._check_salt(request.cache_salt)
-        items, videos = await self._inputs(request, request.cache_salt)
-        accepted = 0
         salt = request.cache_salt
+        pending = await self._register_files(request.images, salt)
+        try:
+            items, videos = await self._inputs(request, salt)
+        except BaseException:
+            self.pending.end(pending)
+            raise
+        accepted = 0
         acquires = [(lambda i=i, key=key, image=image: self._acquire(
             i, key, image, False, PREFETCH, salt, "", self._pixels(i, request.images[i])))
             for i, (key, image) in enumerate(items)]
         acquires += [functools.partial(self._acquire_video, i, key, job, False, PREFETCH, salt)
                      for i, (key, job) in enumerate(videos)]
-        for acquire in acquires:
-            try:
-                acquire()
-            except ServiceError as exc:  # fire-and-forget: an input that cannot be cached is skipped
-                log.info("prefetch skipped: %s", exc.message)
-                continue
-            accepted += 1
+        try:
+            for acquire in acquires:
+                try:
+                    acquire()
+                except ServiceError as exc:  # fire-and-forget: an input that cannot be cached is skipped
+                    log.info("prefetch skipped: %s", exc.message)
+                    continue
+                accepted += 1
+        finally:
+            self.pending.end(pending)
         self.prefetches += accepted
         return encoder_pb2.PrefetchResponse(accepted=accepted)
 

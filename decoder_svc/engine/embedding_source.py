@@ -71,6 +71,7 @@ class EmbeddingRequest:
     prefetch: bool = False
     pixels: PixelRange | None = None  # Qwen2.5-VL: the pixel range to resize into (None: the model's)
     video: VideoSource | None = None  # set for a video (then `image` is None)
+    sent_ahead: bool = False  # the file is on its way to its encoder already (front end's send-ahead)
 
 
 class EmbeddingSource(ABC):

@@ -49,7 +49,8 @@ class ImageInputs:
             img.state = EmbeddingState.UNKNOWN  # released earlier (the same hash done before): ask again
         if img.state in (EmbeddingState.UNKNOWN, EmbeddingState.DONE, EmbeddingState.SKIPPED):
             self.source.request(EmbeddingRequest(rid, h, img.image, req.cache_salt, prefetch=False,
-                                                 pixels=img.pixels, video=img.video))
+                                                 pixels=img.pixels, video=img.video,
+                                                 sent_ahead=img.sent_ahead))
             img.state = EmbeddingState.PENDING
         if img.state == EmbeddingState.PENDING:
             status = self.source.poll(rid, h)
@@ -89,7 +90,8 @@ class ImageInputs:
             for img in req.images:
                 if img.state == EmbeddingState.UNKNOWN and img.end > hit:
                     asks.append(EmbeddingRequest(req.request_id, img.content_hash, img.image, req.cache_salt,
-                                                 prefetch=True, pixels=img.pixels, video=img.video))
+                                                 prefetch=True, pixels=img.pixels, video=img.video,
+                                                 sent_ahead=img.sent_ahead))
                     img.state = EmbeddingState.PENDING
         if asks:
             self.source.lookahead(asks)

@@ -58,6 +58,7 @@ class ImagePlaceholder:
     row_offset: int = 0
     embedding_rows: int | None = None
     video: VideoSource | None = None  # what the encoder is sent for a video (None: an image)
+    sent_ahead: bool = False  # the front end sent the file to its encoder as the request arrived
 
     @property
     def total_rows(self) -> int:

@@ -14,7 +14,7 @@ from common.pb import common_pb2, encoder_pb2
 from common.transport.arena import TensorArena
 from common.video.timestamps import VideoTiming
 from decoder_svc.encoders.discovery import EncoderPool
-from decoder_svc.encoders.grid_lookup import GridLookup
+from decoder_svc.encoders.front_link import FrontEndLink
 from encoder_svc.cache import EmbeddingCache, EntryKindError
 
 VIDEO_KEY, IMAGE_KEY = "v" * 64, "i" * 64
@@ -49,7 +49,7 @@ class _LookupStub:
 
 
 def test_the_grid_lookup_for_an_image_leaves_a_video_out(monkeypatch) -> None:
-    lookup = GridLookup(EncoderPool(["127.0.0.1:1"]))
+    lookup = FrontEndLink(EncoderPool(["127.0.0.1:1"]))
     monkeypatch.setattr(lookup, "_stub", lambda encoder: _LookupStub())
     try:
         assert lookup.lookup([VIDEO_KEY, IMAGE_KEY]) == {IMAGE_KEY: (1, 4, 4)}

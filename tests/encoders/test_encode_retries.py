@@ -7,9 +7,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from common.pb import common_pb2
 from decoder_svc.encoders import remote_source
-from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
+from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy, _by_hash
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from tests.encoders.fake_calls import FakeMethod
 
@@ -104,7 +103,7 @@ def _refused_pauses(monkeypatch, seed: int) -> tuple[list[float], int]:
     req = EmbeddingRequest("r1", "ab" * 32, None)
     try:
         with pytest.raises(grpc.RpcError):
-            source._call_encode("127.0.0.1:1", req, common_pb2.ImageInput(content_hash="ab" * 32), [],
+            source._call_encode("127.0.0.1:1", req, _by_hash(req), [],
                                 deadline=clock.now + policy.total_timeout_s)
     finally:
         source.close()

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from common.client import DecoderClient
+from common.client import DecoderClient, EncoderClient
 from tests.integration.conftest import png
 
 PROMPT_1 = "USER: <image>\nWhat is in this picture? ASSISTANT:"
@@ -287,3 +287,17 @@ def test_ttft_split_is_exported_and_adds_up(pair, test_images):
     assert cold["encode"] > 0 and cold["prefill"] > 0 and cold["input"] > 0, (cold, warm)
     for split, latency in ((cold, latencies[0]), (warm, latencies[1])):
         assert min(split.values()) >= 0 and 0 < sum(split.values()) <= latency
+
+
+def test_a_new_file_is_sent_ahead_and_encoded_once(pair, test_images):
+    """The front end sends a new file to its encoder as its request arrives (a Prefetch); the engine's
+    ask by hash then joins that work: the tower runs once, and a repeat sends nothing ahead."""
+    with EncoderClient(pair.encoder.address, timeout=30) as encoder, \
+            DecoderClient(pair.decoder.address, timeout=60) as decoder:
+        before = encoder.stats()
+        for _ in range(2):
+            result = decoder.generate_text(PROMPT_1, [png(test_images[2])], max_tokens=2, cache_salt="ahead")
+            assert result.token_ids
+        after = encoder.stats()
+    assert after.prefetches - before.prefetches == 1
+    assert after.encodes - before.encodes == 1 and after.misses - before.misses == 1

@@ -1,11 +1,19 @@
-"""The grids of hash-only images, asked of the encoders: how the decoder's front end tokenizes a Qwen2.5-VL
-image it has no bytes of and has not hashed itself (its token count depends on the image's size).
+"""The decoder front end's own calls to the encoders (the engine core makes the embedding fetches).
+
+- `lookup`: the grids of hash-only images: how the front end tokenizes a Qwen-VL image it has no bytes
+  of and has not hashed itself (its token count depends on the image's size). Best effort: an
+  unreachable encoder, an absent entry or a video's entry (a video's hash given for an image) leaves the
+  hash out of the answer, and the input processor then refuses the image with INVALID_ARGUMENT, asking
+  for its bytes.
+- `send_ahead`: a new image file goes to its encoder the moment its request arrives (a Prefetch with its
+  bytes), so that the encoder decodes it and runs the tower while the request is tokenized, crosses to
+  the engine core and is scheduled; the core's ask by hash then joins that work (the encoder makes a
+  hash-only ask wait for a file it is decoding: encoder_svc/pending_files.py) instead of answering
+  NOT_FOUND and having the core send the same megabytes again. Fire and forget: a failure changes
+  nothing but the time (the core sends the bytes as before).
 
 Each hash goes to the encoder that owns it on the same consistent-hash ring the embedding fetches use,
-as one Lookup per encoder, under the request's cache salt (an entry made under another salt answers
-nothing). Best effort: an unreachable encoder, an absent entry or a video's entry (a video's hash given
-for an image) leaves the hash out of the answer, and the input processor then refuses the image with
-INVALID_ARGUMENT, asking for its bytes.
+under the request's cache salt (an entry made under another salt answers nothing).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -24,11 +33,21 @@ from common.security.identity import tenant_of_salt
 from common.security.tls import ClientTls, open_channel
 from decoder_svc.encoders.discovery import EncoderPool, NoEncoderError
 
-log = logging.getLogger("mmserve.decoder.grids")
+log = logging.getLogger("mmserve.decoder.front_link")
 
 
-class GridLookup:
-    """Lookup RPCs to the encoders for the grids of content hashes (thread-safe)."""
+@dataclass(frozen=True)
+class FileAhead:
+    """An image file to send ahead: its content hash, bytes and (Qwen-VL) pixel range."""
+
+    content_hash: str
+    data: bytes
+    min_pixels: int = 0
+    max_pixels: int = 0
+
+
+class FrontEndLink:
+    """Lookup and send-ahead Prefetch RPCs from the decoder's front end to the encoders (thread-safe)."""
 
     def __init__(self, pool: EncoderPool, tls: ClientTls | None = None, token: str | None = None,
                  timeout_s: float = 5.0) -> None:
@@ -72,8 +91,30 @@ class GridLookup:
                     out[h] = (int(grid.thw[0]), int(grid.thw[1]), int(grid.thw[2]))
         return out
 
+    def send_ahead(self, files: Sequence[FileAhead], cache_salt: str = "") -> int:
+        """Send each file to its owning encoder as a Prefetch, without waiting for the answers; returns
+        how many were sent (none while no encoder is known)."""
+        metadata = auth_metadata(self._token, tenant_of_salt(cache_salt))
+        sent = 0
+        for f in files:
+            try:
+                encoder = self.pool.route(f.content_hash)
+            except NoEncoderError:
+                return sent
+            request = encoder_pb2.PrefetchRequest(cache_salt=cache_salt)
+            request.images.add(data=f.data, min_pixels=f.min_pixels, max_pixels=f.max_pixels)  # no copy
+            call = self._stub(encoder).Prefetch.future(request, timeout=self.timeout_s * 6, metadata=metadata)
+            call.add_done_callback(_log_failure)
+            sent += 1
+        return sent
+
     def close(self) -> None:
         """Close the channels and the pool's background work."""
         self.pool.close()
         for channel in self._channels:
             channel.close()
+
+
+def _log_failure(call: grpc.Future) -> None:
+    if not call.cancelled() and call.exception() is not None:
+        log.debug("send-ahead prefetch: %s", call.exception().code().name)

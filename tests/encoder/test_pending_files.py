@@ -1,0 +1,93 @@
+"""A file sent ahead (a Prefetch with its bytes) and asked for by hash while it is still being decoded:
+the ask waits for it instead of answering NOT_FOUND (encoder_svc/pending_files.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+import encoder_svc.server as server_module
+from common.hashing import hash_image_file
+from common.pb import common_pb2, encoder_pb2
+from encoder_svc.pending_files import PendingFiles
+from encoder_svc.server import EncoderConfig
+from tests.encoder.conftest import EncoderHarness, image_bytes
+
+SLOW_DECODE_S = 0.6
+
+
+@pytest.fixture
+def slow_encoder(tiny_model_dir, monkeypatch):
+    """An encoder decoding in threads, each file taking SLOW_DECODE_S longer."""
+    real = server_module.decode_and_hash
+
+    def slow(*args, **kwargs):
+        time.sleep(SLOW_DECODE_S)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(server_module, "decode_and_hash", slow)
+    harness = EncoderHarness(EncoderConfig(model=tiny_model_dir, cache_bytes=1 << 20, decode_processes=0))
+    yield harness
+    harness.close()
+
+
+def _by_hash(key: str, salt: str) -> encoder_pb2.EncodeRequest:
+    return encoder_pb2.EncodeRequest(images=[common_pb2.ImageInput(content_hash=key)], cache_salt=salt,
+                                     accept=[common_pb2.TRANSPORT_INLINE])
+
+
+def test_an_ask_by_hash_waits_for_the_file_being_decoded(slow_encoder):
+    data = image_bytes(901)
+    key = hash_image_file(data, slow_encoder.servicer.vision.fingerprint, "ahead")
+    with pytest.raises(grpc.RpcError) as err:  # nothing sent ahead: NOT_FOUND at once
+        slow_encoder.stub.Encode(_by_hash(key, "ahead"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    ahead = slow_encoder.stub.Prefetch.future(encoder_pb2.PrefetchRequest(
+        images=[common_pb2.ImageInput(data=data)], cache_salt="ahead"), timeout=30)
+    time.sleep(SLOW_DECODE_S / 3)  # the Prefetch is decoding now
+    reply = slow_encoder.stub.Encode(_by_hash(key, "ahead"), timeout=30)
+    assert reply.embeddings[0].content_hash == key and reply.embeddings[0].inline_data
+    assert ahead.result().accepted == 1
+    other_tenant = _by_hash(key, "someone-else")  # waits for nothing of another salt
+    with pytest.raises(grpc.RpcError) as err:
+        slow_encoder.stub.Encode(other_tenant, timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert len(slow_encoder.servicer.pending) == 0
+
+
+def test_a_file_that_fails_to_decode_releases_its_waiters(slow_encoder):
+    bad = b"\x89PNG\r\n\x1a\n" + b"\0" * 64  # a PNG signature, then nothing valid
+    key = hash_image_file(bad, slow_encoder.servicer.vision.fingerprint, "")
+    ahead = slow_encoder.stub.Prefetch.future(encoder_pb2.PrefetchRequest(
+        images=[common_pb2.ImageInput(data=bad)]), timeout=30)
+    time.sleep(SLOW_DECODE_S / 3)
+    with pytest.raises(grpc.RpcError) as err:
+        slow_encoder.stub.Encode(_by_hash(key, ""), timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND  # after the failed decode, not hanging
+    with pytest.raises(grpc.RpcError):
+        ahead.result()
+    assert len(slow_encoder.servicer.pending) == 0
+
+
+def test_pending_counts_each_registration_and_bounds_the_wait():
+    async def run() -> None:
+        pending = PendingFiles()
+        first, second = pending.begin([("s", "k")]), pending.begin([("s", "k")])
+        waiter = asyncio.ensure_future(pending.wait([("s", "k")], timeout=5))
+        pending.end(first)
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # one registration still holds it
+        pending.end(second)
+        await asyncio.wait_for(waiter, 1)
+        pending.end(second)  # emptied: idempotent
+        held = pending.begin([("s", "k2")])
+        started = time.monotonic()
+        await pending.wait([("s", "k2")], timeout=0.05)  # bounded
+        assert time.monotonic() - started < 1
+        pending.end(held)
+        assert len(pending) == 0
+
+    asyncio.run(run())
