@@ -213,6 +213,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         big = sum(len(item.data) for _, item in data) >= _HASH_IN_THREAD_BYTES
         return self.pending.begin(await asyncio.to_thread(keys) if big else keys())
 
+    async def _registered_inputs(self, request, salt: str) -> tuple[list, list, list]:
+        """_inputs with the request's files registered as pending first: (what `pending.end` takes once
+        their entries exist, images, videos); a failure ends the registration itself."""
+        pending = await self._register_files(request.images, salt)
+        try:
+            items, videos = await self._inputs(request, salt)
+        except BaseException:
+            self.pending.end(pending)
+            raise
+        return pending, items, videos
+
     async def _await_pending(self, images, salt: str) -> None:
         """A hash-only image whose file is being decoded here waits until its entry exists."""
         keys = [(salt, item.content_hash.lower()) for item in images
@@ -390,12 +401,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         salt, owner = request.cache_salt, request.lease_owner
         checked = time.perf_counter()
         await self._await_pending(request.images, salt)  # counted as decode: another call decodes it
-        pending = await self._register_files(request.images, salt)
-        try:
-            items, videos = await self._inputs(request, salt)
-        except BaseException:
-            self.pending.end(pending)
-            raise
+        pending, items, videos = await self._registered_inputs(request, salt)
         decoded = time.perf_counter()
         priority = PREFETCH if request.prefetch else DEMAND
         futures: list[cf.Future] = []
@@ -448,12 +454,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._check_count(request.images, request.videos)
         self._check_salt(request.cache_salt)
         salt = request.cache_salt
-        pending = await self._register_files(request.images, salt)
-        try:
-            items, videos = await self._inputs(request, salt)
-        except BaseException:
-            self.pending.end(pending)
-            raise
+        pending, items, videos = await self._registered_inputs(request, salt)
         accepted = 0
         acquires = [(lambda i=i, key=key, image=image: self._acquire(
             i, key, image, False, PREFETCH, salt, "", self._pixels(i, request.images[i])))

@@ -7,9 +7,8 @@ import pickle
 import pytest
 
 from common.images import encode_png
-from common.stage_totals import StageTotals
 from decoder_svc.engine.sampling_params import SamplingParams
-from decoder_svc.engine.ttft_stages import STAGES, RequestTimes, split_ttft
+from decoder_svc.engine.ttft_stages import RequestTimes, split_ttft
 
 ONE = "USER: <image>\nWhat is this? ASSISTANT:"
 
@@ -37,14 +36,6 @@ def test_the_latest_image_is_the_one_waited_for():
     for t in (3.0, 5.0, 4.0):
         times.note_image_ready(t)
     assert times.images_ready == 5.0
-
-
-def test_totals_count_calls_and_sum_stages():
-    totals = StageTotals(STAGES)
-    totals.add(dict.fromkeys(STAGES, 0.25))
-    totals.add(dict.fromkeys(STAGES, 0.5))
-    seconds, calls = totals.snapshot()
-    assert calls == 2 and seconds == dict.fromkeys(STAGES, 0.75)
 
 
 def test_the_engine_stamps_a_request_up_to_its_first_token(make_engine, images):
