@@ -8,6 +8,9 @@
 #                   --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
 #                   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
 #                   --build-arg EXTRAS=gpu .
+# NIXL (embeddings across hosts, `mmserve encoder --nixl`): add the extra, e.g.
+#                 docker build -t mmserve:cpu-nixl --build-arg EXTRAS=nixl .   (GPU: EXTRAS=gpu,nixl)
+#                 Off by default; docker-compose.nixl.yml builds this tag.
 #
 # The base needs python3 >= 3.10 with venv; one without python3 (the CUDA images) gets it from apt
 # (online builds only: an offline GPU build needs a base that already has python3 and python3-venv).
@@ -23,7 +26,8 @@ ARG OFFLINE=0
 # Pin torch: a bare `torch` from PyPI is the multi-GB CUDA build.
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# pyproject extras: "gpu" adds cupy-cuda12x. EXTRA_PIP: more requirements, e.g. "cupy-cuda13x" for a
+# pyproject extras, comma-separated: "gpu" adds cupy-cuda12x, "nixl" nixl-cu12 (the NIXL transport; CUDA 13:
+# "nixl-cu13"). EXTRA_PIP: more requirements, e.g. "cupy-cuda13x" for a
 # CUDA 13 build (with EXTRAS empty).
 ARG EXTRAS=
 ARG EXTRA_PIP=

@@ -15,6 +15,7 @@
 #   PY_VERSION       target python (default 3.11: python:3.11-slim and Debian bookworm)
 #   PLATFORM         target arch (default x86_64)
 #   PIP              pip command (default: python3 -m pip)
+#   MORE_EXTRAS      more pyproject extras, comma-separated, e.g. nixl (for an image built with EXTRAS=nixl)
 # Wheels are fetched for the target (cp$PY_VERSION, manylinux glibc <= 2.36), not for this host,
 # so the host may run another Python. Everything is a wheel: no compiler is needed in the image.
 set -euo pipefail
@@ -34,6 +35,7 @@ else
     TORCH_INDEX_URL="${TORCH_INDEX_URL:-}"
     EXTRAS=""
 fi
+EXTRAS="$EXTRAS${MORE_EXTRAS:+,$MORE_EXTRAS}"
 mkdir -p "$WHEELHOUSE"
 
 # The project's runtime requirements, read from pyproject.toml (torch is pinned separately).

@@ -36,7 +36,10 @@ VERSIONS = ["1.30.0", "1.32.0", "1.34.0", kubernetes_validate.latest_version() +
 # pair-gpu shares one GPU through Dynamic Resource Allocation, whose v1 API (ResourceClaimTemplate,
 # PodSpec.resourceClaims[].resourceClaimTemplateName) exists from Kubernetes 1.34 on.
 MIN_VERSION = {"pair-gpu": (1, 34)}
-GPU_OVERLAYS = {"pair-gpu", "pair-gpu-single", "pools-gpu", "pools-gpu-tp2"}
+GPU_OVERLAYS = {"pair-gpu", "pair-gpu-single", "pools-gpu", "pools-gpu-tp2", "pools-gpu-nixl"}
+# Pools whose decoders READ embeddings from the encoders over NIXL (components/nixl), on an image built with
+# the nixl extra (mmserve:cpu-nixl, mmserve:gpu-nixl).
+NIXL_OVERLAYS = {"pools-cpu-nixl", "pools-gpu-nixl"}
 SERVICES = {"encoder": encoder_parser, "decoder": decoder_parser}
 GRPC_GRACE_S = 5  # GrpcService.wait: in-flight RPCs get this long after the drain and shutdown
 
@@ -72,7 +75,14 @@ def is_gateway(d: dict) -> bool:
 
 
 def test_every_overlay_is_found():
-    assert {"pair-cpu", "pair-gpu", "pools-cpu", "pools-gpu", "pools-gpu-tp2"} <= set(OVERLAYS)
+    known = {"pair-cpu", "pair-gpu", "pools-cpu", "pools-gpu", "pools-gpu-tp2", *NIXL_OVERLAYS}
+    assert known <= set(OVERLAYS)
+
+
+def image_of(name: str) -> str:
+    """The image an overlay's mmserve containers run."""
+    image = "mmserve:gpu" if name in GPU_OVERLAYS else "mmserve:cpu"
+    return image + "-nixl" if name in NIXL_OVERLAYS else image
 
 
 def test_every_object_validates_against_the_kubernetes_schemas(overlay):
@@ -120,7 +130,7 @@ def test_flags_images_and_ports_match_the_cli(overlay, tiny_model_dir):
                 parse_dns_target(spec)  # the check main() makes
         named = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert parsed.metrics_port in named.values()
-        assert c["image"] == ("mmserve:gpu" if overlay.name in GPU_OVERLAYS else "mmserve:cpu")
+        assert c["image"] == image_of(overlay.name)
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         assert mounts["/models"] == "models"
         assert {"/etc/mmserve/tls", "/etc/mmserve/auth"} <= set(mounts)  # the Secrets' places
@@ -278,3 +288,66 @@ def test_the_tensor_parallel_decoder_has_a_gpu_per_rank_and_shared_memory(tiny_m
     encoder = container(r.get("Deployment", "mmserve-encoder"), "encoder")
     assert "--tensor-parallel-size" not in expanded_args(r, encoder)
     assert encoder["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    low, high = (int(x) for x in text.split("-"))
+    return low, high
+
+
+def test_nixl_only_where_an_overlay_asks_for_it(overlay, tiny_model_dir):
+    """Encoders offer NIXL (with a private arena) exactly in the NIXL overlays; elsewhere nothing changed."""
+    for _, c, service in mmserve_containers(overlay):
+        args = expanded_args(overlay, c)
+        args[args.index("--model") + 1] = str(tiny_model_dir)
+        parsed = SERVICES[service]().parse_args(args[1:])
+        if service == "encoder":
+            assert parsed.nixl is (overlay.name in NIXL_OVERLAYS), (overlay.name, args)
+            assert parsed.arena == ("private" if overlay.name in NIXL_OVERLAYS else "auto")
+    if overlay.name not in NIXL_OVERLAYS:
+        assert not [k for k in overlay.config() if k.startswith("UCX_")]
+
+
+@pytest.fixture(scope="module", params=sorted(NIXL_OVERLAYS))
+def nixl_overlay(request) -> Rendered:
+    return Rendered(request.param, render(K8S / "overlays" / request.param))
+
+
+def test_nixl_pools_read_across_pods_over_ucx(nixl_overlay, tiny_model_dir):
+    r = nixl_overlay
+    encoder_d, decoder_d = r.get("Deployment", "mmserve-encoder"), r.get("Deployment", "mmserve-decoder")
+    encoder, decoder = container(encoder_d, "encoder"), container(decoder_d, "decoder")
+    args = expanded_args(r, encoder)
+    args[args.index("--model") + 1] = str(tiny_model_dir)
+    parsed = encoder_parser().parse_args(args[1:])
+    assert parsed.nixl is True and parsed.arena == "private"
+    for d in (encoder_d, decoder_d, r.get("Deployment", "mmserve-gateway")):
+        for c in [*pod_spec(d)["containers"], *pod_spec(d).get("initContainers", [])]:
+            assert c["image"] == image_of(r.name), (r.name, c["name"])  # one image, with the nixl extra
+    # Separate Pods, as on separate hosts: no node namespaces, no shared process namespace.
+    for d in (encoder_d, decoder_d):
+        spec = pod_spec(d)
+        for key in ("hostIPC", "hostPID", "hostNetwork", "shareProcessNamespace"):
+            assert not spec.get(key), (r.name, d["metadata"]["name"], key)
+    # UCX: what the docs say, read by both services (mmserve-config).
+    for c in (encoder, decoder):
+        env = environment(r, c)
+        assert env["UCX_TLS"] == ("tcp,cuda_copy" if r.name in GPU_OVERLAYS else "tcp")
+        low, high = _port_range(env["UCX_TCP_PORT_RANGE"])
+        assert 1024 < low < high < 32768  # below Linux's ephemeral ports: no clash with outgoing ones
+    # The encoders' NetworkPolicy opens exactly that range, to decoder Pods only.
+    (policy,) = [p for p in r.of_kind("NetworkPolicy") if p["metadata"]["name"] == "mmserve-encoder"]
+    decoders = {"app.kubernetes.io/name": "mmserve", "app.kubernetes.io/component": "decoder"}
+    ucx = [rule for rule in policy["spec"]["ingress"] for port in rule["ports"] if port.get("endPort")]
+    assert len(ucx) == 1
+    (port,) = ucx[0]["ports"]
+    assert (port["port"], port["endPort"]) == _port_range(environment(r, encoder)["UCX_TCP_PORT_RANGE"])
+    assert port["protocol"] == "TCP" and ucx[0]["from"] == [{"podSelector": {"matchLabels": decoders}}]
+    # Encoders keep away from decoder nodes where they can.
+    anti = pod_spec(encoder_d)["affinity"]["podAntiAffinity"]
+    (term,) = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == decoders
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    if r.name in GPU_OVERLAYS:  # encoder pools on nodes of their own
+        assert pod_spec(encoder_d)["nodeSelector"] == {"mmserve.io/pool": "encoder"}
+        assert pod_spec(decoder_d)["nodeSelector"] == {"mmserve.io/pool": "decoder"}
