@@ -114,11 +114,16 @@ class ImageInputs:
 
     # -- giving images back ----------------------------------------------------------------------
     def skip_cached(self, req: Request, hit: int) -> None:
-        """Images whose whole span is in the first `hit` tokens (cached KV) are never needed."""
+        """Images whose whole span is in the first `hit` tokens (cached KV) are never needed. Their
+        embedding goes back unless another copy of the same image in the prompt still needs it (the
+        copies share one key: giving it back would take the rows from under a copy the scheduler has just
+        found ready)."""
+        still_needed = {img.content_hash for img in req.images if img.end > hit}
         for img in req.images:
             if img.end > hit:
                 continue
-            if img.state in (EmbeddingState.PENDING, EmbeddingState.READY):
+            if (img.state in (EmbeddingState.PENDING, EmbeddingState.READY)
+                    and img.content_hash not in still_needed):
                 self._give_back(req, img.content_hash)
             if img.state != EmbeddingState.SKIPPED and not img.row_offset:  # a video counts once
                 self.counters.images_skipped_by_kv_reuse += 1
