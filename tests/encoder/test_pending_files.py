@@ -4,6 +4,7 @@ the ask waits for it instead of answering NOT_FOUND (encoder_svc/pending_files.p
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -16,22 +17,32 @@ from encoder_svc.pending_files import PendingFiles
 from encoder_svc.server import EncoderConfig
 from tests.encoder.conftest import EncoderHarness, image_bytes
 
-SLOW_DECODE_S = 0.6
+GATE = threading.Event()  # the encoder's decodes wait for it: the test decides when a decode ends
 
 
 @pytest.fixture
 def slow_encoder(tiny_model_dir, monkeypatch):
-    """An encoder decoding in threads, each file taking SLOW_DECODE_S longer."""
+    """An encoder decoding in threads, each decode held until GATE is set."""
     real = server_module.decode_and_hash
 
-    def slow(*args, **kwargs):
-        time.sleep(SLOW_DECODE_S)
+    def gated(*args, **kwargs):
+        GATE.wait(30)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(server_module, "decode_and_hash", slow)
+    GATE.clear()
+    monkeypatch.setattr(server_module, "decode_and_hash", gated)
     harness = EncoderHarness(EncoderConfig(model=tiny_model_dir, cache_bytes=1 << 20, decode_processes=0))
     yield harness
+    GATE.set()
     harness.close()
+
+
+def _until_pending(encoder: EncoderHarness) -> None:
+    """Wait until the encoder has registered a file as being decoded (the Prefetch arrived)."""
+    deadline = time.monotonic() + 30
+    while not len(encoder.servicer.pending):
+        assert time.monotonic() < deadline, "the Prefetch never registered its file"
+        time.sleep(0.01)
 
 
 def _by_hash(key: str, salt: str) -> encoder_pb2.EncodeRequest:
@@ -46,12 +57,14 @@ def test_an_ask_by_hash_waits_for_the_file_being_decoded(slow_encoder):
         slow_encoder.stub.Encode(_by_hash(key, "ahead"), timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     ahead = slow_encoder.stub.Prefetch.future(encoder_pb2.PrefetchRequest(
-        images=[common_pb2.ImageInput(data=data)], cache_salt="ahead"), timeout=30)
-    time.sleep(SLOW_DECODE_S / 3)  # the Prefetch is decoding now
-    reply = slow_encoder.stub.Encode(_by_hash(key, "ahead"), timeout=30)
+        images=[common_pb2.ImageInput(data=data)], cache_salt="ahead"), timeout=60)
+    _until_pending(slow_encoder)  # the Prefetch is decoding now
+    asked = slow_encoder.stub.Encode.future(_by_hash(key, "ahead"), timeout=60)
+    threading.Timer(0.3, GATE.set).start()  # the decode ends while the ask waits (or before it arrives)
+    reply = asked.result()
     assert reply.embeddings[0].content_hash == key and reply.embeddings[0].inline_data
     assert ahead.result().accepted == 1
-    other_tenant = _by_hash(key, "someone-else")  # waits for nothing of another salt
+    other_tenant = _by_hash(key, "someone-else")  # nothing of another salt: NOT_FOUND
     with pytest.raises(grpc.RpcError) as err:
         slow_encoder.stub.Encode(other_tenant, timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -62,10 +75,12 @@ def test_a_file_that_fails_to_decode_releases_its_waiters(slow_encoder):
     bad = b"\x89PNG\r\n\x1a\n" + b"\0" * 64  # a PNG signature, then nothing valid
     key = hash_image_file(bad, slow_encoder.servicer.vision.fingerprint, "")
     ahead = slow_encoder.stub.Prefetch.future(encoder_pb2.PrefetchRequest(
-        images=[common_pb2.ImageInput(data=bad)]), timeout=30)
-    time.sleep(SLOW_DECODE_S / 3)
+        images=[common_pb2.ImageInput(data=bad)]), timeout=60)
+    _until_pending(slow_encoder)
+    asked = slow_encoder.stub.Encode.future(_by_hash(key, ""), timeout=60)
+    threading.Timer(0.3, GATE.set).start()
     with pytest.raises(grpc.RpcError) as err:
-        slow_encoder.stub.Encode(_by_hash(key, ""), timeout=30)
+        asked.result()
     assert err.value.code() == grpc.StatusCode.NOT_FOUND  # after the failed decode, not hanging
     with pytest.raises(grpc.RpcError):
         ahead.result()
