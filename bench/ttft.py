@@ -29,6 +29,7 @@ from google.protobuf.json_format import MessageToDict
 
 from bench.report import save_result
 from bench.services import Pair
+from bench.step_trace import read_trace, summarize
 from bench.svcstats import stage_split
 from bench.workload import PromptMaker, random_png, random_words
 from common.checkpoint import load_config
@@ -155,7 +156,9 @@ def burst(probe: Probe, pair: Pair, args: argparse.Namespace, words: PromptMaker
     jobs = [(words.image_prompt(random_words(words.rng, args.burst_words)),
              random_png(20_000 + i, args.image_size)) for i in range(args.concurrency)]
     before = probe.snapshot()
+    since = time.monotonic()
     ttfts, wall = asyncio.run(_burst(pair.decoder.address, jobs, args.burst_tokens))
+    until = time.monotonic()
     after = probe.snapshot()
     split = split_between(before, after)
     prompt_tokens = int(after["decoder"].get("prefix_cache_queried_tokens", 0)) - int(
@@ -172,7 +175,13 @@ def burst(probe: Probe, pair: Pair, args: argparse.Namespace, words: PromptMaker
             "roofline_ms": ms(roofline),
             "roofline_parts_ms": {"tower_gpu": ms(tower_s), "prefill": ms(prefill_s), "decode": ms(decode_s)},
             "wall_over_roofline": round(wall / roofline, 2) if roofline else None,
-            "split_ms": split["decoder"], "encoder_split_ms": split["encoder"]}
+            "split_ms": split["decoder"], "encoder_split_ms": split["encoder"],
+            "engine_steps": summarize(read_trace(trace_path(pair), since, until), since, until)}
+
+
+def trace_path(pair: Pair) -> Path:
+    """Where the decoder's engine core writes its step trace (--step-trace, set by main)."""
+    return Path(pair.logs) / "decoder-steps.jsonl"
 
 
 def lm_weight_bytes(model: str, dtype: str) -> int:
@@ -239,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"model": load_config(args.model).get("model_type")}
     pair = Pair(args.model, args.device, args.dtype, args.encoder_args.split(), args.decoder_args.split(),
                 args.logs)
+    pair.decoder.argv += ["--step-trace", str(trace_path(pair))]
     pair.start()
     try:
         probe = Probe(pair)

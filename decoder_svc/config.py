@@ -59,6 +59,9 @@ class DecoderConfig:
     drain_timeout_s: float = option(
         30.0, "on SIGTERM, seconds in-flight streams may take to finish (new ones get UNAVAILABLE)",
         flag="--drain-timeout", type=positive_float)
+    step_trace: str | None = option(
+        None, "append one JSON line per engine step to FILE (start, seconds, tokens, queue lengths, "
+        "commands handled before it): for profiling, decoder_svc/step_trace.py", metavar="FILE")
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -21,6 +21,7 @@ from common.errors import UnavailableError
 from common.security.options import ClientSecurity
 from decoder_svc import core_protocol as msg
 from decoder_svc.config import DecoderConfig
+from decoder_svc.core_pipe import MessageReader
 from decoder_svc.engine.following_bytes import detach_files
 from decoder_svc.engine.output_processor import RequestOutput
 from decoder_svc.engine.request import Request
@@ -193,9 +194,10 @@ class EngineCoreClient:
 
     def _read(self) -> None:
         reason = "the engine core exited"
+        reader = MessageReader(self._conn)
         try:
             while True:
-                message = self._conn.recv()
+                message = reader.recv()
                 if isinstance(message, msg.StepOutputs):
                     self._deliver(message.outputs)
                     if self._on_step is not None:
@@ -210,6 +212,8 @@ class EngineCoreClient:
                 return
             self._process.join(5)
             reason = f"the engine core exited with code {self._process.exitcode}"
+        finally:
+            reader.close()
         self.error = reason
         log.error("engine core failed: %s", reason)
         self.fail_open_streams(f"engine failed: {reason}")

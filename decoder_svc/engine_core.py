@@ -28,11 +28,13 @@ from common.security.options import ClientSecurity
 from common.server import configure_logging
 from decoder_svc import core_protocol as msg
 from decoder_svc.config import DecoderConfig
+from decoder_svc.core_pipe import MessageReader
 from decoder_svc.engine.config import EngineConfig
 from decoder_svc.engine.engine import LLMEngine
 from decoder_svc.engine.following_bytes import FollowingBytes, awaiting_files
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
 from decoder_svc.stats import DecoderStats
+from decoder_svc.step_trace import StepRecord, StepTrace, now
 
 log = logging.getLogger("mmserve.decoder.core")
 
@@ -113,9 +115,12 @@ class EngineCore:
     that arrived during a step is handled before the next one.
     """
 
-    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
+    def __init__(self, engine: LLMEngine, conn: Connection, trace: StepTrace | None = None) -> None:
         self.engine = engine
         self.conn = conn
+        self.trace = trace
+        self._commands = 0  # handled since the last step (the trace's)
+        self._idle = 0.0  # seconds waited for work since the last step (the trace's)
         self._closed = False
         self.wakeup = Wakeup()
         engine.source.on_change = self.wakeup.set
@@ -126,15 +131,17 @@ class EngineCore:
         """The reader thread: every message into the inbox, then a poke of the loop; a request's image
         files go straight into its placeholders (they come right after it)."""
         awaiting: dict[str, list[FollowingBytes]] = {}
+        reader = MessageReader(self.conn)
         try:
             while True:
-                message = self.conn.recv()
+                message = reader.recv()
                 if isinstance(message, msg.ImageBytes):
                     holders = awaiting.pop(message.request_id, [])
                     for holder, data in zip(holders, message.files, strict=False):
                         holder.set(data)
                     continue
                 if isinstance(message, msg.AddRequest):
+                    message.request.times.arrived = time.monotonic()
                     holders = awaiting_files(message.request.images)
                     if holders:
                         awaiting[message.request.request_id] = holders
@@ -145,6 +152,8 @@ class EngineCore:
         except (EOFError, OSError):
             self._inbox.put(_FrontEndGone())
             self.wakeup.set()
+        finally:
+            reader.close()
 
     def _call(self, call: msg.CoreCall) -> Any:
         engine = self.engine
@@ -159,8 +168,10 @@ class EngineCore:
 
     def _run_commands(self, timeout: float) -> None:
         """Wait up to timeout for a command or an embedding's arrival, then handle every command in."""
-        if self._inbox.empty():
+        if self._inbox.empty() and timeout > 0:
+            waited = now()
             wait([self.wakeup.reader], timeout)
+            self._idle += now() - waited
         self.wakeup.clear()  # before draining: a command put after this pokes the next wait
         while True:
             try:
@@ -172,6 +183,7 @@ class EngineCore:
             if isinstance(message, msg.Close):
                 self._closed = True
                 return
+            self._commands += 1
             try:
                 reply = msg.Reply(message.token, True, self._call(message))
             except Exception as exc:  # noqa: BLE001 - the caller's error (a duplicate id, a full queue)
@@ -191,11 +203,23 @@ class EngineCore:
             if self._closed or not engine.has_unfinished():
                 progressed = False
                 continue
-            started = time.perf_counter()
+            started = now()
             outputs = engine.step()
+            seconds = now() - started
             progressed = engine.last_step_num_tokens > 0 or bool(outputs)
             if outputs:
-                self.conn.send(msg.StepOutputs(outputs, time.perf_counter() - started))
+                self.conn.send(msg.StepOutputs(outputs, seconds))
+            if self.trace is not None:
+                self._trace_step(started, seconds, outputs)
+
+    def _trace_step(self, started: float, seconds: float, outputs: list) -> None:
+        shape, scheduler = self.engine.last_step, self.engine.scheduler
+        self.trace.write(StepRecord(
+            t=started, s=seconds, tokens=shape.num_tokens, prefill=shape.prefill_chunks,
+            decode=shape.decode_chunks, sampled=sum(o.times is not None for o in outputs),
+            running=len(scheduler.running), waiting=len(scheduler.waiting), commands=self._commands,
+            idle=self._idle))
+        self._commands, self._idle = 0, 0.0
 
 
 def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecurity) -> None:
@@ -221,11 +245,14 @@ def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecuri
         info = msg.CoreInfo(spec.num_blocks * spec.block_size, spec.num_blocks, spec.block_size)
         conn.send(msg.Ready(info))
         try:
-            core = EngineCore(engine, conn)
+            trace = StepTrace(config.step_trace) if config.step_trace else None
+            core = EngineCore(engine, conn, trace)
             try:
                 core.run()
             finally:
                 core.wakeup.close()
+                if trace is not None:
+                    trace.close()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             log.info("front end gone: engine core stopping")
         except BaseException as exc:

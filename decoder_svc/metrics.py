@@ -25,8 +25,9 @@ class DecoderMetrics:
                              buckets=_LATENCY_BUCKETS, **kw)
         self.requests = Counter("mmserve_decoder_requests", "Requests by how they ended", ["outcome"], **kw)
         self.ttft_stages = Histogram(
-            "mmserve_decoder_ttft_stage_seconds", "Time to first token per stage (input, submit, encode, "
-            "queue, prefill, output: they add up to the TTFT)", ["stage"], buckets=_STAGE_BUCKETS, **kw)
+            "mmserve_decoder_ttft_stage_seconds", "Time to first token per stage (input, submit, inbox, "
+            "encode, queue, prefill, output: they add up to the TTFT)", ["stage"], buckets=_STAGE_BUCKETS,
+            **kw)
         self._ttft_stages = {stage: self.ttft_stages.labels(stage=stage) for stage in STAGES}
         self.step_seconds = Histogram("mmserve_decoder_step_seconds", "Engine step time",
                                       buckets=_LATENCY_BUCKETS, **kw)

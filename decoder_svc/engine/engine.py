@@ -64,6 +64,15 @@ class EngineStats:
     requests_failed: int = stat("Requests ended by an error")
 
 
+@dataclass
+class StepShape:
+    """What the last step computed: tokens, and chunks of more than one token (prefill) or one (decode)."""
+
+    num_tokens: int = 0
+    prefill_chunks: int = 0
+    decode_chunks: int = 0
+
+
 class LLMEngine:
     """Continuous-batching generation over our paged-KV language model."""
 
@@ -106,7 +115,7 @@ class LLMEngine:
                             self.model_config.max_model_len),
             self.blocks, embedding_source)
         self.outputs = OutputProcessor(self.tokenizer.tokenizer, config.detokenize)
-        self.last_step_num_tokens = 0
+        self.last_step = StepShape()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; a single-device engine holds nothing)."""
@@ -172,7 +181,8 @@ class LLMEngine:
         """Run one batch; return the outputs of every request that produced tokens or ended."""
         started = time.monotonic()
         scheduled = self.scheduler.schedule()
-        self.last_step_num_tokens = scheduled.num_batched_tokens  # 0: every request waits (e.g. on images)
+        decodes = sum(c.num_tokens == 1 for c in scheduled.chunks)
+        self.last_step = StepShape(scheduled.num_batched_tokens, len(scheduled.chunks) - decodes, decodes)
         output = self._execute(scheduled)
         updates = self.scheduler.update_from_output(scheduled, output)
         ended = time.monotonic()
@@ -222,6 +232,11 @@ class LLMEngine:
             mrope_positions=req.mrope_positions, mrope_delta=req.mrope_delta)
 
     # -- introspection ---------------------------------------------------------------------------
+    @property
+    def last_step_num_tokens(self) -> int:
+        """Tokens the last step computed (0: every request waited, e.g. on images)."""
+        return self.last_step.num_tokens
+
     def reset_stats(self) -> None:
         """Zero the counters, not the caches (the service calls it after its warm-up request)."""
         self.scheduler.counters = type(self.scheduler.counters)()

@@ -285,6 +285,8 @@ def test_ttft_split_is_exported_and_adds_up(pair, test_images):
     assert [b.ttft_calls - a.ttft_calls for a, b in zip(snapshots, snapshots[1:], strict=False)] == [1, 1]
     assert set(snapshots[-1].ttft_stage_seconds) == set(STAGES)
     assert cold["encode"] > 0 and cold["prefill"] > 0 and cold["input"] > 0, (cold, warm)
+    assert cold["submit"] > 0 and warm["submit"] > 0, "the core's reader stamps a request's arrival"
+
     for split, latency in ((cold, latencies[0]), (warm, latencies[1])):
         assert min(split.values()) >= 0 and 0 < sum(split.values()) <= latency
 
