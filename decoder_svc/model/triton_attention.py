@@ -177,6 +177,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         BLOCK_D=triton.next_power_of_2(head_dim))
 
 
+def row_tiles(max_query_len: int, h_per_kv: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): query rows per program, and the tokens they are (times h_per_kv heads).
+    Decode-heavy batches use 16-row tiles (the smallest a tensor-core dot takes), prefill 64."""
+    block_m = 16 if max_query_len * h_per_kv <= 16 else 64
+    block_m = max(block_m, triton.next_power_of_2(h_per_kv))
+    return block_m, block_m // h_per_kv
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every query row [tokens, heads, head_dim] over its sequence's paged K/V.
@@ -191,10 +199,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     kv_heads = k_cache.shape[2]
     h_per_kv = num_heads // kv_heads
-    # Decode-heavy batches use 16-row tiles (the smallest a tensor-core dot takes), prefill 64.
-    block_m = 16 if meta.max_query_len * h_per_kv <= 16 else 64
-    block_m = max(block_m, triton.next_power_of_2(h_per_kv))
-    block_q = block_m // h_per_kv
+    block_m, block_q = row_tiles(meta.max_query_len, h_per_kv)
     block_d = triton.next_power_of_2(max(head_dim, 16))
     num_seqs = meta.num_seqs
     grid = (tokens // block_q + num_seqs, kv_heads, num_splits)
@@ -230,11 +235,18 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_sms = num_sms or 1
 
     def num_splits(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> int:
-        """Split the keys only for decode-only batches whose (sequence, KV head) programs fill less than
-        one wave of the GPU; 16 at most (one split per >= 64 keys of a 1k context)."""
-        if meta.max_query_len != 1:
-            return 1
-        programs = meta.num_seqs * kv_cache.shape[3]
+        """Split the keys when the batch's (query block, KV head) programs fill less than one wave of
+        the GPU: decode batches of few sequences, and short chunks over a long cached prefix (the last
+        tokens of a prompt after a prefix hit: without a split, a handful of programs would each walk
+        the whole prefix). 16 at most. A chunk's blocks are counted as if its tokens were one sequence:
+        the count must not depend on how a CUDA graph's padding is laid out."""
+        kv_heads = kv_cache.shape[3]
+        if meta.max_query_len == 1:
+            blocks = meta.num_seqs
+        else:
+            _, block_q = row_tiles(meta.max_query_len, q.shape[1] // kv_heads)
+            blocks = -(-q.shape[0] // block_q)
+        programs = blocks * kv_heads
         if programs >= self.num_sms:
             return 1
         return min(16, triton.next_power_of_2(-(-self.num_sms // programs)))

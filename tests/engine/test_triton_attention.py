@@ -62,8 +62,23 @@ def test_triton_equals_reference(case, splits):
     cache = kv_cache.clone()
     store_kv(k, v, cache, meta.slot_mapping)
     assert torch.equal(cache, ref_cache)  # the store wrote exactly the reference's slots
-    out = paged_attention(q, cache, meta, scale, num_splits=splits if max(query_lens) == 1 else 1)
+    out = paged_attention(q, cache, meta, scale, num_splits=splits)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_short_chunks_over_a_long_prefix_split_their_keys_and_big_batches_do_not():
+    from decoder_svc.model.triton_attention import TritonAttentionBackend
+
+    backend = TritonAttentionBackend(num_sms=132)
+    # Qwen2.5-VL-7B's heads: 28 query heads over 4 KV heads (64-row tiles of 9 tokens).
+    for query_lens, seq_lens, split in (([11], [1700], True),   # a prefix hit's last tokens
+                                        ([1], [1700], True),    # one decode
+                                        ([600], [600], False),  # a prompt chunk: enough programs
+                                        ([1] * 40, [100] * 40, False)):  # many decodes
+        q, _, _, cache, meta = random_batch(seq_lens, query_lens, 28, 4, 16, 16)
+        assert (backend.num_splits(q, cache, meta) > 1) == split, (query_lens, seq_lens)
+    q, _, _, cache, meta = random_batch([1700], [11], 28, 4, 16, 16)
+    assert backend.num_splits(q, cache, meta) == 16
 
 
 def test_padded_rows_are_skipped_and_zero():
@@ -78,3 +93,10 @@ def test_padded_rows_are_skipped_and_zero():
         out = paged_attention(q, cache, meta, 16 ** -0.5, num_splits=splits)
         assert torch.equal(out[2:], torch.zeros_like(out[2:]))
         assert torch.isfinite(out).all()
+    # A chunk padded like a CUDA graph's mixed step, its keys split.
+    q, k, v, kv_cache, meta = random_batch([40, 9], [7, 1], 4, 2, 16, 4, pad_seqs=3)
+    ref = TorchAttentionBackend().forward(q, k, v, kv_cache.clone(), meta, 0.25)
+    store_kv(k, v, kv_cache, meta.slot_mapping)
+    out = paged_attention(q, kv_cache, meta, 0.25, num_splits=4)
+    torch.testing.assert_close(out[:8], ref[:8], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[8:], torch.zeros_like(out[8:]))

@@ -38,7 +38,7 @@ def test_triton_matches_reference_on_gpu(shape, dtype, tol):
         cache = kv_cache.clone()
         store_kv(k, v, cache, meta.slot_mapping)
         assert torch.equal(cache, ref_cache)
-        splits = [1, 8] if max(query_lens) == 1 else [1]
+        splits = [1, 8]
         for n in splits:
             out = torch.full_like(q, float("nan"))  # poison: every row must be written
             paged_attention(q, cache, meta, dim ** -0.5, num_splits=n, out=out)
@@ -47,9 +47,11 @@ def test_triton_matches_reference_on_gpu(shape, dtype, tol):
             assert _rel(out[real], ref[real]) < tol, (n, _rel(out[real], ref[real]))
 
 
-def test_backend_splits_only_small_decode_batches():
+def test_backend_splits_only_batches_of_few_programs():
     backend = TritonAttentionBackend()
     q, _, _, cache, meta = random_batch([100], [1], 32, 32, 128, 16, device="cuda")
     assert backend.num_splits(q, cache, meta) > 1
-    q, _, _, cache, meta = random_batch([100, 50], [1, 3], 32, 32, 128, 16, device="cuda")
+    q, _, _, cache, meta = random_batch([1700], [11], 28, 4, 128, 16, device="cuda")
+    assert backend.num_splits(q, cache, meta) > 1  # a prefix hit's last tokens
+    q, _, _, cache, meta = random_batch([2000, 50], [1000, 3], 32, 32, 128, 16, device="cuda")
     assert backend.num_splits(q, cache, meta) == 1
