@@ -59,7 +59,9 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
     return lo - 1
 
 
-@triton.jit
+# num_seqs is not specialised: Triton would compile a variant for 1, for multiples of 16 and for the rest,
+# and the first eager step of 2-15 sequences (a burst's first mixed prefill) stalled ~1.2 s compiling.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_acc_ptr, part_ml_ptr, scale_log2, num_seqs,
