@@ -25,9 +25,12 @@ from common.qwen_layout import is_qwen_vl
 from common.video import VideoLimits, decode_video, video_patches, video_request_config
 from common.vision.qwen_encoder import QwenPrepared, make_vision_encoder, takes_pixel_ranges
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState, VideoSource
+from decoder_svc.engine.following_bytes import FollowingBytes
 
 if TYPE_CHECKING:
     from decoder_svc.engine.config import EngineConfig
+
+_FOLLOWING_BYTES_TIMEOUT_S = 30.0  # a file that follows its request: the front end sends it right after
 
 
 class LocalEmbeddingSource(EmbeddingSource):
@@ -72,7 +75,10 @@ class LocalEmbeddingSource(EmbeddingSource):
             if req.video is not None:
                 emb = self._encode_video(req.video)
             else:
-                image = decode_image(req.image) if isinstance(req.image, bytes) else req.image.convert("RGB")
+                image = req.image
+                if isinstance(image, FollowingBytes):  # behind its request on an engine core's pipe
+                    image = image.get(_FOLLOWING_BYTES_TIMEOUT_S)
+                image = decode_image(image) if isinstance(image, bytes) else image.convert("RGB")
                 if takes_pixel_ranges(self.encoder):
                     emb = self.encoder.encode([image], [req.pixels])[0]
                 else:
