@@ -158,6 +158,12 @@ class LeaseLapsedError(RuntimeError):
 
 
 _LEASE_MARGIN_S = 0.05  # clock and scheduling slack between our timer and the encoder's
+# An encoder whose SHM segment or GPU this process cannot open (another host, container or Pod) is not
+# offered that transport again for this long: each ask would cost a second Encode. It is offered again
+# afterwards, in case the encoder at that address has moved.
+_UNREADABLE_TTL_S = 300.0
+_LOCATION_TRANSPORTS = {"shm": common_pb2.TRANSPORT_SHM, "cuda_ipc": common_pb2.TRANSPORT_CUDA_IPC,
+                        "nixl": common_pb2.TRANSPORT_NIXL}
 
 
 def lease_held_through(sent_at: float, lease_expires_in_s: float, now: float) -> bool:
@@ -198,6 +204,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         self._failed_requests: dict[str, grpc.StatusCode] = {}
         self._closed = False
         self._open_calls: set[grpc.Future] = set()  # Encodes in flight: close() cancels them
+        # encoder -> (transports whose refs this process could not open, until when): _UNREADABLE_TTL_S
+        self._unreadable: dict[str, tuple[frozenset[int], float]] = {}
         self._copiers: dict[int, SideStreamCopier] = {}  # one per fetch thread, on CUDA
         self._counters = RemoteSourceStats()
 
@@ -374,8 +382,9 @@ class RemoteEmbeddingSource(EmbeddingSource):
         """
         for attempt in range(2):
             sent_at = time.monotonic()
-            ref = self._encode(encoder, req, self.accept, deadline)
+            ref = self._encode(encoder, req, self.accept_for(encoder), deadline)
             if not can_import(ref):  # e.g. an SHM segment on another host: NIXL or the bytes instead
+                self._note_unreadable(encoder, ref)
                 self._release_leases(encoder, [ref.lease_id] if ref.lease_id else [])
                 sent_at = time.monotonic()
                 ref = self._encode(encoder, req, self._across_hosts(ref), deadline)
@@ -400,6 +409,28 @@ class RemoteEmbeddingSource(EmbeddingSource):
             log.warning("embedding %s: copy finished after its lease could have lapsed (attempt %d)",
                         req.content_hash[:16], attempt + 1)
         raise LeaseLapsedError("embedding lease lapsed before it could be read; the encoder is overloaded")
+
+    def accept_for(self, encoder: str) -> list[int]:
+        """The transports to ask `encoder` for, best first: ours, less those whose refs from it this
+        process could not open lately."""
+        with self._lock:
+            entry = self._unreadable.get(encoder)
+            if entry is not None and entry[1] <= time.monotonic():
+                del self._unreadable[encoder]
+                entry = None
+        if entry is None:
+            return self.accept
+        return [t for t in self.accept if t not in entry[0]]
+
+    def _note_unreadable(self, encoder: str, ref: common_pb2.EmbeddingRef) -> None:
+        transport = _LOCATION_TRANSPORTS.get(ref.WhichOneof("location") or "")
+        if transport is None:
+            return
+        with self._lock:
+            known, _ = self._unreadable.get(encoder, (frozenset(), 0.0))
+            self._unreadable[encoder] = (known | {transport}, time.monotonic() + _UNREADABLE_TTL_S)
+        log.info("encoder %s offers a %s location this process cannot open: not asked for it for %.0f s",
+                 encoder, ref.WhichOneof("location"), _UNREADABLE_TTL_S)
 
     def _across_hosts(self, ref: common_pb2.EmbeddingRef) -> list[int]:
         """What to ask for instead of a ref this process cannot open: NIXL (if accepted and not what
@@ -587,7 +618,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         entry, once ready) is given back at once; the lookahead fetch delivers the rows. Best effort:
         an image the encoder has not seen yet (NOT_FOUND) or any failure changes nothing."""
         request = encoder_pb2.EncodeRequest(
-            request_id=req.request_id, accept=self.accept, cache_salt=req.cache_salt,
+            request_id=req.request_id, accept=self.accept_for(encoder), cache_salt=req.cache_salt,
             prefetch=False, lease_owner=self._lease_owner)
         _by_hash(req).add_to(request)
         call = self._stub(encoder).Encode.future(request, timeout=self.retry.attempt_timeout_s,

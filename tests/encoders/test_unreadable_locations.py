@@ -1,0 +1,63 @@
+"""An encoder whose SHM segment (or GPU) this decoder cannot open, as from another host, container or
+Pod: the first image costs a second Encode for the bytes; later images from that encoder are asked for
+without that transport, until the memory of it expires. No encoder is needed (a fake stub)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+from common.pb import common_pb2, encoder_pb2
+from decoder_svc.encoders import remote_source
+from decoder_svc.encoders.remote_source import RemoteEmbeddingSource
+from decoder_svc.engine.embedding_source import EmbeddingRequest
+from tests.encoders.fake_calls import FakeMethod
+
+ENCODER = "127.0.0.1:1"
+ROWS = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+
+class _ElsewhereStub:
+    """Answers with a segment that does not exist here while SHM is acceptable, else inline rows."""
+
+    def __init__(self) -> None:
+        self.accepts: list[list[int]] = []
+        self.Encode = FakeMethod(self._encode)
+        self.Release = FakeMethod(lambda request, **kwargs: None)
+
+    def _encode(self, request, **kwargs):
+        self.accepts.append(list(request.accept))
+        ref = common_pb2.EmbeddingRef(dtype=common_pb2.DTYPE_FLOAT32, shape=list(ROWS.shape),
+                                      nbytes=ROWS.nbytes)
+        if common_pb2.TRANSPORT_SHM in request.accept:
+            ref.shm.name = "mmserve-on-another-host"
+            ref.lease_id = "lease-1"
+            ref.lease_expires_in_s = 30.0
+        else:
+            ref.inline_data = ROWS.tobytes()
+        return encoder_pb2.EncodeResponse(embeddings=[ref])
+
+
+def test_a_location_we_cannot_open_is_not_asked_for_again_until_it_expires(monkeypatch):
+    shm, inline = common_pb2.TRANSPORT_SHM, common_pb2.TRANSPORT_INLINE
+    source = RemoteEmbeddingSource([ENCODER], transports=[shm, inline])
+    stub = _ElsewhereStub()
+    monkeypatch.setattr(source, "_stub", lambda encoder: stub)
+    monkeypatch.setattr(source, "_release_leases", lambda encoder, ids: None)
+    try:
+        def fetch(i: int) -> None:
+            req = EmbeddingRequest(f"r{i}", f"{i:02x}" * 32, None)
+            _, tensor = source._fetch_owned(ENCODER, req, deadline=remote_source.time.monotonic() + 30)
+            assert tensor.numpy().tolist() == ROWS.tolist()
+
+        fetch(0)
+        assert stub.accepts == [[shm, inline], [inline]]  # the segment is elsewhere: the bytes instead
+        fetch(1), fetch(2)
+        assert stub.accepts[2:] == [[inline], [inline]]  # one Encode each, not two
+        assert source.accept_for("127.0.0.1:2") == [shm, inline]  # other encoders are not affected
+        later = remote_source.time.monotonic() + remote_source._UNREADABLE_TTL_S + 1
+        monkeypatch.setattr(remote_source, "time", types.SimpleNamespace(monotonic=lambda: later))
+        assert source.accept_for(ENCODER) == [shm, inline]  # asked again after a while
+    finally:
+        source.close()
