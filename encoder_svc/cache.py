@@ -167,6 +167,13 @@ class EmbeddingCache:
         with self._lock:
             return self._visible_locked(key, salt) is not None
 
+    def known(self, key: str, salt: str = "") -> bool:
+        """True when key is ready or being produced under salt (what an ask by hash would find)."""
+        with self._lock:
+            pending = self._pending.get(key)
+            producing = pending is not None and pending.salt == salt
+            return producing or self._visible_locked(key, salt) is not None
+
     def peek(self, key: str, salt: str = "") -> Entry | None:
         """key's ready entry under salt, or None (no LRU touch, no lease: read only its metadata)."""
         with self._lock:

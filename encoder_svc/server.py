@@ -71,6 +71,7 @@ SERVICE_NAME = "mmserve.v1.EncoderService"
 MAX_LEASE_OWNER_CHARS = 256  # it is stored with every lease: keep it small
 _HASH_IN_THREAD_BYTES = 256 << 10  # files this large are hashed off the event loop
 _PENDING_WAIT_S = 30.0  # a hash-only ask waits this long at most for a file being decoded here
+_MAX_AWAIT_FILE_MS = 1000  # and this long at most for a file sent ahead to arrive (EncodeRequest)
 
 
 def _release_images(items) -> None:
@@ -224,10 +225,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise
         return pending, items, videos
 
-    async def _await_pending(self, images, salt: str) -> None:
-        """A hash-only image whose file is being decoded here waits until its entry exists."""
+    async def _await_pending(self, images, salt: str, await_file_ms: int = 0) -> None:
+        """A hash-only image whose file is being decoded here waits until its entry exists; one whose
+        file the caller sent ahead (await_file_ms) but that is neither here nor cached first waits for
+        the file to arrive, bounded."""
         keys = [(salt, item.content_hash.lower()) for item in images
                 if item.WhichOneof("source") == "content_hash"]
+        if keys and await_file_ms:
+            absent = [k for k in keys if not (self.pending.is_pending(k) or self.cache.known(k[1], k[0]))]
+            if absent:
+                await self.pending.wait_arrival(absent, min(await_file_ms, _MAX_AWAIT_FILE_MS) / 1000)
         if keys and len(self.pending):
             await self.pending.wait(keys, _PENDING_WAIT_S)
 
@@ -400,7 +407,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._check_salt(request.cache_salt)
         salt, owner = request.cache_salt, request.lease_owner
         checked = time.perf_counter()
-        await self._await_pending(request.images, salt)  # counted as decode: another call decodes it
+        # counted as decode: another call brings or decodes it
+        await self._await_pending(request.images, salt, request.await_file_ms)
         pending, items, videos = await self._registered_inputs(request, salt)
         decoded = time.perf_counter()
         priority = PREFETCH if request.prefetch else DEMAND

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "images", "accept", "cache_salt", "prefetch", "lease_owner", "videos", "nixl_agent")
+    __slots__ = ("request_id", "images", "accept", "cache_salt", "prefetch", "lease_owner", "videos", "nixl_agent", "await_file_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class EncodeRequest(_message.Message):
     LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     VIDEOS_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_FIELD_NUMBER: _ClassVar[int]
+    AWAIT_FILE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]
     accept: _containers.RepeatedScalarFieldContainer[_common_pb2.Transport]
@@ -25,7 +26,8 @@ class EncodeRequest(_message.Message):
     lease_owner: str
     videos: _containers.RepeatedCompositeFieldContainer[_common_pb2.VideoInput]
     nixl_agent: str
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., accept: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., cache_salt: _Optional[str] = ..., prefetch: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[_common_pb2.VideoInput, _Mapping]]] = ..., nixl_agent: _Optional[str] = ...) -> None: ...
+    await_file_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., accept: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., cache_salt: _Optional[str] = ..., prefetch: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[_common_pb2.VideoInput, _Mapping]]] = ..., nixl_agent: _Optional[str] = ..., await_file_ms: _Optional[int] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("embeddings",)

@@ -60,7 +60,9 @@ log = logging.getLogger("mmserve.decoder.encoders")
 
 # A file the front end sent ahead may still be on its way to the encoder when the engine asks for it by
 # hash: pauses before asking again (the encoder makes the ask wait once it has the file).
-_SENT_AHEAD_PAUSES_S = (0.003, 0.005, 0.01)
+# A file the front end sent ahead may reach its encoder after the engine's ask by hash (the ask is small,
+# the file megabytes): the encoder waits up to this long for it before answering NOT_FOUND.
+_SENT_AHEAD_WAIT_MS = 250
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.RESOURCE_EXHAUSTED}
 # Errors of the link, not of the encoder's judgement: their details name addresses.
@@ -477,18 +479,16 @@ class RemoteEmbeddingSource(EmbeddingSource):
     def _encode(self, encoder: str, req: EmbeddingRequest, accept: list[int],
                 deadline: float) -> common_pb2.EmbeddingRef:
         """Encode by hash, then with bytes on NOT_FOUND, retrying while the encoder is unreachable, all
-        by one deadline. A file the front end sent ahead is asked for by hash a few more times first: the
-        encoder waits for a file it is decoding, but may not have received it yet."""
+        by one deadline. For a file the front end sent ahead, the encoder waits (briefly) for the file to
+        arrive: the ask may overtake it."""
         video = req.video
-        for pause in (*(_SENT_AHEAD_PAUSES_S if req.sent_ahead else ()), None):
-            try:
-                return self._call_encode(encoder, req, _by_hash(req), accept, deadline)
-            except grpc.RpcError as exc:
-                has_bytes = req.image is not None or (video is not None and video.data is not None)
-                if exc.code() != grpc.StatusCode.NOT_FOUND or not has_bytes:
-                    raise
-            if pause is not None:
-                time.sleep(pause)
+        try:
+            return self._call_encode(encoder, req, _by_hash(req), accept, deadline,
+                                     await_file_ms=_SENT_AHEAD_WAIT_MS if req.sent_ahead else 0)
+        except grpc.RpcError as exc:
+            has_bytes = req.image is not None or (video is not None and video.data is not None)
+            if exc.code() != grpc.StatusCode.NOT_FOUND or not has_bytes:
+                raise
         with self._lock:
             self._counters.images_resent += 1
         if video is not None:  # the settings come resolved: the encoder hashes it as the decoder did
@@ -501,10 +501,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
         return self._call_encode(encoder, req, _Item("images", fields), accept, deadline)
 
     def _call_encode(self, encoder: str, req: EmbeddingRequest, item: _Item, accept: list[int],
-                     deadline: float) -> common_pb2.EmbeddingRef:
+                     deadline: float, await_file_ms: int = 0) -> common_pb2.EmbeddingRef:
         request = encoder_pb2.EncodeRequest(request_id=req.request_id, accept=accept,
                                             cache_salt=req.cache_salt, prefetch=req.prefetch,
-                                            lease_owner=self._lease_owner)
+                                            lease_owner=self._lease_owner, await_file_ms=await_file_ms)
         item.add_to(request)
         if common_pb2.TRANSPORT_NIXL in accept:  # its agent's metadata comes once, not with every ref
             request.nixl_agent = known_agent(encoder)

@@ -104,3 +104,57 @@ def test_pending_counts_each_registration_and_bounds_the_wait():
         assert len(pending) == 0
 
     asyncio.run(run())
+
+
+def _until_awaited(encoder: EncoderHarness) -> None:
+    """Wait until an ask by hash is waiting for its file to arrive."""
+    deadline = time.monotonic() + 30
+    while not encoder.servicer.pending._arrivals:
+        assert time.monotonic() < deadline, "the ask never waited for its file"
+        time.sleep(0.01)
+
+
+def test_an_ask_that_overtakes_the_file_sent_ahead_waits_for_it(slow_encoder):
+    """The engine's small ask by hash can reach the encoder before the front end's megabytes do: with
+    await_file_ms it waits for the file instead of answering NOT_FOUND (which would cost a resend)."""
+    data = image_bytes(903)
+    key = hash_image_file(data, slow_encoder.servicer.vision.fingerprint, "overtaken")
+    ask = _by_hash(key, "overtaken")
+    ask.await_file_ms = 1000
+    asked = slow_encoder.stub.Encode.future(ask, timeout=60)
+    _until_awaited(slow_encoder)  # the ask is here first
+    GATE.set()
+    ahead = slow_encoder.stub.Prefetch(encoder_pb2.PrefetchRequest(
+        images=[common_pb2.ImageInput(data=data)], cache_salt="overtaken"), timeout=60)
+    reply = asked.result()
+    assert ahead.accepted == 1
+    assert reply.embeddings[0].content_hash == key and reply.embeddings[0].inline_data
+    assert not slow_encoder.servicer.pending._arrivals and len(slow_encoder.servicer.pending) == 0
+
+
+def test_a_file_that_never_comes_is_not_found_after_the_wait(slow_encoder):
+    GATE.set()
+    ask = _by_hash("ab" * 32, "never")
+    ask.await_file_ms = 100
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        slow_encoder.stub.Encode(ask, timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert time.monotonic() - started >= 0.1  # it waited, then answered as before
+    assert not slow_encoder.servicer.pending._arrivals  # no waiter left behind
+
+
+def test_arrival_waiters_share_an_event_and_leave_nothing():
+    async def run() -> None:
+        pending = PendingFiles()
+        key = ("s", "k")
+        waiters = [asyncio.create_task(pending.wait_arrival([key], 5.0)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert pending._arrivals[key][1] == 2
+        pending.end(pending.begin([key]))  # the file arrived (and was done with)
+        await asyncio.wait_for(asyncio.gather(*waiters), 5.0)
+        assert not pending._arrivals
+        await pending.wait_arrival([key], 0.01)  # nothing comes: returns after the timeout
+        assert not pending._arrivals
+
+    asyncio.run(run())
