@@ -175,11 +175,10 @@ PRESETS: dict[str, Preset] = {
 
 
 def preset_names() -> list[str]:
-    """Every preset make_model knows: the LLaVA family's, then Qwen2.5-VL's, then Qwen3-VL's."""
-    from common.model_maker_qwen import QWEN_PRESETS
-    from common.model_maker_qwen3 import QWEN3_PRESETS
+    """Every preset make_model knows, family by family (common/families/registry.py)."""
+    from common.families import preset_names as every_preset
 
-    return [*PRESETS, *QWEN_PRESETS, *QWEN3_PRESETS]
+    return every_preset()
 
 
 def _corpus(seed: int, n_lines: int) -> list[str]:
@@ -359,28 +358,32 @@ def make_model(
     progress: bool = True,
     weights: str = "all",
 ) -> Path:
-    """Write a random checkpoint (LLaVA family; Qwen2.5-VL: common/model_maker_qwen.py; Qwen3-VL:
-    common/model_maker_qwen3.py) for `preset` into `out` and return its path.
+    """Write a random checkpoint for `preset` into `out` and return its path: the preset's family's
+    maker (common/families/: LLaVA's below, Qwen2.5-VL's common/model_maker_qwen.py, Qwen3-VL's
+    common/model_maker_qwen3.py).
 
     device defaults to CUDA when there is one (the 7B preset initialises in seconds there, minutes
     on a CPU); dtype defaults to float32 for tiny/small and bfloat16 for the 7B shapes.
     """
-    from tqdm.auto import tqdm
-    from transformers import LlavaForConditionalGeneration, LlavaProcessor
-
-    from common.model_maker_qwen import QWEN_PRESETS, make_qwen_model
-    from common.model_maker_qwen3 import QWEN3_PRESETS, make_qwen3_model
+    from common.families import family_for_preset
 
     if weights not in ("all", "vision"):
         raise ValueError(f"weights must be 'all' or 'vision', not {weights!r}")
-    if preset in QWEN_PRESETS:
-        return make_qwen_model(preset, out, seed, device, dtype, gain, progress, weights == "vision")
-    if preset in QWEN3_PRESETS:
-        return make_qwen3_model(preset, out, seed, device, dtype, gain, progress, weights == "vision")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(preset_names())}")
-    if weights != "all":
+    family = family_for_preset(preset)  # ValueError naming every preset for an unknown one
+    return family.make_model(preset, out, seed, device, dtype, gain, progress, weights == "vision")
+
+
+def make_llava_model(preset: str, out: str | Path, seed: int = 0, device: str | None = None,
+                     dtype: str | None = None, gain: float = 1.4, progress: bool = True,
+                     vision_only: bool = False) -> Path:
+    """Write a random LLaVA-family checkpoint for `preset` (one of PRESETS) into `out`; its path."""
+    from tqdm.auto import tqdm
+    from transformers import LlavaForConditionalGeneration, LlavaProcessor
+
+    if vision_only:
         raise ValueError("weights='vision' is for the Qwen-VL presets; the LLaVA presets are written whole")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown LLaVA preset {preset!r}; choose one of {', '.join(PRESETS)}")
     spec = PRESETS[preset]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,8 +22,9 @@ from typing import Any
 
 from common.checkpoint import load_config
 from common.errors import InvalidInputError
+from common.families import find_family
 from common.image_tokens import ImageTokenLayout, load_image_token_layout
-from common.qwen_layout import QwenImageLayout, is_qwen_vl, load_qwen_layout
+from common.qwen_layout import QwenImageLayout, load_qwen_layout
 
 # Roles the LLaVA chat template is written for. The template itself prints any other role verbatim
 # (`role.upper() + ': '`), so a client-chosen role could forge turns or template text in the prompt.
@@ -84,7 +85,8 @@ class PromptTokenizer:
         config = load_config(model_dir)
         self.qwen_layout: QwenImageLayout | None = None
         self.image_layout: ImageTokenLayout | None = None
-        if is_qwen_vl(config):
+        family = find_family(config)  # None: the fixed-size path refuses it below, saying why
+        if family is not None and family.dynamic_resolution:
             # The tokenizer carries the chat template; Qwen's full processor would also load a video
             # processor (torchvision), which serving images does not need.
             self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

@@ -61,17 +61,19 @@ def max_model_len(model_dir: str | Path | None) -> int | None:
 
 
 def takes_video(model_dir: str | Path | None) -> bool | None:
-    """Whether the checkpoint takes video input (its model_type is a Qwen VL one: Qwen2.5-VL, Qwen3-VL);
-    None when there is no readable config (then the decoder decides)."""
+    """Whether the checkpoint takes video input (its family says so: common/families/); None when there
+    is no readable config (then the decoder decides)."""
     if model_dir is None:
         return None
     try:
-        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        config.get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
-    from common.video.config import VIDEO_MODEL_FAMILIES
+    from common.families import find_family
 
-    return model_type in VIDEO_MODEL_FAMILIES
+    family = find_family(config)
+    return family is not None and family.takes_video
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,11 @@ class VideoGeometry:
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 128000  # HF's default for Qwen2-VL; Qwen3-VL's is 768 (tokens per frame)
 
+    @property
+    def timestamped(self) -> bool:
+        """The prompt gives each temporal group its own run after its start time (Qwen3-VL's rule)."""
+        return self.family == "qwen3_vl"
+
     def __post_init__(self) -> None:
         if self.family not in GEOMETRY_FAMILIES:
             raise ValueError(f"family must be one of {GEOMETRY_FAMILIES}, not {self.family!r}")

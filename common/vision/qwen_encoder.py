@@ -42,19 +42,11 @@ class QwenVisionEncoder(QwenFamilyEncoder):
 
 def make_vision_encoder(model_dir: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, preprocess: str = "auto"):
-    """The checkpoint's vision encoder: Qwen3VisionEncoder for Qwen3-VL ([parts, tokens, hidden] per
-    image), QwenVisionEncoder for Qwen2.5-VL, else the LLaVA VisionEncoder ([tokens, hidden] each)."""
-    from common.qwen_layout import is_qwen_vl
-    from common.vision.qwen3_encoder import Qwen3VisionEncoder, is_qwen3_vl
+    """The checkpoint's vision encoder, as its family declares it (common/families/): Qwen3-VL's gives
+    [parts, tokens, hidden] per image, Qwen2.5-VL's and LLaVA's [tokens, hidden]."""
+    from common.families import family_of
 
-    config = load_config(model_dir)
-    if is_qwen3_vl(config):
-        return Qwen3VisionEncoder(model_dir, device, dtype, preprocess)
-    if is_qwen_vl(config):
-        return QwenVisionEncoder(model_dir, device, dtype, preprocess)
-    from common.vision.tower import VisionEncoder
-
-    return VisionEncoder(model_dir, device, dtype, preprocess=preprocess)
+    return family_of(load_config(model_dir)).make_vision_encoder(model_dir, device, dtype, preprocess)
 
 
 def takes_pixel_ranges(encoder) -> bool:

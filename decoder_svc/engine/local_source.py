@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.checkpoint import load_config, parse_dtype
+from common.families import family_of
 from common.images import decode_image
-from common.qwen_layout import is_qwen_vl
 from common.video import VideoLimits, decode_video, video_patches, video_request_config
 from common.vision.qwen_encoder import QwenPrepared, make_vision_encoder, takes_pixel_ranges
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState, VideoSource
@@ -38,11 +38,11 @@ class LocalEmbeddingSource(EmbeddingSource):
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, cache_entries: int = 256) -> None:
-        # LLaVA: the HF image processor, always (the engine's HF-parity tests, CPU and GPU, run against
-        # it). Qwen-VL: "auto", HF's processor in fp32 and on CPUs, the device-side one the encoder
-        # service runs on a GPU in half precision (its host processor takes ~90 ms a 1024x1024 image).
-        qwen = is_qwen_vl(load_config(model_dir))
-        self.encoder = make_vision_encoder(model_dir, device, dtype, preprocess="auto" if qwen else "hf")
+        # Preprocessing as the family declares it (common/families/): LLaVA's HF image processor always
+        # (the engine's HF-parity tests run against it); Qwen-VL's "auto", HF's processor in fp32 and on
+        # CPUs, the device-side one on a GPU in half precision (its host one takes ~90 ms for 1024x1024).
+        family = family_of(load_config(model_dir))
+        self.encoder = make_vision_encoder(model_dir, device, dtype, preprocess=family.local_preprocess)
         self.video_limits = VideoLimits()
         self.cache_entries = cache_entries
         # hash -> (salt, embedding); a multi-part embedding is one entry, as in the encoder's cache

@@ -53,8 +53,8 @@ class VideoInputs:
 
     @property
     def timestamped(self) -> bool:
-        """Qwen3-VL: one prompt run per temporal group, each after its start time."""
-        return self.base is not None and self.base.geometry.family == "qwen3_vl"
+        """One prompt run per temporal group, each after its start time (the video rules say so)."""
+        return self.base is not None and self.base.geometry.timestamped
 
     def plan(self, videos: Sequence[VideoSource], salt: str) -> list[tuple[VideoPlan, VideoSource]]:
         """Every video's plan (header only) and the source as the encoder is to be sent it: its settings

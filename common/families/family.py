@@ -1,0 +1,59 @@
+"""What one model family declares: the typed interface the services, the engine and the tools ask instead
+of testing `model_type` themselves (vLLM's model registry is the idea: names resolve to code lazily, so
+asking about a family imports neither torch nor transformers).
+
+A family's folder (`common/families/<name>/__init__.py`) holds its `FAMILY`; the registry
+(`common/families/registry.py`) lists the folders. Code that stays elsewhere for now (towers in
+`common/vision/`, layouts in `common/image_tokens.py` and `common/qwen_layout.py`, makers in
+`common/model_maker*.py`) is named here by "module:attribute" and loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def load_attr(ref: str) -> Any:
+    """The object a "package.module:attribute" reference names (imported on first use)."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One family of vision-language checkpoints and where its code lives.
+
+    Capabilities are data, so that callers branch on what a family does, never on which one it is.
+    """
+
+    name: str                     # the folder's name: "llava", "qwen2_5_vl", "qwen3_vl"
+    model_types: tuple[str, ...]  # config.json `model_type` values it serves
+    hf_class: str                 # the transformers class the tests' oracle runs (generate, image features)
+    real_checkpoint: str          # a Hub id of a real checkpoint (what its presets copy; the launcher's hint)
+    dynamic_resolution: bool      # an image's token count follows its size (a grid read from its header)
+    takes_video: bool             # video inputs (`<|video_pad|>` runs) are served
+    local_preprocess: str         # the in-process encoder's preprocessing ("hf" or "auto")
+    vision_encoder: str           # "module:Class": its vision encoder (model_dir, device, dtype, preprocess=)
+    presets: str                  # "module:DICT" of its `make-model` presets, by name
+    maker: str                    # "module:function" writing a random checkpoint of one of those presets
+
+    def make_vision_encoder(self, model_dir: str | Path, device: Any = "cpu", dtype: Any = None,
+                            preprocess: str = "auto") -> Any:
+        """The family's vision encoder over the checkpoint in model_dir (torch dtype; None: float32)."""
+        import torch
+
+        cls = load_attr(self.vision_encoder)
+        return cls(model_dir, device, torch.float32 if dtype is None else dtype, preprocess=preprocess)
+
+    def preset_names(self) -> list[str]:
+        """Its `make-model` presets, in declaration order."""
+        return list(load_attr(self.presets))
+
+    def make_model(self, preset: str, out: str | Path, seed: int = 0, device: str | None = None,
+                   dtype: str | None = None, gain: float = 1.4, progress: bool = True,
+                   vision_only: bool = False) -> Path:
+        """Write a random checkpoint of one of its presets into out (common/model_maker.py's contract)."""
+        return load_attr(self.maker)(preset, out, seed, device, dtype, gain, progress, vision_only)

@@ -1,0 +1,17 @@
+"""Qwen3-VL: Qwen2.5-VL's layout with a full-attention ViT whose DeepStack levels join the language model's
+first layers (a multi-part embedding), interleaved M-RoPE, timestamped videos."""
+
+from common.families.family import ModelFamily
+
+FAMILY = ModelFamily(
+    name="qwen3_vl",
+    model_types=("qwen3_vl",),
+    hf_class="Qwen3VLForConditionalGeneration",
+    real_checkpoint="Qwen/Qwen3-VL-8B-Instruct",
+    dynamic_resolution=True,
+    takes_video=True,
+    local_preprocess="auto",
+    vision_encoder="common.vision.qwen3_encoder:Qwen3VisionEncoder",
+    presets="common.model_maker_qwen3:QWEN3_PRESETS",
+    maker="common.model_maker_qwen3:make_qwen3_model",
+)

@@ -1,0 +1,66 @@
+"""The served families, one line each; lookups by checkpoint config, model directory and preset name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from common.checkpoint import CheckpointError, load_config
+from common.families.family import ModelFamily
+from common.families.llava import FAMILY as LLAVA
+from common.families.qwen2_5_vl import FAMILY as QWEN2_5_VL
+from common.families.qwen3_vl import FAMILY as QWEN3_VL
+
+FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL)
+
+
+class UnsupportedModelError(CheckpointError):
+    """A checkpoint of no served family."""
+
+
+def supported_model_types() -> list[str]:
+    """Every model_type some family serves."""
+    return [t for f in FAMILIES for t in f.model_types]
+
+
+def find_family(config: dict[str, Any]) -> ModelFamily | None:
+    """The family of a checkpoint's config.json (a dict), or None. A config without model_type is an
+    older LLaVA export: LLaVA's."""
+    model_type = config.get("model_type", "llava")
+    return next((f for f in FAMILIES if model_type in f.model_types), None)
+
+
+def family_of(config: dict[str, Any]) -> ModelFamily:
+    """The family of a checkpoint's config; UnsupportedModelError for a model_type no family serves."""
+    family = find_family(config)
+    if family is None:
+        served = ", ".join(supported_model_types())
+        model_type = config.get("model_type")
+        raise UnsupportedModelError(f"model_type {model_type!r} is not served; served: {served}")
+    return family
+
+
+def family_of_model(model_dir: str | Path) -> ModelFamily:
+    """The family of the checkpoint in model_dir (its config.json)."""
+    return family_of(load_config(model_dir))
+
+
+def family_by_name(name: str) -> ModelFamily:
+    """A family by its folder's name; KeyError when there is none."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise KeyError(name)
+
+
+def preset_names() -> list[str]:
+    """Every `make-model` preset, family by family in registry order."""
+    return [name for f in FAMILIES for name in f.preset_names()]
+
+
+def family_for_preset(preset: str) -> ModelFamily:
+    """The family whose maker writes preset; ValueError naming the presets when none does."""
+    for family in FAMILIES:
+        if preset in family.preset_names():
+            return family
+    raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(preset_names())}")
