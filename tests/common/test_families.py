@@ -95,3 +95,13 @@ def test_no_service_names_a_family():
                 continue
             bad += [f"{rel}: {s!r}" for s in sorted(_string_constants(path) & names)]
     assert bad == []
+
+
+def test_the_makers_import_no_circle():
+    """common/model_maker.py (LLaVA's maker and the shared helpers) reaches the other families' makers
+    only through the registry, at call time: no module-level import of them."""
+    tree = ast.parse((ROOT / "common/model_maker.py").read_text())
+    top = {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
+    top |= {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    inner = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {m for m in top | inner if m and m.startswith("common.model_maker_")}
