@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from decoder_svc.model.quant.fp8 import ScaleBlock, dequantize
 
@@ -63,6 +64,23 @@ class TorchOps:
             return x * cos + rotated * sin
 
         return rot(q), rot(k)
+
+    @classmethod
+    def norm_linear(cls, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(proj(rms_norm(x (+ residual)) * weight), new residual): a norm and the product it feeds."""
+        h, new_residual = cls.rms_norm(x, weight, eps, residual)
+        return proj(h), new_residual
+
+    @classmethod
+    def act_linear(cls, x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+        """proj(silu(gate) * up) for x = cat(gate, up): the MLP's activation and down projection."""
+        return proj(cls.silu_and_mul(x))
+
+    @staticmethod
+    def linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+        """proj(x), through the ops so that a one-row product can take a faster kernel."""
+        return proj(x)
 
     @staticmethod
     def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,

@@ -6,6 +6,9 @@ Same signatures as `decoder_svc.model.ops.TorchOps`. Differences in side effects
   residual (the caller owns it); `x` is never written. Without a residual the new residual is `x`.
 - `silu_and_mul` returns a new [T, I] tensor.
 - `rotary` rotates q and k IN PLACE (they may be strided views of one fused qkv buffer) and returns them.
+- `norm_linear`, `act_linear` and `linear` take one kernel for a one-row product where start-up timing
+  found it faster than the separate op and cuBLAS (decode_gemv.py); their new residual is then a new
+  tensor rather than `residual` written in place.
 
 Numerics follow HF's rounding points: fp32 math, rounding to the tensor dtype exactly where HF's
 dtype ops round. RMS norm and SwiGLU then differ from the reference only by the order of the fp32
@@ -22,6 +25,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
 from decoder_svc.model.ops import TorchOps
 from decoder_svc.model.quant.fp8 import ScaleBlock
@@ -220,6 +224,57 @@ class TritonOps:
         return q, k
 
     @staticmethod
+    def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """TorchOps.norm_linear: one fused kernel for one row where it was measured faster."""
+        from decoder_svc.model import decode_gemv as g
+
+        def separate(x=x, residual=residual):
+            h, new_residual = TritonOps.rms_norm(x, weight, eps, residual)
+            return proj(h), new_residual
+
+        w = _one_row_weight(x, proj)
+        if w is not None:
+            key = g.GemvKey.of(w, g.RMS_NORM, residual is not None)
+            if _tunable(key):  # on scratch copies: the separate path writes its residual in place
+                xs, rs = x.clone(), None if residual is None else residual.clone()
+                g.CHOICES.tune(key, lambda: g.fused_gemv(xs, w, g.RMS_NORM, rs, weight, eps),
+                               lambda: separate(xs, rs))
+            if g.CHOICES.use_fused(key):
+                out, new_residual = g.fused_gemv(x, w, g.RMS_NORM, residual, weight, eps)
+                return out, new_residual
+        return separate()
+
+    @staticmethod
+    def act_linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+        """TorchOps.act_linear: one fused kernel for one row where it was measured faster."""
+        from decoder_svc.model import decode_gemv as g
+
+        w = _one_row_weight(x, proj)
+        if w is not None:
+            key = g.GemvKey.of(w, g.SILU_MUL, False)
+            if _tunable(key):
+                g.CHOICES.tune(key, lambda: g.fused_gemv(x, w, g.SILU_MUL),
+                               lambda: proj(TritonOps.silu_and_mul(x)))
+            if g.CHOICES.use_fused(key):
+                return g.fused_gemv(x, w, g.SILU_MUL)[0]
+        return proj(TritonOps.silu_and_mul(x))
+
+    @staticmethod
+    def linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+        """TorchOps.linear: the one-row kernel where it was measured faster than the module's product."""
+        from decoder_svc.model import decode_gemv as g
+
+        w = _one_row_weight(x, proj)
+        if w is not None:
+            key = g.GemvKey.of(w, g.PLAIN, False)
+            if _tunable(key):
+                g.CHOICES.tune(key, lambda: g.fused_gemv(x, w), lambda: proj(x))
+            if g.CHOICES.use_fused(key):
+                return g.fused_gemv(x, w)[0]
+        return proj(x)
+
+    @staticmethod
     def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         """TorchOps.fp8_linear on the GPU: weight-only FP8 kernels at small batches, FP8 tensor-core
@@ -234,3 +289,20 @@ class TritonOps:
     def make_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
         """Same fp32 [max_positions, D] cos|sin table as TorchOps (built once at load, no kernel needed)."""
         return TorchOps.make_cos_sin_cache(inv_freq, max_positions)
+
+
+def _one_row_weight(x: torch.Tensor, proj: nn.Module):  # -> decode_gemv.GemvWeight | None
+    # The one-row kernels take a single half-precision activation row on the GPU.
+    if x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
+        return None
+    from decoder_svc.model.decode_gemv import gemv_weight
+
+    return gemv_weight(proj)
+
+
+def _tunable(key) -> bool:  # key: decode_gemv.GemvKey
+    # Measure each key once, never inside a CUDA graph capture (timing synchronises).
+    from decoder_svc.model.decode_gemv import CHOICES
+
+    return (CHOICES.mode == "auto" and key not in CHOICES.timings
+            and not torch.cuda.is_current_stream_capturing())
