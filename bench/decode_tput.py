@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 from collections.abc import Sequence
 
@@ -115,7 +116,14 @@ def run(args: argparse.Namespace) -> dict:
                 [[r["batch"], r["engine_tokens_per_s"], r["hf_tokens_per_s"], r["engine_over_hf"],
                   r["bound_tokens_per_s"], r["engine_fraction_of_bound"]] for r in results])
     return save_result("decode_tput", args, results, weight_bytes=weights,
-                       copy_bandwidth_bytes_per_s=bandwidth)
+                       copy_bandwidth_bytes_per_s=bandwidth, decode_gemv=gemv_choices())
+
+
+def gemv_choices() -> dict:
+    """The fused one-row products' mode and start-up timings in this process ({} where the model never
+    loaded them: CPU, the torch backend)."""
+    module = sys.modules.get("decoder_svc.model.decode_gemv")
+    return {} if module is None else {"mode": module.CHOICES.mode, "timings": module.CHOICES.summary()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bench.decode_tput import gemv_choices
 from bench.models import add_model_args, resolve_model
 from bench.report import print_table, save_result
 from bench.workload import PromptMaker
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
     if kernels:
         print_table("kernels per step", ["kernel", "calls", "us"],
                     [[k["kernel"], k["calls_per_step"], k["us_per_step"]] for k in kernels[:args.top]])
-    return save_result("profile_step", args, result)
+    return save_result("profile_step", args, result, decode_gemv=gemv_choices())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,6 +25,8 @@
 #      TP_KV_BYTES per rank, default 30 GB; a CPU smoke test: QWEN72_PRESET=qwen2.5-vl-tiny
 #      TP_KV_BYTES=50000000 with DEVICE=cpu and friends; BUDGET_S=1500 or so),
 #      ttft (bench/ttft.py: time to first token with its split, per preset; see its block below),
+#      decode (bench/decode_gemv.py, then decode tok/s per preset with the fused one-row products off and
+#      on; see its block below),
 #      or a list such as llava,qwen,qwen3.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
@@ -281,6 +283,35 @@ if [[ ",$SECTIONS," == *,ttft,* ]]; then
     step "ttft_$fam" 240 "$PY" -m bench.ttft --model "/tmp/ttft-$fam" "${DT[@]}" --logs "$RES/logs-ttft-$fam" \
       "${TARGS[@]}"
     [ "${TTFT_KEEP_MODELS:-0}" = 1 ] || rm -rf "/tmp/ttft-$fam"
+  done
+fi
+
+# Decode at the bandwidth limit (issue 40): batch-1 decode's weight products kernel by kernel (separate op +
+# cuBLAS / FP8 kernels against the fused one-row kernel, bench/decode_gemv.py, every family's shapes), then
+# per preset decode tok/s at batch 1 and 32 in-process with the fused products off and measured
+# (MMSERVE_DECODE_GEMV=off / auto, each its own process), a batch-1 step profile with them, and with
+# DECODE_SERVED=1 decode through gRPC beside the engine (bench.serve_decode). DECODE_PRESETS (default
+# llava-1.5-7b), DECODE_QUANT (default "none"; "none fp8" for both), DECODE_MODES (default "off auto"),
+# DECODE_GEMV=0 skips the kernel table. Each model is deleted after its presets' steps (disk).
+if [[ ",$SECTIONS," == *,decode,* ]]; then
+  [ "${DECODE_GEMV:-1}" = 1 ] && step decode_gemv 240 "$PY" -m bench.decode_gemv
+  for fam in ${DECODE_PRESETS:-llava-1.5-7b}; do
+    DMODEL="/tmp/decode-$fam"
+    make_once "$DMODEL" "$fam"
+    for q in ${DECODE_QUANT:-none}; do
+      for mode in ${DECODE_MODES:-off auto}; do
+        step "decode_tput_${fam}_${q}_$mode" 150 env MMSERVE_DECODE_GEMV="$mode" "$PY" -m bench.decode_tput \
+          --model "$DMODEL" "${DT[@]}" --no-hf --batch-sizes 1,32 --prompt-len 64 --output-len 128 \
+          --quantization "$q"
+      done
+      if [ "${DECODE_SERVED:-0}" = 1 ]; then
+        step "serve_decode_${fam}_$q" 240 "$PY" -m bench.serve_decode --model "$DMODEL" "${DT[@]}" \
+          --batch-sizes 1,32 --output-len 256 --quantization "$q" --logs "$RES/logs-decode-$fam-$q"
+      fi
+    done
+    [ "${DECODE_PROFILE:-1}" = 1 ] && step "profile_step_$fam" 120 "$PY" -m bench.profile_step \
+      --model "$DMODEL" "${DT[@]}" --batch 1 --steps 32
+    [ "${DECODE_KEEP_MODELS:-0}" = 1 ] || rm -rf "$DMODEL"
   done
 fi
 

@@ -236,4 +236,12 @@ class GemvChoices:
         return self.timings[key]
 
 
+    def summary(self) -> list[dict]:
+        """The measurements as JSON rows (benchmarks put them beside their figures)."""
+        return [{"n": t.key.n, "k": t.key.k, "dtype": str(t.key.dtype).removeprefix("torch."),
+                 "fp8_scaled": t.key.scaled, "op": PROLOGUE_NAMES[t.key.prologue],
+                 "residual": t.key.residual, "fused_us": t.fused_us, "separate_us": t.unfused_us,
+                 "fused": t.fused_wins} for t in self.timings.values()]
+
+
 CHOICES = GemvChoices()  # one per process: the shapes are the model's, the timings the GPU's

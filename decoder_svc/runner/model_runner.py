@@ -154,7 +154,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_run(self) -> None:
         """One forward of the largest prefill (compiling its kernels), so the KV budget is taken from the
-        memory left after the activations' peak."""
+        memory left after the activations' peak; then one of a single token (decode's kernels)."""
         n = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
         bs = self.config.block_size
         scratch = allocate_kv_cache(KVCacheSpec.for_model(self.model_config, 1, bs, self.config.dtype),
@@ -164,6 +164,10 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         positions = torch.arange(n, device=self.device)
         self.model(positions.expand(3, n) if self.mrope else positions, meta, scratch, rows, input_ids=ids)
+        # One token: the ops time their one-row kernels here (decode_gemv), before any graph is captured.
+        one = AttentionMetadata.build([-1], [1], [1], [[0]], bs, self.device)
+        self.model(positions[:1].expand(3, 1) if self.mrope else positions[:1], one, scratch, rows[:1] * 0,
+                   input_ids=ids[:1])
         torch.cuda.synchronize(self.device)
         del scratch
         torch.cuda.empty_cache()
