@@ -8,19 +8,19 @@ SiLU x up) and the output head (after the final norm): the time of the separate 
 cuBLAS for bf16 or the FP8 kernels of quant/triton_fp8.py), of the fused kernel (autotuned), and the
 bandwidth each reaches (weight bytes / time); then per family the sum over one token (every layer and
 the head) beside the time the copy bandwidth measured in the same run would need for those bytes.
-Timings are triton.testing.do_bench medians with the L2 flushed between calls, as a decode step that
-streams 15 GB of weights sees them. CUDA only.
+Timings are decode_gemv.graph_time_us's, as the decoder's start-up choice makes them: calls over enough
+copies of the weight that none stays in L2, back to back in one CUDA graph, as a decode step replays
+them. CUDA only.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import triton.testing
 from torch import nn
 
 from bench.bandwidth import copy_bandwidth
@@ -58,13 +58,6 @@ FAMILIES = {
 }
 
 
-def _time(fn: Callable[[], object]) -> float:
-    """Median microseconds of fn (after one call that compiles and tunes it)."""
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median") * 1e3
-
-
 def _projection(n: int, k: int, bias: bool, fp8: bool) -> nn.Module:
     from decoder_svc.model.quant.fp8 import per_channel_block, quantize_per_channel
     from decoder_svc.model.quant.linear import Fp8Linear
@@ -86,27 +79,29 @@ def _projection(n: int, k: int, bias: bool, fp8: bool) -> nn.Module:
 
 
 def measure(n: int, k: int, op: str, bias: bool, fp8: bool) -> tuple[float, float]:
-    """(separate us, fused us) for one projection."""
+    """(separate us, fused us) for one projection, timed as the decoder's start-up choice times them."""
     from decoder_svc.model import decode_gemv as g
     from decoder_svc.model.triton_ops import TritonOps
 
-    proj = _projection(n, k, bias, fp8)
-    w = g.gemv_weight(proj)
+    projs = g.copies(_projection(n, k, bias, fp8))
     width = 2 * k if op == "silu" else k
     x = torch.randn(1, width, device="cuda").to(torch.bfloat16)
     residual = torch.randn(1, k, device="cuda").to(torch.bfloat16)
     norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
     if op == "norm":
-        separate = functools.partial(TritonOps.rms_norm, x, norm_w, 1e-6, residual)
-        fused = functools.partial(g.fused_gemv, x, w, g.RMS_NORM, residual, norm_w, 1e-6)
-        t_sep = _time(lambda: proj(separate()[0]))
+        def separate(p):
+            return p(TritonOps.rms_norm(x, norm_w, 1e-6, residual)[0])
+        fused = [functools.partial(g.fused_gemv, x, g.gemv_weight(p), g.RMS_NORM, residual, norm_w, 1e-6)
+                 for p in projs]
     elif op == "silu":
-        fused = functools.partial(g.fused_gemv, x, w, g.SILU_MUL)
-        t_sep = _time(lambda: proj(TritonOps.silu_and_mul(x)))
+        def separate(p):
+            return p(TritonOps.silu_and_mul(x))
+        fused = [functools.partial(g.fused_gemv, x, g.gemv_weight(p), g.SILU_MUL) for p in projs]
     else:
-        fused = functools.partial(g.fused_gemv, x, w)
-        t_sep = _time(lambda: proj(x))
-    return t_sep, _time(fused)
+        def separate(p):
+            return p(x)
+        fused = [functools.partial(g.fused_gemv, x, g.gemv_weight(p)) for p in projs]
+    return (g.graph_time_us([functools.partial(separate, p) for p in projs]), g.graph_time_us(fused))
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -288,27 +288,26 @@ fi
 
 # Decode at the bandwidth limit (issue 40): batch-1 decode's weight products kernel by kernel (separate op +
 # cuBLAS / FP8 kernels against the fused one-row kernel, bench/decode_gemv.py, every family's shapes), then
-# per preset decode tok/s at batch 1 and 32 in-process with the fused products off and measured
-# (MMSERVE_DECODE_GEMV=off / auto, each its own process), a batch-1 step profile with them, and with
-# DECODE_SERVED=1 decode through gRPC beside the engine (bench.serve_decode). DECODE_PRESETS (default
-# llava-1.5-7b), DECODE_QUANT (default "none"; "none fp8" for both), DECODE_MODES (default "off auto"),
-# DECODE_GEMV=0 skips the kernel table. Each model is deleted after its presets' steps (disk).
+# per preset decode tok/s at batch 1 and 32 in-process for each DECODE_RUNS entry QUANT:MODE (default
+# "none:off none:auto": bf16 with the fused products off, then measured at start-up; MODE is
+# MMSERVE_DECODE_GEMV, QUANT the engine's --quantization; each run its own process), a batch-1 step
+# profile (DECODE_PROFILE=0: none), and with DECODE_SERVED=1 decode through gRPC (bench.serve_decode
+# --served-only, bf16, measured mode). DECODE_PRESETS (default llava-1.5-7b); DECODE_GEMV=0 skips the
+# kernel table. Each model is deleted after its steps (disk) unless DECODE_KEEP_MODELS=1.
 if [[ ",$SECTIONS," == *,decode,* ]]; then
   [ "${DECODE_GEMV:-1}" = 1 ] && step decode_gemv 240 "$PY" -m bench.decode_gemv
   for fam in ${DECODE_PRESETS:-llava-1.5-7b}; do
     DMODEL="/tmp/decode-$fam"
     make_once "$DMODEL" "$fam"
-    for q in ${DECODE_QUANT:-none}; do
-      for mode in ${DECODE_MODES:-off auto}; do
-        step "decode_tput_${fam}_${q}_$mode" 150 env MMSERVE_DECODE_GEMV="$mode" "$PY" -m bench.decode_tput \
-          --model "$DMODEL" "${DT[@]}" --no-hf --batch-sizes 1,32 --prompt-len 64 --output-len 128 \
-          --quantization "$q"
-      done
-      if [ "${DECODE_SERVED:-0}" = 1 ]; then
-        step "serve_decode_${fam}_$q" 240 "$PY" -m bench.serve_decode --model "$DMODEL" "${DT[@]}" \
-          --batch-sizes 1,32 --output-len 256 --quantization "$q" --logs "$RES/logs-decode-$fam-$q"
-      fi
+    for run in ${DECODE_RUNS:-none:off none:auto}; do
+      q=${run%%:*} mode=${run##*:}
+      step "decode_tput_${fam}_${q}_$mode" 150 env MMSERVE_DECODE_GEMV="$mode" "$PY" -m bench.decode_tput \
+        --model "$DMODEL" "${DT[@]}" --no-hf --batch-sizes 1,32 --prompt-len 64 --output-len 128 \
+        --quantization "$q"
     done
+    [ "${DECODE_SERVED:-0}" = 1 ] && step "serve_decode_$fam" 240 "$PY" -m bench.serve_decode \
+      --model "$DMODEL" "${DT[@]}" --served-only --batch-sizes 1,32 --output-len 256 \
+      --logs "$RES/logs-decode-$fam"
     [ "${DECODE_PROFILE:-1}" = 1 ] && step "profile_step_$fam" 120 "$PY" -m bench.profile_step \
       --model "$DMODEL" "${DT[@]}" --batch 1 --steps 32
     [ "${DECODE_KEEP_MODELS:-0}" = 1 ] || rm -rf "$DMODEL"

@@ -19,6 +19,7 @@ Only imported on GPU paths or under TRITON_INTERPRET=1 (tests).
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -224,17 +225,18 @@ class GemvChoices:
         timing = self.timings.get(key)
         return timing is not None and timing.fused_wins
 
-    def tune(self, key: GemvKey, fused: Callable[[], object], unfused: Callable[[], object]) -> GemvTiming:
-        """Time both sides of one key once (CUDA only; never while a graph is being captured)."""
+    def tune(self, key: GemvKey, fused: list[Callable[[], object]],
+             separate: list[Callable[[], object]]) -> GemvTiming:
+        """Time both sides of one key once (CUDA only; never while a graph is being captured). Each side
+        is a list of calls over copies of the weight (`copies`), timed as decode runs them: back to back
+        in one CUDA graph, the weights not in L2."""
         if key not in self.timings:
-            bench = functools.partial(triton.testing.do_bench, warmup=10, rep=50, return_mode="median")
-            timing = GemvTiming(key, bench(fused) * 1e3, bench(unfused) * 1e3)
+            timing = GemvTiming(key, graph_time_us(fused), graph_time_us(separate))
             self.timings[key] = timing
             log.info("decode GEMV %dx%d %s%s: fused %.1f us, separate %.1f us -> %s", key.n, key.k,
                      PROLOGUE_NAMES[key.prologue], " +residual" if key.residual else "", timing.fused_us,
                      timing.unfused_us, "fused" if timing.fused_wins else "separate")
         return self.timings[key]
-
 
     def summary(self) -> list[dict]:
         """The measurements as JSON rows (benchmarks put them beside their figures)."""
@@ -242,6 +244,40 @@ class GemvChoices:
                  "fp8_scaled": t.key.scaled, "op": PROLOGUE_NAMES[t.key.prologue],
                  "residual": t.key.residual, "fused_us": t.fused_us, "separate_us": t.unfused_us,
                  "fused": t.fused_wins} for t in self.timings.values()]
+
+
+def copies(proj: nn.Module) -> list[nn.Module]:
+    """proj and enough copies of it that timing them in turn streams every weight from memory, as a
+    decode step does (one weight alone may fit in L2 and time faster than it ever runs)."""
+    nbytes = sum(p.numel() * p.element_size() for p in proj.parameters())
+    l2 = torch.cuda.get_device_properties(proj.weight.device).L2_cache_size
+    count = min(max(-(-3 * l2 // max(nbytes, 1)), 1), 8)
+    return [proj] + [copy.deepcopy(proj) for _ in range(count - 1)]
+
+
+def graph_time_us(calls: list[Callable[[], object]], replays: int = 10, rounds: int = 5) -> float:
+    """Microseconds per call of `calls` captured back to back in one CUDA graph and replayed (the best
+    of `rounds` timings of `replays` replays). Each call runs once first: kernels compile and tune
+    outside the capture."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(rounds):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (replays * len(calls)))
+    del graph
+    return best
 
 
 CHOICES = GemvChoices()  # one per process: the shapes are the model's, the timings the GPU's

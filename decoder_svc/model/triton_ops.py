@@ -21,6 +21,7 @@ Only imported on GPU paths or under TRITON_INTERPRET=1 (tests), so triton is imp
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 import triton
@@ -229,7 +230,7 @@ class TritonOps:
         """TorchOps.norm_linear: one fused kernel for one row where it was measured faster."""
         from decoder_svc.model import decode_gemv as g
 
-        def separate(x=x, residual=residual):
+        def separate(x, residual, proj):
             h, new_residual = TritonOps.rms_norm(x, weight, eps, residual)
             return proj(h), new_residual
 
@@ -237,28 +238,31 @@ class TritonOps:
         if w is not None:
             key = g.GemvKey.of(w, g.RMS_NORM, residual is not None)
             if _tunable(key):  # on scratch copies: the separate path writes its residual in place
-                xs, rs = x.clone(), None if residual is None else residual.clone()
-                g.CHOICES.tune(key, lambda: g.fused_gemv(xs, w, g.RMS_NORM, rs, weight, eps),
-                               lambda: separate(xs, rs))
+                xs, rs, projs = x.clone(), None if residual is None else residual.clone(), g.copies(proj)
+                g.CHOICES.tune(key, [partial(g.fused_gemv, xs, g.gemv_weight(p), g.RMS_NORM, rs, weight, eps)
+                                     for p in projs], [partial(separate, xs, rs, p) for p in projs])
             if g.CHOICES.use_fused(key):
-                out, new_residual = g.fused_gemv(x, w, g.RMS_NORM, residual, weight, eps)
-                return out, new_residual
-        return separate()
+                return g.fused_gemv(x, w, g.RMS_NORM, residual, weight, eps)
+        return separate(x, residual, proj)
 
     @staticmethod
     def act_linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
         """TorchOps.act_linear: one fused kernel for one row where it was measured faster."""
         from decoder_svc.model import decode_gemv as g
 
+        def separate(proj):
+            return proj(TritonOps.silu_and_mul(x))
+
         w = _one_row_weight(x, proj)
         if w is not None:
             key = g.GemvKey.of(w, g.SILU_MUL, False)
             if _tunable(key):
-                g.CHOICES.tune(key, lambda: g.fused_gemv(x, w, g.SILU_MUL),
-                               lambda: proj(TritonOps.silu_and_mul(x)))
+                projs = g.copies(proj)
+                g.CHOICES.tune(key, [partial(g.fused_gemv, x, g.gemv_weight(p), g.SILU_MUL) for p in projs],
+                               [partial(separate, p) for p in projs])
             if g.CHOICES.use_fused(key):
                 return g.fused_gemv(x, w, g.SILU_MUL)[0]
-        return proj(TritonOps.silu_and_mul(x))
+        return separate(proj)
 
     @staticmethod
     def linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
@@ -269,7 +273,9 @@ class TritonOps:
         if w is not None:
             key = g.GemvKey.of(w, g.PLAIN, False)
             if _tunable(key):
-                g.CHOICES.tune(key, lambda: g.fused_gemv(x, w), lambda: proj(x))
+                projs = g.copies(proj)
+                g.CHOICES.tune(key, [partial(g.fused_gemv, x, g.gemv_weight(p)) for p in projs],
+                               [partial(p, x) for p in projs])
             if g.CHOICES.use_fused(key):
                 return g.fused_gemv(x, w)[0]
         return proj(x)
