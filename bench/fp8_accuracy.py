@@ -1,12 +1,14 @@
-"""FP8 against bf16 on the same weights: greedy top-1 agreement and per-layer hidden-state error.
+"""FP8 against bf16 on the same weights: greedy top-1 agreement, KL divergence, per-layer hidden-state error.
 
     python -m bench.fp8_accuracy --model DIR --device cuda --dtype bfloat16 [--prompts 16 --steps 256]
 
 The reference model (the checkpoint in --dtype) decodes --steps greedy tokens for --prompts text
 prompts, batched. Then both models are teacher-forced over those sequences step by step, the way a
 server decodes (one token per sequence per step, paged KV), and at each step we compare their top-1
-tokens: agreement = equal top-1 / steps. The FP8 model is `--quantization fp8` of the same checkpoint
-(or --fp8-model, a pre-quantized checkpoint). Per-layer error: ||h_fp8 - h_ref|| / ||h_ref|| of each
+tokens: agreement = equal top-1 / steps, and the mean KL(ref || fp8) of their next-token distributions
+with the logits of both scaled so that the reference is as peaked as a trained model (calibrate). The
+FP8 model is `--quantization fp8` of the same checkpoint (or --fp8-model, a pre-quantized checkpoint).
+Per-layer error: ||h_fp8 - h_ref|| / ||h_ref|| of each
 decoder layer's output (hidden + residual) over the prompts' prefill, so the growth through depth shows.
 """
 
@@ -36,6 +38,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--target-top1", type=float, default=0.6,
+                   help="logits are scaled until the reference's median top-1 probability reaches this "
+                   "(see calibrate)")
     p.add_argument("--out", default=None)
     return p
 
@@ -100,24 +105,25 @@ def run(args: argparse.Namespace) -> dict:
     prompts = [tokenizer(maker.text(args.prompt_len))["input_ids"] for _ in range(args.prompts)]
     max_len = max(map(len, prompts)) + args.steps + 1
 
-    # The reference's own greedy sequences.
+    # The reference's own greedy sequences, and its top-1 probability at each candidate logit scale.
     stepper = Stepper(ref, len(prompts), max_len, dtype, device)
     logits = stepper.forward(prompts)
     greedy = [[int(t)] for t in logits.argmax(-1).tolist()]
+    top1 = {scale: [] for scale in SCALES}
     for _ in range(args.steps - 1):
-        nxt = stepper.forward([[g[-1]] for g in greedy]).argmax(-1).tolist()
-        for g, t in zip(greedy, nxt, strict=True):
+        _note_top1(logits, top1)
+        logits = stepper.forward([[g[-1]] for g in greedy])
+        for g, t in zip(greedy, logits.argmax(-1).tolist(), strict=True):
             g.append(int(t))
+    scale = calibrate(top1, args.target_top1)
 
-    # Teacher-forced decode of those sequences by both models: top-1 at every step.
-    tops = {}
-    for name, model in (("ref", ref), ("fp8", fp8)):
-        stepper = Stepper(model, len(prompts), max_len, dtype, device)
-        steps = [stepper.forward(prompts).argmax(-1)]
-        for s in range(args.steps - 1):
-            steps.append(stepper.forward([[g[s]] for g in greedy]).argmax(-1))
-        tops[name] = torch.stack(steps, dim=1).cpu()
-    agree = (tops["fp8"] == tops["ref"]).float().mean().item()
+    # Teacher-forced decode of those sequences by both models in lockstep: top-1 and KL at every step.
+    steppers = [Stepper(m, len(prompts), max_len, dtype, device) for m in (ref, fp8)]
+    compare = StepComparison(scale)
+    compare.add(*(st.forward(prompts) for st in steppers))
+    for s in range(args.steps - 1):
+        compare.add(*(st.forward([[g[s]] for g in greedy]) for st in steppers))
+    figures = compare.figures()
     distinct = len({t for g in greedy for t in g})
 
     errors = []
@@ -125,13 +131,72 @@ def run(args: argparse.Namespace) -> dict:
         r_out, q_out = layer_outputs(ref, ids, device, dtype), layer_outputs(fp8, ids, device, dtype)
         errors.append([((q - r).norm() / r.norm()).item() for r, q in zip(r_out, q_out, strict=True)])
     per_layer = [sum(col) / len(col) for col in zip(*errors, strict=True)]
-    print_table(f"FP8 vs {args.dtype}: top-1 agreement over {args.prompts} x {args.steps} teacher-forced "
-                f"decode steps",
-                ["agreement", "distinct greedy tokens", "layer-0 rel err", "last-layer rel err"],
-                [[agree, distinct, per_layer[0], per_layer[-1]]])
-    return save_result("fp8_accuracy", args, {"top1_agreement": agree, "steps": args.steps,
+    print_table(f"FP8 vs {args.dtype}: {args.prompts} x {args.steps} teacher-forced decode steps (logits x "
+                f"{scale:g}: the reference's median top-1 probability {figures['median_top1_prob']:.2f})",
+                ["top-1 agreement", "where ref top-1 p >= 0.5", "KL(ref || fp8) nats", "KL at scale 1",
+                 "distinct greedy tokens", "layer-0 rel err", "last-layer rel err"],
+                [[figures["top1_agreement"], figures["confident_agreement"], figures["kl_mean"],
+                  figures["kl_mean_unscaled"], distinct, per_layer[0], per_layer[-1]]])
+    return save_result("fp8_accuracy", args, {**figures, "logit_scale": scale, "steps": args.steps,
                                               "prompts": args.prompts, "distinct_greedy_tokens": distinct,
                                               "per_layer_relative_error": per_layer})
+
+
+SCALES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
+
+
+def _note_top1(logits: torch.Tensor, top1: dict[float, list[float]]) -> None:
+    for scale, values in top1.items():
+        values += torch.softmax(logits.float() * scale, dim=-1).amax(-1).tolist()
+
+
+def calibrate(top1: dict[float, list[float]], target: float) -> float:
+    """The smallest candidate logit scale at which the reference's median top-1 probability reaches target.
+
+    Random weights give flat next-token distributions (top-1 probabilities near 1/vocab), where any
+    perturbation flips the argmax and KL means little; trained chat models put a median of roughly
+    0.5-0.8 on their top-1 token. Scaling the logits (a temperature below 1, the same for both models)
+    gives the random checkpoint that peakedness; argmax agreement does not depend on it, KL and the
+    confident-step agreement do."""
+    for scale in SCALES:
+        if torch.tensor(top1[scale]).median().item() >= target:
+            return scale
+    return SCALES[-1]
+
+
+class StepComparison:
+    """Running figures of the reference and FP8 logits over the same teacher-forced steps."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.agree: list[torch.Tensor] = []
+        self.confident: list[torch.Tensor] = []
+        self.kl: list[torch.Tensor] = []
+        self.kl_unscaled: list[torch.Tensor] = []
+        self.top1_prob: list[torch.Tensor] = []
+
+    @staticmethod
+    def _kl(ref: torch.Tensor, fp8: torch.Tensor) -> torch.Tensor:
+        lp_ref, lp_q = torch.log_softmax(ref, -1), torch.log_softmax(fp8, -1)
+        return (lp_ref.exp() * (lp_ref - lp_q)).sum(-1)
+
+    def add(self, ref: torch.Tensor, fp8: torch.Tensor) -> None:
+        """One step's fp32 logits [batch, vocab] of each model."""
+        ref, fp8 = ref.float(), fp8.float()
+        self.agree.append((ref.argmax(-1) == fp8.argmax(-1)).cpu())
+        self.top1_prob.append(torch.softmax(ref * self.scale, -1).amax(-1).cpu())
+        self.kl.append(self._kl(ref * self.scale, fp8 * self.scale).cpu())
+        self.kl_unscaled.append(self._kl(ref, fp8).cpu())
+
+    def figures(self) -> dict:
+        """Agreement (all steps, and steps where the reference's top-1 probability is >= 0.5), mean KL."""
+        agree, prob = torch.cat(self.agree).float(), torch.cat(self.top1_prob)
+        confident = prob >= 0.5
+        return {"top1_agreement": agree.mean().item(),
+                "confident_agreement": agree[confident].mean().item() if confident.any() else None,
+                "confident_steps": int(confident.sum()), "median_top1_prob": prob.median().item(),
+                "kl_mean": torch.cat(self.kl).mean().item(),
+                "kl_mean_unscaled": torch.cat(self.kl_unscaled).mean().item()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -292,7 +292,8 @@ fi
 # "none:off none:auto": bf16 with the fused products off, then measured at start-up; MODE is
 # MMSERVE_DECODE_GEMV, QUANT the engine's --quantization; each run its own process), a batch-1 step
 # profile (DECODE_PROFILE=0: none), and with DECODE_SERVED=1 decode through gRPC (bench.serve_decode
-# --served-only, bf16, measured mode). DECODE_PRESETS (default llava-1.5-7b); DECODE_GEMV=0 skips the
+# --served-only, bf16, measured mode), and FP8's accuracy for the presets listed in DECODE_ACCURACY
+# (bench.fp8_accuracy: agreement and KL). DECODE_PRESETS (default llava-1.5-7b); DECODE_GEMV=0 skips the
 # kernel table. Each model is deleted after its steps (disk) unless DECODE_KEEP_MODELS=1.
 if [[ ",$SECTIONS," == *,decode,* ]]; then
   [ "${DECODE_GEMV:-1}" = 1 ] && step decode_gemv 240 "$PY" -m bench.decode_gemv
@@ -310,6 +311,8 @@ if [[ ",$SECTIONS," == *,decode,* ]]; then
       --logs "$RES/logs-decode-$fam"
     [ "${DECODE_PROFILE:-1}" = 1 ] && step "profile_step_$fam" 120 "$PY" -m bench.profile_step \
       --model "$DMODEL" "${DT[@]}" --batch 1 --steps 32
+    [[ " ${DECODE_ACCURACY:-} " == *" $fam "* ]] && step "fp8_accuracy_$fam" 120 "$PY" -m bench.fp8_accuracy \
+      --model "$DMODEL" "${DT[@]}" --prompts 8 --steps 96
     [ "${DECODE_KEEP_MODELS:-0}" = 1 ] || rm -rf "$DMODEL"
   done
 fi
