@@ -268,7 +268,7 @@ def agreement(engine: LLMEngine, hf, prompts: int, tokens: int) -> dict:
             req.prompt_token_ids = req.prompt_token_ids + ref[:j]
             req.mrope_positions, req.mrope_delta = mrope_positions(
                 len(req.prompt_token_ids), [(p.offset, p.grid) for p in req.images],
-                engine.tokenizer.qwen_layout.merge_size)
+                engine.tokenizer.layout.merge_size)
             engine.add(req)
         outs = {}
         while engine.has_unfinished():

@@ -34,8 +34,8 @@ from bench.services import encoder_service, workdir
 from bench.stats import ratio, summarize
 from common.checkpoint import load_config, parse_dtype
 from common.client import new_lease_owner
+from common.image_geometry import PixelRange
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
-from common.qwen_layout import PixelRange
 from common.vision.qwen_encoder import make_vision_encoder
 from encoder_svc.stages import STAGES
 

@@ -33,9 +33,9 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from common.checkpoint import parse_dtype
 from common.errors import ServiceError, as_service_error, invalid_argument, not_found, unavailable
 from common.hashing import check_cache_salt, hash_image_file, is_content_hash
+from common.image_geometry import ImageGeometryError, PixelRange, hash_fingerprint
 from common.images import ImageError, ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
-from common.qwen_layout import ImageGeometryError, PixelRange, hash_fingerprint
 from common.stage_totals import StageTotals
 from common.stats import to_message
 from common.transport.arena_factory import make_arena

@@ -11,9 +11,11 @@ from common.families.registry import (
     family_of,
     family_of_model,
     find_family,
+    layout_family,
     preset_names,
     supported_model_types,
 )
 
 __all__ = ["FAMILIES", "ModelFamily", "UnsupportedModelError", "family_by_name", "family_for_preset",
-           "family_of", "family_of_model", "find_family", "preset_names", "supported_model_types"]
+           "family_of", "family_of_model", "find_family", "layout_family", "preset_names",
+           "supported_model_types"]

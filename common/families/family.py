@@ -13,7 +13,10 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from common.families.layout import ImageLayout
 
 
 def load_attr(ref: str) -> Any:
@@ -39,6 +42,16 @@ class ModelFamily:
     vision_encoder: str           # "module:Class": its vision encoder (model_dir, device, dtype, preprocess=)
     presets: str                  # "module:DICT" of its `make-model` presets, by name
     maker: str                    # "module:function" writing a random checkpoint of one of those presets
+    layout: str                   # "module:Class" of its ImageLayout (common/families/layout.py)
+
+    def layout_class(self) -> type[ImageLayout]:
+        """Its ImageLayout class (loads the text processor and reads a checkpoint's layout)."""
+        return load_attr(self.layout)
+
+    def image_layout(self, model_dir: str | Path, config: dict[str, Any]) -> ImageLayout:
+        """The image layout of its checkpoint in model_dir (config: its config.json); CheckpointError with
+        the reason when the checkpoint cannot be served."""
+        return self.layout_class().from_checkpoint(model_dir, config)
 
     def make_vision_encoder(self, model_dir: str | Path, device: Any = "cpu", dtype: Any = None,
                             preprocess: str = "auto") -> Any:

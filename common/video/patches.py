@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.qwen_layout import Grid
+from common.image_geometry import Grid
 from common.video.config import QwenVideoConfig
 
 

@@ -17,7 +17,8 @@ import torch
 from PIL import Image
 
 from common.checkpoint import load_config, model_fingerprint
-from common.qwen_layout import Grid, PixelRange, read_qwen_layout
+from common.image_geometry import Grid, PixelRange
+from common.qwen_layout import read_qwen_layout
 from common.video.config import load_qwen_video_config
 from common.video.timestamps import VideoTiming
 from common.vision import PREPROCESS_MODES

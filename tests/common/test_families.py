@@ -105,3 +105,32 @@ def test_the_makers_import_no_circle():
     top |= {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
     inner = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not {m for m in top | inner if m and m.startswith("common.model_maker_")}
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_every_family_provides_an_image_layout(family):
+    from common.families.layout import ImageLayout
+
+    cls = family.layout_class()
+    assert issubclass(cls, ImageLayout)
+    assert isinstance(cls.sized_by_image, bool) and isinstance(cls.mrope, bool)
+    assert (cls.video_token is not None) == family.takes_video
+    assert cls.sized_by_image == family.dynamic_resolution
+
+
+def test_the_layouts_of_tiny_checkpoints(tiny_model_dir, qwen_model_dir):
+    from common.checkpoint import load_config
+    from common.families import layout_family
+
+    llava = layout_family(load_config(tiny_model_dir)).image_layout(tiny_model_dir, load_config(tiny_model_dir))
+    assert llava.tokens_per_image == llava.num_tokens() > 0 and llava.positions(3, []) is None
+    assert llava.generic_image_text("<image>") is None and not llava.takes_video
+    config = load_config(qwen_model_dir)
+    qwen = layout_family(config).image_layout(qwen_model_dir, config)
+    assert qwen.tokens_per_image is None and qwen.takes_video
+    grid = qwen.grid(56, 84, qwen.pixel_range())
+    assert qwen.num_tokens(grid) == grid[1] * grid[2] // 4
+    positions, delta = qwen.positions(10, [(2, grid)])
+    assert positions.shape == (3, 10) and delta <= 0
+    # a config no family claims is refused by the fallback's layout, saying why
+    assert layout_family({"model_type": "llava_next"}).name == "llava"

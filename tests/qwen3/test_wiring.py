@@ -37,7 +37,7 @@ def test_header_counts_equal_hf_prompt(qwen3_model_dir, qwen3_oracle, qwen_image
     _, hf_grids = qwen3_oracle.pixels(qwen_images)
     assert counts == [int(g.prod()) // 4 for g in hf_grids] == [64, 300, 279]
     tokenizer = PromptTokenizer(qwen3_model_dir)
-    assert tokenizer.qwen_layout == layout and tokenizer.image_token == IMAGE_PAD
+    assert tokenizer.layout == layout and tokenizer.image_token == IMAGE_PAD
     prompt = f"<|im_start|>user\n{IMAGE_PAD}a{IMAGE_PAD}b{IMAGE_PAD}?<|im_end|>\n"
     ours = tokenizer.encode_prompt(prompt, image_token_counts=counts)
     assert ours.token_ids == qwen3_oracle.inputs(prompt, qwen_images)["input_ids"][0].tolist()

@@ -15,4 +15,5 @@ FAMILY = ModelFamily(
     vision_encoder="common.vision.tower:VisionEncoder",
     presets="common.model_maker:PRESETS",
     maker="common.model_maker:make_llava_model",
+    layout="common.image_tokens:ImageTokenLayout",
 )

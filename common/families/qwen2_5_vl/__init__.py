@@ -15,4 +15,5 @@ FAMILY = ModelFamily(
     vision_encoder="common.vision.qwen_encoder:QwenVisionEncoder",
     presets="common.model_maker_qwen:QWEN_PRESETS",
     maker="common.model_maker_qwen:make_qwen_model",
+    layout="common.qwen_layout:QwenImageLayout",
 )

@@ -14,4 +14,5 @@ FAMILY = ModelFamily(
     vision_encoder="common.vision.qwen3_encoder:Qwen3VisionEncoder",
     presets="common.model_maker_qwen3:QWEN3_PRESETS",
     maker="common.model_maker_qwen3:make_qwen3_model",
+    layout="common.qwen_layout:QwenImageLayout",
 )
