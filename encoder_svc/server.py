@@ -41,7 +41,7 @@ from common.stats import to_message
 from common.transport.arena_factory import make_arena
 from common.transport.nixl import NixlExporter, make_exporter
 from common.video.limits import VideoLimits
-from common.vision.qwen_encoder import make_vision_encoder, takes_pixel_ranges
+from common.vision.encoders import make_vision_encoder, takes_pixel_ranges
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, EntryKindError, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig

@@ -2,10 +2,11 @@
 of testing `model_type` themselves (vLLM's model registry is the idea: names resolve to code lazily, so
 asking about a family imports neither torch nor transformers).
 
-A family's folder (`common/families/<name>/__init__.py`) holds its `FAMILY`; the registry
-(`common/families/registry.py`) lists the folders. Code that stays elsewhere for now (towers in
-`common/vision/`, layouts in `common/image_tokens.py` and `common/qwen_layout.py`, makers in
-`common/model_maker*.py`) is named here by "module:attribute" and loaded on first use.
+A family's folder (`common/families/<name>/`) holds its `FAMILY` (`__init__.py`) and its own code: its
+image layout (`layout.py`, an ImageLayout of common/families/layout.py), its preset maker (`maker.py`),
+and its vision tower and encoder (`tower.py`, `encoder.py`) where it does not use a shared one
+(`common/vision/tower.py`, the CLIP/SigLIP tower LLaVA runs). The registry (`common/families/registry.py`)
+lists the folders. FAMILY names that code by "module:attribute", loaded on first use.
 """
 
 from __future__ import annotations
@@ -68,5 +69,6 @@ class ModelFamily:
     def make_model(self, preset: str, out: str | Path, seed: int = 0, device: str | None = None,
                    dtype: str | None = None, gain: float = 1.4, progress: bool = True,
                    vision_only: bool = False) -> Path:
-        """Write a random checkpoint of one of its presets into out (common/model_maker.py's contract)."""
+        """Write a random checkpoint of one of its presets into out (common/model_maker.make_model's
+        contract)."""
         return load_attr(self.maker)(preset, out, seed, device, dtype, gain, progress, vision_only)

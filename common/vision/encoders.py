@@ -23,4 +23,4 @@ def make_vision_encoder(model_dir: str | Path, device: str | torch.device = "cpu
 def takes_pixel_ranges(encoder: Any) -> bool:
     """True for an encoder whose images are resized into a pixel range (a dynamic-resolution family's): its
     callers pass each image's PixelRange, and its entries have a grid and a size that follows the image."""
-    return bool(getattr(encoder, "takes_pixel_ranges", False))
+    return getattr(encoder, "takes_pixel_ranges", False) is True

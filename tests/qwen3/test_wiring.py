@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from common.checkpoint import CheckpointError
+from common.families.qwen2_5_vl.encoder import QwenVisionEncoder
+from common.families.qwen2_5_vl.layout import load_qwen_layout
+from common.families.qwen3_vl.encoder import Qwen3VisionEncoder
 from common.images import encode_png
-from common.qwen_layout import load_qwen_layout
-from common.vision.qwen3_encoder import Qwen3VisionEncoder
-from common.vision.qwen_encoder import QwenVisionEncoder, make_vision_encoder, takes_pixel_ranges
+from common.vision.encoders import make_vision_encoder, takes_pixel_ranges
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.tokenization import PromptTokenizer
