@@ -44,6 +44,7 @@ class ModelFamily:
     presets: str                  # "module:DICT" of its `make-model` presets, by name
     maker: str                    # "module:function" writing a random checkpoint of one of those presets
     layout: str                   # "module:Class" of its ImageLayout (common/families/layout.py)
+    oracle: str                   # "module:Class" running hf_class on a checkpoint (the tests' reference)
 
     def layout_class(self) -> type[ImageLayout]:
         """Its ImageLayout class (loads the text processor and reads a checkpoint's layout)."""
@@ -53,6 +54,10 @@ class ModelFamily:
         """The image layout of its checkpoint in model_dir (config: its config.json); CheckpointError with
         the reason when the checkpoint cannot be served."""
         return self.layout_class().from_checkpoint(model_dir, config)
+
+    def make_oracle(self, model_dir: str | Path) -> Any:
+        """Its HF oracle over the checkpoint in model_dir (imports transformers; tests only)."""
+        return load_attr(self.oracle)(model_dir)
 
     def make_vision_encoder(self, model_dir: str | Path, device: Any = "cpu", dtype: Any = None,
                             preprocess: str = "auto") -> Any:

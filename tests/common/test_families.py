@@ -62,6 +62,8 @@ def test_every_reference_resolves(family):
     assert load_attr(family.presets) and getattr(transformers, family.hf_class)
     assert family.local_preprocess in ("hf", "auto")
     assert family.real_checkpoint.count("/") == 1  # a Hub id
+    oracle = load_attr(family.oracle)
+    assert callable(oracle.generate) and family.oracle.startswith(f"common.families.{family.name}.")
 
 
 def test_a_tiny_checkpoint_of_each_family_is_found_and_gets_its_encoder(tiny_model_dir):
@@ -144,7 +146,7 @@ def test_no_service_imports_a_family_folder():
 def test_each_family_folder_holds_its_layout_and_maker():
     """A family's layout and maker live in its folder (Qwen3-VL reuses Qwen2.5-VL's layout by name)."""
     for family in FAMILIES:
-        for ref in (family.layout, family.maker, family.presets, family.vision_encoder):
+        for ref in (family.layout, family.maker, family.presets, family.vision_encoder, family.oracle):
             module = ref.split(":")[0]
             folder = _family_folder(module)
             assert folder in (family.name, "qwen2_5_vl") or module.startswith("common.vision."), ref
@@ -179,3 +181,10 @@ def test_the_layouts_of_tiny_checkpoints(tiny_model_dir, qwen_model_dir):
     assert positions.shape == (3, 10) and delta <= 0
     # a config no family claims is refused by the fallback's layout, saying why
     assert layout_family({"model_type": "llava_next"}).name == "llava"
+
+
+def test_the_oracles_import_no_test_code():
+    """A family's oracle ships in the package: it imports nothing from tests/."""
+    for family in FAMILIES:
+        path = ROOT / f"common/families/{family.name}/oracle.py"
+        assert not {m for m in _imported_modules(path) if m.split(".")[0] == "tests"}, path

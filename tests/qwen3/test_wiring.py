@@ -10,12 +10,12 @@ from common.checkpoint import CheckpointError
 from common.families.qwen2_5_vl.encoder import QwenVisionEncoder
 from common.families.qwen2_5_vl.layout import load_qwen_layout
 from common.families.qwen3_vl.encoder import Qwen3VisionEncoder
+from common.families.qwen3_vl.oracle import IMAGE_PAD
 from common.images import encode_png
 from common.vision.encoders import make_vision_encoder, takes_pixel_ranges
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.tokenization import PromptTokenizer
-from tests.qwen3.oracle import IMAGE_PAD
 
 
 def test_factory_and_layout(qwen3_model_dir, qwen_model_dir):

@@ -16,4 +16,5 @@ FAMILY = ModelFamily(
     presets="common.families.llava.maker:PRESETS",
     maker="common.families.llava.maker:make_llava_model",
     layout="common.families.llava.layout:ImageTokenLayout",
+    oracle="common.families.llava.oracle:LlavaOracle",
 )

@@ -16,4 +16,5 @@ FAMILY = ModelFamily(
     presets="common.families.qwen2_5_vl.maker:QWEN_PRESETS",
     maker="common.families.qwen2_5_vl.maker:make_qwen_model",
     layout="common.families.qwen2_5_vl.layout:QwenImageLayout",
+    oracle="common.families.qwen2_5_vl.oracle:QwenOracle",
 )

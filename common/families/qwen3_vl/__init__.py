@@ -14,5 +14,6 @@ FAMILY = ModelFamily(
     vision_encoder="common.families.qwen3_vl.encoder:Qwen3VisionEncoder",
     presets="common.families.qwen3_vl.maker:QWEN3_PRESETS",
     maker="common.families.qwen3_vl.maker:make_qwen3_model",
-    layout="common.families.qwen2_5_vl.layout:QwenImageLayout"  # Qwen2.5-VL's, reused,
+    layout="common.families.qwen2_5_vl.layout:QwenImageLayout",  # Qwen2.5-VL's, reused
+    oracle="common.families.qwen3_vl.oracle:Qwen3Oracle",
 )
