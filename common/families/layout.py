@@ -22,7 +22,7 @@ import numpy as np
 from common.image_geometry import Grid, ImageGeometryError, PixelRange
 
 # (offset, grid) of an image, (offset, grid, temporal step) of a video run: what positions are made from
-Span = tuple
+Span = tuple[int, Grid] | tuple[int, Grid, float]
 
 
 @dataclass(frozen=True)
