@@ -40,7 +40,9 @@ from bench.bandwidth import copy_bandwidth
 from bench.report import save_result
 from bench.workload import QWEN_END, QWEN_IMAGE, QWEN_USER
 from common.checkpoint import load_config, parse_dtype
-from common.vision.qwen_encoder import QwenPrepared, load_qwen_image_processor, make_vision_encoder
+from common.families.qwen2_5_vl.encoder_base import load_qwen_image_processor
+from common.vision.encoders import make_vision_encoder
+from common.vision.prepared import PreparedGrid
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.engine.sampling_params import SamplingParams
@@ -190,10 +192,10 @@ def _hf_processor(model: str):
     return load_qwen_image_processor(model)
 
 
-def hf_prepare(engine: LLMEngine, image: Image.Image) -> QwenPrepared:
+def hf_prepare(engine: LLMEngine, image: Image.Image) -> PreparedGrid:
     """One image through the checkpoint's HF image processor (what HF's model is given)."""
     out = _hf_processor(str(engine.config.model))(images=[image], return_tensors="pt")
-    return QwenPrepared(tuple(int(x) for x in out["image_grid_thw"][0]), pixel_values=out["pixel_values"])
+    return PreparedGrid(tuple(int(x) for x in out["image_grid_thw"][0]), pixel_values=out["pixel_values"])
 
 
 def hf_inputs(engine: LLMEngine, hf, prompt: str, imgs: list[Image.Image]) -> dict:
@@ -250,7 +252,7 @@ def decode_rate(engine: LLMEngine, hf, n: int) -> dict:
 
 def agreement(engine: LLMEngine, hf, prompts: int, tokens: int) -> dict:
     """Teacher-forced agreement of the engine's greedy next token with HF's (see the module docstring)."""
-    from common.qwen_layout import mrope_positions
+    from common.families.qwen2_5_vl.layout import mrope_positions
 
     equal = total = identical = floor = 0
     greedy = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -268,7 +270,7 @@ def agreement(engine: LLMEngine, hf, prompts: int, tokens: int) -> dict:
             req.prompt_token_ids = req.prompt_token_ids + ref[:j]
             req.mrope_positions, req.mrope_delta = mrope_positions(
                 len(req.prompt_token_ids), [(p.offset, p.grid) for p in req.images],
-                engine.tokenizer.qwen_layout.merge_size)
+                engine.tokenizer.layout.merge_size)
             engine.add(req)
         outs = {}
         while engine.has_unfinished():

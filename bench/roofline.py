@@ -145,8 +145,8 @@ def measure_roofline(model_dir: str | Path, device: str, dtype: str, work: Workl
 
 def patches_per_image(model_dir: str | Path, image_size: int) -> int:
     """The vision tower's sequence length for one square image of image_size pixels."""
-    from common.image_tokens import load_image_token_layout
-    from common.qwen_layout import is_qwen_vl, load_qwen_layout
+    from common.families.llava.layout import load_image_token_layout
+    from common.families.qwen2_5_vl.layout import is_qwen_vl, load_qwen_layout
 
     if is_qwen_vl(load_config(model_dir)):
         layout = load_qwen_layout(model_dir)

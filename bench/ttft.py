@@ -34,7 +34,7 @@ from bench.svcstats import stage_split
 from bench.workload import PromptMaker, random_png, random_words
 from common.checkpoint import load_config
 from common.client import AsyncDecoderClient, DecoderClient, EncoderClient
-from common.qwen_layout import is_qwen_vl
+from common.families.qwen2_5_vl.layout import is_qwen_vl
 
 COPY_BANDWIDTH = 4.27e12  # H200 device copy, bytes/s (bench/bandwidth.py measured 4.27-4.29)
 
@@ -212,8 +212,8 @@ def hf_cold(args: argparse.Namespace, prompts: list[tuple[str, bytes]]) -> dict:
 
     from bench.qwen_gpu import load_hf
     from common.checkpoint import parse_dtype
-    from common.qwen_layout import load_qwen_layout
-    from common.vision.qwen_encoder import load_qwen_image_processor
+    from common.families.qwen2_5_vl.encoder_base import load_qwen_image_processor
+    from common.families.qwen2_5_vl.layout import load_qwen_layout
     from decoder_svc.tokenization import PromptTokenizer
 
     device = torch.device(args.device)

@@ -34,9 +34,9 @@ from bench.services import encoder_service, workdir
 from bench.stats import ratio, summarize
 from common.checkpoint import load_config, parse_dtype
 from common.client import new_lease_owner
+from common.image_geometry import PixelRange
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
-from common.qwen_layout import PixelRange
-from common.vision.qwen_encoder import make_vision_encoder
+from common.vision.encoders import make_vision_encoder
 from encoder_svc.stages import STAGES
 
 MIXED_SIZES = ((224, 224), (448, 336), (640, 480), (800, 800), (1024, 768), (1280, 720))
@@ -167,7 +167,7 @@ def hf_tower(model_dir: str, device: torch.device, dtype: torch.dtype):
     from transformers import AutoConfig
 
     from common.checkpoint import load_tensors
-    from common.vision.qwen_family import load_qwen_image_processor
+    from common.families.qwen2_5_vl.encoder_base import load_qwen_image_processor
 
     config = AutoConfig.from_pretrained(model_dir)
     vision_config = config.vision_config

@@ -41,7 +41,7 @@ class PromptMaker:
             from transformers import AutoTokenizer
 
             from common.checkpoint import load_config
-            from common.qwen_layout import is_qwen_vl
+            from common.families.qwen2_5_vl.layout import is_qwen_vl
 
             self.qwen = is_qwen_vl(load_config(model_dir))
 

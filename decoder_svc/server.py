@@ -60,9 +60,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.ttft_totals = StageTotals(STAGES)  # where time to first token goes (engine/ttft_stages.py)
 
     async def _known_grids(self, parsed: ParsedRequest) -> dict | None:
-        """Grids of the request's hash-only images this front end has not hashed itself (Qwen2.5-VL:
-        their token counts), from the encoders that hold them."""
-        if self.encoders is None or self.inputs.qwen is None:
+        """Grids of the request's hash-only images this front end has not hashed itself (where the layout
+        sizes images, their token counts), from the encoders that hold them."""
+        if self.encoders is None or not self.inputs.layout.sized_by_image:
             return None
         missing = [i for i in parsed.images
                    if isinstance(i, str) and self.inputs.known_grid(parsed.cache_salt, i) is None]

@@ -2,9 +2,10 @@
 
 `processor(text=prompt, images=...)` replaces each image token (`<image>`, Qwen's `<|image_pad|>`) with
 N copies and tokenizes the result with the default special tokens. We do the same without decoding
-pixels: for the LLaVA family N does not depend on the image, and common.image_tokens derives it from the
-processor and vision configs (the encoder uses the same number); for Qwen2.5-VL the caller passes each
-image's N, computed from its header (common.qwen_layout). The ids equal HF's; tests check it.
+pixels: the family's image layout (common/families/layout.py) says N. Where N does not depend on the
+image (LLaVA) the layout derives it from the processor and vision configs (the encoder uses the same
+number); where it follows the image (Qwen-VL) the caller passes each image's N, computed by the layout from
+its header. The ids equal HF's; tests check it.
 
 The placeholder is a special token, which the tokenizer splits out before it reads the text around it:
 a run of N of them tokenizes to N copies of its id whatever N is. So the text is tokenized with each
@@ -22,9 +23,8 @@ from typing import Any
 
 from common.checkpoint import load_config
 from common.errors import InvalidInputError
-from common.families import find_family
-from common.image_tokens import ImageTokenLayout, load_image_token_layout
-from common.qwen_layout import QwenImageLayout, load_qwen_layout
+from common.families import layout_family
+from common.families.layout import ImageLayout
 
 # Roles the LLaVA chat template is written for. The template itself prints any other role verbatim
 # (`role.upper() + ': '`), so a client-chosen role could forge turns or template text in the prompt.
@@ -80,42 +80,30 @@ class PromptTokenizer:
     """Tokenizer + processor of one checkpoint, loaded offline from its directory."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        from transformers import AutoProcessor, AutoTokenizer
-
         config = load_config(model_dir)
-        self.qwen_layout: QwenImageLayout | None = None
-        self.image_layout: ImageTokenLayout | None = None
-        family = find_family(config)  # None: the fixed-size path refuses it below, saying why
-        if family is not None and family.dynamic_resolution:
-            # The tokenizer carries the chat template; Qwen's full processor would also load a video
-            # processor (torchvision), which serving images does not need.
-            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-            self.processor = self.tokenizer
-            self.qwen_layout = load_qwen_layout(model_dir)
-            self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
-        else:
-            self.processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-            self.tokenizer = self.processor.tokenizer
-            self.image_token = getattr(self.processor, "image_token", "<image>")
-            # Raises UnsupportedImageConfigError at start-up for a configuration we cannot serve.
-            self.image_layout = load_image_token_layout(model_dir)
+        # A config no family claims gets the fallback's layout, which refuses it at start-up saying why.
+        family = layout_family(config)
+        text = family.layout_class().load_text_processor(model_dir)
+        self.processor, self.tokenizer, self.image_token = text.processor, text.tokenizer, text.image_token
+        self.layout: ImageLayout = family.image_layout(model_dir, config)
         self.image_token_id: int = int(config.get("image_token_index", config.get("image_token_id", -1)))
         if self.image_token_id < 0:
             self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         self.video_token: str | None = None
         self.video_token_id: int | None = None
-        if self.qwen_layout is not None and config.get("video_token_id") is not None:
-            self.video_token = getattr(self.tokenizer, "video_token", None) or "<|video_pad|>"
+        if self.layout.takes_video and config.get("video_token_id") is not None:
+            self.video_token = getattr(self.tokenizer, "video_token", None) or self.layout.video_token
             self.video_token_id = int(config["video_token_id"])
         self.mm_token_ids: frozenset[int] = frozenset(
             {self.image_token_id} | ({self.video_token_id} if self.video_token_id is not None else set()))
 
     def num_image_tokens(self, image_size: tuple[int, int] | None = None) -> int:
-        """Placeholder tokens for one image of (height, width) of the LLaVA family (which ignores the
-        size). Qwen2.5-VL counts depend on the image: its callers pass image_token_counts."""
-        if self.image_layout is None:
+        """Placeholder tokens for one image of (height, width) where the layout's count is fixed (it
+        ignores the size). Where counts follow the image, callers pass image_token_counts."""
+        count = self.layout.tokens_per_image
+        if count is None:
             raise PromptError("this model's image token count depends on the image: pass image_token_counts")
-        return self.image_layout.num_image_tokens
+        return count
 
     def encode_prompt(self, prompt: str, image_sizes: Sequence[tuple[int, int] | None] = (),
                       add_special_tokens: bool = True,
@@ -161,13 +149,15 @@ class PromptTokenizer:
         return out
 
     def _native_image_markers(self, prompt: str, n_images: int) -> str:
-        """A Qwen-VL prompt that marks its images with the generic `<image>` (the API's and `mmserve
-        generate`'s marker) and has none of the model's own: each `<image>` becomes the model's vision
-        block, as its chat template writes it. Prompts with the model's markers are left as HF takes them."""
-        if (self.qwen_layout is None or not n_images or self.image_token in prompt
+        """A prompt that marks its images with the generic `<image>` (the API's and `mmserve generate`'s
+        marker) and has none of the model's own, for a model whose marker differs (Qwen-VL): each `<image>`
+        becomes the model's vision block, as its chat template writes it (the layout's
+        generic_image_text). Prompts with the model's markers are left as HF takes them."""
+        block = self.layout.generic_image_text(self.image_token)
+        if (block is None or not n_images or self.image_token in prompt
                 or prompt.count(GENERIC_IMAGE_MARKER) != n_images):
             return prompt
-        return prompt.replace(GENERIC_IMAGE_MARKER, f"<|vision_start|>{self.image_token}<|vision_end|>")
+        return prompt.replace(GENERIC_IMAGE_MARKER, block)
 
     def _expand(self, prompt: str, counts: list[int], videos: Sequence[VideoPromptLayout]) -> str:
         """Each marker replaced by its tokens, as the HF processors do (Qwen3-VL's replaces a video's
@@ -186,7 +176,7 @@ class PromptTokenizer:
         pads = self.video_token * video.tokens_per_group
         if video.timestamps is None:  # Qwen2.5-VL: one run
             return pads * video.groups
-        return "".join(f"<{t:.1f} seconds><|vision_start|>{pads}<|vision_end|>" for t in video.timestamps)
+        return "".join(self.layout.video_group_text(pads, t) for t in video.timestamps)
 
     def _video_spans(self, ids: list[int],
                      videos: Sequence[VideoPromptLayout]) -> list[list[PlaceholderRange]]:

@@ -33,15 +33,15 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from common.checkpoint import parse_dtype
 from common.errors import ServiceError, as_service_error, invalid_argument, not_found, unavailable
 from common.hashing import check_cache_salt, hash_image_file, is_content_hash
+from common.image_geometry import ImageGeometryError, PixelRange, hash_fingerprint
 from common.images import ImageError, ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
-from common.qwen_layout import ImageGeometryError, PixelRange, hash_fingerprint
 from common.stage_totals import StageTotals
 from common.stats import to_message
 from common.transport.arena_factory import make_arena
 from common.transport.nixl import NixlExporter, make_exporter
 from common.video.limits import VideoLimits
-from common.vision.qwen_encoder import make_vision_encoder, takes_pixel_ranges
+from common.vision.encoders import make_vision_encoder, takes_pixel_ranges
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, EntryKindError, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig

@@ -23,7 +23,7 @@ from common.video import (
     video_input_config,
     video_patches,
 )
-from common.vision.qwen_encoder import QwenPrepared
+from common.vision.prepared import PreparedGrid
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,9 @@ class VideoJob:
     config: QwenVideoConfig
     limits: VideoLimits
     plan: VideoPlan
-    prepared: QwenPrepared | None = None
+    prepared: PreparedGrid | None = None
 
-    def decode(self, keep_going: Callable[[], bool] | None = None) -> QwenPrepared:
+    def decode(self, keep_going: Callable[[], bool] | None = None) -> PreparedGrid:
         """Decode the planned frames and patch them. VideoError for a stream that breaks after its header
         or runs past its time budget; DecodeAbandoned once keep_going() (asked at every frame) is False."""
         video = decode_video(self.data, lambda _info: np.asarray(self.plan.indices, dtype=np.int64),
@@ -45,13 +45,13 @@ class VideoJob:
         rows, grid = video_patches(video.frames, self.config)
         if tuple(grid) != tuple(self.plan.grid):  # the frames differ from what the header promised
             raise VideoError(f"decoded frames give grid {list(grid)}, the header {list(self.plan.grid)}")
-        return QwenPrepared(tuple(grid), pixel_values=rows, timing=self.plan.timing)
+        return PreparedGrid(tuple(grid), pixel_values=rows, timing=self.plan.timing)
 
     def decoded(self, keep_going: Callable[[], bool] | None = None) -> VideoJob:
         """This job with its frames decoded and patched (see `decode`)."""
         return replace(self, prepared=self.decode(keep_going))
 
-    def prepare(self) -> QwenPrepared:
+    def prepare(self) -> PreparedGrid:
         """The tower's input (what the vision worker calls on a prep thread): the frames decoded by the
         video lane, or decoded here when the job comes straight to the worker."""
         return self.prepared if self.prepared is not None else self.decode()

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from common.qwen_layout import PixelRange
+from common.image_geometry import PixelRange
 from common.thread_names import set_native_thread_name
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import EmbeddingCache, ProductionAbandoned, ShuttingDownError

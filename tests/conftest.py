@@ -70,8 +70,8 @@ def qwen_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen_oracle(qwen_model_dir: Path):
-    """HF's Qwen2_5_VLForConditionalGeneration, fp32 on CPU (tests/qwen/oracle.py)."""
-    from tests.qwen.oracle import QwenOracle
+    """HF's Qwen2_5_VLForConditionalGeneration, fp32 on CPU (common/families/qwen2_5_vl/oracle.py)."""
+    from common.families.qwen2_5_vl.oracle import QwenOracle
 
     return QwenOracle(qwen_model_dir)
 
@@ -84,8 +84,8 @@ def qwen3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen3_oracle(qwen3_model_dir: Path):
-    """HF's Qwen3VLForConditionalGeneration, fp32 on CPU (tests/qwen3/oracle.py)."""
-    from tests.qwen3.oracle import Qwen3Oracle
+    """HF's Qwen3VLForConditionalGeneration, fp32 on CPU (common/families/qwen3_vl/oracle.py)."""
+    from common.families.qwen3_vl.oracle import Qwen3Oracle
 
     return Qwen3Oracle(qwen3_model_dir)
 

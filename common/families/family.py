@@ -2,10 +2,11 @@
 of testing `model_type` themselves (vLLM's model registry is the idea: names resolve to code lazily, so
 asking about a family imports neither torch nor transformers).
 
-A family's folder (`common/families/<name>/__init__.py`) holds its `FAMILY`; the registry
-(`common/families/registry.py`) lists the folders. Code that stays elsewhere for now (towers in
-`common/vision/`, layouts in `common/image_tokens.py` and `common/qwen_layout.py`, makers in
-`common/model_maker*.py`) is named here by "module:attribute" and loaded on first use.
+A family's folder (`common/families/<name>/`) holds its `FAMILY` (`__init__.py`) and its own code: its
+image layout (`layout.py`, an ImageLayout of common/families/layout.py), its preset maker (`maker.py`),
+and its vision tower and encoder (`tower.py`, `encoder.py`) where it does not use a shared one
+(`common/vision/tower.py`, the CLIP/SigLIP tower LLaVA runs). The registry (`common/families/registry.py`)
+lists the folders. FAMILY names that code by "module:attribute", loaded on first use.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from common.families.layout import ImageLayout
 
 
 def load_attr(ref: str) -> Any:
@@ -39,6 +43,21 @@ class ModelFamily:
     vision_encoder: str           # "module:Class": its vision encoder (model_dir, device, dtype, preprocess=)
     presets: str                  # "module:DICT" of its `make-model` presets, by name
     maker: str                    # "module:function" writing a random checkpoint of one of those presets
+    layout: str                   # "module:Class" of its ImageLayout (common/families/layout.py)
+    oracle: str                   # "module:Class" running hf_class on a checkpoint (the tests' reference)
+
+    def layout_class(self) -> type[ImageLayout]:
+        """Its ImageLayout class (loads the text processor and reads a checkpoint's layout)."""
+        return load_attr(self.layout)
+
+    def image_layout(self, model_dir: str | Path, config: dict[str, Any]) -> ImageLayout:
+        """The image layout of its checkpoint in model_dir (config: its config.json); CheckpointError with
+        the reason when the checkpoint cannot be served."""
+        return self.layout_class().from_checkpoint(model_dir, config)
+
+    def make_oracle(self, model_dir: str | Path) -> Any:
+        """Its HF oracle over the checkpoint in model_dir (imports transformers; tests only)."""
+        return load_attr(self.oracle)(model_dir)
 
     def make_vision_encoder(self, model_dir: str | Path, device: Any = "cpu", dtype: Any = None,
                             preprocess: str = "auto") -> Any:
@@ -55,5 +74,6 @@ class ModelFamily:
     def make_model(self, preset: str, out: str | Path, seed: int = 0, device: str | None = None,
                    dtype: str | None = None, gain: float = 1.4, progress: bool = True,
                    vision_only: bool = False) -> Path:
-        """Write a random checkpoint of one of its presets into out (common/model_maker.py's contract)."""
+        """Write a random checkpoint of one of its presets into out (common/model_maker.make_model's
+        contract)."""
         return load_attr(self.maker)(preset, out, seed, device, dtype, gain, progress, vision_only)

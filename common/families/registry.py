@@ -12,6 +12,9 @@ from common.families.qwen2_5_vl import FAMILY as QWEN2_5_VL
 from common.families.qwen3_vl import FAMILY as QWEN3_VL
 
 FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL)
+# Reads the layout of a checkpoint no family claims: LLaVA's reader refuses it naming what it serves (e.g.
+# llava_next, whose tiles make the token count vary per image), the message users have always had.
+FALLBACK_LAYOUT_FAMILY = LLAVA
 
 
 class UnsupportedModelError(CheckpointError):
@@ -38,6 +41,12 @@ def family_of(config: dict[str, Any]) -> ModelFamily:
         model_type = config.get("model_type")
         raise UnsupportedModelError(f"model_type {model_type!r} is not served; served: {served}")
     return family
+
+
+def layout_family(config: dict[str, Any]) -> ModelFamily:
+    """The family whose layout reads a checkpoint's config (FALLBACK_LAYOUT_FAMILY for one no family
+    claims, so that the refusal says why)."""
+    return find_family(config) or FALLBACK_LAYOUT_FAMILY
 
 
 def family_of_model(model_dir: str | Path) -> ModelFamily:

@@ -19,7 +19,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.qwen_layout import MAX_ASPECT_RATIO, Grid, ImageGeometryError, smart_resize
+from common.families.qwen2_5_vl.layout import MAX_ASPECT_RATIO, smart_resize
+from common.image_geometry import Grid, ImageGeometryError
 from common.video.limits import VideoError
 
 GEOMETRY_FAMILIES = ("qwen2_vl", "qwen3_vl")

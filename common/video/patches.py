@@ -6,7 +6,7 @@ bicubic antialiased interpolation, then HF's fused rescale-and-normalise in floa
 frames padded to a multiple of the temporal patch size with the last one, grouped by it along time, and
 each group's patches in the order the tower expects (each merge block's patches contiguous; within a
 row: channel, then time, then the patch's pixels), the same flattening as the image path
-(common/vision/qwen_pixels.py), where an image is one frame repeated.
+(common/families/qwen2_5_vl/pixels.py), where an image is one frame repeated.
 
 `video_patches` patchifies the uint8 frames and normalises the rows after (`normalize_rows`, in place):
 patchify only moves values, and each value is normalised by the same float32 operations with its
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.qwen_layout import Grid
+from common.image_geometry import Grid
 from common.video.config import QwenVideoConfig
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.qwen_layout import Grid
+from common.image_geometry import Grid
 from common.video.config import QwenVideoConfig
 from common.video.decode import DecodedVideo, decode_video, plan_decoding
 from common.video.hashing import hash_video_bytes

@@ -32,7 +32,7 @@ def video_request_config(base: QwenVideoConfig, fps: float = 0.0, max_frames: in
                          "frames")
     sampling = replace(sampling, max_frames=top)
     # A min_pixels below the model's is taken, as HF's video processors and vLLM take it, raised to one
-    # merged block at least (as for images: common/qwen_layout.py).
+    # merged block at least (as for images: common/families/qwen2_5_vl/layout.py).
     lo = max(min_pixels or geometry.min_pixels, geometry.factor * geometry.factor)
     hi = max_pixels or geometry.max_pixels
     if hi > geometry.max_pixels:

@@ -11,7 +11,7 @@ wide, so every extra pass costs tens of microseconds per block and milliseconds 
 
 Each follows Hugging Face's order of operations and roundings (fp32 inside, the same casts), so bf16
 results agree with the eager steps to within a rounding; the eager steps stay the reference (CPU and
-tests). Kernels are compiled on first use; `common.vision.qwen_tower.VisionOps.fused()` wires them in.
+tests). Kernels are compiled on first use; `common.families.qwen2_5_vl.tower.VisionOps.fused()` wires them in.
 """
 
 from __future__ import annotations

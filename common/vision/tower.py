@@ -4,7 +4,7 @@ Only the vision tower and projector tensors are read from the checkpoint; the la
 leaves the disk. The forward pass reproduces `LlavaForConditionalGeneration.get_image_features`: the
 hidden states of `vision_feature_layer` (one layer or several, concatenated), the first row (CLIP's CLS
 token) dropped under the "default" select strategy, then the projector. The number of rows per image
-comes from common.image_tokens, the module the decoder counts placeholders with. Layers after the
+comes from common.families.llava.layout, the module the decoder counts placeholders with. Layers after the
 deepest selected one do not change the result, so they are not built (a -2 feature layer saves one CLIP
 layer per image).
 """
@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from common.checkpoint import load_config, load_tensors, model_fingerprint
-from common.image_tokens import UnsupportedImageConfigError, load_image_token_layout
+from common.families.llava.layout import UnsupportedImageConfigError, load_image_token_layout
 from common.vision import PREPROCESS_MODES
 from common.vision.pixels import TorchPixelProcessor, UnsupportedProcessorError, to_uint8_hwc
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import grpc
 
 from common.client import CHANNEL_OPTIONS
+from common.image_geometry import Grid
 from common.pb import encoder_pb2, encoder_pb2_grpc
-from common.qwen_layout import Grid
 from common.security.client_auth import auth_metadata
 from common.security.identity import tenant_of_salt
 from common.security.tls import ClientTls, open_channel

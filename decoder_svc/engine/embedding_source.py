@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from common.qwen_layout import PixelRange
+from common.image_geometry import PixelRange
 
 
 class EmbeddingState(enum.Enum):

@@ -18,7 +18,7 @@ import torch
 
 from common.checkpoint import model_fingerprint, parse_dtype
 from common.errors import CapacityError
-from common.qwen_layout import Grid
+from common.image_geometry import Grid
 from common.stats import stat
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.config import EngineConfig

@@ -15,18 +15,12 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from common.checkpoint import model_fingerprint
+from common.families.layout import ImageLayout
 from common.freed_memory import release_freed_memory
 from common.hashing import check_cache_salt, hash_image, hash_image_file, is_content_hash
+from common.image_geometry import Grid, ImageGeometryError, PixelRange, hash_fingerprint
 from common.images import probe_image_size
 from common.memo import BoundedMemo
-from common.qwen_layout import (
-    Grid,
-    ImageGeometryError,
-    PixelRange,
-    QwenImageLayout,
-    hash_fingerprint,
-    mrope_positions,
-)
 from decoder_svc.engine.embedding_source import VideoSource
 from decoder_svc.engine.request import ImagePlaceholder, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -41,7 +35,7 @@ if TYPE_CHECKING:
 
 
 ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
-MAX_REMEMBERED_GRIDS = 65536  # (salt, content hash) -> grid of Qwen images seen, for hash-only requests
+MAX_REMEMBERED_GRIDS = 65536  # (salt, content hash) -> grid of sized images seen, for hash-only requests
 
 
 @dataclass(frozen=True)
@@ -71,13 +65,13 @@ class InputProcessor:
     def videos(self) -> VideoInputs:
         """Video planning for this model (refuses videos where the model takes none)."""
         if self._videos is None:
-            self._videos = VideoInputs.for_model(self.config, self.fingerprint, self.qwen)
+            self._videos = VideoInputs.for_model(self.config, self.fingerprint, self.layout)
         return self._videos
 
     @property
-    def qwen(self) -> QwenImageLayout | None:
-        """The Qwen2.5-VL image layout, or None for the LLaVA family's fixed-size images."""
-        return self.tokenizer.qwen_layout
+    def layout(self) -> ImageLayout:
+        """The model's image layout (common/families/layout.py), the tokenizer's."""
+        return self.tokenizer.layout
 
     @classmethod
     def for_model(cls, config: EngineConfig, kv_capacity_tokens: int) -> InputProcessor:
@@ -118,15 +112,15 @@ class InputProcessor:
         sizes = [self._image_size(i, img) for i, img in enumerate(images)]  # headers only
         ranges: list[PixelRange | None] = [None] * len(images)
         grids: list[Grid | None] = [None] * len(images)
-        counts = None
-        if self.qwen is not None:
+        counts = None  # a fixed-count layout's: the tokenizer asks it
+        if self.layout.sized_by_image:  # each image resized into a pixel range: its grid, its count
             ranges = self._pixel_ranges(len(images), image_options)
             grids = [self._grid(i, img, size, pixels, cache_salt, known_grids)
                      for i, (img, size, pixels) in enumerate(zip(images, sizes, ranges, strict=True))]
-            counts = [self.qwen.num_tokens(g) for g in grids]
+            counts = [self.layout.num_tokens(g) for g in grids]
         planned = self.videos.plan(videos, cache_salt) if videos else []
         plans = [plan for plan, _ in planned]
-        if self.qwen is not None:
+        if counts is not None:
             self._check_image_tokens(counts, [p.num_tokens for p in plans])
         layouts = [self.videos.prompt_layout(p) for p in plans]
         if prompt_token_ids is not None:
@@ -169,23 +163,22 @@ class InputProcessor:
             max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, images=placeholders,
             cache_salt=cache_salt,
         )
-        if self.qwen is not None:
+        if self.layout.mrope:
             spans += [(p.offset, p.grid) for p in placeholders if p.video is None]
-            req.mrope_positions, req.mrope_delta = mrope_positions(
-                len(req.prompt_token_ids), spans, self.qwen.merge_size)
+            req.mrope_positions, req.mrope_delta = self.layout.positions(len(req.prompt_token_ids), spans)
         return req
 
-    # -- Qwen2.5-VL images -----------------------------------------------------------------------
+    # -- images sized by the layout (pixel ranges, grids) ----------------------------------------
     def _pixel_ranges(self, count: int, options: Sequence[ImageOptions] | None) -> list[PixelRange]:
         options = list(options or [])
         if len(options) > count:
             raise InvalidRequestError(f"{len(options)} image options for {count} images")
         options += [ImageOptions()] * (count - len(options))
-        cap = self.config.max_image_tokens * self.qwen.factor * self.qwen.factor
+        cap = self.layout.max_pixels_for(self.config.max_image_tokens)
         out = []
         for i, opt in enumerate(options):
             try:
-                out.append(self.qwen.pixel_range(opt.min_pixels, opt.max_pixels, cap))
+                out.append(self.layout.pixel_range(opt.min_pixels, opt.max_pixels, cap))
             except ImageGeometryError as exc:
                 raise InvalidRequestError(f"image {i}: {exc}") from None
         return out
@@ -194,7 +187,7 @@ class InputProcessor:
               salt: str, known: Mapping[str, Grid] | None) -> Grid:
         if size is not None:
             try:
-                return self.qwen.grid(size[0], size[1], pixels)
+                return self.layout.grid(size[0], size[1], pixels)
             except ImageGeometryError as exc:
                 raise InvalidRequestError(f"image {index}: {exc}") from None
         grid = (known or {}).get(image) or self.known_grid(salt, image)
@@ -202,7 +195,7 @@ class InputProcessor:
             raise InvalidRequestError(f"image {index}: the grid of content hash {image} is unknown here; "
                                       "send the image bytes instead")
         try:
-            return self.qwen.check_grid(grid)
+            return self.layout.check_grid(grid)
         except ImageGeometryError as exc:
             raise InvalidRequestError(f"image {index}: {exc}") from None
 
@@ -221,7 +214,7 @@ class InputProcessor:
         self._grids.put((salt, content_hash), grid)
 
     def known_grid(self, salt: str, content_hash: str) -> Grid | None:
-        """The grid of a Qwen image this processor has hashed under salt, if it remembers one."""
+        """The grid of a sized image this processor has hashed under salt, if it remembers one."""
         return self._grids.get((salt, content_hash))
 
     def _check_sizes(self, prompt: str | None, messages: list[dict[str, Any]] | None,

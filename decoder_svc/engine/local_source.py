@@ -23,7 +23,8 @@ from common.checkpoint import load_config, parse_dtype
 from common.families import family_of
 from common.images import decode_image
 from common.video import VideoLimits, decode_video, video_patches, video_request_config
-from common.vision.qwen_encoder import QwenPrepared, make_vision_encoder, takes_pixel_ranges
+from common.vision.encoders import make_vision_encoder, takes_pixel_ranges
+from common.vision.prepared import PreparedGrid
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState, VideoSource
 from decoder_svc.engine.following_bytes import FollowingBytes
 
@@ -99,7 +100,7 @@ class LocalEmbeddingSource(EmbeddingSource):
                                       video.min_pixels, video.max_pixels, self.video_limits)
         decoded = decode_video(video.data, config.sampling.indices_for, self.video_limits)
         rows, grid = video_patches(decoded.frames, config)
-        return self.encoder.encode_prepared([QwenPrepared(tuple(grid), pixel_values=rows)])[0]
+        return self.encoder.encode_prepared([PreparedGrid(tuple(grid), pixel_values=rows)])[0]
 
     def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
         return self._leases.get((request_id, content_hash), (EmbeddingState.UNKNOWN,))[0]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.qwen_layout import Grid, PixelRange
+from common.image_geometry import Grid, PixelRange
 from decoder_svc.engine.embedding_source import EmbeddingState, VideoSource
 from decoder_svc.engine.following_bytes import FollowingBytes
 from decoder_svc.engine.sampling_params import SamplingParams

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.checkpoint import CheckpointError, load_config
-from common.qwen_layout import Grid, QwenImageLayout
+from common.families.layout import ImageLayout
+from common.image_geometry import Grid
 from common.video import QwenVideoConfig, VideoError, VideoLimits, VideoPlan, plan_video, video_request_config
 from common.video.config import load_qwen_video_config
 from decoder_svc.engine.embedding_source import VideoSource
@@ -39,16 +40,16 @@ class VideoInputs:
     max_videos: int
 
     @classmethod
-    def for_model(cls, config: EngineConfig, fingerprint: str, qwen: QwenImageLayout | None) -> VideoInputs:
-        """The checkpoint's video processor settings, or no video support (LLaVA)."""
+    def for_model(cls, config: EngineConfig, fingerprint: str, layout: ImageLayout) -> VideoInputs:
+        """The checkpoint's video processor settings, or no video support (a layout that takes none)."""
         base = None
-        if qwen is not None:
+        if layout.takes_video:
             try:
                 base = load_qwen_video_config(config.model)
             except CheckpointError:
                 base = None
         vision = load_config(config.model).get("vision_config") or {}
-        return cls(base, config.video_limits, fingerprint, qwen.merge_size if qwen else 1,
+        return cls(base, config.video_limits, fingerprint, layout.merge_size,
                    float(vision.get("tokens_per_second", 1)), config.video_limits.max_per_request)
 
     @property

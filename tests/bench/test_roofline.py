@@ -24,7 +24,7 @@ def test_model_shape_counts_the_tiny_llava(tiny_model_dir):
 
 
 def test_qwen_patches_follow_the_resized_grid(qwen_model_dir):
-    from common.qwen_layout import load_qwen_layout
+    from common.families.qwen2_5_vl.layout import load_qwen_layout
 
     layout = load_qwen_layout(qwen_model_dir)
     t, gh, gw = layout.grid(200, 200, layout.pixel_range())

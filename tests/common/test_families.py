@@ -62,11 +62,13 @@ def test_every_reference_resolves(family):
     assert load_attr(family.presets) and getattr(transformers, family.hf_class)
     assert family.local_preprocess in ("hf", "auto")
     assert family.real_checkpoint.count("/") == 1  # a Hub id
+    oracle = load_attr(family.oracle)
+    assert callable(oracle.generate) and family.oracle.startswith(f"common.families.{family.name}.")
 
 
 def test_a_tiny_checkpoint_of_each_family_is_found_and_gets_its_encoder(tiny_model_dir):
     from common.checkpoint import load_config
-    from common.vision.qwen_encoder import make_vision_encoder
+    from common.vision.encoders import make_vision_encoder
     from common.vision.tower import VisionEncoder
 
     assert family_of(load_config(tiny_model_dir)).name == "llava"
@@ -97,11 +99,92 @@ def test_no_service_names_a_family():
     assert bad == []
 
 
+def _imported_modules(path: Path, top_level_only: bool = False) -> set[str]:
+    """Modules a file imports (`from X import`, `import X`): at its top level, or anywhere in it."""
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out = {node.module for node in nodes if isinstance(node, ast.ImportFrom) and node.module}
+    return out | {alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+
+
+def _family_folder(module: str) -> str | None:
+    """The family folder a dotted module lies in (common.families.<name>[.x]), or None."""
+    parts = module.split(".")
+    folders = {f.name for f in FAMILIES}
+    inside = parts[:2] == ["common", "families"] and len(parts) > 2 and parts[2] in folders
+    return parts[2] if inside else None
+
+
 def test_the_makers_import_no_circle():
-    """common/model_maker.py (LLaVA's maker and the shared helpers) reaches the other families' makers
-    only through the registry, at call time: no module-level import of them."""
-    tree = ast.parse((ROOT / "common/model_maker.py").read_text())
-    top = {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
-    top |= {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
-    inner = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert not {m for m in top | inner if m and m.startswith("common.model_maker_")}
+    """The shared maker module (common/model_maker.py) reaches the families' makers only through the
+    registry, at call time; a family's maker imports the shared helpers and, for Qwen3-VL, Qwen2.5-VL's,
+    never the other way round."""
+    shared = _imported_modules(ROOT / "common/model_maker.py")
+    assert not {m for m in shared if _family_folder(m)}
+    top = _imported_modules(ROOT / "common/model_maker.py", top_level_only=True)
+    assert not {m for m in top if m.startswith("common.families")}
+    for family in FAMILIES:
+        imported = _imported_modules(ROOT / f"common/families/{family.name}/maker.py")
+        others = {_family_folder(m) for m in imported} - {None, family.name}
+        assert others <= ({"qwen2_5_vl"} if family.name == "qwen3_vl" else set()), (family.name, others)
+
+
+def test_no_service_imports_a_family_folder():
+    """The engine, runner, services and gateway reach a family's code only through the registry and the
+    neutral modules (common.families, common.families.layout, common.image_geometry, common.vision.*):
+    no import of common.families.<name>, anywhere in them."""
+    bad = []
+    for package in ASKERS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            bad += [f"{rel}: {m}" for m in sorted(_imported_modules(path)) if _family_folder(m)]
+            refs = [s for s in _string_constants(path) if _family_folder(s.split(":")[0])]
+            bad += [f"{rel}: {s!r}" for s in sorted(refs)]
+    assert bad == []
+
+
+def test_each_family_folder_holds_its_layout_and_maker():
+    """A family's layout and maker live in its folder (Qwen3-VL reuses Qwen2.5-VL's layout by name)."""
+    for family in FAMILIES:
+        for ref in (family.layout, family.maker, family.presets, family.vision_encoder, family.oracle):
+            module = ref.split(":")[0]
+            folder = _family_folder(module)
+            assert folder in (family.name, "qwen2_5_vl") or module.startswith("common.vision."), ref
+        assert (ROOT / f"common/families/{family.name}/maker.py").is_file()
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_every_family_provides_an_image_layout(family):
+    from common.families.layout import ImageLayout
+
+    cls = family.layout_class()
+    assert issubclass(cls, ImageLayout)
+    assert isinstance(cls.sized_by_image, bool) and isinstance(cls.mrope, bool)
+    assert (cls.video_token is not None) == family.takes_video
+    assert cls.sized_by_image == family.dynamic_resolution
+
+
+def test_the_layouts_of_tiny_checkpoints(tiny_model_dir, qwen_model_dir):
+    from common.checkpoint import load_config
+    from common.families import layout_family
+
+    config = load_config(tiny_model_dir)
+    llava = layout_family(config).image_layout(tiny_model_dir, config)
+    assert llava.tokens_per_image == llava.num_tokens() > 0 and llava.positions(3, []) is None
+    assert llava.generic_image_text("<image>") is None and not llava.takes_video
+    config = load_config(qwen_model_dir)
+    qwen = layout_family(config).image_layout(qwen_model_dir, config)
+    assert qwen.tokens_per_image is None and qwen.takes_video
+    grid = qwen.grid(56, 84, qwen.pixel_range())
+    assert qwen.num_tokens(grid) == grid[1] * grid[2] // 4
+    positions, delta = qwen.positions(10, [(2, grid)])
+    assert positions.shape == (3, 10) and delta <= 0
+    # a config no family claims is refused by the fallback's layout, saying why
+    assert layout_family({"model_type": "llava_next"}).name == "llava"
+
+
+def test_the_oracles_import_no_test_code():
+    """A family's oracle ships in the package: it imports nothing from tests/."""
+    for family in FAMILIES:
+        path = ROOT / f"common/families/{family.name}/oracle.py"
+        assert not {m for m in _imported_modules(path) if m.split(".")[0] == "tests"}, path

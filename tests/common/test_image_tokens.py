@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from common.image_tokens import (
+from common.families.llava.layout import (
     UnsupportedImageConfigError,
     image_token_layout,
     load_image_token_layout,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.qwen_layout import ImageGeometryError, load_qwen_layout
+from common.families.qwen2_5_vl.layout import load_qwen_layout
+from common.image_geometry import ImageGeometryError
 
 
 def test_min_pixels_below_the_checkpoints_is_taken(qwen_model_dir):

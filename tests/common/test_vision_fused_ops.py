@@ -28,9 +28,9 @@ import json, sys
 import numpy as np, torch
 from PIL import Image
 from common.vision import fused_ops
-from common.vision.qwen_tower import VisionOps
-from common.vision.qwen3_tower import Qwen3VisionOps
-from common.vision.qwen_encoder import make_vision_encoder
+from common.families.qwen2_5_vl.tower import VisionOps
+from common.families.qwen3_vl.tower import Qwen3VisionOps
+from common.vision.encoders import make_vision_encoder
 torch.manual_seed(0)
 out = {}
 for dtype in (torch.float32, torch.float16):

@@ -7,15 +7,16 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from common.families.llava.oracle import LlavaOracle
 from decoder_svc.engine import EmbeddingSource, EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
-from tests.oracle import HFOracle, make_image
+from tests.oracle import make_image
 
 
 @pytest.fixture(scope="session")
-def hf_oracle(tiny_model_dir: Path) -> HFOracle:
+def hf_oracle(tiny_model_dir: Path) -> LlavaOracle:
     """The HF reference model, fp32 on CPU."""
-    return HFOracle(tiny_model_dir)
+    return LlavaOracle(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -146,7 +146,7 @@ def test_image_files_are_named_by_their_bytes_without_decoding(make_engine, monk
     decoder (the encoder decodes an image it lacks), and the name is the encoder's (hash_image_file)."""
     import common.images as images_module
     from common.hashing import hash_image_file
-    from common.qwen_layout import hash_fingerprint
+    from common.image_geometry import hash_fingerprint
 
     engine = make_engine(num_kv_blocks=64)
     files = [encode_png(img) for img in images]

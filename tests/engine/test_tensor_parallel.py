@@ -14,12 +14,13 @@ import grpc
 import pytest
 
 from common.checkpoint import CheckpointError
+from common.families.llava.oracle import LlavaOracle
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.runner.tensor_parallel import RANK_DIED_EXIT_CODE
 from tests.integration.conftest import png
 from tests.integration.harness import Pair
-from tests.oracle import HFOracle, greedy, make_image, run_all
+from tests.oracle import greedy, make_image, run_all
 
 N = 10
 QWEN_USER, QWEN_END = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
@@ -68,7 +69,7 @@ def test_two_ranks_give_one_ranks_tokens(preset):
 
 
 def test_two_ranks_equal_hf(tiny_model_dir):
-    oracle = HFOracle(tiny_model_dir)
+    oracle = LlavaOracle(tiny_model_dir)
     image = make_image(5)
     tokens, engine = _serve(tiny_model_dir, 2, {"r": (LLAVA_ONE, [image])})
     heads = oracle.model.config.text_config.num_attention_heads
@@ -86,7 +87,7 @@ def test_two_ranks_behind_the_services_equal_hf(arena, tiny_model_dir, tmp_path)
     """The TP=2 decoder service with embeddings from a real encoder (shared memory, or inline bytes from a
     private arena): the rows reach rank 1 packed (runner/step_rows.py), the answers equal HF's and every
     block and lease is given back."""
-    oracle = HFOracle(tiny_model_dir)
+    oracle = LlavaOracle(tiny_model_dir)
     images = [make_image(7, (64, 48)), make_image(8)]
     args = ["--tensor-parallel-size", "2", "--num-kv-blocks", "64", "--max-num-batched-tokens", "13"]
     pair = Pair(tiny_model_dir, tmp_path, encoder_args=["--arena", arena], decoder_args=args).start()

@@ -5,9 +5,10 @@ first KV head of a replicated rank shows only here."""
 
 from __future__ import annotations
 
+from common.families.llava.oracle import LlavaOracle
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
-from tests.oracle import HFOracle, greedy, make_image, run_all
+from tests.oracle import greedy, make_image, run_all
 
 N = 8
 ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
@@ -15,7 +16,7 @@ TEXT = "USER: tell me a story about a red car ASSISTANT:"
 
 
 def test_four_ranks_over_two_kv_heads_equal_hf(tiny_model_dir):
-    oracle = HFOracle(tiny_model_dir)
+    oracle = LlavaOracle(tiny_model_dir)
     text_config = oracle.model.config.text_config
     assert (text_config.num_attention_heads, text_config.num_key_value_heads) == (4, 2)  # replicated at TP=4
     image = make_image(3, (48, 40))

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.families.llava.oracle import LlavaOracle
 from decoder_svc.engine import EngineConfig, LLMEngine, SamplingParams
 from decoder_svc.engine.local_source import LocalEmbeddingSource
-from tests.oracle import HFOracle, make_image, run_all
+from tests.oracle import make_image, run_all
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +39,7 @@ def _engine(model_dir, dtype: str, **kw) -> LLMEngine:
 @pytest.mark.parametrize("budget", [13, 4096])
 def test_cuda_fp32_parity(tiny_model_dir, budget, backend):
     torch.backends.cuda.matmul.allow_tf32 = False
-    oracle = HFOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
+    oracle = LlavaOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
     engine = _engine(tiny_model_dir, "float32", max_num_batched_tokens=budget, attention_backend=backend)
     assert engine.runner.uses_cuda_graphs == (backend == "triton")  # decode steps replay graphs
     cases = _cases()
@@ -55,7 +56,7 @@ def test_cuda_fp32_parity(tiny_model_dir, budget, backend):
 
 
 def test_cuda_fp32_preemption_parity(tiny_model_dir):
-    oracle = HFOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
+    oracle = LlavaOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
     engine = _engine(tiny_model_dir, "float32", num_kv_blocks=8, max_num_batched_tokens=32, max_num_seqs=4)
     cases = _cases()
     for rid, (prompt, imgs) in cases.items():
@@ -68,7 +69,7 @@ def test_cuda_fp32_preemption_parity(tiny_model_dir):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_cuda_bf16_agreement_report(tiny_model_dir, backend):
-    oracle = HFOracle(tiny_model_dir, device="cuda", dtype=torch.bfloat16)
+    oracle = LlavaOracle(tiny_model_dir, device="cuda", dtype=torch.bfloat16)
     engine = _engine(tiny_model_dir, "bfloat16", max_num_batched_tokens=13, attention_backend=backend)
     agree = total = prefix = 0
     for rid, (prompt, imgs) in _cases().items():

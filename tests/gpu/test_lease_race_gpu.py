@@ -18,10 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from common.families.llava.oracle import LlavaOracle
 from common.vision.tower import VisionEncoder
 from tests.integration.conftest import png
 from tests.integration.harness import ROOT, Pair
-from tests.oracle import HFOracle, make_image
+from tests.oracle import make_image
 
 pytestmark = pytest.mark.gpu
 
@@ -72,7 +73,7 @@ def test_one_slot_encoder_and_late_gpu_work_still_serve_each_request_its_own_ima
                                                                  os.environ.get("PYTHONPATH", "")) if p))
     images = [make_image(100 + i) for i in range(6)]
     jobs = [images[i % 6] for i in range(12)]  # every image twice: evicted in between, encoded again
-    oracle = HFOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
+    oracle = LlavaOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
     for img in images:
         oracle.generate(PROMPT, [img], MAX_TOKENS)  # before the pair starts: HF's time is not in the race
     pair = Pair(tiny_model_dir, tmp_path,

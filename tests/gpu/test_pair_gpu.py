@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.families.llava.oracle import LlavaOracle
 from tests.integration.conftest import png
 from tests.integration.harness import Pair
-from tests.oracle import HFOracle, make_image
+from tests.oracle import make_image
 
 pytestmark = pytest.mark.gpu
 
@@ -18,7 +19,7 @@ PROMPT_2 = "USER: <image>\nCompare with <image>\nWhich is brighter? ASSISTANT:"
 def test_pair_on_one_gpu_uses_cuda_ipc_and_matches_hf(tiny_model_dir, tmp_path):
     cupy = pytest.importorskip("cupy")
     assert cupy.cuda.runtime.getDeviceCount() > 0
-    oracle = HFOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
+    oracle = LlavaOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
     pair = Pair(tiny_model_dir, tmp_path, encoder_args=["--device", "cuda"],
                 decoder_args=["--device", "cuda", "--max-num-batched-tokens", "64"]).start()
     try:

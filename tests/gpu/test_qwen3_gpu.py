@@ -62,7 +62,7 @@ def test_engine_with_compiled_tower_equals_hf(qwen3_model_dir, qwen3_oracle, qwe
 def test_device_pixels_and_bf16_tower(qwen3_model_dir, qwen3_oracle, qwen_images):
     from transformers import Qwen3VLForConditionalGeneration
 
-    from common.vision.qwen3_encoder import Qwen3VisionEncoder
+    from common.families.qwen3_vl.encoder import Qwen3VisionEncoder
 
     hf = Qwen3VisionEncoder(qwen3_model_dir, preprocess="hf")
     dev = Qwen3VisionEncoder(qwen3_model_dir, "cuda", torch.bfloat16)

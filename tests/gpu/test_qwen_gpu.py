@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.vision.qwen_encoder import QwenVisionEncoder
+from common.families.qwen2_5_vl.encoder import QwenVisionEncoder
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from tests.oracle import greedy, run_all

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.families.llava.oracle import LlavaOracle
 from decoder_svc.engine import EngineConfig, LLMEngine, SamplingParams
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from tests.conftest import _made
 from tests.integration.test_real_configs import CASES
-from tests.oracle import HFOracle, make_image, run_all
+from tests.oracle import make_image, run_all
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +25,7 @@ def test_cuda_fp32_triton_parity(tmp_path_factory, preset, budget):
     torch.backends.cuda.matmul.allow_tf32 = False
     case = CASES[preset]
     model_dir = _made(tmp_path_factory, preset, seed=0)
-    oracle = HFOracle(model_dir, device="cuda", dtype=torch.float32)
+    oracle = LlavaOracle(model_dir, device="cuda", dtype=torch.float32)
     config = EngineConfig(model=model_dir, device="cuda", dtype="float32", num_kv_blocks=512,
                           max_num_batched_tokens=budget, attention_backend="triton")
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))

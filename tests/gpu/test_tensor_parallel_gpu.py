@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.families.llava.oracle import LlavaOracle
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
-from tests.oracle import HFOracle, greedy, make_image, run_all
+from tests.oracle import greedy, make_image, run_all
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
@@ -31,6 +32,6 @@ def _tokens(model_dir, tp: int) -> dict:
 def test_two_gpus_equal_one_and_hf(tiny_model_dir):
     split, single = _tokens(tiny_model_dir, 2), _tokens(tiny_model_dir, 1)
     assert split == single
-    oracle = HFOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
+    oracle = LlavaOracle(tiny_model_dir, device="cuda", dtype=torch.float32)
     for i in range(3):
         oracle.assert_same_tokens(split[f"r{i}"], PROMPT, [make_image(20 + i)], N)

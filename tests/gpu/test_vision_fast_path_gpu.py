@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.vision.attention import AttentionSpans, flash_supported
-from common.vision.qwen_encoder import make_vision_encoder
+from common.vision.encoders import make_vision_encoder
 
 BF16_VS_FP32 = 0.05  # as tests/gpu/test_qwen3_gpu.py: HF's own bf16 tower is ~0.01 from its fp32 one
 
@@ -41,8 +41,8 @@ def test_flash_spans_equal_the_reference(head_dim, bounds):
 
 
 def test_triton_steps_equal_the_eager_steps_in_bf16():
+    from common.families.qwen2_5_vl.tower import VisionOps
     from common.vision import fused_ops
-    from common.vision.qwen_tower import VisionOps
 
     torch.manual_seed(0)
     qkv = torch.randn(4900, 3, 16, 80, device="cuda", dtype=torch.bfloat16)
@@ -56,7 +56,7 @@ def test_triton_steps_equal_the_eager_steps_in_bf16():
     for got, want in zip(fused_ops.add_rms_norm(x, d, w, 1e-6), VisionOps.add_rms_norm(x, d, w, 1e-6),
                          strict=True):
         assert _rel(got, want) < 1e-2
-    from common.vision.qwen3_tower import Qwen3VisionOps
+    from common.families.qwen3_vl.tower import Qwen3VisionOps
 
     b = torch.randn(1280, device="cuda", dtype=torch.bfloat16)
     ln_pairs = zip(fused_ops.add_layer_norm(x, d, w, b, 1e-6),

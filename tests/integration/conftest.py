@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
+from common.families.llava.oracle import LlavaOracle
 from common.images import encode_png
 from tests.integration.harness import Pair
-from tests.oracle import HFOracle, make_image
+from tests.oracle import make_image
 
 png = encode_png
 
 
 @pytest.fixture(scope="session")
-def oracle(tiny_model_dir) -> HFOracle:
-    return HFOracle(tiny_model_dir)
+def oracle(tiny_model_dir) -> LlavaOracle:
+    return LlavaOracle(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

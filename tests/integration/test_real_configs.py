@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from common.families.llava.oracle import LlavaOracle
 from tests.conftest import _made
 from tests.hub_cache import lay_out_hub_cache
 from tests.integration.conftest import png
 from tests.integration.harness import Pair
-from tests.oracle import HFOracle, make_image
+from tests.oracle import make_image
 
 N = 12
 
@@ -60,7 +61,7 @@ def served(request, tmp_path_factory):
                 decoder_args=["--num-kv-blocks", "512", "--max-num-batched-tokens", "512",
                               "--encoder-timeout", "30"]).start()
     try:
-        yield case, pair, HFOracle(model_dir)
+        yield case, pair, LlavaOracle(model_dir)
     finally:
         pair.stop()
 

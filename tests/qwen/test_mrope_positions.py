@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.qwen_layout import mrope_positions
+from common.families.qwen2_5_vl.layout import mrope_positions
 
 USER, END = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
 WIDE_THEN_TALL = (USER + "<|vision_start|><|image_pad|><|vision_end|>wide, then "

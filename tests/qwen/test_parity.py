@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.qwen_layout import PixelRange
+from common.image_geometry import PixelRange
 from decoder_svc.engine.input_processor import ImageOptions
 from tests.oracle import greedy, run_all
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PIL import Image
 
-from common.vision.qwen_encoder import QwenVisionEncoder
+from common.families.qwen2_5_vl.encoder import QwenVisionEncoder
 from tests.oracle import make_image
 
 
@@ -30,7 +30,7 @@ def test_fused_padded_mlp_equals_separate():
     """The GPU's fused gate/up product with its zero-padded hidden width computes the same MLP."""
     import torch
 
-    from common.vision.qwen_tower import GatedMLP
+    from common.families.qwen2_5_vl.tower import GatedMLP
 
     torch.manual_seed(0)
     mlp, x = GatedMLP(32, 70), torch.randn(50, 32)

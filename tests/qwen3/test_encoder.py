@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.vision.qwen3_encoder import Qwen3VisionEncoder
+from common.families.qwen3_vl.encoder import Qwen3VisionEncoder
 
 
 def test_encode_equals_hf(qwen3_model_dir, qwen3_oracle, qwen_images):
@@ -27,7 +27,7 @@ def test_compiled_elementwise_steps_close_to_eager(qwen3_model_dir, qwen3_oracle
     the CPU) stays within 1e-4 of HF's fp32 features (outputs of size ~4; measured ~2e-6: the fused
     kernels sum in another order); switching back to the eager steps gives HF's numbers exactly again.
     On a CPU capture_graphs compiles nothing (the CPU path stays bit-equal to HF)."""
-    from common.vision.qwen3_tower import Qwen3VisionOps
+    from common.families.qwen3_vl.tower import Qwen3VisionOps
 
     encoder = Qwen3VisionEncoder(qwen3_model_dir)
     assert not encoder.capture_graphs(4)

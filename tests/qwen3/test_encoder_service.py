@@ -8,10 +8,10 @@ import grpc
 import pytest
 import torch
 
+from common.families.qwen3_vl.encoder import Qwen3VisionEncoder
 from common.images import ImageLimits, encode_png
 from common.pb import common_pb2, encoder_pb2
 from common.transport import import_embedding
-from common.vision.qwen3_encoder import Qwen3VisionEncoder
 from encoder_svc.config import EncoderConfig
 from tests.encoder.conftest import EncoderHarness, encode_request
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
+from common.families.qwen3_vl.maker import QWEN3_PRESETS, QWEN3_VL_IMAGE_PROCESSOR, build_qwen3_config
 from common.model_maker import preset_names
-from common.model_maker_qwen3 import QWEN3_PRESETS, QWEN3_VL_IMAGE_PROCESSOR, build_qwen3_config
 
 N = 12
 ONE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what is in the picture?<|im_end|>\n"
@@ -54,8 +54,8 @@ def test_preprocessor_config(qwen3_model_dir):
 
 
 def test_8b_shapes():
-    """Qwen/Qwen3-VL-8B-Instruct's config.json fields (cited in common/model_maker_qwen3.py), built on the
-    meta device: no weights are made."""
+    """Qwen/Qwen3-VL-8B-Instruct's config.json fields (cited in common/families/qwen3_vl/maker.py), built
+    on the meta device: no weights are made."""
     from transformers import Qwen3VLForConditionalGeneration
 
     ids = {"<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655,

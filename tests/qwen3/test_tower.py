@@ -1,4 +1,4 @@
-"""Our Qwen3-VL ViT (common/vision/qwen3_tower.py) equals HF's get_image_features in fp32 on a CPU: the
+"""Our Qwen3-VL ViT (common/families/qwen3_vl/tower.py) equals HF's get_image_features in fp32 on a CPU: the
 merged features and every DeepStack level, max abs diff 0, one image or several sizes in one forward."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.checkpoint import load_config
-from common.vision.qwen3_tower import Qwen3VisionTower, load_qwen3_tower, position_taps
+from common.families.qwen3_vl.tower import Qwen3VisionTower, load_qwen3_tower, position_taps
 from tests.oracle import make_image
 
 

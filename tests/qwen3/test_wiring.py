@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from common.checkpoint import CheckpointError
+from common.families.qwen2_5_vl.encoder import QwenVisionEncoder
+from common.families.qwen2_5_vl.layout import load_qwen_layout
+from common.families.qwen3_vl.encoder import Qwen3VisionEncoder
+from common.families.qwen3_vl.oracle import IMAGE_PAD
 from common.images import encode_png
-from common.qwen_layout import load_qwen_layout
-from common.vision.qwen3_encoder import Qwen3VisionEncoder
-from common.vision.qwen_encoder import QwenVisionEncoder, make_vision_encoder, takes_pixel_ranges
+from common.vision.encoders import make_vision_encoder, takes_pixel_ranges
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.tokenization import PromptTokenizer
-from tests.qwen3.oracle import IMAGE_PAD
 
 
 def test_factory_and_layout(qwen3_model_dir, qwen_model_dir):
@@ -37,7 +38,7 @@ def test_header_counts_equal_hf_prompt(qwen3_model_dir, qwen3_oracle, qwen_image
     _, hf_grids = qwen3_oracle.pixels(qwen_images)
     assert counts == [int(g.prod()) // 4 for g in hf_grids] == [64, 300, 279]
     tokenizer = PromptTokenizer(qwen3_model_dir)
-    assert tokenizer.qwen_layout == layout and tokenizer.image_token == IMAGE_PAD
+    assert tokenizer.layout == layout and tokenizer.image_token == IMAGE_PAD
     prompt = f"<|im_start|>user\n{IMAGE_PAD}a{IMAGE_PAD}b{IMAGE_PAD}?<|im_end|>\n"
     ours = tokenizer.encode_prompt(prompt, image_token_counts=counts)
     assert ours.token_ids == qwen3_oracle.inputs(prompt, qwen_images)["input_ids"][0].tolist()

@@ -8,12 +8,13 @@ import pytest
 
 from common.checkpoint import model_fingerprint
 from common.client import DecoderClient, EncoderClient
+from common.families.llava.oracle import LlavaOracle
 from common.hashing import hash_image_file
 from common.images import encode_png
 from common.security.identity import scoped_salt
 from common.security.tls import ClientTls
 from tests.integration.harness import Pair
-from tests.oracle import HFOracle, make_image
+from tests.oracle import make_image
 from tests.security.conftest import ALICE, BOB
 
 PROMPT = "USER: <image>\nWhat is in this picture? Describe it in a few words. ASSISTANT:"
@@ -41,8 +42,8 @@ def secure_pair(tiny_model_dir, tmp_path_factory, pki, tokens_file):
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny_model_dir) -> HFOracle:
-    return HFOracle(tiny_model_dir)
+def oracle(tiny_model_dir) -> LlavaOracle:
+    return LlavaOracle(tiny_model_dir)
 
 
 def _decoder(pair, pki, token: str | None) -> DecoderClient:

@@ -63,7 +63,7 @@ class VideoOracle:
     its processor's replace_video_token does), then one tokenization."""
 
     def __init__(self, oracle, model_dir, fps: float = 0.0) -> None:
-        from common.vision.qwen_encoder import load_qwen_image_processor
+        from common.families.qwen2_5_vl.encoder_base import load_qwen_image_processor
 
         self.tokenizer, self.hf = oracle.tokenizer, oracle.model
         self.image_processor = load_qwen_image_processor(model_dir)

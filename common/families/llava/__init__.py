@@ -13,6 +13,8 @@ FAMILY = ModelFamily(
     # The HF image processor, always: the engine's HF-parity tests (CPU and GPU) run against it.
     local_preprocess="hf",
     vision_encoder="common.vision.tower:VisionEncoder",
-    presets="common.model_maker:PRESETS",
-    maker="common.model_maker:make_llava_model",
+    presets="common.families.llava.maker:PRESETS",
+    maker="common.families.llava.maker:make_llava_model",
+    layout="common.families.llava.layout:ImageTokenLayout",
+    oracle="common.families.llava.oracle:LlavaOracle",
 )

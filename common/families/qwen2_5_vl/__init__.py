@@ -12,7 +12,9 @@ FAMILY = ModelFamily(
     takes_video=True,
     # HF's processor in fp32 and on CPUs, the device-side one on a GPU in half precision.
     local_preprocess="auto",
-    vision_encoder="common.vision.qwen_encoder:QwenVisionEncoder",
-    presets="common.model_maker_qwen:QWEN_PRESETS",
-    maker="common.model_maker_qwen:make_qwen_model",
+    vision_encoder="common.families.qwen2_5_vl.encoder:QwenVisionEncoder",
+    presets="common.families.qwen2_5_vl.maker:QWEN_PRESETS",
+    maker="common.families.qwen2_5_vl.maker:make_qwen_model",
+    layout="common.families.qwen2_5_vl.layout:QwenImageLayout",
+    oracle="common.families.qwen2_5_vl.oracle:QwenOracle",
 )

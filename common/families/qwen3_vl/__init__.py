@@ -11,7 +11,9 @@ FAMILY = ModelFamily(
     dynamic_resolution=True,
     takes_video=True,
     local_preprocess="auto",
-    vision_encoder="common.vision.qwen3_encoder:Qwen3VisionEncoder",
-    presets="common.model_maker_qwen3:QWEN3_PRESETS",
-    maker="common.model_maker_qwen3:make_qwen3_model",
+    vision_encoder="common.families.qwen3_vl.encoder:Qwen3VisionEncoder",
+    presets="common.families.qwen3_vl.maker:QWEN3_PRESETS",
+    maker="common.families.qwen3_vl.maker:make_qwen3_model",
+    layout="common.families.qwen2_5_vl.layout:QwenImageLayout",  # Qwen2.5-VL's, reused
+    oracle="common.families.qwen3_vl.oracle:Qwen3Oracle",
 )

@@ -2,9 +2,9 @@
 
 Qwen3-VL lays images out as Qwen2.5-VL does (Qwen2-VL's image processor and smart_resize, here with
 16-px patches merged 2x2, so sides are multiples of 32 px, and 65536 to 16777216 pixels per image), so
-the geometry is common/qwen_layout.py's. What differs is the output: each image gives a [parts, tokens,
-hidden] tensor, the merged features first and then one DeepStack level each (the language model adds
-level k to the image tokens' hidden states after its decoder layer k).
+the geometry is common/families/qwen2_5_vl/layout.py's. What differs is the output: each image gives a
+[parts, tokens, hidden] tensor, the merged features first and then one DeepStack level each (the
+language model adds level k to the image tokens' hidden states after its decoder layer k).
 
 `make_vision_encoder` picks it for `qwen3_vl` checkpoints: the encoder service caches each image's
 tensor as one entry (EmbeddingRef.shape = [parts, rows, hidden]) and the decoder's in-process source
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from common.checkpoint import CheckpointError
-from common.vision.qwen3_tower import Qwen3VisionFeatures, Qwen3VisionOps, load_qwen3_tower
-from common.vision.qwen_family import QwenFamilyEncoder
+from common.families.qwen2_5_vl.encoder_base import QwenFamilyEncoder
+from common.families.qwen3_vl.tower import Qwen3VisionFeatures, Qwen3VisionOps, load_qwen3_tower
 
 QWEN3_MODEL_TYPES = ("qwen3_vl",)
 

@@ -9,7 +9,7 @@ MLP) and, after the blocks named by `deepstack_visual_indexes`, one DeepStack me
 block concatenated first, then its LayerNorm). In fp32 on a CPU every output equals
 `get_image_features` (its pooler_output and each of its deepstack_features) exactly.
 
-Attention is batched as in qwen_tower: images of equal patch count go through one
+Attention is batched as in Qwen2.5-VL's tower: images of equal patch count go through one
 scaled_dot_product_attention call together, the same arithmetic per image as HF's call per image.
 
 The elementwise steps go through `Qwen3VisionOps` (eager: HF's exact operations). On a GPU the encoder
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.families.qwen2_5_vl.tower import QwenVisionTower, VisionAttention, VisionOps, rotary, use_ops
 from common.vision.attention import AttentionSpans, flash_supported
-from common.vision.qwen_tower import QwenVisionTower, VisionAttention, VisionOps, rotary, use_ops
 
 Grid = tuple[int, int, int]
 

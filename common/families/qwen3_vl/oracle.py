@@ -1,8 +1,9 @@
 """The Qwen3-VL oracle: Hugging Face's Qwen3VLForConditionalGeneration on the same checkpoint.
 
-As for Qwen2.5-VL (tests/qwen/oracle.py), HF's processor class needs torchvision, so inputs are built
-from the checkpoint's Qwen2-VL image processor (PIL backend) and tokenizer: each <|image_pad|> expanded to
-the image's t*h*w/4 tokens, and mm_token_type_ids marking image tokens (get_rope_index reads it).
+As for Qwen2.5-VL (common/families/qwen2_5_vl/oracle.py), HF's processor class needs torchvision, so
+inputs are built from the checkpoint's Qwen2-VL image processor (PIL backend) and tokenizer: each
+<|image_pad|> expanded to the image's t*h*w/4 tokens, and mm_token_type_ids marking image tokens
+(get_rope_index reads it).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from common.vision.qwen_encoder import load_qwen_image_processor
+from common.families.qwen2_5_vl.encoder_base import load_qwen_image_processor
 
 IMAGE_PAD = "<|image_pad|>"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from common.vision.qwen_encoder import load_qwen_image_processor
-from tests.oracle import image_identity
+from common.families.oracle import image_identity
+from common.families.qwen2_5_vl.encoder_base import load_qwen_image_processor
 
 IMAGE_PAD = "<|image_pad|>"
 

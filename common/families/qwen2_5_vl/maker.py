@@ -25,10 +25,10 @@ import torch
 from common.model_maker import (
     CLIP_MEAN,
     CLIP_STD,
-    _portable_class_names,
     build_tokenizer,
     init_random,
     init_vision_only,
+    portable_class_names,
 )
 
 # Qwen2.5-VL's vision tokens, in the order of the real tokenizer's added tokens.
@@ -197,5 +197,5 @@ def _write_image_processor(out: Path) -> None:
             "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
             "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
             "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
-    _portable_class_names(data)
+    portable_class_names(data)
     (out / "preprocessor_config.json").write_text(json.dumps(data, indent=2) + "\n")

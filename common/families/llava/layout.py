@@ -17,11 +17,13 @@ than failing every image request later.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from common.checkpoint import CheckpointError, load_config
+from common.families.layout import ImageLayout, TextProcessor
 
 # Vision towers we serve, and whether their hidden states start with a CLS row.
 VISION_TOWER_HAS_CLS: dict[str, bool] = {"clip_vision_model": True, "siglip_vision_model": False}
@@ -33,8 +35,13 @@ class UnsupportedImageConfigError(CheckpointError):
 
 
 @dataclass(frozen=True)
-class ImageTokenLayout:
-    """The image side of a checkpoint, as far as token counts go."""
+class ImageTokenLayout(ImageLayout):
+    """The image side of a checkpoint, as far as token counts go: the same count for every image, the
+    model's `<image>` as the marker, positions by token index, no video."""
+
+    sized_by_image: ClassVar[bool] = False
+    mrope: ClassVar[bool] = False
+    merge_size: ClassVar[int] = 1
 
     num_image_tokens: int  # placeholder tokens per image == embedding rows per image
     pixel_size: tuple[int, int]  # (height, width) the image processor outputs
@@ -43,6 +50,30 @@ class ImageTokenLayout:
     has_cls: bool  # the tower's hidden states start with a CLS row
     select_strategy: str  # "default" drops the first row of each selected layer, "full" keeps all
     feature_layers: tuple[int, ...]  # hidden-state indexes, as the config gives them
+
+    @classmethod
+    def load_text_processor(cls, model_dir: str | Path) -> TextProcessor:
+        """The checkpoint's full HF processor (LlavaProcessor) and its tokenizer."""
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        return TextProcessor(processor, processor.tokenizer, getattr(processor, "image_token", "<image>"))
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path, config: dict[str, Any]) -> ImageTokenLayout:
+        """image_token_layout of the checkpoint in model_dir; UnsupportedImageConfigError with the reason
+        for a configuration it cannot serve (any config no other family claims comes here: it says why)."""
+        processor, image_processor = read_processor_configs(model_dir)
+        return image_token_layout(config, processor, image_processor)
+
+    @property
+    def tokens_per_image(self) -> int:
+        """num_image_tokens: every image takes as many."""
+        return self.num_image_tokens
+
+    def num_tokens(self, grid: Sequence[int] | None = None) -> int:
+        """num_image_tokens, whatever the image."""
+        return self.num_image_tokens
 
     @property
     def num_patches(self) -> int:

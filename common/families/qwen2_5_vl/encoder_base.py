@@ -1,5 +1,5 @@
-"""What the Qwen-VL vision encoders share (Qwen2.5-VL: common/vision/qwen_encoder.py; Qwen3-VL:
-common/vision/qwen3_encoder.py): the checkpoint's layout and image processor, preparing images (HF's
+"""What the Qwen-VL vision encoders share (Qwen2.5-VL: encoder.py here; Qwen3-VL:
+common/families/qwen3_vl/encoder.py): the checkpoint's layout and image processor, preparing images (HF's
 processor, or uint8 pixels for the device-side one), running several through the tower at once, sizes in
 bytes, the compiled elementwise steps and the warm-up. A subclass names its tower and what it returns.
 """
@@ -10,33 +10,21 @@ import functools
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from PIL import Image
 
 from common.checkpoint import load_config, model_fingerprint
-from common.qwen_layout import Grid, PixelRange, read_qwen_layout
+from common.families.qwen2_5_vl.layout import read_qwen_layout
+from common.families.qwen2_5_vl.pixels import QwenTorchPixels
+from common.image_geometry import PixelRange
 from common.video.config import load_qwen_video_config
-from common.video.timestamps import VideoTiming
 from common.vision import PREPROCESS_MODES
 from common.vision.pixels import to_uint8_hwc
-from common.vision.qwen_pixels import QwenTorchPixels
+from common.vision.prepared import PreparedGrid
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class QwenPrepared:
-    """One image or video ready for the tower: its grid, and either patch rows [t*h*w, patch_dim] from the
-    HF processor or common/video (fp32, host) or an image's uint8 [H, W, 3] pixels for the device-side
-    processor; a video also has its timing (kept with its cache entry)."""
-
-    grid: Grid
-    pixel_values: torch.Tensor | None = None
-    raw: torch.Tensor | None = None
-    timing: VideoTiming | None = None
 
 
 def load_qwen_image_processor(model_dir: str | Path):
@@ -60,6 +48,7 @@ class QwenFamilyEncoder:
     """
 
     graphs = None  # SignatureGraphs once capture_graphs() is called on CUDA
+    takes_pixel_ranges = True  # images resized into a PixelRange (common/vision/encoders.py asks)
     eager_ops: type
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
@@ -125,22 +114,22 @@ class QwenFamilyEncoder:
         side = int(self.layout.max_pixels ** 0.5)
         return self.nbytes_for(self.layout.grid(side, side, self.default_pixels))
 
-    def prepare(self, image, pixels: PixelRange | None = None) -> QwenPrepared:
+    def prepare(self, image, pixels: PixelRange | None = None) -> PreparedGrid:
         """One image through the HF processor (resize within `pixels`, normalise, patchify), or only its
         grid and uint8 pixels for the device-side processor; thread-safe. image: a PIL image or a decode
         pool's DecodedImage."""
         pixels = pixels or self.default_pixels
         if self.torch_pixels is not None:  # the grid from the size; the rest on the device
             grid = self.layout.grid(image.height, image.width, pixels)
-            return QwenPrepared(grid, raw=to_uint8_hwc(image, pin_memory=self.device.type == "cuda"))
+            return PreparedGrid(grid, raw=to_uint8_hwc(image, pin_memory=self.device.type == "cuda"))
         pil = image if isinstance(image, Image.Image) else image.to_pil()
         size = {"shortest_edge": pixels.min_pixels, "longest_edge": pixels.max_pixels}
         out = self.image_processor(images=[pil.convert("RGB")], return_tensors="pt", size=size)
         grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
-        return QwenPrepared(grid, pixel_values=out["pixel_values"])
+        return PreparedGrid(grid, pixel_values=out["pixel_values"])
 
     @torch.inference_mode()
-    def encode_prepared(self, prepared: Sequence[QwenPrepared],
+    def encode_prepared(self, prepared: Sequence[PreparedGrid],
                         use_graphs: bool = False) -> list[torch.Tensor]:
         """The tower over every prepared image (or video) at once; one embedding_shape tensor each."""
         if not prepared:
@@ -154,7 +143,7 @@ class QwenFamilyEncoder:
             self.images_encoded += len(prepared)
         return self._per_image(features, [self.layout.num_tokens(g) for g in grids])
 
-    def _rows(self, prepared: QwenPrepared) -> torch.Tensor:
+    def _rows(self, prepared: PreparedGrid) -> torch.Tensor:
         """One image's patch rows on the device (fp32)."""
         if prepared.raw is None:
             return prepared.pixel_values.to(self.device, non_blocking=True)

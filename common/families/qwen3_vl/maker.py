@@ -28,8 +28,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.model_maker import _portable_class_names
-from common.model_maker_qwen import IMAGE_PAD, build_qwen_tokenizer, write_random_checkpoint
+from common.families.qwen2_5_vl.maker import IMAGE_PAD, build_qwen_tokenizer, write_random_checkpoint
+from common.model_maker import portable_class_names
 
 # Qwen3-VL-8B-Instruct's chat template, its tool-calling branches left out (a tiny model cannot call
 # tools): unlike Qwen2.5-VL's there is no default system turn; each image part becomes
@@ -147,5 +147,5 @@ def make_qwen3_model(preset: str, out: str | Path, seed: int = 0, device: str | 
 def _write_image_processor(out: Path) -> None:
     """preprocessor_config.json as Qwen3-VL-8B-Instruct has it (portable class name)."""
     data = json.loads(json.dumps(QWEN3_VL_IMAGE_PROCESSOR))
-    _portable_class_names(data)
+    portable_class_names(data)
     (out / "preprocessor_config.json").write_text(json.dumps(data, indent=2) + "\n")

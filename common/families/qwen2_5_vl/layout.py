@@ -21,23 +21,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from common.checkpoint import CheckpointError, load_config
-from common.errors import InvalidInputError
+from common.families.layout import ImageLayout, Span, TextProcessor
+from common.image_geometry import Grid, ImageGeometryError, PixelRange
 
 # Image layouts alike (read_qwen_layout); the embeddings differ (Qwen3-VL adds DeepStack parts)
 QWEN_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 MAX_ASPECT_RATIO = 200  # HF's smart_resize refuses longer/shorter > 200
-
-
-class ImageGeometryError(InvalidInputError):
-    """An image whose size (or requested pixel range) the model cannot take."""
-
-
-Grid = tuple[int, int, int]  # (t, h, w) in patches, before merging
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -62,21 +56,13 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 @dataclass(frozen=True)
-class PixelRange:
-    """The pixel-count range one image is resized into (min_pixels, max_pixels)."""
-
-    min_pixels: int
-    max_pixels: int
-
-    def key(self) -> str:
-        """Part of the content hash: the same bytes at two ranges are two cache entries."""
-        return f"pixels={self.min_pixels}-{self.max_pixels}"
-
-
-@dataclass(frozen=True)
-class QwenImageLayout:
+class QwenImageLayout(ImageLayout):
     """The image side of a Qwen2.5-VL or Qwen3-VL checkpoint, as far as grids, token counts and positions
     go."""
+
+    sized_by_image: ClassVar[bool] = True
+    mrope: ClassVar[bool] = True
+    video_token: ClassVar[str | None] = "<|video_pad|>"
 
     patch_size: int
     merge_size: int
@@ -85,6 +71,28 @@ class QwenImageLayout:
     max_pixels: int
     image_token_id: int
     vision_start_token_id: int
+
+    @classmethod
+    def load_text_processor(cls, model_dir: str | Path) -> TextProcessor:
+        """The tokenizer, which carries the chat template: Qwen's full processor would also load a video
+        processor (torchvision), which serving images does not need."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return TextProcessor(tokenizer, tokenizer, getattr(tokenizer, "image_token", None) or "<|image_pad|>")
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path, config: dict[str, Any]) -> QwenImageLayout:
+        """load_qwen_layout's checks, on a config already read."""
+        if not is_qwen_vl(config):
+            raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen2.5-VL or Qwen3-VL "
+                                  "checkpoint")
+        return read_qwen_layout(model_dir, config)
+
+    @property
+    def tokens_per_image(self) -> None:
+        """None: an image's count follows its grid."""
+        return None
 
     @property
     def factor(self) -> int:
@@ -107,6 +115,10 @@ class QwenImageLayout:
             raise ImageGeometryError(f"max_pixels {hi} is below one {self.factor}x{self.factor} block")
         return PixelRange(lo, hi)
 
+    def max_pixels_for(self, max_tokens: int) -> int:
+        """Pixels of max_tokens merged blocks."""
+        return max_tokens * self.factor * self.factor
+
     def grid(self, height: int, width: int, pixels: PixelRange) -> Grid:
         """(t, h, w) patch grid of an image of height x width pixels."""
         h, w = smart_resize(height, width, self.factor, pixels.min_pixels, pixels.max_pixels)
@@ -122,6 +134,18 @@ class QwenImageLayout:
         if len(grid) != 3 or min(grid) < 1 or grid[1] % self.merge_size or grid[2] % self.merge_size:
             raise ImageGeometryError(f"grid {list(grid)} is not a (t, h, w) grid this model can take")
         return int(grid[0]), int(grid[1]), int(grid[2])
+
+    def generic_image_text(self, image_token: str) -> str:
+        """The vision block the chat template writes around an image."""
+        return f"<|vision_start|>{image_token}<|vision_end|>"
+
+    def video_group_text(self, pads: str, seconds: float) -> str:
+        """Qwen3-VL's processor: each group's start time, then its run in a vision block."""
+        return f"<{seconds:.1f} seconds><|vision_start|>{pads}<|vision_end|>"
+
+    def positions(self, num_tokens: int, spans: Sequence[Span]) -> tuple[np.ndarray, int]:
+        """M-RoPE positions (mrope_positions) over the merged grids."""
+        return mrope_positions(num_tokens, spans, self.merge_size)
 
 
 def mrope_positions(num_tokens: int, images: Sequence[tuple], merge_size: int) -> tuple[np.ndarray, int]:
@@ -154,12 +178,6 @@ def mrope_positions(num_tokens: int, images: Sequence[tuple], merge_size: int) -
     return out, top + 1 - num_tokens
 
 
-def hash_fingerprint(fingerprint: str, pixels: PixelRange | None) -> str:
-    """The model fingerprint an image's content hash is made under: with its pixel range for Qwen-VL
-    (the same bytes resized two ways are two embeddings). Both services hash with it."""
-    return fingerprint if pixels is None else f"{fingerprint}|{pixels.key()}"
-
-
 def is_qwen_vl(config: dict[str, Any]) -> bool:
     """True for a Qwen2.5-VL or Qwen3-VL checkpoint's config.json: images laid out by grid."""
     return config.get("model_type") in QWEN_MODEL_TYPES
@@ -167,11 +185,7 @@ def is_qwen_vl(config: dict[str, Any]) -> bool:
 
 def load_qwen_layout(model_dir: str | Path) -> QwenImageLayout:
     """The layout from config.json and preprocessor_config.json; CheckpointError when it cannot be served."""
-    config = load_config(model_dir)
-    if not is_qwen_vl(config):
-        raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen2.5-VL or Qwen3-VL "
-                              "checkpoint")
-    return read_qwen_layout(model_dir, config)
+    return QwenImageLayout.from_checkpoint(model_dir, load_config(model_dir))
 
 
 def read_qwen_layout(model_dir: str | Path, config: dict[str, Any]) -> QwenImageLayout:

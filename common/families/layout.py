@@ -1,0 +1,102 @@
+"""The image layout a family declares: how its images (and videos) fill a prompt.
+
+The tokenizer and the input processor ask this interface instead of testing which family they serve: how
+to load the text processor, what the model's own placeholder tokens are, how many tokens an image takes
+(a fixed count, or one that follows the image's size through a pixel range and a patch grid read from its
+header), what the API's generic `<image>` marker becomes, and the positions of a prompt (M-RoPE or none).
+A family's implementation lives in its folder (common/families/<name>/layout.py) and is named by its
+ModelFamily's `layout` reference; the shared types (Grid, PixelRange, ImageGeometryError) are
+common/image_geometry.py's.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from common.image_geometry import Grid, ImageGeometryError, PixelRange
+
+# (offset, grid) of an image, (offset, grid, temporal step) of a video run: what positions are made from
+Span = tuple[int, Grid] | tuple[int, Grid, float]
+
+
+@dataclass(frozen=True)
+class TextProcessor:
+    """What a checkpoint's prompts are rendered and tokenized with."""
+
+    processor: Any  # has apply_chat_template (the full HF processor, or the tokenizer itself)
+    tokenizer: Any
+    image_token: str  # the model's image placeholder token
+
+
+class ImageLayout(ABC):
+    """One checkpoint's image side, as far as prompts, token counts and positions go.
+
+    Capabilities are class data, so that callers branch on what a layout does, never on whose it is.
+    """
+
+    sized_by_image: ClassVar[bool]  # token counts follow each image's size (pixel ranges, grids)
+    mrope: ClassVar[bool]  # positions are M-RoPE [3, tokens], computed once at admission
+    # its video placeholder where the tokenizer names none; None: it takes no video
+    video_token: ClassVar[str | None] = None
+    merge_size: int  # patches merged per token side (1: none); a video's tokens per frame follow it
+
+    @classmethod
+    @abstractmethod
+    def load_text_processor(cls, model_dir: str | Path) -> TextProcessor:
+        """The checkpoint's processor, tokenizer and image placeholder token, offline."""
+
+    @classmethod
+    @abstractmethod
+    def from_checkpoint(cls, model_dir: str | Path, config: dict[str, Any]) -> ImageLayout:
+        """The layout of the checkpoint in model_dir whose config.json is `config`; CheckpointError (with
+        the reason) when it cannot be served."""
+
+    @property
+    def takes_video(self) -> bool:
+        """Video inputs are laid out by this layout."""
+        return self.video_token is not None
+
+    @property
+    @abstractmethod
+    def tokens_per_image(self) -> int | None:
+        """The placeholder tokens of every image, or None where the count follows each image's grid."""
+
+    def pixel_range(self, min_pixels: int = 0, max_pixels: int = 0, cap: int | None = None) -> PixelRange:
+        """The range one image is resized into: a request's (0: the checkpoint's) within the cap."""
+        raise ImageGeometryError("this model's images take no pixel range")
+
+    def max_pixels_for(self, max_tokens: int) -> int:
+        """The pixel count at which an image would take max_tokens tokens (the server's cap)."""
+        raise ImageGeometryError("this model's images take no pixel range")
+
+    def grid(self, height: int, width: int, pixels: PixelRange) -> Grid:
+        """(t, h, w) patch grid of an image of height x width pixels resized into `pixels`."""
+        raise ImageGeometryError("this model's images have no grid")
+
+    def check_grid(self, grid: Sequence[int]) -> Grid:
+        """A grid reported for a hash-only image, checked."""
+        raise ImageGeometryError("this model's images have no grid")
+
+    @abstractmethod
+    def num_tokens(self, grid: Sequence[int] | None = None) -> int:
+        """Placeholder tokens (= embedding rows) of an image of this grid (None: a fixed-count layout's)."""
+
+    def generic_image_text(self, image_token: str) -> str | None:
+        """What the API's generic `<image>` marker stands for in a prompt without the model's own markers
+        (the model's vision block around image_token); None where `<image>` is the model's own marker."""
+        return None
+
+    def video_group_text(self, pads: str, seconds: float) -> str:
+        """One timestamped group of a video's tokens, as the model's processor writes it."""
+        raise ImageGeometryError("this model takes no video")
+
+    def positions(self, num_tokens: int, spans: Sequence[Span]) -> tuple[np.ndarray, int] | None:
+        """The positions of a prompt of num_tokens whose images and video runs are `spans`, and the delta
+        generated tokens add to their index; None where positions are the plain token index."""
+        return None

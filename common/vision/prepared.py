@@ -1,0 +1,23 @@
+"""What a grid tower takes for one image or video (the dynamic-resolution families' encoders, the
+encoder service's video path and the decoder's in-process source share it without naming a family)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.image_geometry import Grid
+from common.video.timestamps import VideoTiming
+
+
+@dataclass(frozen=True)
+class PreparedGrid:
+    """One image or video ready for the tower: its grid, and either patch rows [t*h*w, patch_dim] from the
+    HF processor or common/video (fp32, host) or an image's uint8 [H, W, 3] pixels for the device-side
+    processor; a video also has its timing (kept with its cache entry)."""
+
+    grid: Grid
+    pixel_values: torch.Tensor | None = None
+    raw: torch.Tensor | None = None
+    timing: VideoTiming | None = None
