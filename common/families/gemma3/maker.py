@@ -98,7 +98,8 @@ def build_gemma3_tokenizer(vocab_size: int, seed: int = 0):
     raw.add_special_tokens(GEMMA_TOKENS)
     return PreTrainedTokenizerFast(
         tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-        extra_special_tokens={"boi_token": BOI_TOKEN, "eoi_token": EOI_TOKEN, "image_token": IMAGE_SOFT_TOKEN},
+        extra_special_tokens={"boi_token": BOI_TOKEN, "eoi_token": EOI_TOKEN,
+                              "image_token": IMAGE_SOFT_TOKEN},
         model_max_length=1 << 20, chat_template=GEMMA3_CHAT_TEMPLATE)
 
 
@@ -112,9 +113,10 @@ def build_gemma3_config(preset: GemmaPreset, tokenizer):
                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, **preset.text)
-    vision = dict(model_type="siglip_vision_model", image_size=preset.image_size, hidden_act="gelu_pytorch_tanh",
-                  layer_norm_eps=1e-6, vision_use_head=False, **preset.vision)
-    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=preset.mm_tokens_per_image,
+    vision = dict(model_type="siglip_vision_model", image_size=preset.image_size,
+                  hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, vision_use_head=False, **preset.vision)
+    return Gemma3Config(text_config=text, vision_config=vision,
+                        mm_tokens_per_image=preset.mm_tokens_per_image,
                         boi_token_index=ids(BOI_TOKEN), eoi_token_index=ids(EOI_TOKEN),
                         image_token_index=ids(IMAGE_SOFT_TOKEN), tie_word_embeddings=True,
                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,

@@ -1,0 +1,102 @@
+"""Images to Gemma 3 image embeddings, [mm_tokens_per_image, text hidden] per image.
+
+Preprocessing is the checkpoint's HF image processor (Gemma3ImageProcessorPil: bilinear resize to the
+tower's square, rescale, normalise), always: fp32 keeps bit parity with HF, which the oracle tests check;
+a device-side processor can come later, as LLaVA's and Qwen's have. The tower is tower.py's.
+Thread-safety as VisionEncoder's: `prepare` on any thread, `encode_prepared` from one at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from common.checkpoint import load_config, model_fingerprint
+from common.families.gemma3.layout import Gemma3ImageLayout
+from common.families.gemma3.tower import load_gemma3_tower
+from common.vision import PREPROCESS_MODES
+
+
+def load_gemma3_image_processor(model_dir: str | Path):
+    """The checkpoint's Gemma 3 image processor with the PIL backend (no torchvision needed)."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    return Gemma3ImageProcessorPil.from_pretrained(str(model_dir), local_files_only=True)
+
+
+class Gemma3VisionEncoder:
+    """The vision half of a Gemma 3 checkpoint (SigLIP, pooling, projector); the language model is never
+    read. preprocess: "hf" or "auto" (both the HF processor); "torch" is refused for now."""
+
+    graphs = None
+    takes_pixel_ranges = False  # every image is resized to the tower's square
+
+    def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, preprocess: str = "auto") -> None:
+        if preprocess not in PREPROCESS_MODES:
+            raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {preprocess!r}")
+        if preprocess == "torch":
+            raise ValueError("--preprocess torch is not implemented for Gemma 3; use hf or auto")
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        config = load_config(self.model_dir)
+        # Before any weight is read: a configuration we cannot serve fails here, with the reason.
+        self.layout = Gemma3ImageLayout.from_checkpoint(self.model_dir, config)
+        self.fingerprint = model_fingerprint(self.model_dir)
+        self.hidden_size = int(config["text_config"]["hidden_size"])
+        self.num_image_tokens = self.layout.mm_tokens_per_image
+        self.tower = load_gemma3_tower(self.model_dir, config, self.device, dtype)
+        self.image_processor = load_gemma3_image_processor(self.model_dir)
+        self.preprocess_mode = "hf"
+        self.pixel_tolerance = 0.0
+        self.calls = 0
+        self.images_encoded = 0
+        self._count_lock = threading.Lock()
+
+    @functools.cached_property
+    def embedding_nbytes(self) -> int:
+        """Bytes of one image's embedding in the output dtype."""
+        return self.num_image_tokens * self.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+
+    def prepare(self, image) -> torch.Tensor:
+        """One image's pixel values [3, S, S] (fp32, CPU) from the HF processor; thread-safe. image: a
+        PIL image or a decode pool's DecodedImage."""
+        pil = image if isinstance(image, Image.Image) else image.to_pil()
+        return self.image_processor(images=[pil], return_tensors="pt")["pixel_values"][0]
+
+    @torch.inference_mode()
+    def encode_prepared(self, prepared: Sequence[torch.Tensor],
+                        use_graphs: bool = False) -> list[torch.Tensor]:
+        """The tower over prepared images at once; one [mm_tokens_per_image, hidden] tensor each."""
+        if not prepared:
+            return []
+        pixels = torch.stack(list(prepared)).to(self.device, self.dtype, non_blocking=True)
+        feats = self.tower(pixels)
+        with self._count_lock:
+            self.calls += 1
+            self.images_encoded += feats.shape[0]
+        return list(feats.unbind(0))
+
+    def encode(self, images: Sequence[Image.Image]) -> list[torch.Tensor]:
+        """One [mm_tokens_per_image, hidden] tensor per image, on the encoder's device."""
+        return self.encode_prepared([self.prepare(image) for image in images])
+
+    def capture_graphs(self, max_batch: int) -> bool:
+        """Not yet for Gemma 3: the tower runs eagerly."""
+        return False
+
+    def warm_up(self) -> None:
+        """One dummy image through the tower; checks its rows against the layout's count."""
+        side = self.layout.image_size
+        (feats,) = self.encode([Image.new("RGB", (side, side), (127, 127, 127))])
+        if tuple(feats.shape) != (self.num_image_tokens, self.hidden_size):
+            raise ValueError(f"the vision tower gives {tuple(feats.shape)} per image, the layout "
+                             f"{(self.num_image_tokens, self.hidden_size)}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

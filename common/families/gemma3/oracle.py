@@ -1,0 +1,56 @@
+"""The Gemma 3 oracle: Hugging Face's Gemma3ForConditionalGeneration on the same checkpoint (fp32, CPU).
+
+Inputs are built from the checkpoint's tokenizer and its PIL image processor (Gemma3ImageProcessorPil),
+the prompt's `<start_of_image>` markers expanded by Gemma3Processor's own rule (its full_image_sequence),
+and token_type_ids marking the soft tokens (HF's bidirectional image mask reads them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from common.families.gemma3.encoder import load_gemma3_image_processor
+
+
+class Gemma3Oracle:
+    """get_image_features and greedy `generate` of HF's model."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+        self.processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        self.tokenizer = self.processor.tokenizer
+        self.image_processor = load_gemma3_image_processor(model_dir)
+        self.model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def pixels(self, images: list[Image.Image]) -> torch.Tensor:
+        """pixel_values [images, 3, S, S] from the PIL image processor."""
+        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+
+    def inputs(self, prompt: str, images: list[Image.Image]) -> dict:
+        """Model inputs for a prompt whose `<start_of_image>` markers stand for images, in order."""
+        if prompt.count(self.processor.boi_token) != len(images):
+            raise ValueError("one <start_of_image> per image")
+        text = prompt.replace(self.processor.boi_token, self.processor.full_image_sequence)
+        enc = self.tokenizer(text, return_tensors="pt")
+        out = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+               "token_type_ids": (enc["input_ids"] == self.model.config.image_token_index).long()}
+        if images:
+            out["pixel_values"] = self.pixels(images)
+        return out
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """get_image_features: [images, mm_tokens_per_image, text hidden]."""
+        with torch.no_grad():
+            out = self.model.get_image_features(pixel_values=pixel_values)
+        return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+    def generate(self, prompt: str, images: list[Image.Image], n: int) -> list[int]:
+        """HF's greedy new tokens."""
+        inputs = self.inputs(prompt, images)
+        with torch.no_grad():
+            seq = self.model.generate(**inputs, do_sample=False, max_new_tokens=n)
+        return seq[0, inputs["input_ids"].shape[1]:].tolist()
