@@ -1,0 +1,37 @@
+"""The gemma-3-tiny checkpoint, made once per session (Gemma 3 is not in the registry yet, so its maker is
+called directly rather than through common.model_maker.make_model)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from common.families.gemma3.maker import make_gemma3_model
+
+
+@pytest.fixture(scope="session")
+def gemma3_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random gemma-3-tiny checkpoint (fp32, 224 px, 16 image tokens)."""
+    cache = os.environ.get("MMSERVE_TEST_MODEL_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("models")
+    out = root / "gemma-3-tiny-seed0"
+    if not (out / "mmserve_model.json").exists():
+        make_gemma3_model("gemma-3-tiny", out, seed=0, device="cpu", progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gemma3_oracle(gemma3_tiny_dir: Path):
+    """HF's Gemma3ForConditionalGeneration on the tiny checkpoint."""
+    from common.families.gemma3.oracle import Gemma3Oracle
+
+    return Gemma3Oracle(gemma3_tiny_dir)
+
+
+def sample_images() -> list[Image.Image]:
+    """Images of different sizes and aspects (landscape, portrait, square, a thin strip), not uniform."""
+    sizes = [(300, 200), (97, 150), (224, 224), (1000, 50)]
+    return [Image.effect_noise(size, 40 + 10 * i).convert("RGB") for i, size in enumerate(sizes)]

@@ -1,0 +1,37 @@
+"""Gemma3VisionEncoder equals HF's Gemma3ForConditionalGeneration.get_image_features in fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from common.families.gemma3 import FAMILY
+from tests.gemma3.conftest import sample_images
+
+
+def test_equals_hf_image_features(gemma3_tiny_dir: Path, gemma3_oracle) -> None:
+    encoder = FAMILY.make_vision_encoder(gemma3_tiny_dir)
+    images = sample_images()
+    ours = encoder.encode(images)
+    want = gemma3_oracle.image_features(gemma3_oracle.pixels(images))
+    assert len(ours) == len(images)
+    for got, ref in zip(ours, want, strict=True):
+        assert got.shape == (encoder.num_image_tokens, encoder.hidden_size)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_one_at_a_time_equals_batch(gemma3_tiny_dir: Path) -> None:
+    encoder = FAMILY.make_vision_encoder(gemma3_tiny_dir)
+    images = sample_images()
+    batch = encoder.encode(images)
+    for image, row in zip(images, batch, strict=True):
+        torch.testing.assert_close(encoder.encode([image])[0], row, atol=1e-5, rtol=1e-5)
+    assert encoder.calls == 1 + len(images) and encoder.images_encoded == 2 * len(images)
+
+
+def test_warm_up_and_size(gemma3_tiny_dir: Path) -> None:
+    encoder = FAMILY.make_vision_encoder(gemma3_tiny_dir)
+    encoder.warm_up()
+    assert encoder.embedding_nbytes == 16 * 64 * 4
+    assert encoder.preprocess_mode == "hf"
