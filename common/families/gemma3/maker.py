@@ -29,6 +29,7 @@ import torch
 from common.model_maker import build_tokenizer, init_random, portable_class_names
 
 BOI_TOKEN, EOI_TOKEN, IMAGE_SOFT_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+TIED_EMBED_STD = 0.05  # x sqrt(64) = 0.4 in the residual: the layers' unit-RMS (post-normed) outputs lead
 GEMMA_TOKENS = ["<start_of_turn>", "<end_of_turn>", BOI_TOKEN, EOI_TOKEN, IMAGE_SOFT_TOKEN]
 
 # Gemma 3's chat template: BOS, a system turn folded into the first user turn, "model" for the
@@ -126,13 +127,17 @@ def build_gemma3_config(preset: GemmaPreset, tokenizer):
 @torch.no_grad()
 def _gemma_scale(model: torch.nn.Module, seed: int, gain: float) -> None:
     """Fix what make-model's shared init (common/model_maker._scale_init) gets wrong for Gemma: its (1 + w)
-    RMSNorms would scale by 2 at the shared N(1, 0.1) (Gemma's weights are centred on 0), and the
-    projector's matrix is [in, out] (x @ W), so its fan-in is dim 0, not dim 1."""
+    RMSNorms would scale by 2 at the shared N(1, 0.1) (Gemma's weights are centred on 0); the projector's
+    matrix is [in, out] (x @ W), so its fan-in is dim 0, not dim 1; and the tied embeddings are multiplied
+    by sqrt(hidden) on the way in, so at the shared std each token's own embedding dominates the residual
+    and greedy decoding repeats the prompt's last token from the first step (seen on gemma-3-tiny)."""
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     for module in model.modules():
         if type(module).__name__ == "Gemma3RMSNorm":
             w = module.weight
             w.copy_(torch.normal(0.0, 0.1, w.shape, generator=gen).to(w))
+    embed = model.model.language_model.embed_tokens.weight
+    embed.copy_(torch.normal(0.0, TIED_EMBED_STD, embed.shape, generator=gen).to(embed))
     proj = model.model.multi_modal_projector.mm_input_projection_weight
     proj.copy_(torch.normal(0.0, gain / proj.shape[0] ** 0.5, proj.shape, generator=gen).to(proj))
 
