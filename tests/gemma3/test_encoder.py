@@ -35,3 +35,27 @@ def test_warm_up_and_size(gemma3_tiny_dir: Path) -> None:
     encoder.warm_up()
     assert encoder.embedding_nbytes == 16 * 64 * 4
     assert encoder.preprocess_mode == "hf"
+
+
+def test_hub_tensor_names(gemma3_tiny_dir: Path, gemma3_oracle, tmp_path: Path) -> None:
+    """transformers 5 saves the tower as `vision_tower.*`; the Hub's checkpoints (saved by transformers 4)
+    say `vision_tower.vision_model.*`: the same tensors under those names encode the same."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for path in gemma3_tiny_dir.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, tmp_path / path.name)
+    tensors = load_file(str(gemma3_tiny_dir / "model.safetensors"))
+    renamed = {}
+    for name, tensor in tensors.items():
+        if name.startswith("vision_tower."):
+            name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")
+        renamed[name] = tensor
+    assert any(n.startswith("vision_tower.vision_model.") for n in renamed)
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    images = sample_images()[:2]
+    ours = FAMILY.make_vision_encoder(tmp_path).encode(images)
+    want = gemma3_oracle.image_features(gemma3_oracle.pixels(images))
+    torch.testing.assert_close(torch.stack(ours), want, atol=1e-5, rtol=1e-5)
