@@ -2,15 +2,23 @@
 the GPU kernels by total time.
 
     python -m bench.profile_step --model DIR --device cuda --dtype bfloat16 [--batch 1] [--enforce-eager]
+    python -m bench.profile_step --model DIR ... --prompt-len 1880 --warm-tail 11
 
 It prefills `--batch` text requests of `--prompt-len` tokens, then times `--steps` decode steps of the
 engine (wall clock, synchronised), the runner's parts, and profiles the same steps' kernels with
 torch.profiler. Launch overhead shows as wall time the kernels do not fill.
+
+With `--warm-tail N` it profiles a warm request's one prefill step instead (the step of a repeated
+request's time to first token): the prompt is computed once, then each of `--steps` requests repeats it
+with N new tokens at its end and one output token, so its step computes the uncached tail (the prompt's
+last partial block and the N tokens) over the cached prefix and samples the first token.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -34,6 +42,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--warm-tail", type=int, default=0,
+                   help="profile the prefill step of a repeated prompt with this many new tokens (0: decode)")
     p.add_argument("--top", type=int, default=12, help="kernels to list")
     p.add_argument("--out", default=None)
     return p
@@ -49,12 +59,17 @@ def run(args: argparse.Namespace) -> dict:
     model = resolve_model(args)
     device = torch.device(args.device)
     blocks = args.batch * (-(-(args.prompt_len + 3 * args.steps + 8) // 16)) + 8
+    warm = args.warm_tail > 0
+    if warm:  # the prompt once, then each request's own tail (its blocks stay cached until evicted)
+        blocks = 2 * (-(-(args.prompt_len + args.warm_tail + 8) // 16)) * (args.steps + 8)
     config = EngineConfig(
         model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch, 1), num_kv_blocks=blocks,
-        enable_prefix_caching=False, attention_backend=args.attention_backend,
+        enable_prefix_caching=warm, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     prompt = PromptMaker(model, seed=0).text(args.prompt_len)
+    if warm:
+        return _warm_prefill(args, engine, prompt, device)
     for i in range(args.batch):
         params = SamplingParams(max_tokens=3 * args.steps, ignore_eos=True)
         engine.add_request(f"p{i}", prompt, sampling=params)
@@ -99,12 +114,7 @@ def run(args: argparse.Namespace) -> dict:
             for _ in range(args.steps):
                 engine.step()
             _sync(device)
-        for evt in prof.key_averages():
-            t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-            if t:
-                kernels.append({"kernel": evt.key[:70], "calls_per_step": evt.count / args.steps,
-                                "us_per_step": t / args.steps})
-        kernels.sort(key=lambda k: -k["us_per_step"])
+        kernels = _kernel_table(prof, args.steps)
     gpu_us = sum(k["us_per_step"] for k in kernels)
     result = {"batch": args.batch, "graphs": runner.uses_cuda_graphs, "wall_ms_per_step": wall * 1e3,
               "tokens_per_s": args.batch / wall,
@@ -118,6 +128,64 @@ def run(args: argparse.Namespace) -> dict:
         print_table("kernels per step", ["kernel", "calls", "us"],
                     [[k["kernel"], k["calls_per_step"], k["us_per_step"]] for k in kernels[:args.top]])
     return save_result("profile_step", args, result, decode_gemv=gemv_choices())
+
+
+def _warm_prefill(args: argparse.Namespace, engine: LLMEngine, prompt: str, device: torch.device) -> dict:
+    """The prefill step of a repeated prompt with `--warm-tail` new tokens: wall, runner parts, kernels."""
+    ids = engine.inputs.tokenizer.tokenizer(prompt, add_special_tokens=True).input_ids
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    rng, counter = random.Random(0), iter(range(10**9))
+
+    def one_request() -> tuple[float, int]:
+        """Add the prompt with a new tail, step it to its first token; (wall seconds, tokens computed)."""
+        n = next(counter)
+        tail = rng.choices(ids[1:], k=args.warm_tail)  # text tokens of the prompt, in a new order
+        engine.add_request(f"w{n}", prompt_token_ids=ids + tail, sampling=params)
+        _sync(device)
+        t0, tokens = time.perf_counter(), 0
+        while engine.has_unfinished():
+            engine.step()
+            tokens += engine.last_step.num_tokens
+        _sync(device)
+        return time.perf_counter() - t0, tokens
+
+    engine.add_request("base", prompt_token_ids=ids, sampling=params)
+    while engine.has_unfinished():
+        engine.step()
+    for _ in range(4):
+        one_request()  # warm-up: graphs, autotuning
+    walls, tokens = zip(*(one_request() for _ in range(args.steps)), strict=True)
+    kernels = []
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                one_request()
+        kernels = _kernel_table(prof, args.steps)
+    wall = statistics.median(walls)
+    result = {"prompt_tokens": len(ids) + args.warm_tail, "tokens_computed": statistics.median(tokens),
+              "graphs": engine.runner.uses_cuda_graphs, "graph_steps": engine.runner.graph_steps,
+              "wall_ms": wall * 1e3, "gpu_kernel_ms": sum(k["us_per_step"] for k in kernels) / 1e3,
+              "kernels": kernels[:args.top]}
+    print_table(f"warm prefill step: {result['tokens_computed']} tokens over a {len(ids)}-token prompt",
+                ["wall ms (median)", "GPU kernels ms", "graphs"],
+                [[result["wall_ms"], result["gpu_kernel_ms"], result["graphs"]]])
+    if kernels:
+        print_table("kernels per step", ["kernel", "calls", "us"],
+                    [[k["kernel"], k["calls_per_step"], k["us_per_step"]] for k in kernels[:args.top]])
+    return save_result("profile_warm_prefill", args, result, decode_gemv=gemv_choices())
+
+
+def _kernel_table(prof, steps: int) -> list[dict]:
+    """Kernels by device time per step, largest first."""
+    kernels = []
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if t:
+            kernels.append({"kernel": evt.key[:70], "calls_per_step": evt.count / steps,
+                            "us_per_step": t / steps})
+    return sorted(kernels, key=lambda k: -k["us_per_step"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,8 +7,10 @@ time through gRPC `Generate` (1 output token):
 - cold: a new --image-size PNG of noise + about --text-tokens tokens of text (every image misses);
 - warm: the identical request again (its prefix is cached: all but the last tokens);
 each with the decoder's TTFT split (GetStats `ttft_stage_seconds`: input, submit, encode, queue,
-prefill, output; decoder_svc/engine/ttft_stages.py) and the encoder's Encode split (`stage_seconds`)
-over the cold rounds. Then --concurrency requests at once (distinct images, --burst-words words each,
+prefill, output; decoder_svc/engine/ttft_stages.py), the request's inbound `crossing` of gRPC (the
+client's call to the front end's `received` stamp, read from the core's step trace; the rest of the
+client's figure is the first token's way back) and the encoder's Encode split (`stage_seconds`) over the
+cold rounds. Then --concurrency requests at once (distinct images, --burst-words words each,
 --burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a roofline made of the images at
 the cold rounds' tower device time each (measured alone: batching only lowers it), the prompt tokens at
 the cold rounds' prefill rate and the decode steps at the copy bandwidth (the language model's weights
@@ -70,6 +72,7 @@ class Probe:
     def __init__(self, pair: Pair) -> None:
         self.decoder = DecoderClient(pair.decoder.address, timeout=600)
         self.encoder = EncoderClient(pair.encoder.address, timeout=60)
+        self.trace = trace_path(pair)
 
     def snapshot(self) -> dict:
         """Both services' stats as dicts (field names as in the protos)."""
@@ -80,11 +83,14 @@ class Probe:
     def ttft(self, prompt: str, png: bytes, salt: str) -> tuple[float, dict]:
         """(seconds to the first token, the stage split of this request: decoder and encoder, ms)."""
         before = self.snapshot()
-        started, first = time.perf_counter(), None
+        started, first = time.monotonic(), None
         for chunk in self.decoder.generate(prompt, [png], max_tokens=1, ignore_eos=True, cache_salt=salt):
             if first is None and chunk.token_ids:
-                first = time.perf_counter() - started
-        return first if first is not None else float("nan"), split_between(before, self.snapshot())
+                first = time.monotonic() - started
+        split = split_between(before, self.snapshot())
+        if first is not None:
+            split["decoder"]["crossing"] = ms(crossing_in(self.trace, started, started + first))
+        return first if first is not None else float("nan"), split
 
 
 def split_between(before: dict, after: dict) -> dict:
@@ -94,6 +100,14 @@ def split_between(before: dict, after: dict) -> dict:
     g0, g1 = before["encoder"].get("tower_gpu_seconds", 0.0), after["encoder"].get("tower_gpu_seconds", 0.0)
     out["encoder_tower_gpu_ms"] = ms(g1 - g0)
     return out
+
+
+def crossing_in(trace: Path, sent: float, got: float) -> float:
+    """Seconds from the client's call to the front end's `received` stamp of the one request whose first
+    token came in [sent, got] (the step trace's record of it; same host, same monotonic clock): the
+    request crossing gRPC inbound. NaN when the trace has no such record."""
+    stamps = [r for rec in read_trace(trace, sent, got) for r in rec.get("received", []) if sent <= r <= got]
+    return stamps[0] - sent if len(stamps) == 1 else float("nan")
 
 
 def mean_split(splits: list[dict], side: str) -> dict:

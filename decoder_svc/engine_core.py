@@ -218,7 +218,7 @@ class EngineCore:
             t=started, s=seconds, tokens=shape.num_tokens, prefill=shape.prefill_chunks,
             decode=shape.decode_chunks, sampled=sum(o.times is not None for o in outputs),
             running=len(scheduler.running), waiting=len(scheduler.waiting), commands=self._commands,
-            idle=self._idle))
+            idle=self._idle, received=[o.times.received for o in outputs if o.times is not None]))
         self._commands, self._idle = 0, 0.0
 
 

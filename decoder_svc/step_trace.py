@@ -5,14 +5,15 @@ did before it (commands handled, time waiting for work). `bench/step_trace.py` s
 Fields: `t` (monotonic start, seconds), `s` (step seconds), `tokens`, `prefill` / `decode` (chunks of
 more than one token / of one), `sampled` (first tokens among the outputs), `running`, `waiting`,
 `commands` (handled since the previous step), `idle` (seconds the loop waited for a command or an
-embedding since the previous step).
+embedding since the previous step), `received` (when the front end got each request whose first token
+this step sampled: a client on the same host finds its request's crossing of gRPC from it).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import IO
 
 
@@ -30,6 +31,7 @@ class StepRecord:
     waiting: int
     commands: int
     idle: float
+    received: list[float] = field(default_factory=list)
 
 
 class StepTrace:

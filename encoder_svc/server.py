@@ -464,10 +464,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         salt = request.cache_salt
         pending, items, videos = await self._registered_inputs(request, salt)
         accepted = 0
+        # A decoder's files sent ahead belong to a request that has arrived: demand work (its batches
+        # replay the tower's CUDA graphs on the demand stream), not lookahead.
+        priority = DEMAND if request.needed_now else PREFETCH
         acquires = [(lambda i=i, key=key, image=image: self._acquire(
-            i, key, image, False, PREFETCH, salt, "", self._pixels(i, request.images[i])))
+            i, key, image, False, priority, salt, "", self._pixels(i, request.images[i])))
             for i, (key, image) in enumerate(items)]
-        acquires += [functools.partial(self._acquire_video, i, key, job, False, PREFETCH, salt)
+        acquires += [functools.partial(self._acquire_video, i, key, job, False, priority, salt)
                      for i, (key, job) in enumerate(videos)]
         try:
             for acquire in acquires:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as mmserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mmserve/v1/encoder.proto\x12\nmmserve.v1\x1a\x17mmserve/v1/common.proto\"\x80\x02\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06images\x18\x02 \x03(\x0b\x32\x16.mmserve.v1.ImageInput\x12%\n\x06\x61\x63\x63\x65pt\x18\x03 \x03(\x0e\x32\x15.mmserve.v1.Transport\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08prefetch\x18\x05 \x01(\x08\x12\x13\n\x0blease_owner\x18\x06 \x01(\t\x12&\n\x06videos\x18\x07 \x03(\x0b\x32\x16.mmserve.v1.VideoInput\x12\x12\n\nnixl_agent\x18\x08 \x01(\t\x12\x15\n\rawait_file_ms\x18\t \x01(\r\">\n\x0e\x45ncodeResponse\x12,\n\nembeddings\x18\x01 \x03(\x0b\x32\x18.mmserve.v1.EmbeddingRef\"u\n\x0fPrefetchRequest\x12&\n\x06images\x18\x01 \x03(\x0b\x32\x16.mmserve.v1.ImageInput\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12&\n\x06videos\x18\x03 \x03(\x0b\x32\x16.mmserve.v1.VideoInput\"$\n\x10PrefetchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"8\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x13\n\x0blease_owner\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\";\n\rLookupRequest\x12\x16\n\x0e\x63ontent_hashes\x18\x01 \x03(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"F\n\x0eLookupResponse\x12\x0e\n\x06\x63\x61\x63hed\x18\x01 \x03(\x08\x12$\n\x05grids\x18\x02 \x03(\x0b\x32\x15.mmserve.v1.ImageGrid\"\x89\x04\n\x0c\x45ncoderStats\x12\x18\n\x10\x63\x61\x63he_bytes_used\x18\x01 \x01(\x04\x12\x1c\n\x14\x63\x61\x63he_bytes_capacity\x18\x02 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x14\n\x0cleased_bytes\x18\x07 \x01(\x04\x12\x15\n\ractive_leases\x18\x08 \x01(\x04\x12\x0f\n\x07\x65ncodes\x18\t \x01(\x04\x12\x14\n\x0cimages_per_s\x18\n \x01(\x01\x12\x16\n\x0e\x65xpired_leases\x18\x0b \x01(\x04\x12\x17\n\x0finflight_dedups\x18\x0c \x01(\x04\x12\x12\n\nprefetches\x18\r \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x0e \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x41\n\rstage_seconds\x18\x10 \x03(\x0b\x32*.mmserve.v1.EncoderStats.StageSecondsEntry\x12\x14\n\x0c\x65ncode_calls\x18\x11 \x01(\x04\x12\x19\n\x11tower_gpu_seconds\x18\x12 \x01(\x01\x12\x12\n\ntransports\x18\x13 \x01(\t\x1a\x33\n\x11StageSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xdd\x02\n\x0e\x45ncoderService\x12?\n\x06\x45ncode\x12\x19.mmserve.v1.EncodeRequest\x1a\x1a.mmserve.v1.EncodeResponse\x12\x45\n\x08Prefetch\x12\x1b.mmserve.v1.PrefetchRequest\x1a\x1c.mmserve.v1.PrefetchResponse\x12\x42\n\x07Release\x12\x1a.mmserve.v1.ReleaseRequest\x1a\x1b.mmserve.v1.ReleaseResponse\x12?\n\x06Lookup\x12\x19.mmserve.v1.LookupRequest\x1a\x1a.mmserve.v1.LookupResponse\x12>\n\x08GetStats\x12\x18.mmserve.v1.StatsRequest\x1a\x18.mmserve.v1.EncoderStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mmserve/v1/encoder.proto\x12\nmmserve.v1\x1a\x17mmserve/v1/common.proto\"\x80\x02\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06images\x18\x02 \x03(\x0b\x32\x16.mmserve.v1.ImageInput\x12%\n\x06\x61\x63\x63\x65pt\x18\x03 \x03(\x0e\x32\x15.mmserve.v1.Transport\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08prefetch\x18\x05 \x01(\x08\x12\x13\n\x0blease_owner\x18\x06 \x01(\t\x12&\n\x06videos\x18\x07 \x03(\x0b\x32\x16.mmserve.v1.VideoInput\x12\x12\n\nnixl_agent\x18\x08 \x01(\t\x12\x15\n\rawait_file_ms\x18\t \x01(\r\">\n\x0e\x45ncodeResponse\x12,\n\nembeddings\x18\x01 \x03(\x0b\x32\x18.mmserve.v1.EmbeddingRef\"\x89\x01\n\x0fPrefetchRequest\x12&\n\x06images\x18\x01 \x03(\x0b\x32\x16.mmserve.v1.ImageInput\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12&\n\x06videos\x18\x03 \x03(\x0b\x32\x16.mmserve.v1.VideoInput\x12\x12\n\nneeded_now\x18\x04 \x01(\x08\"$\n\x10PrefetchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"8\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x13\n\x0blease_owner\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\";\n\rLookupRequest\x12\x16\n\x0e\x63ontent_hashes\x18\x01 \x03(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"F\n\x0eLookupResponse\x12\x0e\n\x06\x63\x61\x63hed\x18\x01 \x03(\x08\x12$\n\x05grids\x18\x02 \x03(\x0b\x32\x15.mmserve.v1.ImageGrid\"\x89\x04\n\x0c\x45ncoderStats\x12\x18\n\x10\x63\x61\x63he_bytes_used\x18\x01 \x01(\x04\x12\x1c\n\x14\x63\x61\x63he_bytes_capacity\x18\x02 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x14\n\x0cleased_bytes\x18\x07 \x01(\x04\x12\x15\n\ractive_leases\x18\x08 \x01(\x04\x12\x0f\n\x07\x65ncodes\x18\t \x01(\x04\x12\x14\n\x0cimages_per_s\x18\n \x01(\x01\x12\x16\n\x0e\x65xpired_leases\x18\x0b \x01(\x04\x12\x17\n\x0finflight_dedups\x18\x0c \x01(\x04\x12\x12\n\nprefetches\x18\r \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x0e \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x41\n\rstage_seconds\x18\x10 \x03(\x0b\x32*.mmserve.v1.EncoderStats.StageSecondsEntry\x12\x14\n\x0c\x65ncode_calls\x18\x11 \x01(\x04\x12\x19\n\x11tower_gpu_seconds\x18\x12 \x01(\x01\x12\x12\n\ntransports\x18\x13 \x01(\t\x1a\x33\n\x11StageSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xdd\x02\n\x0e\x45ncoderService\x12?\n\x06\x45ncode\x12\x19.mmserve.v1.EncodeRequest\x1a\x1a.mmserve.v1.EncodeResponse\x12\x45\n\x08Prefetch\x12\x1b.mmserve.v1.PrefetchRequest\x1a\x1c.mmserve.v1.PrefetchResponse\x12\x42\n\x07Release\x12\x1a.mmserve.v1.ReleaseRequest\x1a\x1b.mmserve.v1.ReleaseResponse\x12?\n\x06Lookup\x12\x19.mmserve.v1.LookupRequest\x1a\x1a.mmserve.v1.LookupResponse\x12>\n\x08GetStats\x12\x18.mmserve.v1.StatsRequest\x1a\x18.mmserve.v1.EncoderStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,22 +38,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODEREQUEST']._serialized_end=322
   _globals['_ENCODERESPONSE']._serialized_start=324
   _globals['_ENCODERESPONSE']._serialized_end=386
-  _globals['_PREFETCHREQUEST']._serialized_start=388
-  _globals['_PREFETCHREQUEST']._serialized_end=505
-  _globals['_PREFETCHRESPONSE']._serialized_start=507
-  _globals['_PREFETCHRESPONSE']._serialized_end=543
-  _globals['_RELEASEREQUEST']._serialized_start=545
-  _globals['_RELEASEREQUEST']._serialized_end=601
-  _globals['_RELEASERESPONSE']._serialized_start=603
-  _globals['_RELEASERESPONSE']._serialized_end=638
-  _globals['_LOOKUPREQUEST']._serialized_start=640
-  _globals['_LOOKUPREQUEST']._serialized_end=699
-  _globals['_LOOKUPRESPONSE']._serialized_start=701
-  _globals['_LOOKUPRESPONSE']._serialized_end=771
-  _globals['_ENCODERSTATS']._serialized_start=774
-  _globals['_ENCODERSTATS']._serialized_end=1295
-  _globals['_ENCODERSTATS_STAGESECONDSENTRY']._serialized_start=1244
-  _globals['_ENCODERSTATS_STAGESECONDSENTRY']._serialized_end=1295
-  _globals['_ENCODERSERVICE']._serialized_start=1298
-  _globals['_ENCODERSERVICE']._serialized_end=1647
+  _globals['_PREFETCHREQUEST']._serialized_start=389
+  _globals['_PREFETCHREQUEST']._serialized_end=526
+  _globals['_PREFETCHRESPONSE']._serialized_start=528
+  _globals['_PREFETCHRESPONSE']._serialized_end=564
+  _globals['_RELEASEREQUEST']._serialized_start=566
+  _globals['_RELEASEREQUEST']._serialized_end=622
+  _globals['_RELEASERESPONSE']._serialized_start=624
+  _globals['_RELEASERESPONSE']._serialized_end=659
+  _globals['_LOOKUPREQUEST']._serialized_start=661
+  _globals['_LOOKUPREQUEST']._serialized_end=720
+  _globals['_LOOKUPRESPONSE']._serialized_start=722
+  _globals['_LOOKUPRESPONSE']._serialized_end=792
+  _globals['_ENCODERSTATS']._serialized_start=795
+  _globals['_ENCODERSTATS']._serialized_end=1316
+  _globals['_ENCODERSTATS_STAGESECONDSENTRY']._serialized_start=1265
+  _globals['_ENCODERSTATS_STAGESECONDSENTRY']._serialized_end=1316
+  _globals['_ENCODERSERVICE']._serialized_start=1319
+  _globals['_ENCODERSERVICE']._serialized_end=1668
 # @@protoc_insertion_point(module_scope)

@@ -36,14 +36,16 @@ class EncodeResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[_common_pb2.EmbeddingRef, _Mapping]]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("images", "cache_salt", "videos")
+    __slots__ = ("images", "cache_salt", "videos", "needed_now")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     VIDEOS_FIELD_NUMBER: _ClassVar[int]
+    NEEDED_NOW_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]
     cache_salt: str
     videos: _containers.RepeatedCompositeFieldContainer[_common_pb2.VideoInput]
-    def __init__(self, images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[_common_pb2.VideoInput, _Mapping]]] = ...) -> None: ...
+    needed_now: bool
+    def __init__(self, images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[_common_pb2.VideoInput, _Mapping]]] = ..., needed_now: _Optional[bool] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
     __slots__ = ("accepted",)

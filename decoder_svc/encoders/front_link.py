@@ -101,7 +101,7 @@ class FrontEndLink:
                 encoder = self.pool.route(f.content_hash)
             except NoEncoderError:
                 return sent
-            request = encoder_pb2.PrefetchRequest(cache_salt=cache_salt)
+            request = encoder_pb2.PrefetchRequest(cache_salt=cache_salt, needed_now=True)
             request.images.add(data=f.data, min_pixels=f.min_pixels, max_pixels=f.max_pixels)  # no copy
             call = self._stub(encoder).Prefetch.future(request, timeout=self.timeout_s * 6, metadata=metadata)
             call.add_done_callback(_log_failure)

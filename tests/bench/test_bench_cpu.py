@@ -12,7 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from bench import decode_tput, encode_cache, encode_tput, handoff, lookahead, merge, serve_tput, ttft_prefix
+from bench import (
+    decode_tput,
+    encode_cache,
+    encode_tput,
+    handoff,
+    lookahead,
+    merge,
+    profile_step,
+    serve_tput,
+    ttft,
+    ttft_prefix,
+)
 from bench.plot import _plot_pillow, plot_cdfs
 from bench.services import decoder_service, encoder_service, start_all
 from bench.stats import percentile, summarize
@@ -180,3 +191,27 @@ def test_merge(out_dir, capsys):
     merged = json.loads((out_dir / "merged.json").read_text())
     assert not merged["errors"] and len(merged["benchmarks"]) == len(files) == 8  # one per benchmark above
     assert len(merged["headline"]) > 20 and "headline figures" in capsys.readouterr().out
+
+
+def test_profile_step_warm_prefill(tiny_model_dir, out_dir):
+    """The warm request's prefill step: only the uncached tail is computed (the prompt's last partial
+    block and the new tokens), over a cached prefix."""
+    profile_step.main(["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32",
+                       "--prompt-len", "70", "--warm-tail", "3", "--steps", "2",
+                       "--out", str(out_dir / "warm.json")])
+    res = _load(out_dir / "warm.json")["results"]
+    assert res["prompt_tokens"] > 70 and 3 <= res["tokens_computed"] < 3 + 16
+    assert res["wall_ms"] > 0
+
+
+def test_ttft_split_with_the_crossing(tiny_model_dir, out_dir):
+    """bench.ttft on the tiny model: cold and warm with the services' split, the inbound crossing read
+    from the core's step trace, and a burst against its roofline."""
+    ttft.main(["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32", "--rounds", "1",
+               "--concurrency", "2", "--image-size", "64", "--text-tokens", "40",
+               "--out", str(out_dir / "ttft.json")])
+    res = _load(out_dir / "ttft.json")["results"]["single"]
+    for case in ("cold", "warm"):
+        split = res[f"{case}_split_ms"]
+        assert 0 < split["crossing"] < res[case]["max_ms"]
+        assert sum(split.values()) <= res[case]["max_ms"] * 1.05  # service stages + crossing within TTFT

@@ -158,3 +158,27 @@ def test_arrival_waiters_share_an_event_and_leave_nothing():
         assert not pending._arrivals
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("needed_now", [True, False])
+def test_a_file_sent_ahead_for_an_arrived_request_is_demand_work(tiny_model_dir, monkeypatch, needed_now):
+    """A decoder's send-ahead (needed_now) is produced at demand priority: its batch replays the tower's
+    graphs on the demand stream instead of running eagerly as lookahead; a plain Prefetch stays lookahead."""
+    harness = EncoderHarness(EncoderConfig(model=tiny_model_dir, cache_bytes=1 << 20, decode_processes=0))
+    try:
+        worker = harness.servicer.worker
+        priorities = []
+        real_submit = worker.submit
+
+        def recording(key, image, priority, *args, **kwargs):
+            priorities.append(priority)
+            return real_submit(key, image, priority, *args, **kwargs)
+
+        monkeypatch.setattr(worker, "submit", recording)
+        reply = harness.stub.Prefetch(encoder_pb2.PrefetchRequest(
+            images=[common_pb2.ImageInput(data=image_bytes(905))], cache_salt="now", needed_now=needed_now),
+            timeout=60)
+        assert reply.accepted == 1
+        assert priorities == [server_module.DEMAND if needed_now else server_module.PREFETCH]
+    finally:
+        harness.close()

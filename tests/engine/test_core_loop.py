@@ -29,7 +29,7 @@ def test_a_request_through_the_pipe_is_stamped_served_and_traced(make_engine, im
     try:
         req = engine.inputs.make_request("r", ONE, [encode_png(images[0])],
                                          sampling=SamplingParams(max_tokens=3, ignore_eos=True))
-        req.times.made = 1.0  # the front end's stamp (monotonic, as the core's)
+        req.times.received, req.times.made = 0.5, 1.0  # the front end's stamps (monotonic, as the core's)
         files = detach_files(req.images)
         assert files, "the image file follows its request"
         front.send(msg.AddRequest(7, req))
@@ -51,6 +51,7 @@ def test_a_request_through_the_pipe_is_stamped_served_and_traced(make_engine, im
     assert 1.0 < times.arrived <= times.added <= times.step_started  # read off the pipe, then queued
     records = read_trace(trace_path)
     assert records and sum(r["sampled"] for r in records) == 1
+    assert [r for rec in records for r in rec["received"]] == [0.5]  # the first token's step names it
     assert sum(r["tokens"] for r in records) >= len(req.prompt_token_ids) + 2
     assert records[0]["commands"] == 1 and records[0]["prefill"] == 1
     summary = summarize(records)
