@@ -276,12 +276,20 @@ fi
 # split, 32 one-image requests at once against their roofline, and HF's generate on the Qwen families.
 # TTFT_PRESETS (default "qwen2.5-vl-7b qwen3-vl-8b llava-1.5-7b"), TTFT_ARGS (default "--rounds 5 --hf";
 # CPU smoke: TTFT_PRESETS=qwen2.5-vl-tiny TTFT_ARGS="--rounds 1 --concurrency 2 --image-size 256").
+# TTFT_WARM_TAIL=N (default 0: none) also profiles, per preset, a warm request's prefill step in-process
+# (bench.profile_step --warm-tail N over a TTFT_WARM_PROMPT-token prompt, default 1870). The encoder's
+# tower-graph lines are printed after each step.
 if [[ ",$SECTIONS," == *,ttft,* ]]; then
   read -r -a TARGS <<< "${TTFT_ARGS:---rounds 5 --hf}"
   for fam in ${TTFT_PRESETS:-qwen2.5-vl-7b qwen3-vl-8b llava-1.5-7b}; do
     make_once "/tmp/ttft-$fam" "$fam"
     step "ttft_$fam" 240 "$PY" -m bench.ttft --model "/tmp/ttft-$fam" "${DT[@]}" --logs "$RES/logs-ttft-$fam" \
       "${TARGS[@]}"
+    grep -h "CUDA graph\|WARNING" "$RES/logs-ttft-$fam/encoder.log" 2>/dev/null | tail -4
+    if [ "${TTFT_WARM_TAIL:-0}" -gt 0 ]; then
+      step "warm_step_$fam" 120 "$PY" -m bench.profile_step --model "/tmp/ttft-$fam" "${DT[@]}" \
+        --prompt-len "${TTFT_WARM_PROMPT:-1870}" --warm-tail "$TTFT_WARM_TAIL" --steps 8 --top 14
+    fi
     [ "${TTFT_KEEP_MODELS:-0}" = 1 ] || rm -rf "/tmp/ttft-$fam"
   done
 fi
