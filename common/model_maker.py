@@ -9,10 +9,16 @@ shapes too large to write, and portable processor class names. It imports no fam
 
 from __future__ import annotations
 
+import json
 import random
+import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+
+PresetT = TypeVar("PresetT")
 
 IMAGE_TOKEN = "<image>"
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN]
@@ -200,3 +206,55 @@ def portable_class_names(data: dict) -> None:
             portable_class_names(value)
         elif key == "image_processor_type" and isinstance(value, str):
             data[key] = value.removesuffix("Pil").removesuffix("Fast")
+
+
+def pick_preset(presets: Mapping[str, PresetT], preset: str, family: str) -> PresetT:
+    """presets[preset]; ValueError naming the family's presets for a name it does not have."""
+    if preset not in presets:
+        raise ValueError(f"unknown {family} preset {preset!r}; choose one of {', '.join(presets)}")
+    return presets[preset]
+
+
+def prepare_output(out: str | Path, device: str | None, dtype: str | None,
+                   default_dtype: torch.dtype) -> tuple[Path, str, torch.dtype]:
+    """A maker's (checkpoint folder, device, torch dtype): the folder made, the device CUDA when there is
+    one unless named, the dtype named or the preset's default."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = getattr(torch, dtype) if dtype else default_dtype
+    return out, device, torch_dtype
+
+
+def make_processor_configs_portable(out: Path) -> None:
+    """Rewrite the processor configs save_pretrained wrote with portable class names."""
+    for cfg_name in ("preprocessor_config.json", "processor_config.json"):
+        path = out / cfg_name
+        if path.exists():
+            data = json.loads(path.read_text())
+            portable_class_names(data)
+            path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_preprocessor_config(out: Path, data: dict) -> None:
+    """A copy of data, its class names made portable, as out/preprocessor_config.json."""
+    data = json.loads(json.dumps(data))  # a deep copy: callers pass module constants
+    portable_class_names(data)
+    (out / "preprocessor_config.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def finish_checkpoint(out: Path, *, preset: str, copies: str | None, seed: int, gain: float,
+                      torch_dtype: torch.dtype, device: str, started: float,
+                      language_weights: bool | None = None) -> None:
+    """Make every file of the checkpoint readable to all and write its mmserve_model.json (how it was
+    made; language_weights only where a maker can leave them out). started: time.perf_counter() at the
+    start."""
+    for path in out.iterdir():  # save_pretrained writes weights 0600
+        if path.is_file():
+            path.chmod(0o644)
+    meta = {"preset": preset, "copies": copies, "random_weights": True}
+    if language_weights is not None:
+        meta["language_weights"] = language_weights
+    meta |= {"seed": seed, "gain": gain, "dtype": str(torch_dtype).removeprefix("torch."), "made_on": device,
+             "seconds": round(time.perf_counter() - started, 2)}
+    (out / "mmserve_model.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -11,6 +11,7 @@ common/image_geometry.py's.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,3 +101,27 @@ class ImageLayout(ABC):
         """The positions of a prompt of num_tokens whose images and video runs are `spans`, and the delta
         generated tokens add to their index; None where positions are the plain token index."""
         return None
+
+
+def read_json_or_empty(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file, or {} where it has none."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def read_processor_configs(model_dir: str | Path,
+                           error: type[Exception]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(processor, image processor) config dicts of a checkpoint directory; `error` (the family's
+    CheckpointError) when it has no image processor config.
+
+    transformers 5 nests the image processor inside processor_config.json; checkpoints saved by older
+    versions (the llava-hf ones, the Hub's Gemma 3) keep it in preprocessor_config.json.
+    """
+    model_dir = Path(model_dir)
+    processor = read_json_or_empty(model_dir / "processor_config.json")
+    image_processor = processor.pop("image_processor", None)
+    if not isinstance(image_processor, dict):
+        image_processor = read_json_or_empty(model_dir / "preprocessor_config.json")
+    if not image_processor:
+        raise error(f"{model_dir} has no image processor config (preprocessor_config.json or "
+                    "processor_config.json)")
+    return processor, image_processor

@@ -17,14 +17,13 @@ around them, so an image's token count would follow its aspect ratio: refused he
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from common.checkpoint import CheckpointError
-from common.families.layout import ImageLayout, TextProcessor
+from common.families.layout import ImageLayout, TextProcessor, read_json_or_empty, read_processor_configs
 
 GEMMA3_MODEL_TYPES = ("gemma3",)
 
@@ -62,8 +61,8 @@ class Gemma3ImageLayout(ImageLayout):
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path, config: dict[str, Any]) -> Gemma3ImageLayout:
         """The layout of a Gemma 3 checkpoint; UnsupportedGemmaConfigError with the reason otherwise."""
-        processor, image_processor = read_gemma_processor_configs(model_dir)
-        tokens = _read_json(Path(model_dir) / "tokenizer_config.json")
+        processor, image_processor = read_processor_configs(model_dir, UnsupportedGemmaConfigError)
+        tokens = read_json_or_empty(Path(model_dir) / "tokenizer_config.json")
         return gemma3_layout(config, processor, image_processor, tokens)
 
     @property
@@ -133,20 +132,3 @@ def _check_pooling(image_size: int, patch: int, tokens: int) -> None:
         raise UnsupportedGemmaConfigError(
             f"mm_tokens_per_image={tokens} does not pool a {patches}x{patches} patch grid ({image_size} px, "
             f"patch {patch}) evenly into a square grid")
-
-
-def read_gemma_processor_configs(model_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(processor, image processor) config dicts: transformers 5 nests the image processor inside
-    processor_config.json; the Hub's checkpoints keep it in preprocessor_config.json."""
-    model_dir = Path(model_dir)
-    processor = _read_json(model_dir / "processor_config.json")
-    image_processor = processor.pop("image_processor", None)
-    if not isinstance(image_processor, dict):
-        image_processor = _read_json(model_dir / "preprocessor_config.json")
-    if not image_processor:
-        raise UnsupportedGemmaConfigError(f"{model_dir} has no image processor config")
-    return processor, image_processor
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}

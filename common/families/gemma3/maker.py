@@ -19,14 +19,20 @@ Vocabulary ids are the tiny tokenizer's own; the chat template is Gemma 3's turn
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from common.model_maker import build_tokenizer, init_random, portable_class_names
+from common.model_maker import (
+    build_tokenizer,
+    finish_checkpoint,
+    init_random,
+    make_processor_configs_portable,
+    pick_preset,
+    prepare_output,
+)
 
 BOI_TOKEN, EOI_TOKEN, IMAGE_SOFT_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 TIED_EMBED_STD = 0.05  # x sqrt(64) = 0.4 in the residual: the layers' unit-RMS (post-normed) outputs lead
@@ -150,13 +156,8 @@ def make_gemma3_model(preset: str, out: str | Path, seed: int = 0, device: str |
 
     if vision_only:
         raise ValueError("weights='vision' is not offered for the Gemma 3 presets; they are written whole")
-    if preset not in GEMMA3_PRESETS:
-        raise ValueError(f"unknown Gemma 3 preset {preset!r}; choose one of {', '.join(GEMMA3_PRESETS)}")
-    spec = GEMMA3_PRESETS[preset]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = getattr(torch, dtype) if dtype else torch.float32
+    spec = pick_preset(GEMMA3_PRESETS, preset, "Gemma 3")
+    out, device, torch_dtype = prepare_output(out, device, dtype, torch.float32)
     t0 = time.perf_counter()
     tokenizer = build_gemma3_tokenizer(spec.vocab_size, seed)
     model = init_random(Gemma3ForConditionalGeneration, build_gemma3_config(spec, tokenizer), device,
@@ -167,19 +168,9 @@ def make_gemma3_model(preset: str, out: str | Path, seed: int = 0, device: str |
     processor = Gemma3Processor(image_processor=_image_processor(spec), tokenizer=tokenizer,
                                 chat_template=GEMMA3_CHAT_TEMPLATE, image_seq_length=spec.mm_tokens_per_image)
     processor.save_pretrained(out)
-    for cfg_name in ("preprocessor_config.json", "processor_config.json"):  # portable class names
-        path = out / cfg_name
-        if path.exists():
-            data = json.loads(path.read_text())
-            portable_class_names(data)
-            path.write_text(json.dumps(data, indent=2) + "\n")
-    for path in out.iterdir():  # save_pretrained writes weights 0600: make the checkpoint readable to all
-        if path.is_file():
-            path.chmod(0o644)
-    (out / "mmserve_model.json").write_text(json.dumps(
-        {"preset": preset, "copies": spec.copies, "random_weights": True, "seed": seed, "gain": gain,
-         "dtype": str(torch_dtype).removeprefix("torch."), "made_on": device,
-         "seconds": round(time.perf_counter() - t0, 2)}, indent=2) + "\n")
+    make_processor_configs_portable(out)
+    finish_checkpoint(out, preset=preset, copies=spec.copies, seed=seed, gain=gain, torch_dtype=torch_dtype,
+                      device=device, started=t0)
     return out
 
 

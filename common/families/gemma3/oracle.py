@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from common.families.gemma3.encoder import load_gemma3_image_processor
+from common.families.oracle import greedy_new_tokens
 
 
 class Gemma3Oracle:
@@ -50,7 +51,4 @@ class Gemma3Oracle:
 
     def generate(self, prompt: str, images: list[Image.Image], n: int) -> list[int]:
         """HF's greedy new tokens."""
-        inputs = self.inputs(prompt, images)
-        with torch.no_grad():
-            seq = self.model.generate(**inputs, do_sample=False, max_new_tokens=n)
-        return seq[0, inputs["input_ids"].shape[1]:].tolist()
+        return greedy_new_tokens(self.model, self.inputs(prompt, images), n)

@@ -16,7 +16,6 @@ than failing every image request later.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any, ClassVar
 
 from common.checkpoint import CheckpointError, load_config
 from common.families.layout import ImageLayout, TextProcessor
+from common.families.layout import read_processor_configs as read_configs
 
 # Vision towers we serve, and whether their hidden states start with a CLS row.
 VISION_TOWER_HAS_CLS: dict[str, bool] = {"clip_vision_model": True, "siglip_vision_model": False}
@@ -184,27 +184,12 @@ def vision_feature_layers(layer: int | list[int], num_layers: int) -> tuple[int,
 
 
 def read_processor_configs(model_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(processor, image processor) config dicts of a checkpoint directory.
-
-    transformers 5 nests the image processor inside processor_config.json; older checkpoints (the
-    llava-hf ones) keep it in preprocessor_config.json.
-    """
-    model_dir = Path(model_dir)
-    processor = _read_json(model_dir / "processor_config.json")
-    image_processor = processor.pop("image_processor", None)
-    if not isinstance(image_processor, dict):
-        image_processor = _read_json(model_dir / "preprocessor_config.json")
-    if not image_processor:
-        raise UnsupportedImageConfigError(
-            f"{model_dir} has no image processor config (preprocessor_config.json or processor_config.json)")
-    return processor, image_processor
+    """(processor, image processor) config dicts of a checkpoint directory (common.families.layout's
+    reader, refusing with UnsupportedImageConfigError)."""
+    return read_configs(model_dir, UnsupportedImageConfigError)
 
 
 def load_image_token_layout(model_dir: str | Path) -> ImageTokenLayout:
     """image_token_layout of a checkpoint directory."""
     processor, image_processor = read_processor_configs(model_dir)
     return image_token_layout(load_config(model_dir), processor, image_processor)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}

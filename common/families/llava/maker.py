@@ -15,7 +15,6 @@ llava-interleave-qwen-tiny (llava-hf/llava-interleave-qwen-0.5b-hf).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +27,11 @@ from common.model_maker import (
     CLIP_STD,
     IMAGE_TOKEN,
     build_tokenizer,
+    finish_checkpoint,
     init_random,
-    portable_class_names,
+    make_processor_configs_portable,
+    pick_preset,
+    prepare_output,
 )
 
 if TYPE_CHECKING:
@@ -212,14 +214,9 @@ def make_llava_model(preset: str, out: str | Path, seed: int = 0, device: str | 
 
     if vision_only:
         raise ValueError("weights='vision' is for the Qwen-VL presets; the LLaVA presets are written whole")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown LLaVA preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    spec = PRESETS[preset]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if preset == "llava-1.5-7b"
-                                                      else torch.float32)
+    spec = pick_preset(PRESETS, preset, "LLaVA")
+    out, device, torch_dtype = prepare_output(
+        out, device, dtype, torch.bfloat16 if preset == "llava-1.5-7b" else torch.float32)
     steps = tqdm(total=4, desc=f"make-model {preset}", disable=not progress, unit="step")
     t0 = time.perf_counter()
 
@@ -245,20 +242,9 @@ def make_llava_model(preset: str, out: str | Path, seed: int = 0, device: str | 
         chat_template=spec.chat_template, image_token=IMAGE_TOKEN,
     )
     processor.save_pretrained(out)
-    # Name the image processor by its portable class so every transformers version can load it.
-    for cfg_name in ("preprocessor_config.json", "processor_config.json"):
-        path = out / cfg_name
-        if path.exists():
-            data = json.loads(path.read_text())
-            portable_class_names(data)
-            path.write_text(json.dumps(data, indent=2) + "\n")
-    for path in out.iterdir():  # save_pretrained writes weights 0600: make the checkpoint readable to all
-        if path.is_file():
-            path.chmod(0o644)
-    (out / "mmserve_model.json").write_text(json.dumps(
-        {"preset": preset, "copies": spec.copies or None, "random_weights": True, "seed": seed,
-         "gain": gain, "dtype": str(torch_dtype).removeprefix("torch."), "made_on": device,
-         "seconds": round(time.perf_counter() - t0, 2)}, indent=2) + "\n")
+    make_processor_configs_portable(out)  # so that every transformers version can load it
+    finish_checkpoint(out, preset=preset, copies=spec.copies or None, seed=seed, gain=gain,
+                      torch_dtype=torch_dtype, device=device, started=t0)
     steps.update()
     steps.close()
     return out

@@ -15,7 +15,6 @@ with `--weights vision` and served with `--load-format dummy`.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +25,12 @@ from common.model_maker import (
     CLIP_MEAN,
     CLIP_STD,
     build_tokenizer,
+    finish_checkpoint,
     init_random,
     init_vision_only,
-    portable_class_names,
+    pick_preset,
+    prepare_output,
+    write_preprocessor_config,
 )
 
 # Qwen2.5-VL's vision tokens, in the order of the real tokenizer's added tokens.
@@ -56,6 +58,17 @@ QWEN2_5_VL_CHAT_TEMPLATE = (
 )
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 16384  # 3136 and 12845056, as Qwen2.5-VL-7B-Instruct
+
+# Qwen2.5-VL-7B-Instruct's preprocessor_config.json (the class name made portable when written: the PIL
+# and torchvision backends read the same file).
+QWEN2_5_VL_IMAGE_PROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+    "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "do_convert_rgb": True, "resample": 3, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+    "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+    "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+    "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+}
 
 
 @dataclass(frozen=True)
@@ -114,9 +127,6 @@ def build_qwen_config(preset: QwenPreset, tokenizer):
     """The Qwen2_5_VLConfig of a preset, token ids from the tokenizer."""
     from transformers import Qwen2_5_VLConfig
 
-    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
-        ("image_token_id", IMAGE_PAD), ("video_token_id", "<|video_pad|>"))}
     text = dict(vocab_size=preset.vocab_size, max_position_embeddings=128000, rms_norm_eps=1e-6,
                 hidden_act="silu", use_sliding_window=False, sliding_window=32768, max_window_layers=28,
                 tie_word_embeddings=False, bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
@@ -128,7 +138,15 @@ def build_qwen_config(preset: QwenPreset, tokenizer):
                   temporal_patch_size=2,
                   window_size=112, tokens_per_second=2, out_hidden_size=preset.text["hidden_size"],
                   **preset.vision)
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                            **vision_token_ids(tokenizer))
+
+
+def vision_token_ids(tokenizer) -> dict[str, int]:
+    """The Qwen-VL configs' vision token id fields (Qwen2.5-VL's and Qwen3-VL's), from the tokenizer."""
+    return {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+        ("image_token_id", IMAGE_PAD), ("video_token_id", "<|video_pad|>"))}
 
 
 def make_qwen_model(preset: str, out: str | Path, seed: int = 0, device: str | None = None,
@@ -137,26 +155,25 @@ def make_qwen_model(preset: str, out: str | Path, seed: int = 0, device: str | N
     """Write a random Qwen2.5-VL checkpoint for `preset` into `out` and return its path."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    spec = QWEN_PRESETS[preset]
+    spec = pick_preset(QWEN_PRESETS, preset, "Qwen2.5-VL")
     tokenizer = build_qwen_tokenizer(spec.vocab_size, seed)
     return write_random_checkpoint(Qwen2_5_VLForConditionalGeneration, build_qwen_config(spec, tokenizer),
-                                   tokenizer, _write_image_processor, preset, spec.copies, out, seed, device,
-                                   dtype, gain, progress, vision_only)
+                                   tokenizer, QWEN2_5_VL_IMAGE_PROCESSOR, preset, spec.copies, out, seed,
+                                   device, dtype, gain, progress, vision_only)
 
 
-def write_random_checkpoint(model_cls, config, tokenizer, write_processor, preset: str, copies: str | None,
-                            out: str | Path, seed: int, device: str | None, dtype: str | None, gain: float,
-                            progress: bool, vision_only: bool = False) -> Path:
+def write_random_checkpoint(model_cls, config, tokenizer, image_processor: dict, preset: str,
+                            copies: str | None, out: str | Path, seed: int, device: str | None,
+                            dtype: str | None, gain: float, progress: bool,
+                            vision_only: bool = False) -> Path:
     """Init model_cls(config) at make-model's scale on `device` and write it, the tokenizer, the image
-    processor (write_processor(out)) and mmserve_model.json into `out` (the Qwen-VL presets' maker).
-    vision_only: write the vision tower's weights alone (the decoder serves such a checkpoint with
-    `--load-format dummy`), for language models too large to write."""
+    processor config (image_processor, as preprocessor_config.json) and mmserve_model.json into `out`
+    (the Qwen-VL presets' maker). vision_only: write the vision tower's weights alone (the decoder serves
+    such a checkpoint with `--load-format dummy`), for language models too large to write."""
     from tqdm.auto import tqdm
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = getattr(torch, dtype) if dtype else (torch.float32 if "tiny" in preset else torch.bfloat16)
+    out, device, torch_dtype = prepare_output(out, device, dtype,
+                                              torch.float32 if "tiny" in preset else torch.bfloat16)
     steps = tqdm(total=3, desc=f"make-model {preset}", disable=not progress, unit="step")
     t0 = time.perf_counter()
     steps.update()
@@ -174,28 +191,9 @@ def write_random_checkpoint(model_cls, config, tokenizer, write_processor, prese
     del model
     steps.update()
     tokenizer.save_pretrained(out)
-    write_processor(out)
-    for path in out.iterdir():  # save_pretrained writes weights 0600: make the checkpoint readable to all
-        if path.is_file():
-            path.chmod(0o644)
-    (out / "mmserve_model.json").write_text(json.dumps(
-        {"preset": preset, "copies": copies, "random_weights": True, "language_weights": not vision_only,
-         "seed": seed, "gain": gain,
-         "dtype": str(torch_dtype).removeprefix("torch."), "made_on": device,
-         "seconds": round(time.perf_counter() - t0, 2)}, indent=2) + "\n")
+    write_preprocessor_config(out, image_processor)
+    finish_checkpoint(out, preset=preset, copies=copies, seed=seed, gain=gain, torch_dtype=torch_dtype,
+                      device=device, started=t0, language_weights=not vision_only)
     steps.update()
     steps.close()
     return out
-
-
-def _write_image_processor(out: Path) -> None:
-    """preprocessor_config.json as Qwen2.5-VL-7B-Instruct has it (the class name portable across
-    transformers versions: the PIL and torchvision backends read the same file)."""
-    data = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
-            "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-            "do_convert_rgb": True, "resample": 3, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
-            "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
-            "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-            "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
-    portable_class_names(data)
-    (out / "preprocessor_config.json").write_text(json.dumps(data, indent=2) + "\n")

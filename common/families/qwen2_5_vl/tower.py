@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -207,31 +208,21 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.hidden))
 
 
-class QwenVisionTower(nn.Module):
-    """Pixel patches of several images (as Qwen2VLImageProcessor lays them out) to merged embeddings."""
+class QwenPatchTower(nn.Module):
+    """What the Qwen-VL towers (Qwen2.5-VL's here, Qwen3-VL's) share: the patch geometry read from the
+    vision config, the Conv3d patch embedding whose stride is its kernel, and the 2D rotary frequencies."""
 
-    # Varlen FlashAttention where it runs (CUDA, half precision); False: the SDPA reference everywhere.
-    flash_attention = True
-
-    def __init__(self, vision: dict) -> None:
+    def __init__(self, vision: dict, default_patch: int, patch_bias: bool) -> None:
         super().__init__()
         self.dim = int(vision["hidden_size"])
         self.num_heads = int(vision.get("num_heads", vision.get("num_attention_heads")))
-        self.patch = int(vision.get("patch_size", 14))
+        self.patch = int(vision.get("patch_size", default_patch))  # 14 px in Qwen2.5-VL, 16 in Qwen3-VL
         self.temporal = int(vision.get("temporal_patch_size", 2))
         self.merge = int(vision.get("spatial_merge_size", 2))
         self.channels = int(vision.get("in_channels", vision.get("in_chans", 3)))
-        self.window = int(vision.get("window_size", 112))
-        self.full_blocks = frozenset(int(i) for i in vision.get("fullatt_block_indexes", ()))
-        if vision.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"vision hidden_act {vision.get('hidden_act')!r} is not supported; only silu")
-        depth = int(vision.get("depth", vision.get("num_hidden_layers")))
         self.patch_embed = nn.Module()
         kernel = (self.temporal, self.patch, self.patch)
-        self.patch_embed.proj = nn.Conv3d(self.channels, self.dim, kernel, stride=kernel, bias=False)
-        self.blocks = nn.ModuleList(VisionBlock(self.dim, self.num_heads, int(vision["intermediate_size"]))
-                                    for _ in range(depth))
-        self.merger = PatchMerger(int(vision["out_hidden_size"]), self.dim, self.merge)
+        self.patch_embed.proj = nn.Conv3d(self.channels, self.dim, kernel, stride=kernel, bias=patch_bias)
         self.register_buffer("inv_freq", self.rotary_inv_freq(vision), persistent=False)
 
     @staticmethod
@@ -243,13 +234,32 @@ class QwenVisionTower(nn.Module):
         return 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
 
     def use_ops(self, ops: type[VisionOps]) -> None:
-        """Run the elementwise steps with ops (VisionOps, or its fused() or compiled() form on a GPU)."""
+        """Run the elementwise steps with ops (the tower's VisionOps class, or its fused() or compiled()
+        form on a GPU)."""
         use_ops(self, ops)
 
     @property
     def patch_dim(self) -> int:
         """Values per patch row of pixel_values (channels x temporal x patch x patch)."""
         return self.channels * self.temporal * self.patch * self.patch
+
+
+class QwenVisionTower(QwenPatchTower):
+    """Pixel patches of several images (as Qwen2VLImageProcessor lays them out) to merged embeddings."""
+
+    # Varlen FlashAttention where it runs (CUDA, half precision); False: the SDPA reference everywhere.
+    flash_attention = True
+
+    def __init__(self, vision: dict) -> None:
+        super().__init__(vision, default_patch=14, patch_bias=False)
+        self.window = int(vision.get("window_size", 112))
+        self.full_blocks = frozenset(int(i) for i in vision.get("fullatt_block_indexes", ()))
+        if vision.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"vision hidden_act {vision.get('hidden_act')!r} is not supported; only silu")
+        depth = int(vision.get("depth", vision.get("num_hidden_layers")))
+        self.blocks = nn.ModuleList(VisionBlock(self.dim, self.num_heads, int(vision["intermediate_size"]))
+                                    for _ in range(depth))
+        self.merger = PatchMerger(int(vision["out_hidden_size"]), self.dim, self.merge)
 
     def layout(self, grids: Sequence[Grid]) -> tuple[np.ndarray, list[int], list[int], np.ndarray]:
         """Host-side plan of a batch: the window order of merge units, window and full-attention chunk
@@ -347,29 +357,36 @@ def grid_windows(merge: int, win: int, t: int, h: int, w: int) -> tuple[np.ndarr
 
 _PREFIXES = ("model.visual.", "visual.")
 
+TowerT = TypeVar("TowerT", bound=QwenPatchTower)
 
-def load_qwen_tower(model_dir, vision: dict, device: torch.device, dtype: torch.dtype) -> QwenVisionTower:
-    """The tower with the checkpoint's `visual.*` (or `model.visual.*`) weights, strictly."""
+
+def load_tower_weights(tower_cls: type[TowerT], model_dir, vision: dict, device: str | torch.device,
+                       dtype: torch.dtype) -> TowerT:
+    """tower_cls(vision) with the checkpoint's `model.visual.*` (or `visual.*`) weights, strictly, on
+    `device` in `dtype` (a Qwen-VL tower: this folder's or Qwen3-VL's)."""
     from common.checkpoint import load_tensors
 
-    tensors = load_tensors(model_dir, _PREFIXES)
     state = {}
-    for name, tensor in tensors.items():
-        for prefix in _PREFIXES:
-            if name.startswith(prefix):
-                state[name[len(prefix):]] = tensor
-                break
+    for name, tensor in load_tensors(model_dir, _PREFIXES).items():
+        prefix = next(p for p in _PREFIXES if name.startswith(p))
+        state[name[len(prefix):]] = tensor
     with torch.device("meta"):
-        tower = QwenVisionTower(vision)
+        tower = tower_cls(vision)
     tower = tower.to_empty(device="cpu")
     missing, unexpected = tower.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{model_dir}: vision tower weights do not match: missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
     tower = tower.to(device, dtype).eval()
+    # Computed, not in the checkpoint, and kept in fp32 whatever the weights' dtype (as HF computes it).
+    tower.inv_freq = tower_cls.rotary_inv_freq(vision).to(device)
+    return tower
+
+
+def load_qwen_tower(model_dir, vision: dict, device: torch.device, dtype: torch.dtype) -> QwenVisionTower:
+    """The tower with the checkpoint's `visual.*` (or `model.visual.*`) weights, strictly."""
+    tower = load_tower_weights(QwenVisionTower, model_dir, vision, device, dtype)
     if torch.device(device).type == "cuda":
         for block in tower.blocks:  # aligned GEMMs on the GPU (CPU keeps HF's exact products)
             block.mlp.fuse()
-    # Computed, not in the checkpoint, and kept in fp32 whatever the weights' dtype (as HF computes it).
-    tower.inv_freq = QwenVisionTower.rotary_inv_freq(vision).to(device)
     return tower

@@ -24,12 +24,11 @@ runs on a CPU in seconds. Vocabulary ids are the tiny tokenizer's own.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.families.qwen2_5_vl.maker import IMAGE_PAD, build_qwen_tokenizer, write_random_checkpoint
-from common.model_maker import portable_class_names
+from common.families.qwen2_5_vl.maker import build_qwen_tokenizer, vision_token_ids, write_random_checkpoint
+from common.model_maker import pick_preset
 
 # Qwen3-VL-8B-Instruct's chat template, its tool-calling branches left out (a tiny model cannot call
 # tools): unlike Qwen2.5-VL's there is no default system turn; each image part becomes
@@ -63,7 +62,7 @@ QWEN3_VL_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Qwen3-VL-8B-Instruct's preprocessor_config.json (the class name portable across transformers versions).
+# Qwen3-VL-8B-Instruct's preprocessor_config.json (the class name made portable when written).
 QWEN3_VL_IMAGE_PROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
     "size": {"shortest_edge": 65536, "longest_edge": 16777216},
@@ -116,9 +115,6 @@ def build_qwen3_config(preset: Qwen3Preset, tokenizer):
     """The Qwen3VLConfig of a preset, token ids from the tokenizer."""
     from transformers import Qwen3VLConfig
 
-    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
-        ("image_token_id", IMAGE_PAD), ("video_token_id", "<|video_pad|>"))}
     text = dict(vocab_size=preset.vocab_size, max_position_embeddings=262144, rms_norm_eps=1e-6,
                 hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
                 bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
@@ -128,7 +124,8 @@ def build_qwen3_config(preset: Qwen3Preset, tokenizer):
                 **preset.text)
     vision = dict(hidden_act="gelu_pytorch_tanh", in_channels=3, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=preset.text["hidden_size"], **preset.vision)
-    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                         **vision_token_ids(tokenizer))
 
 
 def make_qwen3_model(preset: str, out: str | Path, seed: int = 0, device: str | None = None,
@@ -137,15 +134,8 @@ def make_qwen3_model(preset: str, out: str | Path, seed: int = 0, device: str | 
     """Write a random Qwen3-VL checkpoint for `preset` into `out` and return its path."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    spec = QWEN3_PRESETS[preset]
+    spec = pick_preset(QWEN3_PRESETS, preset, "Qwen3-VL")
     tokenizer = build_qwen3_tokenizer(spec.vocab_size, seed)
     return write_random_checkpoint(Qwen3VLForConditionalGeneration, build_qwen3_config(spec, tokenizer),
-                                   tokenizer, _write_image_processor, preset, spec.copies, out, seed, device,
-                                   dtype, gain, progress, vision_only)
-
-
-def _write_image_processor(out: Path) -> None:
-    """preprocessor_config.json as Qwen3-VL-8B-Instruct has it (portable class name)."""
-    data = json.loads(json.dumps(QWEN3_VL_IMAGE_PROCESSOR))
-    portable_class_names(data)
-    (out / "preprocessor_config.json").write_text(json.dumps(data, indent=2) + "\n")
+                                   tokenizer, QWEN3_VL_IMAGE_PROCESSOR, preset, spec.copies, out, seed,
+                                   device, dtype, gain, progress, vision_only)

@@ -1,9 +1,8 @@
 """The Qwen3-VL oracle: Hugging Face's Qwen3VLForConditionalGeneration on the same checkpoint.
 
 As for Qwen2.5-VL (common/families/qwen2_5_vl/oracle.py), HF's processor class needs torchvision, so
-inputs are built from the checkpoint's Qwen2-VL image processor (PIL backend) and tokenizer: each
-<|image_pad|> expanded to the image's t*h*w/4 tokens, and mm_token_type_ids marking image tokens
-(get_rope_index reads it).
+inputs are built by that oracle's qwen_inputs from the checkpoint's Qwen2-VL image processor (PIL backend)
+and tokenizer.
 """
 
 from __future__ import annotations
@@ -13,9 +12,11 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from common.families.oracle import greedy_new_tokens
 from common.families.qwen2_5_vl.encoder_base import load_qwen_image_processor
+from common.families.qwen2_5_vl.oracle import IMAGE_PAD, qwen_inputs, qwen_pixels
 
-IMAGE_PAD = "<|image_pad|>"
+__all__ = ["IMAGE_PAD", "Qwen3Oracle"]
 
 
 class Qwen3Oracle:
@@ -31,30 +32,15 @@ class Qwen3Oracle:
 
     def pixels(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """pixel_values [patches, patch_dim] and image_grid_thw [images, 3], one image at a time."""
-        outs = [self.image_processor(images=[image], return_tensors="pt") for image in images]
-        return torch.cat([o["pixel_values"] for o in outs]), torch.cat([o["image_grid_thw"] for o in outs])
+        return qwen_pixels(self.image_processor, images)
 
     def inputs(self, prompt: str, images: list[Image.Image]) -> dict:
         """Model inputs for a raw prompt whose <|image_pad|> markers stand for images, in order."""
-        out: dict = {}
-        counts: list[int] = []
-        if images:
-            out["pixel_values"], out["image_grid_thw"] = self.pixels(images)
-            counts = [int(g.prod()) // self.merge**2 for g in out["image_grid_thw"]]
-        pieces = prompt.split(IMAGE_PAD)
-        assert len(pieces) - 1 == len(images)
-        text = pieces[0] + "".join(IMAGE_PAD * n + p for n, p in zip(counts, pieces[1:], strict=True))
-        enc = self.tokenizer(text, return_tensors="pt")
-        out["input_ids"], out["attention_mask"] = enc["input_ids"], enc["attention_mask"]
-        out["mm_token_type_ids"] = (enc["input_ids"] == self.model.config.image_token_id).int()
-        return out
+        return qwen_inputs(self.model, self.tokenizer, self.image_processor, prompt, images)
 
     def generate(self, prompt: str, images: list[Image.Image], n: int) -> list[int]:
         """HF's greedy new tokens."""
-        inputs = self.inputs(prompt, images)
-        with torch.no_grad():
-            seq = self.model.generate(**inputs, do_sample=False, max_new_tokens=n)
-        return seq[0, inputs["input_ids"].shape[1]:].tolist()
+        return greedy_new_tokens(self.model, self.inputs(prompt, images), n)
 
     def image_features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
         """get_image_features of one batch as [parts, rows_i, hidden] per image: the merged features

@@ -29,7 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.families.qwen2_5_vl.tower import QwenVisionTower, VisionAttention, VisionOps, rotary, use_ops
+from common.families.qwen2_5_vl.tower import (
+    QwenPatchTower,
+    VisionAttention,
+    VisionOps,
+    load_tower_weights,
+    rotary,
+)
 from common.vision.attention import AttentionSpans, flash_supported
 
 Grid = tuple[int, int, int]
@@ -196,7 +202,7 @@ def grid_taps(merge: int, side: int, t: int, h: int, w: int) -> tuple[np.ndarray
     return positions, indices, weights
 
 
-class Qwen3VisionTower(nn.Module):
+class Qwen3VisionTower(QwenPatchTower):
     """Pixel patches of several images (as Qwen2VLImageProcessor lays them out) to merged embeddings and
     DeepStack features. Parameter names are HF's under `model.visual.`, so checkpoints load strictly."""
 
@@ -208,13 +214,7 @@ class Qwen3VisionTower(nn.Module):
     flash_attention = True
 
     def __init__(self, vision: dict) -> None:
-        super().__init__()
-        self.dim = int(vision["hidden_size"])
-        self.num_heads = int(vision.get("num_heads", vision.get("num_attention_heads")))
-        self.patch = int(vision.get("patch_size", 16))
-        self.temporal = int(vision.get("temporal_patch_size", 2))
-        self.merge = int(vision.get("spatial_merge_size", 2))
-        self.channels = int(vision.get("in_channels", 3))
+        super().__init__(vision, default_patch=16, patch_bias=True)
         act = vision.get("hidden_act", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"vision hidden_act {act!r} is not supported; only gelu_pytorch_tanh")
@@ -225,28 +225,12 @@ class Qwen3VisionTower(nn.Module):
         num_positions = int(vision.get("num_position_embeddings", 2304))
         self.side = int(num_positions**0.5)  # HF: int(num_position_embeddings ** 0.5), a square table
         out_dim = int(vision["out_hidden_size"])
-        self.patch_embed = nn.Module()
-        kernel = (self.temporal, self.patch, self.patch)
-        self.patch_embed.proj = nn.Conv3d(self.channels, self.dim, kernel, stride=kernel, bias=True)
         self.pos_embed = nn.Embedding(num_positions, self.dim)
         self.blocks = nn.ModuleList(VisionBlock(self.dim, self.num_heads, int(vision["intermediate_size"]))
                                     for _ in range(depth))
         self.merger = PatchMerger(out_dim, self.dim, self.merge, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(out_dim, self.dim, self.merge, postshuffle=True) for _ in self.deepstack_indexes)
-        self.register_buffer("inv_freq", self.rotary_inv_freq(vision), persistent=False)
-
-    # The same 2D rotary frequencies as Qwen2.5-VL's tower.
-    rotary_inv_freq = staticmethod(QwenVisionTower.rotary_inv_freq)
-
-    def use_ops(self, ops: type[Qwen3VisionOps]) -> None:
-        """Run the elementwise steps with ops (Qwen3VisionOps, or its fused() or compiled() form on a GPU)."""
-        use_ops(self, ops)
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch row of pixel_values (channels x temporal x patch x patch)."""
-        return self.channels * self.temporal * self.patch * self.patch
 
     @property
     def parts(self) -> int:
@@ -330,26 +314,8 @@ class Qwen3TowerPlan:
     spans: AttentionSpans
 
 
-_PREFIXES = ("model.visual.", "visual.")
-
 
 def load_qwen3_tower(model_dir, vision: dict, device: str | torch.device = "cpu",
                      dtype: torch.dtype = torch.float32) -> Qwen3VisionTower:
     """The tower with the checkpoint's `model.visual.*` (or `visual.*`) weights, strictly."""
-    from common.checkpoint import load_tensors
-
-    state = {}
-    for name, tensor in load_tensors(model_dir, _PREFIXES).items():
-        prefix = next(p for p in _PREFIXES if name.startswith(p))
-        state[name[len(prefix):]] = tensor
-    with torch.device("meta"):
-        tower = Qwen3VisionTower(vision)
-    tower = tower.to_empty(device="cpu")
-    missing, unexpected = tower.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{model_dir}: vision tower weights do not match: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
-    tower = tower.to(device, dtype).eval()
-    # Computed, not in the checkpoint, and kept in fp32 whatever the weights' dtype (as HF computes it).
-    tower.inv_freq = Qwen3VisionTower.rotary_inv_freq(vision).to(device)
-    return tower
+    return load_tower_weights(Qwen3VisionTower, model_dir, vision, device, dtype)
