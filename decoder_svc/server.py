@@ -56,6 +56,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.encoders = encoders  # grids of hash-only Qwen-VL images; new files sent ahead
         self.send_ahead = send_ahead and encoders is not None
         self._sent_ahead: BoundedMemo[bool] = BoundedMemo(MAX_SENT_AHEAD)  # (salt, hash) sent recently
+        # Files go ahead only while few requests await their first token: behind a backlog the engine's
+        # lookahead asks for them in queue order, so the tower's work stays just ahead of the prefills
+        # that need it instead of every arrival's image competing for the GPU with them.
+        self.awaiting_first_token = 0
+        self.send_ahead_depth = max(1, inputs.config.encoder_max_ahead)
         self.draining = False
         self.ttft_totals = StageTotals(STAGES)  # where time to first token goes (engine/ttft_stages.py)
 
@@ -101,9 +106,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     def _send_files_ahead(self, req: Request) -> None:
         """A file this front end has not sent lately goes to its encoder now, in the background
-        (encoders/front_link.py); its placeholder says so, and the engine asks for it by hash only,
-        waiting briefly if the encoder has not received it yet."""
-        if not self.send_ahead:
+        (encoders/front_link.py), as demand work; its placeholder says so, and the engine asks for it by
+        hash only, waiting briefly if the encoder has not received it yet. Not while more than
+        `send_ahead_depth` requests (this one included) await their first token: the file then follows
+        its request and the engine asks for it with its bytes, in queue order (lookahead)."""
+        if not self.send_ahead or self.awaiting_first_token > self.send_ahead_depth:
             return
         files = []
         for img in req.images:
@@ -142,11 +149,16 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         outputs = OutputStream(self.core.open_stream(request_id), self._stream_detokenizer(parsed.sampling))
         added = finished = False
         last = None
+        awaiting = True  # counted in awaiting_first_token until its first output
+        self.awaiting_first_token += 1
         try:
             await self._add(request_id, parsed, received)
             added = True
             while not finished:
                 output = await outputs.read()
+                if awaiting:
+                    awaiting = False
+                    self.awaiting_first_token -= 1
                 if output.error:
                     finished = True
                     self._count("failed")
@@ -164,6 +176,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             if self.metrics is not None:
                 self.metrics.e2e.observe(time.perf_counter() - started)
         finally:
+            if awaiting:
+                self.awaiting_first_token -= 1
             self.core.close_stream(request_id)
             if not finished:
                 self._count("aborted" if added else "rejected")
