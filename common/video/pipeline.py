@@ -56,13 +56,15 @@ class VideoPlan:
 
 
 def plan_video(data: bytes, config: QwenVideoConfig, model_fingerprint: str, cache_salt: str = "",
-               limits: VideoLimits = VideoLimits()) -> VideoPlan:
+               limits: VideoLimits = VideoLimits(), content_hash: str | None = None) -> VideoPlan:
     """The header checked against limits, the sampled indices, grid, tokens, timing and content hash of
     encoded video bytes, without decoding a frame (read_video's values); the frames that decoding goes
-    through are counted from the packet index and checked against limits too. Raises VideoError."""
+    through are counted from the packet index and checked against limits too. Raises VideoError.
+    content_hash: hash_video_bytes of the same arguments, when the caller has it already."""
     info, sampled, schedule = plan_decoding(data, config.sampling.indices_for, limits)
     indices = tuple(int(i) for i in sampled)
     grid = config.geometry.grid(len(indices), info.height, info.width)
     return VideoPlan(info, indices, grid, config.geometry.num_tokens(grid),
                      video_timing(indices, info.total_frames, info.fps, config.geometry.temporal_patch_size),
-                     hash_video_bytes(data, config, model_fingerprint, cache_salt), schedule.frames_to_decode)
+                     content_hash or hash_video_bytes(data, config, model_fingerprint, cache_salt),
+                     schedule.frames_to_decode)

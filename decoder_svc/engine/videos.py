@@ -12,20 +12,24 @@ entry); each run is a placeholder that takes its part of the rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.checkpoint import CheckpointError, load_config
 from common.families.layout import ImageLayout
 from common.image_geometry import Grid
+from common.memo import BoundedMemo
 from common.video import QwenVideoConfig, VideoError, VideoLimits, VideoPlan, plan_video, video_request_config
 from common.video.config import load_qwen_video_config
+from common.video.hashing import hash_video_bytes
 from decoder_svc.engine.embedding_source import VideoSource
 from decoder_svc.engine.sampling_params import InvalidRequestError
 from decoder_svc.tokenization import VideoPromptLayout
 
 if TYPE_CHECKING:
     from decoder_svc.engine.config import EngineConfig
+
+MAX_REMEMBERED_PLANS = 1024  # a plan is a few KB (its sampled frame indices)
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,9 @@ class VideoInputs:
     merge_size: int
     tokens_per_second: float  # Qwen2.5-VL's vision_config.tokens_per_second
     max_videos: int
+    # content hash -> plan of videos planned lately (plan runs on any input thread: the memo is thread-safe)
+    _plans: BoundedMemo[VideoPlan] = field(default_factory=lambda: BoundedMemo(MAX_REMEMBERED_PLANS),
+                                           compare=False, repr=False)
 
     @classmethod
     def for_model(cls, config: EngineConfig, fingerprint: str, layout: ImageLayout) -> VideoInputs:
@@ -77,10 +84,17 @@ class VideoInputs:
                 raise InvalidRequestError(f"video {i}: {exc}") from None
         plans = []
         for i, (video, config) in enumerate(zip(videos, configs, strict=True)):
-            try:
-                plan = plan_video(video.data, config, self.fingerprint, salt, self.limits)
-            except VideoError as exc:
-                raise InvalidRequestError(f"video {i}: {exc}") from None
+            # Named by its bytes and settings first: a video planned before (a repeat) is not demuxed
+            # again, and the same bytes under the same caps pass them the same way.
+            key = hash_video_bytes(video.data, config, self.fingerprint, salt)
+            plan = self._plans.get(key)
+            if plan is None:
+                try:
+                    plan = plan_video(video.data, config, self.fingerprint, salt, self.limits,
+                                      content_hash=key)
+                except VideoError as exc:
+                    raise InvalidRequestError(f"video {i}: {exc}") from None
+                self._plans.put(key, plan)
             resolved = VideoSource(video.data, config.sampling.fps, config.sampling.max_frames,
                                    config.geometry.min_pixels, config.geometry.max_pixels)
             plans.append((plan, resolved))

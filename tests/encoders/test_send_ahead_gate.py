@@ -40,4 +40,4 @@ def test_files_go_ahead_only_while_few_requests_await_their_first_token():
 
     reqs = asyncio.run(run())  # which waits for the sends in the loop's default executor
     assert link.sent == [reqs[i].images[0].content_hash for i in (0, 1, 3)]
-    assert [r.images[0].sent_ahead for r in reqs] == [True, True, False, True]  # the third follows its request
+    assert [r.images[0].sent_ahead for r in reqs] == [True, True, False, True]  # the third: with its request

@@ -26,6 +26,7 @@ from common.video import (
     video_request_config,
 )
 from common.video.timestamps import video_timing
+from decoder_svc.engine import videos as videos_module
 from decoder_svc.engine.embedding_source import VideoSource
 from tests.oracle import greedy, run_all
 
@@ -154,9 +155,13 @@ def test_video_and_image_in_one_request(family, qwen_images):
     assert out.usage.images == 1
 
 
-def test_repeated_video_is_a_cache_and_prefix_hit(family):
+def test_repeated_video_is_a_cache_and_prefix_hit(family, monkeypatch):
     make, oracle = family
     engine = make(max_num_batched_tokens=64)
+    planned = []
+    real_plan = videos_module.plan_video
+    monkeypatch.setattr(videos_module, "plan_video",
+                        lambda *a, **k: planned.append(a[3]) or real_plan(*a, **k))  # a[3]: the salt
     cold = engine.generate("a", VIDEO_PROMPT, videos=[VideoSource(VIDEO)], sampling=greedy(N))
     engine_source = engine.source
     encoded = engine_source.num_encoded
@@ -164,6 +169,9 @@ def test_repeated_video_is_a_cache_and_prefix_hit(family):
     assert warm.new_token_ids == cold.new_token_ids == oracle.generate(VIDEO_PROMPT, [], [VIDEO], N)
     assert warm.usage.cached_prompt_tokens == (warm.usage.prompt_tokens - 1) // 16 * 16
     assert engine_source.num_encoded == encoded  # not encoded again
+    assert planned == [""]  # the repeat's container was not read again: its plan is remembered
+    engine.generate("s", VIDEO_PROMPT, videos=[VideoSource(VIDEO)], sampling=greedy(2), cache_salt="t2")
+    assert planned == ["", "t2"]  # under another salt it is another video
     # Prefix caching off: the same video is fetched again, from the source's cache.
     engine = make(max_num_batched_tokens=64, enable_prefix_caching=False)
     engine.generate("c", VIDEO_PROMPT, videos=[VideoSource(VIDEO)], sampling=greedy(N))
