@@ -3,7 +3,9 @@
 One batch mixes prefill chunks and decodes. Sequence i owns the flat query rows
 query_start_loc[i]:query_start_loc[i+1]; those are its newest tokens, so its context is
 seq_lens[i] tokens of which the last query_len are new (causal within the chunk, full view of the
-cached prefix before it).
+cached prefix before it). A sliding-window layer (Gemma 3's local layers) passes `window`: each query
+then sees only the keys of the last `window` positions up to its own (HF's sliding_window_overlay:
+key > query - window). The keys older than that stay cached (freeing them is later work).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class AttentionMetadata:
         return DecodePlan(
             seqs=set(seqs.tolist()), rows=starts[seqs].to(device, non_blocking=True),
             block_tables=self.block_tables[seqs_dev, :n_blocks].long(),
-            key_mask=key_mask[:, None, None, :].to(device, non_blocking=True))
+            key_mask=key_mask[:, None, None, :].to(device, non_blocking=True),
+            seq_lens=lens[:, None, None, None].to(device, non_blocking=True))
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class DecodePlan:
     rows: torch.Tensor           # [n] their query rows (device)
     block_tables: torch.Tensor   # [n, max_blocks] (device)
     key_mask: torch.Tensor       # [n, 1, 1, max_blocks * block_size] True where a key exists (device)
+    seq_lens: torch.Tensor       # [n, 1, 1, 1] their context lengths (device): a window's lower bound
 
 
 class AttentionBackend(ABC):
@@ -95,11 +99,12 @@ class AttentionBackend(ABC):
     """
 
     supports_cuda_graphs = False  # True when forward never synchronises with the host
+    supports_sliding_window = False  # True when forward masks keys outside `window`
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Attention output for every query row."""
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        """Attention output for every query row; with `window`, over the last `window` keys only."""
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -116,8 +121,10 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference backend (CPU or GPU): all decode rows in one padded SDPA call, then each prefill
     chunk on its own (gather its context from its blocks, dense SDPA with a causal mask)."""
 
+    supports_sliding_window = True
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         # Write first: a sequence's own new tokens (and a prefix another sequence shares this step)
         # must be visible to its queries.
         write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -126,13 +133,13 @@ class TorchAttentionBackend(AttentionBackend):
         starts = starts_t.tolist()
         plan = meta.decode_plan
         if plan is not None:  # one kernel for every single-token query instead of one per sequence
-            self._decode_batch(q, kv_cache, plan, scale, out)
+            self._decode_batch(q, kv_cache, plan, scale, out, window)
         done = plan.seqs if plan is not None else set()
         for i, seq_len in enumerate(seq_lens.tolist()):
             if i not in done and seq_len > 0:
                 q_lo, q_hi = starts[i], starts[i + 1]
                 out[q_lo:q_hi] = self._one_sequence(q[q_lo:q_hi], kv_cache, meta.block_tables[i], seq_len,
-                                                    meta.block_size, scale)
+                                                    meta.block_size, scale, window)
         return out
 
     @staticmethod
@@ -143,7 +150,7 @@ class TorchAttentionBackend(AttentionBackend):
         return keys.reshape(shape), values.reshape(shape)
 
     def _one_sequence(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                      seq_len: int, block_size: int, scale: float) -> torch.Tensor:
+                      seq_len: int, block_size: int, scale: float, window: int | None = None) -> torch.Tensor:
         n_q = q.shape[0]
         keys, values = self._gather(kv_cache, block_table[:-(-seq_len // block_size)].long())
         keys, values = keys[:seq_len], values[:seq_len]
@@ -153,19 +160,27 @@ class TorchAttentionBackend(AttentionBackend):
             values = values.repeat_interleave(groups, dim=1)
         # Query j sits at position seq_len - n_q + j and sees keys 0..that position.
         q_pos = torch.arange(seq_len - n_q, seq_len, device=q.device)[:, None]
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = key_pos <= q_pos
+        if window is not None:
+            mask &= key_pos > q_pos - window
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                            attn_mask=mask, scale=scale)
         return o.transpose(0, 1)
 
     def _decode_batch(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, window: int | None = None) -> None:
         keys, values = self._gather(kv_cache, plan.block_tables)
         groups = q.shape[1] // keys.shape[2]
         if groups > 1:
             keys = keys.repeat_interleave(groups, dim=2)
             values = values.repeat_interleave(groups, dim=2)
-        # Padding past each sequence's length (and the blocks it does not own) is masked out.
+        # Padding past each sequence's length (and the blocks it does not own) is masked out; with a
+        # window, so are the keys before it (the query sits at seq_len - 1).
+        mask = plan.key_mask
+        if window is not None:
+            key_pos = torch.arange(mask.shape[-1], device=mask.device)
+            mask = mask & (key_pos > plan.seq_lens - 1 - window)
         o = F.scaled_dot_product_attention(q[plan.rows][:, :, None], keys.transpose(1, 2),
-                                           values.transpose(1, 2), attn_mask=plan.key_mask, scale=scale)
+                                           values.transpose(1, 2), attn_mask=mask, scale=scale)
         out[plan.rows] = o[:, :, 0]

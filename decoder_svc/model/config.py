@@ -1,8 +1,9 @@
-"""The language model's shape, parsed from a Hugging Face text config (Llama, Mistral, Qwen2)."""
+"""The language model's shape, parsed from a Hugging Face text config (Llama, Mistral, Qwen2, Qwen3-VL,
+Gemma 3). Architectural differences are fields the shared layers read, not model-type branches there."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.checkpoint import CheckpointError
@@ -10,7 +11,11 @@ from common.checkpoint import CheckpointError
 _SUPPORTED = {"llama", "mistral", "qwen2", "qwen2_5_vl_text", "qwen2_5_vl", "qwen3_vl_text", "qwen3_vl"}
 _QWEN2_LIKE = {"qwen2", "qwen2_5_vl_text", "qwen2_5_vl"}  # q/k/v biases, no o bias, an unused window
 _QWEN3_LIKE = {"qwen3_vl_text", "qwen3_vl"}  # RMSNorm on each head of q and k, an unused window
+_GEMMA3_LIKE = {"gemma3_text", "gemma3"}  # see _gemma3_fields
+_SUPPORTED |= _GEMMA3_LIKE
 _ROPE_TYPES = {"default", "linear", "llama3"}
+_ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,42 @@ class TextModelConfig:
     # Qwen3-VL: the axes take interleaved frequencies (t, h, w, t, h, w, ...) instead of three blocks.
     mrope_interleaved: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary embedding
+    # Gemma 3 (all defaults are Llama's):
+    norm_unit_offset: bool = False  # norms scale by (1 + weight), the product in fp32 before the cast
+    embed_scale: float | None = None  # embeddings times this (as a tensor in their dtype): sqrt(hidden)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim ** -0.5)
+    # Per layer, "sliding_attention" (keys within sliding_window of the query) or "full_attention"; empty:
+    # every layer full (a Mistral window is then served by capping the length at it, see max_model_len).
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None  # the sliding layers' rope base (default frequencies, no scaling)
+    hidden_act: str = "silu"  # the MLP's gate activation: silu or gelu_pytorch_tanh
+    sandwich_norms: bool = False  # norms after attention and after the MLP too, before the residual adds
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale of q . k."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (keys older than it are masked), or None for full attention."""
+        if self.layer_types and self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        """True when some layer attends through a window (the attention backend must mask it)."""
+        return any(self.layer_window(i) for i in range(self.num_layers))
+
+    @property
+    def needs_reference_ops(self) -> bool:
+        """True when an op only the torch reference has is used (Gemma's norms and GELU)."""
+        return self.norm_unit_offset or self.hidden_act != "silu"
+
+    def local_rope(self) -> TextModelConfig:
+        """This config with the sliding layers' rope (its base, no scaling), for their cos/sin table."""
+        return replace(self, rope_theta=self.local_rope_theta or self.rope_theta, rope_scaling={})
 
     @property
     def rope_type(self) -> str:
@@ -47,8 +88,9 @@ class TextModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """The longest sequence we serve (no sliding-window kernel yet, so the window caps it)."""
-        if self.sliding_window:
+        """The longest sequence we serve. A window on every layer (Mistral) caps it, as no kernel masks
+        such a window yet; per-layer windows (layer_types, Gemma 3) are masked by the attention."""
+        if self.sliding_window and not self.layer_types:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
@@ -59,11 +101,17 @@ class TextModelConfig:
         if model_type not in _SUPPORTED:
             raise CheckpointError(f"unsupported language model {model_type!r}; "
                                   f"supported: {sorted(_SUPPORTED)}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only silu")
+        gemma = model_type in _GEMMA3_LIKE
+        act = (cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu") if gemma else \
+            cfg.get("hidden_act", "silu")
+        if act not in (_ACTIVATIONS if gemma else {"silu"}):
+            raise CheckpointError(f"unsupported hidden_act {act!r} for {model_type}")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        extra: dict[str, Any] = {}
+        if gemma:
+            rope, extra = _gemma3_fields(cfg, rope, act)
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.pop("type", None) or rope.get("rope_type", "default")  # older configs say "type"
         mrope_section = tuple(int(x) for x in rope.pop("mrope_section", ()) or ())
@@ -104,5 +152,41 @@ class TextModelConfig:
             sliding_window=sliding,
             mrope_section=mrope_section,
             mrope_interleaved=mrope_interleaved,
-            qk_norm=model_type in _QWEN3_LIKE,
+            qk_norm=model_type in _QWEN3_LIKE or gemma,
+            **extra,
         )
+
+
+def _gemma3_fields(cfg: dict[str, Any], rope: dict[str, Any],
+                   act: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 3's rope (the full layers' parameters; the sliding layers' base) and its other fields.
+    Rope either as transformers 5 writes it (rope_parameters per layer type) or as config.json files on
+    the Hub do (rope_theta, rope_scaling for the full layers, rope_local_base_freq)."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        # transformers 5 does not apply it for Gemma 3 either; Gemma 2 did. Refuse rather than guess.
+        raise CheckpointError("attn_logit_softcapping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise CheckpointError("use_bidirectional_attention (EmbeddingGemma) is not supported")
+    if FULL in rope or SLIDING in rope:
+        full, local = dict(rope.get(FULL) or {}), dict(rope.get(SLIDING) or {})
+    else:
+        full = {**rope, "rope_theta": cfg.get("rope_theta", 1e6)}
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise CheckpointError(f"unsupported sliding-layer rope {local!r}; only default frequencies")
+    n = cfg["num_hidden_layers"]
+    pattern = int(cfg.get("sliding_window_pattern") or 6)  # older configs: every 6th layer global
+    types = cfg.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    if len(types) != n or set(types) - {SLIDING, FULL}:
+        raise CheckpointError(f"layer_types must be {n} of {SLIDING!r}/{FULL!r}: {types!r}")
+    full.setdefault("rope_theta", 1e6)
+    return full, dict(
+        norm_unit_offset=True,
+        embed_scale=cfg["hidden_size"] ** 0.5,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        layer_types=tuple(types),
+        local_rope_theta=float(local.get("rope_theta", 1e4)),
+        hidden_act=act,
+        sandwich_norms=True,
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+    )

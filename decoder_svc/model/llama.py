@@ -1,4 +1,6 @@
-"""Llama-family decoder layers (Llama, Mistral, Qwen2) over flat token batches and a paged KV cache.
+"""Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3-VL, Gemma 3) over flat token batches and a
+paged KV cache. Where Gemma 3 differs, the layers read it from TextModelConfig's fields (norm_unit_offset,
+sandwich_norms, per-layer windows and rope, hidden_act, embed_scale, ...); those run on TorchOps only.
 
 q/k/v are one projection (`qkv_proj`) and gate/up another (`gate_up_proj`), fused at load from the
 checkpoint's separate tensors (loader.PACKED_MODULES): one matrix product each instead of three and
@@ -20,28 +22,39 @@ from decoder_svc.model.rope import inv_frequencies
 
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32 and cast back before the weight, as HF does; with `residual`, adds it
-    first and returns the sum as the new residual (one fused kernel on the GPU)."""
+    first and returns the sum as the new residual (one fused kernel on the GPU). `unit_offset` (Gemma):
+    scaled by (1 + weight) in fp32 instead (TorchOps.offset_rms_norm)."""
 
-    def __init__(self, size: int, eps: float, ops: type[TorchOps]) -> None:
+    def __init__(self, size: int, eps: float, ops: type[TorchOps], unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.ops = ops
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.unit_offset:
+            return self.ops.offset_rms_norm(x, self.weight, self.eps, residual)
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+def make_norm(cfg: TextModelConfig, size: int, ops: type[TorchOps]) -> RMSNorm:
+    """The config's norm over `size` features."""
+    return RMSNorm(size, cfg.rms_norm_eps, ops, cfg.norm_unit_offset)
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one product. Tensor-parallel
-    (`reduce`): this rank's hidden columns, and the partial outputs summed over the ranks."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one product (GeGLU with tanh GELU
+    where cfg.hidden_act says so: Gemma). Tensor-parallel (`reduce`): this rank's hidden columns, and the
+    partial outputs summed over the ranks."""
 
     def __init__(self, cfg: TextModelConfig, ops: type[TorchOps], reduce: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.ops = ops
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,7 +62,10 @@ class MLP(nn.Module):
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The block after the gate/up product: activation and down projection (one kernel at one row)."""
-        out = self.ops.act_linear(gate_up, self.down_proj)
+        if self.gelu:
+            out = self.ops.linear(self.ops.gelu_tanh_and_mul(gate_up), self.down_proj)
+        else:
+            out = self.ops.act_linear(gate_up, self.down_proj)
         return all_reduce(out) if self.reduce else out
 
 
@@ -57,17 +73,19 @@ class SelfAttention(nn.Module):
     """GQA self-attention; the backend stores K/V and attends over the paged cache. Tensor-parallel
     (`reduce`): this rank's heads, and the o projection's partial outputs summed over the ranks."""
 
-    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps], reduce: bool = False) -> None:
+    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps], reduce: bool = False,
+                 window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        self.window = window  # a sliding layer's window (keys older than it are masked), else None
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.ops = ops
-        if cfg.qk_norm:  # Qwen3
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+        if cfg.qk_norm:  # Qwen3, Gemma 3
+            self.q_norm = make_norm(cfg, cfg.head_dim, ops)
+            self.k_norm = make_norm(cfg, cfg.head_dim, ops)
         self.qk_norm = cfg.qk_norm
         self.reduce = reduce
 
@@ -85,7 +103,10 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q, k = _per_head(self.q_norm, q), _per_head(self.k_norm, k)
         q, k = self.ops.rotary(q, k, positions, cos_sin)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if self.window is None:
+            out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        else:
+            out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
         out = self.ops.linear(out.reshape(n, self.q_size), self.o_proj)
         return all_reduce(out) if self.reduce else out
 
@@ -99,27 +120,50 @@ def _per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; the residual stream travels beside the hidden states so each
     residual add fuses into the norm that follows it, and each norm into the product it feeds
-    (ops.norm_linear: one kernel at one row where that was measured faster)."""
+    (ops.norm_linear: one kernel at one row where that was measured faster).
 
-    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps], reduce: bool = False) -> None:
+    With cfg.sandwich_norms (Gemma 3) the attention and MLP outputs are normed too before their residual
+    adds, and the norm before the MLP is `pre_feedforward_layernorm` (`post_attention_layernorm` then
+    norms the attention's output, as HF names them)."""
+
+    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps], reduce: bool = False,
+                 layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(cfg, ops, reduce)
+        self.self_attn = SelfAttention(cfg, ops, reduce, cfg.layer_window(layer))
         self.mlp = MLP(cfg, ops, reduce)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size, ops)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, ops)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, ops)
+            self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, ops)
+
+    @property
+    def sliding(self) -> bool:
+        """True for a sliding-window layer (it takes the local rope table)."""
+        return self.self_attn.window is not None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         qkv, residual = self.norm_into(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
         h = self.self_attn.attend(qkv, positions, cos_sin, kv_cache, meta, backend)
-        gate_up, residual = self.norm_into(self.post_attention_layernorm, h, residual, self.mlp.gate_up_proj)
-        return self.mlp.down(gate_up), residual
+        if self.sandwich:  # Gemma: the attention's output is normed before its residual add
+            h, _ = self.post_attention_layernorm(h)
+        norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+        gate_up, residual = self.norm_into(norm, h, residual, self.mlp.gate_up_proj)
+        out = self.mlp.down(gate_up)
+        if self.sandwich:
+            out, _ = self.post_feedforward_layernorm(out)
+        return out, residual
 
     @staticmethod
     def norm_into(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
                   proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """proj(norm(x, residual)) and the new residual."""
+        if norm.unit_offset:  # no fused kernel for Gemma's norm: the torch reference's two steps
+            h, new_residual = norm(x, residual)
+            return proj(h), new_residual
         return norm.ops.norm_linear(x, residual, norm.weight, norm.eps, proj)
 
 
@@ -137,6 +181,17 @@ def mrope_axes(cfg: TextModelConfig) -> torch.Tensor:
     return torch.tensor(axes + axes, dtype=torch.int64).view(1, 1, -1)
 
 
+def check_kernels(cfg: TextModelConfig, backend: AttentionBackend, ops: type[TorchOps]) -> None:
+    """Refuse kernels that would compute a config's model wrongly: sliding-window layers need a backend
+    that masks the window; Gemma's norms and GELU exist in the torch reference ops only."""
+    if cfg.has_sliding_layers and not backend.supports_sliding_window:
+        raise ValueError(f"{cfg.model_type}: its sliding-window layers need an attention backend that masks "
+                         f"the window; {type(backend).__name__} does not yet (--attention-backend torch)")
+    if cfg.needs_reference_ops and not hasattr(ops, "offset_rms_norm"):
+        raise ValueError(f"{cfg.model_type}: its norms and activation run on the torch reference ops only; "
+                         f"{ops.__name__} lacks them (--attention-backend torch)")
+
+
 class LlamaForCausalLM(nn.Module):
     """The language model. forward takes all scheduled tokens of a batch as one flat sequence.
 
@@ -146,17 +201,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: TextModelConfig, backend: AttentionBackend,
                  ops: type[TorchOps] = TorchOps, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        check_kernels(cfg, backend, ops)
         self.config = cfg
         self.backend = backend
         self.ops = ops
         self.tp = tp if tp is not None and tp.size > 1 else None
         reduce = self.tp is not None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, reduce) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, reduce, i) for i in range(cfg.num_layers))
+        self.norm = make_norm(cfg, cfg.hidden_size, ops)
         head_rows = self.tp.vocab_rows(cfg.vocab_size) if self.tp else cfg.vocab_size
         self.lm_head = nn.Linear(cfg.hidden_size, head_rows, bias=False)
         self.register_buffer("cos_sin", self.rotary_table(cfg), persistent=False)
+        # The sliding layers' own rope (Gemma 3: another base, no scaling); the global table when none.
+        self.register_buffer("cos_sin_local", self.local_rotary_table(cfg), persistent=False)
         # M-RoPE: which of the three position rows (t, h, w) each column of a cos/sin row reads.
         self.register_buffer("mrope_axis", mrope_axes(cfg), persistent=False)
 
@@ -169,9 +227,18 @@ class LlamaForCausalLM(nn.Module):
         """fp32 [max_position, head_dim]: cos then sin of every position's angles (indexed, no host work)."""
         return self.ops.make_cos_sin_cache(inv_frequencies(cfg), cfg.max_position_embeddings)
 
+    def local_rotary_table(self, cfg: TextModelConfig) -> torch.Tensor:
+        """The sliding layers' table (rotary_table of cfg.local_rope()); an empty one when no layer slides."""
+        if not cfg.has_sliding_layers:
+            return torch.empty(0, cfg.head_dim)
+        return self.rotary_table(cfg.local_rope())
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [tokens, hidden]."""
-        return self.embed_tokens(input_ids)
+        """Token embeddings [tokens, hidden] (times embed_scale, a tensor in their dtype, as HF's Gemma)."""
+        x = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
+        return x
 
     def forward(
         self,
@@ -197,7 +264,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         levels = deepstack[1].shape[0] if deepstack is not None else 0
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer(x, residual, positions, cos_sin, kv_cache, meta, self.backend)
+            table = self.cos_sin_local if layer.sliding else cos_sin
+            x, residual = layer(x, residual, positions, table, kv_cache, meta, self.backend)
             if i < levels:
                 # HF adds the level to the layer's output (residual + mlp out), so the sum that our norms
                 # defer is made here; the next layer then starts from it with no residual.
@@ -208,5 +276,8 @@ class LlamaForCausalLM(nn.Module):
         # Norm and lm_head only on the rows we sample from: the rest are partial prefill chunks.
         rows = None if residual is None else residual[logits_indices]
         logits, _ = DecoderLayer.norm_into(self.norm, x[logits_indices], rows, self.lm_head)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in the model's dtype, as HF
+            logits = torch.tanh(logits / cap) * cap
         logits = logits.float()
         return gather_vocab(logits, self.config.vocab_size) if self.tp else logits

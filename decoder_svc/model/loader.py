@@ -1,4 +1,9 @@
-"""Load only the language-model tensors of a LLaVA or Qwen2.5-VL checkpoint into our LlamaForCausalLM."""
+"""Load only the language-model tensors of a LLaVA, Qwen-VL or Gemma 3 checkpoint into our LlamaForCausalLM.
+
+Gemma 3's names need no entry of their own: its language model sits under `model.language_model.` (as
+transformers 5 saves Gemma3ForConditionalGeneration; `language_model.model.` in older exports) or
+`model.` (Gemma3ForCausalLM), and its extra modules (q_norm/k_norm, pre/post_feedforward_layernorm) keep
+HF's names in our layers; its output head is tied to the embeddings."""
 
 from __future__ import annotations
 
@@ -163,6 +168,7 @@ def load_language_model(
     model = model.to_empty(device=device).to(dtype)
     swap_in_fp8(model, blocks, ops)  # after .to(dtype), which would cast FP8 weights
     model.cos_sin = model.rotary_table(cfg).to(device)  # fp32, not in the checkpoint
+    model.cos_sin_local = model.local_rotary_table(cfg).to(device)
     model.mrope_axis = mrope_axes(cfg).to(device)
     if tie:
         model.lm_head.weight = model.embed_tokens.weight

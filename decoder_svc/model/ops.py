@@ -36,6 +36,22 @@ class TorchOps:
         return weight * hf.to(dtype), h
 
     @staticmethod
+    def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """rms_norm as Gemma's (HF Gemma3RMSNorm): scaled by (1 + weight), the product in fp32 and only then
+        cast back (Llama casts before its product). Same residual contract as rms_norm."""
+        h = x if residual is None else x + residual
+        hf = h.float()
+        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+        return (hf * (1.0 + weight.float())).to(h.dtype), h
+
+    @staticmethod
+    def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2*I] = cat(gate, up) -> gelu_pytorch_tanh(gate) * up [T, I] in x.dtype (Gemma's MLP)."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate.contiguous(), approximate="tanh") * up
+
+    @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         """x [T, 2*I] = cat(gate, up) -> silu(gate) * up [T, I], both ops in x.dtype as HF does."""
         gate, up = x.chunk(2, dim=-1)

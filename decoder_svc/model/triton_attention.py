@@ -254,6 +254,8 @@ class TritonAttentionBackend(AttentionBackend):
         return min(16, triton.next_power_of_2(-(-self.num_sms // programs)))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        if window is not None:  # the model refuses this at construction (supports_sliding_window)
+            raise NotImplementedError("the Triton attention kernel has no sliding window yet")
         store_kv(k, v, kv_cache, meta.slot_mapping)
         return paged_attention(q, kv_cache, meta, scale, self.num_splits(q, kv_cache, meta))

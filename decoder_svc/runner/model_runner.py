@@ -210,6 +210,9 @@ class ModelRunner:
             self.graph_steps += 1
             embeds = self.buffers.embeds[:step.num_tokens]
             torch.index_select(self.model.embed_tokens.weight, 0, step.input_ids, out=embeds)
+            scale = self.model.config.embed_scale
+            if scale is not None:  # what model.embed does (Gemma)
+                embeds.mul_(torch.tensor(scale, dtype=embeds.dtype, device=embeds.device))
         else:
             embeds = self.model.embed(step.input_ids)
         deepstack = None

@@ -4,11 +4,14 @@ is average-pooled to a fixed `mm_tokens_per_image` tokens, Gemma's (1 + w) RMSNo
 
 NOT SERVED YET: this FAMILY is declared but not in common/families/registry.FAMILIES, so gemma3
 checkpoints are still refused (UnsupportedModelError). What exists is the image path, exact against HF
-in fp32 (layout, tower, encoder, oracle, the `gemma-3-tiny` maker). What is missing is the text side:
-the decoder has no Gemma 3 text model (interleaved sliding-window and global layers with their own rope
-bases, QK-norm, pre/post feed-forward norms, scaled embeddings) and its attention has no bidirectional
-block mask over each image's tokens, which HF's token_type_ids mask applies during prefill; the prompt
-tokenizer also assumes the marker is the placeholder token, which Gemma's block expansion breaks.
+in fp32 (layout, tower, encoder, oracle, the `gemma-3-tiny` maker), and the text model on the torch path
+(decoder_svc/model: TextModelConfig parses gemma3_text into fields the shared layers read; text-only
+greedy generation through the engine equals HF's, tests/gemma3/test_text_*.py). What is missing: the
+attention has no bidirectional block mask over each image's tokens, which HF's token_type_ids mask
+applies during prefill; the prompt tokenizer assumes the marker is the placeholder token, which Gemma's
+block expansion breaks; the Triton attention has no sliding window (the model refuses it, so Gemma 3 runs
+on attention backend "torch" only), and the sliding layers keep every KV block (none freed past the
+window).
 """
 
 from common.families.family import ModelFamily
