@@ -222,7 +222,9 @@ def test_the_gpu_fence_waits_for_the_oldest_batch_but_never_past_its_bound():
 
     with _running_worker(_FakeVision(), max_batch_images=4) as (cache, worker):
         finishes, newer = _Event(polls=3), _Event(polls=None)
-        worker._in_flight.extend([(finishes, 2), (newer, 2)])
+        # A bound of 1.5 s for the batch that finishes on its 4th query: a loaded CI host's sleeps
+        # cannot run it out first (3 ms did: 3 queries, then the bound).
+        worker._in_flight.extend([(finishes, 1000), (newer, 2)])
         worker._wait_for_device()
         assert finishes.queries == 4 and list(worker._in_flight) == [(newer, 2)]
 
