@@ -171,7 +171,9 @@ class BlockManager:
             self._evict(b)
             b.ref_cnt = 1
             blocks.append(b)
-        self._register_full_blocks(request, total)
+        # A token a launched step samples (asynchronous scheduling) is not known yet: its block is
+        # registered by a later allocation.
+        self._register_full_blocks(request, min(total, request.num_tokens))
         return True
 
     def _evict(self, block: KVBlock) -> None:

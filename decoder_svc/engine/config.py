@@ -40,6 +40,9 @@ class EngineConfig:
     attention_backend: str = option("auto", "kernels: auto takes Triton on CUDA and the torch reference "
                                     "elsewhere", choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "no CUDA graphs for decode steps")
+    async_scheduling: str = option(
+        "auto", "launch each step before reading the previous one's tokens, so the host's work between "
+        "steps overlaps the GPU's: auto (on with CUDA and one rank), on, off", choices=("auto", "on", "off"))
     quantization: str = option(
         "none", "fp8: quantize the decoder layers' projections to FP8 (e4m3, per output channel) at load; "
         "FP8 checkpoints (compressed-tensors, HF fine-grained) are served in FP8 whatever this says",

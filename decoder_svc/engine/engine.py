@@ -1,10 +1,14 @@
 """LLMEngine: the in-process decoder. Each step is three calls and a translation:
 
-    scheduler.schedule() -> runner.execute(model input) -> scheduler.update_from_output() -> outputs
+    scheduler.schedule() -> runner.launch(model input) -> scheduler.update_from_output() -> outputs
 
 The scheduler owns request state; the runner sees plain sequences (runner/inputs.py); the output
 processor turns the scheduler's updates into RequestOutputs. Input processing (validation, images,
-tokenization) happens before a request reaches the engine (engine/input_processor.py)."""
+tokenization) happens before a request reaches the engine (engine/input_processor.py).
+
+With asynchronous scheduling (on by default on a single GPU) a step launches the next batch before it
+reads the previous one's sampled tokens: the host's work between steps (scheduling, inputs, outputs, the
+core's messages) then overlaps the GPU's, instead of leaving it idle. Outputs come one step later."""
 
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ from decoder_svc.engine.scheduler import ScheduledChunk, Scheduler, SchedulerCon
 from decoder_svc.model import generation_eos_ids, load_language_model
 from decoder_svc.model.parallel import TensorParallel
 from decoder_svc.runner import ModelInput, ModelOutput, ModelRunner, RunnerConfig, SamplingRow, SequenceInput
+from decoder_svc.runner.inputs import PENDING_TOKEN
+from decoder_svc.runner.model_runner import LaunchedStep
 from decoder_svc.runner.tensor_parallel import TensorParallelGroup, TensorParallelRunner, rank_device
 from decoder_svc.tokenization import PromptTokenizer
 
@@ -38,6 +44,17 @@ log = logging.getLogger("mmserve.decoder.engine")
 # Errors that leave the device unusable: the engine cannot absorb them (torch < 2.8 lacks the class).
 _DEVICE_ERRORS = tuple(c for c in (getattr(torch, "AcceleratorError", None),) if c is not None)
 
+
+
+class _Done:
+    """A step the runner computed in one call (synchronous scheduling)."""
+
+    def __init__(self, output: ModelOutput) -> None:
+        self._output = output
+
+    def result(self) -> ModelOutput:
+        """The step's output."""
+        return self._output
 
 
 class QueueFullError(CapacityError):
@@ -65,6 +82,15 @@ class EngineStats:
 
 
 @dataclass
+class InFlightStep:
+    """A launched step: what was scheduled (chunks that could not be built removed) and its handle."""
+
+    scheduled: SchedulerOutput
+    launched: LaunchedStep | _Done
+    started: float
+
+
+@dataclass
 class StepShape:
     """What the last step computed: tokens, and chunks of more than one token (prefill) or one (decode)."""
 
@@ -79,6 +105,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, embedding_source: EmbeddingSource) -> None:
         """An engine over `embedding_source`: a remote one (decoder_svc.encoders.remote_source) in the
         service, LocalEmbeddingSource.for_engine(config) in-process."""
+        if config.async_scheduling == "on" and config.tensor_parallel_size > 1:
+            raise ValueError("--async-scheduling on needs --tensor-parallel-size 1")
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
@@ -116,6 +144,12 @@ class LLMEngine:
             self.blocks, embedding_source)
         self.outputs = OutputProcessor(self.tokenizer.tokenizer, config.detokenize)
         self.last_step = StepShape()
+        self.async_scheduling = self._resolve_async(config.async_scheduling)
+        self._in_flight: InFlightStep | None = None
+
+    def _resolve_async(self, mode: str) -> bool:
+        # Tensor-parallel steps broadcast each batch to the workers in one call: no launch-only form yet.
+        return mode == "on" or (mode == "auto" and self.device.type == "cuda" and self.tp_group is None)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; a single-device engine holds nothing)."""
@@ -173,46 +207,73 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running, or an output is still to be returned."""
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- the step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the outputs of every request that produced tokens or ended."""
-        started = time.monotonic()
+        """Launch one batch; return the outputs of every request that produced tokens or ended: of this
+        batch, or with asynchronous scheduling of the one launched before it."""
         scheduled = self.scheduler.schedule()
         decodes = sum(c.num_tokens == 1 for c in scheduled.chunks)
         self.last_step = StepShape(scheduled.num_batched_tokens, len(scheduled.chunks) - decodes, decodes)
-        output = self._execute(scheduled)
-        updates = self.scheduler.update_from_output(scheduled, output)
-        ended = time.monotonic()
-        for update in updates:  # a first token: this step finished the prompt (ttft_stages.py)
-            req = update.request
-            if update.new_token_ids and len(req.output_token_ids) == len(update.new_token_ids):
-                req.times.step_started, req.times.sampled = started, ended
-        return self.outputs.process(updates, self.scheduler)
+        step = self._launch(scheduled)
+        if self.async_scheduling:
+            step, self._in_flight = self._in_flight, step
+        return self._finish(step)
 
-    def _execute(self, scheduled: SchedulerOutput) -> ModelOutput | None:
-        """The runner's step over the scheduled chunks; None when the batch failed.
+    def _launch(self, scheduled: SchedulerOutput) -> InFlightStep | None:
+        """The runner's step over the scheduled chunks, queued on the device; None when nothing is
+        computed (or the launch failed).
 
         Failure boundaries: what goes wrong with one request fails that request (INTERNAL, logged) and
         the engine steps on. A failed model call fails the step's requests; a device error
         (torch.AcceleratorError) is not ours to absorb and propagates: the service exits.
         """
-        sequences = []
+        started = time.monotonic()
+        sequences, built = [], []
         for chunk in scheduled.chunks:
             try:
                 sequences.append(self._sequence_input(chunk))
+                built.append(chunk)
             except Exception as exc:  # noqa: BLE001 - a bug or bad state of this request only
                 self._fail(chunk.request, exc)
+        scheduled.chunks = built  # what the runner's sampled rows line up with
+        batch = ModelInput(sequences, scheduled.finished_request_ids)
         try:
-            return self.runner.execute(ModelInput(sequences, scheduled.finished_request_ids))
+            if not self.async_scheduling:  # the runner's one-call form (tensor parallelism has only it)
+                output = self.runner.execute(batch)
+                return InFlightStep(scheduled, _Done(output), started) if sequences else None
+            launched = self.runner.launch(batch)
         except _DEVICE_ERRORS:
             raise
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep the engine
-            for chunk in scheduled.chunks:
-                self._fail(chunk.request, exc)
+            self._fail_batch(scheduled, exc)  # reported with the next update
             return None
+        return InFlightStep(scheduled, launched, started) if sequences else None
+
+    def _finish(self, step: InFlightStep | None) -> list[RequestOutput]:
+        """Read a launched step's tokens and take them in; outputs for every request with news."""
+        output = None
+        if step is not None:
+            try:
+                output = step.launched.result()
+            except _DEVICE_ERRORS:
+                raise
+            except Exception as exc:  # noqa: BLE001 - fail the batch, keep the engine
+                self._fail_batch(step.scheduled, exc)
+        updates = self.scheduler.update_from_output(step.scheduled if step else SchedulerOutput(), output)
+        if step is not None:
+            ended = time.monotonic()
+            for update in updates:  # a first token: this step finished the prompt (ttft_stages.py)
+                req = update.request
+                if update.new_token_ids and len(req.output_token_ids) == len(update.new_token_ids):
+                    req.times.step_started, req.times.sampled = step.started, ended
+        return self.outputs.process(updates, self.scheduler)
+
+    def _fail_batch(self, scheduled: SchedulerOutput, exc: BaseException) -> None:
+        for chunk in scheduled.chunks:
+            self._fail(chunk.request, exc)
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         """End one request with an internal error (logged with its traceback)."""
@@ -224,8 +285,11 @@ class LLMEngine:
     def _sequence_input(self, chunk: ScheduledChunk) -> SequenceInput:
         """What the runner needs of one scheduled chunk."""
         req = chunk.request
+        token_ids = req.token_ids(chunk.start, chunk.end)
+        if len(token_ids) < chunk.num_tokens:  # the last one is sampled by the step in flight
+            token_ids.extend([PENDING_TOKEN] * (chunk.num_tokens - len(token_ids)))
         return SequenceInput(
-            token_ids=req.token_ids(chunk.start, chunk.end), start=chunk.start,
+            token_ids=token_ids, start=chunk.start,
             block_table=self.blocks.block_table(req), num_prompt_tokens=req.num_prompt_tokens,
             image_rows=self.scheduler.images.rows_for_chunk(req, chunk.start, chunk.end),
             sampling=SamplingRow(req.request_id, req.sampling) if chunk.samples else None,

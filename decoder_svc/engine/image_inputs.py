@@ -129,9 +129,9 @@ class ImageInputs:
                 self.counters.images_skipped_by_kv_reuse += 1
             img.state, img.skipped_by_kv_reuse = EmbeddingState.SKIPPED, True
 
-    def release_computed(self, req: Request) -> None:
-        """Images whose every token is in KV now: their rows are never read again."""
-        done = req.num_computed_tokens
+    def release_computed(self, req: Request, done: int) -> None:
+        """Images whose every token is below `done`, whose KV a finished step computed: their rows are
+        never read again."""
         for img in req.images:
             if img.state == EmbeddingState.READY and img.end <= done:
                 img.state = EmbeddingState.DONE

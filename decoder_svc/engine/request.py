@@ -84,7 +84,12 @@ class Request:
     cache_salt: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is computed, or being computed by a launched step (the scheduler advances it when it
+    # schedules a chunk; preemption resets it).
     num_computed_tokens: int = 0
+    # Tokens a launched step samples that have not been read back yet (asynchronous scheduling: at most
+    # one). The next step may already compute them: the runner takes their ids from the device.
+    num_pending_outputs: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission; None until admitted
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -106,6 +111,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Prompt plus generated tokens, counting those sampled by a launched step and not read yet."""
+        return self.num_tokens + self.num_pending_outputs
 
     @property
     def all_token_ids(self) -> list[int]:

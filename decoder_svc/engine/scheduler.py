@@ -1,9 +1,14 @@
 """Continuous batching with chunked prefill, image-aware prefix reuse and preemption by recompute.
 
-The step is three calls: `schedule()` picks the chunks, the model runner computes them, and
-`update_from_output()` advances the requests by what it computed (tokens in KV, images given back,
-sampled tokens appended, stop and length checks). Only the scheduler changes request state: every end
-of a request (stop, length, abort, failure) goes through `finish_request`.
+The step is three calls: `schedule()` picks the chunks and counts them as computed (the runner computes
+them next), the model runner computes them, and `update_from_output()` takes in what it sampled (images
+given back, sampled tokens appended, stop and length checks). Only the scheduler changes request state:
+every end of a request (stop, length, abort, failure) goes through `finish_request`.
+
+Asynchronous scheduling: the engine may schedule step N+1 before it has read step N's sampled tokens. A
+request then counts that token as pending (`num_pending_outputs`); N+1 may compute it (the runner takes
+its id from N's output on the device), and a request that N ends (a stop token) wastes one token of N+1,
+which update_from_output ignores. A request whose pending token reaches its length limit waits instead.
 
 Each step shares one token budget: running requests first (decodes before prefill chunks), then
 waiting requests in arrival order. A chunk stops before the first image whose embedding is not ready;
@@ -40,21 +45,18 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens [start, start + num_tokens) of a request, computed this step."""
+    """Tokens [start, start + num_tokens) of a request, computed this step; `samples` when the chunk
+    reaches the request's last token (pending ones included), so its logits pick the next one."""
 
     request: Request
     start: int
     num_tokens: int
+    samples: bool = False
 
     @property
     def end(self) -> int:
         """One past the chunk's last token."""
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when the chunk reaches the request's last token, so its logits pick the next one."""
-        return self.end == self.request.num_tokens
 
 
 @dataclass
@@ -162,13 +164,13 @@ class Scheduler:
         scheduled: set[str] = set()
 
         # Running requests: decodes first, then their prefill chunks (sort is stable).
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        for req in sorted(self.running, key=lambda r: r.num_tokens_with_pending - r.num_computed_tokens > 1):
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            n = self._limit_by_images(req, req.num_computed_tokens,
-                                      min(req.num_tokens - req.num_computed_tokens, budget), failed)
+            if req.status != RequestStatus.RUNNING or self._pending_reaches_limit(req):
+                continue  # preempted earlier in this loop, or its last token is on its way
+            wanted = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            n = self._limit_by_images(req, req.num_computed_tokens, wanted, failed)
             if n == 0:
                 continue
             while not self.blocks.allocate_slots(req, n):
@@ -180,7 +182,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                out.chunks.append(self._chunk(req, req.num_computed_tokens, n))
                 scheduled.add(req.request_id)
                 budget -= n
 
@@ -203,13 +205,28 @@ class Scheduler:
                 if not self.blocks.allocate_slots(req, n, hit_blocks):
                     break  # the pool is full: keep arrival order for the rest
                 self._admit(req, hit)
-                out.chunks.append(ScheduledChunk(req, hit, n))
+                out.chunks.append(self._chunk(req, hit, n))
                 budget -= n
 
         for req in failed:
             self.finish_request(req, FinishReason.ERROR, req.error)
+        for chunk in out.chunks:  # the runner computes them next
+            chunk.request.num_computed_tokens = chunk.end
+            chunk.request.num_pending_outputs += chunk.samples
         self._lookahead()
         return out
+
+    @staticmethod
+    def _chunk(req: Request, start: int, n: int) -> ScheduledChunk:
+        return ScheduledChunk(req, start, n, samples=start + n == req.num_tokens_with_pending)
+
+    def _pending_reaches_limit(self, req: Request) -> bool:
+        """True when the token a launched step samples for req ends it by length: no step after it."""
+        if not req.num_pending_outputs:
+            return False
+        max_len = self.config.max_model_len
+        return (len(req.output_token_ids) + req.num_pending_outputs >= req.max_tokens
+                or (max_len is not None and req.num_tokens_with_pending >= max_len))
 
     def _admit(self, req: Request, hit: int) -> None:
         self.blocks.record_prefix_query(req.num_tokens, hit)
@@ -223,24 +240,26 @@ class Scheduler:
 
     def update_from_output(self, scheduled: SchedulerOutput,
                            output: ModelOutput | None) -> list[RequestUpdate]:
-        """Advance the requests by what the runner computed for `scheduled` (None: it computed nothing,
-        e.g. the batch failed): their tokens are in KV, images whose every token is in KV are given
-        back, sampled tokens are appended and stop conditions checked. Returns an update for every
-        request that sampled a token or ended since the last call."""
+        """Take in what the runner computed for `scheduled` (None: nothing, e.g. the batch failed): images
+        whose every token is in KV are given back, sampled tokens are appended (one per chunk that
+        `samples`, in order) and stop conditions checked; requests that ended meanwhile (aborted, failed,
+        or stopped by the step before) ignore theirs. Returns an update for every request that sampled a
+        token or ended since the last call."""
         updates = [RequestUpdate(req) for req in self._unreported]
         for req in self._unreported:
             self.requests.pop(req.request_id, None)
         self._unreported = []
         if output is None:
             return updates
-        # Requests ended since schedule() (a chunk the engine could not build) were not computed.
-        computed = [c for c in scheduled.chunks if not c.request.is_finished]
-        sampling = [c.request for c in computed if c.samples]
-        for chunk in computed:
-            chunk.request.num_computed_tokens = chunk.end
-            self.images.release_computed(chunk.request)
+        for chunk in scheduled.chunks:
+            if not chunk.request.is_finished:
+                self.images.release_computed(chunk.request, chunk.end)
+        sampling = [c.request for c in scheduled.chunks if c.samples]
         sampled = output.sampled
         for req, token, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
+            req.num_pending_outputs -= 1
+            if req.is_finished:
+                continue
             req.output_token_ids.append(token)
             reason = self._stop_reason(req, token)
             if reason is not None:

@@ -103,10 +103,7 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q, k = _per_head(self.q_norm, q), _per_head(self.k_norm, k)
         q, k = self.ops.rotary(q, k, positions, cos_sin)
-        if self.window is None:
-            out = backend.forward(q, k, v, kv_cache, meta, self.scale)
-        else:
-            out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
         out = self.ops.linear(out.reshape(n, self.q_size), self.o_proj)
         return all_reduce(out) if self.reduce else out
 

@@ -13,12 +13,16 @@ import torch
 
 from decoder_svc.runner.sampler import SamplerOutput, SamplingRow
 
+# A token id the engine does not know yet: the previous step samples it and the runner takes it from that
+# step's output on the device (asynchronous scheduling). Only a sequence's last token may be pending.
+PENDING_TOKEN = -1
+
 
 @dataclass(frozen=True)
 class SequenceInput:
     """One sequence's share of a step: tokens [start, start + len(token_ids)) and where they go."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # the last one may be PENDING_TOKEN (then `sampling` names the request)
     start: int  # position of token_ids[0]
     block_table: list[int]  # physical KV blocks of the sequence, covering every token up to the chunk's end
     num_prompt_tokens: int  # image slots exist only below this position (generated ids are always text)

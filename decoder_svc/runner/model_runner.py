@@ -3,7 +3,10 @@
 It holds the model, the KV cache, persistent device input buffers with pinned host staging, the decode
 CUDA graphs and the sampler. Each step it turns a ModelInput (plain lists from the engine) into device
 tensors with one batch of asynchronous copies, fuses the image rows, runs the model (replaying a graph
-when the step is plain decode) and samples, with one host synchronisation (the sampled ids).
+when the step is plain decode) and samples, with one host synchronisation (the sampled ids). `launch`
+returns before that synchronisation, so the engine can prepare and launch the next step while this one
+runs; a token of the next step that this one samples (PENDING_TOKEN) is copied from its output on the
+device.
 
 Image rows must be memory the decoder owns (the remote source copies embeddings out of the encoder's
 arena before handing them over): a step may still be reading them after execute() returns, and the
@@ -23,8 +26,8 @@ from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
 from decoder_svc.model.attention import AttentionMetadata
 from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs
 from decoder_svc.runner.fusion import fuse_image_rows, image_slots
-from decoder_svc.runner.inputs import ModelInput, ModelOutput, SequenceInput
-from decoder_svc.runner.sampler import Sampler, SamplerOutput
+from decoder_svc.runner.inputs import PENDING_TOKEN, ModelInput, ModelOutput, SequenceInput
+from decoder_svc.runner.sampler import PendingSample, Sampler, SamplerOutput
 
 log = logging.getLogger("mmserve.decoder.runner")
 
@@ -56,7 +59,9 @@ class StepBuffers:
                   "slot_mapping": ((max_tokens,), torch.int64),
                   "query_start_loc": ((max_seqs + 1,), torch.int32), "seq_lens": ((max_seqs,), torch.int32),
                   "block_tables": ((max_seqs, max_blocks), torch.int32),
-                  "logits_indices": ((max_seqs,), torch.int64)}
+                  "logits_indices": ((max_seqs,), torch.int64),
+                  # pending tokens: their rows in input_ids, and their rows in the last step's samples
+                  "pending_rows": ((max_seqs,), torch.int64), "pending_samples": ((max_seqs,), torch.int64)}
         self.host = {k: torch.zeros(s, dtype=t, pin_memory=pin) for k, (s, t) in shapes.items()}
         self.np = {k: v.numpy() for k, v in self.host.items()}
         self.dev = {k: torch.zeros(s, dtype=t, device=device) for k, (s, t) in shapes.items()}
@@ -82,6 +87,18 @@ class PreparedStep:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     image_slots: torch.Tensor | None  # flat rows that take image embeddings
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows of input_ids, rows of the last samples)
+
+
+class LaunchedStep:
+    """A step queued on the device; `result()` waits for its sampled tokens."""
+
+    def __init__(self, sampled: PendingSample | None) -> None:
+        self._sampled = sampled
+
+    def result(self) -> ModelOutput:
+        """The step's sampled tokens (the step's one host synchronisation)."""
+        return ModelOutput(self._sampled.result() if self._sampled is not None else SamplerOutput([], []))
 
 
 class ModelRunner:
@@ -111,6 +128,10 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._staged = torch.cuda.Event() if self._on_cuda else None  # host buffers free to refill
         self.graph_steps = 0  # steps that replayed a CUDA graph (stats, tests)
+        # The last launched step's sampled tokens (device) and each sampling request's row in them: where
+        # the next step's pending tokens come from.
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         # Tensor parallelism: every rank must size its KV cache alike (runner/tensor_parallel.py).
         self.agree_blocks: Callable[[int], int] = lambda count: count
 
@@ -188,14 +209,19 @@ class ModelRunner:
                           inputs_embeds=self.buffers.embeds[:n_tok])
 
     # -- the step ----------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, batch: ModelInput) -> ModelOutput:
         """Run one step; sample for every sequence that has `sampling`. An empty batch only drops the
         state of finished requests."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ModelInput) -> LaunchedStep:
+        """`execute` without waiting for the sampled tokens: the step is queued on the device. A sequence
+        whose last token is PENDING_TOKEN takes the token the previous launch sampled for its request."""
         for request_id in batch.finished_request_ids:
             self.sampler.forget(request_id)
         if not batch.sequences:
-            return ModelOutput(SamplerOutput([], []))
+            return LaunchedStep(None)
         if self._on_cuda and self.device.index is not None:
             torch.cuda.set_device(self.device)  # the engine thread may not be the one that built us
         key = None
@@ -205,6 +231,9 @@ class ModelRunner:
             key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, batch.is_plain_decode)
         step = self._prepare(batch, key)
         rows = [s.sampling for s in batch.sequences if s.sampling is not None]
+        if step.pending is not None:  # before the embedding lookup reads input_ids
+            dst, src = step.pending
+            step.input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
         image_rows = [r for s in batch.sequences for r in s.image_rows]
         if key is not None:
             self.graph_steps += 1
@@ -225,8 +254,12 @@ class ModelRunner:
             positions = self._positions(step.positions, step.num_tokens, batch.is_plain_decode)
             logits = self.model(positions, step.meta, self.kv_caches, step.logits_indices,
                                 inputs_embeds=embeds, deepstack=deepstack)
-        sampled = self.sampler.sample(logits, rows) if rows else SamplerOutput([], [])
-        return ModelOutput(sampled)
+        if not rows:
+            self._last_tokens, self._last_rows = None, {}
+            return LaunchedStep(None)
+        sampled = self.sampler.sample_async(logits, rows)
+        self._last_tokens, self._last_rows = sampled.tokens, {r.request_id: i for i, r in enumerate(rows)}
+        return LaunchedStep(sampled)
 
     def _prepare(self, batch: ModelInput, key: GraphKey | None) -> PreparedStep:
         """Fill the host staging for this step, copy it to the device, and return views of the buffers.
@@ -238,12 +271,16 @@ class ModelRunner:
         starts, lens, tables = h["query_start_loc"], h["seq_lens"], h["block_tables"]
         logits_idx = h["logits_indices"]
         bs = self.config.block_size
-        t, max_q, n_logits = 0, 0, 0
+        t, max_q, n_logits, n_pending = 0, 0, 0, 0
         starts[0] = 0
         img: list[np.ndarray] = []
         for i, seq in enumerate(batch.sequences):
             n, table = seq.num_tokens, seq.block_table
             ids[t:t + n] = seq.token_ids
+            if seq.token_ids[-1] == PENDING_TOKEN:
+                h["pending_rows"][n_pending] = t + n - 1
+                h["pending_samples"][n_pending] = self._pending_source(seq)
+                n_pending += 1
             if n == 1:  # decode: skip numpy's per-call overhead
                 p = seq.start
                 slots[t] = table[p // bs] * bs + p % bs
@@ -275,7 +312,8 @@ class ModelRunner:
             t, num_seqs, n_logits = key.num_tokens, key.num_seqs, self._logit_rows(key)
         self.buffers.upload({"input_ids": t, "positions": t, "slot_mapping": t,
                              "query_start_loc": num_seqs + 1, "seq_lens": num_seqs, "block_tables": num_seqs,
-                             "logits_indices": n_logits})
+                             "logits_indices": n_logits, "pending_rows": n_pending,
+                             "pending_samples": n_pending})
         slots_dev = None
         if img:
             slots_dev = torch.from_numpy(np.concatenate(img)).to(self.device, non_blocking=True)
@@ -287,8 +325,16 @@ class ModelRunner:
             d["block_tables"][:num_seqs], bs, max_query_len=max_q,
             query_start_loc_cpu=host["query_start_loc"][:num_seqs + 1],
             seq_lens_cpu=host["seq_lens"][:num_seqs])
+        pending = (d["pending_rows"][:n_pending], d["pending_samples"][:n_pending]) if n_pending else None
         return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta,
-                            d["logits_indices"][:n_logits], slots_dev)
+                            d["logits_indices"][:n_logits], slots_dev, pending)
+
+    def _pending_source(self, seq: SequenceInput) -> int:
+        """The row of the last launch's samples that holds seq's pending token."""
+        row = self._last_rows.get(seq.sampling.request_id) if seq.sampling is not None else None
+        if row is None or seq.token_ids.count(PENDING_TOKEN) != 1:
+            raise ValueError("a pending token must be its sequence's last, sampled by the previous launch")
+        return row
 
     def _positions(self, positions: torch.Tensor, n: int, plain_decode: bool) -> torch.Tensor:
         """The first n positions as the model takes them. M-RoPE's three rows are equal for text tokens,

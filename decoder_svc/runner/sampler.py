@@ -2,7 +2,8 @@
 
 One call handles the whole batch with tensor ops; the only Python loop over rows builds the per-row
 parameters and draws the noise of seeded requests from their own generators. Tokens come back through a
-single device-to-host synchronisation.
+single device-to-host synchronisation, which `sample_async` leaves to the caller (the next step is
+launched before it).
 
 Sampling uses the exponential race: argmax(probs / E) with E ~ Exp(1) i.i.d. picks token i with
 probability probs[i] (the Gumbel-max trick in disguise). Unlike torch.multinomial it never raises on a bad
@@ -100,6 +101,29 @@ def _to_host_async(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class PendingSample:
+    """A batch's sampled tokens: on the device now (`tokens`), on the host once `result()` returns."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: tuple[list[int], list[torch.Tensor]] | None,
+                 host_tokens: torch.Tensor | None) -> None:
+        self.tokens = tokens
+        self._logprobs = logprobs
+        self._host = host_tokens
+        self._copied = None
+        if tokens.device.type == "cuda" and tokens.numel():
+            # Recorded after the copies to the host (tokens and logprobs), on the same stream.
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> SamplerOutput:
+        """Wait for the host copies (the one synchronisation of a step) and return the tokens."""
+        if self._host is None:
+            return SamplerOutput([], [])
+        if self._copied is not None:
+            self._copied.synchronize()
+        return SamplerOutput(self._host.tolist(), Sampler.read_logprobs(self._logprobs, self._host.numel()))
+
+
 class Sampler:
     """Samples one token per row for a whole batch at once; keeps one torch.Generator per seeded request."""
 
@@ -129,11 +153,17 @@ class Sampler:
         Never raises on odd values (NaN/inf logits, degenerate temperatures): every row gets a valid id.
         Synchronises with the device exactly once, to read the token ids (and logprobs, if asked for).
         """
+        return self.sample_async(logits, rows).result()
+
+    @torch.no_grad()
+    def sample_async(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+        """`sample` without waiting: the tokens stay on the device (the next step may read them there)
+        and their copy to the host is queued; PendingSample.result() waits for it."""
         n = len(rows)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {n} rows")
         if n == 0:
-            return SamplerOutput([], [])
+            return PendingSample(torch.empty(0, dtype=torch.int64, device=logits.device), None, None)
         if logits.dtype != torch.float32:
             logits = logits.float()
 
@@ -142,12 +172,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if not all(greedy):
             tokens = self._sample_mixed(logits, rows, greedy, tokens)
-
-        pending = self._logprobs_async(logits, rows, tokens)
-        # The one sync: the copies queued above run on the same stream before this one, so once it returns
-        # their host buffers are filled too.
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._read_logprobs(pending, n))
+        return PendingSample(tokens, self._logprobs_async(logits, rows, tokens), _to_host_async(tokens))
 
     def _sample_mixed(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool],
                       greedy_tokens: torch.Tensor) -> torch.Tensor:
@@ -212,7 +237,7 @@ class Sampler:
         return counts, [_to_host_async(t) for t in (chosen, top.values, top.indices)]
 
     @staticmethod
-    def _read_logprobs(pending: tuple[list[int], list[torch.Tensor]] | None,
+    def read_logprobs(pending: tuple[list[int], list[torch.Tensor]] | None,
                        n: int) -> list[TokenLogprobs | None]:
         """Turn the host copies into per-row TokenLogprobs, each trimmed to its own N (after the sync)."""
         if pending is None:

@@ -25,13 +25,15 @@ def images() -> list[Image.Image]:
     return [make_image(s, size) for s, size in [(1, (40, 52)), (2, (28, 28)), (3, (64, 30)), (4, (33, 47))]]
 
 
-@pytest.fixture
-def make_engine(tiny_model_dir: Path):
-    """A factory of engines on the tiny checkpoint (fp32, CPU) with overridable config."""
+@pytest.fixture(params=["off", "on"], ids=["sync", "async"])
+def make_engine(tiny_model_dir: Path, request: pytest.FixtureRequest):
+    """A factory of engines on the tiny checkpoint (fp32, CPU) with overridable config; every test that
+    uses it runs with synchronous and with asynchronous scheduling (the GPU's default)."""
 
     def make(source: EmbeddingSource | None = None, **overrides) -> LLMEngine:
         """An engine over `source` (default: the local tower's), with EngineConfig `overrides`."""
-        cfg = dict(model=tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=2048)
+        cfg = dict(model=tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=2048,
+                   async_scheduling=request.param)
         cfg.update(overrides)
         config = EngineConfig(**cfg)
         return LLMEngine(config, source if source is not None else LocalEmbeddingSource.for_engine(config))

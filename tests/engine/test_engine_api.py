@@ -72,15 +72,15 @@ def test_a_failing_model_call_fails_its_requests_not_the_engine(make_engine, mon
     engine = make_engine(num_kv_blocks=32)
     engine.add_request("a", "hi there", sampling=SamplingParams(max_tokens=4))
     engine.add_request("b", "hello", sampling=SamplingParams(max_tokens=4))
-    real = engine.runner.execute
-    monkeypatch.setattr(engine.runner, "execute", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
+    for name in ("execute", "launch"):  # the synchronous and the asynchronous engine's call
+        monkeypatch.setattr(engine.runner, name, lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
     outs = engine.step()
     assert sorted(o.request_id for o in outs) == ["a", "b"]
     assert all(o.finish_reason == FinishReason.ERROR and o.error == "internal error: RuntimeError"
                for o in outs)
     stats = engine.stats()
     assert stats.kv_blocks_used == 0 and stats.requests_failed == 2 and not engine.has_unfinished()
-    monkeypatch.setattr(engine.runner, "execute", real)
+    monkeypatch.undo()
     out = engine.generate("c", "hi there", sampling=SamplingParams(max_tokens=4))
     assert out.finish_reason == FinishReason.LENGTH and len(out.new_token_ids) == 4
 

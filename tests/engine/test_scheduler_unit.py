@@ -242,14 +242,17 @@ def test_an_aborted_request_is_reported_once_by_the_next_update():
     assert isinstance(updates[0], RequestUpdate)
 
 
-def test_a_request_ended_after_schedule_is_not_advanced():
+def test_a_request_ended_after_schedule_gets_no_token():
     s, _ = make_scheduler(budget=64)
-    a, b = make_request("a", 4), make_request("b", 4, first_token=20)
-    s.add(a)
-    s.add(b)
+    a, b, c = make_request("a", 4), make_request("b", 4, first_token=20), make_request("c", 4, first_token=40)
+    for req in (a, b, c):
+        s.add(req)
     out = s.schedule()
-    s.finish_request(a, FinishReason.ERROR, "internal error: boom")  # e.g. its chunk could not be built
-    updates = s.update_from_output(out, ModelOutput(SamplerOutput([7], [None])))  # only b was computed
-    assert a.num_computed_tokens == 0 and a.output_token_ids == []
-    assert b.num_computed_tokens == 4 and b.output_token_ids == [7]
-    assert [(u.request.request_id, u.new_token_ids) for u in updates] == [("a", []), ("b", [7])]
+    assert [r.num_pending_outputs for r in (a, b, c)] == [1, 1, 1]
+    s.finish_request(a, FinishReason.ERROR, "internal error: boom")  # e.g. its chunk could not be built:
+    out.chunks = out.chunks[1:]  # the engine drops it before the runner sees the batch
+    s.finish_request(c, FinishReason.ABORT)  # ended while its step ran: its sampled row is ignored
+    updates = s.update_from_output(out, ModelOutput(SamplerOutput([7, 9], [None, None])))
+    assert a.output_token_ids == [] and c.output_token_ids == []
+    assert b.num_computed_tokens == 4 and b.output_token_ids == [7] and b.num_pending_outputs == 0
+    assert [(u.request.request_id, u.new_token_ids) for u in updates] == [("a", []), ("c", []), ("b", [7])]
