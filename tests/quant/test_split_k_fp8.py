@@ -1,8 +1,9 @@
 """The split-K FP8 weight-only kernel (decoder_svc/model/quant/triton_fp8.py) against the torch reference
 (dequantize, then an fp32 product). On CPU through Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 and patches its scalar conversion, so the kernel's K loop, bounded by kernel arguments,
-runs): small odd shapes so that every mask, an empty last K split and the counters' reuse are exercised.
-tests/gpu/test_fp8_gpu.py runs the real shapes, every autotuned config, graphs and determinism."""
+runs), with fp16 activations (the interpreter's bf16 tl.dot multiplies raw bits): small odd shapes so
+that every mask, an empty last K split and the counters' reuse are exercised. tests/gpu/test_fp8_gpu.py
+runs the real shapes, every autotuned config, graphs and determinism."""
 
 from __future__ import annotations
 

@@ -1,15 +1,32 @@
 """FP8 weight products on the GPU.
 
-- Small batches (decode, M <= 64 rows), and every batch of block-scaled weights: a weight-only Triton
-  kernel. It streams the FP8 weight (half the bytes of bf16: decode reads every weight once per step, so
-  this is where FP8 pays), widens it to the activation dtype in registers, multiplies on the tensor
-  cores with fp32 accumulation and applies the scales (per channel once at the end; per block after each
-  K block).
+Decode reads every weight once per step at a few rows, so there FP8 weights (half the bytes of bf16)
+should stream at the memory bandwidth; the kernels below differ in how many loads they keep in flight.
+
+- One row (batch-1 decode): `_gemv_kernel`, no tensor cores: each program streams BLOCK_N weight rows
+  over all of K, accumulates elementwise in fp32 and reduces once at the end.
+- 2..64 rows (decode with several streams): `_split_k_kernel`. Programs over (N blocks, K splits, M
+  blocks): a 4096 x 4096 weight is only 32-128 N blocks, too few programs for 132 SMs, so K is cut into
+  SPLIT_K ranges and each program streams a BLOCK_N x K / SPLIT_K slice, widening FP8 to the activation
+  dtype in registers for the tensor cores (fp32 accumulation). Partials go to an fp32 workspace
+  [SPLIT_K, M, N]; per output tile a counter counts the arrivals and the last program sums the partials
+  in split order (deterministic: the same bits every call, whatever order the programs ran in), then
+  applies the per-channel scale and the bias once and resets the counter. SPLIT_K = 1 (no workspace)
+  stays a config for wide matrices. Block-scaled weights whose blocks span a multiple of 128 columns
+  take it too (a K range is whole BLOCK_K blocks, so the scale is applied per K block in the loop);
+  other block sizes keep the one-pass kernel. Autotuned per (rows bucket, matrix) among
+  `SPLIT_K_SHAPES`, pruned to the splits a matrix needs. Graph-capture safe: the workspace comes from
+  the caching allocator and the counters are a kept zeroed buffer the kernel leaves zeroed (one stream
+  of split-K products per device at a time: see `_tile_counters`).
+- `_weight_only_kernel` (one pass over K, programs over N blocks only): more than 64 rows of block-scaled
+  weights, and the old 2..64-row path that `weight_only_fp8(split_k=False)` still runs (benchmarks' A/B).
 - Large batches (prefill) of per-channel weights: `torch._scaled_mm`, FP8 x FP8 on the tensor cores
   (twice the bf16 rate on Hopper), with the activations quantized per token on the fly.
 
-Only imported on GPU paths (TritonOps.fp8_linear); tested on the GPU (tests/gpu/test_fp8_gpu.py): the
-Triton 3.6 interpreter cannot run a loop bounded by a kernel argument under numpy 2.4.
+Only imported on GPU paths (TritonOps.fp8_linear) or under TRITON_INTERPRET=1: the CPU tests
+(tests/quant/test_split_k_fp8.py) run the split-K kernel in Triton's interpreter, whose scalar
+conversion tests/conftest.py patches for numpy >= 2.4 (loops bounded by kernel arguments fail without
+it), in fp16 (the interpreter's bf16 tl.dot is wrong); tests/gpu/test_fp8_gpu.py runs every kernel.
 """
 
 from __future__ import annotations
