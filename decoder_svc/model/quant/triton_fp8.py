@@ -237,7 +237,7 @@ _blocked_kernel = triton.autotune(configs=_configs((32, 64, 128)), key=_KEY, do_
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Small BLOCK_K and few stages keep a CTA's shared
 # memory (BLOCK_M x BLOCK_K bf16 + BLOCK_K x BLOCK_N fp8 per stage) small enough for 2-3 CTAs per SM;
 # SPLIT_K 2-8 multiplies the programs of narrow matrices; SPLIT_K 1 stays for wide ones (gate/up).
-SPLIT_K_SHAPES = ((64, 256, 1, 4, 4), (128, 128, 1, 8, 3), (32, 256, 2, 4, 3), (64, 128, 2, 4, 4),
+SPLIT_K_SHAPES = ((64, 256, 1, 4, 3), (128, 128, 1, 8, 3), (32, 256, 2, 4, 3), (64, 128, 2, 4, 4),
                   (64, 128, 4, 4, 4), (64, 256, 4, 4, 3), (128, 128, 4, 8, 3), (32, 128, 8, 4, 4),
                   (128, 128, 8, 8, 3))
 _MIN_BLOCK_N = min(shape[0] for shape in SPLIT_K_SHAPES)
