@@ -1,65 +1,131 @@
 """The decoder's weight products at small batches: bf16 (cuBLAS) against the FP8 kernels, per matrix.
 
-    python -m bench.fp8_gemv [--shapes llava-1.5-7b] [--rows 1,8,32] [--out gemv.json]
+    python -m bench.fp8_gemv [--shapes all|llava-1.5-7b|...] [--rows 1,2,4,8,16,32,64] [--out gemv.json]
 
-For each matrix of a 7B layer (q/k/v fused, o, gate/up fused, down) and each row count, the time of one
-product and the bandwidth it reaches (weight bytes / time; the activations are negligible at these
-sizes), beside the copy bandwidth measured in the same run. CUDA only.
+For each matrix of a layer (q/k/v fused, o, gate/up fused, down) of each family and each row count: the
+time of one product and the bandwidth it reaches (weight bytes / time; the activations are negligible at
+these sizes) for cuBLAS bf16, the one-pass FP8 kernels of before (`weight_only_fp8(split_k=False)`) and
+the FP8 path now (`fp8_linear`: split-K at 2..64 rows), beside the copy bandwidth measured in the same
+run; then per family the weight products' time per decode step (one layer's four products x layers).
+
+Timed as decode runs them: the calls over enough distinct copies of the weight that they do not fit in
+L2 (a single weight would be read from L2 after the first call), back to back in one CUDA graph that is
+replayed (decode_gemv.graph_time_us), so launch overhead is what a captured decode step pays. Autotuning
+(every FP8 kernel is tuned per rows bucket and matrix on its first call) happens before the capture.
+CUDA only; about 2-3 minutes on an H200 with a cold Triton cache (every family, every row count).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import time
 from collections.abc import Sequence
 
 import torch
-import triton.testing
 
-from bench.bandwidth import copy_bandwidth
-from bench.report import print_table, save_result
-from decoder_svc.model.quant.fp8 import per_channel_block, quantize_per_channel
-from decoder_svc.model.quant.triton_fp8 import fp8_linear
-
-SHAPES = {  # (name, out rows N, in columns K)
+SHAPES = {  # (name, out rows N, in columns K) of one layer; qkv and gate_up are fused as served
     "llava-1.5-7b": [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096),
                      ("down", 4096, 11008)],
     "qwen2.5-vl-7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584),
                       ("down", 3584, 18944)],
+    # hidden 4096, intermediate 12288, 32 heads + 2 x 8 kv heads of 128
+    "qwen3-vl-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096),
+                    ("down", 4096, 12288)],
 }
+LAYERS = {"llava-1.5-7b": 32, "qwen2.5-vl-7b": 28, "qwen3-vl-8b": 36}
+PATHS = ("bf16", "fp8_old", "fp8_new")
+MIN_COPIES = 8
+
+
+def _copies(nbytes: int, l2: int) -> int:
+    """How many distinct weights one timing rotates over: at least MIN_COPIES, and at least 3x L2."""
+    return max(MIN_COPIES, -(-3 * l2 // nbytes))
+
+
+def time_matrix(n: int, k: int, rows: Sequence[int], l2: int, dev: torch.device) -> list[dict]:
+    """Every path at every row count for one [n, k] weight; returns one result row per row count."""
+    from decoder_svc.model.decode_gemv import graph_time_us
+    from decoder_svc.model.quant.fp8 import per_channel_block, quantize_per_channel
+    from decoder_svc.model.quant.triton_fp8 import fp8_linear, weight_only_fp8
+
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+    q, scale = quantize_per_channel(w)
+    block = per_channel_block(k)
+    dequantized = (q.float() * scale).to(torch.bfloat16).float()  # what the FP8 paths should compute
+    bf16 = [w] + [w.clone() for _ in range(_copies(2 * n * k, l2) - 1)]
+    fp8 = [(q, scale)] + [(q.clone(), scale.clone()) for _ in range(_copies(n * k, l2) - 1)]
+    del w
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        calls = {
+            "bf16": [functools.partial(torch.nn.functional.linear, x, wc) for wc in bf16],
+            "fp8_old": [functools.partial(weight_only_fp8, x, qc, sc, block, None, split_k=False)
+                        for qc, sc in fp8],
+            "fp8_new": [functools.partial(fp8_linear, x, qc, sc, block) for qc, sc in fp8],
+        }
+        ref = torch.nn.functional.linear(x.float(), dequantized)
+        row = {"n": n, "k": k, "rows": m, "copies_bf16": len(bf16), "copies_fp8": len(fp8)}
+        for path, path_calls in calls.items():
+            got = path_calls[0]().float()  # tunes the kernel for this shape, outside any capture
+            row[f"{path}_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+            us = graph_time_us(path_calls)
+            row[f"{path}_us"] = us
+            row[f"{path}_gbps"] = (1 if path != "bf16" else 2) * n * k / us / 1e3
+        row["new_vs_bf16"] = row["bf16_us"] / row["fp8_new_us"]
+        row["new_vs_old"] = row["fp8_old_us"] / row["fp8_new_us"]
+        out.append(row)
+    del bf16, fp8, dequantized
+    torch.cuda.empty_cache()
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Time every (matrix, rows) pair; returns the JSON payload."""
-    dev = torch.device("cuda")
-    bandwidth = copy_bandwidth("cuda", 2 << 30)
-    rows = []
-    for name, n, k in SHAPES[args.shapes]:
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
-        q, scale = quantize_per_channel(w)
-        block = per_channel_block(k)
-        for m in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            fp8_linear(x, q, scale, block)  # tunes its kernel for this shape
-            t_bf16 = triton.testing.do_bench(functools.partial(torch.nn.functional.linear, x, w),
-                                             warmup=25, rep=200)
-            t_fp8 = triton.testing.do_bench(functools.partial(fp8_linear, x, q, scale, block),
-                                            warmup=25, rep=200)
-            rows.append({"matrix": name, "n": n, "k": k, "rows": m, "bf16_us": t_bf16 * 1e3,
-                         "fp8_us": t_fp8 * 1e3, "bf16_gbps": 2 * n * k / t_bf16 / 1e6,
-                         "fp8_gbps": n * k / t_fp8 / 1e6, "fp8_speedup": t_bf16 / t_fp8})
-    print_table(f"weight products, copy bandwidth {bandwidth / 1e9:.0f} GB/s",
-                ["matrix", "rows", "bf16 us", "bf16 GB/s", "fp8 us", "fp8 GB/s", "fp8 speed-up"],
-                [[r["matrix"], r["rows"], r["bf16_us"], r["bf16_gbps"], r["fp8_us"], r["fp8_gbps"],
-                  r["fp8_speedup"]] for r in rows])
-    return save_result("fp8_gemv", args, rows, copy_bandwidth_bytes_per_s=bandwidth)
+    """Time every (family, matrix, rows) triple; returns the JSON payload."""
+    from bench.bandwidth import copy_bandwidth
+    from bench.report import print_table, save_result
+
+    dev = torch.device(args.device)
+    bandwidth = copy_bandwidth(args.device, 2 << 30)
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    rows = [int(r) for r in args.rows.split(",")]
+    families = sorted(SHAPES) if args.shapes == "all" else [args.shapes]
+    results, per_token = [], []
+    started = time.perf_counter()
+    for family in families:
+        for name, n, k in SHAPES[family]:
+            for r in time_matrix(n, k, rows, l2, dev):
+                results.append({"family": family, "matrix": name, **r})
+        if args.token_rows in rows:
+            at = [r for r in results if r["family"] == family and r["rows"] == args.token_rows]
+            step = {p: sum(r[f"{p}_us"] for r in at) * LAYERS[family] for p in PATHS}
+            per_token.append({"family": family, "rows": args.token_rows, "layers": LAYERS[family],
+                              **{f"{p}_step_us": step[p] for p in PATHS},
+                              "new_vs_bf16": step["bf16"] / step["fp8_new"],
+                              "old_vs_bf16": step["bf16"] / step["fp8_old"]})
+    elapsed = time.perf_counter() - started
+    print_table(f"weight products (us, GB/s of weight bytes), copy bandwidth {bandwidth / 1e9:.0f} GB/s",
+                ["family", "matrix", "rows", "bf16 us", "bf16 GB/s", "old us", "old GB/s", "new us",
+                 "new GB/s", "new/bf16", "new/old"],
+                [[r["family"], r["matrix"], r["rows"], r["bf16_us"], r["bf16_gbps"], r["fp8_old_us"],
+                  r["fp8_old_gbps"], r["fp8_new_us"], r["fp8_new_gbps"], r["new_vs_bf16"], r["new_vs_old"]]
+                 for r in results])
+    print_table(f"weight products per decode step at {args.token_rows} rows (all layers, us)",
+                ["family", "layers", "bf16", "fp8 old", "fp8 new", "new speed-up", "old speed-up"],
+                [[t["family"], t["layers"], t["bf16_step_us"], t["fp8_old_step_us"], t["fp8_new_step_us"],
+                  t["new_vs_bf16"], t["old_vs_bf16"]] for t in per_token])
+    print(f"{elapsed:.0f} s (tuning included)")
+    return save_result("fp8_gemv", args, results, per_token=per_token, copy_bandwidth_bytes_per_s=bandwidth,
+                       l2_bytes=l2, seconds=elapsed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse argv and run."""
     p = argparse.ArgumentParser(prog="python -m bench.fp8_gemv", description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="llava-1.5-7b", choices=sorted(SHAPES))
-    p.add_argument("--rows", default="1,2,8,32")
+    p.add_argument("--shapes", default="all", choices=["all", *sorted(SHAPES)])
+    p.add_argument("--rows", default="1,2,4,8,16,32,64")
+    p.add_argument("--token-rows", type=int, default=32, help="rows of the per-decode-step summary")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda")
     run(p.parse_args(argv))

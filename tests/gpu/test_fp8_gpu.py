@@ -52,6 +52,121 @@ def test_weight_only_blocked(block, m):
     _check(fp8_linear(x, q, scale, block), _reference(x, q, scale, block, None), 5e-3)
 
 
+def _per_channel_case(m: int, n: int, k: int, bias: bool, seed: int):
+    torch.manual_seed(seed)
+    q, scale = quantize_per_channel(torch.randn(n, k, device=DEV) / k**0.5)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if bias else None
+    return x, q, scale, b
+
+
+def _blocked_case(m: int, n: int, k: int, block: ScaleBlock, seed: int):
+    torch.manual_seed(seed)
+    q = (torch.randn(n, k, device=DEV) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(block.grid(n, k), device=DEV) * 1e-3 + 1e-4
+    return torch.randn(m, k, device=DEV, dtype=torch.bfloat16), q, scale
+
+
+SPLIT_SHAPES = [(4096, 4096), (1000, 352), (4096, 11008), (12288, 4096)]
+
+
+@pytest.mark.parametrize("m", [2, 3, 8, 16, 32, 33, 64])
+@pytest.mark.parametrize("n, k", SPLIT_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_k_autotuned_per_channel(m, n, k, bias):
+    """2..64 rows take the split-K kernel (autotuned) and match the reference."""
+    from decoder_svc.model.quant.triton_fp8 import split_k_fp8, weight_only_fp8
+
+    x, q, scale, b = _per_channel_case(m, n, k, bias, m + n + k)
+    ref = _reference(x, q, scale, per_channel_block(k), b)
+    out = weight_only_fp8(x, q, scale, per_channel_block(k), b)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    _check(out, ref, 5e-3)
+    _check(split_k_fp8(x, q, scale, per_channel_block(k), b), ref, 5e-3)
+
+
+def _split_configs() -> list[dict]:
+    try:
+        from decoder_svc.model.quant.triton_fp8 import SPLIT_K_SHAPES
+    except ImportError:  # no triton: the module is skipped anyway
+        return []
+    return [dict(BLOCK_N=n, BLOCK_K=k, SPLIT_K=sk, num_warps=w, num_stages=st)
+            for n, k, sk, w, st in SPLIT_K_SHAPES]
+
+
+@pytest.mark.parametrize("config", _split_configs(),
+                         ids=lambda c: "n{BLOCK_N}k{BLOCK_K}s{SPLIT_K}w{num_warps}".format(**c))
+@pytest.mark.parametrize("m", [3, 33])
+@pytest.mark.parametrize("n, k", [(1000, 352), (4096, 4096)])
+def test_split_k_every_config(config, m, n, k):
+    """Each configuration forced (the autotuner may prune some for a shape; all must be right), per
+    channel with a bias, and with 128 x 128 scale blocks where BLOCK_K divides 128; two calls give the
+    same bits (the partials are summed in split order, never by racing atomics)."""
+    from decoder_svc.model.quant.triton_fp8 import split_k_fp8
+
+    x, q, scale, b = _per_channel_case(m, n, k, True, 7)
+    out = split_k_fp8(x, q, scale, per_channel_block(k), b, config=config)
+    _check(out, _reference(x, q, scale, per_channel_block(k), b), 5e-3)
+    assert torch.equal(out, split_k_fp8(x, q, scale, per_channel_block(k), b, config=config))
+    if 128 % config["BLOCK_K"] == 0:
+        block = ScaleBlock(128, 128)
+        xb, qb, sb = _blocked_case(m, n, k, block, 8)
+        out = split_k_fp8(xb, qb, sb, block, None, config=config)
+        _check(out, _reference(xb, qb, sb, block, None), 5e-3)
+        assert torch.equal(out, split_k_fp8(xb, qb, sb, block, None, config=config))
+
+
+@pytest.mark.parametrize("m", [2, 32, 64])
+def test_split_k_block_scaled_autotuned(m):
+    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
+
+    block = ScaleBlock(128, 128)
+    x, q, scale = _blocked_case(m, 4096, 4096, block, 9)
+    _check(weight_only_fp8(x, q, scale, block, None), _reference(x, q, scale, block, None), 5e-3)
+
+
+@pytest.mark.parametrize("m", [4, 32])
+def test_split_k_in_cuda_graph_is_deterministic(m):
+    """Captured in a CUDA graph (workspace from the caching allocator, counters reset by the kernel), the
+    replays compute the eager results for new inputs, bit for bit, several products per graph."""
+    from decoder_svc.model.quant.triton_fp8 import split_k_fp8, weight_only_fp8
+
+    shapes = [(4096, 4096), (1000, 352), (12288, 4096)]
+    cases = [_per_channel_case(m, n, k, True, 10 + i) for i, (n, k) in enumerate(shapes)]
+    forced = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4)
+
+    def step():
+        outs = [weight_only_fp8(x, q, s, per_channel_block(q.shape[1]), b) for x, q, s, b in cases]
+        x, q, s, b = cases[0]
+        return outs + [split_k_fp8(x, q, s, per_channel_block(q.shape[1]), b, config=forced)]
+
+    step()  # tunes outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for trial in range(3):
+        for x, *_ in cases:
+            x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for got, want in zip(captured, eager, strict=True):
+            assert torch.equal(got, want), f"replay {trial} differs from the eager call"
+    x, q, s, b = cases[0]
+    _check(captured[0], _reference(x, q, s, per_channel_block(q.shape[1]), b), 5e-3)
+
+
+def test_split_k_old_path_kept():
+    """split_k=False still runs the one-pass kernels (benchmarks' A/B); both agree with the reference."""
+    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
+
+    x, q, scale, b = _per_channel_case(32, 4096, 4096, True, 11)
+    ref = _reference(x, q, scale, per_channel_block(4096), b)
+    _check(weight_only_fp8(x, q, scale, per_channel_block(4096), b, split_k=False), ref, 5e-3)
+    _check(weight_only_fp8(x, q, scale, per_channel_block(4096), b, split_k=True), ref, 5e-3)
+
+
 @pytest.mark.parametrize("m", [65, 512, 3000])
 def test_scaled_mm_prefill(m):
     from decoder_svc.model.quant.triton_fp8 import fp8_linear

@@ -1,20 +1,38 @@
 """FP8 weight products on the GPU.
 
-- Small batches (decode, M <= 64 rows), and every batch of block-scaled weights: a weight-only Triton
-  kernel. It streams the FP8 weight (half the bytes of bf16: decode reads every weight once per step, so
-  this is where FP8 pays), widens it to the activation dtype in registers, multiplies on the tensor
-  cores with fp32 accumulation and applies the scales (per channel once at the end; per block after each
-  K block).
+Decode reads every weight once per step at a few rows, so there FP8 weights (half the bytes of bf16)
+should stream at the memory bandwidth; the kernels below differ in how many loads they keep in flight.
+
+- One row (batch-1 decode): `_gemv_kernel`, no tensor cores: each program streams BLOCK_N weight rows
+  over all of K, accumulates elementwise in fp32 and reduces once at the end.
+- 2..64 rows (decode with several streams): `_split_k_kernel`. Programs over (N blocks, K splits, M
+  blocks): a 4096 x 4096 weight is only 32-128 N blocks, too few programs for 132 SMs, so K is cut into
+  SPLIT_K ranges and each program streams a BLOCK_N x K / SPLIT_K slice, widening FP8 to the activation
+  dtype in registers for the tensor cores (fp32 accumulation). Partials go to an fp32 workspace
+  [SPLIT_K, M, N]; per output tile a counter counts the arrivals and the last program sums the partials
+  in split order (deterministic: the same bits every call, whatever order the programs ran in), then
+  applies the per-channel scale and the bias once and resets the counter. SPLIT_K = 1 (no workspace)
+  stays a config for wide matrices. Block-scaled weights whose blocks span a multiple of 128 columns
+  take it too (a K range is whole BLOCK_K blocks, so the scale is applied per K block in the loop);
+  other block sizes keep the one-pass kernel. Autotuned per (rows bucket, matrix) among
+  `SPLIT_K_SHAPES`, pruned to the splits a matrix needs. Graph-capture safe: the workspace comes from
+  the caching allocator and the counters are a kept zeroed buffer the kernel leaves zeroed (one stream
+  of split-K products per device at a time: see `_tile_counters`).
+- `_weight_only_kernel` (one pass over K, programs over N blocks only): more than 64 rows of block-scaled
+  weights, and the old 2..64-row path that `weight_only_fp8(split_k=False)` still runs (benchmarks' A/B).
 - Large batches (prefill) of per-channel weights: `torch._scaled_mm`, FP8 x FP8 on the tensor cores
   (twice the bf16 rate on Hopper), with the activations quantized per token on the fly.
 
-Only imported on GPU paths (TritonOps.fp8_linear); tested on the GPU (tests/gpu/test_fp8_gpu.py): the
-Triton 3.6 interpreter cannot run a loop bounded by a kernel argument under numpy 2.4.
+Only imported on GPU paths (TritonOps.fp8_linear) or under TRITON_INTERPRET=1: the CPU tests
+(tests/quant/test_split_k_fp8.py) run the split-K kernel in Triton's interpreter, whose scalar
+conversion tests/conftest.py patches for numpy >= 2.4 (loops bounded by kernel arguments fail without
+it), in fp16 (the interpreter's bf16 tl.dot is wrong); tests/gpu/test_fp8_gpu.py runs every kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -28,6 +46,9 @@ SMALL_M = 64  # rows up to which the weight-only kernel beats quantizing the act
 # here; a variant reading the weights once for up to 8 rows was slower at every row count than this
 # kernel at one row and the tensor-core kernel at several.
 GEMV_ROWS = 1
+# Block-scaled weights take the split-K kernel when their scale blocks span a multiple of this many columns
+# (every split-K BLOCK_K divides it).
+SPLIT_K_BLOCK_COLS = 128
 
 
 def _configs(block_ks: tuple[int, ...]) -> list[triton.Config]:
@@ -118,6 +139,75 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn
     tl.store(out_ptr + m * stride_om + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _epilogue(acc, rn, n_mask, out_ptrs, out_mask, s_ptr, b_ptr, stride_sn, PER_CHANNEL: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    # Once per output tile, after all of K: the per-channel scale, the bias, one rounding to x's dtype.
+    if PER_CHANNEL:
+        acc = acc * tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_k_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+                    stride_xm, stride_wn, stride_sn, stride_sk, stride_om,
+                    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, M_BUCKET: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    # Programs over (N blocks, K splits, M blocks): at decode a 4096 x 4096 weight is 32-128 N blocks,
+    # too few to keep 132 SMs' worth of loads in flight, so K is cut into SPLIT_K ranges (whole BLOCK_K
+    # blocks, so a block-scaled weight's scale column never changes inside one) and every program streams
+    # its BLOCK_N x (K / SPLIT_K) slice once. With SPLIT_K > 1 each program writes its fp32 partial tile
+    # to ws [SPLIT_K, M, N] and bumps the tile's counter; the program that arrives last adds the
+    # partials in split order 0, 1, ... (the same sum whatever order the programs ran in: deterministic),
+    # applies the scale and bias, stores the output and sets the counter back to 0 for the next call.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_span
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_span, BLOCK_K):
+        k_mask = (k0 + rk) < K
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        part = tl.dot(x, w.to(x.dtype))
+        if PER_CHANNEL:
+            acc += part
+        else:  # BLOCK_K divides SCALE_COLS, so one scale column covers this K block
+            s = tl.load(s_ptr + (rn // SCALE_ROWS) * stride_sn + (k0 // SCALE_COLS) * stride_sk,
+                        mask=n_mask & (k0 < K), other=0.0)
+            acc += part * s[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        _epilogue(acc, rn, n_mask, out_ptrs, out_mask, s_ptr, b_ptr, stride_sn, PER_CHANNEL, HAS_BIAS)
+    else:
+        part_ptrs = ws_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(part_ptrs + pid_k.to(tl.int64) * M * N, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter says so (release)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):  # fixed order: bit-identical results call after call
+                total += tl.load(part_ptrs + split * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+            _epilogue(total, rn, n_mask, out_ptrs, out_mask, s_ptr, b_ptr, stride_sn, PER_CHANNEL,
+                      HAS_BIAS)
+
+
 def _gemv_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
             for n, k, w, st in ((8, 512, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 3),
@@ -144,15 +234,135 @@ _blocked_kernel = triton.autotune(configs=_configs((32, 64, 128)), key=_KEY, do_
                                   )(_weight_only_kernel)
 
 
-def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (bf16/fp16, unit column stride) @ (weight * scale)^T + bias -> [M, N] in x's dtype."""
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Small BLOCK_K and few stages keep a CTA's shared
+# memory (BLOCK_M x BLOCK_K bf16 + BLOCK_K x BLOCK_N fp8 per stage) small enough for 2-3 CTAs per SM;
+# SPLIT_K 2-8 multiplies the programs of narrow matrices; SPLIT_K 1 stays for wide ones (gate/up).
+SPLIT_K_SHAPES = ((64, 256, 1, 4, 3), (128, 128, 1, 8, 3), (32, 256, 2, 4, 3), (64, 128, 2, 4, 4),
+                  (64, 128, 4, 4, 4), (64, 256, 4, 4, 3), (128, 128, 4, 8, 3), (32, 128, 8, 4, 4),
+                  (128, 128, 8, 8, 3))
+_MIN_BLOCK_N = min(shape[0] for shape in SPLIT_K_SHAPES)
+# A split K config is kept while its programs number at most this many per SM: beyond, the partials'
+# traffic and the last programs' sums cost more than the extra loads in flight bring.
+_MAX_PROGRAMS_PER_SM = 8
+
+
+def split_k_configs() -> list[triton.Config]:
+    """The split-K kernel's configurations (the autotuner's set; tests run each explicitly)."""
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk}, num_warps=w, num_stages=st)
+            for n, k, sk, w, st in SPLIT_K_SHAPES]
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _sms() -> int:
+    return _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+
+
+def _split_k_fits(config: dict, n: int, k: int, per_channel: bool, scale_cols: int) -> bool:
+    """Whether the autotuner may try this config for an [n, k] weight."""
+    if not per_channel and scale_cols % config["BLOCK_K"]:
+        return False
+    split = config["SPLIT_K"]
+    return split == 1 or (triton.cdiv(k, config["BLOCK_K"]) >= split
+                          and triton.cdiv(n, config["BLOCK_N"]) * split <= _MAX_PROGRAMS_PER_SM * _sms())
+
+
+def _prune_split_k(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    def arg(name):
+        return kwargs.get(name, named_args.get(name))
+
+    return [c for c in configs if _split_k_fits(c.kwargs, arg("N"), arg("K"), arg("PER_CHANNEL"),
+                                                arg("SCALE_COLS"))]
+
+
+_split_k = triton.autotune(configs=split_k_configs(), key=_KEY, do_bench=_BRIEF_TIMING,
+                           prune_configs_by={"early_config_prune": _prune_split_k})(_split_k_kernel)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the interpreter cannot autotune
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per output tile, that the split-K kernel leaves zeroed again.
+
+    One buffer per device, shared by every product issued to it: the products of one stream run one
+    after another, so they never share a counter at the same time (the decoder issues its products from
+    one stream; two streams running split-K products at once on one device would not be safe). Made
+    outside graph capture it is kept; under capture a missing or too small buffer is made for that call
+    only (its zeroing is a memset node of the graph: a kept one would not be zeroed until a replay)."""
+    buf = _counters.get(device)
+    if buf is not None and buf.numel() >= tiles:
+        return buf
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    _counters[device] = buf
+    return buf
+
+
+def split_k_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+                bias: torch.Tensor | None, config: dict[str, int] | None = None) -> torch.Tensor:
+    """weight_only_fp8 through the split-K kernel (decode's 2-64 rows; any row count works).
+
+    `config` fixes BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages (tests, the interpreter); without it
+    the autotuner picks one of `split_k_configs()` per (rows bucket, matrix). Graph-capture safe: the
+    partials' workspace comes from the caching allocator, the counters from `_tile_counters`."""
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     per_channel = block.is_per_channel(k)
+    if config is None and _INTERPRETED:
+        config = {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}
+    bucket = max(16, triton.next_power_of_2(m))
+    block_m = min(bucket, 64)
+    m_blocks = triton.cdiv(m, block_m)
+    if config is not None:
+        max_split = config["SPLIT_K"]
+    else:
+        fits = [c.kwargs for c in split_k_configs() if _split_k_fits(c.kwargs, n, k, per_channel, block.cols)]
+        if not fits:
+            raise ValueError(f"no split-K configuration fits FP8 scale blocks of {block.cols} columns")
+        max_split = max(c["SPLIT_K"] for c in fits)
+    # fp32 partials [SPLIT_K, m, n], only written when SPLIT_K > 1 (else a stand-in pointer).
+    ws = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=x.device)
+    counters = _tile_counters(x.device, triton.cdiv(n, _MIN_BLOCK_N) * m_blocks)
+    args = (x, weight, scale, bias if bias is not None else x, out, ws, counters, m, n, k, x.stride(0),
+            weight.stride(0), scale.stride(0), scale.stride(1) if scale.dim() == 2 else 0, out.stride(0))
+    flags = dict(SCALE_ROWS=block.rows, SCALE_COLS=block.cols, PER_CHANNEL=per_channel,
+                 HAS_BIAS=bias is not None, M_BUCKET=bucket, BLOCK_M=block_m)
+    if config is not None:
+        if not per_channel and block.cols % config["BLOCK_K"]:
+            raise ValueError(f"BLOCK_K {config['BLOCK_K']} does not divide scale blocks of {block.cols}")
+        if config["BLOCK_N"] < _MIN_BLOCK_N:
+            raise ValueError(f"BLOCK_N below {_MIN_BLOCK_N} needs more tile counters than are kept")
+        grid = (triton.cdiv(n, config["BLOCK_N"]), config["SPLIT_K"], m_blocks)
+        _split_k_kernel[grid](*args, **flags, **config)
+    else:
+        _split_k[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m_blocks)](*args, **flags)
+    return out
+
+
+def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+                    bias: torch.Tensor | None, split_k: bool | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16, unit column stride) @ (weight * scale)^T + bias -> [M, N] in x's dtype.
+
+    One row: the streaming GEMV. 2..SMALL_M rows: the split-K kernel (per-channel weights, and blocks
+    whose columns are a multiple of 128; other blocks keep the one-pass kernel). `split_k=False` forces
+    the one-pass kernels of before (benchmarks' A/B), True the split-K kernel at any row count."""
+    m, k = x.shape
+    n = weight.shape[0]
+    per_channel = block.is_per_channel(k)
+    if split_k is None:
+        split_k = GEMV_ROWS < m <= SMALL_M and (per_channel or block.cols % SPLIT_K_BLOCK_COLS == 0)
+    if split_k:
+        return split_k_fp8(x, weight, scale, block, bias)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
     s_stride_k = scale.stride(1) if scale.dim() == 2 else 0
     if m <= GEMV_ROWS:
         grid1 = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731

@@ -1,0 +1,105 @@
+"""The split-K FP8 weight-only kernel (decoder_svc/model/quant/triton_fp8.py) against the torch reference
+(dequantize, then an fp32 product). On CPU through Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 and patches its scalar conversion, so the kernel's K loop, bounded by kernel arguments,
+runs), with fp16 activations (the interpreter's bf16 tl.dot multiplies raw bits): small odd shapes so
+that every mask, an empty last K split and the counters' reuse are exercised. tests/gpu/test_fp8_gpu.py
+runs the real shapes, every autotuned config, graphs and determinism."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+pytest.importorskip("triton")
+
+from decoder_svc.model.quant import triton_fp8 as t  # noqa: E402
+from decoder_svc.model.quant.fp8 import ScaleBlock, dequantize, per_channel_block, quantize_per_channel  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q, scale = quantize_per_channel(torch.randn(n, k, generator=gen) / k**0.5)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b if b is None else b.to(DEVICE)
+
+
+def _reference(x, q, scale, block, bias):
+    out = x.float() @ dequantize(q, scale, block).t()
+    return out if bias is None else out + bias.float()
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    # fp8 -> fp16 and the fp32 products are exact; the sums differ from torch's in order only, then one
+    # rounding to the output dtype: within one output ulp (2**-10 relative for fp16) plus fp32 noise.
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, rtol=2**-10, atol=1e-4)
+
+
+# Ragged N and K: K = 200 with BLOCK_K 32 and SPLIT_K 4 gives splits of 64 columns, the last one 8 wide;
+# K = 40 with SPLIT_K 4 leaves the last split empty (its partial is zero and it still counts).
+@pytest.mark.parametrize("m, n, k", [(2, 70, 200), (3, 40, 40), (17, 33, 96)])
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_per_channel_matches_reference(m, n, k, split, bias):
+    x, q, scale, b = _case(m, n, k, torch.float16, bias, seed=m * 100 + n + k)
+    config = {"BLOCK_N": 32, "BLOCK_K": 32 if k > 40 else 16, "SPLIT_K": split}
+    out = t.split_k_fp8(x, q, scale, per_channel_block(k), b, config=config)
+    assert out.shape == (m, n)
+    _close(out, _reference(x, q, scale, per_channel_block(k), b))
+    assert not t._counters[torch.device(DEVICE)].any()  # every tile's last program reset its counter
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_block_scaled_matches_reference(split):
+    # Blocks of 32 rows x 64 columns; BLOCK_K 32 divides 64, so a K block never straddles two scales.
+    n, k, block = 70, 192, ScaleBlock(32, 64)
+    gen = torch.Generator().manual_seed(5)
+    q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).to(DEVICE)
+    scale = (torch.rand(block.grid(n, k), generator=gen) * 1e-2 + 1e-3).to(DEVICE)
+    x = torch.randn(5, k, generator=gen).to(torch.float16).to(DEVICE)
+    out = t.split_k_fp8(x, q, scale, block, None, config={"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": split})
+    _close(out, _reference(x, q, scale, block, None))
+
+
+def test_reference_detects_a_wrong_scale():
+    # The comparison can fail: the same product with one channel's scale doubled does not pass it.
+    x, q, scale, _ = _case(4, 40, 64, torch.float16, False, seed=9)
+    out = t.split_k_fp8(x, q, scale, per_channel_block(64), None,
+                        config={"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2})
+    wrong = scale.clone()
+    wrong[7] *= 2
+    with pytest.raises(AssertionError):
+        _close(out, _reference(x, q, wrong, per_channel_block(64), None))
+
+
+def test_routing_and_refusals():
+    x, q, scale, _ = _case(4, 40, 64, torch.float16, False, seed=3)
+    # weight_only_fp8 sends 2..64 rows to split-K (the interpreter's default config).
+    _close(t.weight_only_fp8(x, q, scale, per_channel_block(64), None),
+           _reference(x, q, scale, per_channel_block(64), None))
+    with pytest.raises(ValueError, match="does not divide"):
+        t.split_k_fp8(x, q, scale, ScaleBlock(1, 48), None, config=dict(BLOCK_N=32, BLOCK_K=32, SPLIT_K=1))
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        t.split_k_fp8(x, q, scale, per_channel_block(64), None,
+                      config=dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=1))
+
+
+def test_config_pruning():
+    cfgs = [c.kwargs for c in t.split_k_configs()]
+    assert any(c["SPLIT_K"] == 1 for c in cfgs) and any(c["SPLIT_K"] > 1 for c in cfgs)
+    # A narrow matrix may split; 128-column scale blocks keep only BLOCK_K dividing 128.
+    assert any(c["SPLIT_K"] == 8 and t._split_k_fits(c, 4096, 4096, True, 4096) for c in cfgs)
+    assert all(c["BLOCK_K"] <= 128 for c in cfgs if t._split_k_fits(c, 4096, 4096, False, 128))
+    # A very wide matrix has programs enough: no splits beyond the cap of programs per SM.
+    assert not any(c["SPLIT_K"] == 8 and t._split_k_fits(c, 37888, 3584, True, 3584) for c in cfgs)
+    # Never more splits than K blocks.
+    assert not any(c["SPLIT_K"] > 1 and t._split_k_fits(c, 1000, 128, True, 128) and c["BLOCK_K"] == 128
+                   for c in cfgs)
