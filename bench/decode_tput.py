@@ -44,6 +44,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="the engine's --quantization (HF always runs the checkpoint as it is)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                    help="dummy: the engine draws random weights (no HF reference then)")
+    p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                   help="the engine's --async-scheduling")
     p.add_argument("--out", default=None)
     return p
 
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
                           max_num_seqs=max(batches),
                           max_num_batched_tokens=max(2048, max(batches) * (args.prompt_len + 8)),
                           enable_prefix_caching=False, quantization=args.quantization,
-                          load_format=args.load_format)
+                          load_format=args.load_format, async_scheduling=args.async_scheduling)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     weights = weight_bytes(engine.model)
     ours = {}

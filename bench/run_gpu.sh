@@ -295,28 +295,35 @@ if [[ ",$SECTIONS," == *,ttft,* ]]; then
 fi
 
 # Decode at the bandwidth limit (issue 40): batch-1 decode's weight products kernel by kernel (separate op +
-# cuBLAS / FP8 kernels against the fused one-row kernel, bench/decode_gemv.py, every family's shapes), then
-# per preset decode tok/s at batch 1 and 32 in-process for each DECODE_RUNS entry QUANT:MODE (default
-# "none:off none:auto": bf16 with the fused products off, then measured at start-up; MODE is
-# MMSERVE_DECODE_GEMV, QUANT the engine's --quantization; each run its own process), a batch-1 step
-# profile (DECODE_PROFILE=0: none), and with DECODE_SERVED=1 decode through gRPC (bench.serve_decode
-# --served-only, bf16, measured mode), and FP8's accuracy for the presets listed in DECODE_ACCURACY
-# (bench.fp8_accuracy: agreement and KL). DECODE_PRESETS (default llava-1.5-7b); DECODE_GEMV=0 skips the
-# kernel table. Each model is deleted after its steps (disk) unless DECODE_KEEP_MODELS=1.
+# cuBLAS / FP8 kernels against the fused one-row kernel, bench/decode_gemv.py, every family's shapes;
+# DECODE_GEMV=0 skips it), the FP8 products at 1-64 rows (bf16 cuBLAS, the earlier FP8 kernels, split-K:
+# bench/fp8_gemv.py; DECODE_FP8_GEMV=0 skips it), then per preset decode tok/s at batch 1 and 32
+# in-process for each DECODE_RUNS entry QUANT:MODE[:ASYNC] (default "none:off none:auto": bf16 with the
+# fused products off, then measured at start-up; MODE is MMSERVE_DECODE_GEMV, QUANT the engine's
+# --quantization, ASYNC its --async-scheduling, default auto; each run its own process), a batch-1 step
+# profile (DECODE_PROFILE=0: none), decode through gRPC for each DECODE_SERVED entry QUANT:ASYNC
+# (bench.serve_decode --served-only, measured mode; default none: no served run), and FP8's accuracy for
+# the presets listed in DECODE_ACCURACY (bench.fp8_accuracy: agreement and KL). DECODE_PRESETS (default
+# llava-1.5-7b). Each model is deleted after its steps (disk) unless DECODE_KEEP_MODELS=1.
 if [[ ",$SECTIONS," == *,decode,* ]]; then
   [ "${DECODE_GEMV:-1}" = 1 ] && step decode_gemv 240 "$PY" -m bench.decode_gemv
+  [ "${DECODE_FP8_GEMV:-1}" = 1 ] && step fp8_gemv 240 "$PY" -m bench.fp8_gemv
   for fam in ${DECODE_PRESETS:-llava-1.5-7b}; do
     DMODEL="/tmp/decode-$fam"
     make_once "$DMODEL" "$fam"
     for run in ${DECODE_RUNS:-none:off none:auto}; do
-      q=${run%%:*} mode=${run##*:}
-      step "decode_tput_${fam}_${q}_$mode" 150 env MMSERVE_DECODE_GEMV="$mode" "$PY" -m bench.decode_tput \
+      IFS=: read -r q mode async <<< "$run"
+      async=${async:-auto}
+      step "decode_tput_${fam}_${q}_${mode}_$async" 150 env MMSERVE_DECODE_GEMV="$mode" "$PY" -m bench.decode_tput \
         --model "$DMODEL" "${DT[@]}" --no-hf --batch-sizes 1,32 --prompt-len 64 --output-len 128 \
-        --quantization "$q"
+        --quantization "$q" --async-scheduling "$async"
     done
-    [ "${DECODE_SERVED:-0}" = 1 ] && step "serve_decode_$fam" 240 "$PY" -m bench.serve_decode \
-      --model "$DMODEL" "${DT[@]}" --served-only --batch-sizes 1,32 --output-len 256 \
-      --logs "$RES/logs-decode-$fam"
+    for run in ${DECODE_SERVED:-}; do
+      IFS=: read -r q async <<< "$run"
+      step "serve_decode_${fam}_${q}_$async" 240 "$PY" -m bench.serve_decode \
+        --model "$DMODEL" "${DT[@]}" --served-only --batch-sizes 1,32 --output-len 256 \
+        --quantization "$q" --async-scheduling "${async:-auto}" --logs "$RES/logs-decode-$fam-$q-$async"
+    done
     [ "${DECODE_PROFILE:-1}" = 1 ] && step "profile_step_$fam" 120 "$PY" -m bench.profile_step \
       --model "$DMODEL" "${DT[@]}" --batch 1 --steps 32
     [[ " ${DECODE_ACCURACY:-} " == *" $fam "* ]] && step "fp8_accuracy_$fam" 120 "$PY" -m bench.fp8_accuracy \

@@ -52,6 +52,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="both sides' --quantization (results are saved as serve_decode_fp8 for fp8)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="both sides' --tensor-parallel-size (results saved with a _tpN suffix for N > 1)")
+    p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                   help="the engine's --async-scheduling, on both sides")
     p.add_argument("--engine-only", action="store_true")
     p.add_argument("--served-only", action="store_true")
     p.add_argument("--logs", default=None)
@@ -70,7 +72,8 @@ def in_process(args: argparse.Namespace, model: str, prompts: list[str],
     config = EngineConfig(model, device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE,
                           num_kv_blocks=_num_blocks(args, max(batches)), max_num_seqs=args.max_num_seqs,
                           enable_prefix_caching=False, quantization=args.quantization,
-                          tensor_parallel_size=args.tensor_parallel_size)
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          async_scheduling=args.async_scheduling)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     out = {}
     for b in batches:
@@ -122,7 +125,8 @@ def served(args: argparse.Namespace, model: str, prompts: list[str], batches: li
     decoder_args = ["--num-kv-blocks", str(_num_blocks(args, max(batches))), "--block-size", str(BLOCK_SIZE),
                     "--max-num-seqs", str(args.max_num_seqs), "--no-prefix-caching",
                     "--max-tokens-default", "16", "--quantization", args.quantization,
-                    "--tensor-parallel-size", str(args.tensor_parallel_size)]
+                    "--tensor-parallel-size", str(args.tensor_parallel_size),
+                    "--async-scheduling", args.async_scheduling]
     out = {}
     with Pair(model, args.device, args.dtype, decoder_args=decoder_args, logs=args.logs) as pair:
         for b in batches:
