@@ -6,6 +6,12 @@ seq_lens[i] tokens of which the last query_len are new (causal within the chunk,
 cached prefix before it). A sliding-window layer (Gemma 3's local layers) passes `window`: each query
 then sees only the keys of the last `window` positions up to its own (HF's sliding_window_overlay:
 key > query - window). The keys older than that stay cached (freeing them is later work).
+
+Bidirectional image attention (Gemma 3: HF's token_type_ids block mask during prefill): an image's tokens
+see each other whole. `key_limits` gives each query row the last key position it may see: its own
+position for text, the last token of its image for an image token (the scheduler never splits an image
+across fresh chunks, so those keys are in the cache or in the same chunk). With a window both hold:
+query - window < key <= limit (HF's AND(sliding_window, OR(causal, blockwise))).
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ class AttentionMetadata:
     max_query_len: int  # the longest chunk in the batch (1: decode only)
     query_start_loc_cpu: torch.Tensor | None = None  # CPU copies for the reference backend
     seq_lens_cpu: torch.Tensor | None = None
+    # [num_tokens] int64 (device): the last key position each query row may see; None: its own (causal)
+    key_limits: torch.Tensor | None = None
+    key_limits_cpu: torch.Tensor | None = None
 
     @classmethod
     def build(cls, slot_mapping: list[int], query_lens: list[int], seq_lens: list[int],
@@ -59,6 +68,13 @@ class AttentionMetadata:
         starts = self.query_start_loc.cpu() if starts is None else starts
         lens = self.seq_lens.cpu() if lens is None else lens
         return starts.long(), lens.long()
+
+    def host_key_limits(self) -> torch.Tensor | None:
+        """key_limits on the host (int64), or None (causal)."""
+        if self.key_limits is None:
+            return None
+        limits = self.key_limits_cpu if self.key_limits_cpu is not None else self.key_limits.cpu()
+        return limits.long()
 
     @cached_property
     def decode_plan(self) -> DecodePlan | None:
@@ -131,6 +147,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         starts_t, seq_lens = meta.host_lens()
         starts = starts_t.tolist()
+        limits = meta.host_key_limits()
         plan = meta.decode_plan
         if plan is not None:  # one kernel for every single-token query instead of one per sequence
             self._decode_batch(q, kv_cache, plan, scale, out, window)
@@ -139,7 +156,8 @@ class TorchAttentionBackend(AttentionBackend):
             if i not in done and seq_len > 0:
                 q_lo, q_hi = starts[i], starts[i + 1]
                 out[q_lo:q_hi] = self._one_sequence(q[q_lo:q_hi], kv_cache, meta.block_tables[i], seq_len,
-                                                    meta.block_size, scale, window)
+                                                    meta.block_size, scale, window,
+                                                    None if limits is None else limits[q_lo:q_hi])
         return out
 
     @staticmethod
@@ -150,7 +168,8 @@ class TorchAttentionBackend(AttentionBackend):
         return keys.reshape(shape), values.reshape(shape)
 
     def _one_sequence(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                      seq_len: int, block_size: int, scale: float, window: int | None = None) -> torch.Tensor:
+                      seq_len: int, block_size: int, scale: float, window: int | None = None,
+                      key_limits: torch.Tensor | None = None) -> torch.Tensor:
         n_q = q.shape[0]
         keys, values = self._gather(kv_cache, block_table[:-(-seq_len // block_size)].long())
         keys, values = keys[:seq_len], values[:seq_len]
@@ -161,7 +180,7 @@ class TorchAttentionBackend(AttentionBackend):
         # Query j sits at position seq_len - n_q + j and sees keys 0..that position.
         q_pos = torch.arange(seq_len - n_q, seq_len, device=q.device)[:, None]
         key_pos = torch.arange(seq_len, device=q.device)[None, :]
-        mask = key_pos <= q_pos
+        mask = key_pos <= (q_pos if key_limits is None else key_limits.to(q.device)[:, None])
         if window is not None:
             mask &= key_pos > q_pos - window
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),

@@ -257,5 +257,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         if window is not None:  # the model refuses this at construction (supports_sliding_window)
             raise NotImplementedError("the Triton attention kernel has no sliding window yet")
+        if meta.key_limits is not None:
+            raise NotImplementedError("the Triton attention kernel has no key limits (image blocks) yet")
         store_kv(k, v, kv_cache, meta.slot_mapping)
         return paged_attention(q, kv_cache, meta, scale, self.num_splits(q, kv_cache, meta))
