@@ -167,7 +167,7 @@ class PromptTokenizer:
         images, clips = iter(counts), iter(videos)
         out = [parts[0]]
         for marker, piece in zip(parts[1::2], parts[2::2], strict=True):
-            out.append(self.image_token * next(images) if marker == self.image_token
+            out.append(self.layout.marker_text(marker, next(images)) if marker == self.image_token
                        else self._video_text(next(clips)))
             out.append(piece)
         return "".join(out)

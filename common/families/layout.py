@@ -45,6 +45,9 @@ class ImageLayout(ABC):
     mrope: ClassVar[bool]  # positions are M-RoPE [3, tokens], computed once at admission
     # its video placeholder where the tokenizer names none; None: it takes no video
     video_token: ClassVar[str | None] = None
+    # each image's tokens attend to each other whole during prefill (Gemma 3's token_type_ids mask): the
+    # scheduler never splits an image across fresh chunks and attention extends each image row's keys
+    bidirectional_images: ClassVar[bool] = False
     merge_size: int  # patches merged per token side (1: none); a video's tokens per frame follow it
 
     @classmethod
@@ -92,6 +95,12 @@ class ImageLayout(ABC):
         """What the API's generic `<image>` marker stands for in a prompt without the model's own markers
         (the model's vision block around image_token); None where `<image>` is the model's own marker."""
         return None
+
+    def marker_text(self, marker: str, count: int) -> str:
+        """What one image marker of the prompt becomes before tokenizing, its placeholder written `count`
+        times (the tokenizer repeats the placeholder ids to the image's length afterwards): by default the
+        marker is the placeholder."""
+        return marker * count
 
     def video_group_text(self, pads: str, seconds: float) -> str:
         """One timestamped group of a video's tokens, as the model's processor writes it."""

@@ -7,14 +7,15 @@ from typing import Any
 
 from common.checkpoint import CheckpointError, load_config
 from common.families.family import ModelFamily
+from common.families.gemma3 import FAMILY as GEMMA3
 from common.families.llava import FAMILY as LLAVA
 from common.families.qwen2_5_vl import FAMILY as QWEN2_5_VL
 from common.families.qwen3_vl import FAMILY as QWEN3_VL
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL)
+FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL, GEMMA3)
 # Folders whose FAMILY is declared but not served yet (each one's __init__ says what is missing): no
 # lookup here finds them, so their checkpoints are refused like any other unserved model_type.
-NOT_SERVED_YET: tuple[str, ...] = ("gemma3",)
+NOT_SERVED_YET: tuple[str, ...] = ()
 # Reads the layout of a checkpoint no family claims: LLaVA's reader refuses it naming what it serves (e.g.
 # llava_next, whose tiles make the token count vary per image), the message users have always had.
 FALLBACK_LAYOUT_FAMILY = LLAVA

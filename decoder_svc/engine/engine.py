@@ -126,10 +126,9 @@ class LLMEngine:
             self.fingerprint = model_fingerprint(config.model)
             self.eos_token_ids = frozenset(generation_eos_ids(config.model))
             # Tensor-parallel steps run eagerly: graphs with collectives inside are not done yet.
-            runner = ModelRunner(self.model, RunnerConfig(
-                str(self.device), self.dtype, config.block_size, config.max_num_seqs,
-                config.max_num_batched_tokens, config.num_kv_blocks, config.kv_cache_bytes,
-                config.enforce_eager or tp is not None), mm_token_ids)
+            runner_config = RunnerConfig.for_engine(config, str(self.device), self.dtype,
+                                                    self.tokenizer.layout, eager=tp is not None)
+            runner = ModelRunner(self.model, runner_config, mm_token_ids)
             self.runner = runner if self.tp_group is None else TensorParallelRunner(runner, self.tp_group)
             self.kv_spec = self.runner.initialize()
         except BaseException:
@@ -140,7 +139,7 @@ class LLMEngine:
         self.blocks = BlockManager(self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.encoder_max_ahead,
-                            self.model_config.max_model_len),
+                            self.model_config.max_model_len, self.tokenizer.layout.bidirectional_images),
             self.blocks, embedding_source)
         self.outputs = OutputProcessor(self.tokenizer.tokenizer, config.detokenize)
         self.last_step = StepShape()

@@ -12,7 +12,10 @@ which update_from_output ignores. A request whose pending token reaches its leng
 
 Each step shares one token budget: running requests first (decodes before prefill chunks), then
 waiting requests in arrival order. A chunk stops before the first image whose embedding is not ready;
-that request waits while others go on. When blocks run out, the most recently admitted running request
+that request waits while others go on. Where images attend to themselves bidirectionally (`whole_images`,
+Gemma 3) a chunk never cuts an image: it ends before one it cannot hold whole, and an image (or the rest
+of one, after a prefix hit inside it) larger than the budget runs as the step's first prefill chunk, over
+the budget. When blocks run out, the most recently admitted running request
 is preempted: its blocks are freed (they stay cached, so its recompute often hits) and it goes back to
 the front of the queue.
 """
@@ -41,6 +44,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     encoder_max_ahead: int = 4  # waiting requests whose images are prefetched each step
     max_model_len: int | None = None  # a request stops (LENGTH) at this many tokens; None: no limit
+    whole_images: bool = False  # a fresh chunk never splits an image (bidirectional image attention)
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,7 @@ class Scheduler:
         failed: list[Request] = []  # an image failed: the request ends with the image's error
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
+        prefilling = False  # a prefill chunk is in the step (an image over the budget must come first)
 
         # Running requests: decodes first, then their prefill chunks (sort is stable).
         for req in sorted(self.running, key=lambda r: r.num_tokens_with_pending - r.num_computed_tokens > 1):
@@ -170,7 +175,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or self._pending_reaches_limit(req):
                 continue  # preempted earlier in this loop, or its last token is on its way
             wanted = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
-            n = self._limit_by_images(req, req.num_computed_tokens, wanted, failed)
+            n = self._limit_by_images(req, req.num_computed_tokens, wanted, failed, not prefilling)
             if n == 0:
                 continue
             while not self.blocks.allocate_slots(req, n):
@@ -184,7 +189,8 @@ class Scheduler:
             else:
                 out.chunks.append(self._chunk(req, req.num_computed_tokens, n))
                 scheduled.add(req.request_id)
-                budget -= n
+                budget = max(budget - n, 0)
+                prefilling |= req.num_computed_tokens < req.num_prompt_tokens
 
         # Waiting requests, in order; one that waits for an image does not block those behind it.
         if not out.preempted:
@@ -195,8 +201,8 @@ class Scheduler:
                 hit_blocks = self.blocks.find_cached_prefix(req)
                 hit = len(hit_blocks) * self.blocks.block_size
                 wanted = min(req.num_tokens - hit, budget)
-                n = self._limit_by_images(req, hit, wanted, failed)
-                if n == 0 or (n < wanted and n < self.blocks.block_size):
+                n = self._limit_by_images(req, hit, wanted, failed, not prefilling)
+                if n == 0 or (n < wanted and n < self.blocks.block_size and self._awaits_image(req, hit + n)):
                     # Cut short by an image not ready yet, before filling a block: wait in the queue
                     # instead. Admitted once the image is ready, it finds the blocks that requests with
                     # the same image computed meanwhile (or in the same step) and skips them.
@@ -206,7 +212,8 @@ class Scheduler:
                     break  # the pool is full: keep arrival order for the rest
                 self._admit(req, hit)
                 out.chunks.append(self._chunk(req, hit, n))
-                budget -= n
+                budget = max(budget - n, 0)
+                prefilling = True
 
         for req in failed:
             self.finish_request(req, FinishReason.ERROR, req.error)
@@ -279,8 +286,11 @@ class Scheduler:
         return None
 
     # -- images ----------------------------------------------------------------------------------
-    def _limit_by_images(self, req: Request, start: int, n: int, failed: list[Request]) -> int:
-        """n, or fewer tokens so the chunk ends before the first image whose embedding is not ready."""
+    def _limit_by_images(self, req: Request, start: int, n: int, failed: list[Request],
+                         may_exceed: bool = False) -> int:
+        """n, or fewer tokens so the chunk ends before the first image whose embedding is not ready
+        (with whole_images: or that it would cut; an image it starts in, it holds whole, over n only
+        where `may_exceed`, else 0)."""
         end = start + n
         for img in req.images:
             if img.end <= start or img.offset >= end:
@@ -291,7 +301,16 @@ class Scheduler:
                 return 0
             if state != EmbeddingState.READY:
                 return max(img.offset - start, 0)
+            if self.config.whole_images and img.end > end:
+                if img.offset > start:
+                    return img.offset - start
+                return img.end - start if may_exceed else 0
         return n
+
+    def _awaits_image(self, req: Request, position: int) -> bool:
+        """True when an image whose embedding is not ready starts at `position` (a chunk cut there waits
+        for it; one cut before an image it would split goes on)."""
+        return any(img.offset == position and img.state != EmbeddingState.READY for img in req.images)
 
     def _lookahead(self) -> None:
         """Ask for the images of the next queued requests before their prefill (prefetch=True)."""

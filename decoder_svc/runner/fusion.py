@@ -22,6 +22,19 @@ def image_slots(token_ids: np.ndarray, start: int, num_prompt_tokens: int,
     return np.nonzero(np.isin(token_ids, mm_token_ids) & in_prompt)[0]
 
 
+def image_key_limits(slots: np.ndarray, start: int, n: int) -> np.ndarray:
+    """The last key position each of a chunk's n rows may see (AttentionMetadata.key_limits): its own,
+    or for an image row the last row of its image, a run of consecutive slots. The scheduler keeps each
+    image whole inside a fresh chunk, so a run never continues past the chunk."""
+    limits = np.arange(start, start + n, dtype=np.int64)
+    slots = np.asarray(slots, dtype=np.int64)
+    if slots.size:
+        run_ends = np.append(np.nonzero(np.diff(slots) != 1)[0], slots.size - 1)  # last slot of each run
+        owner = np.searchsorted(run_ends, np.arange(slots.size))  # each slot's run
+        limits[slots] = start + slots[run_ends[owner]]
+    return limits
+
+
 def fuse_image_rows(embeds: torch.Tensor, slots: torch.Tensor,
                     rows: list[torch.Tensor]) -> torch.Tensor | None:
     """Write rows (in order) into embeds at the flat row indexes `slots`; a count mismatch raises.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,9 +26,13 @@ import torch
 from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
 from decoder_svc.model.attention import AttentionMetadata
 from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs
-from decoder_svc.runner.fusion import fuse_image_rows, image_slots
+from decoder_svc.runner.fusion import fuse_image_rows, image_key_limits, image_slots
 from decoder_svc.runner.inputs import PENDING_TOKEN, ModelInput, ModelOutput, SequenceInput
 from decoder_svc.runner.sampler import PendingSample, Sampler, SamplerOutput
+
+if TYPE_CHECKING:
+    from common.families.layout import ImageLayout
+    from decoder_svc.engine.config import EngineConfig
 
 log = logging.getLogger("mmserve.decoder.runner")
 
@@ -45,6 +50,19 @@ class RunnerConfig:
     kv_cache_bytes: int | None = None  # default: half the GPU memory free after warm-up, or 512 MiB on CPU
     enforce_eager: bool = False  # no CUDA graphs
     progress: bool = True  # a progress bar while capturing graphs
+    image_blocks: bool = False  # each image's tokens attend to each other whole (Gemma 3): key limits
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, device: str, dtype: torch.dtype, layout: ImageLayout,
+                   eager: bool = False) -> RunnerConfig:
+        """The runner's sizes and switches for an engine. Where images attend bidirectionally, an image
+        larger than the token budget runs whole, over the budget: the buffers hold one more image."""
+        tokens = config.max_num_batched_tokens
+        if layout.bidirectional_images:
+            tokens += layout.tokens_per_image or 0
+        return cls(device, dtype, config.block_size, config.max_num_seqs, tokens, config.num_kv_blocks,
+                   config.kv_cache_bytes, config.enforce_eager or eager,
+                   image_blocks=layout.bidirectional_images)
 
 
 class StepBuffers:
@@ -59,7 +77,7 @@ class StepBuffers:
                   "slot_mapping": ((max_tokens,), torch.int64),
                   "query_start_loc": ((max_seqs + 1,), torch.int32), "seq_lens": ((max_seqs,), torch.int32),
                   "block_tables": ((max_seqs, max_blocks), torch.int32),
-                  "logits_indices": ((max_seqs,), torch.int64),
+                  "logits_indices": ((max_seqs,), torch.int64), "key_limits": ((max_tokens,), torch.int64),
                   # pending tokens: their rows in input_ids, and their rows in the last step's samples
                   "pending_rows": ((max_seqs,), torch.int64), "pending_samples": ((max_seqs,), torch.int64)}
         self.host = {k: torch.zeros(s, dtype=t, pin_memory=pin) for k, (s, t) in shapes.items()}
@@ -227,7 +245,9 @@ class ModelRunner:
         key = None
         # Steps with multi-part image rows (DeepStack) run eagerly: the graphs have no inputs for them.
         multipart = any(r.dim() == 3 for s in batch.sequences for r in s.image_rows)
-        if self.graphs is not None and not multipart:
+        # Steps whose images attend bidirectionally run eagerly too: the graphs have no key limits.
+        blocks = self.config.image_blocks and any(s.image_rows for s in batch.sequences)
+        if self.graphs is not None and not multipart and not blocks:
             key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, batch.is_plain_decode)
         step = self._prepare(batch, key)
         rows = [s.sampling for s in batch.sequences if s.sampling is not None]
@@ -274,6 +294,7 @@ class ModelRunner:
         t, max_q, n_logits, n_pending = 0, 0, 0, 0
         starts[0] = 0
         img: list[np.ndarray] = []
+        limits = h["key_limits"] if key is None and self.config.image_blocks else None
         for i, seq in enumerate(batch.sequences):
             n, table = seq.num_tokens, seq.block_table
             ids[t:t + n] = seq.token_ids
@@ -295,6 +316,8 @@ class ModelRunner:
             lens[i] = seq.end
             if seq.image_rows:
                 img.append(t + image_slots(ids[t:t + n], seq.start, seq.num_prompt_tokens, self.mm_token_ids))
+            if limits is not None:
+                limits[t:t + n] = image_key_limits(img[-1] - t if seq.image_rows else (), seq.start, n)
             t += n
             starts[i + 1] = t
             max_q = max(max_q, n)
@@ -313,7 +336,7 @@ class ModelRunner:
         self.buffers.upload({"input_ids": t, "positions": t, "slot_mapping": t,
                              "query_start_loc": num_seqs + 1, "seq_lens": num_seqs, "block_tables": num_seqs,
                              "logits_indices": n_logits, "pending_rows": n_pending,
-                             "pending_samples": n_pending})
+                             "pending_samples": n_pending, "key_limits": t if limits is not None else 0})
         slots_dev = None
         if img:
             slots_dev = torch.from_numpy(np.concatenate(img)).to(self.device, non_blocking=True)
@@ -324,7 +347,9 @@ class ModelRunner:
             d["slot_mapping"][:t], d["query_start_loc"][:num_seqs + 1], d["seq_lens"][:num_seqs],
             d["block_tables"][:num_seqs], bs, max_query_len=max_q,
             query_start_loc_cpu=host["query_start_loc"][:num_seqs + 1],
-            seq_lens_cpu=host["seq_lens"][:num_seqs])
+            seq_lens_cpu=host["seq_lens"][:num_seqs],
+            key_limits=d["key_limits"][:t] if limits is not None else None,
+            key_limits_cpu=host["key_limits"][:t] if limits is not None else None)
         pending = (d["pending_rows"][:n_pending], d["pending_samples"][:n_pending]) if n_pending else None
         return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta,
                             d["logits_indices"][:n_logits], slots_dev, pending)

@@ -10,6 +10,7 @@ kernel sends it SIGTERM when the parent dies (Linux), and a broken collective ra
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import pickle
@@ -25,6 +26,7 @@ from decoder_svc.model.parallel import TensorParallel
 from decoder_svc.runner.model_runner import ModelRunner, RunnerConfig
 from decoder_svc.runner.step_rows import receive_rows
 from decoder_svc.runner.tensor_parallel import WorkerSpec, agree_on_blocks, init_group, rank_device
+from decoder_svc.tokenization import PromptTokenizer
 
 log = logging.getLogger("mmserve.decoder.tp")
 _PR_SET_PDEATHSIG = 1
@@ -50,9 +52,9 @@ def run(spec: WorkerSpec) -> None:
     dtype = parse_dtype(cfg.dtype)
     model = load_language_model(cfg.model, device, dtype, cfg.attention_backend, cfg.quantization,
                                 cfg.load_format, tp=TensorParallel(spec.rank, spec.size))
-    runner = ModelRunner(model, RunnerConfig(
-        device, dtype, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.num_kv_blocks,
-        cfg.kv_cache_bytes, enforce_eager=True, progress=False), spec.mm_token_ids)
+    layout = PromptTokenizer(cfg.model).layout
+    config = RunnerConfig.for_engine(cfg, device, dtype, layout, eager=True)
+    runner = ModelRunner(model, dataclasses.replace(config, progress=False), spec.mm_token_ids)
     runner.agree_blocks = agree_on_blocks
     while True:
         box = [None]

@@ -38,6 +38,7 @@ class Gemma3ImageLayout(ImageLayout):
 
     sized_by_image: ClassVar[bool] = False
     mrope: ClassVar[bool] = False
+    bidirectional_images: ClassVar[bool] = True
     merge_size: ClassVar[int] = 1
 
     mm_tokens_per_image: int  # soft tokens (= embedding rows) per image
@@ -74,9 +75,15 @@ class Gemma3ImageLayout(ImageLayout):
         """mm_tokens_per_image, whatever the image (the block's boi/eoi/newlines are ordinary text)."""
         return self.mm_tokens_per_image
 
-    def image_block(self) -> str:
-        """What one `<start_of_image>` becomes (Gemma3Processor.full_image_sequence)."""
-        return f"\n\n{self.boi_token}{self.image_token * self.mm_tokens_per_image}{self.eoi_token}\n\n"
+    def image_block(self, count: int | None = None) -> str:
+        """What one `<start_of_image>` becomes (Gemma3Processor.full_image_sequence), with `count`
+        placeholders (default: the image's mm_tokens_per_image)."""
+        count = self.mm_tokens_per_image if count is None else count
+        return f"\n\n{self.boi_token}{self.image_token * count}{self.eoi_token}\n\n"
+
+    def marker_text(self, marker: str, count: int) -> str:
+        """The marker `<start_of_image>` becomes its block, not a run of itself."""
+        return self.image_block(count)
 
     def expand_prompt(self, prompt: str, n_images: int) -> str:
         """The prompt with each of its n_images `<start_of_image>` markers replaced by image_block(), as
