@@ -16,7 +16,8 @@ sliding `window` only keys > p - window. A program walks the key tiles from the 
 first row (tiles wholly below every row's window are skipped) to the largest limit among its rows
 (causal: its last row's position); the splits divide that range. A row may see no key of a split (or
 of a tile): its partial max stays -inf and the merge gives it weight 0. Both features are constexpr
-switches (HAS_WINDOW, HAS_LIMITS): without them the kernel compiles exactly as the causal one.
+switches (HAS_WINDOW, HAS_LIMITS): without them the kernel's body is the causal one (the limits pointer
+and the window are passed but never read). A window must hold at least one key (window >= 1).
 
 Nothing here syncs with the host: the host passes only the grid (an upper bound) and block shapes.
 """
