@@ -183,7 +183,7 @@ def check_kernels(cfg: TextModelConfig, backend: AttentionBackend, ops: type[Tor
     that masks the window; Gemma's norms and GELU exist in the torch reference ops only."""
     if cfg.has_sliding_layers and not backend.supports_sliding_window:
         raise ValueError(f"{cfg.model_type}: its sliding-window layers need an attention backend that masks "
-                         f"the window; {type(backend).__name__} does not yet (--attention-backend torch)")
+                         f"the window; {type(backend).__name__} does not")
     if cfg.needs_reference_ops and not hasattr(ops, "offset_rms_norm"):
         raise ValueError(f"{cfg.model_type}: its norms and activation run on the torch reference ops only; "
                          f"{ops.__name__} lacks them (--attention-backend torch)")

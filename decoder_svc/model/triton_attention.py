@@ -10,6 +10,15 @@ query_start_loc[i] // BLOCK_Q + i), so the grid needs no host-side table and a C
 with new lengths. A third grid axis splits the keys (split-KV) when a few sequences alone would leave
 most of the GPU idle; a small second kernel merges the partial softmaxes.
 
+Masks (the torch reference's, decoder_svc/model/attention.py). A row at position p sees keys <= p, or
+<= key_limits[row] when the metadata has key limits (Gemma 3's bidirectional image blocks), and with a
+sliding `window` only keys > p - window. A program walks the key tiles from the window start of its
+first row (tiles wholly below every row's window are skipped) to the largest limit among its rows
+(causal: its last row's position); the splits divide that range. A row may see no key of a split (or
+of a tile): its partial max stays -inf and the merge gives it weight 0. Both features are constexpr
+switches (HAS_WINDOW, HAS_LIMITS): without them the kernel's body is the causal one (the limits pointer
+and the window are passed but never read). A window must hold at least one key (window >= 1).
+
 Nothing here syncs with the host: the host passes only the grid (an upper bound) and block shapes.
 """
 
@@ -64,11 +73,11 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_acc_ptr, part_ml_ptr, scale_log2, num_seqs,
+    part_acc_ptr, part_ml_ptr, key_limits_ptr, scale_log2, num_seqs, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cr, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, H_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIMITS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,12 +100,23 @@ def _paged_attention_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q_pos = context + tok  # each query sees keys 0..q_pos
+    q_pos = context + tok  # each query sees keys 0..q_pos (causal)
 
-    num_keys = context + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
+    if HAS_LIMITS:  # ..key_limits[row] instead (an image's tokens see the whole image)
+        last = tl.load(key_limits_ptr + q_rows, mask=row_ok, other=0)
+        # The tile's keys run to its rows' largest limit (never past the sequence's keys).
+        num_keys = tl.minimum(tl.max(tl.where(row_ok, last + 1, 0), 0), seq_len.to(tl.int64)).to(tl.int32)
+    else:
+        last = q_pos
+        num_keys = context + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
     num_tiles = tl.cdiv(num_keys, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * per_split
+    if HAS_WINDOW:  # keys > q_pos - window: skip the tiles below the tile's first row's window
+        tile_start = tl.maximum(context + local_block * BLOCK_Q - window + 1, 0) // BLOCK_N
+        tile_start = tl.minimum(tile_start, num_tiles)
+    else:
+        tile_start = 0
+    per_split = tl.cdiv(num_tiles - tile_start, NUM_SPLITS)
+    tile_lo = tile_start + split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -115,7 +135,9 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2
-        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        visible = (n[None, :] <= last[:, None]) & n_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -188,11 +210,14 @@ def row_tiles(max_query_len: int, h_per_kv: int) -> tuple[int, int]:
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+                    num_splits: int = 1, out: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """Attention of every query row [tokens, heads, head_dim] over its sequence's paged K/V.
 
     num_splits > 1 divides each sequence's keys among that many programs (then merges them): worth it
-    when num_seqs * kv_heads programs alone would leave most multiprocessors idle.
+    when num_seqs * kv_heads programs alone would leave most multiprocessors idle. With `window`, a
+    query at position p sees keys > p - window only; with meta.key_limits, row t sees keys up to
+    key_limits[t] instead of up to its own position (both: p - window < key <= key_limits[t]).
     """
     tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -204,6 +229,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     block_m, block_q = row_tiles(meta.max_query_len, h_per_kv)
     block_d = triton.next_power_of_2(max(head_dim, 16))
     num_seqs = meta.num_seqs
+    limits = meta.key_limits  # None: causal (the kernel without the limit loads)
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must hold at least one key, not {window}")
     grid = (tokens // block_q + num_seqs, kv_heads, num_splits)
     if num_splits > 1:
         part_acc = torch.empty(tokens * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device)
@@ -212,12 +240,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         part_acc = part_ml = out  # unused
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        part_acc, part_ml, scale * _LOG2E, num_seqs,
+        part_acc, part_ml, meta.seq_lens if limits is None else limits, scale * _LOG2E, num_seqs,
+        0 if window is None else window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, H_PER_KV=h_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if head_dim <= 128 else 32,
-        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None,
+        HAS_LIMITS=limits is not None, num_warps=4, num_stages=2)
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1),
@@ -230,6 +260,7 @@ class TritonAttentionBackend(AttentionBackend):
     keys are split) per layer, with no host synchronisation, so decode steps can be CUDA-graphed."""
 
     supports_cuda_graphs = True
+    supports_sliding_window = True
 
     def __init__(self, num_sms: int | None = None) -> None:
         if num_sms is None and torch.cuda.is_available():
@@ -255,9 +286,5 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-        if window is not None:  # the model refuses this at construction (supports_sliding_window)
-            raise NotImplementedError("the Triton attention kernel has no sliding window yet")
-        if meta.key_limits is not None:
-            raise NotImplementedError("the Triton attention kernel has no key limits (image blocks) yet")
-        store_kv(k, v, kv_cache, meta.slot_mapping)
-        return paged_attention(q, kv_cache, meta, scale, self.num_splits(q, kv_cache, meta))
+        store_kv(k, v, kv_cache, meta.slot_mapping)  # first: key limits may reach this step's keys
+        return paged_attention(q, kv_cache, meta, scale, self.num_splits(q, kv_cache, meta), window=window)

@@ -139,7 +139,7 @@ def test_batched_decodes_match_hf(gemma3_tiny_dir: Path, hf_lm, ours) -> None:
 
 
 class _NoWindowBackend(AttentionBackend):
-    """A backend that cannot mask a window (the Triton kernel's case today)."""
+    """A backend that cannot mask a window (supports_sliding_window False, the interface's default)."""
 
     def forward(self, q, k, v, kv_cache, meta, scale, window=None):  # pragma: no cover - never called
         raise AssertionError

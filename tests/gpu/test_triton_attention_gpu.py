@@ -1,6 +1,8 @@
 """The Triton paged-attention kernels, compiled on the GPU, against the torch reference at real shapes:
 llava-1.5-7b heads (32 x 128, no GQA) and GQA 4 and 8, page sizes 16 and 32, long contexts, prefill
-chunks over a cached prefix mixed with decode rows, split keys; fp32 (IEEE dots) and bf16."""
+chunks over a cached prefix mixed with decode rows, split keys; fp32 (IEEE dots) and bf16. Then sliding
+windows and per-row key limits (Gemma 3: head_dim 256 and 128, window 1024, 256-token images, 4-8k
+contexts), decode rows with a window inside a CUDA graph, and the time a window saves."""
 
 from __future__ import annotations
 
@@ -55,3 +57,97 @@ def test_backend_splits_only_batches_of_few_programs():
     assert backend.num_splits(q, cache, meta) > 1  # a prefix hit's last tokens
     q, _, _, cache, meta = random_batch([2000, 50], [1000, 3], 32, 32, 128, 16, device="cuda")
     assert backend.num_splits(q, cache, meta) == 1
+
+
+# Sliding windows and key limits (Gemma 3: head_dim 256 with 8 heads over 4 KV heads in the 4B, 16/8 in
+# the 12B; head_dim 128 with 32/16 in the 27B; window 1024; 256-token images).
+MASKED = [
+    # seq_lens, query_lens, heads, kv_heads, dim, page, images {seq: [(start, end)]}
+    ([8192, 4100, 6000, 1030], [1, 1, 1, 1], 8, 4, 256, 16, {}),              # decodes (split keys)
+    # a chunk over a prefix, images across its start, inside it and at its end
+    ([5000, 4000, 777], [1200, 1, 1], 8, 4, 256, 16, {0: [(3700, 3956), (4200, 4456), (4744, 5000)]}),
+    ([4096, 2600], [4096, 1], 16, 8, 256, 16, {0: [(100, 356), (1500, 1756), (3000, 3256)]}),  # a prompt
+    ([6000, 2500, 64, 7000], [2048, 1, 64, 1], 32, 16, 128, 32,
+     {0: [(3900, 4156), (5000, 5256)], 2: [(0, 64)]}),
+    ([8000], [300], 32, 16, 128, 16, {0: [(7744, 8000)]}),                    # a prefix hit's last tokens
+]
+
+
+@pytest.mark.parametrize("window", [None, 1024])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("shape", MASKED, ids=[f"masked{i}" for i in range(len(MASKED))])
+def test_window_and_key_limits_match_reference_on_gpu(shape, dtype, tol, window):
+    from tests.engine.test_triton_attention_masks import image_limits, with_limits
+
+    *shape, images = shape
+    seq_lens, query_lens, heads, kv_heads, dim, page = shape
+    if window is None and not images:
+        pytest.skip("the plain causal case is test_triton_matches_reference_on_gpu's")
+    q, k, v, kv_cache, meta = random_batch(seq_lens, query_lens, heads, kv_heads, dim, page, dtype=dtype,
+                                           device="cuda", seed=1, pad_seqs=1)
+    meta = with_limits(meta, image_limits(seq_lens, query_lens, images, pad_rows=1) if images else None)
+    ref_cache = kv_cache.clone()
+    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, dim ** -0.5, window=window)
+    store_kv(k, v, kv_cache, meta.slot_mapping)
+    real = meta.slot_mapping >= 0
+    for n in (1, 4, 16):
+        out = torch.full_like(q, float("nan"))  # poison: every row must be written
+        paged_attention(q, kv_cache, meta, dim ** -0.5, num_splits=n, out=out, window=window)
+        assert torch.isfinite(out).all(), n
+        assert _rel(out[real], ref[real]) < tol, (n, _rel(out[real], ref[real]))
+    out = TritonAttentionBackend().forward(q, k, v, kv_cache, meta, dim ** -0.5, window=window)
+    assert _rel(out[real], ref[real]) < tol
+
+
+def test_window_decode_replays_in_a_cuda_graph():
+    """A graph captured for decode rows with a window (and split keys) replays with new lengths."""
+    from decoder_svc.model.attention import AttentionMetadata
+
+    seq_lens, page, dim = [5000, 1100, 3000, 8000], 16, 256
+    q, k, v, cache, meta = random_batch(seq_lens, [1] * 4, 8, 4, dim, page, dtype=torch.bfloat16,
+                                        device="cuda", seed=4)
+    backend = TritonAttentionBackend()
+    assert backend.num_splits(q, cache, meta) > 1
+    # Captured while each sequence was 700 tokens shorter (same blocks, other slots and lengths).
+    short = [n - 700 for n in seq_lens]
+    tables = meta.block_tables.cpu()
+    slots = [int(tables[i, (n - 1) // page]) * page + (n - 1) % page for i, n in enumerate(short)]
+    g_meta = AttentionMetadata(torch.tensor(slots, device="cuda"), meta.query_start_loc.clone(),
+                               torch.tensor(short, dtype=torch.int32, device="cuda"),
+                               meta.block_tables.clone(), page, 1)
+    gq, gk, gv, g_cache = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v), cache.clone()
+    backend.forward(gq, gk, gv, g_cache, g_meta, dim ** -0.5, window=1024)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(gq, gk, gv, g_cache, g_meta, dim ** -0.5, window=1024)
+    for dst, src in ((g_meta.slot_mapping, meta.slot_mapping), (g_meta.seq_lens, meta.seq_lens),
+                     (gq, q), (gk, k), (gv, v), (g_cache, cache)):
+        dst.copy_(src)
+    graph.replay()
+    ref = TorchAttentionBackend().forward(q, k, v, cache.clone(), meta, dim ** -0.5, window=1024)
+    assert _rel(out, ref) < 1e-2
+
+
+def test_window_skips_the_keys_before_it():
+    """A 4096-token chunk over a 28k prefix: with window 1024 each program reads ~1k keys, not ~30k, so
+    the windowed launch takes well under half the time (the point of skipping tiles)."""
+    q, k, v, kv_cache, meta = random_batch([32768], [4096], 8, 4, 256, 16, dtype=torch.bfloat16,
+                                           device="cuda")
+    store_kv(k, v, kv_cache, meta.slot_mapping)
+
+    def run(window):
+        return paged_attention(q, kv_cache, meta, 256 ** -0.5, window=window)
+
+    times = {}
+    for window in (None, 1024):
+        run(window)  # compile
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            run(window)
+        end.record()
+        torch.cuda.synchronize()
+        times[window] = start.elapsed_time(end)
+    assert times[1024] < 0.5 * times[None], times

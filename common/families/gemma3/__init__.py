@@ -9,9 +9,9 @@ in fp32 (layout, tower, encoder, oracle, the `gemma-3-tiny` maker), and the text
 greedy generation through the engine equals HF's, tests/gemma3/test_text_*.py). What is missing: the
 attention has no bidirectional block mask over each image's tokens, which HF's token_type_ids mask
 applies during prefill; the prompt tokenizer assumes the marker is the placeholder token, which Gemma's
-block expansion breaks; the Triton attention has no sliding window (the model refuses it, so Gemma 3 runs
-on attention backend "torch" only), and the sliding layers keep every KV block (none freed past the
-window).
+block expansion breaks; Gemma's norms and GELU exist in TorchOps only (the model refuses TritonOps, so
+Gemma 3 runs on attention backend "torch" only, although TritonAttentionBackend masks windows and key
+limits), and the sliding layers keep every KV block (none freed past the window).
 """
 
 from common.families.family import ModelFamily
