@@ -44,9 +44,10 @@ def test_lookups_by_config():
     assert family_of({"model_type": "qwen2_5_vl"}).name == "qwen2_5_vl"
     assert family_of({"model_type": "qwen3_vl"}).name == "qwen3_vl"
     assert family_of({"model_type": "llava"}).name == family_of({}).name == "llava"  # old exports: LLaVA
-    assert find_family({"model_type": "gemma3"}) is None
-    with pytest.raises(UnsupportedModelError, match="'gemma3' is not served; served: llava, qwen2_5_vl"):
-        family_of({"model_type": "gemma3"})
+    assert family_of({"model_type": "gemma3"}).name == "gemma3"
+    assert find_family({"model_type": "gemma3n"}) is None
+    with pytest.raises(UnsupportedModelError, match="'gemma3n' is not served; served: llava, qwen2_5_vl"):
+        family_of({"model_type": "gemma3n"})
 
 
 def test_every_preset_has_one_family_and_the_makers_agree():

@@ -2,20 +2,14 @@
 .generate (fp32, CPU) on gemma-3-tiny: a prompt and output longer than the sliding window, whole or in
 small prefill chunks, with prefix-cache hits, and two requests decoding in one batch.
 
-Gemma 3 is not served (common/families/registry.NOT_SERVED_YET): its image requests would be wrong, as
-the bidirectional image mask is missing. These tests add its FAMILY to the registry's lookups for their
-own duration only, so that the engine's tokenizer and local embedding source find its layout and tower.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-import common.families.registry as registry
-from common.families.gemma3 import FAMILY
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from tests.gemma3.test_text_model import PROMPT
@@ -23,14 +17,6 @@ from tests.oracle import greedy, run_all
 
 N = 16
 OTHER = PROMPT.replace("red car", "blue boat").replace("at night", "at dawn")
-
-
-@pytest.fixture(scope="module")
-def gemma3_lookups() -> Iterator[None]:
-    """The registry finds gemma3 checkpoints while a test of this module runs (not served otherwise)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(registry, "FAMILIES", (*registry.FAMILIES, FAMILY))
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +40,7 @@ def test_hf_output_is_varied_and_long(want, gemma3_oracle) -> None:
 
 
 @pytest.mark.parametrize("budget", [2048, 7])
-def test_greedy_equals_hf(gemma3_lookups, gemma3_tiny_dir: Path, want, budget: int) -> None:
+def test_greedy_equals_hf(gemma3_tiny_dir: Path, want, budget: int) -> None:
     """Whole prefill, and prefill in 7-token chunks (chunks that straddle the window's edge)."""
     engine = make_engine(gemma3_tiny_dir, max_num_batched_tokens=budget)
     out = engine.generate("r", PROMPT, sampling=greedy(N))
@@ -62,7 +48,7 @@ def test_greedy_equals_hf(gemma3_lookups, gemma3_tiny_dir: Path, want, budget: i
     assert out.new_token_ids == want[PROMPT]
 
 
-def test_prefix_cache_hit_equals_hf(gemma3_lookups, gemma3_tiny_dir: Path, want) -> None:
+def test_prefix_cache_hit_equals_hf(gemma3_tiny_dir: Path, want) -> None:
     engine = make_engine(gemma3_tiny_dir, max_num_batched_tokens=13)
     cold = engine.generate("cold", PROMPT, sampling=greedy(N))
     warm = engine.generate("warm", PROMPT, sampling=greedy(N))
@@ -71,7 +57,7 @@ def test_prefix_cache_hit_equals_hf(gemma3_lookups, gemma3_tiny_dir: Path, want)
     assert cold.new_token_ids == warm.new_token_ids == want[PROMPT]
 
 
-def test_batched_requests_equal_hf(gemma3_lookups, gemma3_tiny_dir: Path, want) -> None:
+def test_batched_requests_equal_hf(gemma3_tiny_dir: Path, want) -> None:
     """Two requests prefilled and decoded together (the reference's batched decode path)."""
     engine = make_engine(gemma3_tiny_dir, max_num_batched_tokens=24)
     engine.add_request("a", PROMPT, sampling=greedy(N))

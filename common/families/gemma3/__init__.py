@@ -2,16 +2,15 @@
 is average-pooled to a fixed `mm_tokens_per_image` tokens, Gemma's (1 + w) RMSNorm and a projection;
 `<start_of_image>` expanded by the processor into a block around the soft tokens.
 
-NOT SERVED YET: this FAMILY is declared but not in common/families/registry.FAMILIES, so gemma3
-checkpoints are still refused (UnsupportedModelError). What exists is the image path, exact against HF
-in fp32 (layout, tower, encoder, oracle, the `gemma-3-tiny` maker), and the text model on the torch path
-(decoder_svc/model: TextModelConfig parses gemma3_text into fields the shared layers read; text-only
-greedy generation through the engine equals HF's, tests/gemma3/test_text_*.py). What is missing: the
-attention has no bidirectional block mask over each image's tokens, which HF's token_type_ids mask
-applies during prefill; the prompt tokenizer assumes the marker is the placeholder token, which Gemma's
-block expansion breaks; Gemma's norms and GELU exist in TorchOps only (the model refuses TritonOps, so
-Gemma 3 runs on attention backend "torch" only, although TritonAttentionBackend masks windows and key
-limits), and the sliding layers keep every KV block (none freed past the window).
+Served: the image path is exact against HF in fp32 (layout, tower, encoder, oracle, the `gemma-3-tiny`
+maker); the text model (decoder_svc/model: TextModelConfig parses gemma3_text into fields the shared
+layers read) runs its sliding-window and global layers; each image's soft tokens attend to each other
+whole during prefill (HF's token_type_ids mask: ImageLayout.bidirectional_images, the runner's key
+limits, the scheduler keeping each image in one fresh chunk); `<start_of_image>` becomes its block in
+the tokenizer (marker_text). Greedy generation equals HF's with and without images
+(tests/gemma3/test_*_generate.py). On CUDA its attention runs on Triton beside the torch reference ops
+(Gemma's (1 + w) norms and GELU have no Triton kernels). Not yet: pan-and-scan crops (refused, naming the
+option), the sliding layers' KV blocks freed past the window (they are kept), presets of the real shapes.
 """
 
 from common.families.family import ModelFamily
