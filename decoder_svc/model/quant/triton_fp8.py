@@ -63,6 +63,32 @@ _BRIEF_TIMING = functools.partial(triton.testing.do_bench, warmup=10, rep=40)
 
 
 @triton.jit
+def _k_range_product(x_ptr, w_ptr, s_ptr, rm, rn, rk, m_mask, n_mask, k_lo, k_hi, K, stride_xm, stride_wn,
+                     stride_sn, stride_sk, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                     PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    # x[rm, k_lo:k_hi] @ (w[rn, k_lo:k_hi] * block scales)^T in fp32: the FP8 tile widened to x's dtype on
+    # the way to the tensor cores; a block-scaled weight's scale per K block (per channel: at the end).
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_mask = (k0 + rk) < K
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        part = tl.dot(x, w.to(x.dtype))
+        if PER_CHANNEL:
+            acc += part
+        else:  # BLOCK_K divides SCALE_COLS, so one scale column covers this K block
+            s = tl.load(s_ptr + (rn // SCALE_ROWS) * stride_sn + (k0 // SCALE_COLS) * stride_sk,
+                        mask=n_mask & (k0 < K), other=0.0)
+            acc += part * s[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
                         stride_xm, stride_wn, stride_sn, stride_sk, stride_om,
                         SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, PER_CHANNEL: tl.constexpr,
@@ -77,22 +103,9 @@ def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
     rk = tl.arange(0, BLOCK_K)
     m_mask = rm < M
     n_mask = rn < N
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + rk) < K
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        part = tl.dot(x, w.to(x.dtype))
-        if PER_CHANNEL:
-            acc += part
-        else:  # BLOCK_K divides SCALE_COLS, so one scale column covers this K block
-            s = tl.load(s_ptr + (rn // SCALE_ROWS) * stride_sn + (k0 // SCALE_COLS) * stride_sk,
-                        mask=n_mask, other=0.0)
-            acc += part * s[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = _k_range_product(x_ptr, w_ptr, s_ptr, rm, rn, rk, m_mask, n_mask, 0, K, K, stride_xm,
+                           stride_wn, stride_sn, stride_sk, SCALE_ROWS, SCALE_COLS, PER_CHANNEL, BLOCK_M,
+                           BLOCK_N, BLOCK_K)
     if PER_CHANNEL:
         acc = acc * tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -173,22 +186,9 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     n_mask = rn < N
     k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_span
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]  # [BLOCK_K, BLOCK_N]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + k_span, BLOCK_K):
-        k_mask = (k0 + rk) < K
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        part = tl.dot(x, w.to(x.dtype))
-        if PER_CHANNEL:
-            acc += part
-        else:  # BLOCK_K divides SCALE_COLS, so one scale column covers this K block
-            s = tl.load(s_ptr + (rn // SCALE_ROWS) * stride_sn + (k0 // SCALE_COLS) * stride_sk,
-                        mask=n_mask & (k0 < K), other=0.0)
-            acc += part * s[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = _k_range_product(x_ptr, w_ptr, s_ptr, rm, rn, rk, m_mask, n_mask, k_lo, k_lo + k_span, K,
+                           stride_xm, stride_wn, stride_sn, stride_sk, SCALE_ROWS, SCALE_COLS, PER_CHANNEL,
+                           BLOCK_M, BLOCK_N, BLOCK_K)
     out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
