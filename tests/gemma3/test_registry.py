@@ -21,6 +21,6 @@ def test_family_fields() -> None:
     assert FAMILY.hf_class == "Gemma3ForConditionalGeneration"
     assert FAMILY.model_types == ("gemma3",)
     assert not FAMILY.dynamic_resolution and not FAMILY.takes_video
-    assert FAMILY.preset_names() == ["gemma-3-tiny"]
+    assert FAMILY.preset_names() == ["gemma-3-tiny", "gemma-3-4b", "gemma-3-12b"]
     layout = FAMILY.layout_class()
     assert layout.__name__ == "Gemma3ImageLayout" and layout.bidirectional_images

@@ -10,7 +10,8 @@ limits, the scheduler keeping each image in one fresh chunk); `<start_of_image>`
 the tokenizer (marker_text). Greedy generation equals HF's with and without images
 (tests/gemma3/test_*_generate.py). On CUDA its attention runs on Triton beside the torch reference ops
 (Gemma's (1 + w) norms and GELU have no Triton kernels). Not yet: pan-and-scan crops (refused, naming the
-option), the sliding layers' KV blocks freed past the window (they are kept), presets of the real shapes.
+option), the sliding layers' KV blocks freed past the window (they are kept), GPU figures of the real
+shapes (presets gemma-3-4b, gemma-3-12b).
 """
 
 from common.families.family import ModelFamily

@@ -81,6 +81,9 @@ class GemmaPreset:
     copies: str = "google/gemma-3-4b-it"
 
 
+_SIGLIP_896 = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                   patch_size=14)
+
 GEMMA3_PRESETS: dict[str, GemmaPreset] = {
     "gemma-3-tiny": GemmaPreset(
         name="gemma-3-tiny",
@@ -91,6 +94,22 @@ GEMMA3_PRESETS: dict[str, GemmaPreset] = {
                   num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
                   max_position_embeddings=131072),
         image_size=224, mm_tokens_per_image=16, vocab_size=512,
+    ),
+    # The real shapes (google/gemma-3-4b-it, -12b-it: SigLIP-So400m at 896 px, 256 tokens per image), for
+    # GPU figures; random weights.
+    "gemma-3-4b": GemmaPreset(
+        name="gemma-3-4b", vision=_SIGLIP_896,
+        text=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+                  max_position_embeddings=131072),
+        image_size=896, mm_tokens_per_image=256, vocab_size=262208,
+    ),
+    "gemma-3-12b": GemmaPreset(
+        name="gemma-3-12b", vision=_SIGLIP_896,
+        text=dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+                  max_position_embeddings=131072),
+        image_size=896, mm_tokens_per_image=256, vocab_size=262208, copies="google/gemma-3-12b-it",
     ),
 }
 
