@@ -11,8 +11,8 @@ import torch
 
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
-from tests.gemma3.conftest import sample_images
-from tests.gemma3.test_image_generate import CASES, N, TOP, assert_same, hf_first_logprobs
+from tests.gemma3.conftest import gemma3_oracle, gemma3_tiny_dir, sample_images  # noqa: F401 (fixtures)
+from tests.gemma3.test_image_generate import CASES, TOP, N, assert_same, hf_first_logprobs
 from tests.oracle import greedy, run_all
 
 pytestmark = pytest.mark.gpu
