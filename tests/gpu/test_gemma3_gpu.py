@@ -9,13 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
+import tests.gemma3.conftest as gemma3_fixtures
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
-from tests.gemma3.conftest import gemma3_oracle, gemma3_tiny_dir, sample_images  # noqa: F401 (fixtures)
+from tests.gemma3.conftest import sample_images
 from tests.gemma3.test_image_generate import CASES, TOP, N, assert_same, hf_first_logprobs
 from tests.oracle import greedy, run_all
 
 pytestmark = pytest.mark.gpu
+# The checkpoint and the oracle are tests/gemma3/conftest.py's fixtures.
+gemma3_tiny_dir = gemma3_fixtures.gemma3_tiny_dir
+gemma3_oracle = gemma3_fixtures.gemma3_oracle
 
 
 def _engine(model_dir: Path, **kw) -> LLMEngine:
