@@ -134,3 +134,22 @@ def test_eight_concurrent_requests_with_preemption(gemma3_tiny_dir: Path, gemma3
     for rid, (prompt, imgs) in plan.items():
         assert results[rid]["tokens"] == gemma3_oracle.generate(prompt, imgs, N), rid
     assert engine.stats().kv_blocks_used == 0 and engine.scheduler.images.num_held == 0
+
+
+def test_chat_messages_equal_hf_chat_template(gemma3_tiny_dir: Path, gemma3_oracle, images) -> None:
+    """Image parts of a chat become `<start_of_image>` through the checkpoint's template; the ids equal
+    HF's processor on the rendered text (its BOS from the template, none added), and so do the tokens."""
+    from common.families.oracle import greedy_new_tokens
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "compare"}, {"type": "image"},
+                                             {"type": "text", "text": "with"}, {"type": "image"}]}]
+    text = gemma3_oracle.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    imgs = [images[1], images[2]]
+    inputs = gemma3_oracle.processor(text=text, images=imgs, add_special_tokens=False, return_tensors="pt")
+    inputs["token_type_ids"] = (inputs["input_ids"] == gemma3_oracle.model.config.image_token_index).long()
+    want = greedy_new_tokens(gemma3_oracle.model, {k: inputs[k] for k in (
+        "input_ids", "attention_mask", "pixel_values", "token_type_ids")}, N)
+    engine = make_engine(gemma3_tiny_dir)
+    out = engine.generate("chat", None, imgs, messages=messages, sampling=greedy(N))
+    assert out.usage.prompt_tokens == inputs["input_ids"].shape[1]
+    assert out.new_token_ids == want
