@@ -143,12 +143,9 @@ def test_chat_messages_equal_hf_chat_template(gemma3_tiny_dir: Path, gemma3_orac
 
     messages = [{"role": "user", "content": [{"type": "text", "text": "compare"}, {"type": "image"},
                                              {"type": "text", "text": "with"}, {"type": "image"}]}]
-    text = gemma3_oracle.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     imgs = [images[1], images[2]]
-    inputs = gemma3_oracle.processor(text=text, images=imgs, add_special_tokens=False, return_tensors="pt")
-    inputs["token_type_ids"] = (inputs["input_ids"] == gemma3_oracle.model.config.image_token_index).long()
-    want = greedy_new_tokens(gemma3_oracle.model, {k: inputs[k] for k in (
-        "input_ids", "attention_mask", "pixel_values", "token_type_ids")}, N)
+    inputs = gemma3_oracle.chat_inputs(messages, imgs)
+    want = greedy_new_tokens(gemma3_oracle.model, inputs, N)
     engine = make_engine(gemma3_tiny_dir)
     out = engine.generate("chat", None, imgs, messages=messages, sampling=greedy(N))
     assert out.usage.prompt_tokens == inputs["input_ids"].shape[1]

@@ -43,6 +43,15 @@ class Gemma3Oracle:
             out["pixel_values"] = self.pixels(images)
         return out
 
+    def chat_inputs(self, messages: list[dict], images: list[Image.Image]) -> dict:
+        """Model inputs for a chat: the checkpoint's template rendered, then HF's processor on that text
+        (the template writes the BOS: none is added), soft tokens marked for the image block mask."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        enc = self.processor(text=text, images=images or None, add_special_tokens=False, return_tensors="pt")
+        out = {k: enc[k] for k in ("input_ids", "attention_mask", "pixel_values") if k in enc}
+        out["token_type_ids"] = (enc["input_ids"] == self.model.config.image_token_index).long()
+        return out
+
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """get_image_features: [images, mm_tokens_per_image, text hidden]."""
         with torch.no_grad():
