@@ -239,11 +239,9 @@ class LLMEngine:
                 self._fail(chunk.request, exc)
         scheduled.chunks = built  # what the runner's sampled rows line up with
         batch = ModelInput(sequences, scheduled.finished_request_ids)
-        try:
-            if not self.async_scheduling:  # the runner's one-call form (tensor parallelism has only it)
-                output = self.runner.execute(batch)
-                return InFlightStep(scheduled, _Done(output), started) if sequences else None
-            launched = self.runner.launch(batch)
+        run = self.runner
+        try:  # synchronous: the runner's one-call form (the only one tensor parallelism has)
+            launched = run.launch(batch) if self.async_scheduling else _Done(run.execute(batch))
         except _DEVICE_ERRORS:
             raise
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep the engine
