@@ -5,12 +5,11 @@ template, `<start_of_image>` per image part, and the tokenizer expands each into
 from __future__ import annotations
 
 import base64
-import signal
 
 from common.families.oracle import greedy_new_tokens
 from common.images import encode_png
 from tests.gemma3.conftest import sample_images
-from tests.integration.harness import start_up
+from tests.integration.harness import running_up
 
 N = 8
 
@@ -19,8 +18,7 @@ def test_up_serves_gemma3_to_the_openai_client(tmp_path, gemma3_tiny_dir, gemma3
     from openai import OpenAI
 
     images = sample_images()[1:3]
-    up, _, port = start_up(tmp_path, str(gemma3_tiny_dir))
-    try:
+    with running_up(tmp_path, str(gemma3_tiny_dir)) as (_, _, port):
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
         name = client.models.list().data[0].id
         urls = ["data:image/png;base64," + base64.b64encode(encode_png(i)).decode() for i in images]
@@ -36,9 +34,3 @@ def test_up_serves_gemma3_to_the_openai_client(tmp_path, gemma3_tiny_dir, gemma3
         assert reply.usage.completion_tokens == N
         assert reply.choices[0].message.content == gemma3_oracle.tokenizer.decode(expected,
                                                                                    skip_special_tokens=True)
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()

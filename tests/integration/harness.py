@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,3 +136,18 @@ def start_up(tmp_path: Path, model: str, env_extra: dict[str, str] | None = None
             raise AssertionError(f"mmserve up did not come up:\n{log_path.read_text()}")
         time.sleep(0.5)
     return up, log_path, port
+
+
+@contextmanager
+def running_up(tmp_path: Path, model: str, **kwargs) -> Iterator[tuple[subprocess.Popen, Path, int]]:
+    """start_up's (process, log, port) for the block; after it, `mmserve up` must stop on SIGINT with exit
+    status 0 (killed if the block raised or it did not stop)."""
+    up, log_path, port = start_up(tmp_path, model, **kwargs)
+    try:
+        yield up, log_path, port
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()

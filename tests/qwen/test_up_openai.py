@@ -5,10 +5,9 @@ chat template, <|vision_start|><|image_pad|><|vision_end|> per image)."""
 from __future__ import annotations
 
 import base64
-import signal
 
 from common.images import encode_png
-from tests.integration.harness import start_up
+from tests.integration.harness import running_up
 
 N = 8
 
@@ -16,8 +15,7 @@ N = 8
 def test_up_serves_qwen_to_the_openai_client(tmp_path, qwen_model_dir, qwen_oracle, qwen_images):
     from openai import OpenAI
 
-    up, _, port = start_up(tmp_path, str(qwen_model_dir))
-    try:
+    with running_up(tmp_path, str(qwen_model_dir)) as (_, _, port):
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
         name = client.models.list().data[0].id
         url = "data:image/png;base64," + base64.b64encode(encode_png(qwen_images[1])).decode()
@@ -31,9 +29,3 @@ def test_up_serves_qwen_to_the_openai_client(tmp_path, qwen_model_dir, qwen_orac
         assert reply.usage.prompt_tokens > 391 and reply.usage.completion_tokens == N
         text = qwen_oracle.tokenizer.decode(expected, skip_special_tokens=True)
         assert reply.choices[0].message.content == text
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()

@@ -6,9 +6,8 @@ request's mm_processor_kwargs (fps) sample it as HF does with that setting."""
 from __future__ import annotations
 
 import base64
-import signal
 
-from tests.integration.harness import start_up
+from tests.integration.harness import running_up
 from tests.video.test_engine_video import VIDEO, VideoOracle
 
 N = 8
@@ -17,8 +16,7 @@ N = 8
 def test_up_serves_a_qwen3_video_to_the_openai_client(tmp_path, qwen3_model_dir, qwen3_oracle):
     from openai import OpenAI
 
-    up, _, port = start_up(tmp_path, str(qwen3_model_dir))
-    try:
+    with running_up(tmp_path, str(qwen3_model_dir)) as (_, _, port):
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
         name = client.models.list().data[0].id
         url = "data:video/mp4;base64," + base64.b64encode(VIDEO).decode()
@@ -41,9 +39,3 @@ def test_up_serves_a_qwen3_video_to_the_openai_client(tmp_path, qwen3_model_dir,
         assert denser.usage.prompt_tokens > reply.usage.prompt_tokens
         wanted = oracle.tokenizer.decode(expected, skip_special_tokens=True)
         assert denser.choices[0].message.content == wanted
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
