@@ -1,0 +1,89 @@
+"""Images to Phi-4-multimodal image embeddings, [num_tokens, text hidden] per image (num_tokens follows
+each image's size).
+
+Preprocessing is pixels.py's HD transform (HF's processor needs torchvision; this one is the same ops on
+torch alone); the tower, compression, separators and projector are embedder.py's. Thread-safety as the
+other encoders': `prepare` on any thread, `encode_prepared` from one at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from common.checkpoint import load_config, model_fingerprint
+from common.families.phi4mm.embedder import load_phi4_embedder
+from common.families.phi4mm.layout import Phi4ImageLayout
+from common.families.phi4mm.pixels import Phi4Pixels, hd_transform
+from common.vision import PREPROCESS_MODES
+
+
+class Phi4VisionEncoder:
+    """The image half of a Phi-4-multimodal checkpoint (SigLIP at 448 px crops, 2x2 compression,
+    separators, projector); the language model and the audio encoder are never read. preprocess: "hf",
+    "auto" or "torch", all pixels.py's transform (HF's own needs torchvision)."""
+
+    graphs = None
+    # Each image's size decides its crops; no request-chosen pixel range (dynamic_hd is the checkpoint's).
+    takes_pixel_ranges = False
+
+    def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, preprocess: str = "auto") -> None:
+        if preprocess not in PREPROCESS_MODES:
+            raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {preprocess!r}")
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        config = load_config(self.model_dir)
+        # Before any weight is read: a configuration we cannot serve fails here, with the reason.
+        self.layout = Phi4ImageLayout.from_checkpoint(self.model_dir, config)
+        self.fingerprint = model_fingerprint(self.model_dir)
+        self.hidden_size = int(config["hidden_size"])
+        self.embedder = load_phi4_embedder(self.model_dir, config, self.device, dtype)
+        self.preprocess_mode = "torch"
+        self.pixel_tolerance = 0.0
+        self.calls = 0
+        self.images_encoded = 0
+        self._count_lock = threading.Lock()
+
+    def nbytes_for(self, width: int, height: int) -> int:
+        """Bytes of the embedding of a width x height image in the output dtype."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return self.layout.tokens_for_size(width, height) * self.hidden_size * size
+
+    def prepare(self, image) -> Phi4Pixels:
+        """One image's crops and masks (fp32, CPU); thread-safe. image: a PIL image or a decode pool's
+        DecodedImage."""
+        pil = image if isinstance(image, Image.Image) else image.to_pil()
+        return hd_transform(pil, self.layout.settings)
+
+    @torch.inference_mode()
+    def encode_prepared(self, prepared: Sequence[Phi4Pixels], use_graphs: bool = False) -> list[torch.Tensor]:
+        """The tower over prepared images at once; one [num_tokens, hidden] tensor each."""
+        feats = self.embedder(list(prepared))
+        with self._count_lock:
+            self.calls += 1
+            self.images_encoded += len(feats)
+        return feats
+
+    def encode(self, images: Sequence[Image.Image]) -> list[torch.Tensor]:
+        """One [num_tokens, hidden] tensor per image, on the encoder's device."""
+        return self.encode_prepared([self.prepare(image) for image in images])
+
+    def capture_graphs(self, max_batch: int) -> bool:
+        """Not yet for Phi-4-multimodal: the tower runs eagerly."""
+        return False
+
+    def warm_up(self) -> None:
+        """One dummy image through the tower; checks its rows against the layout's count."""
+        (feats,) = self.encode([Image.new("RGB", (448, 448), (127, 127, 127))])
+        expected = (self.layout.tokens_for_size(448, 448), self.hidden_size)
+        if tuple(feats.shape) != expected:
+            raise ValueError(f"the vision tower gives {tuple(feats.shape)} for a 448 px image, the layout "
+                             f"{expected}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
