@@ -91,7 +91,8 @@ def write_shim(root: Path) -> Path:
     (pkg / "io.py").write_text("")  # imported (not used here) by transformers.video_utils
     (pkg / "transforms" / "__init__.py").write_text("from .v2.functional import InterpolationMode\n")
     # imported (not called on this path) by transformers.image_utils
-    (pkg / "transforms" / "functional.py").write_text("def pil_to_tensor(image):\n    raise NotImplementedError\n")
+    stub = "def pil_to_tensor(image):\n    raise NotImplementedError\n"
+    (pkg / "transforms" / "functional.py").write_text(stub)
     (pkg / "transforms" / "v2" / "__init__.py").write_text("")
     (pkg / "transforms" / "v2" / "functional.py").write_text(FUNCTIONAL)
     meta = root / "torchvision-0.26.0.dist-info"

@@ -64,7 +64,8 @@ class Phi4ImageEmbedder(nn.Module):
             start += n
         return out
 
-    def layout(self, feats: torch.Tensor, crop_masks: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+    def layout(self, feats: torch.Tensor, crop_masks: torch.Tensor,
+               image_size: tuple[int, int]) -> torch.Tensor:
         """[1 + crops, side^2, C] pooled features of one image to its rows [tokens, C] before projection."""
         side, c = self.side, feats.shape[-1]
         h_crops, w_crops = image_size[0] // self.crop_size, image_size[1] // self.crop_size

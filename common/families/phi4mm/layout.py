@@ -58,7 +58,8 @@ class Phi4ImageLayout(ImageLayout):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        return TextProcessor(tokenizer, tokenizer, getattr(tokenizer, "image_token", None) or DEFAULT_IMAGE_TOKEN)
+        marker = getattr(tokenizer, "image_token", None) or DEFAULT_IMAGE_TOKEN
+        return TextProcessor(tokenizer, tokenizer, marker)
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path, config: dict[str, Any]) -> Phi4ImageLayout:
@@ -109,7 +110,8 @@ class Phi4ImageLayout(ImageLayout):
         Phi4MultimodalProcessor tokenizes); ValueError when the marker count differs from len(counts)."""
         parts = prompt.split(self.image_token)
         if len(parts) - 1 != len(counts):
-            raise ValueError(f"prompt has {len(parts) - 1} {self.image_token} markers but {len(counts)} images")
+            raise ValueError(f"prompt has {len(parts) - 1} {self.image_token} markers but {len(counts)} "
+                             "images")
         out = [parts[0]]
         for count, piece in zip(counts, parts[1:], strict=True):
             out += [self.marker_text(self.image_token, count), piece]
@@ -131,12 +133,13 @@ def phi4_layout(config: dict[str, Any], image_processor: dict[str, Any],
     patch = int(vision.get("patch_size", PATCH_SIZE))
     # The processor counts 256 + 16 + 1 global tokens, constants that hold at 448 px and 14 px patches
     # only; the model's layout follows its config: both must be the same shapes.
-    if (settings.crop_size, settings.patch_size) != (CROP_SIZE, PATCH_SIZE) or (crop, image_size, patch) != (
-            CROP_SIZE, CROP_SIZE, PATCH_SIZE):
+    served = (CROP_SIZE, PATCH_SIZE)
+    processor_shape = (settings.crop_size, settings.patch_size)
+    if processor_shape != served or (crop, image_size, patch) != (CROP_SIZE, *served):
         raise UnsupportedPhi4ConfigError(
-            f"crops of {settings.crop_size} px / patch {settings.patch_size} (processor) and {crop} px, tower "
-            f"{image_size} px / patch {patch} (model): only 448 px crops of 14 px patches are served (the "
-            "processor's token count assumes them)")
+            f"crops of {settings.crop_size} px / patch {settings.patch_size} (processor) and {crop} px, "
+            f"tower {image_size} px / patch {patch} (model): only 448 px crops of 14 px patches are served "
+            "(the processor's token count assumes them)")
     if settings.dynamic_hd < 1:
         raise UnsupportedPhi4ConfigError(f"dynamic_hd={settings.dynamic_hd}: at least one crop is needed")
     token = (tokenizer or {}).get("image_token")

@@ -159,7 +159,11 @@ def make_phi4_model(preset: str, out: str | Path, seed: int = 0, device: str | N
                     dtype: str | None = None, gain: float = 1.4, progress: bool = True,
                     vision_only: bool = False) -> Path:
     """Write a random Phi-4-multimodal checkpoint for `preset` (one of PHI4_PRESETS) into `out`."""
-    from transformers import Phi4MultimodalFeatureExtractor, Phi4MultimodalForCausalLM, Phi4MultimodalProcessor
+    from transformers import (
+        Phi4MultimodalFeatureExtractor,
+        Phi4MultimodalForCausalLM,
+        Phi4MultimodalProcessor,
+    )
 
     if vision_only:
         raise ValueError("weights='vision' is not offered for the Phi-4-MM presets; they are written whole")
