@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> dict:
     if warm:
         return _warm_prefill(args, engine, prompt, device)
     for i in range(args.batch):
-        params = SamplingParams(max_tokens=3 * args.steps, ignore_eos=True)
+        # Warm-up, the timed, the split-timed and the profiled runs: every profiled step decodes.
+        params = SamplingParams(max_tokens=3 * args.steps + 16, ignore_eos=True)
         engine.add_request(f"p{i}", prompt, sampling=params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                           for r in engine.scheduler.running):
