@@ -42,6 +42,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                   help="the engine's --quantization")
     p.add_argument("--warm-tail", type=int, default=0,
                    help="profile the prefill step of a repeated prompt with this many new tokens (0: decode)")
     p.add_argument("--top", type=int, default=12, help="kernels to list")
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> dict:
     config = EngineConfig(
         model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch, 1), num_kv_blocks=blocks,
         enable_prefix_caching=warm, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager, quantization=args.quantization)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     prompt = PromptMaker(model, seed=0).text(args.prompt_len)
     if warm:

@@ -301,7 +301,7 @@ fi
 # in-process for each DECODE_RUNS entry QUANT:MODE[:ASYNC] (default "none:off none:auto": bf16 with the
 # fused products off, then measured at start-up; MODE is MMSERVE_DECODE_GEMV, QUANT the engine's
 # --quantization, ASYNC its --async-scheduling, default auto; each run its own process), a batch-1 step
-# profile (DECODE_PROFILE=0: none), decode through gRPC for each DECODE_SERVED entry QUANT:ASYNC
+# profile per DECODE_PROFILE entry QUANT:BATCH (default none:1; 0: none), decode through gRPC for each DECODE_SERVED entry QUANT:ASYNC
 # (bench.serve_decode --served-only, measured mode; default none: no served run), and FP8's accuracy for
 # the presets listed in DECODE_ACCURACY (bench.fp8_accuracy: agreement and KL). DECODE_PRESETS (default
 # llava-1.5-7b). Each model is deleted after its steps (disk) unless DECODE_KEEP_MODELS=1.
@@ -324,8 +324,13 @@ if [[ ",$SECTIONS," == *,decode,* ]]; then
         --model "$DMODEL" "${DT[@]}" --served-only --batch-sizes 1,32 --output-len 256 \
         --quantization "$q" --async-scheduling "${async:-auto}" --logs "$RES/logs-decode-$fam-$q-$async"
     done
-    [ "${DECODE_PROFILE:-1}" = 1 ] && step "profile_step_$fam" 120 "$PY" -m bench.profile_step \
-      --model "$DMODEL" "${DT[@]}" --batch 1 --steps 32
+    for prof in ${DECODE_PROFILE:-none:1}; do
+      [ "$prof" = 0 ] && continue
+      IFS=: read -r q b <<< "$prof"
+      [ "$q" = 1 ] && q=none
+      step "profile_step_${fam}_${q}_${b:-1}" 120 "$PY" -m bench.profile_step \
+        --model "$DMODEL" "${DT[@]}" --batch "${b:-1}" --steps 32 --quantization "$q"
+    done
     [[ " ${DECODE_ACCURACY:-} " == *" $fam "* ]] && step "fp8_accuracy_$fam" 120 "$PY" -m bench.fp8_accuracy \
       --model "$DMODEL" "${DT[@]}" --prompts 8 --steps 96
     [ "${DECODE_KEEP_MODELS:-0}" = 1 ] || rm -rf "$DMODEL"
