@@ -168,3 +168,35 @@ def test_image_with_small_blocks_equals_hf(make_engine, gemma3_oracle) -> None:
     assert not out.error
     assert out.new_token_ids == gemma3_oracle.generate(prompt, [image], N)
     assert_nothing_held(engine)
+
+
+def test_graph_shaped_steps_equal_hf(make_engine, want, monkeypatch) -> None:
+    """Steps through the CUDA-graph path (emulated on CPU: tests/engine/test_graph_shapes.py), with each
+    group's static slots and tables and the graphs' padding rows."""
+    from decoder_svc.runner import model_runner
+    from tests.engine.test_graph_shapes import EmulatedGraphs
+
+    monkeypatch.setattr(model_runner, "StepGraphs", EmulatedGraphs)
+    engine = make_engine(max_num_batched_tokens=7)
+    engine.add_request("a", LONG, sampling=greedy(N))
+    engine.add_request("b", PROMPT, sampling=greedy(N))
+    results = run_checking_bounds(engine, 7)
+    assert {k.decode for k in engine.runner.graphs.replayed} == {True, False}
+    assert results["a"]["tokens"] == want[LONG] and results["b"]["tokens"] == want[PROMPT]
+    assert_nothing_held(engine)
+
+
+def test_two_tensor_parallel_ranks_equal_hf(gemma3_tiny_dir: Path, want) -> None:
+    """TP=2 (gloo): every rank splits the agreed block count into the same pools; the groups' tables
+    travel to the worker with each step."""
+    config = EngineConfig(model=gemma3_tiny_dir, num_kv_blocks=256, block_size=BS, max_num_batched_tokens=7,
+                          max_num_seqs=4, tensor_parallel_size=2)
+    engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
+    try:
+        engine.add_request("a", LONG, sampling=greedy(N))
+        engine.add_request("b", PROMPT, sampling=greedy(N))
+        results = run_checking_bounds(engine, 7)
+        assert results["a"]["tokens"] == want[LONG] and results["b"]["tokens"] == want[PROMPT]
+        assert_nothing_held(engine)
+    finally:
+        engine.close()
