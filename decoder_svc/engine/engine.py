@@ -24,10 +24,10 @@ from common.checkpoint import model_fingerprint, parse_dtype
 from common.errors import CapacityError
 from common.image_geometry import Grid
 from common.stats import stat
-from decoder_svc.engine.kv_cache_manager import KVCacheManager
 from decoder_svc.engine.config import EngineConfig
 from decoder_svc.engine.embedding_source import EmbeddingSource, VideoSource
 from decoder_svc.engine.input_processor import ImageLike, ImageOptions, InputProcessor
+from decoder_svc.engine.kv_cache_manager import KVCacheManager
 from decoder_svc.engine.output_processor import OutputProcessor, RequestOutput
 from decoder_svc.engine.request import FinishReason, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams

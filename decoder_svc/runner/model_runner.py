@@ -26,7 +26,7 @@ import torch
 
 from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
 from decoder_svc.model.attention import AttentionMetadata
-from decoder_svc.model.kv_groups import split_kv_blocks
+from decoder_svc.model.kv_groups import KVCacheGroup, split_kv_blocks
 from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs
 from decoder_svc.runner.fusion import fuse_image_rows, image_key_limits, image_slots
 from decoder_svc.runner.inputs import PENDING_TOKEN, ModelInput, ModelOutput, SequenceInput
@@ -100,6 +100,12 @@ class StepBuffers:
                 self.dev[name][..., :n].copy_(self.host[name][..., :n], non_blocking=True)
             else:
                 self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
+
+
+def describe(group: KVCacheGroup) -> str:
+    """A KV cache group in words (the start-up log)."""
+    pattern = f"window {group.window}" if group.window else "full"
+    return f"{len(group.layers)} layers {pattern}: {group.num_blocks} blocks"
 
 
 def slot_key(group: int) -> str:
@@ -190,9 +196,9 @@ class ModelRunner:
             groups = split_kv_blocks(self.model.kv_groups, num_blocks, cfg.block_size, cfg.max_num_seqs,
                                      cfg.max_num_batched_tokens)
             self.kv_spec = KVCacheSpec.for_groups(self.model_config, groups, cfg.block_size, cfg.dtype)
-            log.info("KV cache groups out of %d blocks of every layer: %s", num_blocks, ", ".join(
-                f"{len(g.layers)} layers {'window %d' % g.window if g.window else 'full'}: {g.num_blocks} blocks"
-                for g in groups))
+            pools = ", ".join(describe(g) for g in groups)
+            log.info("KV cache groups out of %d blocks of every layer (rule: model/kv_groups.py): %s",
+                     num_blocks, pools)
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
         if self.graphs is not None:
             # Capture over a valid empty step: one token per sequence, no slots, no context.

@@ -18,7 +18,8 @@ def _req(rid: str, n: int = 40, offset: int = 0) -> Request:
 
 
 def _manager(full: int = 32, sliding: int = 32, caching: bool = True) -> KVCacheManager:
-    return KVCacheManager([BlockManager(full, BS, caching), SlidingWindowBlockManager(sliding, WINDOW, BS, caching)])
+    return KVCacheManager([BlockManager(full, BS, caching),
+                           SlidingWindowBlockManager(sliding, WINDOW, BS, caching)])
 
 
 def _compute(m: KVCacheManager, req: Request, chunk: int) -> None:

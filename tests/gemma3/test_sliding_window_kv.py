@@ -116,8 +116,8 @@ def test_prefix_hits_equal_hf(make_engine, want, budget: int) -> None:
     assert shared.usage.cached_prompt_tokens > WINDOW
     assert cold.new_token_ids == warm.new_token_ids == want[LONG]
     assert shared.new_token_ids == want[SHARED]
-    stats = engine.stats()
-    assert stats.prefix_cache_hit_tokens == warm.usage.cached_prompt_tokens + shared.usage.cached_prompt_tokens
+    hits = warm.usage.cached_prompt_tokens + shared.usage.cached_prompt_tokens
+    assert engine.stats().prefix_cache_hit_tokens == hits
     assert_nothing_held(engine)
 
 
