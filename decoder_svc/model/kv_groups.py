@@ -11,7 +11,8 @@ for a one-group model. A sliding group never holds more than a request's window 
 per running request: `max_num_seqs * (ceil((window + max_tokens) / block_size) + 2)` blocks (a request
 holds the blocks from the one containing position start - window + 1 up to its chunk's end, and keeps
 them until its next chunk), and never more than the full group holds for the same requests. So it gets
-min(that bound, the full group's count), and the full group takes the bytes left. Each sliding pool has
+min(that bound, the full group's count), and the full group takes the bytes left (up to what every
+sequence at full length would use). Each sliding pool has
 one more physical block, the null block 0, which stands in the tables for freed entries (never written:
 its zeros are finite, and every key it stands for is masked).
 """
@@ -62,8 +63,9 @@ def sliding_bound(window: int, block_size: int, max_num_seqs: int, max_tokens: i
 
 
 def split_kv_blocks(groups: list[KVCacheGroup], total: int, block_size: int, max_num_seqs: int,
-                    max_tokens: int) -> list[KVCacheGroup]:
-    """The groups with their block counts, out of the bytes of `total` blocks of every layer."""
+                    max_tokens: int, max_blocks: int | None = None) -> list[KVCacheGroup]:
+    """The groups with their block counts, out of the bytes of `total` blocks of every layer; no group
+    gets more than `max_blocks` (every sequence at full length: more would never be used)."""
     if len(groups) == 1:
         return [KVCacheGroup(groups[0].layers, groups[0].window, total)]
     num_layers = sum(len(g.layers) for g in groups)
@@ -75,5 +77,7 @@ def split_kv_blocks(groups: list[KVCacheGroup], total: int, block_size: int, max
     else:
         sliding_bytes = sum(len(g.layers) * b for g, b in zip(groups, bounds, strict=True) if b is not None)
         full = max(total, (total * num_layers - sliding_bytes) // full_layers)
+    if max_blocks is not None:
+        full = min(full, max(max_blocks, total))
     return [KVCacheGroup(g.layers, g.window, full if b is None else min(b, full))
             for g, b in zip(groups, bounds, strict=True)]

@@ -194,7 +194,7 @@ class ModelRunner:
             self.kv_spec = KVCacheSpec.for_model(self.model_config, num_blocks, cfg.block_size, cfg.dtype)
         else:  # every rank splits the agreed count alike
             groups = split_kv_blocks(self.model.kv_groups, num_blocks, cfg.block_size, cfg.max_num_seqs,
-                                     cfg.max_num_batched_tokens)
+                                     cfg.max_num_batched_tokens, self.max_blocks_per_seq * cfg.max_num_seqs)
             self.kv_spec = KVCacheSpec.for_groups(self.model_config, groups, cfg.block_size, cfg.dtype)
             pools = ", ".join(describe(g) for g in groups)
             log.info("KV cache groups out of %d blocks of every layer (rule: model/kv_groups.py): %s",
@@ -341,6 +341,8 @@ class ModelRunner:
         limits = h["key_limits"] if key is None and self.config.image_blocks else None
         for i, seq in enumerate(batch.sequences):
             n, table = seq.num_tokens, seq.block_table
+            if len(seq.group_tables) != self.num_groups - 1:  # stale slots would write into live blocks
+                raise ValueError(f"a sequence needs a block table for each of {self.num_groups} KV groups")
             ids[t:t + n] = seq.token_ids
             if seq.token_ids[-1] == PENDING_TOKEN:
                 h["pending_rows"][n_pending] = t + n - 1
