@@ -95,7 +95,11 @@ def hash_block(parent: bytes, token_ids: tuple[int, ...], extra: tuple) -> bytes
 
 
 class BlockManager:
-    """Allocates KV blocks to requests and reuses cached prefixes."""
+    """Allocates KV blocks to requests and reuses cached prefixes (one KV cache group's pool)."""
+
+    # The placeholder a sliding-window pool puts in tables for blocks it freed (sliding_block_manager.py);
+    # a full pool has none.
+    null_block: KVBlock | None = None
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -149,22 +153,39 @@ class BlockManager:
         self.prefix_hit_tokens += hit_tokens
 
     # -- allocation ------------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
-        """Make room for num_new_tokens after the request's computed tokens (plus computed_blocks, a
-        fresh prefix hit). Returns False, changing nothing, when the pool cannot supply the blocks."""
+    def blocks_short(self, request: Request, num_new_tokens: int,
+                     computed_blocks: list[KVBlock] | None = None) -> int:
+        """How many blocks the pool lacks for allocate_slots(request, num_new_tokens, computed_blocks)
+        (<= 0: it can supply them). Changes nothing."""
         computed_blocks = computed_blocks or []
         held = self.req_blocks.get(request.request_id, [])
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = -(-total // self.block_size) - len(held) - len(computed_blocks)
-        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # in the free queue, not evictable
-        if need > len(self.free_queue) - revived:
+        # Hit blocks in the free queue are revived, not evictable.
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0 and b is not self.null_block)
+        return need - (len(self.free_queue) - revived)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for num_new_tokens after the request's computed tokens (plus computed_blocks, a
+        fresh prefix hit). Returns False, changing nothing, when the pool cannot supply the blocks."""
+        if self.blocks_short(request, num_new_tokens, computed_blocks) > 0:
             return False
+        self.take_slots(request, num_new_tokens, computed_blocks)
+        return True
+
+    def take_slots(self, request: Request, num_new_tokens: int,
+                   computed_blocks: list[KVBlock] | None = None) -> None:
+        """allocate_slots once blocks_short said the pool can supply the blocks."""
+        computed_blocks = computed_blocks or []
+        total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        need = -(-total // self.block_size) - len(blocks) - len(computed_blocks)
         for b in computed_blocks:
-            if b.ref_cnt == 0:
-                self.free_queue.remove(b)
-            b.ref_cnt += 1
+            if b is not self.null_block:
+                if b.ref_cnt == 0:
+                    self.free_queue.remove(b)
+                b.ref_cnt += 1
             blocks.append(b)
         for _ in range(max(need, 0)):
             b = self.free_queue.popleft()
@@ -174,7 +195,6 @@ class BlockManager:
         # A token a launched step samples (asynchronous scheduling) is not known yet: its block is
         # registered by a later allocation.
         self._register_full_blocks(request, min(total, request.num_tokens))
-        return True
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
@@ -194,7 +214,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(start, len(hashes)):
             b = blocks[i]
-            if b.block_hash is None and hashes[i] not in self.cached:
+            if b.block_hash is None and b is not self.null_block and hashes[i] not in self.cached:
                 b.block_hash, b.token_ids = hashes[i], tuple(tokens[i * bs:(i + 1) * bs])
                 self.cached[hashes[i]] = b
         self._req_num_registered[rid] = max(start, len(hashes))
@@ -204,6 +224,8 @@ class BlockManager:
         rid = request.request_id
         # Tail blocks first, so a prefix's later blocks are evicted before its earlier ones.
         for b in reversed(self.req_blocks.pop(rid, [])):
+            if b is self.null_block:
+                continue
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 (self.free_queue.append if b.block_hash is not None else self.free_queue.appendleft)(b)

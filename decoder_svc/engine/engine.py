@@ -24,10 +24,10 @@ from common.checkpoint import model_fingerprint, parse_dtype
 from common.errors import CapacityError
 from common.image_geometry import Grid
 from common.stats import stat
-from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.config import EngineConfig
 from decoder_svc.engine.embedding_source import EmbeddingSource, VideoSource
 from decoder_svc.engine.input_processor import ImageLike, ImageOptions, InputProcessor
+from decoder_svc.engine.kv_cache_manager import KVCacheManager
 from decoder_svc.engine.output_processor import OutputProcessor, RequestOutput
 from decoder_svc.engine.request import FinishReason, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -136,7 +136,8 @@ class LLMEngine:
             raise
         self.inputs = InputProcessor(config, self.model_config, self.tokenizer, self.fingerprint,
                                      self.eos_token_ids, self.kv_spec.num_blocks * self.kv_spec.block_size)
-        self.blocks = BlockManager(self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = KVCacheManager.for_groups(self.kv_spec.pools, config.block_size,
+                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.encoder_max_ahead,
                             self.model_config.max_model_len, self.tokenizer.layout.bidirectional_images),
@@ -285,9 +286,10 @@ class LLMEngine:
         token_ids = req.token_ids(chunk.start, chunk.end)
         if len(token_ids) < chunk.num_tokens:  # the last one is sampled by the step in flight
             token_ids.extend([PENDING_TOKEN] * (chunk.num_tokens - len(token_ids)))
+        table, *group_tables = self.blocks.block_tables(req)
         return SequenceInput(
-            token_ids=token_ids, start=chunk.start,
-            block_table=self.blocks.block_table(req), num_prompt_tokens=req.num_prompt_tokens,
+            token_ids=token_ids, start=chunk.start, block_table=table, group_tables=group_tables,
+            num_prompt_tokens=req.num_prompt_tokens,
             image_rows=self.scheduler.images.rows_for_chunk(req, chunk.start, chunk.end),
             sampling=SamplingRow(req.request_id, req.sampling) if chunk.samples else None,
             mrope_positions=req.mrope_positions, mrope_delta=req.mrope_delta)

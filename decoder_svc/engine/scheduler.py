@@ -17,7 +17,8 @@ Gemma 3) a chunk never cuts an image: it ends before one it cannot hold whole, a
 of one, after a prefix hit inside it) larger than the budget runs as the step's first prefill chunk, over
 the budget. When blocks run out, the most recently admitted running request
 is preempted: its blocks are freed (they stay cached, so its recompute often hits) and it goes back to
-the front of the queue.
+the front of the queue. Sliding-window layers (Gemma 3) change nothing here: the KV cache manager frees
+their blocks as a request's computed tokens move its window (engine/kv_cache_manager.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.embedding_source import EmbeddingSource, EmbeddingState
 from decoder_svc.engine.image_inputs import ImageInputs
+from decoder_svc.engine.kv_cache_manager import KVCacheManager
 from decoder_svc.engine.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -110,7 +112,10 @@ class SchedulerCounters:
 class Scheduler:
     """Decides, each step, which tokens of which requests to compute."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, source: EmbeddingSource) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: KVCacheManager | BlockManager,
+                 source: EmbeddingSource) -> None:
+        """`blocks`: the engine's KVCacheManager (one pool per KV cache group), or a bare BlockManager
+        (one pool); both find prefixes, allocate and free alike."""
         self.config = config
         self.blocks = blocks
         self.images = ImageInputs(source)  # every image's readiness, rows and release

@@ -5,7 +5,9 @@ query_start_loc[i]:query_start_loc[i+1]; those are its newest tokens, so its con
 seq_lens[i] tokens of which the last query_len are new (causal within the chunk, full view of the
 cached prefix before it). A sliding-window layer (Gemma 3's local layers) passes `window`: each query
 then sees only the keys of the last `window` positions up to its own (HF's sliding_window_overlay:
-key > query - window). The keys older than that stay cached (freeing them is later work).
+key > query - window). The blocks of keys older than that are freed as the window moves (a sliding
+layer reads its own KV cache group's tables, model/kv_groups.py, whose freed entries name a null block
+that holds zeros: a kernel may read it for a key tile straddling the window's start, masked out).
 
 Bidirectional image attention (Gemma 3: HF's token_type_ids block mask during prefill): an image's tokens
 see each other whole. `key_limits` gives each query row the last key position it may see: its own

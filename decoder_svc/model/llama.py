@@ -15,6 +15,7 @@ from torch import nn
 
 from decoder_svc.model.attention import AttentionBackend, AttentionMetadata
 from decoder_svc.model.config import TextModelConfig
+from decoder_svc.model.kv_groups import group_of_layer, layer_groups
 from decoder_svc.model.ops import TorchOps
 from decoder_svc.model.parallel import TensorParallel, all_reduce, gather_vocab
 from decoder_svc.model.rope import inv_frequencies
@@ -214,6 +215,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_local", self.local_rotary_table(cfg), persistent=False)
         # M-RoPE: which of the three position rows (t, h, w) each column of a cos/sin row reads.
         self.register_buffer("mrope_axis", mrope_axes(cfg), persistent=False)
+        # Each layer's KV cache group (model/kv_groups.py): which of a step's metadata it reads.
+        self.kv_groups = layer_groups(cfg)
+        self.layer_group = group_of_layer(self.kv_groups, cfg.num_layers)
 
     @property
     def uses_mrope(self) -> bool:
@@ -240,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[torch.Tensor],
         logits_indices: torch.Tensor,
         input_ids: torch.Tensor | None = None,
@@ -249,6 +253,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run every layer over the flat batch; return fp32 logits only for rows logits_indices.
         positions: [tokens], or [3, tokens] for M-RoPE (one row is enough where the three are equal).
+        meta: one for every layer, or one per KV cache group (their block tables and slots; layer i
+        reads meta[self.layer_group[i]]); kv_caches: each layer's tensor (its group's pool).
         deepstack (Qwen3-VL): (image rows [n], levels [L, n, hidden]); level i is added to the hidden
         states of those rows after layer i, as HF's _deepstack_process does."""
         x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
@@ -262,7 +268,8 @@ class LlamaForCausalLM(nn.Module):
         levels = deepstack[1].shape[0] if deepstack is not None else 0
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             table = self.cos_sin_local if layer.sliding else cos_sin
-            x, residual = layer(x, residual, positions, table, kv_cache, meta, self.backend)
+            layer_meta = meta[self.layer_group[i]] if isinstance(meta, list) else meta
+            x, residual = layer(x, residual, positions, table, kv_cache, layer_meta, self.backend)
             if i < levels:
                 # HF adds the level to the layer's output (residual + mlp out), so the sum that our norms
                 # defer is made here; the next layer then starts from it with no residual.

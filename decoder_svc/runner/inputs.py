@@ -32,6 +32,9 @@ class SequenceInput:
     # of generated tokens' positions from their index. None: 1D positions (the token's index).
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
+    # The tables of KV cache groups 1.. (a hybrid model's sliding layers; block_table is group 0's), as
+    # long as block_table: entry i holds tokens [i * block_size, (i + 1) * block_size), 0 where freed.
+    group_tables: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ caching allocator orders their reuse behind that work on the stream.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import torch
 
 from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
 from decoder_svc.model.attention import AttentionMetadata
+from decoder_svc.model.kv_groups import KVCacheGroup, split_kv_blocks
 from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs
 from decoder_svc.runner.fusion import fuse_image_rows, image_key_limits, image_slots
 from decoder_svc.runner.inputs import PENDING_TOKEN, ModelInput, ModelOutput, SequenceInput
@@ -67,10 +69,11 @@ class RunnerConfig:
 
 class StepBuffers:
     """The step's input tensors on the device, each with a same-shaped (pinned) host twin to fill, and
-    the input embeddings (device only) that CUDA graphs read."""
+    the input embeddings (device only) that CUDA graphs read. KV cache groups after the first have
+    their own slot mapping and block tables (`slot_mapping_1`, `block_tables_1`, ...)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, position_rows: int = 1) -> None:
+                 device: torch.device, position_rows: int = 1, num_groups: int = 1) -> None:
         pin = device.type == "cuda"
         positions = (position_rows, max_tokens) if position_rows > 1 else (max_tokens,)
         shapes = {"input_ids": ((max_tokens,), torch.int64), "positions": (positions, torch.int64),
@@ -80,10 +83,14 @@ class StepBuffers:
                   "logits_indices": ((max_seqs,), torch.int64), "key_limits": ((max_tokens,), torch.int64),
                   # pending tokens: their rows in input_ids, and their rows in the last step's samples
                   "pending_rows": ((max_seqs,), torch.int64), "pending_samples": ((max_seqs,), torch.int64)}
+        for g in range(1, num_groups):
+            shapes[f"slot_mapping_{g}"] = shapes["slot_mapping"]
+            shapes[f"block_tables_{g}"] = shapes["block_tables"]
         self.host = {k: torch.zeros(s, dtype=t, pin_memory=pin) for k, (s, t) in shapes.items()}
         self.np = {k: v.numpy() for k, v in self.host.items()}
         self.dev = {k: torch.zeros(s, dtype=t, device=device) for k, (s, t) in shapes.items()}
-        self.dev["slot_mapping"].fill_(-1)
+        for g in range(num_groups):  # never stored: a padded graph row must not write into any block
+            self.dev[slot_key(g)].fill_(-1)
         self.embeds = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)  # hidden 0: no graphs
 
     def upload(self, counts: dict[str, int]) -> None:
@@ -95,6 +102,22 @@ class StepBuffers:
                 self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
 
 
+def describe(group: KVCacheGroup) -> str:
+    """A KV cache group in words (the start-up log)."""
+    pattern = f"window {group.window}" if group.window else "full"
+    return f"{len(group.layers)} layers {pattern}: {group.num_blocks} blocks"
+
+
+def slot_key(group: int) -> str:
+    """The buffer name of a KV cache group's slot mapping."""
+    return f"slot_mapping_{group}" if group else "slot_mapping"
+
+
+def table_key(group: int) -> str:
+    """The buffer name of a KV cache group's block tables."""
+    return f"block_tables_{group}" if group else "block_tables"
+
+
 @dataclass
 class PreparedStep:
     """A step's tensors, views into the persistent buffers."""
@@ -102,7 +125,7 @@ class PreparedStep:
     num_tokens: int
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: AttentionMetadata | list[AttentionMetadata]  # one per KV cache group where there are several
     logits_indices: torch.Tensor
     image_slots: torch.Tensor | None  # flat rows that take image embeddings
     pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows of input_ids, rows of the last samples)
@@ -139,8 +162,10 @@ class ModelRunner:
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs, graph_rows)
         hidden = self.model_config.hidden_size if graph_rows else 0  # the graphs' input embeddings
         self.mrope = model.uses_mrope
+        self.num_groups = len(model.kv_groups)  # KV cache groups (model/kv_groups.py)
         self.buffers = StepBuffers(max_tokens, max(config.max_num_seqs, graph_rows), self.max_blocks_per_seq,
-                                   hidden, config.dtype, self.device, position_rows=3 if self.mrope else 1)
+                                   hidden, config.dtype, self.device, position_rows=3 if self.mrope else 1,
+                                   num_groups=self.num_groups)
         self.sampler = Sampler(self.device)
         self.kv_spec: KVCacheSpec | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -164,8 +189,16 @@ class ModelRunner:
         if self._on_cuda:
             self._profile_run()
         num_blocks = self.agree_blocks(self._num_kv_blocks())
-        self.kv_spec = KVCacheSpec.for_model(self.model_config, num_blocks, self.config.block_size,
-                                             self.config.dtype)
+        cfg = self.config
+        if self.num_groups == 1:
+            self.kv_spec = KVCacheSpec.for_model(self.model_config, num_blocks, cfg.block_size, cfg.dtype)
+        else:  # every rank splits the agreed count alike
+            groups = split_kv_blocks(self.model.kv_groups, num_blocks, cfg.block_size, cfg.max_num_seqs,
+                                     cfg.max_num_batched_tokens, self.max_blocks_per_seq * cfg.max_num_seqs)
+            self.kv_spec = KVCacheSpec.for_groups(self.model_config, groups, cfg.block_size, cfg.dtype)
+            pools = ", ".join(describe(g) for g in groups)
+            log.info("KV cache groups out of %d blocks of every layer (rule: model/kv_groups.py): %s",
+                     num_blocks, pools)
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
         if self.graphs is not None:
             # Capture over a valid empty step: one token per sequence, no slots, no context.
@@ -219,12 +252,23 @@ class ModelRunner:
         """The model over the static buffers, shaped as `key` (what a graph captures). It must write no
         buffer: a write would be captured and repeated at every replay."""
         d, n_tok, n_seq, n_logits = self.buffers.dev, key.num_tokens, key.num_seqs, self._logit_rows(key)
-        meta = AttentionMetadata(d["slot_mapping"][:n_tok], d["query_start_loc"][:n_seq + 1],
-                                 d["seq_lens"][:n_seq], d["block_tables"][:n_seq], self.config.block_size,
-                                 max_query_len=1 if key.decode else n_tok)
+        meta = self._group_metas(AttentionMetadata(
+            d["slot_mapping"][:n_tok], d["query_start_loc"][:n_seq + 1], d["seq_lens"][:n_seq],
+            d["block_tables"][:n_seq], self.config.block_size, max_query_len=1 if key.decode else n_tok))
         return self.model(self._positions(d["positions"], n_tok, key.decode), meta, self.kv_caches,
                           d["logits_indices"][:n_logits],
                           inputs_embeds=self.buffers.embeds[:n_tok])
+
+    def _group_metas(self, meta: AttentionMetadata) -> AttentionMetadata | list[AttentionMetadata]:
+        """meta (group 0's) alone for one KV cache group; else one per group: the same lengths, each
+        group's slots and tables (views of the same rows of its buffers)."""
+        if self.num_groups == 1:
+            return meta
+        d = self.buffers.dev
+        n_tok, n_seq = meta.slot_mapping.shape[0], meta.block_tables.shape[0]
+        return [meta] + [dataclasses.replace(meta, slot_mapping=d[slot_key(g)][:n_tok],
+                                             block_tables=d[table_key(g)][:n_seq])
+                         for g in range(1, self.num_groups)]
 
     # -- the step ----------------------------------------------------------------------------------
     def execute(self, batch: ModelInput) -> ModelOutput:
@@ -297,6 +341,8 @@ class ModelRunner:
         limits = h["key_limits"] if key is None and self.config.image_blocks else None
         for i, seq in enumerate(batch.sequences):
             n, table = seq.num_tokens, seq.block_table
+            if len(seq.group_tables) != self.num_groups - 1:  # stale slots would write into live blocks
+                raise ValueError(f"a sequence needs a block table for each of {self.num_groups} KV groups")
             ids[t:t + n] = seq.token_ids
             if seq.token_ids[-1] == PENDING_TOKEN:
                 h["pending_rows"][n_pending] = t + n - 1
@@ -305,14 +351,20 @@ class ModelRunner:
             if n == 1:  # decode: skip numpy's per-call overhead
                 p = seq.start
                 slots[t] = table[p // bs] * bs + p % bs
+                for g, gt in enumerate(seq.group_tables, 1):
+                    h[slot_key(g)][t] = gt[p // bs] * bs + p % bs
             else:
                 p = np.arange(seq.start, seq.end)
                 slots[t:t + n] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
+                for g, gt in enumerate(seq.group_tables, 1):
+                    h[slot_key(g)][t:t + n] = np.asarray(gt, dtype=np.int64)[p // bs] * bs + p % bs
             if self.mrope:
                 self._mrope_positions(pos[:, t:t + n], seq)
             else:
                 pos[t:t + n] = p
             tables[i, :len(table)] = table
+            for g, gt in enumerate(seq.group_tables, 1):
+                h[table_key(g)][i, :len(gt)] = gt
             lens[i] = seq.end
             if seq.image_rows:
                 img.append(t + image_slots(ids[t:t + n], seq.start, seq.num_prompt_tokens, self.mm_token_ids))
@@ -328,6 +380,8 @@ class ModelRunner:
         if key is not None:
             pad = key.num_tokens - t
             ids[t:t + pad], pos[..., t:t + pad], slots[t:t + pad] = 0, 0, -1
+            for g in range(1, self.num_groups):
+                h[slot_key(g)][t:t + pad] = -1
             starts[num_seqs + 1:num_seqs + pad + 1] = np.arange(t + 1, t + pad + 1)
             starts[num_seqs + pad + 1:key.num_seqs + 1] = key.num_tokens
             lens[num_seqs:key.num_seqs] = 0
@@ -336,20 +390,22 @@ class ModelRunner:
         self.buffers.upload({"input_ids": t, "positions": t, "slot_mapping": t,
                              "query_start_loc": num_seqs + 1, "seq_lens": num_seqs, "block_tables": num_seqs,
                              "logits_indices": n_logits, "pending_rows": n_pending,
-                             "pending_samples": n_pending, "key_limits": t if limits is not None else 0})
+                             "pending_samples": n_pending, "key_limits": t if limits is not None else 0,
+                             **{k: n for g in range(1, self.num_groups)
+                                for k, n in ((slot_key(g), t), (table_key(g), num_seqs))}})
         slots_dev = None
         if img:
             slots_dev = torch.from_numpy(np.concatenate(img)).to(self.device, non_blocking=True)
         if self._staged is not None:
             self._staged.record()
         d, host = self.buffers.dev, self.buffers.host
-        meta = AttentionMetadata(
+        meta = self._group_metas(AttentionMetadata(
             d["slot_mapping"][:t], d["query_start_loc"][:num_seqs + 1], d["seq_lens"][:num_seqs],
             d["block_tables"][:num_seqs], bs, max_query_len=max_q,
             query_start_loc_cpu=host["query_start_loc"][:num_seqs + 1],
             seq_lens_cpu=host["seq_lens"][:num_seqs],
             key_limits=d["key_limits"][:t] if limits is not None else None,
-            key_limits_cpu=host["key_limits"][:t] if limits is not None else None)
+            key_limits_cpu=host["key_limits"][:t] if limits is not None else None))
         pending = (d["pending_rows"][:n_pending], d["pending_samples"][:n_pending]) if n_pending else None
         return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta,
                             d["logits_indices"][:n_logits], slots_dev, pending)

@@ -55,3 +55,23 @@ def test_cuda_concurrent_with_preemption(gemma3_tiny_dir, gemma3_oracle):
     assert engine.stats().preemptions > 0
     for rid, (prompt, imgs) in plan.items():
         assert results[rid]["tokens"] == gemma3_oracle.generate(prompt, imgs, N), rid
+
+
+@pytest.mark.parametrize("budget", [2048, 7])
+def test_cuda_sliding_window_kv_with_small_blocks(gemma3_tiny_dir, gemma3_oracle, budget):
+    """4-token blocks: the sliding layers' pool drops blocks as the window moves (real CUDA graphs with
+    each group's static tables, Triton reading the null block for tiles across the window's start,
+    asynchronous scheduling reusing freed blocks in the next launch)."""
+    from tests.gemma3.test_sliding_window_kv import LONG, PROMPT, assert_nothing_held, run_checking_bounds
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    engine = _engine(gemma3_tiny_dir, block_size=4, num_kv_blocks=256, max_num_batched_tokens=budget,
+                     max_num_seqs=4)
+    assert engine.async_scheduling and len(engine.kv_spec.groups) == 2
+    engine.add_request("a", LONG, sampling=greedy(N))
+    engine.add_request("b", PROMPT, sampling=greedy(N))
+    results = run_checking_bounds(engine, budget)
+    assert results["a"]["tokens"] == gemma3_oracle.generate(LONG, [], N)
+    assert results["b"]["tokens"] == gemma3_oracle.generate(PROMPT, [], N)
+    assert engine.runner.graph_steps > 0
+    assert_nothing_held(engine)

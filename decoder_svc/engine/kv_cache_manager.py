@@ -1,0 +1,137 @@
+"""KV blocks over the model's KV cache groups (model/kv_groups.py): one pool per group, one interface.
+
+A model without sliding-window layers has one group, a plain BlockManager: block ids, stats and
+behaviour are that pool's. Gemma 3 adds a sliding group (engine/sliding_block_manager.py) whose requests
+hold only their window's blocks. The scheduler sees one manager and one rule; the manager keeps the
+groups in step:
+
+- a prefix hit of k blocks needs the full groups' blocks 0..k-1 and, in each sliding group, the blocks a
+  query at k * block_size can see; the largest k every group can serve wins (each sliding group scans
+  from the right; a smaller k may need other sliding blocks, so the groups are asked again until they
+  agree). The hit never covers the last token.
+- an allocation first drops each sliding group's blocks that left the window (always safe: the
+  request's next query is at num_computed_tokens or later), then checks that every group can supply its
+  blocks before it takes any, so a failure changes nothing.
+- stats are summed over the groups (zero used blocks means zero in every group); `group_stats` has each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from decoder_svc.engine.block_manager import BlockManager, BlockStats, KVBlock
+from decoder_svc.engine.request import Request
+from decoder_svc.engine.sliding_block_manager import SlidingWindowBlockManager
+from decoder_svc.model.kv_groups import KVCacheGroup
+
+
+@dataclass
+class PrefixHit:
+    """A prefix hit: each group's table entries for its first `len()` blocks (the same count in all)."""
+
+    tables: list[list[KVBlock]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tables[0]) if self.tables else 0
+
+
+class KVCacheManager:
+    """Allocates KV blocks in every group's pool and reuses cached prefixes across them."""
+
+    def __init__(self, pools: list[BlockManager]) -> None:
+        if not pools or len({p.block_size for p in pools}) != 1:
+            raise ValueError("one or more pools, all of one block size")
+        self.pools = pools
+        self.block_size = pools[0].block_size
+        self.enable_prefix_caching = pools[0].enable_prefix_caching
+        shared: dict[str, list[bytes]] = pools[0]._req_hashes
+        for pool in pools[1:]:  # block hashes do not depend on the group: computed once
+            pool._req_hashes = shared
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @classmethod
+    def for_groups(cls, groups: list[KVCacheGroup] | tuple[KVCacheGroup, ...], block_size: int,
+                   enable_prefix_caching: bool = True) -> KVCacheManager:
+        """A pool per group: a BlockManager for full attention, a SlidingWindowBlockManager per window."""
+        return cls([BlockManager(g.num_blocks, block_size, enable_prefix_caching) if g.window is None else
+                    SlidingWindowBlockManager(g.num_blocks, g.window, block_size, enable_prefix_caching)
+                    for g in groups])
+
+    # -- prefix lookup ---------------------------------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> PrefixHit:
+        """The longest prefix every group can serve (never the request's last token)."""
+        full = [p for p in self.pools if not isinstance(p, SlidingWindowBlockManager)]
+        sliding = [p for p in self.pools if isinstance(p, SlidingWindowBlockManager)]
+        if not sliding:  # one code path for the plain models: the pool's own lookup
+            return PrefixHit([p.find_cached_prefix(request) for p in self.pools])
+        full_hits = {id(pool): pool.find_cached_prefix(request) for pool in full}
+        k = min([(request.num_tokens - 1) // self.block_size] + [len(h) for h in full_hits.values()])
+        while True:
+            agreed = min([k] + [pool.longest_hit(request, k) for pool in sliding])
+            if agreed == k:
+                break
+            k = agreed
+        return PrefixHit([full_hits[id(p)][:k] if id(p) in full_hits else p.hit_blocks(request, k)
+                          for p in self.pools])
+
+    def record_prefix_query(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Count one admission's prefix lookup in the stats."""
+        self.prefix_queried_tokens += queried_tokens
+        self.prefix_hit_tokens += hit_tokens
+
+    # -- allocation ------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Make room in every group for num_new_tokens after the request's computed tokens (plus `hit`,
+        a fresh prefix hit). Returns False, taking no block, when some group cannot supply them."""
+        tables = hit.tables if hit is not None and len(hit) else [None] * len(self.pools)
+        start = request.num_computed_tokens + (len(hit) if hit is not None else 0) * self.block_size
+        for pool in self.pools:
+            if isinstance(pool, SlidingWindowBlockManager):
+                pool.remove_skipped(request, start)
+        if any(pool.blocks_short(request, num_new_tokens, t) > 0
+               for pool, t in zip(self.pools, tables, strict=True)):
+            return False
+        for pool, t in zip(self.pools, tables, strict=True):
+            pool.take_slots(request, num_new_tokens, t)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Drop the request's blocks in every group (cached ones stay reusable until evicted)."""
+        for pool in self.pools:
+            pool.free(request)
+
+    # -- tables and stats ------------------------------------------------------------------------
+    def block_tables(self, request: Request) -> list[list[int]]:
+        """The request's physical block ids per group (a sliding group's freed entries: null block 0)."""
+        return [pool.block_table(request) for pool in self.pools]
+
+    def block_table(self, request: Request) -> list[int]:
+        """Group 0's table (the full layers')."""
+        return self.pools[0].block_table(request)
+
+    def num_held_blocks(self, request: Request) -> list[int]:
+        """Blocks the request holds in each group (null entries excluded)."""
+        return [pool.num_held(request) if isinstance(pool, SlidingWindowBlockManager)
+                else len(pool.req_blocks.get(request.request_id, [])) for pool in self.pools]
+
+    @property
+    def blocks(self) -> list[KVBlock]:
+        """Every pool's blocks (null blocks excluded)."""
+        return [b for pool in self.pools for b in pool.blocks]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request, in all groups."""
+        return sum(pool.num_free_blocks for pool in self.pools)
+
+    def group_stats(self) -> list[BlockStats]:
+        """Each group's pool counters (the prefix counters are the manager's)."""
+        return [pool.stats() for pool in self.pools]
+
+    def stats(self) -> BlockStats:
+        """Pool counters summed over the groups."""
+        groups = self.group_stats()
+        return BlockStats(sum(s.num_blocks for s in groups), sum(s.used_blocks for s in groups),
+                          sum(s.cached_free_blocks for s in groups), self.prefix_queried_tokens,
+                          self.prefix_hit_tokens)
