@@ -183,10 +183,13 @@ class Phi4Pixels:
 
 def to_rgb_uint8(image: Image.Image) -> torch.Tensor:
     """[3, H, W] uint8, contiguous, as the processor converts a PIL image (transparency composited onto
-    white: transformers' convert_to_rgb)."""
-    from transformers.image_transforms import convert_to_rgb
-
-    array = np.asarray(convert_to_rgb(image, return_numpy=True))
+    white, as transformers' convert_to_rgb does since 5.2x; written out here because older releases'
+    convert_to_rgb has no return_numpy and converts without compositing)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(white, rgba)
+    array = np.array(image.convert("RGB"))
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
 
