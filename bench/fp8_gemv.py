@@ -5,8 +5,10 @@
 For each matrix of a layer (q/k/v fused, o, gate/up fused, down) of each family and each row count: the
 time of one product and the bandwidth it reaches (weight bytes / time; the activations are negligible at
 these sizes) for cuBLAS bf16, the one-pass FP8 kernels of before (`weight_only_fp8(split_k=False)`) and
-the FP8 path now (`fp8_linear`: split-K at 2..64 rows), beside the copy bandwidth measured in the same
-run; then per family the weight products' time per decode step (one layer's four products x layers).
+the FP8 path now (`fp8_linear`: split-K at 2..64 rows), and FP8 x FP8 on the tensor cores with the
+activations quantized per token (`scaled_mm_fp8`, what rows above MMSERVE_FP8_WEIGHT_ONLY_ROWS take), beside
+the copy bandwidth measured in the same run; then per family the weight products' time per decode step
+(one layer's four products x layers).
 
 Timed as decode runs them: the calls over enough distinct copies of the weight that they do not fit in
 L2 (a single weight would be read from L2 after the first call), back to back in one CUDA graph that is
@@ -34,7 +36,7 @@ SHAPES = {  # (name, out rows N, in columns K) of one layer; qkv and gate_up are
                     ("down", 4096, 12288)],
 }
 LAYERS = {"llava-1.5-7b": 32, "qwen2.5-vl-7b": 28, "qwen3-vl-8b": 36}
-PATHS = ("bf16", "fp8_old", "fp8_new")
+PATHS = ("bf16", "fp8_old", "fp8_new", "fp8_mm")
 MIN_COPIES = 8
 
 
@@ -47,7 +49,7 @@ def time_matrix(n: int, k: int, rows: Sequence[int], l2: int, dev: torch.device)
     """Every path at every row count for one [n, k] weight; returns one result row per row count."""
     from decoder_svc.model.decode_gemv import graph_time_us
     from decoder_svc.model.quant.fp8 import per_channel_block, quantize_per_channel
-    from decoder_svc.model.quant.triton_fp8 import fp8_linear, weight_only_fp8
+    from decoder_svc.model.quant.triton_fp8 import fp8_linear, scaled_mm_fp8, weight_only_fp8
 
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
     q, scale = quantize_per_channel(w)
@@ -64,17 +66,24 @@ def time_matrix(n: int, k: int, rows: Sequence[int], l2: int, dev: torch.device)
             "fp8_old": [functools.partial(weight_only_fp8, x, qc, sc, block, None, split_k=False)
                         for qc, sc in fp8],
             "fp8_new": [functools.partial(fp8_linear, x, qc, sc, block) for qc, sc in fp8],
+            "fp8_mm": [functools.partial(scaled_mm_fp8, x, qc, sc, None) for qc, sc in fp8],
         }
         ref = torch.nn.functional.linear(x.float(), dequantized)
         row = {"n": n, "k": k, "rows": m, "copies_bf16": len(bf16), "copies_fp8": len(fp8)}
         for path, path_calls in calls.items():
-            got = path_calls[0]().float()  # tunes the kernel for this shape, outside any capture
+            try:
+                got = path_calls[0]().float()  # tunes the kernel for this shape, outside any capture
+            except RuntimeError as e:  # a shape _scaled_mm does not take: reported, not timed
+                print(f"{path} n={n} k={k} rows={m}: {e}".splitlines()[0])
+                row.update({f"{path}_rel_err": None, f"{path}_us": None, f"{path}_gbps": None})
+                continue
             row[f"{path}_rel_err"] = ((got - ref).norm() / ref.norm()).item()
             us = graph_time_us(path_calls)
             row[f"{path}_us"] = us
             row[f"{path}_gbps"] = (1 if path != "bf16" else 2) * n * k / us / 1e3
         row["new_vs_bf16"] = row["bf16_us"] / row["fp8_new_us"]
         row["new_vs_old"] = row["fp8_old_us"] / row["fp8_new_us"]
+        row["mm_vs_new"] = row["fp8_new_us"] / row["fp8_mm_us"] if row["fp8_mm_us"] else None
         out.append(row)
     del bf16, fp8, dequantized
     torch.cuda.empty_cache()
@@ -99,22 +108,26 @@ def run(args: argparse.Namespace) -> dict:
                 results.append({"family": family, "matrix": name, **r})
         if args.token_rows in rows:
             at = [r for r in results if r["family"] == family and r["rows"] == args.token_rows]
-            step = {p: sum(r[f"{p}_us"] for r in at) * LAYERS[family] for p in PATHS}
+            step = {p: sum(r[f"{p}_us"] or float("nan") for r in at) * LAYERS[family] for p in PATHS}
             per_token.append({"family": family, "rows": args.token_rows, "layers": LAYERS[family],
                               **{f"{p}_step_us": step[p] for p in PATHS},
                               "new_vs_bf16": step["bf16"] / step["fp8_new"],
-                              "old_vs_bf16": step["bf16"] / step["fp8_old"]})
+                              "old_vs_bf16": step["bf16"] / step["fp8_old"],
+                              "mm_vs_bf16": step["bf16"] / step["fp8_mm"]})
     elapsed = time.perf_counter() - started
     print_table(f"weight products (us, GB/s of weight bytes), copy bandwidth {bandwidth / 1e9:.0f} GB/s",
                 ["family", "matrix", "rows", "bf16 us", "bf16 GB/s", "old us", "old GB/s", "new us",
-                 "new GB/s", "new/bf16", "new/old"],
+                 "new GB/s", "mm us", "mm GB/s", "new/bf16", "new/old", "new/mm"],
                 [[r["family"], r["matrix"], r["rows"], r["bf16_us"], r["bf16_gbps"], r["fp8_old_us"],
-                  r["fp8_old_gbps"], r["fp8_new_us"], r["fp8_new_gbps"], r["new_vs_bf16"], r["new_vs_old"]]
+                  r["fp8_old_gbps"], r["fp8_new_us"], r["fp8_new_gbps"], r["fp8_mm_us"], r["fp8_mm_gbps"],
+                  r["new_vs_bf16"], r["new_vs_old"], r["mm_vs_new"]]
                  for r in results])
     print_table(f"weight products per decode step at {args.token_rows} rows (all layers, us)",
-                ["family", "layers", "bf16", "fp8 old", "fp8 new", "new speed-up", "old speed-up"],
+                ["family", "layers", "bf16", "fp8 old", "fp8 new", "fp8 mm", "new speed-up", "old speed-up",
+                 "mm speed-up"],
                 [[t["family"], t["layers"], t["bf16_step_us"], t["fp8_old_step_us"], t["fp8_new_step_us"],
-                  t["new_vs_bf16"], t["old_vs_bf16"]] for t in per_token])
+                  t["fp8_mm_step_us"], t["new_vs_bf16"], t["old_vs_bf16"], t["mm_vs_bf16"]]
+                 for t in per_token])
     print(f"{elapsed:.0f} s (tuning included)")
     return save_result("fp8_gemv", args, results, per_token=per_token, copy_bandwidth_bytes_per_s=bandwidth,
                        l2_bytes=l2, seconds=elapsed)

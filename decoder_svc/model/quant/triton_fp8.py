@@ -41,7 +41,10 @@ import triton.testing
 
 from decoder_svc.model.quant.fp8 import FP8_DTYPE, FP8_MAX, ScaleBlock
 
-SMALL_M = 64  # rows up to which the weight-only kernel beats quantizing the activations
+# Rows up to which the weight-only kernels run; above, the activations are quantized per token and the
+# product is FP8 x FP8 (`scaled_mm_fp8`). 64 is the first measurement's choice (the kernels of before);
+# MMSERVE_FP8_WEIGHT_ONLY_ROWS moves it for an A/B (bench.fp8_gemv times both at every row count).
+SMALL_M = int(os.environ.get("MMSERVE_FP8_WEIGHT_ONLY_ROWS", "64"))
 # Rows taken by the streaming GEMV. Measured on the H200 (bench.fp8_gemv): one row streams at up to 2.3 TB/s
 # here; a variant reading the weights once for up to 8 rows was slower at every row count than this
 # kernel at one row and the tensor-core kernel at several.
@@ -383,13 +386,44 @@ def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     return out
 
 
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_LIMIT: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    # One program per row: its absolute maximum, then the row divided by amax / FP8_LIMIT. One launch
+    # where torch takes five (abs, amax, divide, clamp, cast): at decode's row counts the launches, not
+    # the bytes, are the cost.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_LIMIT, 1e-12)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + cols < K
+        v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(v / scale, -FP8_LIMIT), FP8_LIMIT)
+        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 [M, K], fp32 scales [M, 1]) with x ~= q * scale per row (dynamic, per token):
+    scale = max(|row|) / FP8_MAX (at least 1e-12), q = clamp(row / scale)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, q, scales, k, x.stride(0), q.stride(0), FP8_LIMIT=FP8_MAX,
+                                    BLOCK=min(triton.next_power_of_2(k), 1024))
+    return q, scales
+
+
 def scaled_mm_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """x @ (weight * scale)^T + bias with x quantized per token (dynamic scales), FP8 x FP8 on the
     tensor cores with per-row and per-column scales; per-channel weights only."""
-    xf = x.float()
-    x_scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    xq = (xf / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    xq, x_scale = quantize_rows_fp8(x)
     return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), bias=bias,
                             out_dtype=x.dtype)
 
