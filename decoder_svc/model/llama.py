@@ -1,6 +1,9 @@
-"""Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3-VL, Gemma 3) over flat token batches and a
-paged KV cache. Where Gemma 3 differs, the layers read it from TextModelConfig's fields (norm_unit_offset,
-sandwich_norms, per-layer windows and rope, hidden_act, embed_scale, ...); those run on TorchOps only.
+"""Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3-VL, Gemma 3, Phi-4-mini) over flat token batches
+and a paged KV cache. Where Gemma 3 differs, the layers read it from TextModelConfig's fields
+(norm_unit_offset, sandwich_norms, per-layer windows and rope, hidden_act, embed_scale, ...); those run on
+TorchOps only.
+Phi-4-mini's partial rotary and LongRoPE live in the cos/sin table alone (rotary_dims wide, its rows
+scaled by rope_attention_factor): the rotary ops rotate as many dims as the table is wide.
 
 q/k/v are one projection (`qkv_proj`) and gate/up another (`gate_up_proj`), fused at load from the
 checkpoint's separate tensors (loader.PACKED_MODULES): one matrix product each instead of three and
