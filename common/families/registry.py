@@ -53,6 +53,20 @@ def layout_family(config: dict[str, Any]) -> ModelFamily:
     return find_family(config) or FALLBACK_LAYOUT_FAMILY
 
 
+def unserved_text_family(config: dict[str, Any]) -> ModelFamily | None:
+    """The declared-but-unserved family (NOT_SERVED_YET) of a checkpoint's config, or None. For tests and
+    tools that run such a checkpoint's language model on text alone (EngineConfig.unserved_text_only);
+    every lookup above still refuses it, so the services do."""
+    from importlib import import_module
+
+    model_type = config.get("model_type")
+    for name in NOT_SERVED_YET:
+        family: ModelFamily = import_module(f"common.families.{name}").FAMILY
+        if model_type in family.model_types:
+            return family
+    return None
+
+
 def family_of_model(model_dir: str | Path) -> ModelFamily:
     """The family of the checkpoint in model_dir (its config.json)."""
     return family_of(load_config(model_dir))

@@ -64,6 +64,10 @@ class EngineConfig:
     # the text). The service sets it and detokenizes on its event loop, so the engine thread spends
     # its time on steps, not on the tokenizer.
     detokenize: bool = True
+    # True (tests only, never a flag): a checkpoint of a family declared but not served yet
+    # (registry.NOT_SERVED_YET, e.g. Phi-4-multimodal) is loaded for text requests; the services keep
+    # refusing it (their embedding sources and gateways look families up in the registry).
+    unserved_text_only: bool = False
 
     def __post_init__(self) -> None:
         check_options(self)

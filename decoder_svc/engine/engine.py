@@ -110,7 +110,7 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
-        self.tokenizer = PromptTokenizer(config.model)
+        self.tokenizer = PromptTokenizer(config.model, config.unserved_text_only)
         mm_token_ids = sorted(self.tokenizer.mm_token_ids)
         self.tp_group: TensorParallelGroup | None = None
         tp = None

@@ -77,7 +77,7 @@ class InputProcessor:
     def for_model(cls, config: EngineConfig, kv_capacity_tokens: int) -> InputProcessor:
         """Everything from the checkpoint directory: tokenizer and configs, no weights."""
         return cls(config, TextModelConfig.from_hf(text_config_dict(config.model)),
-                   PromptTokenizer(config.model), model_fingerprint(config.model),
+                   PromptTokenizer(config.model, config.unserved_text_only), model_fingerprint(config.model),
                    frozenset(generation_eos_ids(config.model)), kv_capacity_tokens)
 
     def make_request(
@@ -173,6 +173,8 @@ class InputProcessor:
         options = list(options or [])
         if len(options) > count:
             raise InvalidRequestError(f"{len(options)} image options for {count} images")
+        if not count:  # a text request: no cap to ask the layout for (Phi-4-MM's take no pixel range)
+            return []
         options += [ImageOptions()] * (count - len(options))
         cap = self.layout.max_pixels_for(self.config.max_image_tokens)
         out = []

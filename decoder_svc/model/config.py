@@ -1,5 +1,6 @@
 """The language model's shape, parsed from a Hugging Face text config (Llama, Mistral, Qwen2, Qwen3-VL,
-Gemma 3). Architectural differences are fields the shared layers read, not model-type branches there."""
+Gemma 3, Phi-4-multimodal's Phi-4-mini). Architectural differences are fields the shared layers read, not
+model-type branches there."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.checkpoint import CheckpointError
+from decoder_svc.model.longrope import PHI4_LIKE, longrope_fields
 
 _SUPPORTED = {"llama", "mistral", "qwen2", "qwen2_5_vl_text", "qwen2_5_vl", "qwen3_vl_text", "qwen3_vl"}
 _QWEN2_LIKE = {"qwen2", "qwen2_5_vl_text", "qwen2_5_vl"}  # q/k/v biases, no o bias, an unused window
 _QWEN3_LIKE = {"qwen3_vl_text", "qwen3_vl"}  # RMSNorm on each head of q and k, an unused window
 _GEMMA3_LIKE = {"gemma3_text", "gemma3"}  # see _gemma3_fields
-_SUPPORTED |= _GEMMA3_LIKE
-_ROPE_TYPES = {"default", "linear", "llama3"}
+_SUPPORTED |= _GEMMA3_LIKE | PHI4_LIKE
+_ROPE_TYPES = {"default", "linear", "llama3", "longrope"}
 _ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
 
@@ -55,6 +57,12 @@ class TextModelConfig:
     hidden_act: str = "silu"  # the MLP's gate activation: silu or gelu_pytorch_tanh
     sandwich_norms: bool = False  # norms after attention and after the MLP too, before the residual adds
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Partial rotary (Phi-4-mini: partial_rotary_factor 0.75): only the first rotary_dim dims of each head
+    # are rotated, the rest pass through; None: all head_dim. The cos/sin table is rotary_dims wide, and
+    # the rotary ops take the rotated width from the table's.
+    rotary_dim: int | None = None
+    # LongRoPE's attention scaling: cos and sin are multiplied by it (HF's attention_scaling); 1 elsewhere.
+    rope_attention_factor: float = 1.0
 
     @property
     def attention_scale(self) -> float:
@@ -82,17 +90,26 @@ class TextModelConfig:
         return replace(self, rope_theta=self.local_rope_theta or self.rope_theta, rope_scaling={})
 
     @property
+    def rotary_dims(self) -> int:
+        """How many leading dims of each head the rotary embedding rotates (the cos/sin table's width)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
     def rope_type(self) -> str:
-        """The RoPE variant: default, linear or llama3."""
+        """The RoPE variant: default, linear, llama3 or longrope."""
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
     @property
     def max_model_len(self) -> int:
         """The longest sequence we serve. A window on every layer (Mistral) caps it, as no kernel masks
-        such a window yet; per-layer windows (layer_types, Gemma 3) are masked by the attention."""
+        such a window yet; per-layer windows (layer_types, Gemma 3) are masked by the attention.
+        LongRoPE serves only original_max_position_embeddings (decoder_svc/model/longrope.py says why)."""
+        longest = self.max_position_embeddings
+        if self.rope_type == "longrope":
+            longest = min(longest, int(self.rope_scaling["original_max_position_embeddings"]))
         if self.sliding_window and not self.layer_types:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+            return min(longest, self.sliding_window)
+        return longest
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> TextModelConfig:
@@ -124,8 +141,16 @@ class TextModelConfig:
         rope["rope_type"] = rope_type
         if rope_type not in _ROPE_TYPES:
             raise CheckpointError(f"unsupported rope type {rope_type!r}; supported: {sorted(_ROPE_TYPES)}")
-        if cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        partial = float(rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
+        if partial != 1.0 and model_type not in PHI4_LIKE:
             raise CheckpointError("partial rotary embeddings are not supported")
+        if rope_type == "longrope":
+            rope, more = longrope_fields(cfg, rope, head_dim, partial)
+            extra.update(more)
+        if partial != 1.0:
+            if mrope_section:
+                raise CheckpointError("M-RoPE with partial rotary embeddings is not supported")
+            extra["rotary_dim"] = int(head_dim * partial)  # HF's int(head_dim * partial_rotary_factor)
         attention_bias = bool(cfg.get("attention_bias", False))
         qwen2 = model_type in _QWEN2_LIKE
         sliding = cfg.get("sliding_window")

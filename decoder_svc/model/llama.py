@@ -1,6 +1,9 @@
-"""Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3-VL, Gemma 3) over flat token batches and a
-paged KV cache. Where Gemma 3 differs, the layers read it from TextModelConfig's fields (norm_unit_offset,
-sandwich_norms, per-layer windows and rope, hidden_act, embed_scale, ...); those run on TorchOps only.
+"""Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3-VL, Gemma 3, Phi-4-mini) over flat token batches
+and a paged KV cache. Where Gemma 3 differs, the layers read it from TextModelConfig's fields
+(norm_unit_offset, sandwich_norms, per-layer windows and rope, hidden_act, embed_scale, ...); those run on
+TorchOps only.
+Phi-4-mini's partial rotary and LongRoPE live in the cos/sin table alone (rotary_dims wide, its rows
+scaled by rope_attention_factor): the rotary ops rotate as many dims as the table is wide.
 
 q/k/v are one projection (`qkv_proj`) and gate/up another (`gate_up_proj`), fused at load from the
 checkpoint's separate tensors (loader.PACKED_MODULES): one matrix product each instead of three and
@@ -18,7 +21,7 @@ from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.kv_groups import group_of_layer, layer_groups
 from decoder_svc.model.ops import TorchOps
 from decoder_svc.model.parallel import TensorParallel, all_reduce, gather_vocab
-from decoder_svc.model.rope import inv_frequencies
+from decoder_svc.model.rope import cos_sin_table
 
 
 class RMSNorm(nn.Module):
@@ -225,13 +228,14 @@ class LlamaForCausalLM(nn.Module):
         return bool(self.config.mrope_section)
 
     def rotary_table(self, cfg: TextModelConfig) -> torch.Tensor:
-        """fp32 [max_position, head_dim]: cos then sin of every position's angles (indexed, no host work)."""
-        return self.ops.make_cos_sin_cache(inv_frequencies(cfg), cfg.max_position_embeddings)
+        """fp32 [max_model_len, rotary_dims]: cos then sin of every position's angles (indexed, no host
+        work). Only the served positions: beyond max_model_len a longrope table would not be HF's."""
+        return cos_sin_table(cfg, self.ops.make_cos_sin_cache)
 
     def local_rotary_table(self, cfg: TextModelConfig) -> torch.Tensor:
         """The sliding layers' table (rotary_table of cfg.local_rope()); an empty one when no layer slides."""
         if not cfg.has_sliding_layers:
-            return torch.empty(0, cfg.head_dim)
+            return torch.empty(0, cfg.rotary_dims)
         return self.rotary_table(cfg.local_rope())
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,14 @@
-"""Load only the language-model tensors of a LLaVA, Qwen-VL or Gemma 3 checkpoint into our LlamaForCausalLM.
+"""Load only the language-model tensors of a LLaVA, Qwen-VL, Gemma 3 or Phi-4-multimodal checkpoint into our
+LlamaForCausalLM.
 
 Gemma 3's names need no entry of their own: its language model sits under `model.language_model.` (as
 transformers 5 saves Gemma3ForConditionalGeneration; `language_model.model.` in older exports) or
 `model.` (Gemma3ForCausalLM), and its extra modules (q_norm/k_norm, pre/post_feedforward_layernorm) keep
-HF's names in our layers; its output head is tied to the embeddings."""
+HF's names in our layers; its output head is tied to the embeddings. Phi-4-multimodal's are ours too: its
+layers store `qkv_proj` and `gate_up_proj` fused already (our fused modules, in q|k|v and gate|up row
+order), `model.embed_tokens_extend.*` (the vision and audio towers) matches no prefix here, and LoRA
+tensors are skipped (rename_language_model_key). Under tensor parallelism the fused tensors are sliced per
+part (parallel.shard_slices' fused rows)."""
 
 from __future__ import annotations
 
@@ -72,7 +77,14 @@ def text_config_dict(model_dir: str | Path) -> dict:
 
 
 def rename_language_model_key(name: str) -> str | None:
-    """Our parameter name for a checkpoint key, or None when the key is not language-model weight."""
+    """Our parameter name for a checkpoint key, or None when the key is not language-model weight.
+    LoRA-wrapped layers (PEFT's naming, as Phi-4-multimodal's remote-code export stores its vision and
+    speech adapters inside the base checkpoint): the base weight under `<module>.base_layer.` is the
+    module's own; the adapters' `lora_A` / `lora_B` tensors are not read (text is served by the base
+    model, as HF's Phi4MultimodalForCausalLM with no adapter loaded)."""
+    if ".lora_A." in name or ".lora_B." in name:
+        return None
+    name = name.replace(".base_layer.", ".")
     for src, dst in _KEY_MAP:
         if name.startswith(src):
             return dst + name[len(src):]

@@ -64,11 +64,14 @@ class TorchOps:
                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate-half RoPE on q [T, Hq, D] and k [T, Hk, D]; returns new (q_rot, k_rot).
 
-        cos_sin_cache [max_pos, D] fp32 holds cat(cos, sin) of the D/2 frequencies per position. As in
+        cos_sin_cache [max_pos, R] fp32 holds cat(cos, sin) of the R/2 frequencies per position. As in
         HF, cos and sin are cast to the model dtype first and x*cos + rotate_half(x)*sin runs in that
         dtype (each op rounded). q and k may be strided views; they are not modified.
+        Partial rotary (R < D, Phi-4-mini): only the first R dims of each head are rotated (rotate_half
+        within them) and the other D - R pass through, as HF's apply_rotary_pos_emb.
         """
-        half = cos_sin_cache.shape[-1] // 2
+        width = cos_sin_cache.shape[-1]
+        half = width // 2
         cs = cos_sin_cache[positions]
         cos, sin = cs[:, :half], cs[:, half:]
         # [T, 1, D]: broadcast over heads; cast before use, like HF's LlamaRotaryEmbedding output.
@@ -76,8 +79,10 @@ class TorchOps:
         sin = torch.cat((sin, sin), dim=-1).to(q.dtype)[:, None, :]
 
         def rot(x: torch.Tensor) -> torch.Tensor:
-            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-            return x * cos + rotated * sin
+            part = x[..., :width]
+            rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
+            out = part * cos + rotated * sin
+            return out if width == x.shape[-1] else torch.cat((out, x[..., width:]), dim=-1)
 
         return rot(q), rot(k)
 

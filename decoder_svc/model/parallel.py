@@ -99,9 +99,11 @@ def shard_slices(name: str, cfg: TextModelConfig, tp: TensorParallel) -> tuple[s
 
 
 def finish_shard(state: dict[str, torch.Tensor], cfg: TextModelConfig, tp: TensorParallel) -> None:
-    """After reading (in place): row-parallel biases kept on rank 0 only (the all-reduce adds them once),
-    and the output head as this rank's vocabulary slice, padded with zero rows, taken from the
-    embeddings when tied (every rank has its own head)."""
+    """After reading (in place): projections a checkpoint stores fused (Phi-4: qkv_proj, gate_up_proj, read
+    whole) cut to this rank's rows of each part, row-parallel biases kept on rank 0 only (the all-reduce
+    adds them once), and the output head as this rank's vocabulary slice, padded with zero rows, taken
+    from the embeddings when tied (every rank has its own head)."""
+    _shard_fused(state, cfg, tp)
     for name in [n for n in state if n.endswith(("o_proj.bias", "down_proj.bias")) and tp.rank]:
         state[name] = torch.zeros_like(state[name])
     n = tp.vocab_rows(cfg.vocab_size)
@@ -111,6 +113,32 @@ def finish_shard(state: dict[str, torch.Tensor], cfg: TextModelConfig, tp: Tenso
     if head.shape[0] < n:  # the last slice of a vocabulary that does not divide evenly
         head = torch.cat([head, head.new_zeros(n - head.shape[0], head.shape[1])])
     state["lm_head.weight"] = head.contiguous()
+
+
+# A checkpoint's own fused projection -> its parts in row order (the names shard_slices knows).
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _shard_fused(state: dict[str, torch.Tensor], cfg: TextModelConfig, tp: TensorParallel) -> None:
+    """Fused q|k|v and gate|up tensors (weights, biases) read whole, replaced by this rank's rows of each
+    part, concatenated in the same order (our fused modules' layout). A rank's rows of a fused tensor are
+    not one range, which the reader's one-slice-per-dim sharding cannot express; these are a few small
+    tensors per layer, so they are read whole and cut here."""
+    for name in list(state):
+        module, _, kind = name.rpartition(".")
+        prefix, _, leaf = module.rpartition(".")
+        if leaf not in _FUSED_PARTS or kind not in ("weight", "bias"):
+            continue
+        parts = _FUSED_PARTS[leaf]
+        sizes = [_full_dims(p, cfg)[0] for p in parts]
+        tensor = state[name]
+        if tensor.shape[0] != sum(sizes):
+            raise CheckpointError(f"{name}: {tensor.shape[0]} rows, expected {sum(sizes)} "
+                                  f"({'+'.join(parts)})")
+        pieces = []
+        for part, rows in zip(parts, tensor.split(sizes), strict=True):
+            pieces.append(rows[shard_slices(f"{prefix}.{part}.{kind}", cfg, tp)[0]])
+        state[name] = torch.cat(pieces).contiguous()
 
 
 def _full_dims(leaf: str, cfg: TextModelConfig) -> tuple[int, int]:

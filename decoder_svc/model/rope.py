@@ -4,15 +4,20 @@ is ops.rotary over a precomputed cos/sin table)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from decoder_svc.model.config import TextModelConfig
+from decoder_svc.model.longrope import longrope_inv_frequencies
 
 
 def inv_frequencies(cfg: TextModelConfig) -> torch.Tensor:
-    """Per-pair inverse frequencies [head_dim // 2] in fp32, with linear or llama3 scaling applied."""
-    dim = cfg.head_dim
+    """Per-pair inverse frequencies [rotary_dims // 2] in fp32, with linear, llama3 or longrope (its short
+    factors: longrope.py says why) scaling applied. Partial rotary: pairs of the rotated dims only."""
+    dim = cfg.rotary_dims
+    if cfg.rope_type == "longrope":
+        return longrope_inv_frequencies(cfg.rope_theta, dim, cfg.rope_scaling["short_factor"])
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     rs = cfg.rope_scaling
     if cfg.rope_type == "linear":
@@ -28,3 +33,11 @@ def inv_frequencies(cfg: TextModelConfig) -> torch.Tensor:
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
     return inv_freq
+
+
+def cos_sin_table(cfg: TextModelConfig,
+                  make_cache: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """fp32 [max_model_len, rotary_dims]: cat(cos, sin) per position from ops.make_cos_sin_cache, times
+    LongRoPE's attention factor (in fp32, as HF scales its cos/sin before casting them)."""
+    table = make_cache(inv_frequencies(cfg), cfg.max_model_len)
+    return table * cfg.rope_attention_factor if cfg.rope_attention_factor != 1.0 else table

@@ -194,7 +194,8 @@ class TritonOps:
     @staticmethod
     def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate-half RoPE applied IN PLACE to q [T, Hq, D] and k [T, Hk, D]; returns (q, k).
+        """Rotate-half RoPE applied IN PLACE to q [T, Hq, D] and k [T, Hk, D]; returns (q, k). Partial
+        rotary: a cos_sin_cache R < D wide rotates the first R dims of each head only.
 
         q and k may be arbitrary strided views (e.g. of one fused qkv buffer) but must not overlap.
         Positions are not bounds-checked against the cache (a check would force a host sync).
@@ -205,13 +206,17 @@ class TritonOps:
         if q.dtype != k.dtype:
             raise ValueError("q and k must share a dtype")
         n_tok, n_q_heads, head_dim = q.shape
-        if head_dim % 2 or cos_sin_cache.shape[-1] != head_dim:
-            raise ValueError(f"cos_sin_cache last dim must equal head_dim {head_dim} (even)")
+        width = cos_sin_cache.shape[-1]  # the rotated dims: head_dim, or fewer for partial rotary
+        if width % 2 or width > head_dim:
+            raise ValueError(f"cos_sin_cache last dim must be even and at most head_dim {head_dim}, "
+                             f"got {width}")
         if positions.shape != (n_tok,):
             raise ValueError(f"positions must be [{n_tok}], got {tuple(positions.shape)}")
         if n_tok == 0:
             return q, k
-        half = head_dim // 2
+        # The kernel rotates dims [0, half) with [half, 2 * half) of each head; partial rotary (Phi-4-mini)
+        # leaves the dims past the table's width untouched in place, as HF passes them through.
+        half = width // 2
         cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
         positions = positions.contiguous()
         n_k_heads = k.shape[1]

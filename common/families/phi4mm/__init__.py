@@ -8,8 +8,11 @@ torchvision (pixels.py, bit-exact with HF's processor's ops; bench/phi4mm_pixels
 against HF's processor where torchvision is installed), the layout (token counts from the header, the
 `<|image|>` expansion), the tower and image embedding (tower.py, embedder.py: equal to HF's
 Phi4MultimodalImageEmbedding in fp32), the encoder, the oracle and the `phi-4-mm-tiny` / `phi-4-mm`
-presets. Not yet: the text model in decoder_svc/model (Phi-3 layers with longrope), the per-request LoRA
-adapters (the vision LoRA chosen when a request has images, KV blocks keyed by adapter), audio.
+presets, and the text model in decoder_svc/model (Phi-4-mini's layers: partial rotary and LongRoPE as
+TextModelConfig fields, served up to original_max_position_embeddings, decoder_svc/model/longrope.py), equal
+to HF's greedy text generation with no adapter (tests/phi4mm/test_text_generate.py, which loads it through
+EngineConfig.unserved_text_only). Not yet: the per-request LoRA adapters (the vision LoRA chosen when a
+request has images, KV blocks keyed by adapter), images through the engine, audio.
 """
 
 from common.families.family import ModelFamily
