@@ -140,8 +140,10 @@ def _scale_init(model: torch.nn.Module, seed: int, gain: float) -> None:
         param.copy_(tmp.to(param.dtype))
 
 
-def init_random(model_cls, config, device: str, dtype: torch.dtype, seed: int, gain: float):
-    """model_cls(config) made directly on device in dtype, its weights redrawn by _scale_init."""
+def init_random(model_cls, config, device: str, dtype: torch.dtype, seed: int, gain: float,
+                scale=None):
+    """model_cls(config) made directly on device in dtype, its weights redrawn by `scale(model, seed,
+    gain)` (default _scale_init; a family whose config _scale_init cannot read brings its own)."""
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -149,7 +151,7 @@ def init_random(model_cls, config, device: str, dtype: torch.dtype, seed: int, g
             model = model_cls(config)
     finally:
         torch.set_default_dtype(old_dtype)
-    _scale_init(model, seed, gain)
+    (scale or _scale_init)(model, seed, gain)
     model.config.dtype = dtype
     return model
 

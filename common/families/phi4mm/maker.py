@@ -22,7 +22,13 @@ from pathlib import Path
 
 import torch
 
-from common.model_maker import build_tokenizer, finish_checkpoint, pick_preset, prepare_output
+from common.model_maker import (
+    build_tokenizer,
+    finish_checkpoint,
+    init_random,
+    pick_preset,
+    prepare_output,
+)
 
 IMAGE_TOKEN, AUDIO_TOKEN, END_TOKEN = "<|image|>", "<|audio|>", "<|end|>"
 PHI4_TOKENS = [IMAGE_TOKEN, AUDIO_TOKEN, END_TOKEN, "<|user|>", "<|assistant|>", "<|system|>"]
@@ -173,15 +179,7 @@ def make_phi4_model(preset: str, out: str | Path, seed: int = 0, device: str | N
     t0 = time.perf_counter()
     tokenizer = build_phi4_tokenizer(spec.vocab_size, seed)
     config = build_phi4_config(spec, tokenizer)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch_dtype)
-    try:
-        with torch.device(device):
-            model = Phi4MultimodalForCausalLM(config)
-    finally:
-        torch.set_default_dtype(old)
-    _scale(model, seed, gain)
-    model.config.dtype = torch_dtype
+    model = init_random(Phi4MultimodalForCausalLM, config, device, torch_dtype, seed, gain, scale=_scale)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
     del model
     processor = Phi4MultimodalProcessor(image_processor=_image_processor(spec),
