@@ -166,16 +166,20 @@ def hf_first_logprobs(oracle, prompt: str, imgs: list) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def want(gemma3_pas_oracle) -> dict[str, tuple[list[int], torch.Tensor]]:
-    images = sample_images()
+def images():
+    """One draw of the sample images (PIL's effect_noise is not seeded: HF and the engine see the same)."""
+    return sample_images()
+
+
+@pytest.fixture(scope="module")
+def want(gemma3_pas_oracle, images) -> dict[str, tuple[list[int], torch.Tensor]]:
     return {name: (gemma3_pas_oracle.generate(prompt, [images[i] for i in idx], N),
                    hf_first_logprobs(gemma3_pas_oracle, prompt, [images[i] for i in idx]))
             for name, (prompt, idx) in CASES.items()}
 
 
-def test_crops_change_hfs_output(gemma3_oracle, want) -> None:
+def test_crops_change_hfs_output(gemma3_oracle, images, want) -> None:
     """The comparisons mean something: without crops (the same weights) HF's first token differs."""
-    images = sample_images()
     for name in ("wide", "tall", "strip"):
         prompt, idx = CASES[name]
         plain = hf_first_logprobs(gemma3_oracle, prompt, [images[i] for i in idx])
@@ -183,7 +187,7 @@ def test_crops_change_hfs_output(gemma3_oracle, want) -> None:
 
 
 @pytest.mark.parametrize("budget", [2048, 20, 7])
-def test_greedy_equals_hf_for_any_budget(gemma3_pas_dir: Path, want, budget: int) -> None:
+def test_greedy_equals_hf_for_any_budget(gemma3_pas_dir: Path, images, want, budget: int) -> None:
     """Budgets of 7 and 20 tokens would cut each 16-token block: every block runs whole in one chunk."""
     engine = make_engine(gemma3_pas_dir, max_num_batched_tokens=budget)
     seen = []
@@ -194,7 +198,6 @@ def test_greedy_equals_hf_for_any_budget(gemma3_pas_dir: Path, want, budget: int
         return launch(batch)
 
     engine.runner.execute = spy
-    images = sample_images()
     for name, (prompt, idx) in CASES.items():
         out = engine.generate(name, prompt, [images[i] for i in idx], sampling=greedy(N, logprobs=TOP))
         assert_same(out, want[name], name)
