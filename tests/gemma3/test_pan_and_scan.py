@@ -116,6 +116,9 @@ def test_encoder_equals_hf_image_features(gemma3_pas_dir: Path, gemma3_pas_oracl
         torch.testing.assert_close(got, ref.reshape(-1, ref.shape[-1]), atol=1e-5, rtol=1e-5)
     alone = encoder.encode([images[3]])[0]
     torch.testing.assert_close(alone, ours[3], atol=1e-5, rtol=1e-5)
+    # the grid the encoder service keeps with the entry (Lookup answers it for hash-only requests)
+    layout = _layout(gemma3_pas_dir)
+    assert [encoder.prepare(im).grid for im in images] == [layout.grid(im.height, im.width) for im in images]
     encoder.warm_up()
     assert encoder.embedding_nbytes == 5 * 16 * 64 * 4  # the most crops: 4
 

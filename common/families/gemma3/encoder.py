@@ -22,6 +22,7 @@ from common.checkpoint import load_config, model_fingerprint
 from common.families.gemma3.layout import Gemma3ImageLayout
 from common.families.gemma3.tower import load_gemma3_tower
 from common.vision import PREPROCESS_MODES
+from common.vision.prepared import PreparedGrid
 
 
 def load_gemma3_image_processor(model_dir: str | Path):
@@ -72,25 +73,27 @@ class Gemma3VisionEncoder:
         row_bytes = self.hidden_size * torch.empty((), dtype=self.dtype).element_size()
         return blocks * self.num_image_tokens * row_bytes
 
-    def prepare(self, image) -> torch.Tensor:
-        """One image's pixel values (fp32, CPU) from the HF processor: [3, S, S], or with pan-and-scan
-        [1 + crops, 3, S, S] (the original first); thread-safe. image: a PIL image or a decode pool's
-        DecodedImage."""
+    def prepare(self, image) -> torch.Tensor | PreparedGrid:
+        """One image's pixel values (fp32, CPU) from the HF processor: [3, S, S]; with pan-and-scan a
+        PreparedGrid of [1 + crops, 3, S, S] (the original first) and the layout's grid (1 + crops, 1, 1),
+        which the encoder service keeps with the cache entry for hash-only lookups; thread-safe. image: a
+        PIL image or a decode pool's DecodedImage."""
         pil = image if isinstance(image, Image.Image) else image.to_pil()
         pas = self.layout.pan_and_scan
         if pas is None:
             return self.image_processor(images=[pil], return_tensors="pt")["pixel_values"][0]
         out = self.image_processor(images=[pil], return_tensors="pt", **pas.processor_kwargs())
-        return out["pixel_values"]
+        pixels = out["pixel_values"]
+        return PreparedGrid((pixels.shape[0], 1, 1), pixel_values=pixels)
 
     @torch.inference_mode()
-    def encode_prepared(self, prepared: Sequence[torch.Tensor],
+    def encode_prepared(self, prepared: Sequence[torch.Tensor | PreparedGrid],
                         use_graphs: bool = False) -> list[torch.Tensor]:
         """The tower over prepared images at once; one [tower images x mm_tokens_per_image, hidden] tensor
         each (a pan-and-scan image's crops in one batch with the rest, their rows joined after)."""
         if not prepared:
             return []
-        stacks = [p if p.dim() == 4 else p.unsqueeze(0) for p in prepared]
+        stacks = [p.pixel_values if isinstance(p, PreparedGrid) else p.unsqueeze(0) for p in prepared]
         pixels = torch.cat(stacks).to(self.device, self.dtype, non_blocking=True)
         feats = self.tower(pixels)
         with self._count_lock:
