@@ -243,3 +243,23 @@ def test_prefix_hit_ending_inside_a_crop(gemma3_pas_dir: Path, gemma3_pas_oracle
     assert out.usage.cached_prompt_tokens == hit
     assert_same(out, (gemma3_pas_oracle.generate(second, [image], N),
                       hf_first_logprobs(gemma3_pas_oracle, second, [image])), "second")
+
+
+def test_concurrent_requests_with_preemption(gemma3_pas_dir: Path, gemma3_pas_oracle, images) -> None:
+    """Six requests of cropped images at once in a small KV cache: preempted ones come back and ask for
+    their embeddings anew; every block still gets its rows."""
+    from tests.oracle import run_all
+
+    engine = make_engine(gemma3_pas_dir, num_kv_blocks=16, max_num_batched_tokens=24, max_num_seqs=4)
+    plan = {}
+    for i in range(6):
+        name = ["wide", "tall", "strip"][i % 3]
+        prompt, idx = CASES[name]
+        imgs = [images[(j + i) % 4] for j in idx]
+        plan[f"r{i}"] = (prompt, imgs)
+        engine.add_request(f"r{i}", prompt, imgs, sampling=greedy(N))
+    results = run_all(engine)
+    assert engine.stats().preemptions > 0
+    for rid, (prompt, imgs) in plan.items():
+        assert results[rid]["tokens"] == gemma3_pas_oracle.generate(prompt, imgs, N), rid
+    assert engine.stats().kv_blocks_used == 0 and engine.scheduler.images.num_held == 0
