@@ -72,7 +72,7 @@ class TokenizedPrompt:
     """Prompt token ids with image (and video) placeholders already expanded."""
 
     token_ids: list[int]
-    placeholders: list[PlaceholderRange]
+    placeholders: list[PlaceholderRange]  # one per run of image tokens, in order (image_runs: one an image)
     text: str
     video_spans: list[list[PlaceholderRange]] = field(default_factory=list)  # per video, its runs
 
@@ -129,11 +129,14 @@ class PromptTokenizer:
         if self.video_token is not None and prompt.count(self.video_token) != len(videos):
             raise PlaceholderMismatchError(f"prompt has {prompt.count(self.video_token)} {self.video_token} "
                                            f"placeholders but {len(videos)} videos")
-        text = self._expand(prompt, [1] * len(counts), [_one_per_run(v) for v in videos])
+        # An image may be several runs of placeholders (Gemma 3's pan-and-scan: the original and its
+        # crops, text between them): each run is written once, then repeated to its length.
+        runs = [self.layout.image_runs(count) for count in counts]
+        text = self._expand(prompt, [len(r) for r in runs], [_one_per_run(v) for v in videos])
         ids = self._repeat_runs(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"],
-                                counts, videos)
+                                [n for r in runs for n in r], videos)
         spans = self._video_spans(ids, videos) if videos else []
-        return TokenizedPrompt(ids, self._placeholders(ids, counts), text, spans)
+        return TokenizedPrompt(ids, self._placeholders(ids, runs), text, spans)
 
     def _repeat_runs(self, ids: Sequence[int], counts: list[int],
                      videos: Sequence[VideoPromptLayout]) -> list[int]:
@@ -162,15 +165,16 @@ class PromptTokenizer:
             return prompt
         return prompt.replace(GENERIC_IMAGE_MARKER, block)
 
-    def _expand(self, prompt: str, counts: list[int], videos: Sequence[VideoPromptLayout]) -> str:
-        """Each marker replaced by its tokens, as the HF processors do (Qwen3-VL's replaces a video's
-        `<|video_pad|>` with its timestamped groups, inside the template's own vision start/end)."""
+    def _expand(self, prompt: str, runs: list[int], videos: Sequence[VideoPromptLayout]) -> str:
+        """Each marker replaced by its tokens, one placeholder per run of its image (`runs` per image), as
+        the HF processors do (Qwen3-VL's replaces a video's `<|video_pad|>` with its timestamped groups,
+        inside the template's own vision start/end)."""
         markers = [self.image_token] + ([self.video_token] if self.video_token is not None else [])
         parts = re.split("(" + "|".join(re.escape(m) for m in markers) + ")", prompt)
-        images, clips = iter(counts), iter(videos)
+        images, clips = iter(runs), iter(videos)
         out = [parts[0]]
         for marker, piece in zip(parts[1::2], parts[2::2], strict=True):
-            out.append(self.layout.marker_text(marker, next(images)) if marker == self.image_token
+            out.append(self.layout.marker_text(marker, 1, next(images)) if marker == self.image_token
                        else self._video_text(next(clips)))
             out.append(piece)
         return "".join(out)
@@ -225,19 +229,23 @@ class PromptTokenizer:
         return self.encode_prompt(text, image_sizes, add_special_tokens=add_special,
                                   image_token_counts=image_token_counts, videos=videos)
 
-    def _placeholders(self, ids: list[int], counts: list[int]) -> list[PlaceholderRange]:
-        # Runs of image tokens, split into images of the expected lengths (adjacent images merge).
+    def _placeholders(self, ids: list[int], runs: list[list[int]]) -> list[PlaceholderRange]:
+        # Runs of image tokens, split into runs of the expected lengths (adjacent images merge): one range
+        # per run, in order, each naming its image (one run per image but for multi-run layouts).
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(positions) != sum(counts):
+        total = sum(sum(r) for r in runs)
+        if len(positions) != total:
             raise PlaceholderMismatchError(
-                f"tokenized prompt has {len(positions)} image tokens, expected {sum(counts)}")
+                f"tokenized prompt has {len(positions)} image tokens, expected {total}")
         out, k = [], 0
-        for index, count in enumerate(counts):
-            span = positions[k:k + count]
-            if span and span[-1] - span[0] != count - 1:
-                raise PlaceholderMismatchError(f"image {index}: its placeholder tokens are not contiguous")
-            out.append(PlaceholderRange(span[0] if span else 0, count, index))
-            k += count
+        for index, image_runs in enumerate(runs):
+            for count in image_runs:
+                span = positions[k:k + count]
+                if span and span[-1] - span[0] != count - 1:
+                    raise PlaceholderMismatchError(
+                        f"image {index}: its placeholder tokens are not contiguous")
+                out.append(PlaceholderRange(span[0] if span else 0, count, index))
+                k += count
         return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -42,6 +42,9 @@ class ImageLayout(ABC):
     """
 
     sized_by_image: ClassVar[bool]  # token counts follow each image's size (pixel ranges, grids)
+    # a sized layout's images are resized into a pixel range (a request's min/max_pixels); False where
+    # only the image's shape sizes it (Gemma 3's pan-and-scan crops)
+    pixel_ranges: ClassVar[bool] = True
     mrope: ClassVar[bool]  # positions are M-RoPE [3, tokens], computed once at admission
     # its video placeholder where the tokenizer names none; None: it takes no video
     video_token: ClassVar[str | None] = None
@@ -87,19 +90,39 @@ class ImageLayout(ABC):
         """A grid reported for a hash-only image, checked."""
         raise ImageGeometryError("this model's images have no grid")
 
+    @property
+    def largest_image_run(self) -> int:
+        """The most placeholder tokens of one run (one contiguous span: a bidirectional block) where the
+        count per image is fixed, 0 where it follows the image; the runner's buffers hold one more."""
+        return self.tokens_per_image or 0
+
+    @property
+    def hash_key(self) -> str:
+        """Processor settings beyond config.json (which the checkpoint fingerprint covers) that change an
+        image's embedding, appended to the fingerprint its content hash is made under ("": none)."""
+        return ""
+
     @abstractmethod
     def num_tokens(self, grid: Sequence[int] | None = None) -> int:
         """Placeholder tokens (= embedding rows) of an image of this grid (None: a fixed-count layout's)."""
+
+    def image_runs(self, count: int) -> list[int]:
+        """The contiguous placeholder runs an image of `count` tokens is written as, in order: one by
+        default; several where the model's text separates parts of one image (Gemma 3's pan-and-scan
+        crops), which then share the image's one embedding."""
+        return [count]
 
     def generic_image_text(self, image_token: str) -> str | None:
         """What the API's generic `<image>` marker stands for in a prompt without the model's own markers
         (the model's vision block around image_token); None where `<image>` is the model's own marker."""
         return None
 
-    def marker_text(self, marker: str, count: int) -> str:
+    def marker_text(self, marker: str, count: int, runs: int = 1) -> str:
         """What one image marker of the prompt becomes before tokenizing, its placeholder written `count`
-        times (the tokenizer repeats the placeholder ids to the image's length afterwards): by default the
-        marker is the placeholder."""
+        times in each of its `runs` runs (image_runs; the tokenizer repeats the placeholder ids to each
+        run's length afterwards): by default the marker is the placeholder, in one run."""
+        if runs != 1:
+            raise ImageGeometryError("this model writes each image as one run")
         return marker * count
 
     def video_group_text(self, pads: str, seconds: float) -> str:

@@ -75,7 +75,7 @@ class ImageInputs:
         img.state = EmbeddingState.READY
         req.times.note_image_ready(time.monotonic())
         img.encoder_cache_hit = self.source.cache_hit(rid, h)
-        if img.row_offset:  # a later run of a video: the video was counted with its first
+        if img.row_offset:  # a later run of a video (or a cropped image): counted with its first
             return
         if img.encoder_cache_hit:
             self.counters.images_encoder_cache_hits += 1
@@ -125,7 +125,7 @@ class ImageInputs:
             if (img.state in (EmbeddingState.PENDING, EmbeddingState.READY)
                     and img.content_hash not in still_needed):
                 self._give_back(req, img.content_hash)
-            if img.state != EmbeddingState.SKIPPED and not img.row_offset:  # a video counts once
+            if img.state != EmbeddingState.SKIPPED and not img.row_offset:  # a video (image) counts once
                 self.counters.images_skipped_by_kv_reuse += 1
             img.state, img.skipped_by_kv_reuse = EmbeddingState.SKIPPED, True
 
@@ -136,10 +136,12 @@ class ImageInputs:
             if img.state == EmbeddingState.READY and img.end <= done:
                 img.state = EmbeddingState.DONE
                 # The same image twice in one prompt: keep its rows while another copy still needs them.
-                # A video's rows until its last run is computed: given back between runs, the next run
-                # would ask for (and the encoder perhaps decode) the whole video again.
+                # An embedding of several runs (a video's, a cropped image's) until its last run is
+                # computed: given back between runs, the next run would ask for (and the encoder perhaps
+                # decode) the whole of it again.
                 if not any(o.content_hash == img.content_hash
-                           and (o.state == EmbeddingState.READY or (o.video is not None and o.end > done))
+                           and (o.state == EmbeddingState.READY
+                                or (o.embedding_rows is not None and o.end > done))
                            for o in req.images):
                     self._give_back(req, img.content_hash)
 

@@ -113,8 +113,9 @@ class InputProcessor:
         ranges: list[PixelRange | None] = [None] * len(images)
         grids: list[Grid | None] = [None] * len(images)
         counts = None  # a fixed-count layout's: the tokenizer asks it
-        if self.layout.sized_by_image:  # each image resized into a pixel range: its grid, its count
-            ranges = self._pixel_ranges(len(images), image_options)
+        if self.layout.sized_by_image:  # each image's grid (from its size, in a pixel range), its count
+            if self.layout.pixel_ranges:  # Qwen-VL: resized into a range; Gemma 3's crops follow the shape
+                ranges = self._pixel_ranges(len(images), image_options)
             grids = [self._grid(i, img, size, pixels, cache_salt, known_grids)
                      for i, (img, size, pixels) in enumerate(zip(images, sizes, ranges, strict=True))]
             counts = [self.layout.num_tokens(g) for g in grids]
@@ -142,11 +143,18 @@ class InputProcessor:
             if any(isinstance(src, Image.Image) for src in images):
                 release_freed_memory()
         placeholders = []
-        for ph, src, key, grid, pixels in zip(tokenized.placeholders, images, keys, grids, ranges,
-                                              strict=True):
-            placeholders.append(ImagePlaceholder(
-                offset=ph.offset, length=ph.length, image=src if not isinstance(src, str) else None,
-                content_hash=key, grid=grid, pixels=pixels))
+        runs: list[list] = [[] for _ in images]  # each image's placeholder runs (several: Gemma 3's crops)
+        for ph in tokenized.placeholders:
+            runs[ph.image_index].append(ph)
+        for image_runs, src, key, grid, pixels in zip(runs, images, keys, grids, ranges, strict=True):
+            # An image of several runs is one embedding whose rows they take in turn, as a video's runs.
+            total = sum(ph.length for ph in image_runs) if len(image_runs) > 1 else None
+            row = 0
+            for ph in image_runs:
+                placeholders.append(ImagePlaceholder(
+                    offset=ph.offset, length=ph.length, image=src if not isinstance(src, str) else None,
+                    content_hash=key, grid=grid, pixels=pixels, row_offset=row, embedding_rows=total))
+                row += ph.length
             if grid is not None:
                 self._remember_grid(cache_salt, key, grid)
         spans = []  # M-RoPE spans: (offset, grid) of images, (offset, grid, time interval) of videos
@@ -185,7 +193,7 @@ class InputProcessor:
                 raise InvalidRequestError(f"image {i}: {exc}") from None
         return out
 
-    def _grid(self, index: int, image: ImageLike, size: tuple[int, int] | None, pixels: PixelRange,
+    def _grid(self, index: int, image: ImageLike, size: tuple[int, int] | None, pixels: PixelRange | None,
               salt: str, known: Mapping[str, Grid] | None) -> Grid:
         if size is not None:
             try:
@@ -257,7 +265,8 @@ class InputProcessor:
                     cache_salt: str) -> str:
         """The content hash of one image (common/hashing.py): a file's from its bytes, without decoding it
         (its header was checked); a PIL image's from its RGB pixels, converted inside this call only."""
-        fingerprint = hash_fingerprint(self.fingerprint, pixels)
+        # The layout's processor settings (Gemma 3's pan-and-scan) too: the encoders hash with them.
+        fingerprint = hash_fingerprint(self.fingerprint + self.layout.hash_key, pixels)
         if isinstance(image, bytes):
             return hash_image_file(image, fingerprint, cache_salt)
         if isinstance(image, Image.Image):

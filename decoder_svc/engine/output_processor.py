@@ -37,8 +37,9 @@ class Usage:
 
     @classmethod
     def of(cls, req: Request) -> Usage:
-        """The usage of a request so far (image counts: images only, not a video's runs)."""
-        images = [i for i in req.images if i.video is None]
+        """The usage of a request so far (image counts: images only, not a video's runs; an image of
+        several runs, Gemma 3's crops, once, by its first)."""
+        images = [i for i in req.images if i.video is None and not i.row_offset]
         return cls(
             prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_token_ids),
             cached_prompt_tokens=req.num_cached_tokens or 0, images=len(images),

@@ -58,10 +58,11 @@ class RunnerConfig:
     def for_engine(cls, config: EngineConfig, device: str, dtype: torch.dtype, layout: ImageLayout,
                    eager: bool = False) -> RunnerConfig:
         """The runner's sizes and switches for an engine. Where images attend bidirectionally, an image
-        larger than the token budget runs whole, over the budget: the buffers hold one more image."""
+        (a block of one) larger than the token budget runs whole, over the budget: the buffers hold one
+        more."""
         tokens = config.max_num_batched_tokens
         if layout.bidirectional_images:
-            tokens += layout.tokens_per_image or 0
+            tokens += layout.largest_image_run
         return cls(device, dtype, config.block_size, config.max_num_seqs, tokens, config.num_kv_blocks,
                    config.kv_cache_bytes, config.enforce_eager or eager,
                    image_blocks=layout.bidirectional_images)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from common.families.gemma3.layout import PanAndScan
 from common.families.gemma3.maker import make_gemma3_model
 
 
@@ -21,6 +22,30 @@ def gemma3_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not (out / "mmserve_model.json").exists():
         make_gemma3_model("gemma-3-tiny", out, seed=0, device="cpu", progress=False)
     return out
+
+
+# Crops from 32 px: the sample images (a few hundred px) activate pan-and-scan; 1.2 and 4 are HF's.
+TINY_PAN_AND_SCAN = PanAndScan(min_crop_size=32, max_num_crops=4, min_ratio_to_activate=1.2)
+
+
+@pytest.fixture(scope="session")
+def gemma3_pas_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gemma-3-tiny (the same weights and config.json) with pan-and-scan on in its image processor config."""
+    cache = os.environ.get("MMSERVE_TEST_MODEL_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("models")
+    out = root / "gemma-3-tiny-pas-seed0"
+    if not (out / "mmserve_model.json").exists():
+        make_gemma3_model("gemma-3-tiny", out, seed=0, device="cpu", progress=False,
+                          pan_and_scan=TINY_PAN_AND_SCAN)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gemma3_pas_oracle(gemma3_pas_dir: Path):
+    """HF's Gemma3ForConditionalGeneration and Gemma3Processor (crops on) on the pan-and-scan checkpoint."""
+    from common.families.gemma3.oracle import Gemma3Oracle
+
+    return Gemma3Oracle(gemma3_pas_dir)
 
 
 @pytest.fixture(scope="session")

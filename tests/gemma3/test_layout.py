@@ -66,9 +66,11 @@ def test_real_shapes() -> None:
     assert layout.tokens_per_image == 256
 
 
-def test_pan_and_scan_refused() -> None:
-    with pytest.raises(UnsupportedGemmaConfigError, match="do_pan_and_scan"):
-        gemma3_layout(_config(), {}, {**IMAGE_PROCESSOR, "do_pan_and_scan": True})
+def test_pan_and_scan_served() -> None:
+    """do_pan_and_scan makes counts follow each image (tests/gemma3/test_pan_and_scan.py checks them)."""
+    layout = gemma3_layout(_config(), {}, {**IMAGE_PROCESSOR, "do_pan_and_scan": True})
+    assert layout.pan_and_scan is not None and layout.sized_by_image and layout.tokens_per_image is None
+    assert layout.num_tokens(layout.grid(896, 2000)) == 3 * 256  # two crops side by side
 
 
 @pytest.mark.parametrize("tokens", [255, 49])  # not square; 7 does not divide 64

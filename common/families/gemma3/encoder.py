@@ -1,4 +1,6 @@
-"""Images to Gemma 3 image embeddings, [mm_tokens_per_image, text hidden] per image.
+"""Images to Gemma 3 image embeddings, [mm_tokens_per_image, text hidden] per image; with pan-and-scan
+(the checkpoint's do_pan_and_scan), [(1 + crops) x mm_tokens_per_image, text hidden]: the original's rows,
+then each crop's, in the order HF's processor stacks them (get_image_features over its pixel_values).
 
 Preprocessing is the checkpoint's HF image processor (Gemma3ImageProcessorPil: bilinear resize to the
 tower's square, rescale, normalise), always: fp32 keeps bit parity with HF, which the oracle tests check;
@@ -20,6 +22,7 @@ from common.checkpoint import load_config, model_fingerprint
 from common.families.gemma3.layout import Gemma3ImageLayout
 from common.families.gemma3.tower import load_gemma3_tower
 from common.vision import PREPROCESS_MODES
+from common.vision.prepared import PreparedGrid
 
 
 def load_gemma3_image_processor(model_dir: str | Path):
@@ -48,7 +51,9 @@ class Gemma3VisionEncoder:
         config = load_config(self.model_dir)
         # Before any weight is read: a configuration we cannot serve fails here, with the reason.
         self.layout = Gemma3ImageLayout.from_checkpoint(self.model_dir, config)
-        self.fingerprint = model_fingerprint(self.model_dir)
+        # The pan-and-scan settings change the embedding but live outside config.json: in the hash too
+        # (the decoder's input processor appends the same layout.hash_key).
+        self.fingerprint = model_fingerprint(self.model_dir) + self.layout.hash_key
         self.hidden_size = int(config["text_config"]["hidden_size"])
         self.num_image_tokens = self.layout.mm_tokens_per_image
         self.tower = load_gemma3_tower(self.model_dir, config, self.device, dtype)
@@ -61,30 +66,44 @@ class Gemma3VisionEncoder:
 
     @functools.cached_property
     def embedding_nbytes(self) -> int:
-        """Bytes of one image's embedding in the output dtype."""
-        return self.num_image_tokens * self.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one image's embedding in the output dtype: with pan-and-scan, of the most crops (what
+        the encoder's cache reserves for an image before it is cut)."""
+        pas = self.layout.pan_and_scan
+        blocks = 1 + (pas.max_num_crops if pas is not None else 0)
+        row_bytes = self.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        return blocks * self.num_image_tokens * row_bytes
 
-    def prepare(self, image) -> torch.Tensor:
-        """One image's pixel values [3, S, S] (fp32, CPU) from the HF processor; thread-safe. image: a
+    def prepare(self, image) -> torch.Tensor | PreparedGrid:
+        """One image's pixel values (fp32, CPU) from the HF processor: [3, S, S]; with pan-and-scan a
+        PreparedGrid of [1 + crops, 3, S, S] (the original first) and the layout's grid (1 + crops, 1, 1),
+        which the encoder service keeps with the cache entry for hash-only lookups; thread-safe. image: a
         PIL image or a decode pool's DecodedImage."""
         pil = image if isinstance(image, Image.Image) else image.to_pil()
-        return self.image_processor(images=[pil], return_tensors="pt")["pixel_values"][0]
+        pas = self.layout.pan_and_scan
+        if pas is None:
+            return self.image_processor(images=[pil], return_tensors="pt")["pixel_values"][0]
+        out = self.image_processor(images=[pil], return_tensors="pt", **pas.processor_kwargs())
+        pixels = out["pixel_values"]
+        return PreparedGrid((pixels.shape[0], 1, 1), pixel_values=pixels)
 
     @torch.inference_mode()
-    def encode_prepared(self, prepared: Sequence[torch.Tensor],
+    def encode_prepared(self, prepared: Sequence[torch.Tensor | PreparedGrid],
                         use_graphs: bool = False) -> list[torch.Tensor]:
-        """The tower over prepared images at once; one [mm_tokens_per_image, hidden] tensor each."""
+        """The tower over prepared images at once; one [tower images x mm_tokens_per_image, hidden] tensor
+        each (a pan-and-scan image's crops in one batch with the rest, their rows joined after)."""
         if not prepared:
             return []
-        pixels = torch.stack(list(prepared)).to(self.device, self.dtype, non_blocking=True)
+        stacks = [p.pixel_values if isinstance(p, PreparedGrid) else p.unsqueeze(0) for p in prepared]
+        pixels = torch.cat(stacks).to(self.device, self.dtype, non_blocking=True)
         feats = self.tower(pixels)
         with self._count_lock:
             self.calls += 1
-            self.images_encoded += feats.shape[0]
-        return list(feats.unbind(0))
+            self.images_encoded += len(stacks)
+        parts = feats.split([s.shape[0] for s in stacks])
+        return [part.reshape(-1, part.shape[-1]) for part in parts]
 
     def encode(self, images: Sequence[Image.Image]) -> list[torch.Tensor]:
-        """One [mm_tokens_per_image, hidden] tensor per image, on the encoder's device."""
+        """One [tower images x mm_tokens_per_image, hidden] tensor per image, on the encoder's device."""
         return self.encode_prepared([self.prepare(image) for image in images])
 
     def capture_graphs(self, max_batch: int) -> bool:

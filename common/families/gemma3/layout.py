@@ -11,12 +11,23 @@ and image_seq_length is the processor's, which must equal the model's mm_tokens_
 projector pools the patch grid to that many rows). Unlike LLaVA and Qwen-VL, the marker in the prompt
 is not the placeholder token in the ids: the marker is expanded into a block around the placeholders.
 
-Pan-and-scan (the processor's do_pan_and_scan) adds crops, each a further block, with a sentence
-around them, so an image's token count would follow its aspect ratio: refused here, naming the option.
+Pan-and-scan (the image processor config's do_pan_and_scan) adds crops of an image whose aspect ratio
+is far enough from square (HF's Gemma3ImageProcessor.pan_and_scan): each crop goes through the tower as
+an image of its own, and Gemma3Processor writes that image's `<start_of_image>` as
+
+    "Here is the original image " + block + " and here are some crops to help you see better "
+    + " ".join([block] * num_crops)
+
+where block is the no-crop expansion above. The crop count is a function of the image's (width, height)
+and the processor's settings only (PanAndScan.num_crops, read from the header: no pixels decoded), so
+such a layout sizes each image: its "grid" is (1 + crops, 1, 1), the images the tower takes, and its
+tokens are (1 + crops) runs of mm_tokens_per_image, each its own bidirectional block (HF's mask groups
+contiguous soft-token runs; the text between them breaks the runs).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +35,7 @@ from typing import Any, ClassVar
 
 from common.checkpoint import CheckpointError
 from common.families.layout import ImageLayout, TextProcessor, read_json_or_empty, read_processor_configs
+from common.image_geometry import Grid, ImageGeometryError, PixelRange
 
 GEMMA3_MODEL_TYPES = ("gemma3",)
 
@@ -32,11 +44,65 @@ class UnsupportedGemmaConfigError(CheckpointError):
     """A Gemma 3 checkpoint whose image configuration cannot be served (the message says why)."""
 
 
+# Gemma3Processor.images_kwargs: the values a checkpoint's config leaves null (google/gemma-3-4b-it's
+# preprocessor_config.json does) mean these.
+PAN_AND_SCAN_DEFAULTS = {"pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
+                         "pan_and_scan_min_ratio_to_activate": 1.2}
+
+
+@dataclass(frozen=True)
+class PanAndScan:
+    """The image processor's pan-and-scan settings (transformers' Gemma3ImageProcessor.pan_and_scan)."""
+
+    min_crop_size: int = 256
+    max_num_crops: int = 4
+    min_ratio_to_activate: float = 1.2
+
+    @classmethod
+    def from_image_processor(cls, image_processor: dict[str, Any]) -> PanAndScan | None:
+        """The settings of an image processor config; None where do_pan_and_scan is off (or null)."""
+        if not image_processor.get("do_pan_and_scan"):
+            return None
+        value = {k: image_processor.get(k) if image_processor.get(k) is not None else default
+                 for k, default in PAN_AND_SCAN_DEFAULTS.items()}
+        return cls(int(value["pan_and_scan_min_crop_size"]), int(value["pan_and_scan_max_num_crops"]),
+                   float(value["pan_and_scan_min_ratio_to_activate"]))
+
+    def processor_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments that make HF's image processor crop by these settings (passed on every
+        call: the PIL processor reads null settings from a config as None and would fail on them)."""
+        return {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": self.min_crop_size,
+                "pan_and_scan_max_num_crops": self.max_num_crops,
+                "pan_and_scan_min_ratio_to_activate": self.min_ratio_to_activate}
+
+    def num_crops(self, height: int, width: int) -> int:
+        """The crops HF's pan_and_scan cuts an image of height x width pixels into (0: none), step by
+        step as it decides, so the counts agree for every size (tests/gemma3/test_pan_and_scan.py)."""
+        if width >= height:  # square or landscape: crops side by side
+            if width / height < self.min_ratio_to_activate:
+                return 0
+            across = min(int(math.floor(width / self.min_crop_size)), int(math.floor(width / height + 0.5)))
+            across, down = min(self.max_num_crops, max(2, across)), 1
+        else:  # portrait: crops stacked
+            if height / width < self.min_ratio_to_activate:
+                return 0
+            down = min(int(math.floor(height / self.min_crop_size)), int(math.floor(height / width + 0.5)))
+            across, down = 1, min(self.max_num_crops, max(2, down))
+        # HF clamps to at least 2 crops first, then gives up where that makes a crop too small.
+        if min(math.ceil(width / across), math.ceil(height / down)) < self.min_crop_size:
+            return 0
+        return across * down
+
+    def key(self) -> str:
+        """Part of an image's content hash: the same bytes with and without crops are two embeddings."""
+        return f"pan_and_scan={self.min_crop_size},{self.max_num_crops},{self.min_ratio_to_activate!r}"
+
+
 @dataclass(frozen=True)
 class Gemma3ImageLayout(ImageLayout):
-    """The image side of a Gemma 3 checkpoint: a fixed count per image, positions by token index."""
+    """The image side of a Gemma 3 checkpoint: a fixed count per image (or, with pan-and-scan, one block
+    per tower image: the original and its crops), positions by token index."""
 
-    sized_by_image: ClassVar[bool] = False
     mrope: ClassVar[bool] = False
     bidirectional_images: ClassVar[bool] = True
     merge_size: ClassVar[int] = 1
@@ -47,6 +113,7 @@ class Gemma3ImageLayout(ImageLayout):
     boi_token: str = "<start_of_image>"  # the prompt's image marker
     eoi_token: str = "<end_of_image>"
     image_token: str = "<image_soft_token>"  # the placeholder the features replace
+    pan_and_scan: PanAndScan | None = None  # the checkpoint's crops (do_pan_and_scan); None: off
 
     @classmethod
     def load_text_processor(cls, model_dir: str | Path) -> TextProcessor:
@@ -67,13 +134,57 @@ class Gemma3ImageLayout(ImageLayout):
         return gemma3_layout(config, processor, image_processor, tokens)
 
     @property
-    def tokens_per_image(self) -> int:
-        """mm_tokens_per_image: every image takes as many soft tokens."""
+    def sized_by_image(self) -> bool:  # type: ignore[override]  # the base's class data, per checkpoint
+        """With pan-and-scan an image's count follows its aspect ratio (its crops); without, it is fixed."""
+        return self.pan_and_scan is not None
+
+    # Crops follow the image's shape, never a pixel range: a request has no min/max_pixels to give.
+    pixel_ranges: ClassVar[bool] = False
+
+    @property
+    def tokens_per_image(self) -> int | None:
+        """mm_tokens_per_image: every image takes as many soft tokens; None with pan-and-scan (each crop
+        adds as many)."""
+        return None if self.pan_and_scan is not None else self.mm_tokens_per_image
+
+    @property
+    def largest_image_run(self) -> int:
+        """One block (the original or a crop) is the longest run attending to itself whole."""
         return self.mm_tokens_per_image
 
+    @property
+    def hash_key(self) -> str:
+        """The pan-and-scan settings (config.json, in the checkpoint fingerprint, does not hold them)."""
+        return "" if self.pan_and_scan is None else "|" + self.pan_and_scan.key()
+
+    def grid(self, height: int, width: int, pixels: PixelRange | None = None) -> Grid:
+        """(1 + crops, 1, 1): the tower images of a height x width image, the original first."""
+        if self.pan_and_scan is None:
+            raise ImageGeometryError("this checkpoint's images have no grid (pan-and-scan is off)")
+        return (1 + self.pan_and_scan.num_crops(height, width), 1, 1)
+
+    def check_grid(self, grid: Sequence[int]) -> Grid:
+        """A grid reported for a hash-only image: (1 + crops, 1, 1) with a crop count pan-and-scan makes."""
+        if self.pan_and_scan is None:
+            raise ImageGeometryError("this checkpoint's images have no grid (pan-and-scan is off)")
+        most = 1 + self.pan_and_scan.max_num_crops  # HF clamps to it last
+        if len(grid) != 3 or tuple(grid[1:]) != (1, 1) or not 1 <= int(grid[0]) <= most:
+            raise ImageGeometryError(f"grid {tuple(grid)} is not (1 + crops, 1, 1) with at most {most - 1} "
+                                     "crops")
+        return (int(grid[0]), 1, 1)
+
     def num_tokens(self, grid: Sequence[int] | None = None) -> int:
-        """mm_tokens_per_image, whatever the image (the block's boi/eoi/newlines are ordinary text)."""
-        return self.mm_tokens_per_image
+        """mm_tokens_per_image per tower image: the original and each crop of `grid` (None: no crops);
+        the blocks' boi/eoi/newlines and the crop sentence are ordinary text."""
+        return (1 if grid is None else int(grid[0])) * self.mm_tokens_per_image
+
+    def image_runs(self, count: int) -> list[int]:
+        """An image of `count` soft tokens is one block of mm_tokens_per_image per tower image."""
+        if self.pan_and_scan is None or count <= self.mm_tokens_per_image:
+            return [count]
+        if count % self.mm_tokens_per_image:
+            raise ValueError(f"{count} soft tokens are not whole blocks of {self.mm_tokens_per_image}")
+        return [self.mm_tokens_per_image] * (count // self.mm_tokens_per_image)
 
     def image_block(self, count: int | None = None) -> str:
         """What one `<start_of_image>` becomes (Gemma3Processor.full_image_sequence), with `count`
@@ -81,17 +192,28 @@ class Gemma3ImageLayout(ImageLayout):
         count = self.mm_tokens_per_image if count is None else count
         return f"\n\n{self.boi_token}{self.image_token * count}{self.eoi_token}\n\n"
 
-    def marker_text(self, marker: str, count: int) -> str:
-        """The marker `<start_of_image>` becomes its block, not a run of itself."""
-        return self.image_block(count)
+    def marker_text(self, marker: str, count: int, runs: int = 1) -> str:
+        """The marker `<start_of_image>` becomes its block, not a run of itself; an image of several runs
+        (pan-and-scan: the original, then its crops) Gemma3Processor.replace_image_token's sentence
+        around one block per run, `count` placeholders in each."""
+        if runs == 1:
+            return self.image_block(count)
+        return (f"Here is the original image {self.image_block(count)} and here are some crops to help you "
+                "see better " + " ".join([self.image_block(count)] * (runs - 1)))
 
-    def expand_prompt(self, prompt: str, n_images: int) -> str:
-        """The prompt with each of its n_images `<start_of_image>` markers replaced by image_block(), as
-        Gemma3Processor does (it requires the counts to match: so does this)."""
+    def expand_prompt(self, prompt: str, n_images: int, crops: Sequence[int] | None = None) -> str:
+        """The prompt with each of its n_images `<start_of_image>` markers replaced by its text (image i
+        with crops[i] crops; default none), as Gemma3Processor does (it requires the counts to match: so
+        does this)."""
         found = prompt.count(self.boi_token)
         if found != n_images:
             raise ValueError(f"prompt has {found} {self.boi_token} markers but {n_images} images")
-        return prompt.replace(self.boi_token, self.image_block())
+        pieces = prompt.split(self.boi_token)
+        crops = list(crops or [0] * n_images)
+        out = [pieces[0]]
+        for n, piece in zip(crops, pieces[1:], strict=True):
+            out += [self.marker_text(self.boi_token, self.mm_tokens_per_image, 1 + n), piece]
+        return "".join(out)
 
     def generic_image_text(self, image_token: str) -> str:
         """The API's generic `<image>` stands for the marker the chat template writes."""
@@ -116,17 +238,19 @@ def gemma3_layout(config: dict[str, Any], processor: dict[str, Any], image_proce
         raise UnsupportedGemmaConfigError(
             f"the processor expands each image to {seq} tokens but the model's projector gives {tokens} "
             "(mm_tokens_per_image)")
-    if image_processor.get("do_pan_and_scan"):
-        raise UnsupportedGemmaConfigError(
-            "do_pan_and_scan is set in the image processor config: pan-and-scan crops (a token count that "
-            "follows each image's aspect ratio) are not served yet")
+    try:
+        pan_and_scan = PanAndScan.from_image_processor(image_processor)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedGemmaConfigError(f"unreadable pan-and-scan settings: {exc}") from None
+    if pan_and_scan is not None and (pan_and_scan.min_crop_size < 1 or pan_and_scan.max_num_crops < 1):
+        raise UnsupportedGemmaConfigError(f"pan-and-scan settings out of range: {pan_and_scan}")
     size = image_processor.get("size") or {}
     resized_to = (size.get("height"), size.get("width"))
     if image_processor.get("do_resize", True) and resized_to != (image_size, image_size):
         raise UnsupportedGemmaConfigError(
             f"the image processor resizes to {size} but the vision tower takes {image_size}x{image_size}")
     names = {k: (tokenizer or {}).get(k) for k in ("boi_token", "eoi_token", "image_token")}
-    return Gemma3ImageLayout(tokens, image_size, patch,
+    return Gemma3ImageLayout(tokens, image_size, patch, pan_and_scan=pan_and_scan,
                              **{k: v for k, v in names.items() if isinstance(v, str)})
 
 

@@ -12,7 +12,9 @@ at small widths, so that it runs on a CPU in seconds:
   window 1024; here 6 layers, window 16), local rope base 1e4, global 1e6 with linear scaling 8,
   query_pre_attn_scalar = head_dim, GQA 2:1;
 - processor: 0.5 mean/std, bilinear resize to a square, `<start_of_image>` as the prompt's marker,
-  expanded by Gemma3Processor to `\\n\\n<start_of_image>` + soft tokens + `<end_of_image>\\n\\n`.
+  expanded by Gemma3Processor to `\\n\\n<start_of_image>` + soft tokens + `<end_of_image>\\n\\n`;
+  pan-and-scan off as the 4b's, or on with the settings `pan_and_scan` gives (a small min_crop_size makes
+  small test images crop: tests/gemma3's pan-and-scan checkpoint).
 
 Vocabulary ids are the tiny tokenizer's own; the chat template is Gemma 3's turn format.
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from common.families.gemma3.layout import PanAndScan
 from common.model_maker import (
     build_tokenizer,
     finish_checkpoint,
@@ -169,8 +172,10 @@ def _gemma_scale(model: torch.nn.Module, seed: int, gain: float) -> None:
 
 def make_gemma3_model(preset: str, out: str | Path, seed: int = 0, device: str | None = None,
                       dtype: str | None = None, gain: float = 1.4, progress: bool = True,
-                      vision_only: bool = False) -> Path:
-    """Write a random Gemma 3 checkpoint for `preset` (one of GEMMA3_PRESETS) into `out`; its path."""
+                      vision_only: bool = False, pan_and_scan: PanAndScan | None = None) -> Path:
+    """Write a random Gemma 3 checkpoint for `preset` (one of GEMMA3_PRESETS) into `out`; its path. With
+    `pan_and_scan`, its image processor config turns crops on with those settings (the weights and
+    config.json are the same as without)."""
     from transformers import Gemma3ForConditionalGeneration, Gemma3Processor
 
     if vision_only:
@@ -184,7 +189,7 @@ def make_gemma3_model(preset: str, out: str | Path, seed: int = 0, device: str |
     _gemma_scale(model, seed, gain)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
     del model
-    processor = Gemma3Processor(image_processor=_image_processor(spec), tokenizer=tokenizer,
+    processor = Gemma3Processor(image_processor=_image_processor(spec, pan_and_scan), tokenizer=tokenizer,
                                 chat_template=GEMMA3_CHAT_TEMPLATE, image_seq_length=spec.mm_tokens_per_image)
     processor.save_pretrained(out)
     make_processor_configs_portable(out)
@@ -193,12 +198,13 @@ def make_gemma3_model(preset: str, out: str | Path, seed: int = 0, device: str |
     return out
 
 
-def _image_processor(spec: GemmaPreset):
+def _image_processor(spec: GemmaPreset, pan_and_scan: PanAndScan | None = None):
     """google/gemma-3-4b-it's image processor at the preset's size: bilinear resize to a square, 0.5
-    mean/std, pan-and-scan off (its config leaves it null)."""
+    mean/std, pan-and-scan off (its config leaves it null) unless `pan_and_scan` is given."""
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     side = spec.image_size
+    crops = pan_and_scan.processor_kwargs() if pan_and_scan is not None else {}
     return Gemma3ImageProcessorPil(size={"height": side, "width": side}, resample=2,
                                    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-                                   rescale_factor=1 / 255)
+                                   rescale_factor=1 / 255, **crops)
