@@ -13,9 +13,10 @@ the tokenizer (marker_text). Greedy generation equals HF's with and without imag
 do_pan_and_scan, for every image): the layout counts each image's crops from its header size as HF's
 pan_and_scan does and writes Gemma3Processor's crop sentence; the encoder's embedding is the original's
 rows then each crop's; the engine fills the image's 1 + crops blocks from that one embedding, each block
-bidirectional (tests/gemma3/test_pan_and_scan.py, greedy-exact against HF). Not yet: a per-request
-pan-and-scan switch, the sliding layers' KV blocks freed past the window (they are kept), GPU figures of
-the real shapes (presets gemma-3-4b, gemma-3-12b).
+bidirectional (tests/gemma3/test_pan_and_scan.py, greedy-exact against HF). The sliding layers keep only
+their window's KV blocks (decoder_svc/model/kv_groups.py, engine/kv_cache_manager.py;
+tests/gemma3/test_sliding_window_kv.py). Not yet: a per-request pan-and-scan switch, GPU figures of the
+real shapes (presets gemma-3-4b, gemma-3-12b).
 """
 
 from common.families.family import ModelFamily
