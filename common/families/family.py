@@ -37,7 +37,7 @@ class ModelFamily:
     model_types: tuple[str, ...]  # config.json `model_type` values it serves
     hf_class: str                 # the transformers class the tests' oracle runs (generate, image features)
     real_checkpoint: str          # a Hub id of a real checkpoint (what its presets copy; the launcher's hint)
-    dynamic_resolution: bool      # an image's token count follows its size (a grid read from its header)
+    dynamic_resolution: bool      # every image's token count follows its size (a grid read from its header)
     takes_video: bool             # video inputs (`<|video_pad|>` runs) are served
     local_preprocess: str         # the in-process encoder's preprocessing ("hf" or "auto")
     vision_encoder: str           # "module:Class": its vision encoder (model_dir, device, dtype, preprocess=)

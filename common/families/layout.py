@@ -41,7 +41,9 @@ class ImageLayout(ABC):
     Capabilities are class data, so that callers branch on what a layout does, never on whose it is.
     """
 
-    sized_by_image: ClassVar[bool]  # token counts follow each image's size (pixel ranges, grids)
+    # token counts follow each image's size (pixel ranges, grids); a property where the checkpoint
+    # decides (Gemma 3: only with pan-and-scan crops)
+    sized_by_image: ClassVar[bool]
     # a sized layout's images are resized into a pixel range (a request's min/max_pixels); False where
     # only the image's shape sizes it (Gemma 3's pan-and-scan crops)
     pixel_ranges: ClassVar[bool] = True
