@@ -13,15 +13,20 @@ from common.families.gemma3.layout import PanAndScan
 from common.families.gemma3.maker import make_gemma3_model
 
 
+def _tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, name: str, **maker_options) -> Path:
+    """gemma-3-tiny (seed 0) made once into MMSERVE_TEST_MODEL_CACHE (or a session folder) as `name`."""
+    cache = os.environ.get("MMSERVE_TEST_MODEL_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("models")
+    out = root / name
+    if not (out / "mmserve_model.json").exists():
+        make_gemma3_model("gemma-3-tiny", out, seed=0, device="cpu", progress=False, **maker_options)
+    return out
+
+
 @pytest.fixture(scope="session")
 def gemma3_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random gemma-3-tiny checkpoint (fp32, 224 px, 16 image tokens)."""
-    cache = os.environ.get("MMSERVE_TEST_MODEL_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("models")
-    out = root / "gemma-3-tiny-seed0"
-    if not (out / "mmserve_model.json").exists():
-        make_gemma3_model("gemma-3-tiny", out, seed=0, device="cpu", progress=False)
-    return out
+    return _tiny_checkpoint(tmp_path_factory, "gemma-3-tiny-seed0")
 
 
 # Crops from 32 px: the sample images (a few hundred px) activate pan-and-scan; 1.2 and 4 are HF's.
@@ -31,13 +36,7 @@ TINY_PAN_AND_SCAN = PanAndScan(min_crop_size=32, max_num_crops=4, min_ratio_to_a
 @pytest.fixture(scope="session")
 def gemma3_pas_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """gemma-3-tiny (the same weights and config.json) with pan-and-scan on in its image processor config."""
-    cache = os.environ.get("MMSERVE_TEST_MODEL_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("models")
-    out = root / "gemma-3-tiny-pas-seed0"
-    if not (out / "mmserve_model.json").exists():
-        make_gemma3_model("gemma-3-tiny", out, seed=0, device="cpu", progress=False,
-                          pan_and_scan=TINY_PAN_AND_SCAN)
-    return out
+    return _tiny_checkpoint(tmp_path_factory, "gemma-3-tiny-pas-seed0", pan_and_scan=TINY_PAN_AND_SCAN)
 
 
 @pytest.fixture(scope="session")

@@ -80,12 +80,9 @@ def test_images_and_the_block_mask_change_hfs_output(gemma3_oracle, images, want
     assert len({t for tokens, _ in want.values() for t in tokens}) >= 6
 
 
-@pytest.mark.parametrize("budget", [2048, 20, 7])
-def test_greedy_equals_hf_for_any_budget(gemma3_tiny_dir: Path, images, want, budget: int) -> None:
-    """Budgets of 7 and 20 tokens would cut each 16-token image: chunks end before it, and an image
-    larger than the budget runs whole as its step's prefill."""
-    engine = make_engine(gemma3_tiny_dir, max_num_batched_tokens=budget)
-    seen = []
+def step_sizes(engine) -> list[int]:
+    """The token count of every step the engine's runner executes from now on (appended as they run)."""
+    seen: list[int] = []
     launch = engine.runner.execute
 
     def spy(batch):
@@ -93,6 +90,15 @@ def test_greedy_equals_hf_for_any_budget(gemma3_tiny_dir: Path, images, want, bu
         return launch(batch)
 
     engine.runner.execute = spy
+    return seen
+
+
+@pytest.mark.parametrize("budget", [2048, 20, 7])
+def test_greedy_equals_hf_for_any_budget(gemma3_tiny_dir: Path, images, want, budget: int) -> None:
+    """Budgets of 7 and 20 tokens would cut each 16-token image: chunks end before it, and an image
+    larger than the budget runs whole as its step's prefill."""
+    engine = make_engine(gemma3_tiny_dir, max_num_batched_tokens=budget)
+    seen = step_sizes(engine)
     for name, (prompt, idx) in CASES.items():
         out = engine.generate(name, prompt, [images[i] for i in idx], sampling=greedy(N, logprobs=TOP))
         assert_same(out, want[name], name)

@@ -27,7 +27,7 @@ from common.families.gemma3.layout import (
     gemma3_layout,
 )
 from tests.gemma3.conftest import TINY_PAN_AND_SCAN, sample_images
-from tests.gemma3.test_image_generate import TOP, assert_same, make_engine
+from tests.gemma3.test_image_generate import TOP, assert_same, make_engine, step_sizes
 from tests.oracle import greedy
 
 N = 12
@@ -193,14 +193,7 @@ def test_crops_change_hfs_output(gemma3_oracle, images, want) -> None:
 def test_greedy_equals_hf_for_any_budget(gemma3_pas_dir: Path, images, want, budget: int) -> None:
     """Budgets of 7 and 20 tokens would cut each 16-token block: every block runs whole in one chunk."""
     engine = make_engine(gemma3_pas_dir, max_num_batched_tokens=budget)
-    seen = []
-    launch = engine.runner.execute
-
-    def spy(batch):
-        seen.append(batch.num_tokens)
-        return launch(batch)
-
-    engine.runner.execute = spy
+    seen = step_sizes(engine)
     for name, (prompt, idx) in CASES.items():
         out = engine.generate(name, prompt, [images[i] for i in idx], sampling=greedy(N, logprobs=TOP))
         assert_same(out, want[name], name)
