@@ -94,6 +94,20 @@ def _cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
+def _message_fields(message) -> dict:
+    """A stats message as plain JSON values, every field written (zeros too): map fields as objects,
+    repeated messages (the decoder's kv_groups) as lists of objects."""
+    out = {}
+    for f in message.DESCRIPTOR.fields:
+        value = getattr(message, f.name)
+        if hasattr(value, "items"):
+            value = dict(value)
+        elif f.message_type is not None and hasattr(value, "add"):
+            value = [_message_fields(item) for item in value]
+        out[f.name] = value
+    return out
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     import grpc
 
@@ -110,9 +124,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
                 print(f"error: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
                 return 1
         kind = "decoder" if client_cls is DecoderClient else "encoder"
-        fields = {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
-        fields = {k: dict(v) if hasattr(v, "items") else v for k, v in fields.items()}  # map fields
-        print(json.dumps({"service": kind, **fields}, indent=2))
+        print(json.dumps({"service": kind, **_message_fields(stats)}, indent=2))
         return 0
     print(f"error: {args.address} serves neither DecoderService nor EncoderService", file=sys.stderr)
     return 1

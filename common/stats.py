@@ -8,7 +8,9 @@ a one-line doc and a kind. From that one definition:
 - `StatsCollector` (common/stats_metrics.py) exports every field as `<prefix>_<name>` (or the field's
   own `metric` name): a counter
   (`_total`), a gauge, or a counter family labelled by key for a dict field; "info" fields (strings)
-  are left to the RPC;
+  are left to the RPC; a "rows" field (a list of small records, a repeated message in the API, e.g. one
+  row per KV cache group) is one gauge family per numeric column, `<prefix>_<name>_<column>`, labelled
+  by the rows' `name`;
 - `summary` is the compact line the services log.
 """
 
@@ -18,19 +20,22 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-KINDS = ("counter", "gauge", "labels", "info")
+KINDS = ("counter", "gauge", "labels", "info", "rows")
 
 
 def stat(doc: str, kind: str = "counter", default: Any = 0, label: str = "kind", metric: str | None = None
          ) -> Any:
-    """A stats field: `kind` is counter (monotonic), gauge, labels (a dict of counters by `label`) or
-    info (a string for the RPC only). `metric` names the Prometheus metric when it is not the field's
+    """A stats field: `kind` is counter (monotonic), gauge, labels (a dict of counters by `label`), info
+    (a string for the RPC only) or rows (a list of dataclass rows, each with a `name`; `label` names the
+    Prometheus label their name goes in). `metric` names the Prometheus metric when it is not the field's
     name (metrics that existed before the record keep their names)."""
     if kind not in KINDS:
         raise ValueError(f"stat kind must be one of {KINDS}, not {kind!r}")
     meta = {"doc": doc, "kind": kind, "label": label, "metric": metric}
     if kind == "labels":
         return dataclasses.field(default_factory=dict, metadata=meta)
+    if kind == "rows":
+        return dataclasses.field(default_factory=list, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -61,6 +66,9 @@ def to_message(record: Any, message_cls: type) -> Any:
             continue
         if f.metadata["kind"] == "labels":
             getattr(message, f.name).update(value)
+        elif f.metadata["kind"] == "rows":  # a repeated message whose fields are the rows' names
+            for row in value:
+                getattr(message, f.name).add(**dataclasses.asdict(row))
         else:
             setattr(message, f.name, value)
     return message

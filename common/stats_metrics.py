@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -43,9 +44,27 @@ class StatsCollector(Collector):
                 for key, count in sorted(value.items()):
                     family.add_metric([key], count)
                 yield family
+            elif kind == "rows":
+                yield from _row_gauges(name, doc, f.metadata["label"], value)
 
     def close(self) -> None:
         """Unregister from the registry."""
         if self._registry is not None:
             self._registry.unregister(self)
             self._registry = None
+
+
+def _row_gauges(name: str, doc: str, label: str, rows: list) -> list[GaugeMetricFamily]:
+    """One gauge family per numeric column of a "rows" stat, `<name>_<column>`, a sample per row
+    labelled with the row's name."""
+    if not rows:
+        return []
+    columns = [f.name for f in dataclasses.fields(rows[0])
+               if f.name != "name" and isinstance(getattr(rows[0], f.name), int | float)]
+    families = []
+    for column in columns:
+        family = GaugeMetricFamily(f"{name}_{column}", f"{doc}: {column}", labels=[label])
+        for row in rows:
+            family.add_metric([row.name], getattr(row, column))
+        families.append(family)
+    return families

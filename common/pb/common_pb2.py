@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17mmserve/v1/common.proto\x12\nmmserve.v1\"f\n\nImageInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x16\n\x0c\x63ontent_hash\x18\x02 \x01(\tH\x00\x12\x12\n\nmin_pixels\x18\x03 \x01(\x04\x12\x12\n\nmax_pixels\x18\x04 \x01(\x04\x42\x08\n\x06source\"\x87\x01\n\nVideoInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x16\n\x0c\x63ontent_hash\x18\x02 \x01(\tH\x00\x12\x0b\n\x03\x66ps\x18\x03 \x01(\x02\x12\x12\n\nmax_frames\x18\x04 \x01(\r\x12\x12\n\nmin_pixels\x18\x05 \x01(\x04\x12\x12\n\nmax_pixels\x18\x06 \x01(\x04\x42\x08\n\x06source\"K\n\tImageGrid\x12\x0b\n\x03thw\x18\x01 \x03(\x03\x12\x18\n\x10video_timestamps\x18\x02 \x03(\x01\x12\x17\n\x0fsecond_per_grid\x18\x03 \x01(\x01\"v\n\x0f\x43udaIpcLocation\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\x12\x14\n\x0c\x65vent_handle\x18\x04 \x01(\x0c\x12\x14\n\x0c\x61rena_nbytes\x18\x05 \x01(\x04\"A\n\x0bShmLocation\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x14\n\x0c\x61rena_nbytes\x18\x03 \x01(\x04\"\x92\x01\n\x0cNixlLocation\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x14\n\x0c\x61rena_nbytes\x18\x05 \x01(\x04\x12\x0c\n\x04vram\x18\x06 \x01(\x08\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"\x91\x03\n\x0c\x45mbeddingRef\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.mmserve.v1.DType\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x11\n\tcache_hit\x18\x05 \x01(\x08\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\x1a\n\x12lease_expires_in_s\x18\x07 \x01(\x01\x12/\n\x08\x63uda_ipc\x18\x08 \x01(\x0b\x32\x1b.mmserve.v1.CudaIpcLocationH\x00\x12&\n\x03shm\x18\t \x01(\x0b\x32\x17.mmserve.v1.ShmLocationH\x00\x12\x15\n\x0binline_data\x18\n \x01(\x0cH\x00\x12(\n\x04nixl\x18\x0e \x01(\x0b\x32\x18.mmserve.v1.NixlLocationH\x00\x12\x10\n\x08grid_thw\x18\x0b \x03(\x03\x12\x18\n\x10video_timestamps\x18\x0c \x03(\x01\x12\x17\n\x0fsecond_per_grid\x18\r \x01(\x01\x42\n\n\x08location\"\x0e\n\x0cStatsRequest*{\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x01\x12\x11\n\rTRANSPORT_SHM\x10\x02\x12\x14\n\x10TRANSPORT_INLINE\x10\x03\x12\x12\n\x0eTRANSPORT_NIXL\x10\x04*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17mmserve/v1/common.proto\x12\nmmserve.v1\"\x92\x01\n\nImageInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x16\n\x0c\x63ontent_hash\x18\x02 \x01(\tH\x00\x12\x12\n\nmin_pixels\x18\x03 \x01(\x04\x12\x12\n\nmax_pixels\x18\x04 \x01(\x04\x12\x19\n\x0cpan_and_scan\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06sourceB\x0f\n\r_pan_and_scan\"\x87\x01\n\nVideoInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x16\n\x0c\x63ontent_hash\x18\x02 \x01(\tH\x00\x12\x0b\n\x03\x66ps\x18\x03 \x01(\x02\x12\x12\n\nmax_frames\x18\x04 \x01(\r\x12\x12\n\nmin_pixels\x18\x05 \x01(\x04\x12\x12\n\nmax_pixels\x18\x06 \x01(\x04\x42\x08\n\x06source\"K\n\tImageGrid\x12\x0b\n\x03thw\x18\x01 \x03(\x03\x12\x18\n\x10video_timestamps\x18\x02 \x03(\x01\x12\x17\n\x0fsecond_per_grid\x18\x03 \x01(\x01\"v\n\x0f\x43udaIpcLocation\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\x12\x14\n\x0c\x65vent_handle\x18\x04 \x01(\x0c\x12\x14\n\x0c\x61rena_nbytes\x18\x05 \x01(\x04\"A\n\x0bShmLocation\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x14\n\x0c\x61rena_nbytes\x18\x03 \x01(\x04\"\x92\x01\n\x0cNixlLocation\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x14\n\x0c\x61rena_nbytes\x18\x05 \x01(\x04\x12\x0c\n\x04vram\x18\x06 \x01(\x08\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"\x91\x03\n\x0c\x45mbeddingRef\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.mmserve.v1.DType\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x11\n\tcache_hit\x18\x05 \x01(\x08\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\x1a\n\x12lease_expires_in_s\x18\x07 \x01(\x01\x12/\n\x08\x63uda_ipc\x18\x08 \x01(\x0b\x32\x1b.mmserve.v1.CudaIpcLocationH\x00\x12&\n\x03shm\x18\t \x01(\x0b\x32\x17.mmserve.v1.ShmLocationH\x00\x12\x15\n\x0binline_data\x18\n \x01(\x0cH\x00\x12(\n\x04nixl\x18\x0e \x01(\x0b\x32\x18.mmserve.v1.NixlLocationH\x00\x12\x10\n\x08grid_thw\x18\x0b \x03(\x03\x12\x18\n\x10video_timestamps\x18\x0c \x03(\x01\x12\x17\n\x0fsecond_per_grid\x18\r \x01(\x01\x42\n\n\x08location\"\x0e\n\x0cStatsRequest*{\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x01\x12\x11\n\rTRANSPORT_SHM\x10\x02\x12\x14\n\x10TRANSPORT_INLINE\x10\x03\x12\x12\n\x0eTRANSPORT_NIXL\x10\x04*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mmserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORT']._serialized_start=1114
-  _globals['_TRANSPORT']._serialized_end=1237
-  _globals['_DTYPE']._serialized_start=1239
-  _globals['_DTYPE']._serialized_end=1327
-  _globals['_IMAGEINPUT']._serialized_start=39
-  _globals['_IMAGEINPUT']._serialized_end=141
-  _globals['_VIDEOINPUT']._serialized_start=144
-  _globals['_VIDEOINPUT']._serialized_end=279
-  _globals['_IMAGEGRID']._serialized_start=281
-  _globals['_IMAGEGRID']._serialized_end=356
-  _globals['_CUDAIPCLOCATION']._serialized_start=358
-  _globals['_CUDAIPCLOCATION']._serialized_end=476
-  _globals['_SHMLOCATION']._serialized_start=478
-  _globals['_SHMLOCATION']._serialized_end=543
-  _globals['_NIXLLOCATION']._serialized_start=546
-  _globals['_NIXLLOCATION']._serialized_end=692
-  _globals['_EMBEDDINGREF']._serialized_start=695
-  _globals['_EMBEDDINGREF']._serialized_end=1096
-  _globals['_STATSREQUEST']._serialized_start=1098
-  _globals['_STATSREQUEST']._serialized_end=1112
+  _globals['_TRANSPORT']._serialized_start=1159
+  _globals['_TRANSPORT']._serialized_end=1282
+  _globals['_DTYPE']._serialized_start=1284
+  _globals['_DTYPE']._serialized_end=1372
+  _globals['_IMAGEINPUT']._serialized_start=40
+  _globals['_IMAGEINPUT']._serialized_end=186
+  _globals['_VIDEOINPUT']._serialized_start=189
+  _globals['_VIDEOINPUT']._serialized_end=324
+  _globals['_IMAGEGRID']._serialized_start=326
+  _globals['_IMAGEGRID']._serialized_end=401
+  _globals['_CUDAIPCLOCATION']._serialized_start=403
+  _globals['_CUDAIPCLOCATION']._serialized_end=521
+  _globals['_SHMLOCATION']._serialized_start=523
+  _globals['_SHMLOCATION']._serialized_end=588
+  _globals['_NIXLLOCATION']._serialized_start=591
+  _globals['_NIXLLOCATION']._serialized_end=737
+  _globals['_EMBEDDINGREF']._serialized_start=740
+  _globals['_EMBEDDINGREF']._serialized_end=1141
+  _globals['_STATSREQUEST']._serialized_start=1143
+  _globals['_STATSREQUEST']._serialized_end=1157
 # @@protoc_insertion_point(module_scope)

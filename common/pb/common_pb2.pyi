@@ -32,16 +32,18 @@ DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 
 class ImageInput(_message.Message):
-    __slots__ = ("data", "content_hash", "min_pixels", "max_pixels")
+    __slots__ = ("data", "content_hash", "min_pixels", "max_pixels", "pan_and_scan")
     DATA_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    PAN_AND_SCAN_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     content_hash: str
     min_pixels: int
     max_pixels: int
-    def __init__(self, data: _Optional[bytes] = ..., content_hash: _Optional[str] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
+    pan_and_scan: bool
+    def __init__(self, data: _Optional[bytes] = ..., content_hash: _Optional[str] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., pan_and_scan: _Optional[bool] = ...) -> None: ...
 
 class VideoInput(_message.Message):
     __slots__ = ("data", "content_hash", "fps", "max_frames", "min_pixels", "max_pixels")

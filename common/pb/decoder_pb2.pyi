@@ -134,7 +134,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class DecoderStats(_message.Message):
-    __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "images_encoded", "images_encoder_cache_hits", "images_skipped_by_kv_reuse", "preemptions", "requests_finished", "requests_aborted", "active_leases", "images_prefetched", "lookahead_ready_at_prefill", "kv_blocks_cached_free", "lookahead_waited_at_prefill", "requests_failed", "embedding_transports", "lookahead_boosted", "ttft_stage_seconds", "ttft_calls")
+    __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "images_encoded", "images_encoder_cache_hits", "images_skipped_by_kv_reuse", "preemptions", "requests_finished", "requests_aborted", "active_leases", "images_prefetched", "lookahead_ready_at_prefill", "kv_blocks_cached_free", "lookahead_waited_at_prefill", "requests_failed", "embedding_transports", "lookahead_boosted", "ttft_stage_seconds", "ttft_calls", "kv_groups")
     class EmbeddingTransportsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class DecoderStats(_message.Message):
     LOOKAHEAD_BOOSTED_FIELD_NUMBER: _ClassVar[int]
     TTFT_STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TTFT_CALLS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_blocks_used: int
@@ -193,4 +194,19 @@ class DecoderStats(_message.Message):
     lookahead_boosted: int
     ttft_stage_seconds: _containers.ScalarMap[str, float]
     ttft_calls: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., images_encoded: _Optional[int] = ..., images_encoder_cache_hits: _Optional[int] = ..., images_skipped_by_kv_reuse: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., active_leases: _Optional[int] = ..., images_prefetched: _Optional[int] = ..., lookahead_ready_at_prefill: _Optional[int] = ..., kv_blocks_cached_free: _Optional[int] = ..., lookahead_waited_at_prefill: _Optional[int] = ..., requests_failed: _Optional[int] = ..., embedding_transports: _Optional[_Mapping[str, int]] = ..., lookahead_boosted: _Optional[int] = ..., ttft_stage_seconds: _Optional[_Mapping[str, float]] = ..., ttft_calls: _Optional[int] = ...) -> None: ...
+    kv_groups: _containers.RepeatedCompositeFieldContainer[KvGroupStats]
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., images_encoded: _Optional[int] = ..., images_encoder_cache_hits: _Optional[int] = ..., images_skipped_by_kv_reuse: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., active_leases: _Optional[int] = ..., images_prefetched: _Optional[int] = ..., lookahead_ready_at_prefill: _Optional[int] = ..., kv_blocks_cached_free: _Optional[int] = ..., lookahead_waited_at_prefill: _Optional[int] = ..., requests_failed: _Optional[int] = ..., embedding_transports: _Optional[_Mapping[str, int]] = ..., lookahead_boosted: _Optional[int] = ..., ttft_stage_seconds: _Optional[_Mapping[str, float]] = ..., ttft_calls: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupStats, _Mapping]]] = ...) -> None: ...
+
+class KvGroupStats(_message.Message):
+    __slots__ = ("name", "window", "blocks_used", "blocks_total", "blocks_cached_free")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_CACHED_FREE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    window: int
+    blocks_used: int
+    blocks_total: int
+    blocks_cached_free: int
+    def __init__(self, name: _Optional[str] = ..., window: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_cached_free: _Optional[int] = ...) -> None: ...

@@ -27,7 +27,7 @@ from common.stats import stat
 from decoder_svc.engine.config import EngineConfig
 from decoder_svc.engine.embedding_source import EmbeddingSource, VideoSource
 from decoder_svc.engine.input_processor import ImageLike, ImageOptions, InputProcessor
-from decoder_svc.engine.kv_cache_manager import KVCacheManager
+from decoder_svc.engine.kv_cache_manager import KVCacheManager, KvGroupStats
 from decoder_svc.engine.output_processor import OutputProcessor, RequestOutput
 from decoder_svc.engine.request import FinishReason, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -79,6 +79,8 @@ class EngineStats:
     requests_finished: int = stat("Requests ended by a stop condition or their length")
     requests_aborted: int = stat("Requests aborted (client cancel, deadline, disconnect)")
     requests_failed: int = stat("Requests ended by an error")
+    kv_groups: list[KvGroupStats] = stat("KV cache blocks per group of layers with one attention pattern",
+                                         "rows", label="group")
 
 
 @dataclass
@@ -317,6 +319,7 @@ class LLMEngine:
             images_encoded=i.images_encoded, images_encoder_cache_hits=i.images_encoder_cache_hits,
             images_skipped_by_kv_reuse=i.images_skipped_by_kv_reuse, preemptions=c.preemptions,
             requests_finished=c.finished, requests_aborted=c.aborted, requests_failed=c.failed,
+            kv_groups=self.blocks.group_rows(),
         )
 
     def generate(self, request_id: str, prompt: str | None = None, images: Sequence[ImageLike] = (),

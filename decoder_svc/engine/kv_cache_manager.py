@@ -12,7 +12,8 @@ groups in step:
 - an allocation first drops each sliding group's blocks that left the window (always safe: the
   request's next query is at num_computed_tokens or later), then checks that every group can supply its
   blocks before it takes any, so a failure changes nothing.
-- stats are summed over the groups (zero used blocks means zero in every group); `group_stats` has each.
+- stats are summed over the groups (zero used blocks means zero in every group); `group_stats` has each,
+  `group_rows` each with its name and window (the API's DecoderStats.kv_groups).
 """
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ from decoder_svc.engine.block_manager import BlockManager, BlockStats, KVBlock
 from decoder_svc.engine.request import Request
 from decoder_svc.engine.sliding_block_manager import SlidingWindowBlockManager
 from decoder_svc.model.kv_groups import KVCacheGroup
+
+
+@dataclass(frozen=True)
+class KvGroupStats:
+    """One group's pool as the API's KvGroupStats reports it (a DecoderStats.kv_groups row)."""
+
+    name: str  # "full", or "sliding_<window>"
+    window: int  # tokens; 0 for full attention
+    blocks_used: int
+    blocks_total: int
+    blocks_cached_free: int
 
 
 @dataclass
@@ -128,6 +140,15 @@ class KVCacheManager:
     def group_stats(self) -> list[BlockStats]:
         """Each group's pool counters (the prefix counters are the manager's)."""
         return [pool.stats() for pool in self.pools]
+
+    def group_rows(self) -> list[KvGroupStats]:
+        """Each group's pool counters with its name and window, the full layers' group first."""
+        rows = []
+        for pool, s in zip(self.pools, self.group_stats(), strict=True):
+            window = pool.window if isinstance(pool, SlidingWindowBlockManager) else 0
+            rows.append(KvGroupStats(f"sliding_{window}" if window else "full", window, s.used_blocks,
+                                     s.num_blocks, s.cached_free_blocks))
+        return rows
 
     def stats(self) -> BlockStats:
         """Pool counters summed over the groups."""

@@ -12,13 +12,17 @@ from common.stats import as_dict, stat, summary, to_message
 from common.stats_metrics import StatsCollector
 from decoder_svc.encoders.remote_source import RemoteSourceStats
 from decoder_svc.engine.engine import EngineStats
+from decoder_svc.engine.kv_cache_manager import KvGroupStats
 from decoder_svc.engine.ttft_stages import FirstTokenStats
 from decoder_svc.stats import DecoderStats
 from encoder_svc.stats import EncoderStats
 
+GROUPS = [KvGroupStats("full", 0, 3, 10, 2), KvGroupStats("sliding_16", 16, 1, 6, 4)]
+
 
 def _decoder_record() -> DecoderStats:
-    engine = EngineStats(**{name: i + 1 for i, name in enumerate(as_dict(EngineStats()))})
+    numbers = {name: i + 1 for i, name in enumerate(as_dict(EngineStats())) if name != "kv_groups"}
+    engine = EngineStats(**numbers, kv_groups=GROUPS)
     source = RemoteSourceStats(active_leases=2, images_prefetched=5, embedding_transports={"shm": 3},
                                encoders=4)
     return DecoderStats(engine, source, FirstTokenStats({"input": 0.5, "prefill": 2.0}, 3))
@@ -31,6 +35,9 @@ def test_every_field_of_the_decoder_stats_message_comes_from_the_record():
     for name in decoder_pb2.DecoderStats.DESCRIPTOR.fields_by_name:
         assert name in values, f"DecoderStats.{name} has no field in the service's stats record"
         got = getattr(message, name)
+        if name == "kv_groups":  # a repeated message, one per row
+            got = [KvGroupStats(g.name, g.window, g.blocks_used, g.blocks_total, g.blocks_cached_free)
+                   for g in got]
         assert (dict(got) if name in ("embedding_transports", "ttft_stage_seconds") else got) == values[name]
 
 
@@ -43,6 +50,10 @@ def test_the_metrics_export_every_stat_under_its_own_name():
     assert 'mmserve_decoder_embedding_transports_total{transport="shm"} 3.0' in text
     assert "mmserve_decoder_encoders 4.0" in text
     assert "mmserve_decoder_active_leases 2.0" in text
+    # rows: a gauge family per column, labelled by group
+    assert 'mmserve_decoder_kv_groups_blocks_used{group="sliding_16"} 1.0' in text
+    assert 'mmserve_decoder_kv_groups_blocks_total{group="full"} 10.0' in text
+    assert 'mmserve_decoder_kv_groups_window{group="sliding_16"} 16.0' in text
 
 
 def test_a_record_without_its_source_part_still_exports_and_answers():
