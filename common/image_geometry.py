@@ -1,5 +1,5 @@
-"""Image geometry types every family and service shares: a patch grid, a pixel range, the error a size
-the model cannot take raises, and the fingerprint an image's content hash is made under.
+"""Image geometry types every family and service shares: a patch grid, a pixel range, a crop choice, the
+error a size the model cannot take raises, and the fingerprint an image's content hash is made under.
 
 They are family-neutral on purpose: the engine, the services and the transports carry grids and pixel
 ranges without knowing whose layout made them (a family's own rules live in its folder,
@@ -19,6 +19,10 @@ class ImageGeometryError(InvalidInputError):
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, before merging
 
+# What a model without crops answers an image that asks for them (INVALID_ARGUMENT, the image named).
+NO_PAN_AND_SCAN = ("pan_and_scan (do_pan_and_scan) is not supported by this model: only Gemma 3 cuts images "
+                   "into pan-and-scan crops")
+
 
 @dataclass(frozen=True)
 class PixelRange:
@@ -31,8 +35,37 @@ class PixelRange:
         """Part of the content hash: the same bytes at two ranges are two cache entries."""
         return f"pixels={self.min_pixels}-{self.max_pixels}"
 
+    def input_fields(self) -> dict[str, int]:
+        """The ImageInput fields that ask an encoder for this range."""
+        return {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
 
-def hash_fingerprint(fingerprint: str, pixels: PixelRange | None) -> str:
-    """The model fingerprint an image's content hash is made under: with its pixel range where the family
-    resizes into one (the same bytes resized two ways are two embeddings). Both services hash with it."""
-    return fingerprint if pixels is None else f"{fingerprint}|{pixels.key()}"
+
+@dataclass(frozen=True)
+class CropChoice:
+    """Whether one image is also cut into crops besides the whole (Gemma 3's pan-and-scan, per request or
+    the checkpoint's), and the crop rule's settings as text (`rule`: they change the crops, so they are
+    part of the content hash when crops are on)."""
+
+    on: bool
+    rule: str = ""
+
+    def key(self) -> str:
+        """Part of the content hash: "" without crops (the plain image's hash), the rule with them."""
+        return self.rule if self.on else ""
+
+    def input_fields(self) -> dict[str, bool]:
+        """The ImageInput fields that ask an encoder for this choice (always explicit)."""
+        return {"pan_and_scan": self.on}
+
+
+# One image's processor settings that change its embedding (and so its hash): a pixel range (Qwen-VL), a
+# crop choice (Gemma 3), or None where the model has none (LLaVA).
+ImageSettings = PixelRange | CropChoice
+
+
+def hash_fingerprint(fingerprint: str, pixels: ImageSettings | None) -> str:
+    """The model fingerprint an image's content hash is made under: with its settings where they change
+    the embedding (the same bytes resized or cropped two ways are two embeddings; no crops add nothing).
+    Both services hash with it."""
+    key = pixels.key() if pixels is not None else ""
+    return f"{fingerprint}|{key}" if key else fingerprint

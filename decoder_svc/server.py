@@ -67,7 +67,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     async def _known_grids(self, parsed: ParsedRequest) -> dict | None:
         """Grids of the request's hash-only images this front end has not hashed itself (where the layout
         sizes images, their token counts), from the encoders that hold them."""
-        if self.encoders is None or not self.inputs.layout.sized_by_image:
+        # Sized images: every image of a sized layout, and Gemma 3's with crops turned on by the request.
+        crops = any(opt.pan_and_scan for opt in parsed.image_options)
+        if self.encoders is None or not (self.inputs.layout.sized_by_image or crops):
             return None
         missing = [i for i in parsed.images
                    if isinstance(i, str) and self.inputs.known_grid(parsed.cache_salt, i) is None]
@@ -119,8 +121,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 continue
             self._sent_ahead.put(key, True)
             px = img.pixels
-            files.append(FileAhead(img.content_hash, img.image, px.min_pixels if px else 0,
-                                   px.max_pixels if px else 0))
+            files.append(FileAhead(img.content_hash, img.image, px.input_fields() if px else {}))
             img.sent_ahead = True
         if files:  # serialising megabytes is not the event loop's work
             asyncio.get_running_loop().run_in_executor(None, self.encoders.send_ahead, files, req.cache_salt)

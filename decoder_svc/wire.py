@@ -28,7 +28,7 @@ class ParsedRequest:
     images: list[bytes | str]  # encoded file, or a content hash
     sampling: SamplingParams
     cache_salt: str
-    image_options: list[ImageOptions] = field(default_factory=list)  # per image (Qwen2.5-VL's pixels)
+    image_options: list[ImageOptions] = field(default_factory=list)  # per image (pixels, pan-and-scan)
     videos: list[VideoSource] = field(default_factory=list)  # Qwen-VL videos, in prompt order
     prompt_token_ids: list[int] | None = None  # a prompt given as token ids (text only)
 
@@ -40,6 +40,12 @@ def _image(index: int, image: common_pb2.ImageInput) -> bytes | str:
     if kind == "content_hash":
         return image.content_hash
     raise invalid_argument(f"image {index}: neither data nor content_hash is set")
+
+
+def _options(image: common_pb2.ImageInput) -> ImageOptions:
+    """An image's processor options: its pixel range, and its pan_and_scan where set (None: unset)."""
+    pan_and_scan = image.pan_and_scan if image.HasField("pan_and_scan") else None
+    return ImageOptions(image.min_pixels, image.max_pixels, pan_and_scan)
 
 
 def _video(index: int, video: common_pb2.VideoInput) -> VideoSource:
@@ -65,7 +71,7 @@ def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
         if not request.prompt:
             raise invalid_argument("empty prompt")
         images = [_image(i, img) for i, img in enumerate(request.images)]
-        options = [ImageOptions(img.min_pixels, img.max_pixels) for img in request.images]
+        options = [_options(img) for img in request.images]
         videos = [_video(i, v) for i, v in enumerate(request.videos)]
         return ParsedRequest(request.prompt, None, images, sampling, request.cache_salt, options, videos)
     if kind == "chat":
@@ -79,7 +85,7 @@ def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
                 kind = part.WhichOneof("part")
                 if kind == "image":
                     images.append(_image(len(images), part.image))
-                    options.append(ImageOptions(part.image.min_pixels, part.image.max_pixels))
+                    options.append(_options(part.image))
                     content.append({"type": "image"})
                 elif kind == "video":
                     videos.append(_video(len(videos), part.video))

@@ -33,7 +33,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from common.checkpoint import parse_dtype
 from common.errors import ServiceError, as_service_error, invalid_argument, not_found, unavailable
 from common.hashing import check_cache_salt, hash_image_file, is_content_hash
-from common.image_geometry import ImageGeometryError, PixelRange, hash_fingerprint
+from common.image_geometry import ImageGeometryError, ImageSettings, hash_fingerprint
 from common.images import ImageError, ImageLimits
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.stage_totals import StageTotals
@@ -41,7 +41,7 @@ from common.stats import to_message
 from common.transport.arena_factory import make_arena
 from common.transport.nixl import NixlExporter, make_exporter
 from common.video.limits import VideoLimits
-from common.vision.encoders import make_vision_encoder, takes_pixel_ranges
+from common.vision.encoders import image_settings, make_vision_encoder
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, EntryKindError, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
@@ -238,12 +238,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         if keys and len(self.pending):
             await self.pending.wait(keys, _PENDING_WAIT_S)
 
-    def _pixels(self, index: int, item) -> PixelRange | None:
-        """A Qwen-VL image's pixel range (its min/max_pixels within the model's); None for LLaVA."""
-        if not takes_pixel_ranges(self.vision):
-            return None
+    def _pixels(self, index: int, item) -> ImageSettings | None:
+        """An image's settings from its ImageInput: a Qwen-VL image's pixel range (its min/max_pixels
+        within the model's), a Gemma 3 image's crop choice (its pan_and_scan, else the checkpoint's); None
+        for LLaVA. pan_and_scan true on a model without crops is INVALID_ARGUMENT naming the image."""
+        pan_and_scan = item.pan_and_scan if item.HasField("pan_and_scan") else None
         try:
-            return self.vision.layout.pixel_range(item.min_pixels, item.max_pixels)
+            return image_settings(self.vision, item.min_pixels, item.max_pixels, pan_and_scan)
         except ImageGeometryError as exc:
             raise invalid_argument(f"image {index}: {exc}") from None
 
@@ -335,13 +336,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             self._decoding -= 1
 
     def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int, salt: str,
-                 owner: str = "", pixels: PixelRange | None = None) -> cf.Future:
+                 owner: str = "", pixels: ImageSettings | None = None) -> cf.Future:
         """The cache's future for key; a miss goes to the vision worker with image, which then owns (and
         releases) the image's pixel slot. Any other outcome releases it here."""
         try:
             # A hash-only image (image None) never produces: it finds an entry of its own salt or none.
             nbytes = self.vision.embedding_nbytes
-            if pixels is not None and image is not None:  # Qwen-VL: the size (all parts) follows the image
+            # Qwen-VL, Gemma 3: the size (all parts; the crops) follows the image and its settings
+            if pixels is not None and image is not None:
                 nbytes = self.vision.nbytes_for(self.vision.layout.grid(image.height, image.width, pixels))
             fut, produce = self.cache.acquire(key, want_lease, nbytes,
                                               produce=image is not None, salt=salt, owner=owner)

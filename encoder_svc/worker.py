@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from common.image_geometry import PixelRange
+from common.image_geometry import ImageSettings
 from common.thread_names import set_native_thread_name
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import EmbeddingCache, ProductionAbandoned, ShuttingDownError
@@ -124,9 +124,10 @@ class VisionWorker:
         self._thread.start()
 
     def submit(self, key: str, image: Image.Image | DecodedImage | VideoJob, priority: int = DEMAND,
-               pixels: PixelRange | None = None) -> None:
+               pixels: ImageSettings | None = None) -> None:
         """Queue image (PIL, or raw pixels from the decode pool) or a video job for key; the cache gets
-        `complete(key, ...)` or `fail(key, ...)` later. pixels: a Qwen-VL image's pixel range."""
+        `complete(key, ...)` or `fail(key, ...)` later. pixels: the image's settings (a Qwen-VL pixel
+        range, a Gemma 3 crop choice)."""
         with self._cv:
             if self._stopped:
                 if isinstance(image, DecodedImage):
@@ -144,7 +145,7 @@ class VisionWorker:
             self._cv.notify()
 
     def _prepare_timed(self, image: Image.Image | DecodedImage | VideoJob, times: JobTimes,
-                       pixels: PixelRange | None = None, key: str | None = None):
+                       pixels: ImageSettings | None = None, key: str | None = None):
         """_prepare, stamped."""
         times.prep_start = time.perf_counter()
         try:
@@ -169,7 +170,7 @@ class VisionWorker:
                 start, end = self._device_timers.popleft()
                 self._tower_gpu_s += start.elapsed_time(end) / 1000
 
-    def _prepare(self, image: Image.Image | DecodedImage | VideoJob, pixels: PixelRange | None = None,
+    def _prepare(self, image: Image.Image | DecodedImage | VideoJob, pixels: ImageSettings | None = None,
                  key: str | None = None):
         """The tower's host-side preprocessing (a video: decoding its sampled frames and patching them);
         then a decode pool's pixel slot goes back (prepare copied the pixels out). Nothing is prepared

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from common.image_geometry import Grid, ImageGeometryError, PixelRange
+from common.image_geometry import NO_PAN_AND_SCAN, Grid, ImageGeometryError, ImageSettings, PixelRange
 
 # (offset, grid) of an image, (offset, grid, temporal step) of a video run: what positions are made from
 Span = tuple[int, Grid] | tuple[int, Grid, float]
@@ -79,6 +79,23 @@ class ImageLayout(ABC):
     def pixel_range(self, min_pixels: int = 0, max_pixels: int = 0, cap: int | None = None) -> PixelRange:
         """The range one image is resized into: a request's (0: the checkpoint's) within the cap."""
         raise ImageGeometryError("this model's images take no pixel range")
+
+    def image_settings(self, min_pixels: int = 0, max_pixels: int = 0, pan_and_scan: bool | None = None,
+                       cap: int | None = None) -> ImageSettings | None:
+        """One image's processor settings from a request's options (0 / None: the checkpoint's): the pixel
+        range where the layout resizes into one, else None (the pixel options then mean nothing, as they
+        always have for fixed-size models). pan_and_scan true is refused here: only a layout with crops
+        (Gemma 3) overrides this; false asks for what every other model does."""
+        if pan_and_scan:
+            raise ImageGeometryError(NO_PAN_AND_SCAN)
+        if self.sized_by_image and self.pixel_ranges:
+            return self.pixel_range(min_pixels, max_pixels, cap)
+        return None
+
+    def sizes_image(self, settings: ImageSettings | None) -> bool:
+        """Whether an image with these settings has a grid from its size (its own token count): every image
+        of a sized layout; for Gemma 3 each image with crops on."""
+        return self.sized_by_image
 
     def max_pixels_for(self, max_tokens: int) -> int:
         """The pixel count at which an image would take max_tokens tokens (the server's cap)."""

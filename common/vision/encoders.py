@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from common.checkpoint import load_config
+from common.image_geometry import NO_PAN_AND_SCAN, ImageGeometryError, ImageSettings
 
 
 def make_vision_encoder(model_dir: str | Path, device: str | torch.device = "cpu",
@@ -24,3 +25,18 @@ def takes_pixel_ranges(encoder: Any) -> bool:
     """True for an encoder whose images are resized into a pixel range (a dynamic-resolution family's): its
     callers pass each image's PixelRange, and its entries have a grid and a size that follows the image."""
     return getattr(encoder, "takes_pixel_ranges", False) is True
+
+
+def image_settings(encoder: Any, min_pixels: int = 0, max_pixels: int = 0,
+                   pan_and_scan: bool | None = None) -> ImageSettings | None:
+    """One image's settings for `encoder` from an ImageInput's options: the encoder's own answer where it
+    has one (Gemma 3's crop choice), else a pixel-range encoder's range (within the model's), else None.
+    ImageGeometryError for pan_and_scan true on a model without crops, or a range the model refuses."""
+    own = getattr(encoder, "image_settings", None)
+    if own is not None:
+        return own(min_pixels, max_pixels, pan_and_scan)
+    if pan_and_scan:
+        raise ImageGeometryError(NO_PAN_AND_SCAN)
+    if takes_pixel_ranges(encoder):
+        return encoder.layout.pixel_range(min_pixels, max_pixels)
+    return None

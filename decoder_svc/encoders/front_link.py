@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -38,12 +38,12 @@ log = logging.getLogger("mmserve.decoder.front_link")
 
 @dataclass(frozen=True)
 class FileAhead:
-    """An image file to send ahead: its content hash, bytes and (Qwen-VL) pixel range."""
+    """An image file to send ahead: its content hash, bytes and the ImageInput fields of its settings
+    (a Qwen-VL pixel range, a Gemma 3 crop choice: ImageSettings.input_fields)."""
 
     content_hash: str
     data: bytes
-    min_pixels: int = 0
-    max_pixels: int = 0
+    settings: dict = field(default_factory=dict)
 
 
 class FrontEndLink:
@@ -102,7 +102,7 @@ class FrontEndLink:
             except NoEncoderError:
                 return sent
             request = encoder_pb2.PrefetchRequest(cache_salt=cache_salt, needed_now=True)
-            request.images.add(data=f.data, min_pixels=f.min_pixels, max_pixels=f.max_pixels)  # no copy
+            request.images.add(data=f.data, **f.settings)  # no copy
             call = self._stub(encoder).Prefetch.future(request, timeout=self.timeout_s * 6, metadata=metadata)
             call.add_done_callback(_log_failure)
             sent += 1

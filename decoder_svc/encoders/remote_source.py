@@ -496,8 +496,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
                                         min_pixels=video.min_pixels, max_pixels=video.max_pixels))
             return self._call_encode(encoder, req, item, accept, deadline)
         fields = {"data": _image_bytes(req.image, max(deadline - time.monotonic(), 0.0))}
-        if req.pixels is not None:  # Qwen2.5-VL: resized into the range the decoder counted tokens with
-            fields.update(min_pixels=req.pixels.min_pixels, max_pixels=req.pixels.max_pixels)
+        if req.pixels is not None:  # the range (Qwen-VL) or crop choice (Gemma 3) the tokens were counted by
+            fields.update(req.pixels.input_fields())
         return self._call_encode(encoder, req, _Item("images", fields), accept, deadline)
 
     def _call_encode(self, encoder: str, req: EmbeddingRequest, item: _Item, accept: list[int],

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from common.image_geometry import PixelRange
+from common.image_geometry import ImageSettings
 
 
 class EmbeddingState(enum.Enum):
@@ -69,7 +69,7 @@ class EmbeddingRequest:
     image: bytes | Image.Image | None  # encoded file, decoded image, or None: the source knows the hash
     cache_salt: str = ""
     prefetch: bool = False
-    pixels: PixelRange | None = None  # Qwen2.5-VL: the pixel range to resize into (None: the model's)
+    pixels: ImageSettings | None = None  # a Qwen-VL pixel range, a Gemma 3 crop choice (None: none)
     video: VideoSource | None = None  # set for a video (then `image` is None)
     sent_ahead: bool = False  # the file is on its way to its encoder already (front end's send-ahead)
 

@@ -18,7 +18,7 @@ from common.checkpoint import model_fingerprint
 from common.families.layout import ImageLayout
 from common.freed_memory import release_freed_memory
 from common.hashing import check_cache_salt, hash_image, hash_image_file, is_content_hash
-from common.image_geometry import Grid, ImageGeometryError, PixelRange, hash_fingerprint
+from common.image_geometry import Grid, ImageGeometryError, ImageSettings, hash_fingerprint
 from common.images import probe_image_size
 from common.memo import BoundedMemo
 from decoder_svc.engine.embedding_source import VideoSource
@@ -41,10 +41,13 @@ MAX_REMEMBERED_GRIDS = 65536  # (salt, content hash) -> grid of sized images see
 @dataclass(frozen=True)
 class ImageOptions:
     """Per-image processor settings a request may give (vLLM's mm_processor_kwargs): a Qwen2.5-VL image
-    is resized into [min_pixels, max_pixels], within the server's range; 0 keeps the model's value."""
+    is resized into [min_pixels, max_pixels], within the server's range, 0 keeping the model's value; a
+    Gemma 3 image is cut into pan-and-scan crops or not (None: the checkpoint's do_pan_and_scan; true on
+    a model without crops is refused)."""
 
     min_pixels: int = 0
     max_pixels: int = 0
+    pan_and_scan: bool | None = None
 
 
 @dataclass
@@ -110,15 +113,16 @@ class InputProcessor:
         sampling.validate(self.model_config.vocab_size)
         self._check_sizes(prompt, messages, images, cache_salt)
         sizes = [self._image_size(i, img) for i, img in enumerate(images)]  # headers only
-        ranges: list[PixelRange | None] = [None] * len(images)
+        # Each image's settings: a pixel range (Qwen-VL), a crop choice (Gemma 3), or None (LLaVA).
+        ranges = self._image_settings(len(images), image_options)
         grids: list[Grid | None] = [None] * len(images)
         counts = None  # a fixed-count layout's: the tokenizer asks it
-        if self.layout.sized_by_image:  # each image's grid (from its size, in a pixel range), its count
-            if self.layout.pixel_ranges:  # Qwen-VL: resized into a range; Gemma 3's crops follow the shape
-                ranges = self._pixel_ranges(len(images), image_options)
-            grids = [self._grid(i, img, size, pixels, cache_salt, known_grids)
-                     for i, (img, size, pixels) in enumerate(zip(images, sizes, ranges, strict=True))]
-            counts = [self.layout.num_tokens(g) for g in grids]
+        sized = [self.layout.sizes_image(pixels) for pixels in ranges]
+        if any(sized):  # each such image's grid (from its size, in a pixel range or cropped), its count
+            grids = [self._grid(i, img, size, pixels, cache_salt, known_grids) if is_sized else None
+                     for i, (img, size, pixels, is_sized)
+                     in enumerate(zip(images, sizes, ranges, sized, strict=True))]
+            counts = [self.layout.num_tokens(g) for g in grids]  # grid None: a fixed-count image's count
         planned = self.videos.plan(videos, cache_salt) if videos else []
         plans = [plan for plan, _ in planned]
         if counts is not None:
@@ -177,23 +181,28 @@ class InputProcessor:
         return req
 
     # -- images sized by the layout (pixel ranges, grids) ----------------------------------------
-    def _pixel_ranges(self, count: int, options: Sequence[ImageOptions] | None) -> list[PixelRange]:
+    def _image_settings(self, count: int,
+                        options: Sequence[ImageOptions] | None) -> list[ImageSettings | None]:
+        """Each image's settings from the request's options (the layout's image_settings): INVALID_ARGUMENT
+        naming the image for a range outside the server's or pan_and_scan on a model without crops."""
         options = list(options or [])
         if len(options) > count:
             raise InvalidRequestError(f"{len(options)} image options for {count} images")
         if not count:  # a text request: no cap to ask the layout for (Phi-4-MM's take no pixel range)
             return []
         options += [ImageOptions()] * (count - len(options))
-        cap = self.layout.max_pixels_for(self.config.max_image_tokens)
+        cap = None
+        if self.layout.sized_by_image and self.layout.pixel_ranges:  # Qwen-VL: the server's cap
+            cap = self.layout.max_pixels_for(self.config.max_image_tokens)
         out = []
         for i, opt in enumerate(options):
             try:
-                out.append(self.layout.pixel_range(opt.min_pixels, opt.max_pixels, cap))
+                out.append(self.layout.image_settings(opt.min_pixels, opt.max_pixels, opt.pan_and_scan, cap))
             except ImageGeometryError as exc:
                 raise InvalidRequestError(f"image {i}: {exc}") from None
         return out
 
-    def _grid(self, index: int, image: ImageLike, size: tuple[int, int] | None, pixels: PixelRange | None,
+    def _grid(self, index: int, image: ImageLike, size: tuple[int, int] | None, pixels: ImageSettings | None,
               salt: str, known: Mapping[str, Grid] | None) -> Grid:
         if size is not None:
             try:
@@ -261,11 +270,11 @@ class InputProcessor:
             return image.height, image.width
         raise InvalidRequestError(f"image {index}: unsupported type {type(image).__name__}")
 
-    def _hash_image(self, index: int, image: bytes | Image.Image, pixels: PixelRange | None,
+    def _hash_image(self, index: int, image: bytes | Image.Image, pixels: ImageSettings | None,
                     cache_salt: str) -> str:
         """The content hash of one image (common/hashing.py): a file's from its bytes, without decoding it
         (its header was checked); a PIL image's from its RGB pixels, converted inside this call only."""
-        # The layout's processor settings (Gemma 3's pan-and-scan) too: the encoders hash with them.
+        # The image's settings (a pixel range, Gemma 3's crop choice), as the encoders hash them.
         fingerprint = hash_fingerprint(self.fingerprint + self.layout.hash_key, pixels)
         if isinstance(image, bytes):
             return hash_image_file(image, fingerprint, cache_salt)

@@ -23,7 +23,7 @@ from common.checkpoint import load_config, parse_dtype
 from common.families import family_of
 from common.images import decode_image
 from common.video import VideoLimits, decode_video, video_patches, video_request_config
-from common.vision.encoders import make_vision_encoder, takes_pixel_ranges
+from common.vision.encoders import make_vision_encoder
 from common.vision.prepared import PreparedGrid
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState, VideoSource
 from decoder_svc.engine.following_bytes import FollowingBytes
@@ -80,7 +80,7 @@ class LocalEmbeddingSource(EmbeddingSource):
                 if isinstance(image, FollowingBytes):  # behind its request on an engine core's pipe
                     image = image.get(_FOLLOWING_BYTES_TIMEOUT_S)
                 image = decode_image(image) if isinstance(image, bytes) else image.convert("RGB")
-                if takes_pixel_ranges(self.encoder):
+                if req.pixels is not None:  # a pixel range (Qwen-VL), a crop choice (Gemma 3)
                     emb = self.encoder.encode([image], [req.pixels])[0]
                 else:
                     emb = self.encoder.encode([image])[0]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.image_geometry import Grid, PixelRange
+from common.image_geometry import Grid, ImageSettings
 from decoder_svc.engine.embedding_source import EmbeddingState, VideoSource
 from decoder_svc.engine.following_bytes import FollowingBytes
 from decoder_svc.engine.sampling_params import SamplingParams
@@ -51,7 +51,7 @@ class ImagePlaceholder:
     encoder_cache_hit: bool = False
     skipped_by_kv_reuse: bool = False
     grid: Grid | None = None  # (t, h, w) patches of a Qwen2.5-VL image; None for fixed-size LLaVA images
-    pixels: PixelRange | None = None  # the pixel range it is resized into (part of its content hash)
+    pixels: ImageSettings | None = None  # its pixel range or crop choice (part of its content hash)
     # A video is one embedding whose rows may fill several spans (Qwen3-VL: one per group of frames,
     # with timestamps between them): this span takes rows [row_offset, row_offset + length) of
     # embedding_rows. For an image both are the defaults: the span is the whole embedding.

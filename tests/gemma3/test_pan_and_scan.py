@@ -26,6 +26,7 @@ from common.families.gemma3.layout import (
     UnsupportedGemmaConfigError,
     gemma3_layout,
 )
+from common.image_geometry import hash_fingerprint
 from tests.gemma3.conftest import TINY_PAN_AND_SCAN, sample_images
 from tests.gemma3.test_image_generate import TOP, assert_same, make_engine, step_sizes
 from tests.oracle import greedy
@@ -127,10 +128,11 @@ def test_hash_follows_the_settings(gemma3_tiny_dir: Path, gemma3_pas_dir: Path) 
     """Same config.json and weights: the same model fingerprint, but an image's content hash (decoder and
     encoder alike) differs with pan-and-scan on, so a shared cache never mixes the two embeddings."""
     assert model_fingerprint(gemma3_tiny_dir) == model_fingerprint(gemma3_pas_dir)
-    plain = FAMILY.make_vision_encoder(gemma3_tiny_dir).fingerprint
-    cropped = FAMILY.make_vision_encoder(gemma3_pas_dir).fingerprint
-    assert plain != cropped
-    assert cropped == model_fingerprint(gemma3_pas_dir) + _layout(gemma3_pas_dir).hash_key
+    # what the encoder service hashes an image under: its fingerprint with the image's crop choice
+    plain, cropped = (hash_fingerprint(enc.fingerprint, enc.image_settings()) for enc in
+                      (FAMILY.make_vision_encoder(d) for d in (gemma3_tiny_dir, gemma3_pas_dir)))
+    assert plain != cropped and plain == model_fingerprint(gemma3_tiny_dir)
+    assert cropped == model_fingerprint(gemma3_pas_dir) + "|" + TINY_PAN_AND_SCAN.key()
     buf = io.BytesIO()
     sample_images()[0].save(buf, format="PNG")
     requests = [make_engine(d).inputs.make_request("r", "<start_of_image>", [buf.getvalue()])

@@ -1,6 +1,7 @@
 """Images to Gemma 3 image embeddings, [mm_tokens_per_image, text hidden] per image; with pan-and-scan
-(the checkpoint's do_pan_and_scan), [(1 + crops) x mm_tokens_per_image, text hidden]: the original's rows,
-then each crop's, in the order HF's processor stacks them (get_image_features over its pixel_values).
+(the image's CropChoice: a request's pan_and_scan, else the checkpoint's do_pan_and_scan),
+[(1 + crops) x mm_tokens_per_image, text hidden]: the original's rows, then each crop's, in the order HF's
+processor stacks them (get_image_features over its pixel_values).
 
 Preprocessing is the checkpoint's HF image processor (Gemma3ImageProcessorPil: bilinear resize to the
 tower's square, rescale, normalise), always: fp32 keeps bit parity with HF, which the oracle tests check;
@@ -21,6 +22,7 @@ from PIL import Image
 from common.checkpoint import load_config, model_fingerprint
 from common.families.gemma3.layout import Gemma3ImageLayout
 from common.families.gemma3.tower import load_gemma3_tower
+from common.image_geometry import CropChoice, Grid
 from common.vision import PREPROCESS_MODES
 from common.vision.prepared import PreparedGrid
 
@@ -51,9 +53,9 @@ class Gemma3VisionEncoder:
         config = load_config(self.model_dir)
         # Before any weight is read: a configuration we cannot serve fails here, with the reason.
         self.layout = Gemma3ImageLayout.from_checkpoint(self.model_dir, config)
-        # The pan-and-scan settings change the embedding but live outside config.json: in the hash too
-        # (the decoder's input processor appends the same layout.hash_key).
-        self.fingerprint = model_fingerprint(self.model_dir) + self.layout.hash_key
+        # An image's crop choice (with the crop rule's settings, which live outside config.json) goes
+        # into its hash per image: hash_fingerprint(fingerprint, CropChoice), as the decoder hashes it.
+        self.fingerprint = model_fingerprint(self.model_dir)
         self.hidden_size = int(config["text_config"]["hidden_size"])
         self.num_image_tokens = self.layout.mm_tokens_per_image
         self.tower = load_gemma3_tower(self.model_dir, config, self.device, dtype)
@@ -66,23 +68,34 @@ class Gemma3VisionEncoder:
 
     @functools.cached_property
     def embedding_nbytes(self) -> int:
-        """Bytes of one image's embedding in the output dtype: with pan-and-scan, of the most crops (what
-        the encoder's cache reserves for an image before it is cut)."""
+        """Bytes of one image's embedding in the output dtype where its choice is not given: with the
+        checkpoint's pan-and-scan, of the most crops (what the encoder's cache reserves for an image
+        before it is cut)."""
         pas = self.layout.pan_and_scan
-        blocks = 1 + (pas.max_num_crops if pas is not None else 0)
-        row_bytes = self.hidden_size * torch.empty((), dtype=self.dtype).element_size()
-        return blocks * self.num_image_tokens * row_bytes
+        return self.nbytes_for((1 + (pas.max_num_crops if pas is not None else 0), 1, 1))
 
-    def prepare(self, image) -> torch.Tensor | PreparedGrid:
-        """One image's pixel values (fp32, CPU) from the HF processor: [3, S, S]; with pan-and-scan a
-        PreparedGrid of [1 + crops, 3, S, S] (the original first) and the layout's grid (1 + crops, 1, 1),
-        which the encoder service keeps with the cache entry for hash-only lookups; thread-safe. image: a
-        PIL image or a decode pool's DecodedImage."""
+    def nbytes_for(self, grid: Grid) -> int:
+        """Bytes of the embedding of an image of this grid ((1 + crops, 1, 1): one block per tower image)."""
+        row_bytes = self.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        return int(grid[0]) * self.num_image_tokens * row_bytes
+
+    def image_settings(self, min_pixels: int = 0, max_pixels: int = 0,
+                       pan_and_scan: bool | None = None) -> CropChoice:
+        """An image's crop choice from a request's options (the layout's; common/vision/encoders.py)."""
+        return self.layout.image_settings(min_pixels, max_pixels, pan_and_scan)
+
+    def prepare(self, image, crops: CropChoice | None = None) -> torch.Tensor | PreparedGrid:
+        """One image's pixel values (fp32, CPU) from the HF processor: [3, S, S]; with crops on (`crops`,
+        None: the checkpoint's choice) a PreparedGrid of [1 + crops, 3, S, S] (the original first) and the
+        layout's grid (1 + crops, 1, 1), which the encoder service keeps with the cache entry for hash-only
+        lookups; thread-safe. image: a PIL image or a decode pool's DecodedImage."""
         pil = image if isinstance(image, Image.Image) else image.to_pil()
-        pas = self.layout.pan_and_scan
-        if pas is None:
-            return self.image_processor(images=[pil], return_tensors="pt")["pixel_values"][0]
-        out = self.image_processor(images=[pil], return_tensors="pt", **pas.processor_kwargs())
+        crops = crops if crops is not None else self.layout.crops()
+        rule = self.layout.crop_rule
+        if not crops.on or rule is None:  # off explicitly: the config's do_pan_and_scan may say on
+            return self.image_processor(images=[pil], return_tensors="pt",
+                                        do_pan_and_scan=False)["pixel_values"][0]
+        out = self.image_processor(images=[pil], return_tensors="pt", **rule.processor_kwargs())
         pixels = out["pixel_values"]
         return PreparedGrid((pixels.shape[0], 1, 1), pixel_values=pixels)
 
@@ -102,9 +115,12 @@ class Gemma3VisionEncoder:
         parts = feats.split([s.shape[0] for s in stacks])
         return [part.reshape(-1, part.shape[-1]) for part in parts]
 
-    def encode(self, images: Sequence[Image.Image]) -> list[torch.Tensor]:
-        """One [tower images x mm_tokens_per_image, hidden] tensor per image, on the encoder's device."""
-        return self.encode_prepared([self.prepare(image) for image in images])
+    def encode(self, images: Sequence[Image.Image],
+               crops: Sequence[CropChoice | None] | None = None) -> list[torch.Tensor]:
+        """One [tower images x mm_tokens_per_image, hidden] tensor per image, on the encoder's device;
+        crops: each image's choice (default: the checkpoint's)."""
+        choices = list(crops) if crops is not None else [None] * len(images)
+        return self.encode_prepared([self.prepare(im, c) for im, c in zip(images, choices, strict=True)])
 
     def capture_graphs(self, max_batch: int) -> bool:
         """Not yet for Gemma 3: the tower runs eagerly."""

@@ -11,7 +11,8 @@ and image_seq_length is the processor's, which must equal the model's mm_tokens_
 projector pools the patch grid to that many rows). Unlike LLaVA and Qwen-VL, the marker in the prompt
 is not the placeholder token in the ids: the marker is expanded into a block around the placeholders.
 
-Pan-and-scan (the image processor config's do_pan_and_scan) adds crops of an image whose aspect ratio
+Pan-and-scan (the image processor config's do_pan_and_scan, or a request's per-image pan_and_scan, vLLM's
+mm_processor_kwargs do_pan_and_scan, which overrides it) adds crops of an image whose aspect ratio
 is far enough from square (HF's Gemma3ImageProcessor.pan_and_scan): each crop goes through the tower as
 an image of its own, and Gemma3Processor writes that image's `<start_of_image>` as
 
@@ -20,9 +21,12 @@ an image of its own, and Gemma3Processor writes that image's `<start_of_image>` 
 
 where block is the no-crop expansion above. The crop count is a function of the image's (width, height)
 and the processor's settings only (PanAndScan.num_crops, read from the header: no pixels decoded), so
-such a layout sizes each image: its "grid" is (1 + crops, 1, 1), the images the tower takes, and its
+an image with crops on is sized: its "grid" is (1 + crops, 1, 1), the images the tower takes, and its
 tokens are (1 + crops) runs of mm_tokens_per_image, each its own bidirectional block (HF's mask groups
-contiguous soft-token runs; the text between them breaks the runs).
+contiguous soft-token runs; the text between them breaks the runs). Each image's choice is a CropChoice
+(common/image_geometry.py): its key, the crop rule's settings when on, is part of the content hash; the
+rule itself (min crop size, max crops, min ratio) is always the checkpoint's (Gemma3Processor's defaults
+where the config leaves it out), whichever side turned crops on.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any, ClassVar
 
 from common.checkpoint import CheckpointError
 from common.families.layout import ImageLayout, TextProcessor, read_json_or_empty, read_processor_configs
-from common.image_geometry import Grid, ImageGeometryError, PixelRange
+from common.image_geometry import CropChoice, Grid, ImageGeometryError, ImageSettings
 
 GEMMA3_MODEL_TYPES = ("gemma3",)
 
@@ -63,6 +67,12 @@ class PanAndScan:
         """The settings of an image processor config; None where do_pan_and_scan is off (or null)."""
         if not image_processor.get("do_pan_and_scan"):
             return None
+        return cls.rule_of(image_processor)
+
+    @classmethod
+    def rule_of(cls, image_processor: dict[str, Any]) -> PanAndScan:
+        """The crop rule of an image processor config whether or not it turns crops on (a request may):
+        Gemma3Processor's defaults for the settings it leaves out or null."""
         value = {k: image_processor.get(k) if image_processor.get(k) is not None else default
                  for k, default in PAN_AND_SCAN_DEFAULTS.items()}
         return cls(int(value["pan_and_scan_min_crop_size"]), int(value["pan_and_scan_max_num_crops"]),
@@ -114,6 +124,9 @@ class Gemma3ImageLayout(ImageLayout):
     eoi_token: str = "<end_of_image>"
     image_token: str = "<image_soft_token>"  # the placeholder the features replace
     pan_and_scan: PanAndScan | None = None  # the checkpoint's crops (do_pan_and_scan); None: off
+    # the rule crops follow when on (by the checkpoint or a request): the checkpoint's settings (None: a
+    # checkpoint with crops off whose settings are unusable; a request cannot turn them on)
+    crop_rule: PanAndScan | None = PanAndScan()
 
     @classmethod
     def load_text_processor(cls, model_dir: str | Path) -> TextProcessor:
@@ -152,22 +165,39 @@ class Gemma3ImageLayout(ImageLayout):
         """One block (the original or a crop) is the longest run attending to itself whole."""
         return self.mm_tokens_per_image
 
-    @property
-    def hash_key(self) -> str:
-        """The pan-and-scan settings (config.json, in the checkpoint fingerprint, does not hold them)."""
-        return "" if self.pan_and_scan is None else "|" + self.pan_and_scan.key()
+    def crops(self, pan_and_scan: bool | None = None) -> CropChoice:
+        """One image's choice: the request's (None: the checkpoint's do_pan_and_scan), keyed by the rule."""
+        on = self.pan_and_scan is not None if pan_and_scan is None else bool(pan_and_scan)
+        if self.crop_rule is None:
+            if on:
+                raise ImageGeometryError("this checkpoint's pan-and-scan settings are unusable: crops "
+                                         "cannot be turned on")
+            return CropChoice(False)
+        return CropChoice(on, self.crop_rule.key())
 
-    def grid(self, height: int, width: int, pixels: PixelRange | None = None) -> Grid:
-        """(1 + crops, 1, 1): the tower images of a height x width image, the original first."""
-        if self.pan_and_scan is None:
-            raise ImageGeometryError("this checkpoint's images have no grid (pan-and-scan is off)")
-        return (1 + self.pan_and_scan.num_crops(height, width), 1, 1)
+    def image_settings(self, min_pixels: int = 0, max_pixels: int = 0, pan_and_scan: bool | None = None,
+                       cap: int | None = None) -> CropChoice:
+        """The image's crop choice; a pixel range means nothing here (images are resized to the tower's
+        square), as before the switch existed."""
+        return self.crops(pan_and_scan)
+
+    def sizes_image(self, settings: ImageSettings | None) -> bool:
+        """An image with crops on has a grid (its crop count follows its shape); one without is one block."""
+        return self._crops_on(settings)
+
+    def _crops_on(self, settings: ImageSettings | None) -> bool:
+        return settings.on if isinstance(settings, CropChoice) else self.pan_and_scan is not None
+
+    def grid(self, height: int, width: int, pixels: ImageSettings | None = None) -> Grid:
+        """(1 + crops, 1, 1): the tower images of a height x width image, the original first, with crops
+        as `pixels` (a CropChoice; None: the checkpoint's) chooses; (1, 1, 1) without."""
+        if not self._crops_on(pixels) or self.crop_rule is None:
+            return (1, 1, 1)
+        return (1 + self.crop_rule.num_crops(height, width), 1, 1)
 
     def check_grid(self, grid: Sequence[int]) -> Grid:
         """A grid reported for a hash-only image: (1 + crops, 1, 1) with a crop count pan-and-scan makes."""
-        if self.pan_and_scan is None:
-            raise ImageGeometryError("this checkpoint's images have no grid (pan-and-scan is off)")
-        most = 1 + self.pan_and_scan.max_num_crops  # HF clamps to it last
+        most = 1 + (self.crop_rule.max_num_crops if self.crop_rule is not None else 0)  # HF clamps last
         if len(grid) != 3 or tuple(grid[1:]) != (1, 1) or not 1 <= int(grid[0]) <= most:
             raise ImageGeometryError(f"grid {tuple(grid)} is not (1 + crops, 1, 1) with at most {most - 1} "
                                      "crops")
@@ -179,8 +209,9 @@ class Gemma3ImageLayout(ImageLayout):
         return (1 if grid is None else int(grid[0])) * self.mm_tokens_per_image
 
     def image_runs(self, count: int) -> list[int]:
-        """An image of `count` soft tokens is one block of mm_tokens_per_image per tower image."""
-        if self.pan_and_scan is None or count <= self.mm_tokens_per_image:
+        """An image of `count` soft tokens is one block of mm_tokens_per_image per tower image (more than
+        one: crops, whether the checkpoint or the request turned them on)."""
+        if count <= self.mm_tokens_per_image:
             return [count]
         if count % self.mm_tokens_per_image:
             raise ValueError(f"{count} soft tokens are not whole blocks of {self.mm_tokens_per_image}")
@@ -238,20 +269,30 @@ def gemma3_layout(config: dict[str, Any], processor: dict[str, Any], image_proce
         raise UnsupportedGemmaConfigError(
             f"the processor expands each image to {seq} tokens but the model's projector gives {tokens} "
             "(mm_tokens_per_image)")
-    try:
-        pan_and_scan = PanAndScan.from_image_processor(image_processor)
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedGemmaConfigError(f"unreadable pan-and-scan settings: {exc}") from None
-    if pan_and_scan is not None and (pan_and_scan.min_crop_size < 1 or pan_and_scan.max_num_crops < 1):
-        raise UnsupportedGemmaConfigError(f"pan-and-scan settings out of range: {pan_and_scan}")
+    rule, problem = _crop_rule(image_processor)
+    pan_and_scan = rule if image_processor.get("do_pan_and_scan") else None
+    if problem and image_processor.get("do_pan_and_scan"):
+        raise UnsupportedGemmaConfigError(problem)
     size = image_processor.get("size") or {}
     resized_to = (size.get("height"), size.get("width"))
     if image_processor.get("do_resize", True) and resized_to != (image_size, image_size):
         raise UnsupportedGemmaConfigError(
             f"the image processor resizes to {size} but the vision tower takes {image_size}x{image_size}")
     names = {k: (tokenizer or {}).get(k) for k in ("boi_token", "eoi_token", "image_token")}
-    return Gemma3ImageLayout(tokens, image_size, patch, pan_and_scan=pan_and_scan,
+    return Gemma3ImageLayout(tokens, image_size, patch, pan_and_scan=pan_and_scan, crop_rule=rule,
                              **{k: v for k, v in names.items() if isinstance(v, str)})
+
+
+def _crop_rule(image_processor: dict[str, Any]) -> tuple[PanAndScan | None, str]:
+    """The config's crop rule, or None and why it is unusable (refused at start-up only where the config
+    turns crops on; otherwise requests cannot turn them on)."""
+    try:
+        rule = PanAndScan.rule_of(image_processor)
+    except (TypeError, ValueError) as exc:
+        return None, f"unreadable pan-and-scan settings: {exc}"
+    if rule.min_crop_size < 1 or rule.max_num_crops < 1:
+        return None, f"pan-and-scan settings out of range: {rule}"
+    return rule, ""
 
 
 def _check_pooling(image_size: int, patch: int, tokens: int) -> None:
