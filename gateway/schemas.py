@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.errors import APIError, bad_request
 
@@ -132,11 +132,13 @@ class PixelSize(BaseModel):
 
 
 class MMProcessorKwargs(BaseModel):
-    """vLLM's `mm_processor_kwargs`, as far as Qwen-VL's processors take them per request: the pixel range
-    of every image and video of the request (`min_pixels`/`max_pixels`, or HF's `size` form), and how its
-    videos are sampled. `do_sample_frames` may be true (the server always samples frames by fps and
-    max_frames); false, or any other key, is a 400: a setting dropped in silence would give other tokens
-    than the user asked for. The decoder checks the values against the server's caps."""
+    """vLLM's `mm_processor_kwargs`, as far as the served processors take them per request: the pixel range
+    of every image and video of the request (Qwen-VL: `min_pixels`/`max_pixels`, or HF's `size` form), how
+    its videos are sampled, and whether every image is cut into pan-and-scan crops (Gemma 3:
+    `do_pan_and_scan`; unset: the checkpoint's). `do_sample_frames` may be true (the server always samples
+    frames by fps and max_frames); false, or any other key, is a 400: a setting dropped in silence would
+    give other tokens than the user asked for. The decoder checks the values against the server's caps and
+    the model (do_pan_and_scan true on a model without crops is its INVALID_ARGUMENT, a 400)."""
 
     model_config = ConfigDict(extra="forbid")
     min_pixels: int | None = Field(default=None, ge=1, le=2**63 - 1)
@@ -145,6 +147,20 @@ class MMProcessorKwargs(BaseModel):
     fps: float | None = Field(default=None, gt=0.0, le=1000.0)  # frames sampled per second of video
     max_frames: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     do_sample_frames: bool | None = None
+    do_pan_and_scan: bool | None = None  # Gemma 3: every image of the request cropped or not
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: object) -> object:
+        """An unknown key is a 400 that names it and lists the keys served (not pydantic's bare "extra
+        inputs are not permitted")."""
+        if isinstance(data, dict):
+            unknown = [key for key in data if key not in cls.model_fields]
+            if unknown:
+                raise bad_request(f"mm_processor_kwargs: unknown key {unknown[0]!r}; the keys served are "
+                                  f"{', '.join(cls.model_fields)}", f"mm_processor_kwargs.{unknown[0]}",
+                                  "unsupported_parameter")
+        return data
 
     def model_post_init(self, context: object) -> None:
         if self.do_sample_frames is False:

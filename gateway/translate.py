@@ -153,10 +153,18 @@ async def _fill_media(parts: list[MediaPart], fetcher: ImageFetcher, salt: str, 
 
 def _apply_processor_kwargs(req: ChatCompletionRequest, items: list[MediaPart],
                             takes_video: bool | None) -> None:
-    """mm_processor_kwargs onto every image (its pixel range) and video (pixel range and sampling) of the
-    request; a 400 for a model whose images have a fixed size (LLaVA), where none of them means anything."""
+    """mm_processor_kwargs onto every image (its pixel range, its pan-and-scan choice) and video (pixel
+    range and sampling) of the request; a 400 for pixel or video settings on a model whose images have a
+    fixed size (LLaVA, Gemma 3), where none of them means anything. do_pan_and_scan goes to every image
+    as it is: the decoder refuses true on a model without crops (INVALID_ARGUMENT naming the image)."""
     kwargs = req.mm_processor_kwargs
-    if kwargs is None or not kwargs.given:
+    if kwargs is None:
+        return
+    if kwargs.do_pan_and_scan is not None:
+        for part in items:
+            if isinstance(part.item, common_pb2.ImageInput):
+                part.item.pan_and_scan = kwargs.do_pan_and_scan
+    if not kwargs.given:
         return
     if takes_video is False:
         raise bad_request("mm_processor_kwargs: this model's images have a fixed size and it takes no "

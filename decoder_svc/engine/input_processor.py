@@ -118,7 +118,9 @@ class InputProcessor:
         grids: list[Grid | None] = [None] * len(images)
         counts = None  # a fixed-count layout's: the tokenizer asks it
         sized = [self.layout.sizes_image(pixels) for pixels in ranges]
-        if any(sized):  # each such image's grid (from its size, in a pixel range or cropped), its count
+        # each sized image's grid (from its size, in a pixel range or cropped) and every image's count
+        # (a layout whose images are sized by default has no fixed count to fall back on)
+        if any(sized) or self.layout.sized_by_image:
             grids = [self._grid(i, img, size, pixels, cache_salt, known_grids) if is_sized else None
                      for i, (img, size, pixels, is_sized)
                      in enumerate(zip(images, sizes, ranges, sized, strict=True))]

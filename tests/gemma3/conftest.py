@@ -3,7 +3,9 @@ called directly rather than through common.model_maker.make_model)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,28 @@ TINY_PAN_AND_SCAN = PanAndScan(min_crop_size=32, max_num_crops=4, min_ratio_to_a
 def gemma3_pas_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """gemma-3-tiny (the same weights and config.json) with pan-and-scan on in its image processor config."""
     return _tiny_checkpoint(tmp_path_factory, "gemma-3-tiny-pas-seed0", pan_and_scan=TINY_PAN_AND_SCAN)
+
+
+@pytest.fixture(scope="session")
+def gemma3_pas_off_dir(gemma3_pas_dir: Path) -> Path:
+    """gemma3_pas_dir (the same weights and crop rule) with do_pan_and_scan false in its image processor
+    config: crops only where a request turns them on (ImageInput.pan_and_scan)."""
+    out = gemma3_pas_dir.parent / (gemma3_pas_dir.name + "-off")
+    if not (out / "mmserve_model.json").exists():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(gemma3_pas_dir, tmp)
+        for name in ("processor_config.json", "preprocessor_config.json"):
+            path = tmp / name
+            if path.is_file():
+                config = json.loads(path.read_text())
+                target = config.get("image_processor", config) if name == "processor_config.json" else config
+                if "do_pan_and_scan" in target:
+                    target["do_pan_and_scan"] = False
+                path.write_text(json.dumps(config, indent=2))
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return out
 
 
 @pytest.fixture(scope="session")
