@@ -157,9 +157,9 @@ class MMProcessorKwargs(BaseModel):
         if isinstance(data, dict):
             unknown = [key for key in data if key not in cls.model_fields]
             if unknown:
-                raise bad_request(f"mm_processor_kwargs: unknown key {unknown[0]!r}; the keys served are "
+                raise bad_request(f"mm_processor_kwargs.{unknown[0]}: unknown key; the keys served are "
                                   f"{', '.join(cls.model_fields)}", f"mm_processor_kwargs.{unknown[0]}",
-                                  "unsupported_parameter")
+                                  "invalid_value")
         return data
 
     def model_post_init(self, context: object) -> None:
