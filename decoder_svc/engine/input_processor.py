@@ -118,6 +118,9 @@ class InputProcessor:
         grids: list[Grid | None] = [None] * len(images)
         counts = None  # a fixed-count layout's: the tokenizer asks it
         sized = [self.layout.sizes_image(pixels) for pixels in ranges]
+        for i, img in enumerate(images):  # a hash names its embedding: a grid known for it decides
+            if isinstance(img, str) and not sized[i]:  # (Gemma 3: an image hashed with crops on)
+                sized[i] = ((known_grids or {}).get(img) or self.known_grid(cache_salt, img)) is not None
         # each sized image's grid (from its size, in a pixel range or cropped) and every image's count
         # (a layout whose images are sized by default has no fixed count to fall back on)
         if any(sized) or self.layout.sized_by_image:

@@ -198,3 +198,17 @@ def _png(image) -> bytes:
     from common.images import encode_png
 
     return encode_png(image)
+
+
+def test_a_hash_only_image_keeps_the_choice_it_was_hashed_under(gemma3_pas_off_dir: Path, images,
+                                                                 want_on) -> None:
+    """The content hash names the cropped embedding: sent again by hash alone, without the switch, the
+    image is laid out by the grid remembered for that hash (its crops), not the checkpoint's default."""
+    engine = make_engine(gemma3_pas_off_dir)
+    prompt, idx = CASES["wide"]
+    first = engine.generate("bytes", prompt, [images[i] for i in idx], sampling=greedy(N),
+                            image_options=[ON])
+    assert first.new_token_ids == want_on["wide"][0]
+    key = engine.inputs.make_request("k", prompt, [images[i] for i in idx], image_options=[ON]).images[0]
+    again = engine.generate("hash", prompt, [key.content_hash], sampling=greedy(N))
+    assert not again.error and again.new_token_ids == want_on["wide"][0]
