@@ -67,9 +67,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     async def _known_grids(self, parsed: ParsedRequest) -> dict | None:
         """Grids of the request's hash-only images this front end has not hashed itself (where the layout
         sizes images, their token counts), from the encoders that hold them."""
-        # Sized images: every image of a sized layout, and Gemma 3's with crops turned on by the request.
-        crops = any(opt.pan_and_scan for opt in parsed.image_options)
-        if self.encoders is None or not (self.inputs.layout.sized_by_image or crops):
+        # Sized images: every image of a sized layout; Gemma 3's hashed with crops (per request or not).
+        layout = self.inputs.layout
+        if self.encoders is None or not (layout.sized_by_image or layout.per_image_crops):
             return None
         missing = [i for i in parsed.images
                    if isinstance(i, str) and self.inputs.known_grid(parsed.cache_salt, i) is None]

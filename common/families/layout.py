@@ -53,6 +53,9 @@ class ImageLayout(ABC):
     # each image's tokens attend to each other whole during prefill (Gemma 3's token_type_ids mask): the
     # scheduler never splits an image across fresh chunks and attention extends each image row's keys
     bidirectional_images: ClassVar[bool] = False
+    # an image may be cut into crops per request (Gemma 3's pan-and-scan): even where the layout sizes no
+    # image by default, a hash-only image may have a grid (its crops) to look up
+    per_image_crops: ClassVar[bool] = False
     merge_size: int  # patches merged per token side (1: none); a video's tokens per frame follow it
 
     @classmethod

@@ -115,6 +115,7 @@ class Gemma3ImageLayout(ImageLayout):
 
     mrope: ClassVar[bool] = False
     bidirectional_images: ClassVar[bool] = True
+    per_image_crops: ClassVar[bool] = True
     merge_size: ClassVar[int] = 1
 
     mm_tokens_per_image: int  # soft tokens (= embedding rows) per image
