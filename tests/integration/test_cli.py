@@ -59,6 +59,9 @@ def test_mmserve_up_makes_the_model_serves_and_stops_on_sigint(tmp_path, tiny_mo
         stats = json.loads(_cli("stats", addr, env=env).stdout)
         assert stats["service"] == "decoder" and stats["requests_finished"] == 2  # the warm-up is not counted
         assert stats["embedding_transports"] == {"shm": 1}  # same host: shared memory, no copy
+        (group,) = stats["kv_groups"]  # LLaVA: one group of every layer, idle (zeros printed too)
+        assert group["name"] == "full" and group["window"] == 0 and group["blocks_used"] == 0
+        assert group["blocks_total"] == stats["kv_blocks_total"]
         enc_stats = json.loads(_cli("stats", f"127.0.0.1:{enc_port}", env=env).stdout)
         assert enc_stats["service"] == "encoder" and enc_stats["active_leases"] == 0
         assert _cli("health", addr, env=env).returncode == 0
@@ -78,6 +81,7 @@ def test_mmserve_up_makes_the_model_serves_and_stops_on_sigint(tmp_path, tiny_mo
             metrics = urllib.request.urlopen(url, timeout=10).read().decode()
         assert "mmserve_decoder_requests_finished_total 2.0" in metrics
         assert 'mmserve_decoder_embedding_transports_total{transport="shm"} 1.0' in metrics
+        assert 'mmserve_decoder_kv_groups_blocks_used{group="full"} 0.0' in metrics
         # README's OpenAI client call, against the gateway `mmserve up` started.
         from openai import OpenAI
 
