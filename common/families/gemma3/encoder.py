@@ -11,6 +11,7 @@ Thread-safety as VisionEncoder's: `prepare` on any thread, `encode_prepared` fro
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,8 @@ from common.families.gemma3.layout import Gemma3ImageLayout
 from common.families.gemma3.tower import load_gemma3_tower
 from common.vision import PREPROCESS_MODES
 from common.vision.prepared import PreparedGrid
+
+log = logging.getLogger(__name__)
 
 
 def load_gemma3_image_processor(model_dir: str | Path):
@@ -95,7 +98,7 @@ class Gemma3VisionEncoder:
             return []
         stacks = [p.pixel_values if isinstance(p, PreparedGrid) else p.unsqueeze(0) for p in prepared]
         pixels = torch.cat(stacks).to(self.device, self.dtype, non_blocking=True)
-        feats = self.tower(pixels)
+        feats = self.graphs(pixels) if use_graphs and self.graphs is not None else self.tower(pixels)
         with self._count_lock:
             self.calls += 1
             self.images_encoded += len(stacks)
@@ -107,8 +110,24 @@ class Gemma3VisionEncoder:
         return self.encode_prepared([self.prepare(image) for image in images])
 
     def capture_graphs(self, max_batch: int) -> bool:
-        """Not yet for Gemma 3: the tower runs eagerly."""
-        return False
+        """Capture CUDA graphs of the tower (SigLIP + pooling + projector) for batches of tower images up
+        to max_batch (common/vision/graphs.py: every image is the tower's square, so one sample shape);
+        False (and eager forwards) off CUDA or when capturing fails. A pan-and-scan image counts as its
+        1 + crops tower images."""
+        if self.device.type != "cuda":
+            return False
+        from common.vision.graphs import GraphedForward, bucket_sizes
+
+        side = self.layout.image_size
+        try:
+            self.graphs = GraphedForward(self.tower, (3, side, side), self.dtype, self.device,
+                                         bucket_sizes(max_batch))
+        except Exception as exc:  # noqa: BLE001 - a tower that cannot be captured still runs eagerly
+            log.warning("CUDA graph capture of the Gemma 3 tower failed, running eagerly: %s", exc)
+            self.graphs = None
+            return False
+        log.info("Gemma 3 tower CUDA graphs captured for batches %s", self.graphs.buckets)
+        return True
 
     def warm_up(self) -> None:
         """One dummy image through the tower; checks its rows against the layout's count."""
