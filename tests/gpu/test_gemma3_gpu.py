@@ -92,3 +92,18 @@ def test_cuda_tower_graphs_equal_the_eager_tower_and_hf(gemma3_tiny_dir, gemma3_
     for i, (g, e) in enumerate(zip(graphed, eager, strict=True)):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(g.cpu(), want[i], rtol=1e-4, atol=1e-4)
+
+
+def test_cuda_torch_preprocessing_is_the_default_in_half_precision(gemma3_tiny_dir, gemma3_oracle):
+    """In bf16 on CUDA the encoder resizes and normalises on the device, within its stated tolerance of
+    HF's PIL processor; in fp32 it keeps HF's processor (exact)."""
+    from common.families.gemma3.encoder import Gemma3VisionEncoder
+
+    assert Gemma3VisionEncoder(gemma3_tiny_dir, "cuda", torch.float32).preprocess_mode == "hf"
+    enc = Gemma3VisionEncoder(gemma3_tiny_dir, "cuda", torch.bfloat16)
+    assert enc.preprocess_mode == "torch"
+    images = sample_images()
+    pixels = torch.cat(enc._device_pixels([enc.prepare(img) for img in images])).cpu()
+    diff = (pixels - gemma3_oracle.pixels(images)).abs()
+    assert diff.max().item() <= enc.pixel_tolerance
+    assert diff.mean().item() <= enc.pixel_processor.max_mean_abs_diff()
