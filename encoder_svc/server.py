@@ -41,7 +41,7 @@ from common.stats import to_message
 from common.transport.arena_factory import make_arena
 from common.transport.nixl import NixlExporter, make_exporter
 from common.video.limits import VideoLimits
-from common.vision.encoders import make_vision_encoder, takes_pixel_ranges
+from common.vision.encoders import image_nbytes, make_vision_encoder, takes_pixel_ranges
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, EntryKindError, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
@@ -341,8 +341,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             # A hash-only image (image None) never produces: it finds an entry of its own salt or none.
             nbytes = self.vision.embedding_nbytes
-            if pixels is not None and image is not None:  # Qwen-VL: the size (all parts) follows the image
-                nbytes = self.vision.nbytes_for(self.vision.layout.grid(image.height, image.width, pixels))
+            if image is not None:  # Qwen-VL, Phi-4-MM: the size (all parts) follows the image
+                nbytes = image_nbytes(self.vision, image.height, image.width, pixels)
             fut, produce = self.cache.acquire(key, want_lease, nbytes,
                                               produce=image is not None, salt=salt, owner=owner)
         # SaltClash: a hash collision; EntryKind: a video's hash given for an image

@@ -3,7 +3,8 @@ global view and up to `dynamic_hd` 448 px crops chosen from its aspect ratio, ea
 token compression, row separators (sub_GN) and a global separator (glb_GN), then a two-layer projector;
 the token count follows the image's size through its crops.
 
-Declared, not served (listed in the registry's NOT_SERVED_YET). Built: the HD transform without
+Declared, not served by the decoder (listed in the registry's NOT_SERVED_YET); the encoder service serves
+its images already (encoder_served_early: registry.vision_family_of finds it). Built: the HD transform without
 torchvision (pixels.py, bit-exact with HF's processor's ops; bench/phi4mm_pixels_check.py checks it
 against HF's processor where torchvision is installed), the layout (token counts from the header, the
 `<|image|>` expansion), the tower and image embedding (tower.py, embedder.py: equal to HF's
@@ -31,4 +32,7 @@ FAMILY = ModelFamily(
     maker="common.families.phi4mm.maker:make_phi4_model",
     layout="common.families.phi4mm.layout:Phi4ImageLayout",
     oracle="common.families.phi4mm.oracle:Phi4Oracle",
+    # The encoder service serves its images (equal to HF's image embedding; tests/phi4mm/
+    # test_encoder_service.py); the decoder refuses the checkpoint until the vision LoRA is served.
+    encoder_served_early=True,
 )
