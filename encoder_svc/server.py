@@ -334,6 +334,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         finally:
             self._decoding -= 1
 
+    def _check_geometry(self, items, inputs) -> None:
+        """INVALID_ARGUMENT naming the first decoded image whose size the model cannot take (a Phi-4-MM
+        image too thin for its crops, a grid past the cache), before any image of the request is queued."""
+        for i, (_, image) in enumerate(items):
+            if image is None:
+                continue
+            try:
+                image_nbytes(self.vision, image.height, image.width, self._pixels(i, inputs[i]))
+            except ImageGeometryError as exc:
+                raise self._map_error(i, exc) from None
+
     def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int, salt: str,
                  owner: str = "", pixels: PixelRange | None = None) -> cf.Future:
         """The cache's future for key; a miss goes to the vision worker with image, which then owns (and
@@ -415,6 +426,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         futures: list[cf.Future] = []
         handles: list[Handle] = []
         try:
+            self._check_geometry(items, request.images)  # every image's size before any tower work
             with self.worker.holding():
                 try:
                     for i, (key, image) in enumerate(items):
