@@ -12,8 +12,12 @@ Phi4MultimodalImageEmbedding in fp32), the encoder, the oracle and the `phi-4-mm
 presets, and the text model in decoder_svc/model (Phi-4-mini's layers: partial rotary and LongRoPE as
 TextModelConfig fields, served up to original_max_position_embeddings, decoder_svc/model/longrope.py), equal
 to HF's greedy text generation with no adapter (tests/phi4mm/test_text_generate.py, which loads it through
-EngineConfig.unserved_text_only). Not yet: the per-request LoRA adapters (the vision LoRA chosen when a
-request has images, KV blocks keyed by adapter), images through the engine, audio.
+EngineConfig.unserved_text_only). The encoder service serves its images (tests/phi4mm/
+test_encoder_service.py); image requests through the encoder service and the engine equal HF's base
+model, which has no adapter (tests/phi4mm/test_image_generate.py, through the same test-only switch).
+Not yet: the per-request LoRA adapters (the vision LoRA chosen when a request has images, KV blocks keyed
+by adapter), then the decoder serving the family. Audio is refused by name (the layout's
+unserved_markers, the tokenizer's chat parts, the gateway's input_audio parts).
 """
 
 from common.families.family import ModelFamily
