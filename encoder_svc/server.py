@@ -426,9 +426,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         futures: list[cf.Future] = []
         handles: list[Handle] = []
         try:
-            self._check_geometry(items, request.images)  # every image's size before any tower work
             with self.worker.holding():
                 try:
+                    self._check_geometry(items, request.images)  # every image's size, before any is queued
                     for i, (key, image) in enumerate(items):
                         futures.append(self._acquire(i, key, image, True, priority, salt, owner,
                                                      self._pixels(i, request.images[i])))

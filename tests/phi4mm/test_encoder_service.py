@@ -170,6 +170,7 @@ def test_bad_input_is_invalid_argument_and_the_service_goes_on(encoder, case):
     assert "image 1" in err.value.details() and words in err.value.details()
     assert encoder.servicer.vision.calls == calls, "nothing is encoded when an input is bad"
     assert encoder.stats().misses == misses, "nor is the good image 0 queued for the tower"
+    assert len(encoder.servicer.pending) == 0, "the request's files are no longer pending"
     ok = encoder.stub.Encode(encode_request(encode_png(noise_image(80, 90, 4))), timeout=60)
     assert ok.embeddings[0].shape[0] == encoder.servicer.vision.layout.tokens_for_size(80, 90)
     encoder.release_all(ok)
