@@ -9,8 +9,11 @@ Tenant isolation (see encoder_svc/cache.py): a hash-only image resolves only und
 entry was made with, else NOT_FOUND exactly as for an unknown hash (Lookup answers false, Prefetch
 skips it); leases belong to the request's lease_owner and Release frees only the caller's own.
 
-An embedding travels as one EmbeddingRef whatever its shape: [rows, hidden] (LLaVA, Qwen2.5-VL) or
-[parts, rows, hidden] (Qwen3-VL's merged features and DeepStack levels: one entry, lease and location).
+An embedding travels as one EmbeddingRef whatever its shape: [rows, hidden] (LLaVA, Qwen2.5-VL, Gemma 3,
+Phi-4-MM) or [parts, rows, hidden] (Qwen3-VL's merged features and DeepStack levels: one entry, lease and
+location). Where the rows follow the image's size (Qwen-VL's pixel range, Phi-4-MM's crops) every image's
+size is checked against the model before any image of the request is queued (common/vision/encoders.py
+image_nbytes), and its grid is kept with its entry for hash-only asks.
 
 Videos (Qwen2.5-VL, Qwen3-VL; encoder_svc/videos.py) follow the images of a request: their settings and
 headers are checked against the caps (VideoLimits) and their content hash made from the bytes, in a
