@@ -255,23 +255,27 @@ def run_hf(args: argparse.Namespace, model_dir, batches: list[int], images: list
            ) -> tuple[list[dict], str]:
     """HF image processor + get_image_features per batch size, over the same decoded images; and the
     processor's class name."""
-    from transformers import LlavaForConditionalGeneration
+    import transformers
 
+    from common.families.registry import family_of_model
     from common.vision.tower import _load_image_processor
 
     device = torch.device(args.device)
     dtype = parse_dtype(args.dtype)
     kw = {"device_map": str(device)} if device.type == "cuda" else {}
-    model = LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True,
-                                                          **kw).to(device).eval()
+    cls = getattr(transformers, family_of_model(model_dir).hf_class)
+    model = cls.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True, **kw).to(device).eval()
     processor = _load_image_processor(model_dir)
     cfg = model.config
+    # LLaVA's feature layer and selection are call arguments; other families read their config.
+    feature_kw = {"vision_feature_layer": cfg.vision_feature_layer,
+                  "vision_feature_select_strategy": cfg.vision_feature_select_strategy
+                  } if hasattr(cfg, "vision_feature_select_strategy") else {}
 
     def step(chunk: list[Image.Image]) -> None:
         pixels = processor(images=chunk, return_tensors="pt")["pixel_values"].to(device, dtype)
         with torch.inference_mode():
-            model.get_image_features(pixel_values=pixels, vision_feature_layer=cfg.vision_feature_layer,
-                                     vision_feature_select_strategy=cfg.vision_feature_select_strategy)
+            model.get_image_features(pixel_values=pixels, **feature_kw)
         _sync(device)
 
     out = []
@@ -293,10 +297,11 @@ def run_hf(args: argparse.Namespace, model_dir, batches: list[int], images: list
 def run_tower(args: argparse.Namespace, model_dir, batch: int, images: list[Image.Image]) -> dict:
     """The encoder's tower alone (mmserve's VisionEncoder, its CUDA graphs on CUDA), on images already
     through `prepare`, in batches of `batch`: the ceiling of Encode without gRPC, decode or hashing."""
-    from common.vision.tower import VisionEncoder
+    from common.families.registry import family_of_model
 
     device = torch.device(args.device)
-    vision = VisionEncoder(model_dir, device, parse_dtype(args.dtype), preprocess=args.preprocess or "auto")
+    vision = family_of_model(model_dir).make_vision_encoder(model_dir, device, parse_dtype(args.dtype),
+                                                             preprocess=args.preprocess or "auto")
     graphs = vision.capture_graphs(batch)
     prepared = [vision.prepare(img) for img in images]
 

@@ -1,4 +1,5 @@
-"""The Hugging Face reference: LlavaForConditionalGeneration.generate on the same checkpoint."""
+"""The Hugging Face reference: the checkpoint family's transformers class (ModelFamily.hf_class, e.g.
+LlavaForConditionalGeneration, Gemma3ForConditionalGeneration) and its generate, on the same checkpoint."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from common.checkpoint import parse_dtype
 
 
 def load_hf(model_dir: str | Path, device: str, dtype: str):
-    """(model, processor) on device in dtype, offline."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    """(model, processor) on device in dtype, offline: the model is the class of the checkpoint's family."""
+    import transformers
+    from transformers import AutoProcessor
 
+    from common.families.registry import family_of_model
+
+    cls = getattr(transformers, family_of_model(model_dir).hf_class)
     processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-    model = LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=parse_dtype(dtype),
-                                                          local_files_only=True).to(device).eval()
+    model = cls.from_pretrained(str(model_dir), dtype=parse_dtype(dtype), local_files_only=True)
+    model = model.to(device).eval()
     tok = processor.tokenizer
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

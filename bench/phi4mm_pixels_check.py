@@ -11,7 +11,7 @@ masks, the same num_img_tokens (and pixels.num_tokens from the size alone), pixe
 (default 0: both run torch's own resize kernels on the CPU, so the bytes should be equal), and, for the
 tiny checkpoint, the same input_ids for a prompt. With CUDA, HF's processor is also run with device="cuda"
 (torchvision's float32-and-round path) against ours on a CUDA tensor, and against ours on the CPU (at most
-one uint8 level apart, 2/255 after normalising, where the native uint8 kernel rounds differently).
+two uint8 levels apart, 4/255 after normalising: HF's float path does not round to uint8, ours does).
 """
 
 from __future__ import annotations
@@ -33,10 +33,13 @@ from common.families.phi4mm.pixels import (
     num_tokens,
     to_rgb_uint8,
 )
+from common.images import to_rgb
 
 SIZES = [(448, 448), (300, 200), (1000, 500), (97, 900), (455, 460), (2000, 700), (4000, 900), (1500, 1500),
          (3000, 2000), (640, 480), (1920, 1080), (100, 3000), (5000, 200), (897, 449), (1, 1), (2048, 2048)]
-ONE_LEVEL = 2 / 255 + 1e-6
+# HF's CUDA path resizes in float and does not round to uint8; ours on the CPU does (torch's uint8
+# kernel): measured on the H200 up to 1.6 levels apart (2/255 after normalising is one level).
+TWO_LEVELS = 4 / 255 + 1e-6
 
 
 def _images() -> list[Image.Image]:
@@ -46,7 +49,9 @@ def _images() -> list[Image.Image]:
         ramp = np.linspace(0, 160, w)[None, :, None] + np.linspace(0, 60, h)[:, None, None]
         pixels = np.clip(ramp + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8)
         out.append(Image.fromarray(pixels))
-    rgba = Image.fromarray(rng.integers(0, 256, (360, 640, 4), dtype=np.uint8))
+    # Transparency composited onto white first, as the services decode files (common.images.to_rgb,
+    # transformers 5.2x's convert_to_rgb; 5.17's dropped the alpha instead, so both get RGB here).
+    rgba = to_rgb(Image.fromarray(rng.integers(0, 256, (360, 640, 4), dtype=np.uint8)))
     return out + [rgba, Image.fromarray(rng.integers(0, 256, (520, 200), dtype=np.uint8))]
 
 
@@ -109,7 +114,7 @@ def _check_cuda(name: str, processor, settings: PixelSettings, tol: float, failu
         ours = batch_pixels([hd_transform_uint8(to_rgb_uint8(image).cuda(), settings)])
         worst_same = max(worst_same, _compare(f"{name} cuda", image, ours, hf, tol, failures))
         cpu = batch_pixels([hd_transform(image, settings)])
-        worst_cpu = max(worst_cpu, _compare(f"{name} cuda-vs-ours-cpu", image, cpu, hf, ONE_LEVEL, failures))
+        worst_cpu = max(worst_cpu, _compare(f"{name} cuda-vs-ours-cpu", image, cpu, hf, TWO_LEVELS, failures))
     print(f"{name} on CUDA: max |pixel diff| {worst_same:.3g} (ours on CUDA), {worst_cpu:.3g} (ours on CPU)")
 
 

@@ -27,6 +27,7 @@
 #      ttft (bench/ttft.py: time to first token with its split, per preset; see its block below),
 #      decode (bench/decode_gemv.py, then decode tok/s per preset with the fused one-row products off and
 #      on; see its block below),
+#      gemma (Gemma 3's real shapes: TTFT, decode, Encode, each with HF; see its block below),
 #      or a list such as llava,qwen,qwen3.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
@@ -335,6 +336,24 @@ if [[ ",$SECTIONS," == *,decode,* ]]; then
       --model "$DMODEL" "${DT[@]}" --prompts 8 --steps 96
     [ "${DECODE_KEEP_MODELS:-0}" = 1 ] || rm -rf "$DMODEL"
   done
+fi
+
+# Gemma 3 (issue 42) on GEMMA_PRESET's real shapes (default gemma-3-4b, random weights, made in
+# GEMMA_MODEL_DIR, default /tmp/gemma3-4b): cold and warm TTFT of one 1024x1024 image + 500 tokens through
+# gRPC with 32 at once and HF's generate in the same run (bench.ttft, GEMMA_TTFT_ARGS), decode tok/s at
+# batch 1 and 32 in-process vs HF and the bandwidth bound (bench.decode_tput, GEMMA_DECODE_ARGS), Encode
+# img/s at 1-64 clients vs HF's processor + get_image_features at batch 1 and 32 (bench.encode_tput,
+# GEMMA_ENCODE_ARGS). CPU smoke: SECTIONS=gemma GEMMA_PRESET=gemma-3-tiny DEVICE=cpu DTYPE=float32 and
+# small GEMMA_*_ARGS (the commented defaults show the knobs).
+if [[ ",$SECTIONS," == *,gemma,* ]]; then
+  GM=${GEMMA_MODEL_DIR:-/tmp/gemma3-4b}
+  make_once "$GM" "${GEMMA_PRESET:-gemma-3-4b}"
+  read -r -a GARGS <<< "${GEMMA_TTFT_ARGS:---rounds 5 --hf}"
+  step gemma_ttft 240 "$PY" -m bench.ttft --model "$GM" "${DT[@]}" --logs "$RES/logs-gemma" "${GARGS[@]}"
+  read -r -a GARGS <<< "${GEMMA_DECODE_ARGS:---batch-sizes 1,32 --prompt-len 64 --output-len 128}"
+  step gemma_decode 150 "$PY" -m bench.decode_tput --model "$GM" "${DT[@]}" "${GARGS[@]}"
+  read -r -a GARGS <<< "${GEMMA_ENCODE_ARGS:---images 256 --image-size 1024 --concurrency 1,8,32,64}"
+  step gemma_encode 180 "$PY" -m bench.encode_tput --model "$GM" "${DT[@]}" "${GARGS[@]}"
 fi
 
 echo "== merge (t=$((SECONDS - START))s)"

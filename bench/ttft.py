@@ -2,7 +2,7 @@
 
     python -m bench.ttft --model DIR [--device cuda --dtype bfloat16] [--hf] [--out ttft.json]
 
-One encoder and one decoder on the checkpoint (LLaVA-1.5, Qwen2.5-VL or Qwen3-VL), then, one request at a
+One encoder and one decoder on the checkpoint (any served family), then, one request at a
 time through gRPC `Generate` (1 output token):
 - cold: a new --image-size PNG of noise + about --text-tokens tokens of text (every image misses);
 - warm: the identical request again (its prefix is cached: all but the last tokens);
@@ -14,7 +14,7 @@ cold rounds. Then --concurrency requests at once (distinct images, --burst-words
 --burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a roofline made of the images at
 the cold rounds' tower device time each (measured alone: batching only lowers it), the prompt tokens at
 the cold rounds' prefill rate and the decode steps at the copy bandwidth (the language model's weights
-read once per step). With --hf (Qwen families), HF's `generate(max_new_tokens=1)` on the same weights and
+read once per step). With --hf, HF's `generate(max_new_tokens=1)` on the same weights and
 the cold prompts after the services stop (its processor excluded, as in bench/qwen_gpu.py).
 """
 
@@ -36,7 +36,6 @@ from bench.svcstats import stage_split
 from bench.workload import PromptMaker, random_png, random_words
 from common.checkpoint import load_config
 from common.client import AsyncDecoderClient, DecoderClient, EncoderClient
-from common.families.qwen2_5_vl.layout import is_qwen_vl
 
 COPY_BANDWIDTH = 4.27e12  # H200 device copy, bytes/s (bench/bandwidth.py measured 4.27-4.29)
 
@@ -53,7 +52,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=32, help="requests of the burst (0: none)")
     p.add_argument("--burst-words", type=int, default=24)
     p.add_argument("--burst-tokens", type=int, default=32)
-    p.add_argument("--hf", action="store_true", help="HF generate on the cold prompts (Qwen families)")
+    p.add_argument("--hf", action="store_true", help="HF generate on the cold prompts")
     p.add_argument("--decoder-args", default="", help="extra decoder flags, one string")
     p.add_argument("--encoder-args", default="", help="extra encoder flags, one string")
     p.add_argument("--logs", default=None)
@@ -218,32 +217,45 @@ def lm_weight_bytes(model: str, dtype: str) -> int:
 
 
 def hf_cold(args: argparse.Namespace, prompts: list[tuple[str, bytes]]) -> dict:
-    """HF generate(max_new_tokens=1) on the cold prompts, its processor's work excluded."""
+    """HF generate(max_new_tokens=1) on the cold prompts, its processor's work excluded: the class of the
+    checkpoint's family (ModelFamily.hf_class), its input_ids from our tokenizer (tested equal to HF's
+    processor's) and its pixel values from the checkpoint's HF image processor."""
     import io
 
     import torch
+    import transformers
     from PIL import Image
 
-    from bench.qwen_gpu import load_hf
     from common.checkpoint import parse_dtype
-    from common.families.qwen2_5_vl.encoder_base import load_qwen_image_processor
-    from common.families.qwen2_5_vl.layout import load_qwen_layout
+    from common.families.registry import family_of_model
+    from common.vision.tower import _load_image_processor
     from decoder_svc.tokenization import PromptTokenizer
 
     device = torch.device(args.device)
-    model = load_hf(args.model, device, parse_dtype(args.dtype))
-    processor, layout = load_qwen_image_processor(args.model), load_qwen_layout(args.model)
+    family = family_of_model(args.model)
+    model = getattr(transformers, family.hf_class).from_pretrained(
+        args.model, dtype=parse_dtype(args.dtype)).to(device).eval()
+    layout = family.image_layout(args.model, load_config(args.model))
+    processor = _load_image_processor(Path(args.model))
     tok = PromptTokenizer(args.model)
     times = []
     for i, (prompt, png) in enumerate([prompts[0], *prompts]):  # the first one again: warm-up
         out = processor(images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt")
-        grid = tuple(int(x) for x in out["image_grid_thw"][0])
-        ids = tok.encode_prompt(prompt, image_token_counts=[layout.num_tokens(grid)]).token_ids
+        inputs = {"pixel_values": out["pixel_values"].to(device, model.dtype)}
+        if "image_grid_thw" in out:  # the Qwen families: the grid sets the token count
+            grid = tuple(int(x) for x in out["image_grid_thw"][0])
+            count = layout.num_tokens(grid)
+            inputs["image_grid_thw"] = out["image_grid_thw"].to(device)
+        else:
+            count = layout.num_tokens()
+        ids = tok.encode_prompt(prompt, image_token_counts=[count]).token_ids
         input_ids = torch.tensor([ids], device=device)
-        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-                  "mm_token_type_ids": (input_ids == tok.image_token_id).int(),
-                  "pixel_values": out["pixel_values"].to(device, model.dtype),
-                  "image_grid_thw": out["image_grid_thw"].to(device)}
+        inputs.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+        image_mask = (input_ids == tok.image_token_id).int()
+        if "image_grid_thw" in out:
+            inputs["mm_token_type_ids"] = image_mask
+        elif layout.bidirectional_images:  # Gemma 3: HF's image block mask reads token_type_ids
+            inputs["token_type_ids"] = image_mask.long()
         torch.cuda.synchronize(device) if device.type == "cuda" else None
         started = time.perf_counter()
         with torch.inference_mode():
@@ -274,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             print("burst", result["burst"], flush=True)
     finally:
         pair.stop()
-    if args.hf and is_qwen_vl(load_config(args.model)):
+    if args.hf:
         result["hf_cold"] = hf_cold(args, prompts)
         result["cold_over_hf"] = round(result["single"]["cold"]["p50_ms"] / result["hf_cold"]["p50_ms"], 3)
         print("hf", result["hf_cold"], flush=True)

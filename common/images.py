@@ -126,7 +126,9 @@ def probe_image_size(data: bytes, limits: ImageLimits = ImageLimits()) -> tuple[
 
 
 def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
-    """Decode an encoded image file (PNG, JPEG, WebP, GIF first frame, BMP) into RGB.
+    """Decode an encoded image file (PNG, JPEG, WebP, GIF first frame, BMP) into RGB; transparency is
+    composited onto white, as transformers' convert_to_rgb does (the processors' do_convert_rgb), so a
+    transparent PNG gives the pixels HF's processor would.
 
     Raises ImageError for empty, oversized, truncated or corrupt input, a non-image, or a
     decompression bomb.
@@ -145,4 +147,12 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Imag
         raise ImageError(f"cannot decode image: {_public(exc)}") from None
     if image.width < 1 or image.height < 1:
         raise ImageError("image has no pixels")
+    return to_rgb(image)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, any transparency (an alpha band, a palette's transparent index) composited onto white."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     return image.convert("RGB")

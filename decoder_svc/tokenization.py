@@ -37,6 +37,8 @@ CUSTOM_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 # Content part types the template renders; it skips others silently, which would hide a client's bug.
 CHAT_PART_TYPES: frozenset[str] = frozenset({"text", "image"})
 VIDEO_CHAT_PART_TYPES: frozenset[str] = CHAT_PART_TYPES | {"video"}  # Qwen-VL templates render videos
+# Audio parts (Phi-4-MM's template renders `{"type": "audio"}`; OpenAI's and vLLM's names): refused by name
+AUDIO_PART_TYPES: frozenset[str] = frozenset({"audio", "input_audio", "audio_url"})
 
 
 class PromptError(InvalidInputError):
@@ -122,6 +124,10 @@ class PromptTokenizer:
         if videos and self.video_token is None:
             raise PromptError("this model does not take video input")
         prompt = self._native_image_markers(prompt, len(counts))
+        for marker, kind in self.layout.unserved_markers.items():
+            if marker in prompt:
+                raise PromptError(f"the prompt holds {marker}, the placeholder of {kind} input, which is not "
+                                  "served; send text and images only")
         found = prompt.count(self.image_token)
         if found != len(counts):
             raise PlaceholderMismatchError(
@@ -280,6 +286,9 @@ def check_chat_message(index: int, message: Any, part_types: frozenset[str] = CH
         raise PromptError(f"message {index}: content must be a string or a list of parts")
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind in AUDIO_PART_TYPES:
+            raise PromptError(f"message {index} part {k}: audio input ({kind} parts) is not served; send "
+                              "text and images only")
         if kind not in part_types:
             names = [t for t in ("text", "image", "video") if t in part_types]
             shown = " or ".join([", ".join(names[:-1]), names[-1]])

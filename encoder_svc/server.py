@@ -9,8 +9,11 @@ Tenant isolation (see encoder_svc/cache.py): a hash-only image resolves only und
 entry was made with, else NOT_FOUND exactly as for an unknown hash (Lookup answers false, Prefetch
 skips it); leases belong to the request's lease_owner and Release frees only the caller's own.
 
-An embedding travels as one EmbeddingRef whatever its shape: [rows, hidden] (LLaVA, Qwen2.5-VL) or
-[parts, rows, hidden] (Qwen3-VL's merged features and DeepStack levels: one entry, lease and location).
+An embedding travels as one EmbeddingRef whatever its shape: [rows, hidden] (LLaVA, Qwen2.5-VL, Gemma 3,
+Phi-4-MM) or [parts, rows, hidden] (Qwen3-VL's merged features and DeepStack levels: one entry, lease and
+location). Where the rows follow the image's size (Qwen-VL's pixel range, Phi-4-MM's crops) every image's
+size is checked against the model before any image of the request is queued (common/vision/encoders.py
+image_nbytes), and its grid is kept with its entry for hash-only asks.
 
 Videos (Qwen2.5-VL, Qwen3-VL; encoder_svc/videos.py) follow the images of a request: their settings and
 headers are checked against the caps (VideoLimits) and their content hash made from the bytes, in a
@@ -41,7 +44,7 @@ from common.stats import to_message
 from common.transport.arena_factory import make_arena
 from common.transport.nixl import NixlExporter, make_exporter
 from common.video.limits import VideoLimits
-from common.vision.encoders import image_settings, make_vision_encoder
+from common.vision.encoders import image_nbytes, image_settings, make_vision_encoder
 from common.vision.tower import VisionEncoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, EntryKindError, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
@@ -335,6 +338,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         finally:
             self._decoding -= 1
 
+    def _check_geometry(self, items, inputs) -> None:
+        """INVALID_ARGUMENT naming the first decoded image whose size the model cannot take (a Phi-4-MM
+        image too thin for its crops, a grid past the cache), before any image of the request is queued."""
+        for i, (_, image) in enumerate(items):
+            if image is None:
+                continue
+            try:
+                image_nbytes(self.vision, image.height, image.width, self._pixels(i, inputs[i]))
+            except ImageGeometryError as exc:
+                raise self._map_error(i, exc) from None
+
     def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int, salt: str,
                  owner: str = "", pixels: ImageSettings | None = None) -> cf.Future:
         """The cache's future for key; a miss goes to the vision worker with image, which then owns (and
@@ -342,9 +356,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             # A hash-only image (image None) never produces: it finds an entry of its own salt or none.
             nbytes = self.vision.embedding_nbytes
-            # Qwen-VL, Gemma 3: the size (all parts; the crops) follows the image and its settings
-            if pixels is not None and image is not None:
-                nbytes = self.vision.nbytes_for(self.vision.layout.grid(image.height, image.width, pixels))
+            if image is not None:  # Qwen-VL, Phi-4-MM, Gemma 3's crops: the size follows the image
+                nbytes = image_nbytes(self.vision, image.height, image.width, pixels)
             fut, produce = self.cache.acquire(key, want_lease, nbytes,
                                               produce=image is not None, salt=salt, owner=owner)
         # SaltClash: a hash collision; EntryKind: a video's hash given for an image
@@ -419,6 +432,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             with self.worker.holding():
                 try:
+                    self._check_geometry(items, request.images)  # every image's size, before any is queued
                     for i, (key, image) in enumerate(items):
                         futures.append(self._acquire(i, key, image, True, priority, salt, owner,
                                                      self._pixels(i, request.images[i])))

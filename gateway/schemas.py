@@ -68,7 +68,18 @@ class VideoPart(_NamedMedia):
         return self.video_url.url if self.video_url is not None else None
 
 
-ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+class AudioPart(_Lenient):
+    """OpenAI's `{"type": "input_audio", "input_audio": {"data", "format"}}` part (and vLLM's `audio_url`):
+    parsed only to be refused by name, a 400 naming the part before anything is fetched. No served model
+    takes audio (Phi-4-multimodal's audio encoder is not served)."""
+
+    type: Literal["input_audio", "audio_url"]
+
+    def model_post_init(self, context: object) -> None:
+        raise ValueError(f"audio input ({self.type} parts) is not served; send text and images only")
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart | AudioPart, Field(discriminator="type")]
 
 
 ROLE_PATTERN = r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"  # a name, never text that could reshape the template

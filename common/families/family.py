@@ -45,6 +45,9 @@ class ModelFamily:
     maker: str                    # "module:function" writing a random checkpoint of one of those presets
     layout: str                   # "module:Class" of its ImageLayout (common/families/layout.py)
     oracle: str                   # "module:Class" running hf_class on a checkpoint (the tests' reference)
+    # A family the registry lists as not served yet (NOT_SERVED_YET) whose images the encoder service
+    # serves already (registry.vision_family_of); the decoder's lookups keep refusing it.
+    encoder_served_early: bool = False
 
     def layout_class(self) -> type[ImageLayout]:
         """Its ImageLayout class (loads the text processor and reads a checkpoint's layout)."""

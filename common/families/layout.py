@@ -124,6 +124,13 @@ class ImageLayout(ABC):
         image's embedding, appended to the fingerprint its content hash is made under ("": none)."""
         return ""
 
+    @property
+    def unserved_markers(self) -> dict[str, str]:
+        """{placeholder token: what it stands for} of inputs the checkpoint names but no service takes
+        (Phi-4-MM's `<|audio|>`): a prompt holding one is refused, never run on the token's bare
+        embedding. Empty by default."""
+        return {}
+
     @abstractmethod
     def num_tokens(self, grid: Sequence[int] | None = None) -> int:
         """Placeholder tokens (= embedding rows) of an image of this grid (None: a fixed-count layout's)."""

@@ -14,7 +14,8 @@ from common.families.qwen3_vl import FAMILY as QWEN3_VL
 
 FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL, GEMMA3)
 # Folders whose FAMILY is declared but not served yet (each one's __init__ says what is missing): no
-# lookup here finds them, so their checkpoints are refused like any other unserved model_type.
+# lookup here finds them, so their checkpoints are refused like any other unserved model_type; one that
+# declares encoder_served_early is found by vision_family_of alone (the encoder service's lookup).
 NOT_SERVED_YET: tuple[str, ...] = ("phi4mm",)
 # Reads the layout of a checkpoint no family claims: LLaVA's reader refuses it naming what it serves (e.g.
 # llava_next, whose tiles make the token count vary per image), the message users have always had.
@@ -65,6 +66,19 @@ def unserved_text_family(config: dict[str, Any]) -> ModelFamily | None:
         if model_type in family.model_types:
             return family
     return None
+
+
+def vision_family_of(config: dict[str, Any]) -> ModelFamily:
+    """The family whose vision encoder serves a checkpoint's images: a served family's, or a family not
+    served yet that declares encoder_served_early (its encoder service runs before its decoder does);
+    UnsupportedModelError as family_of otherwise. Only the encoder service asks this."""
+    family = find_family(config) or _early_encoder_family(config)
+    return family if family is not None else family_of(config)
+
+
+def _early_encoder_family(config: dict[str, Any]) -> ModelFamily | None:
+    family = unserved_text_family(config)
+    return family if family is not None and family.encoder_served_early else None
 
 
 def family_of_model(model_dir: str | Path) -> ModelFamily:

@@ -19,7 +19,7 @@ from common.families.layout import ImageLayout
 from common.freed_memory import release_freed_memory
 from common.hashing import check_cache_salt, hash_image, hash_image_file, is_content_hash
 from common.image_geometry import Grid, ImageGeometryError, ImageSettings, hash_fingerprint
-from common.images import probe_image_size
+from common.images import probe_image_size, to_rgb
 from common.memo import BoundedMemo
 from decoder_svc.engine.embedding_source import VideoSource
 from decoder_svc.engine.request import ImagePlaceholder, Request
@@ -284,7 +284,7 @@ class InputProcessor:
         if isinstance(image, bytes):
             return hash_image_file(image, fingerprint, cache_salt)
         if isinstance(image, Image.Image):
-            return hash_image(image.convert("RGB"), fingerprint, cache_salt)
+            return hash_image(to_rgb(image), fingerprint, cache_salt)
         raise InvalidRequestError(f"image {index}: unsupported type {type(image).__name__}")
 
     def _token_id_prompt(self, ids: Sequence[int], images: Sequence[ImageLike],

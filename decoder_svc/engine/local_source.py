@@ -21,7 +21,7 @@ import torch
 
 from common.checkpoint import load_config, parse_dtype
 from common.families import family_of
-from common.images import decode_image
+from common.images import decode_image, to_rgb
 from common.video import VideoLimits, decode_video, video_patches, video_request_config
 from common.vision.encoders import make_vision_encoder
 from common.vision.prepared import PreparedGrid
@@ -79,7 +79,7 @@ class LocalEmbeddingSource(EmbeddingSource):
                 image = req.image
                 if isinstance(image, FollowingBytes):  # behind its request on an engine core's pipe
                     image = image.get(_FOLLOWING_BYTES_TIMEOUT_S)
-                image = decode_image(image) if isinstance(image, bytes) else image.convert("RGB")
+                image = decode_image(image) if isinstance(image, bytes) else to_rgb(image)
                 if req.pixels is not None:  # a pixel range (Qwen-VL), a crop choice (Gemma 3)
                     emb = self.encoder.encode([image], [req.pixels])[0]
                 else:

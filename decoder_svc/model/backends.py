@@ -32,14 +32,11 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
     return name
 
 
-def make_kernels(name: str, device: torch.device | str,
-                 reference_ops: bool = False) -> tuple[AttentionBackend, type[TorchOps]]:
-    """The attention backend and the elementwise ops for a backend name (see resolve_backend_name).
-    `reference_ops`: the model needs ops only the torch reference has (Gemma's (1 + w) norms and GELU):
-    Triton's attention then runs beside the reference ops (plain tensor ops, CUDA graphs still apply)."""
+def make_kernels(name: str, device: torch.device | str) -> tuple[AttentionBackend, type[TorchOps]]:
+    """The attention backend and the elementwise ops for a backend name (see resolve_backend_name)."""
     if resolve_backend_name(name, device) == "triton":
         from decoder_svc.model.triton_attention import TritonAttentionBackend
         from decoder_svc.model.triton_ops import TritonOps
 
-        return TritonAttentionBackend(), TorchOps if reference_ops else TritonOps
+        return TritonAttentionBackend(), TritonOps
     return TorchAttentionBackend(), TorchOps

@@ -81,8 +81,9 @@ class TextModelConfig:
         return any(self.layer_window(i) for i in range(self.num_layers))
 
     @property
-    def needs_reference_ops(self) -> bool:
-        """True when an op only the torch reference has is used (Gemma's norms and GELU)."""
+    def needs_offset_norm_ops(self) -> bool:
+        """True when the model needs ops beyond Llama's (Gemma's (1 + w) norms and tanh GELU): the kernels'
+        ops class must have them (TorchOps and TritonOps do)."""
         return self.norm_unit_offset or self.hidden_act != "silu"
 
     def local_rope(self) -> TextModelConfig:

@@ -162,7 +162,7 @@ class DecoderLayer(nn.Module):
     def norm_into(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
                   proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """proj(norm(x, residual)) and the new residual."""
-        if norm.unit_offset:  # no fused kernel for Gemma's norm: the torch reference's two steps
+        if norm.unit_offset:  # no one-row fused norm + product for Gemma's norm: two steps
             h, new_residual = norm(x, residual)
             return proj(h), new_residual
         return norm.ops.norm_linear(x, residual, norm.weight, norm.eps, proj)
@@ -184,13 +184,13 @@ def mrope_axes(cfg: TextModelConfig) -> torch.Tensor:
 
 def check_kernels(cfg: TextModelConfig, backend: AttentionBackend, ops: type[TorchOps]) -> None:
     """Refuse kernels that would compute a config's model wrongly: sliding-window layers need a backend
-    that masks the window; Gemma's norms and GELU exist in the torch reference ops only."""
+    that masks the window; Gemma's norms and GELU need an ops class that has them."""
     if cfg.has_sliding_layers and not backend.supports_sliding_window:
         raise ValueError(f"{cfg.model_type}: its sliding-window layers need an attention backend that masks "
                          f"the window; {type(backend).__name__} does not")
-    if cfg.needs_reference_ops and not hasattr(ops, "offset_rms_norm"):
-        raise ValueError(f"{cfg.model_type}: its norms and activation run on the torch reference ops only; "
-                         f"{ops.__name__} lacks them (--attention-backend torch)")
+    if cfg.needs_offset_norm_ops and not hasattr(ops, "offset_rms_norm"):
+        raise ValueError(f"{cfg.model_type}: its (1 + w) norms and GELU are not in {ops.__name__} "
+                         f"(--attention-backend torch has them)")
 
 
 class LlamaForCausalLM(nn.Module):

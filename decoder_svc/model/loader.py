@@ -145,7 +145,7 @@ def load_language_model(
         raise ValueError(f"unknown load format {load_format!r}; choose from {LOAD_FORMATS}")
     cfg = TextModelConfig.from_hf(text_config_dict(model_dir))
     fmt = checkpoint_fp8_format(load_config(model_dir))
-    backend, ops = make_kernels(attention_backend, device, reference_ops=cfg.needs_reference_ops)
+    backend, ops = make_kernels(attention_backend, device)
     tp = tp if tp is not None and tp.size > 1 else None
     if tp is not None:
         tp.check(cfg)

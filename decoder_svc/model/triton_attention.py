@@ -70,14 +70,16 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
 
 # num_seqs is not specialised: Triton would compile a variant for 1, for multiples of 16 and for the rest,
 # and the first eager step of 2-15 sequences (a burst's first mixed prefill) stalled ~1.2 s compiling.
-@triton.jit(do_not_specialize=["num_seqs"])
+# num_seqs and num_splits are runtime values that Triton must not specialise on (== 1, % 16): every
+# specialisation is one more compile (1-2 s at head_dim 256) the first time a step meets it.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_acc_ptr, part_ml_ptr, key_limits_ptr, scale_log2, num_seqs, window,
+    part_acc_ptr, part_ml_ptr, key_limits_ptr, scale_log2, num_seqs, window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cr, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, H_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIMITS: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIMITS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,7 +117,7 @@ def _paged_attention_kernel(
         tile_start = tl.minimum(tile_start, num_tiles)
     else:
         tile_start = 0
-    per_split = tl.cdiv(num_tiles - tile_start, NUM_SPLITS)
+    per_split = tl.cdiv(num_tiles - tile_start, num_splits)
     tile_lo = tile_start + split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
@@ -153,13 +155,13 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a padded row (seq_len 0) attends to nothing: zeros
         o = acc / l_safe[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        part = (q_rows * NUM_HEADS + head) * NUM_SPLITS + split  # [tokens, heads, splits] row index
+        part = (q_rows * NUM_HEADS + head) * num_splits + split  # [tokens, heads, splits] row index
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=out_mask)
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
@@ -241,12 +243,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         part_acc, part_ml, meta.seq_lens if limits is None else limits, scale * _LOG2E, num_seqs,
-        0 if window is None else window,
+        0 if window is None else window, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, H_PER_KV=h_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if head_dim <= 128 else 32,
-        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None,
+        SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None,
         HAS_LIMITS=limits is not None, num_warps=4, num_stages=2)
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](

@@ -4,7 +4,8 @@ Same signatures as `decoder_svc.model.ops.TorchOps`. Differences in side effects
 
 - `rms_norm` with a residual writes x + residual IN PLACE into `residual` and returns it as the new
   residual (the caller owns it); `x` is never written. Without a residual the new residual is `x`.
-- `silu_and_mul` returns a new [T, I] tensor.
+- `silu_and_mul` and `gelu_tanh_and_mul` return a new [T, I] tensor.
+- `offset_rms_norm` (Gemma's (1 + w) norm) has rms_norm's residual contract.
 - `rotary` rotates q and k IN PLACE (they may be strided views of one fused qkv buffer) and returns them.
 - `norm_linear`, `act_linear` and `linear` take one kernel for a one-row product where start-up timing
   found it faster than the separate op and cuBLAS (decode_gemv.py); their new residual is then a new
@@ -50,7 +51,7 @@ def _round(x, dtype: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_stride, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     # One program per row: the whole row fits in registers (BLOCK >= n_cols), so one pass.
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31 at long prefills
     cols = tl.arange(0, BLOCK)
@@ -64,11 +65,15 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_s
         tl.store(res_ptr + row * res_stride + cols, h, mask=mask)
     hf = h.to(tl.float32)
     var = tl.sum(hf * hf, axis=0) / n_cols
-    # libdevice rsqrtf, as torch.rsqrt uses on CUDA; HF casts back to the dtype before the weight.
-    normed = _round(hf * tl.math.rsqrt(var + eps), dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    # Product of two dtype values is exact in fp32, so this single rounding equals torch's dtype mul.
-    out = normed.to(tl.float32) * w.to(tl.float32)
+    if UNIT_OFFSET:
+        # Gemma: (1 + weight) in fp32, the product in fp32, one rounding at the end (HF Gemma3RMSNorm).
+        out = hf * tl.math.rsqrt(var + eps) * (1.0 + w.to(tl.float32))
+    else:
+        # libdevice rsqrtf, as torch.rsqrt uses on CUDA; HF casts back to the dtype before the weight.
+        normed = _round(hf * tl.math.rsqrt(var + eps), dtype)
+        # Product of two dtype values is exact in fp32, so this single rounding equals torch's dtype mul.
+        out = normed.to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, _round(out, out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -82,6 +87,22 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, BLOCK: tl
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     act = _round(gate / (1.0 + tl.exp(-gate)), dtype)  # HF rounds silu(gate) to the dtype
+    tl.store(out_ptr + row * out_stride + cols, _round(act.to(tl.float32) * up, dtype), mask=mask)
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, BLOCK: tl.constexpr):
+    # As _silu_and_mul_kernel, with HF's gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))),
+    # tanh(y) = 2 / (1 + exp(-2y)) - 1 (exact limits at +-inf; its cancellation near 0 is absorbed by 1 + .).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+    act = _round(0.5 * gate * (1.0 + tanh), dtype)  # HF rounds the activation to the dtype
     tl.store(out_ptr + row * out_stride + cols, _round(act.to(tl.float32) * up, dtype), mask=mask)
 
 
@@ -149,47 +170,24 @@ class TritonOps:
         weight must have x's dtype (the model casts its parameters), so out has x's dtype as in HF.
         x is never modified; the returned residual is `x` or the `residual` tensor itself.
         """
-        _row_major(x, "x")
-        if weight.dtype != x.dtype or weight.shape != (x.shape[1],):
-            raise ValueError(f"weight must be [{x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} "
-                             f"{weight.dtype}")
-        if residual is not None:
-            _row_major(residual, "residual")
-            if residual.shape != x.shape or residual.dtype != x.dtype:
-                raise ValueError("residual must match x in shape and dtype")
-        n_rows, n_cols = x.shape
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        new_residual = x if residual is None else residual
-        if n_rows == 0 or n_cols == 0:
-            return out, new_residual
-        weight = weight.contiguous()
-        block = triton.next_power_of_2(n_cols)
-        # Enough warps that each thread holds <= ~16 fp32 values of the row.
-        num_warps = min(max(block // 512, 1), 16)
-        res = residual if residual is not None else x  # dummy pointer when HAS_RESIDUAL is False
-        _rms_norm_kernel[(n_rows,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0),
-                                    n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                    num_warps=num_warps)
-        return out, new_residual
+        return _launch_rms_norm(x, weight, eps, residual, unit_offset=False)
+
+    @staticmethod
+    def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gemma's norm (TorchOps.offset_rms_norm: (1 + weight) in fp32, one rounding) in one kernel; the
+        residual as rms_norm's (written IN PLACE)."""
+        return _launch_rms_norm(x, weight, eps, residual, unit_offset=True)
+
+    @staticmethod
+    def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2*I] = cat(gate, up) -> new tensor gelu_tanh(gate) * up [T, I] (Gemma's MLP)."""
+        return _launch_gated(_gelu_tanh_and_mul_kernel, x)
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         """x [T, 2*I] = cat(gate, up) -> new tensor silu(gate) * up [T, I]; x is not modified."""
-        _row_major(x, "x")
-        n_rows, two_i = x.shape
-        if two_i % 2:
-            raise ValueError(f"last dim must be even (gate, up), got {two_i}")
-        n_cols = two_i // 2
-        out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-        if n_rows == 0 or n_cols == 0:
-            return out
-        # Small tiles at small T so the grid still covers the SMs; big tiles amortise at prefill.
-        block = 256 if n_rows < 64 else 1024
-        block = min(block, triton.next_power_of_2(n_cols))
-        grid = (n_rows, triton.cdiv(n_cols, block))
-        _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block,
-                                   num_warps=4 if block >= 512 else 2)
-        return out
+        return _launch_gated(_silu_and_mul_kernel, x)
 
     @staticmethod
     def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -300,6 +298,50 @@ class TritonOps:
     def make_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
         """Same fp32 [max_positions, D] cos|sin table as TorchOps (built once at load, no kernel needed)."""
         return TorchOps.make_cos_sin_cache(inv_freq, max_positions)
+
+
+def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                     unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # TritonOps.rms_norm / offset_rms_norm: checks, then one program per row.
+    _row_major(x, "x")
+    if weight.dtype != x.dtype or weight.shape != (x.shape[1],):
+        raise ValueError(f"weight must be [{x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if residual is not None:
+        _row_major(residual, "residual")
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("residual must match x in shape and dtype")
+    n_rows, n_cols = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    new_residual = x if residual is None else residual
+    if n_rows == 0 or n_cols == 0:
+        return out, new_residual
+    weight = weight.contiguous()
+    block = triton.next_power_of_2(n_cols)
+    # Enough warps that each thread holds <= ~16 fp32 values of the row.
+    num_warps = min(max(block // 512, 1), 16)
+    res = residual if residual is not None else x  # dummy pointer when HAS_RESIDUAL is False
+    _rms_norm_kernel[(n_rows,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n_cols, eps,
+                                HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
+                                num_warps=num_warps)
+    return out, new_residual
+
+
+def _launch_gated(kernel, x: torch.Tensor) -> torch.Tensor:
+    # silu_and_mul / gelu_tanh_and_mul: x [T, 2*I] = cat(gate, up) -> a new [T, I].
+    _row_major(x, "x")
+    n_rows, two_i = x.shape
+    if two_i % 2:
+        raise ValueError(f"last dim must be even (gate, up), got {two_i}")
+    n_cols = two_i // 2
+    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if n_rows == 0 or n_cols == 0:
+        return out
+    # Small tiles at small T so the grid still covers the SMs; big tiles amortise at prefill.
+    block = 256 if n_rows < 64 else 1024
+    block = min(block, triton.next_power_of_2(n_cols))
+    grid = (n_rows, triton.cdiv(n_cols, block))
+    kernel[grid](x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4 if block >= 512 else 2)
+    return out
 
 
 def _one_row_weight(x: torch.Tensor, proj: nn.Module):  # -> decode_gemv.GemvWeight | None

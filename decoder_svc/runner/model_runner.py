@@ -227,7 +227,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_run(self) -> None:
         """One forward of the largest prefill (compiling its kernels), so the KV budget is taken from the
-        memory left after the activations' peak; then one of a single token (decode's kernels)."""
+        memory left after the activations' peak; a few more that compile the attention's other prefill
+        variants; then one of a single token (decode's kernels)."""
         n = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
         bs = self.config.block_size
         scratch = allocate_kv_cache(KVCacheSpec.for_model(self.model_config, 1, bs, self.config.dtype),
@@ -237,6 +238,18 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         positions = torch.arange(n, device=self.device)
         self.model(positions.expand(3, n) if self.mrope else positions, meta, scratch, rows, input_ids=ids)
+        # The attention kernel's other prefill variants, compiled now rather than in a request's step: a
+        # short chunk (its keys split among programs), and for bidirectional images both with key limits.
+        short = min(n, 64)
+        for chunk, limits in ((short, False), (n, True), (short, True)):
+            if limits and not self.config.image_blocks:
+                continue
+            m = AttentionMetadata.build([-1] * chunk, [chunk], [chunk], [[0] * -(-chunk // bs)], bs,
+                                        self.device)
+            m.key_limits = positions[:chunk] if limits else None  # its own position: causal, as a limit
+            last = torch.full((1,), chunk - 1, device=self.device)
+            self.model(positions[:chunk].expand(3, chunk) if self.mrope else positions[:chunk], m, scratch,
+                       last, input_ids=ids[:chunk])
         # One token: the ops time their one-row kernels here (decode_gemv), before any graph is captured.
         one = AttentionMetadata.build([-1], [1], [1], [[0]], bs, self.device)
         self.model(positions[:1].expand(3, 1) if self.mrope else positions[:1], one, scratch, rows[:1] * 0,

@@ -183,6 +183,53 @@ def test_triton_silu_and_mul(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 48), (5, 64), (3, 130)])
+def test_triton_offset_rms_norm_is_gemmas(dtype, shape):
+    """Gemma's (1 + w) norm in one kernel against the reference and HF's Gemma3RMSNorm, with and without
+    a residual (written in place), x untouched."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    gen = _gen(shape[0] * 100 + shape[1] + DTYPES.index(dtype))
+    weight = _rand(shape[1], dtype, gen, scale=0.5, offset=0.2)
+    x = _rand(shape, dtype, gen)
+    x0 = x.clone()
+    hf = Gemma3RMSNorm(shape[1], eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        hf.weight.copy_(weight.float())
+    out, new_res = TritonOps.offset_rms_norm(x, weight, 1e-6)
+    assert new_res is x and out.dtype == dtype
+    torch.testing.assert_close(out, TorchOps.offset_rms_norm(x, weight, 1e-6)[0], **TOL[dtype])
+    torch.testing.assert_close(out, hf(x), **TOL[dtype])
+
+    res = _rand(shape, dtype, gen, scale=2.0, offset=-1.0)
+    res0 = res.clone()
+    ref_out, ref_res = TorchOps.offset_rms_norm(x, weight, 1e-6, residual=res)
+    out, new_res = TritonOps.offset_rms_norm(x, weight, 1e-6, residual=res)
+    assert new_res is res and torch.equal(new_res, ref_res)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    assert torch.equal(x, x0)
+    # Not Llama's norm: a kernel that ignored the offset would give this.
+    assert not torch.allclose(out, TorchOps.rms_norm(x, weight, 1e-6, residual=res0)[0], **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 48), (7, 300)])
+def test_triton_gelu_tanh_and_mul(dtype, shape):
+    """GeGLU (HF's gelu_pytorch_tanh(gate) * up) against the reference, over values from -9 to 9."""
+    n_tok, inter = shape
+    gen = _gen(inter + 7 * n_tok)
+    x = _rand((n_tok, 2 * inter), dtype, gen)
+    x0 = x.clone()
+    out = TritonOps.gelu_tanh_and_mul(x)
+    assert out.shape == (n_tok, inter) and out.dtype == dtype
+    torch.testing.assert_close(out, TorchOps.gelu_tanh_and_mul(x), **TOL[dtype])
+    assert not torch.allclose(out, TorchOps.silu_and_mul(x), **TOL[dtype])
+    assert torch.equal(x, x0)
+    empty = torch.empty(0, 2 * inter, dtype=dtype, device=DEVICE)
+    assert TritonOps.gelu_tanh_and_mul(empty).shape == (0, inter)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_tok,n_q,n_k,head_dim", [(1, 4, 2, 16), (5, 4, 2, 16), (3, 3, 1, 48),
                                                     (2, 2, 2, 128)])
 def test_triton_rotary_in_place_on_fused_qkv(dtype, n_tok, n_q, n_k, head_dim):

@@ -59,3 +59,28 @@ def test_hub_tensor_names(gemma3_tiny_dir: Path, gemma3_oracle, tmp_path: Path) 
     ours = FAMILY.make_vision_encoder(tmp_path).encode(images)
     want = gemma3_oracle.image_features(gemma3_oracle.pixels(images))
     torch.testing.assert_close(torch.stack(ours), want, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_preprocessing_within_its_tolerance_of_hf(gemma3_tiny_dir: Path, gemma3_oracle) -> None:
+    """--preprocess torch (the default on CUDA in half precision): the uint8 image resized and normalised
+    on the device, pixel values within the stated tolerance of HF's PIL processor and close on average;
+    the features close to HF's get_image_features; mixed with hf-prepared images in one batch."""
+    from common.families.gemma3.encoder import Gemma3VisionEncoder
+
+    dev = Gemma3VisionEncoder(gemma3_tiny_dir, preprocess="torch")
+    assert dev.preprocess_mode == "torch" and dev.pixel_tolerance > 0
+    hf = FAMILY.make_vision_encoder(gemma3_tiny_dir)
+    assert hf.preprocess_mode == "hf" and hf.pixel_tolerance == 0.0
+    images = sample_images()
+    prepared = [dev.prepare(img) for img in images]
+    assert all(p.dtype == torch.uint8 for p in prepared)
+    pixels = torch.cat(dev._device_pixels(prepared))
+    want = gemma3_oracle.pixels(images)
+    diff = (pixels - want).abs()
+    assert diff.max().item() <= dev.pixel_tolerance
+    assert diff.mean().item() <= dev.pixel_processor.max_mean_abs_diff()
+    feats = gemma3_oracle.image_features(want)
+    mixed = dev.encode_prepared([prepared[0], hf.prepare(images[1]), prepared[2]])
+    for got, i in zip(mixed, (0, 1, 2), strict=True):
+        torch.testing.assert_close(got, feats[i], rtol=0, atol=0.05)
+    torch.testing.assert_close(mixed[1], feats[1], rtol=1e-5, atol=1e-5)  # the HF-prepared one: exact

@@ -75,3 +75,35 @@ def test_cuda_sliding_window_kv_with_small_blocks(gemma3_tiny_dir, gemma3_oracle
     assert results["b"]["tokens"] == gemma3_oracle.generate(PROMPT, [], N)
     assert engine.runner.graph_steps > 0
     assert_nothing_held(engine)
+
+
+def test_cuda_tower_graphs_equal_the_eager_tower_and_hf(gemma3_tiny_dir, gemma3_oracle):
+    """The encoder's CUDA graphs of the tower (buckets 1, 2, 4, 5: three images run in bucket 4, padded)
+    give the eager tower's rows, and both HF's get_image_features (fp32, on the CPU)."""
+    from common.families.gemma3.encoder import Gemma3VisionEncoder
+
+    enc = Gemma3VisionEncoder(gemma3_tiny_dir, "cuda", torch.float32)
+    assert enc.capture_graphs(5)
+    images = sample_images()[:3]
+    prepared = [enc.prepare(img) for img in images]
+    graphed = enc.encode_prepared(prepared, use_graphs=True)
+    eager = enc.encode_prepared(prepared, use_graphs=False)
+    want = gemma3_oracle.image_features(gemma3_oracle.pixels(images))
+    for i, (g, e) in enumerate(zip(graphed, eager, strict=True)):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g.cpu(), want[i], rtol=1e-4, atol=1e-4)
+
+
+def test_cuda_torch_preprocessing_is_the_default_in_half_precision(gemma3_tiny_dir, gemma3_oracle):
+    """In bf16 on CUDA the encoder resizes and normalises on the device, within its stated tolerance of
+    HF's PIL processor; in fp32 it keeps HF's processor (exact)."""
+    from common.families.gemma3.encoder import Gemma3VisionEncoder
+
+    assert Gemma3VisionEncoder(gemma3_tiny_dir, "cuda", torch.float32).preprocess_mode == "hf"
+    enc = Gemma3VisionEncoder(gemma3_tiny_dir, "cuda", torch.bfloat16)
+    assert enc.preprocess_mode == "torch"
+    images = sample_images()
+    pixels = torch.cat(enc._device_pixels([enc.prepare(img) for img in images])).cpu()
+    diff = (pixels - gemma3_oracle.pixels(images)).abs()
+    assert diff.max().item() <= enc.pixel_tolerance
+    assert diff.mean().item() <= enc.pixel_processor.max_mean_abs_diff()

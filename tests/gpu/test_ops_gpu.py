@@ -60,6 +60,30 @@ def test_silu_and_mul_gpu(dtype, n_tok):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_tok", TOKENS)
+@pytest.mark.parametrize("width", [2560, 256])  # gemma-3-4b's hidden size, and its head_dim (QK norm)
+def test_offset_rms_norm_gpu(dtype, n_tok, width):
+    gen = torch.Generator(device="cuda").manual_seed(300 + n_tok + width)
+    weight = _rand(width, dtype, gen, scale=0.2, offset=0.1)
+    x = _rand((n_tok, width), dtype, gen, scale=3.0)
+    res = _rand((n_tok, width), dtype, gen, scale=10.0, offset=0.5)
+    out, new_res = TritonOps.offset_rms_norm(x, weight, 1e-6)
+    assert new_res is x and _rel_err(out, TorchOps.offset_rms_norm(x, weight, 1e-6)[0]) < REL[dtype]
+    ref, ref_res = TorchOps.offset_rms_norm(x, weight, 1e-6, residual=res)
+    out, new_res = TritonOps.offset_rms_norm(x, weight, 1e-6, residual=res)
+    assert new_res is res and torch.equal(res, ref_res) and _rel_err(out, ref) < REL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_tok", TOKENS)
+def test_gelu_tanh_and_mul_gpu(dtype, n_tok):
+    gen = torch.Generator(device="cuda").manual_seed(400 + n_tok)
+    x = _rand((n_tok, 2 * 10240), dtype, gen, scale=4.0)  # gemma-3-4b's intermediate size
+    out = TritonOps.gelu_tanh_and_mul(x)
+    assert out.shape == (n_tok, 10240) and _rel_err(out, TorchOps.gelu_tanh_and_mul(x)) < REL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_tok", TOKENS)
 @pytest.mark.parametrize("n_kv_heads", [N_HEADS, 8])
 def test_rotary_gpu(dtype, n_tok, n_kv_heads):
     gen = torch.Generator(device="cuda").manual_seed(200 + n_tok)

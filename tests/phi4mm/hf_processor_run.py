@@ -8,6 +8,13 @@ import sys
 
 import torch
 
+# Images 1 and 2 of tests/phi4mm/images.sample_images, in order
+CHAT = [{"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this, and"},
+                                     {"type": "image"}, {"type": "text", "text": "?"}]},
+        {"role": "assistant", "content": "two images"},
+        {"role": "user", "content": [{"type": "text", "text": "again"}]}]
+
 
 def main(model_dir: str, out: str) -> None:
     from transformers import AutoProcessor
@@ -24,6 +31,10 @@ def main(model_dir: str, out: str) -> None:
     # several images in one call: crops padded to the most any image has
     prompt = "<|user|>" + " then ".join(processor.image_token for _ in images[:3]) + "<|end|>"
     batch = dict(processor(text=prompt, images=images[:3], return_tensors="pt"))
+    # a chat: the checkpoint's template (the tokenizer carries it; the tiny checkpoint's processor loads
+    # without one) rendered, then the processor's expansion and tokenization, as apply_chat_template does
+    text = processor.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    chat = {"text": text, **dict(processor(text=text, images=images[1:3], return_tensors="pt"))}
     counts = processor.image_processor(images=images, return_tensors="pt")["num_img_tokens"]
     extreme = None
     try:
@@ -31,7 +42,7 @@ def main(model_dir: str, out: str) -> None:
     except ValueError as exc:
         extreme = str(exc)
     torch.save({"single": single, "batch": {"prompt": prompt, **batch}, "num_img_tokens": list(counts),
-                "extreme": extreme}, out)
+                "extreme": extreme, "chat": chat}, out)
 
 
 def thin_image():  # noqa: N802 - a constructor-like helper

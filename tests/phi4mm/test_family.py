@@ -1,5 +1,6 @@
-"""Phi-4-MM's declaration: its folder's FAMILY resolves, it is refused by every lookup until it is served,
-its tiny checkpoint is HF's format and its layout refuses what it cannot count."""
+"""Phi-4-MM's declaration: its folder's FAMILY resolves, every lookup but the encoder service's
+(vision_family_of, tests/phi4mm/test_encoder_service.py) refuses it until it is served, its tiny
+checkpoint is HF's format and its layout refuses what it cannot count."""
 
 from __future__ import annotations
 

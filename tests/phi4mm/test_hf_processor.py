@@ -6,6 +6,7 @@ torchvision where it is installed)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from common.checkpoint import load_config
 from common.families.phi4mm.layout import Phi4ImageLayout
 from common.families.phi4mm.pixels import batch_pixels, hd_transform, num_tokens
 from common.image_geometry import ImageGeometryError
+from common.images import encode_png
+from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
 from tests.phi4mm.images import SIZES, sample_images
 from tests.phi4mm.tv_shim import write_shim
 
@@ -81,3 +84,44 @@ def test_too_thin_images_are_refused_as_hf_refuses_them(hf_outputs, layout):
     with pytest.raises(ImageGeometryError, match="too extreme"):
         layout.tokens_for_size(5000, 8)
     assert layout.tokens_for_size(5000, 20) > 0  # 21 px high once resized: HF takes it too
+
+
+@pytest.fixture(scope="module")
+def inputs(phi4_tiny_dir: Path):
+    """The decoder's input processor on the tiny checkpoint (its Phi-4-MM layout through the test-only
+    text switch: the decoder does not serve the family yet)."""
+    from decoder_svc.engine.config import EngineConfig
+    from decoder_svc.engine.input_processor import InputProcessor
+
+    config = EngineConfig(model=phi4_tiny_dir, num_kv_blocks=8, unserved_text_only=True)
+    return InputProcessor.for_model(config, kv_capacity_tokens=1 << 16)
+
+
+def test_the_decoders_requests_from_image_files_have_hfs_input_ids(hf_outputs, inputs):
+    """Headers alone (PNG bytes: nothing decoded) to token counts, expansion and ids, image by image."""
+    for i, (image, hf) in enumerate(zip(sample_images(), hf_outputs["single"], strict=True)):
+        # one new token: the 4000x900 image's 4014 tokens come close to the 4096 served (LongRoPE's short
+        # factors only); the 1500x1500 one's 4433 pass it and are refused before any work
+        make = functools.partial(inputs.make_request, f"r{i}", hf["prompt"], [encode_png(image)],
+                                 sampling=SamplingParams(max_tokens=1))
+        if hf["input_ids"].shape[1] >= inputs.model_config.max_model_len:
+            with pytest.raises(InvalidRequestError, match="context length"):
+                make()
+            continue
+        req = make()
+        assert req.prompt_token_ids == hf["input_ids"][0].tolist(), image.size
+        (ph,) = req.images
+        assert ph.length == int(hf_outputs["num_img_tokens"][i])
+        assert ph.grid == inputs.layout.grid(image.height, image.width)
+        assert set(req.prompt_token_ids[ph.offset:ph.offset + ph.length]) == {inputs.tokenizer.image_token_id}
+
+
+def test_the_chat_template_path_has_hfs_input_ids(hf_outputs, inputs):
+    from tests.phi4mm.hf_processor_run import CHAT
+
+    hf = hf_outputs["chat"]
+    images = sample_images()[1:3]
+    req = inputs.make_request("chat", messages=CHAT, images=[encode_png(im) for im in images])
+    assert req.prompt_token_ids == hf["input_ids"][0].tolist()
+    assert [p.length for p in req.images] == [int(n) for n in hf_outputs["num_img_tokens"][1:3]]
+    assert hf["text"].startswith("<|system|>be brief<|end|><|user|><|image|>what is this")

@@ -4,9 +4,9 @@ chunks that split the prompt, prefix-cache hits, and requests decoding in one ba
 
 Phi-4-MM is declared, not served (registry.NOT_SERVED_YET): the engine loads it here through
 EngineConfig.unserved_text_only, with an embedding source that is never asked (text requests); without
-that field the engine refuses the checkpoint as the services do. HF's class holds no LoRA modules (its
-vision/speech adapters are PEFT adapters loaded separately), so its text generation is the base model's:
-the one we serve for text.
+that field the engine refuses the checkpoint as the decoder service does. HF's class holds no LoRA
+modules (its vision/speech adapters are PEFT adapters loaded separately), so its text generation is the
+base model's: the one we serve for text.
 """
 
 from __future__ import annotations

@@ -49,3 +49,24 @@ def test_the_allowlist_is_configurable():
         decode_image(_encoded("JPEG"), ImageLimits(formats="png,tiff"))
     with pytest.raises(ValueError):
         ImageLimits(formats="EPS")
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_transparency_is_composited_onto_white_as_hf_does(mode):
+    """A transparent image decodes to the RGB pixels transformers' convert_to_rgb gives (what the HF
+    processors' do_convert_rgb feeds them): transparency over white, not the hidden colour under it."""
+    import numpy as np
+    from transformers.image_transforms import convert_to_rgb
+
+    rgba = Image.effect_noise((40, 30), 60).convert("RGBA")
+    alpha = Image.linear_gradient("L").resize((40, 30))
+    rgba.putalpha(alpha)
+    img = rgba.convert(mode) if mode != "P" else rgba.convert("RGB").quantize(16)
+    if mode == "P":
+        img.info["transparency"] = 3
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    got = np.asarray(decode_image(buf.getvalue()))
+    want = np.asarray(convert_to_rgb(Image.open(io.BytesIO(buf.getvalue())), return_numpy=True))
+    assert got.shape == want.shape and (got == want).all()
+    assert not (got == np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))).all()

@@ -8,8 +8,8 @@ layers read) runs its sliding-window and global layers; each image's soft tokens
 whole during prefill (HF's token_type_ids mask: ImageLayout.bidirectional_images, the runner's key
 limits, the scheduler keeping each image in one fresh chunk); `<start_of_image>` becomes its block in
 the tokenizer (marker_text). Greedy generation equals HF's with and without images
-(tests/gemma3/test_*_generate.py). On CUDA its attention runs on Triton beside the torch reference ops
-(Gemma's (1 + w) norms and GELU have no Triton kernels). Pan-and-scan crops (the image processor config's
+(tests/gemma3/test_*_generate.py). On CUDA its attention, (1 + w) norms and GeGLU run
+as Triton kernels. Pan-and-scan crops (the image processor config's
 do_pan_and_scan, for every image): the layout counts each image's crops from its header size as HF's
 pan_and_scan does and writes Gemma3Processor's crop sentence; the encoder's embedding is the original's
 rows then each crop's; the engine fills the image's 1 + crops blocks from that one embedding, each block

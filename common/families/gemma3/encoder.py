@@ -3,15 +3,19 @@
 [(1 + crops) x mm_tokens_per_image, text hidden]: the original's rows, then each crop's, in the order HF's
 processor stacks them (get_image_features over its pixel_values).
 
-Preprocessing is the checkpoint's HF image processor (Gemma3ImageProcessorPil: bilinear resize to the
-tower's square, rescale, normalise), always: fp32 keeps bit parity with HF, which the oracle tests check;
-a device-side processor can come later, as LLaVA's and Qwen's have. The tower is tower.py's.
+Preprocessing, as LLaVA's VisionEncoder does it: "hf" runs the checkpoint's HF image processor
+(Gemma3ImageProcessorPil: bilinear resize to the tower's square, rescale, normalise) on the host, exact;
+"torch" prepares only a uint8 tensor and resizes and normalises on the device (common/vision/pixels.py,
+within `pixel_tolerance` of HF's); "auto" is "torch" on CUDA in half precision, else "hf" (fp32 keeps
+the bit parity with HF that the oracle tests check). Pan-and-scan images are cut by the HF processor in
+every mode (the crops are not reproduced on the device). The tower is tower.py's.
 Thread-safety as VisionEncoder's: `prepare` on any thread, `encode_prepared` from one at a time.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +28,10 @@ from common.families.gemma3.layout import Gemma3ImageLayout
 from common.families.gemma3.tower import load_gemma3_tower
 from common.image_geometry import CropChoice, Grid
 from common.vision import PREPROCESS_MODES
+from common.vision.pixels import TorchPixelProcessor, UnsupportedProcessorError, to_uint8_hwc
 from common.vision.prepared import PreparedGrid
+
+log = logging.getLogger(__name__)
 
 
 def load_gemma3_image_processor(model_dir: str | Path):
@@ -36,7 +43,7 @@ def load_gemma3_image_processor(model_dir: str | Path):
 
 class Gemma3VisionEncoder:
     """The vision half of a Gemma 3 checkpoint (SigLIP, pooling, projector); the language model is never
-    read. preprocess: "hf" or "auto" (both the HF processor); "torch" is refused for now."""
+    read. preprocess: "auto", "hf" or "torch" (the module docstring)."""
 
     graphs = None
     takes_pixel_ranges = False  # every image is resized to the tower's square
@@ -45,8 +52,6 @@ class Gemma3VisionEncoder:
                  dtype: torch.dtype = torch.float32, preprocess: str = "auto") -> None:
         if preprocess not in PREPROCESS_MODES:
             raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {preprocess!r}")
-        if preprocess == "torch":
-            raise ValueError("--preprocess torch is not implemented for Gemma 3; use hf or auto")
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -60,11 +65,29 @@ class Gemma3VisionEncoder:
         self.num_image_tokens = self.layout.mm_tokens_per_image
         self.tower = load_gemma3_tower(self.model_dir, config, self.device, dtype)
         self.image_processor = load_gemma3_image_processor(self.model_dir)
-        self.preprocess_mode = "hf"
-        self.pixel_tolerance = 0.0
+        self.pixel_processor: TorchPixelProcessor | None = None
+        self.preprocess_mode = self._pick_preprocess(preprocess)
         self.calls = 0
         self.images_encoded = 0
         self._count_lock = threading.Lock()
+
+    def _pick_preprocess(self, mode: str) -> str:
+        """"hf" or "torch" for the requested mode; "torch" on a processor it cannot reproduce raises."""
+        if mode == "hf" or (mode == "auto" and (self.device.type != "cuda" or self.dtype == torch.float32)):
+            return "hf"
+        try:
+            self.pixel_processor = TorchPixelProcessor(self.image_processor)
+        except UnsupportedProcessorError as exc:
+            if mode == "torch":
+                raise ValueError(f"--preprocess torch cannot reproduce this image processor: {exc}") from None
+            log.info("preprocessing with the HF image processor: %s", exc)
+            return "hf"
+        return "torch"
+
+    @property
+    def pixel_tolerance(self) -> float:
+        """Largest |pixel value - HF processor's| the preprocessing may give (0 for "hf")."""
+        return 0.0 if self.pixel_processor is None else self.pixel_processor.max_abs_diff()
 
     @functools.cached_property
     def embedding_nbytes(self) -> int:
@@ -85,13 +108,17 @@ class Gemma3VisionEncoder:
         return self.layout.image_settings(min_pixels, max_pixels, pan_and_scan)
 
     def prepare(self, image, crops: CropChoice | None = None) -> torch.Tensor | PreparedGrid:
-        """One image's pixel values (fp32, CPU) from the HF processor: [3, S, S]; with crops on (`crops`,
-        None: the checkpoint's choice) a PreparedGrid of [1 + crops, 3, S, S] (the original first) and the
-        layout's grid (1 + crops, 1, 1), which the encoder service keeps with the cache entry for hash-only
-        lookups; thread-safe. image: a PIL image or a decode pool's DecodedImage."""
-        pil = image if isinstance(image, Image.Image) else image.to_pil()
+        """One image's host-side preprocessing; thread-safe. image: a PIL image or a decode pool's
+        DecodedImage; crops: its crop choice (None: the checkpoint's). Without crops, "hf": its pixel
+        values (fp32, CPU) [3, S, S]; "torch": a uint8 [H, W, 3] tensor, resized and normalised on the
+        device by encode_prepared. With crops (either mode) a PreparedGrid of [1 + crops, 3, S, S] pixel
+        values (the original first) and the layout's grid (1 + crops, 1, 1), which the encoder service
+        keeps with the cache entry for hash-only lookups."""
         crops = crops if crops is not None else self.layout.crops()
         rule = self.layout.crop_rule
+        if (not crops.on or rule is None) and self.preprocess_mode == "torch":
+            return to_uint8_hwc(image, pin_memory=self.device.type == "cuda")
+        pil = image if isinstance(image, Image.Image) else image.to_pil()
         if not crops.on or rule is None:  # off explicitly: the config's do_pan_and_scan may say on
             return self.image_processor(images=[pil], return_tensors="pt",
                                         do_pan_and_scan=False)["pixel_values"][0]
@@ -106,14 +133,29 @@ class Gemma3VisionEncoder:
         each (a pan-and-scan image's crops in one batch with the rest, their rows joined after)."""
         if not prepared:
             return []
-        stacks = [p.pixel_values if isinstance(p, PreparedGrid) else p.unsqueeze(0) for p in prepared]
-        pixels = torch.cat(stacks).to(self.device, self.dtype, non_blocking=True)
-        feats = self.tower(pixels)
+        stacks = self._device_pixels(prepared)
+        pixels = torch.cat(stacks).to(self.dtype)
+        feats = self.graphs(pixels) if use_graphs and self.graphs is not None else self.tower(pixels)
         with self._count_lock:
             self.calls += 1
             self.images_encoded += len(stacks)
         parts = feats.split([s.shape[0] for s in stacks])
         return [part.reshape(-1, part.shape[-1]) for part in parts]
+
+    def _device_pixels(self, prepared: Sequence[torch.Tensor | PreparedGrid]) -> list[torch.Tensor]:
+        """Each prepared image's fp32 pixel values [tower images, 3, S, S] on the device; the uint8 ones
+        (torch mode) resized and normalised there together."""
+        raw = [i for i, p in enumerate(prepared) if isinstance(p, torch.Tensor) and p.dtype == torch.uint8]
+        done: dict[int, torch.Tensor] = {}
+        if raw:
+            assert self.pixel_processor is not None, "uint8 images come only from prepare in torch mode"
+            pixels = self.pixel_processor([prepared[i].to(self.device, non_blocking=True).permute(2, 0, 1)
+                                           for i in raw])
+            done = {i: pixels[j:j + 1] for j, i in enumerate(raw)}
+        host = {i: p.pixel_values if isinstance(p, PreparedGrid) else p.unsqueeze(0)
+                for i, p in enumerate(prepared) if i not in done}
+        return [done[i] if i in done else host[i].to(self.device, non_blocking=True)
+                for i in range(len(prepared))]
 
     def encode(self, images: Sequence[Image.Image],
                crops: Sequence[CropChoice | None] | None = None) -> list[torch.Tensor]:
@@ -123,8 +165,24 @@ class Gemma3VisionEncoder:
         return self.encode_prepared([self.prepare(im, c) for im, c in zip(images, choices, strict=True)])
 
     def capture_graphs(self, max_batch: int) -> bool:
-        """Not yet for Gemma 3: the tower runs eagerly."""
-        return False
+        """Capture CUDA graphs of the tower (SigLIP + pooling + projector) for batches of tower images up
+        to max_batch (common/vision/graphs.py: every image is the tower's square, so one sample shape);
+        False (and eager forwards) off CUDA or when capturing fails. A pan-and-scan image counts as its
+        1 + crops tower images."""
+        if self.device.type != "cuda":
+            return False
+        from common.vision.graphs import GraphedForward, bucket_sizes
+
+        side = self.layout.image_size
+        try:
+            self.graphs = GraphedForward(self.tower, (3, side, side), self.dtype, self.device,
+                                         bucket_sizes(max_batch))
+        except Exception as exc:  # noqa: BLE001 - a tower that cannot be captured still runs eagerly
+            log.warning("CUDA graph capture of the Gemma 3 tower failed, running eagerly: %s", exc)
+            self.graphs = None
+            return False
+        log.info("Gemma 3 tower CUDA graphs captured for batches %s", self.graphs.buckets)
+        return True
 
     def warm_up(self) -> None:
         """One dummy image through the tower; checks its rows against the layout's count."""

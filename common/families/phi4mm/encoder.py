@@ -8,6 +8,7 @@ other encoders': `prepare` on any thread, `encode_prepared` from one at a time.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,9 @@ class Phi4VisionEncoder:
     graphs = None
     # Each image's size decides its crops; no request-chosen pixel range (dynamic_hd is the checkpoint's).
     takes_pixel_ranges = False
+    # ...but its rows follow that size: the encoder service sizes each image's entry from its header
+    # (common/vision/encoders.image_nbytes) and keeps its grid with the entry (for hash-only asks).
+    rows_follow_size = True
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, preprocess: str = "auto") -> None:
@@ -41,7 +45,9 @@ class Phi4VisionEncoder:
         config = load_config(self.model_dir)
         # Before any weight is read: a configuration we cannot serve fails here, with the reason.
         self.layout = Phi4ImageLayout.from_checkpoint(self.model_dir, config)
-        self.fingerprint = model_fingerprint(self.model_dir)
+        # The HD settings change the crops but live outside config.json: in the hash too (the decoder's
+        # input processor appends the same layout.hash_key).
+        self.fingerprint = model_fingerprint(self.model_dir) + self.layout.hash_key
         self.hidden_size = int(config["hidden_size"])
         self.embedder = load_phi4_embedder(self.model_dir, config, self.device, dtype)
         self.preprocess_mode = "torch"
@@ -50,14 +56,19 @@ class Phi4VisionEncoder:
         self.images_encoded = 0
         self._count_lock = threading.Lock()
 
-    def nbytes_for(self, width: int, height: int) -> int:
-        """Bytes of the embedding of a width x height image in the output dtype."""
+    def nbytes_for(self, grid: Sequence[int]) -> int:
+        """Bytes of the embedding of an image of this (1, rows, cols) grid in the output dtype."""
         size = torch.empty((), dtype=self.dtype).element_size()
-        return self.layout.tokens_for_size(width, height) * self.hidden_size * size
+        return self.layout.num_tokens(grid) * self.hidden_size * size
+
+    @functools.cached_property
+    def embedding_nbytes(self) -> int:
+        """Bytes of the largest image's embedding (dynamic_hd crops): what the cache must be able to hold."""
+        return self.nbytes_for(self.layout.largest_grid)
 
     def prepare(self, image) -> Phi4Pixels:
-        """One image's crops and masks (fp32, CPU); thread-safe. image: a PIL image or a decode pool's
-        DecodedImage."""
+        """One image's crops, masks (fp32, CPU) and grid; thread-safe. image: a PIL image or a decode
+        pool's DecodedImage."""
         pil = image if isinstance(image, Image.Image) else image.to_pil()
         return hd_transform(pil, self.layout.settings)
 

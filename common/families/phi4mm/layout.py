@@ -34,6 +34,7 @@ from common.image_geometry import Grid, ImageGeometryError, PixelRange
 
 PHI4MM_MODEL_TYPES = ("phi4_multimodal",)
 DEFAULT_IMAGE_TOKEN = "<|image|>"
+DEFAULT_AUDIO_TOKEN = "<|audio|>"
 
 
 class UnsupportedPhi4ConfigError(CheckpointError):
@@ -45,11 +46,14 @@ class Phi4ImageLayout(ImageLayout):
     """The image side of a Phi-4-multimodal checkpoint: HD crops, positions by token index."""
 
     sized_by_image: ClassVar[bool] = True
+    # Crops follow the image's shape within the checkpoint's dynamic_hd: a request gives no pixel range.
+    pixel_ranges: ClassVar[bool] = False
     mrope: ClassVar[bool] = False
     merge_size: ClassVar[int] = 1  # grids are already in tokens (after the 2x2 compression)
 
     settings: PixelSettings
     image_token: str = DEFAULT_IMAGE_TOKEN
+    audio_token: str | None = DEFAULT_AUDIO_TOKEN  # the tokenizer's; its inputs are not served
 
     @classmethod
     def load_text_processor(cls, model_dir: str | Path) -> TextProcessor:
@@ -72,6 +76,27 @@ class Phi4ImageLayout(ImageLayout):
     def tokens_per_image(self) -> None:
         """None: the count follows each image's size."""
         return None
+
+    @property
+    def hash_key(self) -> str:
+        """The HD transform's settings (the image processor config, which the checkpoint fingerprint does
+        not cover): the same bytes under another dynamic_hd, crop, patch or normalisation are another
+        embedding. Both services append it to the fingerprint an image's content hash is made under."""
+        s = self.settings
+        return (f"|phi4hd={s.dynamic_hd},{s.crop_size},{s.patch_size},{list(s.image_mean)},"
+                f"{list(s.image_std)},{s.rescale_factor!r}")
+
+    @property
+    def unserved_markers(self) -> dict[str, str]:
+        """The audio placeholder: Phi-4-MM's speech encoder is not served."""
+        return {self.audio_token: "audio"} if self.audio_token else {}
+
+    @property
+    def largest_grid(self) -> Grid:
+        """The grid of the most tokens any image can take: dynamic_hd crops in one column (each crop row
+        adds a separator)."""
+        per_crop = -(-self.settings.mask_size // 2)
+        return 1, per_crop * self.settings.dynamic_hd, per_crop
 
     def grid(self, height: int, width: int, pixels: PixelRange | None = None) -> Grid:
         """(1, rows, cols) of the sub-image tokens of a height x width image (pixels: unused, the crop
@@ -120,8 +145,8 @@ class Phi4ImageLayout(ImageLayout):
 
 def phi4_layout(config: dict[str, Any], image_processor: dict[str, Any],
                 tokenizer: dict[str, Any] | None = None) -> Phi4ImageLayout:
-    """The layout from config.json, the image processor config and tokenizer_config.json (the image
-    token's name; `<|image|>` where absent)."""
+    """The layout from config.json, the image processor config and tokenizer_config.json (the image and
+    audio tokens' names; `<|image|>` and `<|audio|>` where absent)."""
     if config.get("model_type") not in PHI4MM_MODEL_TYPES:
         raise UnsupportedPhi4ConfigError(f"model_type {config.get('model_type')!r} is not Phi-4-multimodal")
     try:
@@ -142,5 +167,6 @@ def phi4_layout(config: dict[str, Any], image_processor: dict[str, Any],
             "(the processor's token count assumes them)")
     if settings.dynamic_hd < 1:
         raise UnsupportedPhi4ConfigError(f"dynamic_hd={settings.dynamic_hd}: at least one crop is needed")
-    token = (tokenizer or {}).get("image_token")
-    return Phi4ImageLayout(settings, token if isinstance(token, str) else DEFAULT_IMAGE_TOKEN)
+    token, audio = (tokenizer or {}).get("image_token"), (tokenizer or {}).get("audio_token")
+    return Phi4ImageLayout(settings, token if isinstance(token, str) else DEFAULT_IMAGE_TOKEN,
+                           audio if isinstance(audio, str) else DEFAULT_AUDIO_TOKEN)

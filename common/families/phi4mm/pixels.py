@@ -179,6 +179,7 @@ class Phi4Pixels:
     attention_mask: torch.Tensor  # [1 + crops, S/patch, S/patch] float32 (1: image, 0: padding)
     image_size: tuple[int, int]  # (height, width) of the padded grid, in pixels
     num_tokens: int
+    grid: tuple[int, int, int] = (1, 0, 0)  # (1, token rows, token cols): the layout's grid of the image
 
 
 def to_rgb_uint8(image: Image.Image) -> torch.Tensor:
@@ -259,7 +260,8 @@ def hd_transform_uint8(image: torch.Tensor, settings: PixelSettings = PixelSetti
     m = settings.mask_size
     mask = torch.cat([torch.ones(1, m, m), crop_mask(geo, settings)], dim=0).to(image.device)
     tokens = geo.token_rows * geo.token_cols + geo.token_rows + global_tokens(s, settings.patch_size)
-    return Phi4Pixels(pixels, mask, (s * geo.h_crops, s * geo.w_crops), tokens)
+    return Phi4Pixels(pixels, mask, (s * geo.h_crops, s * geo.w_crops), tokens,
+                      (1, geo.token_rows, geo.token_cols))
 
 
 def hd_transform(image: Image.Image, settings: PixelSettings = PixelSettings()) -> Phi4Pixels:
