@@ -1,0 +1,132 @@
+"""Adapters applied per token row inside one batch.
+
+Each adapted projection (our fused qkv_proj, o_proj, gate_up_proj, down_proj of a layer) is wrapped by a
+LoRALinear that holds every adapter's weights stacked by slot: slot 0 is the base model (all zeros), slot
+i the i-th adapter. `lora_a` [slots * R, in] and `lora_b` [out, slots * R], R the module's widest adapter
+(the parts of a fused module an adapter targets side by side: q's rank, then k's, then v's columns, B
+holding each part's rows only). A step gives each token row its slot (LoRASlots, one int64 per row,
+filled by the runner; a CUDA graph's pad rows take slot 0), and the product adds
+    y[t] += (x[t] @ A[slot[t]]^T) @ B[slot[t]]^T
+on top of whatever the base product is (bf16, FP8), in the ops' `lora_add`: the torch reference
+(reference.py) or the Triton kernels (triton_lora.py). Shapes never depend on which adapters a step
+uses, so the captured graphs serve every mix.
+
+A wrapped projection has no `weight`, so the one-row fused norm/activation+GEMV kernels (decode_gemv)
+leave it to the separate path: the base product, then the LoRA product.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from decoder_svc.model.config import TextModelConfig
+from decoder_svc.model.lora.adapter import LORA_TARGETS, LoRAAdapter, module_dims
+
+# Our fused module -> its parts in row order (the checkpoint's module names).
+_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+_BLOCK = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+
+
+class LoRASlots:
+    """The current step's adapter slot per token row, shared by every LoRALinear of a model."""
+
+    def __init__(self) -> None:
+        self.slots: torch.Tensor | None = None
+
+    def bind(self, slots: torch.Tensor | None, num_rows: int, device: torch.device) -> None:
+        """Take `slots` [num_rows] int64 for the next forward; None: every row on the base model."""
+        if slots is None:
+            slots = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        elif slots.shape[0] != num_rows:
+            raise ValueError(f"{slots.shape[0]} LoRA slots for {num_rows} token rows")
+        self.slots = slots
+
+
+class LoRALinear(nn.Module):
+    """base(x) plus each row's adapter product (its slot's A and B)."""
+
+    def __init__(self, base: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor, rank: int,
+                 slots: LoRASlots, ops: type) -> None:
+        super().__init__()
+        self.base = base
+        self.register_buffer("lora_a", lora_a, persistent=False)
+        self.register_buffer("lora_b", lora_b, persistent=False)
+        self.rank, self.slots, self.ops = rank, slots, ops
+
+    @property
+    def in_features(self) -> int:
+        """The base projection's input width."""
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        """The base projection's output width."""
+        return self.base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.lora_add(self.base(x), x, self.lora_a, self.lora_b, self.slots.slots, self.rank)
+
+    def extra_repr(self) -> str:
+        return f"slots={self.lora_a.shape[0] // self.rank}, rank={self.rank}"
+
+
+def _part_rows(module: str, cfg: TextModelConfig) -> dict[str, tuple[int, int]]:
+    """Rows [lo, hi) of each part (and of the whole fused module, by its own name) in our module."""
+    rows, lo = {}, 0
+    for part in _PARTS[module]:
+        n = module_dims(part, cfg)[0]
+        rows[part] = (lo, lo + n)
+        lo += n
+    rows[module] = (0, lo)
+    return rows
+
+
+def stack_module(layer: int, module: str, adapters: list[LoRAAdapter], cfg: TextModelConfig,
+                 dtype: torch.dtype, device: torch.device | str
+                 ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(lora_a [slots * R, in], lora_b [out, slots * R], R) of one of our modules over the adapters (slot
+    i + 1 for adapters[i]); None when no adapter targets it."""
+    rows = _part_rows(module, cfg)
+    leaves = [leaf for leaf, (ours, _) in LORA_TARGETS.items() if ours == module]
+    per_slot = [[(leaf, *ad.weights[(layer, leaf)]) for leaf in leaves if (layer, leaf) in ad.weights]
+                for ad in adapters]
+    rank = max((sum(a.shape[0] for _, a, _ in parts) for parts in per_slot), default=0)
+    if rank == 0:
+        return None
+    out, inp = rows[module][1], module_dims(_PARTS[module][0], cfg)[1]
+    slots = len(adapters) + 1
+    lora_a = torch.zeros(slots * rank, inp)
+    lora_b = torch.zeros(out, slots * rank)
+    for s, parts in enumerate(per_slot, 1):
+        col = s * rank
+        for leaf, a, b in parts:
+            lo, hi = rows[leaf]
+            r = a.shape[0]
+            lora_a[col:col + r] = a
+            lora_b[lo:hi, col:col + r] = b
+            col += r
+    return lora_a.to(device, dtype), lora_b.to(device, dtype).contiguous(), rank
+
+
+def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> LoRASlots | None:
+    """Wrap every projection some adapter targets in a LoRALinear (slot i + 1 for adapters[i]) and give
+    the model the LoRASlots its forward binds; None (nothing changed) without adapters."""
+    if not adapters:
+        return None
+    if getattr(model, "tp", None) is not None:
+        raise ValueError("LoRA adapters are not served with tensor parallelism yet")
+    cfg = model.config
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    slots = LoRASlots()
+    for i, layer in enumerate(model.layers):
+        for module, block in _BLOCK.items():
+            stacked = stack_module(i, module, adapters, cfg, dtype, device)
+            if stacked is None:
+                continue
+            parent = getattr(layer, block)
+            wrapped = LoRALinear(getattr(parent, module), *stacked, slots, model.ops)
+            setattr(parent, module, wrapped)
+    model.lora = slots
+    return slots
