@@ -77,7 +77,7 @@ def test_prefix_cache_is_keyed_by_adapter(make_lora_engine, merged_oracles):
     assert base.usage.cached_prompt_tokens == 0
     n_prompt = same.usage.prompt_tokens
     assert same.usage.cached_prompt_tokens == (n_prompt - 1) // 16 * 16 > 0
-    for rid, adapter, out in (("other", "a2", other), ("base", "", base), ("same", "a1", same)):
+    for adapter, out in (("a2", other), ("", base), ("a1", same)):
         merged_oracles[adapter].assert_same_tokens(out.new_token_ids, LONG, [], N)
     assert engine.stats().prefix_cache_hit_tokens_by_adapter == {
         "a1": same.usage.cached_prompt_tokens, "a2": 0, "": 0}

@@ -27,7 +27,8 @@ def _weights(slots: int, rank: int, n: int, k: int, dtype: torch.dtype, seed: in
 def _per_row(y, x, a, b, slots, rank):
     out = y.clone().float()
     for t, s in enumerate(slots.tolist()):
-        out[t] += (x[t].float() @ a[s * rank:(s + 1) * rank].float().T) @ b[:, s * rank:(s + 1) * rank].float().T
+        cols = slice(s * rank, (s + 1) * rank)
+        out[t] += (x[t].float() @ a[cols].float().T) @ b[:, cols].float().T
     return out.to(y.dtype)
 
 
