@@ -86,9 +86,6 @@ class EngineConfig:
         if isinstance(self.lora_modules, dict):
             self.lora_modules = [f"{name}={path}" for name, path in self.lora_modules.items()]
         check_options(self)
-        if self.lora_modules and self.tensor_parallel_size > 1:
-            raise ValueError("--lora-modules: LoRA adapters are not served with --tensor-parallel-size > 1 "
-                             "yet")
         lora_modules_dict(self.lora_modules)  # a name given twice
         if self.load_format != "dummy":
             require_local_weights(self.model, " (--load-format dummy draws random weights instead)")

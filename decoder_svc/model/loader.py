@@ -155,8 +155,6 @@ def load_language_model(
         tp.check(cfg)
     full_cfg = cfg
     adapters = [load_adapter(name, path, cfg) for name, path in (lora_modules or {}).items()]
-    if adapters and tp is not None:
-        raise ValueError("LoRA adapters (--lora-modules) are not served with tensor parallelism yet")
     with torch.device("meta"):
         model = LlamaForCausalLM(tp.local_config(cfg) if tp else cfg, backend, ops, tp)
     cfg = model.config
@@ -196,7 +194,7 @@ def load_language_model(
     if missing or unexpected:
         raise ValueError(f"checkpoint {model_dir} does not match the language model: "
                          f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    attach_adapters(model, adapters)
+    attach_adapters(model, adapters, full_cfg)
     return model.eval()
 
 

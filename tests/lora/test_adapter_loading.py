@@ -87,5 +87,3 @@ def test_flags_and_config(tiny_model_dir, tmp_path):
         EngineConfig(model=tiny_model_dir, lora_modules=[f"a={path}", f"a={path}"])
     with pytest.raises(ValueError, match="NAME=PATH"):
         EngineConfig(model=tiny_model_dir, lora_modules=["a"])
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
-        EngineConfig(model=tiny_model_dir, lora_modules=[f"a={path}"], tensor_parallel_size=2)

@@ -13,6 +13,11 @@ uses, so the captured graphs serve every mix.
 
 A wrapped projection has no `weight`, so the one-row fused norm/activation+GEMV kernels (decode_gemv)
 leave it to the separate path: the base product, then the LoRA product.
+
+Tensor parallelism shards the adapters as the base weights (model/parallel.py): a column-parallel module
+(q/k/v, gate/up) keeps A whole and this rank's rows of each part of B; a row-parallel one (o, down) keeps
+this rank's input columns of A and B whole, so its partial products (x_rank @ A_rank^T) @ B^T add up to
+the whole one in the all-reduce that sums the base product's.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from torch import nn
 
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.lora.adapter import LORA_TARGETS, LoRAAdapter, module_dims
+from decoder_svc.model.parallel import TensorParallel, shard_slices
 
 # Our fused module -> its parts in row order (the checkpoint's module names).
 _PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -110,14 +116,32 @@ def stack_module(layer: int, module: str, adapters: list[LoRAAdapter], cfg: Text
     return lora_a.to(device, dtype), lora_b.to(device, dtype).contiguous(), rank
 
 
-def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> LoRASlots | None:
+def shard_module(layer: int, module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, cfg: TextModelConfig,
+                 tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of a stacked module (cfg: the whole model's): B's rows of each part for a
+    column-parallel module, A's input columns for a row-parallel one."""
+    block = _BLOCK[module]
+    if module in ("o_proj", "down_proj"):
+        cols = shard_slices(f"layers.{layer}.{block}.{module}.weight", cfg, tp)[1]
+        return lora_a[:, cols].contiguous(), lora_b
+    rows = _part_rows(module, cfg)
+    pieces = []
+    for part in _PARTS[module]:
+        local = shard_slices(f"layers.{layer}.{block}.{part}.weight", cfg, tp)[0]
+        lo = rows[part][0]
+        pieces.append(lora_b[lo + local.start:lo + local.stop])
+    return lora_a, torch.cat(pieces).contiguous()
+
+
+def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter],
+                    full_config: TextModelConfig | None = None) -> LoRASlots | None:
     """Wrap every projection some adapter targets in a LoRALinear (slot i + 1 for adapters[i]) and give
-    the model the LoRASlots its forward binds; None (nothing changed) without adapters."""
+    the model the LoRASlots its forward binds; None (nothing changed) without adapters. With tensor
+    parallelism (model.tp) `full_config` is the whole model's config, the adapters' shapes."""
     if not adapters:
         return None
-    if getattr(model, "tp", None) is not None:
-        raise ValueError("LoRA adapters are not served with tensor parallelism yet")
-    cfg = model.config
+    tp = getattr(model, "tp", None)
+    cfg = full_config if full_config is not None else model.config
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     slots = LoRASlots()
     for i, layer in enumerate(model.layers):
@@ -125,8 +149,11 @@ def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter]) -> LoRASlots 
             stacked = stack_module(i, module, adapters, cfg, dtype, device)
             if stacked is None:
                 continue
+            lora_a, lora_b, rank = stacked
+            if tp is not None:
+                lora_a, lora_b = shard_module(i, module, lora_a, lora_b, cfg, tp)
             parent = getattr(layer, block)
-            wrapped = LoRALinear(getattr(parent, module), *stacked, slots, model.ops)
+            wrapped = LoRALinear(getattr(parent, module), lora_a, lora_b, rank, slots, model.ops)
             setattr(parent, module, wrapped)
     model.lora = slots
     return slots
