@@ -87,3 +87,12 @@ def test_flags_and_config(tiny_model_dir, tmp_path):
         EngineConfig(model=tiny_model_dir, lora_modules=[f"a={path}", f"a={path}"])
     with pytest.raises(ValueError, match="NAME=PATH"):
         EngineConfig(model=tiny_model_dir, lora_modules=["a"])
+
+
+def test_decoder_start_up_refuses_a_bad_adapter(tiny_model_dir, tmp_path):
+    from tests.cli_errors import assert_usage_error, run_cli
+
+    path = _edit(write_adapter(tiny_model_dir, tmp_path / "wide", targets=("q_proj",)), {"r": 8})
+    result = run_cli("decoder", "--encoder", "127.0.0.1:1", "--model", str(tiny_model_dir), "--port", "0",
+                     "--lora-modules", f"wide={path}", timeout=120)
+    assert_usage_error(result, "--lora-modules: LoRA adapter 'wide': rank mismatch")
