@@ -46,3 +46,14 @@ def test_metrics_label_hits_by_adapter():
     StatsCollector("mmserve_decoder", lambda: record, registry)
     text = generate_latest(registry).decode()
     assert 'mmserve_decoder_prefix_cache_hit_tokens_by_adapter_total{adapter="a1"} 32.0' in text
+
+
+def test_cli_generate_names_an_adapter(lora_pair):
+    from tests.cli_errors import run_cli
+
+    address = lora_pair.decoder.address
+    ok = run_cli("generate", "--addr", address, "--prompt", "USER: hi ASSISTANT:", "--max-tokens", "4",
+                 "--lora-adapter", "a2", timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    bad = run_cli("generate", "--addr", address, "--prompt", "hi", "--lora-adapter", "nope", timeout=120)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "'nope'" in bad.stderr
