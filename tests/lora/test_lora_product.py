@@ -62,3 +62,23 @@ def test_triton_matches_reference(dtype, rows, rank, n, k):
     tol = {"rtol": 1e-4, "atol": 1e-3} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(got[slots == 0], y[slots == 0])  # base rows are left as they are
+
+
+def test_wrapped_projection_is_the_same_with_either_ops():
+    """A LoRALinear over a plain projection gives the same rows through TritonOps (its kernels; the
+    interpreter on a CPU host) as through the torch reference ops."""
+    pytest.importorskip("triton")
+    from decoder_svc.model.lora import LoRALinear, LoRASlots
+    from decoder_svc.model.ops import TorchOps
+    from decoder_svc.model.triton_ops import TritonOps
+
+    base = torch.nn.Linear(48, 40, bias=True).to(DEVICE)
+    a, b = _weights(3, 6, 40, 48, torch.float32, seed=9)
+    slots = LoRASlots()
+    x = torch.randn(5, 48, device=DEVICE)
+    slots.bind(torch.tensor([2, 0, 1, 1, 2], device=DEVICE), 5, x.device)
+    with torch.no_grad():
+        ref = LoRALinear(base, a, b, 6, slots, TorchOps)(x)
+        got = LoRALinear(base, a, b, 6, slots, TritonOps)(x)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ref[1], base(x[1]).detach())

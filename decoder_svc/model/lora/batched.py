@@ -11,8 +11,9 @@ on top of whatever the base product is (bf16, FP8), in the ops' `lora_add`: the 
 (reference.py) or the Triton kernels (triton_lora.py). Shapes never depend on which adapters a step
 uses, so the captured graphs serve every mix.
 
-A wrapped projection has no `weight`, so the one-row fused norm/activation+GEMV kernels (decode_gemv)
-leave it to the separate path: the base product, then the LoRA product.
+A wrapped projection has no `weight`, so the one-row kernels that fuse a norm or the activation into the
+GEMV (decode_gemv) leave it to the separate path: the norm or activation, then the base product through
+`ops.linear` (still the one-row GEMV where that is faster), then the LoRA product.
 
 Tensor parallelism shards the adapters as the base weights (model/parallel.py): a column-parallel module
 (q/k/v, gate/up) keeps A whole and this rank's rows of each part of B; a row-parallel one (o, down) keeps
@@ -72,7 +73,8 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.lora_add(self.base(x), x, self.lora_a, self.lora_b, self.slots.slots, self.rank)
+        y = self.ops.linear(x, self.base)
+        return self.ops.lora_add(y, x, self.lora_a, self.lora_b, self.slots.slots, self.rank)
 
     def extra_repr(self) -> str:
         return f"slots={self.lora_a.shape[0] // self.rank}, rank={self.rank}"
