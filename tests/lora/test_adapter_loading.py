@@ -96,3 +96,28 @@ def test_decoder_start_up_refuses_a_bad_adapter(tiny_model_dir, tmp_path):
     result = run_cli("decoder", "--encoder", "127.0.0.1:1", "--model", str(tiny_model_dir), "--port", "0",
                      "--lora-modules", f"wide={path}", timeout=120)
     assert_usage_error(result, "--lora-modules: LoRA adapter 'wide': rank mismatch")
+
+
+def test_a_fused_target_stacks_as_its_parts(cfg):
+    """Phi-4 names its adapters' targets qkv_proj and gate_up_proj (fused already): an adapter on the fused
+    module with A = [A_q; A_k; A_v] and a block-diagonal B computes what one on q/k/v computes."""
+    from pathlib import Path
+
+    from decoder_svc.model.lora import LoRAAdapter
+    from decoder_svc.model.lora.adapter import module_dims
+    from decoder_svc.model.lora.batched import stack_module
+
+    gen = torch.Generator().manual_seed(3)
+    parts = {leaf: (torch.randn(2, cfg.hidden_size, generator=gen),
+                    torch.randn(module_dims(leaf, cfg)[0], 2, generator=gen)) for leaf in ("q_proj", "k_proj",
+                                                                                         "v_proj")}
+    split = LoRAAdapter("split", Path("."), {(0, leaf): ab for leaf, ab in parts.items()})
+    fused = LoRAAdapter("fused", Path("."), {(0, "qkv_proj"): (
+        torch.cat([a for a, _ in parts.values()]), torch.block_diag(*[b for _, b in parts.values()]))})
+    x = torch.randn(3, cfg.hidden_size)
+    deltas = []
+    for adapter in (split, fused):
+        a, b, rank = stack_module(0, "qkv_proj", [adapter], cfg, torch.float32, "cpu")
+        deltas.append((x @ a[rank:].T) @ b[:, rank:].T)
+    torch.testing.assert_close(deltas[0], deltas[1])
+    assert stack_module(0, "o_proj", [split], cfg, torch.float32, "cpu") is None
