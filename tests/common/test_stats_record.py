@@ -18,7 +18,9 @@ from encoder_svc.stats import EncoderStats
 
 
 def _decoder_record() -> DecoderStats:
-    engine = EngineStats(**{name: i + 1 for i, name in enumerate(as_dict(EngineStats()))})
+    engine = EngineStats(**{name: i + 1 for i, name in enumerate(as_dict(EngineStats()))
+                            if name != "prefix_cache_hit_tokens_by_adapter"},
+                         prefix_cache_hit_tokens_by_adapter={"": 2, "sql": 5})
     source = RemoteSourceStats(active_leases=2, images_prefetched=5, embedding_transports={"shm": 3},
                                encoders=4)
     return DecoderStats(engine, source, FirstTokenStats({"input": 0.5, "prefill": 2.0}, 3))
@@ -31,7 +33,8 @@ def test_every_field_of_the_decoder_stats_message_comes_from_the_record():
     for name in decoder_pb2.DecoderStats.DESCRIPTOR.fields_by_name:
         assert name in values, f"DecoderStats.{name} has no field in the service's stats record"
         got = getattr(message, name)
-        assert (dict(got) if name in ("embedding_transports", "ttft_stage_seconds") else got) == values[name]
+        maps = ("embedding_transports", "ttft_stage_seconds", "prefix_cache_hit_tokens_by_adapter")
+        assert (dict(got) if name in maps else got) == values[name]
 
 
 def test_the_metrics_export_every_stat_under_its_own_name():
@@ -41,6 +44,7 @@ def test_the_metrics_export_every_stat_under_its_own_name():
     assert "mmserve_decoder_running 1.0" in text  # a gauge
     assert "mmserve_decoder_preemptions_total" in text  # a counter
     assert 'mmserve_decoder_embedding_transports_total{transport="shm"} 3.0' in text
+    assert 'mmserve_decoder_prefix_cache_hit_tokens_by_adapter_total{adapter="sql"} 5.0' in text
     assert "mmserve_decoder_encoders 4.0" in text
     assert "mmserve_decoder_active_leases 2.0" in text
 
