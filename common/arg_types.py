@@ -93,3 +93,24 @@ def require_local_weights(model: str | Path, hint: str = "") -> None:
         raise ValueError(f"--model: {exc}{hint}") from None
 
 
+
+
+def lora_module(text: str) -> str:
+    """An argparse type: `NAME=PATH` of a LoRA adapter (a PEFT adapter directory), returned as given.
+    NAME is what a request sends to select it: no spaces, not empty."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path.strip() or any(c.isspace() for c in name):
+        raise argparse.ArgumentTypeError(f"LoRA module {text!r}: expected NAME=PATH (a PEFT adapter "
+                                         "directory)")
+    return text
+
+
+def lora_modules_dict(items: list[str]) -> dict[str, str]:
+    """{name: path} of `NAME=PATH` items; ValueError for a name given twice."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, _, path = lora_module(item).partition("=")
+        if name in out:
+            raise ValueError(f"--lora-modules: adapter {name!r} is given twice")
+        out[name] = path
+    return out

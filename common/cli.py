@@ -151,7 +151,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             for chunk in client.generate(
                     prompt_arg, images, max_tokens=args.max_tokens, temperature=args.temperature,
                     top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
-                    ignore_eos=args.ignore_eos, cache_salt=args.cache_salt, **kwargs):
+                    ignore_eos=args.ignore_eos, cache_salt=args.cache_salt, lora_adapter=args.lora_adapter,
+                    **kwargs):
                 result.add(chunk)
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
@@ -232,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--cache-salt", default="")
+    p.add_argument("--lora-adapter", default="", metavar="NAME",
+                   help="one of the decoder's --lora-modules adapters (default: the base model)")
     p.add_argument("--timeout", type=positive_float, default=300.0)
     p.add_argument("--usage", action="store_true", help="print finish reason and usage to stderr")
     _add_client_security_args(p)

@@ -80,15 +80,17 @@ def generate_request(
     chat: Sequence[dict] | None = None,
     request_id: str | None = None,
     cache_salt: str = "",
+    lora_adapter: str = "",
     **sampling,
 ) -> decoder_pb2.GenerateRequest:
     """Build a GenerateRequest from a prompt with "<image>" markers, or from chat messages.
 
     chat: [{"role": "user", "content": [{"type": "image", "image": <ImageLike>}, {"type": "text",
-    "text": "..."}]}, ...]; a plain string content is one text part.
+    "text": "..."}]}, ...]; a plain string content is one text part. `lora_adapter`: one of the
+    decoder's --lora-modules names ("": the base model).
     """
     request = decoder_pb2.GenerateRequest(
-        request_id=request_id or uuid.uuid4().hex, cache_salt=cache_salt,
+        request_id=request_id or uuid.uuid4().hex, cache_salt=cache_salt, lora_adapter=lora_adapter,
         sampling=sampling_params(**sampling))
     if (prompt is None) == (chat is None):
         raise ValueError("give exactly one of prompt or chat")

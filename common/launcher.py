@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.arg_types import device_name, dtype_name, int_in_range, model_dir, positive_float
+from common.arg_types import device_name, dtype_name, int_in_range, lora_module, model_dir, positive_float
 from common.devices import resolve_device, resolve_dtype
 from common.errors import UsageError
 from common.health import wait_until_serving
@@ -103,6 +103,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) OpenAI clients send (default: --model as typed, and for a "
                    "directory also its name; the preset's name without --model)")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   type=lora_module, help="LoRA adapters (PEFT directories) served per request: the decoder "
+                   "loads them, the gateway serves each as a model name (README: LoRA adapters)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of both services")
     # Real ports (not 0): the decoder is told the encoder's address, and both are printed.
     p.add_argument("--encoder-port", type=int_in_range(1, 65535), default=50051, help="encoder gRPC port")
@@ -221,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         encoder_argv = ["encoder", *common, "--port", str(args.encoder_port), *args.encoder_arg]
         decoder_argv = ["decoder", *common, "--port", str(args.decoder_port), "--encoder", encoder_addr,
                         *args.decoder_arg]
+        if args.lora_modules:
+            decoder_argv += ["--lora-modules", *args.lora_modules]
         if security is not None:
             encoder_argv += security.encoder_args()
             decoder_argv += security.decoder_args()
@@ -232,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         str(args.gateway_port), "--model", str(model), *gateway_security]
         if not any(a.startswith("--served-model-name") for a in args.gateway_arg):
             gateway_argv += ["--served-model-name", *names]
+        if args.lora_modules:
+            gateway_argv += ["--lora-modules", *args.lora_modules]
         gateway_argv += args.gateway_arg
         starts = [("encoder", encoder_argv, encoder_addr), ("decoder", decoder_argv, decoder_addr)]
         if run_gateway:

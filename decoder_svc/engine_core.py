@@ -33,6 +33,7 @@ from decoder_svc.engine.config import EngineConfig
 from decoder_svc.engine.engine import LLMEngine
 from decoder_svc.engine.following_bytes import FollowingBytes, awaiting_files
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
+from decoder_svc.model.lora.adapter import LoRAError
 from decoder_svc.stats import DecoderStats
 from decoder_svc.step_trace import StepRecord, StepTrace, now
 
@@ -228,6 +229,9 @@ def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecuri
     configure_logging(config.service.log_level)
     try:
         engine = build_engine(config, encoder_link)
+    except LoRAError as exc:  # an adapter we cannot serve: one line, exit 2
+        conn.send(msg.StartRefused(f"--lora-modules: {exc}"))
+        return
     except CheckpointError as exc:  # a configuration we cannot serve: one line, exit 2
         conn.send(msg.StartRefused(f"--model: {config.engine.model}: {exc}"))
         return

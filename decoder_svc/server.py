@@ -97,7 +97,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 parsed.images,
                 messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt,
                 image_options=parsed.image_options, known_grids=known, videos=parsed.videos,
-                prompt_token_ids=parsed.prompt_token_ids)
+                prompt_token_ids=parsed.prompt_token_ids, lora_adapter=parsed.lora_adapter)
             req.times.received, req.times.made = received, time.monotonic()
             self._send_files_ahead(req)
             await self.core.add(req)

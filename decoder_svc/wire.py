@@ -31,6 +31,7 @@ class ParsedRequest:
     image_options: list[ImageOptions] = field(default_factory=list)  # per image (pixels, pan-and-scan)
     videos: list[VideoSource] = field(default_factory=list)  # Qwen-VL videos, in prompt order
     prompt_token_ids: list[int] | None = None  # a prompt given as token ids (text only)
+    lora_adapter: str = ""  # a --lora-modules name ("": the base model); the engine checks it
 
 
 def _image(index: int, image: common_pb2.ImageInput) -> bytes | str:
@@ -66,6 +67,13 @@ def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos, logprobs=s.logprobs, min_tokens=s.min_tokens)
+    parsed = _parse_input(request, sampling)
+    parsed.lora_adapter = request.lora_adapter
+    return parsed
+
+
+def _parse_input(request: decoder_pb2.GenerateRequest, sampling: SamplingParams) -> ParsedRequest:
+    """The request's input (prompt, chat or token ids) with its images and videos."""
     kind = request.WhichOneof("input")
     if kind == "prompt":
         if not request.prompt:

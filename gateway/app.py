@@ -126,11 +126,22 @@ class Gateway:
         return f"{tenant}/{given}" if given else tenant
 
     def check_model(self, model: str | None) -> None:
-        """404 for a model this gateway does not serve; no model at all means the served one (vLLM)."""
-        if model is not None and model not in self.config.served_model_names:
-            names = ", ".join(repr(n) for n in self.config.served_model_names)
+        """404 for a model this gateway does not serve; no model at all means the served one (vLLM). A
+        LoRA adapter's name (--lora-modules) is a served model too."""
+        if model is not None and model not in self.config.served_model_names \
+                and model not in self.config.lora_adapters:
+            names = ", ".join(repr(n) for n in [*self.config.served_model_names, *self.config.lora_adapters])
             raise APIError(404, f"the model {model!r} does not exist; this server serves {names}",
                            param="model", code="model_not_found")
+
+    def adapter_of(self, model: str | None) -> str:
+        """The decoder's lora_adapter for a request's `model`: the adapter it names, else "" (the base)."""
+        return model if model is not None and model in self.config.lora_adapters else ""
+
+    def model_name(self, model: str | None) -> str:
+        """The name a response carries: the adapter the request named (as vLLM answers), else the first
+        served name."""
+        return self.adapter_of(model) or self.config.served_model_name
 
     def error_response(self, endpoint: str, error: APIError) -> JSONResponse:
         self._count(endpoint, error.status, error.code)
@@ -159,6 +170,7 @@ class Gateway:
         budget = ByteBudget(self.config.images.max_total_image_bytes, req.n, self.bytes_in_flight)
         try:
             grpc_request = await cancel_on_disconnect(request, translate(req, salt, budget))
+            grpc_request.lora_adapter = self.adapter_of(req.model)
             generation = await cancel_on_disconnect(request, self.pool.generate_group(
                 fan_out(grpc_request, req.n), self.config.request_timeout_s, grpc_request.request_id))
         except BaseException:
@@ -273,7 +285,7 @@ class Gateway:
 
     async def _chat_response(self, request: Request, req: ChatCompletionRequest, generation: GenerationGroup,
                              started: float) -> Response:
-        head = ResponseHeader(generation.request_id, self.config.served_model_name)
+        head = ResponseHeader(generation.request_id, self.model_name(req.model))
         top_n, n = req.top_logprobs or 0, len(generation.members)
         chunks = self._chunks(generation, "chat", started)
         if req.stream:
@@ -331,7 +343,7 @@ class Gateway:
 
     async def _completion_response(self, request: Request, req: CompletionRequest,
                                    generation: GenerationGroup, started: float) -> Response:
-        head = ResponseHeader(generation.request_id, self.config.served_model_name)
+        head = ResponseHeader(generation.request_id, self.model_name(req.model))
         n = len(generation.members)
         logprobs = [CompletionLogprobs(req.logprobs, self.texts) for _ in range(n)] \
             if req.logprobs is not None else None
@@ -377,8 +389,10 @@ class Gateway:
             self.authorize(request)
         except APIError as exc:
             return self.error_response("models", exc)
+        adapters = [self.served.adapter_card(name, path, self.created)
+                    for name, path in self.config.lora_adapters.items()]
         return JSONResponse({"object": "list", "data": [
-            self.served.card(name, self.created) for name in self.served.names]})
+            self.served.card(name, self.created) for name in self.served.names] + adapters})
 
     async def health(self, request: Request) -> Response:
         """200 when at least one decoder reports SERVING (asked now, not from the last round). The

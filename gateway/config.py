@@ -142,6 +142,11 @@ class GatewayConfig:
         help="the model name(s) clients send and /v1/models lists; responses carry the first (default: "
         "--model as typed, and for a directory also its name; else 'mmserve')", flag="--served-model-name",
         metavar="NAME", append=True, nargs="+", default_factory=list)
+    lora_modules: list[str] = option(
+        help="LoRA adapters the decoders serve (their --lora-modules): a request whose `model` is one of "
+        "these names runs with that adapter, and /v1/models lists them (PATH, if given, is only listed as "
+        "the card's root)", flag="--lora-modules", metavar="NAME[=PATH]", append=True, nargs="+",
+        default_factory=list)
     model: Path | str | None = option(
         None, "the served checkpoint dir: its tokenizer writes logprob tokens as text (without it they "
         "read token_id:N)", flag="--model", type=model_arg)
@@ -165,8 +170,22 @@ class GatewayConfig:
             self.served_model_names = default_served_names(self.model)
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError("--served-model-name: a name is given twice")
+        adapters = list(self.lora_adapters)
+        if len(set(adapters)) != len(adapters) or set(adapters) & set(self.served_model_names):
+            raise ValueError("--lora-modules: an adapter name is given twice or is a --served-model-name")
         if self.model is not None:
             self.model = Path(self.model)
+
+    @property
+    def lora_adapters(self) -> dict[str, str | None]:
+        """{adapter name: its path as given, or None}, in flag order."""
+        out: dict[str, str | None] = {}
+        for item in self.lora_modules:
+            name, sep, path = item.partition("=")
+            if not name:
+                raise ValueError(f"--lora-modules: {item!r} has no adapter name")
+            out[name] = path if sep else None
+        return out
 
     @property
     def served_model_name(self) -> str:

@@ -93,6 +93,13 @@ class ServedModel:
             card["max_model_len"] = self.max_model_len
         return card
 
+    def adapter_card(self, name: str, path: str | None, created: int) -> dict:
+        """A LoRA adapter's `/v1/models` entry, as vLLM lists one: its root the adapter's path, its
+        parent the base model's first name."""
+        card = self.card(name, created)
+        card.update(root=path or name, parent=self.names[0])
+        return card
+
 
 def _permission(created: int) -> dict:
     """vLLM's one `model_permission` entry of a served model (what OpenAI's older API listed)."""

@@ -118,6 +118,12 @@ class ImageLayout(ABC):
         count per image is fixed, 0 where it follows the image; the runner's buffers hold one more."""
         return self.tokens_per_image or 0
 
+    def request_adapter(self, has_images: bool, has_videos: bool) -> str | None:
+        """The LoRA adapter (a --lora-modules name) a request without one of its own runs with, chosen by
+        its content: the seam for a family whose checkpoint carries a modality adapter (Phi-4-multimodal
+        runs image requests with its vision adapter and text with none). Default: none, the base model."""
+        return None
+
     @property
     def hash_key(self) -> str:
         """Processor settings beyond config.json (which the checkpoint fingerprint covers) that change an

@@ -74,7 +74,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "chat", "prompt_token_ids", "images", "sampling", "cache_salt", "videos")
+    __slots__ = ("request_id", "prompt", "chat", "prompt_token_ids", "images", "sampling", "cache_salt", "videos", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     VIDEOS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     chat: ChatMessages
@@ -91,7 +92,8 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     cache_salt: str
     videos: _containers.RepeatedCompositeFieldContainer[_common_pb2.VideoInput]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[_common_pb2.VideoInput, _Mapping]]] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[_common_pb2.VideoInput, _Mapping]]] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
@@ -134,7 +136,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class DecoderStats(_message.Message):
-    __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "images_encoded", "images_encoder_cache_hits", "images_skipped_by_kv_reuse", "preemptions", "requests_finished", "requests_aborted", "active_leases", "images_prefetched", "lookahead_ready_at_prefill", "kv_blocks_cached_free", "lookahead_waited_at_prefill", "requests_failed", "embedding_transports", "lookahead_boosted", "ttft_stage_seconds", "ttft_calls", "kv_groups")
+    __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "images_encoded", "images_encoder_cache_hits", "images_skipped_by_kv_reuse", "preemptions", "requests_finished", "requests_aborted", "active_leases", "images_prefetched", "lookahead_ready_at_prefill", "kv_blocks_cached_free", "lookahead_waited_at_prefill", "requests_failed", "embedding_transports", "lookahead_boosted", "ttft_stage_seconds", "ttft_calls", "prefix_cache_hit_tokens_by_adapter", "kv_groups")
     class EmbeddingTransportsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +151,13 @@ class DecoderStats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PrefixCacheHitTokensByAdapterEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +180,7 @@ class DecoderStats(_message.Message):
     LOOKAHEAD_BOOSTED_FIELD_NUMBER: _ClassVar[int]
     TTFT_STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TTFT_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_BY_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
@@ -194,8 +204,9 @@ class DecoderStats(_message.Message):
     lookahead_boosted: int
     ttft_stage_seconds: _containers.ScalarMap[str, float]
     ttft_calls: int
+    prefix_cache_hit_tokens_by_adapter: _containers.ScalarMap[str, int]
     kv_groups: _containers.RepeatedCompositeFieldContainer[KvGroupStats]
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., images_encoded: _Optional[int] = ..., images_encoder_cache_hits: _Optional[int] = ..., images_skipped_by_kv_reuse: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., active_leases: _Optional[int] = ..., images_prefetched: _Optional[int] = ..., lookahead_ready_at_prefill: _Optional[int] = ..., kv_blocks_cached_free: _Optional[int] = ..., lookahead_waited_at_prefill: _Optional[int] = ..., requests_failed: _Optional[int] = ..., embedding_transports: _Optional[_Mapping[str, int]] = ..., lookahead_boosted: _Optional[int] = ..., ttft_stage_seconds: _Optional[_Mapping[str, float]] = ..., ttft_calls: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupStats, _Mapping]]] = ...) -> None: ...
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., images_encoded: _Optional[int] = ..., images_encoder_cache_hits: _Optional[int] = ..., images_skipped_by_kv_reuse: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., active_leases: _Optional[int] = ..., images_prefetched: _Optional[int] = ..., lookahead_ready_at_prefill: _Optional[int] = ..., kv_blocks_cached_free: _Optional[int] = ..., lookahead_waited_at_prefill: _Optional[int] = ..., requests_failed: _Optional[int] = ..., embedding_transports: _Optional[_Mapping[str, int]] = ..., lookahead_boosted: _Optional[int] = ..., ttft_stage_seconds: _Optional[_Mapping[str, float]] = ..., ttft_calls: _Optional[int] = ..., prefix_cache_hit_tokens_by_adapter: _Optional[_Mapping[str, int]] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupStats, _Mapping]]] = ...) -> None: ...
 
 class KvGroupStats(_message.Message):
     __slots__ = ("name", "window", "blocks_used", "blocks_total", "blocks_cached_free")

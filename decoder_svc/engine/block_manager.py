@@ -114,6 +114,7 @@ class BlockManager:
         self._req_num_registered: dict[str, int] = {}
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_hit_tokens_by_adapter: dict[str, int] = {}
 
     # -- hashing ---------------------------------------------------------------------------------
     def block_hashes(self, request: Request, num_tokens: int | None = None) -> list[bytes]:
@@ -127,6 +128,8 @@ class BlockManager:
                 extra = image_extra_keys(request, i * bs, (i + 1) * bs)
                 if i == 0 and request.cache_salt:
                     extra = (("salt", request.cache_salt),) + extra
+                if i == 0 and request.lora_adapter:  # KV computed under an adapter is its own
+                    extra = (("lora", request.lora_adapter),) + extra
                 parent = hashes[i - 1] if i else _ROOT
                 hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
         return hashes[:n_full]
@@ -147,10 +150,12 @@ class BlockManager:
             hit.append(block)
         return hit
 
-    def record_prefix_query(self, queried_tokens: int, hit_tokens: int) -> None:
-        """Count one admission's prefix lookup in the stats."""
+    def record_prefix_query(self, queried_tokens: int, hit_tokens: int, adapter: str = "") -> None:
+        """Count one admission's prefix lookup in the stats (hits also per LoRA adapter, "" the base)."""
         self.prefix_queried_tokens += queried_tokens
         self.prefix_hit_tokens += hit_tokens
+        by_adapter = self.prefix_hit_tokens_by_adapter
+        by_adapter[adapter] = by_adapter.get(adapter, 0) + hit_tokens
 
     # -- allocation ------------------------------------------------------------------------------
     def blocks_short(self, request: Request, num_new_tokens: int,

@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.arg_types import dtype_name, model_dir, non_negative_int, positive_int, require_local_weights
+from common.arg_types import (
+    dtype_name,
+    lora_module,
+    lora_modules_dict,
+    model_dir,
+    non_negative_int,
+    positive_int,
+    require_local_weights,
+)
 from common.config import check_options, option
 from common.devices import resolve_device_and_dtype
 from common.images import ImageLimits
@@ -47,6 +55,11 @@ class EngineConfig:
         "none", "fp8: quantize the decoder layers' projections to FP8 (e4m3, per output channel) at load; "
         "FP8 checkpoints (compressed-tensors, HF fine-grained) are served in FP8 whatever this says",
         choices=("none", "fp8"))
+    lora_modules: list[str] = option(
+        help="LoRA adapters (PEFT's directory layout) a request may name: gRPC GenerateRequest.lora_adapter, "
+        "or the gateway's `model`. Each is served per request inside shared batches; prefix-cache entries "
+        "are keyed by it (a dict {name: path} in code)", metavar="NAME=PATH", append=True, nargs="+",
+        default_factory=list, type=lora_module)
     tensor_parallel_size: int = option(
         1, "ranks the language model is split over (one worker process per other rank; GPU N for rank N "
         "on CUDA, gloo on CPU)", type=positive_int)
@@ -70,7 +83,15 @@ class EngineConfig:
     unserved_text_only: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora_modules, dict):
+            self.lora_modules = [f"{name}={path}" for name, path in self.lora_modules.items()]
         check_options(self)
+        lora_modules_dict(self.lora_modules)  # a name given twice
         if self.load_format != "dummy":
             require_local_weights(self.model, " (--load-format dummy draws random weights instead)")
         resolve_device_and_dtype(self)  # auto: cuda when torch sees a GPU; the checkpoint's dtype there
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """{adapter name: its directory}, in flag order: adapter i is LoRA slot i + 1 (slot 0: the base)."""
+        return lora_modules_dict(self.lora_modules)

@@ -72,6 +72,9 @@ class EngineStats:
     kv_blocks_cached_free: int = stat("Free KV blocks that still hold reusable prefix KV", "gauge")
     prefix_cache_queried_tokens: int = stat("Prompt tokens looked up in the prefix cache")
     prefix_cache_hit_tokens: int = stat("Prompt tokens found in the prefix cache")
+    prefix_cache_hit_tokens_by_adapter: dict = stat(
+        "Prompt tokens found in the prefix cache, by LoRA adapter (\"\": the base model)", "labels",
+        label="adapter")
     images_encoded: int = stat("Images whose embedding was computed by an encoder's tower for us")
     images_encoder_cache_hits: int = stat("Images served from an encoder's cache")
     images_skipped_by_kv_reuse: int = stat("Images never fetched because their KV was cached")
@@ -123,7 +126,10 @@ class LLMEngine:
             self.device = torch.device(rank_device(config.device, 0))
         try:
             self.model = load_language_model(config.model, self.device, self.dtype, config.attention_backend,
-                                             config.quantization, config.load_format, tp=tp)
+                                             config.quantization, config.load_format, tp=tp,
+                                             lora_modules=config.lora_adapters)
+            # Adapter i of --lora-modules runs in LoRA slot i + 1 (model/lora/); "" is the base model's 0.
+            self.lora_slots = {"": 0} | {name: i for i, name in enumerate(config.lora_adapters, 1)}
             self.model_config = self.model.config
             self.fingerprint = model_fingerprint(config.model)
             self.eos_token_ids = frozenset(generation_eos_ids(config.model))
@@ -177,13 +183,14 @@ class LLMEngine:
         known_grids: Mapping[str, Grid] | None = None,
         videos: Sequence[VideoSource] = (),
         prompt_token_ids: Sequence[int] | None = None,
+        lora_adapter: str = "",
     ) -> Request:
         """Validate, tokenize and queue a request (engine thread): `self.inputs.make_request`, then
         `add`. The service makes requests on its own threads and calls `add` only."""
         return self.add(self.inputs.make_request(
             request_id, prompt, images, messages=messages, sampling=sampling, cache_salt=cache_salt,
             image_options=image_options, known_grids=known_grids, videos=videos,
-            prompt_token_ids=prompt_token_ids))
+            prompt_token_ids=prompt_token_ids, lora_adapter=lora_adapter))
 
     def add(self, req: Request) -> Request:
         """Queue a request made by InputProcessor.make_request (engine thread). Raises
@@ -294,7 +301,8 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             image_rows=self.scheduler.images.rows_for_chunk(req, chunk.start, chunk.end),
             sampling=SamplingRow(req.request_id, req.sampling) if chunk.samples else None,
-            mrope_positions=req.mrope_positions, mrope_delta=req.mrope_delta)
+            mrope_positions=req.mrope_positions, mrope_delta=req.mrope_delta,
+            lora_slot=self.lora_slots[req.lora_adapter])
 
     # -- introspection ---------------------------------------------------------------------------
     @property
@@ -307,6 +315,7 @@ class LLMEngine:
         self.scheduler.counters = type(self.scheduler.counters)()
         self.scheduler.images.counters = type(self.scheduler.images.counters)()
         self.blocks.prefix_queried_tokens = self.blocks.prefix_hit_tokens = 0
+        self.blocks.prefix_hit_tokens_by_adapter = {}
 
     def stats(self) -> EngineStats:
         """Current state and counters."""
@@ -316,6 +325,7 @@ class LLMEngine:
             kv_blocks_used=b.used_blocks, kv_blocks_total=b.num_blocks,
             kv_blocks_cached_free=b.cached_free_blocks, prefix_cache_queried_tokens=b.prefix_queried_tokens,
             prefix_cache_hit_tokens=b.prefix_hit_tokens,
+            prefix_cache_hit_tokens_by_adapter=dict(self.blocks.prefix_hit_tokens_by_adapter),
             images_encoded=i.images_encoded, images_encoder_cache_hits=i.images_encoder_cache_hits,
             images_skipped_by_kv_reuse=i.images_skipped_by_kv_reuse, preemptions=c.preemptions,
             requests_finished=c.finished, requests_aborted=c.aborted, requests_failed=c.failed,

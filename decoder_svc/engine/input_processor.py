@@ -96,6 +96,7 @@ class InputProcessor:
         known_grids: Mapping[str, Grid] | None = None,
         videos: Sequence[VideoSource] = (),
         prompt_token_ids: Sequence[int] | None = None,
+        lora_adapter: str = "",
     ) -> Request:
         """Validate, decode and hash images, tokenize: everything but queueing. It reads engine state
         that never changes, so a server runs it off the engine thread and a large image's decoding
@@ -105,13 +106,15 @@ class InputProcessor:
         images with {"type": "image"} parts. `images` are, in order, encoded files, PIL images, or hex
         content hashes the encoder holds. `videos` (Qwen-VL: `<|video_pad|>` markers, {"type": "video"}
         parts) are container files with their settings; only their headers are read here.
-        `prompt_token_ids` is a prompt already tokenized (text only), used as it is. Raises
+        `prompt_token_ids` is a prompt already tokenized (text only), used as it is. `lora_adapter` names
+        a --lora-modules adapter ("": the one the family picks for the request's content, else none). Raises
         InvalidRequestError / PromptError (ValueError subclasses) for bad input.
         """
         # Cheapest checks first: nothing is decoded or tokenized for a request refused on its sizes.
         sampling = sampling or SamplingParams()
         sampling.validate(self.model_config.vocab_size)
         self._check_sizes(prompt, messages, images, cache_salt)
+        adapter = self._adapter(lora_adapter, bool(images), bool(videos))
         sizes = [self._image_size(i, img) for i, img in enumerate(images)]  # headers only
         # Each image's settings: a pixel range (Qwen-VL), a crop choice (Gemma 3), or None (LLaVA).
         ranges = self._image_settings(len(images), image_options)
@@ -178,7 +181,7 @@ class InputProcessor:
         req = Request(
             request_id=request_id, prompt_token_ids=tokenized.token_ids, sampling=sampling,
             max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, images=placeholders,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, lora_adapter=adapter,
         )
         if self.layout.mrope:
             spans += [(p.offset, p.grid) for p in placeholders if p.video is None]
@@ -236,6 +239,14 @@ class InputProcessor:
 
     def _remember_grid(self, salt: str, content_hash: str, grid: Grid) -> None:
         self._grids.put((salt, content_hash), grid)
+
+    def _adapter(self, name: str, has_images: bool, has_videos: bool) -> str:
+        """The LoRA adapter the request runs with: its own, else the family's pick; checked to be served."""
+        name = name or self.layout.request_adapter(has_images, has_videos) or ""
+        if name and name not in self.config.lora_adapters:
+            served = ", ".join(repr(n) for n in self.config.lora_adapters) or "none"
+            raise InvalidRequestError(f"unknown LoRA adapter {name!r} (served: {served})")
+        return name
 
     def known_grid(self, salt: str, content_hash: str) -> Grid | None:
         """The grid of a sized image this processor has hashed under salt, if it remembers one."""
@@ -317,3 +328,4 @@ class InputProcessor:
         capacity = self.kv_capacity_tokens
         if total > capacity:
             raise InvalidRequestError(f"prompt + max_tokens ({total}) exceeds the KV cache ({capacity})")
+

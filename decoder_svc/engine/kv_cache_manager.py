@@ -61,6 +61,7 @@ class KVCacheManager:
             pool._req_hashes = shared
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_hit_tokens_by_adapter: dict[str, int] = {}
 
     @classmethod
     def for_groups(cls, groups: list[KVCacheGroup] | tuple[KVCacheGroup, ...], block_size: int,
@@ -87,10 +88,12 @@ class KVCacheManager:
         return PrefixHit([full_hits[id(p)][:k] if id(p) in full_hits else p.hit_blocks(request, k)
                           for p in self.pools])
 
-    def record_prefix_query(self, queried_tokens: int, hit_tokens: int) -> None:
-        """Count one admission's prefix lookup in the stats."""
+    def record_prefix_query(self, queried_tokens: int, hit_tokens: int, adapter: str = "") -> None:
+        """Count one admission's prefix lookup in the stats (hits also per LoRA adapter, "" the base)."""
         self.prefix_queried_tokens += queried_tokens
         self.prefix_hit_tokens += hit_tokens
+        by_adapter = self.prefix_hit_tokens_by_adapter
+        by_adapter[adapter] = by_adapter.get(adapter, 0) + hit_tokens
 
     # -- allocation ------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:

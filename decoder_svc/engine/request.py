@@ -82,6 +82,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     images: list[ImagePlaceholder] = field(default_factory=list)
     cache_salt: str = ""
+    lora_adapter: str = ""  # the LoRA adapter it runs with (a --lora-modules name); "": the base model
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is computed, or being computed by a launched step (the scheduler advances it when it

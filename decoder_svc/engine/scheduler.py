@@ -241,7 +241,7 @@ class Scheduler:
                 or (max_len is not None and req.num_tokens_with_pending >= max_len))
 
     def _admit(self, req: Request, hit: int) -> None:
-        self.blocks.record_prefix_query(req.num_tokens, hit)
+        self.blocks.record_prefix_query(req.num_tokens, hit, req.lora_adapter)
         if req.num_cached_tokens is None:
             req.num_cached_tokens = hit
         req.num_computed_tokens = hit

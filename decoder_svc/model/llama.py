@@ -19,6 +19,7 @@ from torch import nn
 from decoder_svc.model.attention import AttentionBackend, AttentionMetadata
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.kv_groups import group_of_layer, layer_groups
+from decoder_svc.model.lora.batched import LoRASlots
 from decoder_svc.model.ops import TorchOps
 from decoder_svc.model.parallel import TensorParallel, all_reduce, gather_vocab
 from decoder_svc.model.rope import cos_sin_table
@@ -221,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         # Each layer's KV cache group (model/kv_groups.py): which of a step's metadata it reads.
         self.kv_groups = layer_groups(cfg)
         self.layer_group = group_of_layer(self.kv_groups, cfg.num_layers)
+        # LoRA adapters (model/lora/): each token row's adapter slot, bound per forward; None without any.
+        self.lora: LoRASlots | None = None
 
     @property
     def uses_mrope(self) -> bool:
@@ -254,14 +257,18 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run every layer over the flat batch; return fp32 logits only for rows logits_indices.
         positions: [tokens], or [3, tokens] for M-RoPE (one row is enough where the three are equal).
         meta: one for every layer, or one per KV cache group (their block tables and slots; layer i
         reads meta[self.layer_group[i]]); kv_caches: each layer's tensor (its group's pool).
         deepstack (Qwen3-VL): (image rows [n], levels [L, n, hidden]); level i is added to the hidden
-        states of those rows after layer i, as HF's _deepstack_process does."""
+        states of those rows after layer i, as HF's _deepstack_process does.
+        lora_slots: each token row's adapter slot [tokens] (model/lora/batched.py); None: the base model."""
         x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
+        if self.lora is not None:
+            self.lora.bind(lora_slots, x.shape[0], x.device)
         cos_sin = self.cos_sin
         if positions.dim() == 2:  # M-RoPE [3, tokens]
             # Each token's cos/sin row, its columns taken from the rows of its t, h or w position; the

@@ -22,6 +22,7 @@ from decoder_svc.model.backends import make_kernels
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.dummy import dummy_state
 from decoder_svc.model.llama import LlamaForCausalLM, mrope_axes
+from decoder_svc.model.lora import attach_adapters, load_adapter
 from decoder_svc.model.parallel import (
     TensorParallel,
     finish_shard,
@@ -131,6 +132,7 @@ def load_language_model(
     quantization: str = "none",
     load_format: str = "auto",
     tp: TensorParallel | None = None,
+    lora_modules: dict[str, str] | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from the checkpoint's text config and load its weights (strictly), with the
     kernels `attention_backend` names (backends.make_kernels: auto, torch or triton).
@@ -138,7 +140,9 @@ def load_language_model(
     quantization "fp8" quantizes the decoder layers' projections per output channel at load; an FP8
     checkpoint (quant.formats) is served in FP8 whatever it says. load_format "dummy" draws random
     weights on the device (model/dummy.py) instead of reading weight files. `tp` (size > 1): this rank's
-    shard of every layer, read as slices of the checkpoint's tensors (model/parallel.py)."""
+    shard of every layer, read as slices of the checkpoint's tensors (model/parallel.py). `lora_modules`
+    (name -> PEFT adapter directory): the adapters, read and checked before any weight is, then attached
+    in that order as slots 1.. (model/lora/)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
     if load_format not in LOAD_FORMATS:
@@ -150,6 +154,7 @@ def load_language_model(
     if tp is not None:
         tp.check(cfg)
     full_cfg = cfg
+    adapters = [load_adapter(name, path, cfg) for name, path in (lora_modules or {}).items()]
     with torch.device("meta"):
         model = LlamaForCausalLM(tp.local_config(cfg) if tp else cfg, backend, ops, tp)
     cfg = model.config
@@ -189,6 +194,7 @@ def load_language_model(
     if missing or unexpected:
         raise ValueError(f"checkpoint {model_dir} does not match the language model: "
                          f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    attach_adapters(model, adapters, full_cfg)
     return model.eval()
 
 

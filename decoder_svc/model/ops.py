@@ -111,6 +111,14 @@ class TorchOps:
         return F.linear(x, dequantize(weight, scale, block, x.dtype), bias)
 
     @staticmethod
+    def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 slots: torch.Tensor, rank: int) -> torch.Tensor:
+        """y plus each row's LoRA product over its adapter slot (model/lora/batched.py's layout)."""
+        from decoder_svc.model.lora.reference import lora_add_reference
+
+        return lora_add_reference(y, x, lora_a, lora_b, slots, rank)
+
+    @staticmethod
     def make_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
         """fp32 [max_positions, D]: row p = cat(cos(p * inv_freq), sin(p * inv_freq)), angles as HF."""
         positions = torch.arange(max_positions, device=inv_freq.device)

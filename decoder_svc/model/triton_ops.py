@@ -295,6 +295,14 @@ class TritonOps:
         return fp8_linear(x, weight, scale, block, bias)
 
     @staticmethod
+    def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 slots: torch.Tensor, rank: int) -> torch.Tensor:
+        """TorchOps.lora_add in two Triton kernels (model/lora/triton_lora.py), into y in place."""
+        from decoder_svc.model.lora.triton_lora import lora_add_triton
+
+        return lora_add_triton(y, x.contiguous(), lora_a, lora_b, slots, rank)
+
+    @staticmethod
     def make_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
         """Same fp32 [max_positions, D] cos|sin table as TorchOps (built once at load, no kernel needed)."""
         return TorchOps.make_cos_sin_cache(inv_freq, max_positions)

@@ -35,6 +35,7 @@ class SequenceInput:
     # The tables of KV cache groups 1.. (a hybrid model's sliding layers; block_table is group 0's), as
     # long as block_table: entry i holds tokens [i * block_size, (i + 1) * block_size), 0 where freed.
     group_tables: list[list[int]] = field(default_factory=list)
+    lora_slot: int = 0  # the LoRA adapter slot its rows run with (model/lora/); 0: the base model
 
     @property
     def num_tokens(self) -> int:

@@ -83,7 +83,9 @@ class StepBuffers:
                   "block_tables": ((max_seqs, max_blocks), torch.int32),
                   "logits_indices": ((max_seqs,), torch.int64), "key_limits": ((max_tokens,), torch.int64),
                   # pending tokens: their rows in input_ids, and their rows in the last step's samples
-                  "pending_rows": ((max_seqs,), torch.int64), "pending_samples": ((max_seqs,), torch.int64)}
+                  "pending_rows": ((max_seqs,), torch.int64), "pending_samples": ((max_seqs,), torch.int64),
+                  # each token row's LoRA adapter slot (0: the base model, and every graph pad row)
+                  "lora_slots": ((max_tokens,), torch.int64)}
         for g in range(1, num_groups):
             shapes[f"slot_mapping_{g}"] = shapes["slot_mapping"]
             shapes[f"block_tables_{g}"] = shapes["block_tables"]
@@ -130,6 +132,7 @@ class PreparedStep:
     logits_indices: torch.Tensor
     image_slots: torch.Tensor | None  # flat rows that take image embeddings
     pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows of input_ids, rows of the last samples)
+    lora_slots: torch.Tensor | None = None  # each token row's adapter slot
 
 
 class LaunchedStep:
@@ -271,7 +274,7 @@ class ModelRunner:
             d["block_tables"][:n_seq], self.config.block_size, max_query_len=1 if key.decode else n_tok))
         return self.model(self._positions(d["positions"], n_tok, key.decode), meta, self.kv_caches,
                           d["logits_indices"][:n_logits],
-                          inputs_embeds=self.buffers.embeds[:n_tok])
+                          inputs_embeds=self.buffers.embeds[:n_tok], lora_slots=d["lora_slots"][:n_tok])
 
     def _group_metas(self, meta: AttentionMetadata) -> AttentionMetadata | list[AttentionMetadata]:
         """meta (group 0's) alone for one KV cache group; else one per group: the same lengths, each
@@ -331,7 +334,7 @@ class ModelRunner:
         else:
             positions = self._positions(step.positions, step.num_tokens, batch.is_plain_decode)
             logits = self.model(positions, step.meta, self.kv_caches, step.logits_indices,
-                                inputs_embeds=embeds, deepstack=deepstack)
+                                inputs_embeds=embeds, deepstack=deepstack, lora_slots=step.lora_slots)
         if not rows:
             self._last_tokens, self._last_rows = None, {}
             return LaunchedStep(None)
@@ -358,6 +361,7 @@ class ModelRunner:
             if len(seq.group_tables) != self.num_groups - 1:  # stale slots would write into live blocks
                 raise ValueError(f"a sequence needs a block table for each of {self.num_groups} KV groups")
             ids[t:t + n] = seq.token_ids
+            h["lora_slots"][t:t + n] = seq.lora_slot
             if seq.token_ids[-1] == PENDING_TOKEN:
                 h["pending_rows"][n_pending] = t + n - 1
                 h["pending_samples"][n_pending] = self._pending_source(seq)
@@ -394,6 +398,7 @@ class ModelRunner:
         if key is not None:
             pad = key.num_tokens - t
             ids[t:t + pad], pos[..., t:t + pad], slots[t:t + pad] = 0, 0, -1
+            h["lora_slots"][t:t + pad] = 0
             for g in range(1, self.num_groups):
                 h[slot_key(g)][t:t + pad] = -1
             starts[num_seqs + 1:num_seqs + pad + 1] = np.arange(t + 1, t + pad + 1)
@@ -405,6 +410,7 @@ class ModelRunner:
                              "query_start_loc": num_seqs + 1, "seq_lens": num_seqs, "block_tables": num_seqs,
                              "logits_indices": n_logits, "pending_rows": n_pending,
                              "pending_samples": n_pending, "key_limits": t if limits is not None else 0,
+                             "lora_slots": t,
                              **{k: n for g in range(1, self.num_groups)
                                 for k, n in ((slot_key(g), t), (table_key(g), num_seqs))}})
         slots_dev = None
@@ -422,7 +428,7 @@ class ModelRunner:
             key_limits_cpu=host["key_limits"][:t] if limits is not None else None))
         pending = (d["pending_rows"][:n_pending], d["pending_samples"][:n_pending]) if n_pending else None
         return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta,
-                            d["logits_indices"][:n_logits], slots_dev, pending)
+                            d["logits_indices"][:n_logits], slots_dev, pending, d["lora_slots"][:t])
 
     def _pending_source(self, seq: SequenceInput) -> int:
         """The row of the last launch's samples that holds seq's pending token."""

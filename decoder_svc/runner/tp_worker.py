@@ -51,7 +51,8 @@ def run(spec: WorkerSpec) -> None:
     tp_module._CONTROL[0] = control
     dtype = parse_dtype(cfg.dtype)
     model = load_language_model(cfg.model, device, dtype, cfg.attention_backend, cfg.quantization,
-                                cfg.load_format, tp=TensorParallel(spec.rank, spec.size))
+                                cfg.load_format, tp=TensorParallel(spec.rank, spec.size),
+                                lora_modules=cfg.lora_adapters)
     layout = PromptTokenizer(cfg.model, cfg.unserved_text_only).layout
     config = RunnerConfig.for_engine(cfg, device, dtype, layout, eager=True)
     runner = ModelRunner(model, dataclasses.replace(config, progress=False), spec.mm_token_ids)

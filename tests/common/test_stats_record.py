@@ -21,8 +21,9 @@ GROUPS = [KvGroupStats("full", 0, 3, 10, 2), KvGroupStats("sliding_16", 16, 1, 6
 
 
 def _decoder_record() -> DecoderStats:
-    numbers = {name: i + 1 for i, name in enumerate(as_dict(EngineStats())) if name != "kv_groups"}
-    engine = EngineStats(**numbers, kv_groups=GROUPS)
+    special = {"kv_groups": GROUPS, "prefix_cache_hit_tokens_by_adapter": {"": 2, "sql": 5}}
+    numbers = {name: i + 1 for i, name in enumerate(as_dict(EngineStats())) if name not in special}
+    engine = EngineStats(**numbers, **special)
     source = RemoteSourceStats(active_leases=2, images_prefetched=5, embedding_transports={"shm": 3},
                                encoders=4)
     return DecoderStats(engine, source, FirstTokenStats({"input": 0.5, "prefill": 2.0}, 3))
@@ -38,7 +39,8 @@ def test_every_field_of_the_decoder_stats_message_comes_from_the_record():
         if name == "kv_groups":  # a repeated message, one per row
             got = [KvGroupStats(g.name, g.window, g.blocks_used, g.blocks_total, g.blocks_cached_free)
                    for g in got]
-        assert (dict(got) if name in ("embedding_transports", "ttft_stage_seconds") else got) == values[name]
+        maps = ("embedding_transports", "ttft_stage_seconds", "prefix_cache_hit_tokens_by_adapter")
+        assert (dict(got) if name in maps else got) == values[name]
 
 
 def test_the_metrics_export_every_stat_under_its_own_name():
@@ -48,6 +50,7 @@ def test_the_metrics_export_every_stat_under_its_own_name():
     assert "mmserve_decoder_running 1.0" in text  # a gauge
     assert "mmserve_decoder_preemptions_total" in text  # a counter
     assert 'mmserve_decoder_embedding_transports_total{transport="shm"} 3.0' in text
+    assert 'mmserve_decoder_prefix_cache_hit_tokens_by_adapter_total{adapter="sql"} 5.0' in text
     assert "mmserve_decoder_encoders 4.0" in text
     assert "mmserve_decoder_active_leases 2.0" in text
     # rows: a gauge family per column, labelled by group

@@ -1,0 +1,8 @@
+"""Batched LoRA adapters in the decoder: PEFT-format adapters read at start-up (adapter.py), stacked into
+per-module slot tensors and applied per token row inside one batch (batched.py), with a torch reference
+product (reference.py) and a Triton kernel (triton_lora.py)."""
+
+from decoder_svc.model.lora.adapter import LoRAAdapter, LoRAError, load_adapter
+from decoder_svc.model.lora.batched import LoRALinear, LoRASlots, attach_adapters
+
+__all__ = ["LoRAAdapter", "LoRAError", "LoRALinear", "LoRASlots", "attach_adapters", "load_adapter"]
