@@ -155,8 +155,9 @@ def load_language_model(
     if tp is not None:
         tp.check(cfg)
     full_cfg = cfg
+    builtin = _builtin_adapter_names(model_dir, set(lora_modules or {}))
     adapters = [load_adapter(name, path, cfg) for name, path in (lora_modules or {}).items()]
-    adapters += _builtin_adapters(model_dir, cfg, set(lora_modules or {}), load_format == "dummy")
+    adapters += [load_builtin_adapter(model_dir, name, cfg, load_format == "dummy") for name in builtin]
     with torch.device("meta"):
         model = LlamaForCausalLM(tp.local_config(cfg) if tp else cfg, backend, ops, tp)
     cfg = model.config
@@ -200,15 +201,15 @@ def load_language_model(
     return model.eval()
 
 
-def _builtin_adapters(model_dir: str | Path, cfg: TextModelConfig, taken: set[str], dummy: bool) -> list:
-    """The checkpoint's own adapters (its family's checkpoint_adapters); LoRAError when a --lora-modules
-    name takes one's name."""
+def _builtin_adapter_names(model_dir: str | Path, taken: set[str]) -> list[str]:
+    """The checkpoint's own adapters' names (its family's checkpoint_adapters); LoRAError when a
+    --lora-modules name takes one's name."""
     names = builtin_adapter_names(model_dir)
     clash = sorted(taken & set(names))
     if clash:
         raise LoRAError(f"LoRA adapter name(s) {clash} are the checkpoint's own adapters; choose another "
                         "name")
-    return [load_builtin_adapter(model_dir, name, cfg, dummy) for name in names]
+    return names
 
 
 def _checkpoint_state(model_dir: str | Path, cfg: TextModelConfig,
