@@ -1,5 +1,5 @@
-"""The phi-4-mm-tiny checkpoint, made once per session (Phi-4-MM is declared but not served, so its maker
-is called directly rather than through common.model_maker.make_model), and HF's oracle on it."""
+"""The phi-4-mm-tiny checkpoint (with its vision and speech LoRA in the real checkpoint's naming), made
+once per session by its maker, and HF's oracle on it (the base model, and the vision adapter merged)."""
 
 from __future__ import annotations
 
