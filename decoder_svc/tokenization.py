@@ -25,7 +25,6 @@ from common.checkpoint import load_config
 from common.errors import InvalidInputError
 from common.families import layout_family
 from common.families.layout import ImageLayout
-from common.families.registry import unserved_text_family
 
 # Roles the LLaVA chat template is written for. The template itself prints any other role verbatim
 # (`role.upper() + ': '`), so a client-chosen role could forge turns or template text in the prompt.
@@ -82,12 +81,11 @@ class TokenizedPrompt:
 class PromptTokenizer:
     """Tokenizer + processor of one checkpoint, loaded offline from its directory."""
 
-    def __init__(self, model_dir: str | Path, unserved_text_only: bool = False) -> None:
-        """`unserved_text_only`: a family declared but not served yet (registry.NOT_SERVED_YET) gets its own
-        layout instead of the refusal (EngineConfig.unserved_text_only: text requests in tests)."""
+    def __init__(self, model_dir: str | Path) -> None:
+        """The tokenizer, processor and image layout of the checkpoint in model_dir."""
         config = load_config(model_dir)
         # A config no family claims gets the fallback's layout, which refuses it at start-up saying why.
-        family = (unserved_text_only and unserved_text_family(config)) or layout_family(config)
+        family = layout_family(config)
         text = family.layout_class().load_text_processor(model_dir)
         self.processor, self.tokenizer, self.image_token = text.processor, text.tokenizer, text.image_token
         self.layout: ImageLayout = family.image_layout(model_dir, config)

@@ -45,9 +45,10 @@ class ModelFamily:
     maker: str                    # "module:function" writing a random checkpoint of one of those presets
     layout: str                   # "module:Class" of its ImageLayout (common/families/layout.py)
     oracle: str                   # "module:Class" running hf_class on a checkpoint (the tests' reference)
-    # A family the registry lists as not served yet (NOT_SERVED_YET) whose images the encoder service
-    # serves already (registry.vision_family_of); the decoder's lookups keep refusing it.
-    encoder_served_early: bool = False
+    # LoRA adapters the checkpoint carries in itself, by name (decoder_svc/model/lora/builtin.py reads
+    # them: Phi-4-multimodal's "vision"); served in slots after the --lora-modules ones, chosen per request
+    # by the layout's request_adapter.
+    checkpoint_adapters: tuple[str, ...] = ()
 
     def layout_class(self) -> type[ImageLayout]:
         """Its ImageLayout class (loads the text processor and reads a checkpoint's layout)."""

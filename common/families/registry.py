@@ -9,14 +9,14 @@ from common.checkpoint import CheckpointError, load_config
 from common.families.family import ModelFamily
 from common.families.gemma3 import FAMILY as GEMMA3
 from common.families.llava import FAMILY as LLAVA
+from common.families.phi4mm import FAMILY as PHI4MM
 from common.families.qwen2_5_vl import FAMILY as QWEN2_5_VL
 from common.families.qwen3_vl import FAMILY as QWEN3_VL
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL, GEMMA3)
+FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL, GEMMA3, PHI4MM)
 # Folders whose FAMILY is declared but not served yet (each one's __init__ says what is missing): no
-# lookup here finds them, so their checkpoints are refused like any other unserved model_type; one that
-# declares encoder_served_early is found by vision_family_of alone (the encoder service's lookup).
-NOT_SERVED_YET: tuple[str, ...] = ("phi4mm",)
+# lookup here finds them, so their checkpoints are refused like any other unserved model_type.
+NOT_SERVED_YET: tuple[str, ...] = ()
 # Reads the layout of a checkpoint no family claims: LLaVA's reader refuses it naming what it serves (e.g.
 # llava_next, whose tiles make the token count vary per image), the message users have always had.
 FALLBACK_LAYOUT_FAMILY = LLAVA
@@ -52,33 +52,6 @@ def layout_family(config: dict[str, Any]) -> ModelFamily:
     """The family whose layout reads a checkpoint's config (FALLBACK_LAYOUT_FAMILY for one no family
     claims, so that the refusal says why)."""
     return find_family(config) or FALLBACK_LAYOUT_FAMILY
-
-
-def unserved_text_family(config: dict[str, Any]) -> ModelFamily | None:
-    """The declared-but-unserved family (NOT_SERVED_YET) of a checkpoint's config, or None. For tests and
-    tools that run such a checkpoint's language model on text alone (EngineConfig.unserved_text_only);
-    every lookup above still refuses it, so the services do."""
-    from importlib import import_module
-
-    model_type = config.get("model_type")
-    for name in NOT_SERVED_YET:
-        family: ModelFamily = import_module(f"common.families.{name}").FAMILY
-        if model_type in family.model_types:
-            return family
-    return None
-
-
-def vision_family_of(config: dict[str, Any]) -> ModelFamily:
-    """The family whose vision encoder serves a checkpoint's images: a served family's, or a family not
-    served yet that declares encoder_served_early (its encoder service runs before its decoder does);
-    UnsupportedModelError as family_of otherwise. Only the encoder service asks this."""
-    family = find_family(config) or _early_encoder_family(config)
-    return family if family is not None else family_of(config)
-
-
-def _early_encoder_family(config: dict[str, Any]) -> ModelFamily | None:
-    family = unserved_text_family(config)
-    return family if family is not None and family.encoder_served_early else None
 
 
 def family_of_model(model_dir: str | Path) -> ModelFamily:

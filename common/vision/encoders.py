@@ -16,9 +16,9 @@ def make_vision_encoder(model_dir: str | Path, device: str | torch.device = "cpu
                         dtype: torch.dtype = torch.float32, preprocess: str = "auto") -> Any:
     """The checkpoint's vision encoder, as its family declares it (common/families/): Qwen3-VL's gives
     [parts, tokens, hidden] per image, Qwen2.5-VL's and LLaVA's [tokens, hidden]."""
-    from common.families.registry import vision_family_of
+    from common.families.registry import family_of
 
-    return vision_family_of(load_config(model_dir)).make_vision_encoder(model_dir, device, dtype, preprocess)
+    return family_of(load_config(model_dir)).make_vision_encoder(model_dir, device, dtype, preprocess)
 
 
 def takes_pixel_ranges(encoder: Any) -> bool:

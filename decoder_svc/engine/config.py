@@ -77,10 +77,6 @@ class EngineConfig:
     # the text). The service sets it and detokenizes on its event loop, so the engine thread spends
     # its time on steps, not on the tokenizer.
     detokenize: bool = True
-    # True (tests only, never a flag): a checkpoint of a family declared but not served yet
-    # (registry.NOT_SERVED_YET, e.g. Phi-4-multimodal) is loaded for text requests; the services keep
-    # refusing it (their embedding sources and gateways look families up in the registry).
-    unserved_text_only: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_modules, dict):
@@ -95,3 +91,11 @@ class EngineConfig:
     def lora_adapters(self) -> dict[str, str]:
         """{adapter name: its directory}, in flag order: adapter i is LoRA slot i + 1 (slot 0: the base)."""
         return lora_modules_dict(self.lora_modules)
+
+    @property
+    def served_adapters(self) -> list[str]:
+        """Every adapter a request may run with, slot order: --lora-modules', then the checkpoint's own
+        (its family's checkpoint_adapters, e.g. Phi-4-multimodal's "vision"); adapter i is slot i + 1."""
+        from decoder_svc.model.lora.builtin import builtin_adapter_names
+
+        return [*self.lora_adapters, *builtin_adapter_names(self.model)]

@@ -115,7 +115,7 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
-        self.tokenizer = PromptTokenizer(config.model, config.unserved_text_only)
+        self.tokenizer = PromptTokenizer(config.model)
         mm_token_ids = sorted(self.tokenizer.mm_token_ids)
         self.tp_group: TensorParallelGroup | None = None
         tp = None
@@ -128,8 +128,9 @@ class LLMEngine:
             self.model = load_language_model(config.model, self.device, self.dtype, config.attention_backend,
                                              config.quantization, config.load_format, tp=tp,
                                              lora_modules=config.lora_adapters)
-            # Adapter i of --lora-modules runs in LoRA slot i + 1 (model/lora/); "" is the base model's 0.
-            self.lora_slots = {"": 0} | {name: i for i, name in enumerate(config.lora_adapters, 1)}
+            # Adapter i of --lora-modules, then the checkpoint's own, runs in LoRA slot i + 1 (model/lora/);
+            # "" is the base model's 0.
+            self.lora_slots = {"": 0} | {name: i for i, name in enumerate(config.served_adapters, 1)}
             self.model_config = self.model.config
             self.fingerprint = model_fingerprint(config.model)
             self.eos_token_ids = frozenset(generation_eos_ids(config.model))

@@ -63,6 +63,14 @@ class InputProcessor:
     # make_request runs on any thread: the memo is thread-safe
     _grids: BoundedMemo[Grid] = field(default_factory=lambda: BoundedMemo(MAX_REMEMBERED_GRIDS), repr=False)
     _videos: VideoInputs | None = field(default=None, repr=False)
+    _adapters: list[str] | None = field(default=None, repr=False)
+
+    @property
+    def _served_adapters(self) -> list[str]:
+        """The adapters a request may run with (EngineConfig.served_adapters, read once)."""
+        if self._adapters is None:
+            self._adapters = self.config.served_adapters
+        return self._adapters
 
     @property
     def videos(self) -> VideoInputs:
@@ -80,7 +88,7 @@ class InputProcessor:
     def for_model(cls, config: EngineConfig, kv_capacity_tokens: int) -> InputProcessor:
         """Everything from the checkpoint directory: tokenizer and configs, no weights."""
         return cls(config, TextModelConfig.from_hf(text_config_dict(config.model)),
-                   PromptTokenizer(config.model, config.unserved_text_only), model_fingerprint(config.model),
+                   PromptTokenizer(config.model), model_fingerprint(config.model),
                    frozenset(generation_eos_ids(config.model)), kv_capacity_tokens)
 
     def make_request(
@@ -243,8 +251,8 @@ class InputProcessor:
     def _adapter(self, name: str, has_images: bool, has_videos: bool) -> str:
         """The LoRA adapter the request runs with: its own, else the family's pick; checked to be served."""
         name = name or self.layout.request_adapter(has_images, has_videos) or ""
-        if name and name not in self.config.lora_adapters:
-            served = ", ".join(repr(n) for n in self.config.lora_adapters) or "none"
+        if name and name not in self._served_adapters:
+            served = ", ".join(repr(n) for n in self._served_adapters) or "none"
             raise InvalidRequestError(f"unknown LoRA adapter {name!r} (served: {served})")
         return name
 

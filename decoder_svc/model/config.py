@@ -8,12 +8,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.checkpoint import CheckpointError
-from decoder_svc.model.longrope import PHI4_LIKE, longrope_fields
+from decoder_svc.model.longrope import longrope_fields
 
 _SUPPORTED = {"llama", "mistral", "qwen2", "qwen2_5_vl_text", "qwen2_5_vl", "qwen3_vl_text", "qwen3_vl"}
 _QWEN2_LIKE = {"qwen2", "qwen2_5_vl_text", "qwen2_5_vl"}  # q/k/v biases, no o bias, an unused window
 _QWEN3_LIKE = {"qwen3_vl_text", "qwen3_vl"}  # RMSNorm on each head of q and k, an unused window
 _GEMMA3_LIKE = {"gemma3_text", "gemma3"}  # see _gemma3_fields
+PHI4_LIKE = {"phi4_multimodal"}  # Phi-4-mini layers: fused qkv and gate_up, partial rotary, LongRoPE
 _SUPPORTED |= _GEMMA3_LIKE | PHI4_LIKE
 _ROPE_TYPES = {"default", "linear", "llama3", "longrope"}
 _ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}

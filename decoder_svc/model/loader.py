@@ -7,8 +7,8 @@ transformers 5 saves Gemma3ForConditionalGeneration; `language_model.model.` in 
 HF's names in our layers; its output head is tied to the embeddings. Phi-4-multimodal's are ours too: its
 layers store `qkv_proj` and `gate_up_proj` fused already (our fused modules, in q|k|v and gate|up row
 order), `model.embed_tokens_extend.*` (the vision and audio towers) matches no prefix here, and LoRA
-tensors are skipped (rename_language_model_key). Under tensor parallelism the fused tensors are sliced per
-part (parallel.shard_slices' fused rows)."""
+tensors are skipped here (rename_language_model_key) and read as adapters (model/lora/builtin.py). Under
+tensor parallelism the fused tensors are sliced per part (parallel.shard_slices' fused rows)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from decoder_svc.model.backends import make_kernels
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.dummy import dummy_state
 from decoder_svc.model.llama import LlamaForCausalLM, mrope_axes
-from decoder_svc.model.lora import attach_adapters, load_adapter
+from decoder_svc.model.lora import LoRAError, attach_adapters, load_adapter
+from decoder_svc.model.lora.builtin import builtin_adapter_names, load_builtin_adapter
 from decoder_svc.model.parallel import (
     TensorParallel,
     finish_shard,
@@ -81,8 +82,8 @@ def rename_language_model_key(name: str) -> str | None:
     """Our parameter name for a checkpoint key, or None when the key is not language-model weight.
     LoRA-wrapped layers (PEFT's naming, as Phi-4-multimodal's remote-code export stores its vision and
     speech adapters inside the base checkpoint): the base weight under `<module>.base_layer.` is the
-    module's own; the adapters' `lora_A` / `lora_B` tensors are not read (text is served by the base
-    model, as HF's Phi4MultimodalForCausalLM with no adapter loaded)."""
+    module's own; the adapters' `lora_A` / `lora_B` tensors are not base weight (the vision adapter is
+    read by model/lora/builtin.py and served per request; the speech adapter is not served)."""
     if ".lora_A." in name or ".lora_B." in name:
         return None
     name = name.replace(".base_layer.", ".")
@@ -142,7 +143,7 @@ def load_language_model(
     weights on the device (model/dummy.py) instead of reading weight files. `tp` (size > 1): this rank's
     shard of every layer, read as slices of the checkpoint's tensors (model/parallel.py). `lora_modules`
     (name -> PEFT adapter directory): the adapters, read and checked before any weight is, then attached
-    in that order as slots 1.. (model/lora/)."""
+    in that order as slots 1.. (model/lora/), then the checkpoint's own adapters (lora/builtin.py)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
     if load_format not in LOAD_FORMATS:
@@ -154,7 +155,9 @@ def load_language_model(
     if tp is not None:
         tp.check(cfg)
     full_cfg = cfg
+    builtin = _builtin_adapter_names(model_dir, set(lora_modules or {}))
     adapters = [load_adapter(name, path, cfg) for name, path in (lora_modules or {}).items()]
+    adapters += [load_builtin_adapter(model_dir, name, cfg, load_format == "dummy") for name in builtin]
     with torch.device("meta"):
         model = LlamaForCausalLM(tp.local_config(cfg) if tp else cfg, backend, ops, tp)
     cfg = model.config
@@ -196,6 +199,17 @@ def load_language_model(
                          f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     attach_adapters(model, adapters, full_cfg)
     return model.eval()
+
+
+def _builtin_adapter_names(model_dir: str | Path, taken: set[str]) -> list[str]:
+    """The checkpoint's own adapters' names (its family's checkpoint_adapters); LoRAError when a
+    --lora-modules name takes one's name."""
+    names = builtin_adapter_names(model_dir)
+    clash = sorted(taken & set(names))
+    if clash:
+        raise LoRAError(f"LoRA adapter name(s) {clash} are the checkpoint's own adapters; choose another "
+                        "name")
+    return names
 
 
 def _checkpoint_state(model_dir: str | Path, cfg: TextModelConfig,

@@ -32,8 +32,6 @@ import torch
 
 from common.checkpoint import CheckpointError
 
-PHI4_LIKE = {"phi4_multimodal"}  # Phi-4-mini layers: fused qkv and gate_up, partial rotary, LongRoPE
-
 
 def longrope_fields(cfg: dict[str, Any], rope: dict[str, Any], head_dim: int,
                     partial: float) -> tuple[dict[str, Any], dict[str, Any]]:

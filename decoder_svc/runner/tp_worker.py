@@ -53,7 +53,7 @@ def run(spec: WorkerSpec) -> None:
     model = load_language_model(cfg.model, device, dtype, cfg.attention_backend, cfg.quantization,
                                 cfg.load_format, tp=TensorParallel(spec.rank, spec.size),
                                 lora_modules=cfg.lora_adapters)
-    layout = PromptTokenizer(cfg.model, cfg.unserved_text_only).layout
+    layout = PromptTokenizer(cfg.model).layout
     config = RunnerConfig.for_engine(cfg, device, dtype, layout, eager=True)
     runner = ModelRunner(model, dataclasses.replace(config, progress=False), spec.mm_token_ids)
     runner.agree_blocks = agree_on_blocks

@@ -1,5 +1,5 @@
-"""The phi-4-mm-tiny checkpoint, made once per session (Phi-4-MM is declared but not served, so its maker
-is called directly rather than through common.model_maker.make_model), and HF's oracle on it."""
+"""The phi-4-mm-tiny checkpoint (with its vision and speech LoRA in the real checkpoint's naming), made
+once per session by its maker, and HF's oracle on it (the base model, and the vision adapter merged)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def phi4_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random phi-4-mm-tiny checkpoint (fp32, 448 px crops, dynamic_hd 16)."""
     cache = os.environ.get("MMSERVE_TEST_MODEL_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("models")
-    out = root / "phi-4-mm-tiny-seed0"
+    out = root / "phi-4-mm-tiny-lora-seed0"  # with its vision and speech LoRA
     if not (out / "mmserve_model.json").exists():
         make_phi4_model("phi-4-mm-tiny", out, seed=0, device="cpu", progress=False)
     return out

@@ -2,7 +2,7 @@
 image's embedding equals HF's Phi4MultimodalImageEmbedding (fp32) with the layout's row count, over SHM
 and inline bytes; a repeat is a cache hit; the hash follows the bytes and the HD settings and is the one
 the decoder's input processor makes; bad input gets INVALID_ARGUMENT naming the image and the service
-goes on. The decoder still refuses the checkpoint (registry.NOT_SERVED_YET)."""
+goes on."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from common.checkpoint import load_config
-from common.families import UnsupportedModelError, family_of
+from common.families import family_of
 from common.families.phi4mm import FAMILY
-from common.families.registry import vision_family_of
 from common.images import ImageLimits, encode_png
 from common.pb import common_pb2, encoder_pb2
 from common.transport import import_embedding
@@ -59,15 +58,8 @@ def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert (ours - ref).abs().max().item() <= REL_TOL * scale
 
 
-def test_the_encoder_serves_it_and_the_decoder_still_refuses_it(phi4_tiny_dir):
-    config = load_config(phi4_tiny_dir)
-    assert FAMILY.encoder_served_early and vision_family_of(config) is FAMILY
-    with pytest.raises(UnsupportedModelError, match="phi4_multimodal"):
-        family_of(config)  # the decoder's lookups (tokenizer layout, local source)
-    gemma_like = {"model_type": "gemma3"}
-    assert vision_family_of(gemma_like) is family_of(gemma_like)  # served families: the same answer
-    with pytest.raises(UnsupportedModelError):
-        vision_family_of({"model_type": "llava_next"})
+def test_the_family_serves_the_checkpoint(phi4_tiny_dir):
+    assert family_of(load_config(phi4_tiny_dir)) is FAMILY
 
 
 @pytest.mark.parametrize("index", ASPECTS)
@@ -121,9 +113,9 @@ def test_the_hash_is_the_decoders_and_follows_size_and_dynamic_hd(encoder, phi4_
     resp = encoder.stub.Encode(encode_request(encode_png(small), encode_png(large)), timeout=60)
     hashes = [r.content_hash for r in resp.embeddings]
     assert hashes[0] != hashes[1]
-    # The decoder's input processor (its Phi-4-MM layout through the test-only text switch) names the
-    # image by the same hash and gives it as many tokens as the encoder gives rows.
-    config = EngineConfig(model=phi4_tiny_dir, num_kv_blocks=8, unserved_text_only=True)
+    # The decoder's input processor names the image by the same hash and gives it as many tokens as the
+    # encoder gives rows.
+    config = EngineConfig(model=phi4_tiny_dir, num_kv_blocks=8)
     inputs = InputProcessor.for_model(config, kv_capacity_tokens=1 << 16)
     req = inputs.make_request("r", "<|user|><|image|> and <|image|><|end|><|assistant|>",
                               [encode_png(small), encode_png(large)])
@@ -137,7 +129,7 @@ def test_the_hash_is_the_decoders_and_follows_size_and_dynamic_hd(encoder, phi4_
     processor = json.loads((other / "processor_config.json").read_text())
     processor["image_processor"]["dynamic_hd"] = 4
     (other / "processor_config.json").write_text(json.dumps(processor))
-    fewer = InputProcessor.for_model(EngineConfig(model=other, num_kv_blocks=8, unserved_text_only=True),
+    fewer = InputProcessor.for_model(EngineConfig(model=other, num_kv_blocks=8),
                                      kv_capacity_tokens=1 << 16)
     req4 = fewer.make_request("r", "<|image|>", [encode_png(large)])
     assert req4.images[0].content_hash != hashes[1]

@@ -1,6 +1,6 @@
-"""Phi-4-MM's declaration: its folder's FAMILY resolves, every lookup but the encoder service's
-(vision_family_of, tests/phi4mm/test_encoder_service.py) refuses it until it is served, its tiny
-checkpoint is HF's format and its layout refuses what it cannot count."""
+"""Phi-4-MM's declaration: its folder's FAMILY is registered and served (its checkpoint's vision LoRA a
+built-in adapter), its tiny checkpoint is HF's format with the adapters in the real checkpoint's naming,
+and its layout refuses what it cannot count."""
 
 from __future__ import annotations
 
@@ -9,19 +9,17 @@ import json
 import pytest
 
 from common.checkpoint import load_config
-from common.families import UnsupportedModelError, family_for_preset, family_of
+from common.families import family_for_preset, family_of
 from common.families.family import load_attr
 from common.families.phi4mm import FAMILY
 from common.families.phi4mm.layout import Phi4ImageLayout, UnsupportedPhi4ConfigError, phi4_layout
-from common.families.registry import NOT_SERVED_YET
+from common.families.registry import FAMILIES, NOT_SERVED_YET
 
 
-def test_declared_and_not_served():
-    assert FAMILY.name in NOT_SERVED_YET
-    with pytest.raises(UnsupportedModelError, match="'phi4_multimodal' is not served"):
-        family_of({"model_type": "phi4_multimodal"})
-    with pytest.raises(ValueError, match="unknown preset"):
-        family_for_preset("phi-4-mm-tiny")
+def test_registered_and_served():
+    assert FAMILY.name not in NOT_SERVED_YET and FAMILY in FAMILIES
+    assert family_of({"model_type": "phi4_multimodal"}) is FAMILY
+    assert family_for_preset("phi-4-mm-tiny") is FAMILY and FAMILY.checkpoint_adapters == ("vision",)
     for ref in (FAMILY.vision_encoder, FAMILY.maker, FAMILY.presets, FAMILY.layout, FAMILY.oracle):
         assert load_attr(ref)
     assert set(FAMILY.preset_names()) == {"phi-4-mm-tiny", "phi-4-mm"}

@@ -88,12 +88,11 @@ def test_too_thin_images_are_refused_as_hf_refuses_them(hf_outputs, layout):
 
 @pytest.fixture(scope="module")
 def inputs(phi4_tiny_dir: Path):
-    """The decoder's input processor on the tiny checkpoint (its Phi-4-MM layout through the test-only
-    text switch: the decoder does not serve the family yet)."""
+    """The decoder's input processor on the tiny checkpoint."""
     from decoder_svc.engine.config import EngineConfig
     from decoder_svc.engine.input_processor import InputProcessor
 
-    config = EngineConfig(model=phi4_tiny_dir, num_kv_blocks=8, unserved_text_only=True)
+    config = EngineConfig(model=phi4_tiny_dir, num_kv_blocks=8)
     return InputProcessor.for_model(config, kv_capacity_tokens=1 << 16)
 
 

@@ -1,13 +1,8 @@
 """Phi-4-MM image requests through the encoder service and the in-process engine equal HF's
-Phi4MultimodalForCausalLM (fp32, CPU) with no adapter: greedy tokens and the first step's top-5 logprobs,
-for one image and two, whole prefill and chunks that split the images, and a repeat (prefix KV and the
-encoder's cache reused).
-
-What this is and is not: HF's class holds no LoRA modules (the vision and speech adapters are PEFT
-adapters loaded separately), so its image generation here is the base model's, like ours. The real
-checkpoint answers image requests under its vision LoRA: until the engine runs that adapter per request
-(and keys KV blocks by it), the decoder keeps refusing the family (registry.NOT_SERVED_YET) and this test
-reaches the engine through EngineConfig.unserved_text_only, which lays out images as well as text.
+Phi4MultimodalForCausalLM (fp32, CPU) with the checkpoint's vision LoRA merged into its weights (the
+oracle's `vision` model; HF's class has no LoRA modules): greedy tokens and the first step's top-5
+logprobs, for one image and two, whole prefill and chunks that split the images, and a repeat (prefix KV
+under the vision adapter and the encoder's cache reused).
 """
 
 from __future__ import annotations
@@ -47,16 +42,13 @@ def hf(phi4_oracle) -> dict[str, tuple[list[int], torch.Tensor]]:
     out = {}
     for name, (prompt, idx) in CASES.items():
         images = [sample_images()[i] for i in idx]
-        with torch.no_grad():
-            logits = phi4_oracle.model(**phi4_oracle.inputs(prompt, images)).logits[0, -1]
-        out[name] = (phi4_oracle.generate(prompt, images, N), logits.log_softmax(-1))
+        out[name] = (phi4_oracle.generate(prompt, images, N), phi4_oracle.first_logprobs(prompt, images))
     return out
 
 
 def _engine(model: Path, encoder: EncoderHarness, budget: int) -> tuple[LLMEngine, RemoteEmbeddingSource]:
     source = RemoteEmbeddingSource([f"127.0.0.1:{encoder.port}"])
-    config = EngineConfig(model=model, num_kv_blocks=256, max_num_batched_tokens=budget, block_size=16,
-                          unserved_text_only=True)
+    config = EngineConfig(model=model, num_kv_blocks=256, max_num_batched_tokens=budget, block_size=16)
     return LLMEngine(config, source), source
 
 

@@ -20,7 +20,7 @@ PROMPT = "<|user|><|image|>what is it?<|end|><|assistant|>"
 
 
 def _inputs(model: Path, **kw) -> InputProcessor:
-    config = EngineConfig(model=model, num_kv_blocks=8, unserved_text_only=True, **kw)
+    config = EngineConfig(model=model, num_kv_blocks=8, **kw)
     return InputProcessor.for_model(config, kv_capacity_tokens=1 << 16)
 
 

@@ -2,11 +2,9 @@
 (fp32, CPU) on phi-4-mm-tiny (partial rotary 0.75, LongRoPE, tied embeddings): whole prefill and prefill in
 chunks that split the prompt, prefix-cache hits, and requests decoding in one batch.
 
-Phi-4-MM is declared, not served (registry.NOT_SERVED_YET): the engine loads it here through
-EngineConfig.unserved_text_only, with an embedding source that is never asked (text requests); without
-that field the engine refuses the checkpoint as the decoder service does. HF's class holds no LoRA
-modules (its vision/speech adapters are PEFT adapters loaded separately), so its text generation is the
-base model's: the one we serve for text.
+The engine serves the checkpoint with its vision LoRA attached (a built-in adapter), and a text request
+runs the base model, as HF's class (no LoRA modules) does: the oracle's `base` model. The embedding
+source is never asked (text requests).
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from decoder_svc.engine import EngineConfig, LLMEngine
-from decoder_svc.engine.local_source import LocalEmbeddingSource
 from tests.fakes import FakeSource
 from tests.oracle import greedy, run_all
 
@@ -36,8 +33,7 @@ def want(phi4_oracle) -> dict[str, list[int]]:
 
 
 def make_engine(model_dir: Path, **overrides) -> LLMEngine:
-    cfg = dict(model=model_dir, num_kv_blocks=64, max_num_batched_tokens=2048, block_size=16,
-               unserved_text_only=True)
+    cfg = dict(model=model_dir, num_kv_blocks=64, max_num_batched_tokens=2048, block_size=16)
     cfg.update(overrides)
     return LLMEngine(EngineConfig(**cfg), FakeSource(hidden=64))
 
@@ -89,12 +85,12 @@ def test_longer_than_original_max_is_refused(phi4_tiny_dir: Path) -> None:
         engine.add_request("long", prompt_token_ids=[5] * 4096, sampling=greedy(1))
 
 
-def test_still_refused_without_the_test_switch(phi4_tiny_dir: Path) -> None:
-    """The registry's refusal stands: the engine's tokenizer layout and the local embedding source."""
-    config = EngineConfig(model=phi4_tiny_dir, num_kv_blocks=8)
-    # The fallback (LLaVA) layout refuses it: here already at its processor (no torchvision), elsewhere at
-    # reading the LLaVA layout from a config that has none.
-    with pytest.raises(Exception):  # noqa: B017 - which refusal depends on the install
-        LLMEngine(config, FakeSource(hidden=64))
-    with pytest.raises(Exception, match="phi4_multimodal"):
-        LocalEmbeddingSource.for_engine(config)
+def test_text_runs_the_base_model_not_the_vision_adapter(phi4_tiny_dir: Path, want, phi4_oracle) -> None:
+    """The vision adapter is served (slot 1) and would change a text request's tokens: text runs slot 0."""
+    engine = make_engine(phi4_tiny_dir)
+    assert engine.lora_slots == {"": 0, "vision": 1}
+    prompt = PROMPTS[1]
+    assert phi4_oracle.generate(prompt, [], N, adapter="vision") != want[prompt]
+    forced = engine.generate("v", prompt, sampling=greedy(N), lora_adapter="vision")
+    assert forced.new_token_ids == phi4_oracle.generate(prompt, [], N, adapter="vision")
+    assert engine.generate("t", prompt, sampling=greedy(N)).new_token_ids == want[prompt]

@@ -30,9 +30,9 @@ def cfg_dict(phi4_tiny_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_model(phi4_tiny_dir: Path):
-    from transformers import Phi4MultimodalForCausalLM
+    from common.families.phi4mm.oracle import load_hf_model
 
-    return Phi4MultimodalForCausalLM.from_pretrained(phi4_tiny_dir, dtype=torch.float32).eval()
+    return load_hf_model(phi4_tiny_dir)  # the base model: its weights from `.base_layer.`
 
 
 def test_config_fields(cfg_dict: dict) -> None:
@@ -123,10 +123,13 @@ def test_lora_names() -> None:
 
 
 def test_loads_every_language_weight(phi4_tiny_dir: Path, hf_model) -> None:
-    """Every parameter equals HF's (strict load; the tied head is the embeddings)."""
+    """Every parameter equals HF's (strict load; the tied head is the embeddings); the LoRA-wrapped
+    projections' base weights are read from `.base_layer.`."""
     ours = load_language_model(phi4_tiny_dir, "cpu", torch.float32, attention_backend="torch")
     hf = hf_model.state_dict()
+    assert any(".base." in name for name, _ in ours.named_parameters())  # the vision adapter is attached
     for name, param in ours.state_dict().items():
+        name = name.replace(".base.", ".")
         key = "lm_head.weight" if name == "lm_head.weight" else f"model.{name}"
         assert torch.equal(param, hf[key]), name
     assert ours.lm_head.weight is ours.embed_tokens.weight

@@ -3,21 +3,20 @@ global view and up to `dynamic_hd` 448 px crops chosen from its aspect ratio, ea
 token compression, row separators (sub_GN) and a global separator (glb_GN), then a two-layer projector;
 the token count follows the image's size through its crops.
 
-Declared, not served by the decoder (listed in the registry's NOT_SERVED_YET); the encoder service serves
-its images already (encoder_served_early: registry.vision_family_of finds it). Built: the HD transform without
-torchvision (pixels.py, bit-exact with HF's processor's ops; bench/phi4mm_pixels_check.py checks it
-against HF's processor where torchvision is installed), the layout (token counts from the header, the
-`<|image|>` expansion), the tower and image embedding (tower.py, embedder.py: equal to HF's
-Phi4MultimodalImageEmbedding in fp32), the encoder, the oracle and the `phi-4-mm-tiny` / `phi-4-mm`
-presets, and the text model in decoder_svc/model (Phi-4-mini's layers: partial rotary and LongRoPE as
-TextModelConfig fields, served up to original_max_position_embeddings, decoder_svc/model/longrope.py), equal
-to HF's greedy text generation with no adapter (tests/phi4mm/test_text_generate.py, which loads it through
-EngineConfig.unserved_text_only). The encoder service serves its images (tests/phi4mm/
-test_encoder_service.py); image requests through the encoder service and the engine equal HF's base
-model, which has no adapter (tests/phi4mm/test_image_generate.py, through the same test-only switch).
-Not yet: the per-request LoRA adapters (the vision LoRA chosen when a request has images, KV blocks keyed
-by adapter), then the decoder serving the family. Audio is refused by name (the layout's
-unserved_markers, the tokenizer's chat parts, the gateway's input_audio parts).
+Served by both services: the HD transform without torchvision (pixels.py, bit-exact with HF's
+processor's ops; bench/phi4mm_pixels_check.py checks it against HF's processor where torchvision is
+installed), the layout (token counts from the header, the `<|image|>` expansion), the tower and image
+embedding (tower.py, embedder.py: equal to HF's Phi4MultimodalImageEmbedding in fp32), the encoder, the
+oracle and the `phi-4-mm-tiny` / `phi-4-mm` presets, and the text model in decoder_svc/model (Phi-4-mini's
+layers: partial rotary and LongRoPE as TextModelConfig fields, served up to
+original_max_position_embeddings, decoder_svc/model/longrope.py).
+
+The checkpoint's vision LoRA (its `lora_A.vision` / `lora_B.vision` tensors and config.json's
+`vision_lora`) is served as the built-in adapter "vision" (checkpoint_adapters; decoder_svc/model/lora/
+builtin.py) in the decoder's batched LoRA slots: the layout's request_adapter picks it for a request with
+images, text alone runs the base model, and prefix-cache blocks are keyed by it. The oracle merges it into
+HF's weights for image requests (HF's class holds no LoRA modules). Audio is refused by name (the layout's
+unserved_markers, the tokenizer's chat parts, the gateway's input_audio parts); the speech LoRA is not read.
 """
 
 from common.families.family import ModelFamily
@@ -36,7 +35,6 @@ FAMILY = ModelFamily(
     maker="common.families.phi4mm.maker:make_phi4_model",
     layout="common.families.phi4mm.layout:Phi4ImageLayout",
     oracle="common.families.phi4mm.oracle:Phi4Oracle",
-    # The encoder service serves its images (equal to HF's image embedding; tests/phi4mm/
-    # test_encoder_service.py); the decoder refuses the checkpoint until the vision LoRA is served.
-    encoder_served_early=True,
+    # Its vision LoRA, stored in the checkpoint's own weights (decoder_svc/model/lora/builtin.py).
+    checkpoint_adapters=("vision",),
 )

@@ -35,6 +35,7 @@ from common.image_geometry import Grid, ImageGeometryError, PixelRange
 PHI4MM_MODEL_TYPES = ("phi4_multimodal",)
 DEFAULT_IMAGE_TOKEN = "<|image|>"
 DEFAULT_AUDIO_TOKEN = "<|audio|>"
+VISION_ADAPTER = "vision"  # the checkpoint's own LoRA image requests run with (FAMILY.checkpoint_adapters)
 
 
 class UnsupportedPhi4ConfigError(CheckpointError):
@@ -76,6 +77,11 @@ class Phi4ImageLayout(ImageLayout):
     def tokens_per_image(self) -> None:
         """None: the count follows each image's size."""
         return None
+
+    def request_adapter(self, has_images: bool, has_videos: bool) -> str | None:
+        """The checkpoint's vision LoRA for a request with images (as the original model switches to its
+        vision adapter in vision mode); none, the base model, for text alone."""
+        return VISION_ADAPTER if has_images else None
 
     @property
     def hash_key(self) -> str:

@@ -11,7 +11,11 @@
 The tokenizer is the shared byte-level BPE (common/model_maker.py) with Phi-4's chat and modality tokens
 (`<|image|>` and `<|audio|>` as transformers' converted checkpoint names them, extra_special_tokens
 image_token / audio_token, which Phi4MultimodalProcessor reads); ids are the tiny tokenizer's own. The
-vision LoRA adapter of the real checkpoint is not written (serving adapters is a later piece).
+vision and speech LoRA adapters are written as the real checkpoint stores them (lora_weights.py: the
+targeted modules' base weights under `.base_layer.`, `lora_A.vision` / `lora_B.vision` beside them,
+config.json's `vision_lora` / `speech_lora`): random, large enough that image requests' greedy output
+changes under the vision adapter. The tiny preset's ranks are small (vision 8, speech 4); `phi-4-mm`'s
+are the real 256 and 320.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from common.families.phi4mm.lora_weights import REAL_LORA, TINY_LORA, add_lora_weights
 from common.model_maker import (
     build_tokenizer,
     finish_checkpoint,
@@ -58,6 +63,7 @@ class Phi4Preset:
     vocab_size: int
     audio: dict = field(default_factory=dict)
     dynamic_hd: int = 36
+    lora: dict = field(default_factory=lambda: REAL_LORA)  # {adapter: config.json's <adapter>_lora}
     copies: str = "microsoft/Phi-4-multimodal-instruct"
 
 
@@ -70,7 +76,7 @@ PHI4_PRESETS: dict[str, Phi4Preset] = {
         vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2),
         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2),
-        vocab_size=512, audio=_TINY_AUDIO, dynamic_hd=16,
+        vocab_size=512, audio=_TINY_AUDIO, dynamic_hd=16, lora=TINY_LORA,
     ),
     "phi-4-mm": Phi4Preset(
         name="phi-4-mm",
@@ -161,6 +167,16 @@ def _scale(model: torch.nn.Module, seed: int, gain: float) -> None:
         param.copy_(tmp.to(param.device, param.dtype))
 
 
+@torch.no_grad()
+def _quiet_modality_tokens(model: torch.nn.Module, tokenizer) -> None:
+    """Shrink the `<|image|>` and `<|audio|>` rows of the tied embeddings: as output rows they would
+    otherwise win greedy steps of a random model after image-heavy prompts, and a generated image token
+    is an input neither HF's model nor a server can embed (no pixels stand behind it). As inputs the rows
+    are never read: the image and audio features replace them."""
+    ids = tokenizer.convert_tokens_to_ids([IMAGE_TOKEN, AUDIO_TOKEN])
+    model.model.embed_tokens.weight[ids] *= 0.01
+
+
 def make_phi4_model(preset: str, out: str | Path, seed: int = 0, device: str | None = None,
                     dtype: str | None = None, gain: float = 1.4, progress: bool = True,
                     vision_only: bool = False) -> Path:
@@ -180,8 +196,10 @@ def make_phi4_model(preset: str, out: str | Path, seed: int = 0, device: str | N
     tokenizer = build_phi4_tokenizer(spec.vocab_size, seed)
     config = build_phi4_config(spec, tokenizer)
     model = init_random(Phi4MultimodalForCausalLM, config, device, torch_dtype, seed, gain, scale=_scale)
+    _quiet_modality_tokens(model, tokenizer)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
     del model
+    add_lora_weights(out, spec.lora, seed)
     processor = Phi4MultimodalProcessor(image_processor=_image_processor(spec),
                                         audio_processor=Phi4MultimodalFeatureExtractor(), tokenizer=tokenizer,
                                         chat_template=PHI4_CHAT_TEMPLATE)

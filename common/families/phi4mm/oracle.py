@@ -1,5 +1,10 @@
 """The Phi-4-multimodal oracle: Hugging Face's Phi4MultimodalForCausalLM on the same checkpoint (fp32, CPU).
 
+The checkpoint stores its LoRA-wrapped modules' weights under `.base_layer.` beside the adapters
+(lora_weights.py), which HF's class (no LoRA modules) does not read: the oracle loads them itself, as the
+base weights (`base`: text requests) and with the vision adapter merged in (`vision`: image requests, as
+the served model runs them), each a Phi4MultimodalForCausalLM; generate picks by the request's images.
+
 Pixel inputs are pixels.py's (HF's image processor needs torchvision; bench/phi4mm_pixels_check.py checks
 that the two agree where it is installed), prompts are expanded by Phi4MultimodalProcessor's rule (each
 image token repeated num_img_tokens times).
@@ -18,23 +23,57 @@ import torch
 from PIL import Image
 
 from common.families.oracle import greedy_new_tokens
-from common.families.phi4mm.layout import Phi4ImageLayout
+from common.families.phi4mm.layout import VISION_ADAPTER, Phi4ImageLayout
+from common.families.phi4mm.lora_weights import merged_language_state
 from common.families.phi4mm.pixels import batch_pixels, hd_transform
 
 
+def load_hf_model(model_dir: str | Path, adapter: str | None = None):
+    """HF's Phi4MultimodalForCausalLM on the checkpoint in fp32, its LoRA-wrapped modules' weights read from
+    `.base_layer.` with `adapter` merged in (None: the base model)."""
+    import transformers
+    from transformers import Phi4MultimodalForCausalLM
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the base_layer names it cannot place: loaded below
+    try:
+        model = Phi4MultimodalForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    state = merged_language_state(model_dir, adapter)
+    params = dict(model.named_parameters())
+    missing = sorted(set(state) - set(params))
+    if missing or not state:
+        raise ValueError(f"LoRA-wrapped weights HF's model does not have: {missing[:3]} (of {len(state)})")
+    with torch.no_grad():
+        for name, w in state.items():
+            params[name].copy_(w)
+    model.model.embed_tokens_extend.image_embed.img_processor.config._attn_implementation = "eager"
+    return model
+
+
 class Phi4Oracle:
-    """HF's image embedding (what the model writes at the image tokens) and greedy `generate`."""
+    """HF's image embedding (what the model writes at the image tokens) and greedy `generate`: the base
+    model for text, the vision adapter merged in for requests with images."""
 
     def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoTokenizer, Phi4MultimodalForCausalLM
+        from transformers import AutoTokenizer
 
         from common.checkpoint import load_config
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self.layout = Phi4ImageLayout.from_checkpoint(model_dir, load_config(model_dir))
-        self.model = Phi4MultimodalForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.model.model.embed_tokens_extend.image_embed.img_processor.config._attn_implementation = "eager"
+        self.base = load_hf_model(model_dir)
+        self.vision = load_hf_model(model_dir, VISION_ADAPTER)
+        self.model = self.base  # image features: the tower is the same in both
         self.image_token_id = self.model.config.vision_config.image_token_id
+
+    def model_for(self, images: list, adapter: str | None = "auto"):
+        """The model a request runs on: "auto" picks by its images (vision adapter with images), None is
+        the base model, "vision" the adapted one."""
+        if adapter == "auto":
+            adapter = VISION_ADAPTER if images else None
+        return self.vision if adapter == VISION_ADAPTER else self.base
 
     def pixels(self, images: list[Image.Image]) -> dict:
         """The processor's image outputs for images (image_pixel_values, image_sizes, image_attention_mask,
@@ -65,6 +104,13 @@ class Phi4Oracle:
                          image_attention_mask=px["image_attention_mask"])[0]
         return list(rows.split(counts))
 
-    def generate(self, prompt: str, images: list[Image.Image], n: int) -> list[int]:
-        """HF's greedy new tokens."""
-        return greedy_new_tokens(self.model, self.inputs(prompt, images), n)
+    def generate(self, prompt: str, images: list[Image.Image], n: int, adapter: str | None = "auto"
+                 ) -> list[int]:
+        """HF's greedy new tokens (adapter: model_for's)."""
+        return greedy_new_tokens(self.model_for(images, adapter), self.inputs(prompt, images), n)
+
+    def first_logprobs(self, prompt: str, images: list[Image.Image]) -> torch.Tensor:
+        """The log-probabilities of the first new token (the model model_for picks)."""
+        with torch.no_grad():
+            logits = self.model_for(images)(**self.inputs(prompt, images)).logits[0, -1]
+        return logits.log_softmax(-1)

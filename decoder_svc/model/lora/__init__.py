@@ -1,4 +1,5 @@
-"""Batched LoRA adapters in the decoder: PEFT-format adapters read at start-up (adapter.py), stacked into
+"""Batched LoRA adapters in the decoder: PEFT-format adapters read at start-up (adapter.py) and a
+checkpoint's own adapters (builtin.py: Phi-4-multimodal's vision LoRA), stacked into
 per-module slot tensors and applied per token row inside one batch (batched.py), with a torch reference
 product (reference.py) and a Triton kernel (triton_lora.py)."""
 
