@@ -20,11 +20,14 @@ tests/gpu/test_pixels_gpu.py (CUDA):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 # The stated bounds (module docstring); the worst measured: 24 levels on one pixel of resampled noise,
 # 0.41 levels mean over an image.
@@ -221,6 +224,23 @@ class TorchPixelProcessor:
         if any(t.shape != first for t in out):  # no crop and no fixed size: sizes differ
             raise ValueError("the processor gives images of different sizes; they cannot share a batch")
         return x if len(groups) == 1 else torch.stack(out)
+
+
+def pick_pixel_processor(mode: str, device: torch.device, dtype: torch.dtype,
+                         image_processor) -> TorchPixelProcessor | None:
+    """The device-side reproduction of image_processor for a --preprocess mode, or None for HF's own:
+    "hf" never, "torch" always (ValueError when the processor cannot be reproduced), "auto" on CUDA in
+    half precision when it can be (fp32 keeps bit parity with HF's processor, the oracle tests' contract).
+    """
+    if mode == "hf" or (mode == "auto" and (device.type != "cuda" or dtype == torch.float32)):
+        return None
+    try:
+        return TorchPixelProcessor(image_processor)
+    except UnsupportedProcessorError as exc:
+        if mode == "torch":
+            raise ValueError(f"--preprocess torch cannot reproduce this image processor: {exc}") from None
+        log.info("preprocessing with the HF image processor: %s", exc)
+        return None
 
 
 def to_uint8_hwc(image, pin_memory: bool = False) -> torch.Tensor:

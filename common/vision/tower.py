@@ -24,7 +24,7 @@ from PIL import Image
 from common.checkpoint import load_config, load_tensors, model_fingerprint
 from common.families.llava.layout import UnsupportedImageConfigError, load_image_token_layout
 from common.vision import PREPROCESS_MODES
-from common.vision.pixels import TorchPixelProcessor, UnsupportedProcessorError, to_uint8_hwc
+from common.vision.pixels import pick_pixel_processor, to_uint8_hwc
 
 log = logging.getLogger(__name__)
 
@@ -127,29 +127,16 @@ class VisionEncoder:
         self.projector = projector.to(self.device, dtype).eval()
 
         self.image_processor = _load_image_processor(self.model_dir)
-        self.preprocess_mode = self._pick_preprocess(preprocess)
+        if preprocess not in PREPROCESS_MODES:
+            raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {preprocess!r}")
+        self.pixel_processor = pick_pixel_processor(preprocess, self.device, dtype, self.image_processor)
+        self.preprocess_mode = "hf" if self.pixel_processor is None else "torch"
         self.graphs = None  # GraphedForward once capture_graphs() succeeds
         self.num_image_tokens = self.layout.num_image_tokens
         self.hidden_size = config.text_config.hidden_size
         self.calls = 0
         self.images_encoded = 0
         self._count_lock = threading.Lock()
-
-    def _pick_preprocess(self, mode: str) -> str:
-        """"hf" or "torch" for the requested mode; "torch" on a processor it cannot reproduce raises."""
-        if mode not in PREPROCESS_MODES:
-            raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {mode!r}")
-        self.pixel_processor: TorchPixelProcessor | None = None
-        if mode == "hf" or (mode == "auto" and (self.device.type != "cuda" or self.dtype == torch.float32)):
-            return "hf"
-        try:
-            self.pixel_processor = TorchPixelProcessor(self.image_processor)
-        except UnsupportedProcessorError as exc:
-            if mode == "torch":
-                raise ValueError(f"--preprocess torch cannot reproduce this image processor: {exc}") from None
-            log.info("preprocessing with the HF image processor: %s", exc)
-            return "hf"
-        return "torch"
 
     @property
     def pixel_tolerance(self) -> float:

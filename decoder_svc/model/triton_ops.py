@@ -78,31 +78,23 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_s
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, BLOCK: tl.constexpr):
-    # Grid (rows, column blocks): small blocks give enough programs to fill the GPU at T=1.
+def _gated_act_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    # act(gate) * up over x = cat(gate, up): SiLU (Llama's SwiGLU) or, with GELU, HF's gelu_pytorch_tanh
+    # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (Gemma's GeGLU), tanh(y) = 2 / (1 + exp(-2y)) - 1
+    # (exact limits at +-inf; its cancellation near 0 is absorbed by the 1 + .). HF rounds the activation
+    # to the dtype before the product. Grid (rows, column blocks): small blocks fill the GPU at T=1.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    act = _round(gate / (1.0 + tl.exp(-gate)), dtype)  # HF rounds silu(gate) to the dtype
-    tl.store(out_ptr + row * out_stride + cols, _round(act.to(tl.float32) * up, dtype), mask=mask)
-
-
-@triton.jit
-def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, BLOCK: tl.constexpr):
-    # As _silu_and_mul_kernel, with HF's gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))),
-    # tanh(y) = 2 / (1 + exp(-2y)) - 1 (exact limits at +-inf; its cancellation near 0 is absorbed by 1 + .).
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    dtype = out_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * x_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-    tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
-    act = _round(0.5 * gate * (1.0 + tanh), dtype)  # HF rounds the activation to the dtype
+    if GELU:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    act = _round(act, dtype)
     tl.store(out_ptr + row * out_stride + cols, _round(act.to(tl.float32) * up, dtype), mask=mask)
 
 
@@ -182,12 +174,12 @@ class TritonOps:
     @staticmethod
     def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
         """x [T, 2*I] = cat(gate, up) -> new tensor gelu_tanh(gate) * up [T, I] (Gemma's MLP)."""
-        return _launch_gated(_gelu_tanh_and_mul_kernel, x)
+        return _launch_gated(x, gelu=True)
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         """x [T, 2*I] = cat(gate, up) -> new tensor silu(gate) * up [T, I]; x is not modified."""
-        return _launch_gated(_silu_and_mul_kernel, x)
+        return _launch_gated(x, gelu=False)
 
     @staticmethod
     def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -334,7 +326,7 @@ def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     return out, new_residual
 
 
-def _launch_gated(kernel, x: torch.Tensor) -> torch.Tensor:
+def _launch_gated(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     # silu_and_mul / gelu_tanh_and_mul: x [T, 2*I] = cat(gate, up) -> a new [T, I].
     _row_major(x, "x")
     n_rows, two_i = x.shape
@@ -348,7 +340,8 @@ def _launch_gated(kernel, x: torch.Tensor) -> torch.Tensor:
     block = 256 if n_rows < 64 else 1024
     block = min(block, triton.next_power_of_2(n_cols))
     grid = (n_rows, triton.cdiv(n_cols, block))
-    kernel[grid](x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4 if block >= 512 else 2)
+    _gated_act_kernel[grid](x, out, x.stride(0), out.stride(0), n_cols, GELU=gelu, BLOCK=block,
+                            num_warps=4 if block >= 512 else 2)
     return out
 
 

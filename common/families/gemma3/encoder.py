@@ -28,7 +28,7 @@ from common.families.gemma3.layout import Gemma3ImageLayout
 from common.families.gemma3.tower import load_gemma3_tower
 from common.image_geometry import CropChoice, Grid
 from common.vision import PREPROCESS_MODES
-from common.vision.pixels import TorchPixelProcessor, UnsupportedProcessorError, to_uint8_hwc
+from common.vision.pixels import pick_pixel_processor, to_uint8_hwc
 from common.vision.prepared import PreparedGrid
 
 log = logging.getLogger(__name__)
@@ -65,24 +65,11 @@ class Gemma3VisionEncoder:
         self.num_image_tokens = self.layout.mm_tokens_per_image
         self.tower = load_gemma3_tower(self.model_dir, config, self.device, dtype)
         self.image_processor = load_gemma3_image_processor(self.model_dir)
-        self.pixel_processor: TorchPixelProcessor | None = None
-        self.preprocess_mode = self._pick_preprocess(preprocess)
+        self.pixel_processor = pick_pixel_processor(preprocess, self.device, dtype, self.image_processor)
+        self.preprocess_mode = "hf" if self.pixel_processor is None else "torch"
         self.calls = 0
         self.images_encoded = 0
         self._count_lock = threading.Lock()
-
-    def _pick_preprocess(self, mode: str) -> str:
-        """"hf" or "torch" for the requested mode; "torch" on a processor it cannot reproduce raises."""
-        if mode == "hf" or (mode == "auto" and (self.device.type != "cuda" or self.dtype == torch.float32)):
-            return "hf"
-        try:
-            self.pixel_processor = TorchPixelProcessor(self.image_processor)
-        except UnsupportedProcessorError as exc:
-            if mode == "torch":
-                raise ValueError(f"--preprocess torch cannot reproduce this image processor: {exc}") from None
-            log.info("preprocessing with the HF image processor: %s", exc)
-            return "hf"
-        return "torch"
 
     @property
     def pixel_tolerance(self) -> float:
