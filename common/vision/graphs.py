@@ -19,6 +19,20 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def capture_tower_graphs(fn: Callable[[torch.Tensor], torch.Tensor], sample_shape: Sequence[int],
+                         dtype: torch.dtype, device: torch.device, max_batch: int,
+                         what: str) -> GraphedForward | None:
+    """GraphedForward of a tower's fn at bucket_sizes(max_batch), or None (logged: the tower then runs
+    eagerly) when capturing fails; `what` names the tower in the log."""
+    try:
+        graphs = GraphedForward(fn, sample_shape, dtype, device, bucket_sizes(max_batch))
+    except Exception as exc:  # noqa: BLE001 - a tower that cannot be captured still runs eagerly
+        log.warning("CUDA graph capture of the %s failed, running eagerly: %s", what, exc)
+        return None
+    log.info("%s CUDA graphs captured for batches %s", what, graphs.buckets)
+    return graphs
+
+
 def bucket_sizes(max_batch: int) -> list[int]:
     """Powers of two up to max_batch, and max_batch itself."""
     sizes = []

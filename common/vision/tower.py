@@ -216,19 +216,13 @@ class VisionEncoder:
         (and eager forwards) off CUDA or when capturing fails."""
         if self.device.type != "cuda":
             return False
-        from common.vision.graphs import GraphedForward, bucket_sizes
+        from common.vision.graphs import capture_tower_graphs
 
         size = self.config.vision_config.image_size
         sample = (self.config.vision_config.num_channels, size, size)
-        try:
-            self.graphs = GraphedForward(self._features, sample, self.dtype, self.device,
-                                         bucket_sizes(max_batch))
-        except Exception as exc:  # noqa: BLE001 - a tower that cannot be captured still runs eagerly
-            log.warning("CUDA graph capture of the vision tower failed, running eagerly: %s", exc)
-            self.graphs = None
-            return False
-        log.info("vision tower CUDA graphs captured for batches %s", self.graphs.buckets)
-        return True
+        self.graphs = capture_tower_graphs(self._features, sample, self.dtype, self.device, max_batch,
+                                           "vision tower")
+        return self.graphs is not None
 
     @torch.inference_mode()
     def forward_pixels(self, pixel_values: torch.Tensor, use_graphs: bool = False) -> torch.Tensor:

@@ -15,7 +15,6 @@ Thread-safety as VisionEncoder's: `prepare` on any thread, `encode_prepared` fro
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,8 +29,6 @@ from common.image_geometry import CropChoice, Grid
 from common.vision import PREPROCESS_MODES
 from common.vision.pixels import pick_pixel_processor, to_uint8_hwc
 from common.vision.prepared import PreparedGrid
-
-log = logging.getLogger(__name__)
 
 
 def load_gemma3_image_processor(model_dir: str | Path):
@@ -158,18 +155,12 @@ class Gemma3VisionEncoder:
         1 + crops tower images."""
         if self.device.type != "cuda":
             return False
-        from common.vision.graphs import GraphedForward, bucket_sizes
+        from common.vision.graphs import capture_tower_graphs
 
         side = self.layout.image_size
-        try:
-            self.graphs = GraphedForward(self.tower, (3, side, side), self.dtype, self.device,
-                                         bucket_sizes(max_batch))
-        except Exception as exc:  # noqa: BLE001 - a tower that cannot be captured still runs eagerly
-            log.warning("CUDA graph capture of the Gemma 3 tower failed, running eagerly: %s", exc)
-            self.graphs = None
-            return False
-        log.info("Gemma 3 tower CUDA graphs captured for batches %s", self.graphs.buckets)
-        return True
+        self.graphs = capture_tower_graphs(self.tower, (3, side, side), self.dtype, self.device, max_batch,
+                                           "Gemma 3 tower")
+        return self.graphs is not None
 
     def warm_up(self) -> None:
         """One dummy image through the tower; checks its rows against the layout's count."""

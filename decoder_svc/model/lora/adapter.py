@@ -65,6 +65,19 @@ def module_dims(leaf: str, cfg: TextModelConfig) -> tuple[int, int]:
             }[leaf]
 
 
+def check_pair(who: str, module: str, leaf: str, a: torch.Tensor, b: torch.Tensor, r: int,
+               cfg: TextModelConfig) -> None:
+    """LoRAError (its message starting with `who`) unless lora_A [r, in] and lora_B [out, r] fit the
+    model's `leaf` projection at rank r."""
+    out, inp = module_dims(leaf, cfg)
+    if a.shape[0] != r or b.dim() != 2 or b.shape[1] != r:
+        raise LoRAError(f"{who}: rank mismatch at {module!r}: lora_A {list(a.shape)}, "
+                        f"lora_B {list(b.shape)}, but r = {r}")
+    if a.shape[1] != inp or b.shape[0] != out:
+        raise LoRAError(f"{who}: {module!r} is [{b.shape[0]} x {a.shape[1]}], the "
+                        f"model's {leaf} is [{out} x {inp}]: an adapter for another model?")
+
+
 def _read_config(path: Path, name: str) -> dict:
     if not path.is_dir():
         raise LoRAError(f"LoRA adapter {name!r}: {path} is not a directory (PEFT's layout: {CONFIG_FILE} and "
@@ -136,13 +149,7 @@ def load_adapter(name: str, path: str | Path, cfg: TextModelConfig) -> LoRAAdapt
             raise LoRAError(f"LoRA adapter {name!r}: {module!r} has no lora_{missing}")
         a, b = ab["A"].float(), ab["B"].float()
         r = int(_pattern_value(config.get("rank_pattern"), module, config["r"]))
-        out, inp = module_dims(leaf, cfg)
-        if a.shape[0] != r or b.dim() != 2 or b.shape[1] != r:
-            raise LoRAError(f"LoRA adapter {name!r}: rank mismatch at {module!r}: lora_A {list(a.shape)}, "
-                            f"lora_B {list(b.shape)}, but r = {r}")
-        if a.shape[1] != inp or b.shape[0] != out:
-            raise LoRAError(f"LoRA adapter {name!r}: {module!r} is [{b.shape[0]} x {a.shape[1]}], the "
-                            f"model's {leaf} is [{out} x {inp}]: an adapter for another model?")
+        check_pair(f"LoRA adapter {name!r}", module, leaf, a, b, r, cfg)
         alpha = _pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", r))
         scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
         adapter.weights[(layer, leaf)] = (a.contiguous(), (b * scale).contiguous())

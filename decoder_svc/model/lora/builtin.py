@@ -22,7 +22,14 @@ import torch
 
 from common.checkpoint import load_config, safetensors_files
 from decoder_svc.model.config import TextModelConfig
-from decoder_svc.model.lora.adapter import LORA_TARGETS, LoRAAdapter, LoRAError, load_adapter, module_dims
+from decoder_svc.model.lora.adapter import (
+    LORA_TARGETS,
+    LoRAAdapter,
+    LoRAError,
+    check_pair,
+    load_adapter,
+    module_dims,
+)
 
 _LEAVES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 Pairs = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # {(layer, "block.module"): (A, B)}
@@ -67,13 +74,7 @@ def load_builtin_adapter(model_dir: str | Path, name: str, cfg: TextModelConfig,
         module = f"layers.{layer}.{leaf}"
         if layer >= cfg.num_layers or leaf.split(".")[1] not in LORA_TARGETS:
             raise LoRAError(f"built-in LoRA adapter {name!r}: unknown target module {module!r}")
-        out, inp = module_dims(leaf.split(".")[1], cfg)
-        if a.shape[0] != r or b.dim() != 2 or b.shape[1] != r:
-            raise LoRAError(f"built-in LoRA adapter {name!r}: rank mismatch at {module!r}: lora_A "
-                            f"{list(a.shape)}, lora_B {list(b.shape)}, but r = {r}")
-        if a.shape[1] != inp or b.shape[0] != out:
-            raise LoRAError(f"built-in LoRA adapter {name!r}: {module!r} is [{b.shape[0]} x {a.shape[1]}], "
-                            f"the model's is [{out} x {inp}]")
+        check_pair(f"built-in LoRA adapter {name!r}", module, leaf.split(".")[1], a, b, r, cfg)
         if not _targets(spec, "model." + module):
             raise LoRAError(f"built-in LoRA adapter {name!r}: {module!r} has weights but `{name}_lora.layer` "
                             f"({spec.get('layer')!r}) does not target it")
