@@ -125,10 +125,10 @@ class InputProcessor:
         adapter = self._adapter(lora_adapter, bool(images), bool(videos))
         sizes = [self._image_size(i, img) for i, img in enumerate(images)]  # headers only
         # Each image's settings: a pixel range (Qwen-VL), a crop choice (Gemma 3), or None (LLaVA).
-        ranges = self._image_settings(len(images), image_options)
+        settings = self._image_settings(len(images), image_options)
         grids: list[Grid | None] = [None] * len(images)
         counts = None  # a fixed-count layout's: the tokenizer asks it
-        sized = [self.layout.sizes_image(pixels) for pixels in ranges]
+        sized = [self.layout.sizes_image(pixels) for pixels in settings]
         for i, img in enumerate(images):  # a hash names its embedding: a grid known for it decides
             if isinstance(img, str) and not sized[i]:  # (Gemma 3: an image hashed with crops on)
                 sized[i] = ((known_grids or {}).get(img) or self.known_grid(cache_salt, img)) is not None
@@ -137,7 +137,7 @@ class InputProcessor:
         if any(sized) or self.layout.sized_by_image:
             grids = [self._grid(i, img, size, pixels, cache_salt, known_grids) if is_sized else None
                      for i, (img, size, pixels, is_sized)
-                     in enumerate(zip(images, sizes, ranges, sized, strict=True))]
+                     in enumerate(zip(images, sizes, settings, sized, strict=True))]
             counts = [self.layout.num_tokens(g) for g in grids]  # grid None: a fixed-count image's count
         planned = self.videos.plan(videos, cache_salt) if videos else []
         plans = [plan for plan, _ in planned]
@@ -158,7 +158,7 @@ class InputProcessor:
         # in-process PIL images by their pixels, one converted at a time.
         try:
             keys = [src if isinstance(src, str) else self._hash_image(i, src, pixels, cache_salt)
-                    for i, (src, pixels) in enumerate(zip(images, ranges, strict=True))]
+                    for i, (src, pixels) in enumerate(zip(images, settings, strict=True))]
         finally:  # refused on its last image or not, a request leaves no converted memory held
             if any(isinstance(src, Image.Image) for src in images):
                 release_freed_memory()
@@ -166,7 +166,7 @@ class InputProcessor:
         runs: list[list] = [[] for _ in images]  # each image's placeholder runs (several: Gemma 3's crops)
         for ph in tokenized.placeholders:
             runs[ph.image_index].append(ph)
-        for image_runs, src, key, grid, pixels in zip(runs, images, keys, grids, ranges, strict=True):
+        for image_runs, src, key, grid, pixels in zip(runs, images, keys, grids, settings, strict=True):
             # An image of several runs is one embedding whose rows they take in turn, as a video's runs.
             total = sum(ph.length for ph in image_runs) if len(image_runs) > 1 else None
             row = 0

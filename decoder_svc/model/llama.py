@@ -1,7 +1,7 @@
 """Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3-VL, Gemma 3, Phi-4-mini) over flat token batches
 and a paged KV cache. Where Gemma 3 differs, the layers read it from TextModelConfig's fields
-(norm_unit_offset, sandwich_norms, per-layer windows and rope, hidden_act, embed_scale, ...); those run on
-TorchOps only.
+(norm_unit_offset, sandwich_norms, per-layer windows and rope, hidden_act, embed_scale, ...); TorchOps and
+TritonOps both have its (1 + w) norm and GeGLU.
 Phi-4-mini's partial rotary and LongRoPE live in the cos/sin table alone (rotary_dims wide, its rows
 scaled by rope_attention_factor): the rotary ops rotate as many dims as the table is wide.
 
