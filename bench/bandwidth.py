@@ -31,6 +31,19 @@ def weight_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
+def adapter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of one LoRA adapter's weights in a model with adapters (model/lora/batched.py's stacked
+    slots, slot 0 the base model's zeros): what a step of rows with that adapter reads beyond the base."""
+    from decoder_svc.model.lora import LoRALinear
+
+    total = 0
+    for m in module.modules():
+        if isinstance(m, LoRALinear):
+            slots = m.lora_a.shape[0] // m.rank
+            total += (m.lora_a.numel() + m.lora_b.numel()) * m.lora_a.element_size() // slots
+    return total
+
+
 def bound_tokens_per_s(batch: int, bandwidth: float, weights: int) -> float:
     """Decode tokens/s if every step only read the weights once at the copy bandwidth (KV ignored)."""
     return batch * bandwidth / weights

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.bandwidth import bound_tokens_per_s, copy_bandwidth, weight_bytes
+from bench.bandwidth import adapter_bytes, bound_tokens_per_s, copy_bandwidth, weight_bytes
 from bench.hf_ref import load_hf, text_inputs, timed_generate
 from bench.models import add_model_args, resolve_model
 from bench.report import print_table, save_result
@@ -46,16 +46,20 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="dummy: the engine draws random weights (no HF reference then)")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                    help="the engine's --async-scheduling")
+    p.add_argument("--lora-adapter", default="",
+                   help="every request runs with this adapter (a checkpoint's own, e.g. Phi-4-multimodal's "
+                   "vision); HF runs the base weights, whose cost is the merged adapter's")
     p.add_argument("--out", default=None)
     return p
 
 
-def engine_decode(engine: LLMEngine, prompt: str, batch: int, output_len: int) -> tuple[float, int]:
+def engine_decode(engine: LLMEngine, prompt: str, batch: int, output_len: int,
+                  lora_adapter: str = "") -> tuple[float, int]:
     """(seconds, tokens) of the decode steps of `batch` requests after all were prefilled."""
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     ids = [f"b{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
     for rid in ids:
-        engine.add_request(rid, prompt, sampling=params)
+        engine.add_request(rid, prompt, sampling=params, lora_adapter=lora_adapter)
     started: set[str] = set()
     t0, tokens = None, 0
     while engine.has_unfinished():
@@ -84,10 +88,12 @@ def run(args: argparse.Namespace) -> dict:
                           load_format=args.load_format, async_scheduling=args.async_scheduling)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     weights = weight_bytes(engine.model)
+    if args.lora_adapter:  # its rows also read the adapter's weights
+        weights += adapter_bytes(engine.model)
     ours = {}
     for b in batches:
-        engine_decode(engine, prompt, b, 4)  # warm-up at this batch size
-        ours[b] = engine_decode(engine, prompt, b, args.output_len)
+        engine_decode(engine, prompt, b, 4, args.lora_adapter)  # warm-up at this batch size
+        ours[b] = engine_decode(engine, prompt, b, args.output_len, args.lora_adapter)
     del engine
     gc.collect()
     if device.type == "cuda":
@@ -113,11 +119,12 @@ def run(args: argparse.Namespace) -> dict:
                         "engine_over_hf": ratio(tps or 0.0, hf.get(b) or 0.0),
                         "bound_tokens_per_s": bound, "engine_fraction_of_bound": ratio(tps or 0.0, bound),
                         "engine_decode_tokens": tokens, "engine_decode_s": seconds})
-    print_table(f"decode tokens/s on {device} ({args.dtype})",
+    adapter = f", adapter {args.lora_adapter}" if args.lora_adapter else ""
+    print_table(f"decode tokens/s on {device} ({args.dtype}{adapter})",
                 ["batch", "engine", "HF generate", "engine/HF", "bandwidth bound", "engine/bound"],
                 [[r["batch"], r["engine_tokens_per_s"], r["hf_tokens_per_s"], r["engine_over_hf"],
                   r["bound_tokens_per_s"], r["engine_fraction_of_bound"]] for r in results])
-    return save_result("decode_tput", args, results, weight_bytes=weights,
+    return save_result("decode_tput", args, results, weight_bytes=weights, lora_adapter=args.lora_adapter,
                        copy_bandwidth_bytes_per_s=bandwidth, decode_gemv=gemv_choices())
 
 

@@ -257,15 +257,15 @@ def run_hf(args: argparse.Namespace, model_dir, batches: list[int], images: list
     processor's class name."""
     import transformers
 
+    from bench.hf_ref import hf_image_features, hf_image_processor
     from common.families.registry import family_of_model
-    from common.vision.tower import _load_image_processor
 
     device = torch.device(args.device)
     dtype = parse_dtype(args.dtype)
     kw = {"device_map": str(device)} if device.type == "cuda" else {}
     cls = getattr(transformers, family_of_model(model_dir).hf_class)
     model = cls.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True, **kw).to(device).eval()
-    processor = _load_image_processor(model_dir)
+    processor = hf_image_processor(model_dir)
     cfg = model.config
     # LLaVA's feature layer and selection are call arguments; other families read their config.
     feature_kw = {"vision_feature_layer": cfg.vision_feature_layer,
@@ -273,9 +273,9 @@ def run_hf(args: argparse.Namespace, model_dir, batches: list[int], images: list
                   } if hasattr(cfg, "vision_feature_select_strategy") else {}
 
     def step(chunk: list[Image.Image]) -> None:
-        pixels = processor(images=chunk, return_tensors="pt")["pixel_values"].to(device, dtype)
+        pixels = processor(images=chunk, return_tensors="pt")
         with torch.inference_mode():
-            model.get_image_features(pixel_values=pixels, **feature_kw)
+            hf_image_features(model, pixels, device, dtype, feature_kw)
         _sync(device)
 
     out = []
@@ -331,10 +331,10 @@ def _per_image_ms(fn, items) -> float:
 
 def run_host_costs(args: argparse.Namespace, model_dir, pngs: list[bytes], threads: int) -> dict:
     """Per-image host costs, one thread; then decode + hash + HF preprocessing over a thread pool."""
+    from bench.hf_ref import hf_image_processor
     from common.vision.pixels import to_uint8_hwc
-    from common.vision.tower import _load_image_processor
 
-    processor = _load_image_processor(model_dir)
+    processor = hf_image_processor(model_dir)
     images = [decode_image(p) for p in pngs]
     fingerprint = "bench"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -14,12 +15,17 @@ from common.checkpoint import parse_dtype
 def load_hf(model_dir: str | Path, device: str, dtype: str):
     """(model, processor) on device in dtype, offline: the model is the class of the checkpoint's family."""
     import transformers
-    from transformers import AutoProcessor
+    from transformers import AutoProcessor, AutoTokenizer
 
     from common.families.registry import family_of_model
 
     cls = getattr(transformers, family_of_model(model_dir).hf_class)
-    processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+    try:
+        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+    except (ImportError, ValueError) as exc:  # e.g. Phi-4's image processor needs torchvision: text only
+        print(f"HF processor unavailable ({str(exc).splitlines()[0][:120]}): its tokenizer only", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        processor = SimpleNamespace(tokenizer=tokenizer)
     model = cls.from_pretrained(str(model_dir), dtype=parse_dtype(dtype), local_files_only=True)
     model = model.to(device).eval()
     tok = processor.tokenizer
@@ -59,3 +65,51 @@ def image_inputs(model, processor, prompts: list[str], images: list, device: str
     inputs = processor(text=prompts, images=images, return_tensors="pt", padding=True).to(device)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     return dict(inputs)
+
+
+def hf_image_processor(model_dir: str | Path):
+    """The checkpoint's HF image processor (called as processor(images=[...], return_tensors="pt")). Where
+    it cannot load on this host (Phi-4-multimodal's needs torchvision, which CPU hosts lack), the
+    reproduction of it that the family's CPU oracle uses (bench/phi4mm_pixels_check.py checks that the two
+    agree), so that a CPU smoke run goes through the HF reference too."""
+    from common.checkpoint import load_config
+    from common.families.registry import family_of_model
+    from common.vision.tower import _load_image_processor
+
+    try:
+        return _load_image_processor(Path(model_dir))
+    except (ImportError, ValueError):
+        if family_of_model(model_dir).name != "phi4mm":
+            raise
+    from common.families.phi4mm.layout import Phi4ImageLayout
+
+    return Phi4PixelsReproduction(Phi4ImageLayout.from_checkpoint(model_dir, load_config(model_dir)).settings)
+
+
+class Phi4PixelsReproduction:
+    """Phi4MultimodalImageProcessor's outputs from common/families/phi4mm/pixels.py (the CPU oracle's)."""
+
+    def __init__(self, settings) -> None:
+        self.settings = settings
+
+    def __call__(self, images: list, return_tensors: str = "pt") -> dict:
+        from common.families.phi4mm.pixels import batch_pixels, hd_transform
+
+        return batch_pixels([hd_transform(im, self.settings) for im in images])
+
+
+def hf_image_features(model, pixels: dict, device: torch.device, dtype: torch.dtype,
+                      feature_kw: dict | None = None) -> torch.Tensor:
+    """HF's image embedding of a processor's outputs: get_image_features(pixel_values), or for
+    Phi-4-multimodal's HD crops (image_pixel_values) its image embedding module over as many image
+    tokens as the processor counted."""
+    if "image_pixel_values" not in pixels:
+        return model.get_image_features(pixel_values=pixels["pixel_values"].to(device, dtype),
+                                        **(feature_kw or {}))
+    total = int(sum(pixels["num_img_tokens"]))
+    ids = torch.full((1, total), model.config.vision_config.image_token_id, device=device)
+    hidden = torch.zeros(1, total, model.config.hidden_size, device=device, dtype=dtype)
+    return model.model.embed_tokens_extend.image_embed(
+        ids, hidden, image_pixel_values=pixels["image_pixel_values"].to(device, dtype),
+        image_sizes=pixels["image_sizes"].to(device),
+        image_attention_mask=pixels["image_attention_mask"].to(device, dtype))

@@ -46,6 +46,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="the engine's --quantization")
     p.add_argument("--warm-tail", type=int, default=0,
                    help="profile the prefill step of a repeated prompt with this many new tokens (0: decode)")
+    p.add_argument("--lora-adapter", default="", help="the decoding requests' adapter (e.g. Phi-4's vision)")
     p.add_argument("--top", type=int, default=12, help="kernels to list")
     p.add_argument("--out", default=None)
     return p
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> dict:
     for i in range(args.batch):
         # Warm-up, the timed, the split-timed and the profiled runs: every profiled step decodes.
         params = SamplingParams(max_tokens=3 * args.steps + 16, ignore_eos=True)
-        engine.add_request(f"p{i}", prompt, sampling=params)
+        engine.add_request(f"p{i}", prompt, sampling=params, lora_adapter=args.lora_adapter)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                           for r in engine.scheduler.running):
         engine.step()

@@ -28,6 +28,8 @@
 #      decode (bench/decode_gemv.py, then decode tok/s per preset with the fused one-row products off and
 #      on; see its block below),
 #      gemma (Gemma 3's real shapes: TTFT, decode, Encode, each with HF; see its block below),
+#      phi4mm (Phi-4-multimodal's real shapes: TTFT, decode with and without the vision adapter, Encode,
+#      each with HF; see its block below),
 #      or a list such as llava,qwen,qwen3.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
@@ -354,6 +356,30 @@ if [[ ",$SECTIONS," == *,gemma,* ]]; then
   step gemma_decode 150 "$PY" -m bench.decode_tput --model "$GM" "${DT[@]}" "${GARGS[@]}"
   read -r -a GARGS <<< "${GEMMA_ENCODE_ARGS:---images 256 --image-size 1024 --concurrency 1,8,32,64}"
   step gemma_encode 180 "$PY" -m bench.encode_tput --model "$GM" "${DT[@]}" "${GARGS[@]}"
+fi
+
+# Phi-4-multimodal (issue 43) on PHI4_PRESET's real shapes (default phi-4-mm, random weights with its vision
+# and speech LoRA, made in PHI4_MODEL_DIR, default /tmp/phi4mm): cold and warm TTFT of one 1024x1024 image +
+# 500 tokens through gRPC (the vision adapter on) with 32 at once and HF's generate in the same run
+# (bench.ttft, PHI4_TTFT_ARGS), decode tok/s at batch 1 and 32 in-process without an adapter (text requests)
+# and with the vision adapter (image requests' decode), vs HF and the bound (bench.decode_tput,
+# PHI4_DECODE_ARGS; the adapter run's bound counts its weights too), Encode img/s at 1-64 clients vs HF's
+# processor + image embedding at batch 1 and 32 (bench.encode_tput, PHI4_ENCODE_ARGS), and a batch-1 decode
+# step profile with the adapter (PHI4_PROFILE=0 skips it). CPU smoke: SECTIONS=phi4mm
+# PHI4_PRESET=phi-4-mm-tiny DEVICE=cpu DTYPE=float32 and small PHI4_*_ARGS.
+if [[ ",$SECTIONS," == *,phi4mm,* ]]; then
+  PM=${PHI4_MODEL_DIR:-/tmp/phi4mm}
+  make_once "$PM" "${PHI4_PRESET:-phi-4-mm}"
+  read -r -a PARGS <<< "${PHI4_TTFT_ARGS:---rounds 5 --hf}"
+  step phi4_ttft 240 "$PY" -m bench.ttft --model "$PM" "${DT[@]}" --logs "$RES/logs-phi4" "${PARGS[@]}"
+  read -r -a PARGS <<< "${PHI4_DECODE_ARGS:---batch-sizes 1,32 --prompt-len 64 --output-len 128}"
+  step phi4_decode 150 "$PY" -m bench.decode_tput --model "$PM" "${DT[@]}" "${PARGS[@]}"
+  step phi4_decode_vision 120 "$PY" -m bench.decode_tput --model "$PM" "${DT[@]}" "${PARGS[@]}" --no-hf \
+    --lora-adapter vision
+  read -r -a PARGS <<< "${PHI4_ENCODE_ARGS:---images 96 --image-size 1024 --concurrency 1,16,64}"
+  step phi4_encode 180 "$PY" -m bench.encode_tput --model "$PM" "${DT[@]}" "${PARGS[@]}"
+  [ "${PHI4_PROFILE:-1}" = 1 ] && step phi4_profile_vision 90 "$PY" -m bench.profile_step --model "$PM" \
+    "${DT[@]}" --batch 1 --steps 32 --lora-adapter vision
 fi
 
 echo "== merge (t=$((SECONDS - START))s)"

@@ -226,9 +226,9 @@ def hf_cold(args: argparse.Namespace, prompts: list[tuple[str, bytes]]) -> dict:
     import transformers
     from PIL import Image
 
+    from bench.hf_ref import hf_image_processor
     from common.checkpoint import parse_dtype
     from common.families.registry import family_of_model
-    from common.vision.tower import _load_image_processor
     from decoder_svc.tokenization import PromptTokenizer
 
     device = torch.device(args.device)
@@ -236,17 +236,23 @@ def hf_cold(args: argparse.Namespace, prompts: list[tuple[str, bytes]]) -> dict:
     model = getattr(transformers, family.hf_class).from_pretrained(
         args.model, dtype=parse_dtype(args.dtype)).to(device).eval()
     layout = family.image_layout(args.model, load_config(args.model))
-    processor = _load_image_processor(Path(args.model))
+    processor = hf_image_processor(args.model)
     tok = PromptTokenizer(args.model)
     times = []
     for i, (prompt, png) in enumerate([prompts[0], *prompts]):  # the first one again: warm-up
         out = processor(images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt")
-        inputs = {"pixel_values": out["pixel_values"].to(device, model.dtype)}
+        if "image_pixel_values" in out:  # Phi-4-multimodal: HD crops, their mask and the image's size
+            inputs = {"image_pixel_values": out["image_pixel_values"].to(device, model.dtype),
+                      "image_attention_mask": out["image_attention_mask"].to(device, model.dtype),
+                      "image_sizes": out["image_sizes"].to(device)}
+            count = int(out["num_img_tokens"][0])
+        else:
+            inputs = {"pixel_values": out["pixel_values"].to(device, model.dtype)}
         if "image_grid_thw" in out:  # the Qwen families: the grid sets the token count
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
             count = layout.num_tokens(grid)
             inputs["image_grid_thw"] = out["image_grid_thw"].to(device)
-        else:
+        elif "num_img_tokens" not in out:
             count = layout.num_tokens()
         ids = tok.encode_prompt(prompt, image_token_counts=[count]).token_ids
         input_ids = torch.tensor([ids], device=device)

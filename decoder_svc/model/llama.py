@@ -268,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         lora_slots: each token row's adapter slot [tokens] (model/lora/batched.py); None: the base model."""
         x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
         if self.lora is not None:
-            self.lora.bind(lora_slots, x.shape[0], x.device)
+            self.lora.bind(lora_slots, x.shape[0])
         cos_sin = self.cos_sin
         if positions.dim() == 2:  # M-RoPE [3, tokens]
             # Each token's cos/sin row, its columns taken from the rows of its t, h or w position; the

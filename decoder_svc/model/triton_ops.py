@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from decoder_svc.model.lora.batched import idle_base
 from decoder_svc.model.ops import TorchOps
 from decoder_svc.model.quant.fp8 import ScaleBlock
 
@@ -229,6 +230,7 @@ class TritonOps:
             h, new_residual = TritonOps.rms_norm(x, weight, eps, residual)
             return proj(h), new_residual
 
+        proj = idle_base(proj)
         w = _one_row_weight(x, proj)
         if w is not None:
             key = g.GemvKey.of(w, g.RMS_NORM, residual is not None)
@@ -248,6 +250,7 @@ class TritonOps:
         def separate(proj):
             return proj(TritonOps.silu_and_mul(x))
 
+        proj = idle_base(proj)
         w = _one_row_weight(x, proj)
         if w is not None:
             key = g.GemvKey.of(w, g.SILU_MUL, False)
@@ -264,6 +267,7 @@ class TritonOps:
         """TorchOps.linear: the one-row kernel where it was measured faster than the module's product."""
         from decoder_svc.model import decode_gemv as g
 
+        proj = idle_base(proj)
         w = _one_row_weight(x, proj)
         if w is not None:
             key = g.GemvKey.of(w, g.PLAIN, False)
@@ -346,7 +350,8 @@ def _launch_gated(x: torch.Tensor, gelu: bool) -> torch.Tensor:
 
 
 def _one_row_weight(x: torch.Tensor, proj: nn.Module):  # -> decode_gemv.GemvWeight | None
-    # The one-row kernels take a single half-precision activation row on the GPU.
+    # The one-row kernels take a single half-precision activation row on the GPU (a LoRA-wrapped
+    # projection only in a forward without adapters: idle_base is then its base).
     if x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
         return None
     from decoder_svc.model.decode_gemv import gemv_weight

@@ -11,8 +11,10 @@ host's launch cost exceeds the GPU's work. Replaying a captured graph removes it
   are one-token sequences with no context; unused sequence slots are empty.
 
 Graphs take input embeddings (the runner embeds and fuses image rows into the static buffer first), so
-steps with image rows replay too. They are captured largest first so that every smaller graph fits in
-the memory pool the first one reserved.
+steps with image rows replay too. A model with LoRA adapters has each graph twice: with the batched LoRA
+product, and without it for steps where no row has an adapter (those keep the one-row kernels that fuse a
+norm or the activation into the product, and launch no LoRA kernels). They are captured largest first
+so that every smaller graph fits in the memory pool the first one reserved.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ MAX_GRAPH_TOKENS = 512
 
 @dataclass(frozen=True)
 class GraphKey:
-    """Which graph: plain decode over `size` sequences, or any step of up to `size` tokens."""
+    """Which graph: plain decode over `size` sequences, or any step of up to `size` tokens; `lora`: with
+    the LoRA product (some row has an adapter)."""
 
     decode: bool
     size: int
+    lora: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -70,11 +74,12 @@ def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
 class StepGraphs:
     """Captured graphs and their output logits, by key."""
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, lora: bool = False) -> None:
         self.decode_sizes = decode_sizes(max_num_seqs)
         self.mixed_sizes = mixed_sizes(max_num_batched_tokens)
-        self.keys = [GraphKey(True, s) for s in self.decode_sizes]
-        self.keys += [GraphKey(False, s) for s in self.mixed_sizes]
+        with_lora = (False, True) if lora else (False,)
+        self.keys = [GraphKey(True, s, a) for a in with_lora for s in self.decode_sizes]
+        self.keys += [GraphKey(False, s, a) for a in with_lora for s in self.mixed_sizes]
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0
 
@@ -88,15 +93,17 @@ class StepGraphs:
         """The most token rows any graph computes (the runner sizes its buffers to hold them)."""
         return max(k.num_tokens for k in self.keys)
 
-    def key_for(self, num_seqs: int, num_tokens: int, plain_decode: bool) -> GraphKey | None:
-        """The smallest captured graph that can run this step, or None (run it eagerly)."""
+    def key_for(self, num_seqs: int, num_tokens: int, plain_decode: bool,
+                lora: bool = False) -> GraphKey | None:
+        """The smallest captured graph that can run this step, or None (run it eagerly). `lora`: some row
+        of the step has an adapter."""
         if plain_decode:
             i = bisect.bisect_left(self.decode_sizes, num_seqs)
-            if i < len(self.decode_sizes) and GraphKey(True, self.decode_sizes[i]) in self._graphs:
-                return GraphKey(True, self.decode_sizes[i])
+            if i < len(self.decode_sizes) and GraphKey(True, self.decode_sizes[i], lora) in self._graphs:
+                return GraphKey(True, self.decode_sizes[i], lora)
         i = bisect.bisect_left(self.mixed_sizes, num_tokens)
-        if i < len(self.mixed_sizes) and GraphKey(False, self.mixed_sizes[i]) in self._graphs:
-            return GraphKey(False, self.mixed_sizes[i])
+        if i < len(self.mixed_sizes) and GraphKey(False, self.mixed_sizes[i], lora) in self._graphs:
+            return GraphKey(False, self.mixed_sizes[i], lora)
         return None
 
     def capture(self, run: Callable[[GraphKey], torch.Tensor], progress: bool = True) -> None:

@@ -161,7 +161,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.model_config.max_model_len // config.block_size)
         self.graphs: StepGraphs | None = None
         if not config.enforce_eager and StepGraphs.available(self.device, model.backend):
-            self.graphs = StepGraphs(config.max_num_seqs, config.max_num_batched_tokens)
+            self.graphs = StepGraphs(config.max_num_seqs, config.max_num_batched_tokens,
+                                     lora=self.model.lora is not None)
         graph_rows = self.graphs.max_tokens if self.graphs is not None else 0
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs, graph_rows)
         hidden = self.model_config.hidden_size if graph_rows else 0  # the graphs' input embeddings
@@ -274,7 +275,8 @@ class ModelRunner:
             d["block_tables"][:n_seq], self.config.block_size, max_query_len=1 if key.decode else n_tok))
         return self.model(self._positions(d["positions"], n_tok, key.decode), meta, self.kv_caches,
                           d["logits_indices"][:n_logits],
-                          inputs_embeds=self.buffers.embeds[:n_tok], lora_slots=d["lora_slots"][:n_tok])
+                          inputs_embeds=self.buffers.embeds[:n_tok],
+                          lora_slots=d["lora_slots"][:n_tok] if key.lora else None)
 
     def _group_metas(self, meta: AttentionMetadata) -> AttentionMetadata | list[AttentionMetadata]:
         """meta (group 0's) alone for one KV cache group; else one per group: the same lengths, each
@@ -308,9 +310,11 @@ class ModelRunner:
         multipart = any(r.dim() == 3 for s in batch.sequences for r in s.image_rows)
         # Steps whose images attend bidirectionally run eagerly too: the graphs have no key limits.
         blocks = self.config.image_blocks and any(s.image_rows for s in batch.sequences)
+        # LoRA kernels only where some row has an adapter: other steps keep the fused one-row products.
+        lora = self.model.lora is not None and any(s.lora_slot for s in batch.sequences)
         if self.graphs is not None and not multipart and not blocks:
-            key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, batch.is_plain_decode)
-        step = self._prepare(batch, key)
+            key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, batch.is_plain_decode, lora)
+        step = self._prepare(batch, key, lora)
         rows = [s.sampling for s in batch.sequences if s.sampling is not None]
         if step.pending is not None:  # before the embedding lookup reads input_ids
             dst, src = step.pending
@@ -342,9 +346,10 @@ class ModelRunner:
         self._last_tokens, self._last_rows = sampled.tokens, {r.request_id: i for i, r in enumerate(rows)}
         return LaunchedStep(sampled)
 
-    def _prepare(self, batch: ModelInput, key: GraphKey | None) -> PreparedStep:
+    def _prepare(self, batch: ModelInput, key: GraphKey | None, lora: bool = False) -> PreparedStep:
         """Fill the host staging for this step, copy it to the device, and return views of the buffers.
-        For a graph, pad to its shape: one-token sequences with no slot and no context, then empty ones."""
+        For a graph, pad to its shape: one-token sequences with no slot and no context, then empty ones.
+        `lora`: some row has an adapter (the rows' slots are uploaded only then)."""
         if self._staged is not None:
             self._staged.synchronize()  # the previous step's copies have left the pinned buffers
         h = self.buffers.np
@@ -361,7 +366,8 @@ class ModelRunner:
             if len(seq.group_tables) != self.num_groups - 1:  # stale slots would write into live blocks
                 raise ValueError(f"a sequence needs a block table for each of {self.num_groups} KV groups")
             ids[t:t + n] = seq.token_ids
-            h["lora_slots"][t:t + n] = seq.lora_slot
+            if lora:
+                h["lora_slots"][t:t + n] = seq.lora_slot
             if seq.token_ids[-1] == PENDING_TOKEN:
                 h["pending_rows"][n_pending] = t + n - 1
                 h["pending_samples"][n_pending] = self._pending_source(seq)
@@ -398,7 +404,8 @@ class ModelRunner:
         if key is not None:
             pad = key.num_tokens - t
             ids[t:t + pad], pos[..., t:t + pad], slots[t:t + pad] = 0, 0, -1
-            h["lora_slots"][t:t + pad] = 0
+            if lora:
+                h["lora_slots"][t:t + pad] = 0
             for g in range(1, self.num_groups):
                 h[slot_key(g)][t:t + pad] = -1
             starts[num_seqs + 1:num_seqs + pad + 1] = np.arange(t + 1, t + pad + 1)
@@ -410,7 +417,7 @@ class ModelRunner:
                              "query_start_loc": num_seqs + 1, "seq_lens": num_seqs, "block_tables": num_seqs,
                              "logits_indices": n_logits, "pending_rows": n_pending,
                              "pending_samples": n_pending, "key_limits": t if limits is not None else 0,
-                             "lora_slots": t,
+                             "lora_slots": t if lora else 0,
                              **{k: n for g in range(1, self.num_groups)
                                 for k, n in ((slot_key(g), t), (table_key(g), num_seqs))}})
         slots_dev = None
@@ -428,7 +435,8 @@ class ModelRunner:
             key_limits_cpu=host["key_limits"][:t] if limits is not None else None))
         pending = (d["pending_rows"][:n_pending], d["pending_samples"][:n_pending]) if n_pending else None
         return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta,
-                            d["logits_indices"][:n_logits], slots_dev, pending, d["lora_slots"][:t])
+                            d["logits_indices"][:n_logits], slots_dev, pending,
+                            d["lora_slots"][:t] if lora else None)
 
     def _pending_source(self, seq: SequenceInput) -> int:
         """The row of the last launch's samples that holds seq's pending token."""

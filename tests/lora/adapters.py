@@ -70,3 +70,11 @@ def merged_checkpoint(model_dir: Path, adapter_dir: Path, out: Path) -> Path:
     shutil.copytree(model_dir, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(WEIGHTS))
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
     return out
+
+
+def rounded_inner_product(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                          slots: torch.Tensor, rank: int) -> torch.Tensor:
+    """The reference with each row's x @ A^T rounded to x's dtype before B (PEFT's rounding points)."""
+    mask = slots[:, None] == torch.arange(a.shape[0], device=x.device)[None, :] // rank
+    shrunk = ((x.float() @ a.float().T) * mask).to(x.dtype).float()
+    return (y.float() + shrunk @ b.float().T).to(y.dtype)

@@ -39,7 +39,7 @@ def test_fp8_base_weights_take_the_adapter(make_lora_engine):
     qkv = engine.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, LoRALinear) and isinstance(qkv.base, Fp8Linear)
     x = torch.randn(3, qkv.in_features)
-    qkv.slots.bind(torch.tensor([0, 1, 2]), 3, x.device)
+    qkv.slots.bind(torch.tensor([0, 1, 2]), 3)
     out = qkv(x)
     base = qkv.base(x)
     assert torch.equal(out[0], base[0])

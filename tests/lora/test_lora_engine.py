@@ -32,6 +32,28 @@ def test_adapters_change_the_output(make_lora_engine):
     assert len({tuple(t) for t in outs.values()}) == 3
 
 
+def test_steps_without_adapters_run_no_lora_product(make_lora_engine, merged_oracles, monkeypatch):
+    """A step whose rows all run the base model binds no slots (its graphs are the ones without the LoRA
+    kernels, and the one-row fused products serve it); a step with an adapter row runs the product."""
+    from decoder_svc.model.ops import TorchOps
+
+    engine = make_lora_engine()
+    calls: list[int] = []
+    real = TorchOps.lora_add
+
+    def counted(y, x, lora_a, lora_b, slots, rank):
+        calls.append(x.shape[0])
+        return real(y, x, lora_a, lora_b, slots, rank)
+
+    monkeypatch.setattr(engine.model.ops, "lora_add", staticmethod(counted))
+    out = engine.generate("base", TEXT, sampling=greedy(N))
+    merged_oracles[""].assert_same_tokens(out.new_token_ids, TEXT, [], N)
+    assert calls == [] and not engine.model.lora.active
+    out = engine.generate("a1", TEXT, sampling=greedy(N), lora_adapter="a1")
+    merged_oracles["a1"].assert_same_tokens(out.new_token_ids, TEXT, [], N)
+    assert calls
+
+
 @pytest.mark.parametrize("budget", [7, 13, 2048])
 def test_mixed_batch_any_chunk_size(make_lora_engine, merged_oracles, budget):
     """Base and both adapters in the same steps, prompts split into chunks at odd places."""

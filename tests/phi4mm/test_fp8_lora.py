@@ -29,7 +29,7 @@ def test_the_lora_delta_adds_to_the_fp8_product(fp8_engine, path):
     assert isinstance(module, LoRALinear) and isinstance(module.base, Fp8Linear)
     assert module.lora_a.shape[0] == 2 * module.rank  # slot 0 (none) and the vision adapter
     x = torch.randn(4, module.in_features)
-    module.slots.bind(torch.tensor([0, 1, 1, 0]), 4, x.device)
+    module.slots.bind(torch.tensor([0, 1, 1, 0]), 4)
     out, base = module(x), module.base(x)
     assert torch.equal(out[0], base[0]) and torch.equal(out[3], base[3])
     cols = slice(module.rank, 2 * module.rank)

@@ -11,9 +11,11 @@ on top of whatever the base product is (bf16, FP8), in the ops' `lora_add`: the 
 (reference.py) or the Triton kernels (triton_lora.py). Shapes never depend on which adapters a step
 uses, so the captured graphs serve every mix.
 
-A wrapped projection has no `weight`, so the one-row kernels that fuse a norm or the activation into the
-GEMV (decode_gemv) leave it to the separate path: the norm or activation, then the base product through
-`ops.linear` (still the one-row GEMV where that is faster), then the LoRA product.
+A forward whose rows all run the base model (slots None: the runner passes none for such a step, and
+captures its CUDA graphs both ways) skips the LoRA product: `idle_base` hands the ops the base projection,
+so the one-row kernels that fuse a norm or the activation into the GEMV (decode_gemv) serve it as on a
+model without adapters. A step with adapters has no `weight` to fuse into: the norm or activation, then the
+base product through `ops.linear` (still the one-row GEMV where that is faster), then the LoRA product.
 
 Tensor parallelism shards the adapters as the base weights (model/parallel.py): a column-parallel module
 (q/k/v, gate/up) keeps A whole and this rank's rows of each part of B; a row-parallel one (o, down) keeps
@@ -42,11 +44,14 @@ class LoRASlots:
     def __init__(self) -> None:
         self.slots: torch.Tensor | None = None
 
-    def bind(self, slots: torch.Tensor | None, num_rows: int, device: torch.device) -> None:
+    @property
+    def active(self) -> bool:
+        """True when some row of the forward may have an adapter (the LoRA product runs)."""
+        return self.slots is not None
+
+    def bind(self, slots: torch.Tensor | None, num_rows: int) -> None:
         """Take `slots` [num_rows] int64 for the next forward; None: every row on the base model."""
-        if slots is None:
-            slots = torch.zeros(num_rows, dtype=torch.int64, device=device)
-        elif slots.shape[0] != num_rows:
+        if slots is not None and slots.shape[0] != num_rows:
             raise ValueError(f"{slots.shape[0]} LoRA slots for {num_rows} token rows")
         self.slots = slots
 
@@ -74,10 +79,18 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.ops.linear(x, self.base)
+        if not self.slots.active:
+            return y
         return self.ops.lora_add(y, x, self.lora_a, self.lora_b, self.slots.slots, self.rank)
 
     def extra_repr(self) -> str:
         return f"slots={self.lora_a.shape[0] // self.rank}, rank={self.rank}"
+
+
+def idle_base(proj: nn.Module) -> nn.Module:
+    """proj, or its base projection when proj is a LoRALinear whose forward runs no adapter (the ops then
+    treat it as any plain projection: one-row fused kernels, FP8 GEMVs)."""
+    return proj.base if isinstance(proj, LoRALinear) and not proj.slots.active else proj
 
 
 def _part_rows(module: str, cfg: TextModelConfig) -> dict[str, tuple[int, int]]:

@@ -1,10 +1,17 @@
-"""The batched LoRA product in Triton (GPU; Triton's interpreter on a CPU host in the tests).
+"""The batched LoRA product on the GPU (Triton's interpreter runs the kernels on a CPU host in the tests).
 
-Two kernels, one program per token row (and block of output columns): `shrink` reads the row's slot and
-computes s = x @ A[slot]^T (R values, fp32) over the input in blocks; `expand` adds s @ B[slot]^T to the
-row of y in place. A row of slot 0 (the base model, or a CUDA graph's pad row) returns at once in both.
-Each row reads its adapter's A and B: at decode that is the least traffic possible (the rows of one
-adapter share them through the cache); a long prefill re-reads them per row from L2 (ranks are small).
+Two ways, by the number of token rows:
+- Few rows (decode, small chunks): two gathering kernels. `shrink` computes each row's s = x @ A[slot]^T
+  in fp32, split over blocks of the rank and of the input so that even one row spreads over the whole GPU
+  (one program per row would stream a rank-256 adapter's A through one SM); each program writes its
+  partial sum and `expand` adds them up, in a fixed order (the result never depends on the schedule),
+  before adding s @ B[slot]^T to the row of y in place. A row of slot 0 (the base model, or a CUDA
+  graph's pad row) returns at once in both. The rows of one adapter share its A and B through the cache.
+- Many rows (a prefill chunk): the stacked product, two cuBLAS GEMMs over every adapter at once (x times
+  all adapters' A, the other adapters' columns of each row masked to zero, times all adapters' B, added
+  to y in its epilogue), as the reference computes it. Gathering per row would re-read A and B once per
+  row; the stacked GEMMs read them once at tensor-core speed, at (adapters) times one adapter's FLOPs, a
+  few percent of the base product's for the ranks adapters have. Slot 0 is all zeros and is left out.
 """
 
 from __future__ import annotations
@@ -13,29 +20,35 @@ import torch
 import triton
 import triton.language as tl
 
+GATHER_MAX_ROWS = 64  # more rows than this take the stacked GEMMs
+_TARGET_PROGRAMS = 256  # enough programs to keep every SM of a large GPU reading
+_BLOCK_R = 32
+_BLOCK_K = 128
+
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slot_ptr, s_ptr, x_stride, s_stride, K, R,
+def _shrink_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, x_stride, T, K, R, K_CHUNK,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row)
     if slot == 0:
         return
-    r = tl.arange(0, BLOCK_R)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < R
+    split = tl.program_id(2)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     a_rows = a_ptr + (slot * R + r)[:, None] * K
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(split * K_CHUNK, tl.minimum(split * K_CHUNK + K_CHUNK, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         x = tl.load(x_ptr + row * x_stride + k, mask=k_mask, other=0.0).to(tl.float32)
         a = tl.load(a_rows + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(a * x[None, :], axis=1)
-    tl.store(s_ptr + row * s_stride + r, acc, mask=r_mask)
+    tl.store(part_ptr + (split * T + row) * R + r, acc, mask=r_mask)
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, slot_ptr, y_ptr, s_stride, y_stride, b_stride, N, R,
+def _expand_kernel(part_ptr, b_ptr, slot_ptr, y_ptr, y_stride, b_stride, T, N, R, SPLITS,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row)
@@ -43,12 +56,16 @@ def _expand_kernel(s_ptr, b_ptr, slot_ptr, y_ptr, s_stride, y_stride, b_stride, 
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    r = tl.arange(0, BLOCK_R)
-    r_mask = r < R
-    s = tl.load(s_ptr + row * s_stride + r, mask=r_mask, other=0.0)
-    b = tl.load(b_ptr + n[:, None] * b_stride + (slot * R + r)[None, :],
-                mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
-    delta = tl.sum(b * s[None, :], axis=1)
+    delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = r < R
+        s = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for split in range(0, SPLITS):  # the shrink's partial sums, always in this order
+            s += tl.load(part_ptr + (split * T + row) * R + r, mask=r_mask, other=0.0)
+        b = tl.load(b_ptr + n[:, None] * b_stride + (slot * R + r)[None, :],
+                    mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+        delta += tl.sum(b * s[None, :], axis=1)
     y_row = y_ptr + row * y_stride + n
     y = tl.load(y_row, mask=n_mask, other=0.0)
     tl.store(y_row, (y.to(tl.float32) + delta).to(y.dtype), mask=n_mask)
@@ -59,16 +76,35 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
     """reference.lora_add_reference's product, added to y IN PLACE (returns y). x [T, in] and y [T, out]
     with unit column stride; lora_a [S * rank, in] and lora_b [out, S * rank] contiguous."""
     t, k = x.shape
-    n = y.shape[1]
     if t == 0:
         return y
     if x.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError("lora_add_triton needs rows with unit column stride")
-    shrunk = torch.empty(t, rank, dtype=torch.float32, device=x.device)
-    block_r = max(16, triton.next_power_of_2(rank))
-    _shrink_kernel[(t,)](x, lora_a, slots, shrunk, x.stride(0), shrunk.stride(0), k, rank,
-                         BLOCK_R=block_r, BLOCK_K=max(16, min(128, 4096 // block_r)))
+    if t > GATHER_MAX_ROWS:
+        return lora_add_stacked(y, x, lora_a, lora_b, slots, rank)
+    n = y.shape[1]
+    rank_blocks = triton.cdiv(rank, _BLOCK_R)
+    splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, t * rank_blocks), triton.cdiv(k, _BLOCK_K)))
+    k_chunk = triton.cdiv(triton.cdiv(k, splits), _BLOCK_K) * _BLOCK_K
+    splits = triton.cdiv(k, k_chunk)
+    partial = torch.empty(splits, t, rank, dtype=torch.float32, device=x.device)
+    _shrink_kernel[(t, rank_blocks, splits)](x, lora_a, slots, partial, x.stride(0), t, k, rank, k_chunk,
+                                             BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K)
     block_n = 64
-    _expand_kernel[(t, triton.cdiv(n, block_n))](shrunk, lora_b, slots, y, shrunk.stride(0), y.stride(0),
-                                                  lora_b.stride(0), n, rank, BLOCK_R=block_r, BLOCK_N=block_n)
+    _expand_kernel[(t, triton.cdiv(n, block_n))](partial, lora_b, slots, y, y.stride(0), lora_b.stride(0),
+                                                 t, n, rank, splits, BLOCK_R=_BLOCK_R, BLOCK_N=block_n)
     return y
+
+
+def lora_add_stacked(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                     slots: torch.Tensor, rank: int) -> torch.Tensor:
+    """The product for many rows in two GEMMs over every adapter (slot 1 on), added to y in place. The
+    adapters' inner product s is rounded to the activations' dtype between them, as PEFT's does."""
+    a, b = lora_a[rank:], lora_b[:, rank:]  # slot 0, the base model, is all zeros
+    adapters = a.shape[0] // rank
+    if adapters == 0:
+        return y
+    ids = torch.arange(1, adapters + 1, device=slots.device)
+    mask = (slots[:, None] == ids[None, :]).to(x.dtype)
+    shrunk = (x @ a.T).view(x.shape[0], adapters, rank) * mask[:, :, None]
+    return y.addmm_(shrunk.view(x.shape[0], adapters * rank), b.T)
