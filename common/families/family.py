@@ -49,6 +49,9 @@ class ModelFamily:
     # them: Phi-4-multimodal's "vision"); served in slots after the --lora-modules ones, chosen per request
     # by the layout's request_adapter.
     checkpoint_adapters: tuple[str, ...] = ()
+    # Other formats of its checkpoints that it does not read, by config.json model_type: how to convert
+    # them (the refusal says so; e.g. the remote-code form of Phi-4-multimodal on the Hub).
+    convert_from: tuple[tuple[str, str], ...] = ()
 
     def layout_class(self) -> type[ImageLayout]:
         """Its ImageLayout class (loads the text processor and reads a checkpoint's layout)."""

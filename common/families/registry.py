@@ -44,7 +44,8 @@ def family_of(config: dict[str, Any]) -> ModelFamily:
     if family is None:
         served = ", ".join(supported_model_types())
         model_type = config.get("model_type")
-        raise UnsupportedModelError(f"model_type {model_type!r} is not served; served: {served}")
+        hint = next((f"; {how}" for f in FAMILIES for form, how in f.convert_from if form == model_type), "")
+        raise UnsupportedModelError(f"model_type {model_type!r} is not served{hint}; served: {served}")
     return family
 
 

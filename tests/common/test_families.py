@@ -48,6 +48,10 @@ def test_lookups_by_config():
     assert find_family({"model_type": "gemma3n"}) is None
     with pytest.raises(UnsupportedModelError, match="'gemma3n' is not served; served: llava, qwen2_5_vl"):
         family_of({"model_type": "gemma3n"})
+    # a form of a served family's checkpoints that it does not read: the refusal says how to convert it
+    with pytest.raises(UnsupportedModelError, match="'phi4mm' is not served; this is Phi-4-multimodal's "
+                       "remote-code form: convert it .*convert_phi4_multimodal_weights_to_hf.py"):
+        family_of({"model_type": "phi4mm"})
 
 
 def test_every_preset_has_one_family_and_the_makers_agree():

@@ -37,4 +37,10 @@ FAMILY = ModelFamily(
     oracle="common.families.phi4mm.oracle:Phi4Oracle",
     # Its vision LoRA, stored in the checkpoint's own weights (decoder_svc/model/lora/builtin.py).
     checkpoint_adapters=("vision",),
+    # The Hub repository's main branch is the remote-code form (configuration_phi4mm.py, its own tensor
+    # names); transformers' converter writes the form served here, with vision-lora/ as a PEFT folder.
+    convert_from=(("phi4mm", "this is Phi-4-multimodal's remote-code form: convert it to transformers' "
+                   "Phi4Multimodal form first with transformers' convert_phi4_multimodal_weights_to_hf.py "
+                   "(src/transformers/models/phi4_multimodal/ in its repository), and keep the vision "
+                   "adapter it extracts as a PEFT folder named vision-lora/ beside the weights"),),
 )
