@@ -26,7 +26,8 @@ def load_hf(model_dir: str | Path, device: str, dtype: str):
         print(f"HF processor unavailable ({str(exc).splitlines()[0][:120]}): its tokenizer only", flush=True)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         processor = SimpleNamespace(tokenizer=tokenizer)
-    model = cls.from_pretrained(str(model_dir), dtype=parse_dtype(dtype), local_files_only=True)
+    placement = {"device_map": device} if torch.device(device).type == "cuda" else {}  # see bench.ttft
+    model = cls.from_pretrained(str(model_dir), dtype=parse_dtype(dtype), local_files_only=True, **placement)
     model = model.to(device).eval()
     tok = processor.tokenizer
     if tok.pad_token_id is None:

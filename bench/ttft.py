@@ -233,8 +233,11 @@ def hf_cold(args: argparse.Namespace, prompts: list[tuple[str, bytes]]) -> dict:
 
     device = torch.device(args.device)
     family = family_of_model(args.model)
+    # Placed on the device as it loads (weights the checkpoint lacks, e.g. Phi-4's LoRA-wrapped base
+    # layers, are then initialised there rather than on the host).
+    placement = {"device_map": str(device)} if device.type == "cuda" else {}
     model = getattr(transformers, family.hf_class).from_pretrained(
-        args.model, dtype=parse_dtype(args.dtype)).to(device).eval()
+        args.model, dtype=parse_dtype(args.dtype), **placement).to(device).eval()
     layout = family.image_layout(args.model, load_config(args.model))
     processor = hf_image_processor(args.model)
     tok = PromptTokenizer(args.model)
