@@ -9,11 +9,16 @@ Shapes: tokens are flat rows, T >= 0. `x` [T, H]; `q` [T, Hq, D], `k` [T, Hk, D]
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from decoder_svc.model.quant.fp8 import ScaleBlock, dequantize
+
+if TYPE_CHECKING:
+    from decoder_svc.model.lora.batched import LoRASlots
 
 
 class TorchOps:
@@ -112,11 +117,12 @@ class TorchOps:
 
     @staticmethod
     def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 slots: torch.Tensor, rank: int) -> torch.Tensor:
-        """y plus each row's LoRA product over its adapter slot (model/lora/batched.py's layout)."""
+                 rows: LoRASlots, rank: int) -> torch.Tensor:
+        """y plus each row's LoRA product over its adapter slot (model/lora/batched.py's layout; rows: the
+        forward's LoRASlots)."""
         from decoder_svc.model.lora.reference import lora_add_reference
 
-        return lora_add_reference(y, x, lora_a, lora_b, slots, rank)
+        return lora_add_reference(y, x, lora_a, lora_b, rows.slots, rank)
 
     @staticmethod
     def make_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from decoder_svc.model.lora.batched import idle_base
+from decoder_svc.model.lora.batched import LoRASlots, idle_base
 from decoder_svc.model.ops import TorchOps
 from decoder_svc.model.quant.fp8 import ScaleBlock
 
@@ -292,11 +292,14 @@ class TritonOps:
 
     @staticmethod
     def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 slots: torch.Tensor, rank: int) -> torch.Tensor:
-        """TorchOps.lora_add in two Triton kernels (model/lora/triton_lora.py), into y in place."""
-        from decoder_svc.model.lora.triton_lora import lora_add_triton
+                 rows: LoRASlots, rank: int) -> torch.Tensor:
+        """TorchOps.lora_add on the GPU (model/lora/triton_lora.py: two Triton kernels for a few rows, two
+        stacked GEMMs for more), into y in place."""
+        from decoder_svc.model.lora.triton_lora import GATHER_MAX_ROWS, lora_add_triton
 
-        return lora_add_triton(y, x.contiguous(), lora_a, lora_b, slots, rank)
+        x = x.contiguous()
+        adapter_rows = rows.adapter_rows(x.dtype) if x.shape[0] > GATHER_MAX_ROWS else None
+        return lora_add_triton(y, x, lora_a, lora_b, rows.slots, rank, adapter_rows)
 
     @staticmethod
     def make_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:

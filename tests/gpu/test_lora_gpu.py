@@ -56,7 +56,7 @@ def test_cuda_fp32_graphs_mix_adapters(tiny_model_dir, adapters, budget):
         oracles[adapter].assert_same_tokens(results[rid]["tokens"], prompt, [], N)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 300, 2048])
+@pytest.mark.parametrize("rows", [1, 3, 7, 64, 2048])
 @pytest.mark.parametrize(("rank", "k"), [(48, 2048), (256, 8192)])  # 256: Phi-4-multimodal's vision adapter
 def test_cuda_kernels_match_reference_bf16(rows, rank, k):
     gen = torch.Generator(device="cuda").manual_seed(rows)

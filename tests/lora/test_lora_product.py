@@ -81,7 +81,7 @@ def test_wrapped_projection_is_the_same_with_either_ops():
 
     base = torch.nn.Linear(48, 40, bias=True).to(DEVICE)
     a, b = _weights(3, 6, 40, 48, torch.float32, seed=9)
-    slots = LoRASlots()
+    slots = LoRASlots(2)  # adapters in slots 1 and 2
     x = torch.randn(5, 48, device=DEVICE)
     slots.bind(torch.tensor([2, 0, 1, 1, 2], device=DEVICE), 5)
     with torch.no_grad():

@@ -41,8 +41,10 @@ _BLOCK = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
 class LoRASlots:
     """The current step's adapter slot per token row, shared by every LoRALinear of a model."""
 
-    def __init__(self) -> None:
+    def __init__(self, adapters: int) -> None:
         self.slots: torch.Tensor | None = None
+        self.adapters = adapters  # slots after slot 0
+        self._adapter_rows: dict[torch.dtype, torch.Tensor] = {}
 
     @property
     def active(self) -> bool:
@@ -54,6 +56,17 @@ class LoRASlots:
         if slots is not None and slots.shape[0] != num_rows:
             raise ValueError(f"{slots.shape[0]} LoRA slots for {num_rows} token rows")
         self.slots = slots
+        self._adapter_rows = {}
+
+    def adapter_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, adapters] in dtype: 1 where a row runs adapter i (slot i + 1), else 0. Made once per
+        forward (for the stacked GEMMs of every projection, triton_lora.lora_add_stacked)."""
+        rows = self._adapter_rows.get(dtype)
+        if rows is None:
+            from decoder_svc.model.lora.triton_lora import one_hot_adapters
+
+            rows = self._adapter_rows[dtype] = one_hot_adapters(self.slots, self.adapters, dtype)
+        return rows
 
 
 class LoRALinear(nn.Module):
@@ -81,7 +94,7 @@ class LoRALinear(nn.Module):
         y = self.ops.linear(x, self.base)
         if not self.slots.active:
             return y
-        return self.ops.lora_add(y, x, self.lora_a, self.lora_b, self.slots.slots, self.rank)
+        return self.ops.lora_add(y, x, self.lora_a, self.lora_b, self.slots, self.rank)
 
     def extra_repr(self) -> str:
         return f"slots={self.lora_a.shape[0] // self.rank}, rank={self.rank}"
@@ -158,7 +171,7 @@ def attach_adapters(model: nn.Module, adapters: list[LoRAAdapter],
     tp = getattr(model, "tp", None)
     cfg = full_config if full_config is not None else model.config
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
-    slots = LoRASlots()
+    slots = LoRASlots(len(adapters))
     for i, layer in enumerate(model.layers):
         for module, block in _BLOCK.items():
             stacked = stack_module(i, module, adapters, cfg, dtype, device)
