@@ -1,7 +1,8 @@
 """Phi-4-multimodal on CUDA (phi-4-mm-tiny, fp32): the vision adapter through the Triton LoRA kernels (few
 rows) and the stacked GEMMs (a prefill chunk of more than 64 rows), CUDA graphs captured with and without
 the LoRA product, text and image requests in the same steps, against HF on the CPU (the oracle: the base
-model for text, the vision adapter merged for images)."""
+model for text, the vision adapter merged for images); the HD transform on the device within the
+encoder's pixel_tolerance of the host's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 import tests.phi4mm.conftest as phi4_fixtures
+from common.families.phi4mm.encoder import Phi4VisionEncoder
+from common.families.phi4mm.pixels import hd_transform, hd_transform_uint8, to_rgb_uint8
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from tests.oracle import greedy, run_all
@@ -50,3 +53,19 @@ def test_cuda_text_and_images_in_one_batch(phi4_tiny_dir, phi4_oracle, budget):
     out = engine.generate("t2", TEXT, sampling=greedy(N))
     assert out.new_token_ids == phi4_oracle.generate(TEXT, [], N)
     assert engine.stats().kv_blocks_used == 0
+
+
+def test_cuda_device_preprocessing_within_tolerance(phi4_tiny_dir):
+    encoder = Phi4VisionEncoder(phi4_tiny_dir, device="cuda", dtype=torch.bfloat16)
+    assert encoder.preprocess_mode == "torch"
+    settings = encoder.layout.settings
+    worst = 0.0
+    for image in sample_images():
+        host = hd_transform(image, settings)
+        dev = hd_transform_uint8(to_rgb_uint8(image).cuda(), settings)
+        assert (dev.num_tokens, dev.grid, dev.image_size) == (host.num_tokens, host.grid, host.image_size)
+        assert torch.equal(dev.attention_mask.cpu(), host.attention_mask)
+        worst = max(worst, (dev.pixel_values.cpu() - host.pixel_values).abs().max().item())
+    assert worst <= encoder.pixel_tolerance, worst
+    feats = encoder.encode(sample_images()[:2])
+    assert [f.shape[0] for f in feats] == [encoder.layout.tokens_for_size(*im.size) for im in sample_images()[:2]]

@@ -50,3 +50,18 @@ def test_images_differ_and_the_separators_are_where_hf_puts_them(encoder, phi4_o
     # every row separator projects to the same row: sub_GN after each of the global view's 16 rows
     gn = a[-272:].reshape(16, 17, -1)[:, 16]
     assert torch.allclose(gn, gn[0].expand_as(gn))
+
+
+def test_preprocessing_modes(phi4_tiny_dir, encoder):
+    """"hf" transforms on the host in `prepare`; "torch" hands the device uint8 pixels and transforms them
+    in `encode_prepared` (on a CPU device the same kernels, so the same embedding); "auto" is "hf" here."""
+    assert encoder.preprocess_mode == "hf" and encoder.pixel_tolerance == 0.0
+    device_side = Phi4VisionEncoder(phi4_tiny_dir, preprocess="torch")
+    assert device_side.preprocess_mode == "torch" and 0 < device_side.pixel_tolerance < 0.05
+    images = [sample_images()[i] for i in (0, 3, 6)]
+    prepared = [device_side.prepare(image) for image in images]
+    assert all(p.dtype == torch.uint8 and p.dim() == 3 for p in prepared)
+    for got, want in zip(device_side.encode_prepared(prepared), encoder.encode(images), strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="preprocess must be one of"):
+        Phi4VisionEncoder(phi4_tiny_dir, preprocess="gpu")

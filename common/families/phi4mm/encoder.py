@@ -2,8 +2,12 @@
 each image's size).
 
 Preprocessing is pixels.py's HD transform (HF's processor needs torchvision; this one is the same ops on
-torch alone); the tower, compression, separators and projector are embedder.py's. Thread-safety as the
-other encoders': `prepare` on any thread, `encode_prepared` from one at a time.
+torch alone): on the host in `prepare` ("hf": the processor's bytes exactly), or on the device in
+`encode_prepared` ("torch": `prepare` only makes a pinned uint8 tensor; the resize then runs in float
+rather than torchvision's native uint8 kernel, within `pixel_tolerance`); "auto" is "torch" on CUDA in
+half precision, where the tower's own rounding is far larger. The tower, compression, separators and
+projector are embedder.py's. Thread-safety as the other encoders': `prepare` on any thread,
+`encode_prepared` from one at a time.
 """
 
 from __future__ import annotations
@@ -19,14 +23,14 @@ from PIL import Image
 from common.checkpoint import load_config, model_fingerprint
 from common.families.phi4mm.embedder import load_phi4_embedder
 from common.families.phi4mm.layout import Phi4ImageLayout
-from common.families.phi4mm.pixels import Phi4Pixels, hd_transform
+from common.families.phi4mm.pixels import Phi4Pixels, hd_transform, hd_transform_uint8, to_rgb_uint8
 from common.vision import PREPROCESS_MODES
 
 
 class Phi4VisionEncoder:
     """The image half of a Phi-4-multimodal checkpoint (SigLIP at 448 px crops, 2x2 compression,
-    separators, projector); the language model and the audio encoder are never read. preprocess: "hf",
-    "auto" or "torch", all pixels.py's transform (HF's own needs torchvision)."""
+    separators, projector); the language model and the audio encoder are never read. preprocess: "hf"
+    (the HD transform on the host), "torch" (on the device) or "auto" (the module docstring)."""
 
     graphs = None
     # Each image's size decides its crops; no request-chosen pixel range (dynamic_hd is the checkpoint's).
@@ -50,8 +54,9 @@ class Phi4VisionEncoder:
         self.fingerprint = model_fingerprint(self.model_dir) + self.layout.hash_key
         self.hidden_size = int(config["hidden_size"])
         self.embedder = load_phi4_embedder(self.model_dir, config, self.device, dtype)
-        self.preprocess_mode = "torch"
-        self.pixel_tolerance = 0.0
+        on_device = preprocess == "torch" or (preprocess == "auto" and self.device.type == "cuda"
+                                              and dtype != torch.float32)
+        self.preprocess_mode = "torch" if on_device else "hf"
         self.calls = 0
         self.images_encoded = 0
         self._count_lock = threading.Lock()
@@ -66,16 +71,32 @@ class Phi4VisionEncoder:
         """Bytes of the largest image's embedding (dynamic_hd crops): what the cache must be able to hold."""
         return self.nbytes_for(self.layout.largest_grid)
 
-    def prepare(self, image) -> Phi4Pixels:
-        """One image's crops, masks (fp32, CPU) and grid; thread-safe. image: a PIL image or a decode
-        pool's DecodedImage."""
+    @property
+    def pixel_tolerance(self) -> float:
+        """Largest |pixel value - HF processor's| the preprocessing may give: 0 on the host; on the device
+        two levels of 255 (the float resize's rounding, then the bicubic global view), normalised."""
+        if self.preprocess_mode == "hf":
+            return 0.0
+        return 2.0 / (255.0 * min(self.layout.settings.image_std))
+
+    def prepare(self, image) -> Phi4Pixels | torch.Tensor:
+        """Thread-safe. "hf": one image's crops, masks (fp32, CPU) and grid; "torch": its [3, H, W] uint8
+        pixels (pinned on CUDA) for encode_prepared to transform on the device. image: a PIL image or a
+        decode pool's DecodedImage."""
         pil = image if isinstance(image, Image.Image) else image.to_pil()
-        return hd_transform(pil, self.layout.settings)
+        if self.preprocess_mode == "hf":
+            return hd_transform(pil, self.layout.settings)
+        pixels = to_rgb_uint8(pil)
+        return pixels.pin_memory() if self.device.type == "cuda" else pixels
 
     @torch.inference_mode()
-    def encode_prepared(self, prepared: Sequence[Phi4Pixels], use_graphs: bool = False) -> list[torch.Tensor]:
+    def encode_prepared(self, prepared: Sequence[Phi4Pixels | torch.Tensor],
+                        use_graphs: bool = False) -> list[torch.Tensor]:
         """The tower over prepared images at once; one [num_tokens, hidden] tensor each."""
-        feats = self.embedder(list(prepared))
+        items = [p if isinstance(p, Phi4Pixels) else
+                 hd_transform_uint8(p.to(self.device, non_blocking=True), self.layout.settings)
+                 for p in prepared]
+        feats = self.embedder(items)
         with self._count_lock:
             self.calls += 1
             self.images_encoded += len(feats)
