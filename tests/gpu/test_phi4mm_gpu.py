@@ -67,5 +67,6 @@ def test_cuda_device_preprocessing_within_tolerance(phi4_tiny_dir):
         assert torch.equal(dev.attention_mask.cpu(), host.attention_mask)
         worst = max(worst, (dev.pixel_values.cpu() - host.pixel_values).abs().max().item())
     assert worst <= encoder.pixel_tolerance, worst
-    feats = encoder.encode(sample_images()[:2])
-    assert [f.shape[0] for f in feats] == [encoder.layout.tokens_for_size(*im.size) for im in sample_images()[:2]]
+    images = sample_images()[:2]
+    feats = encoder.encode(images)
+    assert [f.shape[0] for f in feats] == [encoder.layout.tokens_for_size(*im.size) for im in images]
