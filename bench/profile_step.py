@@ -46,7 +46,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="the engine's --quantization")
     p.add_argument("--warm-tail", type=int, default=0,
                    help="profile the prefill step of a repeated prompt with this many new tokens (0: decode)")
-    p.add_argument("--lora-adapter", default="", help="the decoding requests' adapter (e.g. Phi-4's vision)")
+    p.add_argument("--lora-adapter", default="", help="the requests' adapter (e.g. Phi-4's vision)")
     p.add_argument("--top", type=int, default=12, help="kernels to list")
     p.add_argument("--out", default=None)
     return p
@@ -144,7 +144,8 @@ def _warm_prefill(args: argparse.Namespace, engine: LLMEngine, prompt: str, devi
         """Add the prompt with a new tail, step it to its first token; (wall seconds, tokens computed)."""
         n = next(counter)
         tail = rng.choices(ids[1:], k=args.warm_tail)  # text tokens of the prompt, in a new order
-        engine.add_request(f"w{n}", prompt_token_ids=ids + tail, sampling=params)
+        engine.add_request(f"w{n}", prompt_token_ids=ids + tail, sampling=params,
+                           lora_adapter=args.lora_adapter)
         _sync(device)
         t0, tokens = time.perf_counter(), 0
         while engine.has_unfinished():
@@ -153,7 +154,7 @@ def _warm_prefill(args: argparse.Namespace, engine: LLMEngine, prompt: str, devi
         _sync(device)
         return time.perf_counter() - t0, tokens
 
-    engine.add_request("base", prompt_token_ids=ids, sampling=params)
+    engine.add_request("base", prompt_token_ids=ids, sampling=params, lora_adapter=args.lora_adapter)
     while engine.has_unfinished():
         engine.step()
     for _ in range(4):
