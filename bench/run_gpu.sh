@@ -29,7 +29,7 @@
 #      on; see its block below),
 #      gemma (Gemma 3's real shapes: TTFT, decode, Encode, each with HF; see its block below),
 #      phi4mm (Phi-4-multimodal's real shapes: TTFT, decode with and without the vision adapter, Encode,
-#      each with HF; see its block below),
+#      each with HF, and profiles of the tower and of steps; see its block below),
 #      or a list such as llava,qwen,qwen3.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
@@ -359,27 +359,43 @@ if [[ ",$SECTIONS," == *,gemma,* ]]; then
 fi
 
 # Phi-4-multimodal (issue 43) on PHI4_PRESET's real shapes (default phi-4-mm, random weights with its vision
-# and speech LoRA, made in PHI4_MODEL_DIR, default /tmp/phi4mm): cold and warm TTFT of one 1024x1024 image +
-# 500 tokens through gRPC (the vision adapter on) with 32 at once and HF's generate in the same run
-# (bench.ttft, PHI4_TTFT_ARGS), decode tok/s at batch 1 and 32 in-process without an adapter (text requests)
-# and with the vision adapter (image requests' decode), vs HF and the bound (bench.decode_tput,
-# PHI4_DECODE_ARGS; the adapter run's bound counts its weights too), Encode img/s at 1-64 clients vs HF's
-# processor + image embedding at batch 1 and 32 (bench.encode_tput, PHI4_ENCODE_ARGS), and a batch-1 decode
-# step profile with the adapter (PHI4_PROFILE=0 skips it). CPU smoke: SECTIONS=phi4mm
-# PHI4_PRESET=phi-4-mm-tiny DEVICE=cpu DTYPE=float32 and small PHI4_*_ARGS.
+# and speech LoRA, made in PHI4_MODEL_DIR, default /tmp/phi4mm). PHI4_STEPS lists what runs, in order
+# (default "ttft decode decode_vision encode"):
+#   ttft           cold and warm TTFT of one 1024x1024 image + 500 tokens through gRPC (the vision adapter
+#                  on), 32 at once, and HF's generate in the same run (bench.ttft, PHI4_TTFT_ARGS)
+#   decode         decode tok/s at batch 1 and 32 in-process, no adapter (text requests), vs HF and the
+#                  bound (bench.decode_tput, PHI4_DECODE_ARGS)
+#   decode_vision  the same with the vision adapter (image requests' decode; its bound counts the adapter)
+#   encode         Encode img/s at 1-64 clients vs HF's processor + image embedding (bench.encode_tput,
+#                  PHI4_ENCODE_ARGS)
+#   tower          one 1024x1024 image through our tower and HF's, our kernels (bench.profile_tower)
+#   profile        batch-1 decode step with the adapter, and a 2000-token prefill step with and without it
+#                  (bench.profile_step: kernels per step)
+# CPU smoke: SECTIONS=phi4mm PHI4_PRESET=phi-4-mm-tiny DEVICE=cpu DTYPE=float32 and small PHI4_*_ARGS.
 if [[ ",$SECTIONS," == *,phi4mm,* ]]; then
   PM=${PHI4_MODEL_DIR:-/tmp/phi4mm}
   make_once "$PM" "${PHI4_PRESET:-phi-4-mm}"
-  read -r -a PARGS <<< "${PHI4_TTFT_ARGS:---rounds 5 --hf}"
-  step phi4_ttft 240 "$PY" -m bench.ttft --model "$PM" "${DT[@]}" --logs "$RES/logs-phi4" "${PARGS[@]}"
-  read -r -a PARGS <<< "${PHI4_DECODE_ARGS:---batch-sizes 1,32 --prompt-len 64 --output-len 128}"
-  step phi4_decode 150 "$PY" -m bench.decode_tput --model "$PM" "${DT[@]}" "${PARGS[@]}"
-  step phi4_decode_vision 120 "$PY" -m bench.decode_tput --model "$PM" "${DT[@]}" "${PARGS[@]}" --no-hf \
-    --lora-adapter vision
-  read -r -a PARGS <<< "${PHI4_ENCODE_ARGS:---images 96 --image-size 1024 --concurrency 1,16,64}"
-  step phi4_encode 180 "$PY" -m bench.encode_tput --model "$PM" "${DT[@]}" "${PARGS[@]}"
-  [ "${PHI4_PROFILE:-1}" = 1 ] && step phi4_profile_vision 90 "$PY" -m bench.profile_step --model "$PM" \
-    "${DT[@]}" --batch 1 --steps 32 --lora-adapter vision
+  read -r -a DARGS <<< "${PHI4_DECODE_ARGS:---batch-sizes 1,32 --prompt-len 64 --output-len 128}"
+  for what in ${PHI4_STEPS:-ttft decode decode_vision encode}; do
+    case $what in
+      ttft) read -r -a PARGS <<< "${PHI4_TTFT_ARGS:---rounds 5 --hf}"
+        step phi4_ttft 240 "$PY" -m bench.ttft --model "$PM" "${DT[@]}" --logs "$RES/logs-phi4" "${PARGS[@]}" ;;
+      decode) step phi4_decode 150 "$PY" -m bench.decode_tput --model "$PM" "${DT[@]}" "${DARGS[@]}" ;;
+      decode_vision) step phi4_decode_vision 120 "$PY" -m bench.decode_tput --model "$PM" "${DT[@]}" \
+        "${DARGS[@]}" --no-hf --lora-adapter vision ;;
+      encode) read -r -a PARGS <<< "${PHI4_ENCODE_ARGS:---images 96 --image-size 1024 --concurrency 1,16,64}"
+        step phi4_encode 180 "$PY" -m bench.encode_tput --model "$PM" "${DT[@]}" "${PARGS[@]}" ;;
+      tower) step phi4_tower 120 "$PY" -m bench.profile_tower --model "$PM" "${DT[@]}" ;;
+      profile)
+        step phi4_profile_decode_vision 90 "$PY" -m bench.profile_step --model "$PM" "${DT[@]}" --batch 1 \
+          --steps 32 --lora-adapter vision
+        step phi4_profile_prefill_vision 90 "$PY" -m bench.profile_step --model "$PM" "${DT[@]}" \
+          --prompt-len 64 --warm-tail 2000 --steps 4 --top 16 --lora-adapter vision
+        step phi4_profile_prefill 90 "$PY" -m bench.profile_step --model "$PM" "${DT[@]}" \
+          --prompt-len 64 --warm-tail 2000 --steps 4 --top 16 ;;
+      *) echo "== PHI4_STEPS: unknown step $what" ;;
+    esac
+  done
 fi
 
 echo "== merge (t=$((SECONDS - START))s)"
