@@ -52,6 +52,7 @@ def test_reference_is_each_rows_own_adapter(rows, rank, n, k):
 @pytest.mark.parametrize(("rows", "rank", "n", "k"), [
     (1, 4, 64, 64), (6, 12, 200, 96), (3, 5, 33, 300),
     (2, 40, 70, 700),  # two rank blocks, the input split in chunks that end mid-block
+    (1, 300, 24, 80),  # a rank wider than the expand's block: two passes over B's row
     (70, 12, 50, 96),  # more rows than GATHER_MAX_ROWS: the stacked GEMMs
 ])
 def test_triton_matches_reference(dtype, rows, rank, n, k):

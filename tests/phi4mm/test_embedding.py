@@ -60,7 +60,7 @@ def test_preprocessing_modes(phi4_tiny_dir, encoder):
     assert device_side.preprocess_mode == "torch" and 0 < device_side.pixel_tolerance < 0.05
     images = [sample_images()[i] for i in (0, 3, 6)]
     prepared = [device_side.prepare(image) for image in images]
-    assert all(p.dtype == torch.uint8 and p.dim() == 3 for p in prepared)
+    assert all(p.dtype == torch.uint8 and p.shape[-1] == 3 for p in prepared)  # [H, W, 3]
     for got, want in zip(device_side.encode_prepared(prepared), encoder.encode(images), strict=True):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="preprocess must be one of"):

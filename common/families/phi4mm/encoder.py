@@ -3,11 +3,11 @@ each image's size).
 
 Preprocessing is pixels.py's HD transform (HF's processor needs torchvision; this one is the same ops on
 torch alone): on the host in `prepare` ("hf": the processor's bytes exactly), or on the device in
-`encode_prepared` ("torch": `prepare` only makes a pinned uint8 tensor; the resize then runs in float
-rather than torchvision's native uint8 kernel, within `pixel_tolerance`); "auto" is "torch" on CUDA in
-half precision, where the tower's own rounding is far larger. The tower, compression, separators and
-projector are embedder.py's. Thread-safety as the other encoders': `prepare` on any thread,
-`encode_prepared` from one at a time.
+`encode_prepared` ("torch": `prepare` only copies the pixels into a pinned uint8 tensor; the resize then
+runs in float rather than torchvision's native uint8 kernel, within `pixel_tolerance`); "auto" is
+"torch" on CUDA in half precision, where the tower's own rounding is far larger. The tower, compression,
+separators and projector are embedder.py's. Thread-safety as the other encoders': `prepare` on any
+thread, `encode_prepared` from one at a time.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from PIL import Image
 from common.checkpoint import load_config, model_fingerprint
 from common.families.phi4mm.embedder import load_phi4_embedder
 from common.families.phi4mm.layout import Phi4ImageLayout
-from common.families.phi4mm.pixels import Phi4Pixels, hd_transform, hd_transform_uint8, to_rgb_uint8
+from common.families.phi4mm.pixels import Phi4Pixels, hd_transform, hd_transform_uint8
+from common.images import to_rgb
 from common.vision import PREPROCESS_MODES
+from common.vision.pixels import to_uint8_hwc
 
 
 class Phi4VisionEncoder:
@@ -80,21 +82,23 @@ class Phi4VisionEncoder:
         return 2.0 / (255.0 * min(self.layout.settings.image_std))
 
     def prepare(self, image) -> Phi4Pixels | torch.Tensor:
-        """Thread-safe. "hf": one image's crops, masks (fp32, CPU) and grid; "torch": its [3, H, W] uint8
-        pixels (pinned on CUDA) for encode_prepared to transform on the device. image: a PIL image or a
-        decode pool's DecodedImage."""
-        pil = image if isinstance(image, Image.Image) else image.to_pil()
+        """Thread-safe. "hf": one image's crops, masks (fp32, CPU) and grid; "torch": its [H, W, 3] uint8
+        pixels, one copy (into pinned memory on CUDA), for encode_prepared to transform on the device.
+        image: a PIL image or a decode pool's DecodedImage (RGB already, read in place)."""
         if self.preprocess_mode == "hf":
+            pil = image if isinstance(image, Image.Image) else image.to_pil()
             return hd_transform(pil, self.layout.settings)
-        pixels = to_rgb_uint8(pil)
-        return pixels.pin_memory() if self.device.type == "cuda" else pixels
+        if isinstance(image, Image.Image):
+            image = to_rgb(image)  # transparency onto white, as the processor does
+        return to_uint8_hwc(image, pin_memory=self.device.type == "cuda")
 
     @torch.inference_mode()
     def encode_prepared(self, prepared: Sequence[Phi4Pixels | torch.Tensor],
                         use_graphs: bool = False) -> list[torch.Tensor]:
         """The tower over prepared images at once; one [num_tokens, hidden] tensor each."""
-        items = [p if isinstance(p, Phi4Pixels) else
-                 hd_transform_uint8(p.to(self.device, non_blocking=True), self.layout.settings)
+        settings = self.layout.settings
+        items = [p if isinstance(p, Phi4Pixels) else  # [H, W, 3] uint8: the transform on the device
+                 hd_transform_uint8(p.to(self.device, non_blocking=True).permute(2, 0, 1), settings)
                  for p in prepared]
         feats = self.embedder(items)
         with self._count_lock:

@@ -23,6 +23,7 @@ import triton.language as tl
 
 GATHER_MAX_ROWS = 4  # more rows than this take the stacked GEMMs (the kernels re-read B per row)
 _TARGET_PROGRAMS = 256  # enough programs to keep every SM of a large GPU reading
+_MAX_SPLITS = 16  # each expand program re-reads every split's partial sums
 _BLOCK_R = 32
 _BLOCK_K = 128
 
@@ -59,7 +60,7 @@ def _expand_kernel(part_ptr, b_ptr, slot_ptr, y_ptr, y_stride, b_stride, T, N, R
     n_mask = n < N
     splits = tl.arange(0, BLOCK_S)
     delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    for r0 in range(0, R, BLOCK_R):  # once for ranks up to BLOCK_R: a row of B is one contiguous read
         r = r0 + tl.arange(0, BLOCK_R)
         r_mask = r < R
         # the shrink's partial sums of these ranks, all splits in one load, summed in a fixed order
@@ -88,15 +89,17 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
         return lora_add_stacked(y, x, lora_a, lora_b, slots, rank, adapter_rows)
     n = y.shape[1]
     rank_blocks = triton.cdiv(rank, _BLOCK_R)
-    splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, t * rank_blocks), triton.cdiv(k, _BLOCK_K)))
+    splits = min(triton.cdiv(_TARGET_PROGRAMS, t * rank_blocks), triton.cdiv(k, _BLOCK_K), _MAX_SPLITS)
     k_chunk = triton.cdiv(triton.cdiv(k, splits), _BLOCK_K) * _BLOCK_K
     splits = triton.cdiv(k, k_chunk)
     partial = torch.empty(splits, t, rank, dtype=torch.float32, device=x.device)
     _shrink_kernel[(t, rank_blocks, splits)](x, lora_a, slots, partial, x.stride(0), t, k, rank, k_chunk,
                                              BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K)
-    block_n = 64
+    # narrow column blocks over the whole rank: many programs, each reading whole rows of B at once
+    block_r = min(max(16, triton.next_power_of_2(rank)), 256)
+    block_n = max(8, 4096 // block_r)
     _expand_kernel[(t, triton.cdiv(n, block_n))](partial, lora_b, slots, y, y.stride(0), lora_b.stride(0),
-                                                 t, n, rank, splits, BLOCK_R=_BLOCK_R, BLOCK_N=block_n,
+                                                 t, n, rank, splits, BLOCK_R=block_r, BLOCK_N=block_n,
                                                  BLOCK_S=max(2, triton.next_power_of_2(splits)))
     return y
 
