@@ -103,4 +103,6 @@ def load_phi4_embedder(model_dir: str | Path, config: dict[str, Any], device: st
     if missing:
         raise ValueError(f"{model_dir}: image embedding weights missing: {missing[:5]}")
     embedder.load_state_dict(state, strict=True)
+    for layer in embedder.img_processor.encoder.layers:
+        layer.fuse_qkv()
     return embedder.to(device, dtype).eval()

@@ -69,13 +69,31 @@ class EncoderLayer(nn.Module):
         self.mlp.fc1 = nn.Linear(hidden, intermediate)
         self.mlp.fc2 = nn.Linear(intermediate, hidden)
 
+    def fuse_qkv(self) -> None:
+        """One [3 * hidden, hidden] product for q, k and v (after the checkpoint's tensors are loaded under
+        HF's names): one GEMM instead of three, its output read by the attention in place."""
+        attn = self.self_attn
+        parts = [getattr(attn, p) for p in ("q_proj", "k_proj", "v_proj")]
+        attn.qkv = nn.Linear(parts[0].in_features, 3 * parts[0].out_features, device=parts[0].weight.device,
+                             dtype=parts[0].weight.dtype)
+        with torch.no_grad():
+            attn.qkv.weight.copy_(torch.cat([p.weight for p in parts]))
+            attn.qkv.bias.copy_(torch.cat([p.bias for p in parts]))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            delattr(attn, name)
+
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         batch, seq, hidden = x.shape
         attn = self.self_attn
         h = self.layer_norm1(x)
-        q, k, v = (getattr(attn, p)(h).view(batch, seq, self.heads, -1).transpose(1, 2)
-                   for p in ("q_proj", "k_proj", "v_proj"))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        if hasattr(attn, "qkv"):
+            q, k, v = attn.qkv(h).view(batch, seq, 3, self.heads, -1).unbind(2)
+        else:  # as loaded, before fuse_qkv
+            q, k, v = (getattr(attn, p)(h).view(batch, seq, self.heads, -1)
+                       for p in ("q_proj", "k_proj", "v_proj"))
+        # [batch, heads, seq, dim] views of token-major rows; the output comes back token-major
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=key_mask)
         x = x + attn.out_proj(o.transpose(1, 2).reshape(batch, seq, hidden))
         h = self.mlp.fc2(F.gelu(self.mlp.fc1(self.layer_norm2(x)), approximate="tanh"))
         return x + h
