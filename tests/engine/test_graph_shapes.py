@@ -56,6 +56,18 @@ def test_bucket_sizes():
     assert graphs.key_for(1, 65, plain_decode=False) is None
 
 
+def test_a_model_with_adapters_has_each_graph_with_and_without_the_lora_product():
+    plain, with_lora = StepGraphs(8, 40), StepGraphs(8, 40, lora=True)
+    assert set(with_lora.keys) == set(plain.keys) | {GraphKey(k.decode, k.size, True) for k in plain.keys}
+    assert len(with_lora.keys) == 2 * len(plain.keys)
+    with_lora._graphs = dict.fromkeys(with_lora.keys)
+    assert with_lora.key_for(3, 3, plain_decode=True) == GraphKey(True, 4)
+    assert with_lora.key_for(3, 3, plain_decode=True, lora=True) == GraphKey(True, 4, True)
+    assert with_lora.key_for(2, 40, plain_decode=False, lora=True) == GraphKey(False, 64, True)
+    plain._graphs = dict.fromkeys(plain.keys)
+    assert plain.key_for(3, 3, plain_decode=True, lora=True) is None  # never a graph without the product
+
+
 @pytest.mark.parametrize("budget", [7, 13, 100])
 def test_graph_shaped_steps_equal_hf(graph_engine, hf_oracle, images, budget):
     """Mixed batches of chunks over images and decodes, each step padded to its graph's shape."""

@@ -86,11 +86,7 @@ class EncoderLayer(nn.Module):
         batch, seq, hidden = x.shape
         attn = self.self_attn
         h = self.layer_norm1(x)
-        if hasattr(attn, "qkv"):
-            q, k, v = attn.qkv(h).view(batch, seq, 3, self.heads, -1).unbind(2)
-        else:  # as loaded, before fuse_qkv
-            q, k, v = (getattr(attn, p)(h).view(batch, seq, self.heads, -1)
-                       for p in ("q_proj", "k_proj", "v_proj"))
+        q, k, v = attn.qkv(h).view(batch, seq, 3, self.heads, -1).unbind(2)  # load_phi4_embedder fused them
         # [batch, heads, seq, dim] views of token-major rows; the output comes back token-major
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=key_mask)
