@@ -16,6 +16,8 @@ the cold rounds' tower device time each (measured alone: batching only lowers it
 the cold rounds' prefill rate and the decode steps at the copy bandwidth (the language model's weights
 read once per step). With --hf, HF's `generate(max_new_tokens=1)` on the same weights and
 the cold prompts after the services stop (its processor excluded, as in bench/qwen_gpu.py).
+The result says how the embeddings came (`embedding_transports`): pick one with
+--decoder-args "--embedding-transports nixl" (and --encoder-args "--nixl").
 """
 
 from __future__ import annotations
@@ -287,7 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     pair.start()
     try:
         probe = Probe(pair)
+        before = probe.snapshot()["decoder"].get("embedding_transports", {})
         result["single"], prompts = cold_warm(probe, args, words, texts)
+        after = probe.snapshot()["decoder"].get("embedding_transports", {})
+        # How the cold rounds' embeddings came (e.g. to check an --embedding-transports choice held).
+        result["single"]["embedding_transports"] = {
+            k: int(v) - int(before.get(k, 0)) for k, v in after.items() if int(v) != int(before.get(k, 0))}
         print("single", result["single"], flush=True)
         if args.concurrency:
             weights = lm_weight_bytes(args.model, args.dtype)

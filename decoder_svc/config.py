@@ -11,11 +11,24 @@ Security flags (TLS, tokens) are their own set, shared with the encoder: common/
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from common.arg_types import port_number, positive_float
 from common.config import ServiceOptions, check_options, option, section
 from decoder_svc.engine.config import EngineConfig
+
+EMBEDDING_TRANSPORTS = ("cuda_ipc", "shm", "nixl", "inline")
+
+
+def transport_names(text: str) -> str:
+    """An argparse type: a comma-separated list of embedding transports ("nixl,inline"), normalised."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in EMBEDDING_TRANSPORTS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected transports from {','.join(EMBEDDING_TRANSPORTS)}, "
+                                         f"comma-separated, not {text!r}")
+    return ",".join(names)
 
 
 @dataclass
@@ -36,6 +49,16 @@ class EncoderLinkConfig:
     send_ahead: bool = option(
         True, "no sending of a new image file to its encoder as its request arrives (the engine then "
         "sends it when the encoder answers its ask by hash NOT_FOUND)", flag="--no-send-ahead")
+    transports: str | None = option(
+        None, "embedding transports to ask encoders for, best first, comma-separated from cuda_ipc, shm, "
+        "nixl, inline (default: every one this process can read, in that order; inline is always the "
+        "last resort). E.g. nixl to READ over NIXL from an encoder on this host too",
+        flag="--embedding-transports", type=transport_names, metavar="LIST")
+
+    @property
+    def transport_list(self) -> list[str] | None:
+        """--embedding-transports as names, or None for the default (every readable one)."""
+        return transport_names(self.transports).split(",") if self.transports else None
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -23,10 +23,19 @@ from common.security.options import (
 )
 from common.server import GrpcService, configure_logging
 from common.startup import check_port_free, report_usage_error, resolve_checkpoint, start_listening
+from common.transport.importer import accepted_transports, transport_list_names
 from decoder_svc.config import DecoderConfig
 
 log = logging.getLogger("mmserve.decoder")
 _STATS_LOG_INTERVAL_S = 10.0  # the stats line is logged at most this often, and only when it changed
+
+
+def accepted(config: DecoderConfig) -> list[int]:
+    """The embedding transports this decoder asks for (UsageError for one it cannot read)."""
+    try:
+        return accepted_transports(config.encoders.transport_list, config.engine.device)
+    except ValueError as exc:
+        raise UsageError(f"--embedding-transports: {exc}") from None
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -49,6 +58,7 @@ async def serve(config: DecoderConfig, security: ServerSecurity | None = None,
     from decoder_svc.metrics import DecoderMetrics
     from decoder_svc.server import SERVICE_NAME, DecoderServicer
 
+    accepted(config)  # an unreadable --embedding-transports entry is refused before the model loads
     metrics = DecoderMetrics()
     core = EngineCoreClient(config, encoder_link,
                             on_step=lambda outputs, seconds: metrics.step_seconds.observe(seconds))
@@ -95,11 +105,7 @@ async def serve(config: DecoderConfig, security: ServerSecurity | None = None,
 
     refresher = asyncio.create_task(refresh_metrics())
     service.set_serving(True)
-    from common.pb import common_pb2
-    from common.transport import readable_transports
-
-    accepts = ",".join(common_pb2.Transport.Name(t).removeprefix("TRANSPORT_").lower()
-                       for t in readable_transports(config.engine.device))  # what its fetches ask for
+    accepts = transport_list_names(accepted(config))  # what its fetches ask for
     log.info("decoder ready on %s:%d (%s, %s, encoders %s, transports %s, %s loop)", config.service.host,
              port, config.engine.device, config.engine.dtype, ", ".join(config.encoders.addresses), accepts,
              event_loop.running_kind())

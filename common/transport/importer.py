@@ -38,6 +38,40 @@ def readable_transports(device: torch.device | str | None = None) -> list[int]:
     return out
 
 
+TRANSPORT_BY_NAME = {"cuda_ipc": common_pb2.TRANSPORT_CUDA_IPC, "shm": common_pb2.TRANSPORT_SHM,
+                     "nixl": common_pb2.TRANSPORT_NIXL, "inline": common_pb2.TRANSPORT_INLINE}
+
+
+def accepted_transports(names: list[str] | None, device: torch.device | str | None = None) -> list[int]:
+    """The transports to ask encoders for, best first: `names` in the order given (None: every one this
+    process can read, `readable_transports`), inline always last (the fallback when a ref cannot be read).
+
+    Raises ValueError naming a transport that is unknown or that this process cannot read (no GPU or
+    cupy for cuda_ipc, no /dev/shm, no nixl package)."""
+    readable = readable_transports(device)
+    if names is None:
+        return readable
+    out = []
+    for name in names:
+        transport = TRANSPORT_BY_NAME.get(name)
+        if transport is None:
+            raise ValueError(f"unknown embedding transport {name!r} (known: {', '.join(TRANSPORT_BY_NAME)})")
+        if transport not in readable:
+            why = {"cuda_ipc": "it needs a CUDA device and cupy", "shm": "this host has no /dev/shm",
+                   "nixl": "the nixl extra is not installed (pip install -e '.[nixl]')"}[name]
+            raise ValueError(f"embedding transport {name!r} cannot be read here: {why}")
+        if transport not in out:
+            out.append(transport)
+    if common_pb2.TRANSPORT_INLINE not in out:
+        out.append(common_pb2.TRANSPORT_INLINE)
+    return out
+
+
+def transport_list_names(transports: list[int]) -> str:
+    """Transports for people, in order: "nixl,inline"."""
+    return ",".join(common_pb2.Transport.Name(t).removeprefix("TRANSPORT_").lower() for t in transports)
+
+
 def can_import(ref: common_pb2.EmbeddingRef) -> bool:
     """True when this process can read ref: its GPU is visible here, or its segment is on this host."""
     kind = ref.WhichOneof("location")

@@ -7,12 +7,13 @@ which agent the caller has loaded already). Refs carry the slice's address; the 
 CUDA IPC: the decoder READs the rows while it holds the lease, then releases it.
 
 Decoder side (`read_slice`): one agent per process, made on the first NIXL ref, with one registered
-staging buffer; it loads each encoder's agent once (a restarted encoder's new agent replaces the old),
-READs the rows into the staging buffer, checks the transfer until DONE within a deadline, and returns a
-copy of its own. Any failure (no package, unknown agent, an error or a timeout of the transfer, a dead
-encoder) raises NixlTransferError: the caller asks for the bytes instead. A READ never writes the
-encoder's memory, so a transfer abandoned on a timeout can harm nothing there; its staging buffer is
-never reused.
+staging buffer per device (the host's DRAM, or the reader's GPU: a decoder on a GPU READs VRAM to VRAM);
+it loads each encoder's agent once (a restarted encoder's new agent replaces the old), READs the rows
+into the staging buffer, checks the transfer until DONE within a deadline, and returns a copy of its own
+(on a GPU, finished before the next READ may reuse the buffer). Any failure (no package, unknown agent,
+an error or a timeout of the transfer, a dead encoder) raises NixlTransferError: the caller asks for the
+bytes instead. A READ never writes the encoder's memory, so a transfer abandoned on a timeout can harm
+nothing there; its staging buffer is never reused.
 
 The `nixl` package is optional (`pip install -e '.[nixl]'`) and imported only here, lazily: a wheel for
 CUDA 12 (`nixl_cu12`), CUDA 13 (`nixl_cu13`) or the meta package (`nixl`) all do.
@@ -150,20 +151,19 @@ def make_exporter(arena: Arena) -> NixlExporter | None:
 
 
 class NixlReader:
-    """The decoder's agent: remote agents loaded once per encoder, one registered staging buffer.
+    """The decoder's agent: remote agents loaded once per encoder, one registered staging buffer per
+    device (the host, or a GPU).
 
     Reads are serialized (one lock): a READ of an embedding takes milliseconds, and one staging buffer
-    keeps registrations to one per size doubling."""
+    per device keeps registrations to one per size doubling."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device if device is not None and device.type == "cuda" else torch.device("cpu")
+    def __init__(self) -> None:
         self.name = f"mmserve-dec-{os.getpid()}-{secrets.token_hex(6)}"
         self._agent = _new_agent(self.name)
         self._lock = threading.Lock()
         self._loaded: set[str] = set()  # remote agents whose metadata is loaded
         self._agent_of_source: dict[str, str] = {}
-        self._staging: torch.Tensor | None = None
-        self._staging_reg = None
+        self._staging: dict[torch.device, tuple[torch.Tensor, object]] = {}  # device -> (buffer, its reg)
         self._abandoned: list[torch.Tensor] = []  # buffers a timed-out READ may still write: never reused
         self.reads = 0
         self.metadata_loads = 0
@@ -203,34 +203,40 @@ class NixlReader:
         except Exception:  # noqa: BLE001 - forgetting a dead peer may fail; nothing depends on it
             log.debug("removing NIXL agent %s", name, exc_info=True)
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        if self._staging is None or self._staging.numel() < nbytes:
-            if self._staging_reg is not None:
-                self._agent.deregister_memory(self._staging_reg)
-                self._staging_reg = None
+    def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        staging, reg = self._staging.get(device, (None, None))
+        if staging is None or staging.numel() < nbytes:
+            if reg is not None:
+                self._agent.deregister_memory(reg)
             size = 1 << max(nbytes - 1, 1).bit_length()
-            self._staging = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self._staging_reg = self._agent.register_memory(self._staging)
-        return self._staging
+            staging = torch.empty(size, dtype=torch.uint8, device=device)
+            self._staging[device] = (staging, self._agent.register_memory(staging))
+        return staging
 
-    def _abandon(self) -> None:
-        """Never reuse the staging buffer: a READ still in flight may write it later."""
-        if self._staging is not None:
-            self._abandoned.append(self._staging)
-        self._staging, self._staging_reg = None, None
+    def _abandon(self, device: torch.device) -> None:
+        """Never reuse the device's staging buffer: a READ still in flight may write it later."""
+        staging, _ = self._staging.pop(device, (None, None))
+        if staging is not None:
+            self._abandoned.append(staging)
 
-    def read(self, loc, nbytes: int, source: str | None = None,
+    def read(self, loc, nbytes: int, source: str | None = None, device: torch.device | None = None,
              timeout_s: float = _READ_TIMEOUT_S) -> torch.Tensor:
-        """A uint8 tensor of our own with [loc.address, + nbytes) of the encoder's arena."""
+        """A uint8 tensor of our own with [loc.address, + nbytes) of the encoder's arena, on device's GPU
+        when it is one (the copy out of the staging buffer runs on the current stream and is finished
+        when this returns), else on the host."""
         if loc.offset + nbytes > loc.arena_nbytes:
             raise ValueError("slice past the end of the NIXL arena")
+        on_gpu = device is not None and device.type == "cuda"
+        where = torch.device("cpu")
+        if on_gpu:
+            index = torch.cuda.current_device() if device.index is None else device.index
+            where = torch.device("cuda", index)
         with self._lock:
             name = self._remote(loc, source)
-            staging = self._buffer(nbytes)
-            dev = (staging.device.index or 0) if staging.device.type == "cuda" else 0
+            staging = self._buffer(nbytes, where)
             try:
-                local = self._agent.get_xfer_descs([(staging.data_ptr(), nbytes, dev)],
-                                                   _mem_type(staging.device.type == "cuda"))
+                local = self._agent.get_xfer_descs([(staging.data_ptr(), nbytes, where.index or 0)],
+                                                   _mem_type(on_gpu))
                 remote = self._agent.get_xfer_descs([(loc.address, nbytes, loc.device_id)],
                                                     _mem_type(loc.vram))
                 handle = self._agent.initialize_xfer("READ", local, remote, name)
@@ -258,26 +264,29 @@ class NixlReader:
                     f"NIXL READ from {name!r} failed: {type(exc).__name__}: {exc}") from None
             finally:
                 if state not in ("DONE", "ERR"):  # may still be in flight (a timeout, a broken check)
-                    self._abandon()
+                    self._abandon(where)
                 try:
                     handle.release()
                 except Exception:  # noqa: BLE001 - a handle of a failed READ may refuse release
                     log.debug("releasing a NIXL transfer handle", exc_info=True)
             self.reads += 1
-            return staging[:nbytes].clone()
+            out = staging[:nbytes].clone()
+            if on_gpu:  # the clone is queued on a stream: done before the next READ writes the buffer
+                torch.cuda.current_stream(where).synchronize()
+            return out
 
 
 _reader: NixlReader | None = None
 _reader_lock = threading.Lock()
 
 
-def reader(device: torch.device | None = None) -> NixlReader:
+def reader() -> NixlReader:
     """This process's reader, made on first use (NixlTransferError when NIXL cannot run here)."""
     global _reader
     with _reader_lock:
         if _reader is None:
             try:
-                _reader = NixlReader(device)
+                _reader = NixlReader()
             except NixlUnavailableError as exc:
                 raise NixlTransferError(str(exc)) from None
         return _reader
@@ -291,5 +300,4 @@ def known_agent(source: str) -> str:
 def read_slice(loc, nbytes: int, source: str | None = None,
                device: torch.device | str | None = None) -> torch.Tensor:
     """READ a NixlLocation's nbytes into a new uint8 tensor (on device's GPU when it is one, else host)."""
-    dev = torch.device(device) if device is not None else None
-    return reader(dev).read(loc, nbytes, source)
+    return reader().read(loc, nbytes, source, torch.device(device) if device is not None else None)
