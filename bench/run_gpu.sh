@@ -30,6 +30,8 @@
 #      gemma (Gemma 3's real shapes: TTFT, decode, Encode, each with HF; see its block below),
 #      phi4mm (Phi-4-multimodal's real shapes: TTFT, decode with and without the vision adapter, Encode,
 #      each with HF, and profiles of the tower and of steps; see its block below),
+#      nixl (the NIXL transport beside CUDA IPC, shared memory and bytes: GPU tests, the handoff of one
+#      Qwen2.5-VL-7B 1024² embedding, cold/warm TTFT with each; see its block below),
 #      or a list such as llava,qwen,qwen3.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
@@ -396,6 +398,30 @@ if [[ ",$SECTIONS," == *,phi4mm,* ]]; then
       *) echo "== PHI4_STEPS: unknown step $what" ;;
     esac
   done
+fi
+
+# NIXL beside CUDA IPC, shared memory and bytes (issue 41), Qwen2.5-VL-7B shapes in NIXL_MODEL_DIR (default
+# /tmp/qwen7b, made from NIXL_PRESET, default qwen2.5-vl-7b). Needs a nixl package (nixl-cu13 on CUDA 13).
+# 1. tests/gpu/test_nixl_gpu.py (VRAM arena READ into this GPU and into host memory; the pair told to use
+#    NIXL, HF-equal). 2. bench.handoff --nixl: one embedding of a NIXL_IMAGE_SIZE² image (default 1024:
+#    1225 x 3584 bf16) from a CUDA arena and an SHM arena, each registered with NIXL, to this GPU, per
+#    transport. 3. bench.ttft --transports NIXL_TRANSPORTS (default cuda_ipc,nixl,inline): one decoder per
+#    transport beside one encoder, cold/warm TTFT of a 1024² image + 500 tokens through gRPC with each.
+# CPU smoke: NIXL_PRESET=qwen2.5-vl-tiny DEVICE=cpu DTYPE=float32 NIXL_TRANSPORTS=shm,nixl,inline
+#            NIXL_IMAGE_SIZE=128 NIXL_KV_BYTES=50000000 NIXL_TESTS=0.
+if [[ ",$SECTIONS," == *,nixl,* ]]; then
+  NMODEL=${NIXL_MODEL_DIR:-/tmp/qwen7b}
+  make_once "$NMODEL" "${NIXL_PRESET:-qwen2.5-vl-7b}"
+  left=$((BUDGET - (SECONDS - START)))
+  if [ "${NIXL_TESTS:-1}" = 1 ] && [ "$left" -gt 60 ]; then
+    echo "== nixl GPU tests (t=$((SECONDS - START))s)"
+    timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_nixl_gpu.py 2>&1 | tail -15
+  fi
+  step nixl_handoff 150 "$PY" -m bench.handoff --model "$NMODEL" "${DT[@]}" --nixl \
+    --image-size "${NIXL_IMAGE_SIZE:-1024}" --iters 50 --logs "$RES/logs-handoff"
+  step nixl_ttft 360 "$PY" -m bench.ttft --model "$NMODEL" "${DT[@]}" --logs "$RES/logs-nixl-ttft" \
+    --transports "${NIXL_TRANSPORTS:-cuda_ipc,nixl,inline}" --concurrency 0 --rounds "${NIXL_ROUNDS:-5}" \
+    --image-size "${NIXL_IMAGE_SIZE:-1024}" --decoder-args "--kv-cache-bytes ${NIXL_KV_BYTES:-8000000000}"
 fi
 
 echo "== merge (t=$((SECONDS - START))s)"

@@ -16,8 +16,9 @@ the cold rounds' tower device time each (measured alone: batching only lowers it
 the cold rounds' prefill rate and the decode steps at the copy bandwidth (the language model's weights
 read once per step). With --hf, HF's `generate(max_new_tokens=1)` on the same weights and
 the cold prompts after the services stop (its processor excluded, as in bench/qwen_gpu.py).
-The result says how the embeddings came (`embedding_transports`): pick one with
---decoder-args "--embedding-transports nixl" (and --encoder-args "--nixl").
+The result says how the embeddings came (`embedding_transports`). --transports cuda_ipc,nixl,inline
+starts one decoder per transport (told to ask for it) beside the one encoder and measures each in turn:
+the cold TTFT per transport, side by side (`cold_p50_ms_by_transport`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 from google.protobuf.json_format import MessageToDict
 
 from bench.report import save_result
-from bench.services import Pair
+from bench.services import Service, decoder_service, encoder_service, start_all, workdir
 from bench.step_trace import read_trace, summarize
 from bench.svcstats import stage_split
 from bench.workload import PromptMaker, random_png, random_words
@@ -57,6 +58,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", action="store_true", help="HF generate on the cold prompts")
     p.add_argument("--decoder-args", default="", help="extra decoder flags, one string")
     p.add_argument("--encoder-args", default="", help="extra encoder flags, one string")
+    p.add_argument("--transports", default=None,
+                   help="comma-separated embedding transports (cuda_ipc, shm, nixl, inline): one decoder "
+                   "per entry told to ask for it (--embedding-transports), all started at once beside one "
+                   "encoder (with --nixl when nixl is listed), measured one after another; give each "
+                   "decoder's KV cache a size in --decoder-args (--kv-cache-bytes) so they fit together")
     p.add_argument("--logs", default=None)
     p.add_argument("--out", default=None)
     return p
@@ -68,12 +74,14 @@ def ms(seconds: float) -> float:
 
 
 class Probe:
-    """The pair's clients and the stage sums read before and after each measured request."""
+    """A decoder's and the encoder's clients and the stage sums read before and after each measured
+    request; `trace` is the decoder's step trace."""
 
-    def __init__(self, pair: Pair) -> None:
-        self.decoder = DecoderClient(pair.decoder.address, timeout=600)
-        self.encoder = EncoderClient(pair.encoder.address, timeout=60)
-        self.trace = trace_path(pair)
+    def __init__(self, decoder: Service, encoder: Service, trace: Path) -> None:
+        self.decoder = DecoderClient(decoder.address, timeout=600)
+        self.encoder = EncoderClient(encoder.address, timeout=60)
+        self.address = decoder.address
+        self.trace = trace
 
     def snapshot(self) -> dict:
         """Both services' stats as dicts (field names as in the protos)."""
@@ -124,13 +132,15 @@ def summary(values: list[float]) -> dict:
             "max_ms": ms(v[-1]), "n": len(v)}
 
 
-def cold_warm(probe: Probe, args: argparse.Namespace, words: PromptMaker,
-              texts: list[str]) -> tuple[dict, list[tuple[str, bytes]]]:
-    """Cold then warm per round (the first two rounds unmeasured: graphs and caches warm up)."""
+def cold_warm(probe: Probe, args: argparse.Namespace, words: PromptMaker, texts: list[str],
+              seed: int = 10_000) -> tuple[dict, list[tuple[str, bytes]]]:
+    """Cold then warm per round (the first two rounds unmeasured: graphs and caches warm up); the
+    images are made from seed on (another seed for another decoder: every cold image new to the
+    encoder)."""
     salt = uuid.uuid4().hex[:16]
     cold, warm, cold_splits, warm_splits, prompts = [], [], [], [], []
     for i, text in enumerate(texts):
-        prompt, png = words.image_prompt(text), random_png(10_000 + i, args.image_size)
+        prompt, png = words.image_prompt(text), random_png(seed + i, args.image_size)
         c, c_split = probe.ttft(prompt, png, salt)
         w, w_split = probe.ttft(prompt, png, salt)
         print(f"round {i}: cold {ms(c)} ms {c_split['decoder']}  warm {ms(w)} ms {w_split['decoder']}",
@@ -165,14 +175,14 @@ async def _burst(address: str, jobs: list[tuple[str, bytes]], n: int) -> tuple[l
         return list(ttfts), time.perf_counter() - started
 
 
-def burst(probe: Probe, pair: Pair, args: argparse.Namespace, words: PromptMaker, single: dict,
-          weight_bytes: int) -> dict:
+def burst(probe: Probe, args: argparse.Namespace, words: PromptMaker, single: dict,
+          weight_bytes: int, seed: int = 20_000) -> dict:
     """--concurrency distinct one-image requests at once, against their roofline."""
     jobs = [(words.image_prompt(random_words(words.rng, args.burst_words)),
-             random_png(20_000 + i, args.image_size)) for i in range(args.concurrency)]
+             random_png(seed + i, args.image_size)) for i in range(args.concurrency)]
     before = probe.snapshot()
     since = time.monotonic()
-    ttfts, wall = asyncio.run(_burst(pair.decoder.address, jobs, args.burst_tokens))
+    ttfts, wall = asyncio.run(_burst(probe.address, jobs, args.burst_tokens))
     until = time.monotonic()
     after = probe.snapshot()
     split = split_between(before, after)
@@ -191,12 +201,7 @@ def burst(probe: Probe, pair: Pair, args: argparse.Namespace, words: PromptMaker
             "roofline_parts_ms": {"tower_gpu": ms(tower_s), "prefill": ms(prefill_s), "decode": ms(decode_s)},
             "wall_over_roofline": round(wall / roofline, 2) if roofline else None,
             "split_ms": split["decoder"], "encoder_split_ms": split["encoder"],
-            "engine_steps": summarize(read_trace(trace_path(pair), since, until), since, until)}
-
-
-def trace_path(pair: Pair) -> Path:
-    """Where the decoder's engine core writes its step trace (--step-trace, set by main)."""
-    return Path(pair.logs) / "decoder-steps.jsonl"
+            "engine_steps": summarize(read_trace(probe.trace, since, until), since, until)}
 
 
 def lm_weight_bytes(model: str, dtype: str) -> int:
@@ -277,34 +282,72 @@ def hf_cold(args: argparse.Namespace, prompts: list[tuple[str, bytes]]) -> dict:
     return summary(times)
 
 
+def start_services(args: argparse.Namespace) -> tuple[Service, dict[str, tuple[Service, Path]]]:
+    """The encoder and, per --transports entry (or one with the decoder's default), a decoder with its
+    step trace; all started at once."""
+    logs = workdir(args.logs)
+    transports = args.transports.split(",") if args.transports else [""]
+    enc_args = args.encoder_args.split()
+    if "nixl" in transports and "--nixl" not in enc_args:
+        enc_args.append("--nixl")
+    encoder = encoder_service(args.model, logs, args.device, args.dtype, enc_args)
+    decoders = {}
+    for t in transports:
+        name = f"decoder-{t}" if t else "decoder"
+        extra = args.decoder_args.split() + (["--embedding-transports", t] if t else [])
+        trace = logs / f"{name}-steps.jsonl"
+        service = decoder_service(args.model, encoder.address, logs, args.device, args.dtype,
+                                  [*extra, "--step-trace", str(trace)], name=name)
+        decoders[t or "default"] = (service, trace)
+    start_all([encoder, *(d for d, _ in decoders.values())])
+    return encoder, decoders
+
+
+def measure(probe: Probe, args: argparse.Namespace, words: PromptMaker, texts: list[str],
+            index: int) -> tuple[dict, list[tuple[str, bytes]]]:
+    """Cold/warm rounds, then the burst (--concurrency), on one decoder; its images are its own."""
+    before = probe.snapshot()["decoder"].get("embedding_transports", {})
+    out: dict = {}
+    out["single"], prompts = cold_warm(probe, args, words, texts, seed=10_000 + 1000 * index)
+    after = probe.snapshot()["decoder"].get("embedding_transports", {})
+    # How the cold rounds' embeddings came (e.g. to check an --embedding-transports choice held).
+    out["single"]["embedding_transports"] = {
+        k: int(v) - int(before.get(k, 0)) for k, v in after.items() if int(v) != int(before.get(k, 0))}
+    print("single", out["single"], flush=True)
+    if args.concurrency:
+        weights = lm_weight_bytes(args.model, args.dtype)
+        out["burst"] = burst(probe, args, words, out["single"], weights, seed=20_000 + 1000 * index)
+        print("burst", out["burst"], flush=True)
+    return out, prompts
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; prints each part as it finishes and saves the result as `ttft`."""
     args = build_arg_parser().parse_args(argv)
     words = PromptMaker(args.model, seed=1)
     texts = [words.text(args.text_tokens) for _ in range(args.rounds + 2)]
     result: dict = {"model": load_config(args.model).get("model_type")}
-    pair = Pair(args.model, args.device, args.dtype, args.encoder_args.split(), args.decoder_args.split(),
-                args.logs)
-    pair.decoder.argv += ["--step-trace", str(trace_path(pair))]
-    pair.start()
+    encoder, decoders = start_services(args)
     try:
-        probe = Probe(pair)
-        before = probe.snapshot()["decoder"].get("embedding_transports", {})
-        result["single"], prompts = cold_warm(probe, args, words, texts)
-        after = probe.snapshot()["decoder"].get("embedding_transports", {})
-        # How the cold rounds' embeddings came (e.g. to check an --embedding-transports choice held).
-        result["single"]["embedding_transports"] = {
-            k: int(v) - int(before.get(k, 0)) for k, v in after.items() if int(v) != int(before.get(k, 0))}
-        print("single", result["single"], flush=True)
-        if args.concurrency:
-            weights = lm_weight_bytes(args.model, args.dtype)
-            result["burst"] = burst(probe, pair, args, words, result["single"], weights)
-            print("burst", result["burst"], flush=True)
+        for index, (label, (decoder, trace)) in enumerate(decoders.items()):
+            print(f"== decoder {label}", flush=True)
+            measured, prompts = measure(Probe(decoder, encoder, trace), args, words, texts, index)
+            if label == "default":
+                result.update(measured)
+            else:
+                result.setdefault("by_transport", {})[label] = measured
     finally:
-        pair.stop()
+        for decoder, _ in decoders.values():
+            decoder.stop()
+        encoder.stop()
+    if "by_transport" in result:
+        result["cold_p50_ms_by_transport"] = {
+            t: m["single"]["cold"]["p50_ms"] for t, m in result["by_transport"].items()}
+        print("cold p50 by transport", result["cold_p50_ms_by_transport"], flush=True)
     if args.hf:
         result["hf_cold"] = hf_cold(args, prompts)
-        result["cold_over_hf"] = round(result["single"]["cold"]["p50_ms"] / result["hf_cold"]["p50_ms"], 3)
+        first = result.get("single") or next(iter(result["by_transport"].values()))["single"]
+        result["cold_over_hf"] = round(first["cold"]["p50_ms"] / result["hf_cold"]["p50_ms"], 3)
         print("hf", result["hf_cold"], flush=True)
     save_result("ttft", args, result)
     return 0

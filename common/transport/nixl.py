@@ -292,6 +292,18 @@ def reader() -> NixlReader:
         return _reader
 
 
+def start_reader() -> bool:
+    """Make this process's reader now, at start-up: its agent takes about half a second to start (UCX),
+    which would otherwise fall on the first request read over NIXL. False (logged) when NIXL cannot run
+    here; reads then fall back to the bytes as they would anyway."""
+    try:
+        reader()
+        return True
+    except NixlTransferError as exc:
+        log.warning("NIXL reader not started: %s", exc)
+        return False
+
+
 def known_agent(source: str) -> str:
     """The encoder agent this process has loaded for source, or "" (never starts NIXL)."""
     return _reader.known_agent(source) if _reader is not None else ""

@@ -204,6 +204,22 @@ def test_profile_step_warm_prefill(tiny_model_dir, out_dir):
     assert res["wall_ms"] > 0
 
 
+def test_ttft_by_transport_one_decoder_each(tiny_model_dir, out_dir):
+    """bench.ttft --transports: one decoder per transport beside one encoder, each told to ask for its
+    own; every cold embedding came the way its decoder asked."""
+    from common.transport import nixl as nixl_transport
+
+    asked = ["inline", "shm"] + (["nixl"] if nixl_transport.nixl_installed() else [])
+    ttft.main(["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32", "--rounds", "1",
+               "--concurrency", "0", "--image-size", "64", "--text-tokens", "20",
+               "--transports", ",".join(asked), "--out", str(out_dir / "ttft_transports.json")])
+    res = _load(out_dir / "ttft_transports.json")["results"]
+    assert list(res["by_transport"]) == asked and set(res["cold_p50_ms_by_transport"]) == set(asked)
+    for t in asked:
+        came = res["by_transport"][t]["single"]["embedding_transports"]
+        assert came == {"inline_data" if t == "inline" else t: 3}  # 3 rounds, each image new
+
+
 def test_ttft_split_with_the_crossing(tiny_model_dir, out_dir):
     """bench.ttft on the tiny model: cold and warm with the services' split, the inbound crossing read
     from the core's step trace, and a burst against its roofline."""

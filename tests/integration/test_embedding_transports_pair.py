@@ -37,6 +37,8 @@ def test_the_decoder_gets_the_transport_it_asks_for(asked, encoder_args, tiny_mo
                 decoder_args=["--embedding-transports", asked, "--max-num-batched-tokens", "64"]).start()
     try:
         assert f"transports {asked}" in pair.decoder.log_tail(200)  # the ready line: asked, then inline
+        if asked == "nixl":  # its agent started with the decoder, not on the first request
+            assert "Initialized NIXL agent: mmserve-dec-" in pair.decoder.log_tail(200)
         transports = _served(pair, oracle, test_images[:2])
         assert transports == {"inline_data" if asked == "inline" else asked: 2}
     finally:
