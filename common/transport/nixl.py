@@ -19,8 +19,9 @@ The `nixl` package is optional (`pip install -e '.[nixl]'`) and imported only he
 CUDA 12 (`nixl_cu12`), CUDA 13 (`nixl_cu13`) or the meta package (`nixl`) all do.
 
 Progress: the encoder's agent does not run NIXL's own progress thread (it busy-polls a core); a thread
-of ours polls its backend every _PROGRESS_S instead, which is what UCX over TCP or shared memory needs
-on the target side to answer reads.
+of ours polls its backend instead, which is what UCX needs on the target side to answer reads that are
+not one-sided (over TCP, or staged through host memory): every _PROGRESS_S when idle, every
+_BUSY_PROGRESS_S for _BUSY_WINDOW_S after a ref is handed out.
 
 Security: NIXL carries no authentication. Whoever holds an agent's metadata and an address can READ the
 registered arena: the data network between encoders and decoders must be trusted, and the gRPC Encode
@@ -46,7 +47,9 @@ log = logging.getLogger("mmserve.transport")
 
 _MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # the meta package first: it picks the host's CUDA build
 _BACKEND = "UCX"
-_PROGRESS_S = 0.002  # the encoder's progress poll: well under a millisecond of CPU per second
+_PROGRESS_S = 0.002  # the encoder's progress poll when idle: well under a millisecond of CPU per second
+_BUSY_PROGRESS_S = 0.00005  # ... and while a READ of a ref it handed out may be in flight
+_BUSY_WINDOW_S = 0.5  # how long after handing out a ref its READ is expected
 _READ_TIMEOUT_S = 10.0  # one READ of an embedding takes milliseconds; past this the encoder is gone
 _POLL_S = 0.0001  # between checks of a READ in flight
 
@@ -105,20 +108,29 @@ class NixlExporter:
                                                 _mem_type(self.vram))
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a ref was handed out: poll fast now
+        self._busy_until = 0.0
         self._thread = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
         self._thread.start()
         log.info("NIXL agent %s: arena of %d bytes registered (%s)", self.name, self.capacity,
                  _mem_type(self.vram))
 
     def _progress(self) -> None:
-        while not self._stop.wait(_PROGRESS_S):
+        while not self._stop.is_set():
+            busy = time.monotonic() < self._busy_until
+            if self._wake.wait(_BUSY_PROGRESS_S if busy else _PROGRESS_S):
+                self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._agent.get_new_notifs()  # progresses the backend: connections and reads are served
             except Exception:  # noqa: BLE001 - keep serving; a broken peer is its reader's failure
                 log.debug("NIXL progress", exc_info=True)
 
     def fill(self, loc, offset: int, send_metadata: bool) -> None:
-        """Set a NixlLocation message for the slice at offset."""
+        """Set a NixlLocation message for the slice at offset; its READ is expected soon (fast polls)."""
+        self._busy_until = time.monotonic() + _BUSY_WINDOW_S
+        self._wake.set()
         loc.agent_name = self.name
         if send_metadata:
             loc.agent_metadata = self.metadata
@@ -133,6 +145,7 @@ class NixlExporter:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5.0)
         try:
             self._agent.deregister_memory(self._reg)
