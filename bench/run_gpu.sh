@@ -403,9 +403,10 @@ fi
 # NIXL beside CUDA IPC, shared memory and bytes (issue 41), Qwen2.5-VL-7B shapes in NIXL_MODEL_DIR (default
 # /tmp/qwen7b, made from NIXL_PRESET, default qwen2.5-vl-7b). Needs a nixl package (nixl-cu13 on CUDA 13).
 # 1. tests/gpu/test_nixl_gpu.py (VRAM arena READ into this GPU and into host memory; the pair told to use
-#    NIXL, HF-equal). 2. bench.handoff --nixl: one embedding of a NIXL_IMAGE_SIZE² image (default 1024:
+#    NIXL, HF-equal). 2. bench.nixl_read: a READ alone between two processes (CUDA and host arenas, into
+#    this GPU and host memory). 3. bench.handoff --nixl: one embedding of a NIXL_IMAGE_SIZE² image (default 1024:
 #    1225 x 3584 bf16) from a CUDA arena and an SHM arena, each registered with NIXL, to this GPU, per
-#    transport. 3. bench.ttft --transports NIXL_TRANSPORTS (default cuda_ipc,nixl,inline): one decoder per
+#    transport. 4. bench.ttft --transports NIXL_TRANSPORTS (default cuda_ipc,nixl,inline): one decoder per
 #    transport beside one encoder, cold/warm TTFT of a 1024² image + 500 tokens through gRPC with each.
 # CPU smoke: NIXL_PRESET=qwen2.5-vl-tiny DEVICE=cpu DTYPE=float32 NIXL_TRANSPORTS=shm,nixl,inline
 #            NIXL_IMAGE_SIZE=128 NIXL_KV_BYTES=50000000 NIXL_TESTS=0.
@@ -417,6 +418,7 @@ if [[ ",$SECTIONS," == *,nixl,* ]]; then
     echo "== nixl GPU tests (t=$((SECONDS - START))s)"
     timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_nixl_gpu.py 2>&1 | tail -15
   fi
+  step nixl_read 90 "$PY" -m bench.nixl_read --iters 50
   step nixl_handoff 150 "$PY" -m bench.handoff --model "$NMODEL" "${DT[@]}" --nixl \
     --image-size "${NIXL_IMAGE_SIZE:-1024}" --iters 50 --logs "$RES/logs-handoff"
   step nixl_ttft 360 "$PY" -m bench.ttft --model "$NMODEL" "${DT[@]}" --logs "$RES/logs-nixl-ttft" \
