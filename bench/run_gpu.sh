@@ -404,9 +404,9 @@ fi
 # /tmp/qwen7b, made from NIXL_PRESET, default qwen2.5-vl-7b). Needs a nixl package (nixl-cu13 on CUDA 13).
 # 1. tests/gpu/test_nixl_gpu.py (VRAM arena READ into this GPU and into host memory; the pair told to use
 #    NIXL, HF-equal). 2. bench.nixl_read: a READ alone between two processes (CUDA and host arenas, into
-#    this GPU and host memory). 3. bench.handoff --nixl: one embedding of a NIXL_IMAGE_SIZE² image (default 1024:
-#    1225 x 3584 bf16) from a CUDA arena and an SHM arena, each registered with NIXL, to this GPU, per
-#    transport. 4. bench.ttft --transports NIXL_TRANSPORTS (default cuda_ipc,nixl,inline): one decoder per
+#    this GPU and host memory). 3. bench.handoff --nixl: one embedding of a NIXL_IMAGE_SIZE² image
+#    (default 1024: 1369 x 3584 bf16) from a CUDA arena and an SHM arena, each registered with NIXL, to
+#    this GPU, per transport. 4. bench.ttft --transports NIXL_TRANSPORTS (default cuda_ipc,nixl,inline): one decoder per
 #    transport beside one encoder, cold/warm TTFT of a 1024² image + 500 tokens through gRPC with each.
 # CPU smoke: NIXL_PRESET=qwen2.5-vl-tiny DEVICE=cpu DTYPE=float32 NIXL_TRANSPORTS=shm,nixl,inline
 #            NIXL_IMAGE_SIZE=128 NIXL_KV_BYTES=50000000 NIXL_TESTS=0.
