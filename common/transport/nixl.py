@@ -254,7 +254,7 @@ class NixlReader:
             staging = self._buffer(nbytes, where)
             try:
                 local = self._agent.get_xfer_descs([(staging.data_ptr(), nbytes, where.index or 0)],
-                                                   _mem_type(on_gpu))
+                                                   _mem_type(where.type == "cuda"))
                 remote = self._agent.get_xfer_descs([(loc.address, nbytes, loc.device_id)],
                                                     _mem_type(loc.vram))
                 handle = self._agent.initialize_xfer("READ", local, remote, name)

@@ -1,6 +1,7 @@
 """The NIXL transport on a GPU (needs CUDA, cupy and a nixl package): an encoder's CUDA arena registered
-as VRAM, READ by another process into its own GPU (VRAM to VRAM) and into host memory; and the services
-on one GPU told to use it (`--embedding-transports nixl`), equal to HF with nothing held after.
+as VRAM (or a CPU encoder's host arena), READ by another process into its own GPU and into host memory;
+and the services on one GPU told to use it (`--embedding-transports nixl`), equal to HF with nothing
+held after.
 """
 
 from __future__ import annotations
@@ -30,21 +31,23 @@ def _expected(i: int) -> torch.Tensor:
     return torch.randn(*SHAPES[i], generator=g).to(torch.bfloat16)
 
 
-def _encoder_process(refs, done) -> None:
-    """Stands for a GPU encoder: a CUDA arena, entries written by kernels on a stream, NIXL refs."""
+def _encoder_process(kind, refs, done) -> None:
+    """Stands for an encoder: a CUDA arena (entries written by kernels on a stream) or a host arena (a
+    CPU encoder), registered with NIXL; puts the NIXL refs of its entries."""
+    from common.transport.arena import TensorArena
     from common.transport.cuda_ipc import CudaArena
     from encoder_svc.cache import EmbeddingCache
     from encoder_svc.refs import build_ref
 
     torch.cuda.init()
-    cache = EmbeddingCache(CudaArena(64 << 20, "cuda:0"))
+    cache = EmbeddingCache(CudaArena(64 << 20, "cuda:0") if kind == "cuda" else TensorArena(64 << 20))
     exporter = nixl_transport.NixlExporter(cache.arena)
-    assert exporter.vram
+    assert exporter.vram == (kind == "cuda")
     out = []
     for i in range(len(SHAPES)):
         fut, produce = cache.acquire(f"k{i}")
         assert produce
-        cache.complete(f"k{i}", _expected(i).cuda())
+        cache.complete(f"k{i}", _expected(i).cuda() if kind == "cuda" else _expected(i))
         out.append(build_ref(fut.result(0), NIXL, cache.arena, nixl=exporter).SerializeToString())
     refs.put(out)
     done.wait(120)
@@ -52,28 +55,33 @@ def _encoder_process(refs, done) -> None:
     cache.close()
 
 
-def test_vram_arena_is_read_into_this_gpu_and_into_host_memory():
+@pytest.mark.parametrize("kind", ["cuda", "host"])
+def test_an_arena_is_read_into_this_gpu_and_into_host_memory(kind):
+    """A GPU encoder's rows READ VRAM to VRAM (and to host memory); a CPU encoder's rows to host memory,
+    then uploaded."""
     from common.transport import import_embedding
 
     ctx = mp.get_context("spawn")
     refs, done = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_encoder_process, args=(refs, done), daemon=True)
+    proc = ctx.Process(target=_encoder_process, args=(kind, refs, done), daemon=True)
     proc.start()
+    source = f"enc-{kind}"
     try:
         raw = refs.get(timeout=120)
         parsed = [common_pb2.EmbeddingRef.FromString(r) for r in raw]
-        assert all(r.WhichOneof("location") == "nixl" and r.nixl.vram for r in parsed)
+        assert all(r.WhichOneof("location") == "nixl" and r.nixl.vram == (kind == "cuda") for r in parsed)
         reader = nixl_transport.reader()
+        loads = reader.metadata_loads
         for i, ref in enumerate(parsed):
-            on_gpu = import_embedding(ref, device=torch.device("cuda:0"), source="enc-gpu")
+            on_gpu = import_embedding(ref, device=torch.device("cuda:0"), source=source)
             assert on_gpu.is_cuda and on_gpu.dtype == torch.bfloat16 and tuple(on_gpu.shape) == SHAPES[i]
             assert torch.equal(on_gpu.cpu(), _expected(i))
-            on_host = import_embedding(ref, device=torch.device("cpu"), source="enc-gpu")
+            on_host = import_embedding(ref, device=torch.device("cpu"), source=source)
             assert not on_host.is_cuda and torch.equal(on_host, _expected(i))
-        assert reader.metadata_loads == 1  # the agent once, for six reads
+        assert reader.metadata_loads == loads + 1  # the agent once, for six reads
         # The staging buffer is reused: a later READ must not change an earlier result.
-        first = import_embedding(parsed[0], device=torch.device("cuda:0"), source="enc-gpu")
-        import_embedding(parsed[1], device=torch.device("cuda:0"), source="enc-gpu")
+        first = import_embedding(parsed[0], device=torch.device("cuda:0"), source=source)
+        import_embedding(parsed[1], device=torch.device("cuda:0"), source=source)
         assert torch.equal(first.cpu(), _expected(0))
     finally:
         done.set()
