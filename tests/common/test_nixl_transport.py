@@ -5,6 +5,7 @@ agent's metadata comes once; a READ that cannot be done fails with NixlTransferE
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
@@ -128,3 +129,14 @@ def test_a_dead_encoders_read_fails_cleanly(read_before):
     with pytest.raises(nixl_transport.NixlTransferError):
         import_embedding(a, source=source)
     assert nixl_transport.known_agent(source) == ""  # forgotten: a restarted encoder sends new metadata
+
+
+def test_cuda_ipc_reads_are_turned_on_unless_the_environment_says_otherwise(monkeypatch):
+    """UCX turns CUDA IPC READs off without NVLink (then emulates them over TCP, ~100x slower on a
+    one-GPU host): the agents turn them on before UCX starts, unless the operator set the variable."""
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    nixl_transport._new_agent("mmserve-test-env-1")
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n")
+    nixl_transport._new_agent("mmserve-test-env-2")
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "n"
