@@ -70,33 +70,19 @@ def image_inputs(model, processor, prompts: list[str], images: list, device: str
 
 def hf_image_processor(model_dir: str | Path):
     """The checkpoint's HF image processor (called as processor(images=[...], return_tensors="pt")). Where
-    it cannot load on this host (Phi-4-multimodal's needs torchvision, which CPU hosts lack), the
-    reproduction of it that the family's CPU oracle uses (bench/phi4mm_pixels_check.py checks that the two
-    agree), so that a CPU smoke run goes through the HF reference too."""
-    from common.checkpoint import load_config
+    it cannot load on this host (Phi-4-multimodal's needs torchvision, which CPU hosts lack), the family's
+    reproduction of it (`ModelFamily.processor_stand_in`, what its CPU oracle uses), so that a CPU smoke
+    run goes through the HF reference too."""
     from common.families.registry import family_of_model
     from common.vision.tower import _load_image_processor
 
     try:
         return _load_image_processor(Path(model_dir))
     except (ImportError, ValueError):
-        if family_of_model(model_dir).name != "phi4mm":
+        family = family_of_model(model_dir)
+        if family.processor_stand_in is None:
             raise
-    from common.families.phi4mm.layout import Phi4ImageLayout
-
-    return Phi4PixelsReproduction(Phi4ImageLayout.from_checkpoint(model_dir, load_config(model_dir)).settings)
-
-
-class Phi4PixelsReproduction:
-    """Phi4MultimodalImageProcessor's outputs from common/families/phi4mm/pixels.py (the CPU oracle's)."""
-
-    def __init__(self, settings) -> None:
-        self.settings = settings
-
-    def __call__(self, images: list, return_tensors: str = "pt") -> dict:
-        from common.families.phi4mm.pixels import batch_pixels, hd_transform
-
-        return batch_pixels([hd_transform(im, self.settings) for im in images])
+    return family.image_processor_stand_in(model_dir)
 
 
 def hf_image_features(model, pixels: dict, device: torch.device, dtype: torch.dtype,

@@ -52,6 +52,10 @@ class ModelFamily:
     # Other formats of its checkpoints that it does not read, by config.json model_type: how to convert
     # them (the refusal says so; e.g. the remote-code form of Phi-4-multimodal on the Hub).
     convert_from: tuple[tuple[str, str], ...] = ()
+    # "module:Class" built from a checkpoint directory and called as its HF image processor is
+    # (images=[...], return_tensors="pt"): the family's own reproduction of that processor, for hosts
+    # where HF's cannot load (Phi-4-multimodal's needs torchvision). Benchmarks' HF references use it there.
+    processor_stand_in: str | None = None
 
     def layout_class(self) -> type[ImageLayout]:
         """Its ImageLayout class (loads the text processor and reads a checkpoint's layout)."""
@@ -65,6 +69,13 @@ class ModelFamily:
     def make_oracle(self, model_dir: str | Path) -> Any:
         """Its HF oracle over the checkpoint in model_dir (imports transformers; tests only)."""
         return load_attr(self.oracle)(model_dir)
+
+    def image_processor_stand_in(self, model_dir: str | Path) -> Any:
+        """Its reproduction of the checkpoint's HF image processor (processor_stand_in); ValueError when it
+        declares none."""
+        if self.processor_stand_in is None:
+            raise ValueError(f"the {self.name} family has no stand-in for its HF image processor")
+        return load_attr(self.processor_stand_in)(model_dir)
 
     def make_vision_encoder(self, model_dir: str | Path, device: Any = "cpu", dtype: Any = None,
                             preprocess: str = "auto") -> Any:

@@ -74,6 +74,9 @@ def test_every_reference_resolves(family):
     assert family.real_checkpoint.count("/") == 1  # a Hub id
     oracle = load_attr(family.oracle)
     assert callable(oracle.generate) and family.oracle.startswith(f"common.families.{family.name}.")
+    if family.processor_stand_in is not None:  # its HF processor's reproduction, in its own folder
+        assert callable(load_attr(family.processor_stand_in))
+        assert family.processor_stand_in.startswith(f"common.families.{family.name}.")
 
 
 def test_a_tiny_checkpoint_of_each_family_is_found_and_gets_its_encoder(tiny_model_dir):

@@ -114,3 +114,18 @@ class Phi4Oracle:
         with torch.no_grad():
             logits = self.model_for(images)(**self.inputs(prompt, images)).logits[0, -1]
         return logits.log_softmax(-1)
+
+
+class Phi4ProcessorReproduction:
+    """Phi4MultimodalImageProcessor's outputs (pixel values, masks, sizes, token counts) from pixels.py,
+    for hosts without torchvision: what the CPU oracle feeds HF's model (bench/phi4mm_pixels_check.py
+    checks the two agree where torchvision is installed)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from common.checkpoint import load_config
+
+        self.settings = Phi4ImageLayout.from_checkpoint(model_dir, load_config(model_dir)).settings
+
+    def __call__(self, images: list[Image.Image], return_tensors: str = "pt") -> dict:
+        """HF's processor call: a batch of PIL images to its output dict."""
+        return batch_pixels([hd_transform(im, self.settings) for im in images])
