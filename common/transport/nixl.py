@@ -49,8 +49,11 @@ log = logging.getLogger("mmserve.transport")
 _MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # the meta package first: it picks the host's CUDA build
 _BACKEND = "UCX"
 _PROGRESS_S = 0.002  # the encoder's progress poll when idle: well under a millisecond of CPU per second
-_BUSY_PROGRESS_S = 0.00005  # ... and while a READ of a ref it handed out may be in flight
-_BUSY_WINDOW_S = 0.5  # how long after handing out a ref its READ is expected
+# ... and while a READ of a ref it handed out may be in flight: over TCP a 9.8 MB READ took 11 ms polled
+# every 50 us, 15-17 ms every 200 us, 20-22 ms every 2 ms (this 2-core VM, bench.nixl_read with
+# UCX_TLS=tcp); the fast polls cost the encoder's other threads about a tenth of the GIL while they last.
+_BUSY_PROGRESS_S = 0.00005
+_BUSY_WINDOW_S = 0.1  # how long after handing out a ref its READ is expected
 _READ_TIMEOUT_S = 10.0  # one READ of an embedding takes milliseconds; past this the encoder is gone
 _POLL_S = 0.0001  # between checks of a READ in flight
 
@@ -81,8 +84,10 @@ def nixl_module():
 def _new_agent(name: str):
     # UCX turns off CUDA IPC READs (get zcopy) where it finds no NVLink, e.g. a one-GPU host: a READ of
     # another process's GPU memory then falls back to an emulation over TCP (0.46 GB/s on an H200, against
-    # 44 GB/s with it on). Set before UCX starts; a value in the environment wins.
-    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    # 44 GB/s with it on). Set before UCX starts; a value in the environment wins. Without CUDA, UCX has
+    # no such setting (and warns of an unused variable).
+    if torch.cuda.is_available():
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
     nixl = nixl_module()
     try:
         agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=[_BACKEND]))

@@ -135,6 +135,10 @@ def test_cuda_ipc_reads_are_turned_on_unless_the_environment_says_otherwise(monk
     """UCX turns CUDA IPC READs off without NVLink (then emulates them over TCP, ~100x slower on a
     one-GPU host): the agents turn them on before UCX starts, unless the operator set the variable."""
     monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    nixl_transport._new_agent("mmserve-test-env-0")
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in os.environ  # no CUDA: UCX would warn of it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     nixl_transport._new_agent("mmserve-test-env-1")
     assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
     monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n")
