@@ -9,8 +9,9 @@ time through gRPC `Generate` (1 output token):
 each with the decoder's TTFT split (GetStats `ttft_stage_seconds`: input, submit, encode, queue,
 prefill, output; decoder_svc/engine/ttft_stages.py), the request's inbound `crossing` of gRPC (the
 client's call to the front end's `received` stamp, read from the core's step trace; the rest of the
-client's figure is the first token's way back) and the encoder's Encode split (`stage_seconds`) over the
-cold rounds. Then --concurrency requests at once (distinct images, --burst-words words each,
+client's figure is the first token's way back; `crossing_floor` is what the same requests'
+crossing costs a bare gRPC server on this host, bench/grpc_floor.py) and the encoder's Encode split
+(`stage_seconds`) over the cold rounds. Then --concurrency requests at once (distinct images, --burst-words words each,
 --burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a roofline made of the images at
 the cold rounds' tower device time each (measured alone: batching only lowers it), the prompt tokens at
 the cold rounds' prefill rate and the decode steps at the copy bandwidth (the language model's weights
@@ -32,13 +33,14 @@ from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
 
+from bench.grpc_floor import crossing_floor
 from bench.report import save_result
 from bench.services import Service, decoder_service, encoder_service, start_all, workdir
 from bench.step_trace import read_trace, summarize
 from bench.svcstats import stage_split
 from bench.workload import PromptMaker, random_png, random_words
 from common.checkpoint import load_config
-from common.client import AsyncDecoderClient, DecoderClient, EncoderClient
+from common.client import AsyncDecoderClient, DecoderClient, EncoderClient, generate_request
 
 COPY_BANDWIDTH = 4.27e12  # H200 device copy, bytes/s (bench/bandwidth.py measured 4.27-4.29)
 
@@ -313,6 +315,9 @@ def measure(probe: Probe, args: argparse.Namespace, words: PromptMaker, texts: l
     # How the cold rounds' embeddings came (e.g. to check an --embedding-transports choice held).
     out["single"]["embedding_transports"] = {
         k: int(v) - int(before.get(k, 0)) for k, v in after.items() if int(v) != int(before.get(k, 0))}
+    if index == 0:  # what the same requests' crossing costs a bare gRPC server on this host
+        out["single"]["crossing_floor"] = crossing_floor(
+            [generate_request(prompt, [png], max_tokens=1, ignore_eos=True) for prompt, png in prompts])
     print("single", out["single"], flush=True)
     if args.concurrency:
         weights = lm_weight_bytes(args.model, args.dtype)

@@ -37,7 +37,7 @@ def decode_in_slot(slot_path: str, offset: int, length: int, capacity: int, limi
     view = _slot_view(slot_path)
     decoded = decode_and_hash(view[offset:offset + length], limits, fingerprint, salt)
     if len(decoded.pixels) > capacity:
-        return decoded
+        return decoded.owned()
     view[offset:offset + len(decoded.pixels)] = decoded.pixels
     return DecodedImage(decoded.content_hash, decoded.width, decoded.height, b"")
 

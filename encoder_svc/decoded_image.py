@@ -4,14 +4,14 @@ against threads against `hash_image`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 from PIL import Image
 
 from common.hashing import hash_image_file
-from common.images import ImageLimits, decode_image
+from common.images import ImageLimits, decode_image_array
 
 
 class SlotLease(Protocol):
@@ -32,7 +32,7 @@ class DecodedImage:
     content_hash: str  # hex, as on the wire
     width: int
     height: int
-    pixels: bytes | memoryview  # RGB rows, exactly what `Image.tobytes()` gives (the hashed bytes)
+    pixels: bytes | memoryview  # RGB rows, as `Image.tobytes()` gives them (a flat byte view)
     slot: SlotLease | None = field(default=None, compare=False, repr=False)
 
     mode = "RGB"
@@ -41,6 +41,10 @@ class DecodedImage:
         """Give the pixels' slot back to the pool (no-op for owned pixels; idempotent, any thread)."""
         if self.slot is not None:
             self.slot.release()
+
+    def owned(self) -> DecodedImage:
+        """The same image with its pixels as bytes of its own (pickled to cross processes: a view cannot)."""
+        return replace(self, pixels=bytes(self.pixels), slot=None)
 
     def to_pil(self) -> Image.Image:
         """A PIL image over `pixels` (no copy; read-only)."""
@@ -54,5 +58,7 @@ class DecodedImage:
 def decode_and_hash(data: bytes, limits: ImageLimits, fingerprint: str, salt: str) -> DecodedImage:
     """Decode an image file (limits checked; ImageError for a bad one) into RGB pixels, named by the
     file's content hash (`hash_image_file`: the decoder names it the same way without decoding it)."""
-    image = decode_image(data, limits)
-    return DecodedImage(hash_image_file(data, fingerprint, salt), image.width, image.height, image.tobytes())
+    pixels = decode_image_array(data, limits)
+    height, width, _ = pixels.shape
+    return DecodedImage(hash_image_file(data, fingerprint, salt), width, height,
+                        memoryview(pixels).cast("B").toreadonly())
