@@ -11,8 +11,8 @@ prefill, output; decoder_svc/engine/ttft_stages.py), the request's inbound `cros
 client's call to the front end's `received` stamp, read from the core's step trace; the rest of the
 client's figure is the first token's way back; `crossing_floor` is what the same requests'
 crossing costs a bare gRPC server on this host, bench/grpc_floor.py) and the encoder's Encode split
-(`stage_seconds`) over the cold rounds. Then --concurrency requests at once (distinct images, --burst-words words each,
---burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a roofline made of the images at
+(`stage_seconds`) over the cold rounds. Then --concurrency requests at once (distinct images,
+--burst-words words each, --burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a roofline made of the images at
 the cold rounds' tower device time each (measured alone: batching only lowers it), the prompt tokens at
 the cold rounds' prefill rate and the decode steps at the copy bandwidth (the language model's weights
 read once per step). With --hf, HF's `generate(max_new_tokens=1)` on the same weights and
