@@ -2,21 +2,21 @@
 
     python -m bench.ttft --model DIR [--device cuda --dtype bfloat16] [--hf] [--out ttft.json]
 
-One encoder and one decoder on the checkpoint (any served family), then, one request at a
-time through gRPC `Generate` (1 output token):
+One encoder and one decoder on the checkpoint (any served family), then, one request at a time through
+gRPC `Generate` (1 output token):
 - cold: a new --image-size PNG of noise + about --text-tokens tokens of text (every image misses);
 - warm: the identical request again (its prefix is cached: all but the last tokens);
 each with the decoder's TTFT split (GetStats `ttft_stage_seconds`: input, submit, encode, queue,
 prefill, output; decoder_svc/engine/ttft_stages.py), the request's inbound `crossing` of gRPC (the
 client's call to the front end's `received` stamp, read from the core's step trace; the rest of the
-client's figure is the first token's way back; `crossing_floor` is what the same requests'
-crossing costs a bare gRPC server on this host, bench/grpc_floor.py) and the encoder's Encode split
+client's figure is the first token's way back; `crossing_floor` is what the same requests' crossing
+costs a bare gRPC server on this host, bench/grpc_floor.py) and the encoder's Encode split
 (`stage_seconds`) over the cold rounds. Then --concurrency requests at once (distinct images,
---burst-words words each, --burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a roofline made of the images at
-the cold rounds' tower device time each (measured alone: batching only lowers it), the prompt tokens at
-the cold rounds' prefill rate and the decode steps at the copy bandwidth (the language model's weights
-read once per step). With --hf, HF's `generate(max_new_tokens=1)` on the same weights and
-the cold prompts after the services stop (its processor excluded, as in bench/qwen_gpu.py).
+--burst-words words each, --burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a roofline made
+of the images at the cold rounds' tower device time each (measured alone: batching only lowers it), the
+prompt tokens at the cold rounds' prefill rate and the decode steps at the copy bandwidth (the language
+model's weights read once per step). With --hf, HF's `generate(max_new_tokens=1)` on the same weights
+and the cold prompts after the services stop (its processor excluded, as in bench/qwen_gpu.py).
 The result says how the embeddings came (`embedding_transports`). --transports cuda_ipc,nixl,inline
 starts one decoder per transport (told to ask for it) beside the one encoder and measures each in turn:
 the cold TTFT per transport, side by side (`cold_p50_ms_by_transport`).
