@@ -13,9 +13,9 @@ client's figure is the first token's way back; `crossing_floor` is what the same
 costs a bare gRPC server on this host, bench/grpc_floor.py) and the encoder's Encode split
 (`stage_seconds`) over the cold rounds. Then --concurrency requests at once (distinct images,
 --burst-words words each, --burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a
-roofline made of the images at the cold rounds' tower device time each (measured alone: batching only lowers it), the
-prompt tokens at the cold rounds' prefill rate and the decode steps at the copy bandwidth (the language
-model's weights read once per step). With --hf, HF's `generate(max_new_tokens=1)` on the same weights
+roofline made of the images at the cold rounds' tower device time each (measured alone: batching
+only lowers it), the prompt tokens at the cold rounds' prefill rate and the decode steps at the copy
+bandwidth (the language model's weights read once per step). With --hf, HF's `generate(max_new_tokens=1)` on the same weights
 and the cold prompts after the services stop (its processor excluded, as in bench/qwen_gpu.py).
 The result says how the embeddings came (`embedding_transports`). --transports cuda_ipc,nixl,inline
 starts one decoder per transport (told to ask for it) beside the one encoder and measures each in turn:
