@@ -15,8 +15,9 @@ costs a bare gRPC server on this host, bench/grpc_floor.py) and the encoder's En
 --burst-words words each, --burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a
 roofline made of the images at the cold rounds' tower device time each (measured alone: batching
 only lowers it), the prompt tokens at the cold rounds' prefill rate and the decode steps at the copy
-bandwidth (the language model's weights read once per step). With --hf, HF's `generate(max_new_tokens=1)` on the same weights
-and the cold prompts after the services stop (its processor excluded, as in bench/qwen_gpu.py).
+bandwidth (the language model's weights read once per step). With --hf, HF's
+`generate(max_new_tokens=1)` on the same weights and the cold prompts after the services stop (its
+processor excluded, as in bench/qwen_gpu.py).
 The result says how the embeddings came (`embedding_transports`). --transports cuda_ipc,nixl,inline
 starts one decoder per transport (told to ask for it) beside the one encoder and measures each in turn:
 the cold TTFT per transport, side by side (`cold_p50_ms_by_transport`).
