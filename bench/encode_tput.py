@@ -46,7 +46,7 @@ from bench.workload import random_png
 from common.checkpoint import parse_dtype
 from common.client import new_lease_owner
 from common.hashing import hash_algorithm, hash_image
-from common.images import ImageLimits, decode_image
+from common.images import ImageLimits, decode_image, decode_image_array
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from encoder_svc.decode_pool import DecodePool
 from encoder_svc.decoded_image import decode_and_hash
@@ -356,6 +356,8 @@ def run_host_costs(args: argparse.Namespace, model_dir, pngs: list[bytes], threa
 
     costs = {
         "decode_png_ms": _per_image_ms(decode_image, pngs),
+        # The encoder's own decode: libspng for plain RGB PNGs (common/images.decode_image_array).
+        "decode_png_array_ms": _per_image_ms(decode_image_array, pngs),
         f"hash_{hash_algorithm()}_ms": _per_image_ms(lambda i: hash_image(i, fingerprint), images),
         "hash_sha256_ms": _per_image_ms(sha256, images),
         "tobytes_ms": _per_image_ms(lambda i: i.tobytes(), images),
