@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from common.errors import ServiceError
+from common.freed_memory import reuse_freed_blocks
 from common.handler_wrapping import WrappingRegistrar, wrap_behavior
 from common.security.auth import AuthGuard
 from common.security.options import ServerSecurity
@@ -125,6 +126,7 @@ class GrpcService:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         security: ServerSecurity | None = None,
     ) -> None:
+        reuse_freed_blocks()  # requests of megabytes: no fresh pages for each copy (common/freed_memory.py)
         self.name = name
         self.host = host
         self.port = port

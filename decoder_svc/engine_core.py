@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from common.checkpoint import CheckpointError
+from common.freed_memory import reuse_freed_blocks
 from common.security.options import ClientSecurity
 from common.server import configure_logging
 from decoder_svc import core_protocol as msg
@@ -232,6 +233,7 @@ def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecuri
     """The core process's entry point (multiprocessing target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
     configure_logging(config.service.log_level)
+    reuse_freed_blocks()  # image bytes follow their requests through the pipe, megabytes each
     try:
         engine = build_engine(config, encoder_link)
     except LoRAError as exc:  # an adapter we cannot serve: one line, exit 2

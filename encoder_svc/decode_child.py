@@ -13,7 +13,7 @@ import struct
 import threading
 import time
 
-from common.freed_memory import LARGE_JOB_BYTES, release_freed_memory
+from common.freed_memory import LARGE_JOB_BYTES, release_freed_memory, reuse_freed_blocks
 from common.images import ImageError, ImageLimits
 from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 
@@ -117,6 +117,7 @@ def _run_pickled_job(payload: bytes) -> bytes:
 def child_main(conn, parent: int, limits: ImageLimits) -> None:
     """A decode process: answer job frames with reply frames until the server closes the socket."""
     _exit_with_parent(parent)
+    reuse_freed_blocks()  # each decode's pixels, megabytes (large images still trim after)
     conn.send_bytes(PICKLED + pickle.dumps(("ready", os.getpid())))
     while True:
         try:
