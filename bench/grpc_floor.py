@@ -1,7 +1,7 @@
 """The floor under a request's inbound gRPC crossing, measured on the host at hand.
 
-A bare server in its own process (grpc.aio on the services' event loop, the decoder's message limits,
-no servicer, no engine) stamps the moment a Generate request has arrived and been parsed, and streams
+A bare server in its own process (grpc.aio on the services' event loop, the decoder's message limits
+and heap settings, no servicer, no engine) stamps the moment a Generate request has arrived and been parsed, and streams
 the stamp back; the client sends the very GenerateRequest bytes a benchmark sends the decoder. What
 bench.ttft's `crossing` stage (client call to the front end's `received` stamp) spends above this is the
 services' own; what is below it, gRPC's and the host's.
@@ -24,6 +24,7 @@ import grpc
 
 from common.client import CHANNEL_OPTIONS, generate_request
 from common.event_loop import run as run_loop
+from common.freed_memory import reuse_freed_blocks
 from common.pb import decoder_pb2
 from common.server import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -32,6 +33,7 @@ _STAMP = struct.Struct("<d")
 
 
 async def _serve() -> None:
+    reuse_freed_blocks()  # as the services do (common/server.py)
     async def generate(request: decoder_pb2.GenerateRequest, context):
         yield _STAMP.pack(time.monotonic())
 
