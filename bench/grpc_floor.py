@@ -1,10 +1,10 @@
 """The floor under a request's inbound gRPC crossing, measured on the host at hand.
 
-A bare server in its own process (grpc.aio on the services' event loop, the decoder's message limits
-and heap settings, no servicer, no engine) stamps the moment a Generate request has arrived and been parsed, and streams
-the stamp back; the client sends the very GenerateRequest bytes a benchmark sends the decoder. What
-bench.ttft's `crossing` stage (client call to the front end's `received` stamp) spends above this is the
-services' own; what is below it, gRPC's and the host's.
+A bare server in its own process (grpc.aio on the services' event loop, the decoder's message limits and
+heap settings, no servicer, no engine) stamps the moment a Generate request has arrived and been parsed,
+and streams the stamp back; the client sends the very GenerateRequest bytes a benchmark sends the
+decoder. What bench.ttft's `crossing` stage (client call to the front end's `received` stamp) spends
+above this is the services' own; what is below it, gRPC's and the host's.
 
     python -m bench.grpc_floor --image-size 1024 --rounds 20     (alone, with a noise PNG)
 """
