@@ -28,6 +28,7 @@ from common.handler_wrapping import WrappingRegistrar, wrap_behavior
 from common.security.auth import AuthGuard
 from common.security.options import ServerSecurity
 from common.security.tls import is_loopback
+from common.startup import dump_stacks_on_signal
 
 log = logging.getLogger("mmserve.server")
 
@@ -127,6 +128,7 @@ class GrpcService:
         security: ServerSecurity | None = None,
     ) -> None:
         reuse_freed_blocks()  # requests of megabytes: no fresh pages for each copy (common/freed_memory.py)
+        dump_stacks_on_signal()
         self.name = name
         self.host = host
         self.port = port

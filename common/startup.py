@@ -8,6 +8,8 @@ command line sits above them, this module below.
 from __future__ import annotations
 
 import errno
+import faulthandler
+import signal
 import socket
 import sys
 from typing import TYPE_CHECKING
@@ -16,6 +18,13 @@ from common.errors import UsageError
 
 if TYPE_CHECKING:
     from common.server import GrpcService
+
+
+def dump_stacks_on_signal() -> None:
+    """`kill -USR1 PID` prints every thread's Python stack to stderr (a service's log) and the process goes
+    on: for a service, engine core or decode process that seems stuck. Once per process."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def report_usage_error(prog: str, exc: BaseException) -> int:

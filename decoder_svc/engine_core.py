@@ -27,6 +27,7 @@ from common.checkpoint import CheckpointError
 from common.freed_memory import reuse_freed_blocks
 from common.security.options import ClientSecurity
 from common.server import configure_logging
+from common.startup import dump_stacks_on_signal
 from decoder_svc import core_protocol as msg
 from decoder_svc.config import DecoderConfig
 from decoder_svc.core_pipe import MessageReader
@@ -234,6 +235,7 @@ def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecuri
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
     configure_logging(config.service.log_level)
     reuse_freed_blocks()  # image bytes follow their requests through the pipe, megabytes each
+    dump_stacks_on_signal()
     try:
         engine = build_engine(config, encoder_link)
     except LoRAError as exc:  # an adapter we cannot serve: one line, exit 2

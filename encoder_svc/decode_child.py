@@ -15,6 +15,7 @@ import time
 
 from common.freed_memory import LARGE_JOB_BYTES, release_freed_memory, reuse_freed_blocks
 from common.images import ImageError, ImageLimits
+from common.startup import dump_stacks_on_signal
 from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 
 _mapped: dict[str, mmap.mmap] = {}  # a child's mappings of its pool's slot segment, by path
@@ -118,6 +119,7 @@ def child_main(conn, parent: int, limits: ImageLimits) -> None:
     """A decode process: answer job frames with reply frames until the server closes the socket."""
     _exit_with_parent(parent)
     reuse_freed_blocks()  # each decode's pixels, megabytes (large images still trim after)
+    dump_stacks_on_signal()
     conn.send_bytes(PICKLED + pickle.dumps(("ready", os.getpid())))
     while True:
         try:
