@@ -16,6 +16,7 @@ from common.security.options import ServerSecurity, add_server_args, server_secu
 from common.server import GrpcService, configure_logging
 from common.startup import check_port_free, report_usage_error, resolve_checkpoint, start_listening
 from encoder_svc.config import EncoderServiceConfig
+from encoder_svc.stall import watch_tower
 
 log = logging.getLogger("mmserve.encoder")
 _STATS_LOG_INTERVAL_S = 10.0
@@ -53,10 +54,13 @@ async def serve(config: EncoderServiceConfig, security: ServerSecurity | None = 
                  port, servicer.vision.device, servicer.vision.dtype, type(servicer.cache.arena).__name__,
                  transports, event_loop.running_kind())
         logger = asyncio.create_task(_log_stats(servicer))
+        watchdog = asyncio.create_task(watch_tower(
+            servicer.worker.busy_for_s, config.encoder.stall_exit_s, lambda: service.set_serving(False)))
         try:
             await service.wait(on_shutdown=servicer.close)
         finally:
             logger.cancel()
+            watchdog.cancel()
     finally:
         if not servicer.closing:
             await servicer.close()

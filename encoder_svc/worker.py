@@ -106,6 +106,7 @@ class VisionWorker:
         self._cv = threading.Condition()
         self._stopped = False
         self.batches = 0
+        self._batch_since: float | None = None  # monotonic start of the batch in progress
         self.encodes = 0
         self.busy_s = 0.0
         self.started_at = time.monotonic()
@@ -239,9 +240,19 @@ class VisionWorker:
             if batch is None:
                 return
             if batch:
-                self._run_batch(batch)
-                self._wait_for_device()
-                self._collect_device_times()
+                self._batch_since = time.monotonic()
+                try:
+                    self._run_batch(batch)
+                    self._wait_for_device()
+                    self._collect_device_times()
+                finally:
+                    self._batch_since = None
+
+    def busy_for_s(self) -> float:
+        """Seconds the batch in progress has run (preparing inputs included); 0 between batches. A
+        watchdog reads it (encoder_svc/stall.py)."""
+        since = self._batch_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def _wait_for_device(self) -> None:
         """Wait (bounded: see the module docstring) until fewer than MAX_BATCHES_IN_FLIGHT launched

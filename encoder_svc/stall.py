@@ -1,0 +1,51 @@
+"""The encoder's watchdog: a vision-tower batch that never ends makes the encoder exit, not hang.
+
+A tower batch takes well under a second. One that runs past `--stall-exit` seconds (a wait that will
+never be satisfied: a device that stopped, a lost preparation) leaves every later image queued behind
+it while the service still answers cache hits and health checks; its decoders would hold their requests
+until their deadlines. So the encoder logs every thread's Python stack (what it was waiting on), says
+NOT_SERVING and exits with code 1: its decoders see it gone and fail over, retry or fail cleanly, and a
+supervisor restarts it. Seen once on the H200 in a 96-client soak (docs/benchmarks/h200-2026-12-03f-*),
+not reproduced since.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+log = logging.getLogger("mmserve.encoder")
+
+STUCK_EXIT_CODE = 1
+
+
+def check_stalled(busy_for_s: Callable[[], float], stall_exit_s: float) -> float | None:
+    """The batch's running time when it is past stall_exit_s, else None."""
+    busy = busy_for_s()
+    return busy if busy > stall_exit_s else None
+
+
+async def watch_tower(busy_for_s: Callable[[], float], stall_exit_s: float,
+                      on_stuck: Callable[[], None] | None = None,
+                      exit_process: Callable[[int], None] = os._exit) -> None:
+    """Check the tower every stall_exit_s / 4 seconds (at most 10); when a batch has run past
+    stall_exit_s: log it with every thread's stack, call on_stuck (health NOT_SERVING), exit."""
+    interval = min(10.0, stall_exit_s / 4)
+    while True:
+        await asyncio.sleep(interval)
+        busy = check_stalled(busy_for_s, stall_exit_s)
+        if busy is None:
+            continue
+        log.error("a vision-tower batch has run for %.0f s (--stall-exit %.0f s): the encoder is stuck and "
+                  "exits so that its decoders fail over; every thread's stack follows", busy, stall_exit_s)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if on_stuck is not None:
+            on_stuck()
+        exit_process(STUCK_EXIT_CODE)  # not a clean stop: the stuck thread would hold it up
+        return
