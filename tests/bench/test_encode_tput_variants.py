@@ -24,8 +24,10 @@ def test_decode_processes_side_by_side(tiny_model_dir, tmp_path):
         assert [r["concurrency"] for r in levels] == [1, 2]
         for r in levels:
             assert r["images_per_s"] > 0 and r["cache_hits"] == 0
-            assert r["server_main_cpu_ms_per_image"] > 0 and r["server_main_cores"] > 0
+            assert r["server_main_cpu_ms_per_image"] >= 0 and r["server_main_cores"] >= 0
             assert r["decode_procs_cpu_ms_per_image"] >= 0
+    # /proc counts CPU time in ticks (10 ms): one level of 4 small images may stay under one, all do not
+    assert sum(r["server_main_cpu_ms_per_image"] for levels in by_variant.values() for r in levels) > 0
     assert res["encode"] == by_variant["1"], "the targets use the last variant"
     # Threads only: the encoder has no decode processes to spend CPU in.
     assert all(r["decode_procs_cpu_ms_per_image"] == 0 for r in by_variant["0"])
