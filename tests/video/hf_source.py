@@ -43,6 +43,16 @@ def qwen2_vl_function(name: str, cls: str | None = "Qwen2VLVideoProcessor"):
     return namespace[name]
 
 
+def qwen2_vl_processor_stand_in(size: dict, patch_size: int = 14, merge_size: int = 2,
+                                temporal_patch_size: int = 2) -> SimpleNamespace:
+    """`self` for HF's Qwen2-VL video-processor methods compiled by qwen2_vl_function: its attributes,
+    and `_merge_and_standardize_kwargs` (the defaults overridden by the call's kwargs), which newer
+    transformers read them through (5.25) where older ones read the attributes."""
+    defaults = {"size": size, "patch_size": patch_size, "merge_size": merge_size,
+                "temporal_patch_size": temporal_patch_size}
+    return SimpleNamespace(**defaults, _merge_and_standardize_kwargs=lambda **kwargs: defaults | kwargs)
+
+
 def qwen2_vl_class_defaults() -> dict[str, Any]:
     """Qwen2VLVideoProcessor's class attributes (size, patch sizes, frames, mean/std ...)."""
     cls = next(n for n in _tree().body if isinstance(n, ast.ClassDef) and n.name == "Qwen2VLVideoProcessor")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
@@ -15,7 +14,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 from common.video.config import QWEN2_VL_VIDEO, QWEN3_VL_VIDEO, load_qwen_video_config
 from common.video.geometry import qwen3_vl_smart_resize
 from common.video.limits import VideoError
-from tests.video.hf_source import qwen2_vl_class_defaults, qwen2_vl_function
+from tests.video.hf_source import qwen2_vl_class_defaults, qwen2_vl_function, qwen2_vl_processor_stand_in
 
 FRAMES = [2, 3, 4, 7, 16, 33, 768]
 SIZES = [(48, 64), (28, 28), (17, 300), (360, 640), (1080, 1920), (720, 1280), (2160, 3840), (1000, 30)]
@@ -26,8 +25,7 @@ def test_qwen2_grid_equals_hf() -> None:
     d = qwen2_vl_class_defaults()
     for pixels in [(d["size"]["shortest_edge"], d["size"]["longest_edge"]), (3136, 12845056)]:
         geometry = replace(QWEN2_VL_VIDEO.geometry, min_pixels=pixels[0], max_pixels=pixels[1])
-        hf = SimpleNamespace(size={"shortest_edge": pixels[0], "longest_edge": pixels[1]}, patch_size=14,
-                             merge_size=2, temporal_patch_size=2)
+        hf = qwen2_vl_processor_stand_in({"shortest_edge": pixels[0], "longest_edge": pixels[1]})
         for n, (h, w) in itertools.product(FRAMES, SIZES):
             grid = geometry.grid(n, h, w)
             assert grid[0] * grid[1] * grid[2] == hf_patches(hf, n, h, w, {}), (pixels, n, h, w)
@@ -131,8 +129,8 @@ def test_a_requests_min_pixels_below_the_models_is_taken() -> None:
     low = 28 * 28 * 4
     config = video_request_config(QWEN2_VL_VIDEO, min_pixels=low)
     assert config.geometry.min_pixels == low
-    hf = SimpleNamespace(size={"shortest_edge": low, "longest_edge": QWEN2_VL_VIDEO.geometry.max_pixels},
-                         patch_size=14, merge_size=2, temporal_patch_size=2)
+    high = QWEN2_VL_VIDEO.geometry.max_pixels
+    hf = qwen2_vl_processor_stand_in({"shortest_edge": low, "longest_edge": high})
     grid = config.geometry.grid(4, 56, 84)
     assert grid[0] * grid[1] * grid[2] == hf_patches(hf, 4, 56, 84, {})
     assert grid != QWEN2_VL_VIDEO.geometry.grid(4, 56, 84)  # the model's min_pixels scales it up
