@@ -465,6 +465,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             for fut in futures:
                 _release_when_done(self.cache, fut, owner)
             raise
+        if transport != common_pb2.TRANSPORT_INLINE:
+            self._release_if_undelivered(context, [h.lease_id for h in handles if h.lease_id], owner)
         ended = time.perf_counter()
         self.metrics.observe_encode(ended - started, all(h.hit for h in handles))
         jobs = [self.worker.job_times(key) for key, _ in (*items, *videos)]
@@ -472,6 +474,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.stage_totals.add(split)
         self.metrics.observe_stages(split)
         return encoder_pb2.EncodeResponse(embeddings=refs)
+
+    def _release_if_undelivered(self, context, lease_ids: list[str], owner: str) -> None:
+        """Give leases back when their answer never reaches the caller: a decoder cancels an Encode whose
+        image it no longer needs (its request ended, a prefix hit covered it), and a cancel that lands
+        after the handler returned drops the answer, leaving leases no one knows until they expire."""
+        if lease_ids:
+            context.add_done_callback(
+                lambda ctx: self.cache.release(lease_ids, owner) if ctx.cancelled() else None)
 
     async def Prefetch(self, request: encoder_pb2.PrefetchRequest, context) -> encoder_pb2.PrefetchResponse:
         self._check_open()

@@ -382,3 +382,39 @@ def test_clients_bind_leases_to_their_own_owner(encoder):
             return await d.release([ref.lease_id]), await c.release([ref.lease_id])
 
     assert asyncio.run(run_async()) == (0, 1)
+
+
+class _Context:
+    """A servicer context whose RPC ends after the handler answered: delivered, or cancelled by a caller
+    that hung up first (a decoder cancelling an Encode it no longer needs)."""
+
+    def __init__(self, cancelled: bool) -> None:
+        self._cancelled, self.callbacks = cancelled, []
+
+    def add_done_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def end(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+@pytest.mark.parametrize("hung_up", [True, False])
+def test_leases_of_an_answer_never_delivered_go_back(encoder, hung_up):
+    context = _Context(cancelled=hung_up)
+    resp = encoder.call(encoder.servicer.Encode(encode_request(image_bytes(740), image_bytes(741),
+                                                               lease_owner="o"), context))
+    assert all(r.lease_id for r in resp.embeddings) and encoder.stats().active_leases == 2
+    context.end()
+    assert encoder.stats().active_leases == (0 if hung_up else 2)
+    if not hung_up:  # delivered: the caller's to release
+        assert encoder.release_all(resp, "o") == 2
+
+
+def test_an_inline_answer_holds_no_lease_to_give_back(encoder):
+    context = _Context(cancelled=True)
+    encoder.call(encoder.servicer.Encode(encode_request(image_bytes(742), accept=[INLINE]), context))
+    assert context.callbacks == [] and encoder.stats().active_leases == 0
