@@ -6,7 +6,7 @@ it while the service still answers cache hits and health checks; its decoders wo
 until their deadlines. So the encoder logs every thread's Python stack (what it was waiting on), says
 NOT_SERVING and exits with code 1: its decoders see it gone and fail over, retry or fail cleanly, and a
 supervisor restarts it. Seen once on the H200 in a 96-client soak (docs/benchmarks/h200-2026-12-03f-*),
-not reproduced since.
+not reproduced on a CPU.
 """
 
 from __future__ import annotations
@@ -23,12 +23,6 @@ log = logging.getLogger("mmserve.encoder")
 STUCK_EXIT_CODE = 1
 
 
-def check_stalled(busy_for_s: Callable[[], float], stall_exit_s: float) -> float | None:
-    """The batch's running time when it is past stall_exit_s, else None."""
-    busy = busy_for_s()
-    return busy if busy > stall_exit_s else None
-
-
 async def watch_tower(busy_for_s: Callable[[], float], stall_exit_s: float,
                       on_stuck: Callable[[], None] | None = None,
                       exit_process: Callable[[int], None] = os._exit) -> None:
@@ -37,8 +31,8 @@ async def watch_tower(busy_for_s: Callable[[], float], stall_exit_s: float,
     interval = min(10.0, stall_exit_s / 4)
     while True:
         await asyncio.sleep(interval)
-        busy = check_stalled(busy_for_s, stall_exit_s)
-        if busy is None:
+        busy = busy_for_s()
+        if busy <= stall_exit_s:
             continue
         log.error("a vision-tower batch has run for %.0f s (--stall-exit %.0f s): the encoder is stuck and "
                   "exits so that its decoders fail over; every thread's stack follows", busy, stall_exit_s)

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from encoder_svc.stall import STUCK_EXIT_CODE, check_stalled, watch_tower
+from encoder_svc.stall import STUCK_EXIT_CODE, watch_tower
 from encoder_svc.worker import DEMAND
 from tests.encoder.test_worker import _FakeVision, _running_worker, _submit
 
@@ -27,12 +27,6 @@ def test_busy_for_s_counts_the_batch_in_progress_only():
         while worker.busy_for_s() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert worker.busy_for_s() == 0.0
-
-
-def test_check_stalled():
-    assert check_stalled(lambda: 0.0, 1.0) is None
-    assert check_stalled(lambda: 0.9, 1.0) is None
-    assert check_stalled(lambda: 1.5, 1.0) == 1.5
 
 
 def test_a_stuck_batch_logs_the_stacks_says_not_serving_and_exits(caplog, capfd):
