@@ -45,7 +45,10 @@ def test_images_are_spread_over_two_encoders_and_each_lives_in_one(tiny_model_di
         assert [s.misses for s in stats] == [4, 4]          # each image went where the ring says
         assert sum(s.misses for s in stats) == 8            # each image was encoded once, on one encoder
         assert sum(s.entries for s in stats) == 8
-        assert sum(s.hits for s in stats) == 8              # round two went back to the same encoder
+        # Round two went back to the same encoder (a miss elsewhere would show above). Round one may add
+        # hits of its own: the front end's send-ahead Prefetch makes the miss, and the core's ask by hash
+        # that follows joins that work, or hits when the tiny tower has already finished it.
+        assert all(s.hits >= 4 for s in stats)
     finally:
         pair.stop()
         second.stop()
