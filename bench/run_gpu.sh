@@ -30,6 +30,9 @@
 #      gemma (Gemma 3's real shapes: TTFT, decode, Encode, each with HF; see its block below),
 #      phi4mm (Phi-4-multimodal's real shapes: TTFT, decode with and without the vision adapter, Encode,
 #      each with HF, and profiles of the tower and of steps; see its block below),
+#      soak (bench/soak.py on SOAK_PRESET, default qwen2.5-vl-7b: 96 clients, hostile inputs, cancels,
+#      video; SOAK_ARGS, default "--clients 96 --seconds 240"; the services' logs are copied to
+#      $OUT/soak-logs; see its block below),
 #      nixl (the NIXL transport beside CUDA IPC, shared memory and bytes: GPU tests, the handoff of one
 #      Qwen2.5-VL-7B 1024² embedding, cold/warm TTFT with each; see its block below),
 #      or a list such as llava,qwen,qwen3.
@@ -297,6 +300,20 @@ if [[ ",$SECTIONS," == *,ttft,* ]]; then
     fi
     [ "${TTFT_KEEP_MODELS:-0}" = 1 ] || rm -rf "/tmp/ttft-$fam"
   done
+fi
+
+# The soak (issue 39): SOAK_ARGS go to bench.soak; e.g. "--seconds 75 --encoder-cache-bytes 1500000000
+# --encoder-stall-exit 30" fills a small embedding cache within seconds, and a tower that stops exits with
+# every thread's stack in encoder.log. Its step's limit is SOAK_LIMIT_S (default 480; a stalled run's requests
+# wait out their deadlines: keep --request-timeout well under it).
+if [[ ",$SECTIONS," == *,soak,* ]]; then
+  read -r -a SARGS <<< "${SOAK_ARGS:---clients 96 --seconds 240}"
+  SOAK_MODEL="/tmp/soak-${SOAK_PRESET:-qwen2.5-vl-7b}"
+  make_once "$SOAK_MODEL" "${SOAK_PRESET:-qwen2.5-vl-7b}"
+  step soak "${SOAK_LIMIT_S:-480}" "$PY" -m bench.soak --model "$SOAK_MODEL" "${DT[@]}" --logs "$RES/logs-soak" \
+    "${SARGS[@]}"
+  mkdir -p "$OUT/soak-logs" && cp "$RES"/logs-soak/*.log "$OUT/soak-logs/" 2>/dev/null
+  grep -h -A40 "owed work\|Traceback" "$RES"/logs-soak/encoder.log 2>/dev/null | head -80
 fi
 
 # Decode at the bandwidth limit (issue 40): batch-1 decode's weight products kernel by kernel (separate op +

@@ -116,6 +116,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="GPU memory growth per service (CUDA) that fails the run")
     p.add_argument("--kv-cache-bytes", type=int, default=16 << 30, help="the decoder's KV cache, on CUDA")
     p.add_argument("--encoder-cache-bytes", type=int, default=16 << 30, help="the encoder's arena, on CUDA")
+    p.add_argument("--encoder-stall-exit", type=float, default=None,
+                   help="the encoder's --stall-exit: a tower owing work without a step this long makes it "
+                        "log every thread's stack and exit (default: the encoder's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", default=None, help="directory for the service logs (default: a fresh one)")
     p.add_argument("--out", default=None)
@@ -713,6 +716,8 @@ def log_problems(pair: Pair, keep: int = 20) -> dict[str, list[str]]:
 def service_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """(encoder args, decoder args)."""
     enc = ["--cache-bytes", str(args.encoder_cache_bytes)] if args.device.startswith("cuda") else []
+    if args.encoder_stall_exit is not None:
+        enc += ["--stall-exit", str(args.encoder_stall_exit)]
     dec = ["--encoder-timeout", str(int(args.request_timeout))]
     if args.device.startswith("cuda"):
         dec += ["--kv-cache-bytes", str(args.kv_cache_bytes)]

@@ -71,10 +71,11 @@ class EncoderConfig:
         "at startup for 1, 2, 4, ... --max-batch-images images; Qwen-VL's, one graph per batch of image "
         "sizes seen twice)")
     stall_exit_s: float = option(
-        120.0, "seconds a vision-tower batch may run before the encoder counts itself stuck: it logs every "
-        "thread's stack and exits (code 1), so that its decoders fail over or retry and a supervisor "
-        "restarts it, instead of holding their requests until their deadlines (a batch takes well under a "
-        "second)", flag="--stall-exit", type=positive_float)
+        120.0, "seconds the vision tower may owe work without a step (a batch running, or images queued and "
+        "none taken) before the encoder counts itself stuck: it logs every thread's stack and exits (code "
+        "1), so that its decoders fail over or retry and a supervisor restarts it, instead of holding their "
+        "requests until their deadlines (a batch takes well under a second)", flag="--stall-exit",
+        type=positive_float)
     arena: str = option("auto", "where embeddings live: auto picks cuda (GPU + cupy), else shm, else "
                         "private", choices=ARENAS)
     nixl: bool = option(

@@ -55,7 +55,7 @@ async def serve(config: EncoderServiceConfig, security: ServerSecurity | None = 
                  transports, event_loop.running_kind())
         logger = asyncio.create_task(_log_stats(servicer))
         watchdog = asyncio.create_task(watch_tower(
-            servicer.worker.busy_for_s, config.encoder.stall_exit_s, lambda: service.set_serving(False)))
+            servicer.worker.stalled_for_s, config.encoder.stall_exit_s, lambda: service.set_serving(False)))
         try:
             await service.wait(on_shutdown=servicer.close)
         finally:

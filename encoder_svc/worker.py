@@ -107,6 +107,7 @@ class VisionWorker:
         self._stopped = False
         self.batches = 0
         self._batch_since: float | None = None  # monotonic start of the batch in progress
+        self._progress_at = time.monotonic()  # the tower's last step: a batch taken or ended, or work owed
         self.encodes = 0
         self.busy_s = 0.0
         self.started_at = time.monotonic()
@@ -135,9 +136,17 @@ class VisionWorker:
                     image.release()
                 self.cache.fail(key, ShuttingDownError("encoder shutting down"))
                 return
+            if not self._jobs and self._batch_since is None:
+                self._progress_at = time.monotonic()  # an idle tower owes work from now on
             times = JobTimes(submitted=time.perf_counter())
             prepare = functools.partial(self._prepare_timed, times=times, pixels=pixels, key=key)
             job = _Job(key, self._pools[priority].submit(prepare, image), priority, times)
+            # A key is produced again only after its last production was dropped (every caller gone, or
+            # failed): a job of it still queued is dead. It must not stay in the heap as a job that
+            # `_jobs` no longer counts (a demand batch sized by the count would take nothing).
+            old = self._jobs.get(key)
+            if old is not None:
+                old.stale = True
             self._jobs[key] = job
             self._times[key] = times
             while len(self._times) > KEPT_JOB_TIMES:
@@ -224,7 +233,8 @@ class VisionWorker:
             limit = self.max_batch_images if priority == DEMAND else self.max_prefetch_batch
             graphs = getattr(self.vision, "graphs", None)
             if priority == DEMAND and graphs is not None:  # demand batches replay the graphs
-                limit = graphs.batch_size(min(self._demand_waiting(), limit))
+                # the head is a demand job, so at least one: a limit of 0 would spin here, taking none
+                limit = graphs.batch_size(max(1, min(self._demand_waiting(), limit)))
             while self._heap and len(batch) < limit and self._heap[0][0] == priority:
                 _, _, job = heapq.heappop(self._heap)
                 if not job.stale:
@@ -240,19 +250,22 @@ class VisionWorker:
             if batch is None:
                 return
             if batch:
-                self._batch_since = time.monotonic()
+                self._batch_since = self._progress_at = time.monotonic()
                 try:
                     self._run_batch(batch)
                     self._wait_for_device()
                     self._collect_device_times()
                 finally:
                     self._batch_since = None
+                    self._progress_at = time.monotonic()
 
-    def busy_for_s(self) -> float:
-        """Seconds the batch in progress has run (preparing inputs included); 0 between batches. A
-        watchdog reads it (encoder_svc/stall.py)."""
-        since = self._batch_since
-        return 0.0 if since is None else time.monotonic() - since
+    def stalled_for_s(self) -> float:
+        """Seconds the tower has owed work without a step: since the batch in progress began (preparing
+        its inputs included), or, with jobs queued and none running, since the last batch ended or the
+        first job reached an idle tower. 0 when idle. A watchdog reads it (encoder_svc/stall.py), so it
+        takes no lock: a stuck tower thread may hold one."""
+        owed = self._batch_since is not None or len(self._jobs) > 0
+        return time.monotonic() - self._progress_at if owed else 0.0
 
     def _wait_for_device(self) -> None:
         """Wait (bounded: see the module docstring) until fewer than MAX_BATCHES_IN_FLIGHT launched

@@ -1,5 +1,5 @@
-"""A tower batch that never ends makes the encoder exit with every thread's stack in its log, not hang
-(encoder_svc/stall.py; the worker's busy_for_s)."""
+"""A tower that owes work and takes no step makes the encoder exit with every thread's stack in its log,
+not hang (encoder_svc/stall.py; the worker's stalled_for_s)."""
 
 from __future__ import annotations
 
@@ -12,21 +12,37 @@ from encoder_svc.worker import DEMAND
 from tests.encoder.test_worker import _FakeVision, _running_worker, _submit
 
 
-def test_busy_for_s_counts_the_batch_in_progress_only():
+def test_stalled_for_s_counts_a_batch_in_progress_and_is_zero_when_idle():
     vision = _FakeVision()  # its first batch waits for the gate
     with _running_worker(vision) as (cache, worker):
-        assert worker.busy_for_s() == 0.0
+        assert worker.stalled_for_s() == 0.0
+        time.sleep(0.05)  # idle time is not owed work
         fut = _submit(cache, worker, "first", DEMAND)
+        assert worker.stalled_for_s() < 0.05
         deadline = time.monotonic() + 5
-        while worker.busy_for_s() < 0.05 and time.monotonic() < deadline:
+        while worker.stalled_for_s() < 0.05 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert worker.busy_for_s() >= 0.05  # held in encode_prepared
+        assert worker.stalled_for_s() >= 0.05  # held in encode_prepared
         vision.gate.set()
         fut.result(timeout=5)
         deadline = time.monotonic() + 5
-        while worker.busy_for_s() and time.monotonic() < deadline:
+        while worker.stalled_for_s() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert worker.busy_for_s() == 0.0
+        assert worker.stalled_for_s() == 0.0
+
+
+def test_stalled_for_s_counts_queued_work_the_tower_does_not_take():
+    vision = _FakeVision()
+    with _running_worker(vision) as (cache, worker):
+        first = _submit(cache, worker, "first", DEMAND)
+        while worker.queued():  # the tower took it and waits in encode_prepared
+            pass
+        worker._batch_since = None  # as if the tower thread had left its batch without taking the next
+        _submit(cache, worker, "second", DEMAND)
+        time.sleep(0.05)
+        assert worker.stalled_for_s() >= 0.05, "queued work with no batch running is owed"
+        vision.gate.set()
+        first.result(timeout=5)
 
 
 def test_a_stuck_batch_logs_the_stacks_says_not_serving_and_exits(caplog, capfd):

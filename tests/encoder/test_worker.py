@@ -250,3 +250,31 @@ def test_the_gpu_fence_lets_a_full_batch_go_at_once():
         _run_behind_a_busy_first_batch(vision, worker, cache, [(f"d{i}", DEMAND) for i in range(4)],
                                        wait_with_a_full_batch_queued)
         assert stuck.queries == 1
+
+
+def test_an_abandoned_demand_job_asked_for_again_as_prefetch_does_not_stall_the_queue():
+    """Seen on the H200 (a 96-client soak, once the cache evicted hot images): an image's demand job is
+    dropped by its callers while queued, and the same image comes back as a lookahead. The old job must
+    not stay queued as a demand job that the count of waiting demand jobs leaves out: a demand batch sized
+    by that count (Qwen-VL's tower graphs) took nothing, and the tower thread looped, running no batch."""
+
+    class _ExactGraphs:  # Qwen-VL's TowerGraphs.batch_size: every waiting demand image
+        def batch_size(self, waiting: int) -> int:
+            return waiting
+
+    vision = _FakeVision()
+    vision.graphs = _ExactGraphs()
+    with _running_worker(vision, preprocess_threads=1) as (cache, worker):
+        first = _submit(cache, worker, "first", DEMAND)  # holds the tower until the gate opens
+        while worker.queued():
+            pass
+        gone = _submit(cache, worker, "img", DEMAND)
+        assert gone.cancel()
+        while cache.abandoned == 0:  # its preparation found nobody waiting: the production is dropped
+            pass
+        again = _submit(cache, worker, "img", PREFETCH)
+        vision.gate.set()
+        first.result(10)
+        assert again.result(10).entry.key == "img"
+        assert vision.batches == [["first"], ["img"]]
+        assert worker.stalled_for_s() == 0.0 and worker.queued() == 0
