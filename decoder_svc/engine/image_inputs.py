@@ -43,15 +43,19 @@ class ImageInputs:
 
     # -- readiness -------------------------------------------------------------------------------
     def readiness(self, req: Request, img: ImagePlaceholder) -> EmbeddingState:
-        """Ask for the image if nobody has, and say where it stands (READY means its rows are here)."""
+        """Ask for the image as demand work if nobody has, or if only lookahead has (prefill has reached
+        it: the source joins the lookahead ask and tells the encoder, which raises its queued low-priority
+        job), and say where it stands (READY means its rows are here)."""
         rid, h = req.request_id, img.content_hash
         if img.state == EmbeddingState.PENDING and self.source.poll(rid, h) == EmbeddingState.UNKNOWN:
             img.state = EmbeddingState.UNKNOWN  # released earlier (the same hash done before): ask again
-        if img.state in (EmbeddingState.UNKNOWN, EmbeddingState.DONE, EmbeddingState.SKIPPED):
+        if (img.state in (EmbeddingState.UNKNOWN, EmbeddingState.DONE, EmbeddingState.SKIPPED)
+                or (img.state == EmbeddingState.PENDING and not img.needed_now)):
             self.source.request(EmbeddingRequest(rid, h, img.image, req.cache_salt, prefetch=False,
                                                  pixels=img.pixels, video=img.video,
                                                  sent_ahead=img.sent_ahead))
             img.state = EmbeddingState.PENDING
+            img.needed_now = True
         if img.state == EmbeddingState.PENDING:
             status = self.source.poll(rid, h)
             if status == EmbeddingState.FAILED:
@@ -93,6 +97,7 @@ class ImageInputs:
                                                  prefetch=True, pixels=img.pixels, video=img.video,
                                                  sent_ahead=img.sent_ahead))
                     img.state = EmbeddingState.PENDING
+                    img.needed_now = False
         if asks:
             self.source.lookahead(asks)
 

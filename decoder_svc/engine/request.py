@@ -59,6 +59,7 @@ class ImagePlaceholder:
     embedding_rows: int | None = None
     video: VideoSource | None = None  # what the encoder is sent for a video (None: an image)
     sent_ahead: bool = False  # the front end sent the file to its encoder as the request arrived
+    needed_now: bool = False  # asked for as demand work (prefill reached it), not only by lookahead
 
     @property
     def total_rows(self) -> int:

@@ -163,6 +163,26 @@ def test_lookahead_asks_for_the_next_queued_requests_images_in_order_with_prefet
     assert prefetched == [("q0", "img-0"), ("q1", "img-1")]  # encoder_max_ahead = 2, in arrival order
 
 
+def test_a_prefetched_image_is_asked_for_once_more_as_demand_when_prefill_reaches_it():
+    """Lookahead asks at low priority; when the request's prefill reaches the image while it is still
+    pending, the source hears it once as demand work (a remote encoder raises its queued job: without it a
+    lookahead image waits behind every prefetch queued before it), and never again on later steps."""
+    s, src = make_scheduler(budget=8, max_seqs=1, ahead=2)
+    first = make_request("run", 4)
+    s.add(first)
+    queued = make_request("q0", 8, image_at=4, image_hash="img-0", first_token=100)
+    s.add(queued)
+    step(s)
+    assert [(a.request_id, a.prefetch) for a in src.asks] == [("q0", True)]
+    finish(s, first)
+    for _ in range(3):  # q0 runs its text, then waits on the image: one demand ask in all
+        step(s)
+    assert [(a.request_id, a.prefetch) for a in src.asks] == [("q0", True), ("q0", False)]
+    src.ready_hashes.add("img-0")
+    assert chunks_of(step(s)) == {"q0": (4, 8)}  # the image and the text after it
+    assert len(src.asks) == 2
+
+
 def test_out_of_blocks_preempts_the_latest_request_which_frees_its_blocks_and_images():
     s, src = make_scheduler(num_blocks=4, budget=64)
     src.ready_hashes.add("img-a")
