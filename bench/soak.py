@@ -548,6 +548,14 @@ def memory(pair: Pair, cuda: bool) -> dict:
     return out
 
 
+def encoder_device_memory(stats: dict) -> dict:
+    """The encoder's device memory beside its arena (MiB, from its stats) and its tower graphs."""
+    mib = 1 << 20
+    return {"allocated_mib": round(int(stats.get("device_memory_allocated_bytes", 0)) / mib, 1),
+            "reserved_mib": round(int(stats.get("device_memory_reserved_bytes", 0)) / mib, 1),
+            "tower_graphs": int(stats.get("tower_graphs", 0))}
+
+
 def memory_growth(before: dict, after: dict) -> dict:
     """after - before of each service's figures (MiB)."""
     return {name: {k: round(after[name][k] - before[name][k], 1)
@@ -626,6 +634,10 @@ async def soak(args: argparse.Namespace, pair: Pair, result: dict) -> None:
     result["expired_leases_total"] = enc1.get("expired_leases")
     result["memory_after"] = memory(pair, cuda)
     result["memory_growth"] = memory_growth(result["memory_before"], result["memory_after"])
+    # What the encoder's GPU figure is made of (torch's allocator): tensors, and its cache with the tower
+    # graphs' pools. Reported, not checked: gpu_mib's growth is the check.
+    result["encoder_device_memory"] = {"before": encoder_device_memory(enc0),
+                                       "after": encoder_device_memory(enc1)}
     print(f"memory after: {result['memory_after']}", flush=True)
     address, timeout = pair.decoder.address, args.request_timeout
     ref["after_cold"] = await reference_tokens(address, ref_image, f"ref-{uuid.uuid4().hex[:12]}", timeout)

@@ -63,7 +63,7 @@ from encoder_svc.refs import (
     transport_names,
 )
 from encoder_svc.stages import STAGES, split_encode
-from encoder_svc.stats import EncoderStats
+from encoder_svc.stats import EncoderStats, device_memory
 from encoder_svc.video_lane import VideoLane
 from encoder_svc.videos import VideoJob, plan_videos
 from encoder_svc.worker import DEMAND, PREFETCH, VisionWorker
@@ -528,6 +528,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     def stats(self) -> EncoderStats:
         """The service's stats record: the cache, the worker and the service's counters, read now."""
         c, w, pool = self.cache.stats(), self.worker, self.decode_pool
+        graphs = getattr(self.vision, "graphs", None)
         stage_seconds, encode_calls = self.stage_totals.snapshot()
         return EncoderStats(
             cache_bytes_used=c.bytes_used, cache_bytes_capacity=c.capacity, entries=c.entries, hits=c.hits,
@@ -535,7 +536,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             active_leases=c.active_leases, encodes=w.encodes, images_per_s=w.images_per_s(),
             expired_leases=c.expired_leases, inflight_dedups=c.inflight_dedups, prefetches=self.prefetches,
             vision_batches=w.batches, queue_depth=w.queued(),
-            cuda_graphs=int(getattr(self.vision, "graphs", None) is not None),
+            cuda_graphs=int(graphs is not None), tower_graphs=0 if graphs is None else len(graphs),
+            **device_memory(self.vision.device),
             decode_processes=0 if pool is None or pool.disabled else len(pool.pids),
             decode_restarts=0 if pool is None else pool.restarts,
             stage_seconds=stage_seconds, encode_calls=encode_calls, tower_gpu_seconds=w.tower_gpu_s,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from common.stats import stat, summary
 
 # What the periodic log line shows.
@@ -33,6 +35,11 @@ class EncoderStats:
     vision_batches: int = stat("Vision-tower batches run")
     queue_depth: int = stat("Images waiting for the vision tower", "gauge")
     cuda_graphs: int = stat("1 when demand batches replay CUDA graphs of the tower", "gauge")
+    tower_graphs: int = stat("CUDA graphs of the vision tower kept now", "gauge")
+    device_memory_allocated_bytes: int = stat("Device bytes held by tensors (torch's allocator; 0 on a CPU)",
+                                              "gauge")
+    device_memory_reserved_bytes: int = stat("Device bytes torch's allocator holds: tensors, its cache, "
+                                             "CUDA graphs' pools (0 on a CPU)", "gauge")
     decode_processes: int = stat("Image decode processes running (0: images decode in the server's threads)",
                                  "gauge")
     decode_restarts: int = stat("Image decode processes replaced after they died")
@@ -50,3 +57,11 @@ class EncoderStats:
     def log_line(self) -> str:
         """The compact form for the service's log."""
         return summary(self, _LOGGED)
+
+
+def device_memory(device: torch.device) -> dict[str, int]:
+    """The record's device-memory fields for `device` (torch's allocator; zeros on a CPU). No sync."""
+    if device.type != "cuda":
+        return {"device_memory_allocated_bytes": 0, "device_memory_reserved_bytes": 0}
+    return {"device_memory_allocated_bytes": torch.cuda.memory_allocated(device),
+            "device_memory_reserved_bytes": torch.cuda.memory_reserved(device)}

@@ -72,6 +72,10 @@ class GraphedForward:
         """The bucket a batch of n images runs in; None when n is past the largest (eager)."""
         return next((b for b in self.buckets if b >= n), None)
 
+    def __len__(self) -> int:
+        """Graphs captured."""
+        return len(self._graphs)
+
     def batch_size(self, waiting: int) -> int:
         """How many of `waiting` images (at most the largest bucket) to run now: all of them, unless
         padding them to their bucket would waste more than a quarter of it (17 images would run as 32);

@@ -62,6 +62,10 @@ class SignatureGraphs:
         self.replays = 0
         self.pool = None
 
+    def __len__(self) -> int:
+        """Graphs kept now (at most max_graphs)."""
+        return len(self.graphs)
+
     def batch_size(self, waiting: int) -> int:
         """How many waiting images a demand batch takes: all (signatures are exact, nothing is padded)."""
         return waiting

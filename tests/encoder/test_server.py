@@ -179,10 +179,14 @@ def test_metrics_exposed(encoder):
     for name in ("mmserve_encoder_cache_hits_total", "mmserve_encoder_cache_misses_total",
                  "mmserve_encoder_cache_evictions_total", "mmserve_encoder_cache_bytes_used",
                  "mmserve_encoder_cache_leased_bytes", "mmserve_encoder_encode_latency_seconds_bucket",
-                 "mmserve_encoder_vision_batches_total", "mmserve_encoder_cuda_graphs 0.0"):
+                 "mmserve_encoder_vision_batches_total", "mmserve_encoder_cuda_graphs 0.0",
+                 "mmserve_encoder_tower_graphs 0.0", "mmserve_encoder_device_memory_reserved_bytes 0.0"):
         assert name in text
     stats = encoder.stats()
     assert stats.misses >= 1 and stats.encodes >= 1 and stats.model_fingerprint
+    # on a CPU: no graphs, no device memory (tests/gpu/test_pair_gpu.py reads the memory on CUDA)
+    assert stats.tower_graphs == 0
+    assert stats.device_memory_allocated_bytes == stats.device_memory_reserved_bytes == 0
     assert stats.cache_bytes_used > 0 and stats.cache_bytes_capacity == 1 << 20
 
 

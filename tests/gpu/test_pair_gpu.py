@@ -34,5 +34,7 @@ def test_pair_on_one_gpu_uses_cuda_ipc_and_matches_hf(tiny_model_dir, tmp_path):
         assert transports.get("cuda_ipc", 0) >= 3 and set(transports) == {"cuda_ipc"}
         d, e = pair.wait_idle()
         assert d.kv_blocks_used == 0 and d.active_leases == 0 and e.active_leases == 0
+        # the encoder's own device memory beside its arena: the tower's weights at least
+        assert e.device_memory_reserved_bytes >= e.device_memory_allocated_bytes > 0
     finally:
         pair.stop()
