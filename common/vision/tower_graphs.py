@@ -61,6 +61,7 @@ class SignatureGraphs:
         self.failed: set[tuple] = set()
         self.replays = 0
         self.pool = None
+        self.stream: torch.cuda.Stream | None = None  # every capture's (see _capture)
 
     def __len__(self) -> int:
         """Graphs kept now (at most max_graphs)."""
@@ -97,7 +98,12 @@ class SignatureGraphs:
             torch.cuda.current_stream(device).synchronize()  # the oldest graph's memory may be in use
             self.graphs.popitem(last=False)
         current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)  # captured off the caller's stream (which may be the default one)
+        # Captured off the caller's stream (which may be the default one), always on this one stream:
+        # torch's allocator keeps freed blocks per stream, so the warm-up's activations on a new stream
+        # for each capture (a pool of 32) stayed reserved per stream, growing the encoder by gigabytes.
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        side = self.stream
         side.wait_stream(current)
         try:
             with torch.cuda.stream(side):

@@ -101,3 +101,28 @@ def test_graph_replays_equal_the_eager_forward(family, qwen_model_dir, qwen3_mod
         assert _rel(o, e) < 1e-3
     other = gpu.encode_prepared(prepared[:1], use_graphs=True)  # a new signature: eager until seen twice
     assert gpu.graphs.replays == 2 and _rel(other[0], eager[0]) < 1e-3
+
+
+def test_captures_share_one_stream_and_do_not_reserve_a_working_set_each(qwen_model_dir, qwen_images):
+    """Every capture runs on one side stream: torch's allocator keeps freed blocks per stream, so a new
+    stream per capture (torch's pool has 32) left each capture's warm-up activations reserved apart
+    (a 96-client H200 soak's encoder grew by gigabytes as new image sizes came). Captured again, the
+    same signatures reserve nothing more (a new stream would take a segment of its own, 2 MiB at least)."""
+    gpu = make_vision_encoder(qwen_model_dir, "cuda", torch.bfloat16, preprocess="hf")
+    assert gpu.capture_graphs(8)
+    gpu.graphs.capture_after = 1
+    prepared = [gpu.prepare(image) for image in qwen_images]
+    streams = set()
+    for k in range(len(prepared)):  # a new signature each time: one image, then two, ...
+        gpu.encode_prepared(prepared[:k + 1], use_graphs=True)
+        streams.add(gpu.graphs.stream)
+    assert len(gpu.graphs) == len(prepared) and len(streams) == 1
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    for k in range(len(prepared)):
+        gpu.graphs.graphs.clear()  # forget them (the device is idle): captured anew below
+        gpu.encode_prepared(prepared[:k + 1], use_graphs=True)
+        torch.cuda.synchronize()
+    grown = torch.cuda.memory_reserved() - reserved
+    print(f"\nreserved: {reserved >> 20} MiB after the first captures, {grown >> 10} KiB more after again")
+    assert grown < 2 << 20
