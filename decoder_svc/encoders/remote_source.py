@@ -32,6 +32,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import threading
@@ -214,30 +215,33 @@ class RemoteEmbeddingSource(EmbeddingSource):
     # -- EmbeddingSource ---------------------------------------------------------------------------
     def request(self, req: EmbeddingRequest) -> None:
         key = (req.request_id, req.content_hash)
+        start = None  # what to start once the lock is let go
         with self._lock:
             if self._closed:
                 return
             slot = self._slots.get(key)
-            if slot is not None:
+            if slot is None:
+                self._slots[key] = _Slot(prefetch=req.prefetch,
+                                         deadline=time.monotonic() + self.retry.total_timeout_s)
+                self._counters.embeddings_requested += 1
+                self._counters.images_prefetched += int(req.prefetch)
+                # Routes there: the ring may be empty for a while.
+                pool = self._prefetch_pool if req.prefetch else self._pool
+                start = functools.partial(pool.submit, self._fetch, key, req)
+            elif (not req.prefetch and slot.prefetch and not slot.boosted
+                  and slot.status == EmbeddingState.PENDING):
                 # Asked for by lookahead and needed now, not ready yet: its Encode went out at low
                 # priority, so tell the encoder it is demand work (it moves the queued job up). Not
                 # sent yet (every prefetch worker busy): fetch it now on a fetch worker instead.
-                boost = (not req.prefetch and slot.prefetch and not slot.boosted
-                         and slot.status == EmbeddingState.PENDING)
-                if boost and not slot.started:
+                if not slot.started:
                     slot.boosted = True
                     self._counters.lookahead_boosted += 1
-                    self._pool.submit(self._fetch, key, req)
-                elif boost and slot.encoder:
+                    start = functools.partial(self._pool.submit, self._fetch, key, req)
+                elif slot.encoder:
                     slot.boosted = True
-                    self._pool.submit(self._boost, slot.encoder, req)
-                return
-            self._slots[key] = _Slot(prefetch=req.prefetch,
-                                     deadline=time.monotonic() + self.retry.total_timeout_s)
-            self._counters.embeddings_requested += 1
-            self._counters.images_prefetched += int(req.prefetch)
-        # Routes there: the ring may be empty for a while.
-        (self._prefetch_pool if req.prefetch else self._pool).submit(self._fetch, key, req)
+                    start = functools.partial(self._boost, slot.encoder, req)
+        if start is not None:
+            start()
 
     def poll(self, request_id: str, content_hash: str) -> EmbeddingState:
         with self._lock:
@@ -612,11 +616,13 @@ class RemoteEmbeddingSource(EmbeddingSource):
             return exc.code() not in _TRANSPORT_CODES
         return True
 
-    def _boost(self, encoder: str, req: EmbeddingRequest) -> None:
+    def _boost(self, encoder: str, req: EmbeddingRequest) -> grpc.Future:
         """A demand Encode by hash for an image whose lookahead Encode is still queued at the encoder:
         it joins that production and raises it to demand priority. Its answer (a lease on the same
         entry, once ready) is given back at once; the lookahead fetch delivers the rows. Best effort:
-        an image the encoder has not seen yet (NOT_FOUND) or any failure changes nothing."""
+        an image the encoder has not seen yet (NOT_FOUND) or any failure changes nothing. Sent from the
+        asking thread with nothing waiting on it: the answer comes only once the image is encoded, and a
+        fetch worker held that long would keep images needed now queued behind it. Returns the call."""
         request = encoder_pb2.EncodeRequest(
             request_id=req.request_id, accept=self.accept_for(encoder), cache_salt=req.cache_salt,
             prefetch=False, lease_owner=self._lease_owner)
@@ -625,18 +631,21 @@ class RemoteEmbeddingSource(EmbeddingSource):
                                                  metadata=auth_metadata(self._token,
                                                                         tenant_of_salt(req.cache_salt)))
         self._track(call)
-        try:
-            reply = call.result()
-        except grpc.FutureCancelledError:  # close() cancelled it
-            return
-        except grpc.RpcError as exc:
-            log.debug("boost of %s: %s", req.content_hash[:16], exc.code().name)
-            return
-        finally:
-            self._untrack(call)
-        with self._lock:
-            self._counters.lookahead_boosted += 1
-        self._release_leases(encoder, [ref.lease_id for ref in reply.embeddings if ref.lease_id])
+
+        def answered(done: grpc.Future) -> None:
+            self._untrack(done)
+            if done.cancelled():  # close() cancelled it
+                return
+            error = done.exception()
+            if error is not None:
+                log.debug("boost of %s: %s", req.content_hash[:16], getattr(error, "code", lambda: error)())
+                return
+            with self._lock:
+                self._counters.lookahead_boosted += 1  # it reached the encoder
+            self._release_leases(encoder, [ref.lease_id for ref in done.result().embeddings if ref.lease_id])
+
+        call.add_done_callback(answered)
+        return call
 
     def _owner_now(self, content_hash: str) -> str | None:
         try:

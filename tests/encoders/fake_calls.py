@@ -37,6 +37,16 @@ class ThreadCall:
     def cancel(self) -> bool:
         return False  # a fake call runs to its end (its waits are bounded)
 
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self, timeout: float | None = None):
+        return self._future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable) -> None:
+        """fn(this call) once it ends (at once when it has), as gRPC calls it."""
+        self._future.add_done_callback(lambda _: fn(self))
+
 
 class FakeMethod:
     """A fake stub's method in gRPC's shape: `method(request, ...)` or `method.future(request, ...)`."""

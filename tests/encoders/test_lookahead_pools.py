@@ -170,11 +170,10 @@ class Harness:
             finally:
                 self._count(self.fetched, key)
 
-        def tracked_boost(encoder, req):
-            try:
-                boost(encoder, req)
-            finally:
-                self._count(self.boosted, (req.request_id, req.content_hash))
+        def tracked_boost(encoder, req):  # counted once its answer is handled (the source's callback first)
+            call = boost(encoder, req)
+            call.add_done_callback(lambda _: self._count(self.boosted, (req.request_id, req.content_hash)))
+            return call
 
         monkeypatch.setattr(self.source, "_fetch", tracked_fetch)
         monkeypatch.setattr(self.source, "_boost", tracked_boost)
@@ -200,6 +199,7 @@ class Harness:
             f"fetch of {name} for {rid} did not finish within {timeout} s"
 
     def wait_boosted(self, rid: str, name: str, timeout: float = PROMPT_S) -> None:
+        """Until the boost of the key was answered and its answer handled."""
         assert self._wait(self.boosted, (rid, _hash(name)), 1, timeout), f"no boost of {name} ended"
 
     def close(self) -> None:
@@ -292,11 +292,40 @@ def test_an_in_flight_prefetch_is_boosted_once_when_its_prefill_comes(rig):
     assert stats.embeddings_requested == 3 and stats.images_prefetched == 3
     prefetches, demands = enc.encodes("x", prefetch=True), enc.encodes("x", prefetch=False)
     assert len(prefetches) == 1 and len(demands) == 1
-    assert not demands[0].has_bytes and demands[0].thread.startswith("embed-fetch")
+    assert not demands[0].has_bytes and not demands[0].thread.startswith("embed-")  # sent by the asker
     rig.source.release("r1")
     enc.wait_all_released()
     assert len(enc.leased) == 2  # the prefetch's lease and the boost's, both given back
     assert rig.source.stats().active_leases == 0
+
+
+def test_boosts_hold_no_fetch_worker(rig):
+    """A boost's answer comes only once its image is encoded, so nothing waits on it: with more boosted
+    images outstanding than there are fetch workers, an image a prefill needs is still fetched at once."""
+    enc = rig.encoder
+    names = [f"slow{i}" for i in range(WORKERS + 1)]
+    enc.queue(*names)
+    enc.stall(*names)  # raised, each still takes its time: every boost stays unanswered meanwhile
+    for i, name in enumerate(names[:WORKERS]):  # prefetches on every prefetch worker
+        rig.ask(f"r{i}", name, prefetch=True)
+        enc.wait_arrived(name, prefetch=True)
+    for i, name in enumerate(names[:WORKERS]):
+        rig.ask(f"r{i}", name, prefetch=False)  # their prefills came
+        enc.wait_arrived(name, prefetch=False)
+
+    rig.ask("now", "d", prefetch=False)
+    rig.wait_fetched("now", "d")
+    assert rig.poll("now", "d") == EmbeddingState.READY
+    assert all(rig.poll(f"r{i}", name) == EmbeddingState.PENDING for i, name in enumerate(names[:WORKERS]))
+    enc.open_all()
+    for i, name in enumerate(names[:WORKERS]):
+        rig.wait_fetched(f"r{i}", name)
+        rig.wait_boosted(f"r{i}", name)
+    assert rig.source.stats().lookahead_boosted == WORKERS
+    for i in range(WORKERS):
+        rig.source.release(f"r{i}")
+    rig.source.release("now")
+    enc.wait_all_released()  # the prefetches' leases and the boosts' alike
 
 
 def test_a_prefetch_still_queued_here_is_fetched_at_once_when_its_prefill_comes(rig):
