@@ -74,7 +74,8 @@ MAX_UNEXPECTED_KEPT = 50
 MEMORY_FIGURES = ("rss_mib", "rss_tree_mib", "rss_anon_tree_mib", "rss_shmem_tree_mib", "gpu_mib")
 DECODER_COUNTERS = ("requests_finished", "requests_aborted", "requests_failed", "preemptions",
                     "images_encoded", "images_encoder_cache_hits", "images_skipped_by_kv_reuse",
-                    "images_prefetched", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
+                    "images_prefetched", "lookahead_ready_at_prefill", "lookahead_waited_at_prefill",
+                    "lookahead_boosted", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
 ENCODER_COUNTERS = ("hits", "misses", "evictions", "encodes", "expired_leases", "inflight_dedups",
                     "prefetches")
 
