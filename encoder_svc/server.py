@@ -391,8 +391,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         if fut is None:
             raise not_found(f"video {index}: content hash {key} is not in the encoder cache; "
                             "send the video bytes instead")
-        if priority == DEMAND and not fut.done():
-            self.worker.boost(key)
+        if priority == DEMAND and not fut.done() and not self.video_lane.boost(key):
+            self.worker.boost(key)  # decoded already: raise its queued job
         return fut
 
     @staticmethod

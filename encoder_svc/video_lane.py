@@ -22,6 +22,7 @@ from common.video.decode import DecodeAbandoned
 from encoder_svc.cache import EmbeddingCache
 from encoder_svc.prep_threads import PrepThreads
 from encoder_svc.videos import VideoJob
+from encoder_svc.worker import DEMAND
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,22 @@ class VideoLane:
         self._stopping = False
         self.frames_decoded = 0  # every frame decoded, over all videos (the work done)
         self.abandoned = 0  # videos whose decoding stopped because every caller had gone
+        self._in_lane: dict[str, bool] = {}  # key -> needed now (a demand caller joined it here)
 
     def start(self, key: str, job: VideoJob, priority: int) -> None:
         """Decode job for key (the cache's production of key) on the lane's threads."""
+        with self._lock:
+            self._in_lane[key] = False
         self._threads.submit(self._run, (key, job, priority))
+
+    def boost(self, key: str) -> bool:
+        """A demand caller joined key's production: if it is still here, it goes to the tower as demand
+        work once decoded (True); False when it has left the lane (the worker's boost is the one)."""
+        with self._lock:
+            if key not in self._in_lane:
+                return False
+            self._in_lane[key] = True
+            return True
 
     def _frame_decoded(self, key: str) -> bool:
         """Counts a decoded frame; whether to go on (not shutting down, and somebody still waits for key)."""
@@ -56,6 +69,13 @@ class VideoLane:
 
     def _run(self, item: tuple[str, VideoJob, int]) -> None:
         key, job, priority = item
+        try:
+            self._decode_and_submit(key, job, priority)
+        finally:
+            with self._lock:
+                self._in_lane.pop(key, None)
+
+    def _decode_and_submit(self, key: str, job: VideoJob, priority: int) -> None:
         try:
             if self._stopping or not self.cache.still_wanted(key):  # everyone left while it queued
                 raise DecodeAbandoned
@@ -72,7 +92,9 @@ class VideoLane:
             return
         finally:
             release_freed_memory()
-        self._submit(key, ready, priority)
+        with self._lock:  # raised meanwhile: demand work (the worker's lock is not taken under this one)
+            needed_now = self._in_lane.pop(key, False)
+        self._submit(key, ready, DEMAND if needed_now else priority)
 
     def shutdown(self) -> None:
         """Stop decoding at the next frame and let the threads exit; the videos' keys are left pending for

@@ -16,6 +16,7 @@ from common.video.pipeline import plan_video
 from encoder_svc.cache import EmbeddingCache
 from encoder_svc.video_lane import VideoLane
 from encoder_svc.videos import VideoJob
+from encoder_svc.worker import DEMAND, PREFETCH
 from tests.video.media import make_video
 
 CONFIG = QWEN2_VL_VIDEO.with_request(max_frames=4)
@@ -87,4 +88,31 @@ def test_a_video_that_breaks_while_decoding_fails_its_key() -> None:
     with pytest.raises(Exception, match="--max-video-decode-seconds"):
         fut.result(WAIT_S)
     assert not submitted
+    lane.shutdown()
+
+
+def test_a_video_needed_now_while_it_decodes_goes_to_the_tower_as_demand_work() -> None:
+    """A demand caller joins a looked-ahead video still decoding here: the worker has no job of it to raise
+    yet, so the lane hands it over at demand priority once decoded; a video that has left the lane is
+    the worker's to raise (boost answers False)."""
+    cache = EmbeddingCache(TensorArena(1 << 16))
+    lane, submitted, arrived = _lane(cache)
+    at_frame_5, go = threading.Event(), threading.Event()
+    real = lane._frame_decoded
+
+    def held(key: str) -> bool:
+        if lane.frames_decoded == 4:
+            at_frame_5.set()
+            assert go.wait(WAIT_S)
+        return real(key)
+
+    lane._frame_decoded = held
+    cache.acquire("k", want_lease=False, video=True)
+    lane.start("k", _job(), PREFETCH)
+    assert at_frame_5.wait(WAIT_S)
+    assert lane.boost("k")
+    go.set()
+    assert arrived.wait(WAIT_S)
+    assert [(key, priority) for key, _, priority in submitted] == [("k", DEMAND)]
+    assert not lane.boost("k")  # with the worker now
     lane.shutdown()
