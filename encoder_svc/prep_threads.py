@@ -18,18 +18,26 @@ from common.thread_names import set_native_thread_name
 
 class PrepTask:
     """One call run on a prep thread: `result()` waits for it and returns its value (or raises its
-    exception)."""
+    exception). It may be queued on several pools (a queued lookahead image needed now joins the demand
+    pool too): the first thread to take it runs it, the others skip it."""
 
-    __slots__ = ("_fn", "_arg", "_done", "_value", "_error")
+    __slots__ = ("_fn", "_arg", "_claim", "_done", "_value", "_error")
 
     def __init__(self, fn: Callable[[Any], Any], arg: Any) -> None:
         self._fn, self._arg = fn, arg
+        self._claim = threading.Lock()  # taken (never given back) by the thread that runs the task
         self._done = threading.Lock()
         self._done.acquire()  # released (once) when the task has run: result() waits on it
         self._value: Any = None
         self._error: BaseException | None = None
 
+    def started(self) -> bool:
+        """Whether a thread has taken the task (it may still be running)."""
+        return self._claim.locked()
+
     def run(self) -> None:
+        if not self._claim.acquire(blocking=False):  # taken from another queue already
+            return
         try:
             self._value = self._fn(self._arg)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
@@ -55,9 +63,11 @@ class PrepTask:
 
 
 class PrepThreads:
-    """`threads` daemon threads named `name` running submitted tasks in order of submission."""
+    """`threads` daemon threads named `name` running submitted tasks in order of submission, calling
+    after_task() when each has ended (its result ready)."""
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, after_task: Callable[[], None] | None = None) -> None:
+        self._after_task = after_task
         self._queue: SimpleQueue[PrepTask | None] = SimpleQueue()
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", args=(name,), daemon=True)
                          for i in range(max(1, threads))]
@@ -70,6 +80,12 @@ class PrepThreads:
         self._queue.put(task)
         return task
 
+    def take_over(self, task: PrepTask) -> None:
+        """Queue a task of another pool here too, unless a thread has taken it: whichever pool reaches
+        it first runs it."""
+        if not task.started():
+            self._queue.put(task)
+
     def shutdown(self) -> None:
         """Let the threads run every task queued before this call, then exit (without waiting for them:
         a task's own cleanup, such as giving a decode slot back, still happens)."""
@@ -81,3 +97,5 @@ class PrepThreads:
         while (task := self._queue.get()) is not None:
             task.run()
             task = None  # hold no finished task (its value: a prepared input) while waiting for the next
+            if self._after_task is not None:
+                self._after_task()

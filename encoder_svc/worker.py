@@ -12,7 +12,9 @@ Demand work goes before prefetch (lookahead) work: a priority queue ordered by (
 A batch holds jobs of one priority only, so on a GPU a demand batch runs on the high-priority CUDA
 stream and a prefetch batch on the low-priority side stream; demand batches replay the tower's CUDA
 graphs (graphs.py), whose buffers belong to one stream. A demand request that joins a queued prefetch
-job boosts it to demand priority.
+job boosts it to demand priority, and its preparation to the demand threads if none has begun it.
+A prefetch batch takes only jobs already prepared: the tower thread waits for a batch's preparations,
+and a demand image must not wait behind a lookahead image's.
 
 The batch follows the load: the tower thread takes every queued job of the head priority, up to
 `max_batch_images` (prefetch batches: up to 8, so a demand image never waits long behind one), without
@@ -98,12 +100,13 @@ class VisionWorker:
         threads = preprocess_threads or default_preprocess_threads()
         # One pool per priority: a demand image never queues behind a burst of prefetch images (both
         # share the cores; prefetch gets half the threads).
-        self._pools = {DEMAND: PrepThreads(threads, "vision-prep"),
-                       PREFETCH: PrepThreads(max(1, threads // 2), "vision-prep-lo")}
+        self._cv = threading.Condition()  # re-entrant: see holding()
+        # A lookahead job is taken only once prepared (_next_batch): each task's end wakes the tower thread.
+        self._pools = {DEMAND: PrepThreads(threads, "vision-prep", after_task=self._wake),
+                       PREFETCH: PrepThreads(max(1, threads // 2), "vision-prep-lo", after_task=self._wake)}
         self._heap: list[tuple[int, int, _Job]] = []
         self._jobs: dict[str, _Job] = {}
         self._seq = itertools.count()
-        self._cv = threading.Condition()
         self._stopped = False
         self.batches = 0
         self._batch_since: float | None = None  # monotonic start of the batch in progress
@@ -163,6 +166,10 @@ class VisionWorker:
         finally:
             times.prep_end = time.perf_counter()
 
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
     def job_times(self, key: str) -> JobTimes | None:
         """The stamps of the latest job for key (None once forgotten: only the last jobs are kept)."""
         with self._cv:
@@ -203,7 +210,9 @@ class VisionWorker:
             yield
 
     def boost(self, key: str) -> None:
-        """Move a queued prefetch job for key to demand priority (a demand request joined it)."""
+        """Move a queued prefetch job for key to demand priority (a demand request joined it), and its
+        preparation, if no thread has taken it yet, to the demand pool's queue too: the demand batch waits
+        for it, and behind a backlog of lookahead preparations it would wait long."""
         with self._cv:
             job = self._jobs.get(key)
             if job is None or job.priority == DEMAND:
@@ -212,6 +221,7 @@ class VisionWorker:
             fresh = _Job(key, job.prepared, DEMAND, job.times)
             self._jobs[key] = fresh
             heapq.heappush(self._heap, (DEMAND, next(self._seq), fresh))
+            self._pools[DEMAND].take_over(job.prepared)
 
     def queued(self) -> int:
         """Jobs waiting for the tower."""
@@ -219,29 +229,50 @@ class VisionWorker:
             return len(self._jobs)
 
     def _next_batch(self) -> list[_Job] | None:
+        """The next batch: demand jobs (prepared or not: the thread waits for their preparation), else
+        lookahead jobs already prepared; None once stopped. Waits while neither is there."""
         with self._cv:
             while True:
                 while self._heap and self._heap[0][2].stale:
                     heapq.heappop(self._heap)
-                if self._heap or self._stopped:
-                    break
-                self._cv.wait()
-            if self._stopped:
-                return None
-            batch: list[_Job] = []
-            priority = self._heap[0][0]
-            limit = self.max_batch_images if priority == DEMAND else self.max_prefetch_batch
-            graphs = getattr(self.vision, "graphs", None)
-            if priority == DEMAND and graphs is not None:  # demand batches replay the graphs
-                # the head is a demand job, so at least one: a limit of 0 would spin here, taking none
-                limit = graphs.batch_size(max(1, min(self._demand_waiting(), limit)))
-            while self._heap and len(batch) < limit and self._heap[0][0] == priority:
-                _, _, job = heapq.heappop(self._heap)
-                if not job.stale:
-                    batch.append(job)
-                    if self._jobs.get(job.key) is job:  # an abandoned key may be in production again
-                        del self._jobs[job.key]
-            return batch
+                if self._stopped:
+                    return None
+                if self._heap and self._heap[0][0] == DEMAND:
+                    return self._take_demand_batch()
+                batch = self._take_prepared_prefetch_batch()
+                if batch:
+                    return batch
+                self._cv.wait()  # a submit, or a preparation that ends (_prepare_timed), wakes it
+
+    def _take_demand_batch(self) -> list[_Job]:
+        limit = self.max_batch_images
+        graphs = getattr(self.vision, "graphs", None)
+        if graphs is not None:  # demand batches replay the graphs
+            # the head is a demand job, so at least one: a limit of 0 would spin here, taking none
+            limit = graphs.batch_size(max(1, min(self._demand_waiting(), limit)))
+        batch: list[_Job] = []
+        while self._heap and len(batch) < limit and self._heap[0][0] == DEMAND:
+            _, _, job = heapq.heappop(self._heap)
+            if not job.stale:
+                batch.append(self._taken(job))
+        return batch
+
+    def _take_prepared_prefetch_batch(self) -> list[_Job]:
+        """Up to max_prefetch_batch queued lookahead jobs whose preparation has ended, oldest first
+        (called when no demand job is queued). Never one still being prepared: the tower thread would
+        wait for it, and a demand image arriving meanwhile would wait behind that preparation."""
+        entries = sorted(entry for entry in self._heap if not entry[2].stale)
+        ready = [entry for entry in entries if entry[2].prepared.done()][:self.max_prefetch_batch]
+        if not ready:
+            return []
+        taken = {id(entry[2]) for entry in ready}
+        self._heap = [entry for entry in entries if id(entry[2]) not in taken]  # sorted: a valid heap
+        return [self._taken(job) for _, _, job in ready]
+
+    def _taken(self, job: _Job) -> _Job:
+        if self._jobs.get(job.key) is job:  # an abandoned key may be in production again
+            del self._jobs[job.key]
+        return job
 
     def _run(self) -> None:
         set_native_thread_name("vision-worker")

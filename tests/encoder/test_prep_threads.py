@@ -55,3 +55,25 @@ def test_shutdown_still_runs_the_tasks_queued_before_it():
     for task in queued:
         task.result(10)
     assert ran == [0, 1, 2]
+
+
+def test_a_task_taken_over_by_another_pool_runs_once_on_whichever_reaches_it_first():
+    slow, fast = PrepThreads(1, "test-slow"), PrepThreads(1, "test-fast")
+    gate, runs = threading.Event(), []
+    try:
+        slow.submit(lambda _: gate.wait(10), None)  # the slow pool's only thread is held
+        task = slow.submit(lambda tag: runs.append((tag, threading.current_thread().name)) or tag, "x")
+        assert not task.started()
+        fast.take_over(task)
+        assert task.result(10) == "x" and task.started()
+        gate.set()  # the slow pool reaches its copy now: skipped
+        done = slow.submit(lambda _: None, None)
+        done.result(10)
+        assert runs == [("x", "test-fast-0")]
+        fast.take_over(task)  # taken already: not queued again
+        fast.submit(lambda _: None, None).result(10)
+        assert runs == [("x", "test-fast-0")]
+    finally:
+        gate.set()
+        slow.shutdown()
+        fast.shutdown()

@@ -278,3 +278,32 @@ def test_an_abandoned_demand_job_asked_for_again_as_prefetch_does_not_stall_the_
         assert again.result(10).entry.key == "img"
         assert vision.batches == [["first"], ["img"]]
         assert worker.stalled_for_s() == 0.0 and worker.queued() == 0
+
+
+def test_a_boosted_job_is_prepared_on_the_demand_threads_when_lookahead_preparation_is_backed_up():
+    """The lookahead threads are all busy (a slow preparation holds them): a queued lookahead image that a
+    demand request joins is prepared by a demand thread instead of waiting its turn there, and runs."""
+
+    class _SlowPrefetchPrep(_FakeVision):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate.set()
+            self.prep_gate = threading.Event()
+
+        def prepare(self, image):
+            if image == "slow":
+                assert self.prep_gate.wait(10)
+            return image
+
+    vision = _SlowPrefetchPrep()
+    with _running_worker(vision, preprocess_threads=2) as (cache, worker):  # one lookahead prep thread
+        slow = _submit(cache, worker, "slow", PREFETCH)
+        while not worker._pools[PREFETCH]._queue.empty():  # the lookahead thread has taken it
+            pass
+        wanted = _submit(cache, worker, "wanted", PREFETCH)  # queued behind it on that thread
+        _submit(cache, worker, "wanted", DEMAND)  # a demand request joins it
+        worker.boost("wanted")
+        assert wanted.result(10).entry.key == "wanted"
+        assert not slow.done()
+        vision.prep_gate.set()
+        slow.result(10)
