@@ -121,6 +121,7 @@ class _Lease:
     key: str
     expires_at: float
     owner: str = ""
+    ask: str = ""  # the request_id of the Encode it answered (name_leases), for release_asks
 
 
 @dataclass
@@ -445,6 +446,26 @@ class EmbeddingCache:
         owner's leases were live and are now freed. The empty owner frees only leases taken with it."""
         with self._lock:
             return sum(self._release_locked(lid, owner) for lid in lease_ids)
+
+    def name_leases(self, lease_ids: Sequence[str], ask: str) -> None:
+        """Record that these live leases answered the Encode with request_id `ask` (release_asks)."""
+        with self._lock:
+            for lease_id in lease_ids:
+                lease = self._leases.get(lease_id)
+                if lease is not None:
+                    lease.ask = ask
+
+    def release_asks(self, asks: Sequence[str], owner: str) -> int:
+        """Release owner's leases named (name_leases) after any of `asks`: those of answers its caller
+        cancelled and never read, whose ids it never learnt. Nothing for the empty owner: request ids,
+        unlike lease ids, can be guessed, and the anonymous owner is anyone's. Returns how many."""
+        if not owner or not asks:
+            return 0
+        wanted = set(asks)
+        with self._lock:
+            named = [lid for lid, lease in self._leases.items()
+                     if lease.ask in wanted and lease.owner == owner]
+            return sum(self._release_locked(lid, owner) for lid in named)
 
     def _sweep_locked(self) -> None:
         now = self._clock()

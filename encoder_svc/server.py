@@ -466,7 +466,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 _release_when_done(self.cache, fut, owner)
             raise
         if transport != common_pb2.TRANSPORT_INLINE:
-            self._release_if_undelivered(context, [h.lease_id for h in handles if h.lease_id], owner)
+            leases = [h.lease_id for h in handles if h.lease_id]
+            if owner and request.request_id:  # the caller may cancel as this answer leaves: see Release
+                self.cache.name_leases(leases, request.request_id)
+            self._release_if_undelivered(context, leases, owner)
         ended = time.perf_counter()
         self.metrics.observe_encode(ended - started, all(h.hit for h in handles))
         jobs = [self.worker.job_times(key) for key, _ in (*items, *videos)]
@@ -514,8 +517,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     async def Release(self, request: encoder_pb2.ReleaseRequest, context) -> encoder_pb2.ReleaseResponse:
         # Another owner's lease counts like an unknown id: nothing is freed and nothing is revealed.
         # (An over-long owner needs no check here: it owns nothing, so it frees nothing.)
-        return encoder_pb2.ReleaseResponse(
-            released=self.cache.release(list(request.lease_ids), request.lease_owner))
+        owner = request.lease_owner
+        released = self.cache.release(list(request.lease_ids), owner)
+        released += self.cache.release_asks(list(request.request_ids), owner)
+        return encoder_pb2.ReleaseResponse(released=released)
 
     async def Lookup(self, request: encoder_pb2.LookupRequest, context) -> encoder_pb2.LookupResponse:
         # A hash is "cached" only under the salt its entry was made with: no probing other tenants.

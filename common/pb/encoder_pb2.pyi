@@ -54,12 +54,14 @@ class PrefetchResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_ids", "lease_owner")
+    __slots__ = ("lease_ids", "lease_owner", "request_ids")
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_owner: str
-    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ..., lease_owner: _Optional[str] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ..., lease_owner: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

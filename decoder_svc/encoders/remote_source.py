@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import random
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -108,6 +110,7 @@ class _Slot:
     boosted: bool = False  # asked for by lookahead, then needed now: told the encoder so
     started: bool = False  # a worker took its fetch up (one only: a queued duplicate sends nothing)
     call: grpc.Future | None = None  # its Encode in flight: cancelled when the slot is released
+    ask: str = ""  # the request_id of its Encodes, its own: a Release by it frees an unread answer's lease
 
 
 @dataclass
@@ -211,6 +214,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         self._unreadable: dict[str, tuple[frozenset[int], float]] = {}
         self._copiers: dict[int, SideStreamCopier] = {}  # one per fetch thread, on CUDA
         self._counters = RemoteSourceStats()
+        self._asks = itertools.count()
 
     # -- EmbeddingSource ---------------------------------------------------------------------------
     def request(self, req: EmbeddingRequest) -> None:
@@ -222,7 +226,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
             slot = self._slots.get(key)
             if slot is None:
                 self._slots[key] = _Slot(prefetch=req.prefetch,
-                                         deadline=time.monotonic() + self.retry.total_timeout_s)
+                                         deadline=time.monotonic() + self.retry.total_timeout_s,
+                                         ask=f"{req.request_id}#{next(self._asks)}")
                 self._counters.embeddings_requested += 1
                 self._counters.images_prefetched += int(req.prefetch)
                 # Routes there: the ring may be empty for a while.
@@ -267,7 +272,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             keys = ([(request_id, content_hash)] if content_hash is not None
                     else [k for k in self._slots if k[0] == request_id])
-            calls = []
+            cancelled = []
             for key in keys:
                 slot = self._slots.pop(key, None)
                 if slot is None:
@@ -276,11 +281,14 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 slot.released = True
                 slot.tensor = None
                 if slot.call is not None:
-                    calls.append(slot.call)
+                    cancelled.append((slot.call, slot.encoder, slot.ask))
             if content_hash is None:  # the request is gone: nobody will ask for its error code
                 self._failed_requests.pop(request_id, None)
-        for call in calls:  # nobody here needs the answer: the encoder stops the work if nobody else does
+        for call, encoder, ask in cancelled:
+            # Nobody here needs the answer: the encoder stops the work if nobody else does. An answer
+            # already on its way is dropped unread, so its lease is given back by the ask's name.
             call.cancel()
+            self._release_asks(encoder, [ask])
 
     def error(self, request_id: str, content_hash: str) -> str:
         with self._lock:
@@ -506,7 +514,9 @@ class RemoteEmbeddingSource(EmbeddingSource):
 
     def _call_encode(self, encoder: str, req: EmbeddingRequest, item: _Item, accept: list[int],
                      deadline: float, await_file_ms: int = 0) -> common_pb2.EmbeddingRef:
-        request = encoder_pb2.EncodeRequest(request_id=req.request_id, accept=accept,
+        with self._lock:
+            slot = self._slots.get((req.request_id, req.content_hash))
+        request = encoder_pb2.EncodeRequest(request_id=slot.ask if slot else req.request_id, accept=accept,
                                             cache_salt=req.cache_salt, prefetch=req.prefetch,
                                             lease_owner=self._lease_owner, await_file_ms=await_file_ms)
         item.add_to(request)
@@ -561,7 +571,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
             request, timeout=max(busy_until - time.monotonic(), 0.001), wait_for_ready=False,
             metadata=auth_metadata(self._token, tenant_of_salt(req.cache_salt)))
         key = (req.request_id, req.content_hash)
-        self._track(call, key)
+        if not self._track(call, key):  # released meanwhile: a hit may have been answered already
+            self._release_asks(encoder, [request.request_id])
         limit = deadline  # until the encoder shows it is alive, an unreachable one's bound applies
         try:
             while True:
@@ -587,17 +598,18 @@ class RemoteEmbeddingSource(EmbeddingSource):
             call.cancel()  # a no-op once it has finished; otherwise the encoder may drop the work
             self._untrack(call, key)
 
-    def _track(self, call: grpc.Future, key: tuple[str, str] | None = None) -> None:
+    def _track(self, call: grpc.Future, key: tuple[str, str] | None = None) -> bool:
         """Count call among the Encodes that close() cancels, and as key's that release() cancels; it is
-        cancelled at once when the source is closed or key released already."""
+        cancelled at once when the source is closed or key released already (then False)."""
         with self._lock:
             slot = self._slots.get(key) if key is not None else None
             if self._closed or (key is not None and (slot is None or slot.released)):
                 call.cancel()
-                return
+                return False
             self._open_calls.add(call)
             if slot is not None:
                 slot.call = call
+            return True
 
     def _untrack(self, call: grpc.Future, key: tuple[str, str] | None = None) -> None:
         with self._lock:
@@ -653,22 +665,29 @@ class RemoteEmbeddingSource(EmbeddingSource):
         except NoEncoderError:
             return None
 
-    def _release_leases(self, encoder: str, lease_ids: list[str]) -> None:
-        """Give leases back without waiting for the answer: the image is ready as soon as its rows are
-        copied, not one more round trip later."""
-        if not lease_ids:
+    def _release_leases(self, encoder: str, lease_ids: list[str], asks: Sequence[str] = ()) -> None:
+        """Give leases back (by id, and those named after asks) without waiting for the answer: the image
+        is ready as soon as its rows are copied, not one more round trip later."""
+        if not lease_ids and not asks:
             return
         call = self._stub(encoder).Release.future(encoder_pb2.ReleaseRequest(
-            lease_ids=lease_ids, lease_owner=self._lease_owner), timeout=5.0,
+            lease_ids=lease_ids, request_ids=list(asks), lease_owner=self._lease_owner), timeout=5.0,
             metadata=auth_metadata(self._token))
 
         def _log_failure(done: grpc.Future) -> None:
             if done.cancelled() or done.exception() is None:
                 return
             # The lease expires by its TTL on the encoder anyway.
-            log.warning("release of %d leases on %s failed: %s", len(lease_ids), encoder, done.code().name)
+            log.warning("release of %d leases (%d asks) on %s failed: %s", len(lease_ids), len(asks), encoder,
+                        done.code().name)
 
         call.add_done_callback(_log_failure)
+
+    def _release_asks(self, encoder: str, asks: list[str]) -> None:
+        """Give back, without waiting, every lease the encoder answered these asks (Encode request_ids)
+        with: answers cancelled as they came, never read here."""
+        if encoder and not self._closed:
+            self._release_leases(encoder, [], asks)
 
     def _fail(self, key: tuple[str, str], code: grpc.StatusCode, message: str) -> None:
         with self._lock:

@@ -230,6 +230,20 @@ def test_release_frees_only_the_owners_leases():
     assert cache.stats().active_leases == 0 and cache.stats().leased_bytes == 0
 
 
+def test_leases_named_after_an_ask_are_released_by_its_owner_only():
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    first = _put_salted(cache, "k", 1, salt="", owner="alice")
+    second = cache.acquire("k", owner="alice")[0].result(0)
+    other = cache.acquire("k", owner="alice")[0].result(0)
+    cache.name_leases([first.lease_id, second.lease_id], "req-1#0")
+    cache.name_leases([other.lease_id], "req-1#1")
+    assert cache.release_asks(["req-1#0"], owner="mallory") == 0  # another owner: nothing
+    assert cache.release_asks(["req-1#0"], owner="") == 0  # the anonymous owner: never by ask
+    assert cache.release_asks(["req-1#0", "unknown"], owner="alice") == 2
+    assert cache.stats().active_leases == 1  # the other ask's lease stays
+    assert cache.release([other.lease_id], owner="alice") == 1
+
+
 def test_waiters_leases_belong_to_their_own_owners():
     cache = EmbeddingCache(TensorArena(4 * ITEM))
     f1, _ = cache.acquire("k", owner="one")

@@ -326,6 +326,21 @@ def test_release_by_another_owner_leaves_the_lease_active(encoder):
     assert s.active_leases == 0 and s.leased_bytes == 0
 
 
+def test_an_answer_never_read_is_released_by_its_request_id(encoder):
+    """A decoder that cancels an Encode as its answer arrives never learns the lease ids: it releases by
+    the ask's request_id, for its own owner only (request ids can be guessed; lease ids cannot)."""
+    resp = encoder.stub.Encode(encode_request(image_bytes(715), lease_owner="alice", request_id="r-7#3"),
+                               timeout=30)
+    assert resp.embeddings[0].lease_id and encoder.stats().active_leases == 1
+    for owner in ("mallory", ""):
+        assert encoder.stub.Release(encoder_pb2.ReleaseRequest(request_ids=["r-7#3"], lease_owner=owner),
+                                    timeout=10).released == 0
+    assert encoder.stub.Release(encoder_pb2.ReleaseRequest(request_ids=["r-7#3"], lease_owner="alice"),
+                                timeout=10).released == 1
+    s = encoder.stats()
+    assert s.active_leases == 0 and s.leased_bytes == 0
+
+
 def test_anonymous_leases_are_released_only_anonymously(encoder):
     resp = encoder.stub.Encode(encode_request(image_bytes(720)), timeout=30)  # no lease_owner
     lease = resp.embeddings[0].lease_id

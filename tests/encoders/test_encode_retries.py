@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from common.pb import encoder_pb2
 from decoder_svc.encoders import remote_source
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy, _by_hash
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
@@ -25,6 +26,8 @@ class _FullCacheStub:
     def __init__(self) -> None:
         self.calls = 0
         self.Encode = FakeMethod(self._encode)
+        # asked with no slot (the test calls the fetch directly): the source gives the ask's leases back
+        self.Release = FakeMethod(lambda request, **kwargs: encoder_pb2.ReleaseResponse())
 
     def _encode(self, request, **kwargs):
         self.calls += 1

@@ -57,6 +57,7 @@ class _Call:
         self.content_hash = request.images[0].content_hash
         self.has_bytes = bool(request.images[0].data)
         self.prefetch = request.prefetch
+        self.request_id = request.request_id
         self.thread = threading.current_thread().name
 
 
@@ -67,6 +68,7 @@ class _Release:
     def future(self, request, timeout=None, metadata=None):
         with self.encoder.cond:
             self.encoder.released.extend(request.lease_ids)
+            self.encoder.released_asks.extend(request.request_ids)
             self.encoder.cond.notify_all()
         done: Future = Future()
         done.set_result(encoder_pb2.ReleaseResponse())
@@ -81,6 +83,7 @@ class FakeEncoder:
         self.calls: list[_Call] = []
         self.leased: list[str] = []
         self.released: list[str] = []
+        self.released_asks: list[str] = []  # Release by the asks' request_ids (answers never read)
         self.queued: dict[str, threading.Event] = {}  # low-priority job not run until a demand ask
         self.stalled: dict[str, threading.Event] = {}  # every Encode of the hash waits
         self.failing: dict[str, grpc.StatusCode] = {}
@@ -499,3 +502,28 @@ def test_a_prefetch_failed_on_a_dead_encoder_fails_its_prefill_at_once(monkeypat
         assert rig.source.stats().lookahead_boosted == 0
     finally:
         rig.close()
+
+
+# -- answers never read --------------------------------------------------------------------------------
+
+def test_an_image_released_while_its_encode_is_in_flight_gives_back_that_asks_leases(rig):
+    """Its Encode is cancelled, and an answer already on its way would be dropped unread with a lease no
+    one knows: the source also releases by the ask's request_id, which is its own (the same image asked
+    for again is another ask)."""
+    enc = rig.encoder
+    enc.stall("x")
+    rig.ask("r1", "x", prefetch=False)
+    enc.wait_arrived("x", prefetch=False)
+    (first,) = enc.encodes("x")
+    assert first.request_id.startswith("r1#")
+    rig.source.release("r1")
+    with enc.cond:
+        assert enc.cond.wait_for(lambda: enc.released_asks == [first.request_id], PROMPT_S)
+    rig.ask("r1", "x", prefetch=False)  # asked for again after its release
+    with enc.cond:
+        assert enc.cond.wait_for(lambda: len(enc.calls) == 2, PROMPT_S)
+    assert enc.calls[1].request_id.startswith("r1#") and enc.calls[1].request_id != first.request_id
+    enc.open_all()
+    rig.wait_fetched("r1", "x", times=2)
+    rig.source.release("r1")
+    enc.wait_all_released()

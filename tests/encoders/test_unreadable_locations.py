@@ -44,7 +44,7 @@ def test_a_location_we_cannot_open_is_not_asked_for_again_until_it_expires(monke
     source = RemoteEmbeddingSource([ENCODER], transports=[shm, inline])
     stub = _ElsewhereStub()
     monkeypatch.setattr(source, "_stub", lambda encoder: stub)
-    monkeypatch.setattr(source, "_release_leases", lambda encoder, ids: None)
+    monkeypatch.setattr(source, "_release_leases", lambda encoder, ids, asks=(): None)
     try:
         def fetch(i: int) -> None:
             req = EmbeddingRequest(f"r{i}", f"{i:02x}" * 32, None)
