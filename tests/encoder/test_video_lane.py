@@ -39,6 +39,21 @@ def _lane(cache: EmbeddingCache):
     return VideoLane(cache, submit, threads=1), submitted, arrived
 
 
+def _hold_at_frame_5(lane: VideoLane) -> tuple[threading.Event, threading.Event]:
+    """(at_frame_5, go): decoding stops before its fifth frame, says so in at_frame_5, goes on at go."""
+    at_frame_5, go = threading.Event(), threading.Event()
+    real = lane._frame_decoded
+
+    def held(key: str) -> bool:
+        if lane.frames_decoded == 4:
+            at_frame_5.set()
+            assert go.wait(WAIT_S)
+        return real(key)
+
+    lane._frame_decoded = held
+    return at_frame_5, go
+
+
 def test_a_video_reaches_the_worker_decoded() -> None:
     cache = EmbeddingCache(TensorArena(1 << 16))
     lane, submitted, arrived = _lane(cache)
@@ -55,16 +70,7 @@ def test_a_video_reaches_the_worker_decoded() -> None:
 def test_shutting_down_stops_decoding_at_the_next_frame() -> None:
     cache = EmbeddingCache(TensorArena(1 << 16))
     lane, submitted, _ = _lane(cache)
-    at_frame_5, go = threading.Event(), threading.Event()
-    real = lane._frame_decoded
-
-    def held(key: str) -> bool:
-        if lane.frames_decoded == 4:
-            at_frame_5.set()
-            assert go.wait(WAIT_S)
-        return real(key)
-
-    lane._frame_decoded = held
+    at_frame_5, go = _hold_at_frame_5(lane)
     finished = threading.Event()
     run = lane._run
     lane._run = lambda item: (run(item), finished.set())
@@ -97,16 +103,7 @@ def test_a_video_needed_now_while_it_decodes_goes_to_the_tower_as_demand_work() 
     the worker's to raise (boost answers False)."""
     cache = EmbeddingCache(TensorArena(1 << 16))
     lane, submitted, arrived = _lane(cache)
-    at_frame_5, go = threading.Event(), threading.Event()
-    real = lane._frame_decoded
-
-    def held(key: str) -> bool:
-        if lane.frames_decoded == 4:
-            at_frame_5.set()
-            assert go.wait(WAIT_S)
-        return real(key)
-
-    lane._frame_decoded = held
+    at_frame_5, go = _hold_at_frame_5(lane)
     cache.acquire("k", want_lease=False, video=True)
     lane.start("k", _job(), PREFETCH)
     assert at_frame_5.wait(WAIT_S)
