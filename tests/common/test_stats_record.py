@@ -91,4 +91,6 @@ def test_encoder_metrics_keep_their_names():
     StatsCollector("mmserve_encoder", lambda: EncoderStats(hits=3, entries=2, device="cpu"), registry)
     text = generate_latest(registry).decode()
     assert "mmserve_encoder_cache_hits_total 3.0" in text and "mmserve_encoder_cache_entries 2.0" in text
-    assert "device" not in text.replace("mmserve_encoder_", "")  # info fields are the RPC's only
+    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+    for info in ("device", "model_fingerprint", "transports"):  # info fields are the RPC's only
+        assert not {f"mmserve_encoder_{info}", f"mmserve_encoder_{info}_info"} & names
