@@ -101,8 +101,9 @@ class VisionWorker:
         # One pool per priority: a demand image never queues behind a burst of prefetch images (both
         # share the cores; prefetch gets half the threads).
         self._cv = threading.Condition()  # re-entrant: see holding()
-        # A lookahead job is taken only once prepared (_next_batch): each task's end wakes the tower thread.
-        self._pools = {DEMAND: PrepThreads(threads, "vision-prep", after_task=self._wake),
+        # A lookahead job is taken only once prepared (_next_batch): the end of a lookahead preparation
+        # wakes the tower thread (a demand batch waits on its own preparations: no wake needed there).
+        self._pools = {DEMAND: PrepThreads(threads, "vision-prep"),
                        PREFETCH: PrepThreads(max(1, threads // 2), "vision-prep-lo", after_task=self._wake)}
         self._heap: list[tuple[int, int, _Job]] = []
         self._jobs: dict[str, _Job] = {}
