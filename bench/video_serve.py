@@ -179,12 +179,25 @@ def host_prep(clip: bytes, config) -> dict:
 
 
 def describe_clip(clip: bytes, config) -> dict:
-    """Sampled frames, grid, tokens and host decode + patch time of one clip."""
+    """Sampled frames, grid, tokens and host decode + patch time of one clip, and its decode time at
+    several --video-decode-threads (the fastest of 3 each; the services use the default)."""
+    from common.video import VideoLimits, decode_video
+    from common.video.limits import available_cores, default_decode_threads
+
     prep = host_prep(clip, config)
     grid = prep["grid"]
+    by_threads = {}
+    for threads in sorted({1, 2, 4, 8, available_cores()}):
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            decode_video(clip, config.sampling.indices_for, VideoLimits(decode_threads=threads))
+            times.append(time.perf_counter() - t0)
+        by_threads[threads] = round(min(times) * 1000, 1)
     return {"sampled_frames": len(prep["decoded"].indices), "grid_thw": list(grid),
             "tokens": config.geometry.num_tokens(grid), "patch_rows": int(prep["rows"].shape[0]),
-            "host_decode_ms": round(prep["decode_ms"], 1), "host_patches_ms": round(prep["patches_ms"], 1)}
+            "host_decode_ms": round(prep["decode_ms"], 1), "host_patches_ms": round(prep["patches_ms"], 1),
+            "default_decode_threads": default_decode_threads(), "host_decode_ms_by_threads": by_threads}
 
 
 # --- requests --------------------------------------------------------------------------------------
@@ -241,17 +254,20 @@ def prompt_of(i: int) -> str:
     return USER + VIDEO + f"request {i}: describe what happens in this video" + END
 
 
-def ttft_cold_warm(address: str, clips: list[bytes], rounds: int, timeout: float, out: dict) -> None:
+def ttft_cold_warm(address: str, encoder: str, clips: list[bytes], rounds: int, timeout: float,
+                   out: dict) -> None:
     """Cold then warm TTFT of rounds requests, one at a time on one decoder; medians in ms, into out
-    (each round's figures as they come: a run cut short keeps them)."""
+    (each round's figures as they come: a run cut short keeps them). Each cold round also has the
+    encoder's Encode split (stages.py: decode, queue, preprocess = the video lane's frame decoding and
+    patching, tower, handoff) and its tower's device time."""
     cold, warm = [], []
     rows = out["rounds"] = []
     before = decoder_stats(address)
     for r in range(rounds):
         request = video_request(prompt_of(r), clips[r % len(clips)], f"cold-{uuid.uuid4().hex[:12]}", 1)
-        s0 = svcstats.decoder_stats(address)
+        s0, e0 = svcstats.decoder_stats(address), svcstats.encoder_stats(encoder)
         a = asyncio.run(_run(address, [request], timeout))[0]
-        s1 = svcstats.decoder_stats(address)
+        s1, e1 = svcstats.decoder_stats(address), svcstats.encoder_stats(encoder)
         b = asyncio.run(_run(address, [request], timeout))[0]
         s2 = svcstats.decoder_stats(address)
         for res in (a, b):
@@ -263,6 +279,8 @@ def ttft_cold_warm(address: str, clips: list[bytes], rounds: int, timeout: float
                      "prompt_tokens": a.get("prompt_tokens"),
                      "warm_cached_prompt_tokens": b.get("cached_prompt_tokens"),
                      "cold_split_ms": svcstats.stage_split(s0, s1),
+                     "cold_encoder_split_ms": svcstats.stage_split(e0, e1, "stage_seconds", "encode_calls"),
+                     "cold_tower_gpu_ms": round(1e3 * (e1["tower_gpu_seconds"] - e0["tower_gpu_seconds"]), 2),
                      "warm_split_ms": svcstats.stage_split(s1, s2)})
         print(f"ttft round {r}: {rows[-1]}", flush=True)
     after = decoder_stats(address)
@@ -423,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
                 if "error" in res:
                     raise RuntimeError(f"{svc.name}: the warm-up video request failed: {res['error']}")
         if not args.no_ttft:
-            _part(result, "ttft", lambda out: ttft_cold_warm(on.address, clips, max(1, args.ttft_rounds),
+            _part(result, "ttft", lambda out: ttft_cold_warm(on.address, enc.address, clips,
+                                                               max(1, args.ttft_rounds),
                                                                args.request_timeout, out))
         if not args.no_lookahead:
             _part(result, "lookahead",

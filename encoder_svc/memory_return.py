@@ -17,7 +17,8 @@ def input_nbytes(prepared: object) -> int:
     """Host bytes of one prepared tower input: a tensor, or the tensors of a Qwen-VL prepared input."""
     if isinstance(prepared, torch.Tensor):
         return prepared.numel() * prepared.element_size()
-    parts = (getattr(prepared, "pixel_values", None), getattr(prepared, "raw", None))
+    parts = (getattr(prepared, "pixel_values", None), getattr(prepared, "raw", None),
+             getattr(prepared, "frames", None))
     return sum(input_nbytes(t) for t in parts if t is not None)
 
 

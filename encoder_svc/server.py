@@ -111,7 +111,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.pool_decode_always = False  # EncoderConfig.pool_decode_always
         self.cache = cache
         self.worker = worker
-        self.video_lane = VideoLane(cache, worker.submit)  # videos decode apart from images' threads
+        # Videos decode apart from images' threads; a tower that patches on its GPU gets their frames.
+        self.video_lane = VideoLane(cache, worker.submit,
+                                    patch_on_device=getattr(vision, "patches_videos_on_device", False))
         self.limits = limits
         self.nixl = nixl  # the arena registered with a NIXL agent (--nixl), or None
         self.served = served_transports(cache.arena, nixl)

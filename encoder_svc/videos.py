@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 
 from common.errors import invalid_argument
 from common.video import (
@@ -21,8 +22,8 @@ from common.video import (
     decode_video,
     plan_video,
     video_input_config,
-    video_patches,
 )
+from common.video.patches import frames_to_rows
 from common.vision.prepared import PreparedGrid
 
 
@@ -37,19 +38,24 @@ class VideoJob:
     plan: VideoPlan
     prepared: PreparedGrid | None = None
 
-    def decode(self, keep_going: Callable[[], bool] | None = None) -> PreparedGrid:
-        """Decode the planned frames and patch them. VideoError for a stream that breaks after its header
-        or runs past its time budget; DecodeAbandoned once keep_going() (asked at every frame) is False."""
+    def decode(self, keep_going: Callable[[], bool] | None = None, patch: bool = True) -> PreparedGrid:
+        """Decode the planned frames and patch them (patch=False: the frames as they are, for a tower that
+        patches videos on its device). VideoError for a stream that breaks after its header or runs past
+        its time budget; DecodeAbandoned once keep_going() (asked at every frame) is False."""
         video = decode_video(self.data, lambda _info: np.asarray(self.plan.indices, dtype=np.int64),
                              self.limits, keep_going)
-        rows, grid = video_patches(video.frames, self.config)
+        n, height, width, _ = video.frames.shape
+        grid = self.config.geometry.grid(n, height, width)
         if tuple(grid) != tuple(self.plan.grid):  # the frames differ from what the header promised
             raise VideoError(f"decoded frames give grid {list(grid)}, the header {list(self.plan.grid)}")
+        if not patch:
+            return PreparedGrid(tuple(grid), frames=torch.from_numpy(video.frames), timing=self.plan.timing)
+        rows = frames_to_rows(video.frames, grid, self.config)
         return PreparedGrid(tuple(grid), pixel_values=rows, timing=self.plan.timing)
 
-    def decoded(self, keep_going: Callable[[], bool] | None = None) -> VideoJob:
-        """This job with its frames decoded and patched (see `decode`)."""
-        return replace(self, prepared=self.decode(keep_going))
+    def decoded(self, keep_going: Callable[[], bool] | None = None, patch: bool = True) -> VideoJob:
+        """This job with its frames decoded, and patched unless patch is False (see `decode`)."""
+        return replace(self, prepared=self.decode(keep_going, patch))
 
     def prepare(self) -> PreparedGrid:
         """The tower's input (what the vision worker calls on a prep thread): the frames decoded by the

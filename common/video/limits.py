@@ -23,8 +23,8 @@ DEFAULT_VIDEO_FORMATS = ("mp4", "matroska", "avi")  # matroska covers .webm and 
 DEFAULT_VIDEO_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4")
 # Threads decoding one video (common/video/decode.py) when --video-decode-threads is not given: at most
 # this many, and no more than the cores this process may run on. The encoder decodes a few videos at once
-# (encoder_svc/video_lane.py), so each takes a few cores, not all of them.
-MAX_DEFAULT_DECODE_THREADS = 4
+# (encoder_svc/video_lane.py: two at once), so each takes some of the cores, not all of them.
+MAX_DEFAULT_DECODE_THREADS = 8
 
 
 def available_cores() -> int:
@@ -105,7 +105,7 @@ class VideoLimits:
     # one run. The frames are the same for any count.
     decode_threads: int | None = option(
         None, "threads decoding one video's frames: its runs from keyframe to sampled frame split between "
-        "them, or FFmpeg's codec threads when there is one run (default: cores, at most 4; 1: one thread)",
+        "them, or FFmpeg's codec threads when there is one run (default: cores, at most 8; 1: one thread)",
         flag="--video-decode-threads", type=positive_int)
 
     def check_decode_work(self, frames: int, width: int, height: int) -> None:

@@ -84,12 +84,22 @@ def video_patches(frames: np.ndarray | torch.Tensor, config: QwenVideoConfig,
                   device: str | torch.device = "cpu") -> tuple[torch.Tensor, Grid]:
     """Patch rows (float32) and (t, h, w) grid of uint8 [n, H, W, 3] RGB sampled frames: resized (when
     the grid's size differs), patchified as uint8, then normalised (see the module's docstring)."""
+    n, height, width, _ = frames.shape
+    grid = config.geometry.grid(n, height, width)
+    return frames_to_rows(frames, grid, config, device), grid
+
+
+def frames_to_rows(frames: np.ndarray | torch.Tensor, grid: Grid, config: QwenVideoConfig,
+                   device: str | torch.device = "cpu") -> torch.Tensor:
+    """Patch rows (float32, on device) of uint8 [n, H, W, 3] RGB frames whose (t, h, w) grid is known:
+    `video_patches` without working the grid out again. On a GPU the uint8 frames cross to the device
+    (a quarter of the rows' bytes) and everything after runs there: the same rows as on the host when no
+    resize is needed (the same float32 operations), within a pixel level otherwise (resize_frames)."""
     x = torch.as_tensor(frames).to(device).permute(0, 3, 1, 2)  # a view: patchify's reshape copies once
     g = config.geometry
-    n, channels, height, width = x.shape
-    grid = g.grid(n, height, width)
+    channels, height, width = x.shape[1:]
     size = (grid[1] * g.patch_size, grid[2] * g.patch_size)
     if (height, width) != size:
         x = resize_frames(x.contiguous(), size)
     rows = patchify(x, g.patch_size, g.merge_size, g.temporal_patch_size)
-    return normalize_rows(rows, channels, config.image_mean, config.image_std, config.rescale_factor), grid
+    return normalize_rows(rows, channels, config.image_mean, config.image_std, config.rescale_factor)

@@ -20,6 +20,7 @@ from common.families.qwen2_5_vl.layout import read_qwen_layout
 from common.families.qwen2_5_vl.pixels import QwenTorchPixels
 from common.image_geometry import PixelRange
 from common.video.config import load_qwen_video_config
+from common.video.patches import frames_to_rows
 from common.vision import PREPROCESS_MODES
 from common.vision.pixels import to_uint8_hwc
 from common.vision.prepared import PreparedGrid
@@ -143,8 +144,16 @@ class QwenFamilyEncoder:
             self.images_encoded += len(prepared)
         return self._per_image(features, [self.layout.num_tokens(g) for g in grids])
 
+    @property
+    def patches_videos_on_device(self) -> bool:
+        """Whether a video may come as its sampled frames (PreparedGrid.frames), patched on the device: where
+        images are (preprocess "torch"), so the host neither patches nor copies fp32 rows (4x the bytes)."""
+        return self.torch_pixels is not None
+
     def _rows(self, prepared: PreparedGrid) -> torch.Tensor:
-        """One image's patch rows on the device (fp32)."""
+        """One image's (or video's) patch rows on the device (fp32)."""
+        if prepared.frames is not None:
+            return frames_to_rows(prepared.frames, prepared.grid, self.video_config, self.device)
         if prepared.raw is None:
             return prepared.pixel_values.to(self.device, non_blocking=True)
         image = prepared.raw.to(self.device, non_blocking=True).permute(2, 0, 1)
