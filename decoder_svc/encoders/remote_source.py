@@ -57,7 +57,7 @@ from common.transport.importer import can_import, import_embedding, readable_tra
 from common.transport.nixl import NixlTransferError, known_agent
 from decoder_svc.encoders.discovery import EncoderPool, NoEncoderError
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
-from decoder_svc.engine.following_bytes import FollowingBytes
+from decoder_svc.engine.following_bytes import FollowingBytes, file_bytes
 
 log = logging.getLogger("mmserve.decoder.encoders")
 
@@ -504,7 +504,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             self._counters.images_resent += 1
         if video is not None:  # the settings come resolved: the encoder hashes it as the decoder did
-            item = _Item("videos", dict(data=video.data, fps=video.fps, max_frames=video.max_frames,
+            data = file_bytes(video.data, max(deadline - time.monotonic(), 0.0))
+            item = _Item("videos", dict(data=data, fps=video.fps, max_frames=video.max_frames,
                                         min_pixels=video.min_pixels, max_pixels=video.max_pixels))
             return self._call_encode(encoder, req, item, accept, deadline)
         fields = {"data": _image_bytes(req.image, max(deadline - time.monotonic(), 0.0))}
@@ -773,5 +774,5 @@ class _EncoderLeftRing(Exception):
 def _image_bytes(image: bytes | Image.Image | FollowingBytes, timeout: float) -> bytes:
     """The file to send: as given, a PIL image as PNG, or bytes still on their way (waited for)."""
     if isinstance(image, FollowingBytes):
-        return image.get(timeout)
+        return file_bytes(image, timeout)
     return image if isinstance(image, bytes) else encode_png(image)

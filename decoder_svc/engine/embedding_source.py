@@ -34,6 +34,7 @@ import torch
 from PIL import Image
 
 from common.image_geometry import ImageSettings
+from decoder_svc.engine.following_bytes import FollowingBytes
 
 
 class EmbeddingState(enum.Enum):
@@ -50,10 +51,11 @@ class EmbeddingState(enum.Enum):
 
 @dataclass(frozen=True)
 class VideoSource:
-    """A video as the encoder is sent it: the container file (None: known to it by content hash) and
-    the request's sampling and resize settings (0: the model's default)."""
+    """A video as the encoder is sent it: the container file (None: known to it by content hash; in an
+    engine core, a FollowingBytes until the file arrives behind its request) and the request's sampling
+    and resize settings (0: the model's default)."""
 
-    data: bytes | None
+    data: bytes | FollowingBytes | None
     fps: float = 0.0
     max_frames: int = 0
     min_pixels: int = 0

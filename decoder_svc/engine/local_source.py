@@ -26,7 +26,7 @@ from common.video import VideoLimits, decode_video, video_patches, video_request
 from common.vision.encoders import make_vision_encoder
 from common.vision.prepared import PreparedGrid
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState, VideoSource
-from decoder_svc.engine.following_bytes import FollowingBytes
+from decoder_svc.engine.following_bytes import FollowingBytes, file_bytes
 
 if TYPE_CHECKING:
     from decoder_svc.engine.config import EngineConfig
@@ -78,7 +78,7 @@ class LocalEmbeddingSource(EmbeddingSource):
             else:
                 image = req.image
                 if isinstance(image, FollowingBytes):  # behind its request on an engine core's pipe
-                    image = image.get(_FOLLOWING_BYTES_TIMEOUT_S)
+                    image = file_bytes(image, _FOLLOWING_BYTES_TIMEOUT_S)
                 image = decode_image(image) if isinstance(image, bytes) else to_rgb(image)
                 if req.pixels is not None:  # a pixel range (Qwen-VL), a crop choice (Gemma 3)
                     emb = self.encoder.encode([image], [req.pixels])[0]
@@ -98,7 +98,8 @@ class LocalEmbeddingSource(EmbeddingSource):
         with the video's grid, as the encoder service does (the settings come resolved)."""
         config = video_request_config(self.encoder.video_config, video.fps, video.max_frames,
                                       video.min_pixels, video.max_pixels, self.video_limits)
-        decoded = decode_video(video.data, config.sampling.indices_for, self.video_limits)
+        data = file_bytes(video.data, _FOLLOWING_BYTES_TIMEOUT_S)  # behind its request on a core's pipe
+        decoded = decode_video(data, config.sampling.indices_for, self.video_limits)
         rows, grid = video_patches(decoded.frames, config)
         return self.encoder.encode_prepared([PreparedGrid(tuple(grid), pixel_values=rows)])[0]
 

@@ -10,12 +10,13 @@ from multiprocessing.connection import wait
 import pytest
 
 from decoder_svc.encoders.remote_source import _image_bytes
-from decoder_svc.engine.embedding_source import EmbeddingSource
+from decoder_svc.engine.embedding_source import EmbeddingSource, VideoSource
 from decoder_svc.engine.following_bytes import (
     BytesNeverCameError,
     FollowingBytes,
     awaiting_files,
     detach_files,
+    file_bytes,
 )
 from decoder_svc.engine.request import ImagePlaceholder
 from decoder_svc.engine_core import Wakeup
@@ -47,6 +48,27 @@ def test_detach_leaves_holders_in_order_and_keeps_hash_only_and_pil_images():
     for holder, data in zip(awaiting_files(images), files, strict=True):
         holder.set(data)
     assert [_image_bytes(img.image, 0) for img in (images[0], images[2])] == [a, b]
+
+
+def test_a_video_file_follows_once_for_all_its_placeholders():
+    """A Qwen3-VL video fills one placeholder per group of frames, all sharing its VideoSource: its file
+    leaves the request once, and after the crossing (pickled, as on the core's pipe) every placeholder
+    still shares the one holder that the file fills."""
+    image, clip = b"image-file", b"video-file-bytes"
+    video = VideoSource(clip, fps=2.0)
+    places = [ImagePlaceholder(0, 4, "v", video=video), ImagePlaceholder(9, 1, "i", image),
+              ImagePlaceholder(12, 4, "v", row_offset=4, video=video)]
+    files = detach_files(places)
+    assert files == [clip, image]
+    assert places[0].video is places[2].video and places[0].video.fps == 2.0
+    crossed = pickle.loads(pickle.dumps(places))
+    holders = awaiting_files(crossed)
+    assert [h.size for h in holders] == [len(clip), len(image)]
+    for holder, data in zip(holders, files, strict=True):
+        holder.set(data)
+    assert crossed[0].video.data is crossed[2].video.data
+    assert file_bytes(crossed[2].video.data, 0) == clip and file_bytes(crossed[1].image, 0) == image
+    assert file_bytes(b"as given", 0) == b"as given"
 
 
 def test_an_arriving_embedding_wakes_the_core_and_the_wake_is_drained():
