@@ -22,7 +22,7 @@ from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from common.stage_totals import StageTotals
 from common.stats import to_message
 from decoder_svc.core_client import CoreDeadError, EngineCoreClient
-from decoder_svc.encoders.front_link import FileAhead, FrontEndLink
+from decoder_svc.encoders.front_link import FileAhead, FrontEndLink, file_ahead
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 from decoder_svc.engine.input_processor import InputProcessor
 from decoder_svc.engine.output_processor import RequestOutput
@@ -107,24 +107,27 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             raise as_service_error(exc) from None
 
     def _send_files_ahead(self, req: Request) -> None:
-        """A file this front end has not sent lately goes to its encoder now, in the background
-        (encoders/front_link.py), as demand work; its placeholder says so, and the engine asks for it by
-        hash only, waiting briefly if the encoder has not received it yet. Not while more than
-        `send_ahead_depth` requests (this one included) await their first token: the file then follows
-        its request and the engine asks for it with its bytes, in queue order (lookahead)."""
+        """A file this front end has not sent lately (an image's, a video's) goes to its encoder now, in
+        the background (encoders/front_link.py), as demand work; its placeholders say so, and the engine
+        asks for it by hash only, waiting briefly if the encoder has not received it yet. Not while more
+        than `send_ahead_depth` requests (this one included) await their first token: the file then
+        follows its request and the engine asks for it with its bytes, in queue order (lookahead)."""
         if not self.send_ahead or self.awaiting_first_token > self.send_ahead_depth:
             return
-        files = []
+        files: dict[str, FileAhead] = {}  # by content hash: a video's placeholders (Qwen3-VL) share one
         for img in req.images:
-            key = (req.cache_salt, img.content_hash)
-            if not isinstance(img.image, bytes) or self._sent_ahead.get(key) is not None:
-                continue
-            self._sent_ahead.put(key, True)
-            px = img.pixels
-            files.append(FileAhead(img.content_hash, img.image, px.input_fields() if px else {}))
+            h = img.content_hash
+            if h not in files:
+                file = file_ahead(img)
+                key = (req.cache_salt, h)
+                if file is None or self._sent_ahead.get(key) is not None:
+                    continue
+                self._sent_ahead.put(key, True)
+                files[h] = file
             img.sent_ahead = True
         if files:  # serialising megabytes is not the event loop's work
-            asyncio.get_running_loop().run_in_executor(None, self.encoders.send_ahead, files, req.cache_salt)
+            asyncio.get_running_loop().run_in_executor(None, self.encoders.send_ahead, list(files.values()),
+                                                       req.cache_salt)
 
     def _stream_detokenizer(self, sampling: SamplingParams) -> IncrementalDetokenizer | None:
         """The stream's own detokenizer; None when the core detokenizes (requests with stop strings,

@@ -65,7 +65,7 @@ from encoder_svc.refs import (
 from encoder_svc.stages import STAGES, split_encode
 from encoder_svc.stats import EncoderStats, device_memory
 from encoder_svc.video_lane import VideoLane
-from encoder_svc.videos import VideoJob, plan_videos
+from encoder_svc.videos import VideoJob, plan_videos, video_file_key
 from encoder_svc.worker import DEMAND, PREFETCH, VisionWorker
 
 log = logging.getLogger("mmserve.encoder")
@@ -199,30 +199,37 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise invalid_argument(f"image {index}: content_hash is not a 64-digit hex digest")
         return text
 
-    async def _register_files(self, images, salt: str) -> list:
-        """Register the request's image files as pending under their content hashes (the hash of their
-        bytes, taken in a thread for large files), before any decoding; returns what `pending.end` takes.
-        An input refused later (a bad pixel range, say) just registers nothing useful for a while."""
-        data = [(i, item) for i, item in enumerate(images) if item.WhichOneof("source") == "data"]
-        if not data:
+    async def _register_files(self, request, salt: str) -> list:
+        """Register the request's image and video files as pending under their content hashes (the hash
+        of their bytes and settings, taken in a thread for large files), before any decoding; returns
+        what `pending.end` takes. An input refused later (a bad pixel range, say) just registers nothing
+        useful for a while."""
+        images = [(i, item) for i, item in enumerate(request.images) if item.WhichOneof("source") == "data"]
+        videos = [video for video in request.videos if video.WhichOneof("source") == "data"]
+        if not images and not videos:
             return []
 
         def keys() -> list:
             out = []
-            for i, item in data:
+            for i, item in images:
                 try:
                     out.append((salt, hash_image_file(item.data, self._fingerprint(i, item), salt)))
                 except ServiceError:  # a bad pixel range: refused when the input is read
                     continue
+            fingerprint = self.vision.fingerprint
+            for video in videos:
+                key = video_file_key(video, self.video_config, self.video_limits, fingerprint, salt)
+                if key is not None:
+                    out.append((salt, key))
             return out
 
-        big = sum(len(item.data) for _, item in data) >= _HASH_IN_THREAD_BYTES
-        return self.pending.begin(await asyncio.to_thread(keys) if big else keys())
+        size = sum(len(item.data) for _, item in images) + sum(len(video.data) for video in videos)
+        return self.pending.begin(await asyncio.to_thread(keys) if size >= _HASH_IN_THREAD_BYTES else keys())
 
     async def _registered_inputs(self, request, salt: str) -> tuple[list, list, list]:
         """_inputs with the request's files registered as pending first: (what `pending.end` takes once
         their entries exist, images, videos); a failure ends the registration itself."""
-        pending = await self._register_files(request.images, salt)
+        pending = await self._register_files(request, salt)
         try:
             items, videos = await self._inputs(request, salt)
         except BaseException:
@@ -230,11 +237,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise
         return pending, items, videos
 
-    async def _await_pending(self, images, salt: str, await_file_ms: int = 0) -> None:
-        """A hash-only image whose file is being decoded here waits until its entry exists; one whose
-        file the caller sent ahead (await_file_ms) but that is neither here nor cached first waits for
-        the file to arrive, bounded."""
-        keys = [(salt, item.content_hash.lower()) for item in images
+    async def _await_pending(self, inputs, salt: str, await_file_ms: int = 0) -> None:
+        """A hash-only image or video whose file is being decoded here waits until its entry exists; one
+        whose file the caller sent ahead (await_file_ms) but that is neither here nor cached first waits
+        for the file to arrive, bounded."""
+        keys = [(salt, item.content_hash.lower()) for item in inputs
                 if item.WhichOneof("source") == "content_hash"]
         if keys and await_file_ms:
             absent = [k for k in keys if not (self.pending.is_pending(k) or self.cache.known(k[1], k[0]))]
@@ -425,7 +432,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         salt, owner = request.cache_salt, request.lease_owner
         checked = time.perf_counter()
         # counted as decode: another call brings or decodes it
-        await self._await_pending(request.images, salt, request.await_file_ms)
+        await self._await_pending([*request.images, *request.videos], salt, request.await_file_ms)
         pending, items, videos = await self._registered_inputs(request, salt)
         decoded = time.perf_counter()
         priority = PREFETCH if request.prefetch else DEMAND

@@ -23,6 +23,7 @@ from common.video import (
     plan_video,
     video_input_config,
 )
+from common.video.hashing import hash_video_bytes
 from common.video.patches import frames_to_rows
 from common.vision.prepared import PreparedGrid
 
@@ -73,6 +74,19 @@ def hash_only(index: int, video) -> str:
     if not is_content_hash(text):
         raise invalid_argument(f"video {index}: content_hash is not a 64-digit hex digest")
     return text
+
+
+def video_file_key(video, base: QwenVideoConfig | None, limits: VideoLimits, fingerprint: str,
+                   salt: str) -> str | None:
+    """The content hash a VideoInput with bytes will have (its bytes under its settings; nothing read but
+    the settings), or None where it will be refused anyway (no video model, settings out of range)."""
+    if base is None:
+        return None
+    try:
+        config = video_input_config(base, video, limits)
+    except VideoError:
+        return None
+    return hash_video_bytes(video.data, config, fingerprint, salt)
 
 
 def plan_videos(videos: Sequence, base: QwenVideoConfig, limits: VideoLimits, fingerprint: str,

@@ -5,8 +5,8 @@
   unreachable encoder, an absent entry or a video's entry (a video's hash given for an image) leaves the
   hash out of the answer, and the input processor then refuses the image with INVALID_ARGUMENT, asking
   for its bytes.
-- `send_ahead`: a new image file goes to its encoder the moment its request arrives (a Prefetch with its
-  bytes), so that the encoder decodes it and runs the tower while the request is tokenized, crosses to
+- `send_ahead`: a new image or video file goes to its encoder the moment its request arrives (a Prefetch
+  with its bytes), so that the encoder decodes it and runs the tower while the request crosses to
   the engine core and is scheduled; the core's ask by hash then joins that work (the encoder makes a
   hash-only ask wait for a file it is decoding: encoder_svc/pending_files.py) instead of answering
   NOT_FOUND and having the core send the same megabytes again. Fire and forget: a failure changes
@@ -38,12 +38,29 @@ log = logging.getLogger("mmserve.decoder.front_link")
 
 @dataclass(frozen=True)
 class FileAhead:
-    """An image file to send ahead: its content hash, bytes and the ImageInput fields of its settings
-    (a Qwen-VL pixel range, a Gemma 3 crop choice: ImageSettings.input_fields)."""
+    """A file to send ahead: its content hash, bytes, and the ImageInput fields of its settings (a
+    Qwen-VL pixel range, a Gemma 3 crop choice: ImageSettings.input_fields) or, for a video, the
+    VideoInput fields its plan resolved (so the encoder hashes it as the decoder did)."""
 
     content_hash: str
     data: bytes
     settings: dict = field(default_factory=dict)
+    video: bool = False
+
+
+def file_ahead(img) -> FileAhead | None:
+    """What to send ahead for an image placeholder (engine/request.py) whose file the front end holds;
+    None for one known by hash only, a PIL image, or a file already on its way to the core."""
+    video = img.video
+    if video is not None:
+        if not isinstance(video.data, bytes):
+            return None
+        return FileAhead(img.content_hash, video.data, dict(fps=video.fps, max_frames=video.max_frames,
+                                                            min_pixels=video.min_pixels,
+                                                            max_pixels=video.max_pixels), video=True)
+    if not isinstance(img.image, bytes):
+        return None
+    return FileAhead(img.content_hash, img.image, img.pixels.input_fields() if img.pixels else {})
 
 
 class FrontEndLink:
@@ -102,7 +119,7 @@ class FrontEndLink:
             except NoEncoderError:
                 return sent
             request = encoder_pb2.PrefetchRequest(cache_salt=cache_salt, needed_now=True)
-            request.images.add(data=f.data, **f.settings)  # no copy
+            (request.videos if f.video else request.images).add(data=f.data, **f.settings)  # no copy
             call = self._stub(encoder).Prefetch.future(request, timeout=self.timeout_s * 6, metadata=metadata)
             call.add_done_callback(_log_failure)
             sent += 1

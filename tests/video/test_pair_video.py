@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from common.client import GenerationResult, generate_request
+from common.client import EncoderClient, GenerationResult, generate_request
 from common.images import encode_png
 from common.pb import common_pb2, decoder_pb2
 from tests.integration.harness import Pair
@@ -46,6 +46,23 @@ def test_prompt_video_with_an_image_equals_hf_and_repeat_reuses(video_pair, orac
     assert cold.token_ids == oracle.generate(MIXED_PROMPT, qwen_images[:1], [VIDEO], N)
     warm = _generate(video_pair, request)
     assert warm.token_ids == cold.token_ids and warm.usage.cached_prompt_tokens > 0
+    dec, enc = video_pair.wait_idle()
+    assert dec.kv_blocks_used == 0 and dec.active_leases == 0 and enc.active_leases == 0
+
+
+def test_a_new_video_is_sent_ahead_and_encoded_once(video_pair, oracle):
+    """The front end sends a new video to its encoder as its request arrives (a Prefetch with the
+    settings its plan resolved); the engine's ask by hash joins that work instead of sending the file
+    again: one prefetch, one encode, one miss, and HF's tokens. A repeat sends nothing ahead."""
+    request = generate_request(VIDEO_PROMPT, max_tokens=N, cache_salt="video-ahead")
+    request.videos.add(data=VIDEO)
+    with EncoderClient(video_pair.encoder.address, timeout=30) as encoder:
+        before = encoder.stats()
+        first, second = _generate(video_pair, request), _generate(video_pair, request)
+        after = encoder.stats()
+    assert first.token_ids == second.token_ids == oracle.generate(VIDEO_PROMPT, [], [VIDEO], N)
+    assert after.prefetches - before.prefetches == 1
+    assert after.encodes - before.encodes == 1 and after.misses - before.misses == 1
     dec, enc = video_pair.wait_idle()
     assert dec.kv_blocks_used == 0 and dec.active_leases == 0 and enc.active_leases == 0
 
