@@ -23,8 +23,10 @@ DEFAULT_VIDEO_FORMATS = ("mp4", "matroska", "avi")  # matroska covers .webm and 
 DEFAULT_VIDEO_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4")
 # Threads decoding one video (common/video/decode.py) when --video-decode-threads is not given: at most
 # this many, and no more than the cores this process may run on. The encoder decodes a few videos at once
-# (encoder_svc/video_lane.py: two at once), so each takes some of the cores, not all of them.
-MAX_DEFAULT_DECODE_THREADS = 8
+# (encoder_svc/video_lane.py: two at once), so each takes some of the cores, not all of them. More buy
+# nothing: on the H200's host a 30 s 448x448 clip decoded in 127.7 / 139.1 ms at 4 / 8 threads (H.264, four
+# keyframe runs), 46.2 / 45.0 ms (MPEG-4); 233 / 136 ms on one thread (bench.video_serve's clip line).
+MAX_DEFAULT_DECODE_THREADS = 4
 
 
 def available_cores() -> int:
@@ -105,7 +107,7 @@ class VideoLimits:
     # one run. The frames are the same for any count.
     decode_threads: int | None = option(
         None, "threads decoding one video's frames: its runs from keyframe to sampled frame split between "
-        "them, or FFmpeg's codec threads when there is one run (default: cores, at most 8; 1: one thread)",
+        "them, or FFmpeg's codec threads when there is one run (default: cores, at most 4; 1: one thread)",
         flag="--video-decode-threads", type=positive_int)
 
     def check_decode_work(self, frames: int, width: int, height: int) -> None:
