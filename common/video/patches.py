@@ -89,17 +89,36 @@ def video_patches(frames: np.ndarray | torch.Tensor, config: QwenVideoConfig,
     return frames_to_rows(frames, grid, config, device), grid
 
 
+# A resize converts frames to float32 on a GPU (resize_frames): at most this many bytes of them at a time, so
+# that a long high-resolution video (up to --max-video-decoded-bytes of uint8 frames) needs no more on the
+# device than its uint8 frames and a bounded working set.
+RESIZE_CHUNK_BYTES = 256 << 20
+
+
 def frames_to_rows(frames: np.ndarray | torch.Tensor, grid: Grid, config: QwenVideoConfig,
                    device: str | torch.device = "cpu") -> torch.Tensor:
     """Patch rows (float32, on device) of uint8 [n, H, W, 3] RGB frames whose (t, h, w) grid is known:
     `video_patches` without working the grid out again. On a GPU the uint8 frames cross to the device
     (a quarter of the rows' bytes) and everything after runs there: the same rows as on the host when no
     resize is needed (the same float32 operations), within a pixel level otherwise (resize_frames)."""
-    x = torch.as_tensor(frames).to(device).permute(0, 3, 1, 2)  # a view: patchify's reshape copies once
     g = config.geometry
-    channels, height, width = x.shape[1:]
     size = (grid[1] * g.patch_size, grid[2] * g.patch_size)
-    if (height, width) != size:
-        x = resize_frames(x.contiguous(), size)
+    x = resized_frames(torch.as_tensor(frames), size, torch.device(device))
     rows = patchify(x, g.patch_size, g.merge_size, g.temporal_patch_size)
-    return normalize_rows(rows, channels, config.image_mean, config.image_std, config.rescale_factor)
+    return normalize_rows(rows, x.shape[1], config.image_mean, config.image_std, config.rescale_factor)
+
+
+def resized_frames(frames: torch.Tensor, size: tuple[int, int], device: torch.device,
+                   chunk_bytes: int = RESIZE_CHUNK_BYTES) -> torch.Tensor:
+    """uint8 [n, H, W, C] frames as uint8 [n, C, h, w] at size on device (a view when no resize is
+    needed): resized a few frames at a time, each chunk's float32 copy under chunk_bytes (each frame is
+    resized on its own, so chunks give the same pixels as one call)."""
+    n, height, width, channels = frames.shape
+    if (height, width) == tuple(size):
+        return frames.to(device).permute(0, 3, 1, 2)  # a view: patchify's reshape copies once
+    out = torch.empty((n, channels, *size), dtype=torch.uint8, device=device)
+    step = max(1, chunk_bytes // (height * width * channels * 4))
+    for i in range(0, n, step):
+        chunk = frames[i:i + step].to(device).permute(0, 3, 1, 2).contiguous()
+        out[i:i + step] = resize_frames(chunk, size)
+    return out

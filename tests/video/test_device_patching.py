@@ -15,7 +15,7 @@ from common.families.qwen3_vl.encoder import Qwen3VisionEncoder
 from common.transport.arena import TensorArena
 from common.video import load_qwen_video_config, plan_video, video_request_config
 from common.video.limits import VideoLimits
-from common.video.patches import frames_to_rows, video_patches
+from common.video.patches import frames_to_rows, resize_frames, resized_frames, video_patches
 from encoder_svc.cache import EmbeddingCache
 from encoder_svc.video_lane import VideoLane
 from encoder_svc.videos import VideoJob
@@ -62,6 +62,16 @@ def test_frames_to_rows_is_video_patches_for_the_grid_it_gives(qwen_model_dir):
     rows, grid = video_patches(frames.numpy(), config)
     assert grid[0] == 3  # 5 frames: the last repeated to fill the third group
     assert torch.equal(frames_to_rows(frames, grid, config), rows)
+
+
+def test_frames_resized_a_few_at_a_time_are_the_frames_resized_at_once():
+    """A GPU bounds its float32 working set by resizing a few frames at a time: the same pixels."""
+    frames = torch.randint(0, 256, (7, 180, 240, 3), dtype=torch.uint8)
+    whole = resize_frames(frames.permute(0, 3, 1, 2).contiguous(), (168, 252))
+    two_at_a_time = resized_frames(frames, (168, 252), torch.device("cpu"), chunk_bytes=2 * 180 * 240 * 3 * 4)
+    assert torch.equal(two_at_a_time, whole)
+    on_grid = resized_frames(frames, (180, 240), torch.device("cpu"))
+    assert torch.equal(on_grid, frames.permute(0, 3, 1, 2))
 
 
 def test_the_lane_hands_over_frames_when_the_tower_patches(qwen_model_dir):
