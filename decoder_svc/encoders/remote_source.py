@@ -773,6 +773,4 @@ class _EncoderLeftRing(Exception):
 
 def _image_bytes(image: bytes | Image.Image | FollowingBytes, timeout: float) -> bytes:
     """The file to send: as given, a PIL image as PNG, or bytes still on their way (waited for)."""
-    if isinstance(image, FollowingBytes):
-        return file_bytes(image, timeout)
-    return image if isinstance(image, bytes) else encode_png(image)
+    return encode_png(image) if isinstance(image, Image.Image) else file_bytes(image, timeout)
