@@ -37,6 +37,8 @@ SHAPES = {  # (name, out rows N, in columns K) of one layer; qkv and gate_up are
 }
 LAYERS = {"llava-1.5-7b": 32, "qwen2.5-vl-7b": 28, "qwen3-vl-8b": 36}
 PATHS = ("bf16", "fp8_old", "fp8_new", "fp8_mm")
+# Timed at one row only: the split-K kernel forced where fp8_linear takes the streaming GEMV.
+ONE_ROW_PATHS = ("fp8_splitk",)
 MIN_COPIES = 8
 
 
@@ -45,11 +47,17 @@ def _copies(nbytes: int, l2: int) -> int:
     return max(MIN_COPIES, -(-3 * l2 // nbytes))
 
 
+def _config_name(config) -> str:
+    kw = config.kwargs
+    return (f"n{kw['BLOCK_N']}k{kw['BLOCK_K']}s{kw['SPLIT_K']}w{config.num_warps}st{config.num_stages}"
+            f"{'-swap' if kw.get('SWAP_AB') else ''}")
+
+
 def time_matrix(n: int, k: int, rows: Sequence[int], l2: int, dev: torch.device) -> list[dict]:
     """Every path at every row count for one [n, k] weight; returns one result row per row count."""
     from decoder_svc.model.decode_gemv import graph_time_us
     from decoder_svc.model.quant.fp8 import per_channel_block, quantize_per_channel
-    from decoder_svc.model.quant.triton_fp8 import fp8_linear, scaled_mm_fp8, weight_only_fp8
+    from decoder_svc.model.quant.triton_fp8 import _split_k, fp8_linear, scaled_mm_fp8, weight_only_fp8
 
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
     q, scale = quantize_per_channel(w)
@@ -68,15 +76,24 @@ def time_matrix(n: int, k: int, rows: Sequence[int], l2: int, dev: torch.device)
             "fp8_new": [functools.partial(fp8_linear, x, qc, sc, block) for qc, sc in fp8],
             "fp8_mm": [functools.partial(scaled_mm_fp8, x, qc, sc, None) for qc, sc in fp8],
         }
+        if m == 1:
+            calls["fp8_splitk"] = [functools.partial(weight_only_fp8, x, qc, sc, block, None, split_k=True)
+                                   for qc, sc in fp8]
         ref = torch.nn.functional.linear(x.float(), dequantized)
         row = {"n": n, "k": k, "rows": m, "copies_bf16": len(bf16), "copies_fp8": len(fp8)}
         for path, path_calls in calls.items():
+            _split_k.configs_timings = None
             try:
                 got = path_calls[0]().float()  # tunes the kernel for this shape, outside any capture
             except RuntimeError as e:  # a shape _scaled_mm does not take: reported, not timed
                 print(f"{path} n={n} k={k} rows={m}: {e}".splitlines()[0])
                 row.update({f"{path}_rel_err": None, f"{path}_us": None, f"{path}_gbps": None})
                 continue
+            if _split_k.configs_timings:  # the split-K autotuner ran: what it chose, and every config's time
+                row[f"{path}_splitk_chosen"] = _config_name(_split_k.best_config)
+                row[f"{path}_splitk_tuning_us"] = {
+                    _config_name(c): 1e3 * (ms[0] if isinstance(ms, list) else ms)
+                    for c, ms in sorted(_split_k.configs_timings.items(), key=lambda kv: kv[1])}
             row[f"{path}_rel_err"] = ((got - ref).norm() / ref.norm()).item()
             us = graph_time_us(path_calls)
             row[f"{path}_us"] = us
@@ -117,10 +134,12 @@ def run(args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - started
     print_table(f"weight products (us, GB/s of weight bytes), copy bandwidth {bandwidth / 1e9:.0f} GB/s",
                 ["family", "matrix", "rows", "bf16 us", "bf16 GB/s", "old us", "old GB/s", "new us",
-                 "new GB/s", "mm us", "mm GB/s", "new/bf16", "new/old", "new/mm"],
+                 "new GB/s", "mm us", "mm GB/s", "new/bf16", "new/old", "new/mm", "split-K us (1 row)",
+                 "split-K config"],
                 [[r["family"], r["matrix"], r["rows"], r["bf16_us"], r["bf16_gbps"], r["fp8_old_us"],
                   r["fp8_old_gbps"], r["fp8_new_us"], r["fp8_new_gbps"], r["fp8_mm_us"], r["fp8_mm_gbps"],
-                  r["new_vs_bf16"], r["new_vs_old"], r["mm_vs_new"]]
+                  r["new_vs_bf16"], r["new_vs_old"], r["mm_vs_new"], r.get("fp8_splitk_us"),
+                  r.get("fp8_new_splitk_chosen") or r.get("fp8_splitk_splitk_chosen")]
                  for r in results])
     print_table(f"weight products per decode step at {args.token_rows} rows (all layers, us)",
                 ["family", "layers", "bf16", "fp8 old", "fp8 new", "fp8 mm", "new speed-up", "old speed-up",

@@ -48,9 +48,10 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("m, n, k", [(2, 70, 200), (3, 40, 40), (17, 33, 96)])
 @pytest.mark.parametrize("split", [1, 2, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_per_channel_matches_reference(m, n, k, split, bias):
+@pytest.mark.parametrize("swap", [False, True])
+def test_per_channel_matches_reference(m, n, k, split, bias, swap):
     x, q, scale, b = _case(m, n, k, torch.float16, bias, seed=m * 100 + n + k)
-    config = {"BLOCK_N": 32, "BLOCK_K": 32 if k > 40 else 16, "SPLIT_K": split}
+    config = {"BLOCK_N": 32, "BLOCK_K": 32 if k > 40 else 16, "SPLIT_K": split, "SWAP_AB": swap}
     out = t.split_k_fp8(x, q, scale, per_channel_block(k), b, config=config)
     assert out.shape == (m, n)
     _close(out, _reference(x, q, scale, per_channel_block(k), b))
@@ -58,14 +59,16 @@ def test_per_channel_matches_reference(m, n, k, split, bias):
 
 
 @pytest.mark.parametrize("split", [1, 3])
-def test_block_scaled_matches_reference(split):
+@pytest.mark.parametrize("swap", [False, True])
+def test_block_scaled_matches_reference(split, swap):
     # Blocks of 32 rows x 64 columns; BLOCK_K 32 divides 64, so a K block never straddles two scales.
     n, k, block = 70, 192, ScaleBlock(32, 64)
     gen = torch.Generator().manual_seed(5)
     q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).to(DEVICE)
     scale = (torch.rand(block.grid(n, k), generator=gen) * 1e-2 + 1e-3).to(DEVICE)
     x = torch.randn(5, k, generator=gen).to(torch.float16).to(DEVICE)
-    out = t.split_k_fp8(x, q, scale, block, None, config={"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": split})
+    out = t.split_k_fp8(x, q, scale, block, None,
+                        config={"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": split, "SWAP_AB": swap})
     _close(out, _reference(x, q, scale, block, None))
 
 
@@ -103,3 +106,22 @@ def test_config_pruning():
     # Never more splits than K blocks.
     assert not any(c["SPLIT_K"] > 1 and t._split_k_fits(c, 1000, 128, True, 128) and c["BLOCK_K"] == 128
                    for c in cfgs)
+
+
+def test_swapped_product_takes_bf16_activations_and_saturates_beyond_fp16():
+    # The swapped product widens FP8 and the activations to fp16 itself, so bf16 activations work in the
+    # interpreter too. An activation beyond fp16's range (bf16 holds it) saturates at FP16_LIMIT instead
+    # of turning the output into inf. rtol: one bf16 ulp (the interpreter's store to bf16 may truncate).
+    x, q, scale, _ = _case(3, 40, 64, torch.bfloat16, False, seed=11)
+    block = per_channel_block(64)
+    config = {"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2, "SWAP_AB": True}
+    out = t.split_k_fp8(x, q, scale, block, None, config=config)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _reference(x, q, scale, block, None), rtol=2**-7, atol=1e-3)
+    big = x.clone()
+    big[1, 5] = 3e5
+    out = t.split_k_fp8(big, q, scale, block, None, config=config)
+    assert torch.isfinite(out.float()).all()
+    clamped = big.clone()
+    clamped[1, 5] = t.FP16_LIMIT.value
+    torch.testing.assert_close(out.float(), _reference(clamped, q, scale, block, None), rtol=2**-7, atol=1e-2)

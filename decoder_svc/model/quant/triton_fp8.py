@@ -3,12 +3,12 @@
 Decode reads every weight once per step at a few rows, so there FP8 weights (half the bytes of bf16)
 should stream at the memory bandwidth; the kernels below differ in how many loads they keep in flight.
 
-- One row (batch-1 decode): `_gemv_kernel`, no tensor cores: each program streams BLOCK_N weight rows
-  over all of K, accumulates elementwise in fp32 and reduces once at the end.
-- 2..64 rows (decode with several streams): `_split_k_kernel`. Programs over (N blocks, K splits, M
+- 1..64 rows (decode): `_split_k_kernel`. Programs over (N blocks, K splits, M
   blocks): a 4096 x 4096 weight is only 32-128 N blocks, too few programs for 132 SMs, so K is cut into
   SPLIT_K ranges and each program streams a BLOCK_N x K / SPLIT_K slice, widening FP8 to the activation
-  dtype in registers for the tensor cores (fp32 accumulation). Partials go to an fp32 workspace
+  dtype in registers for the tensor cores (fp32 accumulation), or, in its SWAP_AB configurations, computing
+  the transpose W @ x^T in fp16 (the weight tile as wgmma's 64-row side, from registers; FP8 -> fp16 is
+  one conversion per two weights where FP8 -> bf16 takes three). Partials go to an fp32 workspace
   [SPLIT_K, M, N]; per output tile a counter counts the arrivals and the last program sums the partials
   in split order (deterministic: the same bits every call, whatever order the programs ran in), then
   applies the per-channel scale and the bias once and resets the counter. SPLIT_K = 1 (no workspace)
@@ -18,6 +18,9 @@ should stream at the memory bandwidth; the kernels below differ in how many load
   `SPLIT_K_SHAPES`, pruned to the splits a matrix needs. Graph-capture safe: the workspace comes from
   the caching allocator and the counters are a kept zeroed buffer the kernel leaves zeroed (one stream
   of split-K products per device at a time: see `_tile_counters`).
+- One row where split-K does not take the scale layout (or MMSERVE_FP8_GEMV_ROWS=1): `_gemv_kernel`, no
+  tensor cores: each program streams BLOCK_N weight rows over all of K, accumulates elementwise in fp32
+  and reduces once at the end.
 - `_weight_only_kernel` (one pass over K, programs over N blocks only): more than 64 rows of block-scaled
   weights, and the old 2..64-row path that `weight_only_fp8(split_k=False)` still runs (benchmarks' A/B).
 - Large batches (prefill) of per-channel weights: `torch._scaled_mm`, FP8 x FP8 on the tensor cores
@@ -45,10 +48,11 @@ from decoder_svc.model.quant.fp8 import FP8_DTYPE, FP8_MAX, ScaleBlock
 # product is FP8 x FP8 (`scaled_mm_fp8`). 64 is the first measurement's choice (the kernels of before);
 # MMSERVE_FP8_WEIGHT_ONLY_ROWS moves it for an A/B (bench.fp8_gemv times both at every row count).
 SMALL_M = int(os.environ.get("MMSERVE_FP8_WEIGHT_ONLY_ROWS", "64"))
-# Rows taken by the streaming GEMV. Measured on the H200 (bench.fp8_gemv): one row streams at up to 2.3 TB/s
-# here; a variant reading the weights once for up to 8 rows was slower at every row count than this
-# kernel at one row and the tensor-core kernel at several.
-GEMV_ROWS = 1
+# Rows taken by the streaming GEMV (0: none, one row goes to split-K too). Measured on the H200
+# (bench.fp8_gemv): one row streamed at up to 2.3-2.9 TB/s here, its FP8 -> fp32 widening two conversions
+# per weight; a variant reading the weights once for up to 8 rows was slower. MMSERVE_FP8_GEMV_ROWS=1
+# brings it back for the A/B against the swapped split-K kernel at one row.
+GEMV_ROWS = int(os.environ.get("MMSERVE_FP8_GEMV_ROWS", "0"))
 # Block-scaled weights take the split-K kernel when their scale blocks span a multiple of this many columns
 # (every split-K BLOCK_K divides it).
 SPLIT_K_BLOCK_COLS = 128
@@ -65,13 +69,43 @@ def _configs(block_ks: tuple[int, ...]) -> list[triton.Config]:
 _BRIEF_TIMING = functools.partial(triton.testing.do_bench, warmup=10, rep=40)
 
 
+# bf16 values beyond this saturate when the swapped product takes activations as fp16 (65504 is not a
+# bf16 value; 65280 is the largest bf16 that fp16 holds).
+FP16_LIMIT = tl.constexpr(65280.0)
+
+
 @triton.jit
 def _k_range_product(x_ptr, w_ptr, s_ptr, rm, rn, rk, m_mask, n_mask, k_lo, k_hi, K, stride_xm, stride_wn,
                      stride_sn, stride_sk, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                      PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    # x[rm, k_lo:k_hi] @ (w[rn, k_lo:k_hi] * block scales)^T in fp32: the FP8 tile widened to x's dtype on
-    # the way to the tensor cores; a block-scaled weight's scale per K block (per channel: at the end).
+                     BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr = False):
+    # x[rm, k_lo:k_hi] @ (w[rn, k_lo:k_hi] * block scales)^T in fp32 [BLOCK_M, BLOCK_N]; a block-scaled
+    # weight's scale per K block (per channel: the caller's, at the end).
+    # SWAP_AB computes the transpose, W @ x^T, in fp16: the weight tile is the MMA's tall side (wgmma's
+    # 64-row A operand, taken from registers, so the widened tile never goes back to shared memory) and
+    # the few activation rows its narrow side. FP8 -> fp16 is one packed conversion per two weights where
+    # FP8 -> bf16 goes through fp32 (three conversions per two: the conversion pipe was the limit, 16 per
+    # clock per SM; tests/quant/test_split_k_fp8.py holds both to the reference). Activations beyond
+    # FP16_LIMIT saturate there.
+    if SWAP_AB:
+        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k_lo + rk)[:, None]  # [BLOCK_K, BLOCK_M]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]  # [BLOCK_N, BLOCK_K]
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k_mask = (k0 + rk) < K
+            x = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x16 = tl.clamp(x.to(tl.float32), -FP16_LIMIT, FP16_LIMIT).to(tl.float16)
+            part = tl.dot(w.to(tl.float16), x16)
+            if PER_CHANNEL:
+                acc_t += part
+            else:
+                s = tl.load(s_ptr + (rn // SCALE_ROWS) * stride_sn + (k0 // SCALE_COLS) * stride_sk,
+                            mask=n_mask & (k0 < K), other=0.0)
+                acc_t += part * s[:, None]
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        return tl.trans(acc_t)
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -171,7 +205,8 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
                     stride_xm, stride_wn, stride_sn, stride_sk, stride_om,
                     SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, PER_CHANNEL: tl.constexpr,
                     HAS_BIAS: tl.constexpr, M_BUCKET: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                    SWAP_AB: tl.constexpr = False):
     # Programs over (N blocks, K splits, M blocks): at decode a 4096 x 4096 weight is 32-128 N blocks,
     # too few to keep 132 SMs' worth of loads in flight, so K is cut into SPLIT_K ranges (whole BLOCK_K
     # blocks, so a block-scaled weight's scale column never changes inside one) and every program streams
@@ -191,7 +226,7 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     k_lo = pid_k * k_span
     acc = _k_range_product(x_ptr, w_ptr, s_ptr, rm, rn, rk, m_mask, n_mask, k_lo, k_lo + k_span, K,
                            stride_xm, stride_wn, stride_sn, stride_sk, SCALE_ROWS, SCALE_COLS, PER_CHANNEL,
-                           BLOCK_M, BLOCK_N, BLOCK_K)
+                           BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -237,12 +272,16 @@ _blocked_kernel = triton.autotune(configs=_configs((32, 64, 128)), key=_KEY, do_
                                   )(_weight_only_kernel)
 
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Small BLOCK_K and few stages keep a CTA's shared
-# memory (BLOCK_M x BLOCK_K bf16 + BLOCK_K x BLOCK_N fp8 per stage) small enough for 2-3 CTAs per SM;
-# SPLIT_K 2-8 multiplies the programs of narrow matrices; SPLIT_K 1 stays for wide ones (gate/up).
-SPLIT_K_SHAPES = ((64, 256, 1, 4, 3), (128, 128, 1, 8, 3), (32, 256, 2, 4, 3), (64, 128, 2, 4, 4),
-                  (64, 128, 4, 4, 4), (64, 256, 4, 4, 3), (128, 128, 4, 8, 3), (32, 128, 8, 4, 4),
-                  (128, 128, 8, 8, 3))
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, SWAP_AB). Small BLOCK_K and few stages keep a CTA's
+# shared memory (BLOCK_M x BLOCK_K bf16 + BLOCK_K x BLOCK_N fp8 per stage) small enough for 2-3 CTAs per
+# SM; SPLIT_K 2-8 multiplies the programs of narrow matrices; SPLIT_K 1 stays for wide ones (gate/up).
+# SWAP_AB configs (the weight as wgmma's 64-row side, fp16) need BLOCK_N >= 64 per warpgroup.
+SPLIT_K_SHAPES = ((64, 256, 1, 4, 3, 0), (128, 128, 1, 8, 3, 0), (32, 256, 2, 4, 3, 0),
+                  (64, 128, 2, 4, 4, 0), (64, 128, 4, 4, 4, 0), (64, 256, 4, 4, 3, 0),
+                  (128, 128, 4, 8, 3, 0), (32, 128, 8, 4, 4, 0), (128, 128, 8, 8, 3, 0),
+                  (64, 256, 1, 4, 3, 1), (128, 128, 1, 4, 4, 1), (128, 256, 1, 8, 3, 1),
+                  (64, 256, 2, 4, 3, 1), (128, 128, 2, 4, 4, 1), (64, 256, 4, 4, 3, 1),
+                  (128, 128, 4, 4, 4, 1), (64, 128, 8, 4, 4, 1))
 _MIN_BLOCK_N = min(shape[0] for shape in SPLIT_K_SHAPES)
 # A split K config is kept while its programs number at most this many per SM: beyond, the partials'
 # traffic and the last programs' sums cost more than the extra loads in flight bring.
@@ -251,8 +290,9 @@ _MAX_PROGRAMS_PER_SM = 8
 
 def split_k_configs() -> list[triton.Config]:
     """The split-K kernel's configurations (the autotuner's set; tests run each explicitly)."""
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk}, num_warps=w, num_stages=st)
-            for n, k, sk, w, st in SPLIT_K_SHAPES]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk, "SWAP_AB": bool(sw)}, num_warps=w,
+                          num_stages=st)
+            for n, k, sk, w, st, sw in SPLIT_K_SHAPES]
 
 
 @functools.cache
@@ -353,9 +393,10 @@ def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
                     bias: torch.Tensor | None, split_k: bool | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16, unit column stride) @ (weight * scale)^T + bias -> [M, N] in x's dtype.
 
-    One row: the streaming GEMV. 2..SMALL_M rows: the split-K kernel (per-channel weights, and blocks
-    whose columns are a multiple of 128; other blocks keep the one-pass kernel). `split_k=False` forces
-    the one-pass kernels of before (benchmarks' A/B), True the split-K kernel at any row count."""
+    GEMV_ROWS+1..SMALL_M rows: the split-K kernel (per-channel weights, and blocks whose columns are a
+    multiple of 128); one row otherwise (or up to GEMV_ROWS): the streaming GEMV; more rows of other
+    blocks: the one-pass kernel. `split_k=False` forces the kernels of before (benchmarks' A/B), True
+    the split-K kernel at any row count."""
     m, k = x.shape
     n = weight.shape[0]
     per_channel = block.is_per_channel(k)
@@ -367,7 +408,7 @@ def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     if m == 0:
         return out
     s_stride_k = scale.stride(1) if scale.dim() == 2 else 0
-    if m <= GEMV_ROWS:
+    if m <= max(GEMV_ROWS, 1):  # one row of a scale layout split-K does not take: the GEMV
         grid1 = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
         _gemv[grid1](x, weight, scale, bias if bias is not None else x, out, n, k, x.stride(0),
                      weight.stride(0), scale.stride(0), s_stride_k, out.stride(0), SCALE_ROWS=block.rows,
