@@ -32,6 +32,7 @@ import triton.language as tl
 import triton.testing
 from torch import nn
 
+from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
 from decoder_svc.model.triton_ops import _round
 
 log = logging.getLogger("mmserve.decoder.gemv")
@@ -61,6 +62,11 @@ def _decode_gemv_kernel(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, w_ptr, scale_pt
     n_mask = rn < N
     rk = tl.arange(0, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
+    # The first weight tile before waiting for the kernel before (weights are never written: pdl.py);
+    # then each iteration loads the next tile before using this one (two tiles in flight per program).
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    wait_for_inputs()
     inv_rms = 0.0
     if PROLOGUE == 1:
         # First pass: the norm's statistic over all K activations (each program; they are L2-resident).
@@ -71,10 +77,12 @@ def _decode_gemv_kernel(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, w_ptr, scale_pt
             sq += hf * hf
         inv_rms = tl.math.rsqrt(tl.sum(sq, axis=0) / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + rk
         k_mask = cols < K
+        w = w_next
+        w_ptrs += BLOCK_K
+        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (cols + BLOCK_K < K)[None, :], other=0.0)
         if PROLOGUE == 1:
             h = _activation(x_ptr, res_ptr, cols, k_mask, HAS_RESIDUAL, dtype)
             if HAS_RESIDUAL:  # program 0 keeps the new residual stream
@@ -89,9 +97,8 @@ def _decode_gemv_kernel(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, w_ptr, scale_pt
             a = _round(act * up, dtype).to(tl.float32)
         else:
             a = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += w * a[None, :]
-        w_ptrs += BLOCK_K
+        acc += w.to(tl.float32) * a[None, :]
+    release_dependents()  # the next product may start loading its weights while this one ends
     out = tl.sum(acc, axis=1)
     if W_SCALED:
         out = out * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
@@ -170,9 +177,9 @@ def fused_gemv(x: torch.Tensor, w: GemvWeight, prologue: int = PLAIN, residual: 
         config = {"BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 4}
     if config is not None:
         grid = (triton.cdiv(n, config["BLOCK_N"]),)
-        _decode_gemv_kernel[grid](*args, **flags, **config)
+        _decode_gemv_kernel[grid](*args, **flags, **config, **launch_options())
     else:
-        _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+        _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, **launch_options())
     return out, new_residual
 
 

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from decoder_svc.model.attention import AttentionBackend, AttentionMetadata
+from decoder_svc.model.pdl import release_dependents
 
 _LOG2E = 1.4426950408889634
 
@@ -38,6 +39,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_siz
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cr, stride_ch,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_D: tl.constexpr):
+    release_dependents()  # a product launched after it may start loading its weights (pdl.py)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # a padded row (CUDA-graph bucket): nothing to store
@@ -81,6 +83,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIMITS: tl.constexpr,
 ):
+    release_dependents()
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -171,6 +174,7 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          NUM_SPLITS: tl.constexpr):
+    release_dependents()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * NUM_HEADS + head) * NUM_SPLITS

@@ -31,6 +31,7 @@ from torch import nn
 
 from decoder_svc.model.lora.batched import LoRASlots, idle_base
 from decoder_svc.model.ops import TorchOps
+from decoder_svc.model.pdl import release_dependents
 from decoder_svc.model.quant.fp8 import ScaleBlock
 
 # The Triton interpreter (3.6) truncates fp32 -> bf16 casts, where the GPU's cvt.rn rounds to nearest
@@ -54,6 +55,7 @@ def _round(x, dtype: tl.constexpr):
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_stride, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     # One program per row: the whole row fits in registers (BLOCK >= n_cols), so one pass.
+    release_dependents()  # a product launched after it may start loading its weights (pdl.py)
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31 at long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -84,6 +86,7 @@ def _gated_act_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, GELU: tl.con
     # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (Gemma's GeGLU), tanh(y) = 2 / (1 + exp(-2y)) - 1
     # (exact limits at +-inf; its cancellation near 0 is absorbed by the 1 + .). HF rounds the activation
     # to the dtype before the product. Grid (rows, column blocks): small blocks fill the GPU at T=1.
+    release_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -130,6 +133,7 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr,
                    n_q_heads, n_k_heads, half,
                    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # One program per token: cos/sin are loaded once and reused for every q and k head.
+    release_dependents()
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)

@@ -112,3 +112,43 @@ def test_triton_ops_choose_and_agree_with_the_reference(mode, monkeypatch):
     assert _rel_err(TritonOps.linear(x, proj), TorchOps.linear(x, proj)) < 1e-2
     if mode == "auto":
         assert len(g.CHOICES.timings) == 3  # one measurement per key, each recorded
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_chain_of_products_in_a_cuda_graph_reads_each_input_after_it_is_written(fp8):
+    """Programmatic dependent launch (pdl.py) starts each one-row product before the one before it has
+    ended; it must still read that one's output, not what the buffer held before. A chain of 24 square
+    products (weights of unit gain: the activations keep their scale), each reading the last one's
+    output, two norms between, replayed in a graph with a new
+    first input: the same bits as the chain run eagerly (every kernel is deterministic)."""
+    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    projs = [_linear(4096, 4096, False, gen) for _ in range(4)]
+    weights = [_fp8(p) for p in projs] if fp8 else projs
+    gemv = [g.gemv_weight(w) for w in weights]
+    norm_w = (torch.rand(4096, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for i in range(24):
+            if i % 12 == 6:
+                x, _ = TritonOps.rms_norm(x, norm_w, 1e-6)
+            w = weights[i % 4]
+            if fp8 and i % 2:
+                x = weight_only_fp8(x, w.weight, w.weight_scale, per_channel_block(4096), None)
+            else:
+                x, _ = g.fused_gemv(x, gemv[i % 4])
+        return x
+
+    x = (torch.randn(1, 4096, generator=gen, device="cuda")).to(torch.bfloat16)
+    chain(x)  # autotune outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x)
+    for scale in (0.5, -2.0, 3.0):
+        x.copy_((torch.randn(1, 4096, generator=gen, device="cuda") * scale).to(torch.bfloat16))
+        want = chain(x.clone())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)

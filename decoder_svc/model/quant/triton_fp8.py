@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
 from decoder_svc.model.quant.fp8 import FP8_DTYPE, FP8_MAX, ScaleBlock
 
 # Rows up to which the weight-only kernels run; above, the activations are quantized per token and the
@@ -52,7 +53,7 @@ SMALL_M = int(os.environ.get("MMSERVE_FP8_WEIGHT_ONLY_ROWS", "64"))
 # (bench.fp8_gemv): one row streamed at up to 2.3-2.9 TB/s here, its FP8 -> fp32 widening two conversions
 # per weight; a variant reading the weights once for up to 8 rows was slower. MMSERVE_FP8_GEMV_ROWS=1
 # brings it back for the A/B against the swapped split-K kernel at one row.
-GEMV_ROWS = int(os.environ.get("MMSERVE_FP8_GEMV_ROWS", "0"))
+GEMV_ROWS = int(os.environ.get("MMSERVE_FP8_GEMV_ROWS", "1"))
 # Block-scaled weights take the split-K kernel when their scale blocks span a multiple of this many columns
 # (every split-K BLOCK_K divides it).
 SPLIT_K_BLOCK_COLS = 128
@@ -164,15 +165,21 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn
     n_mask = rn < N
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
     x_ptrs = x_ptr + m * stride_xm + rk
+    # The first weight tile before waiting for the kernel before (weights are never written: pdl.py);
+    # then each iteration loads the next tile before using this one (two tiles in flight per program).
+    w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    wait_for_inputs()
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        w = w_next.to(tl.float32)
+        w_ptrs += BLOCK_K
         if EVEN_K:
+            w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (k0 + BLOCK_K < K), other=0.0)
             x = tl.load(x_ptrs).to(tl.float32)
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0).to(tl.float32)
         else:
             k_mask = (k0 + rk) < K
+            w_next = tl.load(w_ptrs, mask=n_mask[:, None] & ((k0 + BLOCK_K + rk) < K)[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         if PER_CHANNEL:
             acc += w * x[None, :]
         else:
@@ -180,7 +187,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn
                         mask=n_mask, other=0.0)
             acc += w * x[None, :] * s[:, None]
         x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    release_dependents()  # the next product may start loading its weights while this one ends
     out = tl.sum(acc, axis=1)
     if PER_CHANNEL:
         out = out * tl.load(s_ptr + rn * stride_sn, mask=n_mask, other=0.0)
@@ -412,7 +419,8 @@ def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         grid1 = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
         _gemv[grid1](x, weight, scale, bias if bias is not None else x, out, n, k, x.stride(0),
                      weight.stride(0), scale.stride(0), s_stride_k, out.stride(0), SCALE_ROWS=block.rows,
-                     SCALE_COLS=block.cols, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None)
+                     SCALE_COLS=block.cols, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
+                     **launch_options())
         return out
     bucket = min(triton.next_power_of_2(max(m, 16)), 128)
     block_m = min(bucket, 64)
