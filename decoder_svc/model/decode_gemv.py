@@ -53,6 +53,27 @@ def _activation(x_ptr, res_ptr, cols, k_mask, HAS_RESIDUAL: tl.constexpr, dtype:
 
 
 @triton.jit
+def _input_tile(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, cols, k_mask, K, inv_rms, pid,
+                PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, dtype: tl.constexpr):
+    # The product's input over `cols` in fp32, with its op applied (rounded to the dtype as HF does).
+    if PROLOGUE == 1:
+        h = _activation(x_ptr, res_ptr, cols, k_mask, HAS_RESIDUAL, dtype)
+        if HAS_RESIDUAL:  # program 0 keeps the new residual stream
+            tl.store(new_res_ptr + cols, h, mask=k_mask & (pid == 0))
+        normed = _round(h.to(tl.float32) * inv_rms, dtype).to(tl.float32)
+        g = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+        a = _round(normed * g, dtype).to(tl.float32)
+    elif PROLOGUE == 2:  # x is cat(gate, up) of 2K values
+        gate = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + cols, mask=k_mask, other=0.0).to(tl.float32)
+        act = _round(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+        a = _round(act * up, dtype).to(tl.float32)
+    else:
+        a = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    return a
+
+
+@triton.jit
 def _decode_gemv_kernel(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
                         N, K, stride_wn, eps,
                         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_SCALED: tl.constexpr,
@@ -62,10 +83,10 @@ def _decode_gemv_kernel(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, w_ptr, scale_pt
     n_mask = rn < N
     rk = tl.arange(0, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
-    # The first weight tile before waiting for the kernel before (weights are never written: pdl.py);
-    # then each iteration loads the next tile before using this one (two tiles in flight per program).
+    # The first weight tile is loaded before waiting for the kernel before (weights are never written:
+    # pdl.py), so the first K block is peeled off the loop.
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    w = tl.load(w_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
     wait_for_inputs()
     inv_rms = 0.0
     if PROLOGUE == 1:
@@ -76,28 +97,17 @@ def _decode_gemv_kernel(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, w_ptr, scale_pt
             hf = _activation(x_ptr, res_ptr, cols, cols < K, HAS_RESIDUAL, dtype).to(tl.float32)
             sq += hf * hf
         inv_rms = tl.math.rsqrt(tl.sum(sq, axis=0) / K + eps)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    a = _input_tile(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, rk, rk < K, K, inv_rms, pid, PROLOGUE,
+                    HAS_RESIDUAL, dtype)
+    acc = w.to(tl.float32) * a[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + rk
         k_mask = cols < K
-        w = w_next
+        a = _input_tile(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, cols, k_mask, K, inv_rms, pid, PROLOGUE,
+                        HAS_RESIDUAL, dtype)
         w_ptrs += BLOCK_K
-        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (cols + BLOCK_K < K)[None, :], other=0.0)
-        if PROLOGUE == 1:
-            h = _activation(x_ptr, res_ptr, cols, k_mask, HAS_RESIDUAL, dtype)
-            if HAS_RESIDUAL:  # program 0 keeps the new residual stream
-                tl.store(new_res_ptr + cols, h, mask=k_mask & (pid == 0))
-            normed = _round(h.to(tl.float32) * inv_rms, dtype).to(tl.float32)
-            g = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-            a = _round(normed * g, dtype).to(tl.float32)
-        elif PROLOGUE == 2:  # x is cat(gate, up) of 2K values
-            gate = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + K + cols, mask=k_mask, other=0.0).to(tl.float32)
-            act = _round(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
-            a = _round(act * up, dtype).to(tl.float32)
-        else:
-            a = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * a[None, :]
+        wk = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += wk * a[None, :]
     release_dependents()  # the next product may start loading its weights while this one ends
     out = tl.sum(acc, axis=1)
     if W_SCALED:

@@ -153,11 +153,26 @@ def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
 
 
 @triton.jit
+def _gemv_tile(acc, w, x, s_ptr, rn, n_mask, k0, stride_sn, stride_sk, SCALE_ROWS: tl.constexpr,
+               SCALE_COLS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    # acc [BLOCK_N, BLOCK_K] += one K block's products in fp32 (a block-scaled weight's scale applied here).
+    if PER_CHANNEL:
+        acc += w.to(tl.float32) * x[None, :]
+    else:
+        s = tl.load(s_ptr + (rn // SCALE_ROWS) * stride_sn + (k0 // SCALE_COLS) * stride_sk,
+                    mask=n_mask, other=0.0)
+        acc += w.to(tl.float32) * x[None, :] * s[:, None]
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
                  stride_om, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, PER_CHANNEL: tl.constexpr,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # One activation row (batch-1 decode): no tensor cores, just streaming. Each program owns BLOCK_N
     # weight rows, accumulates products elementwise over K in fp32 registers and reduces once at the end.
+    # The first weight tile is loaded before waiting for the kernel before (weights are never written:
+    # pdl.py), so the first K block is peeled off the loop.
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -165,28 +180,23 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn
     n_mask = rn < N
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
     x_ptrs = x_ptr + m * stride_xm + rk
-    # The first weight tile before waiting for the kernel before (weights are never written: pdl.py);
-    # then each iteration loads the next tile before using this one (two tiles in flight per program).
-    w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    w = tl.load(w_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
     wait_for_inputs()
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w = w_next.to(tl.float32)
+    x = tl.load(x_ptrs, mask=rk < K, other=0.0).to(tl.float32)
+    acc = _gemv_tile(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w, x, s_ptr, rn, n_mask, 0, stride_sn,
+                     stride_sk, SCALE_ROWS, SCALE_COLS, PER_CHANNEL)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         if EVEN_K:
-            w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (k0 + BLOCK_K < K), other=0.0)
             x = tl.load(x_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
             k_mask = (k0 + rk) < K
-            w_next = tl.load(w_ptrs, mask=n_mask[:, None] & ((k0 + BLOCK_K + rk) < K)[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-        if PER_CHANNEL:
-            acc += w * x[None, :]
-        else:
-            s = tl.load(s_ptr + (rn // SCALE_ROWS) * stride_sn + (k0 // SCALE_COLS) * stride_sk,
-                        mask=n_mask, other=0.0)
-            acc += w * x[None, :] * s[:, None]
-        x_ptrs += BLOCK_K
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = _gemv_tile(acc, w, x, s_ptr, rn, n_mask, k0, stride_sn, stride_sk, SCALE_ROWS, SCALE_COLS,
+                         PER_CHANNEL)
     release_dependents()  # the next product may start loading its weights while this one ends
     out = tl.sum(acc, axis=1)
     if PER_CHANNEL:
