@@ -50,9 +50,9 @@ from decoder_svc.model.quant.fp8 import FP8_DTYPE, FP8_MAX, ScaleBlock
 # MMSERVE_FP8_WEIGHT_ONLY_ROWS moves it for an A/B (bench.fp8_gemv times both at every row count).
 SMALL_M = int(os.environ.get("MMSERVE_FP8_WEIGHT_ONLY_ROWS", "64"))
 # Rows taken by the streaming GEMV (0: none, one row goes to split-K too). Measured on the H200
-# (bench.fp8_gemv): one row streamed at up to 2.3-2.9 TB/s here, its FP8 -> fp32 widening two conversions
-# per weight; a variant reading the weights once for up to 8 rows was slower. MMSERVE_FP8_GEMV_ROWS=1
-# brings it back for the A/B against the swapped split-K kernel at one row.
+# (bench.fp8_gemv, llava-1.5-7b's matrices at one row): the GEMV 6.4-28.8 us per product (2.6-3.1 TB/s)
+# against split-K 11.5-33.6 us, and 350 against 307 tok/s at batch 1; a variant reading the weights once for
+# up to 8 rows was slower. MMSERVE_FP8_GEMV_ROWS=0 sends one row to split-K (the A/B).
 GEMV_ROWS = int(os.environ.get("MMSERVE_FP8_GEMV_ROWS", "1"))
 # Block-scaled weights take the split-K kernel when their scale blocks span a multiple of this many columns
 # (every split-K BLOCK_K divides it).
@@ -292,13 +292,14 @@ _blocked_kernel = triton.autotune(configs=_configs((32, 64, 128)), key=_KEY, do_
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, SWAP_AB). Small BLOCK_K and few stages keep a CTA's
 # shared memory (BLOCK_M x BLOCK_K bf16 + BLOCK_K x BLOCK_N fp8 per stage) small enough for 2-3 CTAs per
 # SM; SPLIT_K 2-8 multiplies the programs of narrow matrices; SPLIT_K 1 stays for wide ones (gate/up).
-# SWAP_AB configs (the weight as wgmma's 64-row side, fp16) need BLOCK_N >= 64 per warpgroup.
-SPLIT_K_SHAPES = ((64, 256, 1, 4, 3, 0), (128, 128, 1, 8, 3, 0), (32, 256, 2, 4, 3, 0),
-                  (64, 128, 2, 4, 4, 0), (64, 128, 4, 4, 4, 0), (64, 256, 4, 4, 3, 0),
-                  (128, 128, 4, 8, 3, 0), (32, 128, 8, 4, 4, 0), (128, 128, 8, 8, 3, 0),
-                  (64, 256, 1, 4, 3, 1), (128, 128, 1, 4, 4, 1), (128, 256, 1, 8, 3, 1),
-                  (64, 256, 2, 4, 3, 1), (128, 128, 2, 4, 4, 1), (64, 256, 4, 4, 3, 1),
-                  (128, 128, 4, 4, 4, 1), (64, 128, 8, 4, 4, 1))
+# SWAP_AB configs (the weight as wgmma's 64-row side, fp16) need BLOCK_N >= 64 per warpgroup. The set is
+# what won somewhere among 17 timed by the autotuner on the H200 (llava-1.5-7b's four matrices at 1, 32
+# and 64 rows, BENCHMARKS.md): the swapped ones at 32-64 rows of o, q/k/v and gate/up (11-15% faster
+# there), the plain ones elsewhere; each config is compiled per rows bucket at start-up, so losers cost
+# seconds of a cold start for nothing.
+SPLIT_K_SHAPES = ((64, 128, 2, 4, 4, 0), (64, 128, 4, 4, 4, 0), (64, 256, 1, 4, 3, 0), (32, 128, 8, 4, 4, 0),
+                  (64, 256, 1, 4, 3, 1), (64, 256, 2, 4, 3, 1), (64, 128, 8, 4, 4, 1), (128, 128, 1, 4, 4, 1),
+                  (128, 128, 2, 4, 4, 1))
 _MIN_BLOCK_N = min(shape[0] for shape in SPLIT_K_SHAPES)
 # A split K config is kept while its programs number at most this many per SM: beyond, the partials'
 # traffic and the last programs' sums cost more than the extra loads in flight bring.
