@@ -7,8 +7,10 @@ time of one product and the bandwidth it reaches (weight bytes / time; the activ
 these sizes) for cuBLAS bf16, the one-pass FP8 kernels of before (`weight_only_fp8(split_k=False)`) and
 the FP8 path now (`fp8_linear`: split-K at 2..64 rows), and FP8 x FP8 on the tensor cores with the
 activations quantized per token (`scaled_mm_fp8`, what rows above MMSERVE_FP8_WEIGHT_ONLY_ROWS take), beside
-the copy bandwidth measured in the same run; then per family the weight products' time per decode step
-(one layer's four products x layers).
+the copy bandwidth measured in the same run; at one row also the split-K kernel forced (the GEMV takes one
+row); where the split-K autotuner ran, the config it chose and every config's time (JSON:
+`*_splitk_tuning_us`); then per family the weight products' time per decode step (one layer's four products
+x layers). MMSERVE_PDL=0 turns programmatic dependent launch off for the A/B (pdl.py).
 
 Timed as decode runs them: the calls over enough distinct copies of the weight that they do not fit in
 L2 (a single weight would be read from L2 after the first call), back to back in one CUDA graph that is

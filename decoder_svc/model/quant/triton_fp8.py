@@ -3,7 +3,11 @@
 Decode reads every weight once per step at a few rows, so there FP8 weights (half the bytes of bf16)
 should stream at the memory bandwidth; the kernels below differ in how many loads they keep in flight.
 
-- 1..64 rows (decode): `_split_k_kernel`. Programs over (N blocks, K splits, M
+- One row (batch-1 decode): `_gemv_kernel`, no tensor cores: each program streams BLOCK_N weight rows
+  over all of K, accumulates elementwise in fp32 and reduces once at the end. On Hopper it is launched
+  with programmatic dependent launch (`decoder_svc/model/pdl.py`): its first weight tile loads while the
+  kernel before it ends.
+- 2..64 rows (decode with several streams): `_split_k_kernel`. Programs over (N blocks, K splits, M
   blocks): a 4096 x 4096 weight is only 32-128 N blocks, too few programs for 132 SMs, so K is cut into
   SPLIT_K ranges and each program streams a BLOCK_N x K / SPLIT_K slice, widening FP8 to the activation
   dtype in registers for the tensor cores (fp32 accumulation), or, in its SWAP_AB configurations, computing
@@ -18,9 +22,6 @@ should stream at the memory bandwidth; the kernels below differ in how many load
   `SPLIT_K_SHAPES`, pruned to the splits a matrix needs. Graph-capture safe: the workspace comes from
   the caching allocator and the counters are a kept zeroed buffer the kernel leaves zeroed (one stream
   of split-K products per device at a time: see `_tile_counters`).
-- One row where split-K does not take the scale layout (or MMSERVE_FP8_GEMV_ROWS=1): `_gemv_kernel`, no
-  tensor cores: each program streams BLOCK_N weight rows over all of K, accumulates elementwise in fp32
-  and reduces once at the end.
 - `_weight_only_kernel` (one pass over K, programs over N blocks only): more than 64 rows of block-scaled
   weights, and the old 2..64-row path that `weight_only_fp8(split_k=False)` still runs (benchmarks' A/B).
 - Large batches (prefill) of per-channel weights: `torch._scaled_mm`, FP8 x FP8 on the tensor cores
@@ -85,9 +86,10 @@ def _k_range_product(x_ptr, w_ptr, s_ptr, rm, rn, rk, m_mask, n_mask, k_lo, k_hi
     # SWAP_AB computes the transpose, W @ x^T, in fp16: the weight tile is the MMA's tall side (wgmma's
     # 64-row A operand, taken from registers, so the widened tile never goes back to shared memory) and
     # the few activation rows its narrow side. FP8 -> fp16 is one packed conversion per two weights where
-    # FP8 -> bf16 goes through fp32 (three conversions per two: the conversion pipe was the limit, 16 per
-    # clock per SM; tests/quant/test_split_k_fp8.py holds both to the reference). Activations beyond
-    # FP16_LIMIT saturate there.
+    # FP8 -> bf16 goes through fp32 (three per two, on a pipe of 16 per clock per SM). On the H200 that was
+    # not the limit (bandwidth within 10-15% either way); the swapped configs win at 32-64 rows of some
+    # shapes (BENCHMARKS.md). tests/quant/test_split_k_fp8.py holds both to the reference. Activations
+    # beyond FP16_LIMIT saturate there.
     if SWAP_AB:
         x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k_lo + rk)[:, None]  # [BLOCK_K, BLOCK_M]
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]  # [BLOCK_N, BLOCK_K]
