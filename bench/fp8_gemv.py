@@ -39,8 +39,6 @@ SHAPES = {  # (name, out rows N, in columns K) of one layer; qkv and gate_up are
 }
 LAYERS = {"llava-1.5-7b": 32, "qwen2.5-vl-7b": 28, "qwen3-vl-8b": 36}
 PATHS = ("bf16", "fp8_old", "fp8_new", "fp8_mm")
-# Timed at one row only: the split-K kernel forced where fp8_linear takes the streaming GEMV.
-ONE_ROW_PATHS = ("fp8_splitk",)
 MIN_COPIES = 8
 
 

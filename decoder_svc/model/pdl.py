@@ -39,8 +39,10 @@ PDL = tl.constexpr(enabled())
 
 
 def launch_options() -> dict[str, bool]:
-    """Keyword arguments for a kernel launch that waits with `wait_for_inputs()` before its reads."""
-    return {"launch_pdl": True} if enabled() else {}
+    """Keyword arguments for a kernel launch that waits with `wait_for_inputs()` before its reads.
+    Follows the compiled-in PDL flag, never a later reading of the environment: a kernel launched early
+    whose wait compiled to nothing would race."""
+    return {"launch_pdl": True} if PDL.value else {}
 
 
 @triton.jit

@@ -55,9 +55,10 @@ def test_every_kernel_launched_early_waits_for_its_inputs(module):
 def test_off_in_the_interpreter_and_by_environment(monkeypatch):
     if os.environ.get("TRITON_INTERPRET") == "1":
         assert not pdl.enabled() and pdl.launch_options() == {}
+    assert bool(pdl.launch_options()) == pdl.PDL.value  # launches follow what the kernels compiled in
     pdl.enabled.cache_clear()
     monkeypatch.setenv(pdl.ENV, "0")
     try:
-        assert not pdl.enabled() and pdl.launch_options() == {}
+        assert not pdl.enabled()
     finally:
         pdl.enabled.cache_clear()
