@@ -7,10 +7,12 @@ time of one product and the bandwidth it reaches (weight bytes / time; the activ
 these sizes) for cuBLAS bf16, the one-pass FP8 kernels of before (`weight_only_fp8(split_k=False)`) and
 the FP8 path now (`fp8_linear`: split-K at 2..64 rows), and FP8 x FP8 on the tensor cores with the
 activations quantized per token (`scaled_mm_fp8`, what rows above MMSERVE_FP8_WEIGHT_ONLY_ROWS take), beside
-the copy bandwidth measured in the same run; at one row also the split-K kernel forced (the GEMV takes one
-row); where the split-K autotuner ran, the config it chose and every config's time (JSON:
-`*_splitk_tuning_us`); then per family the weight products' time per decode step (one layer's four products
-x layers). MMSERVE_PDL=0 turns programmatic dependent launch off for the A/B (pdl.py).
+the copy bandwidth measured in the same run; at one row also the split-K kernel, the Triton GEMV and the
+TMA-streamed GEMV (stream_gemv.py, Hopper; FP8 and bf16 weights) forced, with every config's time the
+stream GEMV measured (JSON: `stream_choices_us`); where the split-K autotuner ran, the config it chose and
+every config's time (JSON: `*_splitk_tuning_us`); then per family the weight products' time per decode
+step (one layer's four products x layers). MMSERVE_PDL=0 turns programmatic dependent launch off for the
+A/B (pdl.py), MMSERVE_STREAM_GEMV=0 the TMA-streamed GEMV.
 
 Timed as decode runs them: the calls over enough distinct copies of the weight that they do not fit in
 L2 (a single weight would be read from L2 after the first call), back to back in one CUDA graph that is
@@ -55,6 +57,7 @@ def _config_name(config) -> str:
 
 def time_matrix(n: int, k: int, rows: Sequence[int], l2: int, dev: torch.device) -> list[dict]:
     """Every path at every row count for one [n, k] weight; returns one result row per row count."""
+    from decoder_svc.model import stream_gemv
     from decoder_svc.model.decode_gemv import graph_time_us
     from decoder_svc.model.quant.fp8 import per_channel_block, quantize_per_channel
     from decoder_svc.model.quant.triton_fp8 import _split_k, fp8_linear, scaled_mm_fp8, weight_only_fp8
@@ -79,6 +82,12 @@ def time_matrix(n: int, k: int, rows: Sequence[int], l2: int, dev: torch.device)
         if m == 1:
             calls["fp8_splitk"] = [functools.partial(weight_only_fp8, x, qc, sc, block, None, split_k=True)
                                    for qc, sc in fp8]
+            calls["fp8_triton_gemv"] = [
+                functools.partial(weight_only_fp8, x, qc, sc, block, None, stream=False) for qc, sc in fp8]
+            if stream_gemv.usable(x, q):
+                calls["fp8_stream"] = [functools.partial(weight_only_fp8, x, qc, sc, block, None, stream=True)
+                                       for qc, sc in fp8]
+                calls["bf16_stream"] = [functools.partial(stream_gemv.stream_gemv, x, wc) for wc in bf16]
         ref = torch.nn.functional.linear(x.float(), dequantized)
         row = {"n": n, "k": k, "rows": m, "copies_bf16": len(bf16), "copies_fp8": len(fp8)}
         for path, path_calls in calls.items():
@@ -97,7 +106,11 @@ def time_matrix(n: int, k: int, rows: Sequence[int], l2: int, dev: torch.device)
             row[f"{path}_rel_err"] = ((got - ref).norm() / ref.norm()).item()
             us = graph_time_us(path_calls)
             row[f"{path}_us"] = us
-            row[f"{path}_gbps"] = (1 if path != "bf16" else 2) * n * k / us / 1e3
+            row[f"{path}_gbps"] = (2 if path.startswith("bf16") else 1) * n * k / us / 1e3
+        if m == 1:  # the TMA-streamed GEMV's measured configs (and the Triton GEMV it was timed against)
+            row["stream_choices_us"] = {
+                str(key.dtype).removeprefix("torch.") + (f" vs {key.rival}" if key.rival else ""):
+                choice.times_us for key, choice in stream_gemv.CHOICES.items() if (key.n, key.k) == (n, k)}
         row["new_vs_bf16"] = row["bf16_us"] / row["fp8_new_us"]
         row["new_vs_old"] = row["fp8_old_us"] / row["fp8_new_us"]
         row["mm_vs_new"] = row["fp8_new_us"] / row["fp8_mm_us"] if row["fp8_mm_us"] else None
@@ -141,6 +154,13 @@ def run(args: argparse.Namespace) -> dict:
                   r["new_vs_bf16"], r["new_vs_old"], r["mm_vs_new"], r.get("fp8_splitk_us"),
                   r.get("fp8_new_splitk_chosen") or r.get("fp8_splitk_splitk_chosen")]
                  for r in results])
+    one_row = [r for r in results if r["rows"] == 1]
+    print_table("one row: TMA-streamed GEMV (stream_gemv.py), Triton GEMV, cuBLAS (us, GB/s)",
+                ["family", "matrix", "fp8 stream", "GB/s", "fp8 triton", "GB/s", "bf16 stream", "GB/s",
+                 "bf16 cuBLAS", "GB/s"],
+                [[r["family"], r["matrix"], r.get("fp8_stream_us"), r.get("fp8_stream_gbps"),
+                  r["fp8_triton_gemv_us"], r["fp8_triton_gemv_gbps"], r.get("bf16_stream_us"),
+                  r.get("bf16_stream_gbps"), r["bf16_us"], r["bf16_gbps"]] for r in one_row])
     print_table(f"weight products per decode step at {args.token_rows} rows (all layers, us)",
                 ["family", "layers", "bf16", "fp8 old", "fp8 new", "fp8 mm", "new speed-up", "old speed-up",
                  "mm speed-up"],

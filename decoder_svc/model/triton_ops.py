@@ -9,7 +9,8 @@ Same signatures as `decoder_svc.model.ops.TorchOps`. Differences in side effects
 - `rotary` rotates q and k IN PLACE (they may be strided views of one fused qkv buffer) and returns them.
 - `norm_linear`, `act_linear` and `linear` take one kernel for a one-row product where start-up timing
   found it faster than the separate op and cuBLAS (decode_gemv.py); their new residual is then a new
-  tensor rather than `residual` written in place.
+  tensor rather than `residual` written in place. The separate path's product is `linear`'s choice (on
+  Hopper the TMA-streamed GEMV, stream_gemv.py, against cuBLAS).
 
 Numerics follow HF's rounding points: fp32 math, rounding to the tensor dtype exactly where HF's
 dtype ops round. RMS norm and SwiGLU then differ from the reference only by the order of the fp32
@@ -232,7 +233,7 @@ class TritonOps:
 
         def separate(x, residual, proj):
             h, new_residual = TritonOps.rms_norm(x, weight, eps, residual)
-            return proj(h), new_residual
+            return TritonOps.linear(h, proj), new_residual
 
         proj = idle_base(proj)
         w = _one_row_weight(x, proj)
@@ -252,7 +253,7 @@ class TritonOps:
         from decoder_svc.model import decode_gemv as g
 
         def separate(proj):
-            return proj(TritonOps.silu_and_mul(x))
+            return TritonOps.linear(TritonOps.silu_and_mul(x), proj)
 
         proj = idle_base(proj)
         w = _one_row_weight(x, proj)

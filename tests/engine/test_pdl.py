@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from decoder_svc.model import decode_gemv, pdl  # noqa: E402
+from decoder_svc.model import decode_gemv, pdl, stream_gemv  # noqa: E402
 from decoder_svc.model.quant import triton_fp8  # noqa: E402
 
 
@@ -39,7 +39,8 @@ def _jit_source(obj) -> str:
     return inspect.getsource(obj)
 
 
-@pytest.mark.parametrize("module", [decode_gemv, triton_fp8], ids=lambda m: m.__name__.split(".")[-1])
+@pytest.mark.parametrize("module", [decode_gemv, triton_fp8, stream_gemv],
+                         ids=lambda m: m.__name__.split(".")[-1])
 def test_every_kernel_launched_early_waits_for_its_inputs(module):
     launched = _launched_with_pdl(module)
     assert launched  # the one-row products are launched so
@@ -49,7 +50,8 @@ def test_every_kernel_launched_early_waits_for_its_inputs(module):
         assert "wait_for_inputs()" in body, name
         # Before the wait only weights are read: no store, and no activation (x) load.
         before = body[:body.index("wait_for_inputs()")]
-        assert "tl.store" not in before and "x_ptr" not in before.replace("x_ptrs = x_ptr", ""), name
+        assert "tl.store" not in before and "gl.store" not in before, name
+        assert "x_ptr" not in before.replace("x_ptrs = x_ptr", ""), name
 
 
 def test_off_in_the_interpreter_and_by_environment(monkeypatch):

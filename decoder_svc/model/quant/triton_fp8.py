@@ -409,14 +409,48 @@ def split_k_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bloc
     return out
 
 
+def _triton_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    # `_gemv_kernel` for a few rows (one program row per activation row).
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
+    _gemv[grid](x, weight, scale, bias if bias is not None else x, out, n, k, x.stride(0), weight.stride(0),
+                scale.stride(0), scale.stride(1) if scale.dim() == 2 else 0, out.stride(0),
+                SCALE_ROWS=block.rows, SCALE_COLS=block.cols, PER_CHANNEL=block.is_per_channel(k),
+                HAS_BIAS=bias is not None, **launch_options())
+    return out
+
+
+def _one_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+             bias: torch.Tensor | None, stream: bool | None) -> torch.Tensor:
+    # One row of per-channel weights on Hopper: the TMA-streamed GEMV (stream_gemv.py) where it was
+    # measured faster than `_gemv_kernel` for this shape (stream=None), or as told; else `_gemv_kernel`.
+    if stream is not False and x.shape[0] == 1 and block.is_per_channel(x.shape[1]):
+        from decoder_svc.model import stream_gemv as sg
+
+        if sg.usable(x, weight):
+            def rival(w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+                return _triton_gemv(x, w, s.reshape(-1, 1), block, bias)
+
+            config = sg.choose(x, weight, scale, bias, rival if stream is None else None,
+                               "triton_gemv" if stream is None else "")
+            if config is not None:
+                return sg.stream_gemv(x, weight, scale, bias, config)
+    return _triton_gemv(x, weight, scale, block, bias)
+
+
 def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
-                    bias: torch.Tensor | None, split_k: bool | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None, split_k: bool | None = None,
+                    stream: bool | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16, unit column stride) @ (weight * scale)^T + bias -> [M, N] in x's dtype.
 
     GEMV_ROWS+1..SMALL_M rows: the split-K kernel (per-channel weights, and blocks whose columns are a
-    multiple of 128); one row otherwise (or up to GEMV_ROWS): the streaming GEMV; more rows of other
-    blocks: the one-pass kernel. `split_k=False` forces the kernels of before (benchmarks' A/B), True
-    the split-K kernel at any row count."""
+    multiple of 128); one row otherwise (or up to GEMV_ROWS): a GEMV (on Hopper, per-channel weights:
+    the TMA-streamed one where measured faster; `stream` True / False forces it / the Triton one); more
+    rows of other blocks: the one-pass kernel. `split_k=False` forces the kernels of before (benchmarks'
+    A/B), True the split-K kernel at any row count."""
     m, k = x.shape
     n = weight.shape[0]
     per_channel = block.is_per_channel(k)
@@ -424,17 +458,12 @@ def weight_only_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         split_k = GEMV_ROWS < m <= SMALL_M and (per_channel or block.cols % SPLIT_K_BLOCK_COLS == 0)
     if split_k:
         return split_k_fp8(x, weight, scale, block, bias)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return out
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m <= max(GEMV_ROWS, 1):  # one row of a scale layout split-K does not take: a GEMV
+        return _one_row(x, weight, scale, block, bias, stream)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     s_stride_k = scale.stride(1) if scale.dim() == 2 else 0
-    if m <= max(GEMV_ROWS, 1):  # one row of a scale layout split-K does not take: the GEMV
-        grid1 = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
-        _gemv[grid1](x, weight, scale, bias if bias is not None else x, out, n, k, x.stride(0),
-                     weight.stride(0), scale.stride(0), s_stride_k, out.stride(0), SCALE_ROWS=block.rows,
-                     SCALE_COLS=block.cols, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
-                     **launch_options())
-        return out
     bucket = min(triton.next_power_of_2(max(m, 16)), 128)
     block_m = min(bucket, 64)
     if not per_channel and block.cols % 32:

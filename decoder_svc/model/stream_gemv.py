@@ -1,0 +1,247 @@
+"""One-row weight products that stream the weight through shared memory with TMA (Hopper, Gluon).
+
+At batch-1 decode every product is a GEMV: y [N] = W [N, K] x [K], bound by how fast W comes from
+memory. A GEMV written in plain Triton keeps one weight tile per warp in flight: its loads land in
+registers, and a second tile in flight costs registers and occupancy (measured on the H200: ~3.0 TB/s
+of the 4.26 a copy reaches). Here each program owns BLOCK_N weight rows and walks K through a ring of
+STAGES shared-memory tiles filled by the Tensor Memory Accelerator: one thread asks for a whole tile,
+an mbarrier says when it has landed, and STAGES tiles stay in flight per program whatever the registers
+hold. The warps read a landed tile into registers (16 bytes a thread), hand the stage back (a CTA
+barrier, then the next tile's copy into it) and multiply while the copies go on, accumulating in fp32
+and reducing over K once at the end. FP8 weights carry one scale per output row, applied once.
+
+Plain Triton 3.6 does not multi-buffer a load that feeds no `tl.dot`, so the ring is written out in
+Gluon (`triton.experimental.gluon`: explicit layouts, shared memory and barriers). Gluon has no
+interpreter: on the CPU and below sm_90 `usable()` is False and the callers keep their Triton or cuBLAS
+products. The configuration (rows per program, stages, warps) is measured per weight shape on first use
+(`best_config`), never inside a CUDA graph capture. `MMSERVE_STREAM_GEMV=0` turns the kernel off (the
+benchmarks' A/B).
+
+Only imported on GPU paths (and by the tests that compile it for sm_90 on the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
+
+log = logging.getLogger("mmserve.decoder.stream_gemv")
+
+ENV = "MMSERVE_STREAM_GEMV"
+ROW_BYTES = 256  # one tile row: 256 FP8 or 128 bf16 weights (a TMA box's inner side, 16 bytes a thread)
+WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16)
+
+
+@gluon.jit
+def _fetch_tile(w_desc, tiles, ready, n0, stage, tile, num_tiles):
+    # Ask the TMA for weight tile `tile` (of this program's rows) into ring stage `stage`; past the last
+    # tile it asks nothing.
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    wanted = tile < num_tiles
+    mbarrier.expect(ready.index(stage), w_desc.block_type.nbytes, pred=wanted)
+    tma.async_copy_global_to_shared(w_desc, [n0, tile * BLOCK_K], ready.index(stage), tiles.index(stage),
+                                    pred=wanted)
+
+
+@gluon.jit
+def _stream_gemv_kernel(w_desc, x_ptr, scale_ptr, bias_ptr, out_ptr, N, K,
+                        W_SCALED: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
+                        VEC: gl.constexpr, THREADS_K: gl.constexpr, WARPS: gl.constexpr):
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // THREADS_K, THREADS_K], [WARPS, 1], [1, 0])
+    n0 = gl.program_id(0) * BLOCK_N
+    num_tiles = gl.cdiv(K, BLOCK_K)
+
+    tiles = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for stage in gl.static_range(STAGES):
+        mbarrier.init(ready.index(stage), count=1)
+    # The ring is filled before waiting for the kernel before: weights are never written (pdl.py).
+    for stage in gl.static_range(STAGES):
+        _fetch_tile(w_desc, tiles, ready, n0, stage, stage, num_tiles)
+    wait_for_inputs()
+
+    rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
+    # The activations come from L2 one tile ahead, so no iteration waits on them.
+    x_next = gl.load(x_ptr + rk, mask=rk < K, other=0.0)
+    for t in range(num_tiles):
+        slot = t % STAGES
+        x = x_next.to(gl.float32)
+        cols = (t + 1) * BLOCK_K + rk
+        x_next = gl.load(x_ptr + cols, mask=cols < K, other=0.0)
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        w = tiles.index(slot).load(layout)
+        # Every warp holds its part of the stage before the TMA may overwrite it (the reads are the
+        # generic proxy's, the copy the async proxy's: fence, then barrier).
+        fence_async_shared()
+        gl.thread_barrier()
+        _fetch_tile(w_desc, tiles, ready, n0, slot, t + STAGES, num_tiles)
+        acc += w.to(gl.float32) * x[None, :]
+    release_dependents()  # the next product may start filling its ring while this one ends
+    for stage in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(stage))
+
+    out = gl.sum(acc, axis=1)
+    rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    n_mask = rn < N
+    if W_SCALED:
+        out = out * gl.load(scale_ptr + rn, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        out += gl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(gl.float32)
+    gl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Rows per program, ring stages and warps (the tile is BLOCK_N rows of ROW_BYTES)."""
+
+    block_n: int
+    stages: int
+    warps: int
+
+    @property
+    def name(self) -> str:
+        """n<rows>st<stages>w<warps>, as benchmarks report it."""
+        return f"n{self.block_n}st{self.stages}w{self.warps}"
+
+    def fits(self) -> bool:
+        """Whether the warps' register layout covers the tile without repeating rows."""
+        return self.block_n >= (32 // (ROW_BYTES // 16)) * self.warps
+
+
+# Shared memory per program is stages x block_n x 256 bytes (16-64 KB): 3-12 programs fit on an SM, so
+# the few hundred programs of a 4096-row weight run in one wave, each with 4-8 tiles in flight.
+CONFIGS = (StreamConfig(8, 8, 4), StreamConfig(16, 4, 4), StreamConfig(16, 8, 4), StreamConfig(32, 4, 4),
+           StreamConfig(32, 6, 8), StreamConfig(64, 4, 8))
+
+
+@dataclass(frozen=True)
+class StreamKey:
+    """What a choice is made for: a weight's shape and dtype, scaled or not, a bias, and the rival."""
+
+    n: int
+    k: int
+    dtype: torch.dtype
+    scaled: bool
+    bias: bool
+    rival: str
+
+
+@dataclass
+class StreamChoice:
+    """A measured choice: the config to launch (None: the rival was faster) and every time measured."""
+
+    config: StreamConfig | None
+    times_us: dict[str, float] = field(default_factory=dict)
+
+
+CHOICES: dict[StreamKey, StreamChoice] = {}  # one per process: the shapes are the model's
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel runs here: a Hopper (or later) GPU, not turned off by MMSERVE_STREAM_GEMV=0."""
+    if os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether one row x [1, K] times weight [N, K] can take the kernel (TMA: 16-byte aligned rows)."""
+    if not available() or not x.is_cuda or x.shape[0] != 1 or weight.dim() != 2 or weight.stride(1) != 1:
+        return False
+    if weight.dtype not in WEIGHT_DTYPES or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    size = weight.element_size()
+    aligned = (weight.stride(0) * size) % 16 == 0 and weight.data_ptr() % 16 == 0
+    return aligned and weight.shape[1] * size >= 16
+
+
+def _descriptor(weight: torch.Tensor, block_n: int) -> TensorDescriptor:
+    # The weight as the TMA reads it, tiles of block_n rows x 256 bytes, unswizzled (each warp reads
+    # whole rows). Built per launch (cheap; a CUDA graph keeps the one it captured).
+    element_bits = weight.element_size() * 8
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=element_bits, rank=2)
+    return TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1],
+                            [block_n, ROW_BYTES * 8 // element_bits], layout)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+            out: torch.Tensor, config: StreamConfig) -> torch.Tensor:
+    n, k = weight.shape
+    _stream_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        _descriptor(weight, config.block_n), x, x if scale is None else scale, x if bias is None else bias,
+        out, n, k, W_SCALED=scale is not None, HAS_BIAS=bias is not None, STAGES=config.stages,
+        VEC=16 // weight.element_size(), THREADS_K=ROW_BYTES // 16, WARPS=config.warps,
+        num_warps=config.warps, **launch_options())
+    return out
+
+
+Rival = Callable[[torch.Tensor, torch.Tensor | None], object]  # (weight, scale) -> the caller's product
+
+
+def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None, rival: Rival | None = None,
+           rival_name: str = "") -> StreamConfig | None:
+    """The config to launch for this weight, or None where `rival` (the caller's own product, named
+    `rival_name`) was faster. Measured once per StreamKey as decode runs it: every config (and the rival)
+    over enough copies of the weight that none is read from L2, back to back in a replayed CUDA graph
+    (decode_gemv.graph_time_us). Never measured inside a graph capture: an unmeasured key there takes the
+    rival, or the first config without one."""
+    key = StreamKey(*weight.shape, weight.dtype, scale is not None, bias is not None, rival_name)
+    if key in CHOICES:
+        return CHOICES[key].config
+    candidates = [c for c in CONFIGS if c.fits()]
+    if torch.cuda.is_current_stream_capturing():
+        return None if rival is not None else candidates[0]
+    from decoder_svc.model.decode_gemv import graph_time_us
+
+    scale = None if scale is None else scale.reshape(-1)
+    copies = _weight_copies(weight, scale)
+    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    times = {c.name: graph_time_us([functools.partial(_launch, x, w, s, bias, out, c) for w, s in copies])
+             for c in candidates}
+    if rival is not None:
+        times[rival_name or "rival"] = graph_time_us([functools.partial(rival, w, s) for w, s in copies])
+    del copies
+    fastest = min(times, key=times.get)
+    config = next((c for c in candidates if c.name == fastest), None)
+    CHOICES[key] = StreamChoice(config, times)
+    log.info("stream GEMV %dx%d %s: %s (%.1f us; %s)", key.n, key.k, str(key.dtype).removeprefix("torch."),
+             fastest, times[fastest], ", ".join(f"{name} {us:.1f}" for name, us in times.items()))
+    return config
+
+
+def _weight_copies(weight: torch.Tensor, scale: torch.Tensor | None) -> list[tuple]:
+    # The weight and enough copies of it that timing them in turn streams every one from memory.
+    nbytes = weight.numel() * weight.element_size()
+    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    count = min(max(-(-3 * l2 // max(nbytes, 1)), 2), 8)
+    return [(weight, scale)] + [(weight.clone(), None if scale is None else scale.clone())
+                                for _ in range(count - 1)]
+
+
+def stream_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, config: StreamConfig | None = None) -> torch.Tensor:
+    """x [1, K] @ (weight [N, K] * scale [N])^T + bias -> [1, N] in x's dtype (`usable` must hold).
+
+    weight: bf16/fp16, or FP8 e4m3 with fp32 `scale` (one per output row, any shape of N values).
+    Products in fp32, one rounding at the end. `config` fixes the tiling (tests), else `choose` picks it."""
+    x = x.contiguous()
+    scale = None if scale is None else scale.reshape(-1)
+    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    return _launch(x, weight, scale, bias, out, config or choose(x, weight, scale, bias))

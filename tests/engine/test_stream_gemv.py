@@ -1,0 +1,91 @@
+"""The TMA-streamed one-row product (decoder_svc/model/stream_gemv.py) without a GPU: off on the CPU, and
+compiled for Hopper (sm_90) here, every config and weight dtype, with the generated PTX checked for what
+the kernel is for: its weight tiles come through TMA bulk copies into a ring of shared memory, and with
+programmatic dependent launch every weight copy of the first round is issued before the wait and every
+activation load after it. tests/gpu/test_stream_gemv_gpu.py runs it against the reference.
+
+The compiles run in a child process: the test session runs Triton's interpreter (TRITON_INTERPRET=1),
+under which Gluon cannot compile (its reductions' combine functions become interpreted ones)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from decoder_svc.model import stream_gemv  # noqa: E402
+
+DTYPES = {"fp8e4nv": 8, "bf16": 16}
+
+_COMPILE = r'''
+import json, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from decoder_svc.model import pdl
+pdl.PDL = tl.constexpr(True)  # as on an H200 (the kernel reads it when compiled)
+from decoder_svc.model import stream_gemv as sg
+
+out = {}
+for dtype, bits in json.loads(sys.argv[1]).items():
+    for c in sg.CONFIGS:
+        block_k = sg.ROW_BYTES * 8 // bits
+        desc = (f"tensordesc<{dtype}[{c.block_n}, {block_k}],NVMMASharedLayout(swizzle_byte_width=0, "
+                f"element_bitwidth={bits}, rank=2, transposed=False, fp4_padded=False, cga_layout=[])>")
+        signature = {"w_desc": desc, "x_ptr": "*bf16", "scale_ptr": "*fp32", "bias_ptr": "*bf16",
+                     "out_ptr": "*bf16", "N": "i32", "K": "i32", "W_SCALED": "constexpr",
+                     "HAS_BIAS": "constexpr", "STAGES": "constexpr", "VEC": "constexpr",
+                     "THREADS_K": "constexpr", "WARPS": "constexpr"}
+        constants = {"W_SCALED": bits == 8, "HAS_BIAS": True, "STAGES": c.stages, "VEC": 128 // bits,
+                     "THREADS_K": sg.ROW_BYTES // 16, "WARPS": c.warps}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4)}
+        k = triton.compile(GluonASTSource(sg._stream_gemv_kernel, signature, constants, attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": c.warps})
+        out[f"{c.name}-{dtype}"] = {"ptx": k.asm["ptx"], "shared": k.metadata.shared}
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(DTYPES)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_off_without_a_hopper_gpu():
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("a Hopper GPU is here")
+    assert not stream_gemv.available()
+    x, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert not stream_gemv.usable(x, w)
+
+
+def test_every_config_fits_its_tile():
+    assert all(c.fits() for c in stream_gemv.CONFIGS)
+    assert len({c.name for c in stream_gemv.CONFIGS}) == len(stream_gemv.CONFIGS)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("config", stream_gemv.CONFIGS, ids=lambda c: c.name)
+def test_compiles_for_hopper_with_tma_copies_and_the_wait_between_weights_and_activations(
+        compiled, config, dtype):
+    kernel = compiled[f"{config.name}-{dtype}"]
+    assert kernel["shared"] >= config.stages * config.block_n * stream_gemv.ROW_BYTES  # the ring
+    ptx = kernel["ptx"]
+    copies = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor\.2d", ptx)]
+    assert len(copies) == config.stages + 1  # the ring's first round (unrolled) and the loop's refill
+    wait = ptx.index("griddepcontrol.wait")
+    loads = [m.start() for m in re.finditer(r"ld\.global", ptx)]
+    assert loads and all(c < wait for c in copies[:config.stages]) and min(loads) > wait
+    assert "mbarrier.try_wait" in ptx and "griddepcontrol.launch_dependents" in ptx
