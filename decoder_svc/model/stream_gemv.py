@@ -6,18 +6,16 @@ registers, and a second tile in flight costs registers and occupancy (measured o
 of the 4.26 a copy reaches). Here each program owns BLOCK_N weight rows and walks K through a ring of
 STAGES shared-memory tiles filled by the Tensor Memory Accelerator: one thread asks for a whole tile
 (and the matching 512 bytes of activations, so that no global load sits in the loop), an mbarrier says
-when it has landed, and STAGES tiles stay in flight per program whatever the registers hold. The warps
-read a landed tile into registers (16 bytes a thread), hand the stage back (a CTA barrier, then the next
-tile's copy into it) and multiply while the copies go on, accumulating in fp32 and reducing over K once
-at the end. FP8 weights carry one scale per output row, applied once. For FP8 a second kernel multiplies
-on the tensor cores (`_stream_gemv_mma_kernel`: fewer instructions per weight byte).
+when it has landed, and STAGES tiles stay in flight per program whatever the registers hold. The warps read a landed tile into registers (16 bytes a thread), hand the stage back (a CTA
+barrier, then the next tile's copy into it) and multiply while the copies go on, accumulating in fp32
+and reducing over K once at the end. FP8 weights carry one scale per output row, applied once.
 
 Plain Triton 3.6 does not multi-buffer a load that feeds no `tl.dot`, so the ring is written out in
 Gluon (`triton.experimental.gluon`: explicit layouts, shared memory and barriers). Gluon has no
 interpreter: on the CPU and below sm_90 `usable()` is False and the callers keep their Triton or cuBLAS
-products. The configuration (kernel, rows per program, stages, warps) is measured per weight shape on
-first use (`choose`), never inside a CUDA graph capture. `MMSERVE_STREAM_GEMV=0` turns the kernels off
-(the benchmarks' A/B).
+products. The configuration (rows per program, stages, warps) is measured per weight shape on first use
+(`best_config`), never inside a CUDA graph capture. `MMSERVE_STREAM_GEMV=0` turns the kernel off (the
+benchmarks' A/B).
 
 Only imported on GPU paths (and by the tests that compile it for sm_90 on the CPU).
 """
@@ -34,7 +32,6 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -45,7 +42,6 @@ log = logging.getLogger("mmserve.decoder.stream_gemv")
 ENV = "MMSERVE_STREAM_GEMV"
 ROW_BYTES = 256  # one tile row: 256 FP8 or 128 bf16 weights (a TMA box's inner side, 16 bytes a thread)
 WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16)
-FP16_LIMIT = gl.constexpr(65280.0)  # activations saturate here on the way to fp16 (the tensor-core kernel)
 
 
 @gluon.jit
@@ -119,100 +115,28 @@ def _stream_gemv_kernel(w_desc, x_desc, scale_ptr, bias_ptr, out_ptr, N, K,
     gl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@gluon.jit
-def _stream_gemv_mma_kernel(w_desc, x_desc, scale_ptr, bias_ptr, out_ptr, N, K,
-                            W_SCALED: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
-                            WARPS: gl.constexpr):
-    # FP8 weights on the tensor cores (mma.sync m16n8k16, fp16 in, fp32 accumulation): per weight the
-    # CUDA-core kernel spends a conversion, a widening and an FMA (FP8 then streams at ~3.5 TB/s where
-    # bf16 reaches 4.1: instruction issue, not memory, is its limit); here 256 weights take four
-    # conversions and one mma per lane. Each warp owns 16 weight rows; B is the activation tile in
-    # fp16 (bf16 values beyond +-65280 saturate there), written once per tile by the whole CTA into
-    # shared memory, broadcast over the mma's 8 columns (all 8 results are the same; column 0 is kept).
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
-                                                  instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [WARPS, 1], [1, 0])  # [BLOCK_K, 8]
-    n0 = gl.program_id(0) * BLOCK_N
-    num_tiles = gl.cdiv(K, BLOCK_K)
-
-    w_tiles = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    x_tiles = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_K], x_desc.layout)
-    x_fp16 = gl.allocate_shared_memory(gl.float16, [BLOCK_K, 8],
-                                       gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for stage in gl.static_range(STAGES):
-        mbarrier.init(ready.index(stage), count=1)
-    for stage in gl.static_range(STAGES):
-        _fetch_weights(w_desc, x_desc, w_tiles, ready, n0, stage, stage, num_tiles)
-    wait_for_inputs()
-    for stage in gl.static_range(STAGES):
-        _fetch_activations(x_desc, x_tiles, ready, stage, stage, num_tiles)
-
-    acc = gl.zeros([BLOCK_N, 8], gl.float32, mma)
-    for t in range(num_tiles):
-        slot = t % STAGES
-        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-        x = x_tiles.index(slot).load(gl.SliceLayout(1, x_layout)).to(gl.float32)
-        x = gl.minimum(gl.maximum(x, -FP16_LIMIT), FP16_LIMIT).to(gl.float16)
-        x_fp16.store(gl.broadcast(gl.expand_dims(x, 1), gl.zeros([BLOCK_K, 8], gl.float16, x_layout))[0])
-        gl.thread_barrier()  # the fp16 tile is whole (the last iteration's readers passed the barrier below)
-        w = w_tiles.index(slot).load(a_layout)
-        b = x_fp16.load(b_layout)
-        fence_async_shared()  # as in _stream_gemv_kernel: the stage is read before it is refilled
-        gl.thread_barrier()
-        _fetch_weights(w_desc, x_desc, w_tiles, ready, n0, slot, t + STAGES, num_tiles)
-        _fetch_activations(x_desc, x_tiles, ready, slot, t + STAGES, num_tiles)
-        acc = mma_v2(w.to(gl.float16), b, acc)
-    release_dependents()
-    for stage in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(stage))
-
-    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
-    out = gl.sum(gl.where(cols[None, :] == 0, acc, 0.0), axis=1)
-    rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    n_mask = rn < N
-    if W_SCALED:
-        out = out * gl.load(scale_ptr + rn, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        out += gl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(gl.float32)
-    gl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
 @dataclass(frozen=True)
 class StreamConfig:
-    """Rows per program, ring stages and warps (the tile is BLOCK_N rows of ROW_BYTES); `mma`: the
-    tensor-core kernel (FP8 weights, 16 rows a warp)."""
+    """Rows per program, ring stages and warps (the tile is BLOCK_N rows of ROW_BYTES)."""
 
     block_n: int
     stages: int
     warps: int
-    mma: bool = False
 
     @property
     def name(self) -> str:
-        """n<rows>st<stages>w<warps>[-mma], as benchmarks report it."""
-        return f"n{self.block_n}st{self.stages}w{self.warps}{'-mma' if self.mma else ''}"
+        """n<rows>st<stages>w<warps>, as benchmarks report it."""
+        return f"n{self.block_n}st{self.stages}w{self.warps}"
 
-    def fits(self, element_size: int = 1) -> bool:
-        """Whether the config serves weights of this element size and its warps' layout covers the tile
-        without repeating rows."""
-        if self.mma:
-            return element_size == 1 and self.block_n == 16 * self.warps
+    def fits(self) -> bool:
+        """Whether the warps' register layout covers the tile without repeating rows."""
         return self.block_n >= (32 // (ROW_BYTES // 16)) * self.warps
 
 
-# Shared memory per program is stages x block_n x 256 bytes (8-32 KB): several programs fit on an SM, so
-# the few hundred programs of a 4096-row weight run in one wave. The CUDA-core set is what won on the H200
-# for llava-1.5-7b's four matrices (bench.fp8_gemv, FP8 and bf16), plus n8st4w4; the tensor-core set
-# spans one to eight warps of 16 rows.
-CONFIGS = (StreamConfig(8, 4, 4), StreamConfig(16, 4, 4), StreamConfig(16, 8, 4), StreamConfig(32, 4, 4),
-           StreamConfig(16, 6, 1, mma=True), StreamConfig(32, 4, 2, mma=True),
-           StreamConfig(64, 4, 4, mma=True), StreamConfig(64, 6, 4, mma=True),
-           StreamConfig(128, 4, 8, mma=True))
+# Shared memory per program is stages x block_n x 256 bytes (16-64 KB): 3-12 programs fit on an SM, so
+# the few hundred programs of a 4096-row weight run in one wave, each with 4-8 tiles in flight.
+CONFIGS = (StreamConfig(8, 8, 4), StreamConfig(16, 4, 4), StreamConfig(16, 8, 4), StreamConfig(32, 4, 4),
+           StreamConfig(32, 6, 8), StreamConfig(64, 4, 8))
 
 
 @dataclass(frozen=True)
@@ -274,16 +198,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     n, k = weight.shape
     if x.data_ptr() % 16:  # the TMA reads from 16-byte aligned addresses only (a row sliced off a buffer)
         x = x.clone()
-    grid = (triton.cdiv(n, config.block_n),)
-    scale_arg, bias_arg = x if scale is None else scale, x if bias is None else bias
-    flags = dict(W_SCALED=scale is not None, HAS_BIAS=bias is not None, STAGES=config.stages,
-                 WARPS=config.warps, num_warps=config.warps)
-    args = (*_descriptors(x, weight, config.block_n), scale_arg, bias_arg, out, n, k)
-    if config.mma:
-        _stream_gemv_mma_kernel[grid](*args, **flags, **launch_options())
-    else:
-        _stream_gemv_kernel[grid](*args, VEC=16 // weight.element_size(), THREADS_K=ROW_BYTES // 16, **flags,
-                                  **launch_options())
+    _stream_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        *_descriptors(x, weight, config.block_n), x if scale is None else scale, x if bias is None else bias,
+        out, n, k, W_SCALED=scale is not None, HAS_BIAS=bias is not None, STAGES=config.stages,
+        VEC=16 // weight.element_size(), THREADS_K=ROW_BYTES // 16, WARPS=config.warps,
+        num_warps=config.warps, **launch_options())
     return out
 
 
@@ -301,7 +220,7 @@ def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     key = StreamKey(*weight.shape, weight.dtype, scale is not None, bias is not None, rival_name)
     if key in CHOICES:
         return CHOICES[key].config
-    candidates = [c for c in CONFIGS if c.fits(weight.element_size())]
+    candidates = [c for c in CONFIGS if c.fits()]
     if torch.cuda.is_current_stream_capturing():
         return None if rival is not None else candidates[0]
     from decoder_svc.model.decode_gemv import graph_time_us

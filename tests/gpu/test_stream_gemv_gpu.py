@@ -1,8 +1,7 @@
-"""The TMA-streamed one-row products (stream_gemv.py) on a Hopper GPU: every config of both kernels
-against the fp32 reference (bf16, fp16 and per-channel FP8 weights, with and without a bias, rows and
-columns that are no multiple of a tile), the same bits call after call, inside a CUDA graph, the measured
-choice, the tensor-core kernel's saturation of activations beyond fp16, and the FP8 product's one-row
-kernels (TMA-streamed and Triton) agreeing through weight_only_fp8."""
+"""The TMA-streamed one-row product (stream_gemv.py) on a Hopper GPU: every config against the fp32
+reference (bf16, fp16 and per-channel FP8 weights, with and without a bias, rows and columns that are no
+multiple of a tile), the same bits call after call, inside a CUDA graph, its measured choice, and the FP8
+product's two one-row kernels (TMA-streamed and Triton) agreeing through weight_only_fp8."""
 
 from __future__ import annotations
 
@@ -51,8 +50,6 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_every_config_matches_the_reference(n, k, dtype, config):
-    if not config.fits(torch.finfo(dtype).bits // 8):
-        pytest.skip("the tensor-core kernel takes FP8 weights only")
     x, weight, scale, bias, ref = _case(n, k, dtype, bias=n == 1000, seed=n + k)
     out = sg.stream_gemv(x, weight, scale, bias, config=config)
     assert out.shape == (1, n) and out.dtype == x.dtype
@@ -97,14 +94,3 @@ def test_fp8_one_row_products_agree_through_weight_only_fp8(bias):
     chosen = weight_only_fp8(x, weight, scale, block, b)
     for out in (streamed, triton_gemv, chosen):
         assert _rel_err(out, ref) < 8e-3
-
-
-def test_the_tensor_core_kernel_saturates_activations_at_the_fp16_limit():
-    x, weight, scale, _, _ = _case(4096, 4096, torch.float8_e4m3fn, bias=False, seed=4)
-    x[0, ::512] = torch.tensor([1e5, -3e5, 7e4, -1e6, 2e5, 65000.0, -9e4, 1e7], dtype=torch.bfloat16)
-    dequantized = (weight.float() * scale.reshape(-1, 1)).t()
-    saturated = x.float().clamp(-65280.0, 65280.0) @ dequantized
-    for config in sg.CONFIGS:
-        out = sg.stream_gemv(x, weight, scale, config=config)
-        want = saturated if config.mma else x.float() @ dequantized
-        assert torch.isfinite(out.float()).all() and _rel_err(out, want) < 8e-3, config.name
