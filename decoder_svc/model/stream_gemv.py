@@ -6,15 +6,21 @@ registers, and a second tile in flight costs registers and occupancy (measured o
 of the 4.26 a copy reaches). Here each program owns BLOCK_N weight rows and walks K through a ring of
 STAGES shared-memory tiles filled by the Tensor Memory Accelerator: one thread asks for a whole tile
 (and the matching 512 bytes of activations, so that no global load sits in the loop), an mbarrier says
-when it has landed, and STAGES tiles stay in flight per program whatever the registers hold. The warps read a landed tile into registers (16 bytes a thread), hand the stage back (a CTA
-barrier, then the next tile's copy into it) and multiply while the copies go on, accumulating in fp32
-and reducing over K once at the end. FP8 weights carry one scale per output row, applied once.
+when it has landed, and STAGES tiles stay in flight per program whatever the registers hold. The warps
+read a landed tile into registers (16 bytes a thread), hand the stage back (a CTA barrier, then the next
+tile's copy into it) and multiply while the copies go on, accumulating in fp32 and reducing over K once
+at the end. FP8 weights carry one scale per output row, applied once.
+
+Measured on the H200 (bench.fp8_gemv, llava-1.5-7b's matrices): bf16 weights stream at 3.3-4.1 TB/s
+(cuBLAS 2.7-3.9), FP8 at 2.5-3.6 (the Triton GEMV 2.6-3.2): an FP8 byte is a weight to widen and multiply
+where a bf16 byte is half of one, and each program's loop (wait, barrier, refill, multiply) rather than
+the bytes in flight bounds it. A tensor-core variant for FP8 (mma m16n8k16) was 2-3x slower and removed.
 
 Plain Triton 3.6 does not multi-buffer a load that feeds no `tl.dot`, so the ring is written out in
 Gluon (`triton.experimental.gluon`: explicit layouts, shared memory and barriers). Gluon has no
 interpreter: on the CPU and below sm_90 `usable()` is False and the callers keep their Triton or cuBLAS
 products. The configuration (rows per program, stages, warps) is measured per weight shape on first use
-(`best_config`), never inside a CUDA graph capture. `MMSERVE_STREAM_GEMV=0` turns the kernel off (the
+(`choose`), never inside a CUDA graph capture. `MMSERVE_STREAM_GEMV=0` turns the kernel off (the
 benchmarks' A/B).
 
 Only imported on GPU paths (and by the tests that compile it for sm_90 on the CPU).
@@ -133,10 +139,11 @@ class StreamConfig:
         return self.block_n >= (32 // (ROW_BYTES // 16)) * self.warps
 
 
-# Shared memory per program is stages x block_n x 256 bytes (16-64 KB): 3-12 programs fit on an SM, so
-# the few hundred programs of a 4096-row weight run in one wave, each with 4-8 tiles in flight.
-CONFIGS = (StreamConfig(8, 8, 4), StreamConfig(16, 4, 4), StreamConfig(16, 8, 4), StreamConfig(32, 4, 4),
-           StreamConfig(32, 6, 8), StreamConfig(64, 4, 8))
+# Shared memory per program is stages x block_n x 256 bytes plus the activations (16-34 KB): several
+# programs fit on an SM. The three that won on the H200 for llava-1.5-7b's four matrices, FP8 and bf16
+# (bench.fp8_gemv): of n8 / n16 / n32 / n64 rows, 4 / 6 / 8 stages, 4 / 8 warps, more stages or warps
+# never won (each iteration's wait, barrier and refill, not the bytes in flight, bound a program).
+CONFIGS = (StreamConfig(16, 4, 4), StreamConfig(16, 8, 4), StreamConfig(32, 4, 4))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The TMA-streamed one-row product (decoder_svc/model/stream_gemv.py) without a GPU: off on the CPU, and
 compiled for Hopper (sm_90) here, every config and weight dtype, with the generated PTX checked for what
-the kernel is for: its weight tiles come through TMA bulk copies into a ring of shared memory, and with
+the kernel is for: weight tiles come through TMA bulk copies into a ring of shared memory; with
 programmatic dependent launch every weight copy of the first round is issued before the wait and every
-activation copy and load after it, with no global load left in the loop. tests/gpu/test_stream_gemv_gpu.py runs it against the reference.
+activation copy and load after it; no global load is left in the loop.
+tests/gpu/test_stream_gemv_gpu.py runs it against the reference.
 
 The compiles run in a child process: the test session runs Triton's interpreter (TRITON_INTERPRET=1),
 under which Gluon cannot compile (its reductions' combine functions become interpreted ones)."""
