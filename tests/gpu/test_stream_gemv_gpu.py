@@ -94,3 +94,44 @@ def test_fp8_one_row_products_agree_through_weight_only_fp8(bias):
     chosen = weight_only_fp8(x, weight, scale, block, b)
     for out in (streamed, triton_gemv, chosen):
         assert _rel_err(out, ref) < 8e-3
+
+
+def _separate(prologue: str, x, residual, norm_weight, weight, scale, bias):
+    # The op then the product, in torch (HF's rounding points: the op's output in bf16, fp32 product).
+    from decoder_svc.model.ops import TorchOps
+
+    new_residual = None
+    if prologue == "rms_norm":
+        a, new_residual = TorchOps.rms_norm(x, norm_weight, 1e-6, residual)
+    elif prologue == "silu_mul":
+        a = TorchOps.silu_and_mul(x)
+    else:
+        a = x
+    w = weight.float() if scale is None else weight.float() * scale.reshape(-1, 1)
+    ref = a.float() @ w.t() + (0.0 if bias is None else bias.float())
+    return ref, new_residual
+
+
+@pytest.mark.parametrize("config", sg.FUSED_CONFIGS if torch.cuda.is_available() else [],
+                         ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("prologue,residual", [("rms_norm", True), ("rms_norm", False), ("silu_mul", False)])
+@pytest.mark.parametrize("n,k", [(4608, 3584), (1000, 4144), (3584, 18944)])
+def test_the_fused_kernel_matches_the_op_then_the_product(n, k, prologue, residual, dtype, config):
+    """stream_fused.py, every config: Qwen2.5-VL-7B's q/k/v (bias) and down, and odd sizes."""
+    from decoder_svc.model import stream_fused as sf
+
+    _, weight, scale, bias, _ = _case(n, k, dtype, bias=n == 4608, seed=n + k)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    width = 2 * k if prologue == "silu_mul" else k
+    x = (torch.randn(1, width, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+    res = (torch.randn(1, k, generator=gen, device="cuda") * 4).to(torch.bfloat16) if residual else None
+    norm_weight = (torch.rand(k, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
+    code = {"rms_norm": sf.RMS_NORM, "silu_mul": sf.SILU_MUL}[prologue]
+    res_in = None if res is None else res.clone()
+    out, new_residual = sf.fused_stream_gemv(x, weight, scale, bias, code, res_in, norm_weight, 1e-6,
+                                             config=config)
+    ref, want_residual = _separate(prologue, x, res, norm_weight, weight, scale, bias)
+    assert _rel_err(out, ref) < 1e-2
+    if prologue == "rms_norm" and residual:
+        assert torch.equal(new_residual, want_residual) and torch.equal(res_in, res)  # inputs unwritten
