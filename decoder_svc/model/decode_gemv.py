@@ -161,27 +161,22 @@ def fused_gemv(x: torch.Tensor, w: GemvWeight, prologue: int = PLAIN, residual: 
                config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [1, N], new residual or None) for one activation row x.
 
-    PLAIN: x [1, K] @ W^T. RMS_NORM:
+    PLAIN: x [1, K] @ W^T (on Hopper: stream_gemv, the TMA-streamed GEMV). RMS_NORM:
     rms_norm(x (+ residual)) * norm_weight @ W^T; with a residual the
     new residual stream x + residual is returned in a NEW tensor (inputs are never written), without one
     it is x. SILU_MUL: x [1, 2K] = cat(gate, up), silu(gate) * up @ W^T. FP8 weights are scaled per row.
-    `config` fixes BLOCK_N / BLOCK_K / num_warps (tests; the interpreter), else they are autotuned; on
-    Hopper (without `config`) the TMA-streamed kernels serve the call (stream_gemv.py, stream_fused.py).
+    `config` fixes BLOCK_N / BLOCK_K / num_warps (tests; the interpreter), else they are autotuned.
     """
     n, k = w.weight.shape
     if x.shape[0] != 1 or x.shape[-1] != (2 * k if prologue == SILU_MUL else k):
         raise ValueError(f"one row of {k} (or 2x{k} for silu_mul) activations expected, got {tuple(x.shape)}")
     x = x.contiguous()
-    if config is None and not _INTERPRETED:
-        # On Hopper the TMA-streamed kernels: stream_gemv.py with nothing to fuse, stream_fused.py with an op.
+    if prologue == PLAIN and config is None and not _INTERPRETED:
+        # Nothing to fuse: on Hopper the TMA-streamed GEMV (stream_gemv.py) streams the weight faster.
         from decoder_svc.model import stream_gemv as sg
 
         if sg.usable(x, w.weight):
-            if prologue == PLAIN:
-                return sg.stream_gemv(x, w.weight, w.scale, w.bias), None
-            from decoder_svc.model.stream_fused import fused_stream_gemv
-
-            return fused_stream_gemv(x, w.weight, w.scale, w.bias, prologue, residual, norm_weight, eps)
+            return sg.stream_gemv(x, w.weight, w.scale, w.bias), None
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     new_residual = None
     if prologue == RMS_NORM:

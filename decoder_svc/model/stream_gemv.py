@@ -123,18 +123,16 @@ def _stream_gemv_kernel(w_desc, x_desc, scale_ptr, bias_ptr, out_ptr, N, K,
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """Rows per program, ring stages and warps (the tile is BLOCK_N rows of ROW_BYTES); `per_sm`: the
-    persistent kernel's programs per SM (stream_fused.py; 0 here: one program per row block)."""
+    """Rows per program, ring stages and warps (the tile is BLOCK_N rows of ROW_BYTES)."""
 
     block_n: int
     stages: int
     warps: int
-    per_sm: int = 0
 
     @property
     def name(self) -> str:
-        """n<rows>st<stages>w<warps>[p<per SM>], as benchmarks report it."""
-        return f"n{self.block_n}st{self.stages}w{self.warps}{f'p{self.per_sm}' if self.per_sm else ''}"
+        """n<rows>st<stages>w<warps>, as benchmarks report it."""
+        return f"n{self.block_n}st{self.stages}w{self.warps}"
 
     def fits(self) -> bool:
         """Whether the warps' register layout covers the tile without repeating rows."""
@@ -146,16 +144,11 @@ class StreamConfig:
 # (bench.fp8_gemv): of n8 / n16 / n32 / n64 rows, 4 / 6 / 8 stages, 4 / 8 warps, more stages or warps
 # never won (each iteration's wait, barrier and refill, not the bytes in flight, bound a program).
 CONFIGS = (StreamConfig(16, 4, 4), StreamConfig(16, 8, 4), StreamConfig(32, 4, 4))
-# The persistent kernel with the input op fused in (stream_fused.py): its programs also hold the whole
-# activation row (2 x K bytes, 7-37 KB), so fewer fit on an SM.
-FUSED_CONFIGS = (StreamConfig(16, 4, 4, per_sm=4), StreamConfig(16, 8, 4, per_sm=3),
-                 StreamConfig(32, 4, 4, per_sm=3))
 
 
 @dataclass(frozen=True)
 class StreamKey:
-    """What a choice is made for: a weight's shape and dtype, scaled or not, a bias, the rival, the op
-    fused before the product ("plain": none)."""
+    """What a choice is made for: a weight's shape and dtype, scaled or not, a bias, and the rival."""
 
     n: int
     k: int
@@ -163,7 +156,6 @@ class StreamKey:
     scaled: bool
     bias: bool
     rival: str
-    op: str = "plain"
 
 
 @dataclass
@@ -196,19 +188,16 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return aligned and weight.shape[1] * size >= 16
 
 
-def weight_descriptor(weight: torch.Tensor, block_n: int) -> TensorDescriptor:
-    """The weight as the TMA reads it: tiles of block_n rows x 256 bytes, unswizzled (each warp reads
-    whole rows). Built per launch (cheap; a CUDA graph keeps the one it captured)."""
+def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_n: int) -> tuple[TensorDescriptor, ...]:
+    # The weight and the activation row as the TMA reads them: tiles of block_n rows x 256 bytes and the
+    # matching K slice of x, unswizzled (each warp reads whole rows). Built per launch (cheap; a CUDA
+    # graph keeps the ones it captured).
     bits = weight.element_size() * 8
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
-    return TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1],
-                            [block_n, ROW_BYTES * 8 // bits], layout)
-
-
-def _activation_descriptor(x: torch.Tensor, weight: torch.Tensor) -> TensorDescriptor:
-    # The activation row in the K slices that match the weight's tiles.
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=x.element_size() * 8, rank=1)
-    return TensorDescriptor(x, [x.shape[-1]], [1], [ROW_BYTES // weight.element_size()], layout)
+    block_k = ROW_BYTES * 8 // bits
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
+    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=x.element_size() * 8, rank=1)
+    return (TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [block_n, block_k], w_layout),
+            TensorDescriptor(x, [x.shape[-1]], [1], [block_k], x_layout))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
@@ -217,8 +206,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     if x.data_ptr() % 16:  # the TMA reads from 16-byte aligned addresses only (a row sliced off a buffer)
         x = x.clone()
     _stream_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        weight_descriptor(weight, config.block_n), _activation_descriptor(x, weight),
-        x if scale is None else scale, x if bias is None else bias,
+        *_descriptors(x, weight, config.block_n), x if scale is None else scale, x if bias is None else bias,
         out, n, k, W_SCALED=scale is not None, HAS_BIAS=bias is not None, STAGES=config.stages,
         VEC=16 // weight.element_size(), THREADS_K=ROW_BYTES // 16, WARPS=config.warps,
         num_warps=config.warps, **launch_options())
@@ -229,33 +217,25 @@ Rival = Callable[[torch.Tensor, torch.Tensor | None], object]  # (weight, scale)
 
 
 def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-           bias: torch.Tensor | None = None, rival: Rival | None = None, rival_name: str = "",
-           op: str = "plain", configs: tuple[StreamConfig, ...] = CONFIGS,
-           launch: Callable[[torch.Tensor, torch.Tensor | None, StreamConfig], object] | None = None,
-           ) -> StreamConfig | None:
+           bias: torch.Tensor | None = None, rival: Rival | None = None,
+           rival_name: str = "") -> StreamConfig | None:
     """The config to launch for this weight, or None where `rival` (the caller's own product, named
     `rival_name`) was faster. Measured once per StreamKey as decode runs it: every config (and the rival)
     over enough copies of the weight that none is read from L2, back to back in a replayed CUDA graph
     (decode_gemv.graph_time_us). Never measured inside a graph capture: an unmeasured key there takes the
-    rival, or the first config without one. `op`, `configs` and `launch(weight, scale, config)` let
-    another kernel (stream_fused.py) be measured the same way."""
-    key = StreamKey(*weight.shape, weight.dtype, scale is not None, bias is not None, rival_name, op)
+    rival, or the first config without one."""
+    key = StreamKey(*weight.shape, weight.dtype, scale is not None, bias is not None, rival_name)
     if key in CHOICES:
         return CHOICES[key].config
-    candidates = [c for c in configs if c.fits()]
+    candidates = [c for c in CONFIGS if c.fits()]
     if torch.cuda.is_current_stream_capturing():
         return None if rival is not None else candidates[0]
     from decoder_svc.model.decode_gemv import graph_time_us
 
     scale = None if scale is None else scale.reshape(-1)
     copies = _weight_copies(weight, scale)
-    if launch is None:
-        out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-
-        def launch(w: torch.Tensor, s: torch.Tensor | None, c: StreamConfig) -> torch.Tensor:
-            return _launch(x, w, s, bias, out, c)
-
-    times = {c.name: graph_time_us([functools.partial(launch, w, s, c) for w, s in copies])
+    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    times = {c.name: graph_time_us([functools.partial(_launch, x, w, s, bias, out, c) for w, s in copies])
              for c in candidates}
     if rival is not None:
         times[rival_name or "rival"] = graph_time_us([functools.partial(rival, w, s) for w, s in copies])
@@ -263,8 +243,8 @@ def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     fastest = min(times, key=times.get)
     config = next((c for c in candidates if c.name == fastest), None)
     CHOICES[key] = StreamChoice(config, times)
-    log.info("stream GEMV %dx%d %s %s: %s (%.1f us; %s)", key.n, key.k, str(key.dtype).removeprefix("torch."),
-             op, fastest, times[fastest], ", ".join(f"{name} {us:.1f}" for name, us in times.items()))
+    log.info("stream GEMV %dx%d %s: %s (%.1f us; %s)", key.n, key.k, str(key.dtype).removeprefix("torch."),
+             fastest, times[fastest], ", ".join(f"{name} {us:.1f}" for name, us in times.items()))
     return config
 
 

@@ -53,28 +53,6 @@ for dtype, bits in json.loads(sys.argv[1]).items():
         k = triton.compile(GluonASTSource(sg._stream_gemv_kernel, signature, constants, attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": c.warps})
         out[f"{c.name}-{dtype}"] = {"ptx": k.asm["ptx"], "shared": k.metadata.shared}
-from decoder_svc.model import stream_fused as sf
-for dtype, bits in json.loads(sys.argv[1]).items():
-    for c in sg.FUSED_CONFIGS:
-        for prologue, k in ((sf.RMS_NORM, 4096), (sf.SILU_MUL, 11008)):
-            block_k = sg.ROW_BYTES * 8 // bits
-            k_tiles = -(-k // block_k)
-            chunks = -(-k_tiles // sf.CHUNK)
-            desc = (f"tensordesc<{dtype}[{c.block_n}, {block_k}],NVMMASharedLayout(swizzle_byte_width=0, "
-                    f"element_bitwidth={bits}, rank=2, transposed=False, fp4_padded=False, cga_layout=[])>")
-            signature = {"w_desc": desc, **{name: "*bf16" for name in ("x_ptr", "res_ptr", "new_res_ptr",
-                         "norm_w_ptr", "bias_ptr", "out_ptr")}, "scale_ptr": "*fp32", "N": "i32", "K": "i32",
-                         "eps": "fp32"}
-            constants = {"PROLOGUE": prologue, "HAS_RESIDUAL": True, "W_SCALED": bits == 8, "HAS_BIAS": True,
-                         "STAGES": c.stages, "VEC": 128 // bits, "THREADS_K": sg.ROW_BYTES // 16,
-                         "WARPS": c.warps, "K_TILES": k_tiles, "CHUNKS": chunks, "CHUNK": sf.CHUNK,
-                         "ROWS": 1 << (chunks * sf.CHUNK - 1).bit_length()}
-            signature.update({name: "constexpr" for name in constants})
-            attrs = {(i,): [["tt.divisibility", 16]] for i in range(1, 8)}
-            kernel = triton.compile(GluonASTSource(sf._fused_stream_kernel, signature, constants, attrs),
-                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": c.warps})
-            out[f"fused{prologue}-{c.name}-{dtype}"] = {"ptx": kernel.asm["ptx"],
-                                                        "shared": kernel.metadata.shared}
 print(json.dumps(out))
 '''
 
@@ -117,24 +95,3 @@ def test_compiles_for_hopper_with_tma_copies_and_the_wait_between_weights_and_ac
     loop = ptx[ptx.index("mbarrier.try_wait"):ptx.index("griddepcontrol.launch_dependents")]
     assert "ld.global" not in loop  # nothing in the loop waits on a global load
     assert min(m.start() for m in re.finditer(r"ld\.global", ptx)) > wait  # the scale and bias, at the end
-
-
-@pytest.mark.parametrize("prologue", ["rms_norm", "silu_mul"])
-@pytest.mark.parametrize("config,dtype", [(c, d) for d in DTYPES for c in stream_gemv.FUSED_CONFIGS],
-                         ids=lambda v: getattr(v, "name", v))
-def test_the_fused_kernel_compiles_with_its_weights_before_the_wait_and_its_input_built_after(
-        compiled, config, dtype, prologue):
-    from decoder_svc.model import stream_fused
-
-    code = {"rms_norm": stream_fused.RMS_NORM, "silu_mul": stream_fused.SILU_MUL}[prologue]
-    kernel = compiled[f"fused{code}-{config.name}-{dtype}"]
-    assert kernel["shared"] >= config.stages * config.block_n * stream_gemv.ROW_BYTES
-    ptx = kernel["ptx"]
-    copies = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor\.2d", ptx)]
-    assert len(copies) == config.stages + 1  # the ring's first round and the loop's refill
-    wait = ptx.index("griddepcontrol.wait")
-    loads = [m.start() for m in re.finditer(r"ld\.global", ptx)]
-    assert all(c < wait for c in copies[:config.stages]) and min(loads) > wait
-    loop = ptx[ptx.index("mbarrier.try_wait"):ptx.index("griddepcontrol.launch_dependents")]
-    # Only a finished row block's scale and bias, one load each per row a thread holds: the input is built.
-    assert loop.count("ld.global") <= 2 * config.block_n // (2 * config.warps)
