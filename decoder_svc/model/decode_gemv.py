@@ -161,11 +161,11 @@ def fused_gemv(x: torch.Tensor, w: GemvWeight, prologue: int = PLAIN, residual: 
                config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [1, N], new residual or None) for one activation row x.
 
-    PLAIN: x [1, K] @ W^T (on Hopper: stream_gemv, the TMA-streamed GEMV). RMS_NORM:
-    rms_norm(x (+ residual)) * norm_weight @ W^T; with a residual the
-    new residual stream x + residual is returned in a NEW tensor (inputs are never written), without one
-    it is x. SILU_MUL: x [1, 2K] = cat(gate, up), silu(gate) * up @ W^T. FP8 weights are scaled per row.
-    `config` fixes BLOCK_N / BLOCK_K / num_warps (tests; the interpreter), else they are autotuned.
+    PLAIN: x [1, K] @ W^T (on Hopper, without `config`: stream_gemv, the TMA-streamed GEMV). RMS_NORM:
+    rms_norm(x (+ residual)) * norm_weight @ W^T; with a residual the new residual stream x + residual is
+    returned in a NEW tensor (inputs are never written), without one it is x. SILU_MUL: x [1, 2K] =
+    cat(gate, up), silu(gate) * up @ W^T. FP8 weights are scaled per row. `config` fixes BLOCK_N /
+    BLOCK_K / num_warps (tests; the interpreter), else they are autotuned.
     """
     n, k = w.weight.shape
     if x.shape[0] != 1 or x.shape[-1] != (2 * k if prologue == SILU_MUL else k):
