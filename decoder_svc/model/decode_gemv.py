@@ -270,13 +270,18 @@ class GemvChoices:
                  "fused": t.fused_wins} for t in self.timings.values()]
 
 
+def copy_count(nbytes: int, device: torch.device) -> int:
+    """How many copies of nbytes of weights (the original included, 1-8) a timing rotates over so that
+    every one streams from memory, as a decode step does (one weight alone may fit in L2 and time faster
+    than it ever runs): together at least 3x L2."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return min(max(-(-3 * l2 // max(nbytes, 1)), 1), 8)
+
+
 def copies(proj: nn.Module) -> list[nn.Module]:
-    """proj and enough copies of it that timing them in turn streams every weight from memory, as a
-    decode step does (one weight alone may fit in L2 and time faster than it ever runs)."""
+    """proj and `copy_count` - 1 copies of it."""
     nbytes = sum(p.numel() * p.element_size() for p in proj.parameters())
-    l2 = torch.cuda.get_device_properties(proj.weight.device).L2_cache_size
-    count = min(max(-(-3 * l2 // max(nbytes, 1)), 1), 8)
-    return [proj] + [copy.deepcopy(proj) for _ in range(count - 1)]
+    return [proj] + [copy.deepcopy(proj) for _ in range(copy_count(nbytes, proj.weight.device) - 1)]
 
 
 def graph_time_us(calls: list[Callable[[], object]], replays: int = 10, rounds: int = 5) -> float:

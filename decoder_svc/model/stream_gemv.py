@@ -252,9 +252,9 @@ def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 def _weight_copies(weight: torch.Tensor, scale: torch.Tensor | None) -> list[tuple]:
     # The weight and enough copies of it that timing them in turn streams every one from memory.
-    nbytes = weight.numel() * weight.element_size()
-    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
-    count = min(max(-(-3 * l2 // max(nbytes, 1)), 2), 8)
+    from decoder_svc.model.decode_gemv import copy_count
+
+    count = copy_count(weight.numel() * weight.element_size(), weight.device)
     return [(weight, scale)] + [(weight.clone(), None if scale is None else scale.clone())
                                 for _ in range(count - 1)]
 
