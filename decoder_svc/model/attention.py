@@ -19,6 +19,7 @@ query - window < key <= limit (HF's AND(sliding_window, OR(causal, blockwise))).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -109,6 +110,10 @@ class DecodePlan:
     seq_lens: torch.Tensor       # [n, 1, 1, 1] their context lengths (device): a window's lower bound
 
 
+# The ops' rotary embedding: (q, k, positions, cos_sin) -> rotated (q, k) (TorchOps.rotary's contract).
+Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class AttentionBackend(ABC):
     """Computes attention for one layer and writes the layer's new K/V into the cache.
 
@@ -123,6 +128,14 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         """Attention output for every query row; with `window`, over the last `window` keys only."""
+
+    def rotate_and_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary,
+                           positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        """forward on q and k rotated by `rotary(q, k, positions, cos_sin)` (the layer's ops). A backend
+        may rotate them in the kernel that stores K/V (Triton: one launch instead of two)."""
+        q, k = rotary(q, k, positions, cos_sin)
+        return self.forward(q, k, v, kv_cache, meta, scale, window)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -107,8 +107,8 @@ class SelfAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = _per_head(self.q_norm, q), _per_head(self.k_norm, k)
-        q, k = self.ops.rotary(q, k, positions, cos_sin)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
+        out = backend.rotate_and_forward(q, k, v, self.ops.rotary, positions, cos_sin, kv_cache, meta,
+                                         self.scale, window=self.window)
         out = self.ops.linear(out.reshape(n, self.q_size), self.o_proj)
         return all_reduce(out) if self.reduce else out
 

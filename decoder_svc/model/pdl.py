@@ -9,6 +9,11 @@ has finished and its writes are visible, and only then read activations or write
 before call `release_dependents()` (small kernels at their start, products after their main loop) so
 that the product's programs may take the SMs their own programs leave.
 
+The small kernels of a layer (norms, activation, rotary + KV store, attention, split merge) are launched
+early too: each releases its successor, then waits, and reads nothing before the wait. Their launch and
+prologue then overlap the kernel before instead of following its end (some 200 boundaries a step), and a
+product several small kernels ahead can be resident and filling its ring while they run.
+
 Only imported with triton (GPU paths, or TRITON_INTERPRET=1 where it is off). MMSERVE_PDL=0 turns it off
 (the A/B of bench.fp8_gemv / bench.decode_tput); it is off below compute capability 9.0, where the
 griddepcontrol instructions do not exist.

@@ -1,6 +1,6 @@
-"""Triton kernels for the paged KV cache: storing new K/V, and one attention kernel for a flat varlen
-batch in which prefill chunks (causal within the chunk, full view of the cached prefix) and decode rows
-share a launch.
+"""Triton attention over the paged KV cache: one kernel for a flat varlen batch in which prefill chunks
+(causal within the chunk, full view of the cached prefix) and decode rows share a launch. The new K/V
+go into the cache first (triton_kv_store.py: as they are, or rotated by the same kernel that rotates q).
 
 Layout. Each program takes BLOCK_M query rows of one KV head: BLOCK_Q consecutive tokens of one
 sequence times the H_PER_KV query heads that share that KV head (GQA packed along the rows), so each
@@ -28,31 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from decoder_svc.model.attention import AttentionBackend, AttentionMetadata
-from decoder_svc.model.pdl import release_dependents
+from decoder_svc.model.attention import AttentionBackend, AttentionMetadata, Rotary
+from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
+from decoder_svc.model.triton_kv_store import rotary_store_kv, store_kv
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
-                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cr, stride_ch,
-                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
-    release_dependents()  # a product launched after it may start loading its weights (pdl.py)
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot < 0:  # a padded row (CUDA-graph bucket): nothing to store
-        return
-    block, row = slot // block_size, slot % block_size
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < KV_HEADS) & (d < HEAD_DIM)
-    dst = block * stride_cb + row * stride_cr + h * stride_ch + d
-    k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 @triton.jit
@@ -84,6 +64,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIMITS: tl.constexpr,
 ):
     release_dependents()
+    wait_for_inputs()
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -175,6 +156,7 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_o
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          NUM_SPLITS: tl.constexpr):
     release_dependents()
+    wait_for_inputs()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * NUM_HEADS + head) * NUM_SPLITS
@@ -191,20 +173,6 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_o
     o = tl.sum(acc * w[:, None], 0) / total
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write each token's K/V [tokens, kv_heads, head_dim] at its slot; slots < 0 are skipped."""
-    tokens, kv_heads, head_dim = k.shape
-    if tokens == 0:
-        return
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _store_kv_kernel[(tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim))
 
 
 def row_tiles(max_query_len: int, h_per_kv: int) -> tuple[int, int]:
@@ -253,17 +221,18 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         NUM_HEADS=num_heads, H_PER_KV=h_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if head_dim <= 128 else 32,
         SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None,
-        HAS_LIMITS=limits is not None, num_warps=4, num_stages=2)
+        HAS_LIMITS=limits is not None, num_warps=4, num_stages=2, **launch_options())
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits)
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            **launch_options())
     return out
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Paged attention in Triton: one KV-store launch and one attention launch (plus a merge when the
-    keys are split) per layer, with no host synchronisation, so decode steps can be CUDA-graphed."""
+    """Paged attention in Triton: one rotary + KV-store launch and one attention launch (plus a merge when
+    the keys are split) per layer, with no host synchronisation, so decode steps can be CUDA-graphed."""
 
     supports_cuda_graphs = True
     supports_sliding_window = True
@@ -293,4 +262,12 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)  # first: key limits may reach this step's keys
+        return paged_attention(q, kv_cache, meta, scale, self.num_splits(q, kv_cache, meta), window=window)
+
+    def rotate_and_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary,
+                           positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        """One kernel rotates q and k and stores K/V (triton_kv_store.rotary_store_kv, TritonOps.rotary's
+        rounding, whatever `rotary` is), then attention; k is left unrotated (the cache has the keys)."""
+        rotary_store_kv(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping)
         return paged_attention(q, kv_cache, meta, scale, self.num_splits(q, kv_cache, meta), window=window)

@@ -23,6 +23,7 @@ Only imported on GPU paths or under TRITON_INTERPRET=1 (tests), so triton is imp
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 
 from decoder_svc.model.lora.batched import LoRASlots, idle_base
 from decoder_svc.model.ops import TorchOps
-from decoder_svc.model.pdl import release_dependents
+from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
 from decoder_svc.model.quant.fp8 import ScaleBlock
 
 # The Triton interpreter (3.6) truncates fp32 -> bf16 casts, where the GPU's cvt.rn rounds to nearest
@@ -56,7 +57,8 @@ def _round(x, dtype: tl.constexpr):
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_stride, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     # One program per row: the whole row fits in registers (BLOCK >= n_cols), so one pass.
-    release_dependents()  # a product launched after it may start loading its weights (pdl.py)
+    release_dependents()  # the next kernel may be launched now and wait (pdl.py)
+    wait_for_inputs()  # launched early itself: nothing is read before
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31 at long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -88,6 +90,7 @@ def _gated_act_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, GELU: tl.con
     # (exact limits at +-inf; its cancellation near 0 is absorbed by the 1 + .). HF rounds the activation
     # to the dtype before the product. Grid (rows, column blocks): small blocks fill the GPU at T=1.
     release_dependents()
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -104,28 +107,43 @@ def _gated_act_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, GELU: tl.con
 
 
 @triton.jit
+def _rotate_pair(x1, x2, cos, sin, dtype: tl.constexpr):
+    # rotate_half(x) = cat(-x2, x1): out1 = x1*c - x2*s, out2 = x2*c + x1*s, each product rounded to the
+    # dtype before the sum, as HF's `q * cos + rotate_half(q) * sin` does in bf16/fp16. x1, x2: the two
+    # halves [heads, half]; cos, sin: [half] fp32 (already rounded to the dtype).
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    x1c = _round(x1 * c, dtype).to(tl.float32)
+    x2s = _round(x2 * s, dtype).to(tl.float32)
+    x2c = _round(x2 * c, dtype).to(tl.float32)
+    x1s = _round(x1 * s, dtype).to(tl.float32)
+    return _round(x1c - x2s, dtype), _round(x2c + x1s, dtype)
+
+
+@triton.jit
 def _rotate_heads(base, s_head, s_dim, n_heads, cos, sin, half, d, d_mask,
                   BLOCK_HEADS: tl.constexpr):
-    # All heads of one token as a [BLOCK_HEADS, BLOCK_HALF] tile; x1 = first half, x2 = second half.
+    # All heads of one token as a [BLOCK_HEADS, BLOCK_HALF] tile, rotated in place.
     heads = tl.arange(0, BLOCK_HEADS)
     mask = (heads[:, None] < n_heads) & d_mask[None, :]
     p1 = base + heads[:, None] * s_head + d[None, :] * s_dim
     p2 = p1 + half * s_dim
     x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p2, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    c = cos[None, :]
-    s = sin[None, :]
-    # rotate_half(x) = cat(-x2, x1): out1 = x1*c - x2*s, out2 = x2*c + x1*s, each product rounded to the
-    # dtype before the sum, as HF's `q * cos + rotate_half(q) * sin` does in bf16/fp16.
-    x1c = _round(x1 * c, dtype).to(tl.float32)
-    x2s = _round(x2 * s, dtype).to(tl.float32)
-    x2c = _round(x2 * c, dtype).to(tl.float32)
-    x1s = _round(x1 * s, dtype).to(tl.float32)
-    tl.store(p1, _round(x1c - x2s, dtype), mask=mask)
-    tl.store(p2, _round(x2c + x1s, dtype), mask=mask)
+    out1, out2 = _rotate_pair(x1, tl.load(p2, mask=mask, other=0.0), cos, sin, x1.dtype)
+    tl.store(p1, out1, mask=mask)
+    tl.store(p2, out2, mask=mask)
+
+
+@triton.jit
+def _cos_sin(cache_ptr, pos, cache_stride, half, d, d_mask, dtype: tl.constexpr):
+    # A position's cos and sin halves: HF casts them to the model dtype before use, so round them the same
+    # way, then compute in fp32.
+    cs = cache_ptr + pos * cache_stride
+    cos = _round(tl.load(cs + d, mask=d_mask, other=0.0).to(tl.float32), dtype).to(tl.float32)
+    sin = _round(tl.load(cs + half + d, mask=d_mask, other=0.0).to(tl.float32), dtype).to(tl.float32)
+    return cos, sin
 
 
 @triton.jit
@@ -135,15 +153,12 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr,
                    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # One program per token: cos/sin are loaded once and reused for every q and k head.
     release_dependents()
+    wait_for_inputs()
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     d_mask = d < half
-    dtype = q_ptr.dtype.element_ty
-    cs = cache_ptr + pos * cache_stride
-    # HF casts cos/sin to the model dtype before use; round them the same way, then compute in fp32.
-    cos = _round(tl.load(cs + d, mask=d_mask, other=0.0).to(tl.float32), dtype).to(tl.float32)
-    sin = _round(tl.load(cs + half + d, mask=d_mask, other=0.0).to(tl.float32), dtype).to(tl.float32)
+    cos, sin = _cos_sin(cache_ptr, pos, cache_stride, half, d, d_mask, q_ptr.dtype.element_ty)
     _rotate_heads(q_ptr + tok * q_s_tok, q_s_head, q_s_dim, n_q_heads, cos, sin, half, d, d_mask,
                   BLOCK_QH)
     _rotate_heads(k_ptr + tok * k_s_tok, k_s_head, k_s_dim, n_k_heads, cos, sin, half, d, d_mask,
@@ -155,6 +170,45 @@ def _row_major(x: torch.Tensor, name: str) -> None:
     if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"{name} must be 2-D with a contiguous last dim, got {tuple(x.shape)} "
                          f"strides {x.stride()}")
+
+
+@dataclass(frozen=True)
+class RotaryLaunch:
+    """A rotary launch's checked inputs and tile sizes (TritonOps.rotary, and the rotary + KV store kernel
+    of triton_kv_store.py). The kernels rotate dims [0, half) with [half, 2 * half) of each head; partial
+    rotary (Phi-4-mini) leaves the dims past the table's width as they are, as HF passes them through."""
+
+    half: int
+    cache: torch.Tensor  # the cos|sin table, last dim contiguous
+    positions: torch.Tensor  # [T], contiguous
+    block_qh: int
+    block_kh: int
+    block_half: int
+    num_warps: int
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+           cos_sin_cache: torch.Tensor) -> RotaryLaunch:
+        """Checks q [T, Hq, D], k [T, Hk, D], positions [T] and the table (raises ValueError)."""
+        if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+            raise ValueError(f"q [T, Hq, D] and k [T, Hk, D] expected, got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}")
+        if q.dtype != k.dtype:
+            raise ValueError("q and k must share a dtype")
+        n_tok, n_q_heads, head_dim = q.shape
+        width = cos_sin_cache.shape[-1]  # the rotated dims: head_dim, or fewer for partial rotary
+        if width % 2 or width > head_dim:
+            raise ValueError(f"cos_sin_cache last dim must be even and at most head_dim {head_dim}, "
+                             f"got {width}")
+        if positions.shape != (n_tok,):
+            raise ValueError(f"positions must be [{n_tok}], got {tuple(positions.shape)}")
+        half = width // 2
+        block_qh = triton.next_power_of_2(n_q_heads)
+        block_kh = triton.next_power_of_2(max(k.shape[1], 1))
+        block_half = triton.next_power_of_2(half)
+        tile = max(block_qh, block_kh) * block_half
+        return cls(half, cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous(),
+                   positions.contiguous(), block_qh, block_kh, block_half, min(max(tile // 256, 1), 8))
 
 
 class TritonOps:
@@ -196,33 +250,13 @@ class TritonOps:
         q and k may be arbitrary strided views (e.g. of one fused qkv buffer) but must not overlap.
         Positions are not bounds-checked against the cache (a check would force a host sync).
         """
-        if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-            raise ValueError(f"q [T, Hq, D] and k [T, Hk, D] expected, got {tuple(q.shape)}, "
-                             f"{tuple(k.shape)}")
-        if q.dtype != k.dtype:
-            raise ValueError("q and k must share a dtype")
-        n_tok, n_q_heads, head_dim = q.shape
-        width = cos_sin_cache.shape[-1]  # the rotated dims: head_dim, or fewer for partial rotary
-        if width % 2 or width > head_dim:
-            raise ValueError(f"cos_sin_cache last dim must be even and at most head_dim {head_dim}, "
-                             f"got {width}")
-        if positions.shape != (n_tok,):
-            raise ValueError(f"positions must be [{n_tok}], got {tuple(positions.shape)}")
-        if n_tok == 0:
+        rot = RotaryLaunch.of(q, k, positions, cos_sin_cache)
+        if q.shape[0] == 0:
             return q, k
-        # The kernel rotates dims [0, half) with [half, 2 * half) of each head; partial rotary (Phi-4-mini)
-        # leaves the dims past the table's width untouched in place, as HF passes them through.
-        half = width // 2
-        cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-        positions = positions.contiguous()
-        n_k_heads = k.shape[1]
-        block_qh = triton.next_power_of_2(n_q_heads)
-        block_kh = triton.next_power_of_2(max(n_k_heads, 1))
-        tile = max(block_qh, block_kh) * triton.next_power_of_2(half)
-        _rotary_kernel[(n_tok,)](q, k, positions, cache, *q.stride(), *k.stride(), cache.stride(0),
-                                 n_q_heads, n_k_heads, half, BLOCK_QH=block_qh, BLOCK_KH=block_kh,
-                                 BLOCK_HALF=triton.next_power_of_2(half),
-                                 num_warps=min(max(tile // 256, 1), 8))
+        _rotary_kernel[(q.shape[0],)](q, k, rot.positions, rot.cache, *q.stride(), *k.stride(),
+                                      rot.cache.stride(0), q.shape[1], k.shape[1], rot.half,
+                                      BLOCK_QH=rot.block_qh, BLOCK_KH=rot.block_kh, BLOCK_HALF=rot.block_half,
+                                      num_warps=rot.num_warps, **launch_options())
         return q, k
 
     @staticmethod
@@ -334,7 +368,7 @@ def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     res = residual if residual is not None else x  # dummy pointer when HAS_RESIDUAL is False
     _rms_norm_kernel[(n_rows,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n_cols, eps,
                                 HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
-                                num_warps=num_warps)
+                                num_warps=num_warps, **launch_options())
     return out, new_residual
 
 
@@ -353,7 +387,7 @@ def _launch_gated(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     block = min(block, triton.next_power_of_2(n_cols))
     grid = (n_rows, triton.cdiv(n_cols, block))
     _gated_act_kernel[grid](x, out, x.stride(0), out.stride(0), n_cols, GELU=gelu, BLOCK=block,
-                            num_warps=4 if block >= 512 else 2)
+                            num_warps=4 if block >= 512 else 2, **launch_options())
     return out
 
 

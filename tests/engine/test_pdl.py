@@ -1,13 +1,18 @@
 """Programmatic dependent launch (decoder_svc/model/pdl.py): off in Triton's interpreter and with
 MMSERVE_PDL=0, and every kernel launched with `launch_options()` waits for its inputs in its body (a
 kernel launched early that read before `wait_for_inputs()` could read what its input buffer held before
-the kernel ahead of it wrote it; tests/gpu/test_decode_gemv_gpu.py runs the chain on a GPU)."""
+the kernel ahead of it wrote it; tests/gpu/test_decode_gemv_gpu.py runs the chain on a GPU). The products
+read their weights before the wait; the small kernels of a layer (norms, activation, rotary, KV store,
+attention, split merge) read nothing before it."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,8 +22,20 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from decoder_svc.model import decode_gemv, pdl, stream_gemv  # noqa: E402
+from decoder_svc.model import (  # noqa: E402
+    decode_gemv,
+    pdl,
+    stream_gemv,
+    triton_attention,
+    triton_kv_store,
+    triton_ops,
+)
 from decoder_svc.model.quant import triton_fp8  # noqa: E402
+
+PRODUCTS = [decode_gemv, triton_fp8, stream_gemv]
+SMALL_KERNELS = {triton_ops: {"_rms_norm_kernel", "_gated_act_kernel", "_rotary_kernel"},
+                 triton_attention: {"_paged_attention_kernel", "_merge_splits_kernel"},
+                 triton_kv_store: {"_store_kv_kernel", "_rotary_store_kv_kernel"}}
 
 
 def _launched_with_pdl(module) -> set[str]:
@@ -39,19 +56,30 @@ def _jit_source(obj) -> str:
     return inspect.getsource(obj)
 
 
-@pytest.mark.parametrize("module", [decode_gemv, triton_fp8, stream_gemv],
-                         ids=lambda m: m.__name__.split(".")[-1])
+def _before_the_wait(module, name: str) -> str:
+    src = _jit_source(getattr(module, name))
+    body = src[src.index("):\n"):]
+    assert "wait_for_inputs()" in body, name
+    return body[:body.index("wait_for_inputs()")]
+
+
+@pytest.mark.parametrize("module", PRODUCTS + list(SMALL_KERNELS), ids=lambda m: m.__name__.split(".")[-1])
 def test_every_kernel_launched_early_waits_for_its_inputs(module):
     launched = _launched_with_pdl(module)
-    assert launched  # the one-row products are launched so
+    assert launched  # the one-row products and the layer's small kernels are launched so
     for name in launched:
-        src = _jit_source(getattr(module, name))
-        body = src[src.index("):\n"):]
-        assert "wait_for_inputs()" in body, name
+        before = _before_the_wait(module, name)
         # Before the wait only weights are read: no store, and no activation (x) load.
-        before = body[:body.index("wait_for_inputs()")]
         assert "tl.store" not in before and "gl.store" not in before, name
         assert "x_ptr" not in before.replace("x_ptrs = x_ptr", ""), name
+
+
+@pytest.mark.parametrize("module", list(SMALL_KERNELS), ids=lambda m: m.__name__.split(".")[-1])
+def test_the_small_kernels_are_launched_early_and_read_nothing_before_the_wait(module):
+    assert SMALL_KERNELS[module] <= _launched_with_pdl(module)
+    for name in SMALL_KERNELS[module]:
+        before = _before_the_wait(module, name)
+        assert "tl.load" not in before and "release_dependents()" in before, name
 
 
 def test_off_in_the_interpreter_and_by_environment(monkeypatch):
@@ -64,3 +92,53 @@ def test_off_in_the_interpreter_and_by_environment(monkeypatch):
         assert not pdl.enabled()
     finally:
         pdl.enabled.cache_clear()
+
+
+_COMPILE_SMALL = r"""
+import json
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from decoder_svc.model import pdl
+pdl.PDL = tl.constexpr(True)  # as on an H200 (the kernels read it when compiled)
+from decoder_svc.model import triton_attention as ta, triton_kv_store as kv, triton_ops as to
+
+def ptx(kernel, types, constants, warps):
+    signature = {n: "constexpr" if n in constants else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+                 for n in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps}).asm["ptx"]
+
+meta = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "query_start_loc_ptr": "*i32", "key_limits_ptr": "*i32", "scale_log2": "fp32"}
+out = {
+    "_rms_norm_kernel": ptx(to._rms_norm_kernel, {"eps": "fp32"},
+                            {"HAS_RESIDUAL": True, "UNIT_OFFSET": False, "BLOCK": 4096}, 8),
+    "_gated_act_kernel": ptx(to._gated_act_kernel, {}, {"GELU": False, "BLOCK": 256}, 2),
+    "_rotary_store_kv_kernel": ptx(kv._rotary_store_kv_kernel,
+                                   {"pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64"},
+                                   {"KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_QH": 32, "BLOCK_KH": 8,
+                                    "BLOCK_HALF": 64, "BLOCK_D": 128}, 8),
+    "_paged_attention_kernel": ptx(ta._paged_attention_kernel, meta,
+                                   {"NUM_HEADS": 32, "H_PER_KV": 1, "HEAD_DIM": 128, "BLOCK_D": 128,
+                                    "PAGE": 16, "BLOCK_M": 16, "BLOCK_Q": 16, "BLOCK_N": 64, "SPLIT": True,
+                                    "IEEE": False, "HAS_WINDOW": False, "HAS_LIMITS": False}, 4),
+    "_merge_splits_kernel": ptx(ta._merge_splits_kernel, meta,
+                                {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 8}, 4),
+}
+print(json.dumps(out))
+"""
+
+
+def test_the_small_kernels_compile_for_hopper_releasing_then_waiting_before_any_load():
+    """Compiled for sm_90 here (a child process: the session runs Triton's interpreter), each small kernel
+    lets the next one launch, then waits for the one before, and only then loads from global memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SMALL], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, ptx in json.loads(done.stdout.splitlines()[-1]).items():
+        body = ptx[ptx.index("{"):]
+        release, wait = body.find("griddepcontrol.launch_dependents"), body.find("griddepcontrol.wait")
+        assert 0 <= release < wait < body.find("ld.global"), name

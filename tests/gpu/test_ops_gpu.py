@@ -112,3 +112,53 @@ def test_empty_batches_gpu():
     q = torch.empty(0, N_HEADS, HEAD_DIM, device="cuda")
     cache = torch.zeros(16, HEAD_DIM, device="cuda")
     assert TritonOps.rotary(q, q[:, :8], torch.empty(0, dtype=torch.long, device="cuda"), cache)[0] is q
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_tok", TOKENS)
+@pytest.mark.parametrize("n_kv_heads,width", [(N_HEADS, HEAD_DIM), (8, HEAD_DIM), (8, 96)])
+def test_rotary_store_kv_gpu(dtype, n_tok, n_kv_heads, width):
+    """The rotary + KV store kernel writes what TritonOps.rotary then store_kv write, compiled at 7B sizes
+    (96 of 128 dims rotated: partial rotary), with a padded row; and the same bits inside a CUDA graph
+    (both launched early, pdl.py)."""
+    from decoder_svc.model.triton_kv_store import rotary_store_kv, store_kv
+
+    gen = torch.Generator(device="cuda").manual_seed(300 + n_tok + width)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, width, 2, device="cuda").float() / width))
+    table = TorchOps.make_cos_sin_cache(inv_freq, 8192)
+    positions = torch.randint(0, 8192, (n_tok,), generator=gen, device="cuda")
+    q_w, k_w = N_HEADS * HEAD_DIM, n_kv_heads * HEAD_DIM
+    qkv = _rand((n_tok, q_w + 2 * k_w), dtype, gen, scale=2.0)
+    page, blocks = 16, n_tok // 16 + 4
+    cache = _rand((2, blocks, page, n_kv_heads, HEAD_DIM), dtype, gen)
+    slots = torch.randperm(blocks * page, generator=gen, device="cuda")[:n_tok]
+    slots[-1] = -1  # a CUDA graph's padding row: stores nothing
+
+    def views(buf):
+        kv_shape = (n_tok, n_kv_heads, HEAD_DIM)
+        return (buf[:, :q_w].view(n_tok, N_HEADS, HEAD_DIM), buf[:, q_w:q_w + k_w].view(kv_shape),
+                buf[:, q_w + k_w:].view(kv_shape))
+
+    want_qkv, want_cache = qkv.clone(), cache.clone()
+    q, k, v = views(want_qkv)
+    TritonOps.rotary(q, k, positions, table)
+    store_kv(k, v, want_cache, slots)
+    ref_q, _ = TorchOps.rotary(*views(qkv.clone())[:2], positions, table)
+    assert _rel_err(q, ref_q) < REL[dtype]
+
+    got_qkv, got_cache = qkv.clone(), cache.clone()
+    rotary_store_kv(*views(got_qkv), positions, table, got_cache, slots)
+    torch.testing.assert_close(got_qkv[:, :q_w], want_qkv[:, :q_w], rtol=0, atol=0)
+    torch.testing.assert_close(got_cache, want_cache, rtol=0, atol=0)
+    assert torch.equal(got_qkv[:, q_w:], qkv[:, q_w:])  # k and v left as they were
+
+    graph_qkv, graph_cache = qkv.clone(), cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        TritonOps.rms_norm(graph_qkv[:, :HIDDEN], torch.ones(HIDDEN, dtype=dtype, device="cuda"), 1e-5)
+        rotary_store_kv(*views(graph_qkv), positions, table, graph_cache, slots)
+    graph_qkv.copy_(qkv)
+    graph_cache.copy_(cache)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_qkv, got_qkv) and torch.equal(graph_cache, got_cache)

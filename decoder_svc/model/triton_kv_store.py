@@ -1,0 +1,131 @@
+"""Writing a step's new keys and values into the paged KV cache, in Triton: as they are (`store_kv`), or
+rotated on the way in (`rotary_store_kv`: the rotary embedding of q and k and the K/V store in one
+kernel, one launch a layer fewer than rotary then store).
+
+The cache is [2, num_blocks, block_size, kv_heads, head_dim] (decoder_svc/model/attention.py); a token's
+slot is block * block_size + row, and a slot < 0 (a CUDA graph's padding row) stores nothing. The rotation
+is TritonOps.rotary's (triton_ops.py: HF's rounding points, partial rotary), so the fused kernel writes
+the same bits into the cache as rotary followed by store_kv.
+
+Only imported on GPU paths or under TRITON_INTERPRET=1 (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
+from decoder_svc.model.triton_ops import RotaryLaunch, _cos_sin, _rotate_heads, _rotate_pair
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cr, stride_ch,
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    release_dependents()  # the next kernel may be launched now and wait (pdl.py)
+    wait_for_inputs()  # launched early itself: nothing is read before
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # a padded row (CUDA-graph bucket): nothing to store
+        return
+    block, row = slot // block_size, slot % block_size
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < KV_HEADS) & (d < HEAD_DIM)
+    dst = block * stride_cb + row * stride_cr + h * stride_ch + d
+    k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                            block_size, q_s_tok, q_s_head, q_s_dim, k_s_tok, k_s_head, k_s_dim,
+                            v_s_tok, v_s_head, cos_sin_stride, stride_cb, stride_cr, stride_ch,
+                            n_q_heads, half,
+                            KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_QH: tl.constexpr,
+                            BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program per token: its cos/sin are loaded once for the q heads (rotated in place) and the k
+    # heads (rotated in registers and stored at the slot with the values).
+    release_dependents()
+    wait_for_inputs()
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < half
+    dtype = q_ptr.dtype.element_ty
+    cos, sin = _cos_sin(cos_sin_ptr, pos, cos_sin_stride, half, d, d_mask, dtype)
+    _rotate_heads(q_ptr + tok * q_s_tok, q_s_head, q_s_dim, n_q_heads, cos, sin, half, d, d_mask, BLOCK_QH)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:  # a padded row (CUDA-graph bucket) stores nothing
+        heads = tl.arange(0, BLOCK_KH)[:, None]
+        h_ok = heads < KV_HEADS
+        dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cr + heads * stride_ch
+        src = k_ptr + tok * k_s_tok + heads * k_s_head
+        halves = h_ok & d_mask[None, :]
+        x1 = tl.load(src + d[None, :] * k_s_dim, mask=halves, other=0.0)
+        x2 = tl.load(src + (d[None, :] + half) * k_s_dim, mask=halves, other=0.0)
+        k1, k2 = _rotate_pair(x1, x2, cos, sin, dtype)
+        tl.store(k_cache_ptr + dst + d[None, :], k1, mask=halves)
+        tl.store(k_cache_ptr + dst + half + d[None, :], k2, mask=halves)
+        e = tl.arange(0, BLOCK_D)[None, :]
+        whole = h_ok & (e < HEAD_DIM)
+        rest = whole & (e >= 2 * half)  # past the table's width (partial rotary): as they are
+        tl.store(k_cache_ptr + dst + e, tl.load(src + e * k_s_dim, mask=rest, other=0.0), mask=rest)
+        v = tl.load(v_ptr + tok * v_s_tok + heads * v_s_head + e, mask=whole, other=0.0)
+        tl.store(v_cache_ptr + dst + e, v, mask=whole)
+
+
+def _check_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # The kernels index the cache's last dim as contiguous and read one slot per token.
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"k and v must match, got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != tuple(k.shape[1:]):
+        raise ValueError(f"kv_cache [2, blocks, block_size, {k.shape[1]}, {k.shape[2]}] expected, got "
+                         f"{tuple(kv_cache.shape)}")
+    if kv_cache.stride(-1) != 1 or kv_cache.dtype != k.dtype:
+        raise ValueError("kv_cache must have k's dtype and a contiguous last dim")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be [{k.shape[0]}], got {tuple(slot_mapping.shape)}")
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each token's K/V [tokens, kv_heads, head_dim] at its slot; slots < 0 are skipped."""
+    tokens, kv_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _store_kv_kernel[(tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), **launch_options())
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """TritonOps.rotary(q, k, positions, cos_sin_cache), then store_kv(k, v, ...), in one kernel.
+
+    q [T, Hq, D] is rotated IN PLACE (it may be a strided view of a fused qkv buffer); k [T, Hk, D] is
+    rotated on its way into the cache and left as it was (the cache holds the keys from here on); v is
+    stored as it is. Raises ValueError on shapes the kernel cannot take.
+    """
+    rot = RotaryLaunch.of(q, k, positions, cos_sin_cache)
+    _check_kv(k, v, kv_cache, slot_mapping)
+    tokens, kv_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _rotary_store_kv_kernel[(tokens,)](
+        q, k, v, rot.positions, rot.cache, k_cache, v_cache, slot_mapping, k_cache.shape[1],
+        *q.stride(), *k.stride(), v.stride(0), v.stride(1), rot.cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.shape[1], rot.half,
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_QH=rot.block_qh, BLOCK_KH=rot.block_kh,
+        BLOCK_HALF=rot.block_half, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=rot.num_warps,
+        **launch_options())
