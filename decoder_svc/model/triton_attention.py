@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from decoder_svc.model.attention import AttentionBackend, AttentionMetadata, Rotary
-from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
+from decoder_svc.model.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
 from decoder_svc.model.triton_kv_store import rotary_store_kv, store_kv
 
 _LOG2E = 1.4426950408889634
@@ -63,8 +63,8 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIMITS: tl.constexpr,
 ):
-    release_dependents()
     wait_for_inputs()
+    release_dependents()
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -155,8 +155,8 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          NUM_SPLITS: tl.constexpr):
-    release_dependents()
     wait_for_inputs()
+    release_dependents()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * NUM_HEADS + head) * NUM_SPLITS
@@ -221,12 +221,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         NUM_HEADS=num_heads, H_PER_KV=h_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if head_dim <= 128 else 32,
         SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None,
-        HAS_LIMITS=limits is not None, num_warps=4, num_stages=2, **launch_options())
+        HAS_LIMITS=limits is not None, num_warps=4, num_stages=2, **small_kernel_launch_options())
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            **launch_options())
+            **small_kernel_launch_options())
     return out
 
 

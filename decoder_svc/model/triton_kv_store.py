@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
+from decoder_svc.model.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
 from decoder_svc.model.triton_ops import RotaryLaunch, _cos_sin, _rotate_heads, _rotate_pair
 
 
@@ -25,8 +25,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_siz
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cr, stride_ch,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_D: tl.constexpr):
-    release_dependents()  # the next kernel may be launched now and wait (pdl.py)
-    wait_for_inputs()  # launched early itself: nothing is read before
+    wait_for_inputs()  # launched early (pdl.py): nothing is read before
+    release_dependents()  # the next kernel may launch now and wait behind this one
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # a padded row (CUDA-graph bucket): nothing to store
@@ -51,8 +51,8 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_p
                             BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program per token: its cos/sin are loaded once for the q heads (rotated in place) and the k
     # heads (rotated in registers and stored at the slot with the values).
-    release_dependents()
     wait_for_inputs()
+    release_dependents()
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -104,7 +104,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), **launch_options())
+        BLOCK_D=triton.next_power_of_2(head_dim), **small_kernel_launch_options())
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -128,4 +128,4 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.shape[1], rot.half,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_QH=rot.block_qh, BLOCK_KH=rot.block_kh,
         BLOCK_HALF=rot.block_half, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=rot.num_warps,
-        **launch_options())
+        **small_kernel_launch_options())

@@ -33,7 +33,7 @@ from torch import nn
 
 from decoder_svc.model.lora.batched import LoRASlots, idle_base
 from decoder_svc.model.ops import TorchOps
-from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
+from decoder_svc.model.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
 from decoder_svc.model.quant.fp8 import ScaleBlock
 
 # The Triton interpreter (3.6) truncates fp32 -> bf16 casts, where the GPU's cvt.rn rounds to nearest
@@ -57,8 +57,8 @@ def _round(x, dtype: tl.constexpr):
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_stride, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     # One program per row: the whole row fits in registers (BLOCK >= n_cols), so one pass.
-    release_dependents()  # the next kernel may be launched now and wait (pdl.py)
-    wait_for_inputs()  # launched early itself: nothing is read before
+    wait_for_inputs()  # launched early (pdl.py): nothing is read before
+    release_dependents()  # the next kernel may launch now and wait behind this one
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31 at long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -89,8 +89,8 @@ def _gated_act_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, GELU: tl.con
     # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (Gemma's GeGLU), tanh(y) = 2 / (1 + exp(-2y)) - 1
     # (exact limits at +-inf; its cancellation near 0 is absorbed by the 1 + .). HF rounds the activation
     # to the dtype before the product. Grid (rows, column blocks): small blocks fill the GPU at T=1.
-    release_dependents()
     wait_for_inputs()
+    release_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -152,8 +152,8 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr,
                    n_q_heads, n_k_heads, half,
                    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # One program per token: cos/sin are loaded once and reused for every q and k head.
-    release_dependents()
     wait_for_inputs()
+    release_dependents()
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -256,7 +256,7 @@ class TritonOps:
         _rotary_kernel[(q.shape[0],)](q, k, rot.positions, rot.cache, *q.stride(), *k.stride(),
                                       rot.cache.stride(0), q.shape[1], k.shape[1], rot.half,
                                       BLOCK_QH=rot.block_qh, BLOCK_KH=rot.block_kh, BLOCK_HALF=rot.block_half,
-                                      num_warps=rot.num_warps, **launch_options())
+                                      num_warps=rot.num_warps, **small_kernel_launch_options())
         return q, k
 
     @staticmethod
@@ -368,7 +368,7 @@ def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     res = residual if residual is not None else x  # dummy pointer when HAS_RESIDUAL is False
     _rms_norm_kernel[(n_rows,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n_cols, eps,
                                 HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
-                                num_warps=num_warps, **launch_options())
+                                num_warps=num_warps, **small_kernel_launch_options())
     return out, new_residual
 
 
@@ -387,7 +387,7 @@ def _launch_gated(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     block = min(block, triton.next_power_of_2(n_cols))
     grid = (n_rows, triton.cdiv(n_cols, block))
     _gated_act_kernel[grid](x, out, x.stride(0), out.stride(0), n_cols, GELU=gelu, BLOCK=block,
-                            num_warps=4 if block >= 512 else 2, **launch_options())
+                            num_warps=4 if block >= 512 else 2, **small_kernel_launch_options())
     return out
 
 

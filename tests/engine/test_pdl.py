@@ -3,7 +3,7 @@ MMSERVE_PDL=0, and every kernel launched with `launch_options()` waits for its i
 kernel launched early that read before `wait_for_inputs()` could read what its input buffer held before
 the kernel ahead of it wrote it; tests/gpu/test_decode_gemv_gpu.py runs the chain on a GPU). The products
 read their weights before the wait; the small kernels of a layer (norms, activation, rotary, KV store,
-attention, split merge) read nothing before it."""
+attention, split merge) read nothing before it and release their successor only after it."""
 
 from __future__ import annotations
 
@@ -39,13 +39,14 @@ SMALL_KERNELS = {triton_ops: {"_rms_norm_kernel", "_gated_act_kernel", "_rotary_
 
 
 def _launched_with_pdl(module) -> set[str]:
-    """Names of the kernels a module launches as `kernel[grid](..., **launch_options())`."""
+    """Names of the kernels a module launches as `kernel[grid](..., **launch_options())` (or
+    small_kernel_launch_options)."""
     names = set()
     for node in ast.walk(ast.parse(inspect.getsource(module))):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)):
             continue
-        if any(k.arg is None and isinstance(k.value, ast.Call) and getattr(k.value.func, "id", "") ==
-               "launch_options" for k in node.keywords):
+        if any(k.arg is None and isinstance(k.value, ast.Call) and getattr(k.value.func, "id", "") in
+               ("launch_options", "small_kernel_launch_options") for k in node.keywords):
             names.add(node.func.value.id)
     return names
 
@@ -79,19 +80,24 @@ def test_the_small_kernels_are_launched_early_and_read_nothing_before_the_wait(m
     assert SMALL_KERNELS[module] <= _launched_with_pdl(module)
     for name in SMALL_KERNELS[module]:
         before = _before_the_wait(module, name)
-        assert "tl.load" not in before and "release_dependents()" in before, name
+        assert "tl.load" not in before and "release_dependents()" not in before, name
 
 
 def test_off_in_the_interpreter_and_by_environment(monkeypatch):
     if os.environ.get("TRITON_INTERPRET") == "1":
         assert not pdl.enabled() and pdl.launch_options() == {}
     assert bool(pdl.launch_options()) == pdl.PDL.value  # launches follow what the kernels compiled in
+    assert pdl.small_kernel_launch_options() == pdl.launch_options()
     pdl.enabled.cache_clear()
+    pdl.small_kernel_launch_options.cache_clear()
     monkeypatch.setenv(pdl.ENV, "0")
     try:
         assert not pdl.enabled()
+        monkeypatch.setenv(pdl.ENV, "products")
+        assert pdl.small_kernel_launch_options() == {}
     finally:
         pdl.enabled.cache_clear()
+        pdl.small_kernel_launch_options.cache_clear()
 
 
 _COMPILE_SMALL = r"""
@@ -133,7 +139,8 @@ print(json.dumps(out))
 
 def test_the_small_kernels_compile_for_hopper_releasing_then_waiting_before_any_load():
     """Compiled for sm_90 here (a child process: the session runs Triton's interpreter), each small kernel
-    lets the next one launch, then waits for the one before, and only then loads from global memory."""
+    waits for the one before, then lets the next one launch (one kernel queued behind the running one,
+    pdl.py), and loads nothing from global memory before its wait."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_SMALL], env=env, capture_output=True, text=True,
                           timeout=600)
@@ -141,4 +148,4 @@ def test_the_small_kernels_compile_for_hopper_releasing_then_waiting_before_any_
     for name, ptx in json.loads(done.stdout.splitlines()[-1]).items():
         body = ptx[ptx.index("{"):]
         release, wait = body.find("griddepcontrol.launch_dependents"), body.find("griddepcontrol.wait")
-        assert 0 <= release < wait < body.find("ld.global"), name
+        assert 0 <= wait < release and wait < body.find("ld.global"), name
