@@ -62,19 +62,29 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr, H_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIMITS: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     wait_for_inputs()
     release_dependents()
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    local_block = q_block - (q_start // BLOCK_Q + seq)
-    if local_block * BLOCK_Q >= q_len:  # the grid is an upper bound: spare programs stop here
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
+    if DECODE:
+        # Every sequence has one query row, token i of sequence i (paged_attention checks the shapes): no
+        # search and no query_start_loc loads, which at one row are most of this kernel's latency.
+        seq = q_block
+        q_start = q_block
+        local_block = q_block * 0
+        q_len = local_block + 1
+        seq_len = tl.load(seq_lens_ptr + seq)
+    else:
+        seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + seq)  # with the two above: one round of loads
+        local_block = q_block - (q_start // BLOCK_Q + seq)
+        if local_block * BLOCK_Q >= q_len:  # the grid is an upper bound: spare programs stop here
+            return
     context = seq_len - q_len  # tokens already in the cache before this step's chunk
 
     m = tl.arange(0, BLOCK_M)
@@ -206,7 +216,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     limits = meta.key_limits  # None: causal (the kernel without the limit loads)
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must hold at least one key, not {window}")
-    grid = (tokens // block_q + num_seqs, kv_heads, num_splits)
+    # A decode-only batch (one row per sequence, row i of sequence i) takes one program per sequence and
+    # head, which find their rows without a search.
+    decode = meta.max_query_len == 1 and tokens == num_seqs
+    grid = (num_seqs if decode else tokens // block_q + num_seqs, kv_heads, num_splits)
     if num_splits > 1:
         part_acc = torch.empty(tokens * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(tokens * num_heads * num_splits, 2, dtype=torch.float32, device=q.device)
@@ -221,7 +234,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         NUM_HEADS=num_heads, H_PER_KV=h_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if head_dim <= 128 else 32,
         SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None,
-        HAS_LIMITS=limits is not None, num_warps=4, num_stages=2, **small_kernel_launch_options())
+        HAS_LIMITS=limits is not None, DECODE=decode, num_warps=4, num_stages=2,
+        **small_kernel_launch_options())
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1),
@@ -268,6 +282,10 @@ class TritonAttentionBackend(AttentionBackend):
                            positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         """One kernel rotates q and k and stores K/V (triton_kv_store.rotary_store_kv, TritonOps.rotary's
-        rounding, whatever `rotary` is), then attention; k is left unrotated (the cache has the keys)."""
+        rounding, whatever `rotary` is), then attention; k is left unrotated (the cache has the keys). Heads
+        whose dims are strided take rotary, then forward."""
+        if not (q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+            return super().rotate_and_forward(q, k, v, rotary, positions, cos_sin, kv_cache, meta, scale,
+                                              window)
         rotary_store_kv(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping)
         return paged_attention(q, kv_cache, meta, scale, self.num_splits(q, kv_cache, meta), window=window)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from decoder_svc.model.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
-from decoder_svc.model.triton_ops import RotaryLaunch, _cos_sin, _rotate_heads, _rotate_pair
+from decoder_svc.model.triton_ops import RotaryLaunch, _cos_sin, _rotate_pair
 
 
 @triton.jit
@@ -44,40 +44,56 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_siz
 
 @triton.jit
 def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                            block_size, q_s_tok, q_s_head, q_s_dim, k_s_tok, k_s_head, k_s_dim,
-                            v_s_tok, v_s_head, cos_sin_stride, stride_cb, stride_cr, stride_ch,
+                            block_size, q_s_tok, q_s_head, k_s_tok, k_s_head, v_s_tok, v_s_head,
+                            cos_sin_stride, stride_cb, stride_cr, stride_ch,
                             n_q_heads, half,
                             KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_QH: tl.constexpr,
                             BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
-    # One program per token: its cos/sin are loaded once for the q heads (rotated in place) and the k
-    # heads (rotated in registers and stored at the slot with the values).
+    # One program per token: its cos/sin are loaded once for the q heads (rotated in place) and the k heads
+    # (rotated in registers and stored at the slot with the values). At one token a step this kernel is
+    # all latency, so the loads come in two dependent rounds: the position and the slot, then everything
+    # else (q, k and v first, as they need neither; then cos/sin). All loads precede every store (q and k
+    # may be views of one buffer: a store would hold the loads after it back), and a padded row (slot < 0)
+    # masks its cache stores rather than branching around loads.
     wait_for_inputs()
     release_dependents()
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    d_mask = d < half
-    dtype = q_ptr.dtype.element_ty
-    cos, sin = _cos_sin(cos_sin_ptr, pos, cos_sin_stride, half, d, d_mask, dtype)
-    _rotate_heads(q_ptr + tok * q_s_tok, q_s_head, q_s_dim, n_q_heads, cos, sin, half, d, d_mask, BLOCK_QH)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
-    if slot >= 0:  # a padded row (CUDA-graph bucket) stores nothing
-        heads = tl.arange(0, BLOCK_KH)[:, None]
-        h_ok = heads < KV_HEADS
-        dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cr + heads * stride_ch
-        src = k_ptr + tok * k_s_tok + heads * k_s_head
-        halves = h_ok & d_mask[None, :]
-        x1 = tl.load(src + d[None, :] * k_s_dim, mask=halves, other=0.0)
-        x2 = tl.load(src + (d[None, :] + half) * k_s_dim, mask=halves, other=0.0)
-        k1, k2 = _rotate_pair(x1, x2, cos, sin, dtype)
-        tl.store(k_cache_ptr + dst + d[None, :], k1, mask=halves)
-        tl.store(k_cache_ptr + dst + half + d[None, :], k2, mask=halves)
-        e = tl.arange(0, BLOCK_D)[None, :]
-        whole = h_ok & (e < HEAD_DIM)
-        rest = whole & (e >= 2 * half)  # past the table's width (partial rotary): as they are
-        tl.store(k_cache_ptr + dst + e, tl.load(src + e * k_s_dim, mask=rest, other=0.0), mask=rest)
-        v = tl.load(v_ptr + tok * v_s_tok + heads * v_s_head + e, mask=whole, other=0.0)
-        tl.store(v_cache_ptr + dst + e, v, mask=whole)
+    half_dims = tl.arange(0, BLOCK_HALF)
+    d = half_dims[None, :]
+    d_mask = d < half
+    q_heads = tl.arange(0, BLOCK_QH)[:, None]
+    q_halves = (q_heads < n_q_heads) & d_mask
+    q1_ptrs = q_ptr + tok * q_s_tok + q_heads * q_s_head + d  # the head dim is contiguous (checked)
+    q2_ptrs = q1_ptrs + half
+    q1 = tl.load(q1_ptrs, mask=q_halves, other=0.0)
+    q2 = tl.load(q2_ptrs, mask=q_halves, other=0.0)
+    heads = tl.arange(0, BLOCK_KH)[:, None]
+    h_ok = heads < KV_HEADS
+    k_row = k_ptr + tok * k_s_tok + heads * k_s_head
+    halves = h_ok & d_mask
+    k1 = tl.load(k_row + d, mask=halves, other=0.0)
+    k2 = tl.load(k_row + half + d, mask=halves, other=0.0)
+    e = tl.arange(0, BLOCK_D)[None, :]
+    whole = h_ok & (e < HEAD_DIM)
+    rest = whole & (e >= 2 * half)  # past the table's width (partial rotary): as they are
+    k_rest = tl.load(k_row + e, mask=rest, other=0.0)
+    v = tl.load(v_ptr + tok * v_s_tok + heads * v_s_head + e, mask=whole, other=0.0)
+    dtype = q_ptr.dtype.element_ty
+    cos, sin = _cos_sin(cos_sin_ptr, pos, cos_sin_stride, half, half_dims, half_dims < half, dtype)
+
+    q1, q2 = _rotate_pair(q1, q2, cos, sin, dtype)
+    tl.store(q1_ptrs, q1, mask=q_halves)
+    tl.store(q2_ptrs, q2, mask=q_halves)
+    k1, k2 = _rotate_pair(k1, k2, cos, sin, dtype)
+    keep = slot >= 0
+    at = tl.where(keep, slot, 0)
+    dst = (at // block_size) * stride_cb + (at % block_size) * stride_cr + heads * stride_ch
+    tl.store(k_cache_ptr + dst + d, k1, mask=halves & keep)
+    tl.store(k_cache_ptr + dst + half + d, k2, mask=halves & keep)
+    tl.store(k_cache_ptr + dst + e, k_rest, mask=rest & keep)
+    tl.store(v_cache_ptr + dst + e, v, mask=whole & keep)
 
 
 def _check_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -111,20 +127,21 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
                     cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """TritonOps.rotary(q, k, positions, cos_sin_cache), then store_kv(k, v, ...), in one kernel.
 
-    q [T, Hq, D] is rotated IN PLACE (it may be a strided view of a fused qkv buffer); k [T, Hk, D] is
-    rotated on its way into the cache and left as it was (the cache holds the keys from here on); v is
-    stored as it is. Raises ValueError on shapes the kernel cannot take.
+    q [T, Hq, D] is rotated IN PLACE (it may be a view of a fused qkv buffer); k [T, Hk, D] is rotated on
+    its way into the cache and left as it was (the cache holds the keys from here on); v is stored as it
+    is. All three need a contiguous head dim. Raises ValueError on shapes the kernel cannot take.
     """
     rot = RotaryLaunch.of(q, k, positions, cos_sin_cache)
     _check_kv(k, v, kv_cache, slot_mapping)
+    if not (q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+        raise ValueError("q, k and v need a contiguous head dim (TritonOps.rotary takes any strides)")
     tokens, kv_heads, head_dim = k.shape
     if tokens == 0:
         return
-    v = v if v.stride(-1) == 1 else v.contiguous()
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _rotary_store_kv_kernel[(tokens,)](
         q, k, v, rot.positions, rot.cache, k_cache, v_cache, slot_mapping, k_cache.shape[1],
-        *q.stride(), *k.stride(), v.stride(0), v.stride(1), rot.cache.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), rot.cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.shape[1], rot.half,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_QH=rot.block_qh, BLOCK_KH=rot.block_kh,
         BLOCK_HALF=rot.block_half, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=rot.num_warps,

@@ -100,3 +100,18 @@ def test_padded_rows_are_skipped_and_zero():
     out = paged_attention(q, kv_cache, meta, 0.25, num_splits=4)
     torch.testing.assert_close(out[:8], ref[:8], rtol=1e-4, atol=1e-4)
     assert torch.equal(out[8:], torch.zeros_like(out[8:]))
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["causal", "window"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_only_batches_find_their_rows_without_a_search(window, splits):
+    """A batch of one-row sequences (a decode graph's shape, padding rows included) takes the kernel's
+    decode path: program i reads row i of sequence i, no query_start_loc search."""
+    seq_lens = [5, 1, 17, 33, 9, 64]
+    q, k, v, kv_cache, meta = random_batch(seq_lens, [1] * 6, 8, 2, 16, 4, seed=splits, pad_seqs=2)
+    assert meta.max_query_len == 1 and q.shape[0] == meta.num_seqs
+    ref = TorchAttentionBackend().forward(q, k, v, kv_cache.clone(), meta, 0.25, window=window)
+    store_kv(k, v, kv_cache, meta.slot_mapping)
+    out = paged_attention(q, kv_cache, meta, 0.25, num_splits=splits, window=window)
+    torch.testing.assert_close(out[:6], ref[:6], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[6:], torch.zeros_like(out[6:]))  # padding rows: no context, zeros
