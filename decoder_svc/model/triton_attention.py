@@ -171,15 +171,16 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_o
     head = tl.program_id(1)
     base = (token * NUM_HEADS + head) * NUM_SPLITS
     s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    # All three loads before any use: one round of memory latency, not two.
     m = tl.load(part_ml_ptr + (base + s) * 2)
     lse = tl.load(part_ml_ptr + (base + s) * 2 + 1)
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :])
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max)  # empty splits have m = -inf: weight 0
     total = tl.sum(lse * w, 0)
     total = tl.where(total == 0.0, 1.0, total)
-    d = tl.arange(0, BLOCK_D)
-    acc = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :])
     o = tl.sum(acc * w[:, None], 0) / total
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
