@@ -47,6 +47,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-tail", type=int, default=0,
                    help="profile the prefill step of a repeated prompt with this many new tokens (0: decode)")
     p.add_argument("--lora-adapter", default="", help="the requests' adapter (e.g. Phi-4's vision)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random language weights drawn on the device (a checkpoint made with "
+                   "make-model --weights vision)")
     p.add_argument("--top", type=int, default=12, help="kernels to list")
     p.add_argument("--out", default=None)
     return p
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
     config = EngineConfig(
         model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch, 1), num_kv_blocks=blocks,
         enable_prefix_caching=warm, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, quantization=args.quantization)
+        enforce_eager=args.enforce_eager, quantization=args.quantization, load_format=args.load_format)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     prompt = PromptMaker(model, seed=0).text(args.prompt_len)
     if warm:

@@ -327,35 +327,43 @@ fi
 # (bench.serve_decode --served-only, measured mode; default none: no served run), and FP8's accuracy for
 # the presets listed in DECODE_ACCURACY (bench.fp8_accuracy: agreement and KL). DECODE_PRESETS (default
 # llava-1.5-7b). Each model is deleted after its steps (disk) unless DECODE_KEEP_MODELS=1.
+# DECODE_LOAD_FORMAT=dummy: Qwen presets are made without their language weights (make-model --weights
+# vision, some 15 GB less to write) and every decode step draws them on the device (--load-format dummy).
 if [[ ",$SECTIONS," == *,decode,* ]]; then
   [ "${DECODE_GEMV:-1}" = 1 ] && step decode_gemv 240 "$PY" -m bench.decode_gemv
   read -r -a FGARGS <<< "${DECODE_FP8_GEMV_ARGS:-}"
   [ "${DECODE_FP8_GEMV:-1}" = 1 ] && step fp8_gemv 300 "$PY" -m bench.fp8_gemv ${FGARGS[@]+"${FGARGS[@]}"}
+  LF=${DECODE_LOAD_FORMAT:-auto}
   for fam in ${DECODE_PRESETS:-llava-1.5-7b}; do
     DMODEL="/tmp/decode-$fam"
-    make_once "$DMODEL" "$fam"
+    if [ "$LF" = dummy ] && [[ "$fam" == qwen* ]]; then
+      make_once "$DMODEL" "$fam" --weights vision  # the language model's weights drawn on the device
+    else
+      make_once "$DMODEL" "$fam"
+    fi
     for run in ${DECODE_RUNS:-none:off none:auto}; do
       IFS=: read -r q mode async <<< "$run"
       async=${async:-auto}
       step "decode_tput_${fam}_${q}_${mode}_$async" 150 env MMSERVE_DECODE_GEMV="$mode" "$PY" -m bench.decode_tput \
         --model "$DMODEL" "${DT[@]}" --no-hf --batch-sizes 1,32 --prompt-len 64 --output-len 128 \
-        --quantization "$q" --async-scheduling "$async"
+        --quantization "$q" --async-scheduling "$async" --load-format "$LF"
     done
     for run in ${DECODE_SERVED:-}; do
       IFS=: read -r q async <<< "$run"
       step "serve_decode_${fam}_${q}_$async" 240 "$PY" -m bench.serve_decode \
         --model "$DMODEL" "${DT[@]}" --served-only --batch-sizes 1,32 --output-len 256 \
-        --quantization "$q" --async-scheduling "${async:-auto}" --logs "$RES/logs-decode-$fam-$q-$async"
+        --quantization "$q" --async-scheduling "${async:-auto}" --load-format "$LF" \
+        --logs "$RES/logs-decode-$fam-$q-$async"
     done
     for prof in ${DECODE_PROFILE:-none:1}; do
       [ "$prof" = 0 ] && continue
       IFS=: read -r q b pdl <<< "$prof"
       [ "$q" = 1 ] && q=none
       step "profile_step_${fam}_${q}_${b:-1}${pdl:+_pdl-$pdl}" 120 env MMSERVE_PDL="${pdl:-1}" "$PY" -m bench.profile_step \
-        --model "$DMODEL" "${DT[@]}" --batch "${b:-1}" --steps 32 --quantization "$q"
+        --model "$DMODEL" "${DT[@]}" --batch "${b:-1}" --steps 32 --quantization "$q" --load-format "$LF"
     done
     [[ " ${DECODE_ACCURACY:-} " == *" $fam "* ]] && step "fp8_accuracy_$fam" 120 "$PY" -m bench.fp8_accuracy \
-      --model "$DMODEL" "${DT[@]}" --prompts 8 --steps 96
+      --model "$DMODEL" "${DT[@]}" --prompts 8 --steps 96 --load-format "$LF"
     [ "${DECODE_KEEP_MODELS:-0}" = 1 ] || rm -rf "$DMODEL"
   done
 fi

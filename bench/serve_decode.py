@@ -54,6 +54,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="both sides' --tensor-parallel-size (results saved with a _tpN suffix for N > 1)")
     p.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                    help="the engine's --async-scheduling, on both sides")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random language weights drawn on the device, on both sides")
     p.add_argument("--engine-only", action="store_true")
     p.add_argument("--served-only", action="store_true")
     p.add_argument("--logs", default=None)
@@ -73,7 +75,7 @@ def in_process(args: argparse.Namespace, model: str, prompts: list[str],
                           num_kv_blocks=_num_blocks(args, max(batches)), max_num_seqs=args.max_num_seqs,
                           enable_prefix_caching=False, quantization=args.quantization,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          async_scheduling=args.async_scheduling)
+                          async_scheduling=args.async_scheduling, load_format=args.load_format)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     out = {}
     for b in batches:
@@ -126,7 +128,7 @@ def served(args: argparse.Namespace, model: str, prompts: list[str], batches: li
                     "--max-num-seqs", str(args.max_num_seqs), "--no-prefix-caching",
                     "--max-tokens-default", "16", "--quantization", args.quantization,
                     "--tensor-parallel-size", str(args.tensor_parallel_size),
-                    "--async-scheduling", args.async_scheduling]
+                    "--async-scheduling", args.async_scheduling, "--load-format", args.load_format]
     out = {}
     with Pair(model, args.device, args.dtype, decoder_args=decoder_args, logs=args.logs) as pair:
         for b in batches:

@@ -234,3 +234,19 @@ def test_ttft_split_with_the_crossing(tiny_model_dir, out_dir):
         assert sum(split.values()) <= res[case]["max_ms"] * 1.05  # service stages + crossing within TTFT
     floor = res["crossing_floor"]  # the measured round's request through a bare gRPC server, 3 times
     assert floor["n"] == 3 and 0 < floor["min_ms"] <= floor["p50_ms"] and floor["request_bytes"] > 1000
+
+
+def test_decode_benches_draw_dummy_weights(tiny_model_dir, out_dir):
+    """--load-format dummy (run_gpu.sh DECODE_LOAD_FORMAT): the step profile and the in-process side of
+    serve_decode run on random language weights drawn on the device, not the checkpoint's."""
+    from bench import serve_decode
+
+    profile_step.main(["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32",
+                       "--batch", "1", "--steps", "2", "--load-format", "dummy",
+                       "--out", str(out_dir / "dummy_profile.json")])
+    payload = _load(out_dir / "dummy_profile.json")
+    assert payload["config"]["load_format"] == "dummy" and payload["results"]["tokens_per_s"] > 0
+    serve_decode.main(["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32",
+                       "--batch-sizes", "1", "--output-len", "3", "--repeats", "1", "--engine-only",
+                       "--load-format", "dummy", "--out", str(out_dir / "dummy_serve.json")])
+    assert _load(out_dir / "dummy_serve.json")["results"]
