@@ -137,6 +137,11 @@ out = {
                                     "PAGE": 16, "BLOCK_M": 16, "BLOCK_Q": 16, "BLOCK_N": 64, "SPLIT": True,
                                     "IEEE": False, "HAS_WINDOW": False, "HAS_LIMITS": False,
                                     "DECODE": True}, 4),
+    "_paged_attention_kernel, a mixed batch": ptx(
+        ta._paged_attention_kernel, meta, {"NUM_HEADS": 28, "H_PER_KV": 7, "HEAD_DIM": 128, "BLOCK_D": 128,
+                                           "PAGE": 16, "BLOCK_M": 64, "BLOCK_Q": 9, "BLOCK_N": 64,
+                                           "SPLIT": False, "IEEE": False, "HAS_WINDOW": True,
+                                           "HAS_LIMITS": True, "DECODE": False}, 4),
     "_merge_splits_kernel": ptx(ta._merge_splits_kernel, meta,
                                 {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 8}, 4),
 }
