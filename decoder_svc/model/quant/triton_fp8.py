@@ -69,6 +69,10 @@ def _configs(block_ks: tuple[int, ...]) -> list[triton.Config]:
 
 # 2 + 10 ms per configuration picked poor ones on a fresh H200 (timing noise); 10 + 40 ms did not.
 _BRIEF_TIMING = functools.partial(triton.testing.do_bench, warmup=10, rep=40)
+# Every autotuner below keeps its timings in Triton's cache directory (keyed by Triton, the GPU target, the
+# kernel's source and the shape key), so a decoder restarted on the same host skips them: at start-up the
+# split-K kernel alone is timed for ~9 configs x 4 matrices x 6 row buckets, ~50 ms each.
+_TUNING = dict(do_bench=_BRIEF_TIMING, cache_results=True)
 
 
 # bf16 values beyond this saturate when the swapped product takes activations as fp16 (65504 is not a
@@ -281,12 +285,11 @@ def _fit_scale_blocks(configs: list[triton.Config], named_args: dict, **kwargs) 
 
 
 _KEY = ["M_BUCKET", "N", "K", "PER_CHANNEL", "SCALE_ROWS", "SCALE_COLS"]
-_per_channel_kernel = triton.autotune(configs=_configs((256, 512)), key=_KEY,
-                                      do_bench=_BRIEF_TIMING)(_weight_only_kernel)
-_gemv = triton.autotune(configs=_gemv_configs(), key=_KEY[1:], do_bench=_BRIEF_TIMING,
+_per_channel_kernel = triton.autotune(configs=_configs((256, 512)), key=_KEY, **_TUNING)(_weight_only_kernel)
+_gemv = triton.autotune(configs=_gemv_configs(), key=_KEY[1:], **_TUNING,
                         prune_configs_by={"early_config_prune": _fit_scale_blocks})(
     triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_gemv_kernel))
-_blocked_kernel = triton.autotune(configs=_configs((32, 64, 128)), key=_KEY, do_bench=_BRIEF_TIMING,
+_blocked_kernel = triton.autotune(configs=_configs((32, 64, 128)), key=_KEY, **_TUNING,
                                   prune_configs_by={"early_config_prune": _fit_scale_blocks}
                                   )(_weight_only_kernel)
 
@@ -341,7 +344,7 @@ def _prune_split_k(configs: list[triton.Config], named_args: dict, **kwargs) -> 
                                                 arg("SCALE_COLS"))]
 
 
-_split_k = triton.autotune(configs=split_k_configs(), key=_KEY, do_bench=_BRIEF_TIMING,
+_split_k = triton.autotune(configs=split_k_configs(), key=_KEY, **_TUNING,
                            prune_configs_by={"early_config_prune": _prune_split_k})(_split_k_kernel)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the interpreter cannot autotune
 _counters: dict[torch.device, torch.Tensor] = {}
