@@ -74,7 +74,7 @@ def _paged_attention_kernel(
         # search and no query_start_loc loads, which at one row are most of this kernel's latency.
         seq = q_block
         q_start = q_block
-        local_block = q_block * 0
+        local_block = q_block * 0  # 0 and 1 as int32 tensors, as the loads give them on the other path
         q_len = local_block + 1
         seq_len = tl.load(seq_lens_ptr + seq)
     else:
