@@ -148,8 +148,11 @@ def test_rotary_store_kv_gpu(dtype, n_tok, n_kv_heads, width):
 
     got_qkv, got_cache = qkv.clone(), cache.clone()
     rotary_store_kv(*views(got_qkv), positions, table, got_cache, slots)
-    torch.testing.assert_close(got_qkv[:, :q_w], want_qkv[:, :q_w], rtol=0, atol=0)
-    torch.testing.assert_close(got_cache, want_cache, rtol=0, atol=0)
+    # bf16 rounds each product before the sum (HF's points), so both kernels give the same bits; in fp32
+    # the compiler may contract a product and the sum into an FMA in one kernel and not the other.
+    exact = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_qkv[:, :q_w], want_qkv[:, :q_w], **exact)
+    torch.testing.assert_close(got_cache, want_cache, **exact)
     assert torch.equal(got_qkv[:, q_w:], qkv[:, q_w:])  # k and v left as they were
 
     graph_qkv, graph_cache = qkv.clone(), cache.clone()
