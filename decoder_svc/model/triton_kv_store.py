@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from decoder_svc.model.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
-from decoder_svc.model.triton_ops import RotaryLaunch, _cos_sin, _rotate_pair
+from decoder_svc.model.triton_ops import RotaryLaunch, cos_sin_halves, rotate_pair
 
 
 @triton.jit
@@ -81,12 +81,12 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_p
     k_rest = tl.load(k_row + e, mask=rest, other=0.0)
     v = tl.load(v_ptr + tok * v_s_tok + heads * v_s_head + e, mask=whole, other=0.0)
     dtype = q_ptr.dtype.element_ty
-    cos, sin = _cos_sin(cos_sin_ptr, pos, cos_sin_stride, half, half_dims, half_dims < half, dtype)
+    cos, sin = cos_sin_halves(cos_sin_ptr, pos, cos_sin_stride, half, half_dims, half_dims < half, dtype)
 
-    q1, q2 = _rotate_pair(q1, q2, cos, sin, dtype)
+    q1, q2 = rotate_pair(q1, q2, cos, sin, dtype)
     tl.store(q1_ptrs, q1, mask=q_halves)
     tl.store(q2_ptrs, q2, mask=q_halves)
-    k1, k2 = _rotate_pair(k1, k2, cos, sin, dtype)
+    k1, k2 = rotate_pair(k1, k2, cos, sin, dtype)
     keep = slot >= 0
     at = tl.where(keep, slot, 0)
     dst = (at // block_size) * stride_cb + (at % block_size) * stride_cr + heads * stride_ch

@@ -109,10 +109,10 @@ def _gated_act_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, GELU: tl.con
 
 
 @triton.jit
-def _rotate_pair(x1, x2, cos, sin, dtype: tl.constexpr):
-    # rotate_half(x) = cat(-x2, x1): out1 = x1*c - x2*s, out2 = x2*c + x1*s, each product rounded to the
-    # dtype before the sum, as HF's `q * cos + rotate_half(q) * sin` does in bf16/fp16. x1, x2: the two
-    # halves [heads, half]; cos, sin: [half] fp32 (already rounded to the dtype).
+def rotate_pair(x1, x2, cos, sin, dtype: tl.constexpr):
+    """Rotate-half RoPE of the two halves x1, x2 [heads, half] with cos, sin [half] (fp32, already rounded
+    to the dtype): out1 = x1*c - x2*s, out2 = x2*c + x1*s, each product rounded to `dtype` before the sum,
+    as HF's `q * cos + rotate_half(q) * sin` does in bf16/fp16."""
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     c = cos[None, :]
@@ -133,15 +133,15 @@ def _rotate_heads(base, s_head, s_dim, n_heads, cos, sin, half, d, d_mask,
     p1 = base + heads[:, None] * s_head + d[None, :] * s_dim
     p2 = p1 + half * s_dim
     x1 = tl.load(p1, mask=mask, other=0.0)
-    out1, out2 = _rotate_pair(x1, tl.load(p2, mask=mask, other=0.0), cos, sin, x1.dtype)
+    out1, out2 = rotate_pair(x1, tl.load(p2, mask=mask, other=0.0), cos, sin, x1.dtype)
     tl.store(p1, out1, mask=mask)
     tl.store(p2, out2, mask=mask)
 
 
 @triton.jit
-def _cos_sin(cache_ptr, pos, cache_stride, half, d, d_mask, dtype: tl.constexpr):
-    # A position's cos and sin halves: HF casts them to the model dtype before use, so round them the same
-    # way, then compute in fp32.
+def cos_sin_halves(cache_ptr, pos, cache_stride, half, d, d_mask, dtype: tl.constexpr):
+    """A position's cos and sin halves from the fp32 table, rounded to `dtype` as HF casts them before use,
+    returned in fp32."""
     cs = cache_ptr + pos * cache_stride
     cos = _round(tl.load(cs + d, mask=d_mask, other=0.0).to(tl.float32), dtype).to(tl.float32)
     sin = _round(tl.load(cs + half + d, mask=d_mask, other=0.0).to(tl.float32), dtype).to(tl.float32)
@@ -160,7 +160,7 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr,
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     d_mask = d < half
-    cos, sin = _cos_sin(cache_ptr, pos, cache_stride, half, d, d_mask, q_ptr.dtype.element_ty)
+    cos, sin = cos_sin_halves(cache_ptr, pos, cache_stride, half, d, d_mask, q_ptr.dtype.element_ty)
     _rotate_heads(q_ptr + tok * q_s_tok, q_s_head, q_s_dim, n_q_heads, cos, sin, half, d, d_mask,
                   BLOCK_QH)
     _rotate_heads(k_ptr + tok * k_s_tok, k_s_head, k_s_dim, n_k_heads, cos, sin, half, d, d_mask,
