@@ -144,5 +144,5 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), rot.cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.shape[1], rot.half,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_QH=rot.block_qh, BLOCK_KH=rot.block_kh,
-        BLOCK_HALF=rot.block_half, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=rot.num_warps,
+        BLOCK_HALF=rot.block_half, BLOCK_D=triton.next_power_of_2(head_dim), **rot.options(),
         **small_kernel_launch_options())

@@ -104,6 +104,7 @@ def test_off_in_the_interpreter_and_by_environment(monkeypatch):
 
 _COMPILE_SMALL = r"""
 import json
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -112,7 +113,7 @@ from decoder_svc.model import pdl
 pdl.PDL = tl.constexpr(True)  # as on an H200 (the kernels read it when compiled)
 from decoder_svc.model import triton_attention as ta, triton_kv_store as kv, triton_ops as to
 
-def ptx(kernel, types, constants, warps):
+def ptx(kernel, types, constants, warps, **options):
     signature = {n: "constexpr" if n in constants else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
                  for n in kernel.arg_names}
     # What a launch specialises on: pointers and the strides / sizes of 7B shapes are multiples of 16.
@@ -120,8 +121,12 @@ def ptx(kernel, types, constants, warps):
                if n not in constants and n not in types and n not in ("eps", "half", "num_seqs", "window",
                                                                       "num_splits", "n_q_heads")}
     return triton.compile(ASTSource(kernel, signature, constants, aligned), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps}).asm["ptx"]
+                          options={"num_warps": warps, **options}).asm["ptx"]
 
+# The rotary launches' own compile options (RotaryLaunch.options(), at 7B shapes).
+rot = to.RotaryLaunch.of(torch.empty(1, 32, 128), torch.empty(1, 8, 128), torch.zeros(1, dtype=torch.long),
+                         torch.empty(16, 128))
+rotary_options = {k: v for k, v in rot.options().items() if k != "num_warps"}
 meta = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
         "query_start_loc_ptr": "*i32", "key_limits_ptr": "*i32", "scale_log2": "fp32"}
 out = {
@@ -131,7 +136,9 @@ out = {
     "_rotary_store_kv_kernel": ptx(kv._rotary_store_kv_kernel,
                                    {"pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64"},
                                    {"KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_QH": 32, "BLOCK_KH": 8,
-                                    "BLOCK_HALF": 64, "BLOCK_D": 128}, 8),
+                                    "BLOCK_HALF": 64, "BLOCK_D": 128}, 8, **rotary_options),
+    "_rotary_kernel": ptx(to._rotary_kernel, {"pos_ptr": "*i64", "cache_ptr": "*fp32"},
+                          {"BLOCK_QH": 32, "BLOCK_KH": 8, "BLOCK_HALF": 64}, 8, **rotary_options),
     "_paged_attention_kernel": ptx(ta._paged_attention_kernel, meta,
                                    {"NUM_HEADS": 32, "H_PER_KV": 1, "HEAD_DIM": 128, "BLOCK_D": 128,
                                     "PAGE": 16, "BLOCK_M": 16, "BLOCK_Q": 16, "BLOCK_N": 64, "SPLIT": True,
@@ -167,6 +174,16 @@ def test_the_small_kernels_compile_for_hopper_waiting_then_releasing(small_kerne
         assert 0 <= wait < release and "st.global" not in body[:wait], name
         loads_before = body[:wait].count("ld.global")
         assert loads_before == (2 if name == "_rms_norm_kernel" else 0), name  # 4096 bf16 / 256 threads
+
+
+def test_the_rotary_kernels_round_each_product_as_hf_does(small_kernels_ptx):
+    """HF rounds q*cos and rotate_half(q)*sin to the dtype before their sum; a contracted fma (a product
+    and the sum rounded once) gives an ulp off where that rounding mattered. The rotary kernels multiply
+    and add with separate rounded instructions (bf16: mul.rn.bf16 then sub / add.rn.bf16)."""
+    for name in ("_rotary_kernel", "_rotary_store_kv_kernel"):
+        body = small_kernels_ptx[name]
+        assert "fma" not in body, name
+        assert "mul.rn.bf16" in body and "sub.rn.bf16" in body and "add.rn.bf16" in body, name
 
 
 def test_the_rotary_kv_store_kernel_loads_in_two_rounds(small_kernels_ptx):
