@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,6 +29,7 @@ from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
 from decoder_svc.model.attention import AttentionMetadata
 from decoder_svc.model.kv_groups import KVCacheGroup, split_kv_blocks
 from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs
+from decoder_svc.runner.embed_rows import embed_rows
 from decoder_svc.runner.fusion import fuse_image_rows, image_key_limits, image_slots
 from decoder_svc.runner.inputs import PENDING_TOKEN, ModelInput, ModelOutput, SequenceInput
 from decoder_svc.runner.sampler import PendingSample, Sampler, SamplerOutput
@@ -71,38 +73,72 @@ class RunnerConfig:
 class StepBuffers:
     """The step's input tensors on the device, each with a same-shaped (pinned) host twin to fill, and
     the input embeddings (device only) that CUDA graphs read. KV cache groups after the first have
-    their own slot mapping and block tables (`slot_mapping_1`, `block_tables_1`, ...)."""
+    their own slot mapping and block tables (`slot_mapping_1`, `block_tables_1`, ...).
+
+    The tensors of each side are views of one byte arena laid out alike, so a step's inputs go up in one
+    copy (the arena's prefix up to the last byte the step uses) rather than one per tensor: at batch 1
+    the copies were a dozen small transfers, each with its own latency on the stream. The small
+    per-sequence tensors come first and the per-token ones in the order small steps use them, so the
+    prefix stays short."""
+
+    _ALIGN = 64
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, position_rows: int = 1, num_groups: int = 1) -> None:
         pin = device.type == "cuda"
         positions = (position_rows, max_tokens) if position_rows > 1 else (max_tokens,)
-        shapes = {"input_ids": ((max_tokens,), torch.int64), "positions": (positions, torch.int64),
-                  "slot_mapping": ((max_tokens,), torch.int64),
-                  "query_start_loc": ((max_seqs + 1,), torch.int32), "seq_lens": ((max_seqs,), torch.int32),
-                  "block_tables": ((max_seqs, max_blocks), torch.int32),
-                  "logits_indices": ((max_seqs,), torch.int64), "key_limits": ((max_tokens,), torch.int64),
+        shapes = {"query_start_loc": ((max_seqs + 1,), torch.int32), "seq_lens": ((max_seqs,), torch.int32),
+                  "logits_indices": ((max_seqs,), torch.int64),
                   # pending tokens: their rows in input_ids, and their rows in the last step's samples
                   "pending_rows": ((max_seqs,), torch.int64), "pending_samples": ((max_seqs,), torch.int64),
+                  "input_ids": ((max_tokens,), torch.int64), "slot_mapping": ((max_tokens,), torch.int64),
+                  **{f"slot_mapping_{g}": ((max_tokens,), torch.int64) for g in range(1, num_groups)},
+                  "positions": (positions, torch.int64),
+                  "block_tables": ((max_seqs, max_blocks), torch.int32),
+                  **{f"block_tables_{g}": ((max_seqs, max_blocks), torch.int32)
+                     for g in range(1, num_groups)},
+                  "key_limits": ((max_tokens,), torch.int64),
                   # each token row's LoRA adapter slot (0: the base model, and every graph pad row)
                   "lora_slots": ((max_tokens,), torch.int64)}
-        for g in range(1, num_groups):
-            shapes[f"slot_mapping_{g}"] = shapes["slot_mapping"]
-            shapes[f"block_tables_{g}"] = shapes["block_tables"]
-        self.host = {k: torch.zeros(s, dtype=t, pin_memory=pin) for k, (s, t) in shapes.items()}
+        self.offsets: dict[str, int] = {}
+        size = 0
+        for name, (shape, dt) in shapes.items():
+            self.offsets[name] = size
+            size += -(-math.prod(shape) * dt.itemsize // self._ALIGN) * self._ALIGN
+        self._host_arena = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
+        self._dev_arena = torch.zeros(size, dtype=torch.uint8, device=device)
+
+        def views(arena: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {k: arena[self.offsets[k]:self.offsets[k] + math.prod(s) * t.itemsize].view(t).view(s)
+                    for k, (s, t) in shapes.items()}
+
+        self.host, self.dev = views(self._host_arena), views(self._dev_arena)
         self.np = {k: v.numpy() for k, v in self.host.items()}
-        self.dev = {k: torch.zeros(s, dtype=t, device=device) for k, (s, t) in shapes.items()}
         for g in range(num_groups):  # never stored: a padded graph row must not write into any block
+            self.host[slot_key(g)].fill_(-1)
             self.dev[slot_key(g)].fill_(-1)
         self.embeds = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)  # hidden 0: no graphs
 
+    def set(self, name: str, values: torch.Tensor) -> None:
+        """Fill a buffer on both sides (start-up: what graphs are captured over)."""
+        self.host[name].copy_(values)
+        self.dev[name].copy_(values)
+
     def upload(self, counts: dict[str, int]) -> None:
-        """Copy the first counts[name] rows of each host buffer to the device, asynchronously."""
+        """Copy the first counts[name] rows of each host buffer to the device, asynchronously, in one copy
+        of the arena's prefix (it may carry stale rows of other buffers: no step reads rows it did not
+        fill)."""
+        end = 0
         for name, n in counts.items():
-            if name == "positions":  # [tokens] or, for M-RoPE, [3, tokens]
-                self.dev[name][..., :n].copy_(self.host[name][..., :n], non_blocking=True)
-            else:
-                self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
+            if n:
+                buf = self.host[name]
+                if name == "positions" and buf.dim() == 2:  # [rows, tokens]: the last row's first n
+                    used = (buf.shape[0] - 1) * buf.stride(0) + n
+                else:
+                    used = n * buf.stride(0)
+                end = max(end, self.offsets[name] + used * buf.element_size())
+        if end:
+            self._dev_arena[:end].copy_(self._host_arena[:end], non_blocking=True)
 
 
 def describe(group: KVCacheGroup) -> str:
@@ -208,8 +244,8 @@ class ModelRunner:
         if self.graphs is not None:
             # Capture over a valid empty step: one token per sequence, no slots, no context.
             d = self.buffers.dev
-            d["query_start_loc"].copy_(torch.arange(d["query_start_loc"].numel(), dtype=torch.int32))
-            d["logits_indices"].copy_(torch.arange(d["logits_indices"].numel()))
+            self.buffers.set("query_start_loc", torch.arange(d["query_start_loc"].numel(), dtype=torch.int32))
+            self.buffers.set("logits_indices", torch.arange(d["logits_indices"].numel()))
             self.graphs.capture(self._run_static, progress=self.config.progress)
             log.info("captured %d CUDA graphs (decode %s, up to %d tokens %s) in %.0f MiB",
                      len(self.graphs.keys), self.graphs.decode_sizes, self.graphs.max_tokens,
@@ -316,18 +352,20 @@ class ModelRunner:
             key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, batch.is_plain_decode, lora)
         step = self._prepare(batch, key, lora)
         rows = [s.sampling for s in batch.sequences if s.sampling is not None]
-        if step.pending is not None:  # before the embedding lookup reads input_ids
-            dst, src = step.pending
-            step.input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
         image_rows = [r for s in batch.sequences for r in s.image_rows]
         if key is not None:
             self.graph_steps += 1
             embeds = self.buffers.embeds[:step.num_tokens]
-            torch.index_select(self.model.embed_tokens.weight, 0, step.input_ids, out=embeds)
+            # pending ids taken from the last samples, then the rows gathered (one kernel on CUDA)
+            embed_rows(embeds, self.model.embed_tokens.weight, step.input_ids, step.pending,
+                       self._last_tokens)
             scale = self.model.config.embed_scale
             if scale is not None:  # what model.embed does (Gemma)
                 embeds.mul_(torch.tensor(scale, dtype=embeds.dtype, device=embeds.device))
         else:
+            if step.pending is not None:  # before the embedding lookup reads input_ids
+                dst, src = step.pending
+                step.input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
             embeds = self.model.embed(step.input_ids)
         deepstack = None
         if step.image_slots is not None:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from decoder_svc.runner.argmax import argmax_rows
+
 if TYPE_CHECKING:
     # Only for annotations: importing decoder_svc.engine at runtime would pull in the engine, which will
     # import the runner (a cycle). The sampler only reads SamplingParams' attributes.
@@ -148,7 +150,7 @@ class Sampler:
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Pick one token per row. logits: fp32 [B, V], row i belonging to rows[i].
+        """Pick one token per row. logits: [B, V] in the head's dtype or fp32, row i belonging to rows[i].
 
         Never raises on odd values (NaN/inf logits, degenerate temperatures): every row gets a valid id.
         Synchronises with the device exactly once, to read the token ids (and logprobs, if asked for).
@@ -164,12 +166,13 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {n} rows")
         if n == 0:
             return PendingSample(torch.empty(0, dtype=torch.int64, device=logits.device), None, None)
-        if logits.dtype != torch.float32:
-            logits = logits.float()
 
         greedy = [_is_greedy(r.params) for r in rows]
-        # Greedy rows use this same argmax in both paths, so their token does not depend on batch company.
-        tokens = logits.argmax(dim=-1)
+        # Greedy rows use this same argmax in both paths, so their token does not depend on batch company;
+        # it reads the logits as the head wrote them (an all-greedy step widens nothing to fp32).
+        tokens = argmax_rows(logits)
+        if not all(greedy) or any(r.params.logprobs for r in rows):
+            logits = logits.float()
         if not all(greedy):
             tokens = self._sample_mixed(logits, rows, greedy, tokens)
         return PendingSample(tokens, self._logprobs_async(logits, rows, tokens), _to_host_async(tokens))
