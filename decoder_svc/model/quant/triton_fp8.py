@@ -237,6 +237,9 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     # to ws [SPLIT_K, M, N] and bumps the tile's counter; the program that arrives last adds the
     # partials in split order 0, 1, ... (the same sum whatever order the programs ran in: deterministic),
     # applies the scale and bias, stores the output and sets the counter back to 0 for the next call.
+    # Launched early (pdl.py): the launch and the programs' set-up overlap the kernel before; nothing is
+    # read before the wait (the loop loads weights and activations together).
+    wait_for_inputs()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -250,6 +253,7 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     acc = _k_range_product(x_ptr, w_ptr, s_ptr, rm, rn, rk, m_mask, n_mask, k_lo, k_lo + k_span, K,
                            stride_xm, stride_wn, stride_sn, stride_sk, SCALE_ROWS, SCALE_COLS, PER_CHANNEL,
                            BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
+    release_dependents()  # the next kernel may launch and wait behind the partials' sum
     out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -406,9 +410,10 @@ def split_k_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bloc
         if config["BLOCK_N"] < _MIN_BLOCK_N:
             raise ValueError(f"BLOCK_N below {_MIN_BLOCK_N} needs more tile counters than are kept")
         grid = (triton.cdiv(n, config["BLOCK_N"]), config["SPLIT_K"], m_blocks)
-        _split_k_kernel[grid](*args, **flags, **config)
+        _split_k_kernel[grid](*args, **flags, **config, **launch_options())
     else:
-        _split_k[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m_blocks)](*args, **flags)
+        _split_k[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m_blocks)](
+            *args, **flags, **launch_options())
     return out
 
 
