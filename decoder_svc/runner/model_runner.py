@@ -2,7 +2,7 @@
 
 It holds the model, the KV cache, persistent device input buffers with pinned host staging, the decode
 CUDA graphs and the sampler. Each step it turns a ModelInput (plain lists from the engine) into device
-tensors with one batch of asynchronous copies, fuses the image rows, runs the model (replaying a graph
+tensors with one asynchronous copy (two when images are fused), fuses the image rows, runs the model (replaying a graph
 when the step is plain decode) and samples, with one host synchronisation (the sampled ids). `launch`
 returns before that synchronisation, so the engine can prepare and launch the next step while this one
 runs; a token of the next step that this one samples (PENDING_TOKEN) is copied from its output on the
