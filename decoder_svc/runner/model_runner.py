@@ -2,11 +2,11 @@
 
 It holds the model, the KV cache, persistent device input buffers with pinned host staging, the decode
 CUDA graphs and the sampler. Each step it turns a ModelInput (plain lists from the engine) into device
-tensors with one asynchronous copy (two when images are fused), fuses the image rows, runs the model (replaying a graph
-when the step is plain decode) and samples, with one host synchronisation (the sampled ids). `launch`
-returns before that synchronisation, so the engine can prepare and launch the next step while this one
-runs; a token of the next step that this one samples (PENDING_TOKEN) is copied from its output on the
-device.
+tensors with one asynchronous copy (two when images are fused), fuses the image rows, runs the model
+(replaying a graph when the step is plain decode) and samples, with one host synchronisation (the
+sampled ids). `launch` returns before that synchronisation, so the engine can prepare and launch the
+next step while this one runs; a token of the next step that this one samples (PENDING_TOKEN) is copied
+from its output on the device.
 
 Image rows must be memory the decoder owns (the remote source copies embeddings out of the encoder's
 arena before handing them over): a step may still be reading them after execute() returns, and the
