@@ -157,6 +157,39 @@ def test_split_k_in_cuda_graph_is_deterministic(m):
     _check(captured[0], _reference(x, q, s, per_channel_block(q.shape[1]), b), 5e-3)
 
 
+def test_a_chain_of_split_k_products_in_a_cuda_graph_reads_each_input_after_it_is_written():
+    """The split-K kernel is launched early (pdl.py): each product of 32 rows starts before the one before
+    has ended (its last programs still summing partials) and must wait before reading that one's output.
+    A chain of 16 square products, each reading the last one's output (weights of unit gain, an RMS norm
+    every fourth), replayed in a graph with new inputs: the same bits as the chain run eagerly."""
+    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
+    from decoder_svc.model.triton_ops import TritonOps
+
+    cases = [_per_channel_case(32, 4096, 4096, i % 2 == 0, 40 + i) for i in range(4)]
+    norm_w = torch.ones(4096, device=DEV, dtype=torch.bfloat16)
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for i in range(16):
+            if i % 4 == 3:
+                x, _ = TritonOps.rms_norm(x, norm_w, 1e-6)
+            _, q, scale, bias = cases[i % 4]
+            x = weight_only_fp8(x, q, scale, per_channel_block(4096), bias)
+        return x
+
+    x = torch.randn(32, 4096, device=DEV, dtype=torch.bfloat16)
+    chain(x)  # tunes outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x)
+    for scale in (0.5, -2.0, 3.0):
+        x.copy_(torch.randn_like(x) * scale)
+        want = chain(x.clone())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 def test_split_k_old_path_kept():
     """split_k=False still runs the one-pass kernels (benchmarks' A/B); both agree with the reference."""
     from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
