@@ -24,15 +24,20 @@ Nothing here syncs with the host: the host passes only the grid (an upper bound)
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from decoder_svc.model.attention import AttentionBackend, AttentionMetadata, Rotary
 from decoder_svc.model.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
-from decoder_svc.model.triton_kv_store import rotary_store_kv, store_kv
+from decoder_svc.model.triton_kv_store import check_kv, rotary_store_kv, store_kv
+from decoder_svc.model.triton_ops import RotaryLaunch, cos_sin_halves, rotate_pair
 
 _LOG2E = 1.4426950408889634
+ROTATE_ENV = "MMSERVE_ROTATE_IN_ATTENTION"
 
 
 @triton.jit
@@ -54,15 +59,51 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
 # and the first eager step of 2-15 sequences (a burst's first mixed prefill) stalled ~1.2 s compiling.
 # num_seqs and num_splits are runtime values that Triton must not specialise on (== 1, % 16): every
 # specialisation is one more compile (1-2 s at head_dim 256) the first time a step meets it.
+@triton.jit
+def _rotated_query(q_ptr, q_rows, head, row_ok, cos, sin, stride_qt, stride_qh, half,
+                   BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # The query tile [BLOCK_M, 2 * half] rotated in registers (TritonOps.rotary's rounding); q in memory
+    # is left as it was.
+    dh = tl.arange(0, BLOCK_HALF)
+    mask = row_ok[:, None] & (dh < half)[None, :]
+    base = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dh[None, :]
+    q1, q2 = rotate_pair(tl.load(base, mask=mask, other=0.0), tl.load(base + half, mask=mask, other=0.0),
+                         cos, sin, q_ptr.dtype.element_ty)
+    return tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_M, 2 * BLOCK_HALF))
+
+
+@triton.jit
+def _store_rotated_key(new_k_ptr, new_v_ptr, k_cache_ptr, v_cache_ptr, slot, token, kv_head, cos, sin,
+                       stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_cb, stride_cr, stride_ch, half,
+                       PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    # This step's key (rotated) and value of one KV head into the cache at `slot` (< 0: nothing).
+    dh = tl.arange(0, BLOCK_HALF)[None, :]
+    d = tl.arange(0, BLOCK_D)
+    k_row = new_k_ptr + token * stride_nkt + kv_head * stride_nkh
+    k1 = tl.load(k_row + dh, mask=dh < half, other=0.0)
+    k2 = tl.load(k_row + half + dh, mask=dh < half, other=0.0)
+    v = tl.load(new_v_ptr + token * stride_nvt + kv_head * stride_nvh + d, mask=d < HEAD_DIM, other=0.0)
+    k1, k2 = rotate_pair(k1, k2, cos, sin, new_k_ptr.dtype.element_ty)
+    keep = slot >= 0
+    at = tl.where(keep, slot, 0)
+    dst = (at // PAGE) * stride_cb + (at % PAGE) * stride_cr + kv_head * stride_ch
+    tl.store(k_cache_ptr + dst + dh, k1, mask=(dh < half) & keep)
+    tl.store(k_cache_ptr + dst + half + dh, k2, mask=(dh < half) & keep)
+    tl.store(v_cache_ptr + dst + d, v, mask=(d < HEAD_DIM) & keep)
+
+
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_acc_ptr, part_ml_ptr, key_limits_ptr, scale_log2, num_seqs, window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cr, stride_ch, stride_bt,
+    new_k_ptr, new_v_ptr, positions_ptr, cos_sin_ptr, slot_ptr, stride_nkt, stride_nkh, stride_nvt,
+    stride_nvh, cos_sin_stride, half,
     NUM_HEADS: tl.constexpr, H_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIMITS: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, ROTATE: tl.constexpr = False, BLOCK_HALF: tl.constexpr = 1,
 ):
     wait_for_inputs()
     release_dependents()
@@ -94,8 +135,17 @@ def _paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q_rows = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROTATE:  # a decode step's rotary embedding and KV store done here (rotate_and_forward)
+        pos = tl.load(positions_ptr + seq).to(tl.int64)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        dh = tl.arange(0, BLOCK_HALF)
+        cos, sin = cos_sin_halves(cos_sin_ptr, pos, cos_sin_stride, half, dh, dh < half,
+                                  q_ptr.dtype.element_ty)
+        q = _rotated_query(q_ptr, q_rows, head, row_ok, cos, sin, stride_qt, stride_qh, half, BLOCK_M,
+                           BLOCK_HALF)
+    else:
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = context + tok  # each query sees keys 0..q_pos (causal)
 
     if HAS_LIMITS:  # ..key_limits[row] instead (an image's tokens see the whole image)
@@ -114,6 +164,14 @@ def _paged_attention_kernel(
     per_split = tl.cdiv(num_tiles - tile_start, num_splits)
     tile_lo = tile_start + split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    if ROTATE:
+        # The program whose keys end with this step's key stores it (and its value) first; the barrier
+        # makes the stores visible to its own loads below. The other splits never read that key.
+        if (num_tiles > tile_lo) & (num_tiles <= tile_hi):
+            _store_rotated_key(new_k_ptr, new_v_ptr, k_cache_ptr, v_cache_ptr, slot, seq.to(tl.int64),
+                               kv_head, cos, sin, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_cb,
+                               stride_cr, stride_ch, half, PAGE, HEAD_DIM, BLOCK_HALF, BLOCK_D)
+            tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -194,15 +252,40 @@ def row_tiles(max_query_len: int, h_per_kv: int) -> tuple[int, int]:
     return block_m, block_m // h_per_kv
 
 
+@dataclass(frozen=True)
+class DecodeRotary:
+    """A decode step's new keys and values, not yet rotated nor stored, with their rotary inputs:
+    paged_attention then rotates q in registers and has each sequence's last-key program rotate its key
+    and store it and the value before reading the keys (one launch a layer instead of two)."""
+
+    k: torch.Tensor  # [T, Hk, D], contiguous head dim; left as it is
+    v: torch.Tensor  # [T, Hk, D]
+    slot_mapping: torch.Tensor  # [T]; < 0: not stored (a graph's padded row)
+    rot: RotaryLaunch  # positions, the cos|sin table, half = D / 2
+
+    @staticmethod
+    def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                meta: AttentionMetadata) -> bool:
+        """Whether a step can take it: decode only (one row per sequence), full rotary over a head dim
+        that is a power of two (the rotated halves rejoin as the query tile), contiguous head dims, no
+        key limits."""
+        head_dim = q.shape[-1]
+        return (meta.max_query_len == 1 and q.shape[0] == meta.num_seqs and meta.key_limits is None
+                and cos_sin.shape[-1] == head_dim and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+                and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     num_splits: int = 1, out: torch.Tensor | None = None,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, rotary: DecodeRotary | None = None) -> torch.Tensor:
     """Attention of every query row [tokens, heads, head_dim] over its sequence's paged K/V.
 
     num_splits > 1 divides each sequence's keys among that many programs (then merges them): worth it
     when num_seqs * kv_heads programs alone would leave most multiprocessors idle. With `window`, a
     query at position p sees keys > p - window only; with meta.key_limits, row t sees keys up to
     key_limits[t] instead of up to its own position (both: p - window < key <= key_limits[t]).
+    With `rotary` (decode steps, DecodeRotary.applies) q is unrotated and this step's keys and values
+    are not in the cache yet: the kernel rotates and stores them.
     """
     tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -220,6 +303,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     # A decode-only batch (one row per sequence, row i of sequence i) takes one program per sequence and
     # head, which find their rows without a search.
     decode = meta.max_query_len == 1 and tokens == num_seqs
+    if rotary is not None:
+        if not DecodeRotary.applies(q, rotary.k, rotary.v, rotary.rot.cache, meta):
+            raise ValueError("rotary in attention takes decode steps of full rotary over a power-of-two "
+                             "head dim with contiguous heads and no key limits")
+        check_kv(rotary.k, rotary.v, kv_cache, rotary.slot_mapping)
+        new_k, new_v, positions, table, slots = (rotary.k, rotary.v, rotary.rot.positions, rotary.rot.cache,
+                                                 rotary.slot_mapping)
+    else:  # unused stand-ins
+        new_k, new_v, positions, table, slots = q, q, meta.seq_lens, q, meta.seq_lens
     grid = (num_seqs if decode else tokens // block_q + num_seqs, kv_heads, num_splits)
     if num_splits > 1:
         part_acc = torch.empty(tokens * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device)
@@ -232,10 +324,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         0 if window is None else window, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        new_k, new_v, positions, table, slots, new_k.stride(0), new_k.stride(1), new_v.stride(0),
+        new_v.stride(1), table.stride(0), head_dim // 2,
         NUM_HEADS=num_heads, H_PER_KV=h_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if head_dim <= 128 else 32,
         SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None,
-        HAS_LIMITS=limits is not None, DECODE=decode, num_warps=4, num_stages=2,
+        HAS_LIMITS=limits is not None, DECODE=decode, ROTATE=rotary is not None,
+        BLOCK_HALF=max(head_dim // 2, 1), enable_fp_fusion=rotary is None, num_warps=4, num_stages=2,
         **small_kernel_launch_options())
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](
@@ -252,10 +347,15 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
     supports_sliding_window = True
 
-    def __init__(self, num_sms: int | None = None) -> None:
+    def __init__(self, num_sms: int | None = None, rotate_in_attention: bool | None = None) -> None:
+        """rotate_in_attention: decode steps rotate and store in the attention kernel (DecodeRotary);
+        default on, `MMSERVE_ROTATE_IN_ATTENTION=0` off (the A/B of bench.profile_step)."""
         if num_sms is None and torch.cuda.is_available():
             num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self.num_sms = num_sms or 1
+        if rotate_in_attention is None:
+            rotate_in_attention = os.environ.get(ROTATE_ENV, "1") != "0"
+        self.rotate_in_attention = rotate_in_attention
 
     def num_splits(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> int:
         """Split the keys when the batch's (query block, KV head) programs fill less than one wave of
@@ -282,11 +382,16 @@ class TritonAttentionBackend(AttentionBackend):
     def rotate_and_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary,
                            positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-        """One kernel rotates q and k and stores K/V (triton_kv_store.rotary_store_kv, TritonOps.rotary's
-        rounding, whatever `rotary` is), then attention; k is left unrotated (the cache has the keys). Heads
-        whose dims are strided take rotary, then forward."""
+        """Decode steps: the attention kernel rotates q and k and stores K/V itself (DecodeRotary, one
+        launch). Other steps: one kernel rotates q and k and stores K/V (triton_kv_store.rotary_store_kv),
+        then attention. Either way TritonOps.rotary's rounding, whatever `rotary` is, and k is left
+        unrotated (the cache has the keys). Heads whose dims are strided take rotary, then forward."""
         if not (q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
             return super().rotate_and_forward(q, k, v, rotary, positions, cos_sin, kv_cache, meta, scale,
                                               window)
+        splits = self.num_splits(q, kv_cache, meta)
+        if self.rotate_in_attention and DecodeRotary.applies(q, k, v, cos_sin, meta):
+            decode = DecodeRotary(k, v, meta.slot_mapping, RotaryLaunch.of(q, k, positions, cos_sin))
+            return paged_attention(q, kv_cache, meta, scale, splits, window=window, rotary=decode)
         rotary_store_kv(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping)
-        return paged_attention(q, kv_cache, meta, scale, self.num_splits(q, kv_cache, meta), window=window)
+        return paged_attention(q, kv_cache, meta, scale, splits, window=window)

@@ -96,8 +96,10 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_p
     tl.store(v_cache_ptr + dst + e, v, mask=whole & keep)
 
 
-def _check_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    # The kernels index the cache's last dim as contiguous and read one slot per token.
+def check_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Raise ValueError unless k and v [T, Hk, D] fit the cache [2, blocks, block_size, Hk, D] (k's dtype,
+    a contiguous last dim) and slot_mapping holds one slot per token: what the kernels that store K/V
+    index by."""
     if v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"k and v must match, got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != tuple(k.shape[1:]):
@@ -132,7 +134,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     is. All three need a contiguous head dim. Raises ValueError on shapes the kernel cannot take.
     """
     rot = RotaryLaunch.of(q, k, positions, cos_sin_cache)
-    _check_kv(k, v, kv_cache, slot_mapping)
+    check_kv(k, v, kv_cache, slot_mapping)
     if not (q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
         raise ValueError("q, k and v need a contiguous head dim (TritonOps.rotary takes any strides)")
     tokens, kv_heads, head_dim = k.shape

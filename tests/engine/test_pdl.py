@@ -143,12 +143,19 @@ out = {
                                    {"NUM_HEADS": 32, "H_PER_KV": 1, "HEAD_DIM": 128, "BLOCK_D": 128,
                                     "PAGE": 16, "BLOCK_M": 16, "BLOCK_Q": 16, "BLOCK_N": 64, "SPLIT": True,
                                     "IEEE": False, "HAS_WINDOW": False, "HAS_LIMITS": False,
-                                    "DECODE": True}, 4),
+                                    "DECODE": True, "ROTATE": False, "BLOCK_HALF": 1}, 4),
+    "_paged_attention_kernel, rotating a decode step": ptx(
+        ta._paged_attention_kernel,
+        {**meta, "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64"},
+        {"NUM_HEADS": 28, "H_PER_KV": 7, "HEAD_DIM": 128, "BLOCK_D": 128, "PAGE": 16, "BLOCK_M": 16,
+         "BLOCK_Q": 2, "BLOCK_N": 64, "SPLIT": True, "IEEE": False, "HAS_WINDOW": False, "HAS_LIMITS": False,
+         "DECODE": True, "ROTATE": True, "BLOCK_HALF": 64}, 4, enable_fp_fusion=False),
     "_paged_attention_kernel, a mixed batch": ptx(
         ta._paged_attention_kernel, meta, {"NUM_HEADS": 28, "H_PER_KV": 7, "HEAD_DIM": 128, "BLOCK_D": 128,
                                            "PAGE": 16, "BLOCK_M": 64, "BLOCK_Q": 9, "BLOCK_N": 64,
                                            "SPLIT": False, "IEEE": False, "HAS_WINDOW": True,
-                                           "HAS_LIMITS": True, "DECODE": False}, 4),
+                                           "HAS_LIMITS": True, "DECODE": False, "ROTATE": False,
+                                           "BLOCK_HALF": 1}, 4),
     "_merge_splits_kernel": ptx(ta._merge_splits_kernel, meta,
                                 {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 8}, 4),
 }
@@ -180,7 +187,8 @@ def test_the_rotary_kernels_round_each_product_as_hf_does(small_kernels_ptx):
     """HF rounds q*cos and rotate_half(q)*sin to the dtype before their sum; a contracted fma (a product
     and the sum rounded once) gives an ulp off where that rounding mattered. The rotary kernels multiply
     and add with separate rounded instructions (bf16: mul.rn.bf16 then sub / add.rn.bf16)."""
-    for name in ("_rotary_kernel", "_rotary_store_kv_kernel"):
+    rotating = "_paged_attention_kernel, rotating a decode step"
+    for name in ("_rotary_kernel", "_rotary_store_kv_kernel", rotating):
         body = small_kernels_ptx[name]
         assert "fma" not in body, name
         assert "mul.rn.bf16" in body and "sub.rn.bf16" in body and "add.rn.bf16" in body, name

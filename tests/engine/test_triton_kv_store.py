@@ -98,6 +98,82 @@ def test_backend_rotates_stores_and_attends_as_the_reference(case):
     torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)
 
 
+DECODE_CASES = [
+    # seq_lens, heads, kv_heads, dim, page, pad rows, splits: decode-only batches (one row a sequence)
+    ([5, 1, 9, 13, 7], 4, 2, 16, 4, 0, 1),
+    ([100, 33], 8, 2, 32, 8, 2, 4),     # GQA 4, a graph's padding rows, split keys
+    ([3], 6, 6, 16, 16, 3, 8),          # more splits than key tiles: some splits see no key
+    ([65, 64, 2], 4, 1, 16, 16, 0, 2),  # the last key opens a tile, or ends one; MQA
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"case{i}" for i in range(len(DECODE_CASES))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_token", [False, True], ids=["positions", "per-token-rows"])
+def test_decode_steps_rotate_and_store_inside_attention(case, dtype, per_token, monkeypatch):
+    """A decode step's attention kernel rotates q in registers and has each sequence's last-key program
+    rotate and store the new key and value (DecodeRotary): the cache gets the bits rotary_store_kv writes,
+    the output is the separate launches' (and the torch reference's), q and k in memory stay as they were."""
+    seq_lens, heads, kv_heads, dim, page, pad, splits = case
+    q, k, v, kv_cache, meta = random_batch(seq_lens, [1] * len(seq_lens), heads, kv_heads, dim, page,
+                                           dtype=dtype, device=DEVICE, seed=splits + pad, pad_seqs=pad)
+    n = q.shape[0]
+    positions = torch.tensor([max(s - 1, 0) for s in seq_lens] + [0] * pad, device=DEVICE)
+    table = _table(dim, 256, positions if per_token else None)
+    if per_token:
+        positions = torch.arange(n, device=DEVICE)
+    scale = dim ** -0.5
+    fused_backend = TritonAttentionBackend(num_sms=64, rotate_in_attention=True)
+    separate_backend = TritonAttentionBackend(num_sms=64, rotate_in_attention=False)
+    monkeypatch.setattr(TritonAttentionBackend, "num_splits", lambda self, *a: splits)
+
+    _, q1, k1, v1 = _fused(q, k, v)
+    cache1 = kv_cache.clone()
+    want = separate_backend.rotate_and_forward(q1, k1, v1, TritonOps.rotary, positions, table, cache1, meta,
+                                               scale)
+    buf2, q2, k2, v2 = _fused(q, k, v)
+    before = buf2.clone()
+    cache2 = kv_cache.clone()
+    got = fused_backend.rotate_and_forward(q2, k2, v2, TritonOps.rotary, positions, table, cache2, meta,
+                                           scale)
+    assert torch.equal(cache2, cache1)  # the rotated keys and the values at their slots, nothing else
+    assert torch.equal(buf2, before)  # q, k and v in memory as they were
+    ref_cache = kv_cache.clone()
+    ref = TorchAttentionBackend().rotate_and_forward(q.clone(), k.clone(), v, TorchOps.rotary, positions,
+                                                     table, ref_cache, meta, scale)
+    assert torch.equal(cache2, ref_cache)
+    if dtype == torch.float32:  # the interpreter's bf16 tl.dot is no reference (tests/gpu checks bf16)
+        real = len(seq_lens)
+        assert torch.equal(got[:real], want[:real])
+        torch.testing.assert_close(got[:real], ref[:real], rtol=1e-4, atol=1e-4)
+
+
+def test_rotary_in_attention_takes_decode_steps_of_full_rotary_only():
+    """Partial rotary, chunks and key limits keep the separate rotary + store launch (the backend checks
+    DecodeRotary.applies); paged_attention refuses the rest."""
+    from decoder_svc.model.triton_attention import DecodeRotary, paged_attention
+    from decoder_svc.model.triton_ops import RotaryLaunch
+
+    q, k, v, kv_cache, meta = random_batch([9, 4], [1, 1], 4, 2, 16, 4, device=DEVICE)
+    positions = torch.tensor([8, 3], device=DEVICE)
+    assert DecodeRotary.applies(q, k, v, _table(16, 64), meta)
+    assert not DecodeRotary.applies(q, k, v, _table(12, 64), meta)  # partial rotary
+    chunk = random_batch([9, 4], [3, 1], 4, 2, 16, 4, device=DEVICE)
+    assert not DecodeRotary.applies(*chunk[:3], _table(16, 64), chunk[4])
+    wide = random_batch([9], [1], 2, 1, 24, 4, device=DEVICE)  # a head dim that is no power of two
+    assert not DecodeRotary.applies(*wide[:3], _table(24, 64), wide[4])
+    cq, ck, cv, ccache, cmeta = chunk
+    bad = DecodeRotary(ck, cv, cmeta.slot_mapping, RotaryLaunch.of(cq, ck, torch.arange(4, device=DEVICE),
+                                                                   _table(16, 64)))
+    with pytest.raises(ValueError, match="decode steps"):
+        paged_attention(cq, ccache, cmeta, 0.25, rotary=bad)
+    partial = TritonAttentionBackend(num_sms=64).rotate_and_forward(
+        q.clone(), k.clone(), v, TritonOps.rotary, positions, _table(12, 64), kv_cache.clone(), meta, 0.25)
+    ref = TorchAttentionBackend().rotate_and_forward(q.clone(), k.clone(), v, TorchOps.rotary, positions,
+                                                     _table(12, 64), kv_cache.clone(), meta, 0.25)
+    torch.testing.assert_close(partial, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_bad_shapes_are_refused_before_the_launch():
     q, k, v, kv_cache, meta = random_batch([6], [2], 4, 2, 16, 4, device=DEVICE)
     positions, table = torch.arange(2, device=DEVICE), _table(16, 64)

@@ -128,3 +128,53 @@ def test_window_decode_replays_in_a_cuda_graph():
     graph.replay()
     ref = TorchAttentionBackend().forward(q, k, v, cache.clone(), meta, dim ** -0.5, window=1024)
     assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4], ([300, 4096, 63, 64], [1] * 4, 32, 32, 128, 16)],
+                         ids=["gqa4", "gqa7-32rows", "llava"])
+def test_decode_steps_rotate_and_store_inside_attention_on_gpu(shape, dtype, tol):
+    """A decode step's attention kernel rotates q and stores this step's rotated keys and values itself
+    (triton_attention.DecodeRotary), compiled: the cache gets the bits the separate rotary + store launch
+    writes, the output that launch pair's (within the softmax's FMAs: the rotating kernel is compiled
+    without contraction) and the torch reference's; and the same inside a CUDA graph (launched early)."""
+    from decoder_svc.model.ops import TorchOps
+    from decoder_svc.model.triton_ops import TritonOps
+    from tests.engine.test_triton_kv_store import _fused, _table
+
+    seq_lens, query_lens, heads, kv_heads, dim, page = shape
+    q, k, v, cache, meta = random_batch(seq_lens, query_lens, heads, kv_heads, dim, page, dtype=dtype,
+                                        device="cuda", seed=11, pad_seqs=2)
+    positions = torch.tensor([n - 1 for n in seq_lens] + [0, 0], device="cuda")
+    table = _table(dim, 8192)
+    scale = dim ** -0.5
+
+    def run(rotate_in_attention: bool):
+        _, qv, kv, vv = _fused(q, k, v)
+        c = cache.clone()
+        backend = TritonAttentionBackend(rotate_in_attention=rotate_in_attention)
+        return backend.rotate_and_forward(qv, kv, vv, TritonOps.rotary, positions, table, c, meta, scale), c
+
+    want, want_cache = run(False)
+    got, got_cache = run(True)
+    real = len(seq_lens)
+    assert torch.equal(got_cache, want_cache)
+    assert _rel(got[:real], want[:real]) < tol
+    ref_cache = cache.clone()
+    ref = TorchAttentionBackend().rotate_and_forward(q.clone(), k.clone(), v, TorchOps.rotary, positions,
+                                                     table, ref_cache, meta, scale)
+    assert torch.equal(got_cache, ref_cache) and _rel(got[:real], ref[:real]) < tol
+
+    buf, gq, gk, gv = _fused(q, k, v)
+    g_cache = cache.clone()
+    backend = TritonAttentionBackend(rotate_in_attention=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        TritonOps.rms_norm(buf[:, :dim], torch.ones(dim, dtype=dtype, device="cuda"), 1e-5)
+        out = backend.rotate_and_forward(gq, gk, gv, TritonOps.rotary, positions, table, g_cache, meta, scale)
+    buf.copy_(_fused(q, k, v)[0])
+    g_cache.copy_(cache)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_cache, got_cache) and torch.equal(out[:real], got[:real])
