@@ -1,6 +1,8 @@
 """Triton attention over the paged KV cache: one kernel for a flat varlen batch in which prefill chunks
 (causal within the chunk, full view of the cached prefix) and decode rows share a launch. The new K/V
-go into the cache first (triton_kv_store.py: as they are, or rotated by the same kernel that rotates q).
+go into the cache first (triton_kv_store.py: as they are, or rotated by the same kernel that rotates q);
+a decode step may leave that to this kernel (DecodeRotary: q rotated in registers, and the program whose
+keys end with the new key rotates and stores it and the value before reading), one launch fewer.
 
 Layout. Each program takes BLOCK_M query rows of one KV head: BLOCK_Q consecutive tokens of one
 sequence times the H_PER_KV query heads that share that KV head (GQA packed along the rows), so each
@@ -342,7 +344,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention in Triton: one rotary + KV-store launch and one attention launch (plus a merge when
-    the keys are split) per layer, with no host synchronisation, so decode steps can be CUDA-graphed."""
+    the keys are split) per layer, the first folded into the second on decode steps, with no host
+    synchronisation, so decode steps can be CUDA-graphed."""
 
     supports_cuda_graphs = True
     supports_sliding_window = True
