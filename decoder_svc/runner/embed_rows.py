@@ -26,10 +26,16 @@ def embed_rows(out: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor,
     if out.is_cuda:
         triton_embed_rows(out, weight, input_ids, pending, last_tokens)
         return
+    fill_pending(input_ids, pending, last_tokens)
+    torch.index_select(weight, 0, input_ids, out=out)
+
+
+def fill_pending(input_ids: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None,
+                 last_tokens: torch.Tensor | None) -> None:
+    """input_ids[pending_rows[j]] = last_tokens[pending_samples[j]] (nothing when pending is None)."""
     if pending is not None:
         rows, samples = pending
         input_ids.index_copy_(0, rows, last_tokens.index_select(0, samples))
-    torch.index_select(weight, 0, input_ids, out=out)
 
 
 def triton_embed_rows(out: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor,

@@ -29,7 +29,7 @@ from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
 from decoder_svc.model.attention import AttentionMetadata
 from decoder_svc.model.kv_groups import KVCacheGroup, split_kv_blocks
 from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs
-from decoder_svc.runner.embed_rows import embed_rows
+from decoder_svc.runner.embed_rows import embed_rows, fill_pending
 from decoder_svc.runner.fusion import fuse_image_rows, image_key_limits, image_slots
 from decoder_svc.runner.inputs import PENDING_TOKEN, ModelInput, ModelOutput, SequenceInput
 from decoder_svc.runner.sampler import PendingSample, Sampler, SamplerOutput
@@ -363,9 +363,7 @@ class ModelRunner:
             if scale is not None:  # what model.embed does (Gemma)
                 embeds.mul_(torch.tensor(scale, dtype=embeds.dtype, device=embeds.device))
         else:
-            if step.pending is not None:  # before the embedding lookup reads input_ids
-                dst, src = step.pending
-                step.input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
+            fill_pending(step.input_ids, step.pending, self._last_tokens)  # before the lookup reads them
             embeds = self.model.embed(step.input_ids)
         deepstack = None
         if step.image_slots is not None:
