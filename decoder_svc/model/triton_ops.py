@@ -213,9 +213,9 @@ class RotaryLaunch:
                    positions.contiguous(), block_qh, block_kh, block_half, min(max(tile // 256, 1), 8))
 
     def options(self) -> dict:
-        """The launch's compile options: its warps, and no FMA contraction. Left
-        to itself the compiler turns a rounded product and the sum after it into one fma.rn.bf16, which
-        skips HF's rounding of that product (an ulp off in some 15% of a bf16 head's dims on an H200)."""
+        """The launch's compile options: its warps, and no FMA contraction. Left to itself the compiler
+        turns a rounded product and the sum after it into one fma.rn.bf16, which skips HF's rounding of
+        that product (an ulp off in some 15% of a bf16 head's dims on an H200)."""
         return dict(num_warps=self.num_warps, enable_fp_fusion=False)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 CHUNK = 4096  # logits per program: 32 per thread at 4 warps, one round of vector loads
-INT32_MAX = 2**31 - 1
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
