@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 import torch
@@ -277,6 +278,11 @@ def test_an_abandoned_demand_job_asked_for_again_as_prefetch_does_not_stall_the_
         first.result(10)
         assert again.result(10).entry.key == "img"
         assert vision.batches == [["first"], ["img"]]
+        # The result is out before the tower thread closes its batch's books: give it that moment (the
+        # old bug kept the job queued and the tower looping, so this would run out).
+        deadline = time.monotonic() + 10
+        while (worker.stalled_for_s() or worker.queued()) and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert worker.stalled_for_s() == 0.0 and worker.queued() == 0
 
 
