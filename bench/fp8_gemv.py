@@ -51,7 +51,8 @@ def _copies(nbytes: int, l2: int) -> int:
 
 def _config_name(config) -> str:
     kw = config.kwargs
-    return (f"n{kw['BLOCK_N']}k{kw['BLOCK_K']}s{kw['SPLIT_K']}w{config.num_warps}st{config.num_stages}"
+    form = f"p{kw['PROGRAMS_PER_SM']}" if kw.get("PROGRAMS_PER_SM") else f"s{kw['SPLIT_K']}"  # stream-K: p
+    return (f"n{kw['BLOCK_N']}k{kw['BLOCK_K']}{form}w{config.num_warps}st{config.num_stages}"
             f"{'-swap' if kw.get('SWAP_AB') else ''}")
 
 

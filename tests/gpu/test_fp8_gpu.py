@@ -88,15 +88,15 @@ def test_split_k_autotuned_per_channel(m, n, k, bias):
 
 def _split_configs() -> list[dict]:
     try:
-        from decoder_svc.model.quant.triton_fp8 import SPLIT_K_SHAPES
+        from decoder_svc.model.quant.triton_fp8 import split_k_configs
     except ImportError:  # no triton: the module is skipped anyway
         return []
-    return [dict(BLOCK_N=n, BLOCK_K=k, SPLIT_K=sk, num_warps=w, num_stages=st, SWAP_AB=bool(sw))
-            for n, k, sk, w, st, sw in SPLIT_K_SHAPES]
+    return [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in split_k_configs("1")]
 
 
 @pytest.mark.parametrize("config", _split_configs(),
-                         ids=lambda c: "n{BLOCK_N}k{BLOCK_K}s{SPLIT_K}w{num_warps}x{SWAP_AB:d}".format(**c))
+                         ids=lambda c: "n{BLOCK_N}k{BLOCK_K}s{SPLIT_K}p{}w{num_warps}x{SWAP_AB:d}".format(
+                             c.get("PROGRAMS_PER_SM", 0), **c))
 @pytest.mark.parametrize("m", [3, 33])
 @pytest.mark.parametrize("n, k", [(1000, 352), (4096, 4096)])
 def test_split_k_every_config(config, m, n, k):

@@ -125,3 +125,66 @@ def test_swapped_product_takes_bf16_activations_and_saturates_beyond_fp16():
     clamped = big.clone()
     clamped[1, 5] = t.FP16_LIMIT.value
     torch.testing.assert_close(out.float(), _reference(clamped, q, scale, block, None), rtol=2**-7, atol=1e-2)
+
+
+def _parts_per_tile(n_blocks: int, k_tiles: int, programs: int) -> list[int]:
+    """How many programs' runs meet each output tile in the stream-K form (the kernel's arithmetic)."""
+    run = -(-n_blocks * k_tiles // programs)
+    return [((b + 1) * k_tiles - 1) // run - (b * k_tiles) // run + 1 for b in range(n_blocks)]
+
+
+@pytest.mark.parametrize("n, k", [(4096, 4096), (22016, 4096), (4096, 11008), (12288, 4096), (70, 200),
+                                  (33, 4096), (1000, 352)])
+@pytest.mark.parametrize("block_n, block_k", [(64, 128), (128, 128), (64, 256)])
+@pytest.mark.parametrize("per_sm", [1, 2, 3])
+def test_stream_k_grid_keeps_every_tile_within_the_workspace(n, k, block_n, block_k, per_sm):
+    programs = t.stream_k_programs(n, k, block_n, block_k, per_sm)
+    n_blocks, k_tiles = -(-n // block_n), -(-k // block_k)
+    assert 1 <= programs <= min(per_sm * t._sms(), n_blocks * k_tiles)
+    assert max(_parts_per_tile(n_blocks, k_tiles, programs)) <= t.MAX_STREAM_PARTS.value
+
+
+def _stream_config(block_n: int, block_k: int, swap: bool, per_sm: int = 1) -> dict:
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": 1, "SWAP_AB": swap, "PROGRAMS_PER_SM": per_sm}
+
+
+# Programs = per_sm x SMs (patched): 1 program holds every tile whole; 2, 5 and 7 programs cut tiles'
+# K ranges in different places (K = 200 is 7 K blocks of 32, the last 8 wide; n = 70 is 3 N blocks,
+# the last 6 wide), 21 programs give every tile to 7 programs, and K = 630 (20 K blocks) over 20 programs
+# gives one tile to MAX_STREAM_PARTS = 8.
+@pytest.mark.parametrize("k, sms, most_parts", [(200, 1, 1), (200, 2, 2), (200, 5, 3), (200, 7, 3),
+                                                (200, 21, 7), (630, 20, 8)])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("m, bias", [(3, True), (17, False)])
+def test_stream_k_matches_reference(monkeypatch, k, sms, most_parts, swap, m, bias):
+    monkeypatch.setattr(t, "_sms", lambda: sms)
+    n = 70
+    x, q, scale, b = _case(m, n, k, torch.float16, bias, seed=sms * 10 + m)
+    config = _stream_config(32, 32, swap)
+    assert max(_parts_per_tile(3, -(-k // 32), t.stream_k_programs(n, k, 32, 32, 1))) == most_parts
+    out = t.split_k_fp8(x, q, scale, per_channel_block(k), b, config=config)
+    _close(out, _reference(x, q, scale, per_channel_block(k), b))
+    assert not t._counters[torch.device(DEVICE)].any()  # every tile's last program reset its counter
+    assert torch.equal(out, t.split_k_fp8(x, q, scale, per_channel_block(k), b, config=config))
+
+
+def test_stream_k_block_scaled_matches_reference(monkeypatch):
+    monkeypatch.setattr(t, "_sms", lambda: 4)
+    n, k, block = 70, 192, ScaleBlock(32, 64)
+    gen = torch.Generator().manual_seed(6)
+    q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).to(DEVICE)
+    scale = (torch.rand(block.grid(n, k), generator=gen) * 1e-2 + 1e-3).to(DEVICE)
+    x = torch.randn(5, k, generator=gen).to(torch.float16).to(DEVICE)
+    for swap in (False, True):
+        out = t.split_k_fp8(x, q, scale, block, None, config=_stream_config(32, 32, swap))
+        _close(out, _reference(x, q, scale, block, None))
+
+
+def test_stream_k_configs_are_offered_and_checked():
+    stream = [c for c in t.split_k_configs() if c.kwargs.get("PROGRAMS_PER_SM")]
+    assert stream and all(c.kwargs["THREADS"] == 32 * c.num_warps for c in stream)
+    assert all(t._workspace_depth(c.kwargs) == t.MAX_STREAM_PARTS.value for c in stream)
+    x, q, scale, _ = _case(4, 40, 64, torch.float16, False, seed=3)
+    with pytest.raises(ValueError, match="THREADS"):
+        t.split_k_fp8(x, q, scale, per_channel_block(64), None,
+                      config={**_stream_config(32, 32, False), "THREADS": 64, "num_warps": 4})
