@@ -53,62 +53,74 @@ WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16)
 
 
 @gluon.jit
-def _fetch_weights(w_desc, x_desc, w_tiles, ready, n0, stage, tile, num_tiles):
-    # Ask the TMA for weight tile `tile` (of this program's rows) into ring stage `stage`, whose barrier
-    # then waits for the tile's weight and activation bytes both; past the last tile it asks nothing.
+def _fetch_weights(w_desc, x_desc, w_tiles, ready, n0, stage, step, num_steps, BOXES: gl.constexpr):
+    # Ask the TMA for step `step`'s BOXES weight tiles (of this program's rows, consecutive along K) into
+    # ring stage `stage`, whose barrier then waits for their weight and activation bytes; past the last
+    # step it asks nothing.
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
-    wanted = tile < num_tiles
-    mbarrier.expect(ready.index(stage), w_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=wanted)
-    tma.async_copy_global_to_shared(w_desc, [n0, tile * BLOCK_K], ready.index(stage), w_tiles.index(stage),
-                                    pred=wanted)
+    wanted = step < num_steps
+    mbarrier.expect(ready.index(stage), BOXES * (w_desc.block_type.nbytes + x_desc.block_type.nbytes),
+                    pred=wanted)
+    for box in gl.static_range(BOXES):
+        tma.async_copy_global_to_shared(w_desc, [n0, (step * BOXES + box) * BLOCK_K], ready.index(stage),
+                                        w_tiles.index(stage * BOXES + box), pred=wanted)
 
 
 @gluon.jit
-def _fetch_activations(x_desc, x_tiles, ready, stage, tile, num_tiles):
-    # The activations of tile `tile` into the same stage (a 512-byte copy, read from L2).
+def _fetch_activations(x_desc, x_tiles, ready, stage, step, num_steps, BOXES: gl.constexpr):
+    # The activations of step `step` into the same stage (512-byte copies, read from L2).
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
-    tma.async_copy_global_to_shared(x_desc, [tile * BLOCK_K], ready.index(stage), x_tiles.index(stage),
-                                    pred=tile < num_tiles)
+    for box in gl.static_range(BOXES):
+        tma.async_copy_global_to_shared(x_desc, [(step * BOXES + box) * BLOCK_K], ready.index(stage),
+                                        x_tiles.index(stage * BOXES + box), pred=step < num_steps)
 
 
 @gluon.jit
 def _stream_gemv_kernel(w_desc, x_desc, scale_ptr, bias_ptr, out_ptr, N, K,
                         W_SCALED: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
-                        VEC: gl.constexpr, THREADS_K: gl.constexpr, WARPS: gl.constexpr):
+                        VEC: gl.constexpr, THREADS_K: gl.constexpr, WARPS: gl.constexpr,
+                        BOXES: gl.constexpr = 1):
+    # A ring stage holds BOXES tiles along K (the launch checks that they divide K's tiles): one wait,
+    # barrier and refill per BOXES tiles.
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // THREADS_K, THREADS_K], [WARPS, 1], [1, 0])
     n0 = gl.program_id(0) * BLOCK_N
-    num_tiles = gl.cdiv(K, BLOCK_K)
+    num_steps = gl.cdiv(K, BLOCK_K) // BOXES
 
-    w_tiles = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    x_tiles = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_K], x_desc.layout)
+    w_tiles = gl.allocate_shared_memory(w_desc.dtype, [STAGES * BOXES, BLOCK_N, BLOCK_K], w_desc.layout)
+    x_tiles = gl.allocate_shared_memory(x_desc.dtype, [STAGES * BOXES, BLOCK_K], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for stage in gl.static_range(STAGES):
         mbarrier.init(ready.index(stage), count=1)
     # The ring's weights are asked for before waiting for the kernel before (weights are never written:
     # pdl.py), its activations after.
     for stage in gl.static_range(STAGES):
-        _fetch_weights(w_desc, x_desc, w_tiles, ready, n0, stage, stage, num_tiles)
+        _fetch_weights(w_desc, x_desc, w_tiles, ready, n0, stage, stage, num_steps, BOXES)
     wait_for_inputs()
     for stage in gl.static_range(STAGES):
-        _fetch_activations(x_desc, x_tiles, ready, stage, stage, num_tiles)
+        _fetch_activations(x_desc, x_tiles, ready, stage, stage, num_steps, BOXES)
 
     acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
-    for t in range(num_tiles):
+    for t in range(num_steps):
         slot = t % STAGES
         mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-        w = w_tiles.index(slot).load(layout)
-        x = x_tiles.index(slot).load(gl.SliceLayout(0, layout))
+        w = w_tiles.index(slot * BOXES).load(layout)
+        x = x_tiles.index(slot * BOXES).load(gl.SliceLayout(0, layout))
+        if BOXES == 2:
+            w2 = w_tiles.index(slot * BOXES + 1).load(layout)
+            x2 = x_tiles.index(slot * BOXES + 1).load(gl.SliceLayout(0, layout))
         # Every warp holds its part of the stage before the TMA may overwrite it (the reads are the
         # generic proxy's, the copies the async proxy's: fence, then barrier). No global load is in
         # flight here, so the fence waits for nothing (activations read from global memory in the loop
         # made every iteration wait out an L2 round trip at this fence: measured, 0.45 us a tile).
         fence_async_shared()
         gl.thread_barrier()
-        _fetch_weights(w_desc, x_desc, w_tiles, ready, n0, slot, t + STAGES, num_tiles)
-        _fetch_activations(x_desc, x_tiles, ready, slot, t + STAGES, num_tiles)
+        _fetch_weights(w_desc, x_desc, w_tiles, ready, n0, slot, t + STAGES, num_steps, BOXES)
+        _fetch_activations(x_desc, x_tiles, ready, slot, t + STAGES, num_steps, BOXES)
         acc += w.to(gl.float32) * x.to(gl.float32)[None, :]
+        if BOXES == 2:
+            acc += w2.to(gl.float32) * x2.to(gl.float32)[None, :]
     release_dependents()  # the next product may start filling its ring while this one ends
     for stage in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(stage))
@@ -125,27 +137,35 @@ def _stream_gemv_kernel(w_desc, x_desc, scale_ptr, bias_ptr, out_ptr, N, K,
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """Rows per program, ring stages and warps (the tile is BLOCK_N rows of ROW_BYTES)."""
+    """Rows per program, ring stages, warps, and tiles per stage (the tile is BLOCK_N rows of ROW_BYTES;
+    a stage of `boxes` tiles consecutive along K takes one wait, barrier and refill)."""
 
     block_n: int
     stages: int
     warps: int
+    boxes: int = 1
 
     @property
     def name(self) -> str:
-        """n<rows>st<stages>w<warps>, as benchmarks report it."""
-        return f"n{self.block_n}st{self.stages}w{self.warps}"
+        """n<rows>st<stages>w<warps>[b<boxes>], as benchmarks report it."""
+        return f"n{self.block_n}st{self.stages}w{self.warps}" + (f"b{self.boxes}" if self.boxes > 1 else "")
 
     def fits(self) -> bool:
         """Whether the warps' register layout covers the tile without repeating rows."""
-        return self.block_n >= (32 // (ROW_BYTES // 16)) * self.warps
+        return self.block_n >= (32 // (ROW_BYTES // 16)) * self.warps and self.boxes in (1, 2)
+
+    def takes(self, weight: torch.Tensor) -> bool:
+        """Whether a weight's K tiles come in whole stages (a stage of two tiles needs an even count)."""
+        return -(-weight.shape[1] * weight.element_size() // ROW_BYTES) % self.boxes == 0
 
 
-# Shared memory per program is stages x block_n x 256 bytes plus the activations (16-34 KB): several
-# programs fit on an SM. The three that won on the H200 for llava-1.5-7b's four matrices, FP8 and bf16
+# Shared memory per program is stages x boxes x block_n x 256 bytes plus the activations: several
+# programs fit on an SM. The first three won on the H200 for llava-1.5-7b's four matrices, FP8 and bf16
 # (bench.fp8_gemv): of n8 / n16 / n32 / n64 rows, 4 / 6 / 8 stages, 4 / 8 warps, more stages or warps
-# never won (each iteration's wait, barrier and refill, not the bytes in flight, bound a program).
-CONFIGS = (StreamConfig(16, 4, 4), StreamConfig(16, 8, 4), StreamConfig(32, 4, 4))
+# never won (each iteration's wait, barrier and refill, not the bytes in flight, bound a program). The
+# two-tile stages halve those per byte at the same programs per matrix; offered to `choose`, not yet timed.
+CONFIGS = (StreamConfig(16, 4, 4), StreamConfig(16, 8, 4), StreamConfig(32, 4, 4), StreamConfig(16, 4, 4, 2),
+           StreamConfig(32, 3, 4, 2))
 
 
 @dataclass(frozen=True)
@@ -207,10 +227,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     n, k = weight.shape
     if x.data_ptr() % 16:  # the TMA reads from 16-byte aligned addresses only (a row sliced off a buffer)
         x = x.clone()
+    if not config.takes(weight):
+        raise ValueError(f"{config.name} streams {config.boxes} tiles a stage: K = {k} is not whole stages")
     _stream_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         *_descriptors(x, weight, config.block_n), x if scale is None else scale, x if bias is None else bias,
         out, n, k, W_SCALED=scale is not None, HAS_BIAS=bias is not None, STAGES=config.stages,
-        VEC=16 // weight.element_size(), THREADS_K=ROW_BYTES // 16, WARPS=config.warps,
+        VEC=16 // weight.element_size(), THREADS_K=ROW_BYTES // 16, WARPS=config.warps, BOXES=config.boxes,
         num_warps=config.warps, **launch_options())
     return out
 
@@ -229,7 +251,7 @@ def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     key = StreamKey(*weight.shape, weight.dtype, scale is not None, bias is not None, rival_name)
     if key in CHOICES:
         return CHOICES[key].config
-    candidates = [c for c in CONFIGS if c.fits()]
+    candidates = [c for c in CONFIGS if c.fits() and c.takes(weight)]
     if torch.cuda.is_current_stream_capturing():
         return None if rival is not None else candidates[0]
     from decoder_svc.model.decode_gemv import graph_time_us

@@ -46,9 +46,9 @@ for dtype, bits in json.loads(sys.argv[1]).items():
         signature = {"w_desc": desc, "x_desc": x_desc, "scale_ptr": "*fp32", "bias_ptr": "*bf16",
                      "out_ptr": "*bf16", "N": "i32", "K": "i32", "W_SCALED": "constexpr",
                      "HAS_BIAS": "constexpr", "STAGES": "constexpr", "VEC": "constexpr",
-                     "THREADS_K": "constexpr", "WARPS": "constexpr"}
+                     "THREADS_K": "constexpr", "WARPS": "constexpr", "BOXES": "constexpr"}
         constants = {"W_SCALED": bits == 8, "HAS_BIAS": True, "STAGES": c.stages, "VEC": 128 // bits,
-                     "THREADS_K": sg.ROW_BYTES // 16, "WARPS": c.warps}
+                     "THREADS_K": sg.ROW_BYTES // 16, "WARPS": c.warps, "BOXES": c.boxes}
         attrs = {(i,): [["tt.divisibility", 16]] for i in (2, 3, 4)}
         k = triton.compile(GluonASTSource(sg._stream_gemv_kernel, signature, constants, attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": c.warps})
@@ -79,17 +79,29 @@ def test_every_config_fits_its_tile():
     assert len({c.name for c in stream_gemv.CONFIGS}) == len(stream_gemv.CONFIGS)
 
 
+def test_two_tile_stages_take_weights_of_whole_stages_only():
+    two = stream_gemv.StreamConfig(16, 4, 4, boxes=2)
+    fp8 = torch.empty(16, 4096, dtype=torch.float8_e4m3fn)  # 16 tiles of 256 bytes
+    assert two.takes(fp8) and two.takes(torch.empty(16, 11008, dtype=torch.bfloat16))  # 86 tiles
+    assert not two.takes(torch.empty(16, 11008, dtype=torch.float8_e4m3fn))  # 43 tiles
+    assert not two.takes(torch.empty(16, 4144, dtype=torch.float8_e4m3fn))  # 17 tiles, the last partial
+    assert stream_gemv.StreamConfig(16, 4, 4).takes(torch.empty(16, 4144, dtype=torch.float8_e4m3fn))
+    assert not stream_gemv.StreamConfig(16, 4, 4, boxes=3).fits()
+
+
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("config", stream_gemv.CONFIGS, ids=lambda c: c.name)
 def test_compiles_for_hopper_with_tma_copies_and_the_wait_between_weights_and_activations(
         compiled, config, dtype):
     kernel = compiled[f"{config.name}-{dtype}"]
-    assert kernel["shared"] >= config.stages * config.block_n * stream_gemv.ROW_BYTES  # the ring
+    assert kernel["shared"] >= config.stages * config.boxes * config.block_n * stream_gemv.ROW_BYTES  # the ring
     ptx = kernel["ptx"]
     weights = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor\.2d", ptx)]
     activations = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor\.1d", ptx)]
-    # The ring's first round (unrolled) and the loop's refill, of weights and of activations.
-    assert len(weights) == len(activations) == config.stages + 1
+    # The ring's first round (unrolled) and the loop's refill, of weights and of activations, a copy per
+    # tile of a stage; one wait a stage.
+    assert len(weights) == len(activations) == config.boxes * (config.stages + 1)
+    assert ptx.count("mbarrier.try_wait") == 1
     wait = ptx.index("griddepcontrol.wait")
     assert all(c < wait for c in weights[:config.stages]) and min(activations) > wait
     loop = ptx[ptx.index("mbarrier.try_wait"):ptx.index("griddepcontrol.launch_dependents")]
