@@ -94,7 +94,8 @@ def test_two_tile_stages_take_weights_of_whole_stages_only():
 def test_compiles_for_hopper_with_tma_copies_and_the_wait_between_weights_and_activations(
         compiled, config, dtype):
     kernel = compiled[f"{config.name}-{dtype}"]
-    assert kernel["shared"] >= config.stages * config.boxes * config.block_n * stream_gemv.ROW_BYTES  # the ring
+    ring = config.stages * config.boxes * config.block_n * stream_gemv.ROW_BYTES
+    assert kernel["shared"] >= ring
     ptx = kernel["ptx"]
     weights = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor\.2d", ptx)]
     activations = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor\.1d", ptx)]
