@@ -35,7 +35,7 @@ import triton.language as tl
 
 from decoder_svc.model.attention import AttentionBackend, AttentionMetadata, Rotary
 from decoder_svc.model.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
-from decoder_svc.model.triton_kv_store import check_kv, rotary_store_kv, store_kv
+from decoder_svc.model.triton_kv_store import check_kv, rotary_store_kv, store_kv, store_rotated_kv
 from decoder_svc.model.triton_ops import RotaryLaunch, cos_sin_halves, rotate_pair
 
 _LOG2E = 1.4426950408889634
@@ -87,12 +87,8 @@ def _store_rotated_key(new_k_ptr, new_v_ptr, k_cache_ptr, v_cache_ptr, slot, tok
     k2 = tl.load(k_row + half + dh, mask=dh < half, other=0.0)
     v = tl.load(new_v_ptr + token * stride_nvt + kv_head * stride_nvh + d, mask=d < HEAD_DIM, other=0.0)
     k1, k2 = rotate_pair(k1, k2, cos, sin, new_k_ptr.dtype.element_ty)
-    keep = slot >= 0
-    at = tl.where(keep, slot, 0)
-    dst = (at // PAGE) * stride_cb + (at % PAGE) * stride_cr + kv_head * stride_ch
-    tl.store(k_cache_ptr + dst + dh, k1, mask=(dh < half) & keep)
-    tl.store(k_cache_ptr + dst + half + dh, k2, mask=(dh < half) & keep)
-    tl.store(v_cache_ptr + dst + d, v, mask=(d < HEAD_DIM) & keep)
+    store_rotated_kv(k_cache_ptr, v_cache_ptr, slot, kv_head, k1, k2, v, dh < half, d < HEAD_DIM, dh, d, half,
+                     PAGE, stride_cb, stride_cr, stride_ch)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])

@@ -43,6 +43,21 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_siz
 
 
 @triton.jit
+def store_rotated_kv(k_cache_ptr, v_cache_ptr, slot, heads, k1, k2, v, halves, whole, dh, d, half, block_size,
+                     stride_cb, stride_cr, stride_ch):
+    """Store rotated key halves k1, k2 (at dims dh and half + dh, where `halves`) and the value v (at dims d,
+    where `whole`) of `heads` at cache `slot`; a slot < 0 (a graph's padded row) stores nothing. Returns
+    (the heads' offset in the cache, whether the slot is kept) for stores of further dims."""
+    keep = slot >= 0
+    at = tl.where(keep, slot, 0)
+    dst = (at // block_size) * stride_cb + (at % block_size) * stride_cr + heads * stride_ch
+    tl.store(k_cache_ptr + dst + dh, k1, mask=halves & keep)
+    tl.store(k_cache_ptr + dst + half + dh, k2, mask=halves & keep)
+    tl.store(v_cache_ptr + dst + d, v, mask=whole & keep)
+    return dst, keep
+
+
+@triton.jit
 def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                             block_size, q_s_tok, q_s_head, k_s_tok, k_s_head, v_s_tok, v_s_head,
                             cos_sin_stride, stride_cb, stride_cr, stride_ch,
@@ -87,13 +102,9 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_p
     tl.store(q1_ptrs, q1, mask=q_halves)
     tl.store(q2_ptrs, q2, mask=q_halves)
     k1, k2 = rotate_pair(k1, k2, cos, sin, dtype)
-    keep = slot >= 0
-    at = tl.where(keep, slot, 0)
-    dst = (at // block_size) * stride_cb + (at % block_size) * stride_cr + heads * stride_ch
-    tl.store(k_cache_ptr + dst + d, k1, mask=halves & keep)
-    tl.store(k_cache_ptr + dst + half + d, k2, mask=halves & keep)
+    dst, keep = store_rotated_kv(k_cache_ptr, v_cache_ptr, slot, heads, k1, k2, v, halves, whole, d, e, half,
+                                 block_size, stride_cb, stride_cr, stride_ch)
     tl.store(k_cache_ptr + dst + e, k_rest, mask=rest & keep)
-    tl.store(v_cache_ptr + dst + e, v, mask=whole & keep)
 
 
 def check_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
