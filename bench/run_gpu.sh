@@ -360,7 +360,7 @@ if [[ ",$SECTIONS," == *,decode,* ]]; then
       [ "$prof" = 0 ] && continue
       IFS=: read -r q b pdl sk <<< "$prof"
       [ "$q" = 1 ] && q=none
-      step "profile_step_${fam}_${q}_${b:-1}${pdl:+_pdl-$pdl}${sk:+_streamk-$sk}" 120 \
+      step "profile_step_${fam}_${q}_${b:-1}${pdl:+_pdl-$pdl}${sk:+_streamk-$sk}" 150 \
         env MMSERVE_PDL="${pdl:-1}" MMSERVE_FP8_STREAM_K="${sk:-1}" "$PY" -m bench.profile_step \
         --model "$DMODEL" "${DT[@]}" --batch "${b:-1}" --steps 32 --quantization "$q" --load-format "$LF"
     done
