@@ -126,15 +126,21 @@ def test_split_k_block_scaled_autotuned(m):
     _check(weight_only_fp8(x, q, scale, block, None), _reference(x, q, scale, block, None), 5e-3)
 
 
+# A split-K config and a stream-K one (a grid of 2 programs per SM, tiles shared by up to 8 of them).
+FORCED = {"split": dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4),
+          "stream": dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, PROGRAMS_PER_SM=2, num_warps=4, num_stages=4)}
+
+
+@pytest.mark.parametrize("form", sorted(FORCED))
 @pytest.mark.parametrize("m", [4, 32])
-def test_split_k_in_cuda_graph_is_deterministic(m):
+def test_split_k_in_cuda_graph_is_deterministic(m, form):
     """Captured in a CUDA graph (workspace from the caching allocator, counters reset by the kernel), the
     replays compute the eager results for new inputs, bit for bit, several products per graph."""
     from decoder_svc.model.quant.triton_fp8 import split_k_fp8, weight_only_fp8
 
     shapes = [(4096, 4096), (1000, 352), (12288, 4096)]
     cases = [_per_channel_case(m, n, k, True, 10 + i) for i, (n, k) in enumerate(shapes)]
-    forced = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4)
+    forced = FORCED[form]
 
     def step():
         outs = [weight_only_fp8(x, q, s, per_channel_block(q.shape[1]), b) for x, q, s, b in cases]
@@ -158,12 +164,14 @@ def test_split_k_in_cuda_graph_is_deterministic(m):
     _check(captured[0], _reference(x, q, s, per_channel_block(q.shape[1]), b), 5e-3)
 
 
-def test_a_chain_of_split_k_products_in_a_cuda_graph_reads_each_input_after_it_is_written():
+@pytest.mark.parametrize("form", ["autotuned", "stream"])
+def test_a_chain_of_split_k_products_in_a_cuda_graph_reads_each_input_after_it_is_written(form):
     """The split-K kernel is launched early (pdl.py): each product of 32 rows starts before the one before
     has ended (its last programs still summing partials) and must wait before reading that one's output.
     A chain of 16 square products, each reading the last one's output (weights of unit gain, an RMS norm
-    every fourth), replayed in a graph with new inputs: the same bits as the chain run eagerly."""
-    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
+    every fourth), replayed in a graph with new inputs: the same bits as the chain run eagerly. Autotuned,
+    and forced to the stream-K form (whose programs release their successor only after their last tile)."""
+    from decoder_svc.model.quant.triton_fp8 import split_k_fp8, weight_only_fp8
     from decoder_svc.model.triton_ops import TritonOps
 
     cases = [_per_channel_case(32, 4096, 4096, i % 2 == 0, 40 + i) for i in range(4)]
@@ -174,7 +182,10 @@ def test_a_chain_of_split_k_products_in_a_cuda_graph_reads_each_input_after_it_i
             if i % 4 == 3:
                 x, _ = TritonOps.rms_norm(x, norm_w, 1e-6)
             _, q, scale, bias = cases[i % 4]
-            x = weight_only_fp8(x, q, scale, per_channel_block(4096), bias)
+            if form == "stream":
+                x = split_k_fp8(x, q, scale, per_channel_block(4096), bias, config=FORCED["stream"])
+            else:
+                x = weight_only_fp8(x, q, scale, per_channel_block(4096), bias)
         return x
 
     x = torch.randn(32, 4096, device=DEV, dtype=torch.bfloat16)
