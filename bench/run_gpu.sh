@@ -319,7 +319,9 @@ fi
 # Decode at the bandwidth limit (issue 40): batch-1 decode's weight products kernel by kernel (separate op +
 # cuBLAS / FP8 kernels against the fused one-row kernel, bench/decode_gemv.py, every family's shapes;
 # DECODE_GEMV=0 skips it), the FP8 products at 1-64 rows (bf16 cuBLAS, the earlier FP8 kernels, split-K:
-# bench/fp8_gemv.py with DECODE_FP8_GEMV_ARGS; DECODE_FP8_GEMV=0 skips it), then per preset decode tok/s at batch 1 and 32
+# bench/fp8_gemv.py with DECODE_FP8_GEMV_ARGS; DECODE_FP8_GEMV=0 skips it), decode attention alone with every key
+# tile / warps / stages / splits candidate when DECODE_ATTENTION=1 (bench/attention.py with DECODE_ATTENTION_ARGS),
+# then per preset decode tok/s at batch 1 and 32
 # in-process for each DECODE_RUNS entry QUANT:MODE[:ASYNC] (default "none:off none:auto": bf16 with the
 # fused products off, then measured at start-up; MODE is MMSERVE_DECODE_GEMV, QUANT the engine's
 # --quantization, ASYNC its --async-scheduling, default auto; each run its own process), a batch-1 step
@@ -334,6 +336,8 @@ if [[ ",$SECTIONS," == *,decode,* ]]; then
   [ "${DECODE_GEMV:-1}" = 1 ] && step decode_gemv 240 "$PY" -m bench.decode_gemv
   read -r -a FGARGS <<< "${DECODE_FP8_GEMV_ARGS:-}"
   [ "${DECODE_FP8_GEMV:-1}" = 1 ] && step fp8_gemv 300 "$PY" -m bench.fp8_gemv ${FGARGS[@]+"${FGARGS[@]}"}
+  read -r -a AARGS <<< "${DECODE_ATTENTION_ARGS:-}"
+  [ "${DECODE_ATTENTION:-0}" = 1 ] && step attention 300 "$PY" -m bench.attention ${AARGS[@]+"${AARGS[@]}"}
   LF=${DECODE_LOAD_FORMAT:-auto}
   for fam in ${DECODE_PRESETS:-llava-1.5-7b}; do
     DMODEL="/tmp/decode-$fam"

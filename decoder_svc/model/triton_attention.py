@@ -251,6 +251,21 @@ def row_tiles(max_query_len: int, h_per_kv: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class AttentionTiles:
+    """Keys per tile of the attention loop and the launch's warps and pipeline stages (bench.attention
+    sweeps them; `for_head_dim` is what the decoder launches)."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @staticmethod
+    def for_head_dim(head_dim: int) -> AttentionTiles:
+        """64 keys a tile up to head dim 128, 32 beyond (the tile's K and V stay in registers)."""
+        return AttentionTiles(64 if head_dim <= 128 else 32)
+
+
+@dataclass(frozen=True)
 class DecodeRotary:
     """A decode step's new keys and values, not yet rotated nor stored, with their rotary inputs:
     paged_attention then rotates q in registers and has each sequence's last-key program rotate its key
@@ -275,7 +290,8 @@ class DecodeRotary:
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     num_splits: int = 1, out: torch.Tensor | None = None,
-                    window: int | None = None, rotary: DecodeRotary | None = None) -> torch.Tensor:
+                    window: int | None = None, rotary: DecodeRotary | None = None,
+                    tiles: AttentionTiles | None = None) -> torch.Tensor:
     """Attention of every query row [tokens, heads, head_dim] over its sequence's paged K/V.
 
     num_splits > 1 divides each sequence's keys among that many programs (then merges them): worth it
@@ -283,7 +299,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     query at position p sees keys > p - window only; with meta.key_limits, row t sees keys up to
     key_limits[t] instead of up to its own position (both: p - window < key <= key_limits[t]).
     With `rotary` (decode steps, DecodeRotary.applies) q is unrotated and this step's keys and values
-    are not in the cache yet: the kernel rotates and stores them.
+    are not in the cache yet: the kernel rotates and stores them. `tiles` overrides the key tile, warps
+    and stages (benchmarks; default `AttentionTiles.for_head_dim`).
     """
     tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -310,6 +327,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
                                                  rotary.slot_mapping)
     else:  # unused stand-ins
         new_k, new_v, positions, table, slots = q, q, meta.seq_lens, q, meta.seq_lens
+    tiles = tiles or AttentionTiles.for_head_dim(head_dim)
     grid = (num_seqs if decode else tokens // block_q + num_seqs, kv_heads, num_splits)
     if num_splits > 1:
         part_acc = torch.empty(tokens * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device)
@@ -325,10 +343,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         new_k, new_v, positions, table, slots, new_k.stride(0), new_k.stride(1), new_v.stride(0),
         new_v.stride(1), table.stride(0), head_dim // 2,
         NUM_HEADS=num_heads, H_PER_KV=h_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if head_dim <= 128 else 32,
+        PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiles.block_n,
         SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None,
         HAS_LIMITS=limits is not None, DECODE=decode, ROTATE=rotary is not None,
-        BLOCK_HALF=max(head_dim // 2, 1), enable_fp_fusion=rotary is None, num_warps=4, num_stages=2,
+        BLOCK_HALF=max(head_dim // 2, 1), enable_fp_fusion=rotary is None, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
         **small_kernel_launch_options())
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](

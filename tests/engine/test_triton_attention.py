@@ -115,3 +115,20 @@ def test_decode_only_batches_find_their_rows_without_a_search(window, splits):
     out = paged_attention(q, kv_cache, meta, 0.25, num_splits=splits, window=window)
     torch.testing.assert_close(out[:6], ref[:6], rtol=1e-4, atol=1e-4)
     assert torch.equal(out[6:], torch.zeros_like(out[6:]))  # padding rows: no context, zeros
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 128])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["mixed", "long-decode"])
+def test_other_key_tiles_equal_reference(case, block_n):
+    """bench.attention sweeps the key tile (warps and stages too, which the interpreter ignores): each
+    tile size gives the reference's result, split or not."""
+    from decoder_svc.model.triton_attention import AttentionTiles
+
+    seq_lens, query_lens, heads, kv_heads, dim, page = case
+    q, k, v, kv_cache, meta = random_batch(seq_lens, query_lens, heads, kv_heads, dim, page, seed=block_n)
+    ref = TorchAttentionBackend().forward(q, k, v, kv_cache.clone(), meta, dim ** -0.5)
+    store_kv(k, v, kv_cache, meta.slot_mapping)
+    for splits in (1, 4):
+        out = paged_attention(q, kv_cache, meta, dim ** -0.5, num_splits=splits,
+                              tiles=AttentionTiles(block_n, num_warps=2, num_stages=3))
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
