@@ -61,7 +61,8 @@ def time_matrix(n: int, k: int, rows: Sequence[int], l2: int, dev: torch.device)
     from decoder_svc.model import stream_gemv
     from decoder_svc.model.decode_gemv import graph_time_us
     from decoder_svc.model.quant.fp8 import per_channel_block, quantize_per_channel
-    from decoder_svc.model.quant.triton_fp8 import _split_k, fp8_linear, scaled_mm_fp8, weight_only_fp8
+    from decoder_svc.model.quant.triton_fp8 import fp8_linear, scaled_mm_fp8, weight_only_fp8
+    from decoder_svc.model.quant.triton_split_k import _split_k
 
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
     q, scale = quantize_per_channel(w)

@@ -30,9 +30,9 @@ from decoder_svc.model import (  # noqa: E402
     triton_kv_store,
     triton_ops,
 )
-from decoder_svc.model.quant import triton_fp8  # noqa: E402
+from decoder_svc.model.quant import triton_fp8, triton_split_k  # noqa: E402
 
-PRODUCTS = [decode_gemv, triton_fp8, stream_gemv]
+PRODUCTS = [decode_gemv, triton_fp8, triton_split_k, stream_gemv]
 SMALL_KERNELS = {triton_ops: {"_rms_norm_kernel", "_gated_act_kernel", "_rotary_kernel"},
                  triton_attention: {"_paged_attention_kernel", "_merge_splits_kernel"},
                  triton_kv_store: {"_store_kv_kernel", "_rotary_store_kv_kernel"}}
