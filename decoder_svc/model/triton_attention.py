@@ -261,7 +261,8 @@ class AttentionTiles:
 
     @staticmethod
     def for_head_dim(head_dim: int) -> AttentionTiles:
-        """64 keys a tile up to head dim 128, 32 beyond (the tile's K and V stay in registers)."""
+        """64 keys a tile up to head dim 128, 32 beyond (a tile's K and V grow with the head dim), 4 warps,
+        2 stages: the decoder's launch."""
         return AttentionTiles(64 if head_dim <= 128 else 32)
 
 
