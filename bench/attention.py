@@ -4,7 +4,8 @@ the decoder's own launch and for every key-tile / warps / stages / splits candid
     python -m bench.attention [--families all|llava-1.5-7b|...] [--batches 1,8,32] [--contexts 128,1024,4096]
                               [--out attention.json]
 
-A decode step's attention reads every sequence's keys and values once: batch x context x KV heads x head dim x
+Heads first (the decoder's order) and by sequence (the order before) are both timed. A decode step's
+attention reads every sequence's keys and values once: batch x context x KV heads x head dim x
 2 (K, V) x 2 bytes, against the copy bandwidth measured in the same run. At short contexts the kernel's fixed
 cost (a program's dependent loads: its sequence length, its block table, then the tiles) is what shows; at
 long ones the bandwidth. Each case is timed as decode runs it (decode_gemv.graph_time_us): the launches back
@@ -52,10 +53,12 @@ class Case:
 
 def candidate_tiles(block_ns: Sequence[int] = (32, 64, 128), warps: Sequence[int] = (4, 8),
                     stages: Sequence[int] = (2, 3)) -> list:
-    """The key tiles, warps and stages swept beside the decoder's own choice."""
+    """The key tiles, warps and stages swept beside the decoder's own choice, heads first; and each key
+    tile at 4 warps and 2 stages with the programs ordered by sequence (the order before heads first)."""
     from decoder_svc.model.triton_attention import AttentionTiles
 
-    return [AttentionTiles(n, w, s) for n, w, s in itertools.product(block_ns, warps, stages)]
+    tiles = [AttentionTiles(n, w, s) for n, w, s in itertools.product(block_ns, warps, stages)]
+    return tiles + [AttentionTiles(n, 4, 2, heads_first=False) for n in block_ns]
 
 
 def _pool(case: Case, copies: int, dtype: torch.dtype, device: torch.device, seed: int):
@@ -108,7 +111,8 @@ def measure_case(case: Case, tiles: Sequence, device: torch.device, dtype: torch
     candidates = []
     for t, splits in itertools.product(tiles, _split_choices(backend, q, pools[0], meta)):
         got = launch(t, splits, pools[0])
-        cand = {"block_n": t.block_n, "num_warps": t.num_warps, "num_stages": t.num_stages, "splits": splits,
+        cand = {"block_n": t.block_n, "num_warps": t.num_warps, "num_stages": t.num_stages,
+                "heads_first": t.heads_first, "splits": splits,
                 "err": (got.float() - want.float()).abs().max().item()}
         if cuda:
             cand["us"] = _time([lambda p=p, t=t, s=splits: launch(t, s, p) for p in pools])
@@ -160,10 +164,11 @@ def run(args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - started
     print_table(f"decode attention (us, GB/s of K/V read), copy bandwidth {bandwidth / 1e9:.0f} GB/s",
                 ["family", "batch", "context", "splits", "us", "GB/s", "of copy", "best us", "best GB/s",
-                 "best (keys, warps, stages, splits)", "speed-up", "best err"],
+                 "best (keys, warps, stages, heads first, splits)", "speed-up", "best err"],
                 [[r["family"], r["batch"], r["context"], r["default_splits"], r["default_us"],
                   r["default_gbps"], r.get("default_of_copy"), r["best"]["us"], r["best_gbps"],
-                  "{block_n}, {num_warps}, {num_stages}, {splits}".format(**r["best"]), r["best_speedup"],
+                  "{block_n}, {num_warps}, {num_stages}, {heads_first:d}, {splits}".format(**r["best"]),
+                  r["best_speedup"],
                   r["best"]["err"]] for r in results])
     print(f"{elapsed:.0f} s (compiles included)")
     return save_result("attention", args, results, copy_bandwidth_bytes_per_s=bandwidth, l2_bytes=l2,

@@ -39,7 +39,9 @@ from decoder_svc.model.triton_kv_store import check_kv, rotary_store_kv, store_k
 from decoder_svc.model.triton_ops import RotaryLaunch, cos_sin_halves, rotate_pair
 
 _LOG2E = 1.4426950408889634
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 ROTATE_ENV = "MMSERVE_ROTATE_IN_ATTENTION"
+HEADS_FIRST = os.environ.get("MMSERVE_ATTENTION_HEADS_FIRST", "1") != "0"
 
 
 @triton.jit
@@ -102,11 +104,16 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIMITS: tl.constexpr,
     DECODE: tl.constexpr, ROTATE: tl.constexpr = False, BLOCK_HALF: tl.constexpr = 1,
+    HEADS_FIRST: tl.constexpr = False,
 ):
     wait_for_inputs()
     release_dependents()
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # the grid is (KV heads, q-blocks, splits): a sequence's heads run side by side
+        kv_head = tl.program_id(0)
+        q_block = tl.program_id(1)
+    else:
+        q_block = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE:
         # Every sequence has one query row, token i of sequence i (paged_attention checks the shapes): no
@@ -252,18 +259,25 @@ def row_tiles(max_query_len: int, h_per_kv: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class AttentionTiles:
-    """Keys per tile of the attention loop and the launch's warps and pipeline stages (bench.attention
-    sweeps them; `for_head_dim` is what the decoder launches)."""
+    """Keys per tile of the attention loop, the launch's warps and pipeline stages, and the programs'
+    order (bench.attention sweeps them; `for_head_dim` is what the decoder launches).
+
+    heads_first: the grid is (KV heads, q-blocks, splits), so the programs of one sequence's heads are
+    dispatched together. The cache is [blocks, page, KV heads, head dim]: one key's heads are one
+    contiguous row (8 KB at 32 heads of 128), so heads read side by side cover whole rows where programs
+    ordered by sequence read 256 bytes of each row at a time, rows of many sequences apart.
+    `MMSERVE_ATTENTION_HEADS_FIRST=0` dispatches by sequence (the order before; the A/B)."""
 
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    heads_first: bool = True
 
     @staticmethod
     def for_head_dim(head_dim: int) -> AttentionTiles:
         """64 keys a tile up to head dim 128, 32 beyond (a tile's K and V grow with the head dim), 4 warps,
         2 stages: the decoder's launch."""
-        return AttentionTiles(64 if head_dim <= 128 else 32)
+        return AttentionTiles(64 if head_dim <= 128 else 32, heads_first=HEADS_FIRST)
 
 
 @dataclass(frozen=True)
@@ -329,7 +343,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     else:  # unused stand-ins
         new_k, new_v, positions, table, slots = q, q, meta.seq_lens, q, meta.seq_lens
     tiles = tiles or AttentionTiles.for_head_dim(head_dim)
-    grid = (num_seqs if decode else tokens // block_q + num_seqs, kv_heads, num_splits)
+    q_blocks = num_seqs if decode else tokens // block_q + num_seqs
+    if tiles.heads_first and q_blocks > _MAX_GRID_Y:
+        raise ValueError(f"{q_blocks} query blocks exceed the grid's second dimension ({_MAX_GRID_Y})")
+    grid = (kv_heads, q_blocks, num_splits) if tiles.heads_first else (q_blocks, kv_heads, num_splits)
     if num_splits > 1:
         part_acc = torch.empty(tokens * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(tokens * num_heads * num_splits, 2, dtype=torch.float32, device=q.device)
@@ -347,8 +364,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiles.block_n,
         SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None,
         HAS_LIMITS=limits is not None, DECODE=decode, ROTATE=rotary is not None,
-        BLOCK_HALF=max(head_dim // 2, 1), enable_fp_fusion=rotary is None, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        BLOCK_HALF=max(head_dim // 2, 1), HEADS_FIRST=tiles.heads_first, enable_fp_fusion=rotary is None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **small_kernel_launch_options())
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](

@@ -21,6 +21,7 @@ def test_every_candidate_equals_the_reference(monkeypatch):
     splits = {c["splits"] for c in row["candidates"]}
     assert row["default_splits"] in splits and 1 in splits
     assert len(row["candidates"]) == len(tiles) * len(splits)
+    assert {t.heads_first for t in tiles} == {True, False}
     for c in row["candidates"]:
         assert c["ref_err"] < 1e-4 and c["err"] < 1e-4, c
 

@@ -143,19 +143,20 @@ out = {
                                    {"NUM_HEADS": 32, "H_PER_KV": 1, "HEAD_DIM": 128, "BLOCK_D": 128,
                                     "PAGE": 16, "BLOCK_M": 16, "BLOCK_Q": 16, "BLOCK_N": 64, "SPLIT": True,
                                     "IEEE": False, "HAS_WINDOW": False, "HAS_LIMITS": False,
-                                    "DECODE": True, "ROTATE": False, "BLOCK_HALF": 1}, 4),
+                                    "DECODE": True, "ROTATE": False, "BLOCK_HALF": 1,
+                                    "HEADS_FIRST": True}, 4),
     "_paged_attention_kernel, rotating a decode step": ptx(
         ta._paged_attention_kernel,
         {**meta, "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64"},
         {"NUM_HEADS": 28, "H_PER_KV": 7, "HEAD_DIM": 128, "BLOCK_D": 128, "PAGE": 16, "BLOCK_M": 16,
          "BLOCK_Q": 2, "BLOCK_N": 64, "SPLIT": True, "IEEE": False, "HAS_WINDOW": False, "HAS_LIMITS": False,
-         "DECODE": True, "ROTATE": True, "BLOCK_HALF": 64}, 4, enable_fp_fusion=False),
+         "DECODE": True, "ROTATE": True, "BLOCK_HALF": 64, "HEADS_FIRST": True}, 4, enable_fp_fusion=False),
     "_paged_attention_kernel, a mixed batch": ptx(
         ta._paged_attention_kernel, meta, {"NUM_HEADS": 28, "H_PER_KV": 7, "HEAD_DIM": 128, "BLOCK_D": 128,
                                            "PAGE": 16, "BLOCK_M": 64, "BLOCK_Q": 9, "BLOCK_N": 64,
                                            "SPLIT": False, "IEEE": False, "HAS_WINDOW": True,
                                            "HAS_LIMITS": True, "DECODE": False, "ROTATE": False,
-                                           "BLOCK_HALF": 1}, 4),
+                                           "BLOCK_HALF": 1, "HEADS_FIRST": True}, 4),
     "_merge_splits_kernel": ptx(ta._merge_splits_kernel, meta,
                                 {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 8}, 4),
 }

@@ -120,15 +120,15 @@ def test_decode_only_batches_find_their_rows_without_a_search(window, splits):
 @pytest.mark.parametrize("block_n", [16, 32, 128])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["mixed", "long-decode"])
 def test_other_key_tiles_equal_reference(case, block_n):
-    """bench.attention sweeps the key tile (warps and stages too, which the interpreter ignores): each
-    tile size gives the reference's result, split or not."""
+    """bench.attention sweeps the key tile (warps and stages too, which the interpreter ignores) and the
+    programs' order: each gives the reference's result, split or not, heads first or sequences first."""
     from decoder_svc.model.triton_attention import AttentionTiles
 
     seq_lens, query_lens, heads, kv_heads, dim, page = case
     q, k, v, kv_cache, meta = random_batch(seq_lens, query_lens, heads, kv_heads, dim, page, seed=block_n)
     ref = TorchAttentionBackend().forward(q, k, v, kv_cache.clone(), meta, dim ** -0.5)
     store_kv(k, v, kv_cache, meta.slot_mapping)
-    for splits in (1, 4):
-        out = paged_attention(q, kv_cache, meta, dim ** -0.5, num_splits=splits,
-                              tiles=AttentionTiles(block_n, num_warps=2, num_stages=3))
+    for splits, heads_first in ((1, True), (4, True), (1, False), (4, False)):
+        tiles = AttentionTiles(block_n, num_warps=2, num_stages=3, heads_first=heads_first)
+        out = paged_attention(q, kv_cache, meta, dim ** -0.5, num_splits=splits, tiles=tiles)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

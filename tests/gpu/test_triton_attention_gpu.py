@@ -50,6 +50,23 @@ def test_triton_matches_reference_on_gpu(shape, dtype, tol):
             assert _rel(out[real], ref[real]) < tol, (n, _rel(out[real], ref[real]))
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[4]], ids=["mixed", "decode32"])
+def test_heads_first_and_sequences_first_give_the_same_bits(shape):
+    """The programs' order (AttentionTiles.heads_first) changes when each program runs, not what it
+    computes: both orders write the same bits, split or not."""
+    from decoder_svc.model.triton_attention import AttentionTiles
+
+    seq_lens, query_lens, heads, kv_heads, dim, page = shape
+    q, k, v, cache, meta = random_batch(seq_lens, query_lens, heads, kv_heads, dim, page,
+                                        dtype=torch.bfloat16, device="cuda", seed=3)
+    store_kv(k, v, cache, meta.slot_mapping)
+    for n in (1, 4):
+        first, by_seq = (paged_attention(q, cache, meta, dim ** -0.5, num_splits=n,
+                                         tiles=AttentionTiles(64, heads_first=order))
+                         for order in (True, False))
+        assert torch.equal(first, by_seq), n
+
+
 def test_backend_splits_only_batches_of_few_programs():
     backend = TritonAttentionBackend()
     q, _, _, cache, meta = random_batch([100], [1], 32, 32, 128, 16, device="cuda")
