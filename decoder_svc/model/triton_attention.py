@@ -344,9 +344,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         new_k, new_v, positions, table, slots = q, q, meta.seq_lens, q, meta.seq_lens
     tiles = tiles or AttentionTiles.for_head_dim(head_dim)
     q_blocks = num_seqs if decode else tokens // block_q + num_seqs
-    if tiles.heads_first and q_blocks > _MAX_GRID_Y:
-        raise ValueError(f"{q_blocks} query blocks exceed the grid's second dimension ({_MAX_GRID_Y})")
-    grid = (kv_heads, q_blocks, num_splits) if tiles.heads_first else (q_blocks, kv_heads, num_splits)
+    heads_first = tiles.heads_first and q_blocks <= _MAX_GRID_Y  # else the q-blocks take the long axis
+    grid = (kv_heads, q_blocks, num_splits) if heads_first else (q_blocks, kv_heads, num_splits)
     if num_splits > 1:
         part_acc = torch.empty(tokens * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(tokens * num_heads * num_splits, 2, dtype=torch.float32, device=q.device)
@@ -364,7 +363,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiles.block_n,
         SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None,
         HAS_LIMITS=limits is not None, DECODE=decode, ROTATE=rotary is not None,
-        BLOCK_HALF=max(head_dim // 2, 1), HEADS_FIRST=tiles.heads_first, enable_fp_fusion=rotary is None,
+        BLOCK_HALF=max(head_dim // 2, 1), HEADS_FIRST=heads_first, enable_fp_fusion=rotary is None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **small_kernel_launch_options())
     if num_splits > 1:

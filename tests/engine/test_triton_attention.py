@@ -132,3 +132,15 @@ def test_other_key_tiles_equal_reference(case, block_n):
         tiles = AttentionTiles(block_n, num_warps=2, num_stages=3, heads_first=heads_first)
         out = paged_attention(q, kv_cache, meta, dim ** -0.5, num_splits=splits, tiles=tiles)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_more_query_blocks_than_the_grids_second_axis_takes_go_sequences_first(monkeypatch):
+    from decoder_svc.model import triton_attention
+
+    monkeypatch.setattr(triton_attention, "_MAX_GRID_Y", 2)  # CUDA's is 65535: a prefill of ~4M tokens
+    seq_lens, query_lens, heads, kv_heads, dim, page = CASES[2]
+    q, k, v, kv_cache, meta = random_batch(seq_lens, query_lens, heads, kv_heads, dim, page, seed=5)
+    ref = TorchAttentionBackend().forward(q, k, v, kv_cache.clone(), meta, dim ** -0.5)
+    store_kv(k, v, kv_cache, meta.slot_mapping)
+    out = paged_attention(q, kv_cache, meta, dim ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
