@@ -326,7 +326,7 @@ fi
 # fused products off, then measured at start-up; MODE is MMSERVE_DECODE_GEMV, QUANT the engine's
 # --quantization, ASYNC its --async-scheduling, default auto; each run its own process), a batch-1 step
 # profile per DECODE_PROFILE entry QUANT:BATCH[:PDL[:STREAMK]] (default none:1; 0: none; PDL is MMSERVE_PDL: 1, products, 0;
-# STREAMK is MMSERVE_FP8_STREAM_K: 1, 0, only), decode through gRPC for each DECODE_SERVED entry QUANT:ASYNC
+# STREAMK is MMSERVE_FP8_STREAM_K: 0, 1, only), decode through gRPC for each DECODE_SERVED entry QUANT:ASYNC
 # (bench.serve_decode --served-only, measured mode; default none: no served run), and FP8's accuracy for
 # the presets listed in DECODE_ACCURACY (bench.fp8_accuracy: agreement and KL). DECODE_PRESETS (default
 # llava-1.5-7b). Each model is deleted after its steps (disk) unless DECODE_KEEP_MODELS=1.
@@ -365,7 +365,7 @@ if [[ ",$SECTIONS," == *,decode,* ]]; then
       IFS=: read -r q b pdl sk <<< "$prof"
       [ "$q" = 1 ] && q=none
       step "profile_step_${fam}_${q}_${b:-1}${pdl:+_pdl-$pdl}${sk:+_streamk-$sk}" 150 \
-        env MMSERVE_PDL="${pdl:-1}" MMSERVE_FP8_STREAM_K="${sk:-1}" "$PY" -m bench.profile_step \
+        env MMSERVE_PDL="${pdl:-1}" MMSERVE_FP8_STREAM_K="${sk:-0}" "$PY" -m bench.profile_step \
         --model "$DMODEL" "${DT[@]}" --batch "${b:-1}" --steps 32 --quantization "$q" --load-format "$LF"
     done
     [[ " ${DECODE_ACCURACY:-} " == *" $fam "* ]] && step "fp8_accuracy_$fam" 120 "$PY" -m bench.fp8_accuracy \

@@ -182,7 +182,9 @@ def test_stream_k_block_scaled_matches_reference(monkeypatch):
 
 
 def test_stream_k_configs_are_offered_and_checked():
-    stream = [c for c in t.split_k_configs() if c.kwargs.get("PROGRAMS_PER_SM")]
+    assert not any(c.kwargs.get("PROGRAMS_PER_SM") for c in t.split_k_configs("0"))  # the default
+    assert all(c.kwargs.get("PROGRAMS_PER_SM") for c in t.split_k_configs("only"))
+    stream = [c for c in t.split_k_configs("1") if c.kwargs.get("PROGRAMS_PER_SM")]
     assert stream and all(c.kwargs["THREADS"] == 32 * c.num_warps for c in stream)
     assert all(t._workspace_depth(c.kwargs) == t.MAX_STREAM_PARTS.value for c in stream)
     x, q, scale, _ = _case(4, 40, 64, torch.float16, False, seed=3)

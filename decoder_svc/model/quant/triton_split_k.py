@@ -290,14 +290,17 @@ _MIN_BLOCK_N = min(shape[0] for shape in SPLIT_K_SHAPES + STREAM_K_SHAPES)
 _MAX_PROGRAMS_PER_SM = 8
 
 
-# MMSERVE_FP8_STREAM_K: "1" (default) offers the autotuner both forms, "0" the split-K form only, "only"
-# the stream-K form only (the A/B of bench.profile_step and bench.decode_tput).
-STREAM_K = os.environ.get("MMSERVE_FP8_STREAM_K", "1")
+# MMSERVE_FP8_STREAM_K: "0" (default) offers the autotuner the split-K form only, "1" both forms, "only"
+# the stream-K form only (the A/B of bench.profile_step and bench.fp8_gemv). Off by default: on the H200
+# (bench.fp8_gemv, llava-1.5-7b, 32 rows) every stream-K config lost to the best split-K one by 1.1-2.5x,
+# and each config offered is one more compile and timing per rows bucket at start-up.
+STREAM_K = os.environ.get("MMSERVE_FP8_STREAM_K", "0")
 
 
 def split_k_configs(stream_k: str | None = None) -> list[triton.Config]:
-    """The split-K kernel's configurations, both forms unless `stream_k` (default: MMSERVE_FP8_STREAM_K)
-    says "0" (split-K only) or "only" (stream-K only): the autotuner's set; tests run each explicitly."""
+    """The split-K kernel's configurations: split-K only for "0", both forms for "1", stream-K only for
+    "only" (`stream_k` defaults to MMSERVE_FP8_STREAM_K, itself "0"): the autotuner's set; tests run each
+    explicitly."""
     stream_k = STREAM_K if stream_k is None else stream_k
     split = [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk, "SWAP_AB": bool(sw)}, num_warps=w,
                            num_stages=st)
