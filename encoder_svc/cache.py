@@ -90,6 +90,9 @@ class Entry:
     salt: str = ""  # the cache_salt it was made under: only that salt may reach it
     grid: tuple[int, ...] = ()  # the image's (t, h, w) patch grid (Qwen-VL); () for fixed-size models
     timing: VideoTiming | None = None  # a video's group timestamps and seconds per group; None: an image
+    # Produced ahead for a request that asks for it next (a decoder's file sent ahead): that first ask is
+    # the one the tower ran for, so it is answered as a miss, not a hit.
+    awaiting_ask: bool = False
 
 
 @dataclass
@@ -114,6 +117,7 @@ class _Pending:
     salt: str
     video: bool = False
     waiters: list[_Waiter] = field(default_factory=list)
+    for_ask: bool = False  # see Entry.awaiting_ask
 
 
 @dataclass
@@ -187,7 +191,7 @@ class EmbeddingCache:
 
     def acquire(self, key: str, want_lease: bool = True, expected_nbytes: int | None = None,
                 produce: bool = True, salt: str = "", owner: str = "",
-                video: bool = False) -> tuple[cf.Future | None, bool]:
+                video: bool = False, for_ask: bool = False) -> tuple[cf.Future | None, bool]:
         """Get key's entry under salt: (future of a Handle, must_produce).
 
         A hit resolves at once. A key already being produced joins that production. Otherwise, with
@@ -203,6 +207,10 @@ class EmbeddingCache:
 
         `video` says which kind of input asks: an entry or production of the other kind (a video's hash
         given as an image's, or the reverse) is refused with EntryKindError, never handed out as this one.
+
+        `for_ask`: a production started here is on behalf of a request that asks for the key next (a
+        decoder's file sent ahead). That ask is answered as a miss (and counts no hit), whether it comes
+        before or after the entry is ready: the tower ran for it, however the two calls raced.
         """
         with self._lock:
             self._sweep_locked()
@@ -221,9 +229,9 @@ class EmbeddingCache:
                                      f"{'a video' if video else 'an image'} input takes only "
                                      f"{'a video' if video else 'an image'}'s hash")
             if entry is not None:
-                self.hits += 1
                 fut: cf.Future = cf.Future()
-                fut.set_result(self._handle_locked(entry, want_lease, hit=True, owner=owner))
+                fut.set_result(self._handle_locked(entry, want_lease, hit=self._first_ask_locked(entry),
+                                                   owner=owner))
                 return fut, False
             fut = cf.Future()
             if pending is not None:
@@ -235,7 +243,7 @@ class EmbeddingCache:
             if expected_nbytes is not None:
                 self._check_fits_locked(expected_nbytes)
             self.misses += 1
-            self._pending[key] = _Pending(salt, video, [_Waiter(fut, want_lease, owner)])
+            self._pending[key] = _Pending(salt, video, [_Waiter(fut, want_lease, owner)], for_ask=for_ask)
             return fut, True
 
     def lease(self, key: str, salt: str = "", owner: str = "") -> Handle | None:
@@ -246,8 +254,16 @@ class EmbeddingCache:
             entry = self._visible_locked(key, salt)
             if entry is None:
                 return None
-            self.hits += 1
-            return self._handle_locked(entry, True, hit=True, owner=owner)
+            return self._handle_locked(entry, True, hit=self._first_ask_locked(entry), owner=owner)
+
+    def _first_ask_locked(self, entry: Entry) -> bool:
+        """Whether an ask that found entry ready is a hit (counted): not when the entry was produced
+        ahead for this very ask (Entry.awaiting_ask, cleared here)."""
+        if entry.awaiting_ask:
+            entry.awaiting_ask = False
+            return False
+        self.hits += 1
+        return True
 
     def read(self, entry: Entry) -> torch.Tensor:
         """A typed view of entry in this process; on CUDA the current stream waits on its event.
@@ -313,8 +329,11 @@ class EmbeddingCache:
         # The producer's salt (from its acquire) goes with the entry; a complete() without an
         # acquire has no salt to give, so its entry is reachable with the empty salt only.
         salt = pending.salt if pending is not None else ""
+        # An ask that joined the production while it ran (Encodes lease; Prefetches never do) is told a
+        # miss below: nothing is left awaiting.
+        awaiting = pending is not None and pending.for_ask and not any(w.want_lease for w in pending.waiters)
         entry = Entry(key, offset, nbytes, tuple(tensor.shape), tensor.dtype, event, handle, salt=salt,
-                      grid=tuple(grid), timing=timing)
+                      grid=tuple(grid), timing=timing, awaiting_ask=awaiting)
         self._entries[key] = entry
         for waiter in pending.waiters if pending is not None else []:
             if waiter.future.cancelled():

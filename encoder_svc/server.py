@@ -359,16 +359,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 raise self._map_error(i, exc) from None
 
     def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int, salt: str,
-                 owner: str = "", pixels: ImageSettings | None = None) -> cf.Future:
+                 owner: str = "", pixels: ImageSettings | None = None, for_ask: bool = False) -> cf.Future:
         """The cache's future for key; a miss goes to the vision worker with image, which then owns (and
-        releases) the image's pixel slot. Any other outcome releases it here."""
+        releases) the image's pixel slot. Any other outcome releases it here. for_ask: see
+        EmbeddingCache.acquire."""
         try:
             # A hash-only image (image None) never produces: it finds an entry of its own salt or none.
             nbytes = self.vision.embedding_nbytes
             if image is not None:  # Qwen-VL, Phi-4-MM, Gemma 3's crops: the size follows the image
                 nbytes = image_nbytes(self.vision, image.height, image.width, pixels)
-            fut, produce = self.cache.acquire(key, want_lease, nbytes,
-                                              produce=image is not None, salt=salt, owner=owner)
+            fut, produce = self.cache.acquire(key, want_lease, nbytes, produce=image is not None, salt=salt,
+                                              owner=owner, for_ask=for_ask)
         # SaltClash: a hash collision; EntryKind: a video's hash given for an image
         except (CacheFullError, SaltClashError, ImageGeometryError, EntryKindError) as exc:
             _release_images([(key, image)])
@@ -385,13 +386,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         return fut
 
     def _acquire_video(self, index: int, key: str, job: VideoJob | None, want_lease: bool, priority: int,
-                       salt: str, owner: str = "") -> cf.Future:
+                       salt: str, owner: str = "", for_ask: bool = False) -> cf.Future:
         """_acquire for video `index`: its size is known from the header-derived grid, so a video that
         cannot fit fails before it is decoded; a miss goes to the vision worker as a VideoJob."""
         try:
             nbytes = self.vision.nbytes_for(job.plan.grid) if job is not None else None
             fut, produce = self.cache.acquire(key, want_lease, nbytes, produce=job is not None, salt=salt,
-                                              owner=owner, video=True)
+                                              owner=owner, video=True, for_ask=for_ask)
         except (CacheFullError, SaltClashError, EntryKindError) as exc:
             raise self._map_error(index, exc, "video") from None
         if produce:
@@ -503,12 +504,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         pending, items, videos = await self._registered_inputs(request, salt)
         accepted = 0
         # A decoder's files sent ahead belong to a request that has arrived: demand work (its batches
-        # replay the tower's CUDA graphs on the demand stream), not lookahead.
-        priority = DEMAND if request.needed_now else PREFETCH
+        # replay the tower's CUDA graphs on the demand stream), not lookahead; that request's own Encode
+        # of what they produce is answered as the miss it is, however it races them.
+        ahead = request.needed_now
+        priority = DEMAND if ahead else PREFETCH
         acquires = [(lambda i=i, key=key, image=image: self._acquire(
-            i, key, image, False, priority, salt, "", self._pixels(i, request.images[i])))
+            i, key, image, False, priority, salt, "", self._pixels(i, request.images[i]), for_ask=ahead))
             for i, (key, image) in enumerate(items)]
-        acquires += [functools.partial(self._acquire_video, i, key, job, False, priority, salt)
+        acquires += [functools.partial(self._acquire_video, i, key, job, False, priority, salt, for_ask=ahead)
                      for i, (key, job) in enumerate(videos)]
         try:
             for acquire in acquires:

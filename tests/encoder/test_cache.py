@@ -306,6 +306,41 @@ def test_prefetched_entry_leased_on_hit_is_pinned():
     _assert_pinned_then_evictable(cache, "p", h, 7, _arena_bytes(cache, h))
 
 
+@pytest.mark.parametrize("ask", ["after", "during", "lease"])
+def test_production_for_an_ask_answers_that_ask_as_a_miss(ask):
+    """A production started for a request that asks next (a decoder's file sent ahead, `for_ask`): that
+    ask is a miss however it races the production (joined while it runs, or found ready, by acquire or
+    by lease); the asks after it are hits. The production counts one miss and that ask no hit."""
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    fut, produce = cache.acquire("f", want_lease=False, for_ask=True)
+    assert produce
+    if ask == "during":
+        joined, produce = cache.acquire("f", produce=False)
+        assert not produce
+    cache.complete("f", _tensor(3))
+    if ask == "after":
+        joined, _ = cache.acquire("f", produce=False)
+    first = cache.lease("f") if ask == "lease" else joined.result(0)
+    assert not first.hit and first.lease_id
+    later, _ = cache.acquire("f", produce=False)
+    assert later.result(0).hit and cache.lease("f").hit
+    assert (cache.stats().hits, cache.stats().misses) == (2, 1)
+
+
+def test_production_for_an_ask_joined_by_another_prefetch_still_owes_one_miss():
+    """Two decoders sending the same file ahead share one production: one of their asks is the miss, the
+    other a hit. A production not made for an ask (lookahead's, a client's Prefetch) owes none."""
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    cache.acquire("f", want_lease=False, for_ask=True)
+    cache.acquire("f", want_lease=False, for_ask=True)  # joins
+    cache.complete("f", _tensor(4))
+    hits = [cache.acquire("f", produce=False)[0].result(0).hit for _ in range(2)]
+    assert hits == [False, True]
+    cache.acquire("g", want_lease=False)
+    cache.complete("g", _tensor(5))
+    assert cache.acquire("g", produce=False)[0].result(0).hit
+
+
 def test_prefetched_entry_leased_by_lease_call_is_pinned():
     """The same through `lease()` (the hash-only path): the new lease pins an unleased entry."""
     cache = EmbeddingCache(TensorArena(3 * ITEM))
