@@ -91,8 +91,9 @@ class Entry:
     grid: tuple[int, ...] = ()  # the image's (t, h, w) patch grid (Qwen-VL); () for fixed-size models
     timing: VideoTiming | None = None  # a video's group timestamps and seconds per group; None: an image
     # Produced ahead for a request that asks for it next (a decoder's file sent ahead): that first ask is
-    # the one the tower ran for, so it is answered as a miss, not a hit.
-    awaiting_ask: bool = False
+    # the one the tower ran for, so it is answered as a miss, not a hit, if it comes before this clock
+    # time (a lease's TTL after production: a later ask is not the one, which may never come). 0: none.
+    awaiting_ask_until: float = 0.0
 
 
 @dataclass
@@ -117,7 +118,7 @@ class _Pending:
     salt: str
     video: bool = False
     waiters: list[_Waiter] = field(default_factory=list)
-    for_ask: bool = False  # see Entry.awaiting_ask
+    for_ask: bool = False  # see Entry.awaiting_ask_until
 
 
 @dataclass
@@ -258,12 +259,10 @@ class EmbeddingCache:
 
     def _first_ask_locked(self, entry: Entry) -> bool:
         """Whether an ask that found entry ready is a hit (counted): not when the entry was produced
-        ahead for this very ask (Entry.awaiting_ask, cleared here)."""
-        if entry.awaiting_ask:
-            entry.awaiting_ask = False
-            return False
-        self.hits += 1
-        return True
+        ahead for this very ask (Entry.awaiting_ask_until, cleared here)."""
+        owed, entry.awaiting_ask_until = self._clock() < entry.awaiting_ask_until, 0.0
+        self.hits += int(not owed)
+        return not owed
 
     def read(self, entry: Entry) -> torch.Tensor:
         """A typed view of entry in this process; on CUDA the current stream waits on its event.
@@ -333,7 +332,8 @@ class EmbeddingCache:
         # miss below: nothing is left awaiting.
         awaiting = pending is not None and pending.for_ask and not any(w.want_lease for w in pending.waiters)
         entry = Entry(key, offset, nbytes, tuple(tensor.shape), tensor.dtype, event, handle, salt=salt,
-                      grid=tuple(grid), timing=timing, awaiting_ask=awaiting)
+                      grid=tuple(grid), timing=timing,
+                      awaiting_ask_until=self._clock() + self.lease_ttl_s if awaiting else 0.0)
         self._entries[key] = entry
         for waiter in pending.waiters if pending is not None else []:
             if waiter.future.cancelled():

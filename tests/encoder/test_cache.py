@@ -341,6 +341,17 @@ def test_production_for_an_ask_joined_by_another_prefetch_still_owes_one_miss():
     assert cache.acquire("g", produce=False)[0].result(0).hit
 
 
+def test_production_for_an_ask_owes_no_miss_past_a_lease_ttl():
+    """The request a file was sent ahead for may never ask (cancelled, or its KV was cached): an ask after
+    a lease's TTL is somebody else's, and a hit."""
+    clock = FakeClock()
+    cache = EmbeddingCache(TensorArena(4 * ITEM), lease_ttl_s=10.0, clock=clock)
+    cache.acquire("f", want_lease=False, for_ask=True)
+    cache.complete("f", _tensor(6))
+    clock.t = 10.0
+    assert cache.acquire("f", produce=False)[0].result(0).hit
+
+
 def test_prefetched_entry_leased_by_lease_call_is_pinned():
     """The same through `lease()` (the hash-only path): the new lease pins an unleased entry."""
     cache = EmbeddingCache(TensorArena(3 * ITEM))
