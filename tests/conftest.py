@@ -99,7 +99,26 @@ def qwen_images() -> list:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the modules that start services `slow` (tests/markers.py): `-m "not slow"` is the quick subset."""
+    """Mark the tests that start services `slow` (tests/markers.py): `-m "not slow"` is the quick subset."""
     from tests.markers import mark_slow
 
     mark_slow(items, str(config.rootpath) + "/")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests.markers import QuickTestGuard
+
+    config._mmserve_quick_guard = QuickTestGuard()
+    config._mmserve_quick_guard.install()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    guard = getattr(config, "_mmserve_quick_guard", None)
+    if guard is not None:
+        guard.uninstall()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Set before fixtures run: a module-scoped fixture starts its services in its first test's setup.
+    item.config._mmserve_quick_guard.current = item
