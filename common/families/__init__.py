@@ -1,7 +1,8 @@
 """Model families, one folder each (common/families/<name>/), through one typed interface
 (common/families/family.py, with the image layout of common/families/layout.py) and one registry
 (common/families/registry.py). To add a family: a folder declaring its FAMILY and holding its code
-(layout, maker, oracle, and its tower where it has its own), and its line in the registry."""
+(layout, maker, oracle, its language model's TextSpec in text.py, and its tower where it has its own), and
+its line in the registry."""
 
 from common.families.family import ModelFamily
 from common.families.registry import (

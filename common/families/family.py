@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from common.families.layout import ImageLayout
+    from common.families.text import TextSpec
 
 
 def load_attr(ref: str) -> Any:
@@ -45,6 +46,7 @@ class ModelFamily:
     maker: str                    # "module:function" writing a random checkpoint of one of those presets
     layout: str                   # "module:Class" of its ImageLayout (common/families/layout.py)
     oracle: str                   # "module:Class" running hf_class on a checkpoint (the tests' reference)
+    text: str                     # "module:TEXT": its TextSpec (text backbones, weight prefixes; text.py)
     # LoRA adapters the checkpoint carries in itself, by name (decoder_svc/model/lora/builtin.py reads
     # them: Phi-4-multimodal's "vision"); served in slots after the --lora-modules ones, chosen per request
     # by the layout's request_adapter.
@@ -60,6 +62,10 @@ class ModelFamily:
     def layout_class(self) -> type[ImageLayout]:
         """Its ImageLayout class (loads the text processor and reads a checkpoint's layout)."""
         return load_attr(self.layout)
+
+    def text_spec(self) -> TextSpec:
+        """Its language model's declaration (common/families/text.py)."""
+        return load_attr(self.text)
 
     def image_layout(self, model_dir: str | Path, config: dict[str, Any]) -> ImageLayout:
         """The image layout of its checkpoint in model_dir (config: its config.json); CheckpointError with

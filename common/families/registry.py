@@ -12,6 +12,7 @@ from common.families.llava import FAMILY as LLAVA
 from common.families.phi4mm import FAMILY as PHI4MM
 from common.families.qwen2_5_vl import FAMILY as QWEN2_5_VL
 from common.families.qwen3_vl import FAMILY as QWEN3_VL
+from common.families.text import TextBackbone
 
 FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL, GEMMA3, PHI4MM)
 # Folders whose FAMILY is declared but not served yet (each one's __init__ says what is missing): no
@@ -53,6 +54,37 @@ def layout_family(config: dict[str, Any]) -> ModelFamily:
     """The family whose layout reads a checkpoint's config (FALLBACK_LAYOUT_FAMILY for one no family
     claims, so that the refusal says why)."""
     return find_family(config) or FALLBACK_LAYOUT_FAMILY
+
+
+def text_backbones() -> list[TextBackbone]:
+    """Every served family's text backbones, each once (families share some), in registry order."""
+    found: list[TextBackbone] = []
+    for family in FAMILIES:
+        found += [b for b in family.text_spec().backbones if b not in found]
+    return found
+
+
+def text_backbone(model_type: str) -> TextBackbone | None:
+    """The backbone that reads a text config of this model_type (the first family's that declares it),
+    or None."""
+    return next((b for b in text_backbones() if model_type in b.model_types), None)
+
+
+def supported_text_model_types() -> list[str]:
+    """Every text config model_type some family's backbone reads."""
+    return [t for b in text_backbones() for t in b.model_types]
+
+
+def language_weight_prefixes() -> list[tuple[str, str]]:
+    """(checkpoint prefix, ours) of the language model's weights over every served family, each once, the
+    longest first so that the most specific prefix wins. One map for all checkpoints: a tensor name is
+    mapped the same way wherever it is read (the loader, LoRA adapters' module paths)."""
+    ours: dict[str, str] = {}
+    for family in FAMILIES:
+        for src, dst in family.text_spec().weight_prefixes:
+            if ours.setdefault(src, dst) != dst:
+                raise ValueError(f"weight prefix {src!r} is mapped to both {ours[src]!r} and {dst!r}")
+    return sorted(ours.items(), key=lambda pair: -len(pair[0]))
 
 
 def family_of_model(model_dir: str | Path) -> ModelFamily:

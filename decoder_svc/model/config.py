@@ -1,6 +1,6 @@
-"""The language model's shape, parsed from a Hugging Face text config (Llama, Mistral, Qwen2, Qwen3-VL,
-Gemma 3, Phi-4-multimodal's Phi-4-mini). Architectural differences are fields the shared layers read, not
-model-type branches there."""
+"""The language model's shape, parsed from a Hugging Face text config through the text backbone its
+model_type names (a family declares its backbones in its folder's text.py: common/families/text.py).
+Architectural differences are fields the shared layers read, not model-type branches there."""
 
 from __future__ import annotations
 
@@ -8,17 +8,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.checkpoint import CheckpointError
+from common.families.registry import supported_text_model_types, text_backbone
+from common.families.text import DEFAULT_TEXT_MODEL_TYPE, FULL, SLIDING, TextBackbone
 from decoder_svc.model.longrope import longrope_fields
 
-_SUPPORTED = {"llama", "mistral", "qwen2", "qwen2_5_vl_text", "qwen2_5_vl", "qwen3_vl_text", "qwen3_vl"}
-_QWEN2_LIKE = {"qwen2", "qwen2_5_vl_text", "qwen2_5_vl"}  # q/k/v biases, no o bias, an unused window
-_QWEN3_LIKE = {"qwen3_vl_text", "qwen3_vl"}  # RMSNorm on each head of q and k, an unused window
-_GEMMA3_LIKE = {"gemma3_text", "gemma3"}  # see _gemma3_fields
-PHI4_LIKE = {"phi4_multimodal"}  # Phi-4-mini layers: fused qkv and gate_up, partial rotary, LongRoPE
-_SUPPORTED |= _GEMMA3_LIKE | PHI4_LIKE
+__all__ = ["FULL", "SLIDING", "TextModelConfig"]
+
 _ROPE_TYPES = {"default", "linear", "llama3", "longrope"}
-_ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
-SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
 
 
 @dataclass(frozen=True)
@@ -42,23 +38,23 @@ class TextModelConfig:
     tie_word_embeddings: bool = False
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     sliding_window: int | None = None
-    # M-RoPE (Qwen2.5-VL): frequencies per (temporal, height, width) axis; empty for 1D rotary.
+    # M-RoPE: frequencies per (temporal, height, width) axis; empty for 1D rotary.
     mrope_section: tuple[int, ...] = ()
-    # Qwen3-VL: the axes take interleaved frequencies (t, h, w, t, h, w, ...) instead of three blocks.
+    # Interleaved M-RoPE: the axes take frequencies in turn (t, h, w, t, h, w, ...), not three blocks.
     mrope_interleaved: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary embedding
-    # Gemma 3 (all defaults are Llama's):
+    qk_norm: bool = False  # RMSNorm over each head of q and k before the rotary embedding
+    # All defaults below are Llama's; the backbones that differ set them (common/families/*/text.py).
     norm_unit_offset: bool = False  # norms scale by (1 + weight), the product in fp32 before the cast
     embed_scale: float | None = None  # embeddings times this (as a tensor in their dtype): sqrt(hidden)
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim ** -0.5)
     # Per layer, "sliding_attention" (keys within sliding_window of the query) or "full_attention"; empty:
-    # every layer full (a Mistral window is then served by capping the length at it, see max_model_len).
+    # every layer full (a window on every layer is then served by capping the length, see max_model_len).
     layer_types: tuple[str, ...] = ()
     local_rope_theta: float | None = None  # the sliding layers' rope base (default frequencies, no scaling)
     hidden_act: str = "silu"  # the MLP's gate activation: silu or gelu_pytorch_tanh
     sandwich_norms: bool = False  # norms after attention and after the MLP too, before the residual adds
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
-    # Partial rotary (Phi-4-mini: partial_rotary_factor 0.75): only the first rotary_dim dims of each head
+    # Partial rotary (partial_rotary_factor < 1, e.g. 0.75): only the first rotary_dim dims of each head
     # are rotated, the rest pass through; None: all head_dim. The cos/sin table is rotary_dims wide, and
     # the rotary ops take the rotated width from the table's.
     rotary_dim: int | None = None
@@ -83,7 +79,7 @@ class TextModelConfig:
 
     @property
     def needs_offset_norm_ops(self) -> bool:
-        """True when the model needs ops beyond Llama's (Gemma's (1 + w) norms and tanh GELU): the kernels'
+        """True when the model needs ops beyond Llama's ((1 + w) norms, tanh GELU): the kernels'
         ops class must have them (TorchOps and TritonOps do)."""
         return self.norm_unit_offset or self.hidden_act != "silu"
 
@@ -103,8 +99,8 @@ class TextModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """The longest sequence we serve. A window on every layer (Mistral) caps it, as no kernel masks
-        such a window yet; per-layer windows (layer_types, Gemma 3) are masked by the attention.
+        """The longest sequence we serve. A window on every layer caps it, as no kernel masks such a
+        window yet; per-layer windows (layer_types) are masked by the attention.
         LongRoPE serves only original_max_position_embeddings (decoder_svc/model/longrope.py says why)."""
         longest = self.max_position_embeddings
         if self.rope_type == "longrope":
@@ -115,27 +111,27 @@ class TextModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> TextModelConfig:
-        """Parse a text_config dict in either rope style (`rope_theta` or a `rope_parameters` dict)."""
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in _SUPPORTED:
+        """Parse a text_config dict in either rope style (`rope_theta` or a `rope_parameters` dict), as
+        the backbone its model_type names reads it."""
+        model_type = cfg.get("model_type", DEFAULT_TEXT_MODEL_TYPE)
+        backbone = text_backbone(model_type)
+        if backbone is None:
             raise CheckpointError(f"unsupported language model {model_type!r}; "
-                                  f"supported: {sorted(_SUPPORTED)}")
-        gemma = model_type in _GEMMA3_LIKE
-        act = (cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu") if gemma else \
-            cfg.get("hidden_act", "silu")
-        if act not in (_ACTIVATIONS if gemma else {"silu"}):
+                                  f"supported: {sorted(supported_text_model_types())}")
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        extra: dict[str, Any] = {}
+        if backbone.read_fields is not None:
+            rope, extra = backbone.read_fields(cfg, rope)
+        act = extra.pop("hidden_act", cfg.get("hidden_act", "silu"))
+        if act not in backbone.activations:
             raise CheckpointError(f"unsupported hidden_act {act!r} for {model_type}")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        extra: dict[str, Any] = {}
-        if gemma:
-            rope, extra = _gemma3_fields(cfg, rope, act)
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.pop("type", None) or rope.get("rope_type", "default")  # older configs say "type"
         mrope_section = tuple(int(x) for x in rope.pop("mrope_section", ()) or ())
         mrope_interleaved = bool(rope.pop("mrope_interleaved", False))
-        if rope_type == "mrope":  # Qwen2.5-VL checkpoints' name for default frequencies over 3 axes
+        if rope_type == "mrope":  # M-RoPE checkpoints' name for default frequencies over 3 axes
             rope_type = "default"
         if mrope_section and (len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2):
             raise CheckpointError(f"mrope_section {list(mrope_section)} must be 3 sections summing to "
@@ -144,7 +140,7 @@ class TextModelConfig:
         if rope_type not in _ROPE_TYPES:
             raise CheckpointError(f"unsupported rope type {rope_type!r}; supported: {sorted(_ROPE_TYPES)}")
         partial = float(rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
-        if partial != 1.0 and model_type not in PHI4_LIKE:
+        if partial != 1.0 and not backbone.partial_rotary:
             raise CheckpointError("partial rotary embeddings are not supported")
         if rope_type == "longrope":
             rope, more = longrope_fields(cfg, rope, head_dim, partial)
@@ -153,11 +149,6 @@ class TextModelConfig:
             if mrope_section:
                 raise CheckpointError("M-RoPE with partial rotary embeddings is not supported")
             extra["rotary_dim"] = int(head_dim * partial)  # HF's int(head_dim * partial_rotary_factor)
-        attention_bias = bool(cfg.get("attention_bias", False))
-        qwen2 = model_type in _QWEN2_LIKE
-        sliding = cfg.get("sliding_window")
-        if (qwen2 or model_type in _QWEN3_LIKE) and not cfg.get("use_sliding_window", False):
-            sliding = None  # Qwen2 configs carry a window they do not use
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -170,50 +161,29 @@ class TextModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            # Qwen2 always has q/k/v bias and no o bias; Llama's attention_bias covers all four.
-            qkv_bias=True if qwen2 else attention_bias,
-            o_bias=False if qwen2 else attention_bias,
+            **_attention_bias(cfg, backbone),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=rope if rope_type != "default" else {},
-            sliding_window=sliding,
+            sliding_window=_sliding_window(cfg, backbone),
             mrope_section=mrope_section,
             mrope_interleaved=mrope_interleaved,
-            qk_norm=model_type in _QWEN3_LIKE or gemma,
+            qk_norm=backbone.qk_norm,
+            hidden_act=act,
             **extra,
         )
 
 
-def _gemma3_fields(cfg: dict[str, Any], rope: dict[str, Any],
-                   act: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Gemma 3's rope (the full layers' parameters; the sliding layers' base) and its other fields.
-    Rope either as transformers 5 writes it (rope_parameters per layer type) or as config.json files on
-    the Hub do (rope_theta, rope_scaling for the full layers, rope_local_base_freq)."""
-    if cfg.get("attn_logit_softcapping") is not None:
-        # transformers 5 does not apply it for Gemma 3 either; Gemma 2 did. Refuse rather than guess.
-        raise CheckpointError("attn_logit_softcapping is not supported")
-    if cfg.get("use_bidirectional_attention"):
-        raise CheckpointError("use_bidirectional_attention (EmbeddingGemma) is not supported")
-    if FULL in rope or SLIDING in rope:
-        full, local = dict(rope.get(FULL) or {}), dict(rope.get(SLIDING) or {})
-    else:
-        full = {**rope, "rope_theta": cfg.get("rope_theta", 1e6)}
-        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}
-    if local.get("rope_type", local.get("type", "default")) != "default":
-        raise CheckpointError(f"unsupported sliding-layer rope {local!r}; only default frequencies")
-    n = cfg["num_hidden_layers"]
-    pattern = int(cfg.get("sliding_window_pattern") or 6)  # older configs: every 6th layer global
-    types = cfg.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
-    if len(types) != n or set(types) - {SLIDING, FULL}:
-        raise CheckpointError(f"layer_types must be {n} of {SLIDING!r}/{FULL!r}: {types!r}")
-    full.setdefault("rope_theta", 1e6)
-    return full, dict(
-        norm_unit_offset=True,
-        embed_scale=cfg["hidden_size"] ** 0.5,
-        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
-        layer_types=tuple(types),
-        local_rope_theta=float(local.get("rope_theta", 1e4)),
-        hidden_act=act,
-        sandwich_norms=True,
-        final_logit_softcapping=cfg.get("final_logit_softcapping"),
-    )
+def _attention_bias(cfg: dict[str, Any], backbone: TextBackbone) -> dict[str, bool]:
+    """qkv_bias and o_bias: the backbone's where it fixes them, else the config's attention_bias (Llama's
+    one switch for all four projections)."""
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return dict(qkv_bias=attention_bias if backbone.qkv_bias is None else backbone.qkv_bias,
+                o_bias=attention_bias if backbone.o_bias is None else backbone.o_bias)
+
+
+def _sliding_window(cfg: dict[str, Any], backbone: TextBackbone) -> int | None:
+    """The config's sliding_window, unless the backbone's switch for it is off (a window carried, unused)."""
+    if backbone.window_switch is not None and not cfg.get(backbone.window_switch, False):
+        return None
+    return cfg.get("sliding_window")

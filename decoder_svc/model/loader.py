@@ -1,14 +1,13 @@
-"""Load only the language-model tensors of a LLaVA, Qwen-VL, Gemma 3 or Phi-4-multimodal checkpoint into our
-LlamaForCausalLM.
+"""Load only the language-model tensors of a checkpoint into our LlamaForCausalLM.
 
-Gemma 3's names need no entry of their own: its language model sits under `model.language_model.` (as
-transformers 5 saves Gemma3ForConditionalGeneration; `language_model.model.` in older exports) or
-`model.` (Gemma3ForCausalLM), and its extra modules (q_norm/k_norm, pre/post_feedforward_layernorm) keep
-HF's names in our layers; its output head is tied to the embeddings. Phi-4-multimodal's are ours too: its
-layers store `qkv_proj` and `gate_up_proj` fused already (our fused modules, in q|k|v and gate|up row
-order), `model.embed_tokens_extend.*` (the vision and audio towers) matches no prefix here, and LoRA
-tensors are skipped here (rename_language_model_key) and read as adapters (model/lora/builtin.py). Under
-tensor parallelism the fused tensors are sliced per part (parallel.shard_slices' fused rows)."""
+Which tensors those are, and their names in our modules, the families declare: each family's TextSpec
+(common/families/<name>/text.py) lists its checkpoints' weight prefixes, and a tensor under none of them
+(a vision tower, a projector) is not read. Checkpoints whose layers store `qkv_proj` / `gate_up_proj`
+fused already match our fused modules (in q|k|v and gate|up row order); separate q/k/v and gate/up
+tensors are packed into them here. LoRA-wrapped layers in the base checkpoint (PEFT's naming) give their
+base weight; their adapter tensors are skipped here (rename_language_model_key) and read as adapters
+(model/lora/builtin.py). Under tensor parallelism the fused tensors are sliced per part
+(parallel.shard_slices' fused rows)."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from common.checkpoint import CheckpointError, load_config, load_tensors
+from common.families.registry import language_weight_prefixes
 from decoder_svc.model.backends import make_kernels
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.dummy import dummy_state
@@ -42,19 +42,6 @@ from decoder_svc.model.quant.load import (
     read_fp8_checkpoint,
 )
 
-# (checkpoint prefix, our prefix), most specific first. Both LLaVA layouts: the classic one written by
-# LlavaForConditionalGeneration.save_pretrained of older versions and by our maker, and the newer one.
-_KEY_MAP = (
-    ("language_model.model.", ""),
-    ("language_model.lm_head.", "lm_head."),
-    ("model.language_model.", ""),
-    ("lm_head.", "lm_head."),
-    # Qwen2.5-VL as published (and as transformers saves it): the language model at the top level.
-    ("model.layers.", "layers."),
-    ("model.embed_tokens.", "embed_tokens."),
-    ("model.norm.", "norm."),
-)
-
 # Checkpoint module -> (our fused module, shard index): shards are concatenated along the output rows.
 PACKED_MODULES = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -63,7 +50,7 @@ PACKED_MODULES = {
 
 
 def text_config_dict(model_dir: str | Path) -> dict:
-    """The text_config with transformers' defaults filled in (LLaVA configs often list only overrides)."""
+    """The text_config with transformers' defaults filled in (many VLM configs list only overrides)."""
     raw = load_config(model_dir)
     text = dict(raw.get("text_config") or raw)
     try:
@@ -78,16 +65,17 @@ def text_config_dict(model_dir: str | Path) -> dict:
     return text
 
 
-def rename_language_model_key(name: str) -> str | None:
+def rename_language_model_key(name: str, prefixes: list[tuple[str, str]] | None = None) -> str | None:
     """Our parameter name for a checkpoint key, or None when the key is not language-model weight.
-    LoRA-wrapped layers (PEFT's naming, as Phi-4-multimodal's remote-code export stores its vision and
-    speech adapters inside the base checkpoint): the base weight under `<module>.base_layer.` is the
-    module's own; the adapters' `lora_A` / `lora_B` tensors are not base weight (the vision adapter is
-    read by model/lora/builtin.py and served per request; the speech adapter is not served)."""
+    `prefixes`: (checkpoint prefix, ours), most specific first; None: every family's
+    (registry.language_weight_prefixes). LoRA-wrapped layers (PEFT's naming, as some checkpoints store
+    their own adapters inside the base weights): the base weight under `<module>.base_layer.` is the
+    module's own; the adapters' `lora_A` / `lora_B` tensors are not base weight (a family's
+    checkpoint_adapters are read by model/lora/builtin.py and served per request; the others are not)."""
     if ".lora_A." in name or ".lora_B." in name:
         return None
     name = name.replace(".base_layer.", ".")
-    for src, dst in _KEY_MAP:
+    for src, dst in language_weight_prefixes() if prefixes is None else prefixes:
         if name.startswith(src):
             return dst + name[len(src):]
     return None
@@ -216,15 +204,17 @@ def _checkpoint_state(model_dir: str | Path, cfg: TextModelConfig,
                       tp: TensorParallel | None = None) -> dict[str, torch.Tensor]:
     """The language model's tensors under our names, in the checkpoint's own dtypes (FP8 stays FP8);
     with `tp`, only this rank's slices are read (model/parallel.py)."""
+    prefixes = language_weight_prefixes()
+
     def slicer(name: str, shape: list[int]) -> tuple[slice, ...] | None:
-        ours = rename_language_model_key(name)
+        ours = rename_language_model_key(name, prefixes)
         return shard_slices(ours, cfg, tp) if ours is not None else None
 
-    tensors = load_tensors(model_dir, [p for p, _ in _KEY_MAP], device="cpu",
+    tensors = load_tensors(model_dir, [p for p, _ in prefixes], device="cpu",
                            slicer=slicer if tp is not None else None)
     state = {}
     for name, tensor in tensors.items():
-        ours = rename_language_model_key(name)
+        ours = rename_language_model_key(name, prefixes)
         if ours is not None and "rotary_emb" not in ours:
             state[ours] = tensor
     if tp is not None:

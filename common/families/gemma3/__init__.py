@@ -35,4 +35,5 @@ FAMILY = ModelFamily(
     maker="common.families.gemma3.maker:make_gemma3_model",
     layout="common.families.gemma3.layout:Gemma3ImageLayout",
     oracle="common.families.gemma3.oracle:Gemma3Oracle",
+    text="common.families.gemma3.text:TEXT",
 )

@@ -17,4 +17,5 @@ FAMILY = ModelFamily(
     maker="common.families.llava.maker:make_llava_model",
     layout="common.families.llava.layout:ImageTokenLayout",
     oracle="common.families.llava.oracle:LlavaOracle",
+    text="common.families.llava.text:TEXT",
 )

@@ -35,6 +35,7 @@ FAMILY = ModelFamily(
     maker="common.families.phi4mm.maker:make_phi4_model",
     layout="common.families.phi4mm.layout:Phi4ImageLayout",
     oracle="common.families.phi4mm.oracle:Phi4Oracle",
+    text="common.families.phi4mm.text:TEXT",
     processor_stand_in="common.families.phi4mm.oracle:Phi4ProcessorReproduction",
     # Its vision LoRA, stored in the checkpoint's own weights (decoder_svc/model/lora/builtin.py).
     checkpoint_adapters=("vision",),

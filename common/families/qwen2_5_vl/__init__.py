@@ -17,4 +17,5 @@ FAMILY = ModelFamily(
     maker="common.families.qwen2_5_vl.maker:make_qwen_model",
     layout="common.families.qwen2_5_vl.layout:QwenImageLayout",
     oracle="common.families.qwen2_5_vl.oracle:QwenOracle",
+    text="common.families.qwen2_5_vl.text:TEXT",
 )

@@ -16,4 +16,5 @@ FAMILY = ModelFamily(
     maker="common.families.qwen3_vl.maker:make_qwen3_model",
     layout="common.families.qwen2_5_vl.layout:QwenImageLayout",  # Qwen2.5-VL's, reused
     oracle="common.families.qwen3_vl.oracle:Qwen3Oracle",
+    text="common.families.qwen3_vl.text:TEXT",
 )
