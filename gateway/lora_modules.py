@@ -23,7 +23,7 @@ class LoRAModule:
 
 def parse_lora_module(text: str) -> LoRAModule:
     """One `--lora-modules` item; ValueError (one line, naming the item) when it is malformed."""
-    if text.lstrip().startswith("{"):
+    if text.lstrip()[:1] in ("{", "["):  # JSON, never an adapter name
         return _from_json(text)
     name, sep, path = text.partition("=")
     if not name or any(c.isspace() for c in name):
