@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from gateway.config import DECODER_MAX_SALT_BYTES, GatewayConfig, ImageFetchPolicy, RequestLimits
 from gateway.errors import APIError, bad_request
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, VideoPart
+from gateway.schemas import MAX_N, ChatCompletionRequest, CompletionRequest, ImagePart, VideoPart
 
 # Bytes a chat template adds around each message (role markers, separators): what the rendered prompt
 # costs beyond its text, so that a million empty messages count as what they are.
@@ -63,10 +63,10 @@ def parse_json_bounded(body: bytes, max_values: int) -> object:
 async def read_json(request: Request, limits: RequestLimits, body_timeout_s: float) -> object:
     """The request's JSON body: declared and actual size checked against max_request_bytes as it
     arrives, read within body_timeout_s (408), and parsed with bounds (off the loop when large)."""
-    media_type = request.headers.get("content-type", "application/json").partition(";")[0].strip().lower()
-    if media_type != "application/json":  # as vLLM: a form or text body is not read as JSON
-        raise APIError(415, f"unsupported Content-Type {media_type!r}: send application/json",
-                       code="unsupported_media_type")
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":  # a form, text or untyped body is not read as JSON
+        given = f"unsupported Content-Type {media_type!r}" if media_type else "no Content-Type"
+        raise APIError(415, f"{given}: send application/json", code="unsupported_media_type")
     limit = limits.max_request_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -170,7 +170,11 @@ def check_choice_images(n_media: int, n: int, images: ImageFetchPolicy) -> None:
 
 
 def admit_completion(req: CompletionRequest, config: GatewayConfig) -> None:
-    """The prompt's text and size, before the decoder is called."""
+    """The prompts' text and size, and prompts x n choices, before the decoder is called."""
+    several = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
+    if several and len(req.prompt) * req.n > MAX_N:
+        raise bad_request(f"{len(req.prompt)} prompts x n={req.n} are {len(req.prompt) * req.n} choices; at "
+                          f"most {MAX_N} per request", "prompt", "too_many_choices")
     prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     prompts = [p for p in prompts if isinstance(p, str)]  # token ids: bounded by the body's value limit
     for i, prompt in enumerate(prompts):

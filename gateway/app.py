@@ -1,8 +1,9 @@
 """The ASGI app: OpenAI routes over a DecoderPool.
 
     POST /v1/chat/completions   messages with text, image_url and video_url parts; stream with SSE
-    POST /v1/completions        a text prompt
-    GET  /v1/models             the served model
+    POST /v1/completions        a text prompt (or token ids), or a list of them
+    GET  /v1/models             the served model and its LoRA adapters
+    GET  /v1/models/{id}        one of them (404 in OpenAI's shape for any other id)
     GET  /health                200 when a decoder is SERVING, else 503
     GET  /metrics               Prometheus
 """
@@ -20,6 +21,7 @@ from typing import TypeVar
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -29,7 +31,7 @@ from gateway.admission import admit_chat, admit_completion, check_salt, read_jso
 from gateway.balancer import DecoderPool, GenerationGroup
 from gateway.byte_budget import ByteBudget, GatewayBytes
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, bad_request, from_rpc_error
+from gateway.errors import APIError, bad_request, from_rpc_error, quoted
 from gateway.images import ImageFetcher
 from gateway.media_memo import MediaMemo
 from gateway.metrics import GatewayMetrics
@@ -51,7 +53,8 @@ from gateway.responses import (
 )
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.sse import SSEResponse, sse_event
-from gateway.translate import chat_request, completion_request, fan_out
+from gateway.system_media import explained
+from gateway.translate import DecoderCalls, chat_request, completion_calls
 
 log = logging.getLogger("mmserve.gateway")
 T = TypeVar("T")
@@ -92,7 +95,9 @@ class Gateway:
         self.pool = pool or DecoderPool.of(config.decoders, security=config.upstream)
         self.fetcher = ImageFetcher(config.images)
         self.bytes_in_flight = GatewayBytes(config.images.max_bytes_in_flight)
-        self.named_media = MediaMemo(config.images.max_named_media_bytes)  # vLLM's uuid, per tenant
+        self.named_media = MediaMemo(config.images.max_named_media_bytes,  # vLLM's uuid, per tenant
+                                     config.images.max_named_media_tenants)
+        self.adapters = config.lora_adapters
         self.metrics = GatewayMetrics()
         self.texts = TokenTexts(config.model)
         self.created = int(time.time())
@@ -115,6 +120,10 @@ class Gateway:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
         return key
 
+    def tenant(self, api_key: str | None) -> str:
+        """The tenant of an API key ("" without --api-key: every client is one tenant)."""
+        return self.config.tenant_of(api_key) if api_key is not None else ""
+
     def cache_salt(self, request: Request, api_key: str | None, body_salt: str | None) -> str:
         """The decoder's cache_salt: the tenant of the API key, then the X-Cache-Salt header (or the body's
         `cache_salt`). A header can split a tenant's cache further but never reach another tenant's."""
@@ -128,15 +137,18 @@ class Gateway:
     def check_model(self, model: str | None) -> None:
         """404 for a model this gateway does not serve; no model at all means the served one (vLLM). A
         LoRA adapter's name (--lora-modules) is a served model too."""
-        if model is not None and model not in self.config.served_model_names \
-                and model not in self.config.lora_adapters:
-            names = ", ".join(repr(n) for n in [*self.config.served_model_names, *self.config.lora_adapters])
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {names}",
-                           param="model", code="model_not_found")
+        if model is not None and model not in self.config.served_model_names and model not in self.adapters:
+            raise self.no_such_model(model)
+
+    def no_such_model(self, model: str) -> APIError:
+        """OpenAI's 404 for a model this gateway does not serve (the name cut to a bounded length)."""
+        names = ", ".join(repr(n) for n in [*self.config.served_model_names, *self.adapters])
+        return APIError(404, f"the model {quoted(model)} does not exist; this server serves {names}",
+                        param="model", code="model_not_found")
 
     def adapter_of(self, model: str | None) -> str:
         """The decoder's lora_adapter for a request's `model`: the adapter it names, else "" (the base)."""
-        return model if model is not None and model in self.config.lora_adapters else ""
+        return model if model is not None and model in self.adapters else ""
 
     def model_name(self, model: str | None) -> str:
         """The name a response carries: the adapter the request named (as vLLM answers), else the first
@@ -169,10 +181,14 @@ class Gateway:
         # gateway-wide budget until the request ends (GenerationGroup.cancel).
         budget = ByteBudget(self.config.images.max_total_image_bytes, req.n, self.bytes_in_flight)
         try:
-            grpc_request = await cancel_on_disconnect(request, translate(req, salt, budget))
-            grpc_request.lora_adapter = self.adapter_of(req.model)
-            generation = await cancel_on_disconnect(request, self.pool.generate_group(
-                fan_out(grpc_request, req.n), self.config.request_timeout_s, grpc_request.request_id))
+            calls: DecoderCalls = await cancel_on_disconnect(
+                request, translate(req, salt, budget, self.tenant(api_key)))
+            try:
+                generation = await cancel_on_disconnect(request, self.pool.generate_group(
+                    calls.choices(req.n, self.adapter_of(req.model)), self.config.request_timeout_s,
+                    calls.request_id))
+            except grpc.aio.AioRpcError as exc:
+                raise explained(req, exc) or exc from None
         except BaseException:
             budget.release()
             raise
@@ -205,10 +221,11 @@ class Gateway:
             return self.error_response(endpoint, APIError(500, "internal error in the gateway",
                                                           code="internal_error"))
 
-    async def _chunks(self, generation: GenerationGroup, endpoint: str, started: float
+    async def _chunks(self, generation: GenerationGroup, endpoint: str, started: float, per_prompt: int
                       ) -> AsyncIterator[tuple[int, decoder_pb2.GenerateResponse]]:
         """The decoders' messages as (choice index, message), observing TTFT (first token of any
-        choice), E2E (last choice's end) and token counts (the prompt once per request) on the way."""
+        choice), E2E (last choice's end) and token counts (each prompt once: per_prompt choices each) on
+        the way."""
         first, open_choices = True, len(generation.members)
         async for index, chunk in generation:
             if first and chunk.token_ids:
@@ -216,7 +233,7 @@ class Gateway:
                 self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started)
             if chunk.finish_reason:
                 u = chunk.usage
-                lead = index == 0
+                lead = index % per_prompt == 0
                 self.metrics.observe_usage(u.prompt_tokens if lead else 0,
                                            u.cached_prompt_tokens if lead else 0, u.completion_tokens)
                 open_choices -= 1
@@ -257,9 +274,10 @@ class Gateway:
     # --- routes -----------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        async def translate(req, salt, budget):
-            return await chat_request(req, self.fetcher, salt, self.served.takes_video, budget,
-                                      self.named_media)
+        async def translate(req, salt, budget, tenant) -> DecoderCalls:
+            out = await chat_request(req, self.fetcher, salt, self.served.takes_video, budget,
+                                     self.named_media.of(tenant))
+            return DecoderCalls(out.request_id, [out])
 
         return await self._handle(request, "chat", ChatCompletionRequest, translate, self._chat_response)
 
@@ -270,7 +288,7 @@ class Gateway:
         if not req.continuous_usage:
             return None
         running = RunningUsage()
-        running.prime([member.first for member in generation.members])
+        running.prime([member.first for member in generation.members], req.n)
         return running
 
     async def _whole(self, request: Request, endpoint: str, generation: GenerationGroup, collect
@@ -287,7 +305,7 @@ class Gateway:
                              started: float) -> Response:
         head = ResponseHeader(generation.request_id, self.model_name(req.model))
         top_n, n = req.top_logprobs or 0, len(generation.members)
-        chunks = self._chunks(generation, "chat", started)
+        chunks = self._chunks(generation, "chat", started, n)
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 include = req.include_usage
@@ -335,8 +353,8 @@ class Gateway:
         return await self._whole(request, "chat", generation, collect)
 
     async def completions(self, request: Request) -> Response:
-        async def translate(req, salt, budget):
-            return completion_request(req, salt)
+        async def translate(req, salt, budget, tenant) -> DecoderCalls:
+            return completion_calls(req, salt)
 
         return await self._handle(request, "completions", CompletionRequest, translate,
                                   self._completion_response)
@@ -347,7 +365,7 @@ class Gateway:
         n = len(generation.members)
         logprobs = [CompletionLogprobs(req.logprobs, self.texts) for _ in range(n)] \
             if req.logprobs is not None else None
-        chunks = self._chunks(generation, "completions", started)
+        chunks = self._chunks(generation, "completions", started, req.n)
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 include = req.include_usage
@@ -355,7 +373,7 @@ class Gateway:
                 finals: list = [None] * n
                 async for index, chunk in chunks:  # one token per event, the last text with the finish
                     part = logprobs[index].add(chunk) if logprobs is not None else None
-                    so_far = running.add(chunk) if running else None
+                    so_far = running.add(chunk, index // req.n) if running else None
                     finish = FINISH_REASONS.get(chunk.finish_reason) if chunk.finish_reason else None
                     if finish is not None:
                         finals[index] = chunk.usage
@@ -363,7 +381,7 @@ class Gateway:
                         yield completion(head, [completion_choice(index, chunk.text, finish, part)], so_far,
                                          stream=True, include_usage=include)
                 if include:
-                    yield usage_chunk(head, "text_completion", summed_usage(finals))
+                    yield usage_chunk(head, "text_completion", summed_usage(finals, req.n))
 
             return self._stream("completions", generation, events())
 
@@ -380,7 +398,7 @@ class Gateway:
             choices = [completion_choice(i, "".join(texts[i]), finish[i],
                                          logprobs[i].body if logprobs is not None else None)
                        for i in range(n)]
-            return completion(head, choices, summed_usage(finals))
+            return completion(head, choices, summed_usage(finals, req.n))
 
         return await self._whole(request, "completions", generation, collect)
 
@@ -389,10 +407,24 @@ class Gateway:
             self.authorize(request)
         except APIError as exc:
             return self.error_response("models", exc)
-        adapters = [self.served.adapter_card(name, path, self.created)
-                    for name, path in self.config.lora_adapters.items()]
-        return JSONResponse({"object": "list", "data": [
-            self.served.card(name, self.created) for name in self.served.names] + adapters})
+        return JSONResponse({"object": "list", "data": self._cards()})
+
+    def _cards(self) -> list[dict]:
+        """/v1/models' entries: the served names, then the LoRA adapters."""
+        adapters = [self.served.adapter_card(module, self.created) for module in self.adapters.values()]
+        return [self.served.card(name, self.created) for name in self.served.names] + adapters
+
+    async def model(self, request: Request) -> Response:
+        """One /v1/models entry by its id (`client.models.retrieve`); 404 in OpenAI's shape otherwise."""
+        try:
+            self.authorize(request)
+            model = request.path_params["model"]
+            card = next((card for card in self._cards() if card["id"] == model), None)
+            if card is None:
+                raise self.no_such_model(model)
+        except APIError as exc:
+            return self.error_response("models", exc)
+        return JSONResponse(card)
 
     async def health(self, request: Request) -> Response:
         """200 when at least one decoder reports SERVING (asked now, not from the last round). The
@@ -426,6 +458,13 @@ class Gateway:
             await self.pool.close()
 
 
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no such route 404, wrong method 405) in OpenAI's JSON shape."""
+    error = APIError(exc.status_code, f"{request.method} {quoted(request.url.path, 256)}: {exc.detail}",
+                     code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
 def build_app(config: GatewayConfig, pool: DecoderPool | None = None) -> Starlette:
     """The Starlette app for config (pool: decoders already connected, for tests)."""
     gateway = Gateway(config, pool)
@@ -433,8 +472,9 @@ def build_app(config: GatewayConfig, pool: DecoderPool | None = None) -> Starlet
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.prometheus, methods=["GET"]),
-    ], lifespan=gateway.lifespan)
+    ], lifespan=gateway.lifespan, exception_handlers={HTTPException: _http_error})
     app.state.gateway = gateway
     return app

@@ -21,6 +21,8 @@ from common.config import check_options, option, section
 from common.images import DEFAULT_IMAGE_FORMATS, image_format_list
 from common.security.options import ClientSecurity
 from common.server import DEFAULT_MAX_MESSAGE_BYTES
+from gateway.lora_modules import LoRAModule, lora_modules_by_name
+from gateway.media_memo import DEFAULT_MAX_TENANTS
 from gateway.model_info import default_served_names
 
 # The decoder's own limit on cache_salt (decoder_svc/engine/input_processor.py MAX_SALT_BYTES), which it
@@ -64,8 +66,12 @@ class ImageFetchPolicy:
         "(beyond it: 400)", type=positive_int)
     max_named_media_bytes: int = option(
         64 * 2**20, "most bytes of images and videos the gateway remembers by their parts' `uuid` (vLLM's), "
-        "per tenant key, so that a later part may name them without the file (0: remember none)",
+        "per tenant (API key), so that a later part may name them without the file (0: remember none)",
         flag="--max-uuid-media-bytes", type=int_in_range(0))
+    max_named_media_tenants: int = option(
+        DEFAULT_MAX_TENANTS, "most tenants whose `uuid` files the gateway remembers at once, "
+        "--max-uuid-media-bytes each: a new tenant's file makes the least recently active tenant's files "
+        "forgotten", flag="--max-uuid-media-tenants", type=positive_int)
     fetch_concurrency: int = option(4, "image URLs fetched at once for one request",
                                     flag="--image-fetch-concurrency", type=positive_int)
     global_fetch_concurrency: int = option(64, "image URLs fetched at once by the whole gateway",
@@ -145,7 +151,9 @@ class GatewayConfig:
     lora_modules: list[str] = option(
         help="LoRA adapters the decoders serve (their --lora-modules): a request whose `model` is one of "
         "these names runs with that adapter, and /v1/models lists them (PATH, if given, is only listed as "
-        "the card's root)", flag="--lora-modules", metavar="NAME[=PATH]", append=True, nargs="+",
+        "the card's root); vLLM's JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
+        "too (base_model_name: the card's parent). A name given twice is refused",
+        flag="--lora-modules", metavar="NAME[=PATH]", append=True, nargs="+",
         default_factory=list)
     model: Path | str | None = option(
         None, "the served checkpoint dir: its tokenizer writes logprob tokens as text (without it they "
@@ -170,22 +178,16 @@ class GatewayConfig:
             self.served_model_names = default_served_names(self.model)
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError("--served-model-name: a name is given twice")
-        adapters = list(self.lora_adapters)
-        if len(set(adapters)) != len(adapters) or set(adapters) & set(self.served_model_names):
-            raise ValueError("--lora-modules: an adapter name is given twice or is a --served-model-name")
+        also_served = [name for name in self.lora_adapters if name in self.served_model_names]
+        if also_served:
+            raise ValueError(f"--lora-modules: adapter {also_served[0]!r} is also a --served-model-name")
         if self.model is not None:
             self.model = Path(self.model)
 
     @property
-    def lora_adapters(self) -> dict[str, str | None]:
-        """{adapter name: its path as given, or None}, in flag order."""
-        out: dict[str, str | None] = {}
-        for item in self.lora_modules:
-            name, sep, path = item.partition("=")
-            if not name:
-                raise ValueError(f"--lora-modules: {item!r} has no adapter name")
-            out[name] = path if sep else None
-        return out
+    def lora_adapters(self) -> dict[str, LoRAModule]:
+        """{adapter name: LoRAModule}, in flag order (ValueError for a malformed item or a name twice)."""
+        return lora_modules_by_name(self.lora_modules)
 
     @property
     def served_model_name(self) -> str:

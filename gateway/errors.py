@@ -48,6 +48,17 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+MAX_ECHOED_CHARS = 64  # of a name the client sent, quoted back in an error
+
+
+def quoted(name: str, limit: int = MAX_ECHOED_CHARS) -> str:
+    """A client's name as an error quotes it: its repr, cut to `limit` characters, so that a huge name
+    makes a short error, never one over a message limit."""
+    if len(name) <= limit:
+        return repr(name)
+    return f"{name[:limit]!r}... ({len(name)} characters)"
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 

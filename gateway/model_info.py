@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.lora_modules import LoRAModule
+
 DEFAULT_NAME = "mmserve"  # without --model or --served-model-name
 
 
@@ -93,11 +95,11 @@ class ServedModel:
             card["max_model_len"] = self.max_model_len
         return card
 
-    def adapter_card(self, name: str, path: str | None, created: int) -> dict:
+    def adapter_card(self, adapter: LoRAModule, created: int) -> dict:
         """A LoRA adapter's `/v1/models` entry, as vLLM lists one: its root the adapter's path, its
-        parent the base model's first name."""
-        card = self.card(name, created)
-        card.update(root=path or name, parent=self.names[0])
+        parent its base_model_name, else the base model's first name."""
+        card = self.card(adapter.name, created)
+        card.update(root=adapter.path or adapter.name, parent=adapter.base_model_name or self.names[0])
         return card
 
 

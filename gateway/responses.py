@@ -44,17 +44,21 @@ class TokenTexts:
         return list(self.text(token_id).encode())
 
 
-def summed_usage(usages: list[decoder_pb2.Usage | None]) -> dict:
+def summed_usage(usages: list[decoder_pb2.Usage | None], per_prompt: int | None = None) -> dict:
     """OpenAI's usage object for a request's choices (choice index order; None: a choice without its
-    last message), with the decoder's prefix-cache hits as cached_tokens. As vLLM sums it for `n` > 1:
-    the prompt (and its cached tokens) once, as the first choice's call reports it, and every choice's
-    tokens."""
-    given = [u for u in usages if u is not None]
-    first = given[0] if given else decoder_pb2.Usage()
-    completion = sum(u.completion_tokens for u in given)
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens}}
+    last message), with the decoder's prefix-cache hits as cached_tokens. As vLLM sums it: each prompt
+    (and its cached tokens) once, as its first choice's call reports it, and every choice's tokens.
+    per_prompt: the choices of each prompt (`n`; None: all choices share one prompt)."""
+    per_prompt = per_prompt or max(len(usages), 1)
+    prompt = cached = completion = 0
+    for start in range(0, len(usages), per_prompt):
+        given = [u for u in usages[start:start + per_prompt] if u is not None]
+        if given:
+            prompt += given[0].prompt_tokens
+            cached += given[0].cached_prompt_tokens
+        completion += sum(u.completion_tokens for u in given)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def chat_logprobs(chunk: decoder_pb2.GenerateResponse, top_n: int, texts: TokenTexts) -> list[dict]:
@@ -86,13 +90,20 @@ class CompletionLogprobs:
             text = self.texts.text(token_id)
             part["tokens"].append(text)
             part["token_logprobs"].append(lp.logprob)
-            part["top_logprobs"].append({self.texts.text(i): v for i, v in zip(
-                lp.top_ids[:self.top_n], lp.top_logprobs[:self.top_n], strict=True)})
+            part["top_logprobs"].append(self._top(token_id, lp))
             part["text_offset"].append(self.offset)
             self.offset += len(text)
         for key, values in part.items():
             self.body[key].extend(values)
         return part
+
+    def _top(self, token_id: int, lp: decoder_pb2.TokenLogprobs) -> dict[str, float]:
+        """One position's top_logprobs: the sampled token, then the top_n most likely, as vLLM writes it
+        (OpenAI: up to logprobs + 1 entries; `logprobs: 0` is the sampled token alone)."""
+        top = {self.texts.text(token_id): lp.logprob}
+        for i, v in zip(lp.top_ids[:self.top_n], lp.top_logprobs[:self.top_n], strict=True):
+            top.setdefault(self.texts.text(i), v)
+        return top
 
 
 @dataclass
@@ -153,31 +164,33 @@ def completion(head: ResponseHeader, choices: list[dict], usage: dict | None, st
 
 class RunningUsage:
     """The usage so far of one streamed response, for continuous_usage_stats: completion tokens counted
-    as they arrive; prompt and cached tokens as the decoder last reported them (its first message, with
-    the first token, and its last)."""
+    as they arrive; each prompt's tokens and cached tokens as the decoder last reported them (its first
+    message, with the first token, and its last), summed over the prompts (several on /v1/completions)."""
 
     def __init__(self) -> None:
         self.completion_tokens = 0
-        self.last: decoder_pb2.Usage | None = None
+        self.last: dict[int, decoder_pb2.Usage] = {}  # prompt index -> its latest usage
 
-    def prime(self, messages: list[decoder_pb2.GenerateResponse | None]) -> None:
-        """Take the prompt's counts from messages already received (the decoder's first message carries
-        them) without counting their tokens, which add() counts when they are streamed."""
-        for message in messages:
+    def prime(self, messages: list[decoder_pb2.GenerateResponse | None], per_prompt: int | None = None
+              ) -> None:
+        """Take the prompts' counts from messages already received (the decoder's first message carries
+        them) without counting their tokens, which add() counts when they are streamed. per_prompt: the
+        choices of each prompt (None: all messages are of one prompt)."""
+        for index, message in enumerate(messages):
             if message is not None and message.HasField("usage"):
-                self.last = message.usage
+                self.last[index // per_prompt if per_prompt else 0] = message.usage
 
-    def add(self, chunk: decoder_pb2.GenerateResponse) -> dict:
-        """Count the chunk's tokens; the usage body after it."""
+    def add(self, chunk: decoder_pb2.GenerateResponse, prompt: int = 0) -> dict:
+        """Count the chunk's tokens (of the request's prompt number `prompt`); the usage body after it."""
         self.completion_tokens += len(chunk.token_ids)
         if chunk.HasField("usage"):
-            self.last = chunk.usage
+            self.last[prompt] = chunk.usage
         return self.body()
 
     def body(self) -> dict:
         """The usage so far."""
-        prompt = self.last.prompt_tokens if self.last is not None else 0
-        cached = self.last.cached_prompt_tokens if self.last is not None else 0
+        prompt = sum(u.prompt_tokens for u in self.last.values())
+        cached = sum(u.cached_prompt_tokens for u in self.last.values())
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
                 "total_tokens": prompt + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}

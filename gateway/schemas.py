@@ -37,6 +37,16 @@ class _NamedMedia(_Lenient):
 
     uuid: str | None = Field(default=None, min_length=1, max_length=256)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_means_none(cls, data: object) -> object:
+        """vLLM's uuid-reuse form `"image_url": {}` (or `"video_url": {}`) with a uuid names no file, as
+        null does (without a uuid, `{}` stays an object without its url: a 400 naming the url)."""
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data.get(data["type"]) == {} \
+                and data.get("uuid") is not None:
+            data = {**data, data["type"]: None}
+        return data
+
     def model_post_init(self, context: object) -> None:
         if self.uuid is None and getattr(self, self.type) is None:
             raise ValueError(f"{self.type} is required unless the part names a file sent before by its uuid")
@@ -112,6 +122,7 @@ class _SamplingFields(_Lenient):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None  # only {"type": "text"} is honoured (translate.py refuses others)
     # Extensions (vLLM's names).
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     ignore_eos: bool = False
@@ -205,14 +216,19 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict] | None = None
+    # Parsed to be refused by name where not honoured (translate.py), never silently dropped.
+    functions: list[dict] | None = None  # OpenAI's legacy form of tools
+    function_call: str | dict | None = None
+    modalities: list[str] | None = None  # output modalities: ["text"] is the only one served
 
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class CompletionRequest(_SamplingFields):
-    # Text, or token ids (vLLM's): one prompt per request, as a string, a list of one string, a list of
-    # ids or a list of one list of ids. The body's JSON value limit bounds how many ids.
+    # Text, or token ids (vLLM's): a string or a list of ids, or several prompts as a list of strings or
+    # of id lists (one choice per prompt and `n`, as OpenAI and vLLM answer them). The body's JSON value
+    # limit bounds how many ids; admission.py bounds prompts x n.
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=20)

@@ -2,9 +2,10 @@
 
 Sampling follows OpenAI's defaults where the decoder's differ: an omitted `temperature` is 1.0 (the
 decoder's 0 means greedy), an omitted `max_tokens` is the server's default for chat and 16 for
-completions. vLLM's `min_tokens` passes through; `n` > 1 becomes n decoder requests (fan_out). What the
-decoder cannot do (penalties, tools, echo, suffix, best_of) is refused with a 400 naming the parameter
-rather than silently ignored.
+completions. vLLM's `min_tokens` passes through; `n` > 1 becomes n decoder requests (fan_out), and a list
+of prompts one request per prompt (DecoderCalls). What the decoder cannot do (penalties, tools, legacy
+functions, structured output, other output modalities, echo, suffix, best_of) is refused with a 400 naming
+the parameter rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 
 from common.pb import common_pb2, decoder_pb2
 from gateway.byte_budget import ByteBudget
-from gateway.errors import bad_request
+from gateway.errors import APIError, bad_request
 from gateway.images import ImageFetcher
-from gateway.media_memo import MediaMemo
+from gateway.media_memo import MediaMemo, TenantMedia
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ImagePart, TextPart, VideoPart
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -38,9 +39,34 @@ def _refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
         param = "frequency_penalty" if req.frequency_penalty else "presence_penalty"
         raise bad_request(f"{param} is not supported", param, "unsupported_parameter")
     if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+        raise unsupported("logit_bias")
+    kind = (req.response_format or {}).get("type", "text")
+    if req.response_format is not None and kind != "text":
+        raise unsupported("response_format", f"response_format {kind!r} is not supported: the server has "
+                          'no structured output; only {"type": "text"} is served')
     if len(req.stop_list()) > MAX_STOP_STRINGS:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop sequences", "stop", "invalid_value")
+
+
+def unsupported(param: str, message: str | None = None) -> APIError:
+    """The 400 for a parameter the server does not honour (naming it), rather than silently ignoring it."""
+    return bad_request(message or f"{param} is not supported", param, "unsupported_parameter")
+
+
+def _refuse_unhonoured_chat(req: ChatCompletionRequest) -> None:
+    """Chat fields OpenAI defines that the server does not honour: tools, the legacy functions (and a
+    function_call other than "none"), output modalities other than text, media_io_kwargs."""
+    if req.tools:
+        raise unsupported("tools")
+    if req.functions:
+        raise unsupported("functions", "functions (the legacy form of tools) are not supported")
+    if req.function_call not in (None, "none"):
+        raise unsupported("function_call", 'function_call is not supported (only "none")')
+    if req.modalities is not None and any(m != "text" for m in req.modalities):
+        raise unsupported("modalities", 'modalities: only "text" output is served')
+    if req.media_io_kwargs:
+        raise unsupported("media_io_kwargs", "media_io_kwargs is not supported: choose how a video is "
+                          "sampled with mm_processor_kwargs' fps and max_frames")
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
@@ -67,21 +93,16 @@ def chat_logprobs_wanted(req: ChatCompletionRequest) -> int:
 
 async def chat_request(req: ChatCompletionRequest, fetcher: ImageFetcher, cache_salt: str,
                        takes_video: bool | None = None, budget: ByteBudget | None = None,
-                       memo: MediaMemo | None = None) -> decoder_pb2.GenerateRequest:
+                       memo: MediaMemo | TenantMedia | None = None) -> decoder_pb2.GenerateRequest:
     """A chat GenerateRequest; image and video URLs are fetched with bounded concurrency
     (ImageFetcher.fetch_all), each error naming its part. The request's counts and sizes were admitted
     before (admission.py). A video_url part becomes a chat video part (VideoInput with the model's
     default sampling); takes_video False (a served model without video input, e.g. LLaVA) refuses it
     with a 400 before anything is fetched, None leaves the decision to the decoder. budget: the request's
     byte budget (each byte counted once per choice), the fetcher's default without one. memo: the files
-    clients named by vLLM's `uuid` (media_memo.py); without one, a uuid-only part is a 400."""
+    clients named by vLLM's `uuid` (media_memo.py: the tenant's); without one, a uuid-only part is a 400."""
     _refuse_unsupported(req)
-    if req.tools:
-        raise bad_request("tools are not supported", "tools", "unsupported_parameter")
-    if req.media_io_kwargs:
-        raise bad_request("media_io_kwargs is not supported: choose how a video is sampled with "
-                          "mm_processor_kwargs' fps and max_frames", "media_io_kwargs",
-                          "unsupported_parameter")
+    _refuse_unhonoured_chat(req)
     out = decoder_pb2.GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
         sampling=sampling_params(req, req.max_completion_tokens or req.max_tokens, chat_logprobs_wanted(req)))
@@ -128,7 +149,7 @@ class MediaPart:
 
 
 async def _fill_media(parts: list[MediaPart], fetcher: ImageFetcher, salt: str, budget: ByteBudget,
-                      memo: MediaMemo | None) -> None:
+                      memo: MediaMemo | TenantMedia | None) -> None:
     """Each part's bytes: a uuid-only part from the tenant's memo (400 when it holds no such file), the
     others fetched (a named one then remembered). Every byte counts against the request's budget."""
     for part in parts:
@@ -177,34 +198,71 @@ def _apply_processor_kwargs(req: ChatCompletionRequest, items: list[MediaPart],
             item.fps, item.max_frames = kwargs.fps or 0.0, kwargs.max_frames or 0
 
 
-def completion_request(req: CompletionRequest, cache_salt: str) -> decoder_pb2.GenerateRequest:
-    """A GenerateRequest of a text prompt or of token ids (no images: chat completions carry those)."""
-    _refuse_unsupported(req)
-    if req.echo:
-        raise bad_request("echo is not supported", "echo", "unsupported_parameter")
-    if req.suffix:
-        raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
-    if req.best_of not in (None, 1):
-        raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_value")
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one (a string or token ids), or vLLM's list of strings or of id lists."""
     prompt = req.prompt
-    if isinstance(prompt, list) and (not prompt or not isinstance(prompt[0], int)):  # a list of prompts
-        if len(prompt) != 1:
-            raise bad_request("exactly one prompt per request", "prompt", "unsupported_value")
-        prompt = prompt[0]
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
     if not prompt:
         raise bad_request("empty prompt", "prompt", "invalid_value")
-    out = decoder_pb2.GenerateRequest(
-        request_id=f"cmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
-        # logprobs 0 still asks for the sampled tokens' logprobs: the decoder sends those with its top 1.
-        sampling=sampling_params(req, req.max_tokens, 0 if req.logprobs is None else max(req.logprobs, 1)))
-    if isinstance(prompt, list):  # token ids (vLLM's): the decoder checks them against the vocabulary
-        out.prompt_token_ids.ids.extend(prompt)
-        return out
-    if IMAGE_MARKER in prompt:
-        raise bad_request(f"the completions endpoint takes text only ({IMAGE_MARKER!r} found); send images "
-                          "through /v1/chat/completions", "prompt", "invalid_value")
-    out.prompt = prompt
-    return out
+    return list(prompt)
+
+
+def completion_calls(req: CompletionRequest, cache_salt: str) -> DecoderCalls:
+    """One GenerateRequest per prompt, each of a text prompt or of token ids (no images: chat
+    completions carry those); with several prompts the n-th is `ID-n`."""
+    _refuse_unsupported(req)
+    if req.echo:
+        raise unsupported("echo")
+    if req.suffix:
+        raise unsupported("suffix")
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_value")
+    prompts = completion_prompts(req)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    # logprobs 0 still asks for the sampled tokens' logprobs: the decoder sends those with its top 1.
+    sampling = sampling_params(req, req.max_tokens, 0 if req.logprobs is None else max(req.logprobs, 1))
+    out = []
+    for index, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt.{index}"
+        one = decoder_pb2.GenerateRequest(
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{index}", cache_salt=cache_salt,
+            sampling=sampling)
+        if not prompt:
+            raise bad_request("empty prompt", param, "invalid_value")
+        if isinstance(prompt, list):  # token ids (vLLM's): the decoder checks them against the vocabulary
+            one.prompt_token_ids.ids.extend(prompt)
+        elif IMAGE_MARKER in prompt:
+            raise bad_request(f"the completions endpoint takes text only ({IMAGE_MARKER!r} found); send "
+                              "images through /v1/chat/completions", param, "invalid_value")
+        else:
+            one.prompt = prompt
+        out.append(one)
+    return DecoderCalls(request_id, out)
+
+
+def completion_request(req: CompletionRequest, cache_salt: str) -> decoder_pb2.GenerateRequest:
+    """The GenerateRequest of a one-prompt completions request (400 for several: completion_calls)."""
+    calls = completion_calls(req, cache_salt)
+    if len(calls.prompts) != 1:
+        raise bad_request("exactly one prompt here", "prompt", "unsupported_value")
+    return calls.prompts[0]
+
+
+@dataclass
+class DecoderCalls:
+    """What one OpenAI request asks of the decoders: the response's id, and one GenerateRequest per
+    prompt (chat: one; completions: one per prompt), each to be fanned out to `n` choices."""
+
+    request_id: str
+    prompts: list[decoder_pb2.GenerateRequest]
+
+    def choices(self, n: int, lora_adapter: str = "") -> list[decoder_pb2.GenerateRequest]:
+        """Every decoder request, prompt-major: choice `index` = prompt x n + sample, as OpenAI and vLLM
+        number a list of prompts' choices."""
+        for prompt in self.prompts:
+            prompt.lora_adapter = lora_adapter
+        return [choice for prompt in self.prompts for choice in fan_out(prompt, n)]
 
 
 def fan_out(request: decoder_pb2.GenerateRequest, n: int) -> list[decoder_pb2.GenerateRequest]:

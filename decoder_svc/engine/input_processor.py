@@ -253,7 +253,9 @@ class InputProcessor:
         name = name or self.layout.request_adapter(has_images, has_videos) or ""
         if name and name not in self._served_adapters:
             served = ", ".join(repr(n) for n in self._served_adapters) or "none"
-            raise InvalidRequestError(f"unknown LoRA adapter {name!r} (served: {served})")
+            # The name as sent may be huge: echo its start, so the error fits any message limit.
+            shown = repr(name) if len(name) <= 64 else f"{name[:64]!r}... ({len(name)} characters)"
+            raise InvalidRequestError(f"unknown LoRA adapter {shown} (served: {served})")
         return name
 
     def known_grid(self, salt: str, content_hash: str) -> Grid | None:

@@ -19,7 +19,9 @@ from gateway.config import GatewayConfig, ImageFetchPolicy, RequestLimits
 
 class RecordingDecoder(decoder_pb2_grpc.DecoderServiceServicer):
     """Answers every call with one token, then, once `release` is set, a last one; records the requests.
-    A prompt `fail:CODE` is answered with that status before any output."""
+    A prompt `fail:CODE` (or `fail:CODE:DETAILS`) is answered with that status before any output. With
+    logprobs asked, each token has logprob -0.5 and the top ones are ids 100, 101, ... (never the
+    sampled token, as sampling can give)."""
 
     def __init__(self) -> None:
         self.requests: list[decoder_pb2.GenerateRequest] = []
@@ -31,18 +33,23 @@ class RecordingDecoder(decoder_pb2_grpc.DecoderServiceServicer):
         self.requests.append(request)
         text = request.prompt or "".join(
             p.text for m in request.chat.messages for p in m.content if p.WhichOneof("part") == "text")
-        kind, _, code = text.partition(":")
+        kind, _, rest = text.partition(":")
+        code, _, details = rest.partition(":")
         if kind == "fail":
-            context.abort(grpc.StatusCode[code], f"fake decoder fails with {code}")
+            context.abort(grpc.StatusCode[code], details or f"fake decoder fails with {code}")
+        top = request.sampling.logprobs
+        logprobs = [decoder_pb2.TokenLogprobs(
+            logprob=-0.5, top_ids=[100 + i for i in range(top)],
+            top_logprobs=[-0.25 * (i + 1) for i in range(top)])] if top else []
         # As the decoder does: the first message carries the prompt's counts, the last the totals.
-        yield decoder_pb2.GenerateResponse(token_ids=[7], text="a", usage=decoder_pb2.Usage(
-            prompt_tokens=3, completion_tokens=1))
+        yield decoder_pb2.GenerateResponse(token_ids=[7], text="a", logprobs=logprobs,
+                                           usage=decoder_pb2.Usage(prompt_tokens=3, completion_tokens=1))
         while not self.release.wait(0.05):
             if not context.is_active():
                 return
         self.finished += 1
         yield decoder_pb2.GenerateResponse(
-            token_ids=[8], text="b", finish_reason=decoder_pb2.FINISH_REASON_LENGTH,
+            token_ids=[8], text="b", finish_reason=decoder_pb2.FINISH_REASON_LENGTH, logprobs=logprobs,
             usage=decoder_pb2.Usage(prompt_tokens=3, completion_tokens=2))
 
 

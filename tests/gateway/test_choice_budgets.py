@@ -89,3 +89,18 @@ def test_the_in_flight_budget_holds_at_least_one_whole_request():
 
     with pytest.raises(ValueError, match="--max-image-bytes-in-flight"):
         ImageFetchPolicy(max_total_image_bytes=100, max_bytes_in_flight=99)
+
+
+def test_videos_count_in_the_n_choices_media_limit():
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    with fake_decoder() as (decoder, address), gateway_client(
+            address, images={"max_images_all_choices": 8}) as client:
+        for parts, n in (([video], 9), ([video, video], 5)):  # 9 and 10 videos over the choices
+            body = {"model": "m", "n": n, "messages": [{"role": "user", "content": [
+                *parts, {"type": "text", "text": "hi"}]}]}
+            reply = client.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "too_many_choice_images" and error["param"] == "n"
+        assert decoder.requests == []
+        assert client.post("/v1/chat/completions", json=_chat(n=8)).status_code == 200  # 8 images: taken

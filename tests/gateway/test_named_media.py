@@ -50,3 +50,37 @@ def test_the_memo_is_bounded_in_bytes_least_recently_used_first_out():
     memo.put("t", "image", "big", b"w" * 11)  # larger than the memo: not kept, nothing evicted for it
     assert memo.get("t", "image", "big") is None and len(memo) == 2
     assert memo.get("other", "image", "a") is None  # keyed by tenant
+
+
+def test_each_tenant_has_a_budget_of_its_own():
+    memo = MediaMemo(max_bytes=10, max_tenants=4)
+    memo.put("ka", "image", "a", b"x" * 8, tenant="ka")
+    for i in range(3):  # another tenant fills its own budget many times over
+        memo.put("kb", "image", f"b{i}", b"y" * 8, tenant="kb")
+    assert memo.get("ka", "image", "a", tenant="ka") == b"x" * 8
+    assert memo.bytes == 16 and memo.tenants == 2
+    assert memo.get("ka", "image", "a", tenant="kb") is None  # a name never crosses tenants
+
+
+def test_the_number_of_tenants_is_bounded_least_recently_active_first_out():
+    memo = MediaMemo(max_bytes=10, max_tenants=2)
+    memo.put("s", "image", "a", b"1", tenant="t1")
+    memo.put("s", "image", "a", b"2", tenant="t2")
+    assert memo.get("s", "image", "a", tenant="t1") == b"1"  # t1 now the more recent
+    memo.put("s", "image", "a", b"3", tenant="t3")  # a third tenant: t2's files go
+    assert memo.tenants == 2 and memo.get("s", "image", "a", tenant="t2") is None
+    assert memo.of("t1").get("s", "image", "a") == b"1" and memo.of("t3").get("s", "image", "a") == b"3"
+
+
+def test_one_tenants_files_never_push_out_anothers_through_the_gateway():
+    budget = 2 * len(PNG)
+    with fake_decoder() as (decoder, address), gateway_client(
+            address, api_keys=["ka", "kb"], images={"max_named_media_bytes": budget}) as client:
+        named = _chat({"url": data_url(PNG)}, "mine")
+        assert client.post("/v1/chat/completions", json=named, headers=_key("ka")).status_code == 200
+        for i in range(4):  # kb names more than the whole budget
+            other = _chat({"url": data_url(PNG)}, f"theirs-{i}")
+            assert client.post("/v1/chat/completions", json=other, headers=_key("kb")).status_code == 200
+        again = client.post("/v1/chat/completions", json=_chat(None, "mine"), headers=_key("ka"))
+        assert again.status_code == 200, again.text
+        assert client.app.state.gateway.named_media.bytes == 3 * len(PNG)  # one of ka's, two of kb's

@@ -1,6 +1,7 @@
 """Requests refused where vLLM refuses them (seed range, stream_options without stream, a bare-string
-image_url, a non-JSON body type, min_tokens above max_tokens, n over 128), extensions passed on (min_tokens,
-n), and continuous usage."""
+image_url, a non-JSON or missing body type, min_tokens above max_tokens, n over 128, a system image the chat
+template drops, with the reason), extensions passed on (min_tokens, n), continuous usage, and one model by
+its id."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ import json
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
 
+from common.images import encode_png
 from common.pb import decoder_pb2
 from gateway.errors import APIError
 from gateway.responses import RunningUsage, summed_usage
 from gateway.schemas import ChatCompletionRequest, parse_body
 from gateway.translate import chat_request, fan_out
 from tests.gateway.conftest import KEY_A
+from tests.gateway.harness import data_url
+from tests.oracle import make_image
 
 USER = [{"role": "user", "content": "x"}]
 EOS_OFF = {"ignore_eos": True}
@@ -107,3 +112,29 @@ def test_models_lists_root_and_max_model_len(open_gateway, tiny_model_dir):
     with urllib.request.urlopen(f"{open_gateway.url}/v1/models", timeout=10) as reply:
         card = json.loads(reply.read())["data"][0]
     assert card["id"] == "tiny" and card["root"] == str(tiny_model_dir) and card["max_model_len"] == 1024
+
+
+def test_a_body_without_content_type_is_415(gateway):
+    request = urllib.request.Request(  # urllib sends a body's type unless one is set: set it empty
+        f"{gateway.url}/v1/chat/completions", data=json.dumps({"model": "tiny", "messages": USER}).encode(),
+        headers={"Authorization": f"Bearer {KEY_A}", "Content-Type": ""})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 415
+
+
+def test_models_retrieve_and_its_404(client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("nope")
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_a_system_image_the_tiny_template_drops_is_refused_with_the_reason(client):
+    # The tiny LLaVA's template renders a system message's text only (as LLaVA-1.5's does).
+    image = {"type": "image_url", "image_url": {"url": data_url(encode_png(make_image(1, (16, 16))))}}
+    messages = [{"role": "system", "content": [image, {"type": "text", "text": "a reference"}]}, *USER]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert "drops the images and videos of system messages" in err.value.body["message"]
+    assert err.value.body["param"] == "messages.0.content.0"

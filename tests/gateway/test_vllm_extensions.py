@@ -97,3 +97,19 @@ def test_one_token_per_sse_event(gateway):
                                        stream=True, extra_body=EOS_OFF)
     per_event = [len(c.choices[0].logprobs.tokens) for c in stream if c.choices[0].logprobs is not None]
     assert per_event == [1] * 16
+
+
+def test_a_list_of_prompts_and_logprobs_zero(pair, gateway):
+    client = openai_client(gateway)
+    prompts = [PROMPT, "Hello there", PROMPT]
+    whole = client.completions.create(model="tiny", prompt=prompts, max_tokens=3, temperature=0, n=2,
+                                      logprobs=0, extra_body=EOS_OFF)
+    assert [c.index for c in whole.choices] == list(range(6))  # prompt x n + sample, as OpenAI numbers them
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=3, temperature=0,
+                                       extra_body=EOS_OFF) for p in prompts]
+    assert [c.text for c in whole.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # each prompt once
+    assert whole.usage.completion_tokens == 18
+    for choice in whole.choices:  # logprobs 0: each position's entry is the sampled token alone
+        assert [list(top.values()) for top in choice.logprobs.top_logprobs] == [
+            [lp] for lp in choice.logprobs.token_logprobs]

@@ -112,3 +112,11 @@ def test_unknown_adapter_is_refused(make_lora_engine):
     with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'nope'"):
         engine.add_request("bad", TEXT, sampling=greedy(N), lora_adapter="nope")
     assert engine.generate("good", TEXT, sampling=greedy(2), lora_adapter="a1").new_token_ids
+
+
+def test_a_huge_unknown_adapter_name_is_echoed_cut(make_lora_engine):
+    engine = make_lora_engine()
+    with pytest.raises(InvalidRequestError) as err:  # whole, it would be over gRPC's metadata limit
+        engine.add_request("huge", TEXT, sampling=greedy(N), lora_adapter="x" * 2**20)
+    message = str(err.value)
+    assert len(message) < 300 and "1048576 characters" in message and "'a1'" in message
