@@ -228,6 +228,9 @@ def load_adapter(name: str, path: str | Path, cfg: TextModelConfig,
                             "(embedding adapters and saved modules are not served)")
         if not tensor.is_floating_point():
             raise LoRAError(f"{who}: {file}: tensor {key!r} is {tensor.dtype}, not floating point")
+        if tensor.dim() != 2:
+            raise LoRAError(f"{who}: {file}: tensor {key!r} has {tensor.dim()} dimensions "
+                            f"{list(tensor.shape)}; a LoRA weight is a matrix")
         check_finite(who, f"{file}: tensor {key!r}", tensor, dtype)
         pairs.setdefault(m["path"], {})[m["ab"]] = tensor
     adapter = LoRAAdapter(name, path)
