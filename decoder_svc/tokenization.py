@@ -107,7 +107,7 @@ class PromptTokenizer:
 
     def _marker_ids(self, markers: dict[str, str]) -> dict[int, str]:
         """{token id: kind} of the markers that are single tokens of the vocabulary."""
-        vocab = self.tokenizer.get_vocab()
+        vocab = self.tokenizer.get_vocab() if markers else {}
         return {vocab[marker]: kind for marker, kind in markers.items() if marker in vocab}
 
     def num_image_tokens(self, image_size: tuple[int, int] | None = None) -> int:
