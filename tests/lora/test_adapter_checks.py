@@ -172,3 +172,12 @@ def test_an_adapter_of_the_vision_tower_alone_is_refused(tiny_model_dir, cfg, tm
                                 only_vision=True)
     with pytest.raises(LoRAError, match="no LoRA weights for the language model .*vision_tower"):
         load_adapter("v", path, cfg)
+
+
+def test_decoder_start_up_refuses_a_non_lora_adapter_without_a_traceback(tiny_model_dir, tmp_path):
+    from tests.cli_errors import assert_usage_error, run_cli
+
+    path = _edit(write_adapter(tiny_model_dir, tmp_path / "ia3", targets=("q_proj",)), {"peft_type": "IA3"})
+    result = run_cli("decoder", "--encoder", "127.0.0.1:1", "--model", str(tiny_model_dir), "--port", "0",
+                     "--lora-modules", f"ia3={path}", timeout=120)
+    assert_usage_error(result, "LoRA adapter 'ia3'", CONFIG, "`peft_type` 'IA3' is not LoRA")
