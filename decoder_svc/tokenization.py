@@ -99,6 +99,16 @@ class PromptTokenizer:
             self.video_token_id = int(config["video_token_id"])
         self.mm_token_ids: frozenset[int] = frozenset(
             {self.image_token_id} | ({self.video_token_id} if self.video_token_id is not None else set()))
+        # {id: what it stands for} of every placeholder the family declares: a prompt given as token ids
+        # may hold none (each needs an input nobody sent, or one no service takes).
+        self.placeholder_token_ids: dict[int, str] = {
+            **self._marker_ids(self.layout.unserved_markers), self.image_token_id: "image",
+            **({self.video_token_id: "video"} if self.video_token_id is not None else {})}
+
+    def _marker_ids(self, markers: dict[str, str]) -> dict[int, str]:
+        """{token id: kind} of the markers that are single tokens of the vocabulary."""
+        vocab = self.tokenizer.get_vocab() if markers else {}
+        return {vocab[marker]: kind for marker, kind in markers.items() if marker in vocab}
 
     def num_image_tokens(self, image_size: tuple[int, int] | None = None) -> int:
         """Placeholder tokens for one image of (height, width) where the layout's count is fixed (it

@@ -311,7 +311,8 @@ class InputProcessor:
     def _token_id_prompt(self, ids: Sequence[int], images: Sequence[ImageLike],
                          videos: Sequence[VideoSource]) -> TokenizedPrompt:
         """A prompt given as token ids (vLLM's), checked: text only, every id in the vocabulary and none
-        an image or video token (which would need an embedding nobody sent)."""
+        a placeholder the family declares (an image or video token would need an embedding nobody sent;
+        Phi-4-MM's audio token stands for input no service takes)."""
         if images or videos:
             raise InvalidRequestError("a token-id prompt takes no images or videos")
         if not ids:
@@ -319,14 +320,18 @@ class InputProcessor:
         if len(ids) >= self.model_config.max_model_len:  # before looking at each id
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) exceeds the context length "
                                       f"{self.model_config.max_model_len}")
-        vocab, media = self.model_config.vocab_size, self.tokenizer.mm_token_ids
+        vocab, placeholders = self.model_config.vocab_size, self.tokenizer.placeholder_token_ids
         for index, token_id in enumerate(ids):
             if not 0 <= token_id < vocab:
                 raise InvalidRequestError(f"prompt token {index}: id {token_id} is outside the vocabulary "
                                           f"(0 to {vocab - 1})")
-            if token_id in media:
-                raise InvalidRequestError(f"prompt token {index}: id {token_id} is an image or video "
-                                          "placeholder; send images through a text prompt or chat")
+            if token_id in placeholders:
+                kind = placeholders[token_id]
+                if kind in ("image", "video"):
+                    raise InvalidRequestError(f"prompt token {index}: id {token_id} is an image or video "
+                                              "placeholder; send images through a text prompt or chat")
+                raise InvalidRequestError(f"prompt token {index}: id {token_id} is the placeholder of {kind} "
+                                          "input, which is not served")
         return TokenizedPrompt(list(ids), [], "")
 
     def _check_length(self, tokenized: TokenizedPrompt, max_tokens: int) -> None:

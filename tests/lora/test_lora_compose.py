@@ -32,6 +32,36 @@ def test_graph_steps_mix_adapters(make_lora_engine, merged_oracles, monkeypatch)
         merged_oracles[adapter].assert_same_tokens(results[rid]["tokens"], prompt, [], N)
 
 
+class PadRowGraphs(EmulatedGraphs):
+    """EmulatedGraphs that record, at each replay with the LoRA product, the adapter slots of its pad rows
+    (the rows with no KV slot) as the device buffers hold them."""
+
+    pad_slots: list[list[int]]
+
+    def capture(self, run, progress: bool = True) -> None:
+        super().capture(run, progress)
+        self.pad_slots = []
+
+    def replay(self, key):
+        if key.lora:
+            d = self._run.__self__.buffers.dev  # the runner whose static forward was captured
+            rows = slice(0, key.num_tokens)
+            self.pad_slots.append(d["lora_slots"][rows][d["slot_mapping"][rows] == -1].tolist())
+        return super().replay(key)
+
+
+def test_graph_pad_rows_take_the_base_models_slot(make_lora_engine, monkeypatch):
+    """A graph's pad rows run slot 0 whatever an earlier step left in their rows of the buffers: the
+    prompts' prefill fills rows 0.. with adapter slots, then 3-sequence decodes pad row 3."""
+    monkeypatch.setattr(model_runner, "StepGraphs", PadRowGraphs)
+    engine = make_lora_engine(max_num_seqs=8)
+    for rid, adapter in {"x": "a1", "y": "a2", "z": ""}.items():
+        engine.add_request(rid, TEXT, sampling=greedy(4), lora_adapter=adapter)
+    run_all(engine)
+    pads = [s for s in engine.runner.graphs.pad_slots if s]
+    assert pads and all(slot == 0 for s in pads for slot in s), pads
+
+
 def test_fp8_base_weights_take_the_adapter(make_lora_engine):
     """With FP8 projections the wrapped module is the Fp8Linear, and a row's output is the FP8 product
     plus its adapter's (the torch reference's) product."""

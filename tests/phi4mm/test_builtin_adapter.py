@@ -81,6 +81,26 @@ def test_refusals(phi4_tiny_dir, cfg, tmp_path):
         load_language_model(phi4_tiny_dir, "cpu", torch.float32, "torch", lora_modules={"vision": "x"})
 
 
+def test_a_bad_alpha_or_a_non_finite_weight_is_refused_in_one_line(phi4_tiny_dir, cfg, tmp_path):
+    model = tmp_path / "bad"
+    shutil.copytree(phi4_tiny_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    for alpha in ("16", None, [16]):
+        (model / "config.json").write_text(json.dumps({**config, "vision_lora": {**config["vision_lora"],
+                                                                                  "lora_alpha": alpha}}))
+        with pytest.raises(LoRAError, match=r"config.json `vision_lora`: `lora_alpha` must be a finite"):
+            load_builtin_adapter(model, "vision", cfg, dummy=True)
+    (model / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(model / "model.safetensors"))
+    key = "model.layers.1.mlp.down_proj.lora_B.vision.weight"
+    tensors[key] = tensors[key].clone()
+    tensors[key][2, 0] = float("nan")
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(LoRAError, match=r"layers.1.mlp.down_proj.lora_B.vision .*holds NaN or Inf") as err:
+        load_builtin_adapter(model, "vision", cfg)
+    assert "\n" not in str(err.value)
+
+
 def test_two_ranks_give_one_ranks_tokens(phi4_tiny_dir):
     files = [encode_png(sample_images()[i]) for i in ONE[1]]
     outs = []

@@ -1,6 +1,7 @@
 """The decoder's input checks for Phi-4-MM image requests, all before any pixel is decoded or any token is
 made: header caps, the per-image token cap, an aspect ratio HF refuses, hash-only images sized by the grid
-the encoder reports; audio refused by name in chat parts, prompts and the gateway's OpenAI parts."""
+the encoder reports; audio refused by name in chat parts, prompts, prompt token ids and the gateway's OpenAI
+parts."""
 
 from __future__ import annotations
 
@@ -74,3 +75,16 @@ def test_the_gateway_refuses_openai_audio_parts_naming_them():
             parse_body(ChatCompletionRequest, body)
         assert err.value.status == 400 and err.value.param == f"messages.0.content.1.{part['type']}"
         assert f"audio input ({part['type']} parts) is not served" in str(err.value)
+
+
+def test_token_id_prompts_refuse_every_placeholder_the_family_declares(inputs):
+    """The audio placeholder's id is refused as a prompt token id, as the image placeholder's is: each
+    would run on an input nobody sent (audio: one no service takes)."""
+    tokenizer = inputs.tokenizer
+    audio_id = tokenizer.tokenizer.convert_tokens_to_ids("<|audio|>")
+    assert tokenizer.placeholder_token_ids == {tokenizer.image_token_id: "image", audio_id: "audio"}
+    with pytest.raises(InvalidRequestError, match=f"token 1: id {audio_id} is the placeholder of audio"):
+        inputs.make_request("a", prompt_token_ids=[1, audio_id])
+    with pytest.raises(InvalidRequestError, match="image or video placeholder"):
+        inputs.make_request("i", prompt_token_ids=[1, tokenizer.image_token_id])
+    assert inputs.make_request("t", prompt_token_ids=[1, 2]).prompt_token_ids == [1, 2]

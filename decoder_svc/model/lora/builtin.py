@@ -26,6 +26,8 @@ from decoder_svc.model.lora.adapter import (
     LORA_TARGETS,
     LoRAAdapter,
     LoRAError,
+    check_alpha,
+    check_finite,
     check_pair,
     load_adapter,
     module_dims,
@@ -46,7 +48,8 @@ def builtin_adapter_names(model_dir: str | Path) -> list[str]:
 
 def _lora_config(config: dict, name: str) -> dict:
     spec = config.get(f"{name}_lora")
-    if not isinstance(spec, dict) or not isinstance(spec.get("r"), int) or spec["r"] < 1:
+    if not isinstance(spec, dict) or not isinstance(spec.get("r"), int) or isinstance(spec["r"], bool) \
+            or spec["r"] < 1:
         raise LoRAError(f"built-in LoRA adapter {name!r}: config.json has no `{name}_lora` with a positive "
                         f"integer `r` (and no {name}-lora/ adapter directory)")
     return spec
@@ -58,16 +61,19 @@ def _targets(spec: dict, module: str) -> bool:
 
 
 def load_builtin_adapter(model_dir: str | Path, name: str, cfg: TextModelConfig,
-                         dummy: bool = False) -> LoRAAdapter:
-    """Adapter `name` of the checkpoint in model_dir, checked against the language model's config `cfg`;
-    `dummy`: drawn at random from config.json alone. LoRAError says what is wrong."""
+                         dummy: bool = False, dtype: torch.dtype | None = None) -> LoRAAdapter:
+    """Adapter `name` of the checkpoint in model_dir, checked against the language model's config `cfg`
+    (and its weights against the serving dtype); `dummy`: drawn at random from config.json alone.
+    LoRAError says what is wrong."""
     model_dir = Path(model_dir)
     peft_dir = model_dir / f"{name}-lora"
     if not dummy and peft_dir.is_dir():
-        return load_adapter(name, peft_dir, cfg)
+        return load_adapter(name, peft_dir, cfg, dtype)
+    who = f"built-in LoRA adapter {name!r}"
     spec = _lora_config(load_config(model_dir), name)
     r = spec["r"]
-    scale = float(spec.get("lora_alpha", r)) / r
+    alpha = check_alpha(who, f"config.json `{name}_lora`", spec["lora_alpha"]) if "lora_alpha" in spec else r
+    scale = alpha / r
     adapter = LoRAAdapter(name, model_dir)
     pairs = _dummy_pairs(spec, cfg) if dummy else _checkpoint_pairs(model_dir, name)
     for (layer, leaf), (a, b) in sorted(pairs.items()):
@@ -78,8 +84,10 @@ def load_builtin_adapter(model_dir: str | Path, name: str, cfg: TextModelConfig,
         if not _targets(spec, "model." + module):
             raise LoRAError(f"built-in LoRA adapter {name!r}: {module!r} has weights but `{name}_lora.layer` "
                             f"({spec.get('layer')!r}) does not target it")
-        adapter.weights[(layer, leaf.split(".")[1])] = (a.float().contiguous(),
-                                                        (b.float() * scale).contiguous())
+        a, b = a.float(), b.float() * scale
+        check_finite(who, f"{model_dir}: {module}.lora_A.{name}", a, dtype)
+        check_finite(who, f"{model_dir}: {module}.lora_B.{name} times its scale {scale:.4g}", b, dtype)
+        adapter.weights[(layer, leaf.split(".")[1])] = (a.contiguous(), b.contiguous())
     if not adapter.weights:
         raise LoRAError(f"built-in LoRA adapter {name!r}: {model_dir} holds no lora_A.{name} / "
                         f"lora_B.{name} weights")

@@ -8,11 +8,15 @@ Two ways, by the number of token rows:
   schedule) before adding s @ B[slot]^T to the row of y in place. A row of slot 0 (the base model, or a
   CUDA graph's pad row) returns at once in both.
 - More rows (batched decode, prefill chunks): the stacked product, two cuBLAS GEMMs over every adapter at
-  once (x times all adapters' A, the other adapters' columns of each row masked to zero, times all
-  adapters' B, added to y in its epilogue), as the reference computes it. Gathering per row would re-read
+  once (x times all adapters' A, the other adapters' columns of each row set to zero by selection, times
+  all adapters' B, added to y in its epilogue). Set, not multiplied by zero: another adapter's product
+  with a row may overflow to Inf, and Inf x 0 is NaN; B's weights are finite in the serving dtype (checked
+  at load, adapter.check_finite), so the zeros meet only finite values. Gathering per row would re-read
   B once per row (at 32 rows, 32 times an adapter's bytes); the stacked GEMMs read each adapter once, at
   (adapters) times one adapter's FLOPs, a few percent of the base product's for the ranks adapters have.
   Slot 0 is all zeros and is left out.
+The gathering kernels read a row's own slot's weights only; slot 0 (the base model, and every CUDA graph
+pad row: the runner gives them no other) reads none.
 """
 
 from __future__ import annotations
@@ -117,7 +121,8 @@ def lora_add_stacked(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lor
         return y
     if adapter_rows is None:
         adapter_rows = one_hot_adapters(slots, adapters, x.dtype)
-    shrunk = torch.mm(x, a.T).view(x.shape[0], adapters, rank).mul_(adapter_rows[:, :adapters, None])
+    shrunk = torch.mm(x, a.T).view(x.shape[0], adapters, rank)
+    shrunk.masked_fill_(adapter_rows[:, :adapters, None] == 0, 0)  # selected: Inf x 0 would be NaN
     return y.addmm_(shrunk.view(x.shape[0], adapters * rank), b.T)
 
 
