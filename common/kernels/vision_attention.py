@@ -20,6 +20,7 @@ Imports nothing from the project (torch and triton only).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,50 +79,57 @@ def head_dim_split(head_dim: int) -> tuple[int, int]:
     return main, (0 if rest == 0 else max(16, triton.next_power_of_2(rest)))
 
 
+def stride_unit(strides: list[int]) -> int:
+    """The largest power of two, at most 16, dividing every stride (the kernel's UNIT)."""
+    unit = math.gcd(16, *strides)
+    return unit & -unit
+
+
+@triton.jit
+def _load_rows(ptrs, n_ok, d_ok, MASK_N: tl.constexpr, MASK_D: tl.constexpr):
+    """A [rows, dims] tile; rows past the span (MASK_N) and dims past the head (MASK_D) read as 0."""
+    if MASK_N:
+        if MASK_D:
+            tile = tl.load(ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=n_ok[:, None], other=0.0)
+    else:
+        if MASK_D:
+            tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
 @triton.jit
 def _kv_block(acc0, acc1, m_i, l_i, q0, q1, k_seq, v_seq, stride_kt, stride_vt, start_n, length, qk_scale,
-              HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """One block of BLOCK_N keys folded into the running softmax (m_i, l_i) and outputs (acc0, acc1)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    rows = offs_n.to(tl.int64)
+              HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, MASK_D: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of BLOCK_N keys folded into the running softmax (m_i, l_i, in log2 units) and outputs
+    (acc0: the main dims, acc1: the tail)."""
+    rows = (start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_ok = rows < length
     offs_d0 = tl.arange(0, D_MAIN)
-    n_ok = offs_n < length
-    k_ptrs = k_seq + rows[None, :] * stride_kt + offs_d0[:, None]  # K^T [D_MAIN, BLOCK_N]
-    v_ptrs = v_seq + rows[:, None] * stride_vt + offs_d0[None, :]  # V [BLOCK_N, D_MAIN]
-    if MASK_N:
-        k0 = tl.load(k_ptrs, mask=n_ok[None, :], other=0.0)
-    else:
-        k0 = tl.load(k_ptrs)
-    s = tl.dot(q0, k0, input_precision=PRECISION)
+    k0 = _load_rows(k_seq + rows[:, None] * stride_kt + offs_d0[None, :], n_ok, offs_d0 < HEAD_DIM, MASK_N,
+                    False)
+    s = tl.dot(q0, tl.trans(k0), input_precision=PRECISION)
     if D_TAIL > 0:
         offs_d1 = D_MAIN + tl.arange(0, D_TAIL)
         d1_ok = offs_d1 < HEAD_DIM
-        k1_ptrs = k_seq + rows[None, :] * stride_kt + offs_d1[:, None]
-        if MASK_N:
-            k1 = tl.load(k1_ptrs, mask=d1_ok[:, None] & n_ok[None, :], other=0.0)
-        else:
-            k1 = tl.load(k1_ptrs, mask=d1_ok[:, None], other=0.0)
-        s = tl.dot(q1, k1, s, input_precision=PRECISION)
-    s = s * qk_scale
+        k1 = _load_rows(k_seq + rows[:, None] * stride_kt + offs_d1[None, :], n_ok, d1_ok, MASK_N, MASK_D)
+        s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
     if MASK_N:
         s = tl.where(n_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.math.exp2(s - m_new[:, None])
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])  # one FMA a score
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASK_N:
-        v0 = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
-    else:
-        v0 = tl.load(v_ptrs)
+    v0 = _load_rows(v_seq + rows[:, None] * stride_vt + offs_d0[None, :], n_ok, offs_d0 < HEAD_DIM, MASK_N,
+                    False)
     p = p.to(v0.dtype)
     acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=PRECISION)
     if D_TAIL > 0:
-        v1_ptrs = v_seq + rows[:, None] * stride_vt + offs_d1[None, :]
-        if MASK_N:
-            v1 = tl.load(v1_ptrs, mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
-        else:
-            v1 = tl.load(v1_ptrs, mask=d1_ok[None, :], other=0.0)
+        v1 = _load_rows(v_seq + rows[:, None] * stride_vt + offs_d1[None, :], n_ok, d1_ok, MASK_N, MASK_D)
         acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=PRECISION)
     return acc0, acc1, m_new, l_i
 
@@ -131,9 +139,17 @@ def _varlen_attention_kernel(
     Q, K, V, Out, CU, MAP,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale, blocks_per_seq,
-    HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, MASK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_MAP: tl.constexpr, PRECISION: tl.constexpr,
+    UNIT: tl.constexpr,
 ):
+    # The strides come divided by UNIT, a power of two dividing all of them: multiplied back here, the
+    # compiler knows every row's address is a multiple of UNIT elements and vectorizes the loads (a head
+    # stride of 72 is not a multiple of 16, the only divisibility Triton infers from an integer argument).
+    stride_qt, stride_qh = stride_qt * UNIT, stride_qh * UNIT
+    stride_kt, stride_kh = stride_kt * UNIT, stride_kh * UNIT
+    stride_vt, stride_vh = stride_vt * UNIT, stride_vh * UNIT
+    stride_ot, stride_oh = stride_ot * UNIT, stride_oh * UNIT
     pid = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     if USE_MAP:
@@ -172,12 +188,12 @@ def _varlen_attention_kernel(
     n_full = (length // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
         acc0, acc1, m_i, l_i = _kv_block(acc0, acc1, m_i, l_i, q0, q1, k_seq, v_seq, stride_kt, stride_vt,
-                                         start_n, length, qk_scale, HEAD_DIM, D_MAIN, D_TAIL, BLOCK_N, False,
-                                         PRECISION)
+                                         start_n, length, qk_scale, HEAD_DIM, D_MAIN, D_TAIL, MASK_D, BLOCK_N,
+                                         False, PRECISION)
     if n_full < length:  # the last, partial key block
         acc0, acc1, m_i, l_i = _kv_block(acc0, acc1, m_i, l_i, q0, q1, k_seq, v_seq, stride_kt, stride_vt,
-                                         n_full, length, qk_scale, HEAD_DIM, D_MAIN, D_TAIL, BLOCK_N, True,
-                                         PRECISION)
+                                         n_full, length, qk_scale, HEAD_DIM, D_MAIN, D_TAIL, MASK_D, BLOCK_N,
+                                         True, PRECISION)
 
     inv_l = 1.0 / l_i
     o_rows = Out + head * stride_oh + q_rows[:, None] * stride_ot
@@ -219,12 +235,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if blocks == 0:
         return out
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    strides = [t.stride(d) for t in (q, k, v, out) for d in (0, 1)]
+    unit = stride_unit(strides)
     _varlen_attention_kernel[(blocks, heads)](
-        q, k, v, out, cu_seqlens, table,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
+        q, k, v, out, cu_seqlens, table, *(stride // unit for stride in strides),
         float(scale) * _LOG2E, per_seq,
-        HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        USE_MAP=block_map is not None, PRECISION=precision, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, MASK_D=main + tail > head_dim, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, USE_MAP=block_map is not None, PRECISION=precision, UNIT=unit,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

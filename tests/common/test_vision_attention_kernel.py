@@ -3,9 +3,17 @@ conftest.py sets TRITON_INTERPRET=1 on a CPU host) against one softmax(q kᵀ * 
 one sequence, uneven lengths (an empty one, lengths off the block size), many short windows; head dims 72
 and 80 (padded to 80 inside the kernel); with and without the host's block map; q/k/v as strided views of
 one qkv product. Then its place behind common/vision/attention.py's switch (MMSERVE_VISION_ATTENTION) and
-in both Qwen towers. Compiled at real sizes, bf16, and in CUDA graphs: tests/gpu/test_vision_attention.py."""
+in both Qwen towers. And compiled for Hopper (sm_90) here, without a GPU, in a child process (the session
+runs the interpreter): tensor-core products (wgmma) and 16-byte asynchronous copies, no scalar loads.
+Run at real sizes, bf16, and in CUDA graphs: tests/gpu/test_vision_attention.py."""
 
 from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -156,3 +164,54 @@ def test_towers_with_the_triton_kernel_equal_the_reference(monkeypatch, family):
         got, want = torch.cat([got.merged, *got.deepstack]), torch.cat([want.merged, *want.deepstack])
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0).item() > 0.99999
+
+
+# Compiled for sm_90 as varlen_attention launches it on contiguous [tokens, 16, head_dim] bf16 tensors.
+_COMPILE = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from common.kernels import vision_attention as va
+
+out = {}
+for head_dim, block_m, use_map in json.loads(sys.argv[1]):
+    tiles = va.tiles_for(head_dim, block_m)
+    main, tail = va.head_dim_split(head_dim)
+    strides = [16 * head_dim, head_dim] * 4
+    signature = {name: "*bf16" for name in ("Q", "K", "V", "Out")} | {"CU": "*i32", "MAP": "*i32"}
+    for name in ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh"):
+        signature["stride_" + name] = "i32"
+    signature |= {"qk_scale": "fp32", "blocks_per_seq": "i32"}
+    constants = dict(HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, MASK_D=main + tail > head_dim,
+                     BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, USE_MAP=use_map, PRECISION="tf32",
+                     UNIT=va.stride_unit(strides))
+    signature |= {name: "constexpr" for name in constants}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+    kernel = triton.compile(ASTSource(va._varlen_attention_kernel, signature, constants, attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+    out[f"{head_dim}-{block_m}-{use_map}"] = {"ptx": kernel.asm["ptx"], "shared": kernel.metadata.shared}
+print(json.dumps(out))
+'''
+
+HOPPER = [(72, 128, True), (80, 128, True), (80, 64, True), (72, 128, False)]
+
+
+@pytest.fixture(scope="module")
+def hopper() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(HOPPER)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", HOPPER, ids=lambda c: f"hd{c[0]}-m{c[1]}-{'map' if c[2] else 'grid'}")
+def test_compiles_for_hopper_with_tensor_cores_and_wide_copies(hopper, case):
+    kernel = hopper["{}-{}-{}".format(*case)]
+    ptx = kernel["ptx"]
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx)
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)  # 16-byte copies
+    assert "ld.global.b16" not in ptx and "ld.global.u16" not in ptx  # no element-by-element loads
+    assert kernel["shared"] <= 227 * 1024
