@@ -467,16 +467,19 @@ fi
 # TFLOP/s (% of 989) on a 4096-patch image and the real per-image layouts at batch 1 and 8, its tile sweep,
 # and both towers at batch 1 and 8 with MMSERVE_VISION_ATTENTION=sdpa and =triton (eager and graphs) beside
 # HF's. VATTN_ARGS adds options (e.g. "--no-sweep", "--towers none", "--no-hf"); VATTN_TESTS=0 skips the
-# tests. The result is also copied to $OUT/vision_attention.json. About 4 minutes on an H100.
+# tests. $OUT gets vision_attention.json and .log, and test_vision_attention.log. Limits: 120 s the tests,
+# 240 s the bench (its tile sweep starts no case after 90 s; the kernels' JSON is written before the towers).
 if [[ ",$SECTIONS," == *,vision_attention,* ]]; then
   read -r -a VAARGS <<< "${VATTN_ARGS:-}"
   if [ "${VATTN_TESTS:-1}" = 1 ]; then
     echo "== tests/gpu/test_vision_attention.py (t=$((SECONDS - START))s)"
-    timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_vision_attention.py 2>&1 | tail -15
+    timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_vision_attention.py \
+      > "$OUT/test_vision_attention.log" 2>&1
+    tail -15 "$OUT/test_vision_attention.log"
   fi
   step vision_attention 240 "$PY" -m bench.vision_attention --device "$DEVICE" --dtype "${DTYPE:-bfloat16}" \
     ${VAARGS[@]+"${VAARGS[@]}"}
-  cp "$RES/vision_attention.json" "$OUT/" 2>/dev/null
+  cp "$RES/vision_attention.json" "$RES/vision_attention.log" "$OUT/" 2>/dev/null
 fi
 
 echo "== merge (t=$((SECONDS - START))s)"

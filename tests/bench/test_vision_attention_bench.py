@@ -42,7 +42,7 @@ def test_the_cases_have_the_real_layouts():
     assert lengths.sum() == 4900 and lengths.max() == 64 and not windows.uniform
     assert windows.bounds[-1] == 8 * 4900 and len(windows.bounds) == 8 * len(lengths) + 1
     assert windows.flops == 8 * 4 * int((lengths**2).sum()) * 80 * 16
-    assert len(bench.candidate_tiles()) == 24
+    assert len(bench.candidate_tiles()) == 16
 
 
 @pytest.mark.parametrize("preset", sorted(TINY))
