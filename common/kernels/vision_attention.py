@@ -61,12 +61,11 @@ def tiles_for(head_dim: int, block_m: int) -> Tiles:
 def make_block_map(cu_seqlens: np.ndarray | list[int], block_m: int) -> np.ndarray:
     """[blocks, 2] int32 (sequence, first query row within it) of every query block of BLOCK_M rows, over
     the host bounds `cu_seqlens`; empty sequences have none."""
-    bounds = np.asarray(cu_seqlens, dtype=np.int64)
-    lengths = np.diff(bounds)
+    lengths = np.diff(np.asarray(cu_seqlens, dtype=np.int64))
     per_seq = -(-lengths // block_m)
     seqs = np.repeat(np.arange(len(lengths)), per_seq)
-    firsts = np.concatenate([np.arange(n) * block_m for n in per_seq]) if len(per_seq) else np.zeros(0)
-    return np.stack([seqs, firsts.astype(np.int64)], axis=1).astype(np.int32).reshape(-1, 2)
+    firsts = (np.arange(len(seqs)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * block_m
+    return np.stack([seqs, firsts], axis=1).astype(np.int32).reshape(-1, 2)
 
 
 def head_dim_split(head_dim: int) -> tuple[int, int]:
