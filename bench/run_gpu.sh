@@ -35,6 +35,8 @@
 #      $OUT/soak-logs; see its block below),
 #      nixl (the NIXL transport beside CUDA IPC, shared memory and bytes: GPU tests, the handoff of one
 #      Qwen2.5-VL-7B 1024² embedding, cold/warm TTFT with each; see its block below),
+#      vision_attention (issue 64: the Triton varlen attention kernel at head dims 72/80 beside torch's SDPA
+#      kernels, alone and in the Qwen3-VL-8B / Qwen2.5-VL-7B towers with HF's beside; see its block below),
 #      or a list such as llava,qwen,qwen3.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
@@ -456,6 +458,28 @@ if [[ ",$SECTIONS," == *,nixl,* ]]; then
   step nixl_ttft 360 "$PY" -m bench.ttft --model "$NMODEL" "${DT[@]}" --logs "$RES/logs-nixl-ttft" \
     --transports "${NIXL_TRANSPORTS:-cuda_ipc,nixl,inline}" --concurrency 0 --rounds "${NIXL_ROUNDS:-5}" \
     --image-size "${NIXL_IMAGE_SIZE:-1024}" --decoder-args "--kv-cache-bytes ${NIXL_KV_BYTES:-8000000000}"
+fi
+
+# Vision attention (issue 64), no checkpoint needed (random towers built in-process): first
+# tests/gpu/test_vision_attention.py (the Triton kernel against an fp32 reference over several cu_seqlens
+# layouts at head dims 72 and 80, both towers with it against SDPA, CUDA graphs of two token budgets in one
+# pool), then bench/vision_attention.py: the kernel vs cuDNN / flash / efficient / FA2 varlen in ms and
+# TFLOP/s (% of 989) on a 4096-patch image and the real per-image layouts at batch 1 and 8, its tile sweep,
+# and both towers at batch 1 and 8 with MMSERVE_VISION_ATTENTION=sdpa and =triton (eager and graphs) beside
+# HF's. VATTN_ARGS adds options (e.g. "--no-sweep", "--towers none", "--no-hf"); VATTN_TESTS=0 skips the
+# tests. $OUT gets vision_attention.json and .log, and test_vision_attention.log. Limits: 120 s the tests,
+# 240 s the bench (its tile sweep starts no case after 90 s; the kernels' JSON is written before the towers).
+if [[ ",$SECTIONS," == *,vision_attention,* ]]; then
+  read -r -a VAARGS <<< "${VATTN_ARGS:-}"
+  if [ "${VATTN_TESTS:-1}" = 1 ]; then
+    echo "== tests/gpu/test_vision_attention.py (t=$((SECONDS - START))s)"
+    timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_vision_attention.py \
+      > "$OUT/test_vision_attention.log" 2>&1
+    tail -15 "$OUT/test_vision_attention.log"
+  fi
+  step vision_attention 240 "$PY" -m bench.vision_attention --device "$DEVICE" --dtype "${DTYPE:-bfloat16}" \
+    ${VAARGS[@]+"${VAARGS[@]}"}
+  cp "$RES/vision_attention.json" "$RES/vision_attention.log" "$OUT/" 2>/dev/null
 fi
 
 echo "== merge (t=$((SECONDS - START))s)"

@@ -170,22 +170,28 @@ def hf_tower(model_dir: str, device: torch.device, dtype: torch.dtype):
     from common.families.qwen2_5_vl.encoder_base import load_qwen_image_processor
 
     config = AutoConfig.from_pretrained(model_dir)
-    vision_config = config.vision_config
-    vision_config._attn_implementation = "sdpa"
-    if config.model_type == "qwen3_vl":
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
-    else:
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel as Tower,
-        )
     prefixes = ("model.visual.", "visual.")
     state = {}
     for name, tensor in load_tensors(model_dir, prefixes).items():
         prefix = next(p for p in prefixes if name.startswith(p))
         state[name[len(prefix):]] = tensor
+    tower = hf_tower_from_state(config.vision_config, state, device, dtype)
+    return tower, load_qwen_image_processor(model_dir)
+
+
+def hf_tower_from_state(vision_config, state: dict, device: torch.device, dtype: torch.dtype):
+    """HF's vision tower (sdpa attention) of a Qwen2.5-VL or Qwen3-VL vision config, with `state` (HF's
+    parameter names, as ours), in eval mode on `device`."""
+    vision_config._attn_implementation = "sdpa"
+    if vision_config.model_type.startswith("qwen3_vl"):
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
+    else:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel as Tower,
+        )
     tower = Tower._from_config(vision_config, dtype=dtype)
     tower.load_state_dict(state, strict=False)
-    return tower.to(device).eval(), load_qwen_image_processor(model_dir)
+    return tower.to(device).eval()
 
 
 def hf_figures(model_dir: str, device: torch.device, dtype: torch.dtype, images: list[Image.Image],

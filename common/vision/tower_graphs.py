@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from common.vision.attention import attention_kernel
+
 log = logging.getLogger(__name__)
 
 Grid = tuple[int, int, int]
@@ -73,7 +75,7 @@ class SignatureGraphs:
 
     def __call__(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> Any:
         key = (tuple(tuple(int(x) for x in g) for g in grids), pixels.dtype, pixels.shape[1],
-               bool(getattr(self.tower, "flash_attention", True)))
+               bool(getattr(self.tower, "flash_attention", True)), attention_kernel())
         captured = self.graphs.get(key)
         if captured is None:
             self.seen[key] = self.seen.pop(key, 0) + 1
