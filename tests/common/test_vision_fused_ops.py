@@ -27,7 +27,7 @@ _SCRIPT = r"""
 import json, sys
 import numpy as np, torch
 from PIL import Image
-from common.vision import fused_ops
+from common.kernels import vision_fused_ops as fused_ops
 from common.families.qwen2_5_vl.tower import VisionOps
 from common.families.qwen3_vl.tower import Qwen3VisionOps
 from common.vision.encoders import make_vision_encoder

@@ -42,7 +42,7 @@ def test_flash_spans_equal_the_reference(head_dim, bounds):
 
 def test_triton_steps_equal_the_eager_steps_in_bf16():
     from common.families.qwen2_5_vl.tower import VisionOps
-    from common.vision import fused_ops
+    from common.kernels import vision_fused_ops as fused_ops
 
     torch.manual_seed(0)
     qkv = torch.randn(4900, 3, 16, 80, device="cuda", dtype=torch.bfloat16)

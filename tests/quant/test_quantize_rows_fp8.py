@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from decoder_svc.model.quant import triton_fp8 as t  # noqa: E402
+from common.kernels import fp8_linear as t  # noqa: E402
 from decoder_svc.model.quant.fp8 import FP8_DTYPE, FP8_MAX  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

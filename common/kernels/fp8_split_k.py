@@ -20,7 +20,7 @@ pipeline, a fixed 7-12 us a product measured at 32 rows).
 Autotuned per (rows bucket, matrix) among `SPLIT_K_SHAPES` and `STREAM_K_SHAPES`, pruned to the splits a
 matrix needs (MMSERVE_FP8_STREAM_K picks the forms offered). Graph-capture safe: the workspace comes from
 the caching allocator and the counters are a kept zeroed buffer the kernel leaves zeroed (one stream of
-split-K products per device at a time: see `_tile_counters`). triton_fp8.py routes products here.
+split-K products per device at a time: see `_tile_counters`). fp8_linear.py routes products here.
 
 Only imported on GPU paths or under TRITON_INTERPRET=1: the CPU tests (tests/quant/test_split_k_fp8.py)
 run both forms in Triton's interpreter, whose scalar conversion tests/conftest.py patches for numpy >= 2.4
@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
-from decoder_svc.model.quant.fp8 import ScaleBlock
+from common.kernels.fp8_layout import ScaleBlock
+from common.kernels.pdl import launch_options, release_dependents, wait_for_inputs
 
 # The FP8 autotuners' timing and shape key (triton_fp8.py's too). 2 + 10 ms per configuration picked poor
 # ones on a fresh H200 (timing noise); 10 + 40 ms did not.
