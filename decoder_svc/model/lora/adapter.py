@@ -4,8 +4,9 @@ The layout (what PEFT's `save_pretrained` writes): `adapter_config.json` with `r
 `target_modules` (a list of module names, or a regex string) and optionally `rank_pattern`,
 `alpha_pattern`, `use_rslora`; `adapter_model.safetensors` with `<path>.lora_A.weight` [r, in] and
 `<path>.lora_B.weight` [out, r] per adapted module, `<path>` the module's path in the base model under
-`base_model.model.`. The path is renamed as the base checkpoint's keys are (loader.rename_language_model
-_key), so an adapter for any layout the loader reads (LLaVA's, Qwen-VL's, Gemma 3's) maps onto our layers.
+`base_model.model.`. The path is renamed as the base checkpoint's keys are (the loader passes its
+rename_language_model_key in), so an adapter for any layout the loader reads (LLaVA's, Qwen-VL's, Gemma 3's)
+maps onto our layers.
 
 Served targets: the attention's q/k/v/o and the MLP's gate/up/down projections, or the fused qkv_proj and
 gate_up_proj as Phi-4 names them. Each module's scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,8 @@ LORA_TARGETS: dict[str, tuple[str, int | None]] = {
     "down_proj": ("down_proj", None), "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None),
 }
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# A base checkpoint key -> our parameter name, or None for a key that is not language-model weight.
+KeyRenamer = Callable[[str], str | None]
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 _LAYER = re.compile(r"^layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<leaf>\w+)\.weight$")
 
@@ -115,11 +119,11 @@ def _pattern_value(pattern: dict, path: str, default: float) -> float:
     return default
 
 
-def load_adapter(name: str, path: str | Path, cfg: TextModelConfig) -> LoRAAdapter:
-    """Read and check the adapter at `path` against the language model's (whole) config `cfg`."""
+def load_adapter(name: str, path: str | Path, cfg: TextModelConfig, rename_key: KeyRenamer) -> LoRAAdapter:
+    """Read and check the adapter at `path` against the language model's (whole) config `cfg`; its module
+    paths are named as the base checkpoint's keys, which `rename_key` maps to ours
+    (loader.rename_language_model_key: passed in, as the loader imports this module)."""
     from safetensors.torch import load_file
-
-    from decoder_svc.model.loader import rename_language_model_key
 
     path = Path(path)
     config = _read_config(path, name)
@@ -136,7 +140,7 @@ def load_adapter(name: str, path: str | Path, cfg: TextModelConfig) -> LoRAAdapt
         pairs.setdefault(m["path"], {})[m["ab"]] = tensor
     adapter = LoRAAdapter(name, path)
     for module, ab in sorted(pairs.items()):
-        ours = rename_language_model_key(module + ".weight")
+        ours = rename_key(module + ".weight")
         m = _LAYER.match(ours or "")
         if m is None or m["leaf"] not in LORA_TARGETS:
             raise LoRAError(f"LoRA adapter {name!r}: unknown target module {module!r} (served: the language "
