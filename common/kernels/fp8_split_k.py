@@ -41,7 +41,7 @@ import triton.testing
 from common.kernels.fp8_layout import ScaleBlock
 from common.kernels.pdl import launch_options, release_dependents, wait_for_inputs
 
-# The FP8 autotuners' timing and shape key (triton_fp8.py's too). 2 + 10 ms per configuration picked poor
+# The FP8 autotuners' timing and shape key (fp8_linear.py's too). 2 + 10 ms per configuration picked poor
 # ones on a fresh H200 (timing noise); 10 + 40 ms did not.
 BRIEF_TIMING = functools.partial(triton.testing.do_bench, warmup=10, rep=40)
 # Every FP8 autotuner keeps its timings in Triton's cache directory (keyed by Triton, the GPU target, the
@@ -108,7 +108,7 @@ def k_range_product(x_ptr, w_ptr, s_ptr, rm, rn, rk, m_mask, n_mask, k_lo, k_hi,
                      PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr = False):
     # x[rm, k_lo:k_hi] @ (w[rn, k_lo:k_hi] * block scales)^T in fp32 [BLOCK_M, BLOCK_N] (`_k_block`); also
-    # triton_fp8's one-pass kernel.
+    # fp8_linear's one-pass kernel.
     if SWAP_AB:
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):

@@ -1,4 +1,4 @@
-"""The TMA-streamed one-row product (decoder_svc/model/stream_gemv.py) without a GPU: off on the CPU, and
+"""The TMA-streamed one-row product (common/kernels/stream_gemv.py) without a GPU: off on the CPU, and
 compiled for Hopper (sm_90) here, every config and weight dtype, with the generated PTX checked for what
 the kernel is for: weight tiles come through TMA bulk copies into a ring of shared memory; with
 programmatic dependent launch every weight copy of the first round is issued before the wait and every

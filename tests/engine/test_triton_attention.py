@@ -136,9 +136,9 @@ def test_other_key_tiles_equal_reference(case, block_n):
 
 
 def test_more_query_blocks_than_the_grids_second_axis_takes_go_sequences_first(monkeypatch):
-    from common.kernels import attention as triton_attention
+    from common.kernels import attention
 
-    monkeypatch.setattr(triton_attention, "_MAX_GRID_Y", 2)  # CUDA's is 65535: a prefill of ~4M tokens
+    monkeypatch.setattr(attention, "_MAX_GRID_Y", 2)  # CUDA's is 65535: a prefill of ~4M tokens
     seq_lens, query_lens, heads, kv_heads, dim, page = CASES[2]
     q, k, v, kv_cache, meta = random_batch(seq_lens, query_lens, heads, kv_heads, dim, page, seed=5)
     ref = TorchAttentionBackend().forward(q, k, v, kv_cache.clone(), meta, dim ** -0.5)

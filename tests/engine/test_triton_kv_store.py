@@ -1,4 +1,4 @@
-"""The rotary + KV store kernel (decoder_svc/model/triton_kv_store.py) against the two kernels it replaces
+"""The rotary + KV store kernel (common/kernels/kv_store.py) against the two kernels it replaces
 (TritonOps.rotary, then store_kv) and against the torch reference backend, on batches that mix prefill
 chunks and decode rows with padded rows, GQA, strided q/k views of one fused qkv buffer, partial rotary
 and one cos/sin row per token (M-RoPE's tables).

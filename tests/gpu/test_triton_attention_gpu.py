@@ -154,8 +154,8 @@ def test_window_decode_replays_in_a_cuda_graph():
                          ids=["gqa4", "gqa7-32rows", "llava"])
 def test_decode_steps_rotate_and_store_inside_attention_on_gpu(shape, dtype, tol):
     """A decode step's attention kernel rotates q and stores this step's rotated keys and values itself
-    (triton_attention.DecodeRotary), compiled: the cache gets the bits the separate rotary + store launch
-    writes, the output that launch pair's (within the softmax's FMAs: the rotating kernel is compiled
+    (common/kernels/attention.DecodeRotary), compiled: the cache gets the bits the separate rotary + store
+    launch writes, the output that launch pair's (within the softmax's FMAs: the rotating kernel is compiled
     without contraction) and the torch reference's; and the same inside a CUDA graph (launched early)."""
     from decoder_svc.model.kernel_dispatch import TritonOps
     from decoder_svc.model.ops import TorchOps
