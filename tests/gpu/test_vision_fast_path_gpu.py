@@ -1,9 +1,8 @@
 """The vision towers' GPU fast path (common/vision/attention.py, common/kernels/vision_fused_ops.py) on a
-CUDA device: varlen
-FlashAttention equals the SDPA reference over mixed spans (head dims 72 and 80, the Qwen3-VL and
-Qwen2.5-VL towers'), the Triton steps equal the eager ones in bf16, and both tiny Qwen towers on their
-default CUDA path (Triton steps + flash, bf16) stay close to the fp32 CPU tower, which equals HF's
-get_image_features exactly (tests/qwen, tests/qwen3)."""
+CUDA device: varlen FlashAttention equals the SDPA reference over mixed spans (head dims 72 and 80, the
+Qwen3-VL and Qwen2.5-VL towers'), the Triton steps equal the eager ones in bf16, and both tiny Qwen towers
+on their default CUDA path (Triton steps + flash, bf16) stay close to the fp32 CPU tower, which equals
+HF's get_image_features exactly (tests/qwen, tests/qwen3)."""
 
 from __future__ import annotations
 
