@@ -8,7 +8,7 @@ Heads first (the decoder's order) and by sequence (the order before) are both ti
 attention reads every sequence's keys and values once: batch x context x KV heads x head dim x
 2 (K, V) x 2 bytes, against the copy bandwidth measured in the same run. At short contexts the kernel's fixed
 cost (a program's dependent loads: its sequence length, its block table, then the tiles) is what shows; at
-long ones the bandwidth. Each case is timed as decode runs it (decode_gemv.graph_time_us): the launches back
+long ones the bandwidth. Each case is timed as decode runs it (graph_timing.graph_time_us): the launches back
 to back in a replayed CUDA graph, over enough copies of the KV pool (same block tables, a shuffled page order
 as a long-running cache has) that they are not read from L2. Every candidate's output is compared with the
 decoder's own launch (`err`: max abs difference; bf16, so splits and tiles differ in rounding only).
@@ -55,7 +55,7 @@ def candidate_tiles(block_ns: Sequence[int] = (32, 64, 128), warps: Sequence[int
                     stages: Sequence[int] = (2, 3)) -> list:
     """The key tiles, warps and stages swept beside the decoder's own choice, heads first; and each key
     tile at 4 warps and 2 stages with the programs ordered by sequence (the order before heads first)."""
-    from decoder_svc.model.triton_attention import AttentionTiles
+    from common.kernels.attention import AttentionTiles
 
     tiles = [AttentionTiles(n, w, s) for n, w, s in itertools.product(block_ns, warps, stages)]
     return tiles + [AttentionTiles(n, 4, 2, heads_first=False) for n in block_ns]
@@ -87,8 +87,9 @@ def measure_case(case: Case, tiles: Sequence, device: torch.device, dtype: torch
                  copies: int = 1, bandwidth: float | None = None) -> dict:
     """The decoder's launch and every (tiles, splits) candidate for one case. On CUDA each is timed; on a
     CPU each is run once in Triton's interpreter and compared with the torch reference (`ref_err`)."""
+    from common.kernels.attention import paged_attention
     from decoder_svc.model.attention import TorchAttentionBackend
-    from decoder_svc.model.triton_attention import TritonAttentionBackend, paged_attention
+    from decoder_svc.model.kernel_dispatch import TritonAttentionBackend
 
     cuda = device.type == "cuda"
     backend = TritonAttentionBackend()
@@ -132,7 +133,7 @@ def measure_case(case: Case, tiles: Sequence, device: torch.device, dtype: torch
 
 
 def _time(calls) -> float:
-    from decoder_svc.model.decode_gemv import graph_time_us
+    from common.kernels.graph_timing import graph_time_us
 
     return graph_time_us(calls)
 

@@ -1,14 +1,15 @@
 """Batch-1 decode's weight products, kernel by kernel: the separate op + product against the fused one-row
-kernel (decoder_svc/model/decode_gemv.py), in bf16 and FP8, at each family's real shapes.
+kernel (common/kernels/decode_gemv.py), in bf16 and FP8, at each family's real shapes.
 
     python -m bench.decode_gemv [--families llava-1.5-7b,qwen2.5-vl-7b,qwen3-vl-8b] [--out gemv.json]
 
 For every projection of a layer (q/k/v after the RMS norm, o, gate/up after the RMS norm, down after
 SiLU x up) and the output head (after the final norm): the time of the separate path (Triton op, then
-cuBLAS for bf16 or the FP8 kernels of quant/triton_fp8.py), of the fused kernel (autotuned), and the
-bandwidth each reaches (weight bytes / time); then per family the sum over one token (every layer and
-the head) beside the time the copy bandwidth measured in the same run would need for those bytes.
-Timings are decode_gemv.graph_time_us's, as the decoder's start-up choice makes them: calls over enough
+cuBLAS for bf16 or the FP8 kernels of common/kernels/fp8_linear.py), of the fused kernel (autotuned),
+and the bandwidth each reaches (weight bytes / time); then per family the sum over one token (every
+layer and the head) beside the time the copy bandwidth measured in the same run would need for those
+bytes.
+Timings are graph_timing.graph_time_us's, as the decoder's start-up choice makes them: calls over enough
 copies of the weight that none stays in L2, back to back in one CUDA graph, as a decode step replays
 them. CUDA only.
 """
@@ -59,9 +60,9 @@ FAMILIES = {
 
 
 def _projection(n: int, k: int, bias: bool, fp8: bool) -> nn.Module:
+    from decoder_svc.model.kernel_dispatch import TritonOps
     from decoder_svc.model.quant.fp8 import per_channel_block, quantize_per_channel
     from decoder_svc.model.quant.linear import Fp8Linear
-    from decoder_svc.model.triton_ops import TritonOps
 
     lin = nn.Linear(k, n, bias=bias, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -80,10 +81,12 @@ def _projection(n: int, k: int, bias: bool, fp8: bool) -> nn.Module:
 
 def measure(n: int, k: int, op: str, bias: bool, fp8: bool) -> tuple[float, float]:
     """(separate us, fused us) for one projection, timed as the decoder's start-up choice times them."""
-    from decoder_svc.model import decode_gemv as g
-    from decoder_svc.model.triton_ops import TritonOps
+    from common.kernels import decode_gemv as g
+    from common.kernels.graph_timing import graph_time_us
+    from decoder_svc.model import kernel_dispatch as d
+    from decoder_svc.model.kernel_dispatch import TritonOps
 
-    projs = g.copies(_projection(n, k, bias, fp8))
+    projs = d.copies(_projection(n, k, bias, fp8))
     width = 2 * k if op == "silu" else k
     x = torch.randn(1, width, device="cuda").to(torch.bfloat16)
     residual = torch.randn(1, k, device="cuda").to(torch.bfloat16)
@@ -91,17 +94,17 @@ def measure(n: int, k: int, op: str, bias: bool, fp8: bool) -> tuple[float, floa
     if op == "norm":
         def separate(p):
             return p(TritonOps.rms_norm(x, norm_w, 1e-6, residual)[0])
-        fused = [functools.partial(g.fused_gemv, x, g.gemv_weight(p), g.RMS_NORM, residual, norm_w, 1e-6)
+        fused = [functools.partial(g.fused_gemv, x, d.gemv_weight(p), g.RMS_NORM, residual, norm_w, 1e-6)
                  for p in projs]
     elif op == "silu":
         def separate(p):
             return p(TritonOps.silu_and_mul(x))
-        fused = [functools.partial(g.fused_gemv, x, g.gemv_weight(p), g.SILU_MUL) for p in projs]
+        fused = [functools.partial(g.fused_gemv, x, d.gemv_weight(p), g.SILU_MUL) for p in projs]
     else:
         def separate(p):
             return p(x)
-        fused = [functools.partial(g.fused_gemv, x, g.gemv_weight(p)) for p in projs]
-    return (g.graph_time_us([functools.partial(separate, p) for p in projs]), g.graph_time_us(fused))
+        fused = [functools.partial(g.fused_gemv, x, d.gemv_weight(p)) for p in projs]
+    return (graph_time_us([functools.partial(separate, p) for p in projs]), graph_time_us(fused))
 
 
 def run(args: argparse.Namespace) -> dict:

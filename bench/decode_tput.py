@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
 def gemv_choices() -> dict:
     """The fused one-row products' mode and start-up timings in this process ({} where the model never
     loaded them: CPU, the torch backend)."""
-    module = sys.modules.get("decoder_svc.model.decode_gemv")
+    module = sys.modules.get("decoder_svc.model.kernel_dispatch")
     return {} if module is None else {"mode": module.CHOICES.mode, "timings": module.CHOICES.summary()}
 
 

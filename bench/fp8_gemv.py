@@ -16,7 +16,7 @@ A/B (pdl.py), MMSERVE_STREAM_GEMV=0 the TMA-streamed GEMV.
 
 Timed as decode runs them: the calls over enough distinct copies of the weight that they do not fit in
 L2 (a single weight would be read from L2 after the first call), back to back in one CUDA graph that is
-replayed (decode_gemv.graph_time_us), so launch overhead is what a captured decode step pays. Autotuning
+replayed (graph_timing.graph_time_us), so launch overhead is what a captured decode step pays. Autotuning
 (every FP8 kernel is tuned per rows bucket and matrix on its first call) happens before the capture.
 CUDA only; about 2-3 minutes on an H200 with a cold Triton cache (every family, every row count).
 """
@@ -58,11 +58,11 @@ def _config_name(config) -> str:
 
 def time_matrix(n: int, k: int, rows: Sequence[int], l2: int, dev: torch.device) -> list[dict]:
     """Every path at every row count for one [n, k] weight; returns one result row per row count."""
-    from decoder_svc.model import stream_gemv
-    from decoder_svc.model.decode_gemv import graph_time_us
+    from common.kernels import stream_gemv
+    from common.kernels.fp8_linear import fp8_linear, scaled_mm_fp8, weight_only_fp8
+    from common.kernels.fp8_split_k import _split_k
+    from common.kernels.graph_timing import graph_time_us
     from decoder_svc.model.quant.fp8 import per_channel_block, quantize_per_channel
-    from decoder_svc.model.quant.triton_fp8 import fp8_linear, scaled_mm_fp8, weight_only_fp8
-    from decoder_svc.model.quant.triton_split_k import _split_k
 
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
     q, scale = quantize_per_channel(w)

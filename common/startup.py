@@ -12,12 +12,22 @@ import faulthandler
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from common.errors import UsageError
 
-if TYPE_CHECKING:
-    from common.server import GrpcService
+
+class Listener(Protocol):
+    """What start_listening needs of a service (common.server.GrpcService is one; a Protocol because the
+    server imports this module)."""
+
+    host: str
+    port: int
+    metrics_port: int | None
+
+    async def start(self) -> int: ...
+
+    async def stop(self, grace: float = 5.0) -> None: ...
 
 
 def dump_stacks_on_signal() -> None:
@@ -79,7 +89,7 @@ def check_port_free(host: str, port: int, option: str = "--port") -> None:
         raise UsageError(f"{option} {port}: cannot listen on {host}:{port}: {errors[0].strerror}")
 
 
-async def start_listening(service: GrpcService) -> int:
+async def start_listening(service: Listener) -> int:
     """service.start(), with a port taken since check_port_free (a race) raised as a UsageError."""
     try:
         return await service.start()

@@ -35,8 +35,7 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
 def make_kernels(name: str, device: torch.device | str) -> tuple[AttentionBackend, type[TorchOps]]:
     """The attention backend and the elementwise ops for a backend name (see resolve_backend_name)."""
     if resolve_backend_name(name, device) == "triton":
-        from decoder_svc.model.triton_attention import TritonAttentionBackend
-        from decoder_svc.model.triton_ops import TritonOps
+        from decoder_svc.model.kernel_dispatch import TritonAttentionBackend, TritonOps
 
         return TritonAttentionBackend(), TritonOps
     return TorchAttentionBackend(), TorchOps

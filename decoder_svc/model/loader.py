@@ -144,8 +144,9 @@ def load_language_model(
         tp.check(cfg)
     full_cfg = cfg
     builtin = _builtin_adapter_names(model_dir, set(lora_modules or {}))
-    adapters = [load_adapter(name, path, cfg, dtype) for name, path in (lora_modules or {}).items()]
-    adapters += [load_builtin_adapter(model_dir, name, cfg, load_format == "dummy", dtype)
+    rename = rename_language_model_key  # adapters name modules as the checkpoint does
+    adapters = [load_adapter(name, path, cfg, rename, dtype) for name, path in (lora_modules or {}).items()]
+    adapters += [load_builtin_adapter(model_dir, name, cfg, load_format == "dummy", dtype, rename_key=rename)
                  for name in builtin]
     with torch.device("meta"):
         model = LlamaForCausalLM(tp.local_config(cfg) if tp else cfg, backend, ops, tp)

@@ -1,7 +1,7 @@
 """Elementwise decoder ops (RMS norm, SwiGLU activation, RoPE) in plain torch: the reference.
 
 `TorchOps` reproduces Hugging Face Llama numerics op for op (same casts, same rounding points), so it is
-both the CPU implementation and the oracle that `decoder_svc.model.triton_ops.TritonOps` is tested
+both the CPU implementation and the oracle that `decoder_svc.model.kernel_dispatch.TritonOps` is tested
 against. Both classes expose the same static methods; callers pick one and call through it.
 
 Shapes: tokens are flat rows, T >= 0. `x` [T, H]; `q` [T, Hq, D], `k` [T, Hk, D]; `positions` [T].

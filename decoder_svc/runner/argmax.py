@@ -10,8 +10,8 @@ The order is torch's: a larger value wins, NaN above everything (+inf included),
 to the lowest index, -0.0 equals +0.0. Values are compared as integers: fp32 bits with the magnitude of
 negatives flipped sort like the floats.
 
-Triton on CUDA tensors; torch.argmax elsewhere (and under TRITON_INTERPRET=1 tests call the kernels
-through `triton_argmax`).
+Triton on CUDA tensors (common/kernels/argmax.py); torch.argmax elsewhere (and under TRITON_INTERPRET=1
+tests call the kernels through `triton_argmax`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,6 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def triton_argmax(logits: torch.Tensor) -> torch.Tensor:
     """argmax_rows through the two Triton kernels (a CUDA tensor, or any under TRITON_INTERPRET=1)."""
-    from decoder_svc.runner import triton_argmax as kernels
+    from common.kernels import argmax as kernels
 
     return kernels.argmax(logits, CHUNK)

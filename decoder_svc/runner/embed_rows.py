@@ -6,8 +6,8 @@ then the embedding rows gathered), each some 2-3.5 us at batch 1 on an H200; on 
 does it all: a program per token row looks its row up among the pending ones, reads its id, writes it back
 into input_ids and copies the embedding row.
 
-Triton on CUDA tensors; the torch ops elsewhere (and under TRITON_INTERPRET=1 tests call the kernel
-through `triton_embed_rows`).
+Triton on CUDA tensors (common/kernels/embed_rows.py); the torch ops elsewhere (and under
+TRITON_INTERPRET=1 tests call the kernel through `triton_embed_rows`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,6 @@ def triton_embed_rows(out: torch.Tensor, weight: torch.Tensor, input_ids: torch.
                       pending: tuple[torch.Tensor, torch.Tensor] | None,
                       last_tokens: torch.Tensor | None) -> None:
     """embed_rows through the Triton kernel (a CUDA tensor, or any under TRITON_INTERPRET=1)."""
-    from decoder_svc.runner import triton_embed_rows as kernel
+    from common.kernels import embed_rows as kernel
 
     kernel.embed_rows(out, weight, input_ids, pending, last_tokens)

@@ -17,16 +17,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from decoder_svc.runner.argmax import argmax_rows
 
-if TYPE_CHECKING:
-    # Only for annotations: importing decoder_svc.engine at runtime would pull in the engine, which will
-    # import the runner (a cycle). The sampler only reads SamplingParams' attributes.
-    from decoder_svc.engine.sampling_params import SamplingParams
+
+class RowParams(Protocol):
+    """What the sampler reads of a row's sampling parameters (the engine's SamplingParams is one: a
+    Protocol, as the engine sits above the runner and imports this module)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    logprobs: int
+
+    @property
+    def greedy(self) -> bool: ...
+
 
 # Below this temperature (or when it is not finite) a row is decoded greedily: logits / temperature would
 # overflow fp32 or turn into NaN, and such a distribution is argmax anyway.
@@ -57,7 +67,7 @@ class SamplingRow:
     """What the sampler needs to know about one row of logits: whose it is and how to pick its token."""
 
     request_id: str
-    params: SamplingParams
+    params: RowParams
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -88,7 +98,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return logits.masked_fill(mask, float("-inf"))
 
 
-def _is_greedy(params: SamplingParams) -> bool:
+def _is_greedy(params: RowParams) -> bool:
     """Argmax for this row: asked for, or a temperature the sampler cannot divide by safely."""
     t = params.temperature
     return params.greedy or not math.isfinite(t) or t < MIN_TEMPERATURE

@@ -1,4 +1,5 @@
-"""The vision towers' GPU fast path, checked on a CPU: the Triton kernels of common/vision/fused_ops.py
+"""The vision towers' GPU fast path, checked on a CPU: the Triton kernels of
+common/kernels/vision_fused_ops.py
 (run by Triton's interpreter, TRITON_INTERPRET=1, in a subprocess so that no other test's compiled
 kernels are affected) against the eager steps, alone and wired into both Qwen towers; and the spans of
 common/vision/attention.py against one attention call per span. The flash path itself needs CUDA:
@@ -27,7 +28,7 @@ _SCRIPT = r"""
 import json, sys
 import numpy as np, torch
 from PIL import Image
-from common.vision import fused_ops
+from common.kernels import vision_fused_ops as fused_ops
 from common.families.qwen2_5_vl.tower import VisionOps
 from common.families.qwen3_vl.tower import Qwen3VisionOps
 from common.vision.encoders import make_vision_encoder

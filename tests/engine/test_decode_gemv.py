@@ -1,4 +1,4 @@
-"""The one-row fused products (decoder_svc/model/decode_gemv.py) against the ops they replace: the torch
+"""The one-row fused products (common/kernels/decode_gemv.py) against the ops they replace: the torch
 reference's norm / activation followed by the product. On CPU through Triton's interpreter (small
 shapes, odd sizes so every mask is used); tests/gpu/test_decode_gemv_gpu.py runs the real shapes."""
 
@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from decoder_svc.model import decode_gemv as g  # noqa: E402
+from common.kernels import decode_gemv as g  # noqa: E402
+from decoder_svc.model import kernel_dispatch as d  # noqa: E402
 from decoder_svc.model.ops import TorchOps  # noqa: E402
 from decoder_svc.model.quant.fp8 import ScaleBlock, per_channel_block, quantize_per_channel  # noqa: E402
 from decoder_svc.model.quant.linear import Fp8Linear  # noqa: E402
@@ -52,7 +53,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
 def test_plain_product(dtype, bias):
     lin = _linear(N, K, bias, dtype, 1)
     x = _row(K, dtype, 2)
-    out, new_residual = g.fused_gemv(x, g.gemv_weight(lin), config=CONFIG)
+    out, new_residual = g.fused_gemv(x, d.gemv_weight(lin), config=CONFIG)
     assert new_residual is None and out.shape == (1, N) and out.dtype == dtype
     _close(out, TorchOps.linear(x, lin), dtype)
 
@@ -66,7 +67,7 @@ def test_rms_norm_then_product(dtype, with_residual):
     weight = (torch.rand(K, generator=torch.Generator().manual_seed(6)) + 0.5).to(DEVICE, dtype)
     x_before = x.clone()
     res_before = None if residual is None else residual.clone()
-    out, new_residual = g.fused_gemv(x, g.gemv_weight(lin), g.RMS_NORM, residual, weight, 1e-6, config=CONFIG)
+    out, new_residual = g.fused_gemv(x, d.gemv_weight(lin), g.RMS_NORM, residual, weight, 1e-6, config=CONFIG)
     want, want_residual = TorchOps.norm_linear(x, res_before, weight, 1e-6, lin)
     _close(out, want, dtype)
     # The new residual stream is exact (one rounding of the sum), and no input was written.
@@ -82,7 +83,7 @@ def test_rms_norm_then_product(dtype, with_residual):
 def test_silu_mul_then_product(dtype):
     lin = _linear(N, K, True, dtype, 7)
     gate_up = _row(2 * K, dtype, 8)
-    out, _ = g.fused_gemv(gate_up, g.gemv_weight(lin), g.SILU_MUL, config=CONFIG)
+    out, _ = g.fused_gemv(gate_up, d.gemv_weight(lin), g.SILU_MUL, config=CONFIG)
     _close(out, TorchOps.act_linear(gate_up, lin), dtype)
 
 
@@ -95,7 +96,7 @@ def test_fp8_weight_per_channel():
         fp8.weight_scale.copy_(scale)
         fp8.bias.copy_(lin.bias)
     x = _row(K, torch.float32, 10)
-    w = g.gemv_weight(fp8)
+    w = d.gemv_weight(fp8)
     assert w is not None and w.scale.shape == (N,)
     out, _ = g.fused_gemv(x, w, config=CONFIG)
     _close(out, fp8(x), torch.float32)
@@ -104,21 +105,21 @@ def test_fp8_weight_per_channel():
 def test_refuses_what_it_cannot_run():
     lin = _linear(N, K, False, torch.float32, 11)
     with pytest.raises(ValueError, match="one row"):
-        g.fused_gemv(_row(K, torch.float32, 1).expand(2, K), g.gemv_weight(lin), config=CONFIG)
+        g.fused_gemv(_row(K, torch.float32, 1).expand(2, K), d.gemv_weight(lin), config=CONFIG)
     with pytest.raises(ValueError, match="one row"):
-        g.fused_gemv(_row(K, torch.float32, 1), g.gemv_weight(lin), g.SILU_MUL, config=CONFIG)
+        g.fused_gemv(_row(K, torch.float32, 1), d.gemv_weight(lin), g.SILU_MUL, config=CONFIG)
     blocked = Fp8Linear(256, 256, ScaleBlock(128, 128), TorchOps, False, torch.float32, DEVICE)
-    assert g.gemv_weight(blocked) is None  # block-scaled FP8 keeps its own kernels
+    assert d.gemv_weight(blocked) is None  # block-scaled FP8 keeps its own kernels
 
 
 def test_choices_follow_the_mode_and_the_timings():
-    key = g.GemvKey(8, 8, torch.bfloat16, False, g.PLAIN, False)
-    assert g.GemvChoices("on").use_fused(key) and not g.GemvChoices("off").use_fused(key)
-    auto = g.GemvChoices("auto")
+    key = d.GemvKey(8, 8, torch.bfloat16, False, g.PLAIN, False)
+    assert d.GemvChoices("on").use_fused(key) and not d.GemvChoices("off").use_fused(key)
+    auto = d.GemvChoices("auto")
     assert not auto.use_fused(key)  # unmeasured: the separate path
-    auto.timings[key] = g.GemvTiming(key, fused_us=5.0, unfused_us=7.0)
+    auto.timings[key] = d.GemvTiming(key, fused_us=5.0, unfused_us=7.0)
     assert auto.use_fused(key)
-    auto.timings[key] = g.GemvTiming(key, fused_us=9.0, unfused_us=7.0)
+    auto.timings[key] = d.GemvTiming(key, fused_us=9.0, unfused_us=7.0)
     assert not auto.use_fused(key)
     with pytest.raises(ValueError, match="MMSERVE_DECODE_GEMV"):
-        g.GemvChoices("sometimes")
+        d.GemvChoices("sometimes")

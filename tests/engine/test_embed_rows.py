@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from common.kernels.embed_rows import BLOCK_HIDDEN  # noqa: E402
 from decoder_svc.runner.embed_rows import embed_rows, triton_embed_rows  # noqa: E402
-from decoder_svc.runner.triton_embed_rows import BLOCK_HIDDEN  # noqa: E402
 
 
 @pytest.mark.parametrize("hidden", [64, BLOCK_HIDDEN + 40])

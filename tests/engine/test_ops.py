@@ -23,8 +23,8 @@ from transformers.models.llama.modeling_llama import (  # noqa: E402
     rotate_half,
 )
 
+from decoder_svc.model.kernel_dispatch import TritonOps  # noqa: E402
 from decoder_svc.model.ops import TorchOps  # noqa: E402
-from decoder_svc.model.triton_ops import TritonOps  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

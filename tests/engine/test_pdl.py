@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (decoder_svc/model/pdl.py): off in Triton's interpreter and with
+"""Programmatic dependent launch (common/kernels/pdl.py): off in Triton's interpreter and with
 MMSERVE_PDL=0, and every kernel launched with `launch_options()` waits for its inputs in its body (a
 kernel launched early that read before `wait_for_inputs()` could read what its input buffer held before
 the kernel ahead of it wrote it; tests/gpu/test_decode_gemv_gpu.py runs the chain on a GPU). The products
@@ -22,20 +22,21 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from decoder_svc.model import (  # noqa: E402
+from common.kernels import (  # noqa: E402
+    attention,
     decode_gemv,
+    elementwise,
+    fp8_linear,
+    fp8_split_k,
+    kv_store,
     pdl,
     stream_gemv,
-    triton_attention,
-    triton_kv_store,
-    triton_ops,
 )
-from decoder_svc.model.quant import triton_fp8, triton_split_k  # noqa: E402
 
-PRODUCTS = [decode_gemv, triton_fp8, triton_split_k, stream_gemv]
-SMALL_KERNELS = {triton_ops: {"_rms_norm_kernel", "_gated_act_kernel", "_rotary_kernel"},
-                 triton_attention: {"_paged_attention_kernel", "_merge_splits_kernel"},
-                 triton_kv_store: {"_store_kv_kernel", "_rotary_store_kv_kernel"}}
+PRODUCTS = [decode_gemv, fp8_linear, fp8_split_k, stream_gemv]
+SMALL_KERNELS = {elementwise: {"_rms_norm_kernel", "_gated_act_kernel", "_rotary_kernel"},
+                 attention: {"_paged_attention_kernel", "_merge_splits_kernel"},
+                 kv_store: {"_store_kv_kernel", "_rotary_store_kv_kernel"}}
 
 
 def _launched_with_pdl(module) -> set[str]:
@@ -109,9 +110,9 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from decoder_svc.model import pdl
+from common.kernels import pdl
 pdl.PDL = tl.constexpr(True)  # as on an H200 (the kernels read it when compiled)
-from decoder_svc.model import triton_attention as ta, triton_kv_store as kv, triton_ops as to
+from common.kernels import attention as ta, kv_store as kv, elementwise as to
 
 def ptx(kernel, types, constants, warps, **options):
     signature = {n: "constexpr" if n in constants else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")

@@ -56,7 +56,7 @@ def test_reference_ignores_freed_entries(case) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_triton_ignores_freed_entries(case) -> None:
     pytest.importorskip("triton")
-    from decoder_svc.model.triton_attention import TritonAttentionBackend
+    from decoder_svc.model.kernel_dispatch import TritonAttentionBackend
 
     got, want = run_both(*case, backend=TritonAttentionBackend(num_sms=4))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

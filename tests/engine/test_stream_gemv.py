@@ -1,4 +1,4 @@
-"""The TMA-streamed one-row product (decoder_svc/model/stream_gemv.py) without a GPU: off on the CPU, and
+"""The TMA-streamed one-row product (common/kernels/stream_gemv.py) without a GPU: off on the CPU, and
 compiled for Hopper (sm_90) here, every config and weight dtype, with the generated PTX checked for what
 the kernel is for: weight tiles come through TMA bulk copies into a ring of shared memory; with
 programmatic dependent launch every weight copy of the first round is issued before the wait and every
@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from decoder_svc.model import stream_gemv  # noqa: E402
+from common.kernels import stream_gemv  # noqa: E402
 
 DTYPES = {"fp8e4nv": 8, "bf16": 16}
 
@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from decoder_svc.model import pdl
+from common.kernels import pdl
 pdl.PDL = tl.constexpr(True)  # as on an H200 (the kernel reads it when compiled)
-from decoder_svc.model import stream_gemv as sg
+from common.kernels import stream_gemv as sg
 
 out = {}
 for dtype, bits in json.loads(sys.argv[1]).items():

@@ -12,8 +12,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from common.kernels.attention import paged_attention  # noqa: E402
+from common.kernels.kv_store import store_kv  # noqa: E402
 from decoder_svc.model.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from decoder_svc.model.triton_attention import paged_attention, store_kv  # noqa: E402
 
 
 def random_batch(seq_lens, query_lens, heads, kv_heads, dim, page, dtype=torch.float32, device="cpu", seed=0,
@@ -67,7 +68,7 @@ def test_triton_equals_reference(case, splits):
 
 
 def test_short_chunks_over_a_long_prefix_split_their_keys_and_big_batches_do_not():
-    from decoder_svc.model.triton_attention import TritonAttentionBackend
+    from decoder_svc.model.kernel_dispatch import TritonAttentionBackend
 
     backend = TritonAttentionBackend(num_sms=132)
     # Qwen2.5-VL-7B's heads: 28 query heads over 4 KV heads (64-row tiles of 9 tokens).
@@ -122,7 +123,7 @@ def test_decode_only_batches_find_their_rows_without_a_search(window, splits):
 def test_other_key_tiles_equal_reference(case, block_n):
     """bench.attention sweeps the key tile (warps and stages too, which the interpreter ignores) and the
     programs' order: each gives the reference's result, split or not, heads first or sequences first."""
-    from decoder_svc.model.triton_attention import AttentionTiles
+    from common.kernels.attention import AttentionTiles
 
     seq_lens, query_lens, heads, kv_heads, dim, page = case
     q, k, v, kv_cache, meta = random_batch(seq_lens, query_lens, heads, kv_heads, dim, page, seed=block_n)
@@ -135,9 +136,9 @@ def test_other_key_tiles_equal_reference(case, block_n):
 
 
 def test_more_query_blocks_than_the_grids_second_axis_takes_go_sequences_first(monkeypatch):
-    from decoder_svc.model import triton_attention
+    from common.kernels import attention
 
-    monkeypatch.setattr(triton_attention, "_MAX_GRID_Y", 2)  # CUDA's is 65535: a prefill of ~4M tokens
+    monkeypatch.setattr(attention, "_MAX_GRID_Y", 2)  # CUDA's is 65535: a prefill of ~4M tokens
     seq_lens, query_lens, heads, kv_heads, dim, page = CASES[2]
     q, k, v, kv_cache, meta = random_batch(seq_lens, query_lens, heads, kv_heads, dim, page, seed=5)
     ref = TorchAttentionBackend().forward(q, k, v, kv_cache.clone(), meta, dim ** -0.5)

@@ -15,12 +15,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from common.kernels.attention import paged_attention  # noqa: E402
+from common.kernels.kv_store import store_kv  # noqa: E402
 from decoder_svc.model.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from decoder_svc.model.triton_attention import (  # noqa: E402
-    TritonAttentionBackend,
-    paged_attention,
-    store_kv,
-)
+from decoder_svc.model.kernel_dispatch import TritonAttentionBackend  # noqa: E402
 from tests.engine.test_triton_attention import random_batch  # noqa: E402
 
 

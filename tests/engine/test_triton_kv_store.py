@@ -1,4 +1,4 @@
-"""The rotary + KV store kernel (decoder_svc/model/triton_kv_store.py) against the two kernels it replaces
+"""The rotary + KV store kernel (common/kernels/kv_store.py) against the two kernels it replaces
 (TritonOps.rotary, then store_kv) and against the torch reference backend, on batches that mix prefill
 chunks and decode rows with padded rows, GQA, strided q/k views of one fused qkv buffer, partial rotary
 and one cos/sin row per token (M-RoPE's tables).
@@ -14,11 +14,13 @@ import torch
 
 pytest.importorskip("triton")
 
+from common.kernels.kv_store import rotary_store_kv, store_kv  # noqa: E402
 from decoder_svc.model.attention import TorchAttentionBackend  # noqa: E402
+from decoder_svc.model.kernel_dispatch import (
+    TritonAttentionBackend,  # noqa: E402
+    TritonOps,  # noqa: E402
+)
 from decoder_svc.model.ops import TorchOps  # noqa: E402
-from decoder_svc.model.triton_attention import TritonAttentionBackend  # noqa: E402
-from decoder_svc.model.triton_kv_store import rotary_store_kv, store_kv  # noqa: E402
-from decoder_svc.model.triton_ops import TritonOps  # noqa: E402
 from tests.engine.test_triton_attention import random_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -151,8 +153,8 @@ def test_decode_steps_rotate_and_store_inside_attention(case, dtype, per_token, 
 def test_rotary_in_attention_takes_decode_steps_of_full_rotary_only():
     """Partial rotary, chunks and key limits keep the separate rotary + store launch (the backend checks
     DecodeRotary.applies); paged_attention refuses the rest."""
-    from decoder_svc.model.triton_attention import DecodeRotary, paged_attention
-    from decoder_svc.model.triton_ops import RotaryLaunch
+    from common.kernels.attention import DecodeRotary, paged_attention
+    from common.kernels.elementwise import RotaryLaunch
 
     q, k, v, kv_cache, meta = random_batch([9, 4], [1, 1], 4, 2, 16, 4, device=DEVICE)
     positions = torch.tensor([8, 3], device=DEVICE)

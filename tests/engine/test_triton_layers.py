@@ -19,9 +19,11 @@ import torch
 pytest.importorskip("triton")
 
 from decoder_svc.model import AttentionMetadata, KVCacheSpec, allocate_kv_cache, load_language_model  # noqa: E402
+from decoder_svc.model.kernel_dispatch import (
+    TritonAttentionBackend,  # noqa: E402
+    TritonOps,  # noqa: E402
+)
 from decoder_svc.model.llama import LlamaForCausalLM  # noqa: E402
-from decoder_svc.model.triton_attention import TritonAttentionBackend  # noqa: E402
-from decoder_svc.model.triton_ops import TritonOps  # noqa: E402
 
 BLOCK = 8
 

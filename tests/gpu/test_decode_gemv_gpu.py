@@ -18,8 +18,9 @@ from decoder_svc.model.quant.linear import Fp8Linear  # noqa: E402
 from tests.gpu.graph_replay import assert_replays_as_eager  # noqa: E402
 
 if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a device
-    from decoder_svc.model import decode_gemv as g
-    from decoder_svc.model.triton_ops import TritonOps
+    from common.kernels import decode_gemv as g
+    from decoder_svc.model import kernel_dispatch as d
+    from decoder_svc.model.kernel_dispatch import TritonOps
 
 # (N, K, prologue): Qwen2.5-VL-7B's q/k/v (bias), o, gate/up, down; llava's down (K = 11008); a head.
 SHAPES = [(4608, 3584, "norm"), (3584, 3584, "plain"), (37888, 3584, "norm"), (3584, 18944, "silu"),
@@ -75,7 +76,7 @@ def _separate(prologue, proj, x, residual, weight):
 @pytest.mark.parametrize("n,k,prologue", SHAPES)
 def test_fused_matches_separate(n, k, prologue, fp8):
     proj, x, residual, weight = _case(n, k, prologue, fp8, seed=n + k)
-    w = g.gemv_weight(proj)
+    w = d.gemv_weight(proj)
     kind = {"norm": g.RMS_NORM, "silu": g.SILU_MUL, "plain": g.PLAIN}[prologue]
     res_in = residual.clone() if kind == g.RMS_NORM else None
     out, new_residual = g.fused_gemv(x, w, kind, res_in, weight if kind == g.RMS_NORM else None, 1e-6)
@@ -88,7 +89,7 @@ def test_fused_matches_separate(n, k, prologue, fp8):
 
 def test_fused_kernel_replays_in_a_cuda_graph():
     proj, x, residual, weight = _case(4608, 3584, "norm", False, seed=3)
-    w = g.gemv_weight(proj)
+    w = d.gemv_weight(proj)
     g.fused_gemv(x, w, g.RMS_NORM, residual, weight, 1e-6)  # autotune outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -102,7 +103,7 @@ def test_fused_kernel_replays_in_a_cuda_graph():
 
 @pytest.mark.parametrize("mode", ["auto", "on", "off"])
 def test_triton_ops_choose_and_agree_with_the_reference(mode, monkeypatch):
-    monkeypatch.setattr(g, "CHOICES", g.GemvChoices(mode))
+    monkeypatch.setattr(d, "CHOICES", d.GemvChoices(mode))
     proj, x, residual, weight = _case(4608, 3584, "norm", False, seed=5)
     out, new_residual = TritonOps.norm_linear(x, residual.clone(), weight, 1e-6, proj)
     want, want_residual = TorchOps.norm_linear(x, residual, weight, 1e-6, proj)
@@ -113,7 +114,7 @@ def test_triton_ops_choose_and_agree_with_the_reference(mode, monkeypatch):
     assert _rel_err(TritonOps.linear(x, proj), TorchOps.linear(x, proj)) < 1e-2
     if mode == "auto":  # one measurement per key, each recorded: the fused ops' and, for their separate
         # side, the plain products' (linear's choice)
-        assert {(k.n, k.k, k.prologue) for k in g.CHOICES.timings} == {
+        assert {(k.n, k.k, k.prologue) for k in d.CHOICES.timings} == {
             (4608, 3584, g.RMS_NORM), (3584, 3584, g.SILU_MUL), (4608, 3584, g.PLAIN), (3584, 3584, g.PLAIN)}
 
 
@@ -124,12 +125,12 @@ def test_a_chain_of_products_in_a_cuda_graph_reads_each_input_after_it_is_writte
     products (weights of unit gain: the activations keep their scale), each reading the last one's
     output, two norms between, replayed in a graph with a new
     first input: the same bits as the chain run eagerly (every kernel is deterministic)."""
-    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
+    from common.kernels.fp8_linear import weight_only_fp8
 
     gen = torch.Generator(device="cuda").manual_seed(8)
     projs = [_linear(4096, 4096, False, gen) for _ in range(4)]
     weights = [_fp8(p) for p in projs] if fp8 else projs
-    gemv = [g.gemv_weight(w) for w in weights]
+    gemv = [d.gemv_weight(w) for w in weights]
     norm_w = (torch.rand(4096, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
 
     def chain(x: torch.Tensor) -> torch.Tensor:

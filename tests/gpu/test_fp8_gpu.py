@@ -29,7 +29,7 @@ def _check(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
 @pytest.mark.parametrize("n, k", [(4096, 4096), (1000, 352), (12288, 4096)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_weight_only_per_channel(m, n, k, bias):
-    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
+    from common.kernels.fp8_linear import weight_only_fp8
 
     torch.manual_seed(m + n)
     q, scale = quantize_per_channel(torch.randn(n, k, device=DEV) / k**0.5)
@@ -43,7 +43,7 @@ def test_weight_only_per_channel(m, n, k, bias):
 @pytest.mark.parametrize("block", [ScaleBlock(128, 128), ScaleBlock(1, 128), ScaleBlock(64, 64)])
 @pytest.mark.parametrize("m", [1, 8, 200])
 def test_weight_only_blocked(block, m):
-    from decoder_svc.model.quant.triton_fp8 import fp8_linear
+    from common.kernels.fp8_linear import fp8_linear
 
     n, k = 1536, 1024
     torch.manual_seed(0)
@@ -76,8 +76,8 @@ SPLIT_SHAPES = [(4096, 4096), (1000, 352), (4096, 11008), (12288, 4096)]
 @pytest.mark.parametrize("bias", [False, True])
 def test_split_k_autotuned_per_channel(m, n, k, bias):
     """2..64 rows take the split-K kernel (autotuned) and match the reference."""
-    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
-    from decoder_svc.model.quant.triton_split_k import split_k_fp8
+    from common.kernels.fp8_linear import weight_only_fp8
+    from common.kernels.fp8_split_k import split_k_fp8
 
     x, q, scale, b = _per_channel_case(m, n, k, bias, m + n + k)
     ref = _reference(x, q, scale, per_channel_block(k), b)
@@ -89,7 +89,7 @@ def test_split_k_autotuned_per_channel(m, n, k, bias):
 
 def _split_configs() -> list[dict]:
     try:
-        from decoder_svc.model.quant.triton_split_k import split_k_configs
+        from common.kernels.fp8_split_k import split_k_configs
     except ImportError:  # no triton: the module is skipped anyway
         return []
     return [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in split_k_configs("1")]
@@ -104,7 +104,7 @@ def test_split_k_every_config(config, m, n, k):
     """Each configuration forced (the autotuner may prune some for a shape; all must be right), per
     channel with a bias, and with 128 x 128 scale blocks where BLOCK_K divides 128; two calls give the
     same bits (the partials are summed in split order, never by racing atomics)."""
-    from decoder_svc.model.quant.triton_split_k import split_k_fp8
+    from common.kernels.fp8_split_k import split_k_fp8
 
     x, q, scale, b = _per_channel_case(m, n, k, True, 7)
     out = split_k_fp8(x, q, scale, per_channel_block(k), b, config=config)
@@ -120,7 +120,7 @@ def test_split_k_every_config(config, m, n, k):
 
 @pytest.mark.parametrize("m", [2, 32, 64])
 def test_split_k_block_scaled_autotuned(m):
-    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
+    from common.kernels.fp8_linear import weight_only_fp8
 
     block = ScaleBlock(128, 128)
     x, q, scale = _blocked_case(m, 4096, 4096, block, 9)
@@ -137,8 +137,8 @@ FORCED = {"split": dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_sta
 def test_split_k_in_cuda_graph_is_deterministic(m, form):
     """Captured in a CUDA graph (workspace from the caching allocator, counters reset by the kernel), the
     replays compute the eager results for new inputs, bit for bit, several products per graph."""
-    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
-    from decoder_svc.model.quant.triton_split_k import split_k_fp8
+    from common.kernels.fp8_linear import weight_only_fp8
+    from common.kernels.fp8_split_k import split_k_fp8
 
     shapes = [(4096, 4096), (1000, 352), (12288, 4096)]
     cases = [_per_channel_case(m, n, k, True, 10 + i) for i, (n, k) in enumerate(shapes)]
@@ -173,9 +173,9 @@ def test_a_chain_of_split_k_products_in_a_cuda_graph_reads_each_input_after_it_i
     A chain of 16 square products, each reading the last one's output (weights of unit gain, an RMS norm
     every fourth), replayed in a graph with new inputs: the same bits as the chain run eagerly. Autotuned,
     and forced to the stream-K form (whose programs release their successor only after their last tile)."""
-    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
-    from decoder_svc.model.quant.triton_split_k import split_k_fp8
-    from decoder_svc.model.triton_ops import TritonOps
+    from common.kernels.fp8_linear import weight_only_fp8
+    from common.kernels.fp8_split_k import split_k_fp8
+    from decoder_svc.model.kernel_dispatch import TritonOps
 
     cases = [_per_channel_case(32, 4096, 4096, i % 2 == 0, 40 + i) for i in range(4)]
     norm_w = torch.ones(4096, device=DEV, dtype=torch.bfloat16)
@@ -197,7 +197,7 @@ def test_a_chain_of_split_k_products_in_a_cuda_graph_reads_each_input_after_it_i
 
 def test_split_k_old_path_kept():
     """split_k=False still runs the one-pass kernels (benchmarks' A/B); both agree with the reference."""
-    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
+    from common.kernels.fp8_linear import weight_only_fp8
 
     x, q, scale, b = _per_channel_case(32, 4096, 4096, True, 11)
     ref = _reference(x, q, scale, per_channel_block(4096), b)
@@ -207,7 +207,7 @@ def test_split_k_old_path_kept():
 
 @pytest.mark.parametrize("m", [65, 512, 3000])
 def test_scaled_mm_prefill(m):
-    from decoder_svc.model.quant.triton_fp8 import fp8_linear
+    from common.kernels.fp8_linear import fp8_linear
 
     n, k = 4096, 4096
     torch.manual_seed(1)

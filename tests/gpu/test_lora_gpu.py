@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from common.families.llava.oracle import LlavaOracle
+from common.kernels.lora import GATHER_MAX_ROWS, lora_add_triton
 from decoder_svc.engine import EngineConfig, LLMEngine, SamplingParams
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.model.lora.reference import lora_add_reference
-from decoder_svc.model.lora.triton_lora import GATHER_MAX_ROWS, lora_add_triton
 from tests.lora.adapters import merged_checkpoint, rounded_inner_product, write_adapter
 from tests.oracle import run_all
 

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from decoder_svc.model.ops import TorchOps  # noqa: E402
 
 if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a device
-    from decoder_svc.model.triton_ops import TritonOps
+    from decoder_svc.model.kernel_dispatch import TritonOps
 
 HIDDEN, INTER, N_HEADS, HEAD_DIM = 4096, 11008, 32, 128
 TOKENS = [1, 7, 64, 1000]
@@ -121,7 +121,7 @@ def test_rotary_store_kv_gpu(dtype, n_tok, n_kv_heads, width):
     """The rotary + KV store kernel writes what TritonOps.rotary then store_kv write, compiled at 7B sizes
     (96 of 128 dims rotated: partial rotary), with a padded row; and the same bits inside a CUDA graph
     (both launched early, pdl.py)."""
-    from decoder_svc.model.triton_kv_store import rotary_store_kv, store_kv
+    from common.kernels.kv_store import rotary_store_kv, store_kv
 
     gen = torch.Generator(device="cuda").manual_seed(300 + n_tok + width)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, width, 2, device="cuda").float() / width))

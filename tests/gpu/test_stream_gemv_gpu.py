@@ -15,8 +15,8 @@ pytest.importorskip("triton.experimental.gluon")
 from decoder_svc.model.quant.fp8 import per_channel_block, quantize_per_channel  # noqa: E402
 
 if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a device
-    from decoder_svc.model import stream_gemv as sg
-    from decoder_svc.model.quant.triton_fp8 import weight_only_fp8
+    from common.kernels import stream_gemv as sg
+    from common.kernels.fp8_linear import weight_only_fp8
 
     if not sg.available():
         pytest.skip("the TMA-streamed GEMV needs Hopper", allow_module_level=True)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.kernels.attention import paged_attention
+from common.kernels.kv_store import store_kv
 from decoder_svc.model.attention import TorchAttentionBackend
-from decoder_svc.model.triton_attention import TritonAttentionBackend, paged_attention, store_kv
+from decoder_svc.model.kernel_dispatch import TritonAttentionBackend
 from tests.engine.test_triton_attention import random_batch
 
 pytestmark = pytest.mark.gpu
@@ -54,7 +56,7 @@ def test_triton_matches_reference_on_gpu(shape, dtype, tol):
 def test_heads_first_and_sequences_first_give_the_same_bits(shape):
     """The programs' order (AttentionTiles.heads_first) changes when each program runs, not what it
     computes: both orders write the same bits, split or not."""
-    from decoder_svc.model.triton_attention import AttentionTiles
+    from common.kernels.attention import AttentionTiles
 
     seq_lens, query_lens, heads, kv_heads, dim, page = shape
     q, k, v, cache, meta = random_batch(seq_lens, query_lens, heads, kv_heads, dim, page,
@@ -152,11 +154,11 @@ def test_window_decode_replays_in_a_cuda_graph():
                          ids=["gqa4", "gqa7-32rows", "llava"])
 def test_decode_steps_rotate_and_store_inside_attention_on_gpu(shape, dtype, tol):
     """A decode step's attention kernel rotates q and stores this step's rotated keys and values itself
-    (triton_attention.DecodeRotary), compiled: the cache gets the bits the separate rotary + store launch
-    writes, the output that launch pair's (within the softmax's FMAs: the rotating kernel is compiled
+    (common/kernels/attention.DecodeRotary), compiled: the cache gets the bits the separate rotary + store
+    launch writes, the output that launch pair's (within the softmax's FMAs: the rotating kernel is compiled
     without contraction) and the torch reference's; and the same inside a CUDA graph (launched early)."""
+    from decoder_svc.model.kernel_dispatch import TritonOps
     from decoder_svc.model.ops import TorchOps
-    from decoder_svc.model.triton_ops import TritonOps
     from tests.engine.test_triton_kv_store import _fused, _table
 
     seq_lens, query_lens, heads, kv_heads, dim, page = shape

@@ -1,8 +1,8 @@
-"""The vision towers' GPU fast path (common/vision/attention.py, fused_ops.py) on a CUDA device: varlen
-FlashAttention equals the SDPA reference over mixed spans (head dims 72 and 80, the Qwen3-VL and
-Qwen2.5-VL towers'), the Triton steps equal the eager ones in bf16, and both tiny Qwen towers on their
-default CUDA path (Triton steps + flash, bf16) stay close to the fp32 CPU tower, which equals HF's
-get_image_features exactly (tests/qwen, tests/qwen3)."""
+"""The vision towers' GPU fast path (common/vision/attention.py, common/kernels/vision_fused_ops.py) on a
+CUDA device: varlen FlashAttention equals the SDPA reference over mixed spans (head dims 72 and 80, the
+Qwen3-VL and Qwen2.5-VL towers'), the Triton steps equal the eager ones in bf16, and both tiny Qwen towers
+on their default CUDA path (Triton steps + flash, bf16) stay close to the fp32 CPU tower, which equals
+HF's get_image_features exactly (tests/qwen, tests/qwen3)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_flash_spans_equal_the_reference(head_dim, bounds):
 
 def test_triton_steps_equal_the_eager_steps_in_bf16():
     from common.families.qwen2_5_vl.tower import VisionOps
-    from common.vision import fused_ops
+    from common.kernels import vision_fused_ops as fused_ops
 
     torch.manual_seed(0)
     qkv = torch.randn(4900, 3, 16, 80, device="cuda", dtype=torch.bfloat16)

@@ -68,7 +68,7 @@ def _replace(key: str, tensor: torch.Tensor):
 def test_malformed_adapters_are_refused_in_one_line(tiny_model_dir, cfg, tmp_path, edit, file, field):
     path = edit(write_adapter(tiny_model_dir, tmp_path / "bad", targets=("q_proj",)))
     with pytest.raises(LoRAError) as err:
-        load_adapter("bad", path, cfg)
+        load_adapter("bad", path, cfg, rename_language_model_key)
     message = str(err.value)
     assert "\n" not in message and len(message) < 400, message
     assert "'bad'" in message and file in message and field in message, message
@@ -85,7 +85,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tiny_model_dir, cfg, t
 
     path = _edit(write_adapter(tiny_model_dir, tmp_path / "nan", targets=("q_proj",)), tensors=poison)
     with pytest.raises(LoRAError, match="holds NaN or Inf") as err:
-        load_adapter("nan", path, cfg)
+        load_adapter("nan", path, cfg, rename_language_model_key)
     assert f"{Q0}.lora_{which}.weight" in str(err.value) and TENSORS in str(err.value)
 
 
@@ -101,21 +101,21 @@ def test_weights_that_overflow_the_serving_dtype_are_refused(tiny_model_dir, cfg
 
     over = _edit(write_adapter(tiny_model_dir, tmp_path / "over", targets=("q_proj",)), tensors=big(7e4))
     with pytest.raises(LoRAError, match=f"{TENSORS}: tensor '{Q0}.lora_B.weight' overflows float16"):
-        load_adapter("over", over, cfg, torch.float16)
-    assert load_adapter("over", over, cfg, torch.bfloat16).weights  # bf16 holds it
+        load_adapter("over", over, cfg, rename_language_model_key, torch.float16)
+    assert load_adapter("over", over, cfg, rename_language_model_key, torch.bfloat16).weights  # bf16 holds it
     # 4e4 fits fp16, times alpha / r = 8 / 4 does not
     scaled = _edit(write_adapter(tiny_model_dir, tmp_path / "scaled", targets=("q_proj",)), tensors=big(4e4))
     with pytest.raises(LoRAError, match="times its scale 2 overflows float16"):
-        load_adapter("scaled", scaled, cfg, torch.float16)
+        load_adapter("scaled", scaled, cfg, rename_language_model_key, torch.float16)
     huge = _edit(write_adapter(tiny_model_dir, tmp_path / "huge", targets=("q_proj",)), {"lora_alpha": 1e308})
     with pytest.raises(LoRAError, match="times its scale .* holds NaN or Inf"):
-        load_adapter("huge", huge, cfg)
+        load_adapter("huge", huge, cfg, rename_language_model_key)
 
 
 def test_alpha_pattern_sets_a_modules_scale(tiny_model_dir, cfg, tmp_path):
     path = _edit(write_adapter(tiny_model_dir, tmp_path / "a", targets=("q_proj", "down_proj"), rank=4,
                                alpha=8), {"alpha_pattern": {"q_proj": 16}})
-    adapter = load_adapter("a", path, cfg)
+    adapter = load_adapter("a", path, cfg, rename_language_model_key)
     raw = load_file(str(path / TENSORS))
     for leaf, block, scale in (("q_proj", "self_attn", 4.0), ("down_proj", "mlp", 2.0)):
         b = raw[f"base_model.model.language_model.model.layers.1.{block}.{leaf}.lora_B.weight"]
@@ -132,7 +132,7 @@ def test_a_layer_past_the_model_is_refused(tiny_model_dir, cfg, tmp_path):
 
     path = _edit(write_adapter(tiny_model_dir, tmp_path / "deep", targets=("q_proj",)), tensors=extra)
     with pytest.raises(LoRAError, match=f"past the model's {cfg.num_layers} layers"):
-        load_adapter("deep", path, cfg)
+        load_adapter("deep", path, cfg, rename_language_model_key)
 
 
 def _with_vision_modules(tiny_model_dir, path, only_vision: bool = False):
@@ -153,11 +153,11 @@ def _with_vision_modules(tiny_model_dir, path, only_vision: bool = False):
 
 def test_the_usual_recipe_serves_the_language_models_part(tiny_model_dir, cfg, tmp_path, caplog):
     path = write_adapter(tiny_model_dir, tmp_path / "recipe", targets=("q_proj", "v_proj"))
-    want = load_adapter("plain", path, cfg)
+    want = load_adapter("plain", path, cfg, rename_language_model_key)
     _with_vision_modules(tiny_model_dir, path)
     assert json.loads((path / CONFIG).read_text())["target_modules"] == ["q_proj", "v_proj"]
     with caplog.at_level(logging.INFO, logger="mmserve.decoder.lora"):
-        adapter = load_adapter("recipe", path, cfg)
+        adapter = load_adapter("recipe", path, cfg, rename_language_model_key)
     assert adapter.weights.keys() == want.weights.keys()
     for key, (a, b) in want.weights.items():
         assert torch.equal(adapter.weights[key][0], a) and torch.equal(adapter.weights[key][1], b)
@@ -171,7 +171,7 @@ def test_an_adapter_of_the_vision_tower_alone_is_refused(tiny_model_dir, cfg, tm
     path = _with_vision_modules(tiny_model_dir, write_adapter(tiny_model_dir, tmp_path / "v", ("q_proj",)),
                                 only_vision=True)
     with pytest.raises(LoRAError, match="no LoRA weights for the language model .*vision_tower"):
-        load_adapter("v", path, cfg)
+        load_adapter("v", path, cfg, rename_language_model_key)
 
 
 def test_decoder_start_up_refuses_a_non_lora_adapter_without_a_traceback(tiny_model_dir, tmp_path):

@@ -58,7 +58,7 @@ def test_reference_rows_never_meet_an_adapter_they_do_not_run(rows):
 @pytest.mark.parametrize("rows", [2, 9])  # the gathering kernels; the stacked GEMMs (> GATHER_MAX_ROWS)
 def test_triton_rows_never_meet_an_adapter_they_do_not_run(rows):
     pytest.importorskip("triton")
-    from decoder_svc.model.lora.triton_lora import lora_add_triton
+    from common.kernels.lora import lora_add_triton
 
     (a, b), (bad_a, _) = _weights()
     x, y, slots = _inputs(rows)
@@ -74,7 +74,7 @@ def test_triton_rows_never_meet_an_adapter_they_do_not_run(rows):
 
 def test_the_gathering_kernels_skip_a_poisoned_b_too():
     pytest.importorskip("triton")
-    from decoder_svc.model.lora.triton_lora import lora_add_triton
+    from common.kernels.lora import lora_add_triton
 
     (a, b), (bad_a, bad_b) = _weights()
     x, y, slots = _inputs(3)
@@ -85,7 +85,7 @@ def test_the_gathering_kernels_skip_a_poisoned_b_too():
 def test_bind_forgets_the_previous_forwards_adapter_rows():
     """adapter_rows is made once per forward: a new bind must not serve the last forward's rows."""
     pytest.importorskip("triton")
-    from decoder_svc.model.lora.triton_lora import one_hot_adapters
+    from common.kernels.lora import one_hot_adapters
 
     slots = LoRASlots(3)
     first, second = torch.tensor([1, 1, 2, 0, 3]), torch.tensor([0, 3, 3, 2, 1])

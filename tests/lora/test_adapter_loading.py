@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from decoder_svc.engine import EngineConfig
 from decoder_svc.main import build_arg_parser
 from decoder_svc.model.config import TextModelConfig
-from decoder_svc.model.loader import text_config_dict
+from decoder_svc.model.loader import rename_language_model_key, text_config_dict
 from decoder_svc.model.lora import LoRAError, load_adapter
 from tests.lora.adapters import write_adapter
 
@@ -45,7 +45,7 @@ def _garble(path, name):
 
 def test_reads_peft_layout_and_folds_the_scale(tiny_model_dir, cfg, tmp_path):
     path = write_adapter(tiny_model_dir, tmp_path / "a", targets=("q_proj", "down_proj"), rank=4, alpha=8)
-    adapter = load_adapter("a", path, cfg)
+    adapter = load_adapter("a", path, cfg, rename_language_model_key)
     assert {leaf for _, leaf in adapter.weights} == {"q_proj", "down_proj"}
     assert adapter.max_rank == 4 and len(adapter.weights) == 2 * cfg.num_layers
     raw = load_file(str(path / "adapter_model.safetensors"))
@@ -72,7 +72,7 @@ def test_reads_peft_layout_and_folds_the_scale(tiny_model_dir, cfg, tmp_path):
 def test_refused_with_a_clear_message(tiny_model_dir, cfg, tmp_path, edit, message):
     path = edit(write_adapter(tiny_model_dir, tmp_path / "bad", targets=("q_proj",)))
     with pytest.raises(LoRAError, match=message) as err:
-        load_adapter("bad", path, cfg)
+        load_adapter("bad", path, cfg, rename_language_model_key)
     assert "'bad'" in str(err.value)
 
 

@@ -57,7 +57,7 @@ def test_reference_is_each_rows_own_adapter(rows, rank, n, k):
 ])
 def test_triton_matches_reference(dtype, rows, rank, n, k):
     pytest.importorskip("triton")
-    from decoder_svc.model.lora.triton_lora import GATHER_MAX_ROWS, lora_add_triton
+    from common.kernels.lora import GATHER_MAX_ROWS, lora_add_triton
 
     a, b = _weights(4, rank, n, k, dtype, seed=rows)
     x = torch.randn(rows, k, device=DEVICE).to(dtype)
@@ -76,9 +76,9 @@ def test_wrapped_projection_is_the_same_with_either_ops():
     """A LoRALinear over a plain projection gives the same rows through TritonOps (its kernels; the
     interpreter on a CPU host) as through the torch reference ops."""
     pytest.importorskip("triton")
+    from decoder_svc.model.kernel_dispatch import TritonOps
     from decoder_svc.model.lora import LoRALinear, LoRASlots
     from decoder_svc.model.ops import TorchOps
-    from decoder_svc.model.triton_ops import TritonOps
 
     base = torch.nn.Linear(48, 40, bias=True).to(DEVICE)
     a, b = _weights(3, 6, 40, 48, torch.float32, seed=9)

@@ -18,7 +18,7 @@ from common.images import encode_png
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.model import TextModelConfig, load_language_model
-from decoder_svc.model.loader import text_config_dict
+from decoder_svc.model.loader import rename_language_model_key, text_config_dict
 from decoder_svc.model.lora import LoRAError, LoRALinear
 from decoder_svc.model.lora.builtin import builtin_adapter_names, load_builtin_adapter
 from tests.oracle import greedy, run_all
@@ -33,7 +33,7 @@ def cfg(phi4_tiny_dir: Path) -> TextModelConfig:
 
 def test_read_from_the_checkpoints_tensors(phi4_tiny_dir, cfg):
     assert builtin_adapter_names(phi4_tiny_dir) == ["vision"]
-    adapter = load_builtin_adapter(phi4_tiny_dir, "vision", cfg)
+    adapter = load_builtin_adapter(phi4_tiny_dir, "vision", cfg, rename_key=rename_language_model_key)
     spec = json.loads((phi4_tiny_dir / "config.json").read_text())["vision_lora"]
     leaves = sorted(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     assert sorted(adapter.weights) == [(layer, leaf) for layer in range(cfg.num_layers) for leaf in leaves]
@@ -56,8 +56,8 @@ def test_a_peft_directory_beside_the_weights_is_read(phi4_tiny_dir, cfg, tmp_pat
     save_file(peft, str(model / "vision-lora/adapter_model.safetensors"))
     (model / "vision-lora/adapter_config.json").write_text(json.dumps(
         {"r": 8, "lora_alpha": 16, "target_modules": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}))
-    ours = load_builtin_adapter(model, "vision", cfg)
-    theirs = load_builtin_adapter(phi4_tiny_dir, "vision", cfg)
+    ours = load_builtin_adapter(model, "vision", cfg, rename_key=rename_language_model_key)
+    theirs = load_builtin_adapter(phi4_tiny_dir, "vision", cfg, rename_key=rename_language_model_key)
     assert ours.path == model / "vision-lora" and sorted(ours.weights) == sorted(theirs.weights)
     for key, (a, b) in theirs.weights.items():
         assert torch.equal(ours.weights[key][0], a) and torch.equal(ours.weights[key][1], b)
@@ -76,7 +76,7 @@ def test_refusals(phi4_tiny_dir, cfg, tmp_path):
     del config["vision_lora"]
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(LoRAError, match="no `vision_lora`"):
-        load_builtin_adapter(model, "vision", cfg)
+        load_builtin_adapter(model, "vision", cfg, rename_key=rename_language_model_key)
     with pytest.raises(LoRAError, match="checkpoint's own adapters"):
         load_language_model(phi4_tiny_dir, "cpu", torch.float32, "torch", lora_modules={"vision": "x"})
 
@@ -89,7 +89,7 @@ def test_a_bad_alpha_or_a_non_finite_weight_is_refused_in_one_line(phi4_tiny_dir
         (model / "config.json").write_text(json.dumps({**config, "vision_lora": {**config["vision_lora"],
                                                                                   "lora_alpha": alpha}}))
         with pytest.raises(LoRAError, match=r"config.json `vision_lora`: `lora_alpha` must be a finite"):
-            load_builtin_adapter(model, "vision", cfg, dummy=True)
+            load_builtin_adapter(model, "vision", cfg, dummy=True, rename_key=rename_language_model_key)
     (model / "config.json").write_text(json.dumps(config))
     tensors = load_file(str(model / "model.safetensors"))
     key = "model.layers.1.mlp.down_proj.lora_B.vision.weight"
@@ -97,7 +97,7 @@ def test_a_bad_alpha_or_a_non_finite_weight_is_refused_in_one_line(phi4_tiny_dir
     tensors[key][2, 0] = float("nan")
     save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(LoRAError, match=r"layers.1.mlp.down_proj.lora_B.vision .*holds NaN or Inf") as err:
-        load_builtin_adapter(model, "vision", cfg)
+        load_builtin_adapter(model, "vision", cfg, rename_key=rename_language_model_key)
     assert "\n" not in str(err.value)
 
 

@@ -101,7 +101,7 @@ def test_partial_rotary_ops_equal_hf(cfg_dict: dict, dtype: torch.dtype) -> None
     assert torch.equal(got_q[..., 12:], q[..., 12:])
     triton = pytest.importorskip("triton")
     assert triton
-    from decoder_svc.model.triton_ops import TritonOps
+    from decoder_svc.model.kernel_dispatch import TritonOps
 
     before = buf.clone()
     TritonOps.rotary(q, k, positions, table)

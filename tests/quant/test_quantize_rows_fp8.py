@@ -1,4 +1,4 @@
-"""The per-token FP8 quantization kernel (triton_fp8.quantize_rows_fp8, what scaled_mm_fp8 feeds the
+"""The per-token FP8 quantization kernel (fp8_linear.quantize_rows_fp8, what scaled_mm_fp8 feeds the
 tensor cores) against torch's five-op reference. On CPU through Triton's interpreter (tests/conftest.py);
 tests/gpu/test_fp8_gpu.py runs the FP8 products that use it on the real shapes."""
 
@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from decoder_svc.model.quant import triton_fp8 as t  # noqa: E402
+from common.kernels import fp8_linear as t  # noqa: E402
 from decoder_svc.model.quant.fp8 import FP8_DTYPE, FP8_MAX  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

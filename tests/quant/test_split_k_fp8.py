@@ -1,4 +1,4 @@
-"""The split-K FP8 weight-only kernel and its stream-K form (decoder_svc/model/quant/triton_split_k.py)
+"""The split-K FP8 weight-only kernel and its stream-K form (common/kernels/fp8_split_k.py)
 against the torch reference (dequantize, then an fp32 product). On CPU through Triton's interpreter
 (tests/conftest.py sets TRITON_INTERPRET=1 and patches its scalar conversion, so the kernel's K loop,
 bounded by kernel arguments, runs), with fp16 activations (the interpreter's bf16 tl.dot multiplies raw
@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from decoder_svc.model.quant import triton_fp8  # noqa: E402
-from decoder_svc.model.quant import triton_split_k as t  # noqa: E402
+from common.kernels import fp8_linear  # noqa: E402
+from common.kernels import fp8_split_k as t  # noqa: E402
 from decoder_svc.model.quant.fp8 import ScaleBlock, dequantize, per_channel_block, quantize_per_channel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,7 +87,7 @@ def test_reference_detects_a_wrong_scale():
 def test_routing_and_refusals():
     x, q, scale, _ = _case(4, 40, 64, torch.float16, False, seed=3)
     # weight_only_fp8 sends 2..64 rows to split-K (the interpreter's default config).
-    _close(triton_fp8.weight_only_fp8(x, q, scale, per_channel_block(64), None),
+    _close(fp8_linear.weight_only_fp8(x, q, scale, per_channel_block(64), None),
            _reference(x, q, scale, per_channel_block(64), None))
     with pytest.raises(ValueError, match="does not divide"):
         t.split_k_fp8(x, q, scale, ScaleBlock(1, 48), None, config=dict(BLOCK_N=32, BLOCK_K=32, SPLIT_K=1))

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from decoder_svc.model.quant import triton_fp8 as t  # noqa: E402
+from common.kernels import fp8_linear as t  # noqa: E402
 from decoder_svc.model.quant.fp8 import ScaleBlock, dequantize, per_channel_block, quantize_per_channel  # noqa: E402
 
 

@@ -80,8 +80,8 @@ class QwenFamilyEncoder:
         self.calls = 0
         self.images_encoded = 0
         self._count_lock = threading.Lock()
-        # On a GPU the elementwise steps run as Triton kernels (common/vision/fused_ops.py); the CPU keeps
-        # HF's exact eager steps.
+        # On a GPU the elementwise steps run as Triton kernels (common/kernels/vision_fused_ops.py); the
+        # CPU keeps HF's exact eager steps.
         self.fused_ops = self.device.type == "cuda" and self.use_fused_ops()
 
     # -- what a model names ------------------------------------------------------------------------

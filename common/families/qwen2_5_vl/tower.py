@@ -45,7 +45,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 class VisionOps:
     """The tower's elementwise steps. Eager by default (HF's operations, bit-equal in fp32); `fused()`
-    runs each as one Triton kernel (GPU: common/vision/fused_ops.py), `compiled()` fuses them with
+    runs each as one Triton kernel (GPU: common/kernels/vision_fused_ops.py), `compiled()` fuses them with
     torch.compile instead."""
 
     rms_norm = staticmethod(rms_norm)
@@ -83,7 +83,7 @@ class VisionOps:
     def fused(cls) -> type[VisionOps]:
         """A VisionOps whose rotary (with the q/k/v split), residual add + RMS norm and SiLU-gate run as
         one Triton kernel each (CUDA tensors; CPU tensors only under TRITON_INTERPRET=1)."""
-        from common.vision import fused_ops
+        from common.kernels import vision_fused_ops as fused_ops
 
         return type("FusedVisionOps", (cls,), {
             "rotary_qkv": staticmethod(fused_ops.rotary_qkv),

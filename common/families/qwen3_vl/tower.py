@@ -98,7 +98,7 @@ class Qwen3VisionOps(VisionOps):
     def fused(cls) -> type[Qwen3VisionOps]:
         """A Qwen3VisionOps whose rotary with the q/k/v split, and residual add + LayerNorm, run as one
         Triton kernel each (fused_ops); the first LayerNorm and the tanh GELU are one native kernel each."""
-        from common.vision import fused_ops
+        from common.kernels import vision_fused_ops as fused_ops
 
         return type("FusedQwen3VisionOps", (cls,), {"rotary_qkv": staticmethod(fused_ops.rotary_qkv),
                                                     "add_layer_norm": staticmethod(fused_ops.add_layer_norm)})

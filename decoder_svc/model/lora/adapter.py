@@ -4,8 +4,9 @@ The layout (what PEFT's `save_pretrained` writes): `adapter_config.json` with `r
 `target_modules` (a list of module names, or a regex string) and optionally `rank_pattern`,
 `alpha_pattern`, `use_rslora`; `adapter_model.safetensors` with `<path>.lora_A.weight` [r, in] and
 `<path>.lora_B.weight` [out, r] per adapted module, `<path>` the module's path in the base model under
-`base_model.model.`. The path is renamed as the base checkpoint's keys are (loader.rename_language_model
-_key), so an adapter for any layout the loader reads (LLaVA's, Qwen-VL's, Gemma 3's) maps onto our layers.
+`base_model.model.`. The path is renamed as the base checkpoint's keys are (the loader passes its
+rename_language_model_key in), so an adapter for any layout the loader reads (LLaVA's, Qwen-VL's, Gemma 3's)
+maps onto our layers.
 
 Served targets: the attention's q/k/v/o and the MLP's gate/up/down projections, or the fused qkv_proj and
 gate_up_proj as Phi-4 names them. Each module's scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is
@@ -25,6 +26,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +44,8 @@ LORA_TARGETS: dict[str, tuple[str, int | None]] = {
     "down_proj": ("down_proj", None), "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None),
 }
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# A base checkpoint key -> our parameter name, or None for a key that is not language-model weight.
+KeyRenamer = Callable[[str], str | None]
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 _LAYER = re.compile(r"^layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<leaf>\w+)\.weight$")
 
@@ -205,13 +209,13 @@ def _pattern_value(pattern: dict, path: str, default: float) -> float:
     return default
 
 
-def load_adapter(name: str, path: str | Path, cfg: TextModelConfig,
+def load_adapter(name: str, path: str | Path, cfg: TextModelConfig, rename_key: KeyRenamer,
                  dtype: torch.dtype | None = None) -> LoRAAdapter:
-    """Read and check the adapter at `path` against the language model's (whole) config `cfg`; dtype: the
-    dtype the model serves in (its weights must fit it)."""
+    """Read and check the adapter at `path` against the language model's (whole) config `cfg`; its module
+    paths are named as the base checkpoint's keys, which `rename_key` maps to ours
+    (loader.rename_language_model_key: passed in, as the loader imports this module); dtype: the dtype the
+    model serves in (its weights must fit it)."""
     from safetensors.torch import load_file
-
-    from decoder_svc.model.loader import rename_language_model_key
 
     path = Path(path)
     who, file = f"LoRA adapter {name!r}", path / WEIGHTS_FILE
@@ -235,7 +239,7 @@ def load_adapter(name: str, path: str | Path, cfg: TextModelConfig,
         pairs.setdefault(m["path"], {})[m["ab"]] = tensor
     adapter = LoRAAdapter(name, path)
     for module, ab in sorted(pairs.items()):
-        ours = rename_language_model_key(module + ".weight")
+        ours = rename_key(module + ".weight")
         if ours is None:  # the vision tower's or projector's module: not ours to serve
             adapter.left_out.append(module)
             continue

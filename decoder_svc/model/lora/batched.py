@@ -8,14 +8,15 @@ holding each part's rows only). A step gives each token row its slot (LoRASlots,
 filled by the runner; a CUDA graph's pad rows take slot 0), and the product adds
     y[t] += (x[t] @ A[slot[t]]^T) @ B[slot[t]]^T
 on top of whatever the base product is (bf16, FP8), in the ops' `lora_add`: the torch reference
-(reference.py) or the Triton kernels (triton_lora.py). Shapes never depend on which adapters a step
-uses, so the captured graphs serve every mix.
+(reference.py) or the Triton kernels (common/kernels/lora.py). Shapes never depend on which adapters a
+step uses, so the captured graphs serve every mix.
 
 A forward whose rows all run the base model (slots None: the runner passes none for such a step, and
 captures its CUDA graphs both ways) skips the LoRA product: `idle_base` hands the ops the base projection,
-so the one-row kernels that fuse a norm or the activation into the GEMV (decode_gemv) serve it as on a
-model without adapters. A step with adapters has no `weight` to fuse into: the norm or activation, then the
-base product through `ops.linear` (still the one-row GEMV where that is faster), then the LoRA product.
+so the one-row kernels that fuse a norm or the activation into the GEMV (common/kernels/decode_gemv.py)
+serve it as on a model without adapters. A step with adapters has no `weight` to fuse into: the norm or
+activation, then the base product through `ops.linear` (still the one-row GEMV where that is faster),
+then the LoRA product.
 
 Tensor parallelism shards the adapters as the base weights (model/parallel.py): a column-parallel module
 (q/k/v, gate/up) keeps A whole and this rank's rows of each part of B; a row-parallel one (o, down) keeps
@@ -60,10 +61,10 @@ class LoRASlots:
 
     def adapter_rows(self, dtype: torch.dtype) -> torch.Tensor:
         """[rows, adapters] in dtype: 1 where a row runs adapter i (slot i + 1), else 0. Made once per
-        forward (for the stacked GEMMs of every projection, triton_lora.lora_add_stacked)."""
+        forward (for the stacked GEMMs of every projection, common/kernels/lora.lora_add_stacked)."""
         rows = self._adapter_rows.get(dtype)
         if rows is None:
-            from decoder_svc.model.lora.triton_lora import one_hot_adapters
+            from common.kernels.lora import one_hot_adapters
 
             rows = self._adapter_rows[dtype] = one_hot_adapters(self.slots, self.adapters, dtype)
         return rows

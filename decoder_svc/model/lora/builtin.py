@@ -24,6 +24,7 @@ from common.checkpoint import load_config, safetensors_files
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.lora.adapter import (
     LORA_TARGETS,
+    KeyRenamer,
     LoRAAdapter,
     LoRAError,
     check_alpha,
@@ -60,15 +61,16 @@ def _targets(spec: dict, module: str) -> bool:
     return not isinstance(layer, str) or re.search(layer, module) is not None
 
 
-def load_builtin_adapter(model_dir: str | Path, name: str, cfg: TextModelConfig,
-                         dummy: bool = False, dtype: torch.dtype | None = None) -> LoRAAdapter:
+def load_builtin_adapter(model_dir: str | Path, name: str, cfg: TextModelConfig, dummy: bool = False,
+                         dtype: torch.dtype | None = None, *, rename_key: KeyRenamer) -> LoRAAdapter:
     """Adapter `name` of the checkpoint in model_dir, checked against the language model's config `cfg`
-    (and its weights against the serving dtype); `dummy`: drawn at random from config.json alone.
-    LoRAError says what is wrong."""
+    (and its weights against the serving dtype); `dummy`: drawn at random from config.json alone;
+    `rename_key`: load_adapter's, for an adapter stored in PEFT's layout beside the checkpoint. LoRAError
+    says what is wrong."""
     model_dir = Path(model_dir)
     peft_dir = model_dir / f"{name}-lora"
     if not dummy and peft_dir.is_dir():
-        return load_adapter(name, peft_dir, cfg, dtype)
+        return load_adapter(name, peft_dir, cfg, rename_key, dtype)
     who = f"built-in LoRA adapter {name!r}"
     spec = _lora_config(load_config(model_dir), name)
     r = spec["r"]

@@ -1,3 +1,3 @@
 """FP8 weights for the decoder: the scale layout (fp8), checkpoint formats (formats), the layer (linear),
-quantizing or loading at start-up (load), and the GPU kernels (triton_fp8, which routes; triton_split_k at
-2-64 rows)."""
+quantizing or loading at start-up (load). The GPU kernels are common/kernels/fp8_linear.py (which routes)
+and fp8_split_k.py (2-64 rows)."""

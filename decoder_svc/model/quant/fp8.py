@@ -14,28 +14,14 @@ one of these:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# The layout the kernels take lives with them (common/kernels); the model reaches it through here.
+from common.kernels.fp8_layout import FP8_DTYPE, FP8_MAX, ScaleBlock
 
-
-@dataclass(frozen=True)
-class ScaleBlock:
-    """How many weight rows (bn) and columns (bk) share one scale."""
-
-    rows: int
-    cols: int
-
-    def grid(self, n: int, k: int) -> tuple[int, int]:
-        """The scale tensor's shape for an [n, k] weight."""
-        return -(-n // self.rows), -(-k // self.cols)
-
-    def is_per_channel(self, k: int) -> bool:
-        """One scale per output row over all k columns (the product applies it once, at the end)."""
-        return self.rows == 1 and self.cols >= k
+__all__ = ["FP8_DTYPE", "FP8_MAX", "ScaleBlock", "dequantize", "expand_scale", "per_channel_block",
+           "quantize_per_channel", "rows_to_channels"]
 
 
 def per_channel_block(k: int) -> ScaleBlock:

@@ -2,7 +2,7 @@
 
 The product goes through the model's ops: the torch reference dequantizes and multiplies (CPU, tests);
 the Triton ops run a weight-only FP8 kernel for small batches and an FP8 tensor-core product for large
-ones (decoder_svc.model.quant.triton_fp8).
+ones (common/kernels/fp8_linear.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The kernel of embed_rows.py.
+"""The kernel of decoder_svc/runner/embed_rows.py: a graph step's input embeddings in one launch.
 
 Only imported on GPU paths or under TRITON_INTERPRET=1 (tests).
 """

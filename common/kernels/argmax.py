@@ -1,4 +1,5 @@
-"""The two kernels of argmax.py: each chunk's best, then each row's.
+"""The two kernels of decoder_svc/runner/argmax.py (greedy token choice): each chunk's best, then each
+row's.
 
 Only imported on GPU paths or under TRITON_INTERPRET=1 (tests).
 """

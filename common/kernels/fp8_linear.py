@@ -5,10 +5,10 @@ should stream at the memory bandwidth; the kernels below differ in how many load
 
 - One row (batch-1 decode): `_gemv_kernel`, no tensor cores: each program streams BLOCK_N weight rows
   over all of K, accumulates elementwise in fp32 and reduces once at the end. On Hopper it is launched
-  with programmatic dependent launch (`decoder_svc/model/pdl.py`): its first weight tile loads while the
+  with programmatic dependent launch (`pdl.py`): its first weight tile loads while the
   kernel before it ends.
 - 2..64 rows (decode with several streams): the split-K kernel and its stream-K form
-  (triton_split_k.py), per-channel weights and blocks whose columns are a multiple of 128; other block
+  (fp8_split_k.py), per-channel weights and blocks whose columns are a multiple of 128; other block
   sizes keep the one-pass kernel.
 - `_weight_only_kernel` (one pass over K, programs over N blocks only): more than 64 rows of block-scaled
   weights, and the old 2..64-row path that `weight_only_fp8(split_k=False)` still runs (benchmarks' A/B).
@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
-from decoder_svc.model.quant.fp8 import FP8_DTYPE, FP8_MAX, ScaleBlock
-from decoder_svc.model.quant.triton_split_k import KEY, TUNING, k_range_product, split_k_fp8
+from common.kernels.fp8_layout import FP8_DTYPE, FP8_MAX, ScaleBlock
+from common.kernels.fp8_split_k import KEY, TUNING, k_range_product, split_k_fp8
+from common.kernels.pdl import launch_options, release_dependents, wait_for_inputs
 
 # Rows up to which the weight-only kernels run; above, the activations are quantized per token and the
 # product is FP8 x FP8 (`scaled_mm_fp8`). 64 is the first measurement's choice (the kernels of before);
@@ -175,7 +175,7 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     # One row of per-channel weights on Hopper: the TMA-streamed GEMV (stream_gemv.py) where it was
     # measured faster than `_gemv_kernel` for this shape (stream=None), or as told; else `_gemv_kernel`.
     if stream is not False and x.shape[0] == 1 and block.is_per_channel(x.shape[1]):
-        from decoder_svc.model import stream_gemv as sg
+        from common.kernels import stream_gemv as sg
 
         if sg.usable(x, weight):
             def rival(w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:

@@ -5,41 +5,34 @@ residual add) before q/k/v and before gate/up, nothing before o, SiLU(gate) x up
 product streams its whole weight once, and at this size every separate kernel costs a launch and a
 ramp. Here one kernel does both: every program streams BLOCK_N weight rows over all K columns and
 computes the activation chunk it multiplies with on the fly (the RMS norm's sum of squares is a first
-pass over the K activations, which sit in L2), rounding where HF rounds (`triton_ops`' kernels). The
+pass over the K activations, which sit in L2), rounding where HF rounds (elementwise.py's kernels). The
 weight may be bf16/fp16 or FP8 with one scale per output row (applied once at the end), so one code
 path serves both.
 
 Whether this beats the separate op + cuBLAS depends on the shape and the GPU, so it is measured, not
-assumed: `tune` times both for a projection at start-up (before the CUDA graphs are captured) and
-records the winner; `MMSERVE_DECODE_GEMV=on|off` forces one side (benchmarks' A/B). Only rows == 1 is
-taken; everything else goes the unfused way.
+assumed: decoder_svc/model/kernel_dispatch.py times both for a projection at start-up (before the CUDA
+graphs are captured) and records the winner; `MMSERVE_DECODE_GEMV=on|off` forces one side (benchmarks'
+A/B). Only rows == 1 is taken; everything else goes the unfused way.
 
 Only imported on GPU paths or under TRITON_INTERPRET=1 (tests).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
-import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 import triton.testing
-from torch import nn
 
-from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
-from decoder_svc.model.triton_ops import _round
-
-log = logging.getLogger("mmserve.decoder.gemv")
+from common.kernels.elementwise import _round
+from common.kernels.pdl import launch_options, release_dependents, wait_for_inputs
 
 PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2  # the op fused before the product
 PROLOGUE_NAMES = {PLAIN: "plain", RMS_NORM: "rms_norm", SILU_MUL: "silu_mul"}
-MODE_ENV = "MMSERVE_DECODE_GEMV"  # auto (measure), on, off
 
 
 @triton.jit
@@ -140,22 +133,6 @@ class GemvWeight:
     bias: torch.Tensor | None
 
 
-def gemv_weight(proj: nn.Module) -> GemvWeight | None:
-    """The projection's weight as the kernel takes it, or None (block-scaled FP8, odd layouts)."""
-    weight = getattr(proj, "weight", None)
-    if weight is None or weight.dim() != 2 or weight.stride(1) != 1:
-        return None
-    scale = getattr(proj, "weight_scale", None)
-    if scale is not None:
-        block = proj.block
-        if not block.is_per_channel(weight.shape[1]):
-            return None
-        scale = scale.reshape(-1)
-    elif weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return None
-    return GemvWeight(weight, scale, proj.bias)
-
-
 def fused_gemv(x: torch.Tensor, w: GemvWeight, prologue: int = PLAIN, residual: torch.Tensor | None = None,
                norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -173,7 +150,7 @@ def fused_gemv(x: torch.Tensor, w: GemvWeight, prologue: int = PLAIN, residual: 
     x = x.contiguous()
     if prologue == PLAIN and config is None and not _INTERPRETED:
         # Nothing to fuse: on Hopper the TMA-streamed GEMV (stream_gemv.py) streams the weight faster.
-        from decoder_svc.model import stream_gemv as sg
+        from common.kernels import stream_gemv as sg
 
         if sg.usable(x, w.weight):
             return sg.stream_gemv(x, w.weight, w.scale, w.bias), None
@@ -198,115 +175,3 @@ def fused_gemv(x: torch.Tensor, w: GemvWeight, prologue: int = PLAIN, residual: 
     else:
         _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, **launch_options())
     return out, new_residual
-
-
-@dataclass(frozen=True)
-class GemvKey:
-    """What a choice is made for: a weight shape and dtype, the fused op, with or without a residual."""
-
-    n: int
-    k: int
-    dtype: torch.dtype
-    scaled: bool
-    prologue: int
-    residual: bool
-
-    @classmethod
-    def of(cls, w: GemvWeight, prologue: int, residual: bool) -> GemvKey:
-        """The key of one call."""
-        n, k = w.weight.shape
-        return cls(n, k, w.weight.dtype, w.scale is not None, prologue, residual)
-
-
-@dataclass(frozen=True)
-class GemvTiming:
-    """One start-up measurement: microseconds of the fused kernel and of the separate op + product."""
-
-    key: GemvKey
-    fused_us: float
-    unfused_us: float
-
-    @property
-    def fused_wins(self) -> bool:
-        """True when the fused kernel was faster."""
-        return self.fused_us < self.unfused_us
-
-
-class GemvChoices:
-    """Which calls take the fused kernel: measured per key (`tune`), or forced by MMSERVE_DECODE_GEMV."""
-
-    def __init__(self, mode: str | None = None) -> None:
-        mode = (mode or os.environ.get(MODE_ENV, "auto")).lower()
-        if mode not in ("auto", "on", "off"):
-            raise ValueError(f"{MODE_ENV} must be auto, on or off, got {mode!r}")
-        self.mode = mode
-        self.timings: dict[GemvKey, GemvTiming] = {}
-
-    def use_fused(self, key: GemvKey) -> bool:
-        """The decision for a call (unmeasured keys in auto mode take the unfused path)."""
-        if self.mode != "auto":
-            return self.mode == "on"
-        timing = self.timings.get(key)
-        return timing is not None and timing.fused_wins
-
-    def tune(self, key: GemvKey, fused: list[Callable[[], object]],
-             separate: list[Callable[[], object]]) -> GemvTiming:
-        """Time both sides of one key once (CUDA only; never while a graph is being captured). Each side
-        is a list of calls over copies of the weight (`copies`), timed as decode runs them: back to back
-        in one CUDA graph, the weights not in L2."""
-        if key not in self.timings:
-            timing = GemvTiming(key, graph_time_us(fused), graph_time_us(separate))
-            self.timings[key] = timing
-            log.info("decode GEMV %dx%d %s%s: fused %.1f us, separate %.1f us -> %s", key.n, key.k,
-                     PROLOGUE_NAMES[key.prologue], " +residual" if key.residual else "", timing.fused_us,
-                     timing.unfused_us, "fused" if timing.fused_wins else "separate")
-        return self.timings[key]
-
-    def summary(self) -> list[dict]:
-        """The measurements as JSON rows (benchmarks put them beside their figures)."""
-        return [{"n": t.key.n, "k": t.key.k, "dtype": str(t.key.dtype).removeprefix("torch."),
-                 "fp8_scaled": t.key.scaled, "op": PROLOGUE_NAMES[t.key.prologue],
-                 "residual": t.key.residual, "fused_us": t.fused_us, "separate_us": t.unfused_us,
-                 "fused": t.fused_wins} for t in self.timings.values()]
-
-
-def copy_count(nbytes: int, device: torch.device) -> int:
-    """How many copies of nbytes of weights (the original included, 1-8) a timing rotates over so that
-    every one streams from memory, as a decode step does (one weight alone may fit in L2 and time faster
-    than it ever runs): together at least 3x L2."""
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    return min(max(-(-3 * l2 // max(nbytes, 1)), 1), 8)
-
-
-def copies(proj: nn.Module) -> list[nn.Module]:
-    """proj and `copy_count` - 1 copies of it."""
-    nbytes = sum(p.numel() * p.element_size() for p in proj.parameters())
-    return [proj] + [copy.deepcopy(proj) for _ in range(copy_count(nbytes, proj.weight.device) - 1)]
-
-
-def graph_time_us(calls: list[Callable[[], object]], replays: int = 10, rounds: int = 5) -> float:
-    """Microseconds per call of `calls` captured back to back in one CUDA graph and replayed (the best
-    of `rounds` timings of `replays` replays). Each call runs once first: kernels compile and tune
-    outside the capture."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(rounds):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (replays * len(calls)))
-    del graph
-    return best
-
-
-CHOICES = GemvChoices()  # one per process: the shapes are the model's, the timings the GPU's

@@ -1,6 +1,6 @@
 """Triton attention over the paged KV cache: one kernel for a flat varlen batch in which prefill chunks
 (causal within the chunk, full view of the cached prefix) and decode rows share a launch. The new K/V
-go into the cache first (triton_kv_store.py: as they are, or rotated by the same kernel that rotates q);
+go into the cache first (kv_store.py: as they are, or rotated by the same kernel that rotates q);
 a decode step may leave that to this kernel (DecodeRotary: q rotated in registers, and the program whose
 keys end with the new key rotates and stores it and the value before reading), one launch fewer.
 
@@ -28,20 +28,38 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-from decoder_svc.model.attention import AttentionBackend, AttentionMetadata, Rotary
-from decoder_svc.model.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
-from decoder_svc.model.triton_kv_store import check_kv, rotary_store_kv, store_kv, store_rotated_kv
-from decoder_svc.model.triton_ops import RotaryLaunch, cos_sin_halves, rotate_pair
+from common.kernels.elementwise import RotaryLaunch, cos_sin_halves, rotate_pair
+from common.kernels.kv_store import check_kv, store_rotated_kv
+from common.kernels.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
 
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
-ROTATE_ENV = "MMSERVE_ROTATE_IN_ATTENTION"
 HEADS_FIRST = os.environ.get("MMSERVE_ATTENTION_HEADS_FIRST", "1") != "0"
+
+
+class PagedBatch(Protocol):
+    """What the launch reads of a batch's layout (the decoder's AttentionMetadata,
+    decoder_svc/model/attention.py, is one): per sequence its context length, where its query rows
+    start and its block table, the longest chunk, and optionally per row the last key it may see."""
+
+    @property
+    def num_seqs(self) -> int: ...
+    @property
+    def max_query_len(self) -> int: ...  # 1: decode only
+    @property
+    def seq_lens(self) -> torch.Tensor: ...  # [num_seqs] int32
+    @property
+    def query_start_loc(self) -> torch.Tensor: ...  # [num_seqs + 1] int32
+    @property
+    def block_tables(self) -> torch.Tensor: ...  # [num_seqs, max_blocks] int32
+    @property
+    def key_limits(self) -> torch.Tensor | None: ...  # [tokens] int32, or None: causal
 
 
 @triton.jit
@@ -293,7 +311,7 @@ class DecodeRotary:
 
     @staticmethod
     def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
-                meta: AttentionMetadata) -> bool:
+                meta: PagedBatch) -> bool:
         """Whether a step can take it: decode only (one row per sequence), full rotary over a head dim
         that is a power of two (the rotated halves rejoin as the query tile), contiguous head dims, no
         key limits."""
@@ -303,7 +321,7 @@ class DecodeRotary:
                 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: PagedBatch, scale: float,
                     num_splits: int = 1, out: torch.Tensor | None = None,
                     window: int | None = None, rotary: DecodeRotary | None = None,
                     tiles: AttentionTiles | None = None) -> torch.Tensor:
@@ -372,61 +390,3 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             **small_kernel_launch_options())
     return out
-
-
-class TritonAttentionBackend(AttentionBackend):
-    """Paged attention in Triton: one rotary + KV-store launch and one attention launch (plus a merge when
-    the keys are split) per layer, the first folded into the second on decode steps, with no host
-    synchronisation, so decode steps can be CUDA-graphed."""
-
-    supports_cuda_graphs = True
-    supports_sliding_window = True
-
-    def __init__(self, num_sms: int | None = None, rotate_in_attention: bool | None = None) -> None:
-        """rotate_in_attention: decode steps rotate and store in the attention kernel (DecodeRotary);
-        default on, `MMSERVE_ROTATE_IN_ATTENTION=0` off (the A/B of bench.profile_step)."""
-        if num_sms is None and torch.cuda.is_available():
-            num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        self.num_sms = num_sms or 1
-        if rotate_in_attention is None:
-            rotate_in_attention = os.environ.get(ROTATE_ENV, "1") != "0"
-        self.rotate_in_attention = rotate_in_attention
-
-    def num_splits(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> int:
-        """Split the keys when the batch's (query block, KV head) programs fill less than one wave of
-        the GPU: decode batches of few sequences, and short chunks over a long cached prefix (the last
-        tokens of a prompt after a prefix hit: without a split, a handful of programs would each walk
-        the whole prefix). 16 at most. A chunk's blocks are counted as if its tokens were one sequence:
-        the count must not depend on how a CUDA graph's padding is laid out."""
-        kv_heads = kv_cache.shape[3]
-        if meta.max_query_len == 1:
-            blocks = meta.num_seqs
-        else:
-            _, block_q = row_tiles(meta.max_query_len, q.shape[1] // kv_heads)
-            blocks = -(-q.shape[0] // block_q)
-        programs = blocks * kv_heads
-        if programs >= self.num_sms:
-            return 1
-        return min(16, triton.next_power_of_2(-(-self.num_sms // programs)))
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-        store_kv(k, v, kv_cache, meta.slot_mapping)  # first: key limits may reach this step's keys
-        return paged_attention(q, kv_cache, meta, scale, self.num_splits(q, kv_cache, meta), window=window)
-
-    def rotate_and_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary,
-                           positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-        """Decode steps: the attention kernel rotates q and k and stores K/V itself (DecodeRotary, one
-        launch). Other steps: one kernel rotates q and k and stores K/V (triton_kv_store.rotary_store_kv),
-        then attention. Either way TritonOps.rotary's rounding, whatever `rotary` is, and k is left
-        unrotated (the cache has the keys). Heads whose dims are strided take rotary, then forward."""
-        if not (q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
-            return super().rotate_and_forward(q, k, v, rotary, positions, cos_sin, kv_cache, meta, scale,
-                                              window)
-        splits = self.num_splits(q, kv_cache, meta)
-        if self.rotate_in_attention and DecodeRotary.applies(q, k, v, cos_sin, meta):
-            decode = DecodeRotary(k, v, meta.slot_mapping, RotaryLaunch.of(q, k, positions, cos_sin))
-            return paged_attention(q, kv_cache, meta, scale, splits, window=window, rotary=decode)
-        rotary_store_kv(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping)
-        return paged_attention(q, kv_cache, meta, scale, splits, window=window)

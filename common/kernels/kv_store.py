@@ -4,7 +4,7 @@ kernel, one launch a layer fewer than rotary then store).
 
 The cache is [2, num_blocks, block_size, kv_heads, head_dim] (decoder_svc/model/attention.py); a token's
 slot is block * block_size + row, and a slot < 0 (a CUDA graph's padding row) stores nothing. The rotation
-is TritonOps.rotary's (triton_ops.py: HF's rounding points, partial rotary), so the fused kernel writes
+is TritonOps.rotary's (elementwise.py: HF's rounding points, partial rotary), so the fused kernel writes
 the same bits into the cache as rotary followed by store_kv.
 
 Only imported on GPU paths or under TRITON_INTERPRET=1 (tests).
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from decoder_svc.model.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
-from decoder_svc.model.triton_ops import RotaryLaunch, cos_sin_halves, rotate_pair
+from common.kernels.elementwise import RotaryLaunch, cos_sin_halves, rotate_pair
+from common.kernels.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
 
 
 @triton.jit

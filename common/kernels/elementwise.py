@@ -1,16 +1,12 @@
-"""Fused Triton versions of the `TorchOps` elementwise decoder ops, for GPU decode and prefill.
-
-Same signatures as `decoder_svc.model.ops.TorchOps`. Differences in side effects:
+"""Triton kernels of the decoder's elementwise ops (RMS norm, gated activations, rotary) and their
+launches, for GPU decode and prefill. `TritonOps` (decoder_svc/model/kernel_dispatch.py) exposes them with
+the signatures of the torch reference `TorchOps`. Differences in side effects:
 
 - `rms_norm` with a residual writes x + residual IN PLACE into `residual` and returns it as the new
   residual (the caller owns it); `x` is never written. Without a residual the new residual is `x`.
-- `silu_and_mul` and `gelu_tanh_and_mul` return a new [T, I] tensor.
-- `offset_rms_norm` (Gemma's (1 + w) norm) has rms_norm's residual contract.
+  With `unit_offset` (Gemma's (1 + w) norm) the residual contract is the same.
+- `gated_act` (SiLU or tanh-GELU gate times up) returns a new [T, I] tensor.
 - `rotary` rotates q and k IN PLACE (they may be strided views of one fused qkv buffer) and returns them.
-- `norm_linear`, `act_linear` and `linear` take one kernel for a one-row product where start-up timing
-  found it faster than the separate op and cuBLAS (decode_gemv.py); their new residual is then a new
-  tensor rather than `residual` written in place. The separate path's product is `linear`'s choice (on
-  Hopper the TMA-streamed GEMV, stream_gemv.py, against cuBLAS).
 
 Numerics follow HF's rounding points: fp32 math, rounding to the tensor dtype exactly where HF's
 dtype ops round. RMS norm and SwiGLU then differ from the reference only by the order of the fp32
@@ -24,17 +20,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import triton
 import triton.language as tl
-from torch import nn
 
-from decoder_svc.model.lora.batched import LoRASlots, idle_base
-from decoder_svc.model.ops import TorchOps
-from decoder_svc.model.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
-from decoder_svc.model.quant.fp8 import ScaleBlock
+from common.kernels.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
 
 # The Triton interpreter (3.6) truncates fp32 -> bf16 casts, where the GPU's cvt.rn rounds to nearest
 # even like torch; under it, _round does the RNE in integer ops so CPU tests see GPU/torch rounding.
@@ -176,8 +167,8 @@ def _row_major(x: torch.Tensor, name: str) -> None:
 
 @dataclass(frozen=True)
 class RotaryLaunch:
-    """A rotary launch's checked inputs and tile sizes (TritonOps.rotary, and the rotary + KV store kernel
-    of triton_kv_store.py). The kernels rotate dims [0, half) with [half, 2 * half) of each head; partial
+    """A rotary launch's checked inputs and tile sizes (`rotary`, and the rotary + KV store kernel
+    of kv_store.py). The kernels rotate dims [0, half) with [half, 2 * half) of each head; partial
     rotary (Phi-4-mini) leaves the dims past the table's width as they are, as HF passes them through."""
 
     half: int
@@ -218,145 +209,30 @@ class RotaryLaunch:
         that product (an ulp off in some 15% of a bf16 head's dims on an H200)."""
         return dict(num_warps=self.num_warps, enable_fp_fusion=False)
 
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+           cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE applied IN PLACE to q [T, Hq, D] and k [T, Hk, D]; returns (q, k). Partial
+    rotary: a cos_sin_cache R < D wide rotates the first R dims of each head only.
 
-class TritonOps:
-    """Triton kernels with TorchOps' signatures; rms_norm(residual) and rotary write in place."""
-
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weight * rmsnorm(h), h) with h = x, or h = x + residual written IN PLACE into residual.
-
-        weight must have x's dtype (the model casts its parameters), so out has x's dtype as in HF.
-        x is never modified; the returned residual is `x` or the `residual` tensor itself.
-        """
-        return _launch_rms_norm(x, weight, eps, residual, unit_offset=False)
-
-    @staticmethod
-    def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                        residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gemma's norm (TorchOps.offset_rms_norm: (1 + weight) in fp32, one rounding) in one kernel; the
-        residual as rms_norm's (written IN PLACE)."""
-        return _launch_rms_norm(x, weight, eps, residual, unit_offset=True)
-
-    @staticmethod
-    def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-        """x [T, 2*I] = cat(gate, up) -> new tensor gelu_tanh(gate) * up [T, I] (Gemma's MLP)."""
-        return _launch_gated(x, gelu=True)
-
-    @staticmethod
-    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        """x [T, 2*I] = cat(gate, up) -> new tensor silu(gate) * up [T, I]; x is not modified."""
-        return _launch_gated(x, gelu=False)
-
-    @staticmethod
-    def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate-half RoPE applied IN PLACE to q [T, Hq, D] and k [T, Hk, D]; returns (q, k). Partial
-        rotary: a cos_sin_cache R < D wide rotates the first R dims of each head only.
-
-        q and k may be arbitrary strided views (e.g. of one fused qkv buffer) but must not overlap.
-        Positions are not bounds-checked against the cache (a check would force a host sync).
-        """
-        rot = RotaryLaunch.of(q, k, positions, cos_sin_cache)
-        if q.shape[0] == 0:
-            return q, k
-        _rotary_kernel[(q.shape[0],)](q, k, rot.positions, rot.cache, *q.stride(), *k.stride(),
-                                      rot.cache.stride(0), q.shape[1], k.shape[1], rot.half,
-                                      BLOCK_QH=rot.block_qh, BLOCK_KH=rot.block_kh, BLOCK_HALF=rot.block_half,
-                                      **rot.options(), **small_kernel_launch_options())
+    q and k may be arbitrary strided views (e.g. of one fused qkv buffer) but must not overlap.
+    Positions are not bounds-checked against the cache (a check would force a host sync).
+    """
+    rot = RotaryLaunch.of(q, k, positions, cos_sin_cache)
+    if q.shape[0] == 0:
         return q, k
-
-    @staticmethod
-    def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                    proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """TorchOps.norm_linear: one fused kernel for one row where it was measured faster."""
-        from decoder_svc.model import decode_gemv as g
-
-        def separate(x, residual, proj):
-            h, new_residual = TritonOps.rms_norm(x, weight, eps, residual)
-            return TritonOps.linear(h, proj), new_residual
-
-        proj = idle_base(proj)
-        w = _one_row_weight(x, proj)
-        if w is not None:
-            key = g.GemvKey.of(w, g.RMS_NORM, residual is not None)
-            if _tunable(key):  # on scratch copies: the separate path writes its residual in place
-                xs, rs, projs = x.clone(), None if residual is None else residual.clone(), g.copies(proj)
-                g.CHOICES.tune(key, [partial(g.fused_gemv, xs, g.gemv_weight(p), g.RMS_NORM, rs, weight, eps)
-                                     for p in projs], [partial(separate, xs, rs, p) for p in projs])
-            if g.CHOICES.use_fused(key):
-                return g.fused_gemv(x, w, g.RMS_NORM, residual, weight, eps)
-        return separate(x, residual, proj)
-
-    @staticmethod
-    def act_linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
-        """TorchOps.act_linear: one fused kernel for one row where it was measured faster."""
-        from decoder_svc.model import decode_gemv as g
-
-        def separate(proj):
-            return TritonOps.linear(TritonOps.silu_and_mul(x), proj)
-
-        proj = idle_base(proj)
-        w = _one_row_weight(x, proj)
-        if w is not None:
-            key = g.GemvKey.of(w, g.SILU_MUL, False)
-            if _tunable(key):
-                projs = g.copies(proj)
-                g.CHOICES.tune(key, [partial(g.fused_gemv, x, g.gemv_weight(p), g.SILU_MUL) for p in projs],
-                               [partial(separate, p) for p in projs])
-            if g.CHOICES.use_fused(key):
-                return g.fused_gemv(x, w, g.SILU_MUL)[0]
-        return separate(proj)
-
-    @staticmethod
-    def linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
-        """TorchOps.linear: the one-row kernel where it was measured faster than the module's product."""
-        from decoder_svc.model import decode_gemv as g
-
-        proj = idle_base(proj)
-        w = _one_row_weight(x, proj)
-        if w is not None:
-            key = g.GemvKey.of(w, g.PLAIN, False)
-            if _tunable(key):
-                projs = g.copies(proj)
-                g.CHOICES.tune(key, [partial(g.fused_gemv, x, g.gemv_weight(p)) for p in projs],
-                               [partial(p, x) for p in projs])
-            if g.CHOICES.use_fused(key):
-                return g.fused_gemv(x, w)[0]
-        return proj(x)
-
-    @staticmethod
-    def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-        """TorchOps.fp8_linear on the GPU: weight-only FP8 kernels at small batches, FP8 tensor-core
-        products at large ones (quant/triton_fp8.py); fp32 activations take the reference path."""
-        if x.dtype not in (torch.bfloat16, torch.float16):
-            return TorchOps.fp8_linear(x, weight, scale, block, bias)
-        from decoder_svc.model.quant.triton_fp8 import fp8_linear
-
-        return fp8_linear(x, weight, scale, block, bias)
-
-    @staticmethod
-    def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 rows: LoRASlots, rank: int) -> torch.Tensor:
-        """TorchOps.lora_add on the GPU (model/lora/triton_lora.py: two Triton kernels for a few rows, two
-        stacked GEMMs for more), into y in place."""
-        from decoder_svc.model.lora.triton_lora import GATHER_MAX_ROWS, lora_add_triton
-
-        x = x.contiguous()
-        adapter_rows = rows.adapter_rows(x.dtype) if x.shape[0] > GATHER_MAX_ROWS else None
-        return lora_add_triton(y, x, lora_a, lora_b, rows.slots, rank, adapter_rows)
-
-    @staticmethod
-    def make_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
-        """Same fp32 [max_positions, D] cos|sin table as TorchOps (built once at load, no kernel needed)."""
-        return TorchOps.make_cos_sin_cache(inv_freq, max_positions)
+    _rotary_kernel[(q.shape[0],)](q, k, rot.positions, rot.cache, *q.stride(), *k.stride(),
+                                  rot.cache.stride(0), q.shape[1], k.shape[1], rot.half,
+                                  BLOCK_QH=rot.block_qh, BLOCK_KH=rot.block_kh, BLOCK_HALF=rot.block_half,
+                                  **rot.options(), **small_kernel_launch_options())
+    return q, k
 
 
-def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                     unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # TritonOps.rms_norm / offset_rms_norm: checks, then one program per row.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rmsnorm(h), h) with h = x, or h = x + residual written IN PLACE into residual; with
+    `unit_offset`, Gemma's (1 + weight) scaling in fp32 with one rounding. weight must have x's dtype
+    [H]; x is never modified; the returned residual is `x` or the `residual` tensor itself. One program
+    per row (ValueError on a bad layout)."""
     _row_major(x, "x")
     if weight.dtype != x.dtype or weight.shape != (x.shape[1],):
         raise ValueError(f"weight must be [{x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
@@ -380,8 +256,9 @@ def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     return out, new_residual
 
 
-def _launch_gated(x: torch.Tensor, gelu: bool) -> torch.Tensor:
-    # silu_and_mul / gelu_tanh_and_mul: x [T, 2*I] = cat(gate, up) -> a new [T, I].
+def gated_act(x: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """x [T, 2*I] = cat(gate, up) -> a new [T, I]: silu(gate) * up, or with `gelu` gelu_tanh(gate) * up;
+    x is not modified."""
     _row_major(x, "x")
     n_rows, two_i = x.shape
     if two_i % 2:
@@ -397,21 +274,3 @@ def _launch_gated(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     _gated_act_kernel[grid](x, out, x.stride(0), out.stride(0), n_cols, GELU=gelu, BLOCK=block,
                             num_warps=4 if block >= 512 else 2, **small_kernel_launch_options())
     return out
-
-
-def _one_row_weight(x: torch.Tensor, proj: nn.Module):  # -> decode_gemv.GemvWeight | None
-    # The one-row kernels take a single half-precision activation row on the GPU (a LoRA-wrapped
-    # projection only in a forward without adapters: idle_base is then its base).
-    if x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
-        return None
-    from decoder_svc.model.decode_gemv import gemv_weight
-
-    return gemv_weight(proj)
-
-
-def _tunable(key) -> bool:  # key: decode_gemv.GemvKey
-    # Measure each key once, never inside a CUDA graph capture (timing synchronises).
-    from decoder_svc.model.decode_gemv import CHOICES
-
-    return (CHOICES.mode == "auto" and key not in CHOICES.timings
-            and not torch.cuda.is_current_stream_capturing())

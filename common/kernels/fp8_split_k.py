@@ -20,7 +20,7 @@ pipeline, a fixed 7-12 us a product measured at 32 rows).
 Autotuned per (rows bucket, matrix) among `SPLIT_K_SHAPES` and `STREAM_K_SHAPES`, pruned to the splits a
 matrix needs (MMSERVE_FP8_STREAM_K picks the forms offered). Graph-capture safe: the workspace comes from
 the caching allocator and the counters are a kept zeroed buffer the kernel leaves zeroed (one stream of
-split-K products per device at a time: see `_tile_counters`). triton_fp8.py routes products here.
+split-K products per device at a time: see `_tile_counters`). fp8_linear.py routes products here.
 
 Only imported on GPU paths or under TRITON_INTERPRET=1: the CPU tests (tests/quant/test_split_k_fp8.py)
 run both forms in Triton's interpreter, whose scalar conversion tests/conftest.py patches for numpy >= 2.4
@@ -38,10 +38,10 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
-from decoder_svc.model.quant.fp8 import ScaleBlock
+from common.kernels.fp8_layout import ScaleBlock
+from common.kernels.pdl import launch_options, release_dependents, wait_for_inputs
 
-# The FP8 autotuners' timing and shape key (triton_fp8.py's too). 2 + 10 ms per configuration picked poor
+# The FP8 autotuners' timing and shape key (fp8_linear.py's too). 2 + 10 ms per configuration picked poor
 # ones on a fresh H200 (timing noise); 10 + 40 ms did not.
 BRIEF_TIMING = functools.partial(triton.testing.do_bench, warmup=10, rep=40)
 # Every FP8 autotuner keeps its timings in Triton's cache directory (keyed by Triton, the GPU target, the
@@ -108,7 +108,7 @@ def k_range_product(x_ptr, w_ptr, s_ptr, rm, rn, rk, m_mask, n_mask, k_lo, k_hi,
                      PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr = False):
     # x[rm, k_lo:k_hi] @ (w[rn, k_lo:k_hi] * block scales)^T in fp32 [BLOCK_M, BLOCK_N] (`_k_block`); also
-    # triton_fp8's one-pass kernel.
+    # fp8_linear's one-pass kernel.
     if SWAP_AB:
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):

@@ -43,7 +43,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from decoder_svc.model.pdl import launch_options, release_dependents, wait_for_inputs
+from common.kernels.graph_timing import copy_count, graph_time_us
+from common.kernels.pdl import launch_options, release_dependents, wait_for_inputs
 
 log = logging.getLogger("mmserve.decoder.stream_gemv")
 
@@ -248,7 +249,7 @@ def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     """The config to launch for this weight, or None where `rival` (the caller's own product, named
     `rival_name`) was faster. Measured once per StreamKey as decode runs it: every config (and the rival)
     over enough copies of the weight that none is read from L2, back to back in a replayed CUDA graph
-    (decode_gemv.graph_time_us). Never measured inside a graph capture: an unmeasured key there takes the
+    (graph_timing.graph_time_us). Never measured inside a graph capture: an unmeasured key there takes the
     rival, or the first config without one."""
     key = StreamKey(*weight.shape, weight.dtype, scale is not None, bias is not None, rival_name)
     if key in CHOICES:
@@ -256,8 +257,6 @@ def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     candidates = [c for c in CONFIGS if c.fits() and c.takes(weight)]
     if torch.cuda.is_current_stream_capturing():
         return None if rival is not None else candidates[0]
-    from decoder_svc.model.decode_gemv import graph_time_us
-
     scale = None if scale is None else scale.reshape(-1)
     copies = _weight_copies(weight, scale)
     out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
@@ -276,8 +275,6 @@ def choose(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 def _weight_copies(weight: torch.Tensor, scale: torch.Tensor | None) -> list[tuple]:
     # The weight and enough copies of it that timing them in turn streams every one from memory.
-    from decoder_svc.model.decode_gemv import copy_count
-
     count = copy_count(weight.numel() * weight.element_size(), weight.device)
     return [(weight, scale)] + [(weight.clone(), None if scale is None else scale.clone())
                                 for _ in range(count - 1)]
