@@ -15,7 +15,7 @@ from decoder_svc.engine.following_bytes import FollowingBytes, file_bytes
 @dataclass(frozen=True)
 class EncodeItem:
     """One image or video of an EncodeRequest: the repeated field and its fields. Added in place: a built
-    ImageInput appended to a request is copied again (3-6 ms for a 3 MB file with upb)."""
+    ImageInput appended to a request is copied again (upb; common/client.py's fill_image_input)."""
 
     field: str  # "images" or "videos"
     fields: dict
