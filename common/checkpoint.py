@@ -1,4 +1,4 @@
-"""Reading a LLaVA checkpoint directory: config, fingerprint and selected tensors.
+"""Reading a checkpoint directory (any served family): config, fingerprint and selected tensors.
 
 Each service loads only its own part of the weights (the encoder the vision tower and projector, the
 decoder the language model), straight from the safetensors files.

@@ -74,6 +74,13 @@ def preset_name(text: str) -> str:
     return text
 
 
+def _preset_names() -> list[str]:
+    """Every make-model preset, family by family (common/families/registry.py)."""
+    from common.model_maker import preset_names  # imports torch: only make-model reads them
+
+    return preset_names()
+
+
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from common.model_maker import make_model
     from common.quiet import transformers_errors_only
@@ -184,16 +191,18 @@ def _add_client_security_args(p: argparse.ArgumentParser) -> None:
     add_client_args(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(presets: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of the commands not delegated to another module. `presets`: the make-model presets its
+    --preset help lists (the registry's, read only for make-model: reading them imports torch)."""
     parser = argparse.ArgumentParser(prog="mmserve", description="Disaggregated serving for VLMs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in _DELEGATED.items():
         sub.add_parser(name, help=f"see `mmserve {name} --help` ({module})", add_help=False)
 
-    p = sub.add_parser("make-model", help="write a random LLaVA checkpoint in HF format")
+    p = sub.add_parser("make-model", help="write a random checkpoint of a served model family in HF format")
+    listed = ", ".join(presets) if presets else "see `mmserve make-model --help`"
     p.add_argument("--preset", type=preset_name, default="tiny",
-                   help="tiny, small, llava-1.5-7b, or a real LLaVA-family architecture at small widths: "
-                   "llava-1.5-tiny, bakllava-tiny, llava-interleave-qwen-tiny (all random weights)")
+                   help=f"a preset of one of the served families, all random weights: {listed}")
     p.add_argument("--out", type=output_dir, required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="where to initialise (default: cuda if present)")
@@ -264,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if inspect.iscoroutine(result):
             result = asyncio.run(result)
         return int(result or 0)
-    parser = build_parser()
+    parser = build_parser(_preset_names() if argv[:1] == ["make-model"] else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

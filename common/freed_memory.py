@@ -5,7 +5,7 @@ glibc keeps freed blocks in its arenas instead of returning them, and raises its
 large block is freed, so a process that once decoded a 4096x4096 image or a 1080p video's frames stays
 that large. The decoder calls this after each request's inputs (decoder_svc/engine/input_processor.py); the
 encoder after each video it decodes and in its image-decode processes after
-large images. One call took about 0.1 ms here.
+large images. A call is cheap next to the jobs it follows (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ def reuse_freed_blocks() -> bool:
 
     By default glibc maps fresh pages for each block past its adaptive threshold (a few MB, after the
     first one is freed) and trims the heap's top past twice that, so every request of a few MB pays
-    page faults for each copy of its bytes: a 3.1 MB Generate request crossed gRPC into a server (parse
-    included) in 2.4-2.5 ms with these settings against 6.7-7.2 ms without, on the CPU test host
-    (bench/grpc_floor.py's server, side by side). What this keeps is bounded by HEAP_BLOCK_BYTES per
+    page faults for each copy of its bytes (BENCHMARKS.md, "Page faults on every request's bytes",
+    measured with bench/grpc_floor.py's server). What this keeps is bounded by HEAP_BLOCK_BYTES per
     arena's top, and `release_freed_memory` still returns it after large jobs.
     """
     if _MALLOPT is None:

@@ -3,9 +3,8 @@
 `multiprocessing.Connection.recv` reads a message in pieces of what the socket buffer holds (~200 KiB),
 taking the GIL back after each: a reader thread receiving a request's megabytes of image files while the
 process's main thread runs Python (the engine's step, the front end's event loop) waits up to the switch
-interval for every piece. Measured on this project's 2-core VM, 32 messages of 3 MB with a busy main
-thread: 60 ms from send to receipt each through `recv`, 18 ms through `MessageReader` (which asks the
-kernel for all of a message's bytes at once, `MSG_WAITALL`, with the GIL released throughout).
+interval for every piece. `MessageReader` asks the kernel for all of a message's bytes at once
+(`MSG_WAITALL`), with the GIL released throughout (BENCHMARKS.md has the two readers' times).
 
 The wire format is the Connection's own (a 4-byte big-endian length, or -1 and an 8-byte length, then
 the pickle), so the other end sends with `Connection.send` as before.

@@ -92,12 +92,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             # Decoding, hashing and tokenizing happen here, in a worker thread of the front end: text-only
             # requests in a lane of their own, so that image work never holds them up (input_lanes.py).
             known = await self._known_grids(parsed)
-            req = await self.lanes.run(
-                len(parsed.images) + len(parsed.videos), self.inputs.make_request, request_id, parsed.prompt,
-                parsed.images,
-                messages=parsed.messages, sampling=parsed.sampling, cache_salt=parsed.cache_salt,
-                image_options=parsed.image_options, known_grids=known, videos=parsed.videos,
-                prompt_token_ids=parsed.prompt_token_ids, lora_adapter=parsed.lora_adapter)
+            req = await self.lanes.run(len(parsed.images) + len(parsed.videos), self.inputs.make,
+                                       parsed.new_request(request_id, known))
             req.times.received, req.times.made = received, time.monotonic()
             self._send_files_ahead(req)
             await self.core.add(req)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.stats import summary
-from decoder_svc.encoders.remote_source import RemoteSourceStats
+from decoder_svc.encoders.source_stats import RemoteSourceStats
 from decoder_svc.engine.engine import EngineStats
 from decoder_svc.engine.ttft_stages import FirstTokenStats
 

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from common.errors import invalid_argument
+from common.image_geometry import Grid
 from common.pb import common_pb2, decoder_pb2
 from decoder_svc.engine.embedding_source import VideoSource
-from decoder_svc.engine.input_processor import ImageOptions
+from decoder_svc.engine.new_request import ImageOptions, NewRequest
 from decoder_svc.engine.output_processor import RequestOutput
 from decoder_svc.engine.request import FinishReason
 from decoder_svc.engine.sampling_params import SamplingParams
@@ -32,6 +34,13 @@ class ParsedRequest:
     videos: list[VideoSource] = field(default_factory=list)  # Qwen-VL videos, in prompt order
     prompt_token_ids: list[int] | None = None  # a prompt given as token ids (text only)
     lora_adapter: str = ""  # a --lora-modules name ("": the base model); the engine checks it
+
+    def new_request(self, request_id: str, known_grids: Mapping[str, Grid] | None = None) -> NewRequest:
+        """The engine's input for it, named request_id; known_grids: grids of its hash-only images."""
+        return NewRequest(request_id, self.prompt, self.images, messages=self.messages,
+                          sampling=self.sampling, cache_salt=self.cache_salt,
+                          image_options=self.image_options, known_grids=known_grids, videos=self.videos,
+                          prompt_token_ids=self.prompt_token_ids, lora_adapter=self.lora_adapter)
 
 
 def _image(index: int, image: common_pb2.ImageInput) -> bytes | str:

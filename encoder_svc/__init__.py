@@ -1,4 +1,5 @@
-"""The encoder service: images to LLaVA image embeddings, cached by content hash, handed out zero-copy.
+"""The encoder service: images and videos to a model's embeddings, cached by content hash, handed out
+zero-copy.
 
 - `vision.VisionEncoder`: vision tower + projector only, equal to HF `get_image_features`.
 - `cache.EmbeddingCache`: byte-bounded LRU over an arena, leases with a TTL, in-flight dedup.

@@ -5,8 +5,8 @@ index, common/video), so it must not hold the threads that prepare images, nor t
 waits for the prepared inputs of every job of its batch in turn. Videos are therefore decoded here, and
 only a video whose frames are ready goes to the vision worker, which then merely stacks its patches.
 Where the tower patches on its GPU (a Qwen encoder with the device-side processor), the lane hands over
-the sampled uint8 frames instead: the host's patching (19-52 ms for a 30 s clip at 448x448 on the H200's
-host) leaves the critical path, and a quarter of the fp32 rows' bytes crosses to the device.
+the sampled uint8 frames instead: the host's patching (tens of milliseconds a clip, BENCHMARKS.md) leaves
+the critical path, and a quarter of the fp32 rows' bytes crosses to the device.
 
 Decoding asks the cache between frames whether anyone still waits for the video (`still_wanted`): when
 every caller has gone (its RPC cancelled, the decoder's own timeout), it stops at the next frame, and

@@ -26,11 +26,11 @@ batch is cut to a captured graph size when padding would waste more than a quart
 On a GPU the tower's work is asynchronous, so "while the tower is busy" needs a fence: the thread keeps
 at most `MAX_BATCHES_IN_FLIGHT` batches launched and not yet finished on the device, and waits for the
 oldest before it takes another. Without it the thread launches a tiny batch for every few images
-that arrive and the GPU works through a long queue of them (H200, CLIP-L/336 in bf16: a 32-image batch
-runs at about 1000 images/s, small ones at a fraction of that); with it, images queue on the host while
+that arrive and the GPU works through a long queue of them (a full batch runs many more images a second
+than small ones: BENCHMARKS.md); with it, images queue on the host while
 the GPU runs the current batch and the one launched behind it, and the next batch takes them all.
 The wait is bounded: it ends once a full batch is waiting, or after `FENCE_S_PER_IMAGE` per image of
-the oldest batch (more than the tower needs on an H200), so a GPU shared with another process (a
+the oldest batch (more than the tower needs for it), so a GPU shared with another process (a
 decoder whose reads of the cache fence our next writes) cannot hold the thread, and with it the
 replies and the cache admissions of the next images, for longer than the batch's own work.
 """

@@ -1,8 +1,8 @@
 """CUDA graphs of a Qwen vision tower, one per batch signature (the tuple of the batch's grids).
 
 A Qwen tower's launches depend on the batch: its sequence length, its spans, its window order. Python
-launches about 400 kernels a forward (12-14 per block), which on a busy host takes as long as the GPU's
-work for one 1024x1024 image (H200, Qwen2.5-VL-7B: ~20 ms of host time for ~14 ms of device time).
+launches about 400 kernels a forward (12-14 per block), which on a busy host can take as long as the
+GPU's work for one large image (BENCHMARKS.md, "Figures from the code's docstrings").
 Images of a service repeat sizes (a camera, a screenshot tool, a client that resizes), so a signature
 seen `capture_after` times is captured once with its plan (QwenVisionTower.plan: every index and table
 already on the device) and replayed from then on: one launch. Signatures stay exact (no padding), so a

@@ -40,142 +40,45 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 import torch
-from PIL import Image
 
 from common.client import CHANNEL_OPTIONS, new_lease_owner
-from common.images import encode_png
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.security.client_auth import auth_metadata
 from common.security.identity import tenant_of_salt
 from common.security.tls import ClientTls, open_channel
-from common.stats import stat
 from common.transport.importer import can_import, import_embedding, readable_transports
 from common.transport.nixl import NixlTransferError, known_agent
 from decoder_svc.encoders.discovery import EncoderPool, NoEncoderError
+from decoder_svc.encoders.encode_items import EncodeItem, by_hash, with_bytes
+from decoder_svc.encoders.fetch_slot import FetchSlot
+from decoder_svc.encoders.leases import LeaseLapsedError, lease_held_through
+from decoder_svc.encoders.retry_policy import (
+    PROBE_TIMEOUT_S,
+    RETRYABLE,
+    TRANSPORT_CODES,
+    EncoderBusyError,
+    EncoderLeftRing,
+    EncoderUnavailableError,
+    Released,
+    RetryPolicy,
+    Unresponsive,
+)
+from decoder_svc.encoders.side_stream import SideStreamCopier
+from decoder_svc.encoders.source_stats import RemoteSourceStats
+from decoder_svc.encoders.transport_choice import TransportChoice
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingSource, EmbeddingState
-from decoder_svc.engine.following_bytes import FollowingBytes, file_bytes
+
+__all__ = ["EncoderBusyError", "EncoderUnavailableError", "LeaseLapsedError", "RemoteEmbeddingSource",
+           "RemoteSourceStats", "RetryPolicy", "lease_held_through"]
 
 log = logging.getLogger("mmserve.decoder.encoders")
 
-# A file the front end sent ahead may still be on its way to the encoder when the engine asks for it by
-# hash: pauses before asking again (the encoder makes the ask wait once it has the file).
 # A file the front end sent ahead may reach its encoder after the engine's ask by hash (the ask is small,
 # the file megabytes): the encoder waits up to this long for it before answering NOT_FOUND.
 _SENT_AHEAD_WAIT_MS = 250
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.RESOURCE_EXHAUSTED}
-# Errors of the link, not of the encoder's judgement: their details name addresses.
-_TRANSPORT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
-                    grpc.StatusCode.CANCELLED}
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How long to keep trying an encoder before failing the image.
-
-    total_timeout_s runs from the image's first ask, whatever happens after (a wait for a fetch worker,
-    the hash-first call, the call with bytes, retries), so an outage fails every image within it. A cache
-    full of leased entries (RESOURCE_EXHAUSTED) is retried for full_cache_wait_s at most, then fails.
-    The pause before each retry is drawn at random below a bound that doubles from initial_backoff_s up
-    to max_backoff_s ("full jitter"), so images refused together retry apart.
-    """
-
-    attempt_timeout_s: float = 10.0  # waiting for an answer before asking whether the encoder is alive
-    total_timeout_s: float = 20.0  # an encoder that never shows it is alive fails the image then
-    busy_timeout_s: float = 300.0  # an encoder that is alive but busy with the image fails it then
-    full_cache_wait_s: float = 2.0
-    initial_backoff_s: float = 0.1
-    max_backoff_s: float = 2.0
-
-
-@dataclass
-class _Slot:
-    """One (request, image) key."""
-
-    status: EmbeddingState = EmbeddingState.PENDING
-    prefetch: bool = False
-    tensor: torch.Tensor | None = None
-    encoder: str = ""
-    cache_hit: bool = False
-    transport: str = ""
-    error: str = ""
-    code: grpc.StatusCode | None = None
-    released: bool = False
-    polled: bool = False
-    deadline: float = 0.0  # monotonic time by which the image is ready or failed
-    boosted: bool = False  # asked for by lookahead, then needed now: told the encoder so
-    started: bool = False  # a worker took its fetch up (one only: a queued duplicate sends nothing)
-    call: grpc.Future | None = None  # its Encode in flight: cancelled when the slot is released
-    ask: str = ""  # the request_id of its Encodes, its own: a Release by it frees an unread answer's lease
-
-
-@dataclass
-class RemoteSourceStats:
-    """What this decoder asked of its encoders (names as in the API's DecoderStats where it has them)."""
-
-    embeddings_requested: int = stat("Image embeddings asked of an encoder")
-    images_prefetched: int = stat("Images first asked for by lookahead, ahead of their prefill")
-    lookahead_ready_at_prefill: int = stat("Prefetched images already ready when prefill reached them")
-    lookahead_waited_at_prefill: int = stat("Prefetched images still encoding when prefill reached them")
-    lookahead_boosted: int = stat("Prefetched images raised to demand priority when their prefill came")
-    encoder_busy_waits: int = stat("Waits past an Encode's attempt timeout because its encoder was busy, "
-                                   "not unreachable (it answered a stats call)")
-    embeddings_from_encoder_cache: int = stat("Embeddings an encoder served from its cache")
-    images_resent: int = stat("Images whose bytes had to follow their hash (the encoder did not have it)")
-    embedding_failures: int = stat("Image embeddings that failed (the request failed with them)")
-    active_leases: int = stat("Embedding leases this decoder holds now", "gauge")
-    embedding_transports: dict[str, int] = stat("Embeddings received, by transport", "labels",
-                                                label="transport")
-    encoders: int = stat("Encoder addresses in the routing ring (0: every image fails with UNAVAILABLE)",
-                         "gauge")
-
-
-class EncoderUnavailableError(RuntimeError):
-    """The encoder could not be reached within the retry policy."""
-
-
-class EncoderBusyError(RuntimeError):
-    """The encoder was alive but had not finished the image within the policy's busy_timeout_s."""
-
-
-class _Released(Exception):  # noqa: N818 - not an error: nobody waits for the image any more
-    """The image's slot was released while its Encode was in flight: the call was cancelled."""
-
-
-class _Unresponsive(grpc.RpcError):
-    """An Encode without an answer from an encoder that did not answer a stats call either: unreachable."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return "the encoder answers no call"
-
-
-_PROBE_TIMEOUT_S = 2.0  # a stats call to an encoder that is alive takes milliseconds, however busy it is
-
-
-class LeaseLapsedError(RuntimeError):
-    """An embedding could not be copied out within its lease, twice."""
-
-
-_LEASE_MARGIN_S = 0.05  # clock and scheduling slack between our timer and the encoder's
-# An encoder whose SHM segment or GPU this process cannot open (another host, container or Pod) is not
-# offered that transport again for this long: each ask would cost a second Encode. It is offered again
-# afterwards, in case the encoder at that address has moved.
-_UNREADABLE_TTL_S = 300.0
-_LOCATION_TRANSPORTS = {"shm": common_pb2.TRANSPORT_SHM, "cuda_ipc": common_pb2.TRANSPORT_CUDA_IPC,
-                        "nixl": common_pb2.TRANSPORT_NIXL}
-
-
-def lease_held_through(sent_at: float, lease_expires_in_s: float, now: float) -> bool:
-    """True when a lease granted in reply to a request sent at `sent_at` (monotonic) was still valid at
-    `now`: the encoder counts its TTL from no earlier than the send."""
-    return now < sent_at + lease_expires_in_s - _LEASE_MARGIN_S
 
 
 class RemoteEmbeddingSource(EmbeddingSource):
@@ -193,7 +96,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         # The ring of encoders; with dns:/// targets it changes on a background thread.
         self.ring = addresses if isinstance(addresses, EncoderPool) else EncoderPool(addresses)
         self.ring.start()
-        self.accept = transports or readable_transports(self.device)
+        self._transports = TransportChoice(transports or readable_transports(self.device))
         # Short reconnect backoff: a restarted encoder is found again within a second, not minutes.
         self._channel_options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
                                  ("grpc.min_reconnect_backoff_ms", 100),
@@ -206,12 +109,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="embed-fetch")
         self._prefetch_pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="embed-prefetch")
         self._lock = threading.Lock()
-        self._slots: dict[tuple[str, str], _Slot] = {}
+        self._slots: dict[tuple[str, str], FetchSlot] = {}
         self._failed_requests: dict[str, grpc.StatusCode] = {}
         self._closed = False
         self._open_calls: set[grpc.Future] = set()  # Encodes in flight: close() cancels them
-        # encoder -> (transports whose refs this process could not open, until when): _UNREADABLE_TTL_S
-        self._unreadable: dict[str, tuple[frozenset[int], float]] = {}
         self._copiers: dict[int, SideStreamCopier] = {}  # one per fetch thread, on CUDA
         self._counters = RemoteSourceStats()
         self._asks = itertools.count()
@@ -225,7 +126,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 return
             slot = self._slots.get(key)
             if slot is None:
-                self._slots[key] = _Slot(prefetch=req.prefetch,
+                self._slots[key] = FetchSlot(prefetch=req.prefetch,
                                          deadline=time.monotonic() + self.retry.total_timeout_s,
                                          ask=f"{req.request_id}#{next(self._asks)}")
                 self._counters.embeddings_requested += 1
@@ -342,7 +243,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 try:
                     ref, tensor = self._fetch_owned(encoder, req, deadline)
                     break
-                except _EncoderLeftRing as moved:  # its replica went away: ask the image's new owner
+                except EncoderLeftRing as moved:  # its replica went away: ask the image's new owner
                     log.info("encoder %s left the ring; %s goes to %s", encoder, req.content_hash[:16],
                              moved.owner)
                     encoder = moved.owner
@@ -353,7 +254,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
             # Clients see the encoder's own message for its refusals; transport errors name addresses
             # and stay in the log.
             log.warning("encoder %s: %s: %s", encoder, exc.code().name, exc.details())
-            detail = f": {exc.details()}" if exc.code() not in _TRANSPORT_CODES else ""
+            detail = f": {exc.details()}" if exc.code() not in TRANSPORT_CODES else ""
             # The encoder refusing *our* credentials is the server's fault, not the client's token.
             code = grpc.StatusCode.INTERNAL if exc.code() == grpc.StatusCode.UNAUTHENTICATED else exc.code()
             self._fail(key, code, f"encoder: {exc.code().name}{detail}")
@@ -364,7 +265,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         except EncoderBusyError as exc:
             self._fail(key, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
             return
-        except _Released:  # its request ended: nothing to deliver, nothing failed
+        except Released:  # its request ended: nothing to deliver, nothing failed
             return
         except Exception as exc:  # noqa: BLE001 - a broken ref fails this image, never the engine
             log.exception("importing embedding %s failed", req.content_hash[:16])
@@ -398,10 +299,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
             sent_at = time.monotonic()
             ref = self._encode(encoder, req, self.accept_for(encoder), deadline)
             if not can_import(ref):  # e.g. an SHM segment on another host: NIXL or the bytes instead
-                self._note_unreadable(encoder, ref)
+                self._transports.note_unreadable(encoder, ref)
                 self._release_leases(encoder, [ref.lease_id] if ref.lease_id else [])
                 sent_at = time.monotonic()
-                ref = self._encode(encoder, req, self._across_hosts(ref), deadline)
+                ref = self._encode(encoder, req, self._transports.across_hosts(ref), deadline)
             if not ref.lease_id:  # inline bytes: ours already
                 return ref, import_embedding(ref, device=self.device, source=encoder)
             with self._lock:
@@ -424,34 +325,14 @@ class RemoteEmbeddingSource(EmbeddingSource):
                         req.content_hash[:16], attempt + 1)
         raise LeaseLapsedError("embedding lease lapsed before it could be read; the encoder is overloaded")
 
+    @property
+    def accept(self) -> list[int]:
+        """The transports this process can read, best first."""
+        return self._transports.accept
+
     def accept_for(self, encoder: str) -> list[int]:
-        """The transports to ask `encoder` for, best first: ours, less those whose refs from it this
-        process could not open lately."""
-        with self._lock:
-            entry = self._unreadable.get(encoder)
-            if entry is not None and entry[1] <= time.monotonic():
-                del self._unreadable[encoder]
-                entry = None
-        if entry is None:
-            return self.accept
-        return [t for t in self.accept if t not in entry[0]]
-
-    def _note_unreadable(self, encoder: str, ref: common_pb2.EmbeddingRef) -> None:
-        transport = _LOCATION_TRANSPORTS.get(ref.WhichOneof("location") or "")
-        if transport is None:
-            return
-        with self._lock:
-            known, _ = self._unreadable.get(encoder, (frozenset(), 0.0))
-            self._unreadable[encoder] = (known | {transport}, time.monotonic() + _UNREADABLE_TTL_S)
-        log.info("encoder %s offers a %s location this process cannot open: not asked for it for %.0f s",
-                 encoder, ref.WhichOneof("location"), _UNREADABLE_TTL_S)
-
-    def _across_hosts(self, ref: common_pb2.EmbeddingRef) -> list[int]:
-        """What to ask for instead of a ref this process cannot open: NIXL (if accepted and not what
-        failed) and inline."""
-        nixl = [common_pb2.TRANSPORT_NIXL] if (common_pb2.TRANSPORT_NIXL in self.accept
-                                               and ref.WhichOneof("location") != "nixl") else []
-        return [*nixl, common_pb2.TRANSPORT_INLINE]
+        """The transports to ask `encoder` for, best first (transport_choice.py)."""
+        return self._transports.accept_for(encoder)
 
     def _route(self, key: tuple[str, str], req: EmbeddingRequest, deadline: float) -> str:
         """The image's encoder by the ring; while no encoder is serving, wait for one until deadline."""
@@ -495,7 +376,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         arrive: the ask may overtake it."""
         video = req.video
         try:
-            return self._call_encode(encoder, req, _by_hash(req), accept, deadline,
+            return self._call_encode(encoder, req, by_hash(req), accept, deadline,
                                      await_file_ms=_SENT_AHEAD_WAIT_MS if req.sent_ahead else 0)
         except grpc.RpcError as exc:
             has_bytes = req.image is not None or (video is not None and video.data is not None)
@@ -503,17 +384,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 raise
         with self._lock:
             self._counters.images_resent += 1
-        if video is not None:  # the settings come resolved: the encoder hashes it as the decoder did
-            data = file_bytes(video.data, max(deadline - time.monotonic(), 0.0))
-            item = _Item("videos", dict(data=data, fps=video.fps, max_frames=video.max_frames,
-                                        min_pixels=video.min_pixels, max_pixels=video.max_pixels))
-            return self._call_encode(encoder, req, item, accept, deadline)
-        fields = {"data": _image_bytes(req.image, max(deadline - time.monotonic(), 0.0))}
-        if req.pixels is not None:  # the range (Qwen-VL) or crop choice (Gemma 3) the tokens were counted by
-            fields.update(req.pixels.input_fields())
-        return self._call_encode(encoder, req, _Item("images", fields), accept, deadline)
+        item = with_bytes(req, max(deadline - time.monotonic(), 0.0))
+        return self._call_encode(encoder, req, item, accept, deadline)
 
-    def _call_encode(self, encoder: str, req: EmbeddingRequest, item: _Item, accept: list[int],
+    def _call_encode(self, encoder: str, req: EmbeddingRequest, item: EncodeItem, accept: list[int],
                      deadline: float, await_file_ms: int = 0) -> common_pb2.EmbeddingRef:
         with self._lock:
             slot = self._slots.get((req.request_id, req.content_hash))
@@ -536,13 +410,13 @@ class RemoteEmbeddingSource(EmbeddingSource):
             try:
                 return self._await_encode(encoder, req, request, deadline, busy_until).embeddings[0]
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not isinstance(exc, _Unresponsive):
-                    raise EncoderBusyError(self._busy_message()) from None  # the call's own timeout
-                if exc.code() not in _RETRYABLE or self._closed:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not isinstance(exc, Unresponsive):
+                    raise EncoderBusyError(self.retry.busy_message()) from None  # the call's own timeout
+                if exc.code() not in RETRYABLE or self._closed:
                     raise
                 owner = self._owner_now(req.content_hash)
                 if owner is not None and owner != encoder:
-                    raise _EncoderLeftRing(owner) from None
+                    raise EncoderLeftRing(owner) from None
                 # Full jitter: callers turned away together (a full cache refuses every image but the
                 # one it admits) must not all come back together, or each wave admits one again.
                 pause = random.uniform(0.0, backoff)
@@ -558,15 +432,11 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 time.sleep(pause)
                 backoff = min(policy.max_backoff_s, backoff * 2)
 
-    def _busy_message(self) -> str:
-        return (f"the encoder was busy and had not finished this input within "
-                f"{self.retry.busy_timeout_s:.0f} s (it answered throughout: slow, not unreachable)")
-
     def _await_encode(self, encoder: str, req: EmbeddingRequest, request: encoder_pb2.EncodeRequest,
                       deadline: float, busy_until: float) -> encoder_pb2.EncodeResponse:
         """One Encode, kept open while the encoder shows it is alive (see the module docstring).
 
-        Raises the call's RpcError, _Unresponsive (UNAVAILABLE) when neither the call nor a stats call
+        Raises the call's RpcError, Unresponsive (UNAVAILABLE) when neither the call nor a stats call
         is answered by `deadline` (or within an attempt), EncoderBusyError past busy_until."""
         call = self._stub(encoder).Encode.future(
             request, timeout=max(busy_until - time.monotonic(), 0.001), wait_for_ready=False,
@@ -580,8 +450,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 wait = min(self.retry.attempt_timeout_s, limit - time.monotonic())
                 if wait <= 0:
                     if limit == busy_until:
-                        raise EncoderBusyError(self._busy_message())
-                    raise _Unresponsive()
+                        raise EncoderBusyError(self.retry.busy_message())
+                    raise Unresponsive()
                 try:
                     return call.result(timeout=wait)
                 except grpc.FutureTimeoutError:
@@ -589,9 +459,9 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 except grpc.FutureCancelledError:  # close() or release() cancelled it
                     if self._closed:
                         raise EncoderUnavailableError("the decoder is shutting down") from None
-                    raise _Released() from None
+                    raise Released() from None
                 if not self._answers(encoder):
-                    raise _Unresponsive()
+                    raise Unresponsive()
                 limit = busy_until
                 with self._lock:
                     self._counters.encoder_busy_waits += 1
@@ -623,10 +493,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
         """Whether the encoder answers a stats call (any answer but a transport failure counts)."""
         try:
             self._stub(encoder).GetStats(common_pb2.StatsRequest(),
-                                         timeout=min(_PROBE_TIMEOUT_S, self.retry.attempt_timeout_s),
+                                         timeout=min(PROBE_TIMEOUT_S, self.retry.attempt_timeout_s),
                                          metadata=auth_metadata(self._token))
         except grpc.RpcError as exc:
-            return exc.code() not in _TRANSPORT_CODES
+            return exc.code() not in TRANSPORT_CODES
         return True
 
     def _boost(self, encoder: str, req: EmbeddingRequest) -> grpc.Future:
@@ -639,7 +509,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         request = encoder_pb2.EncodeRequest(
             request_id=req.request_id, accept=self.accept_for(encoder), cache_salt=req.cache_salt,
             prefetch=False, lease_owner=self._lease_owner)
-        _by_hash(req).add_to(request)
+        by_hash(req).add_to(request)
         call = self._stub(encoder).Encode.future(request, timeout=self.retry.attempt_timeout_s,
                                                  metadata=auth_metadata(self._token,
                                                                         tenant_of_salt(req.cache_salt)))
@@ -700,77 +570,3 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 self._failed_requests[key[0]] = code
         if failed:
             self.notify_change()
-
-
-@dataclass(frozen=True)
-class _Item:
-    """One image or video of an EncodeRequest: the repeated field and its fields. Added in place: a built
-    ImageInput appended to a request is copied again (3-6 ms for a 3 MB file with upb)."""
-
-    field: str  # "images" or "videos"
-    fields: dict
-
-    def add_to(self, request: encoder_pb2.EncodeRequest) -> None:
-        """Append it to request's repeated field, its bytes copied once."""
-        getattr(request, self.field).add(**self.fields)
-
-
-def _by_hash(req: EmbeddingRequest) -> _Item:
-    """The request's image or video named by its content hash alone."""
-    return _Item("videos" if req.video is not None else "images", {"content_hash": req.content_hash})
-
-
-class SideStreamCopier:
-    """Copies embeddings to the decoder's GPU on a stream of its own (one copier per fetch thread).
-
-    A CUDA IPC view is copied device to device after the copy stream waits on the producer's event;
-    NIXL READs straight into this GPU (VRAM to VRAM from a GPU encoder).
-    Rows in host memory (SHM, inline) go through a pinned staging buffer, so the upload is a real
-    asynchronous DMA that runs beside the model's kernels instead of a pageable copy. The fetch thread
-    waits for its own copy (the engine thread never does), and only then is the image READY: the
-    compute stream reads finished rows without any wait of its own.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self._staging = torch.empty(0, dtype=torch.uint8).pin_memory()
-
-    def _stage(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (on the host) in the pinned buffer, same dtype and shape."""
-        nbytes = rows.numel() * rows.element_size()
-        if self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-        staged = self._staging[:nbytes].view(rows.dtype).view(rows.shape)
-        staged.copy_(rows)
-        return staged
-
-    def copy(self, ref: common_pb2.EmbeddingRef, encoder: str) -> torch.Tensor:
-        """The ref's rows in a new tensor on our device, complete when this returns."""
-        with torch.cuda.stream(self.stream):
-            if ref.WhichOneof("location") == "nixl":  # READ into our GPU: a tensor of our own already
-                owned = import_embedding(ref, device=self.device, source=encoder)
-            else:
-                view = import_embedding(ref, source=encoder)  # an IPC view: the event wait is on this stream
-                if view.device.type != "cuda":
-                    view = self._stage(view)
-                owned = torch.empty(view.shape, dtype=view.dtype, device=self.device)
-                owned.copy_(view, non_blocking=True)
-        self.stream.synchronize()
-        # The model reads these rows on the default stream: tell the allocator, or once the rows are
-        # freed their block could go to this stream's next copy while a queued step still reads them.
-        owned.record_stream(torch.cuda.default_stream(self.device))
-        return owned
-
-
-class _EncoderLeftRing(Exception):
-    """The encoder being asked is no longer the image's owner (it left the ring); `owner` is."""
-
-    def __init__(self, owner: str) -> None:
-        super().__init__(owner)
-        self.owner = owner
-
-
-def _image_bytes(image: bytes | Image.Image | FollowingBytes, timeout: float) -> bytes:
-    """The file to send: as given, a PIL image as PNG, or bytes still on their way (waited for)."""
-    return encode_png(image) if isinstance(image, Image.Image) else file_bytes(image, timeout)

@@ -26,7 +26,7 @@ class EngineConfig:
     flags too (common/config.py); the rest are set in code."""
 
     model: str | Path = option(
-        help="LLaVA checkpoint: a directory, or a Hugging Face Hub id (found in the HF cache, else "
+        help="checkpoint of a served family: a directory, or a Hugging Face Hub id (in the HF cache, else "
         "downloaded unless HF_HUB_OFFLINE=1)", type=model_dir)
     device: str = option("auto", "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (the checkpoint's dtype on a GPU, float32 on CPU), float32, float16 or "

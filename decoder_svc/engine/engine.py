@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,15 +22,15 @@ import torch
 
 from common.checkpoint import model_fingerprint, parse_dtype
 from common.errors import CapacityError
-from common.image_geometry import Grid
 from common.stats import stat
 from decoder_svc.engine.config import EngineConfig
-from decoder_svc.engine.embedding_source import EmbeddingSource, VideoSource
-from decoder_svc.engine.input_processor import ImageLike, ImageOptions, InputProcessor
+from decoder_svc.engine.embedding_source import EmbeddingSource
+from decoder_svc.engine.input_processor import InputProcessor
 from decoder_svc.engine.kv_cache_manager import KVCacheManager, KvGroupStats
+from decoder_svc.engine.new_request import ImageLike, NewRequest
 from decoder_svc.engine.output_processor import OutputProcessor, RequestOutput
 from decoder_svc.engine.request import FinishReason, Request
-from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
+from decoder_svc.engine.sampling_params import InvalidRequestError
 from decoder_svc.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from decoder_svc.model import generation_eos_ids, load_language_model
 from decoder_svc.model.parallel import TensorParallel
@@ -171,27 +171,12 @@ class LLMEngine:
         return self.scheduler.images.source
 
     # -- requests --------------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        images: Sequence[ImageLike] = (),
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        cache_salt: str = "",
-        image_options: Sequence[ImageOptions] | None = None,
-        known_grids: Mapping[str, Grid] | None = None,
-        videos: Sequence[VideoSource] = (),
-        prompt_token_ids: Sequence[int] | None = None,
-        lora_adapter: str = "",
-    ) -> Request:
-        """Validate, tokenize and queue a request (engine thread): `self.inputs.make_request`, then
-        `add`. The service makes requests on its own threads and calls `add` only."""
-        return self.add(self.inputs.make_request(
-            request_id, prompt, images, messages=messages, sampling=sampling, cache_salt=cache_salt,
-            image_options=image_options, known_grids=known_grids, videos=videos,
-            prompt_token_ids=prompt_token_ids, lora_adapter=lora_adapter))
+    def add_request(self, request_id: str, prompt: str | None = None, images: Sequence[ImageLike] = (),
+                    **fields: Any) -> Request:
+        """Validate, tokenize and queue a request (engine thread): `self.inputs.make` of
+        NewRequest(request_id, prompt, images, **fields), then `add`. The service makes requests on its
+        own threads and calls `add` only."""
+        return self.add(self.inputs.make(NewRequest(request_id, prompt, images, **fields)))
 
     def add(self, req: Request) -> Request:
         """Queue a request made by InputProcessor.make_request (engine thread). Raises

@@ -22,6 +22,7 @@ from common.image_geometry import Grid, ImageGeometryError, ImageSettings, hash_
 from common.images import probe_image_size, to_rgb
 from common.memo import BoundedMemo
 from decoder_svc.engine.embedding_source import VideoSource
+from decoder_svc.engine.new_request import ImageLike, ImageOptions, NewRequest
 from decoder_svc.engine.request import ImagePlaceholder, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
 from decoder_svc.engine.videos import VideoInputs
@@ -34,20 +35,20 @@ if TYPE_CHECKING:
     from decoder_svc.engine.config import EngineConfig
 
 
-ImageLike = bytes | Image.Image | str  # encoded file, decoded image, or the hex content hash of a known one
 MAX_REMEMBERED_GRIDS = 65536  # (salt, content hash) -> grid of sized images seen, for hash-only requests
 
 
-@dataclass(frozen=True)
-class ImageOptions:
-    """Per-image processor settings a request may give (vLLM's mm_processor_kwargs): a Qwen2.5-VL image
-    is resized into [min_pixels, max_pixels], within the server's range, 0 keeping the model's value; a
-    Gemma 3 image is cut into pan-and-scan crops or not (None: the checkpoint's do_pan_and_scan; true on
-    a model without crops is refused)."""
+@dataclass
+class _SizedImages:
+    """A request's images as the layout sizes them, before hashing: each one's (height, width) from its
+    header (None for a hash), settings (a pixel range, a crop choice, or None), grid (None: a
+    fixed-count image), and every image's token count when any is sized (None: the layout's fixed
+    count, which the tokenizer asks for)."""
 
-    min_pixels: int = 0
-    max_pixels: int = 0
-    pan_and_scan: bool | None = None
+    sizes: list[tuple[int, int] | None]
+    settings: list[ImageSettings | None]
+    grids: list[Grid | None]
+    counts: list[int] | None
 
 
 @dataclass
@@ -91,82 +92,98 @@ class InputProcessor:
                    PromptTokenizer(config.model), model_fingerprint(config.model),
                    frozenset(generation_eos_ids(config.model)), kv_capacity_tokens)
 
-    def make_request(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        images: Sequence[ImageLike] = (),
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
-        cache_salt: str = "",
-        image_options: Sequence[ImageOptions] | None = None,
-        known_grids: Mapping[str, Grid] | None = None,
-        videos: Sequence[VideoSource] = (),
-        prompt_token_ids: Sequence[int] | None = None,
-        lora_adapter: str = "",
-    ) -> Request:
+    def make_request(self, request_id: str, prompt: str | None = None, images: Sequence[ImageLike] = (),
+                     **fields: Any) -> Request:
+        """`make` of NewRequest(request_id, prompt, images, **fields) (new_request.py names the fields)."""
+        return self.make(NewRequest(request_id, prompt, images, **fields))
+
+    def make(self, new: NewRequest) -> Request:
         """Validate, decode and hash images, tokenize: everything but queueing. It reads engine state
         that never changes, so a server runs it off the engine thread and a large image's decoding
-        never delays the running requests' steps.
-
-        `prompt` marks images with `<image>`; `messages` (chat) go through the chat template and mark
-        images with {"type": "image"} parts. `images` are, in order, encoded files, PIL images, or hex
-        content hashes the encoder holds. `videos` (Qwen-VL: `<|video_pad|>` markers, {"type": "video"}
-        parts) are container files with their settings; only their headers are read here.
-        `prompt_token_ids` is a prompt already tokenized (text only), used as it is. `lora_adapter` names
-        a --lora-modules adapter ("": the one the family picks for the request's content, else none). Raises
+        never delays the running requests' steps. Only videos' headers are read here. Raises
         InvalidRequestError / PromptError (ValueError subclasses) for bad input.
         """
         # Cheapest checks first: nothing is decoded or tokenized for a request refused on its sizes.
-        sampling = sampling or SamplingParams()
+        sampling = new.sampling or SamplingParams()
         sampling.validate(self.model_config.vocab_size)
-        self._check_sizes(prompt, messages, images, cache_salt)
-        adapter = self._adapter(lora_adapter, bool(images), bool(videos))
-        sizes = [self._image_size(i, img) for i, img in enumerate(images)]  # headers only
-        # Each image's settings: a pixel range (Qwen-VL), a crop choice (Gemma 3), or None (LLaVA).
-        settings = self._image_settings(len(images), image_options)
-        grids: list[Grid | None] = [None] * len(images)
-        counts = None  # a fixed-count layout's: the tokenizer asks it
-        sized = [self.layout.sizes_image(pixels) for pixels in settings]
-        for i, img in enumerate(images):  # a hash names its embedding: a grid known for it decides
-            if isinstance(img, str) and not sized[i]:  # (Gemma 3: an image hashed with crops on)
-                sized[i] = ((known_grids or {}).get(img) or self.known_grid(cache_salt, img)) is not None
-        # each sized image's grid (from its size, in a pixel range or cropped) and every image's count
-        # (a layout whose images are sized by default has no fixed count to fall back on)
-        if any(sized) or self.layout.sized_by_image:
-            grids = [self._grid(i, img, size, pixels, cache_salt, known_grids) if is_sized else None
-                     for i, (img, size, pixels, is_sized)
-                     in enumerate(zip(images, sizes, settings, sized, strict=True))]
-            counts = [self.layout.num_tokens(g) for g in grids]  # grid None: a fixed-count image's count
-        planned = self.videos.plan(videos, cache_salt) if videos else []
+        self._check_sizes(new.prompt, new.messages, new.images, new.cache_salt)
+        adapter = self._adapter(new.lora_adapter, bool(new.images), bool(new.videos))
+        sized = self._size_images(new)
+        planned = self.videos.plan(new.videos, new.cache_salt) if new.videos else []
         plans = [plan for plan, _ in planned]
-        if counts is not None:
-            self._check_image_tokens(counts, [p.num_tokens for p in plans])
-        layouts = [self.videos.prompt_layout(p) for p in plans]
-        if prompt_token_ids is not None:
-            tokenized = self._token_id_prompt(prompt_token_ids, images, videos)
-        elif messages is not None:
-            tokenized = self.tokenizer.encode_chat(messages, sizes, image_token_counts=counts, videos=layouts)
-        elif prompt:
-            tokenized = self.tokenizer.encode_prompt(prompt, sizes, image_token_counts=counts, videos=layouts)
-        else:
-            raise InvalidRequestError("empty input: give a prompt or chat messages")
+        if sized.counts is not None:
+            self._check_image_tokens(sized.counts, [p.num_tokens for p in plans])
+        tokenized = self._tokenize(new, sized, [self.videos.prompt_layout(p) for p in plans])
         max_tokens = sampling.max_tokens or self.config.default_max_tokens
         self._check_length(tokenized, max_tokens)
-        # Files are named by their bytes (nothing decoded: the encoder decodes an image it lacks);
-        # in-process PIL images by their pixels, one converted at a time.
+        keys = self._content_hashes(new.images, sized.settings, new.cache_salt)
+        placeholders = self._image_placeholders(new, tokenized, sized, keys)
+        video_placeholders, spans = self._video_placeholders(tokenized, planned)
+        placeholders += video_placeholders
+        placeholders.sort(key=lambda p: p.offset)
+        req = Request(
+            request_id=new.request_id, prompt_token_ids=tokenized.token_ids, sampling=sampling,
+            max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, images=placeholders,
+            cache_salt=new.cache_salt, lora_adapter=adapter,
+        )
+        if self.layout.mrope:  # M-RoPE spans: (offset, grid) of images, beside the videos'
+            spans += [(p.offset, p.grid) for p in placeholders if p.video is None]
+            req.mrope_positions, req.mrope_delta = self.layout.positions(len(req.prompt_token_ids), spans)
+        return req
+
+    def _size_images(self, new: NewRequest) -> _SizedImages:
+        """Each image's header size, settings and, where the layout sizes it, grid and token count."""
+        images, salt, known = new.images, new.cache_salt, new.known_grids
+        sizes = [self._image_size(i, img) for i, img in enumerate(images)]  # headers only
+        # Each image's settings: a pixel range (Qwen-VL), a crop choice (Gemma 3), or None (LLaVA).
+        settings = self._image_settings(len(images), new.image_options)
+        grids: list[Grid | None] = [None] * len(images)
+        counts = None  # a fixed-count layout's: the tokenizer asks it
+        is_sized = [self.layout.sizes_image(pixels) for pixels in settings]
+        for i, img in enumerate(images):  # a hash names its embedding: a grid known for it decides
+            if isinstance(img, str) and not is_sized[i]:  # (Gemma 3: an image hashed with crops on)
+                is_sized[i] = ((known or {}).get(img) or self.known_grid(salt, img)) is not None
+        # each sized image's grid (from its size, in a pixel range or cropped) and every image's count
+        # (a layout whose images are sized by default has no fixed count to fall back on)
+        if any(is_sized) or self.layout.sized_by_image:
+            grids = [self._grid(i, img, size, pixels, salt, known) if sized else None
+                     for i, (img, size, pixels, sized)
+                     in enumerate(zip(images, sizes, settings, is_sized, strict=True))]
+            counts = [self.layout.num_tokens(g) for g in grids]  # grid None: a fixed-count image's count
+        return _SizedImages(sizes, settings, grids, counts)
+
+    def _tokenize(self, new: NewRequest, sized: _SizedImages, video_layouts: list) -> TokenizedPrompt:
+        """The prompt's token ids with a placeholder run per image (and per video span)."""
+        if new.prompt_token_ids is not None:
+            return self._token_id_prompt(new.prompt_token_ids, new.images, new.videos)
+        if new.messages is not None:
+            return self.tokenizer.encode_chat(new.messages, sized.sizes, image_token_counts=sized.counts,
+                                              videos=video_layouts)
+        if new.prompt:
+            return self.tokenizer.encode_prompt(new.prompt, sized.sizes, image_token_counts=sized.counts,
+                                                videos=video_layouts)
+        raise InvalidRequestError("empty input: give a prompt or chat messages")
+
+    def _content_hashes(self, images: Sequence[ImageLike], settings: Sequence[ImageSettings | None],
+                        cache_salt: str) -> list[str]:
+        """Each image's content hash. Files are named by their bytes (nothing decoded: the encoder decodes
+        an image it lacks); in-process PIL images by their pixels, one converted at a time."""
         try:
-            keys = [src if isinstance(src, str) else self._hash_image(i, src, pixels, cache_salt)
+            return [src if isinstance(src, str) else self._hash_image(i, src, pixels, cache_salt)
                     for i, (src, pixels) in enumerate(zip(images, settings, strict=True))]
         finally:  # refused on its last image or not, a request leaves no converted memory held
             if any(isinstance(src, Image.Image) for src in images):
                 release_freed_memory()
+
+    def _image_placeholders(self, new: NewRequest, tokenized: TokenizedPrompt, sized: _SizedImages,
+                            keys: list[str]) -> list[ImagePlaceholder]:
+        """The images' placeholders, in image order; each sized image's grid remembered under its hash."""
         placeholders = []
-        runs: list[list] = [[] for _ in images]  # each image's placeholder runs (several: Gemma 3's crops)
+        runs: list[list] = [[] for _ in new.images]  # each image's runs (several: Gemma 3's crops)
         for ph in tokenized.placeholders:
             runs[ph.image_index].append(ph)
-        for image_runs, src, key, grid, pixels in zip(runs, images, keys, grids, settings, strict=True):
+        for image_runs, src, key, grid, pixels in zip(runs, new.images, keys, sized.grids, sized.settings,
+                                                      strict=True):
             # An image of several runs is one embedding whose rows they take in turn, as a video's runs.
             total = sum(ph.length for ph in image_runs) if len(image_runs) > 1 else None
             row = 0
@@ -176,8 +193,14 @@ class InputProcessor:
                     content_hash=key, grid=grid, pixels=pixels, row_offset=row, embedding_rows=total))
                 row += ph.length
             if grid is not None:
-                self._remember_grid(cache_salt, key, grid)
-        spans = []  # M-RoPE spans: (offset, grid) of images, (offset, grid, time interval) of videos
+                self._remember_grid(new.cache_salt, key, grid)
+        return placeholders
+
+    def _video_placeholders(self, tokenized: TokenizedPrompt,
+                            planned: list) -> tuple[list[ImagePlaceholder], list[tuple]]:
+        """The videos' placeholders (a run per time span, each its rows of the video's one embedding) and
+        their M-RoPE spans: (offset, grid, time interval)."""
+        placeholders, spans = [], []
         for runs, (plan, src) in zip(tokenized.video_spans, planned, strict=True):
             for k, run in enumerate(runs):
                 grid = self.videos.span_grid(plan, len(runs))
@@ -185,16 +208,7 @@ class InputProcessor:
                     offset=run.offset, length=run.length, content_hash=plan.content_hash, grid=grid,
                     row_offset=k * run.length, embedding_rows=plan.num_tokens, video=src))
                 spans.append((run.offset, grid, self.videos.time_interval(plan, len(runs))))
-        placeholders.sort(key=lambda p: p.offset)
-        req = Request(
-            request_id=request_id, prompt_token_ids=tokenized.token_ids, sampling=sampling,
-            max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, images=placeholders,
-            cache_salt=cache_salt, lora_adapter=adapter,
-        )
-        if self.layout.mrope:
-            spans += [(p.offset, p.grid) for p in placeholders if p.video is None]
-            req.mrope_positions, req.mrope_delta = self.layout.positions(len(req.prompt_token_ids), spans)
-        return req
+        return placeholders, spans
 
     # -- images sized by the layout (pixel ranges, grids) ----------------------------------------
     def _image_settings(self, count: int,

@@ -171,6 +171,20 @@ class PreparedStep:
     lora_slots: torch.Tensor | None = None  # each token row's adapter slot
 
 
+@dataclass
+class _HostRows:
+    """How far a step's host staging is filled: token rows, sequences, logit rows, pending rows, the
+    longest query, each image sequence's flat image rows, and the key limits buffer when it is used."""
+
+    limits: np.ndarray | None
+    t: int = 0
+    num_seqs: int = 0
+    max_q: int = 0
+    n_logits: int = 0
+    n_pending: int = 0
+    img: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+
 class LaunchedStep:
     """A step queued on the device; `result()` waits for its sampled tokens."""
 
@@ -389,89 +403,111 @@ class ModelRunner:
         if self._staged is not None:
             self._staged.synchronize()  # the previous step's copies have left the pinned buffers
         h = self.buffers.np
-        ids, pos, slots = h["input_ids"], h["positions"], h["slot_mapping"]
-        starts, lens, tables = h["query_start_loc"], h["seq_lens"], h["block_tables"]
-        logits_idx = h["logits_indices"]
-        bs = self.config.block_size
-        t, max_q, n_logits, n_pending = 0, 0, 0, 0
-        starts[0] = 0
-        img: list[np.ndarray] = []
-        limits = h["key_limits"] if key is None and self.config.image_blocks else None
+        h["query_start_loc"][0] = 0
+        rows = _HostRows(limits=h["key_limits"] if key is None and self.config.image_blocks else None)
         for i, seq in enumerate(batch.sequences):
-            n, table = seq.num_tokens, seq.block_table
-            if len(seq.group_tables) != self.num_groups - 1:  # stale slots would write into live blocks
-                raise ValueError(f"a sequence needs a block table for each of {self.num_groups} KV groups")
-            ids[t:t + n] = seq.token_ids
-            if lora:
-                h["lora_slots"][t:t + n] = seq.lora_slot
-            if seq.token_ids[-1] == PENDING_TOKEN:
-                h["pending_rows"][n_pending] = t + n - 1
-                h["pending_samples"][n_pending] = self._pending_source(seq)
-                n_pending += 1
-            if n == 1:  # decode: skip numpy's per-call overhead
-                p = seq.start
-                slots[t] = table[p // bs] * bs + p % bs
-                for g, gt in enumerate(seq.group_tables, 1):
-                    h[slot_key(g)][t] = gt[p // bs] * bs + p % bs
-            else:
-                p = np.arange(seq.start, seq.end)
-                slots[t:t + n] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
-                for g, gt in enumerate(seq.group_tables, 1):
-                    h[slot_key(g)][t:t + n] = np.asarray(gt, dtype=np.int64)[p // bs] * bs + p % bs
-            if self.mrope:
-                self._mrope_positions(pos[:, t:t + n], seq)
-            else:
-                pos[t:t + n] = p
-            tables[i, :len(table)] = table
-            for g, gt in enumerate(seq.group_tables, 1):
-                h[table_key(g)][i, :len(gt)] = gt
-            lens[i] = seq.end
-            if seq.image_rows:
-                img.append(t + image_slots(ids[t:t + n], seq.start, seq.num_prompt_tokens, self.mm_token_ids))
-            if limits is not None:
-                limits[t:t + n] = image_key_limits(img[-1] - t if seq.image_rows else (), seq.start, n)
-            t += n
-            starts[i + 1] = t
-            max_q = max(max_q, n)
-            if seq.sampling is not None:
-                logits_idx[n_logits] = t - 1
-                n_logits += 1
-        num_seqs = len(batch.sequences)
+            self._stage_sequence(rows, i, seq, lora)
+        rows.num_seqs = len(batch.sequences)
         if key is not None:
-            pad = key.num_tokens - t
-            ids[t:t + pad], pos[..., t:t + pad], slots[t:t + pad] = 0, 0, -1
-            if lora:
-                h["lora_slots"][t:t + pad] = 0
-            for g in range(1, self.num_groups):
-                h[slot_key(g)][t:t + pad] = -1
-            starts[num_seqs + 1:num_seqs + pad + 1] = np.arange(t + 1, t + pad + 1)
-            starts[num_seqs + pad + 1:key.num_seqs + 1] = key.num_tokens
-            lens[num_seqs:key.num_seqs] = 0
-            logits_idx[n_logits:self._logit_rows(key)] = 0
-            t, num_seqs, n_logits = key.num_tokens, key.num_seqs, self._logit_rows(key)
+            self._pad_to_graph(rows, key, lora)
+        self._upload(rows, lora)
+        slots_dev = None
+        if rows.img:
+            slots_dev = torch.from_numpy(np.concatenate(rows.img)).to(self.device, non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+        return self._device_views(rows, slots_dev, lora)
+
+    def _stage_sequence(self, rows: _HostRows, i: int, seq: SequenceInput, lora: bool) -> None:
+        """Write sequence i's tokens, slots, positions, block tables and sampling rows into the staging."""
+        h = self.buffers.np
+        ids, t, n = h["input_ids"], rows.t, seq.num_tokens
+        if len(seq.group_tables) != self.num_groups - 1:  # stale slots would write into live blocks
+            raise ValueError(f"a sequence needs a block table for each of {self.num_groups} KV groups")
+        ids[t:t + n] = seq.token_ids
+        if lora:
+            h["lora_slots"][t:t + n] = seq.lora_slot
+        if seq.token_ids[-1] == PENDING_TOKEN:
+            h["pending_rows"][rows.n_pending] = t + n - 1
+            h["pending_samples"][rows.n_pending] = self._pending_source(seq)
+            rows.n_pending += 1
+        p = self._stage_slots(seq, t)
+        if self.mrope:
+            self._mrope_positions(h["positions"][:, t:t + n], seq)
+        else:
+            h["positions"][t:t + n] = p
+        h["block_tables"][i, :len(seq.block_table)] = seq.block_table
+        for g, gt in enumerate(seq.group_tables, 1):
+            h[table_key(g)][i, :len(gt)] = gt
+        h["seq_lens"][i] = seq.end
+        if seq.image_rows:
+            image_rows = image_slots(ids[t:t + n], seq.start, seq.num_prompt_tokens, self.mm_token_ids)
+            rows.img.append(t + image_rows)
+        if rows.limits is not None:
+            rows.limits[t:t + n] = image_key_limits(rows.img[-1] - t if seq.image_rows else (), seq.start, n)
+        rows.t = t = t + n
+        h["query_start_loc"][i + 1] = t
+        rows.max_q = max(rows.max_q, n)
+        if seq.sampling is not None:
+            h["logits_indices"][rows.n_logits] = t - 1
+            rows.n_logits += 1
+
+    def _stage_slots(self, seq: SequenceInput, t: int) -> int | np.ndarray:
+        """Write the KV slots of seq's tokens (from row t) for every group; returns their positions."""
+        h, bs, n, table = self.buffers.np, self.config.block_size, seq.num_tokens, seq.block_table
+        if n == 1:  # decode: skip numpy's per-call overhead
+            p = seq.start
+            h["slot_mapping"][t] = table[p // bs] * bs + p % bs
+            for g, gt in enumerate(seq.group_tables, 1):
+                h[slot_key(g)][t] = gt[p // bs] * bs + p % bs
+            return p
+        p = np.arange(seq.start, seq.end)
+        h["slot_mapping"][t:t + n] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
+        for g, gt in enumerate(seq.group_tables, 1):
+            h[slot_key(g)][t:t + n] = np.asarray(gt, dtype=np.int64)[p // bs] * bs + p % bs
+        return p
+
+    def _pad_to_graph(self, rows: _HostRows, key: GraphKey, lora: bool) -> None:
+        """Pad the staging to a captured graph's shape: one-token sequences with no slot, then empty ones."""
+        h, t, num_seqs = self.buffers.np, rows.t, rows.num_seqs
+        pad = key.num_tokens - t
+        h["input_ids"][t:t + pad], h["positions"][..., t:t + pad], h["slot_mapping"][t:t + pad] = 0, 0, -1
+        if lora:
+            h["lora_slots"][t:t + pad] = 0
+        for g in range(1, self.num_groups):
+            h[slot_key(g)][t:t + pad] = -1
+        starts = h["query_start_loc"]
+        starts[num_seqs + 1:num_seqs + pad + 1] = np.arange(t + 1, t + pad + 1)
+        starts[num_seqs + pad + 1:key.num_seqs + 1] = key.num_tokens
+        h["seq_lens"][num_seqs:key.num_seqs] = 0
+        h["logits_indices"][rows.n_logits:self._logit_rows(key)] = 0
+        rows.t, rows.num_seqs, rows.n_logits = key.num_tokens, key.num_seqs, self._logit_rows(key)
+
+    def _upload(self, rows: _HostRows, lora: bool) -> None:
+        """Copy the filled part of each staging buffer to the device (asynchronously)."""
+        t, num_seqs, limited = rows.t, rows.num_seqs, rows.limits is not None
         self.buffers.upload({"input_ids": t, "positions": t, "slot_mapping": t,
                              "query_start_loc": num_seqs + 1, "seq_lens": num_seqs, "block_tables": num_seqs,
-                             "logits_indices": n_logits, "pending_rows": n_pending,
-                             "pending_samples": n_pending, "key_limits": t if limits is not None else 0,
+                             "logits_indices": rows.n_logits, "pending_rows": rows.n_pending,
+                             "pending_samples": rows.n_pending, "key_limits": t if limited else 0,
                              "lora_slots": t if lora else 0,
                              **{k: n for g in range(1, self.num_groups)
                                 for k, n in ((slot_key(g), t), (table_key(g), num_seqs))}})
-        slots_dev = None
-        if img:
-            slots_dev = torch.from_numpy(np.concatenate(img)).to(self.device, non_blocking=True)
-        if self._staged is not None:
-            self._staged.record()
+
+    def _device_views(self, rows: _HostRows, slots_dev: torch.Tensor | None, lora: bool) -> PreparedStep:
+        """The step's tensors: views of the device buffers as far as the staging was filled."""
+        t, num_seqs, n_pending, limited = rows.t, rows.num_seqs, rows.n_pending, rows.limits is not None
         d, host = self.buffers.dev, self.buffers.host
         meta = self._group_metas(AttentionMetadata(
             d["slot_mapping"][:t], d["query_start_loc"][:num_seqs + 1], d["seq_lens"][:num_seqs],
-            d["block_tables"][:num_seqs], bs, max_query_len=max_q,
+            d["block_tables"][:num_seqs], self.config.block_size, max_query_len=rows.max_q,
             query_start_loc_cpu=host["query_start_loc"][:num_seqs + 1],
             seq_lens_cpu=host["seq_lens"][:num_seqs],
-            key_limits=d["key_limits"][:t] if limits is not None else None,
-            key_limits_cpu=host["key_limits"][:t] if limits is not None else None))
+            key_limits=d["key_limits"][:t] if limited else None,
+            key_limits_cpu=host["key_limits"][:t] if limited else None))
         pending = (d["pending_rows"][:n_pending], d["pending_samples"][:n_pending]) if n_pending else None
         return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta,
-                            d["logits_indices"][:n_logits], slots_dev, pending,
+                            d["logits_indices"][:rows.n_logits], slots_dev, pending,
                             d["lora_slots"][:t] if lora else None)
 
     def _pending_source(self, seq: SequenceInput) -> int:

@@ -78,3 +78,20 @@ def test_start_listening_turns_a_bind_race_into_a_usage_error():
                 await start_listening(service)
 
     asyncio.run(main())
+
+
+def test_make_model_help_lists_every_registry_preset(monkeypatch, capsys):
+    """`mmserve make-model --help` lists the registry's presets, all of them and in its order."""
+    import re
+
+    from common.cli import main
+    from common.families.registry import preset_names
+
+    monkeypatch.setenv("COLUMNS", "10000")  # one line per option: a name is never wrapped at a hyphen
+    with pytest.raises(SystemExit) as exit_info:
+        main(["make-model", "--help"])
+    assert exit_info.value.code == 0
+    listed = re.search(r"--preset PRESET\s+.*random weights: (.*)", capsys.readouterr().out)
+    assert listed is not None
+    assert listed.group(1).split(", ") == preset_names()
+    assert {"phi-4-mm", "gemma-3-4b", "qwen3-vl-8b", "qwen2.5-vl-7b", "llava-1.5-7b"} <= set(preset_names())

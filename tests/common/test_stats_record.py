@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from common.pb import decoder_pb2, encoder_pb2
 from common.stats import as_dict, stat, summary, to_message
 from common.stats_metrics import StatsCollector
-from decoder_svc.encoders.remote_source import RemoteSourceStats
+from decoder_svc.encoders.source_stats import RemoteSourceStats
 from decoder_svc.engine.engine import EngineStats
 from decoder_svc.engine.kv_cache_manager import KvGroupStats
 from decoder_svc.engine.ttft_stages import FirstTokenStats

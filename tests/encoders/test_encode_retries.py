@@ -9,7 +9,8 @@ import pytest
 
 from common.pb import encoder_pb2
 from decoder_svc.encoders import remote_source
-from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy, _by_hash
+from decoder_svc.encoders.encode_items import by_hash
+from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 from tests.encoders.fake_calls import FakeMethod
 
@@ -106,7 +107,7 @@ def _refused_pauses(monkeypatch, seed: int) -> tuple[list[float], int]:
     req = EmbeddingRequest("r1", "ab" * 32, None)
     try:
         with pytest.raises(grpc.RpcError):
-            source._call_encode("127.0.0.1:1", req, _by_hash(req), [],
+            source._call_encode("127.0.0.1:1", req, by_hash(req), [],
                                 deadline=clock.now + policy.total_timeout_s)
     finally:
         source.close()

@@ -9,7 +9,7 @@ import types
 import numpy as np
 
 from common.pb import common_pb2, encoder_pb2
-from decoder_svc.encoders import remote_source
+from decoder_svc.encoders import remote_source, transport_choice
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource
 from decoder_svc.engine.embedding_source import EmbeddingRequest
 from tests.encoders.fake_calls import FakeMethod
@@ -56,8 +56,8 @@ def test_a_location_we_cannot_open_is_not_asked_for_again_until_it_expires(monke
         fetch(1), fetch(2)
         assert stub.accepts[2:] == [[inline], [inline]]  # one Encode each, not two
         assert source.accept_for("127.0.0.1:2") == [shm, inline]  # other encoders are not affected
-        later = remote_source.time.monotonic() + remote_source._UNREADABLE_TTL_S + 1
-        monkeypatch.setattr(remote_source, "time", types.SimpleNamespace(monotonic=lambda: later))
+        later = remote_source.time.monotonic() + transport_choice.UNREADABLE_TTL_S + 1
+        monkeypatch.setattr(transport_choice, "time", types.SimpleNamespace(monotonic=lambda: later))
         assert source.accept_for(ENCODER) == [shm, inline]  # asked again after a while
     finally:
         source.close()

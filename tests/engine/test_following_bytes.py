@@ -9,7 +9,7 @@ from multiprocessing.connection import wait
 
 import pytest
 
-from decoder_svc.encoders.remote_source import _image_bytes
+from decoder_svc.encoders.encode_items import image_bytes
 from decoder_svc.engine.embedding_source import EmbeddingSource, VideoSource
 from decoder_svc.engine.following_bytes import (
     BytesNeverCameError,
@@ -35,7 +35,7 @@ def test_the_bytes_never_travel_inside_the_request():
 def test_a_reader_waits_for_bytes_set_by_another_thread():
     holder = FollowingBytes(4)
     threading.Timer(0.05, holder.set, args=(b"data",)).start()
-    assert _image_bytes(holder, timeout=30.0) == b"data"  # set later, by the timer's thread
+    assert image_bytes(holder, timeout=30.0) == b"data"  # set later, by the timer's thread
 
 
 def test_detach_leaves_holders_in_order_and_keeps_hash_only_and_pil_images():
@@ -47,7 +47,7 @@ def test_detach_leaves_holders_in_order_and_keeps_hash_only_and_pil_images():
     assert images[1].image is None and [h.size for h in awaiting_files(images)] == [len(a), len(b)]
     for holder, data in zip(awaiting_files(images), files, strict=True):
         holder.set(data)
-    assert [_image_bytes(img.image, 0) for img in (images[0], images[2])] == [a, b]
+    assert [image_bytes(img.image, 0) for img in (images[0], images[2])] == [a, b]
 
 
 def test_a_video_file_follows_once_for_all_its_placeholders():

@@ -118,7 +118,8 @@ def test_a_failed_fetch_cancels_the_rest(fake_decoder, tmp_path):
 def test_a_million_empty_messages_are_refused_cheaply(edge, monkeypatch):
     """A 30 MB body of a million empty messages: 413 naming the limit on JSON values, with work bounded by
     that limit (the parse stops at the first value past it) and the gateway's memory by a few times the
-    body; a small request right after is served. Its time is measured in bench/empty_messages.py."""
+    body; a small request right after is served. Its time is measured in
+    bench/experiments/empty_messages.py."""
     body = b'{"model":"fake","messages":[' + b'{"role":"user","content":""},' * 999_999 + \
         b'{"role":"user","content":""}]}'
     before = _rss_bytes(edge.proc.pid)

@@ -48,7 +48,7 @@ LATE_STEPS = textwrap.dedent('''
 # the one slot: wrong tokens.
 LATE_COPIES = textwrap.dedent('''
     import torch
-    import decoder_svc.encoders.remote_source as source_module
+    import decoder_svc.encoders.side_stream as source_module
 
     _copy = source_module.SideStreamCopier.copy
 

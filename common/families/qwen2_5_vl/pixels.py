@@ -1,5 +1,6 @@
 """Qwen2-VL's image processor as torch ops, so the resize, normalisation and patching of an image run on
-the encoder's device (the HF processor spends about 100 ms of host time on a 1024x1024 image).
+the encoder's device (the HF processor's host time on a large image is a TTFT stage of its own:
+BENCHMARKS.md).
 
 The steps are the PIL backend's: a bicubic resize to the grid's size (smart_resize, done by the caller),
 rescale by 1/255 and normalise per channel, the frame repeated to the temporal patch size, then the

@@ -1,7 +1,7 @@
 """The encoder's resident memory after large images: with and without giving freed memory back.
 
-    python -m bench.encoder_memory                    (qwen2.5-vl-tiny, CPU, 3 all-black 2048x2048 PNGs)
-    python -m bench.encoder_memory --no-trim          (the same with malloc_trim disabled)
+    python -m bench.experiments.encoder_memory            (qwen2.5-vl-tiny, CPU, 3 all-black 2048x2048 PNGs)
+    python -m bench.experiments.encoder_memory --no-trim  (the same with malloc_trim disabled)
 
 An in-process encoder (tests/encoder/conftest.py's harness: a real gRPC server on 127.0.0.1) without
 decode processes, as on a host of fewer than 4 cores; each image is sent under its own cache_salt, so

@@ -3,7 +3,7 @@
 (tests/gateway/test_public_edge.py) bounds the work (values parsed, bytes allocated); this measures the
 time, which depends on the machine and is asserted by no test.
 
-    python -m bench.empty_messages --rounds 5
+    python -m bench.experiments.empty_messages --rounds 5
 
 The gateway is spawned over a decoder address that nothing listens on: the body is refused before any
 decoder is called.
@@ -30,7 +30,7 @@ MESSAGE = b'{"role":"user","content":""}'
 
 def main(argv: list[str] | None = None) -> None:
     """Spawn a gateway, time `--rounds` refusals of the body (after one untimed), print them."""
-    parser = argparse.ArgumentParser(prog="python -m bench.empty_messages",
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.empty_messages",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)

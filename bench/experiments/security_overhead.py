@@ -1,6 +1,6 @@
 """What TLS, mutual TLS and token authentication cost per RPC, on the real server skeleton.
 
-    python -m bench.security_overhead [--calls 2000] [--payload-mib 9] [--out security.json]
+    python -m bench.experiments.security_overhead [--calls 2000] [--payload-mib 9] [--out security.json]
 
 One GrpcService per configuration (plaintext, TLS, mutual TLS, TLS + bearer tokens) serves a stub
 EncoderService in a background thread; a blocking client then times, sequentially:
@@ -80,7 +80,7 @@ def _time(fn, calls: int) -> list[float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.security_overhead",
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.security_overhead",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=2000, help="Lookup calls per configuration")
     p.add_argument("--payload-calls", type=int, default=50, help="inline Encode calls per configuration")

@@ -1,9 +1,11 @@
 """The work a long video costs when few of its frames are sampled: frames decoded and CPU seconds, with
 the decode schedule (seeks to the keyframe before each sampled frame) and decoding in order as before.
 
-    python -m bench.video_decode_work                          (3000 black 1080p H.264 frames, max_frames=4)
-    python -m bench.video_decode_work --frames 18000 --keyint 100000   (the issue's bomb: one keyframe)
-    python -m bench.video_decode_work --clip [--threads N]   (host time of one served clip, split by part)
+    python -m bench.experiments.video_decode_work         (3000 black 1080p H.264 frames, max_frames=4)
+    python -m bench.experiments.video_decode_work --frames 18000 --keyint 100000
+                                                          (the issue's bomb: one keyframe)
+    python -m bench.experiments.video_decode_work --clip [--threads N]
+                                                          (host time of one served clip, split by part)
 
 The video is made once with PyAV's libx264 (`--keyint`: frames between keyframes, x264's default 250)
 and kept in /tmp. CPU seconds are the process's (FFmpeg's threads included).
