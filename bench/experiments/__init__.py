@@ -9,4 +9,6 @@ them). Each module's docstring says how to run it; where its numbers are recorde
   tests/gateway/test_public_edge.py bounds the work, this the time).
 - `security_overhead`: the per-RPC cost of TLS, mutual TLS and tokens. Its numbers are in no document: run
   it on the host in question.
+- `vision_attention_nan`: where the Triton vision attention kernel's NaN on short spans comes from (poisoned
+  outputs, tile variants; CUDA only). Findings in the closing note of 2026-12-06 and BENCHMARKS.md.
 """
