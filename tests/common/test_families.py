@@ -82,7 +82,7 @@ def test_every_reference_resolves(family):
 def test_a_tiny_checkpoint_of_each_family_is_found_and_gets_its_encoder(tiny_model_dir):
     from common.checkpoint import load_config
     from common.vision.encoders import make_vision_encoder
-    from common.vision.tower import VisionEncoder
+    from common.families.llava.encoder import LlavaVisionEncoder as VisionEncoder
 
     assert family_of(load_config(tiny_model_dir)).name == "llava"
     assert isinstance(make_vision_encoder(tiny_model_dir), VisionEncoder)

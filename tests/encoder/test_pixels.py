@@ -19,7 +19,7 @@ from common.vision.pixels import (
     recipe_from_processor,
     to_uint8_chw,
 )
-from common.vision.tower import VisionEncoder
+from common.families.llava.encoder import LlavaVisionEncoder as VisionEncoder
 from encoder_svc.server import EncoderConfig
 from tests.encoder.conftest import EncoderHarness, encode_request
 from tests.encoder.test_vision import _hf_features
