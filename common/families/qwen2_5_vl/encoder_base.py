@@ -19,7 +19,6 @@ from common.families.encoder import VisionEncoder
 from common.families.qwen2_5_vl.layout import read_qwen_layout
 from common.families.qwen2_5_vl.pixels import QwenTorchPixels
 from common.image_geometry import PixelRange
-from common.video.config import load_qwen_video_config
 from common.video.patches import frames_to_rows
 from common.vision.pixels import to_uint8_hwc
 from common.vision.prepared import PreparedGrid
@@ -56,7 +55,7 @@ class QwenFamilyEncoder(VisionEncoder):
         config = self._open_checkpoint(model_dir, device, dtype, preprocess)
         self._check_model(config)
         self.layout = read_qwen_layout(self.model_dir, config)
-        self.video_config = load_qwen_video_config(self.model_dir)  # videos: sampling, resize, normalisation
+        self.video_config = self.layout.video_config(self.model_dir)  # videos: sampling, resize, normalisation
         self.fingerprint = model_fingerprint(self.model_dir)
         self.hidden_size = int((config.get("text_config") or config)["hidden_size"])
         self.tower = self._load_tower(config["vision_config"])
