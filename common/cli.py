@@ -184,23 +184,40 @@ def _add_client_security_args(p: argparse.ArgumentParser) -> None:
     add_client_args(p)
 
 
+def _preset_help() -> str:
+    """Every `make-model` preset, family by family, from the registry (no family named here)."""
+    from common.families import FAMILIES
+
+    groups = "; ".join(f"{f.name}: {', '.join(f.preset_names())}" for f in FAMILIES)
+    return f"a preset (all random weights) of a served family: {groups}"
+
+
+class _PresetHelpFormatter(argparse.HelpFormatter):
+    """Writes --preset's help from the registry only when help is printed: the presets live in the
+    families' maker modules, which import torch, and every other command builds this parser too."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.dest == "preset":
+            return _preset_help()
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmserve", description="Disaggregated serving for VLMs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in _DELEGATED.items():
         sub.add_parser(name, help=f"see `mmserve {name} --help` ({module})", add_help=False)
 
-    p = sub.add_parser("make-model", help="write a random LLaVA checkpoint in HF format")
-    p.add_argument("--preset", type=preset_name, default="tiny",
-                   help="tiny, small, llava-1.5-7b, or a real LLaVA-family architecture at small widths: "
-                   "llava-1.5-tiny, bakllava-tiny, llava-interleave-qwen-tiny (all random weights)")
+    p = sub.add_parser("make-model", help="write a random checkpoint of a served family in HF format",
+                       formatter_class=_PresetHelpFormatter)
+    p.add_argument("--preset", type=preset_name, default="tiny", help="the presets: see _preset_help")
     p.add_argument("--out", type=output_dir, required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="where to initialise (default: cuda if present)")
     p.add_argument("--dtype", type=dtype_name, default=None, help="float32, float16 or bfloat16")
     p.add_argument("--weights", choices=("all", "vision"), default="all",
-                   help="vision: write only the vision tower's weights (Qwen-VL presets), for language "
-                   "models too large to write; serve the decoder with --load-format dummy")
+                   help="vision: write only the vision tower's weights (the presets whose family can), for "
+                   "language models too large to write; serve the decoder with --load-format dummy")
     p.set_defaults(func=_cmd_make_model)
 
     p = sub.add_parser("health", help="exit 0 when HOST:PORT reports SERVING")

@@ -40,7 +40,7 @@ def accepted(config: DecoderConfig) -> list[int]:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     """The decoder's command-line options: DecoderConfig's fields, then the security flags."""
-    p = argparse.ArgumentParser(prog="mmserve decoder", description="LLaVA decoder service")
+    p = argparse.ArgumentParser(prog="mmserve decoder", description="decoder service")
     add_options(p, DecoderConfig)
     add_server_args(p)
     add_client_args(p, prefix="encoder-", what="the encoders")

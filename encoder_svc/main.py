@@ -24,7 +24,7 @@ _STATS_LOG_INTERVAL_S = 10.0
 
 def build_arg_parser() -> argparse.ArgumentParser:
     """The encoder's command-line options: EncoderServiceConfig's fields, then the security flags."""
-    p = argparse.ArgumentParser(prog="mmserve encoder", description="LLaVA vision encoder service")
+    p = argparse.ArgumentParser(prog="mmserve encoder", description="vision encoder service")
     add_options(p, EncoderServiceConfig)
     add_server_args(p)
     add_print_config(p)

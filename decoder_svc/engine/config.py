@@ -26,8 +26,8 @@ class EngineConfig:
     flags too (common/config.py); the rest are set in code."""
 
     model: str | Path = option(
-        help="LLaVA checkpoint: a directory, or a Hugging Face Hub id (found in the HF cache, else "
-        "downloaded unless HF_HUB_OFFLINE=1)", type=model_dir)
+        help="the checkpoint (of any served family): a directory, or a Hugging Face Hub id (found in the HF "
+        "cache, else downloaded unless HF_HUB_OFFLINE=1)", type=model_dir)
     device: str = option("auto", "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (the checkpoint's dtype on a GPU, float32 on CPU), float32, float16 or "
                         "bfloat16", type=dtype_name)
@@ -67,8 +67,8 @@ class EngineConfig:
         "auto", "dummy: random weights made on the device from config.json (benchmarks of large shapes, "
         "no weight files needed)", choices=("auto", "dummy"))
     max_image_tokens: int = option(
-        16384, "image tokens per image at most (Qwen2.5-VL: caps each image's max_pixels at this many "
-        "28x28 blocks)", type=positive_int)
+        16384, "image tokens per image at most (a model that resizes images into a pixel range: caps each "
+        "image's max_pixels at this many merged patch blocks)", type=positive_int)
     max_image_tokens_per_request: int = option(32768, "image tokens per request at most", type=positive_int)
     image_limits: ImageLimits = field(default_factory=ImageLimits)  # bytes, side, pixels, images/request
     video_limits: VideoLimits = field(default_factory=VideoLimits)  # bytes, seconds, frames, videos/request

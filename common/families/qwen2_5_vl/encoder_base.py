@@ -55,7 +55,8 @@ class QwenFamilyEncoder(VisionEncoder):
         config = self._open_checkpoint(model_dir, device, dtype, preprocess)
         self._check_model(config)
         self.layout = read_qwen_layout(self.model_dir, config)
-        self.video_config = self.layout.video_config(self.model_dir)  # videos: sampling, resize, normalisation
+        # videos: sampling, resize, normalisation (the layout's rules)
+        self.video_config = self.layout.video_config(self.model_dir)
         self.fingerprint = model_fingerprint(self.model_dir)
         self.hidden_size = int((config.get("text_config") or config)["hidden_size"])
         self.tower = self._load_tower(config["vision_config"])
