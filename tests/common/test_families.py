@@ -225,6 +225,20 @@ def test_each_family_folder_holds_its_layout_and_maker():
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_every_family_provides_a_vision_encoder(family):
+    """Its encoder is a complete VisionEncoder (the services' typed contract), in its own folder."""
+    import inspect
+
+    from common.families.encoder import VisionEncoder
+
+    cls = load_attr(family.vision_encoder)
+    assert issubclass(cls, VisionEncoder) and not inspect.isabstract(cls)
+    assert family.vision_encoder.startswith(f"common.families.{family.name}.")
+    assert isinstance(cls.takes_pixel_ranges, bool) and isinstance(cls.rows_follow_size, bool)
+    assert (cls.takes_pixel_ranges or cls.rows_follow_size) == family.dynamic_resolution  # rows follow size
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_every_family_provides_an_image_layout(family):
     from common.families.layout import ImageLayout
 
