@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 import torch
 
 from common.checkpoint import load_config
-from common.families.layout import ImageLayout
-from common.image_geometry import NO_PAN_AND_SCAN, CropChoice, Grid, ImageGeometryError, ImageSettings
+from common.families.layout import NO_PAN_AND_SCAN, ImageLayout
+from common.image_geometry import CropChoice, Grid, ImageGeometryError, ImageSettings
 from common.vision import PREPROCESS_MODES
 
 

@@ -20,10 +20,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from common.image_geometry import NO_PAN_AND_SCAN, Grid, ImageGeometryError, ImageSettings, PixelRange
+from common.image_geometry import Grid, ImageGeometryError, ImageSettings, PixelRange
 
 if TYPE_CHECKING:
     from common.video.rules import VideoConfig
+
+# What a model without crops answers an image that asks for them (INVALID_ARGUMENT, the image named).
+NO_PAN_AND_SCAN = ("pan_and_scan (do_pan_and_scan) is not supported by this model: only Gemma 3 cuts images "
+                   "into pan-and-scan crops")
 
 # (offset, grid) of an image, (offset, grid, temporal step) of a video run: what positions are made from
 Span = tuple[int, Grid] | tuple[int, Grid, float]
