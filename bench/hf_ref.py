@@ -74,10 +74,10 @@ def hf_image_processor(model_dir: str | Path):
     reproduction of it (`ModelFamily.processor_stand_in`, what its CPU oracle uses), so that a CPU smoke
     run goes through the HF reference too."""
     from common.families.registry import family_of_model
-    from common.vision.tower import _load_image_processor
+    from common.vision.image_processor import load_image_processor
 
     try:
-        return _load_image_processor(Path(model_dir))
+        return load_image_processor(Path(model_dir))
     except (ImportError, ValueError):
         family = family_of_model(model_dir)
         if family.processor_stand_in is None:

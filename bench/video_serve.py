@@ -154,18 +154,23 @@ def make_clips(args: argparse.Namespace) -> tuple[list[bytes], dict]:
 
 
 def video_config(model_dir: str):
-    """The checkpoint's video config with default request settings (what the services resolve)."""
-    from common.video import VideoLimits, load_qwen_video_config, video_request_config
+    """The checkpoint's video config (its family's rules) with default request settings (what the services
+    resolve)."""
+    from common.checkpoint import load_config
+    from common.families import layout_family
+    from common.video import VideoLimits, video_request_config
 
-    return video_request_config(load_qwen_video_config(model_dir), limits=VideoLimits())
+    config = load_config(model_dir)
+    rules = layout_family(config).image_layout(model_dir, config).video_config(model_dir)
+    return video_request_config(rules, limits=VideoLimits())
 
 
 def host_prep(clip: bytes, config) -> dict:
     """The clip decoded and turned into patch rows on the host, as HF is given it; timings in ms."""
     import torch
 
+    from common.families.qwen2_5_vl.video_timing import video_timing
     from common.video import VideoLimits, decode_video, video_patches
-    from common.video.timestamps import video_timing
 
     t0 = time.perf_counter()
     decoded = decode_video(clip, config.sampling.indices_for, VideoLimits())
@@ -327,7 +332,7 @@ def hf_reference(args: argparse.Namespace, clips: list[bytes], config, out: dict
 
     from bench.qwen_gpu import load_hf
     from common.checkpoint import parse_dtype
-    from common.video.timestamps import qwen3_vl_timestamp_text
+    from common.families.qwen2_5_vl.video_timing import qwen3_vl_timestamp_text
 
     device, dtype = torch.device(args.device), parse_dtype(args.dtype)
     t0 = time.perf_counter()

@@ -113,7 +113,7 @@ def tower_figures(enc, images: list[Image.Image], pixels: PixelRange, batches: l
     device = enc.device
     prepared = [enc.prepare(im, pixels) for im in images]
     out: dict = {"grid": list(prepared[0].grid), "tokens": enc.layout.num_tokens(prepared[0].grid),
-                 "fused_ops_default": bool(getattr(enc, "fused_ops", False))}
+                 "fused_ops_default": bool(enc.fused_ops)}
     paths = {"reference": (enc.eager_ops, False, False)}
     if device.type == "cuda":
         paths["fast"] = (enc.eager_ops.fused(), True, False)
@@ -132,7 +132,7 @@ def tower_figures(enc, images: list[Image.Image], pixels: PixelRange, batches: l
     if "_rows" in dir(enc):
         secs = timed(lambda: [enc._rows(p) for p in prepared[:1]], device, rounds)
         out["preprocess_ms"] = 1000 * secs
-    enc.tower.use_ops(enc.eager_ops.fused() if getattr(enc, "fused_ops", False) else enc.eager_ops)
+    enc.tower.use_ops(enc.eager_ops.fused() if enc.fused_ops else enc.eager_ops)
     enc.tower.flash_attention = True
     if enc.graphs is not None:
         out["graph_replays"] = enc.graphs.replays
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     side = (args.image_size, args.image_size)
     images = noise_images(max(batches), side, 0)
-    fused = getattr(enc, "fused_ops", False)
+    fused = enc.fused_ops
     print(f"== {config.get('model_type')} on {device} {args.dtype}: fused ops {fused}", flush=True)
     result: dict = {"model_type": config.get("model_type"), "max_pixels": pixels.max_pixels}
     result["tower"] = tower_figures(enc, images, pixels, batches, args.rounds)

@@ -208,8 +208,8 @@ def build_parser(presets: Sequence[str] | None = None) -> argparse.ArgumentParse
     p.add_argument("--device", default=None, help="where to initialise (default: cuda if present)")
     p.add_argument("--dtype", type=dtype_name, default=None, help="float32, float16 or bfloat16")
     p.add_argument("--weights", choices=("all", "vision"), default="all",
-                   help="vision: write only the vision tower's weights (Qwen-VL presets), for language "
-                   "models too large to write; serve the decoder with --load-format dummy")
+                   help="vision: write only the vision tower's weights (the presets whose family can), for "
+                   "language models too large to write; serve the decoder with --load-format dummy")
     p.set_defaults(func=_cmd_make_model)
 
     p = sub.add_parser("health", help="exit 0 when HOST:PORT reports SERVING")

@@ -19,10 +19,6 @@ class ImageGeometryError(InvalidInputError):
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, before merging
 
-# What a model without crops answers an image that asks for them (INVALID_ARGUMENT, the image named).
-NO_PAN_AND_SCAN = ("pan_and_scan (do_pan_and_scan) is not supported by this model: only Gemma 3 cuts images "
-                   "into pan-and-scan crops")
-
 
 @dataclass(frozen=True)
 class PixelRange:

@@ -25,20 +25,20 @@ from common.startup import check_port_free, report_usage_error
 from gateway.health import wait_until_http_healthy
 from gateway.model_info import default_served_names
 
-REAL_LLAVA = "llava-hf/llava-1.5-7b-hf"  # the hint for a checkpoint of no known family
-
 
 def random_weights_note(model: Path) -> str:
     """What `up` says after serving a model-maker checkpoint: its text is noise, and the command that
     serves a real model of the same family (device and dtype are picked by auto: no flags needed)."""
     from common.checkpoint import load_config
     from common.families import find_family
+    from common.families.registry import FALLBACK_LAYOUT_FAMILY
 
     try:
         family = find_family(load_config(model))
     except Exception:  # noqa: BLE001 - an unreadable config: the note still says what matters
         family = None
-    real = family.real_checkpoint if family is not None else REAL_LLAVA
+    # a checkpoint of no known family: the fallback family's real checkpoint is the hint
+    real = (family or FALLBACK_LAYOUT_FAMILY).real_checkpoint
     return ("note: this checkpoint was made by `mmserve make-model` with random weights: its text is noise "
             f"by design.\n  To serve a real model: mmserve up --model {real}")
 

@@ -22,8 +22,8 @@ PresetT = TypeVar("PresetT")
 
 IMAGE_TOKEN = "<image>"
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN]
-# Qwen2's tokenizer: no BOS, ChatML turn markers, <|endoftext|> pads.
-QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", IMAGE_TOKEN]
+# A ChatML tokenizer (Qwen2's): no BOS, ChatML turn markers, <|endoftext|> pads.
+CHATML_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", IMAGE_TOKEN]
 
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 
@@ -60,7 +60,7 @@ def _corpus(seed: int, n_lines: int) -> list[str]:
 
 def build_tokenizer(vocab_size: int, seed: int = 0, style: str = "llama"):
     """A byte-level BPE tokenizer padded to exactly vocab_size ids, with LLaVA's special tokens and BOS
-    (style "llama") or Qwen2's ChatML tokens and no BOS (style "qwen")."""
+    (style "llama") or ChatML tokens and no BOS (style "chatml", Qwen2's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -68,7 +68,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0, style: str = "llama"):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=QWEN_SPECIAL_TOKENS if style == "qwen" else SPECIAL_TOKENS,
+        vocab_size=vocab_size, special_tokens=CHATML_SPECIAL_TOKENS if style == "chatml" else SPECIAL_TOKENS,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -76,7 +76,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0, style: str = "llama"):
     missing = vocab_size - tok.get_vocab_size()
     if missing > 0:  # a small corpus can run out of merges: fill the rest so every logit is a token
         tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
-    if style == "qwen":
+    if style == "chatml":
         return PreTrainedTokenizerFast(
             tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
             extra_special_tokens={"image_token": IMAGE_TOKEN}, model_max_length=1 << 20)

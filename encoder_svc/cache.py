@@ -47,7 +47,7 @@ import torch
 
 from common.errors import CapacityError, InvalidInputError, UnavailableError
 from common.transport.arena import Arena, SliceAllocator
-from common.video.timestamps import VideoTiming
+from common.video.rules import VideoTiming
 from encoder_svc.defaults import DEFAULT_LEASE_TTL_S
 
 

@@ -67,9 +67,9 @@ class EncoderConfig:
         "(by default that one decodes in a server thread: about half its latency on an H200 host, without "
         "the processes' isolation from a crash in an image library)")
     enforce_eager: bool = option(
-        False, "no CUDA graphs of the vision tower (on CUDA, LLaVA's demand batches replay graphs captured "
-        "at startup for 1, 2, 4, ... --max-batch-images images; Qwen-VL's, one graph per batch of image "
-        "sizes seen twice)")
+        False, "no CUDA graphs of the vision tower (on CUDA, demand batches replay graphs: of a fixed-size "
+        "tower, captured at startup for 1, 2, 4, ... --max-batch-images images; of a dynamic-resolution "
+        "one, one graph per batch of image sizes seen twice)")
     stall_exit_s: float = option(
         120.0, "seconds the vision tower may owe work without a step (a batch running, or images queued and "
         "none taken) before the encoder counts itself stuck: it logs every thread's stack and exits (code "
@@ -83,8 +83,8 @@ class EncoderConfig:
         "it (needs the nixl extra; without it the encoder logs why and serves the other transports). NIXL "
         "has no authentication: use it on a trusted data network only")
     limits: ImageLimits = section(ImageLimits, "image limits")
-    video_limits: VideoLimits = section(VideoLimits, "video limits (Qwen2.5-VL, Qwen3-VL), checked from the "
-                                        "header before any frame is decoded")
+    video_limits: VideoLimits = section(VideoLimits, "video limits (models that take video), checked from "
+                                        "the header before any frame is decoded")
 
     def __post_init__(self) -> None:
         check_options(self)

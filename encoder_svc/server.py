@@ -12,8 +12,8 @@ skips it); leases belong to the request's lease_owner and Release frees only the
 An embedding travels as one EmbeddingRef whatever its shape: [rows, hidden] (LLaVA, Qwen2.5-VL, Gemma 3,
 Phi-4-MM) or [parts, rows, hidden] (Qwen3-VL's merged features and DeepStack levels: one entry, lease and
 location). Where the rows follow the image's size (Qwen-VL's pixel range, Phi-4-MM's crops) every image's
-size is checked against the model before any image of the request is queued (common/vision/encoders.py
-image_nbytes), and its grid is kept with its entry for hash-only asks.
+size is checked against the model before any image of the request is queued (VisionEncoder.image_nbytes,
+common/families/encoder.py), and its grid is kept with its entry for hash-only asks.
 
 Videos (Qwen2.5-VL, Qwen3-VL; encoder_svc/videos.py) follow the images of a request: their settings and
 headers are checked against the caps (VideoLimits) and their content hash made from the bytes, in a
@@ -35,6 +35,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.checkpoint import parse_dtype
 from common.errors import ServiceError, as_service_error, invalid_argument, not_found, unavailable
+from common.families.encoder import VisionEncoder
 from common.hashing import check_cache_salt, hash_image_file, is_content_hash
 from common.image_geometry import ImageGeometryError, ImageSettings, hash_fingerprint
 from common.images import ImageError, ImageLimits
@@ -44,8 +45,7 @@ from common.stats import to_message
 from common.transport.arena_factory import make_arena
 from common.transport.nixl import NixlExporter, make_exporter
 from common.video.limits import VideoLimits
-from common.vision.encoders import image_nbytes, image_settings, make_vision_encoder
-from common.vision.tower import VisionEncoder
+from common.vision.encoders import make_vision_encoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, EntryKindError, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
 from encoder_svc.decode_pool import DecodePool, DecodeWorkerDied
@@ -105,7 +105,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                  nixl: NixlExporter | None = None) -> None:
         self.vision = vision
         self.video_limits = video_limits
-        self.video_config = getattr(vision, "video_config", None)  # None: the model takes no video
+        self.video_config = vision.video_config  # None: the model takes no video
         self.decode_pool = decode_pool  # None: decode and hash in a thread
         self._decoding = 0  # Encodes decoding image bytes now (on the event loop: no lock)
         self.pool_decode_always = False  # EncoderConfig.pool_decode_always
@@ -113,7 +113,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.worker = worker
         # Videos decode apart from images' threads; a tower that patches on its GPU gets their frames.
         self.video_lane = VideoLane(cache, worker.submit,
-                                    patch_on_device=getattr(vision, "patches_videos_on_device", False))
+                                    patch_on_device=vision.patches_videos_on_device)
         self.limits = limits
         self.nixl = nixl  # the arena registered with a NIXL agent (--nixl), or None
         self.served = served_transports(cache.arena, nixl)
@@ -256,7 +256,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         for LLaVA. pan_and_scan true on a model without crops is INVALID_ARGUMENT naming the image."""
         pan_and_scan = item.pan_and_scan if item.HasField("pan_and_scan") else None
         try:
-            return image_settings(self.vision, item.min_pixels, item.max_pixels, pan_and_scan)
+            return self.vision.image_settings(item.min_pixels, item.max_pixels, pan_and_scan)
         except ImageGeometryError as exc:
             raise invalid_argument(f"image {index}: {exc}") from None
 
@@ -354,7 +354,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             if image is None:
                 continue
             try:
-                image_nbytes(self.vision, image.height, image.width, self._pixels(i, inputs[i]))
+                self.vision.image_nbytes(image.height, image.width, self._pixels(i, inputs[i]))
             except ImageGeometryError as exc:
                 raise self._map_error(i, exc) from None
 
@@ -367,7 +367,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             # A hash-only image (image None) never produces: it finds an entry of its own salt or none.
             nbytes = self.vision.embedding_nbytes
             if image is not None:  # Qwen-VL, Phi-4-MM, Gemma 3's crops: the size follows the image
-                nbytes = image_nbytes(self.vision, image.height, image.width, pixels)
+                nbytes = self.vision.image_nbytes(image.height, image.width, pixels)
             fut, produce = self.cache.acquire(key, want_lease, nbytes, produce=image is not None, salt=salt,
                                               owner=owner, for_ask=for_ask)
         # SaltClash: a hash collision; EntryKind: a video's hash given for an image
@@ -545,7 +545,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     def stats(self) -> EncoderStats:
         """The service's stats record: the cache, the worker and the service's counters, read now."""
         c, w, pool = self.cache.stats(), self.worker, self.decode_pool
-        graphs = getattr(self.vision, "graphs", None)
+        graphs = self.vision.graphs
         stage_seconds, encode_calls = self.stage_totals.snapshot()
         return EncoderStats(
             cache_bytes_used=c.bytes_used, cache_bytes_capacity=c.capacity, entries=c.entries, hits=c.hits,

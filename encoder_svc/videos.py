@@ -15,7 +15,7 @@ import torch
 
 from common.errors import invalid_argument
 from common.video import (
-    QwenVideoConfig,
+    VideoConfig,
     VideoError,
     VideoLimits,
     VideoPlan,
@@ -34,7 +34,7 @@ class VideoJob:
     decoded and patched (`decoded`), also its prepared input for the tower."""
 
     data: bytes
-    config: QwenVideoConfig
+    config: VideoConfig
     limits: VideoLimits
     plan: VideoPlan
     prepared: PreparedGrid | None = None
@@ -76,7 +76,7 @@ def hash_only(index: int, video) -> str:
     return text
 
 
-def video_file_key(video, base: QwenVideoConfig | None, limits: VideoLimits, fingerprint: str,
+def video_file_key(video, base: VideoConfig | None, limits: VideoLimits, fingerprint: str,
                    salt: str) -> str | None:
     """The content hash a VideoInput with bytes will have (its bytes under its settings; nothing read but
     the settings), or None where it will be refused anyway (no video model, settings out of range)."""
@@ -89,11 +89,11 @@ def video_file_key(video, base: QwenVideoConfig | None, limits: VideoLimits, fin
     return hash_video_bytes(video.data, config, fingerprint, salt)
 
 
-def plan_videos(videos: Sequence, base: QwenVideoConfig, limits: VideoLimits, fingerprint: str,
+def plan_videos(videos: Sequence, base: VideoConfig, limits: VideoLimits, fingerprint: str,
                 salt: str) -> list[tuple[str, VideoJob | None]]:
     """(content hash, job or None for a hash-only input) per VideoInput; every video's settings and
     header are checked before the first is hashed. INVALID_ARGUMENT naming the video otherwise."""
-    configs: list[QwenVideoConfig | None] = []
+    configs: list[VideoConfig | None] = []
     for i, video in enumerate(videos):
         if video.WhichOneof("source") != "data":
             hash_only(i, video)

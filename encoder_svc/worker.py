@@ -51,9 +51,9 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from common.families.encoder import VisionEncoder
 from common.image_geometry import ImageSettings
 from common.thread_names import set_native_thread_name
-from common.vision.tower import VisionEncoder
 from encoder_svc.cache import EmbeddingCache, ProductionAbandoned, ShuttingDownError
 from encoder_svc.decoded_image import DecodedImage
 from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
@@ -247,7 +247,7 @@ class VisionWorker:
 
     def _take_demand_batch(self) -> list[_Job]:
         limit = self.max_batch_images
-        graphs = getattr(self.vision, "graphs", None)
+        graphs = self.vision.graphs
         if graphs is not None:  # demand batches replay the graphs
             # the head is a demand job, so at least one: a limit of 0 would spin here, taking none
             limit = graphs.batch_size(max(1, min(self._demand_waiting(), limit)))

@@ -189,8 +189,8 @@ def _apply_processor_kwargs(req: ChatCompletionRequest, items: list[MediaPart],
         return
     if takes_video is False:
         raise bad_request("mm_processor_kwargs: this model's images have a fixed size and it takes no "
-                          "video; the settings apply to Qwen-VL models", "mm_processor_kwargs",
-                          "unsupported_parameter")
+                          "video; the settings apply to models that resize images into a pixel range",
+                          "mm_processor_kwargs", "unsupported_parameter")
     for part in items:
         item = part.item
         item.min_pixels, item.max_pixels = kwargs.min_pixels or 0, kwargs.max_pixels or 0

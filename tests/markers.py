@@ -110,7 +110,8 @@ def is_service_command(args: object) -> bool:
         argv = [os.fsdecode(a) if isinstance(a, (str, bytes, os.PathLike)) else str(a) for a in args]
     else:
         return False
-    if argv and argv[0] and Path(argv[0].split()[0]).name == "mmserve":
+    first = argv[0].split() if argv else []
+    if first and Path(first[0]).name == "mmserve":
         return True
     entry_points = {f"{m}{suffix}" for m in SERVICE_MODULES for suffix in ("", ".main", ".__main__")}
     return any(flag == "-m" and module in entry_points for flag, module in zip(argv, argv[1:], strict=False))

@@ -96,8 +96,8 @@ def clip_split(args: argparse.Namespace) -> dict:
     import torch
 
     from bench.video_serve import make_clip
+    from common.families.qwen2_5_vl.video_config import QWEN2_VL_VIDEO
     from common.video import decode as decode_module
-    from common.video.config import QWEN2_VL_VIDEO
     from common.video.limits import VideoLimits, available_cores
     from common.video.patches import video_patches
 
@@ -155,8 +155,8 @@ def main() -> None:
         for name, value in clip_split(args).items():
             print(f"{name}: {value}")
         return
+    from common.families.qwen2_5_vl.video_config import QWEN2_VL_VIDEO
     from common.video import decode as decode_module
-    from common.video.config import QWEN2_VL_VIDEO
     from common.video.limits import VideoLimits
     from common.video.pipeline import plan_video
     from common.video.schedule import DecodeSchedule

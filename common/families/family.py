@@ -4,9 +4,9 @@ asking about a family imports neither torch nor transformers).
 
 A family's folder (`common/families/<name>/`) holds its `FAMILY` (`__init__.py`) and its own code: its
 image layout (`layout.py`, an ImageLayout of common/families/layout.py), its preset maker (`maker.py`),
-and its vision tower and encoder (`tower.py`, `encoder.py`) where it does not use a shared one
-(`common/vision/tower.py`, the CLIP/SigLIP tower LLaVA runs). The registry (`common/families/registry.py`)
-lists the folders. FAMILY names that code by "module:attribute", loaded on first use.
+and its vision encoder (`encoder.py`, a VisionEncoder of common/families/encoder.py) over its tower.
+The registry (`common/families/registry.py`) lists the folders. FAMILY names that code by
+"module:attribute", loaded on first use.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from common.families.encoder import VisionEncoder
     from common.families.layout import ImageLayout
     from common.families.text import TextSpec
 
@@ -41,7 +42,7 @@ class ModelFamily:
     dynamic_resolution: bool      # every image's token count follows its size (a grid read from its header)
     takes_video: bool             # video inputs (`<|video_pad|>` runs) are served
     local_preprocess: str         # the in-process encoder's preprocessing ("hf" or "auto")
-    vision_encoder: str           # "module:Class": its vision encoder (model_dir, device, dtype, preprocess=)
+    vision_encoder: str           # "module:Class": its VisionEncoder (model_dir, device, dtype, preprocess=)
     presets: str                  # "module:DICT" of its `make-model` presets, by name
     maker: str                    # "module:function" writing a random checkpoint of one of those presets
     layout: str                   # "module:Class" of its ImageLayout (common/families/layout.py)
@@ -84,7 +85,7 @@ class ModelFamily:
         return load_attr(self.processor_stand_in)(model_dir)
 
     def make_vision_encoder(self, model_dir: str | Path, device: Any = "cpu", dtype: Any = None,
-                            preprocess: str = "auto") -> Any:
+                            preprocess: str = "auto") -> VisionEncoder:
         """The family's vision encoder over the checkpoint in model_dir (torch dtype; None: float32)."""
         import torch
 

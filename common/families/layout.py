@@ -16,11 +16,18 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from common.image_geometry import NO_PAN_AND_SCAN, Grid, ImageGeometryError, ImageSettings, PixelRange
+from common.image_geometry import Grid, ImageGeometryError, ImageSettings, PixelRange
+
+if TYPE_CHECKING:
+    from common.video.rules import VideoConfig
+
+# What a model without crops answers an image that asks for them (INVALID_ARGUMENT, the image named).
+NO_PAN_AND_SCAN = ("pan_and_scan (do_pan_and_scan) is not supported by this model: only Gemma 3 cuts images "
+                   "into pan-and-scan crops")
 
 # (offset, grid) of an image, (offset, grid, temporal step) of a video run: what positions are made from
 Span = tuple[int, Grid] | tuple[int, Grid, float]
@@ -159,6 +166,12 @@ class ImageLayout(ABC):
         if runs != 1:
             raise ImageGeometryError("this model writes each image as one run")
         return marker * count
+
+    def video_config(self, model_dir: str | Path) -> VideoConfig | None:
+        """The checkpoint's video rules (frame sampling, geometry, normalisation, timing: the
+        VideoConfig of common/video/rules.py) in model_dir, None where the layout takes no video;
+        CheckpointError where the checkpoint's video settings cannot be served."""
+        return None
 
     def video_group_text(self, pads: str, seconds: float) -> str:
         """One timestamped group of a video's tokens, as the model's processor writes it."""

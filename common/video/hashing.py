@@ -15,17 +15,17 @@ The same file re-encoded (other bytes, same pictures) is another entry: the pric
 from __future__ import annotations
 
 from common.hashing import framed_digest
-from common.video.config import QwenVideoConfig
+from common.video.rules import VideoConfig
 
 _DOMAIN = b"mmserve.video.v1"
 
 
-def video_fingerprint(model_fingerprint: str, config: QwenVideoConfig) -> str:
+def video_fingerprint(model_fingerprint: str, config: VideoConfig) -> str:
     """The fingerprint a video's hash is made under: the model and every processing parameter."""
     return f"{model_fingerprint}|video|{config.key()}"
 
 
-def hash_video_bytes(data: bytes | memoryview, config: QwenVideoConfig, model_fingerprint: str,
+def hash_video_bytes(data: bytes | memoryview, config: VideoConfig, model_fingerprint: str,
                      cache_salt: str = "") -> str:
     """Hex content hash of an encoded video file processed under config (no frame is decoded)."""
     return framed_digest(_DOMAIN, [

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from common.image_geometry import Grid
-from common.video.config import QwenVideoConfig
+from common.video.rules import VideoConfig
 
 
 def resize_frames(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -80,7 +80,7 @@ def patchify(frames: torch.Tensor, patch_size: int, merge_size: int,
     return x.reshape(t * gh * gw, c * tp * p * p)
 
 
-def video_patches(frames: np.ndarray | torch.Tensor, config: QwenVideoConfig,
+def video_patches(frames: np.ndarray | torch.Tensor, config: VideoConfig,
                   device: str | torch.device = "cpu") -> tuple[torch.Tensor, Grid]:
     """Patch rows (float32) and (t, h, w) grid of uint8 [n, H, W, 3] RGB sampled frames: resized (when
     the grid's size differs), patchified as uint8, then normalised (see the module's docstring)."""
@@ -95,7 +95,7 @@ def video_patches(frames: np.ndarray | torch.Tensor, config: QwenVideoConfig,
 RESIZE_CHUNK_BYTES = 256 << 20
 
 
-def frames_to_rows(frames: np.ndarray | torch.Tensor, grid: Grid, config: QwenVideoConfig,
+def frames_to_rows(frames: np.ndarray | torch.Tensor, grid: Grid, config: VideoConfig,
                    device: str | torch.device = "cpu") -> torch.Tensor:
     """Patch rows (float32, on device) of uint8 [n, H, W, 3] RGB frames whose (t, h, w) grid is known:
     `video_patches` without working the grid out again. On a GPU the uint8 frames cross to the device

@@ -7,12 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.image_geometry import Grid
-from common.video.config import QwenVideoConfig
 from common.video.decode import DecodedVideo, decode_video, plan_decoding
 from common.video.hashing import hash_video_bytes
 from common.video.limits import VideoLimits
 from common.video.probe import VideoInfo
-from common.video.timestamps import VideoTiming, qwen2_5_vl_second_per_grid, qwen3_vl_timestamps, video_timing
+from common.video.rules import VideoConfig, VideoTiming
 
 
 @dataclass(frozen=True)
@@ -27,18 +26,15 @@ class SampledVideo:
     content_hash: str
 
 
-def read_video(data: bytes, config: QwenVideoConfig, model_fingerprint: str, cache_salt: str = "",
+def read_video(data: bytes, config: VideoConfig, model_fingerprint: str, cache_salt: str = "",
                limits: VideoLimits = VideoLimits()) -> SampledVideo:
     """Check, sample and decode encoded video bytes under config. Raises VideoError (INVALID_ARGUMENT)."""
     video = decode_video(data, config.sampling.indices_for, limits)
     n, height, width, _ = video.frames.shape
     grid = config.geometry.grid(n, height, width)
-    tps = config.geometry.temporal_patch_size
-    info = video.info
+    timing = config.timing(video.indices, video.info.total_frames, video.info.fps)
     return SampledVideo(
-        video, grid, config.geometry.num_tokens(grid),
-        qwen3_vl_timestamps(video.indices, info.fps, tps),
-        qwen2_5_vl_second_per_grid(n, info.total_frames, info.fps, tps),
+        video, grid, config.geometry.num_tokens(grid), list(timing.timestamps), timing.second_per_grid,
         hash_video_bytes(data, config, model_fingerprint, cache_salt))
 
 
@@ -55,7 +51,7 @@ class VideoPlan:
     frames_to_decode: int = 0  # every frame decoding goes through to reach the sampled ones
 
 
-def plan_video(data: bytes, config: QwenVideoConfig, model_fingerprint: str, cache_salt: str = "",
+def plan_video(data: bytes, config: VideoConfig, model_fingerprint: str, cache_salt: str = "",
                limits: VideoLimits = VideoLimits(), content_hash: str | None = None) -> VideoPlan:
     """The header checked against limits, the sampled indices, grid, tokens, timing and content hash of
     encoded video bytes, without decoding a frame (read_video's values); the frames that decoding goes
@@ -65,6 +61,6 @@ def plan_video(data: bytes, config: QwenVideoConfig, model_fingerprint: str, cac
     indices = tuple(int(i) for i in sampled)
     grid = config.geometry.grid(len(indices), info.height, info.width)
     return VideoPlan(info, indices, grid, config.geometry.num_tokens(grid),
-                     video_timing(indices, info.total_frames, info.fps, config.geometry.temporal_patch_size),
+                     config.timing(indices, info.total_frames, info.fps),
                      content_hash or hash_video_bytes(data, config, model_fingerprint, cache_salt),
                      schedule.frames_to_decode)

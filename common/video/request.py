@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from common.video.config import QwenVideoConfig
 from common.video.limits import VideoError, VideoLimits
+from common.video.rules import VideoConfig
 
 
-def video_request_config(base: QwenVideoConfig, fps: float = 0.0, max_frames: int = 0, min_pixels: int = 0,
-                         max_pixels: int = 0, limits: VideoLimits = VideoLimits()) -> QwenVideoConfig:
+def video_request_config(base: VideoConfig, fps: float = 0.0, max_frames: int = 0, min_pixels: int = 0,
+                         max_pixels: int = 0, limits: VideoLimits = VideoLimits()) -> VideoConfig:
     """base with a request's settings (0: base's), checked against base's ranges and limits."""
     sampling, geometry = base.sampling, base.geometry
     if fps:
@@ -44,7 +44,7 @@ def video_request_config(base: QwenVideoConfig, fps: float = 0.0, max_frames: in
     return replace(base, sampling=sampling, geometry=replace(geometry, min_pixels=lo, max_pixels=hi))
 
 
-def video_input_config(base: QwenVideoConfig, video, limits: VideoLimits = VideoLimits()) -> QwenVideoConfig:
+def video_input_config(base: VideoConfig, video, limits: VideoLimits = VideoLimits()) -> VideoConfig:
     """video_request_config for a VideoInput message (or anything with its four fields)."""
     return video_request_config(base, float(video.fps), int(video.max_frames), int(video.min_pixels),
                                 int(video.max_pixels), limits)

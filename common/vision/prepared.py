@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from common.image_geometry import Grid
-from common.video.timestamps import VideoTiming
+from common.video.rules import VideoTiming
 
 
 @dataclass(frozen=True)

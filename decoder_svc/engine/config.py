@@ -67,8 +67,8 @@ class EngineConfig:
         "auto", "dummy: random weights made on the device from config.json (benchmarks of large shapes, "
         "no weight files needed)", choices=("auto", "dummy"))
     max_image_tokens: int = option(
-        16384, "image tokens per image at most (Qwen2.5-VL: caps each image's max_pixels at this many "
-        "28x28 blocks)", type=positive_int)
+        16384, "image tokens per image at most (a model that resizes images into a pixel range: caps each "
+        "image's max_pixels at this many merged patch blocks)", type=positive_int)
     max_image_tokens_per_request: int = option(32768, "image tokens per request at most", type=positive_int)
     image_limits: ImageLimits = field(default_factory=ImageLimits)  # bytes, side, pixels, images/request
     video_limits: VideoLimits = field(default_factory=VideoLimits)  # bytes, seconds, frames, videos/request

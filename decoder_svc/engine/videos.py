@@ -19,8 +19,7 @@ from common.checkpoint import CheckpointError, load_config
 from common.families.layout import ImageLayout
 from common.image_geometry import Grid
 from common.memo import BoundedMemo
-from common.video import QwenVideoConfig, VideoError, VideoLimits, VideoPlan, plan_video, video_request_config
-from common.video.config import load_qwen_video_config
+from common.video import VideoConfig, VideoError, VideoLimits, VideoPlan, plan_video, video_request_config
 from common.video.hashing import hash_video_bytes
 from decoder_svc.engine.embedding_source import VideoSource
 from decoder_svc.engine.sampling_params import InvalidRequestError
@@ -36,11 +35,11 @@ MAX_REMEMBERED_PLANS = 1024  # a plan is a few KB (its sampled frame indices)
 class VideoInputs:
     """One model's video rules; `base` is None for a model that takes no video."""
 
-    base: QwenVideoConfig | None
+    base: VideoConfig | None
     limits: VideoLimits
     fingerprint: str
     merge_size: int
-    tokens_per_second: float  # Qwen2.5-VL's vision_config.tokens_per_second
+    tokens_per_second: float  # vision_config.tokens_per_second (an M-RoPE time axis' scale)
     max_videos: int
     # content hash -> plan of videos planned lately (plan runs on any input thread: the memo is thread-safe)
     _plans: BoundedMemo[VideoPlan] = field(default_factory=lambda: BoundedMemo(MAX_REMEMBERED_PLANS),
@@ -52,7 +51,7 @@ class VideoInputs:
         base = None
         if layout.takes_video:
             try:
-                base = load_qwen_video_config(config.model)
+                base = layout.video_config(config.model)
             except CheckpointError:
                 base = None
         vision = load_config(config.model).get("vision_config") or {}

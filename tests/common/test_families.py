@@ -22,6 +22,7 @@ from common.families import (
 )
 from common.families.family import load_attr
 from common.families.registry import NOT_SERVED_YET
+from tests.common.family_seam import FAMILY_STEMS, family_mentions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,18 +82,21 @@ def test_every_reference_resolves(family):
 
 def test_a_tiny_checkpoint_of_each_family_is_found_and_gets_its_encoder(tiny_model_dir):
     from common.checkpoint import load_config
+    from common.families.llava.encoder import LlavaVisionEncoder as VisionEncoder
     from common.vision.encoders import make_vision_encoder
-    from common.vision.tower import VisionEncoder
 
     assert family_of(load_config(tiny_model_dir)).name == "llava"
     assert isinstance(make_vision_encoder(tiny_model_dir), VisionEncoder)
 
 
-# The engine, scheduler, runner, services and gateway ask the family; they never name one. The text
-# model's architecture table (decoder_svc/model/config.py) names text backbones (llama, qwen2, the Qwen-VL
-# text models): moving it into the families is the seam's next step.
+# The engine, scheduler, runner, services and gateway ask the family; they never name one.
 ASKERS = ("decoder_svc", "encoder_svc", "gateway")
-NOT_YET = {"decoder_svc/model/config.py"}
+# Every module outside common/families/ is read by the seam scanner (bench/ may name presets: not read).
+SCANNED = ("common", *ASKERS)
+
+
+def _seam_words() -> set[str]:
+    return set(FAMILY_STEMS) | {f.name for f in FAMILIES} | set(NOT_SERVED_YET) | set(supported_model_types())
 
 
 def _string_constants(path: Path) -> set[str]:
@@ -100,16 +104,54 @@ def _string_constants(path: Path) -> set[str]:
             if isinstance(node, ast.Constant) and isinstance(node.value, str)}
 
 
-def test_no_service_names_a_family():
-    names = {f.name for f in FAMILIES} | set(supported_model_types())
+def test_no_module_outside_the_families_names_one():
+    """common/ (outside common/families/), the services and the gateway name no family in code: no
+    identifier, attribute, import or string says llava, qwen, gemma, phi4 or a served model_type; a
+    family's rules and code are reached through its FAMILY, layout and encoder. Prose may name them."""
+    words = _seam_words()
     bad = []
-    for package in ASKERS:
+    for package in SCANNED:
         for path in sorted((ROOT / package).rglob("*.py")):
-            rel = str(path.relative_to(ROOT))
-            if rel in NOT_YET:
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith("common/families/"):
                 continue
-            bad += [f"{rel}: {s!r}" for s in sorted(_string_constants(path) & names)]
+            bad += [f"{rel}:{m}" for m in family_mentions(path.read_text(), words, rel)]
     assert bad == []
+
+
+def test_the_seam_scanner_flags_a_planted_offender():
+    """The scanner sees each way code can name a family (and passes prose and neutral code)."""
+    planted = (
+        '"""A docstring may say LLaVA and Qwen2.5-VL."""\n'
+        "from common.families.qwen2_5_vl.layout import smart_resize  # a family's function, called\n"
+        "import common.families.gemma3.encoder as vision\n"
+        "from common.families import family_by_name\n"
+        "class QwenRules:\n"
+        '    """Prose: phi4mm."""\n'
+        "    def grid(self, encoder, phi4_crops=None):\n"
+        "        size = smart_resize(1, 2, 3, 4, 5)\n"
+        "        return encoder.gemma_crops, family_by_name('llava'), size\n"
+        "MODEL_TYPES = ('qwen3_vl',)\n"
+        "def neutral(layout):  # llava in a comment\n"
+        "    return layout.video_config('x')\n"
+    )
+    flagged = family_mentions(planted, _seam_words())
+    assert flagged == [
+        "2: name common.families.qwen2_5_vl.layout",
+        "3: name common.families.gemma3.encoder",
+        "5: name QwenRules",
+        "7: name phi4_crops",
+        "9: name gemma_crops",
+        "9: string 'llava'",
+        "10: string 'qwen3_vl'",
+    ]
+    assert family_mentions('"""LLaVA."""\nx = 1  # qwen\n', _seam_words()) == []
+
+
+def test_the_seam_words_cover_every_family():
+    """A new family's folder name holds one of the scanner's stems (else add its stem there)."""
+    for name in [f.name for f in FAMILIES] + list(NOT_SERVED_YET):
+        assert any(stem in name for stem in FAMILY_STEMS), name
 
 
 def _imported_modules(path: Path, top_level_only: bool = False) -> set[str]:
@@ -176,6 +218,20 @@ def test_each_family_folder_holds_its_layout_and_maker():
             folder = _family_folder(module)
             assert folder in (family.name, "qwen2_5_vl") or module.startswith("common.vision."), ref
         assert (ROOT / f"common/families/{family.name}/maker.py").is_file()
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_every_family_provides_a_vision_encoder(family):
+    """Its encoder is a complete VisionEncoder (the services' typed contract), in its own folder."""
+    import inspect
+
+    from common.families.encoder import VisionEncoder
+
+    cls = load_attr(family.vision_encoder)
+    assert issubclass(cls, VisionEncoder) and not inspect.isabstract(cls)
+    assert family.vision_encoder.startswith(f"common.families.{family.name}.")
+    assert isinstance(cls.takes_pixel_ranges, bool) and isinstance(cls.rows_follow_size, bool)
+    assert (cls.takes_pixel_ranges or cls.rows_follow_size) == family.dynamic_resolution  # rows follow size
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])

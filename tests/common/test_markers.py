@@ -20,6 +20,8 @@ from tests.markers import SERVICE_STARTERS, QuickTestGuard, _code_names, is_serv
     (["python", "-m", "decoder_svc.runner.tp_worker", "f.tp"], False),
     (["python", "-c", "print(1)"], False),
     (["kubectl", "kustomize"], False),
+    ([" ", "-m"], False),
+    ([], False),
 ])
 def test_service_command_lines(argv, starts):
     assert is_service_command(argv) is starts

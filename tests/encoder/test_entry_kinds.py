@@ -12,7 +12,7 @@ import torch
 from common.errors import status_of
 from common.pb import common_pb2, encoder_pb2
 from common.transport.arena import TensorArena
-from common.video.timestamps import VideoTiming
+from common.video.rules import VideoTiming
 from decoder_svc.encoders.discovery import EncoderPool
 from decoder_svc.encoders.front_link import FrontEndLink
 from encoder_svc.cache import EmbeddingCache, EntryKindError

@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from common.families.llava.encoder import LlavaVisionEncoder as VisionEncoder
 from common.pb import common_pb2
 from common.vision.pixels import (
     MAX_LEVELS,
@@ -19,7 +20,6 @@ from common.vision.pixels import (
     recipe_from_processor,
     to_uint8_chw,
 )
-from common.vision.tower import VisionEncoder
 from encoder_svc.server import EncoderConfig
 from tests.encoder.conftest import EncoderHarness, encode_request
 from tests.encoder.test_vision import _hf_features

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from common.errors import UnavailableError
+from common.families.qwen2_5_vl.video_config import QWEN2_VL_VIDEO
 from common.transport.arena import TensorArena
-from common.video.config import QWEN2_VL_VIDEO
 from common.video.limits import VideoLimits
 from common.video.pipeline import plan_video
 from encoder_svc.cache import EmbeddingCache

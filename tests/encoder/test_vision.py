@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from common.vision.tower import VisionEncoder
+from common.families.llava.encoder import LlavaVisionEncoder as VisionEncoder
 from tests.encoder.conftest import image_bytes
 
 

@@ -18,6 +18,7 @@ class _FakeVision:
     """Records each batch; the first batch blocks until released so a queue can build up."""
 
     device = torch.device("cpu")
+    graphs = None  # VisionEncoder's field: no graphs captured
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from common.families.llava.encoder import LlavaVisionEncoder as VisionEncoder
 from common.families.llava.oracle import LlavaOracle
-from common.vision.tower import VisionEncoder
 from tests.integration.conftest import png
 from tests.integration.harness import ROOT, Pair
 from tests.oracle import make_image

@@ -8,9 +8,9 @@ import io
 import pytest
 import torch
 
+from common.families.llava.encoder import LlavaVisionEncoder as VisionEncoder
 from common.pb import common_pb2
 from common.vision.pixels import TorchPixelProcessor, to_uint8_chw
-from common.vision.tower import VisionEncoder
 from encoder_svc.server import EncoderConfig
 from tests.encoder.conftest import EncoderHarness, encode_request
 from tests.encoder.test_pixels import SIZES, _clip_processor, _image, assert_within_tolerance

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.video.config import QWEN2_VL_VIDEO, QWEN3_VL_VIDEO
+from common.families.qwen2_5_vl.video_config import QWEN2_VL_VIDEO, QWEN3_VL_VIDEO
 from common.video.decode import decode_video
 from common.video.limits import VideoError
 from common.video.pipeline import read_video

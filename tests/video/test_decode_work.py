@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from common.families.qwen2_5_vl.video_config import QWEN3_VL_VIDEO
 from common.video import decode as decode_module
-from common.video.config import QWEN3_VL_VIDEO
 from common.video.decode import DecodeAbandoned, decode_video, plan_decoding
 from common.video.limits import VideoError, VideoLimits
 from common.video.pipeline import plan_video

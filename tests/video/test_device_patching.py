@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from common.families.qwen2_5_vl.encoder import QwenVisionEncoder
+from common.families.qwen2_5_vl.video_config import load_qwen_video_config
 from common.families.qwen3_vl.encoder import Qwen3VisionEncoder
 from common.transport.arena import TensorArena
-from common.video import load_qwen_video_config, plan_video, video_request_config
+from common.video import plan_video, video_request_config
 from common.video.limits import VideoLimits
 from common.video.patches import frames_to_rows, resize_frames, resized_frames, video_patches
 from encoder_svc.cache import EmbeddingCache

@@ -14,11 +14,11 @@ import grpc
 import pytest
 import torch
 
+from common.families.qwen2_5_vl.video_config import load_qwen_video_config
 from common.images import ImageLimits, encode_png
 from common.pb import common_pb2, encoder_pb2
 from common.transport import import_embedding
 from common.video import (
-    load_qwen_video_config,
     plan_video,
     read_video,
     video_patches,

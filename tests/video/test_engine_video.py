@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from common.errors import InvalidInputError
+from common.families.qwen2_5_vl.video_config import load_qwen_video_config
+from common.families.qwen2_5_vl.video_timing import video_timing
 from common.video import (
     VideoLimits,
     decode_video,
-    load_qwen_video_config,
     video_patches,
     video_request_config,
 )
-from common.video.timestamps import video_timing
 from decoder_svc.engine import videos as videos_module
 from decoder_svc.engine.embedding_source import VideoSource
 from tests.oracle import greedy, run_all

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from common.errors import as_service_error, status_of
+from common.families.qwen2_5_vl.video_config import QWEN3_VL_VIDEO
 from common.images import encode_png
 from common.video import decode as decode_module
-from common.video.config import QWEN3_VL_VIDEO
 from common.video.decode import decode_video
 from common.video.limits import VideoError, VideoLimits
 from common.video.pipeline import read_video

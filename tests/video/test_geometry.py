@@ -11,8 +11,8 @@ import pytest
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_qwen3_smart_resize
 
-from common.video.config import QWEN2_VL_VIDEO, QWEN3_VL_VIDEO, load_qwen_video_config
-from common.video.geometry import qwen3_vl_smart_resize
+from common.families.qwen2_5_vl.video_config import QWEN2_VL_VIDEO, QWEN3_VL_VIDEO, load_qwen_video_config
+from common.families.qwen2_5_vl.video_geometry import qwen3_vl_smart_resize
 from common.video.limits import VideoError
 from tests.video.hf_source import qwen2_vl_class_defaults, qwen2_vl_function, qwen2_vl_processor_stand_in
 

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
+from common.families.qwen2_5_vl.video_config import QWEN2_VL_VIDEO, QWEN3_VL_VIDEO
 from common.hashing import is_content_hash
 from common.video import decode as decode_module
-from common.video.config import QWEN2_VL_VIDEO, QWEN3_VL_VIDEO
 from common.video.hashing import hash_video_bytes
 from common.video.pipeline import plan_video, read_video
 from tests.video.media import make_video

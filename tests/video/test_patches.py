@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-from common.video.config import QWEN2_VL_VIDEO, QWEN3_VL_VIDEO
+from common.families.qwen2_5_vl.video_config import QWEN2_VL_VIDEO, QWEN3_VL_VIDEO
 from common.video.patches import normalize_frames, patchify, resize_frames, video_patches
 from tests.video.hf_source import qwen2_vl_function
 

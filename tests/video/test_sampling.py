@@ -11,9 +11,17 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.video_utils import VideoMetadata
 
+from common.families.qwen2_5_vl.video_sampling import (
+    FrameSampling,
+    qwen2_vl_frame_indices,
+    qwen3_vl_frame_indices,
+)
+from common.families.qwen2_5_vl.video_timing import (
+    qwen2_5_vl_second_per_grid,
+    qwen3_vl_timestamp_text,
+    qwen3_vl_timestamps,
+)
 from common.video.limits import VideoError
-from common.video.sampling import FrameSampling, qwen2_vl_frame_indices, qwen3_vl_frame_indices
-from common.video.timestamps import qwen2_5_vl_second_per_grid, qwen3_vl_timestamp_text, qwen3_vl_timestamps
 from tests.video.hf_source import qwen2_vl_function
 
 TOTALS = [2, 3, 4, 5, 7, 16, 17, 30, 37, 49, 60, 97, 241, 1000, 5000]

@@ -15,18 +15,17 @@ Thread-safety as VisionEncoder's: `prepare` on any thread, `encode_prepared` fro
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from PIL import Image
 
-from common.checkpoint import load_config, model_fingerprint
+from common.checkpoint import model_fingerprint
+from common.families.encoder import VisionEncoder
 from common.families.gemma3.layout import Gemma3ImageLayout
 from common.families.gemma3.tower import load_gemma3_tower
 from common.image_geometry import CropChoice, Grid
-from common.vision import PREPROCESS_MODES
 from common.vision.pixels import pick_pixel_processor, to_uint8_hwc
 from common.vision.prepared import PreparedGrid
 
@@ -38,21 +37,15 @@ def load_gemma3_image_processor(model_dir: str | Path):
     return Gemma3ImageProcessorPil.from_pretrained(str(model_dir), local_files_only=True)
 
 
-class Gemma3VisionEncoder:
+class Gemma3VisionEncoder(VisionEncoder):
     """The vision half of a Gemma 3 checkpoint (SigLIP, pooling, projector); the language model is never
     read. preprocess: "auto", "hf" or "torch" (the module docstring)."""
 
-    graphs = None
     takes_pixel_ranges = False  # every image is resized to the tower's square
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, preprocess: str = "auto") -> None:
-        if preprocess not in PREPROCESS_MODES:
-            raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {preprocess!r}")
-        self.model_dir = Path(model_dir)
-        self.device = torch.device(device)
-        self.dtype = dtype
-        config = load_config(self.model_dir)
+        config = self._open_checkpoint(model_dir, device, dtype, preprocess)
         # Before any weight is read: a configuration we cannot serve fails here, with the reason.
         self.layout = Gemma3ImageLayout.from_checkpoint(self.model_dir, config)
         # An image's crop choice (with the crop rule's settings, which live outside config.json) goes
@@ -64,9 +57,6 @@ class Gemma3VisionEncoder:
         self.image_processor = load_gemma3_image_processor(self.model_dir)
         self.pixel_processor = pick_pixel_processor(preprocess, self.device, dtype, self.image_processor)
         self.preprocess_mode = "hf" if self.pixel_processor is None else "torch"
-        self.calls = 0
-        self.images_encoded = 0
-        self._count_lock = threading.Lock()
 
     @property
     def pixel_tolerance(self) -> float:
@@ -88,17 +78,17 @@ class Gemma3VisionEncoder:
 
     def image_settings(self, min_pixels: int = 0, max_pixels: int = 0,
                        pan_and_scan: bool | None = None) -> CropChoice:
-        """An image's crop choice from a request's options (the layout's; common/vision/encoders.py)."""
+        """An image's crop choice from a request's options (the layout's)."""
         return self.layout.image_settings(min_pixels, max_pixels, pan_and_scan)
 
-    def prepare(self, image, crops: CropChoice | None = None) -> torch.Tensor | PreparedGrid:
+    def prepare(self, image, settings: CropChoice | None = None) -> torch.Tensor | PreparedGrid:
         """One image's host-side preprocessing; thread-safe. image: a PIL image or a decode pool's
-        DecodedImage; crops: its crop choice (None: the checkpoint's). Without crops, "hf": its pixel
+        DecodedImage; settings: its crop choice (None: the checkpoint's). Without crops, "hf": its pixel
         values (fp32, CPU) [3, S, S]; "torch": a uint8 [H, W, 3] tensor, resized and normalised on the
         device by encode_prepared. With crops (either mode) a PreparedGrid of [1 + crops, 3, S, S] pixel
         values (the original first) and the layout's grid (1 + crops, 1, 1), which the encoder service
         keeps with the cache entry for hash-only lookups."""
-        crops = crops if crops is not None else self.layout.crops()
+        crops = settings if settings is not None else self.layout.crops()
         rule = self.layout.crop_rule
         if (not crops.on or rule is None) and self.preprocess_mode == "torch":
             return to_uint8_hwc(image, pin_memory=self.device.type == "cuda")
@@ -120,9 +110,7 @@ class Gemma3VisionEncoder:
         stacks = self._device_pixels(prepared)
         pixels = torch.cat(stacks).to(self.dtype)
         feats = self.graphs(pixels) if use_graphs and self.graphs is not None else self.tower(pixels)
-        with self._count_lock:
-            self.calls += 1
-            self.images_encoded += len(stacks)
+        self._count(len(stacks))
         parts = feats.split([s.shape[0] for s in stacks])
         return [part.reshape(-1, part.shape[-1]) for part in parts]
 
@@ -142,10 +130,10 @@ class Gemma3VisionEncoder:
                 for i in range(len(prepared))]
 
     def encode(self, images: Sequence[Image.Image],
-               crops: Sequence[CropChoice | None] | None = None) -> list[torch.Tensor]:
+               settings: Sequence[CropChoice | None] | None = None) -> list[torch.Tensor]:
         """One [tower images x mm_tokens_per_image, hidden] tensor per image, on the encoder's device;
-        crops: each image's choice (default: the checkpoint's)."""
-        choices = list(crops) if crops is not None else [None] * len(images)
+        settings: each image's crop choice (default: the checkpoint's)."""
+        choices = list(settings) if settings is not None else [None] * len(images)
         return self.encode_prepared([self.prepare(im, c) for im, c in zip(images, choices, strict=True)])
 
     def capture_graphs(self, max_batch: int) -> bool:

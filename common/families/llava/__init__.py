@@ -12,7 +12,7 @@ FAMILY = ModelFamily(
     takes_video=False,
     # The HF image processor, always: the engine's HF-parity tests (CPU and GPU) run against it.
     local_preprocess="hf",
-    vision_encoder="common.vision.tower:VisionEncoder",
+    vision_encoder="common.families.llava.encoder:LlavaVisionEncoder",
     presets="common.families.llava.maker:PRESETS",
     maker="common.families.llava.maker:make_llava_model",
     layout="common.families.llava.layout:ImageTokenLayout",

@@ -95,7 +95,7 @@ class Preset:
     select_strategy: str = "default"
     feature_layer: int | list[int] = -2
     tie_word_embeddings: bool = False
-    tokenizer_style: str = "llama"  # llama (<s> first) or qwen (no BOS, ChatML tokens)
+    tokenizer_style: str = "llama"  # llama (<s> first) or chatml (no BOS, ChatML tokens: Qwen2's)
     chat_template: str = CHAT_TEMPLATE
     copies: str = ""  # the real checkpoint whose architecture fields this preset copies
 
@@ -171,7 +171,7 @@ PRESETS: dict[str, Preset] = {
                   num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1000000.0,
                   rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=32768, max_window_layers=21),
         image_size=384, vocab_size=512, vision_type="siglip", text_type="qwen2", select_strategy="full",
-        feature_layer=-1, tie_word_embeddings=True, tokenizer_style="qwen",
+        feature_layer=-1, tie_word_embeddings=True, tokenizer_style="chatml",
         chat_template=INTERLEAVE_QWEN_CHAT_TEMPLATE, copies="llava-hf/llava-interleave-qwen-0.5b-hf",
     ),
 }

@@ -13,42 +13,36 @@ thread, `encode_prepared` from one at a time.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from PIL import Image
 
-from common.checkpoint import load_config, model_fingerprint
+from common.checkpoint import model_fingerprint
+from common.families.encoder import VisionEncoder
 from common.families.phi4mm.embedder import load_phi4_embedder
 from common.families.phi4mm.layout import Phi4ImageLayout
 from common.families.phi4mm.pixels import Phi4Pixels, hd_transform, hd_transform_uint8
+from common.image_geometry import ImageSettings
 from common.images import to_rgb
-from common.vision import PREPROCESS_MODES
 from common.vision.pixels import to_uint8_hwc
 
 
-class Phi4VisionEncoder:
+class Phi4VisionEncoder(VisionEncoder):
     """The image half of a Phi-4-multimodal checkpoint (SigLIP at 448 px crops, 2x2 compression,
     separators, projector); the language model and the audio encoder are never read. preprocess: "hf"
     (the HD transform on the host), "torch" (on the device) or "auto" (the module docstring)."""
 
-    graphs = None
     # Each image's size decides its crops; no request-chosen pixel range (dynamic_hd is the checkpoint's).
     takes_pixel_ranges = False
     # ...but its rows follow that size: the encoder service sizes each image's entry from its header
-    # (common/vision/encoders.image_nbytes) and keeps its grid with the entry (for hash-only asks).
+    # (VisionEncoder.image_nbytes) and keeps its grid with the entry (for hash-only asks).
     rows_follow_size = True
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, preprocess: str = "auto") -> None:
-        if preprocess not in PREPROCESS_MODES:
-            raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {preprocess!r}")
-        self.model_dir = Path(model_dir)
-        self.device = torch.device(device)
-        self.dtype = dtype
-        config = load_config(self.model_dir)
+        config = self._open_checkpoint(model_dir, device, dtype, preprocess)
         # Before any weight is read: a configuration we cannot serve fails here, with the reason.
         self.layout = Phi4ImageLayout.from_checkpoint(self.model_dir, config)
         # The HD settings change the crops but live outside config.json: in the hash too (the decoder's
@@ -56,12 +50,7 @@ class Phi4VisionEncoder:
         self.fingerprint = model_fingerprint(self.model_dir) + self.layout.hash_key
         self.hidden_size = int(config["hidden_size"])
         self.embedder = load_phi4_embedder(self.model_dir, config, self.device, dtype)
-        on_device = preprocess == "torch" or (preprocess == "auto" and self.device.type == "cuda"
-                                              and dtype != torch.float32)
-        self.preprocess_mode = "torch" if on_device else "hf"
-        self.calls = 0
-        self.images_encoded = 0
-        self._count_lock = threading.Lock()
+        self.preprocess_mode = "torch" if self._on_device(preprocess) else "hf"
 
     def nbytes_for(self, grid: Sequence[int]) -> int:
         """Bytes of the embedding of an image of this (1, rows, cols) grid in the output dtype."""
@@ -81,8 +70,9 @@ class Phi4VisionEncoder:
             return 0.0
         return 2.0 / (255.0 * min(self.layout.settings.image_std))
 
-    def prepare(self, image) -> Phi4Pixels | torch.Tensor:
-        """Thread-safe. "hf": one image's crops, masks (fp32, CPU) and grid; "torch": its [H, W, 3] uint8
+    def prepare(self, image, settings: ImageSettings | None = None) -> Phi4Pixels | torch.Tensor:
+        """Thread-safe (settings: none, each image's size decides its crops).
+        "hf": one image's crops, masks (fp32, CPU) and grid; "torch": its [H, W, 3] uint8
         pixels, one copy (into pinned memory on CUDA), for encode_prepared to transform on the device.
         image: a PIL image or a decode pool's DecodedImage (RGB already, read in place)."""
         if self.preprocess_mode == "hf":
@@ -101,18 +91,13 @@ class Phi4VisionEncoder:
                  hd_transform_uint8(p.to(self.device, non_blocking=True).permute(2, 0, 1), settings)
                  for p in prepared]
         feats = self.embedder(items)
-        with self._count_lock:
-            self.calls += 1
-            self.images_encoded += len(feats)
+        self._count(len(feats))
         return feats
 
-    def encode(self, images: Sequence[Image.Image]) -> list[torch.Tensor]:
-        """One [num_tokens, hidden] tensor per image, on the encoder's device."""
+    def encode(self, images: Sequence[Image.Image], settings: Sequence[ImageSettings | None] | None = None
+               ) -> list[torch.Tensor]:
+        """One [num_tokens, hidden] tensor per image, on the encoder's device (settings: none)."""
         return self.encode_prepared([self.prepare(image) for image in images])
-
-    def capture_graphs(self, max_batch: int) -> bool:
-        """Not yet for Phi-4-multimodal: the tower runs eagerly."""
-        return False
 
     def warm_up(self) -> None:
         """One dummy image through the tower; checks its rows against the layout's count."""

@@ -37,7 +37,7 @@ from common.model_maker import (
 
 IMAGE_TOKEN, AUDIO_TOKEN, END_TOKEN = "<|image|>", "<|audio|>", "<|end|>"
 PHI4_TOKENS = [IMAGE_TOKEN, AUDIO_TOKEN, END_TOKEN, "<|user|>", "<|assistant|>", "<|system|>"]
-EOS_TOKEN = "<|endoftext|>"  # the shared tokenizer's "qwen" style has it: BOS, EOS and pad, as Phi-4's
+EOS_TOKEN = "<|endoftext|>"  # the shared tokenizer's "chatml" style has it: BOS, EOS and pad, as Phi-4's
 TIED_EMBED_STD = 0.15  # tied embeddings are the output head too (common/model_maker's reason)
 
 # Phi-4-MM's turn format: <|role|>content<|end|>, each image part as the processor's image token.
@@ -92,7 +92,7 @@ def build_phi4_tokenizer(vocab_size: int, seed: int = 0):
     """A byte-level BPE tokenizer of exactly vocab_size ids with Phi-4's turn and modality tokens."""
     from transformers import PreTrainedTokenizerFast
 
-    base = build_tokenizer(vocab_size - len(PHI4_TOKENS), seed, "qwen")
+    base = build_tokenizer(vocab_size - len(PHI4_TOKENS), seed, "chatml")
     raw = base.backend_tokenizer
     raw.add_special_tokens(PHI4_TOKENS)
     return PreTrainedTokenizerFast(

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from PIL import Image
 
-from common.checkpoint import load_config, model_fingerprint
+from common.checkpoint import model_fingerprint
+from common.families.encoder import VisionEncoder
 from common.families.qwen2_5_vl.layout import read_qwen_layout
 from common.families.qwen2_5_vl.pixels import QwenTorchPixels
 from common.image_geometry import PixelRange
-from common.video.config import load_qwen_video_config
 from common.video.patches import frames_to_rows
-from common.vision import PREPROCESS_MODES
 from common.vision.pixels import to_uint8_hwc
 from common.vision.prepared import PreparedGrid
 
@@ -40,7 +38,7 @@ def load_qwen_image_processor(model_dir: str | Path):
     return Processor.from_pretrained(str(model_dir), local_files_only=True)
 
 
-class QwenFamilyEncoder:
+class QwenFamilyEncoder(VisionEncoder):
     """Images to one Qwen-VL model's image embeddings, one tensor per image whose rows follow its grid.
 
     Thread-safety as VisionEncoder: `prepare` on any thread; `encode_prepared` from one thread at a time.
@@ -49,20 +47,16 @@ class QwenFamilyEncoder:
     """
 
     graphs = None  # SignatureGraphs once capture_graphs() is called on CUDA
-    takes_pixel_ranges = True  # images resized into a PixelRange (common/vision/encoders.py asks)
+    takes_pixel_ranges = True  # images resized into a PixelRange
     eager_ops: type
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, preprocess: str = "auto") -> None:
-        if preprocess not in PREPROCESS_MODES:
-            raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {preprocess!r}")
-        self.model_dir = Path(model_dir)
-        self.device = torch.device(device)
-        self.dtype = dtype
-        config = load_config(self.model_dir)
+        config = self._open_checkpoint(model_dir, device, dtype, preprocess)
         self._check_model(config)
         self.layout = read_qwen_layout(self.model_dir, config)
-        self.video_config = load_qwen_video_config(self.model_dir)  # videos: sampling, resize, normalisation
+        # videos: sampling, resize, normalisation (the layout's rules)
+        self.video_config = self.layout.video_config(self.model_dir)
         self.fingerprint = model_fingerprint(self.model_dir)
         self.hidden_size = int((config.get("text_config") or config)["hidden_size"])
         self.tower = self._load_tower(config["vision_config"])
@@ -72,14 +66,10 @@ class QwenFamilyEncoder:
         self.image_processor = load_qwen_image_processor(self.model_dir)
         # "auto": on the device in half precision (the tower's rounding dwarfs a pixel level), else HF's
         # processor (fp32 keeps bit parity with HF, the oracle tests' contract).
-        on_device = preprocess == "torch" or (preprocess == "auto" and self.device.type == "cuda"
-                                              and dtype != torch.float32)
+        on_device = self._on_device(preprocess)
         self.preprocess_mode = "torch" if on_device else "hf"
         self.torch_pixels = QwenTorchPixels(self.image_processor) if on_device else None
         self.default_pixels = PixelRange(self.layout.min_pixels, self.layout.max_pixels)
-        self.calls = 0
-        self.images_encoded = 0
-        self._count_lock = threading.Lock()
         # On a GPU the elementwise steps run as Triton kernels (common/kernels/vision_fused_ops.py); the
         # CPU keeps HF's exact eager steps.
         self.fused_ops = self.device.type == "cuda" and self.use_fused_ops()
@@ -115,11 +105,11 @@ class QwenFamilyEncoder:
         side = int(self.layout.max_pixels ** 0.5)
         return self.nbytes_for(self.layout.grid(side, side, self.default_pixels))
 
-    def prepare(self, image, pixels: PixelRange | None = None) -> PreparedGrid:
+    def prepare(self, image, settings: PixelRange | None = None) -> PreparedGrid:
         """One image through the HF processor (resize within `pixels`, normalise, patchify), or only its
         grid and uint8 pixels for the device-side processor; thread-safe. image: a PIL image or a decode
         pool's DecodedImage."""
-        pixels = pixels or self.default_pixels
+        pixels = settings or self.default_pixels
         if self.torch_pixels is not None:  # the grid from the size; the rest on the device
             grid = self.layout.grid(image.height, image.width, pixels)
             return PreparedGrid(grid, raw=to_uint8_hwc(image, pin_memory=self.device.type == "cuda"))
@@ -139,9 +129,7 @@ class QwenFamilyEncoder:
         grids = [p.grid for p in prepared]
         tower = self.graphs if use_graphs and self.graphs is not None else self.tower
         features = tower(pixels, grids)
-        with self._count_lock:
-            self.calls += 1
-            self.images_encoded += len(prepared)
+        self._count(len(prepared))
         return self._per_image(features, [self.layout.num_tokens(g) for g in grids])
 
     @property
@@ -164,10 +152,10 @@ class QwenFamilyEncoder:
         """Largest |pixel value - HF processor's| the preprocessing may give (0 for "hf")."""
         return 0.0 if self.torch_pixels is None else self.torch_pixels.max_abs_diff()
 
-    def encode(self, images: Sequence[Image.Image], pixels: Sequence[PixelRange | None] | None = None
+    def encode(self, images: Sequence[Image.Image], settings: Sequence[PixelRange | None] | None = None
                ) -> list[torch.Tensor]:
         """One embedding per image (each within its pixel range, or the checkpoint's)."""
-        ranges = list(pixels) if pixels is not None else [None] * len(images)
+        ranges = list(settings) if settings is not None else [None] * len(images)
         return self.encode_prepared([self.prepare(i, r) for i, r in zip(images, ranges, strict=True)])
 
     def capture_graphs(self, max_batch: int) -> bool:

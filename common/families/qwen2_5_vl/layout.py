@@ -17,42 +17,23 @@ positions are computed once, at admission; generated tokens take `index + delta`
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from common.checkpoint import CheckpointError, load_config
 from common.families.layout import ImageLayout, Span, TextProcessor
+from common.families.qwen2_5_vl.resize import smart_resize
 from common.image_geometry import Grid, ImageGeometryError, PixelRange
+
+if TYPE_CHECKING:
+    from common.families.qwen2_5_vl.video_config import QwenVideoConfig
 
 # Image layouts alike (read_qwen_layout); the embeddings differ (Qwen3-VL adds DeepStack parts)
 QWEN_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
-MAX_ASPECT_RATIO = 200  # HF's smart_resize refuses longer/shorter > 200
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(height, width) the image is resized to: multiples of factor, pixels within [min, max], the aspect
-    ratio kept as closely as possible (Hugging Face's qwen2_vl smart_resize, the same rounding)."""
-    if min(height, width) < 1:
-        raise ImageGeometryError(f"image of {width}x{height} pixels")
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ImageGeometryError(
-            f"image of {width}x{height} pixels: the aspect ratio must be at most {MAX_ASPECT_RATIO}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 @dataclass(frozen=True)
@@ -138,6 +119,13 @@ class QwenImageLayout(ImageLayout):
     def generic_image_text(self, image_token: str) -> str:
         """The vision block the chat template writes around an image."""
         return f"<|vision_start|>{image_token}<|vision_end|>"
+
+    def video_config(self, model_dir: str | Path) -> QwenVideoConfig:
+        """The checkpoint's video rules (video_config.py here: Qwen2-VL's and Qwen3-VL's sampling, resize
+        and timing, HF's defaults under the checkpoint's files; transformers loads only here)."""
+        from common.families.qwen2_5_vl.video_config import load_qwen_video_config
+
+        return load_qwen_video_config(model_dir)
 
     def video_group_text(self, pads: str, seconds: float) -> str:
         """Qwen3-VL's processor: each group's start time, then its run in a vision block."""

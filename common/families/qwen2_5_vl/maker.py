@@ -116,7 +116,7 @@ QWEN_PRESETS: dict[str, QwenPreset] = {
 
 def build_qwen_tokenizer(vocab_size: int, seed: int = 0):
     """A ChatML byte-level BPE tokenizer with Qwen2.5-VL's vision tokens, exactly vocab_size ids."""
-    tok = build_tokenizer(vocab_size - len(QWEN_VL_TOKENS), seed, "qwen")
+    tok = build_tokenizer(vocab_size - len(QWEN_VL_TOKENS), seed, "chatml")
     tok.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
     tok.image_token = IMAGE_PAD
     tok.chat_template = QWEN2_5_VL_CHAT_TEMPLATE

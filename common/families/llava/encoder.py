@@ -14,16 +14,17 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from PIL import Image
 
-from common.checkpoint import load_config, load_tensors, model_fingerprint
+from common.checkpoint import load_tensors, model_fingerprint
+from common.families.encoder import VisionEncoder
 from common.families.llava.layout import UnsupportedImageConfigError, load_image_token_layout
-from common.vision import PREPROCESS_MODES
+from common.image_geometry import ImageSettings
+from common.vision.image_processor import load_image_processor
 from common.vision.pixels import pick_pixel_processor, to_uint8_hwc
 
 log = logging.getLogger(__name__)
@@ -66,18 +67,7 @@ def _init_unloaded(core: torch.nn.Module, missing: list[str]) -> None:
         core.post_layernorm.reset_parameters()  # unused by LLaVA features; defined values all the same
 
 
-def _load_image_processor(model_dir: Path):
-    """The checkpoint's image processor, offline; falls back to the full processor's."""
-    from transformers import AutoImageProcessor, AutoProcessor
-
-    try:
-        return AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
-    except Exception as exc:  # older layouts keep it only inside processor_config.json
-        log.info("AutoImageProcessor failed (%s); using AutoProcessor's image_processor", exc)
-        return AutoProcessor.from_pretrained(str(model_dir), local_files_only=True).image_processor
-
-
-class VisionEncoder:
+class LlavaVisionEncoder(VisionEncoder):
     """Images to LLaVA image features, [num_image_tokens, text_hidden_size] per image.
 
     Preprocessing is split in two so it can leave the tower's thread: `prepare` (one image, thread-safe,
@@ -97,10 +87,7 @@ class VisionEncoder:
         from transformers import AutoConfig, AutoModel
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-        self.model_dir = Path(model_dir)
-        self.device = torch.device(device)
-        self.dtype = dtype
-        raw = load_config(self.model_dir)
+        raw = self._open_checkpoint(model_dir, device, dtype, preprocess)
         if "vision_config" not in raw:
             raise ValueError(f"{model_dir} has no vision_config: not a LLaVA checkpoint")
         # Before any weight is read: an image configuration we cannot serve fails here, with the reason.
@@ -126,17 +113,12 @@ class VisionEncoder:
         self.tower = tower.to(self.device, dtype).eval()
         self.projector = projector.to(self.device, dtype).eval()
 
-        self.image_processor = _load_image_processor(self.model_dir)
-        if preprocess not in PREPROCESS_MODES:
-            raise ValueError(f"preprocess must be one of {PREPROCESS_MODES}, not {preprocess!r}")
+        self.image_processor = load_image_processor(self.model_dir)
         self.pixel_processor = pick_pixel_processor(preprocess, self.device, dtype, self.image_processor)
         self.preprocess_mode = "hf" if self.pixel_processor is None else "torch"
         self.graphs = None  # GraphedForward once capture_graphs() succeeds
         self.num_image_tokens = self.layout.num_image_tokens
         self.hidden_size = config.text_config.hidden_size
-        self.calls = 0
-        self.images_encoded = 0
-        self._count_lock = threading.Lock()
 
     @property
     def pixel_tolerance(self) -> float:
@@ -180,8 +162,9 @@ class VisionEncoder:
         out = self.image_processor(images=list(images), return_tensors="pt")
         return out["pixel_values"]
 
-    def prepare(self, image) -> torch.Tensor:
-        """One image's host-side preprocessing; thread-safe (the HF processor keeps no per-call state, and
+    def prepare(self, image, settings: ImageSettings | None = None) -> torch.Tensor:
+        """One image's host-side preprocessing (settings: none, every image is the tower's square);
+        thread-safe (the HF processor keeps no per-call state, and
         Pillow and numpy drop the GIL in decode, resize and array maths, so threads run it in parallel).
         image: a PIL image, or a decode pool's DecodedImage (raw RGB pixels, read without another copy).
 
@@ -233,13 +216,13 @@ class VisionEncoder:
             feats = self.graphs(pixel_values)
         else:
             feats = self._features(pixel_values)
-        with self._count_lock:
-            self.calls += 1
-            self.images_encoded += feats.shape[0]
+        self._count(feats.shape[0])
         return feats
 
-    def encode(self, images: Sequence[Image.Image]) -> list[torch.Tensor]:
-        """One [num_image_tokens, text_hidden_size] tensor per image, on the encoder's device."""
+    def encode(self, images: Sequence[Image.Image], settings: Sequence[ImageSettings | None] | None = None
+               ) -> list[torch.Tensor]:
+        """One [num_image_tokens, text_hidden_size] tensor per image, on the encoder's device (settings:
+        none, as for prepare)."""
         return self.encode_prepared([self.prepare(image) for image in images])
 
     def encode_prepared(self, prepared: Sequence[torch.Tensor],

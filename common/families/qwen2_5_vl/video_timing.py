@@ -9,7 +9,8 @@ becomes index / video_fps seconds, and a group's time is the mean of its first a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from common.video.rules import VideoTiming
 
 
 def qwen3_vl_timestamps(indices: Sequence[int], video_fps: float,
@@ -34,14 +35,6 @@ def qwen2_5_vl_second_per_grid(num_sampled: int, total_frames: int, video_fps: f
     the sampled fps being num_sampled / total_frames * video_fps (HF's VideoMetadata.sampled_fps, used by
     Qwen2_5_VLProcessor._process_videos)."""
     return temporal_patch_size / (num_sampled / total_frames * video_fps)
-
-
-@dataclass(frozen=True)
-class VideoTiming:
-    """A sampled video's place in time, as the decoder needs it to lay the video out in a prompt."""
-
-    timestamps: tuple[float, ...]  # seconds of each temporal group (Qwen3-VL's `<t seconds>` text)
-    second_per_grid: float  # seconds one temporal group spans (Qwen2.5-VL's M-RoPE time axis)
 
 
 def video_timing(indices: Sequence[int], total_frames: int, video_fps: float,

@@ -1,4 +1,5 @@
-"""A Qwen VL checkpoint's video processor settings: sampling, geometry and normalisation.
+"""A Qwen VL checkpoint's video processor settings: sampling, geometry, normalisation and timing (the
+VideoConfig of common/video/rules.py; Qwen3-VL's rules live here beside Qwen2.5-VL's, as its layout does).
 
 The defaults are Hugging Face's class attributes (Qwen2VLVideoProcessor, also Qwen2.5-VL's; and
 Qwen3VLVideoProcessor); a checkpoint's files override them in HF's order: processor_config.json's
@@ -10,6 +11,7 @@ the image min/max pixels, as in HF).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,10 @@ from transformers.image_utils import (
 )
 
 from common.checkpoint import CheckpointError, load_config
-from common.video.geometry import VideoGeometry
-from common.video.sampling import FrameSampling
+from common.families.qwen2_5_vl.video_geometry import VideoGeometry
+from common.families.qwen2_5_vl.video_sampling import FrameSampling
+from common.families.qwen2_5_vl.video_timing import video_timing
+from common.video.rules import VideoTiming
 
 # model_type -> family (the sampling and resize rules)
 VIDEO_MODEL_FAMILIES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl",
@@ -50,6 +54,11 @@ class QwenVideoConfig:
         """Every parameter that changes a video's patches, for its content hash."""
         return (f"{self.sampling.key()};{self.geometry.key()};mean={list(self.image_mean)};"
                 f"std={list(self.image_std)};rescale={self.rescale_factor!r}")
+
+    def timing(self, indices: Sequence[int], total_frames: int, video_fps: float) -> VideoTiming:
+        """Both timings (Qwen3-VL's group timestamps, Qwen2.5-VL's seconds per group) of frames sampled at
+        indices from a video of total_frames at video_fps."""
+        return video_timing(indices, total_frames, video_fps, self.geometry.temporal_patch_size)
 
 
 # HF's class defaults. Qwen2VLVideoProcessor samples no frames by default (do_sample_frames=False, for

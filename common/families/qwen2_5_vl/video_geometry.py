@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.families.qwen2_5_vl.layout import MAX_ASPECT_RATIO, smart_resize
+from common.families.qwen2_5_vl.resize import MAX_ASPECT_RATIO, smart_resize
 from common.image_geometry import Grid, ImageGeometryError
 from common.video.limits import VideoError
 
