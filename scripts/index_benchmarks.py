@@ -20,13 +20,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "docs" / "benchmarks"
 INDEX = "README.md"
+HISTORY = "history.md"  # the diary of steps moved out of BENCHMARKS.md: prose, not a raw file
+NOT_RAW = frozenset({INDEX, HISTORY})
 _NAME = re.compile(r"^(?P<card>[a-z0-9]+)-(?P<date>\d{4}-\d{2}-\d{2})(?P<session>[a-z]?)(?:-(?P<what>.*))?$")
 _RUN_CALL = re.compile(r"^(run|call)\d+$")  # a session's runs, not a section
 _HEADER = """# Raw benchmark files
 
 Every file here, indexed by `scripts/index_benchmarks.py` (do not edit the table by hand; run it after adding
-files, and `tests/bench/test_benchmark_index.py` checks it). BENCHMARKS.md quotes these files; the date's
-letter (`2026-12-02b`) tells apart sessions of one day, `runN`/`callN` the runs of a session.
+files, and `tests/bench/test_benchmark_index.py` checks it). BENCHMARKS.md and the diary of steps,
+[history.md](history.md), quote these files; the date's letter (`2026-12-02b`) tells apart sessions of one
+day, `runN`/`callN` the runs of a session.
 
 | date | card | section | file |
 |---|---|---|---|
@@ -80,8 +83,8 @@ def entry(path: Path) -> Entry:
 
 
 def raw_files(directory: Path = BENCH_DIR) -> list[Path]:
-    """Every file the index covers: all but the index itself."""
-    return sorted(p for p in directory.iterdir() if p.is_file() and p.name != INDEX)
+    """Every file the index covers: all but the index itself and the history."""
+    return sorted(p for p in directory.iterdir() if p.is_file() and p.name not in NOT_RAW)
 
 
 def render(directory: Path = BENCH_DIR) -> str:

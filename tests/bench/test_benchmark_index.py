@@ -39,3 +39,11 @@ def test_a_row_takes_date_card_and_section_from_the_name_and_contents(tmp_path):
     assert (merged.date, merged.card, merged.section) == ("2026-12-07b", "h100", "ttft, soak")
     log = rows["h200-2026-12-08-run3-soak-encoder.log"]
     assert (log.date, log.card, log.section) == ("2026-12-08", "h200", "soak-encoder (log)")
+
+
+def test_the_index_and_the_history_are_not_raw_files(tmp_path):
+    indexer = _indexer()
+    for name in ("README.md", "history.md", "h200-2026-12-05-call2-results.json"):
+        (tmp_path / name).write_text("{}")
+    assert [p.name for p in indexer.raw_files(tmp_path)] == ["h200-2026-12-05-call2-results.json"]
+    assert (indexer.BENCH_DIR / indexer.HISTORY).is_file()
