@@ -437,3 +437,36 @@ def test_an_inline_answer_holds_no_lease_to_give_back(encoder):
     context = _Context(cancelled=True)
     encoder.call(encoder.servicer.Encode(encode_request(image_bytes(742), accept=[INLINE]), context))
     assert context.callbacks == [] and encoder.stats().active_leases == 0
+
+
+def _until_cached(encoder, key: str, salt: str) -> None:
+    """Wait (counted in asks, bounded) until the entry of `key` under `salt` is in the cache."""
+    for _ in range(3000):
+        if encoder.stub.Lookup(encoder_pb2.LookupRequest(content_hashes=[key], cache_salt=salt),
+                               timeout=10).cached[0]:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the file sent ahead never reached the cache")
+
+
+@pytest.mark.parametrize("needed_now", [True, False])
+def test_a_file_sent_ahead_makes_its_own_requests_encode_a_miss(encoder, needed_now):
+    """A decoder sends a new file ahead (Prefetch, needed_now) and its request then asks by hash: that ask
+    is the miss the file was (cache_hit false, no hit counted), found ready or not; the next ask is a hit.
+    A plain Prefetch (lookahead) owes no miss: the first ask is a hit."""
+    from common.hashing import hash_image_file
+
+    data, salt = image_bytes(640 + needed_now), f"ahead-{needed_now}"
+    key = hash_image_file(data, encoder.servicer.vision.fingerprint, salt)
+    hits = encoder.stats().hits
+    assert encoder.stub.Prefetch(encoder_pb2.PrefetchRequest(
+        images=[common_pb2.ImageInput(data=data)], cache_salt=salt, needed_now=needed_now),
+        timeout=60).accepted == 1
+    _until_cached(encoder, key, salt)
+    by_hash = encoder_pb2.EncodeRequest(images=[common_pb2.ImageInput(content_hash=key)], cache_salt=salt,
+                                        accept=[INLINE])
+    first = encoder.stub.Encode(by_hash, timeout=30).embeddings[0]
+    assert first.content_hash == key and first.cache_hit is not needed_now
+    assert encoder.stats().hits == hits + (not needed_now)
+    assert encoder.stub.Encode(by_hash, timeout=30).embeddings[0].cache_hit
+    assert encoder.stats().hits == hits + 1 + (not needed_now)

@@ -47,3 +47,10 @@ def test_a_video_decoded_on_its_lane_counts_as_preprocess():
     assert split["preprocess"] == 4.5 and split["queue"] == 0.5
     assert split["tower"] == 2.0 and split["decode"] == 1.0
     assert sum(split.values()) == pytest.approx(8.5)
+
+
+def test_the_job_that_finished_last_sets_the_wait_whatever_its_place_in_the_list():
+    slow = JobTimes(0.0, 0.0, 0.5, 1.0, 3.0)  # listed first, finished last
+    fast = JobTimes(0.0, 0.0, 0.1, 0.2, 1.0)
+    split = split_encode(0.0, 0.0, 0.0, 0.0, 3.0, [slow, fast, None])
+    assert split["tower"] == 2.0 and split["preprocess"] == 0.5 and split["handoff"] == 0.0

@@ -2,7 +2,9 @@
 attempt timeout, and past the unreachable-encoder deadline, while the encoder answers stats calls, and
 gets the embedding from that one call; an encoder busy past `busy_timeout_s` fails the image with
 DEADLINE_EXCEEDED ("busy"), not UNAVAILABLE. A real gRPC server on 127.0.0.1 plays the encoder; its
-Encode answers only after a number of stats calls, so the waits are counted, not timed."""
+Encode answers only after a number of stats calls, so the waits are counted, not timed: the source's
+deadlines run on a clock that moves one attempt timeout at each stats call the encoder answers (a busy
+wait), and not at all otherwise, so a loaded machine cannot make the encoder look unreachable."""
 
 from __future__ import annotations
 
@@ -14,22 +16,55 @@ import grpc
 import pytest
 
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
+from decoder_svc.encoders import remote_source
 from decoder_svc.encoders.remote_source import RemoteEmbeddingSource, RetryPolicy
 from decoder_svc.engine.embedding_source import EmbeddingRequest, EmbeddingState
 
 HASH = "ab" * 32
 BOUND_S = 30.0  # bounds waits for what takes milliseconds; no test measures it
-# Slices of 0.1 s and an unreachable deadline of 0.25 s: an encoder that needs four stats calls before
-# it answers is busy for longer than an unreachable one is waited for.
-POLICY = RetryPolicy(attempt_timeout_s=0.1, total_timeout_s=0.25, busy_timeout_s=BOUND_S,
+ATTEMPT_S = 1.0  # also the stats call's timeout: ample for a loopback call on a loaded machine
+# An unreachable deadline of 2.5 attempts: an encoder that needs three stats calls before it answers is
+# busy for longer (on the source's clock, _Clock) than an unreachable one is waited for.
+POLICY = RetryPolicy(attempt_timeout_s=ATTEMPT_S, total_timeout_s=2.5 * ATTEMPT_S, busy_timeout_s=BOUND_S,
                      initial_backoff_s=0.01, max_backoff_s=0.02)
+
+
+class _Clock:
+    """The source's `time`: monotonic time that moves `step` (ATTEMPT_S unless a test says) at each stats
+    call answered (`tick`) and by what the source sleeps; the waits themselves are real (gRPC's)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.step = ATTEMPT_S
+        self._lock = threading.Lock()
+
+    def monotonic(self) -> float:
+        with self._lock:
+            return self.now
+
+    def tick(self) -> None:
+        with self._lock:
+            self.now += self.step
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+        with self._lock:
+            self.now += seconds
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch) -> _Clock:
+    clock = _Clock()
+    monkeypatch.setattr(remote_source, "time", clock)
+    return clock
 
 
 class _BusyEncoder(encoder_pb2_grpc.EncoderServiceServicer):
     """Answers an Encode once it has been asked for its stats `probes` times (None: never)."""
 
-    def __init__(self, probes: int | None) -> None:
+    def __init__(self, probes: int | None, clock: _Clock | None = None) -> None:
         self.needed = probes
+        self.clock = clock
         self.cond = threading.Condition()
         self.probes = self.encodes = self.abandoned = 0
         self.time_left_when_abandoned: list[float] = []  # of each abandoned call's own deadline, seconds
@@ -37,6 +72,8 @@ class _BusyEncoder(encoder_pb2_grpc.EncoderServiceServicer):
     def GetStats(self, request, context):  # noqa: N802 - the gRPC method's name
         with self.cond:
             self.probes += 1
+            if self.clock is not None:
+                self.clock.tick()  # a busy wait of one attempt has passed
             self.cond.notify_all()
         return encoder_pb2.EncoderStats()
 
@@ -93,19 +130,25 @@ def _fetch(address: str, policy: RetryPolicy = POLICY) -> tuple[EmbeddingState, 
         source.close()
 
 
-def test_a_busy_encoder_is_waited_for_on_one_open_call(serve):
-    encoder = _BusyEncoder(probes=4)
+def test_a_busy_encoder_is_waited_for_on_one_open_call(serve, clock):
+    encoder = _BusyEncoder(probes=3, clock=clock)
+    start = clock.monotonic()
     state, code, error, busy_waits = _fetch(serve(encoder))
     assert state == EmbeddingState.READY, f"a busy encoder was taken for an unreachable one: {code} {error}"
-    assert encoder.encodes == 1 and encoder.probes >= 4 and busy_waits >= 4
+    assert encoder.encodes == 1 and encoder.probes == 3 and busy_waits == 3
+    assert clock.monotonic() - start > POLICY.total_timeout_s  # open past the unreachable deadline
 
 
-def test_an_encoder_busy_past_the_busy_timeout_is_deadline_exceeded(serve):
-    encoder = _BusyEncoder(probes=None)
+def test_an_encoder_busy_past_the_busy_timeout_is_deadline_exceeded(serve, clock):
+    # Each busy wait moves the source's clock 10 s: the third passes the busy timeout of 25 s, long before
+    # the Encode's own gRPC deadline (25 s of real time) could end it instead.
+    clock.step = 10.0
+    encoder = _BusyEncoder(probes=None, clock=clock)
     state, code, error, busy_waits = _fetch(serve(encoder), RetryPolicy(
-        attempt_timeout_s=0.1, total_timeout_s=0.25, busy_timeout_s=0.6, initial_backoff_s=0.01))
+        attempt_timeout_s=ATTEMPT_S, total_timeout_s=2.5 * ATTEMPT_S, busy_timeout_s=25.0,
+        initial_backoff_s=0.01))
     assert state == EmbeddingState.FAILED and code == "DEADLINE_EXCEEDED", (code, error)
-    assert "busy" in error and "unreachable" not in error.split("(")[0] and busy_waits >= 3
+    assert "busy" in error and "unreachable" not in error.split("(")[0] and busy_waits == 3
     assert encoder.encodes == 1
 
 

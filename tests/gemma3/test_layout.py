@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from common.checkpoint import load_config
 from common.families.gemma3 import FAMILY
-from common.families.gemma3.layout import Gemma3ImageLayout, UnsupportedGemmaConfigError, gemma3_layout
+from common.families.gemma3.layout import (
+    PAN_AND_SCAN_DEFAULTS,
+    Gemma3ImageLayout,
+    PanAndScan,
+    UnsupportedGemmaConfigError,
+    gemma3_layout,
+)
+from common.hashing import hash_image_file
+from common.image_geometry import hash_fingerprint
 from tests.gemma3.conftest import sample_images
 
 
@@ -87,3 +96,21 @@ def test_processor_count_must_match() -> None:
 def test_processor_size_must_match() -> None:
     with pytest.raises(UnsupportedGemmaConfigError, match="vision tower takes 896x896"):
         gemma3_layout(_config(), {}, {"size": {"height": 448, "width": 448}})
+
+
+def test_every_crop_setting_changes_the_image_hash() -> None:
+    """Cache correctness: two crop rules cut the same bytes into different pixels, so their images never
+    share a content hash (each setting the config gives, crops on by the checkpoint or by a request)."""
+    assert set(PAN_AND_SCAN_DEFAULTS) == {f"pan_and_scan_{f.name}" for f in fields(PanAndScan)}
+    data = b"the same image file"
+    for crops_on in (True, False):
+        processor = {**IMAGE_PROCESSOR, "do_pan_and_scan": crops_on}
+        plain = gemma3_layout(_config(), {}, processor)
+        hashes = {hash_image_file(data, hash_fingerprint("fp", plain.crops(True)))}
+        for name, default in PAN_AND_SCAN_DEFAULTS.items():
+            other = gemma3_layout(_config(), {}, {**processor, name: default * 2})
+            key = hash_image_file(data, hash_fingerprint("fp", other.crops(True)))
+            assert key not in hashes, name
+            hashes.add(key)
+            # without crops the rule changes nothing: the plain image's hash
+            assert hash_fingerprint("fp", other.crops(False)) == hash_fingerprint("fp", plain.crops(False))

@@ -116,38 +116,54 @@ class Pair:
                 time.sleep(0.1)
 
 
+def up_command(model: str, gateway_port: int) -> list[str]:
+    """The command start_up runs: `mmserve up` on free ports (tests of the harness replace it)."""
+    return [sys.executable, "-m", "common.cli", "up", "--model", model, "--encoder-port", str(free_port()),
+            "--decoder-port", str(free_port()), "--gateway-port", str(gateway_port)]
+
+
+def kill_group(up: subprocess.Popen) -> None:
+    """Kill `mmserve up` and every process it started (its encoder, decoder and gateway share its process
+    group: start_up starts it in a session of its own), then reap it."""
+    try:
+        os.killpg(up.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is empty: up and its services have all exited
+    up.kill()  # a no-op once it has exited; never a wait on an `up` left running
+    up.wait()
+
+
 def start_up(tmp_path: Path, model: str, env_extra: dict[str, str] | None = None,
              timeout: float = 240.0) -> tuple[subprocess.Popen, Path, int]:
     """`mmserve up --model model` on free ports, waited for until it says it is up: (process, its log,
-    the gateway's port). The caller stops it (SIGINT) and kills it if that fails."""
+    the gateway's port). In a process group of its own: the caller stops it (SIGINT) and, whatever
+    happened, kills its group (kill_group), so no service outlives a failed test."""
     env = {**os.environ, "MMSERVE_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     port = free_port()
     log_path = tmp_path / "up.log"
     with log_path.open("w") as log:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "up", "--model", model, "--encoder-port", str(free_port()),
-             "--decoder-port", str(free_port()), "--gateway-port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    deadline = time.monotonic() + timeout
-    while "mmserve is up" not in log_path.read_text():
-        if up.poll() is not None or time.monotonic() > deadline:
-            up.kill()
-            up.wait()
-            raise AssertionError(f"mmserve up did not come up:\n{log_path.read_text()}")
-        time.sleep(0.5)
+        up = subprocess.Popen(up_command(model, port), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                              env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while "mmserve is up" not in log_path.read_text():
+            if up.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"mmserve up did not come up:\n{log_path.read_text()}")
+            time.sleep(0.5)
+    except BaseException:
+        kill_group(up)
+        raise
     return up, log_path, port
 
 
 @contextmanager
 def running_up(tmp_path: Path, model: str, **kwargs) -> Iterator[tuple[subprocess.Popen, Path, int]]:
     """start_up's (process, log, port) for the block; after it, `mmserve up` must stop on SIGINT with exit
-    status 0 (killed if the block raised or it did not stop)."""
+    status 0. Its process group is killed after the block, whether it raised or `up` did not stop."""
     up, log_path, port = start_up(tmp_path, model, **kwargs)
     try:
         yield up, log_path, port
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        kill_group(up)

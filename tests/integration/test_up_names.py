@@ -8,7 +8,7 @@ import shutil
 import signal
 
 from tests.hub_cache import lay_out_hub_cache
-from tests.integration.harness import start_up
+from tests.integration.harness import kill_group, start_up
 
 
 def _up_and_ask(tmp_path, model: str, name: str, env_extra: dict[str, str], listed: list[str] | None = None
@@ -30,9 +30,7 @@ def _up_and_ask(tmp_path, model: str, name: str, env_extra: dict[str, str], list
         assert up.wait(timeout=60) == 0
         return log_path.read_text()
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        kill_group(up)
 
 
 def test_up_serves_a_directory_under_its_name(tmp_path, tiny_model_dir):

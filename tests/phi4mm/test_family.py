@@ -5,6 +5,7 @@ and its layout refuses what it cannot count."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields, replace
 
 import pytest
 
@@ -13,6 +14,7 @@ from common.families import family_for_preset, family_of
 from common.families.family import load_attr
 from common.families.phi4mm import FAMILY
 from common.families.phi4mm.layout import Phi4ImageLayout, UnsupportedPhi4ConfigError, phi4_layout
+from common.families.phi4mm.pixels import PixelSettings
 from common.families.registry import FAMILIES, NOT_SERVED_YET
 
 
@@ -55,3 +57,33 @@ def test_grids_and_counts(phi4_tiny_dir):
     with pytest.raises(Exception, match="dynamic_hd"):
         layout.check_grid([1, 16 * 5, 16 * 4])  # 20 crops > 16
     assert layout.generic_image_text("<|image|>") == "<|image|>" and layout.tokens_per_image is None
+
+
+def _altered(value):
+    """Other values of a setting: each channel of a tuple changed on its own, a number doubled."""
+    if isinstance(value, tuple):
+        return [value[:i] + (value[i] * 2 + 0.125,) + value[i + 1:] for i in range(len(value))]
+    return [value * 2]
+
+
+def test_every_pixel_setting_changes_the_image_hash():
+    """Cache correctness: the HD transform's settings (the image processor config, which the checkpoint's
+    fingerprint does not cover) all change an image's pixels, so each is in the hash key."""
+    base = PixelSettings()
+    keys = {Phi4ImageLayout(base).hash_key}
+    for field in fields(PixelSettings):
+        for value in _altered(getattr(base, field.name)):
+            key = Phi4ImageLayout(replace(base, **{field.name: value})).hash_key
+            assert key not in keys, (field.name, value)
+            keys.add(key)
+
+
+def test_the_configs_normalisation_reaches_the_hash_key():
+    config = {"model_type": "phi4_multimodal"}
+    default = phi4_layout(config, {}).hash_key
+    for name in ("image_mean", "image_std"):
+        for channel in range(3):
+            values = [0.5, 0.5, 0.5]
+            values[channel] = 0.25
+            assert phi4_layout(config, {name: values}).hash_key != default, (name, channel)
+    assert phi4_layout(config, {"rescale_factor": 1 / 127.5}).hash_key != default

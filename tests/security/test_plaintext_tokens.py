@@ -10,10 +10,12 @@ import pytest
 
 from common.security.options import (
     SecurityConfigError,
+    add_client_args,
     add_server_args,
+    client_security_from_args,
     server_security_from_args,
 )
-from common.security.plaintext import is_loopback
+from common.security.plaintext import PlaintextTokenError, check_client_token, is_loopback
 from gateway.main import main as gateway_main
 
 
@@ -95,3 +97,35 @@ def test_services_stop_at_start_with_one_line(tmp_path, tokens_file, capsys, mon
         assert main(["--model", model, "--port", "0", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert "plaintext" in err[-1] and opt_in in err[-1], err
+
+
+def _client(prefix: str, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_client_args(parser, prefix)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("prefix", ["", "encoder-"])
+def test_a_token_from_the_environment_is_refused_in_plaintext_off_loopback(prefix, monkeypatch):
+    """Options only: nothing connects. A token in $MMSERVE_[ENCODER_]TOKEN is a token like one in a file."""
+    env = "MMSERVE_" + prefix.upper().replace("-", "_")
+    for name in ("TOKEN_FILE", "TLS_CA", "TLS_CERT", "TLS_KEY", "TLS_SERVER_NAME"):
+        monkeypatch.delenv(env + name, raising=False)
+    monkeypatch.setenv(env + "TOKEN", "an-environment-token-long-enough")
+    remote = ["127.0.0.1:50052", "10.1.2.3:50052"]
+    with pytest.raises(SecurityConfigError, match="plaintext to 10.1.2.3:50052") as err:
+        client_security_from_args(_client(prefix), prefix, remote)
+    assert f"--{prefix}allow-plaintext-token" in str(err.value)
+    allowed = client_security_from_args(_client(prefix, f"--{prefix}allow-plaintext-token"), prefix, remote)
+    assert allowed.token == "an-environment-token-long-enough"
+    assert client_security_from_args(_client(prefix), prefix, ["127.0.0.1:50052"]).token
+    monkeypatch.delenv(env + "TOKEN")
+    assert client_security_from_args(_client(prefix), prefix, remote).token is None  # nothing to leak
+
+
+def test_every_target_is_checked_not_only_the_first():
+    targets = ["127.0.0.1:50051", "localhost:50052", "10.0.0.9:50053"]
+    with pytest.raises(PlaintextTokenError, match="plaintext to 10.0.0.9:50053"):
+        check_client_token(targets, tls=False, token=True, allowed=False)
+    check_client_token(targets[:2], tls=False, token=True, allowed=False)  # all on loopback
+    check_client_token(targets, tls=True, token=True, allowed=False)

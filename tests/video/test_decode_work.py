@@ -13,7 +13,7 @@ from common.video import decode as decode_module
 from common.video.decode import DecodeAbandoned, decode_video, plan_decoding
 from common.video.limits import VideoError, VideoLimits
 from common.video.pipeline import plan_video
-from common.video.schedule import DecodeSchedule
+from common.video.schedule import DecodeRun, DecodeSchedule, PacketIndex, schedule_decoding
 from tests.video.media import frame_colour, make_video
 
 FRAME_BYTES = 64 * 48 * 3
@@ -94,3 +94,37 @@ def test_decoding_stops_at_the_next_frame_once_nobody_wants_it(one_keyframe) -> 
     with pytest.raises(DecodeAbandoned):
         decode_video(one_keyframe, lambda info: np.array([0, 599]), keep_going=keep_going)
     assert len(asked) == 3  # three frames decoded of the 600 the sampled ones need
+
+
+def test_a_sampled_keyframe_is_decoded_from_itself() -> None:
+    index = PacketIndex(tuple(range(0, 1000, 10)), (0, 30, 60, 90))
+    schedule = schedule_decoding(index, [5, 60, 90])
+    assert schedule.runs == (DecodeRun(None, 0, 5), DecodeRun(600, 60, 60), DecodeRun(900, 90, 90))
+    assert schedule.frames_to_decode == 8
+    assert schedule_decoding(index, [30]).runs == (DecodeRun(300, 30, 30),)
+
+
+def test_the_in_order_fallback_counts_the_frames_already_decoded(long_video, monkeypatch) -> None:
+    """The packet index did not fit the stream after some frames were decoded: decoding in order (600 frames,
+    exactly the cap on its own) is refused, since the frames decoded before it count toward the cap."""
+    real = decode_module._decode
+    tried = []
+
+    def index_misfits(data, limits, indices, info, schedule, progress):
+        if not tried:  # the scheduled decode runs, then its frames turn out not to match the index
+            tried.append(real(data, limits, indices, info, schedule, progress) is not None)
+            assert progress.decoded > 0
+            raise decode_module._IndexMismatch
+        return real(data, limits, indices, info, schedule, progress)
+
+    monkeypatch.setattr(decode_module, "_decode", index_misfits)
+    _, _, schedule = plan_decoding(long_video, lambda info: np.array([0, 599]))
+    limits = VideoLimits(max_decode_bytes=FRAME_BYTES * 600)
+    with pytest.raises(VideoError) as error:
+        decode_video(long_video, lambda info: np.array([0, 599]), limits)
+    assert tried and f"decoding {schedule.frames_to_decode + 600} frames of 64x48" in str(error.value)
+    # within a cap that has room for both, the fallback decodes
+    roomy = VideoLimits(max_decode_bytes=FRAME_BYTES * (600 + schedule.frames_to_decode))
+    tried.clear()
+    video = decode_video(long_video, lambda info: np.array([0, 599]), roomy)
+    assert video.frames_decoded == schedule.frames_to_decode + 600

@@ -186,6 +186,18 @@ def test_prefetch_then_encode_runs_the_tower_once(encoder):
     encoder.release_all(response)
 
 
+def test_a_video_miss_counts_its_lane_and_tower_in_their_stages(encoder):
+    """A video's wait splits into preprocess (its frames decoded on the lane) and tower, as an image's does;
+    without the worker's stamps of its job both would be zero and the time would land in handoff."""
+    before = encoder.stats().stage_seconds
+    response = _encode(encoder, common_pb2.VideoInput(data=VIDEO), salt="stages")
+    assert not response.embeddings[0].cache_hit
+    encoder.release_all(response)
+    after = encoder.stats().stage_seconds
+    delta = {stage: after[stage] - before.get(stage, 0.0) for stage in after}
+    assert delta["preprocess"] > 0 and delta["tower"] > 0, delta
+
+
 @pytest.fixture
 def no_decoding(monkeypatch):
     """Counts frame decodes the encoder starts."""

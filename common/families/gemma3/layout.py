@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -104,8 +104,9 @@ class PanAndScan:
         return across * down
 
     def key(self) -> str:
-        """Part of an image's content hash: the same bytes with and without crops are two embeddings."""
-        return f"pan_and_scan={self.min_crop_size},{self.max_num_crops},{self.min_ratio_to_activate!r}"
+        """Part of an image's content hash: the same bytes with and without crops, or cut by another rule,
+        are two embeddings. Every field of the rule, so a setting added to it cannot be left out."""
+        return "pan_and_scan=" + ",".join(repr(getattr(self, f.name)) for f in fields(self))
 
 
 @dataclass(frozen=True)

@@ -87,10 +87,9 @@ class Phi4ImageLayout(ImageLayout):
     def hash_key(self) -> str:
         """The HD transform's settings (the image processor config, which the checkpoint fingerprint does
         not cover): the same bytes under another dynamic_hd, crop, patch or normalisation are another
-        embedding. Both services append it to the fingerprint an image's content hash is made under."""
-        s = self.settings
-        return (f"|phi4hd={s.dynamic_hd},{s.crop_size},{s.patch_size},{list(s.image_mean)},"
-                f"{list(s.image_std)},{s.rescale_factor!r}")
+        embedding (PixelSettings.key: every field). Both services append it to the fingerprint an image's
+        content hash is made under."""
+        return "|phi4hd=" + self.settings.key()
 
     @property
     def unserved_markers(self) -> dict[str, str]:

@@ -22,7 +22,7 @@ width and height (num_tokens): the layout counts tokens from the header without 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,12 @@ class PixelSettings:
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     rescale_factor: float = 1 / 255
+
+    def key(self) -> str:
+        """Every setting as text, for the image's content hash: all of them change its pixels or its crops,
+        so a field added here is hashed without another edit."""
+        return ",".join(repr(list(v) if isinstance(v, tuple) else v)
+                        for v in (getattr(self, f.name) for f in fields(self)))
 
     @property
     def mask_size(self) -> int:
