@@ -44,8 +44,8 @@ def reuse_freed_blocks() -> bool:
 
     By default glibc maps fresh pages for each block past its adaptive threshold (a few MB, after the
     first one is freed) and trims the heap's top past twice that, so every request of a few MB pays
-    page faults for each copy of its bytes (docs/benchmarks/history.md, "Page faults on every request's bytes",
-    measured with bench/grpc_floor.py's server). What this keeps is bounded by HEAP_BLOCK_BYTES per
+    page faults for each copy of its bytes (docs/benchmarks/history.md, "Page faults on every request's
+    bytes", measured with bench/grpc_floor.py's server). What this keeps is bounded by HEAP_BLOCK_BYTES per
     arena's top, and `release_freed_memory` still returns it after large jobs.
     """
     if _MALLOPT is None:
