@@ -37,7 +37,7 @@ from common.client import new_lease_owner
 from common.image_geometry import PixelRange
 from common.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 from common.vision.encoders import make_vision_encoder
-from encoder_svc.stages import STAGES
+from encoder_svc.stages import STAGES, TOWER_THREAD_PHASES
 
 MIXED_SIZES = ((224, 224), (448, 336), (640, 480), (800, 800), (1024, 768), (1280, 720))
 
@@ -294,15 +294,33 @@ def stage_split(before: dict, after: dict) -> dict:
     return {stage: 1000 * (float(sec1[stage]) - float(sec0.get(stage, 0.0))) / max(n, 1) for stage in sec1}
 
 
+def tower_thread_split(before: dict, after: dict, wall_s: float) -> dict:
+    """Between two GetStats snapshots: the tower thread's seconds per phase as fractions of the wall time,
+    the mean batch, and the GPU's busy fraction (tower_gpu_seconds over the wall time; 0 on a CPU)."""
+    sec0, sec1 = before.get("tower_thread_seconds", {}), after.get("tower_thread_seconds", {})
+    batches = int(after.get("vision_batches", 0)) - int(before.get("vision_batches", 0))
+    images = int(after.get("encodes", 0)) - int(before.get("encodes", 0))
+    out = {phase: (float(sec1[phase]) - float(sec0.get(phase, 0.0))) / wall_s for phase in sec1}
+    gpu = float(after.get("tower_gpu_seconds", 0.0)) - float(before.get("tower_gpu_seconds", 0.0))
+    out.update(batches=batches, mean_batch=images / max(batches, 1), gpu_busy=gpu / wall_s)
+    return out
+
+
 def service_level(address: str, name: str, items: list, clients: int, tokens: int, cuda: bool) -> dict:
-    """One gRPC level (encode_level) with its tokens/s and the encoder's stage split over it; printed."""
+    """One gRPC level (encode_level) with its tokens/s, the encoder's stage split and its tower thread's
+    split over it; printed."""
     before = encoder_stats(address)
     result = asyncio.run(encode_level(address, items, clients, cuda))
-    result.update(name=name, tokens_per_s=tokens / result["wall_s"],
-                  stages_ms=stage_split(before, encoder_stats(address)))
+    after = encoder_stats(address)
+    result.update(name=name, tokens_per_s=tokens / result["wall_s"], stages_ms=stage_split(before, after),
+                  tower_thread=tower_thread_split(before, after, result["wall_s"]))
     stages = " ".join(f"{k} {result['stages_ms'].get(k, 0.0):.1f}" for k in STAGES)
+    thread = result["tower_thread"]
+    phases = " ".join(f"{k} {thread.get(k, 0.0):.2f}" for k in TOWER_THREAD_PHASES)
     print(f"  {name} c={clients}: {result['items_per_s']:.1f}/s, p50 {result['latency']['p50_ms']:.1f} ms, "
-          f"{result['tokens_per_s']:.0f} tokens/s; stages ms/Encode: {stages}", flush=True)
+          f"{result['tokens_per_s']:.0f} tokens/s; stages ms/Encode: {stages}; tower thread (share of wall): "
+          f"{phases}; {thread['batches']} batches of {thread['mean_batch']:.1f}; GPU busy "
+          f"{thread['gpu_busy']:.2f}", flush=True)
     return result
 
 

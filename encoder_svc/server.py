@@ -558,6 +558,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             decode_processes=0 if pool is None or pool.disabled else len(pool.pids),
             decode_restarts=0 if pool is None else pool.restarts,
             stage_seconds=stage_seconds, encode_calls=encode_calls, tower_gpu_seconds=w.tower_gpu_s,
+            tower_thread_seconds=w.thread_times.snapshot()[0],
             model_fingerprint=self.vision.fingerprint, device=str(self.vision.device),
             transports=transport_names(self.served))
 

@@ -22,6 +22,14 @@ from dataclasses import dataclass
 
 STAGES = ("receive", "decode", "queue", "preprocess", "tower", "handoff")
 
+# Where the tower thread's own time goes (VisionWorker), summed over its batches: waiting for work
+# (`idle`), for the batch's preparations (`prepare_wait`), launching the tower (`launch`: on a GPU the
+# host's side of it, which blocks once the device's queue is full), storing the rows in the cache
+# (`store`), and the fence on batches in flight (`fence`). Beside tower_gpu_seconds it says whether
+# the device waits for the host (idle or prepare_wait large while the GPU is not busy) or the host for
+# the device (launch or fence large).
+TOWER_THREAD_PHASES = ("idle", "prepare_wait", "launch", "store", "fence")
+
 
 @dataclass
 class JobTimes:

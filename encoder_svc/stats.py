@@ -48,6 +48,9 @@ class EncoderStats:
     stage_seconds: dict = stat("Seconds of Encode time per stage (receive, decode, queue, preprocess, "
                                "tower, handoff)", "labels", label="stage", metric="encode_stage_seconds")
     encode_calls: int = stat("Encode RPCs answered (the stage sums' count)")
+    tower_thread_seconds: dict = stat("Seconds of the vision tower's thread per phase (idle, prepare_wait, "
+                                      "launch, store, fence), summed over vision_batches", "labels",
+                                      label="phase", metric="tower_thread_seconds")
     tower_gpu_seconds: float = stat("Device seconds of finished vision-tower batches (CUDA events; 0 on "
                                        "a CPU)", default=0.0)
     model_fingerprint: str = stat("The checkpoint's fingerprint", "info", default="")

@@ -53,13 +53,14 @@ from PIL import Image
 
 from common.families.encoder import VisionEncoder
 from common.image_geometry import ImageSettings
+from common.stage_totals import StageTotals
 from common.thread_names import set_native_thread_name
 from encoder_svc.cache import EmbeddingCache, ProductionAbandoned, ShuttingDownError
 from encoder_svc.decoded_image import DecodedImage
 from encoder_svc.defaults import DEFAULT_MAX_BATCH_IMAGES, default_preprocess_threads
 from encoder_svc.memory_return import input_nbytes, return_memory_after
 from encoder_svc.prep_threads import PrepTask, PrepThreads
-from encoder_svc.stages import JobTimes
+from encoder_svc.stages import TOWER_THREAD_PHASES, JobTimes
 from encoder_svc.videos import VideoJob
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class VisionWorker:
         self._device_timers: deque = deque()  # (start, end) CUDA events of batches not yet read
         self._device_lock = threading.Lock()
         self._tower_gpu_s = 0.0
+        self.thread_times = StageTotals(TOWER_THREAD_PHASES)  # per batch: where the tower thread waited
         if vision.device.type == "cuda":
             # Lower number = higher priority; 0 is the default (lowest) priority.
             low, high = torch.cuda.Stream.priority_range()
@@ -278,18 +280,23 @@ class VisionWorker:
     def _run(self) -> None:
         set_native_thread_name("vision-worker")
         while True:
+            idle_from = time.perf_counter()
             batch = self._next_batch()
             if batch is None:
                 return
             if batch:
+                phases = {"idle": time.perf_counter() - idle_from}
                 self._batch_since = self._progress_at = time.monotonic()
                 try:
-                    self._run_batch(batch)
+                    self._run_batch(batch, phases)
+                    fence_from = time.perf_counter()
                     self._wait_for_device()
+                    phases["fence"] = time.perf_counter() - fence_from
                     self._collect_device_times()
                 finally:
                     self._batch_since = None
                     self._progress_at = time.monotonic()
+                    self.thread_times.add(phases)
 
     def stalled_for_s(self) -> float:
         """Seconds the tower has owed work without a step: since the batch in progress began (preparing
@@ -332,8 +339,12 @@ class VisionWorker:
                 out.append((job, prepared))
         return out
 
-    def _run_batch(self, jobs: list[_Job]) -> None:
+    def _run_batch(self, jobs: list[_Job], phases: dict[str, float]) -> None:
+        """Run jobs' prepared inputs through the tower and store the rows; phases gains the seconds this
+        thread waited for the preparations and spent launching and storing."""
+        waited_from = time.perf_counter()
         batch = self._prepared(jobs)
+        phases["prepare_wait"] = time.perf_counter() - waited_from
         if not batch:
             return
         t0 = time.monotonic()
@@ -343,14 +354,14 @@ class VisionWorker:
                 with torch.cuda.stream(stream):
                     start = torch.cuda.Event(enable_timing=True)
                     start.record(stream)
-                    self._encode_and_store(batch)
+                    self._encode_and_store(batch, phases)
                     done = torch.cuda.Event(enable_timing=True)
                     done.record(stream)
                     self._in_flight.append((done, len(batch)))
                     with self._device_lock:
                         self._device_timers.append((start, done))
             else:
-                self._encode_and_store(batch)
+                self._encode_and_store(batch, phases)
         except Exception as exc:  # the tower failed: every job of the batch fails, the worker lives on
             log.exception("vision batch of %d failed", len(batch))
             for job, _ in batch:
@@ -362,22 +373,24 @@ class VisionWorker:
             job.prepared = None  # the inputs go now, so that a large batch's memory can be given back
         return_memory_after(nbytes)
 
-    def _encode_and_store(self, batch: list[tuple[_Job, object]]) -> None:
+    def _encode_and_store(self, batch: list[tuple[_Job, object]], phases: dict[str, float]) -> None:
         started = time.perf_counter()
         for job, _ in batch:
             job.times.tower_start = started
         # CUDA graphs for demand batches only: their static buffers belong to one stream (graphs.py)
         feats = self.vision.encode_prepared([prepared for _, prepared in batch],
                                             use_graphs=batch[0][0].priority == DEMAND)
-        ended = time.perf_counter()
-        for job, _ in batch:
-            job.times.tower_end = ended
+        launched = time.perf_counter()
+        phases["launch"] = launched - started
+        for job, _ in batch:  # before complete_many: an Encode woken by it reads the stamps
+            job.times.tower_end = launched
         self.batches += 1
         self.encodes += len(batch)
         grids = [getattr(prepared, "grid", ()) for _, prepared in batch]  # Qwen-VL images have one
         timings = [getattr(prepared, "timing", None) for _, prepared in batch]  # videos have one
         items = [(job.key, feat) for (job, _), feat in zip(batch, feats, strict=True)]
         self.cache.complete_many(items, grids, timings)
+        phases["store"] = time.perf_counter() - launched
 
     def images_per_s(self) -> float:
         """Images through the tower per second since the worker started."""

@@ -86,8 +86,15 @@ class LookupResponse(_message.Message):
     def __init__(self, cached: _Optional[_Iterable[bool]] = ..., grids: _Optional[_Iterable[_Union[_common_pb2.ImageGrid, _Mapping]]] = ...) -> None: ...
 
 class EncoderStats(_message.Message):
-    __slots__ = ("cache_bytes_used", "cache_bytes_capacity", "entries", "hits", "misses", "evictions", "leased_bytes", "active_leases", "encodes", "images_per_s", "expired_leases", "inflight_dedups", "prefetches", "model_fingerprint", "device", "stage_seconds", "encode_calls", "tower_gpu_seconds", "transports", "device_memory_allocated_bytes", "device_memory_reserved_bytes", "tower_graphs")
+    __slots__ = ("cache_bytes_used", "cache_bytes_capacity", "entries", "hits", "misses", "evictions", "leased_bytes", "active_leases", "encodes", "images_per_s", "expired_leases", "inflight_dedups", "prefetches", "model_fingerprint", "device", "stage_seconds", "encode_calls", "tower_gpu_seconds", "transports", "device_memory_allocated_bytes", "device_memory_reserved_bytes", "tower_graphs", "tower_thread_seconds", "vision_batches")
     class StageSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class TowerThreadSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +123,8 @@ class EncoderStats(_message.Message):
     DEVICE_MEMORY_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOWER_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    TOWER_THREAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VISION_BATCHES_FIELD_NUMBER: _ClassVar[int]
     cache_bytes_used: int
     cache_bytes_capacity: int
     entries: int
@@ -138,4 +147,6 @@ class EncoderStats(_message.Message):
     device_memory_allocated_bytes: int
     device_memory_reserved_bytes: int
     tower_graphs: int
-    def __init__(self, cache_bytes_used: _Optional[int] = ..., cache_bytes_capacity: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., active_leases: _Optional[int] = ..., encodes: _Optional[int] = ..., images_per_s: _Optional[float] = ..., expired_leases: _Optional[int] = ..., inflight_dedups: _Optional[int] = ..., prefetches: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., encode_calls: _Optional[int] = ..., tower_gpu_seconds: _Optional[float] = ..., transports: _Optional[str] = ..., device_memory_allocated_bytes: _Optional[int] = ..., device_memory_reserved_bytes: _Optional[int] = ..., tower_graphs: _Optional[int] = ...) -> None: ...
+    tower_thread_seconds: _containers.ScalarMap[str, float]
+    vision_batches: int
+    def __init__(self, cache_bytes_used: _Optional[int] = ..., cache_bytes_capacity: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., active_leases: _Optional[int] = ..., encodes: _Optional[int] = ..., images_per_s: _Optional[float] = ..., expired_leases: _Optional[int] = ..., inflight_dedups: _Optional[int] = ..., prefetches: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., encode_calls: _Optional[int] = ..., tower_gpu_seconds: _Optional[float] = ..., transports: _Optional[str] = ..., device_memory_allocated_bytes: _Optional[int] = ..., device_memory_reserved_bytes: _Optional[int] = ..., tower_graphs: _Optional[int] = ..., tower_thread_seconds: _Optional[_Mapping[str, float]] = ..., vision_batches: _Optional[int] = ...) -> None: ...

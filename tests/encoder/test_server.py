@@ -223,6 +223,13 @@ def test_stage_split_is_exported_and_adds_up_to_the_latency(encoder):
     assert sum(stage_sums.values()) == pytest.approx(latency, rel=1e-6)
     assert sum(after.stage_seconds.values()) == pytest.approx(latency, rel=1e-6)
     assert "mmserve_encoder_encode_stage_seconds_total" in text
+    # the tower thread's own split (encoder_svc/stages.py: TOWER_THREAD_PHASES), over its batches
+    from encoder_svc.stages import TOWER_THREAD_PHASES
+
+    assert set(after.tower_thread_seconds) == set(TOWER_THREAD_PHASES)
+    assert after.vision_batches - before.vision_batches == 1  # the hit ran no batch
+    assert after.tower_thread_seconds["launch"] > before.tower_thread_seconds.get("launch", 0.0)
+    assert 'mmserve_encoder_tower_thread_seconds_total{phase="launch"}' in text
 
 
 def test_cache_full_of_leases_is_resource_exhausted_then_recovers(tiny_model_dir):

@@ -314,3 +314,26 @@ def test_a_boosted_job_is_prepared_on_the_demand_threads_when_lookahead_preparat
         assert not slow.done()
         vision.prep_gate.set()
         slow.result(10)
+
+
+def test_the_tower_thread_accounts_every_batch_in_its_phases():
+    """GetStats' tower_thread_seconds: every batch (a failed one too) adds each phase once."""
+    from encoder_svc.stages import TOWER_THREAD_PHASES
+
+    class SometimesBroken(_FakeVision):
+        def encode_prepared(self, images, use_graphs=False):
+            if "bad" in images:
+                raise RuntimeError("tower exploded")
+            return super().encode_prepared(images, use_graphs)
+
+    vision = SometimesBroken()
+    with _running_worker(vision, max_batch_images=4) as (cache, worker):
+        _run_behind_a_busy_first_batch(vision, worker, cache, [(f"d{i}", DEMAND) for i in range(6)])
+        bad = _submit(cache, worker, "bad", DEMAND)
+        with contextlib.suppress(RuntimeError):
+            bad.result(10)
+        seconds, batches = worker.thread_times.snapshot()
+        assert worker.batches == 3 and batches == 4, "the failed batch is counted too"
+        assert set(seconds) == set(TOWER_THREAD_PHASES)
+        assert all(s >= 0.0 for s in seconds.values())
+        assert seconds["launch"] > 0.0 and seconds["idle"] > 0.0
