@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -42,3 +44,36 @@ def test_compiled_elementwise_steps_close_to_eager(qwen3_model_dir, qwen3_oracle
         assert (mine - ref).abs().max().item() < 1e-4
     encoder.tower.use_ops(Qwen3VisionOps)
     assert all(torch.equal(m, r) for m, r in zip(encoder.encode(qwen_images), refs, strict=True))
+
+
+class _RecordingGraphs:
+    """SignatureGraphs' interface on a CPU: runs the tower eagerly and records each call's grids."""
+
+    def __init__(self, tower, max_patches: int) -> None:
+        self.tower, self.max_patches, self.calls = tower, max_patches, []
+
+    def __call__(self, pixels, grids):
+        self.calls.append(list(grids))
+        return self.tower(pixels, grids)
+
+
+def test_a_demand_batch_larger_than_the_graphs_replays_them_run_by_run(qwen3_model_dir, qwen_images):
+    """encode_prepared(use_graphs=True) splits a batch into runs the graphs capture (at most max_patches
+    patch rows each; an image larger than that alone), and the rows equal one eager forward's."""
+    from common.families.qwen2_5_vl.encoder_base import graph_chunks
+
+    encoder = Qwen3VisionEncoder(qwen3_model_dir)
+    prepared = [encoder.prepare(image) for image in qwen_images] * 2
+    rows = [math.prod(p.grid) for p in prepared]
+    want = encoder.encode_prepared(prepared)
+    cap = max(rows) + min(rows)  # two images fit only where the smallest follows the largest
+    encoder.graphs = _RecordingGraphs(encoder.tower, cap)
+    got = encoder.encode_prepared(prepared, use_graphs=True)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    runs = encoder.graphs.calls
+    assert len(runs) > 1 and sum(len(r) for r in runs) == len(prepared)
+    assert all(sum(math.prod(g) for g in run) <= cap or len(run) == 1 for run in runs)
+    assert [p.grid for p in prepared] == [g for run in runs for g in run], "order kept"
+    assert graph_chunks(prepared, None) == [prepared]
+    assert [len(r) for r in graph_chunks(prepared, 1)] == [1] * len(prepared)
+    assert [len(r) for r in graph_chunks(prepared, sum(rows))] == [len(prepared)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,6 +37,25 @@ def load_qwen_image_processor(model_dir: str | Path):
     except ImportError:
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as Processor
     return Processor.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def graph_chunks(prepared: Sequence[PreparedGrid], max_patches: int | None) -> list[Sequence[PreparedGrid]]:
+    """prepared in consecutive runs of at most max_patches patch rows each (an image larger than that
+    alone); None: one run. A demand batch larger than the graphs capture (SignatureGraphs.max_patches)
+    then replays them run by run, each launch asynchronous, instead of running eagerly: planning on the
+    host and about 400 launches a forward."""
+    if max_patches is None:
+        return [prepared]
+    runs: list[Sequence[PreparedGrid]] = []
+    start, rows = 0, 0
+    for i, p in enumerate(prepared):
+        n = math.prod(p.grid)
+        if i > start and rows + n > max_patches:
+            runs.append(prepared[start:i])
+            start, rows = i, 0
+        rows += n
+    runs.append(prepared[start:])
+    return runs
 
 
 class QwenFamilyEncoder(VisionEncoder):
@@ -125,12 +145,15 @@ class QwenFamilyEncoder(VisionEncoder):
         """The tower over every prepared image (or video) at once; one embedding_shape tensor each."""
         if not prepared:
             return []
-        pixels = torch.cat([self._rows(p) for p in prepared]).to(self.dtype)
-        grids = [p.grid for p in prepared]
-        tower = self.graphs if use_graphs and self.graphs is not None else self.tower
-        features = tower(pixels, grids)
+        graphs = self.graphs if use_graphs else None
+        tower = graphs if graphs is not None else self.tower
+        out: list[torch.Tensor] = []
+        for chunk in graph_chunks(prepared, None if graphs is None else graphs.max_patches):
+            pixels = torch.cat([self._rows(p) for p in chunk]).to(self.dtype)
+            grids = [p.grid for p in chunk]
+            out += self._per_image(tower(pixels, grids), [self.layout.num_tokens(g) for g in grids])
         self._count(len(prepared))
-        return self._per_image(features, [self.layout.num_tokens(g) for g in grids])
+        return out
 
     @property
     def patches_videos_on_device(self) -> bool:
