@@ -59,6 +59,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--video-size", type=int, default=448)
     p.add_argument("--decode-threads-level", action="store_true",
                    help="also one client against an encoder decoding in its threads (--decode-processes 0)")
+    p.add_argument("--vision-quantization", default="none", choices=("none", "fp8"),
+                   help="fp8: also the FP8 tower in-process (figures, cosine to the full-precision one) and "
+                   "an encoder service started with it (its 1- and many-client levels)")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-service", action="store_true")
     p.add_argument("--out", default=None)
@@ -136,6 +139,32 @@ def tower_figures(enc, images: list[Image.Image], pixels: PixelRange, batches: l
     enc.tower.flash_attention = True
     if enc.graphs is not None:
         out["graph_replays"] = enc.graphs.replays
+    return out
+
+
+def quantized_figures(enc, images: list[Image.Image], pixels: PixelRange, batches: list[int],
+                      rounds: int, scheme: str) -> dict:
+    """The tower quantized (`enc.quantize(scheme)`, in place): images/s with graphs at each batch size and
+    each image's cosine to the full-precision tower's embedding (min and mean)."""
+    prepared = [enc.prepare(im, pixels) for im in images]
+    want = [e.float() for e in enc.encode_prepared(prepared)]
+    graphs = enc.graphs
+    enc.graphs = None  # graphs of the full-precision layers must not replay the quantized tower
+    out: dict = {"layers": len(enc.quantize(scheme))}
+    graphed = enc.capture_graphs(max(batches))
+    got = enc.encode_prepared(prepared)
+    cosines = [torch.nn.functional.cosine_similarity(g.float().flatten(), w.flatten(), dim=0).item()
+               for g, w in zip(got, want, strict=True)]
+    out.update(cosine_min=min(cosines), cosine_mean=float(np.mean(cosines)), graphs=graphed)
+    print(f"  {scheme} tower: {out['layers']} layers; cosine to full precision min {out['cosine_min']:.5f} "
+          f"mean {out['cosine_mean']:.5f}", flush=True)
+    for b in batches:
+        chunk = prepared[:b]
+        secs = timed(lambda chunk=chunk: enc.encode_prepared(chunk, use_graphs=graphed), enc.device, rounds)
+        out[f"b{b}_images_per_s"] = b / secs
+        print(f"  tower {scheme}{' graphs' if graphed else ''} batch {b}: {b / secs:.1f} images/s "
+              f"({1000 * secs:.1f} ms)", flush=True)
+    del graphs
     return out
 
 
@@ -301,6 +330,9 @@ def tower_thread_split(before: dict, after: dict, wall_s: float) -> dict:
     batches = int(after.get("vision_batches", 0)) - int(before.get("vision_batches", 0))
     images = int(after.get("encodes", 0)) - int(before.get("encodes", 0))
     out = {phase: (float(sec1[phase]) - float(sec0.get(phase, 0.0))) / wall_s for phase in sec1}
+    # the thread's idle time is booked when a batch starts, so the wait before the level's first batch
+    # would count: idle is the rest of the wall time here
+    out["idle"] = max(0.0, 1.0 - sum(v for k, v in out.items() if k != "idle"))
     gpu = float(after.get("tower_gpu_seconds", 0.0)) - float(before.get("tower_gpu_seconds", 0.0))
     out.update(batches=batches, mean_batch=images / max(batches, 1), gpu_busy=gpu / wall_s)
     return out
@@ -340,6 +372,19 @@ def service_figures(args: argparse.Namespace, enc_tokens, pixels: PixelRange) ->
         return [common_pb2.ImageInput(data=data, min_pixels=lo, max_pixels=hi) for data in pngs(images)]
 
     out: dict = {"levels": []}
+    if args.vision_quantization != "none":  # the quantized encoder first: same-size levels only
+        quantized = encoder_service(args.model, logs, args.device, args.dtype,
+                                    [*extra, "--vision-quantization", args.vision_quantization],
+                                    name=f"encoder-{args.vision_quantization}").start(600)
+        try:
+            asyncio.run(encode_level(quantized.address, image_inputs(noise_images(16, side, 997)), 8, cuda))
+            for seed, clients in enumerate(int(c) for c in args.clients.split(",")):
+                images = noise_images(args.images if clients > 1 else min(args.images, 32), side, 200 + seed)
+                name = f"same-size, {args.vision_quantization}"
+                out["levels"].append(service_level(quantized.address, name, image_inputs(images), clients,
+                                                   tokens_each * len(images), cuda))
+        finally:
+            quantized.stop()
     service = encoder_service(args.model, logs, args.device, args.dtype, extra).start(600)
     try:
         address = service.address
@@ -408,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  wall {result['profile']['wall_ms']:.1f} ms, device {result['profile']['device_ms']:.1f} ms",
           flush=True)
 
+    if args.vision_quantization != "none":
+        result["quantized"] = quantized_figures(enc, images, pixels, batches, args.rounds,
+                                                args.vision_quantization)
     layout = enc.layout
 
     def tokens_of(size: tuple[int, int]) -> int:

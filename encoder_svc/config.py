@@ -29,7 +29,7 @@ from common.config import ServiceOptions, check_options, option, section
 from common.devices import resolve_device_and_dtype
 from common.images import ImageLimits
 from common.video.limits import VideoLimits
-from common.vision import PREPROCESS_MODES
+from common.vision import PREPROCESS_MODES, VISION_QUANTIZATION
 from encoder_svc.defaults import DEFAULT_LEASE_TTL_S, DEFAULT_MAX_BATCH_IMAGES
 
 ARENAS = ("auto", "shm", "cuda", "private")
@@ -66,6 +66,11 @@ class EncoderConfig:
         False, "decode every image in the decode processes, also an image while no other is decoding "
         "(by default that one decodes in a server thread: about half its latency on an H200 host, without "
         "the processes' isolation from a crash in an image library)")
+    vision_quantization: str = option(
+        "none", "weights of the vision tower's linear layers: none (the --dtype's), or fp8 (e4m3, one scale "
+        "per output channel, quantized at load; activations quantized per token; FP8 x FP8 products on a "
+        "GPU's tensor cores). Qwen2.5-VL and Qwen3-VL; embeddings then differ from the --dtype tower's by "
+        "the rounding (BENCHMARKS.md has the measured cosine)", choices=VISION_QUANTIZATION)
     enforce_eager: bool = option(
         False, "no CUDA graphs of the vision tower (on CUDA, demand batches replay graphs: of a fixed-size "
         "tower, captured at startup for 1, 2, 4, ... --max-batch-images images; of a dynamic-resolution "

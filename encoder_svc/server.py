@@ -136,6 +136,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         vision = make_vision_encoder(config.model, device, parse_dtype(config.dtype), config.preprocess)
+        vision.quantize(config.vision_quantization)  # before the graphs capture its layers
         if not config.enforce_eager:
             vision.capture_graphs(config.max_batch_images)  # before any other thread uses the GPU
         if vision.embedding_nbytes > config.cache_bytes:

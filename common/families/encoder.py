@@ -140,6 +140,14 @@ class VisionEncoder(ABC):
         return self.embedding_nbytes
 
     # -- start-up ----------------------------------------------------------------------------------
+    def quantize(self, scheme: str) -> list[str]:
+        """Quantize the tower's weights in place (`--vision-quantization`; common/vision/fp8.py), before
+        capture_graphs and warm_up; the layers quantized. "none" changes nothing; a scheme the family's
+        tower does not have is a ValueError naming it."""
+        if scheme == "none":
+            return []
+        raise ValueError(f"{type(self).__name__} has no {scheme!r} vision tower (--vision-quantization none)")
+
     def capture_graphs(self, max_batch: int) -> bool:
         """Capture device graphs for batches up to max_batch; False (and eager forwards) where there are
         none (off CUDA, a capture that failed, a tower that has none)."""

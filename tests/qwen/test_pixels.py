@@ -36,5 +36,5 @@ def test_fused_padded_mlp_equals_separate():
     mlp, x = GatedMLP(32, 70), torch.randn(50, 32)
     separate = mlp(x)
     mlp.fuse(multiple=64)
-    assert mlp.fused[0].shape == (256, 32) and mlp.fused[2].shape == (32, 128)
+    assert mlp.fused_gate_up.weight.shape == (256, 32) and mlp.fused_down.weight.shape == (32, 128)
     torch.testing.assert_close(mlp(x), separate, rtol=1e-5, atol=1e-5)

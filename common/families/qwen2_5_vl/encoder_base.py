@@ -181,6 +181,18 @@ class QwenFamilyEncoder(VisionEncoder):
         ranges = list(settings) if settings is not None else [None] * len(images)
         return self.encode_prepared([self.prepare(i, r) for i, r in zip(images, ranges, strict=True)])
 
+    def quantize(self, scheme: str) -> list[str]:
+        """FP8 weights and per-token activation scales in the tower's linear layers (common/vision/fp8.py)."""
+        if scheme != "fp8":
+            return super().quantize(scheme)
+        from common.vision.fp8 import quantize_tower
+
+        if self.graphs is not None and len(self.graphs):
+            raise RuntimeError("quantize the vision tower before its CUDA graphs are captured")
+        names = quantize_tower(self.tower)
+        log.info("vision tower: %d linear layers in FP8", len(names))
+        return names
+
     def capture_graphs(self, max_batch: int) -> bool:
         """On CUDA, replay demand batches (`encode_prepared(use_graphs=True)`) from CUDA graphs, one per
         batch signature seen twice (common/vision/tower_graphs.py); the elementwise steps already run as

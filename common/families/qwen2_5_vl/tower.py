@@ -114,32 +114,39 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden)
         self.up_proj = nn.Linear(dim, hidden)
         self.down_proj = nn.Linear(hidden, dim)
-        self.fused: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # fuse(): gate and up as one product, and the down projection, over a padded hidden width
+        self.fused_gate_up: nn.Module | None = None
+        self.fused_down: nn.Module | None = None
 
     ops: type[VisionOps] = VisionOps
 
+    @torch.no_grad()
     def fuse(self, multiple: int = 64) -> None:
         """Gate and up as one product, the hidden width padded with zeros to a multiple of `multiple`.
 
         Qwen2.5-VL's 3420 is not a multiple of 8 bf16 elements, and cuBLAS then falls back to Ampere
         kernels at a fraction of Hopper's rate. Padded units are exactly zero (silu(0) * 0) and meet zero
-        columns of the down projection, so the output is unchanged up to the products' rounding."""
-        hidden = self.gate_proj.out_features
+        columns of the down projection, so the output is unchanged up to the products' rounding. The
+        fused layers are modules of their own (an FP8 tower quantizes them: common/vision/fp8.py)."""
+        dim, hidden = self.gate_proj.in_features, self.gate_proj.out_features
         padded = -(-hidden // multiple) * multiple
 
         def pad_rows(t: torch.Tensor) -> torch.Tensor:
             return F.pad(t, (0, 0, 0, padded - hidden)) if t.dim() == 2 else F.pad(t, (0, padded - hidden))
 
-        weight = torch.cat([pad_rows(self.gate_proj.weight), pad_rows(self.up_proj.weight)])
-        bias = torch.cat([pad_rows(self.gate_proj.bias), pad_rows(self.up_proj.bias)])
-        down = F.pad(self.down_proj.weight, (0, padded - hidden)).contiguous()
-        self.fused = (weight.detach(), bias.detach(), down.detach())
+        weight = self.gate_proj.weight
+        gate_up = nn.Linear(dim, 2 * padded, device=weight.device, dtype=weight.dtype)
+        gate_up.weight.copy_(torch.cat([pad_rows(self.gate_proj.weight), pad_rows(self.up_proj.weight)]))
+        gate_up.bias.copy_(torch.cat([pad_rows(self.gate_proj.bias), pad_rows(self.up_proj.bias)]))
+        down = nn.Linear(padded, dim, device=weight.device, dtype=weight.dtype)
+        down.weight.copy_(F.pad(self.down_proj.weight, (0, padded - hidden)))
+        down.bias.copy_(self.down_proj.bias)
+        self.fused_gate_up, self.fused_down = gate_up.requires_grad_(False), down.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is None:
+        if self.fused_gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        weight, bias, down = self.fused
-        return F.linear(self.ops.silu_mul(F.linear(x, weight, bias)), down, self.down_proj.bias)
+        return self.fused_down(self.ops.silu_mul(self.fused_gate_up(x)))
 
 
 def use_ops(tower: nn.Module, ops: type) -> None:

@@ -13,12 +13,10 @@ one of these:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 # The layout the kernels take lives with them (common/kernels); the model reaches it through here.
-from common.kernels.fp8_layout import FP8_DTYPE, FP8_MAX, ScaleBlock
+from common.kernels.fp8_layout import FP8_DTYPE, FP8_MAX, ScaleBlock, quantize_per_channel
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "ScaleBlock", "dequantize", "expand_scale", "per_channel_block",
            "quantize_per_channel", "rows_to_channels"]
@@ -27,23 +25,6 @@ __all__ = ["FP8_DTYPE", "FP8_MAX", "ScaleBlock", "dequantize", "expand_scale", "
 def per_channel_block(k: int) -> ScaleBlock:
     """The per-output-channel layout for a weight with k input columns."""
     return ScaleBlock(1, k)
-
-
-@torch.no_grad()
-def quantize_per_channel(weight: torch.Tensor,
-                         reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q float8_e4m3fn [N, K], scale fp32 [N, 1]) with q * scale ~= weight; each row's largest magnitude
-    maps to 448. A zero row gets scale 1 (q is zero). reduce_amax: the rows' largest magnitudes over the
-    whole weight when this is a column slice of it (tensor parallelism), so every slice gets the scales
-    of the whole rows."""
-    w = weight.float()
-    amax = w.abs().amax(dim=1, keepdim=True)
-    if reduce_amax is not None:
-        amax = reduce_amax(amax)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
 
 
 def expand_scale(scale: torch.Tensor, block: ScaleBlock, n: int, k: int) -> torch.Tensor:
