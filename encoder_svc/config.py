@@ -69,8 +69,8 @@ class EncoderConfig:
     vision_quantization: str = option(
         "none", "weights of the vision tower's linear layers: none (the --dtype's), or fp8 (e4m3, one scale "
         "per output channel, quantized at load; activations quantized per token; FP8 x FP8 products on a "
-        "GPU's tensor cores). Qwen2.5-VL and Qwen3-VL; embeddings then differ from the --dtype tower's by "
-        "the rounding (BENCHMARKS.md has the measured cosine)", choices=VISION_QUANTIZATION)
+        "GPU's tensor cores); a family without an FP8 tower refuses it at start. Embeddings then differ from "
+        "the --dtype tower's by the rounding (BENCHMARKS.md has the measured cosine)", choices=VISION_QUANTIZATION)
     enforce_eager: bool = option(
         False, "no CUDA graphs of the vision tower (on CUDA, demand batches replay graphs: of a fixed-size "
         "tower, captured at startup for 1, 2, 4, ... --max-batch-images images; of a dynamic-resolution "
