@@ -124,10 +124,14 @@ def test_encoder_equals_hf_image_features(gemma3_pas_dir: Path, gemma3_pas_oracl
     assert encoder.embedding_nbytes == 5 * 16 * 64 * 4  # the most crops: 4
 
 
-def test_hash_follows_the_settings(gemma3_tiny_dir: Path, gemma3_pas_dir: Path) -> None:
-    """Same config.json and weights: the same model fingerprint, but an image's content hash (decoder and
-    encoder alike) differs with pan-and-scan on, so a shared cache never mixes the two embeddings."""
-    assert model_fingerprint(gemma3_tiny_dir) == model_fingerprint(gemma3_pas_dir)
+def test_hash_follows_the_settings(gemma3_tiny_dir: Path, gemma3_pas_dir: Path,
+                                   gemma3_pas_off_dir: Path) -> None:
+    """Same config.json and weights, pan-and-scan only defaulting differently: the same model fingerprint
+    (the crop rule, a processor setting, is the same), but an image's content hash (decoder and encoder
+    alike) differs with pan-and-scan on, so a shared cache never mixes the two embeddings. Another crop
+    rule is another fingerprint."""
+    assert model_fingerprint(gemma3_pas_off_dir) == model_fingerprint(gemma3_pas_dir)
+    assert model_fingerprint(gemma3_tiny_dir) != model_fingerprint(gemma3_pas_dir)
     # what the encoder service hashes an image under: its fingerprint with the image's crop choice
     plain, cropped = (hash_fingerprint(enc.fingerprint, enc.image_settings()) for enc in
                       (FAMILY.make_vision_encoder(d) for d in (gemma3_tiny_dir, gemma3_pas_dir)))
