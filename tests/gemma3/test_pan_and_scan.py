@@ -12,6 +12,7 @@ sample images of a few hundred pixels crop; each block is 16 soft tokens.
 from __future__ import annotations
 
 import io
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 from common.checkpoint import load_config, model_fingerprint
 from common.families.gemma3 import FAMILY
 from common.families.gemma3.layout import (
+    PAN_AND_SCAN_DEFAULTS,
     Gemma3ImageLayout,
     PanAndScan,
     UnsupportedGemmaConfigError,
@@ -157,6 +159,29 @@ def test_settings_parsed_and_checked() -> None:
     assert layout.marker_text("<start_of_image>", 2, 3).startswith("Here is the original image \n\n")
     with pytest.raises(UnsupportedGemmaConfigError, match="out of range"):
         gemma3_layout(config, {}, {**base, "do_pan_and_scan": True, "pan_and_scan_min_crop_size": 0})
+
+
+def test_every_crop_setting_changes_the_crop_choice_key() -> None:
+    """Cache correctness: each setting of the crop rule, read from the image processor config, is in the
+    key an image with crops on is hashed under (PAN_AND_SCAN_DEFAULTS names them all), so two checkpoints
+    cutting by other rules never share an entry; the same rule gives the same key."""
+    config = {"model_type": "gemma3", "mm_tokens_per_image": 256,
+              "vision_config": {"model_type": "siglip_vision_model", "image_size": 896, "patch_size": 14}}
+    base = {"size": {"height": 896, "width": 896}, "do_pan_and_scan": True,
+            "pan_and_scan_min_crop_size": 300, "pan_and_scan_max_num_crops": 3,
+            "pan_and_scan_min_ratio_to_activate": 1.5}
+
+    def key(image_processor: dict) -> str:
+        return gemma3_layout(config, {}, image_processor).crops(True).key()
+
+    assert key(base) == key(dict(base)) != ""
+    assert set(PAN_AND_SCAN_DEFAULTS) == {"pan_and_scan_" + f.name for f in fields(PanAndScan)}
+    keys = {key(base)}
+    for name, value in base.items():
+        if name.startswith("pan_and_scan_"):
+            changed = key({**base, name: value + 1})
+            assert changed not in keys, name
+            keys.add(changed)
 
 
 # -- generation through the engine -------------------------------------------------------------------
