@@ -8,6 +8,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from common.lora_modules import adapter_paths
+
 
 def int_in_range(low: int, high: int | None = None) -> Callable[[str], int]:
     """An argparse type: an int in [low, high] (no upper bound when high is None)."""
@@ -96,21 +98,17 @@ def require_local_weights(model: str | Path, hint: str = "") -> None:
 
 
 def lora_module(text: str) -> str:
-    """An argparse type: `NAME=PATH` of a LoRA adapter (a PEFT adapter directory), returned as given.
-    NAME is what a request sends to select it: no spaces, not empty."""
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path.strip() or any(c.isspace() for c in name):
-        raise argparse.ArgumentTypeError(f"LoRA module {text!r}: expected NAME=PATH (a PEFT adapter "
-                                         "directory)")
+    """An argparse type: one decoder `--lora-modules` item, `NAME=PATH` or vLLM's JSON form
+    `{"name": NAME, "path": PATH, "base_model_name": BASE}` (common/lora_modules.py), returned as given.
+    NAME is what a request sends to select it: no spaces, not empty; PATH a PEFT adapter directory."""
+    try:
+        adapter_paths([text])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--lora-modules: ")) from None
     return text
 
 
 def lora_modules_dict(items: list[str]) -> dict[str, str]:
-    """{name: path} of `NAME=PATH` items; ValueError for a name given twice."""
-    out: dict[str, str] = {}
-    for item in items:
-        name, _, path = lora_module(item).partition("=")
-        if name in out:
-            raise ValueError(f"--lora-modules: adapter {name!r} is given twice")
-        out[name] = path
-    return out
+    """{name: path} of decoder `--lora-modules` items (lora_module's forms); ValueError for a malformed
+    item or a name given twice."""
+    return adapter_paths(items)

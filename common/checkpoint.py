@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from common.processor_settings import processor_settings_bytes
+
 _FINGERPRINT_SAMPLE = 1 << 20
 
 
@@ -37,14 +39,17 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
-    """A short hex id of the checkpoint: config plus the head and tail of every weight file.
+    """A short hex id of the checkpoint: config, processor settings, and the head and tail of every
+    weight file.
 
-    Two checkpoints that differ in config or weights get different fingerprints, so their embeddings
-    never share a cache key. Reading only 2 MiB per file keeps this cheap for a 7B checkpoint. A
+    Two checkpoints that differ in config, in any processor setting that can change an image's pixels
+    (common/processor_settings.py) or in weights get different fingerprints, so their embeddings never
+    share a cache key. Reading only 2 MiB per file keeps this cheap for a 7B checkpoint. A
     directory without weight files (served with `--load-format dummy`) is fingerprinted by its config.
     """
     h = hashlib.sha256()
     h.update((Path(model_dir) / "config.json").read_bytes())
+    h.update(processor_settings_bytes(model_dir))
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         size = path.stat().st_size
         h.update(f"{path.name}:{size}".encode())

@@ -1,13 +1,13 @@
 """Content hash of an image: the key of the embedding cache and of image-aware prefix reuse.
 
-The hash covers everything that changes the embedding: the model (its fingerprint, with the pixel range
-for Qwen-VL), the tenant's cache salt, and the image. An encoded file (what the services receive) is
-hashed as its bytes, which fix its pixels: both services name it without decoding it, so a repeated
-image is never decoded just to learn its name, and a new one is decoded once, by the encoder that embeds
-it (two encodings of one picture are two entries). A decoded image given in-process (a PIL image) is
-hashed as its pixels (mode, width, height, raw bytes). Every field is framed with a tag and its length,
-so two different records can never concatenate to the same byte stream (vLLM #54283 came from unframed
-concatenation).
+The hash covers everything that changes the embedding: the model (its fingerprint: config.json, every
+processor setting and the weights, with the image's own settings such as Qwen-VL's pixel range), the
+tenant's cache salt, and the image. An encoded file (what the services receive) is hashed as its bytes,
+which fix its pixels: both services name it without decoding it, so a repeated image is never decoded
+just to learn its name, and a new one is decoded once, by the encoder that embeds it (two encodings of
+one picture are two entries). A decoded image given in-process (a PIL image) is hashed as its pixels
+(mode, width, height, raw bytes). Every field is framed with a tag and its length, so two different
+records can never concatenate to the same byte stream (vLLM #54283 came from unframed concatenation).
 """
 
 from __future__ import annotations

@@ -54,6 +54,13 @@ class CropChoice:
         return {"pan_and_scan": self.on}
 
 
+# Image processor settings that only choose an image's default settings (Gemma 3's do_pan_and_scan: the
+# CropChoice of an image whose request names none). Every image's key records the choice itself, so the
+# model fingerprint leaves these out (common/processor_settings.py): checkpoints that only default
+# differently share the entries of images that choose alike.
+PER_IMAGE_DEFAULTS = frozenset({"do_pan_and_scan"})
+
+
 # One image's processor settings that change its embedding (and so its hash): a pixel range (Qwen-VL), a
 # crop choice (Gemma 3), or None where the model has none (LLaVA).
 ImageSettings = PixelRange | CropChoice

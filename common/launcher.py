@@ -16,7 +16,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.arg_types import device_name, dtype_name, int_in_range, lora_module, model_dir, positive_float
+from common.arg_types import (
+    device_name,
+    dtype_name,
+    int_in_range,
+    lora_module,
+    lora_modules_dict,
+    model_dir,
+    positive_float,
+)
 from common.devices import resolve_device, resolve_dtype
 from common.errors import UsageError
 from common.health import wait_until_serving
@@ -105,7 +113,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    "directory also its name; the preset's name without --model)")
     p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                    type=lora_module, help="LoRA adapters (PEFT directories) served per request: the decoder "
-                   "loads them, the gateway serves each as a model name (README: LoRA adapters)")
+                   "loads them, the gateway serves each as a model name (README: LoRA adapters); vLLM's "
+                   "JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' too "
+                   "(base_model_name: the gateway's card parent). A name given twice is refused")
     p.add_argument("--host", default="127.0.0.1", help="bind address of both services")
     # Real ports (not 0): the decoder is told the encoder's address, and both are printed.
     p.add_argument("--encoder-port", type=int_in_range(1, 65535), default=50051, help="encoder gRPC port")
@@ -179,6 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--encoder-port and --decoder-port are both {args.encoder_port}")
     if not args.no_gateway and args.gateway_port in (args.encoder_port, args.decoder_port):
         parser.error(f"--gateway-port {args.gateway_port} is also a service's port")
+    try:
+        lora_modules_dict(args.lora_modules)  # a name given twice: refused before anything starts
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         # Before making a model or starting anything: a busy port would otherwise show up as a
         # child's failure after its load.

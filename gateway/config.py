@@ -19,9 +19,9 @@ from common.arg_types import int_in_range, port_number, positive_float, positive
 from common.arg_types import model_dir as model_arg
 from common.config import check_options, option, section
 from common.images import DEFAULT_IMAGE_FORMATS, image_format_list
+from common.lora_modules import LoRAModule, lora_modules_by_name
 from common.security.options import ClientSecurity
 from common.server import DEFAULT_MAX_MESSAGE_BYTES
-from gateway.lora_modules import LoRAModule, lora_modules_by_name
 from gateway.media_memo import DEFAULT_MAX_TENANTS
 from gateway.model_info import default_served_names
 

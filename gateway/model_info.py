@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.lora_modules import LoRAModule
+from common.lora_modules import LoRAModule
 
 DEFAULT_NAME = "mmserve"  # without --model or --served-model-name
 

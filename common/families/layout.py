@@ -133,8 +133,9 @@ class ImageLayout(ABC):
 
     @property
     def hash_key(self) -> str:
-        """Processor settings beyond config.json (which the checkpoint fingerprint covers) that change an
-        image's embedding, appended to the fingerprint its content hash is made under ("": none)."""
+        """Settings beyond the checkpoint's files (whose config, processor settings and weights the model
+        fingerprint covers: common/checkpoint.py) that change an image's embedding, appended to the
+        fingerprint its content hash is made under by both services ("": none)."""
         return ""
 
     @property

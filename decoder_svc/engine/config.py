@@ -58,7 +58,9 @@ class EngineConfig:
     lora_modules: list[str] = option(
         help="LoRA adapters (PEFT's directory layout) a request may name: gRPC GenerateRequest.lora_adapter, "
         "or the gateway's `model`. Each is served per request inside shared batches; prefix-cache entries "
-        "are keyed by it (a dict {name: path} in code)", metavar="NAME=PATH", append=True, nargs="+",
+        "are keyed by it (a dict {name: path} in code). vLLM's JSON form '{\"name\": ..., \"path\": ..., "
+        "\"base_model_name\": ...}' too (base_model_name is the gateway's; ignored here). A name given "
+        "twice is refused", metavar="NAME=PATH", append=True, nargs="+",
         default_factory=list, type=lora_module)
     tensor_parallel_size: int = option(
         1, "ranks the language model is split over (one worker process per other rank; GPU N for rank N "

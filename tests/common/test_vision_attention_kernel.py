@@ -116,6 +116,32 @@ def test_spans_carry_the_kernel_and_its_block_map(monkeypatch, kernel):
     assert reference_spans.kernel == "sdpa" and reference_spans.block_map is None
 
 
+@pytest.mark.parametrize(("bounds", "uniform"), [
+    ([0, 64, 128, 192], True),  # three spans of 64: one dense batch
+    ([0, 100], True),  # one span
+    ([0, 64, 128, 150], False),  # the longest length twice, one shorter span
+    ([0, 22, 86], False),  # the longest once
+    ([0, 64, 64, 128], False),  # an empty span among equal ones
+    ([0], False),  # no span at all
+])
+@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
+def test_spans_are_uniform_only_when_all_have_the_longest_length(monkeypatch, bounds, uniform, kernel):
+    """`uniform` (the dense one-batch path's condition) needs every span at the longest length: the dense
+    call would read spans of another length as if they were one, across their bounds. The path is chosen
+    on the host: the two kernels are stubbed (on a GPU, tests/gpu/test_vision_fast_path_gpu.py)."""
+    spans = AttentionSpans.from_bounds(bounds, torch.device("cpu"), use_flash=True, kernel=kernel)
+    assert spans.uniform is uniform
+    if not bounds[-1]:
+        return
+    called = []
+    monkeypatch.setattr(attention, "_dense_is_faster", lambda *args: True)
+    monkeypatch.setattr(attention, "_dense", lambda q, *args: called.append("dense") or q)
+    monkeypatch.setattr(attention, "_varlen", lambda q, *args, **kwargs: called.append("varlen") or q)
+    q = torch.zeros(bounds[-1], 2, 8)
+    spans._sdpa(q, q, q, 1.0)
+    assert called == ["dense" if uniform else "varlen"]
+
+
 def test_triton_spans_attend_like_the_reference_spans():
     bounds = [0, 64, 64, 128, 141]  # short spans: 64-row query blocks
     q, k, v = qkv_views(bounds[-1], 2, 80, seed=3)

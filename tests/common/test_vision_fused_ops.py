@@ -87,6 +87,30 @@ def test_fused_kernels_and_towers_match_the_eager_steps(qwen_model_dir, qwen3_mo
     assert len(diffs) == 12
 
 
+_WIDE_SILU_MUL = r"""
+import json, torch
+from common.kernels import vision_fused_ops as fused_ops
+from common.families.qwen2_5_vl.tower import VisionOps
+torch.manual_seed(0)
+gate_up = torch.randn(3, 2 * 2100)  # width 2100: three of the kernel's 1024-column blocks, the last partial
+got, want = fused_ops.silu_mul(gate_up), VisionOps.silu_mul(gate_up)
+print(json.dumps({"shape": list(got.shape), "diff": (got - want).abs().max().item(),
+                  "columns_off": int((~torch.isclose(got, want, atol=1e-5)).any(0).sum())}))
+"""
+
+
+def test_silu_mul_covers_every_column_of_a_wide_product():
+    """The kernel's grid spans every 1024-column block of the width (the towers' MLPs are several
+    thousand wide; the check above is 100)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", _WIDE_SILU_MUL], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["shape"] == [3, 2100]
+    assert result["columns_off"] == 0 and result["diff"] <= 2e-6, result
+
+
 @pytest.mark.parametrize("bounds", [[0, 5], [0, 3, 3, 10, 14, 21], [0, 64, 128, 150]])
 def test_spans_attend_within_each_span_only(bounds):
     torch.manual_seed(0)

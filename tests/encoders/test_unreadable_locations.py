@@ -61,3 +61,34 @@ def test_a_location_we_cannot_open_is_not_asked_for_again_until_it_expires(monke
         assert source.accept_for(ENCODER) == [shm, inline]  # asked again after a while
     finally:
         source.close()
+
+
+def test_a_location_we_cannot_open_is_asked_for_again_by_nixl_before_the_bytes(monkeypatch):
+    """With NIXL readable here, the second Encode for an SHM segment on another host asks for NIXL first
+    (any host, no copy through gRPC), then the bytes."""
+    shm, nixl, inline = common_pb2.TRANSPORT_SHM, common_pb2.TRANSPORT_NIXL, common_pb2.TRANSPORT_INLINE
+    source = RemoteEmbeddingSource([ENCODER], transports=[shm, nixl, inline])
+    stub = _ElsewhereStub()
+    monkeypatch.setattr(source, "_stub", lambda encoder: stub)
+    monkeypatch.setattr(source, "_release_leases", lambda encoder, ids, asks=(): None)
+    try:
+        req = EmbeddingRequest("r0", "ab" * 32, None)
+        _, tensor = source._fetch_owned(ENCODER, req, deadline=remote_source.time.monotonic() + 30)
+        assert tensor.numpy().tolist() == ROWS.tolist()
+        assert stub.accepts == [[shm, nixl, inline], [nixl, inline]]
+        assert source.accept_for(ENCODER) == [nixl, inline]  # SHM alone is left out from now on
+    finally:
+        source.close()
+
+
+def test_the_fallback_for_an_unreadable_location():
+    """NIXL, where accepted and not what failed, then the bytes."""
+    shm, nixl, inline = common_pb2.TRANSPORT_SHM, common_pb2.TRANSPORT_NIXL, common_pb2.TRANSPORT_INLINE
+    elsewhere = common_pb2.EmbeddingRef(shm=common_pb2.ShmLocation(name="mmserve-not-on-this-host"))
+    gpu = common_pb2.EmbeddingRef(cuda_ipc=common_pb2.CudaIpcLocation(device_uuid="00" * 16))
+    failed_nixl = common_pb2.EmbeddingRef(nixl=common_pb2.NixlLocation(agent_name="elsewhere"))
+    choice = transport_choice.TransportChoice([common_pb2.TRANSPORT_CUDA_IPC, shm, nixl, inline])
+    assert choice.across_hosts(elsewhere) == [nixl, inline]
+    assert choice.across_hosts(gpu) == [nixl, inline]
+    assert choice.across_hosts(failed_nixl) == [inline]
+    assert transport_choice.TransportChoice([shm, inline]).across_hosts(elsewhere) == [inline]

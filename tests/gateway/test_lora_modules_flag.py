@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from common.lora_modules import LoRAModule
 from gateway import main as gateway_main
 from gateway.config import GatewayConfig
-from gateway.lora_modules import LoRAModule
 from gateway.main import main
 from tests.gateway.inprocess import fake_decoder, gateway_client
 

@@ -12,6 +12,7 @@ sample images of a few hundred pixels crop; each block is 16 soft tokens.
 from __future__ import annotations
 
 import io
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 from common.checkpoint import load_config, model_fingerprint
 from common.families.gemma3 import FAMILY
 from common.families.gemma3.layout import (
+    PAN_AND_SCAN_DEFAULTS,
     Gemma3ImageLayout,
     PanAndScan,
     UnsupportedGemmaConfigError,
@@ -124,10 +126,14 @@ def test_encoder_equals_hf_image_features(gemma3_pas_dir: Path, gemma3_pas_oracl
     assert encoder.embedding_nbytes == 5 * 16 * 64 * 4  # the most crops: 4
 
 
-def test_hash_follows_the_settings(gemma3_tiny_dir: Path, gemma3_pas_dir: Path) -> None:
-    """Same config.json and weights: the same model fingerprint, but an image's content hash (decoder and
-    encoder alike) differs with pan-and-scan on, so a shared cache never mixes the two embeddings."""
-    assert model_fingerprint(gemma3_tiny_dir) == model_fingerprint(gemma3_pas_dir)
+def test_hash_follows_the_settings(gemma3_tiny_dir: Path, gemma3_pas_dir: Path,
+                                   gemma3_pas_off_dir: Path) -> None:
+    """Same config.json and weights, pan-and-scan only defaulting differently: the same model fingerprint
+    (the crop rule, a processor setting, is the same), but an image's content hash (decoder and encoder
+    alike) differs with pan-and-scan on, so a shared cache never mixes the two embeddings. Another crop
+    rule is another fingerprint."""
+    assert model_fingerprint(gemma3_pas_off_dir) == model_fingerprint(gemma3_pas_dir)
+    assert model_fingerprint(gemma3_tiny_dir) != model_fingerprint(gemma3_pas_dir)
     # what the encoder service hashes an image under: its fingerprint with the image's crop choice
     plain, cropped = (hash_fingerprint(enc.fingerprint, enc.image_settings()) for enc in
                       (FAMILY.make_vision_encoder(d) for d in (gemma3_tiny_dir, gemma3_pas_dir)))
@@ -153,6 +159,29 @@ def test_settings_parsed_and_checked() -> None:
     assert layout.marker_text("<start_of_image>", 2, 3).startswith("Here is the original image \n\n")
     with pytest.raises(UnsupportedGemmaConfigError, match="out of range"):
         gemma3_layout(config, {}, {**base, "do_pan_and_scan": True, "pan_and_scan_min_crop_size": 0})
+
+
+def test_every_crop_setting_changes_the_crop_choice_key() -> None:
+    """Cache correctness: each setting of the crop rule, read from the image processor config, is in the
+    key an image with crops on is hashed under (PAN_AND_SCAN_DEFAULTS names them all), so two checkpoints
+    cutting by other rules never share an entry; the same rule gives the same key."""
+    config = {"model_type": "gemma3", "mm_tokens_per_image": 256,
+              "vision_config": {"model_type": "siglip_vision_model", "image_size": 896, "patch_size": 14}}
+    base = {"size": {"height": 896, "width": 896}, "do_pan_and_scan": True,
+            "pan_and_scan_min_crop_size": 300, "pan_and_scan_max_num_crops": 3,
+            "pan_and_scan_min_ratio_to_activate": 1.5}
+
+    def key(image_processor: dict) -> str:
+        return gemma3_layout(config, {}, image_processor).crops(True).key()
+
+    assert key(base) == key(dict(base)) != ""
+    assert set(PAN_AND_SCAN_DEFAULTS) == {"pan_and_scan_" + f.name for f in fields(PanAndScan)}
+    keys = {key(base)}
+    for name, value in base.items():
+        if name.startswith("pan_and_scan_"):
+            changed = key({**base, name: value + 1})
+            assert changed not in keys, name
+            keys.add(changed)
 
 
 # -- generation through the engine -------------------------------------------------------------------

@@ -191,3 +191,38 @@ def test_stream_k_configs_are_offered_and_checked():
     with pytest.raises(ValueError, match="THREADS"):
         t.split_k_fp8(x, q, scale, per_channel_block(64), None,
                       config={**_stream_config(32, 32, False), "THREADS": 64, "num_warps": 4})
+
+
+class _RecordingLaunch:
+    """Stands in for the autotuned kernel: records the workspace of each launch, runs nothing."""
+
+    def __init__(self) -> None:
+        self.workspaces: list[torch.Tensor] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.workspaces.append(args[5])  # split_k_fp8's args: x, weight, scale, bias, out, ws, ...
+        return launch
+
+
+@pytest.mark.parametrize("stream_k", ["0", "1"])
+@pytest.mark.parametrize(("m", "n", "k"), [(4, 4096, 4096), (32, 1000, 512), (3, 37888, 3584)])
+def test_the_autotuned_workspace_holds_the_deepest_config_that_may_run(monkeypatch, stream_k, m, n, k):
+    """Without a fixed config the autotuner may pick any configuration that fits the matrix, so the
+    partials' workspace is sized for the deepest of them (a shallower one would be written past its end).
+    Host-side sizing only: the launch is recorded, not run."""
+    configs = t.split_k_configs(stream_k)
+    monkeypatch.setattr(t, "split_k_configs", lambda stream=None: configs)
+    monkeypatch.setattr(t, "_INTERPRETED", False)
+    launch = _RecordingLaunch()
+    monkeypatch.setattr(t, "_split_k", launch)
+    x = torch.zeros(m, k, dtype=torch.float16)
+    q = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(n, 1, dtype=torch.float32)
+    t.split_k_fp8(x, q, scale, per_channel_block(k), None)
+    fits = [c.kwargs for c in configs if t._split_k_fits(c.kwargs, n, k, True, k)]
+    deepest = max(t.MAX_STREAM_PARTS.value if c.get("PROGRAMS_PER_SM") else c["SPLIT_K"] for c in fits)
+    assert len({c.get("PROGRAMS_PER_SM", 0) or c["SPLIT_K"] for c in fits}) > 1  # depths differ
+    (ws,) = launch.workspaces
+    assert ws.dtype == torch.float32
+    assert tuple(ws.shape) == ((deepest, m, n) if deepest > 1 else (1,))

@@ -48,9 +48,10 @@ class Gemma3VisionEncoder(VisionEncoder):
         config = self._open_checkpoint(model_dir, device, dtype, preprocess)
         # Before any weight is read: a configuration we cannot serve fails here, with the reason.
         self.layout = Gemma3ImageLayout.from_checkpoint(self.model_dir, config)
-        # An image's crop choice (with the crop rule's settings, which live outside config.json) goes
-        # into its hash per image: hash_fingerprint(fingerprint, CropChoice), as the decoder hashes it.
-        self.fingerprint = model_fingerprint(self.model_dir)
+        # As the decoder hashes images: the checkpoint (its processor settings, the crop rule's included)
+        # and the layout's key; each image's crop choice is added per image (hash_fingerprint(fingerprint,
+        # CropChoice)).
+        self.fingerprint = model_fingerprint(self.model_dir) + self.layout.hash_key
         self.hidden_size = int(config["text_config"]["hidden_size"])
         self.num_image_tokens = self.layout.mm_tokens_per_image
         self.tower = load_gemma3_tower(self.model_dir, config, self.device, dtype)

@@ -94,7 +94,8 @@ class LlavaVisionEncoder(VisionEncoder):
         self.layout = load_image_token_layout(self.model_dir)
         config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
         self.config = config
-        self.fingerprint = model_fingerprint(self.model_dir)
+        # as the decoder hashes images: the checkpoint (processor settings included) and the layout's key
+        self.fingerprint = model_fingerprint(self.model_dir) + self.layout.hash_key
         self.select_strategy = self.layout.select_strategy
         num_layers = config.vision_config.num_hidden_layers
         self.feature_layers = _feature_layers(config.vision_feature_layer, num_layers)

@@ -77,7 +77,9 @@ class QwenFamilyEncoder(VisionEncoder):
         self.layout = read_qwen_layout(self.model_dir, config)
         # videos: sampling, resize, normalisation (the layout's rules)
         self.video_config = self.layout.video_config(self.model_dir)
-        self.fingerprint = model_fingerprint(self.model_dir)
+        # as the decoder hashes images (the layout adds no key: this fingerprint also keys videos, which
+        # the decoder hashes under the checkpoint's alone)
+        self.fingerprint = model_fingerprint(self.model_dir) + self.layout.hash_key
         self.hidden_size = int((config.get("text_config") or config)["hidden_size"])
         self.tower = self._load_tower(config["vision_config"])
         if self._merger_width() != self.hidden_size:

@@ -1,6 +1,8 @@
-"""The gateway's `--lora-modules` items: `NAME`, `NAME=PATH`, or vLLM's JSON form
-`{"name": NAME, "path": PATH, "base_model_name": BASE}`. The decoders load the adapters; the gateway only
-needs each name (what a request's `model` selects) and what `/v1/models` lists for it."""
+"""`--lora-modules` items, one parser for every command that takes them (the decoder, the gateway and
+`mmserve up`, which hands its items to both): `NAME`, `NAME=PATH`, or vLLM's JSON form
+`{"name": NAME, "path": PATH, "base_model_name": BASE}`. The decoder loads each adapter from its PATH, so
+it needs one (`adapter_paths`); the gateway only needs each name (what a request's `model` selects) and
+what `/v1/models` lists for it (`lora_modules_by_name`). A name given twice is refused everywhere."""
 
 from __future__ import annotations
 
@@ -62,4 +64,18 @@ def lora_modules_by_name(items: Iterable[str]) -> dict[str, LoRAModule]:
         if module.name in out:
             raise ValueError(f"--lora-modules: adapter {module.name!r} is given twice")
         out[module.name] = module
+    return out
+
+
+def adapter_paths(items: Iterable[str]) -> dict[str, str]:
+    """{name: adapter directory} in flag order, for the decoder: every item names its PATH (`NAME=PATH` or
+    JSON; base_model_name is the gateway's and ignored here); ValueError (one line, naming the item) for a
+    malformed item, one without a path, or a name given twice."""
+    items = list(items)
+    out: dict[str, str] = {}
+    for text, module in zip(items, lora_modules_by_name(items).values(), strict=True):
+        if not module.path or not module.path.strip():
+            raise ValueError(f"--lora-modules: {text!r}: expected NAME=PATH or "
+                             '{"name": ..., "path": ...} (a PEFT adapter directory)')
+        out[module.name] = module.path
     return out
