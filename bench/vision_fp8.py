@@ -69,6 +69,13 @@ def product_figures(tower: nn.Module, rows_per_image: dict[str, int], images: in
                "scaled_mm_ms": _ms(lambda xq=xq, xs=xs, q=q, scale=scale, bias=bias: torch._scaled_mm(
                    xq, q.t(), scale_a=xs, scale_b=scale.view(1, -1), bias=bias, out_dtype=torch.bfloat16)),
                "fp8_ms": _ms(lambda x=x, q=q, scale=scale, bias=bias: scaled_mm_fp8(x, q, scale, bias))}
+        if any(name.endswith("mlp.linear_fc1") for name in names):  # Qwen3-VL's fc1, then tanh GELU
+            row["bf16_then_gelu_ms"] = _ms(lambda x=x, w=w, bias=bias: torch.nn.functional.gelu(
+                torch.nn.functional.linear(x, w, bias), approximate="tanh"))
+            row["bf16_gelu_epilogue_ms"] = _ms(lambda x=x, w=w, bias=bias: torch._addmm_activation(
+                bias, x, w.t(), use_gelu=True))
+            print(f"  fc1 then GELU {row['bf16_then_gelu_ms']:.3f} ms; with cuBLASLt's GELU epilogue "
+                  f"{row['bf16_gelu_epilogue_ms']:.3f} ms", flush=True)
         row["bf16_tflops"] = flops / row["bf16_ms"] / 1e9
         row["scaled_mm_tflops"] = flops / row["scaled_mm_ms"] / 1e9
         out.append(row)
