@@ -50,8 +50,8 @@ def write_json(path: str | Path | None, payload: dict) -> None:
 def save_result(name: str, args: Any, results: Any, **extra: Any) -> dict:
     """The standard payload of a benchmark (name, environment, config, results, extras), written to
     args.out when set; returns it."""
-    payload = {"benchmark": name, "env": environment(args.device), "config": vars(args), **extra,
-               "results": results}
+    env = environment(getattr(args, "device", "cuda"))  # a CUDA-only benchmark has no --device
+    payload = {"benchmark": name, "env": env, "config": vars(args), **extra, "results": results}
     write_json(args.out, payload)
     return payload
 

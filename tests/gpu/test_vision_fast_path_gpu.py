@@ -126,3 +126,23 @@ def test_captures_share_one_stream_and_do_not_reserve_a_working_set_each(qwen_mo
     grown = torch.cuda.memory_reserved() - reserved
     print(f"\nreserved: {reserved >> 20} MiB after the first captures, {grown >> 10} KiB more after again")
     assert grown < 2 << 20
+
+
+def test_the_gelu_epilogue_is_the_tanh_gelu():
+    """Qwen3-VL's fc1 + tanh GELU in cuBLASLt's epilogue (FusedQwen3VisionOps) is the tanh form, not the erf
+    one (they differ by up to ~3e-4 here, far above fp32's rounding)."""
+    from torch import nn
+
+    from common.families.qwen3_vl.tower import linear_gelu_tanh, linear_gelu_tanh_epilogue
+
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fc1 = nn.Linear(1152, 4304).cuda()
+    x = torch.randn(4096, 1152, device="cuda")
+    got = linear_gelu_tanh_epilogue(x, fc1)
+    want = linear_gelu_tanh(x, fc1)
+    erf = torch.nn.functional.gelu(fc1(x))
+    assert (got - want).abs().max().item() < 2e-5
+    assert (want - erf).abs().max().item() > 1e-4
+    xb, fc1b = x.bfloat16(), fc1.bfloat16()
+    assert _rel(linear_gelu_tanh_epilogue(xb, fc1b), linear_gelu_tanh(xb, fc1b)) < 1e-2

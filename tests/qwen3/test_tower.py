@@ -97,3 +97,21 @@ def test_deepstack_index_outside_depth_refused():
     with pytest.raises(ValueError, match="deepstack_visual_indexes"):
         Qwen3VisionTower(dict(hidden_size=32, num_heads=2, intermediate_size=8, depth=2, out_hidden_size=8,
                               deepstack_visual_indexes=[2]))
+
+
+def test_the_gelu_epilogue_computes_the_mlp_activation():
+    """Off a GPU (and for an FP8 layer) the fused ops' fc1 + GELU is HF's order: the product, then the tanh
+    GELU (torch's CPU _addmm_activation would apply the erf one). The GPU's epilogue:
+    tests/gpu/test_vision_fast_path_gpu.py."""
+    from torch import nn
+
+    from common.families.qwen3_vl.tower import linear_gelu_tanh, linear_gelu_tanh_epilogue
+    from common.vision.fp8 import Fp8VisionLinear
+
+    torch.manual_seed(0)
+    fc1, x = nn.Linear(32, 48), torch.randn(20, 32)
+    assert torch.equal(linear_gelu_tanh_epilogue(x, fc1), linear_gelu_tanh(x, fc1))
+    exact_gelu = torch.nn.functional.gelu(fc1(x))  # not the tanh form: the two differ
+    assert not torch.allclose(linear_gelu_tanh(x, fc1), exact_gelu, rtol=0, atol=1e-7)
+    fp8 = Fp8VisionLinear.from_linear(fc1)
+    assert torch.equal(linear_gelu_tanh_epilogue(x, fp8), linear_gelu_tanh(x, fp8))

@@ -78,6 +78,21 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, b
     return x, F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
+def linear_gelu_tanh(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """gelu_tanh(linear(x)) as HF computes it: the product rounded, then the activation."""
+    return F.gelu(linear(x), approximate="tanh")
+
+
+def linear_gelu_tanh_epilogue(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """The same in one cuBLASLt call on a GPU, the tanh GELU applied to the fp32 accumulator (its epilogue)
+    rather than to the rounded product. Elsewhere, for a layer that is not a plain nn.Linear (an FP8 one)
+    or an input that is not a matrix: linear_gelu_tanh (torch's CPU form of the call applies the erf GELU,
+    not the tanh one)."""
+    if x.device.type != "cuda" or type(linear) is not nn.Linear or x.dim() != 2:
+        return linear_gelu_tanh(x, linear)
+    return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
+
+
 class Qwen3VisionOps(VisionOps):
     """Qwen3-VL's elementwise steps: the rotary (VisionOps', used by VisionAttention), the LayerNorms and
     the residual add + LayerNorm of each block. Eager by default (HF's operations, bit-equal in fp32);
@@ -85,6 +100,7 @@ class Qwen3VisionOps(VisionOps):
 
     layer_norm = staticmethod(layer_norm)
     add_layer_norm = staticmethod(add_layer_norm)
+    linear_gelu_tanh = staticmethod(linear_gelu_tanh)
 
     @classmethod
     def compiled(cls) -> type[Qwen3VisionOps]:
@@ -97,15 +113,20 @@ class Qwen3VisionOps(VisionOps):
     @classmethod
     def fused(cls) -> type[Qwen3VisionOps]:
         """A Qwen3VisionOps whose rotary with the q/k/v split, and residual add + LayerNorm, run as one
-        Triton kernel each (fused_ops); the first LayerNorm and the tanh GELU are one native kernel each."""
+        Triton kernel each (fused_ops), and the MLP's tanh GELU in its first product's epilogue; the first
+        LayerNorm is one native kernel."""
         from common.kernels import vision_fused_ops as fused_ops
 
-        return type("FusedQwen3VisionOps", (cls,), {"rotary_qkv": staticmethod(fused_ops.rotary_qkv),
-                                                    "add_layer_norm": staticmethod(fused_ops.add_layer_norm)})
+        return type("FusedQwen3VisionOps", (cls,), {
+            "rotary_qkv": staticmethod(fused_ops.rotary_qkv),
+            "add_layer_norm": staticmethod(fused_ops.add_layer_norm),
+            "linear_gelu_tanh": staticmethod(linear_gelu_tanh_epilogue)})
 
 
 class VisionMLP(nn.Module):
     """linear_fc2(gelu_tanh(linear_fc1(x))), with biases (HF's Qwen3VLVisionMLP)."""
+
+    ops: type[Qwen3VisionOps] = Qwen3VisionOps  # the tower's (use_ops): the GELU in fc1's epilogue on GPU
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -113,7 +134,7 @@ class VisionMLP(nn.Module):
         self.linear_fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
+        return self.linear_fc2(self.ops.linear_gelu_tanh(x, self.linear_fc1))
 
 
 class VisionBlock(nn.Module):
