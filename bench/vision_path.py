@@ -29,6 +29,7 @@ import torch
 from PIL import Image
 
 from bench.encode_tput import MAX_MESSAGE, _wait_for_gpu, encoder_stats, steady_rate
+from bench.gpu_clocks import GpuClocks
 from bench.report import print_table, save_result
 from bench.services import encoder_service, workdir
 from bench.stats import ratio, summarize
@@ -338,12 +339,21 @@ def tower_thread_split(before: dict, after: dict, wall_s: float) -> dict:
     return out
 
 
+def _clock_text(clocks: dict) -> str:
+    if not clocks:
+        return ""
+    return (f"; SM clock median {clocks['sm_mhz_median']:.0f} MHz (min {clocks['sm_mhz_min']:.0f}), "
+            f"{clocks['power_w_median']:.0f} W")
+
+
 def service_level(address: str, name: str, items: list, clients: int, tokens: int, cuda: bool) -> dict:
     """One gRPC level (encode_level) with its tokens/s, the encoder's stage split and its tower thread's
     split over it; printed."""
     before = encoder_stats(address)
-    result = asyncio.run(encode_level(address, items, clients, cuda))
+    with GpuClocks() as clocks:
+        result = asyncio.run(encode_level(address, items, clients, cuda))
     after = encoder_stats(address)
+    result["gpu_clocks"] = clocks.summary()
     result.update(name=name, tokens_per_s=tokens / result["wall_s"], stages_ms=stage_split(before, after),
                   tower_thread=tower_thread_split(before, after, result["wall_s"]))
     stages = " ".join(f"{k} {result['stages_ms'].get(k, 0.0):.1f}" for k in STAGES)
@@ -352,7 +362,7 @@ def service_level(address: str, name: str, items: list, clients: int, tokens: in
     print(f"  {name} c={clients}: {result['items_per_s']:.1f}/s, p50 {result['latency']['p50_ms']:.1f} ms, "
           f"{result['tokens_per_s']:.0f} tokens/s; stages ms/Encode: {stages}; tower thread (share of wall): "
           f"{phases}; {thread['batches']} batches of {thread['mean_batch']:.1f}; GPU busy "
-          f"{thread['gpu_busy']:.2f}", flush=True)
+          f"{thread['gpu_busy']:.2f}{_clock_text(result['gpu_clocks'])}", flush=True)
     return result
 
 
