@@ -104,6 +104,7 @@ class Handle:
     lease_id: str = ""
     lease_expires_in_s: float = 0.0
     hit: bool = False
+    expires_at: float = 0.0  # the lease's end on the cache's clock (EmbeddingCache.now); 0: no lease
 
 
 @dataclass
@@ -165,6 +166,10 @@ class EmbeddingCache:
         self._reserved_inflight = 0  # slices allocated for writes not yet published
         self.hits = self.misses = self.evictions = self.expired_leases = self.inflight_dedups = 0
         self.abandoned = 0  # productions dropped because every waiter had gone (still_wanted)
+
+    def now(self) -> float:
+        """The cache's clock, which leases expire by."""
+        return self._clock()
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -443,7 +448,7 @@ class EmbeddingCache:
             self._freeable.pop(entry.key, None)
             self._leased_bytes += self.allocator.reserved_size(entry.nbytes)
         entry.leases += 1
-        return Handle(entry, lease_id, self.lease_ttl_s, hit)
+        return Handle(entry, lease_id, self.lease_ttl_s, hit, expires)
 
     def _release_locked(self, lease_id: str, owner: str | None) -> bool:
         """Free lease_id if live and owned by owner; owner=None is the cache itself (expiry, a

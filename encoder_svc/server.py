@@ -421,7 +421,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     # -- RPCs --------------------------------------------------------------------------------------
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context) -> encoder_pb2.EncodeResponse:
-        started = time.perf_counter()
+        started, asked_at = time.perf_counter(), self.cache.now()  # the leases' time counts from here
         self._check_open()
         try:
             transport = choose_transport(request.accept, self.served)
@@ -469,7 +469,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     refs.append(build_ref(handle, transport, self.cache.arena, data))
                 else:
                     refs.append(build_ref(handle, transport, self.cache.arena, nixl=self.nixl,
-                                          nixl_agent_known=request.nixl_agent))
+                                          nixl_agent_known=request.nixl_agent, asked_at=asked_at))
         except BaseException:
             _release_images(items[len(futures):])  # not handed to _acquire (the rest it released)
             for fut in futures:
