@@ -56,8 +56,10 @@ from decoder_svc.encoders.encode_items import EncodeItem, by_hash, with_bytes
 from decoder_svc.encoders.fetch_slot import FetchSlot
 from decoder_svc.encoders.leases import LeaseLapsedError, lease_held_through
 from decoder_svc.encoders.retry_policy import (
+    ENCODER_STAGE,
     PROBE_TIMEOUT_S,
     RETRYABLE,
+    STAGE_CODES,
     TRANSPORT_CODES,
     EncoderBusyError,
     EncoderLeftRing,
@@ -458,8 +460,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         limit = deadline  # until the encoder shows it is alive, an unreachable one's bound applies
         try:
             while True:
-                wait = min(self.retry.attempt_timeout_s, limit - time.monotonic())
-                if wait <= 0:
+                wait = max(min(self.retry.attempt_timeout_s, limit - time.monotonic()), 0.0)
+                if wait <= 0 and not call.done():  # an answer already here is taken, however late
                     if limit == busy_until:
                         raise EncoderBusyError(self.retry.busy_message())
                     raise Unresponsive()
@@ -572,6 +574,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
             self._release_leases(encoder, [], asks)
 
     def _fail(self, key: tuple[str, str], code: grpc.StatusCode, message: str) -> None:
+        if code in STAGE_CODES:  # named, so that a client learns which stage was slow or unreachable
+            message = f"{ENCODER_STAGE}: {message}"
         with self._lock:
             slot = self._slots.get(key)
             self._counters.embedding_failures += 1

@@ -15,6 +15,10 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 # Errors of the link, not of the encoder's judgement: their details name addresses.
 TRANSPORT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
                    grpc.StatusCode.CANCELLED}
+# How an image's failure of these codes begins: the stage that failed, which the gateway names to the client
+# (gateway/errors.py passes such a message on rather than its fixed text for the code).
+ENCODER_STAGE = "vision encoder"
+STAGE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 PROBE_TIMEOUT_S = 2.0  # a stats call to an encoder that is alive takes milliseconds, however busy it is
 
 
