@@ -30,7 +30,7 @@ from common.devices import resolve_device_and_dtype
 from common.images import ImageLimits
 from common.video.limits import VideoLimits
 from common.vision import PREPROCESS_MODES
-from encoder_svc.defaults import DEFAULT_LEASE_TTL_S, DEFAULT_MAX_BATCH_IMAGES
+from encoder_svc.defaults import DEFAULT_LEASE_TTL_S, DEFAULT_MAX_BATCH_IMAGES, DEFAULT_SENT_AHEAD_CLAIM_S
 
 ARENAS = ("auto", "shm", "cuda", "private")
 
@@ -48,6 +48,11 @@ class EncoderConfig:
     cache_bytes: int = option(1 << 30, "embedding cache (arena) size in bytes", type=positive_int)
     lease_ttl_s: float = option(DEFAULT_LEASE_TTL_S, "seconds before an unreleased lease expires",
                                 flag="--lease-ttl", type=positive_float)
+    sent_ahead_claim_s: float = option(
+        DEFAULT_SENT_AHEAD_CLAIM_S, "seconds a file that a decoder sent ahead is worked on for its request "
+        "before that request asks for it: a file sent ahead belongs to its request, so its production stops "
+        "once that request has ended (cancelling its ask) or not asked within this time, unless another "
+        "request waits for it", flag="--sent-ahead-claim", type=positive_float)
     max_batch_images: int = option(
         DEFAULT_MAX_BATCH_IMAGES, "most images per vision-tower batch; batches follow the queue up to it "
         "(--max-batch-size is the old name)", aliases=("--max-batch-size",), type=positive_int)

@@ -142,7 +142,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise ValueError(f"--cache-bytes {config.cache_bytes} cannot hold one image's embedding "
                              f"({vision.embedding_nbytes} bytes)")
         arena = make_arena(config.arena, config.cache_bytes, device)
-        cache = EmbeddingCache(arena, config.lease_ttl_s)
+        cache = EmbeddingCache(arena, config.lease_ttl_s, sent_ahead_claim_s=config.sent_ahead_claim_s)
         nixl = make_exporter(arena) if config.nixl else None
         worker = VisionWorker(vision, cache, config.max_batch_images, config.preprocess_threads)
         processes = default_decode_processes() if config.decode_processes is None else config.decode_processes
@@ -505,7 +505,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         accepted = 0
         # A decoder's files sent ahead belong to a request that has arrived: demand work (its batches
         # replay the tower's CUDA graphs on the demand stream), not lookahead; that request's own Encode
-        # of what they produce is answered as the miss it is, however it races them.
+        # of what they produce is answered as the miss it is, however it races them. They are that
+        # request's too: produced while its ask waits for them (or, before it asks, for
+        # --sent-ahead-claim), so a request that ends leaves nothing running (EmbeddingCache.acquire).
         ahead = request.needed_now
         priority = DEMAND if ahead else PREFETCH
         acquires = [(lambda i=i, key=key, image=image: self._acquire(
