@@ -21,10 +21,12 @@ from tests.video.media import make_video
 
 CONFIG = QWEN2_VL_VIDEO.with_request(max_frames=4)
 LONG = make_video(600, fps=10, gop_size=10000, still=True)  # frames 0..450 decoded for 4 sampled
+# ... with no bound per frame kept (that bound: tests/video/test_decode_bound.py): the lane's heavy load.
+UNBOUNDED = VideoLimits(max_decode_per_frame=0)
 WAIT_S = 30.0
 
 
-def _job(data: bytes = LONG, limits: VideoLimits = VideoLimits()) -> VideoJob:
+def _job(data: bytes = LONG, limits: VideoLimits = UNBOUNDED) -> VideoJob:
     return VideoJob(data, CONFIG, limits, plan_video(data, CONFIG, "fp", limits=limits))
 
 
@@ -90,7 +92,8 @@ def test_a_video_that_breaks_while_decoding_fails_its_key() -> None:
     cache = EmbeddingCache(TensorArena(1 << 16))
     lane, submitted, _ = _lane(cache)
     fut, _ = cache.acquire("k", want_lease=False, video=True)
-    lane.start("k", _job(limits=VideoLimits(max_decode_s=1e-9)), 0)  # spent at the first frame
+    spent = VideoLimits(max_decode_s=1e-9, max_decode_per_frame=0)  # spent at the first frame
+    lane.start("k", _job(limits=spent), 0)
     with pytest.raises(Exception, match="--max-video-decode-seconds"):
         fut.result(WAIT_S)
     assert not submitted
