@@ -116,3 +116,30 @@ def test_a_video_needed_now_while_it_decodes_goes_to_the_tower_as_demand_work() 
     assert [(key, priority) for key, _, priority in submitted] == [("k", DEMAND)]
     assert not lane.boost("k")  # with the worker now
     lane.shutdown()
+
+
+@pytest.mark.parametrize("ending", ["ask cancelled", "never asked"])
+def test_a_video_sent_ahead_stops_decoding_once_its_request_has_ended(ending) -> None:
+    """A video a decoder sent ahead (issue 63) is decoded for its request only: once that request's Encode
+    is cancelled, or no Encode came within the claim time (a fake clock), the lane stops at the next
+    frame and nothing reaches the tower."""
+    clock = [0.0]
+    cache = EmbeddingCache(TensorArena(1 << 16), clock=lambda: clock[0], sent_ahead_claim_s=10.0)
+    lane, submitted, _ = _lane(cache)
+    at_frame_5, go = _hold_at_frame_5(lane)
+    finished = threading.Event()
+    run = lane._run
+    lane._run = lambda item: (run(item), finished.set())
+    cache.acquire("k", want_lease=False, video=True, for_ask=True)  # the Prefetch with needed_now
+    lane.start("k", _job(), DEMAND)
+    assert at_frame_5.wait(WAIT_S)
+    if ending == "ask cancelled":
+        ask, _ = cache.acquire("k", want_lease=True, produce=False, video=True)  # the request's Encode
+        ask.cancel()
+    else:
+        clock[0] = 10.0
+    go.set()
+    assert finished.wait(WAIT_S)
+    assert lane.abandoned == 1 and not submitted
+    assert lane.frames_decoded == 5, "decoding went on for a request that had ended"
+    lane.shutdown()
