@@ -171,6 +171,7 @@ class EmbeddingCache:
         self._reserved_inflight = 0  # slices allocated for writes not yet published
         self.hits = self.misses = self.evictions = self.expired_leases = self.inflight_dedups = 0
         self.abandoned = 0  # productions dropped because every waiter had gone (still_wanted)
+        self.bytes_made = 0  # embedding bytes of every entry produced (the tower's output, for its cost)
 
     def now(self) -> float:
         """The cache's clock, which leases expire by."""
@@ -361,6 +362,7 @@ class EmbeddingCache:
     def _publish_locked(self, key: str, offset: int, nbytes: int, tensor: torch.Tensor, event,
                         handle: bytes, grid: tuple[int, ...] = (), timing: VideoTiming | None = None) -> None:
         pending = self._pending.pop(key, None)
+        self.bytes_made += nbytes
         # The producer's salt (from its acquire) goes with the entry; a complete() without an
         # acquire has no salt to give, so its entry is reachable with the empty salt only.
         salt = pending.salt if pending is not None else ""

@@ -13,6 +13,8 @@ flags (TLS, tokens) are their own set, shared with the decoder: common/security/
 
 from __future__ import annotations
 
+import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +32,25 @@ from common.devices import resolve_device_and_dtype
 from common.images import ImageLimits
 from common.video.limits import VideoLimits
 from common.vision import PREPROCESS_MODES
-from encoder_svc.defaults import DEFAULT_LEASE_TTL_S, DEFAULT_MAX_BATCH_IMAGES, DEFAULT_SENT_AHEAD_CLAIM_S
+from encoder_svc.defaults import (
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_MAX_BATCH_IMAGES,
+    DEFAULT_MAX_IMAGE_SECONDS,
+    DEFAULT_SENT_AHEAD_CLAIM_S,
+)
 
 ARENAS = ("auto", "shm", "cuda", "private")
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
 
 
 @dataclass
@@ -53,6 +71,12 @@ class EncoderConfig:
         "before that request asks for it: a file sent ahead belongs to its request, so its production stops "
         "once that request has ended (cancelling its ask) or not asked within this time, unless another "
         "request waits for it", flag="--sent-ahead-claim", type=positive_float)
+    max_image_seconds: float = option(
+        DEFAULT_MAX_IMAGE_SECONDS, "most seconds of vision tower one image may cost, estimated before any "
+        "work from its size after resizing x the tower's measured cost so far (nothing is refused before "
+        "the tower has run; an estimate, low for images far larger than those measured); over it the "
+        "image is INVALID_ARGUMENT naming this flag (0: no cap)", flag="--max-image-seconds",
+        type=non_negative_float)
     max_batch_images: int = option(
         DEFAULT_MAX_BATCH_IMAGES, "most images per vision-tower batch; batches follow the queue up to it "
         "(--max-batch-size is the old name)", aliases=("--max-batch-size",), type=positive_int)

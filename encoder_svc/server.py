@@ -52,6 +52,7 @@ from encoder_svc.decode_pool import DecodePool, DecodeWorkerDied
 from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 from encoder_svc.defaults import default_decode_processes
 from encoder_svc.future_bridge import FutureBridge
+from encoder_svc.image_cost import ImageCostCap
 from encoder_svc.metrics import EncoderMetrics
 from encoder_svc.pending_files import PendingFiles
 from encoder_svc.refs import (
@@ -119,6 +120,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.served = served_transports(cache.arena, nixl)
         self.metrics = EncoderMetrics(self.stats, registry)
         self.prefetches = 0
+        # Set by build() from --max-image-seconds; off for a servicer made otherwise.
+        self.cost_cap = ImageCostCap(0.0, lambda: (worker.busy_s, cache.bytes_made))
         self.pending = PendingFiles()  # files being decoded: hash-only asks wait for them (pending_files.py)
         self.stage_totals = StageTotals(STAGES)  # where Encodes' time goes (encoder_svc/stages.py)
         self._closing = False
@@ -148,6 +151,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         processes = default_decode_processes() if config.decode_processes is None else config.decode_processes
         decode_pool = DecodePool(processes, config.limits) if processes > 0 else None
         servicer = cls(vision, cache, worker, config.limits, registry, decode_pool, config.video_limits, nixl)
+        servicer.cost_cap.max_seconds = config.max_image_seconds
         servicer.pool_decode_always = config.pool_decode_always
         return servicer
 
@@ -347,16 +351,19 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         finally:
             self._decoding -= 1
 
-    def _check_geometry(self, items, inputs) -> None:
+    def _check_geometry(self, items, inputs, salt: str) -> None:
         """INVALID_ARGUMENT naming the first decoded image whose size the model cannot take (a Phi-4-MM
-        image too thin for its crops, a grid past the cache), before any image of the request is queued."""
-        for i, (_, image) in enumerate(items):
+        image too thin for its crops, a grid past the cache) or whose estimated tower time is over
+        --max-image-seconds, before any image of the request is queued."""
+        for i, (key, image) in enumerate(items):
             if image is None:
                 continue
             try:
-                self.vision.image_nbytes(image.height, image.width, self._pixels(i, inputs[i]))
+                nbytes = self.vision.image_nbytes(image.height, image.width, self._pixels(i, inputs[i]))
             except ImageGeometryError as exc:
                 raise self._map_error(i, exc) from None
+            if not self.cache.known(key, salt):  # a hit, or joining a production, costs no tower time
+                self.cost_cap.check(i, image.height, image.width, nbytes)
 
     def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int, salt: str,
                  owner: str = "", pixels: ImageSettings | None = None, for_ask: bool = False) -> cf.Future:
@@ -368,10 +375,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             nbytes = self.vision.embedding_nbytes
             if image is not None:  # Qwen-VL, Phi-4-MM, Gemma 3's crops: the size follows the image
                 nbytes = self.vision.image_nbytes(image.height, image.width, pixels)
+                if not self.cache.known(key, salt):  # a Prefetch's too: checked before it is produced
+                    self.cost_cap.check(index, image.height, image.width, nbytes)
             fut, produce = self.cache.acquire(key, want_lease, nbytes, produce=image is not None, salt=salt,
                                               owner=owner, for_ask=for_ask)
         # SaltClash: a hash collision; EntryKind: a video's hash given for an image
-        except (CacheFullError, SaltClashError, ImageGeometryError, EntryKindError) as exc:
+        except (CacheFullError, SaltClashError, ImageGeometryError, EntryKindError, ServiceError) as exc:
             _release_images([(key, image)])
             raise self._map_error(index, exc) from None
         if produce:
@@ -442,7 +451,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             with self.worker.holding():
                 try:
-                    self._check_geometry(items, request.images)  # every image's size, before any is queued
+                    self._check_geometry(items, request.images, salt)  # all, before any is queued
                     for i, (key, image) in enumerate(items):
                         futures.append(self._acquire(i, key, image, True, priority, salt, owner,
                                                      self._pixels(i, request.images[i])))
