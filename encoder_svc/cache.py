@@ -48,7 +48,7 @@ import torch
 from common.errors import CapacityError, InvalidInputError, UnavailableError
 from common.transport.arena import Arena, SliceAllocator
 from common.video.rules import VideoTiming
-from encoder_svc.defaults import DEFAULT_LEASE_TTL_S
+from encoder_svc.defaults import DEFAULT_LEASE_TTL_S, DEFAULT_SENT_AHEAD_CLAIM_S
 
 
 class CacheFullError(CapacityError):
@@ -104,6 +104,7 @@ class Handle:
     lease_id: str = ""
     lease_expires_in_s: float = 0.0
     hit: bool = False
+    expires_at: float = 0.0  # the lease's end on the cache's clock (EmbeddingCache.now); 0: no lease
 
 
 @dataclass
@@ -111,6 +112,9 @@ class _Waiter:
     future: cf.Future
     want_lease: bool
     owner: str = ""
+    # A file sent ahead stands in for its request's ask until that ask joins (then it steps aside) or
+    # until this time on the cache's clock (then it is gone): 0 for every other waiter.
+    claim_by: float = 0.0
 
 
 @dataclass
@@ -149,11 +153,13 @@ class EmbeddingCache:
     """Embeddings keyed by content hash, stored in `arena`, bounded by its capacity in bytes."""
 
     def __init__(self, arena: Arena, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 sent_ahead_claim_s: float = DEFAULT_SENT_AHEAD_CLAIM_S) -> None:
         self.arena = arena
         self.allocator = SliceAllocator(arena.capacity)
         self.capacity = self.allocator.capacity
         self.lease_ttl_s = lease_ttl_s
+        self.sent_ahead_claim_s = sent_ahead_claim_s
         self._clock = clock
         self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
@@ -165,6 +171,11 @@ class EmbeddingCache:
         self._reserved_inflight = 0  # slices allocated for writes not yet published
         self.hits = self.misses = self.evictions = self.expired_leases = self.inflight_dedups = 0
         self.abandoned = 0  # productions dropped because every waiter had gone (still_wanted)
+        self.bytes_made = 0  # embedding bytes of every entry produced (the tower's output, for its cost)
+
+    def now(self) -> float:
+        """The cache's clock, which leases expire by."""
+        return self._clock()
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -212,6 +223,13 @@ class EmbeddingCache:
         `for_ask`: a production started here is on behalf of a request that asks for the key next (a
         decoder's file sent ahead). That ask is answered as a miss (and counts no hit), whether it comes
         before or after the entry is ready: the tower ran for it, however the two calls raced.
+
+        A file sent ahead (for_ask without a lease) belongs to its request: it waits as that request's
+        stand-in, which steps aside when an ask (a caller taking a lease) joins the production, so that
+        the production then lives as long as the asks do (a request that ends cancels its ask); a
+        stand-in that no ask has relieved within `sent_ahead_claim_s` is gone (its request ended before
+        asking, or asks too late to gain from it). One ask relieves one stand-in: files sent ahead by
+        two requests keep the production for the second until its own ask comes.
         """
         with self._lock:
             self._sweep_locked()
@@ -235,17 +253,36 @@ class EmbeddingCache:
                                                    owner=owner))
                 return fut, False
             fut = cf.Future()
+            claim_by = self._clock() + self.sent_ahead_claim_s if for_ask and not want_lease else 0.0
             if pending is not None:
                 self.inflight_dedups += 1
-                pending.waiters.append(_Waiter(fut, want_lease, owner))
+                if want_lease:
+                    self._relieve_stand_in_locked(pending)
+                pending.waiters.append(_Waiter(fut, want_lease, owner, claim_by))
                 return fut, False
             if not produce:
                 return None, False
             if expected_nbytes is not None:
                 self._check_fits_locked(expected_nbytes)
             self.misses += 1
-            self._pending[key] = _Pending(salt, video, [_Waiter(fut, want_lease, owner)], for_ask=for_ask)
+            self._pending[key] = _Pending(salt, video, [_Waiter(fut, want_lease, owner, claim_by)],
+                                          for_ask=for_ask)
             return fut, True
+
+    @staticmethod
+    def _relieve_stand_in_locked(pending: _Pending) -> None:
+        """An ask joined: the oldest live stand-in of a file sent ahead steps aside (see acquire)."""
+        for waiter in pending.waiters:
+            if waiter.claim_by and not waiter.future.cancelled():
+                waiter.future.cancel()
+                return
+
+    def _drop_unclaimed_locked(self, pending: _Pending) -> None:
+        """Stand-ins of files sent ahead whose ask has not come within their time are gone."""
+        now = self._clock()
+        for waiter in pending.waiters:
+            if waiter.claim_by and waiter.claim_by <= now:
+                waiter.future.cancel()
 
     def lease(self, key: str, salt: str = "", owner: str = "") -> Handle | None:
         """A new lease for owner on a ready entry made under salt (touches LRU), or None when there is
@@ -325,6 +362,7 @@ class EmbeddingCache:
     def _publish_locked(self, key: str, offset: int, nbytes: int, tensor: torch.Tensor, event,
                         handle: bytes, grid: tuple[int, ...] = (), timing: VideoTiming | None = None) -> None:
         pending = self._pending.pop(key, None)
+        self.bytes_made += nbytes
         # The producer's salt (from its acquire) goes with the entry; a complete() without an
         # acquire has no salt to give, so its entry is reachable with the empty salt only.
         salt = pending.salt if pending is not None else ""
@@ -361,7 +399,10 @@ class EmbeddingCache:
         """Callers waiting for key's production now (0: nobody, or key is not being produced)."""
         with self._lock:
             pending = self._pending.get(key)
-            return 0 if pending is None else sum(not w.future.cancelled() for w in pending.waiters)
+            if pending is None:
+                return 0
+            self._drop_unclaimed_locked(pending)
+            return sum(not w.future.cancelled() for w in pending.waiters)
 
     def still_wanted(self, key: str) -> bool:
         """Whether anyone still waits for key's production (a producer asks between frames or images).
@@ -369,12 +410,14 @@ class EmbeddingCache:
         When every waiter has gone (each one's future cancelled: its RPC was cancelled or timed out), the
         production is dropped here, at once, so a later acquire starts a fresh one instead of joining
         work that is stopping; the answer is False and the producer must stop and call neither
-        `complete` nor `fail`. Prefetch's waiters are never cancelled: prefetched work is always wanted.
+        `complete` nor `fail`. A lookahead Prefetch's waiters are never cancelled: that work is always
+        wanted; a file sent ahead waits only as its request's stand-in (see acquire).
         """
         with self._lock:
             pending = self._pending.get(key)
             if pending is None:  # failed or shut down meanwhile
                 return False
+            self._drop_unclaimed_locked(pending)
             if any(not waiter.future.cancelled() for waiter in pending.waiters):
                 return True
             del self._pending[key]
@@ -443,7 +486,7 @@ class EmbeddingCache:
             self._freeable.pop(entry.key, None)
             self._leased_bytes += self.allocator.reserved_size(entry.nbytes)
         entry.leases += 1
-        return Handle(entry, lease_id, self.lease_ttl_s, hit)
+        return Handle(entry, lease_id, self.lease_ttl_s, hit, expires)
 
     def _release_locked(self, lease_id: str, owner: str | None) -> bool:
         """Free lease_id if live and owned by owner; owner=None is the cache itself (expiry, a

@@ -13,6 +13,8 @@ flags (TLS, tokens) are their own set, shared with the decoder: common/security/
 
 from __future__ import annotations
 
+import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +32,25 @@ from common.devices import resolve_device_and_dtype
 from common.images import ImageLimits
 from common.video.limits import VideoLimits
 from common.vision import PREPROCESS_MODES, VISION_QUANTIZATION
-from encoder_svc.defaults import DEFAULT_LEASE_TTL_S, DEFAULT_MAX_BATCH_IMAGES
+from encoder_svc.defaults import (
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_MAX_BATCH_IMAGES,
+    DEFAULT_MAX_IMAGE_SECONDS,
+    DEFAULT_SENT_AHEAD_CLAIM_S,
+)
 
 ARENAS = ("auto", "shm", "cuda", "private")
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
 
 
 @dataclass
@@ -48,6 +66,17 @@ class EncoderConfig:
     cache_bytes: int = option(1 << 30, "embedding cache (arena) size in bytes", type=positive_int)
     lease_ttl_s: float = option(DEFAULT_LEASE_TTL_S, "seconds before an unreleased lease expires",
                                 flag="--lease-ttl", type=positive_float)
+    sent_ahead_claim_s: float = option(
+        DEFAULT_SENT_AHEAD_CLAIM_S, "seconds a file that a decoder sent ahead is worked on for its request "
+        "before that request asks for it: a file sent ahead belongs to its request, so its production stops "
+        "once that request has ended (cancelling its ask) or not asked within this time, unless another "
+        "request waits for it", flag="--sent-ahead-claim", type=positive_float)
+    max_image_seconds: float = option(
+        DEFAULT_MAX_IMAGE_SECONDS, "most seconds of vision tower one image may cost, estimated before any "
+        "work from its size after resizing x the tower's measured cost so far (nothing is refused before "
+        "the tower has run; an estimate, low for images far larger than those measured); over it the "
+        "image is INVALID_ARGUMENT naming this flag (0: no cap)", flag="--max-image-seconds",
+        type=non_negative_float)
     max_batch_images: int = option(
         DEFAULT_MAX_BATCH_IMAGES, "most images per vision-tower batch; batches follow the queue up to it "
         "(--max-batch-size is the old name)", aliases=("--max-batch-size",), type=positive_int)
@@ -70,7 +99,8 @@ class EncoderConfig:
         "none", "weights of the vision tower's linear layers: none (the --dtype's), or fp8 (e4m3, one scale "
         "per output channel, quantized at load; activations quantized per token; FP8 x FP8 products on a "
         "GPU's tensor cores); a family without an FP8 tower refuses it at start. Embeddings then differ from "
-        "the --dtype tower's by the rounding (BENCHMARKS.md has the measured cosine)", choices=VISION_QUANTIZATION)
+        "the --dtype tower's by the rounding (BENCHMARKS.md has the measured cosine)",
+        choices=VISION_QUANTIZATION)
     enforce_eager: bool = option(
         False, "no CUDA graphs of the vision tower (on CUDA, demand batches replay graphs: of a fixed-size "
         "tower, captured at startup for 1, 2, 4, ... --max-batch-images images; of a dynamic-resolution "

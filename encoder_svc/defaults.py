@@ -10,6 +10,13 @@ from common.vision import PREPROCESS_MODES  # noqa: F401 - the CLI's choices, de
 # Seconds an unreleased lease lives (the CLI's --lease-ttl and EmbeddingCache's default).
 DEFAULT_LEASE_TTL_S = 60.0
 
+# Seconds a file sent ahead (a decoder's Prefetch with needed_now) is produced for a request whose ask has
+# not come yet (the CLI's --sent-ahead-claim): past it, with nobody else waiting, its production stops.
+DEFAULT_SENT_AHEAD_CLAIM_S = 20.0
+
+# Most estimated seconds of vision tower one image may cost (the CLI's --max-image-seconds; 0: no cap).
+DEFAULT_MAX_IMAGE_SECONDS = 120.0
+
 # Most images per tower batch. The batch follows the queue up to this; past ~32 CLIP-L/336 images the
 # tower's throughput on an H200 grows little while a batch's latency keeps growing.
 DEFAULT_MAX_BATCH_IMAGES = 32

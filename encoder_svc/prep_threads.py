@@ -8,12 +8,28 @@ idle-semaphore lock, which its busy threads take too, and under load the event l
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Callable
 from queue import SimpleQueue
 from typing import Any
 
 from common.thread_names import set_native_thread_name
+
+log = logging.getLogger(__name__)
+
+
+def lower_thread_priority(niceness: int) -> None:
+    """Raise the calling thread's nice value by `niceness` (Linux schedules threads one by one; threads it
+    starts inherit the value): the OS then runs it only when other work leaves a core. Best effort."""
+    if niceness <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + niceness)
+    except OSError as exc:  # never fatal: the work runs at the usual priority
+        log.info("could not lower a thread's priority: %s", exc)
 
 
 class PrepTask:
@@ -64,10 +80,13 @@ class PrepTask:
 
 class PrepThreads:
     """`threads` daemon threads named `name` running submitted tasks in order of submission, calling
-    after_task() when each has ended (its result ready)."""
+    after_task() when each has ended (its result ready); `niceness` above 0 lowers the threads' OS
+    priority by that much (lower_thread_priority)."""
 
-    def __init__(self, threads: int, name: str, after_task: Callable[[], None] | None = None) -> None:
+    def __init__(self, threads: int, name: str, after_task: Callable[[], None] | None = None,
+                 niceness: int = 0) -> None:
         self._after_task = after_task
+        self._niceness = niceness
         self._queue: SimpleQueue[PrepTask | None] = SimpleQueue()
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", args=(name,), daemon=True)
                          for i in range(max(1, threads))]
@@ -94,6 +113,7 @@ class PrepThreads:
 
     def _run(self, name: str) -> None:
         set_native_thread_name(name)
+        lower_thread_priority(self._niceness)
         while (task := self._queue.get()) is not None:
             task.run()
             task = None  # hold no finished task (its value: a prepared input) while waiting for the next

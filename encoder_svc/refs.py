@@ -46,9 +46,15 @@ def choose_transport(accept, served: set[int]) -> int:
 
 
 def build_ref(handle: Handle, transport: int, arena: Arena, inline_bytes: bytes | None = None,
-              nixl: NixlExporter | None = None, nixl_agent_known: str = "") -> common_pb2.EmbeddingRef:
+              nixl: NixlExporter | None = None, nixl_agent_known: str = "",
+              asked_at: float | None = None) -> common_pb2.EmbeddingRef:
     """The EmbeddingRef for one handle; inline refs carry the bytes and no lease. A NIXL ref carries
-    the agent's metadata unless the caller named that agent as loaded (nixl_agent_known)."""
+    the agent's metadata unless the caller named that agent as loaded (nixl_agent_known).
+
+    `asked_at` (the cache's clock when the Encode arrived): the lease's time is counted from then, so
+    that it covers the Encode's own time. A caller bounds a lease by the moment it sent the Encode (the
+    only moment it knows); an Encode that ran longer than the TTL would otherwise look lapsed on arrival.
+    """
     entry = handle.entry
     ref = common_pb2.EmbeddingRef(
         content_hash=entry.key, shape=list(entry.shape), dtype=dtypes.to_wire(entry.dtype),
@@ -61,6 +67,8 @@ def build_ref(handle: Handle, transport: int, arena: Arena, inline_bytes: bytes 
         return ref
     ref.lease_id = handle.lease_id
     ref.lease_expires_in_s = handle.lease_expires_in_s
+    if asked_at is not None and handle.expires_at:
+        ref.lease_expires_in_s = max(handle.lease_expires_in_s, handle.expires_at - asked_at)
     if transport == common_pb2.TRANSPORT_SHM:
         ref.shm.name = arena.name
         ref.shm.offset = entry.offset

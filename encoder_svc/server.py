@@ -52,6 +52,7 @@ from encoder_svc.decode_pool import DecodePool, DecodeWorkerDied
 from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 from encoder_svc.defaults import default_decode_processes
 from encoder_svc.future_bridge import FutureBridge
+from encoder_svc.image_cost import ImageCostCap
 from encoder_svc.metrics import EncoderMetrics
 from encoder_svc.pending_files import PendingFiles
 from encoder_svc.refs import (
@@ -119,6 +120,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.served = served_transports(cache.arena, nixl)
         self.metrics = EncoderMetrics(self.stats, registry)
         self.prefetches = 0
+        # Set by build() from --max-image-seconds; off for a servicer made otherwise.
+        self.cost_cap = ImageCostCap(0.0, lambda: (worker.busy_s, cache.bytes_made))
         self.pending = PendingFiles()  # files being decoded: hash-only asks wait for them (pending_files.py)
         self.stage_totals = StageTotals(STAGES)  # where Encodes' time goes (encoder_svc/stages.py)
         self._closing = False
@@ -143,12 +146,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             raise ValueError(f"--cache-bytes {config.cache_bytes} cannot hold one image's embedding "
                              f"({vision.embedding_nbytes} bytes)")
         arena = make_arena(config.arena, config.cache_bytes, device)
-        cache = EmbeddingCache(arena, config.lease_ttl_s)
+        cache = EmbeddingCache(arena, config.lease_ttl_s, sent_ahead_claim_s=config.sent_ahead_claim_s)
         nixl = make_exporter(arena) if config.nixl else None
         worker = VisionWorker(vision, cache, config.max_batch_images, config.preprocess_threads)
         processes = default_decode_processes() if config.decode_processes is None else config.decode_processes
         decode_pool = DecodePool(processes, config.limits) if processes > 0 else None
         servicer = cls(vision, cache, worker, config.limits, registry, decode_pool, config.video_limits, nixl)
+        servicer.cost_cap.max_seconds = config.max_image_seconds
         servicer.pool_decode_always = config.pool_decode_always
         return servicer
 
@@ -348,16 +352,19 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         finally:
             self._decoding -= 1
 
-    def _check_geometry(self, items, inputs) -> None:
+    def _check_geometry(self, items, inputs, salt: str) -> None:
         """INVALID_ARGUMENT naming the first decoded image whose size the model cannot take (a Phi-4-MM
-        image too thin for its crops, a grid past the cache), before any image of the request is queued."""
-        for i, (_, image) in enumerate(items):
+        image too thin for its crops, a grid past the cache) or whose estimated tower time is over
+        --max-image-seconds, before any image of the request is queued."""
+        for i, (key, image) in enumerate(items):
             if image is None:
                 continue
             try:
-                self.vision.image_nbytes(image.height, image.width, self._pixels(i, inputs[i]))
+                nbytes = self.vision.image_nbytes(image.height, image.width, self._pixels(i, inputs[i]))
             except ImageGeometryError as exc:
                 raise self._map_error(i, exc) from None
+            if not self.cache.known(key, salt):  # a hit, or joining a production, costs no tower time
+                self.cost_cap.check(i, image.height, image.width, nbytes)
 
     def _acquire(self, index: int, key: str, image, want_lease: bool, priority: int, salt: str,
                  owner: str = "", pixels: ImageSettings | None = None, for_ask: bool = False) -> cf.Future:
@@ -369,10 +376,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             nbytes = self.vision.embedding_nbytes
             if image is not None:  # Qwen-VL, Phi-4-MM, Gemma 3's crops: the size follows the image
                 nbytes = self.vision.image_nbytes(image.height, image.width, pixels)
+                if not self.cache.known(key, salt):  # a Prefetch's too: checked before it is produced
+                    self.cost_cap.check(index, image.height, image.width, nbytes)
             fut, produce = self.cache.acquire(key, want_lease, nbytes, produce=image is not None, salt=salt,
                                               owner=owner, for_ask=for_ask)
         # SaltClash: a hash collision; EntryKind: a video's hash given for an image
-        except (CacheFullError, SaltClashError, ImageGeometryError, EntryKindError) as exc:
+        except (CacheFullError, SaltClashError, ImageGeometryError, EntryKindError, ServiceError) as exc:
             _release_images([(key, image)])
             raise self._map_error(index, exc) from None
         if produce:
@@ -422,7 +431,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     # -- RPCs --------------------------------------------------------------------------------------
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context) -> encoder_pb2.EncodeResponse:
-        started = time.perf_counter()
+        started, asked_at = time.perf_counter(), self.cache.now()  # the leases' time counts from here
         self._check_open()
         try:
             transport = choose_transport(request.accept, self.served)
@@ -443,7 +452,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             with self.worker.holding():
                 try:
-                    self._check_geometry(items, request.images)  # every image's size, before any is queued
+                    self._check_geometry(items, request.images, salt)  # all, before any is queued
                     for i, (key, image) in enumerate(items):
                         futures.append(self._acquire(i, key, image, True, priority, salt, owner,
                                                      self._pixels(i, request.images[i])))
@@ -470,7 +479,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     refs.append(build_ref(handle, transport, self.cache.arena, data))
                 else:
                     refs.append(build_ref(handle, transport, self.cache.arena, nixl=self.nixl,
-                                          nixl_agent_known=request.nixl_agent))
+                                          nixl_agent_known=request.nixl_agent, asked_at=asked_at))
         except BaseException:
             _release_images(items[len(futures):])  # not handed to _acquire (the rest it released)
             for fut in futures:
@@ -506,7 +515,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         accepted = 0
         # A decoder's files sent ahead belong to a request that has arrived: demand work (its batches
         # replay the tower's CUDA graphs on the demand stream), not lookahead; that request's own Encode
-        # of what they produce is answered as the miss it is, however it races them.
+        # of what they produce is answered as the miss it is, however it races them. They are that
+        # request's too: produced while its ask waits for them (or, before it asks, for
+        # --sent-ahead-claim), so a request that ends leaves nothing running (EmbeddingCache.acquire).
         ahead = request.needed_now
         priority = DEMAND if ahead else PREFETCH
         acquires = [(lambda i=i, key=key, image=image: self._acquire(

@@ -8,6 +8,10 @@ Where the tower patches on its GPU (a Qwen encoder with the device-side processo
 the sampled uint8 frames instead: the host's patching (tens of milliseconds a clip, BENCHMARKS.md) leaves
 the critical path, and a quarter of the fp32 rows' bytes crosses to the device.
 
+Video decoding runs below images in the OS's scheduling (VIDEO_DECODE_NICENESS, on the lane's threads and
+the decode and codec threads they start): on a host whose cores are all busy, another tenant's small image
+is decoded and prepared first instead of waiting behind a long video's frames.
+
 Decoding asks the cache between frames whether anyone still waits for the video (`still_wanted`): when
 every caller has gone (its RPC cancelled, the decoder's own timeout), it stops at the next frame, and
 the production is dropped so that a later request starts afresh. Memory the frames took is given back
@@ -32,6 +36,9 @@ log = logging.getLogger(__name__)
 # Videos decoded at once; each uses up to --video-decode-threads threads of its own on top
 # (common/video/decode.py), all stopped at their next frame by the same `keep_going`.
 DEFAULT_VIDEO_THREADS = 2
+# How far below the images' threads the lane's threads (and the decode threads they start) run: nice 10
+# gets about a tenth of the CPU time of nice 0 when both want a core (Linux's CFS weights).
+VIDEO_DECODE_NICENESS = 10
 
 
 class VideoLane:
@@ -44,7 +51,7 @@ class VideoLane:
         self.cache = cache
         self._submit = submit
         self.patch_on_device = patch_on_device
-        self._threads = PrepThreads(threads, "video-decode")
+        self._threads = PrepThreads(threads, "video-decode", niceness=VIDEO_DECODE_NICENESS)
         self._lock = threading.Lock()
         self._stopping = False
         self.frames_decoded = 0  # every frame decoded, over all videos (the work done)

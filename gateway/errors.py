@@ -80,6 +80,9 @@ _GENERIC = {
     grpc.StatusCode.PERMISSION_DENIED: "the decoder refused the gateway's credentials",
 }
 RETRY_AFTER_S = 1
+# The decoder's own messages for those codes that name the stage that failed or took the time (an image's
+# Encode: decoder_svc/encoders/retry_policy.py's ENCODER_STAGE): passed on, not replaced by the fixed text.
+_STAGE_PREFIXES = ("vision encoder: ",)
 # The decoder refusing the gateway's own credentials is the server's problem, not the client's: a 401
 # would tell the client its API key is wrong. 502 Bad Gateway: an upstream refused the gateway.
 _GATEWAY_CREDENTIALS = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
@@ -105,7 +108,7 @@ def from_rpc_error(exc: grpc.RpcError) -> APIError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
         return APIError(413, "the request is larger than the decoder's message limit",
                         code="request_too_large")
-    if code in _GENERIC or status == 500:
+    if (code in _GENERIC and not details.startswith(_STAGE_PREFIXES)) or status == 500:
         log.warning("decoder call failed: %s: %s", code.name, details)
         message = _GENERIC.get(code, "the decoder failed to process the request")
     else:

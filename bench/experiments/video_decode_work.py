@@ -4,6 +4,8 @@ the decode schedule (seeks to the keyframe before each sampled frame) and decodi
     python -m bench.experiments.video_decode_work         (3000 black 1080p H.264 frames, max_frames=4)
     python -m bench.experiments.video_decode_work --frames 18000 --keyint 100000
                                                           (the issue's bomb: one keyframe)
+    python -m bench.experiments.video_decode_work --frames 6000 --keyint 100000 --max-frames 2
+                                                          (issue 63's one-GOP clip: the per-frame bound)
     python -m bench.experiments.video_decode_work --clip [--threads N]
                                                           (host time of one served clip, split by part)
 
@@ -137,12 +139,14 @@ def clip_split(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    from common.video.limits import default_decode_threads
+    from common.video.limits import VideoLimits, default_decode_threads
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=3000)
     parser.add_argument("--keyint", type=int, default=250)
     parser.add_argument("--max-frames", type=int, default=4)
+    parser.add_argument("--per-frame", type=int, default=VideoLimits().max_decode_per_frame,
+                        help="--max-video-decode-per-frame for the bounded schedule")
     parser.add_argument("--clip", action="store_true", help="the served clip's host time, split by part")
     parser.add_argument("--clip-seconds", type=float, default=30.0)
     parser.add_argument("--clip-fps", type=int, default=30)
@@ -157,25 +161,31 @@ def main() -> None:
         return
     from common.families.qwen2_5_vl.video_config import QWEN2_VL_VIDEO
     from common.video import decode as decode_module
-    from common.video.limits import VideoLimits
     from common.video.pipeline import plan_video
     from common.video.schedule import DecodeSchedule
 
     data = make_black_video(Path(f"/tmp/mmserve-bench-black-{args.frames}-k{args.keyint}.mp4"), args.frames,
                             args.keyint)
-    limits = VideoLimits(max_decode_bytes=1 << 50)  # measure, do not refuse
-    plan = plan_video(data, QWEN2_VL_VIDEO.with_request(max_frames=args.max_frames), "fp", limits=limits)
-    indices = np.asarray(plan.indices)
-    info, _, schedule = decode_module.plan_decoding(data, lambda _info: indices, limits)
-    for name, chosen in (("scheduled", schedule), ("in order", DecodeSchedule.in_order(int(indices[-1])))):
-        progress = decode_module._Progress(limits, None)
-        started = time.process_time()
-        decode_module._decode(data, limits, indices, info, chosen, progress)
-        print(f"{name}: {progress.decoded} frames decoded for {len(indices)} sampled "
-              f"({len(data)} bytes, {args.frames} frames, keyint {args.keyint}); "
-              f"{time.process_time() - started:.2f} s CPU")
-    print(f"default cap --max-video-decode-bytes: {VideoLimits().max_decode_bytes}; this schedule needs "
-          f"{schedule.frames_to_decode * info.width * info.height * 3}")
+    config = QWEN2_VL_VIDEO.with_request(max_frames=args.max_frames)
+    for label, per_frame in (("bounded", args.per_frame), ("unbounded", 0)):
+        # measure, do not refuse: no byte cap; the per-frame bound (--max-video-decode-per-frame) or none
+        limits = VideoLimits(max_decode_bytes=1 << 50, max_decode_per_frame=per_frame)
+        plan = plan_video(data, config, "fp", limits=limits)
+        indices = np.asarray(plan.indices)
+        info, _, schedule = decode_module.plan_decoding(data, lambda _info, i=indices: i, limits)
+        chosen = [(f"scheduled, {label} ({per_frame or 'no'} frames per frame kept)", schedule)]
+        if label == "unbounded":
+            chosen.append(("in order", DecodeSchedule.in_order(int(indices[-1]))))
+        for name, runs in chosen:
+            progress = decode_module._Progress(limits, None)
+            started = time.process_time()
+            decode_module._decode(data, limits, indices, info, runs, progress)
+            print(f"{name}: {progress.decoded} frames decoded for {len(indices)} sampled, frames "
+                  f"{indices.tolist()} at {[round(t, 2) for t in plan.timing.timestamps]} s "
+                  f"({len(data)} bytes, {args.frames} frames, keyint {args.keyint}); "
+                  f"{time.process_time() - started:.2f} s CPU")
+    print(f"default cap --max-video-decode-bytes: {VideoLimits().max_decode_bytes}; the unbounded schedule "
+          f"needs {schedule.frames_to_decode * info.width * info.height * 3}")
 
 
 if __name__ == "__main__":

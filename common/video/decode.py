@@ -32,7 +32,7 @@ import numpy as np
 
 from common.video.limits import VideoError, VideoLimits
 from common.video.probe import VideoInfo, open_video, public_message
-from common.video.schedule import DecodeSchedule, index_packets, schedule_decoding
+from common.video.schedule import DecodeSchedule, bounded_indices, index_packets, schedule_decoding
 
 # Frames a run may decode beyond its schedule: after a seek, a decoder may output a few frames from
 # before the keyframe (open groups of pictures). More than this means the index does not fit the stream.
@@ -175,7 +175,10 @@ def decode_frames(container, stream, info: VideoInfo, schedule: DecodeSchedule, 
 def plan_decoding(data: bytes, sample: Callable[[VideoInfo], Sequence[int]],
                   limits: VideoLimits = VideoLimits()) -> tuple[VideoInfo, np.ndarray, DecodeSchedule]:
     """(header, sampled indices, decode schedule) of encoded video bytes, nothing decoded: every cap of
-    `limits` checked, the decode work (common/video/schedule.py) included. Raises VideoError."""
+    `limits` checked, the decode work (common/video/schedule.py) included. Where reaching the sampled
+    frames would decode more than limits.max_decode_per_frame frames per frame kept, the indices are the
+    nearest frames within that share (schedule.bounded_indices): the frames decoded and the timestamps
+    reported are theirs. Raises VideoError."""
     with open_video(data, limits) as (container, stream, info):
         indices = np.asarray(sample(info), dtype=np.int64).reshape(-1)
         if indices.size == 0 or indices[0] < 0 or indices[-1] >= info.total_frames \
@@ -183,7 +186,12 @@ def plan_decoding(data: bytes, sample: Callable[[VideoInfo], Sequence[int]],
             raise ValueError(f"frame indices must increase within [0, {info.total_frames}): "
                              f"{indices.tolist()}")
         limits.check_decoded(int(indices.size), info.width, info.height)
-        schedule = schedule_decoding(index_packets(container, stream), indices)
+        packets = index_packets(container, stream)
+        schedule = schedule_decoding(packets, indices)
+        per_frame = limits.max_decode_per_frame
+        if per_frame and schedule.frames_to_decode > per_frame * indices.size:
+            indices = np.asarray(bounded_indices(packets, indices, per_frame), dtype=np.int64)
+            schedule = schedule_decoding(packets, indices)
     limits.check_decode_work(schedule.frames_to_decode, info.width, info.height)
     return info, indices, schedule
 

@@ -10,7 +10,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from common.arg_types import positive_float, positive_int
+from common.arg_types import non_negative_int, positive_float, positive_int
 from common.config import option
 from common.errors import InvalidInputError
 
@@ -99,6 +99,17 @@ class VideoLimits:
     max_decode_bytes: int = option(32 << 30, "most bytes of frames decoded to reach one video's sampled "
                                    "frames (frames decoded x width x height x 3), from the packet index "
                                    "before decoding", flag="--max-video-decode-bytes", type=positive_int)
+    # What a request asked for bounds what it may cost: a sampled frame far past the only keyframe (a
+    # long video of one group of pictures) would cost every frame before it. Past this many frames
+    # decoded per frame kept, each sampled frame is replaced by the nearest frame at or before it that
+    # is within that share (common/video/schedule.py: bounded_indices), and the frames' timestamps are
+    # those of the frames used. Both services plan a video; the decoder with the default (no flag).
+    max_decode_per_frame: int = option(
+        64, "most frames decoded per sampled frame kept: past it a sampled frame far from any keyframe is "
+        "replaced by the nearest frame before it within that share, and its timestamp reported (0: no "
+        "bound but --max-video-decode-bytes). Decoders plan videos with the default: another value here "
+        "changes which frames are encoded, not the timestamps in the prompt",
+        flag="--max-video-decode-per-frame", type=non_negative_int)
     # The schedule bounds the work; this bounds its time on a loaded host (checked at each frame).
     max_decode_s: float = option(60.0, "most seconds one video's decoding may take",
                                  flag="--max-video-decode-seconds", type=positive_float)

@@ -10,6 +10,10 @@ decode x their size) is known, and capped, before decoding starts (VideoLimits.c
 A stream whose packets cannot be indexed (a packet without a timestamp, two with the same one) is
 decoded in order from its first frame, and the schedule says so: its cost is every frame up to the
 last sampled one.
+
+What a request asked for bounds what it costs (`bounded_indices`, VideoLimits.max_decode_per_frame):
+where reaching the sampled frames would decode more than k frames per frame kept (a long video of one
+group of pictures), each sampled frame is moved to the nearest frame before it within that share.
 """
 
 from __future__ import annotations
@@ -102,6 +106,24 @@ def index_packets(container, stream) -> PacketIndex | None:
         return None
     position = {p: i for i, p in enumerate(ordered)}
     return PacketIndex(tuple(ordered), tuple(sorted(position[p] for p in key_pts)))
+
+
+def bounded_indices(index: PacketIndex | None, indices: Sequence[int], per_frame: int) -> list[int]:
+    """The sampled frames at `indices` (increasing), each moved to the nearest frame at or before it that
+    costs at most `per_frame` frames to decode: from the keyframe at or before it, or on from the frame
+    chosen before it (the only way without a packet index). Increasing still, and decoding them all
+    costs at most per_frame x len(indices) frames."""
+    keyframes = index.keyframes if index is not None else ()
+    out: list[int] = []
+    previous = -1  # the frame chosen before this one
+    for wanted in (int(i) for i in indices):
+        reach = previous + per_frame  # decoding on from the previous choice
+        k = bisect.bisect_right(keyframes, wanted) - 1
+        if k >= 0:  # seeking to the keyframe at or before it, then decoding on
+            reach = max(reach, keyframes[k] + per_frame - 1)
+        previous = min(wanted, reach)
+        out.append(previous)
+    return out
 
 
 def schedule_decoding(index: PacketIndex | None, indices: Sequence[int]) -> DecodeSchedule:

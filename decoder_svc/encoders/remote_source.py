@@ -56,8 +56,10 @@ from decoder_svc.encoders.encode_items import EncodeItem, by_hash, with_bytes
 from decoder_svc.encoders.fetch_slot import FetchSlot
 from decoder_svc.encoders.leases import LeaseLapsedError, lease_held_through
 from decoder_svc.encoders.retry_policy import (
+    ENCODER_STAGE,
     PROBE_TIMEOUT_S,
     RETRYABLE,
+    STAGE_CODES,
     TRANSPORT_CODES,
     EncoderBusyError,
     EncoderLeftRing,
@@ -284,25 +286,32 @@ class RemoteEmbeddingSource(EmbeddingSource):
         if not stale:
             self.notify_change()
 
-    def _fetch_owned(self, encoder: str, req: EmbeddingRequest,
-                     deadline: float) -> tuple[common_pb2.EmbeddingRef, torch.Tensor]:
+    def _fetch_owned(self, encoder: str, req: EmbeddingRequest, deadline: float,
+                     busy_until: float | None = None) -> tuple[common_pb2.EmbeddingRef, torch.Tensor]:
         """The embedding, copied out of the encoder's arena while its lease provably held, and the
         lease given back at once.
 
         A view kept until prefill could be read after its lease lapsed, when the encoder may already
         have written another image (another tenant's) into the slice. The copy (a few microseconds
         on a GPU) is taken right away, and it counts only if it finished before the lease could have
-        expired: the encoder starts the TTL no earlier than the moment we sent the Encode. Otherwise the
-        image is asked for again, once.
+        expired: the encoder counts the lease's time from the Encode's arrival (no earlier than the moment
+        we sent it), however long the Encode took. Otherwise the image is asked for again, once, with a
+        reach deadline of its own (the first ask's may have passed while a busy encoder worked on it),
+        bounded by the image's busy deadline.
         """
+        busy_until = self.retry.busy_deadline(deadline) if busy_until is None else busy_until
         for attempt in range(2):
+            if attempt:
+                deadline = self.retry.renewed_deadline(time.monotonic(), busy_until)
+                if deadline <= time.monotonic():  # says nothing of the encoder's reach: it answered
+                    raise EncoderBusyError(self.retry.out_of_time_message())
             sent_at = time.monotonic()
-            ref = self._encode(encoder, req, self.accept_for(encoder), deadline)
+            ref = self._encode(encoder, req, self.accept_for(encoder), deadline, busy_until)
             if not can_import(ref):  # e.g. an SHM segment on another host: NIXL or the bytes instead
                 self._transports.note_unreadable(encoder, ref)
                 self._release_leases(encoder, [ref.lease_id] if ref.lease_id else [])
                 sent_at = time.monotonic()
-                ref = self._encode(encoder, req, self._transports.across_hosts(ref), deadline)
+                ref = self._encode(encoder, req, self._transports.across_hosts(ref), deadline, busy_until)
             if not ref.lease_id:  # inline bytes: ours already
                 return ref, import_embedding(ref, device=self.device, source=encoder)
             with self._lock:
@@ -317,7 +326,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 with self._lock:
                     self._counters.active_leases -= 1
             if tensor is None:
-                ref = self._encode(encoder, req, [common_pb2.TRANSPORT_INLINE], deadline)
+                ref = self._encode(encoder, req, [common_pb2.TRANSPORT_INLINE], deadline, busy_until)
                 return ref, import_embedding(ref, device=self.device, source=encoder)
             if lease_held_through(sent_at, ref.lease_expires_in_s, time.monotonic()):
                 return ref, tensor
@@ -369,15 +378,16 @@ class RemoteEmbeddingSource(EmbeddingSource):
             copier = self._copiers.setdefault(threading.get_ident(), SideStreamCopier(self.device))
         return copier.copy(ref, encoder)
 
-    def _encode(self, encoder: str, req: EmbeddingRequest, accept: list[int],
-                deadline: float) -> common_pb2.EmbeddingRef:
+    def _encode(self, encoder: str, req: EmbeddingRequest, accept: list[int], deadline: float,
+                busy_until: float | None = None) -> common_pb2.EmbeddingRef:
         """Encode by hash, then with bytes on NOT_FOUND, retrying while the encoder is unreachable, all
         by one deadline. For a file the front end sent ahead, the encoder waits (briefly) for the file to
         arrive: the ask may overtake it."""
         video = req.video
         try:
             return self._call_encode(encoder, req, by_hash(req), accept, deadline,
-                                     await_file_ms=_SENT_AHEAD_WAIT_MS if req.sent_ahead else 0)
+                                     await_file_ms=_SENT_AHEAD_WAIT_MS if req.sent_ahead else 0,
+                                     busy_until=busy_until)
         except grpc.RpcError as exc:
             has_bytes = req.image is not None or (video is not None and video.data is not None)
             if exc.code() != grpc.StatusCode.NOT_FOUND or not has_bytes:
@@ -385,10 +395,13 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             self._counters.images_resent += 1
         item = with_bytes(req, max(deadline - time.monotonic(), 0.0))
-        return self._call_encode(encoder, req, item, accept, deadline)
+        return self._call_encode(encoder, req, item, accept, deadline, busy_until=busy_until)
 
     def _call_encode(self, encoder: str, req: EmbeddingRequest, item: EncodeItem, accept: list[int],
-                     deadline: float, await_file_ms: int = 0) -> common_pb2.EmbeddingRef:
+                     deadline: float, await_file_ms: int = 0,
+                     busy_until: float | None = None) -> common_pb2.EmbeddingRef:
+        """One input's Encode, retried while the encoder is unreachable until `deadline` (its reach); a
+        busy encoder is waited for until `busy_until` (busy_timeout_s from the image's first ask)."""
         with self._lock:
             slot = self._slots.get((req.request_id, req.content_hash))
         request = encoder_pb2.EncodeRequest(request_id=slot.ask if slot else req.request_id, accept=accept,
@@ -398,7 +411,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         if common_pb2.TRANSPORT_NIXL in accept:  # its agent's metadata comes once, not with every ref
             request.nixl_agent = known_agent(encoder)
         policy = self.retry
-        busy_until = deadline - policy.total_timeout_s + policy.busy_timeout_s  # from the first ask too
+        busy_until = policy.busy_deadline(deadline) if busy_until is None else busy_until
         backoff = policy.initial_backoff_s
         attempts, full_since = 0, None
         while True:
@@ -447,8 +460,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         limit = deadline  # until the encoder shows it is alive, an unreachable one's bound applies
         try:
             while True:
-                wait = min(self.retry.attempt_timeout_s, limit - time.monotonic())
-                if wait <= 0:
+                wait = max(min(self.retry.attempt_timeout_s, limit - time.monotonic()), 0.0)
+                if wait <= 0 and not call.done():  # an answer already here is taken, however late
                     if limit == busy_until:
                         raise EncoderBusyError(self.retry.busy_message())
                     raise Unresponsive()
@@ -561,6 +574,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
             self._release_leases(encoder, [], asks)
 
     def _fail(self, key: tuple[str, str], code: grpc.StatusCode, message: str) -> None:
+        if code in STAGE_CODES:  # named, so that a client learns which stage was slow or unreachable
+            message = f"{ENCODER_STAGE}: {message}"
         with self._lock:
             slot = self._slots.get(key)
             self._counters.embedding_failures += 1

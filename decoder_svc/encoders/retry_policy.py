@@ -15,6 +15,10 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 # Errors of the link, not of the encoder's judgement: their details name addresses.
 TRANSPORT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
                    grpc.StatusCode.CANCELLED}
+# How an image's failure of these codes begins: the stage that failed, which the gateway names to the client
+# (gateway/errors.py passes such a message on rather than its fixed text for the code).
+ENCODER_STAGE = "vision encoder"
+STAGE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 PROBE_TIMEOUT_S = 2.0  # a stats call to an encoder that is alive takes milliseconds, however busy it is
 
 
@@ -36,6 +40,23 @@ class RetryPolicy:
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 2.0
 
+    def busy_deadline(self, reach_deadline: float) -> float:
+        """The busy deadline of an image whose first ask's reach deadline (total_timeout_s from it) is
+        `reach_deadline`: busy_timeout_s from that first ask."""
+        return reach_deadline - self.total_timeout_s + self.busy_timeout_s
+
+    def renewed_deadline(self, now: float, busy_until: float) -> float:
+        """The reach deadline of a new ask of an image at `now`, after an answer that could not be used
+        (its lease may have lapsed): total_timeout_s of its own, never past the image's busy deadline."""
+        return min(now + self.total_timeout_s, busy_until)
+
+    def out_of_time_message(self) -> str:
+        """The error of an image whose encoder answered too late for the answer to be used (its lease
+        may have lapsed) and whose time ran out before it could be asked again."""
+        return (f"the encoder answered too late for its answer to be used and this input's time "
+                f"({self.busy_timeout_s:.0f} s) ran out before it could be asked again "
+                f"(slow, not unreachable)")
+
     def busy_message(self) -> str:
         """The error of an image its encoder was still working on at busy_timeout_s."""
         return (f"the encoder was busy and had not finished this input within "
@@ -47,7 +68,8 @@ class EncoderUnavailableError(RuntimeError):
 
 
 class EncoderBusyError(RuntimeError):
-    """The encoder was alive but had not finished the image within the policy's busy_timeout_s."""
+    """The encoder was alive but had not finished the image within the policy's busy_timeout_s, or the
+    image's time ran out before an ask could be sent: DEADLINE_EXCEEDED, never "unreachable"."""
 
 
 class Released(Exception):  # noqa: N818 - not an error: nobody waits for the image any more

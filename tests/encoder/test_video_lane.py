@@ -21,10 +21,12 @@ from tests.video.media import make_video
 
 CONFIG = QWEN2_VL_VIDEO.with_request(max_frames=4)
 LONG = make_video(600, fps=10, gop_size=10000, still=True)  # frames 0..450 decoded for 4 sampled
+# ... with no bound per frame kept (that bound: tests/video/test_decode_bound.py): the lane's heavy load.
+UNBOUNDED = VideoLimits(max_decode_per_frame=0)
 WAIT_S = 30.0
 
 
-def _job(data: bytes = LONG, limits: VideoLimits = VideoLimits()) -> VideoJob:
+def _job(data: bytes = LONG, limits: VideoLimits = UNBOUNDED) -> VideoJob:
     return VideoJob(data, CONFIG, limits, plan_video(data, CONFIG, "fp", limits=limits))
 
 
@@ -90,7 +92,8 @@ def test_a_video_that_breaks_while_decoding_fails_its_key() -> None:
     cache = EmbeddingCache(TensorArena(1 << 16))
     lane, submitted, _ = _lane(cache)
     fut, _ = cache.acquire("k", want_lease=False, video=True)
-    lane.start("k", _job(limits=VideoLimits(max_decode_s=1e-9)), 0)  # spent at the first frame
+    spent = VideoLimits(max_decode_s=1e-9, max_decode_per_frame=0)  # spent at the first frame
+    lane.start("k", _job(limits=spent), 0)
     with pytest.raises(Exception, match="--max-video-decode-seconds"):
         fut.result(WAIT_S)
     assert not submitted
@@ -112,4 +115,31 @@ def test_a_video_needed_now_while_it_decodes_goes_to_the_tower_as_demand_work() 
     assert arrived.wait(WAIT_S)
     assert [(key, priority) for key, _, priority in submitted] == [("k", DEMAND)]
     assert not lane.boost("k")  # with the worker now
+    lane.shutdown()
+
+
+@pytest.mark.parametrize("ending", ["ask cancelled", "never asked"])
+def test_a_video_sent_ahead_stops_decoding_once_its_request_has_ended(ending) -> None:
+    """A video a decoder sent ahead (issue 63) is decoded for its request only: once that request's Encode
+    is cancelled, or no Encode came within the claim time (a fake clock), the lane stops at the next
+    frame and nothing reaches the tower."""
+    clock = [0.0]
+    cache = EmbeddingCache(TensorArena(1 << 16), clock=lambda: clock[0], sent_ahead_claim_s=10.0)
+    lane, submitted, _ = _lane(cache)
+    at_frame_5, go = _hold_at_frame_5(lane)
+    finished = threading.Event()
+    run = lane._run
+    lane._run = lambda item: (run(item), finished.set())
+    cache.acquire("k", want_lease=False, video=True, for_ask=True)  # the Prefetch with needed_now
+    lane.start("k", _job(), DEMAND)
+    assert at_frame_5.wait(WAIT_S)
+    if ending == "ask cancelled":
+        ask, _ = cache.acquire("k", want_lease=True, produce=False, video=True)  # the request's Encode
+        ask.cancel()
+    else:
+        clock[0] = 10.0
+    go.set()
+    assert finished.wait(WAIT_S)
+    assert lane.abandoned == 1 and not submitted
+    assert lane.frames_decoded == 5, "decoding went on for a request that had ended"
     lane.shutdown()

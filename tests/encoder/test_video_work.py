@@ -24,6 +24,9 @@ SHM = common_pb2.TRANSPORT_SHM
 # reached from the start, 451 frames to decode.
 LONG = make_video(600, fps=10, gop_size=10000, still=True)
 FEW = common_pb2.VideoInput(data=LONG, max_frames=4)
+# The one-keyframe video decoded whole, as these tests' heavy load: no bound per frame kept (that bound:
+# tests/video/test_decode_bound.py).
+UNBOUNDED = {"max_decode_per_frame": 0}
 WAIT_S = 30.0  # a bound for conditions that hold within milliseconds; never what a test measures
 
 
@@ -32,7 +35,7 @@ def harness(qwen_model_dir):
     """One image prep thread: a video decoded there would hold it."""
     harness = EncoderHarness(EncoderConfig(
         model=qwen_model_dir, cache_bytes=64 << 20, lease_ttl_s=30, decode_processes=0, preprocess_threads=1,
-        limits=ImageLimits(max_images_per_request=2), video_limits=VideoLimits()))
+        limits=ImageLimits(max_images_per_request=2), video_limits=VideoLimits(**UNBOUNDED)))
     yield harness
     harness.close()
 
@@ -115,7 +118,7 @@ def test_a_video_whose_caller_hung_up_stops_at_the_next_frame(encoder, monkeypat
     ({"max_decode_s": 1e-9}, "video 0: decoding took longer than the limit of 1e-09 s a video"),
 ])
 def test_a_video_over_its_decode_work_or_time_is_invalid_argument(encoder, monkeypatch, cap, words):
-    monkeypatch.setattr(encoder.servicer, "video_limits", VideoLimits(**cap))
+    monkeypatch.setattr(encoder.servicer, "video_limits", VideoLimits(**cap, **UNBOUNDED))
     with pytest.raises(grpc.RpcError) as err:  # a salt of its own: no hit on the video encoded before
         encoder.stub.Encode(_request(FEW, salt=f"cap-{sorted(cap)}"), timeout=WAIT_S)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()

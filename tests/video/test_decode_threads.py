@@ -136,4 +136,4 @@ def test_the_decode_work_cap_is_checked_before_any_thread_starts(monkeypatch) ->
     monkeypatch.setattr(decode_module, "decode_frames", lambda *a, **k: pytest.fail("a frame was decoded"))
     with pytest.raises(VideoError, match="--max-video-decode-bytes"):
         decode_video(still, lambda info: np.array([0, 299]),
-                     _limits(4, max_decode_bytes=64 * 48 * 3 * 299))
+                     _limits(4, max_decode_bytes=64 * 48 * 3 * 299, max_decode_per_frame=0))

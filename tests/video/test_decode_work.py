@@ -48,7 +48,9 @@ def test_a_long_video_decodes_only_the_groups_of_its_sampled_frames(long_video) 
 
 def test_the_plan_counts_the_frames_to_decode(long_video, one_keyframe) -> None:
     assert plan_video(long_video, QWEN3_VL_VIDEO.with_request(max_frames=4), "fp").frames_to_decode <= 4 * 30
-    assert plan_video(one_keyframe, QWEN3_VL_VIDEO.with_request(max_frames=4), "fp").frames_to_decode == 600
+    unbounded = VideoLimits(max_decode_per_frame=0)  # the bound per frame kept: test_decode_bound.py
+    assert plan_video(one_keyframe, QWEN3_VL_VIDEO.with_request(max_frames=4), "fp",
+                      limits=unbounded).frames_to_decode == 600
 
 
 def test_decode_work_over_the_cap_is_refused_before_decoding(one_keyframe, monkeypatch) -> None:
@@ -56,7 +58,7 @@ def test_decode_work_over_the_cap_is_refused_before_decoding(one_keyframe, monke
         raise AssertionError("a frame was decoded")
 
     monkeypatch.setattr(decode_module, "decode_frames", refuse)
-    limits = VideoLimits(max_decode_bytes=FRAME_BYTES * 599)
+    limits = VideoLimits(max_decode_bytes=FRAME_BYTES * 599, max_decode_per_frame=0)
     config = QWEN3_VL_VIDEO.with_request(max_frames=4)
     for call in (lambda: decode_video(one_keyframe, lambda info: np.array([0, 599]), limits),
                  lambda: plan_video(one_keyframe, config, "fp", limits=limits)):  # both services plan so
