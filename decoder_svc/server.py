@@ -170,7 +170,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 if output.times is not None:
                     self._observe_ttft_split(split_ttft(output.times, time.monotonic()))
                 now = time.perf_counter()
-                if self.metrics is not None and output.new_token_ids:
+                if self.metrics is not None and output.new_token_ids and output.index == 0:  # a step once
                     (self.metrics.ttft if last is None else self.metrics.itl).observe(
                         now - (started if last is None else last))
                     last = now

@@ -7,8 +7,10 @@ from __future__ import annotations
 from decoder_svc.engine import FinishReason, SamplingParams
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.fanout import child_id, child_seed
+from decoder_svc.engine.kv_cache_manager import KVCacheManager
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.engine.request import Request
+from decoder_svc.model.kv_groups import KVCacheGroup
 from tests.fakes import GatedSource
 from tests.oracle import greedy
 
@@ -144,3 +146,26 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     blocks.free(parent)
     blocks.free(child)
     assert all(b.ref_cnt == 0 for b in blocks.blocks) and blocks.num_free_blocks == 8
+
+
+def test_choice_seeds_are_seed_plus_index_wrapped_to_64_bits():
+    assert [child_seed(5, i) for i in range(3)] == [5, 6, 7]
+    assert child_seed(2**64 - 1, 1) == 0 and child_seed(None, 3) is None
+
+
+def test_a_sliding_group_forks_its_window_and_frees_every_block():
+    m = KVCacheManager.for_groups([KVCacheGroup((0,), None, 16), KVCacheGroup((1,), 8, 16)], block_size=4)
+    parent = Request("p", list(range(30)), SamplingParams(), 4)
+    assert m.allocate_slots(parent, 29)
+    parent.num_computed_tokens = 29
+    m.allocate_slots(parent, 0)  # drops the sliding blocks that left the window
+    child = Request(child_id("p", 1), parent.prompt_token_ids, SamplingParams(), 4)
+    copies = m.fork(parent, child)
+    (full_p, slide_p), (full_c, slide_c) = m.block_tables(parent), m.block_tables(child)
+    assert full_c[:7] == full_p[:7] and full_c[7] != full_p[7]
+    assert [b == 0 for b in slide_c] == [b == 0 for b in slide_p]  # null where the parent has left
+    assert slide_c[:7] == slide_p[:7] and slide_c[7] != slide_p[7]
+    assert copies == [(0, full_p[7], full_c[7]), (1, slide_p[7], slide_c[7])]
+    m.free(parent)
+    m.free(child)
+    assert all(b.ref_cnt == 0 for b in m.blocks) and m.stats().used_blocks == 0
