@@ -4,12 +4,15 @@ end, are cancelled, or could not share the KV."""
 
 from __future__ import annotations
 
+import pytest
+
 from decoder_svc.engine import FinishReason, SamplingParams
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.fanout import child_id, child_seed
 from decoder_svc.engine.kv_cache_manager import KVCacheManager
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.engine.request import Request
+from decoder_svc.engine.sampling_params import InvalidRequestError
 from decoder_svc.model.kv_groups import KVCacheGroup
 from tests.fakes import GatedSource
 from tests.oracle import greedy
@@ -169,3 +172,23 @@ def test_a_sliding_group_forks_its_window_and_frees_every_block():
     m.free(parent)
     m.free(child)
     assert all(b.ref_cnt == 0 for b in m.blocks) and m.stats().used_blocks == 0
+
+
+def test_forked_samples_preempted_for_blocks_recompute_to_the_same_tokens(make_engine, tiny_model_dir,
+                                                                           images):
+    n, sampling = 4, _sampled(40)
+    expected = _separate(make_engine, tiny_model_dir, ONE, images[:1], n, sampling)
+    engine, source = _engine(make_engine, tiny_model_dir, num_kv_blocks=14, block_size=16)
+    engine.add_request("p", ONE, images[:1], sampling=sampling, n=n)
+    got = _choices(engine)
+    assert [got[("p", i)]["tokens"] for i in range(n)] == expected
+    assert engine.stats().preemptions > 0 and engine.stats().samples_forked == n - 1
+    _assert_nothing_held(engine, source)
+
+
+def test_more_samples_than_served_is_refused(make_engine, tiny_model_dir):
+    engine = make_engine()
+    with pytest.raises(InvalidRequestError, match="n must be"):
+        engine.add_request("p", "USER: hi ASSISTANT:", n=129)
+    with pytest.raises(InvalidRequestError, match="n must be"):
+        engine.add_request("q", "USER: hi ASSISTANT:", n=0)
