@@ -192,3 +192,22 @@ def test_more_samples_than_served_is_refused(make_engine, tiny_model_dir):
         engine.add_request("p", "USER: hi ASSISTANT:", n=129)
     with pytest.raises(InvalidRequestError, match="n must be"):
         engine.add_request("q", "USER: hi ASSISTANT:", n=0)
+
+
+def test_a_failing_step_after_the_fork_fails_every_sample_and_frees_everything(make_engine, tiny_model_dir,
+                                                                              images, monkeypatch):
+    engine, source = _engine(make_engine, tiny_model_dir)
+    engine.add_request("p", ONE, images[:1], sampling=_sampled(30), n=3)
+    outputs = []
+    while not any(o.new_token_ids for o in outputs):
+        outputs += engine.step()
+    for name in ("execute", "launch"):  # the synchronous and the asynchronous engine's call
+        monkeypatch.setattr(engine.runner, name, lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
+    ended = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                ended[o.index] = o.finish_reason
+    assert ended == {i: FinishReason.ERROR for i in range(3)}
+    assert engine.stats().requests_failed == 3
+    _assert_nothing_held(engine, source)
