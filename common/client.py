@@ -81,17 +81,19 @@ def generate_request(
     request_id: str | None = None,
     cache_salt: str = "",
     lora_adapter: str = "",
+    n: int = 1,
     **sampling,
 ) -> decoder_pb2.GenerateRequest:
     """Build a GenerateRequest from a prompt with "<image>" markers, or from chat messages.
 
     chat: [{"role": "user", "content": [{"type": "image", "image": <ImageLike>}, {"type": "text",
     "text": "..."}]}, ...]; a plain string content is one text part. `lora_adapter`: one of the
-    decoder's --lora-modules names ("": the base model).
+    decoder's --lora-modules names ("": the base model). `n`: samples of the prompt (each response's
+    `index` names its choice; DecoderClient.generate_choices gathers them).
     """
     request = decoder_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex, cache_salt=cache_salt, lora_adapter=lora_adapter,
-        sampling=sampling_params(**sampling))
+        sampling=sampling_params(**sampling), n=n if n > 1 else 0)
     if (prompt is None) == (chat is None):
         raise ValueError("give exactly one of prompt or chat")
     if prompt is not None:
@@ -155,6 +157,14 @@ class DecoderClient:
         for chunk in self.generate(prompt, images, **kwargs):
             result.add(chunk)
         return result
+
+    def generate_choices(self, prompt: str | None = None, images: Iterable[ImageLike] = (), n: int = 1,
+                         **kwargs) -> list[GenerationResult]:
+        """The n samples of one request (GenerateRequest.n), each gathered from its messages by `index`."""
+        results = [GenerationResult() for _ in range(n)]
+        for chunk in self.generate(prompt, images, n=n, **kwargs):
+            results[chunk.index].add(chunk)
+        return results
 
     def stats(self) -> decoder_pb2.DecoderStats:
         return self.stub.GetStats(common_pb2.StatsRequest(), timeout=self.timeout or 10)

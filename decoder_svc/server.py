@@ -12,7 +12,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 import grpc
 
@@ -125,12 +126,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             asyncio.get_running_loop().run_in_executor(None, self.encoders.send_ahead, list(files.values()),
                                                        req.cache_salt)
 
-    def _stream_detokenizer(self, sampling: SamplingParams) -> IncrementalDetokenizer | None:
-        """The stream's own detokenizer; None when the core detokenizes (requests with stop strings,
-        whose stopping needs the text)."""
+    def _stream_detokenizer(self, sampling: SamplingParams) -> Callable[[], IncrementalDetokenizer] | None:
+        """The stream's own detokenizers (one per choice); None when the core detokenizes (requests with
+        stop strings, whose stopping needs the text)."""
         if sampling.stop:
             return None
-        return IncrementalDetokenizer(self.inputs.tokenizer.tokenizer)
+        return partial(IncrementalDetokenizer, self.inputs.tokenizer.tokenizer)
 
     def _error_status(self, request_id: str, output: RequestOutput) -> ServiceError:
         if output.error == _SHUTTING_DOWN:
@@ -148,6 +149,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
         outputs = OutputStream(self.core.open_stream(request_id), self._stream_detokenizer(parsed.sampling))
         added = finished = False
+        open_choices = parsed.n  # the stream ends after every choice's last message
         last = None
         awaiting = True  # counted in awaiting_first_token until its first output
         self.awaiting_first_token += 1
@@ -163,11 +165,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                     finished = True
                     self._count("failed")
                     raise self._error_status(request_id, output)
-                finished = output.finished
+                open_choices -= output.finished
+                finished = open_choices == 0
                 if output.times is not None:
                     self._observe_ttft_split(split_ttft(output.times, time.monotonic()))
                 now = time.perf_counter()
-                if self.metrics is not None and output.new_token_ids:
+                if self.metrics is not None and output.new_token_ids and output.index == 0:  # a step once
                     (self.metrics.ttft if last is None else self.metrics.itl).observe(
                         now - (started if last is None else last))
                     last = now

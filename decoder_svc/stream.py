@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from decoder_svc.engine.detokenizer import IncrementalDetokenizer
 from decoder_svc.engine.output_processor import RequestOutput
@@ -18,18 +19,24 @@ class OutputStream:
     equal to end-to-end latency) and an SSE event with many tokens; one token per message is what
     OpenAI clients and benchmark tools (aiperf, guidellm) count tokens and inter-token latency by. The
     backlog this may leave is bounded by the request's max_tokens and costs one small message per token.
-    With a `detokenizer` (requests without stop strings: the core detokenizes the others, since stopping
-    needs the text) the read fills in the text.
+    With a `detokenizer` factory (requests without stop strings: the core detokenizes the others, since
+    stopping needs the text) the read fills in the text, with one detokenizer per choice (`index`) of a
+    request for n samples.
     """
 
-    def __init__(self, queue: asyncio.Queue, detokenizer: IncrementalDetokenizer | None = None) -> None:
+    def __init__(self, queue: asyncio.Queue,
+                 detokenizer: Callable[[], IncrementalDetokenizer] | None = None) -> None:
         self._queue = queue
-        self.detokenizer = detokenizer
+        self._make_detokenizer = detokenizer
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
 
     async def read(self) -> RequestOutput:
         """The next engine output (waits for it)."""
         output: RequestOutput = await self._queue.get()
-        detok = self.detokenizer
-        if detok is not None and not output.error:
-            output.text = detok.add(output.new_token_ids) + (detok.finish() if output.finished else "")
+        if self._make_detokenizer is None or output.error:
+            return output
+        detok = self._detokenizers.get(output.index)
+        if detok is None:
+            detok = self._detokenizers[output.index] = self._make_detokenizer()
+        output.text = detok.add(output.new_token_ids) + (detok.finish() if output.finished else "")
         return output

@@ -34,13 +34,14 @@ class ParsedRequest:
     videos: list[VideoSource] = field(default_factory=list)  # Qwen-VL videos, in prompt order
     prompt_token_ids: list[int] | None = None  # a prompt given as token ids (text only)
     lora_adapter: str = ""  # a --lora-modules name ("": the base model); the engine checks it
+    n: int = 1  # samples of the prompt (0 on the wire means 1); the engine checks the bound
 
     def new_request(self, request_id: str, known_grids: Mapping[str, Grid] | None = None) -> NewRequest:
         """The engine's input for it, named request_id; known_grids: grids of its hash-only images."""
         return NewRequest(request_id, self.prompt, self.images, messages=self.messages,
                           sampling=self.sampling, cache_salt=self.cache_salt,
                           image_options=self.image_options, known_grids=known_grids, videos=self.videos,
-                          prompt_token_ids=self.prompt_token_ids, lora_adapter=self.lora_adapter)
+                          prompt_token_ids=self.prompt_token_ids, lora_adapter=self.lora_adapter, n=self.n)
 
 
 def _image(index: int, image: common_pb2.ImageInput) -> bytes | str:
@@ -78,6 +79,7 @@ def parse_request(request: decoder_pb2.GenerateRequest) -> ParsedRequest:
         ignore_eos=s.ignore_eos, logprobs=s.logprobs, min_tokens=s.min_tokens)
     parsed = _parse_input(request, sampling)
     parsed.lora_adapter = request.lora_adapter
+    parsed.n = max(request.n, 1)
     return parsed
 
 
@@ -123,7 +125,8 @@ def _parse_input(request: decoder_pb2.GenerateRequest, sampling: SamplingParams)
 
 def to_response(output: RequestOutput) -> decoder_pb2.GenerateResponse:
     """One stream message."""
-    response = decoder_pb2.GenerateResponse(token_ids=output.new_token_ids, text=output.text)
+    response = decoder_pb2.GenerateResponse(token_ids=output.new_token_ids, text=output.text,
+                                            index=output.index)
     for lp in output.logprobs:
         response.logprobs.add(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
     if output.finish_reason is not None:

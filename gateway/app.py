@@ -28,8 +28,9 @@ from starlette.routing import Route
 
 from common.pb import decoder_pb2
 from gateway.admission import admit_chat, admit_completion, check_salt, read_json
-from gateway.balancer import DecoderPool, GenerationGroup
+from gateway.balancer import DecoderPool
 from gateway.byte_budget import ByteBudget, GatewayBytes
+from gateway.choices import Choices
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, bad_request, from_rpc_error, quoted
 from gateway.images import ImageFetcher
@@ -167,8 +168,8 @@ class Gateway:
             self.metrics.errors.labels(str(status), code or "none").inc()
 
     async def _start(self, request: Request, endpoint: str, schema: type, translate) -> tuple:
-        """Authorize, parse, admit, translate and start the Generate calls, one per choice (`n`):
-        (parsed request, GenerationGroup). Every count and size is checked (admission.py) before any
+        """Authorize, parse, admit, translate and start the Generate calls, one per prompt, each for `n`
+        samples: (parsed request, its Choices). Every count and size is checked (admission.py) before any
         image is fetched; images are fetched once for all choices."""
         api_key = self.authorize(request)
         body = await read_json(request, self.config.limits, self.config.http.body_timeout_s)
@@ -193,7 +194,7 @@ class Gateway:
             budget.release()
             raise
         generation.on_end = budget.release
-        return req, generation
+        return req, Choices(generation, req.n)
 
     async def _handle(self, request: Request, endpoint: str, schema: type, translate, respond) -> Response:
         started = time.perf_counter()
@@ -221,12 +222,12 @@ class Gateway:
             return self.error_response(endpoint, APIError(500, "internal error in the gateway",
                                                           code="internal_error"))
 
-    async def _chunks(self, generation: GenerationGroup, endpoint: str, started: float, per_prompt: int
+    async def _chunks(self, generation: Choices, endpoint: str, started: float, per_prompt: int
                       ) -> AsyncIterator[tuple[int, decoder_pb2.GenerateResponse]]:
         """The decoders' messages as (choice index, message), observing TTFT (first token of any
         choice), E2E (last choice's end) and token counts (each prompt once: per_prompt choices each) on
         the way."""
-        first, open_choices = True, len(generation.members)
+        first, open_choices = True, generation.num
         async for index, chunk in generation:
             if first and chunk.token_ids:
                 first = False
@@ -241,7 +242,7 @@ class Gateway:
                     self.metrics.e2e.labels(endpoint).observe(time.perf_counter() - started)
             yield index, chunk
 
-    def _stream(self, endpoint: str, generation: GenerationGroup, events: AsyncIterator[dict]
+    def _stream(self, endpoint: str, generation: Choices, events: AsyncIterator[dict]
                 ) -> SSEResponse:
         """An SSE response of events, then `data: [DONE]`; a decoder error mid-stream becomes an error
         event (the status line has gone out already); a client that leaves cancels the call."""
@@ -282,16 +283,16 @@ class Gateway:
         return await self._handle(request, "chat", ChatCompletionRequest, translate, self._chat_response)
 
     @staticmethod
-    def _running_usage(req, generation: GenerationGroup) -> RunningUsage | None:
+    def _running_usage(req, generation: Choices) -> RunningUsage | None:
         """Usage so far for continuous_usage_stats (None without it), the prompt's counts taken from the
         decoders' first messages, so that every chunk has them, the role chunks included (vLLM)."""
         if not req.continuous_usage:
             return None
         running = RunningUsage()
-        running.prime([member.first for member in generation.members], req.n)
+        running.prime(generation.firsts, 1)  # one call per prompt
         return running
 
-    async def _whole(self, request: Request, endpoint: str, generation: GenerationGroup, collect
+    async def _whole(self, request: Request, endpoint: str, generation: Choices, collect
                      ) -> Response:
         """A whole (not streamed) response: collect() awaited, the calls cancelled if the client leaves."""
         try:
@@ -301,10 +302,10 @@ class Gateway:
         self._count(endpoint, 200)
         return JSONResponse(body)
 
-    async def _chat_response(self, request: Request, req: ChatCompletionRequest, generation: GenerationGroup,
+    async def _chat_response(self, request: Request, req: ChatCompletionRequest, generation: Choices,
                              started: float) -> Response:
         head = ResponseHeader(generation.request_id, self.model_name(req.model))
-        top_n, n = req.top_logprobs or 0, len(generation.members)
+        top_n, n = req.top_logprobs or 0, generation.num
         chunks = self._chunks(generation, "chat", started, n)
         if req.stream:
             async def events() -> AsyncIterator[dict]:
@@ -360,9 +361,9 @@ class Gateway:
                                   self._completion_response)
 
     async def _completion_response(self, request: Request, req: CompletionRequest,
-                                   generation: GenerationGroup, started: float) -> Response:
+                                   generation: Choices, started: float) -> Response:
         head = ResponseHeader(generation.request_id, self.model_name(req.model))
-        n = len(generation.members)
+        n = generation.num
         logprobs = [CompletionLogprobs(req.logprobs, self.texts) for _ in range(n)] \
             if req.logprobs is not None else None
         chunks = self._chunks(generation, "completions", started, req.n)

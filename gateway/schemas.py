@@ -118,7 +118,7 @@ class _SamplingFields(_Lenient):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # vLLM's bound: a signed 64-bit seed
-    n: int = Field(default=1, ge=1, le=MAX_N)  # choices: n decoder requests sharing the prompt's KV
+    n: int = Field(default=1, ge=1, le=MAX_N)  # choices: one decoder request for n samples
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None

@@ -2,10 +2,11 @@
 
 Sampling follows OpenAI's defaults where the decoder's differ: an omitted `temperature` is 1.0 (the
 decoder's 0 means greedy), an omitted `max_tokens` is the server's default for chat and 16 for
-completions. vLLM's `min_tokens` passes through; `n` > 1 becomes n decoder requests (fan_out), and a list
-of prompts one request per prompt (DecoderCalls). What the decoder cannot do (penalties, tools, legacy
-functions, structured output, other output modalities, echo, suffix, best_of) is refused with a 400 naming
-the parameter rather than silently ignored.
+completions. vLLM's `min_tokens` passes through; `n` goes to the decoder with the prompt (one request for
+n samples: the image sent and the prompt prefilled once), and a list of prompts becomes one request per
+prompt (DecoderCalls), so that different prompts never share a prefill. What the decoder cannot do
+(penalties, tools, legacy functions, structured output, other output modalities, echo, suffix, best_of) is
+refused with a 400 naming the parameter rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -252,23 +253,28 @@ def completion_request(req: CompletionRequest, cache_salt: str) -> decoder_pb2.G
 @dataclass
 class DecoderCalls:
     """What one OpenAI request asks of the decoders: the response's id, and one GenerateRequest per
-    prompt (chat: one; completions: one per prompt), each to be fanned out to `n` choices."""
+    prompt (chat: one; completions: one per prompt), each asking for `n` samples."""
 
     request_id: str
     prompts: list[decoder_pb2.GenerateRequest]
 
     def choices(self, n: int, lora_adapter: str = "") -> list[decoder_pb2.GenerateRequest]:
-        """Every decoder request, prompt-major: choice `index` = prompt x n + sample, as OpenAI and vLLM
-        number a list of prompts' choices."""
+        """Every decoder request, one per prompt, each for n samples (GenerateRequest.n; the decoder's
+        choice i seeds with seed + i, as fan_out's i-th request did): choice `index` = prompt x n +
+        sample, as OpenAI and vLLM number a list of prompts' choices (gateway/choices.py)."""
         for prompt in self.prompts:
             prompt.lora_adapter = lora_adapter
-        return [choice for prompt in self.prompts for choice in fan_out(prompt, n)]
+            if n > 1:
+                prompt.n = n
+        return list(self.prompts)
 
 
 def fan_out(request: decoder_pb2.GenerateRequest, n: int) -> list[decoder_pb2.GenerateRequest]:
-    """The n decoder requests of an `n` > 1 request: the same prompt and sampling, ids `ID-0`..`ID-(n-1)`
-    and, as vLLM gives its parallel samples, seeds seed+0..seed+(n-1), so seeded choices differ from each
-    other yet repeat from call to call. n == 1 is the request itself."""
+    """The n separate decoder requests equivalent to one request for n samples: the same prompt and
+    sampling, ids `ID-0`..`ID-(n-1)` and, as vLLM gives its parallel samples, seeds seed+0..seed+(n-1), so
+    seeded choices differ from each other yet repeat from call to call. n == 1 is the request itself.
+    The gateway sends n instead (DecoderCalls.choices); this is the reference its samples must match
+    (tests) and the form for a decoder without GenerateRequest.n."""
     if n == 1:
         return [request]
     out = []

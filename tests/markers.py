@@ -36,6 +36,7 @@ SLOW_OTHERWISE = frozenset({
     "tests/bench/test_bench_cpu.py",
     "tests/bench/test_encode_cost.py",
     "tests/bench/test_encode_tput_variants.py",
+    "tests/bench/test_n_choices_rss.py",
     "tests/bench/test_qwen_workload.py",
     "tests/bench/test_soak_smoke.py",
     "tests/encoder/test_shm_sweeper.py",

@@ -74,7 +74,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "chat", "prompt_token_ids", "images", "sampling", "cache_salt", "videos", "lora_adapter")
+    __slots__ = ("request_id", "prompt", "chat", "prompt_token_ids", "images", "sampling", "cache_salt", "videos", "lora_adapter", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     VIDEOS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     chat: ChatMessages
@@ -93,7 +94,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     videos: _containers.RepeatedCompositeFieldContainer[_common_pb2.VideoInput]
     lora_adapter: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[_common_pb2.VideoInput, _Mapping]]] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., videos: _Optional[_Iterable[_Union[_common_pb2.VideoInput, _Mapping]]] = ..., lora_adapter: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
@@ -122,21 +124,23 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., images: _Optional[int] = ..., images_encoder_cache_hits: _Optional[int] = ..., images_skipped_by_kv_reuse: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class DecoderStats(_message.Message):
-    __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "images_encoded", "images_encoder_cache_hits", "images_skipped_by_kv_reuse", "preemptions", "requests_finished", "requests_aborted", "active_leases", "images_prefetched", "lookahead_ready_at_prefill", "kv_blocks_cached_free", "lookahead_waited_at_prefill", "requests_failed", "embedding_transports", "lookahead_boosted", "ttft_stage_seconds", "ttft_calls", "prefix_cache_hit_tokens_by_adapter", "kv_groups")
+    __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "images_encoded", "images_encoder_cache_hits", "images_skipped_by_kv_reuse", "preemptions", "requests_finished", "requests_aborted", "active_leases", "images_prefetched", "lookahead_ready_at_prefill", "kv_blocks_cached_free", "lookahead_waited_at_prefill", "requests_failed", "embedding_transports", "lookahead_boosted", "ttft_stage_seconds", "ttft_calls", "prefix_cache_hit_tokens_by_adapter", "kv_groups", "samples_forked", "samples_queued")
     class EmbeddingTransportsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +186,8 @@ class DecoderStats(_message.Message):
     TTFT_CALLS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_BY_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FORKED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_QUEUED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_blocks_used: int
@@ -206,7 +212,9 @@ class DecoderStats(_message.Message):
     ttft_calls: int
     prefix_cache_hit_tokens_by_adapter: _containers.ScalarMap[str, int]
     kv_groups: _containers.RepeatedCompositeFieldContainer[KvGroupStats]
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., images_encoded: _Optional[int] = ..., images_encoder_cache_hits: _Optional[int] = ..., images_skipped_by_kv_reuse: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., active_leases: _Optional[int] = ..., images_prefetched: _Optional[int] = ..., lookahead_ready_at_prefill: _Optional[int] = ..., kv_blocks_cached_free: _Optional[int] = ..., lookahead_waited_at_prefill: _Optional[int] = ..., requests_failed: _Optional[int] = ..., embedding_transports: _Optional[_Mapping[str, int]] = ..., lookahead_boosted: _Optional[int] = ..., ttft_stage_seconds: _Optional[_Mapping[str, float]] = ..., ttft_calls: _Optional[int] = ..., prefix_cache_hit_tokens_by_adapter: _Optional[_Mapping[str, int]] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupStats, _Mapping]]] = ...) -> None: ...
+    samples_forked: int
+    samples_queued: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., images_encoded: _Optional[int] = ..., images_encoder_cache_hits: _Optional[int] = ..., images_skipped_by_kv_reuse: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., active_leases: _Optional[int] = ..., images_prefetched: _Optional[int] = ..., lookahead_ready_at_prefill: _Optional[int] = ..., kv_blocks_cached_free: _Optional[int] = ..., lookahead_waited_at_prefill: _Optional[int] = ..., requests_failed: _Optional[int] = ..., embedding_transports: _Optional[_Mapping[str, int]] = ..., lookahead_boosted: _Optional[int] = ..., ttft_stage_seconds: _Optional[_Mapping[str, float]] = ..., ttft_calls: _Optional[int] = ..., prefix_cache_hit_tokens_by_adapter: _Optional[_Mapping[str, int]] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupStats, _Mapping]]] = ..., samples_forked: _Optional[int] = ..., samples_queued: _Optional[int] = ...) -> None: ...
 
 class KvGroupStats(_message.Message):
     __slots__ = ("name", "window", "blocks_used", "blocks_total", "blocks_cached_free")

@@ -224,6 +224,39 @@ class BlockManager:
                 self.cached[hashes[i]] = b
         self._req_num_registered[rid] = max(start, len(hashes))
 
+    # -- forking (engine/fanout.py) -----------------------------------------------------------------
+    def fork_needs(self, parent: Request) -> int:
+        """Blocks fork() takes from the pool: 1 when the parent's computed tokens end inside a block
+        (its copy), else 0."""
+        return int(parent.num_computed_tokens % self.block_size != 0)
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Give the child the parent's table for its computed tokens: the full blocks shared (their
+        reference counts raised, as a prefix hit does), the last, partial one a fresh block whose KV the
+        runner copies from the parent's (returned as (source, destination); None: no partial block).
+        The caller checked fork_needs against num_free_blocks."""
+        held = self.req_blocks.get(parent.request_id, [])
+        n_full = parent.num_computed_tokens // self.block_size
+        table = []
+        for b in held[:n_full]:
+            if b is not self.null_block:
+                b.ref_cnt += 1
+            table.append(b)
+        copy = None
+        if self.fork_needs(parent):
+            src = held[n_full]
+            dst = self.free_queue.popleft()
+            self._evict(dst)
+            dst.ref_cnt = 1
+            table.append(dst)
+            copy = (src.block_id, dst.block_id)
+        self.req_blocks[child.request_id] = table
+        pid, cid = parent.request_id, child.request_id
+        if pid in self._req_hashes:  # the prompt's blocks hash alike (shared between a manager's pools)
+            self._req_hashes.setdefault(cid, list(self._req_hashes[pid]))
+        self._req_num_registered[cid] = min(self._req_num_registered.get(pid, 0), n_full)
+        return copy
+
     def free(self, request: Request) -> None:
         """Drop the request's references; its cached blocks stay reusable until evicted."""
         rid = request.request_id

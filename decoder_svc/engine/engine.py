@@ -82,6 +82,8 @@ class EngineStats:
     requests_finished: int = stat("Requests ended by a stop condition or their length")
     requests_aborted: int = stat("Requests aborted (client cancel, deadline, disconnect)")
     requests_failed: int = stat("Requests ended by an error")
+    samples_forked: int = stat("Samples of an n > 1 request that started from its prefilled prompt KV")
+    samples_queued: int = stat("Samples of an n > 1 request queued as requests of their own (no KV shared)")
     kv_groups: list[KvGroupStats] = stat("KV cache blocks per group of layers with one attention pattern",
                                          "rows", label="group")
 
@@ -185,20 +187,20 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
-        self.scheduler.add(req)
-        self.outputs.add_request(req)
+        for queued in self.scheduler.add(req):  # n samples that cannot share its KV: all of them
+            self.outputs.add_request(queued)
         return req
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks and embeddings; its ABORT output comes with the next step.
+        """Stop a request (every sample of it) and free its blocks and embeddings; the ABORT outputs
+        come with the next step.
 
         Like every method here, call it from the thread that calls step(): the engine is not thread-safe.
         """
-        req = self.scheduler.get(request_id)
-        if req is None:
-            return False
-        self.scheduler.finish_request(req, FinishReason.ABORT)
-        return True
+        live = self.scheduler.live_samples(request_id)
+        for req in live:
+            self.scheduler.finish_request(req, FinishReason.ABORT)
+        return bool(live)
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running, or an output is still to be returned."""
@@ -210,6 +212,8 @@ class LLMEngine:
         """Launch one batch; return the outputs of every request that produced tokens or ended: of this
         batch, or with asynchronous scheduling of the one launched before it."""
         scheduled = self.scheduler.schedule()
+        for child in scheduled.forked:
+            self.outputs.add_request(child)
         decodes = sum(c.num_tokens == 1 for c in scheduled.chunks)
         self.last_step = StepShape(scheduled.num_batched_tokens, len(scheduled.chunks) - decodes, decodes)
         step = self._launch(scheduled)
@@ -234,7 +238,7 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - a bug or bad state of this request only
                 self._fail(chunk.request, exc)
         scheduled.chunks = built  # what the runner's sampled rows line up with
-        batch = ModelInput(sequences, scheduled.finished_request_ids)
+        batch = ModelInput(sequences, scheduled.finished_request_ids, scheduled.block_copies)
         run = self.runner
         try:  # synchronous: the runner's one-call form (the only one tensor parallelism has)
             launched = run.launch(batch) if self.async_scheduling else _Done(run.execute(batch))
@@ -315,6 +319,7 @@ class LLMEngine:
             images_encoded=i.images_encoded, images_encoder_cache_hits=i.images_encoder_cache_hits,
             images_skipped_by_kv_reuse=i.images_skipped_by_kv_reuse, preemptions=c.preemptions,
             requests_finished=c.finished, requests_aborted=c.aborted, requests_failed=c.failed,
+            samples_forked=c.forked_in_kv, samples_queued=c.forked_queued,
             kv_groups=self.blocks.group_rows(),
         )
 

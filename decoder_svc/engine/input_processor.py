@@ -22,6 +22,7 @@ from common.image_geometry import Grid, ImageGeometryError, ImageSettings, hash_
 from common.images import probe_image_size, to_rgb
 from common.memo import BoundedMemo
 from decoder_svc.engine.embedding_source import VideoSource
+from decoder_svc.engine.fanout import MAX_SAMPLES
 from decoder_svc.engine.new_request import ImageLike, ImageOptions, NewRequest
 from decoder_svc.engine.request import ImagePlaceholder, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -106,6 +107,8 @@ class InputProcessor:
         # Cheapest checks first: nothing is decoded or tokenized for a request refused on its sizes.
         sampling = new.sampling or SamplingParams()
         sampling.validate(self.model_config.vocab_size)
+        if not 1 <= new.n <= MAX_SAMPLES:
+            raise InvalidRequestError(f"n must be in [1, {MAX_SAMPLES}], got {new.n}")
         self._check_sizes(new.prompt, new.messages, new.images, new.cache_salt)
         adapter = self._adapter(new.lora_adapter, bool(new.images), bool(new.videos))
         sized = self._size_images(new)
@@ -124,7 +127,7 @@ class InputProcessor:
         req = Request(
             request_id=new.request_id, prompt_token_ids=tokenized.token_ids, sampling=sampling,
             max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, images=placeholders,
-            cache_salt=new.cache_salt, lora_adapter=adapter,
+            cache_salt=new.cache_salt, lora_adapter=adapter, n=new.n,
         )
         if self.layout.mrope:  # M-RoPE spans: (offset, grid) of images, beside the videos'
             spans += [(p.offset, p.grid) for p in placeholders if p.video is None]

@@ -111,6 +111,19 @@ class KVCacheManager:
             pool.take_slots(request, num_new_tokens, t)
         return True
 
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int, int]] | None:
+        """Share the parent's KV with the child in every group (BlockManager.fork): the block copies
+        the runner makes first, as (group, source, destination); None, taking nothing, when some group
+        lacks a free block for its copy."""
+        if any(pool.fork_needs(parent) > pool.num_free_blocks for pool in self.pools):
+            return None
+        copies = []
+        for group, pool in enumerate(self.pools):
+            copy = pool.fork(parent, child)
+            if copy is not None:
+                copies.append((group, *copy))
+        return copies
+
     def free(self, request: Request) -> None:
         """Drop the request's blocks in every group (cached ones stay reusable until evicted)."""
         for pool in self.pools:

@@ -37,7 +37,8 @@ class NewRequest:
     the encoder holds. `videos` (Qwen-VL: `<|video_pad|>` markers, {"type": "video"} parts) are container
     files with their settings. `prompt_token_ids` is a prompt already tokenized (text only), used as it
     is. `lora_adapter` names a --lora-modules adapter ("": the one the family picks for the request's
-    content, else none). `known_grids` are grids of hash-only images the caller looked up (an encoder's).
+    content, else none). `n` asks for that many samples of the prompt, prefilled once. `known_grids` are
+    grids of hash-only images the caller looked up (an encoder's).
     """
 
     request_id: str
@@ -52,3 +53,4 @@ class NewRequest:
     videos: Sequence[VideoSource] = ()
     prompt_token_ids: Sequence[int] | None = None
     lora_adapter: str = ""
+    n: int = 1  # samples of the prompt (engine/fanout.py): choice i samples with seed + i

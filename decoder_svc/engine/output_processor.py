@@ -60,6 +60,7 @@ class RequestOutput:
     error: str | None = None
     error_code: str | None = None  # the gRPC status name the error calls for; None: INTERNAL
     times: RequestTimes | None = None  # on the output with the first token: where its TTFT went
+    index: int = 0  # which sample of its request's prompt (GenerateRequest.n) it is
 
     @property
     def finished(self) -> bool:
@@ -102,18 +103,19 @@ class OutputProcessor:
                 if detok.stopped:
                     scheduler.finish_request(req, FinishReason.STOP, reported=True)
         first = bool(tokens) and len(req.output_token_ids) == len(tokens)
-        times = req.times if first else None
+        times = req.times if first and req.choice == 0 else None  # a request's TTFT: its first sample's
         if not req.is_finished:
             # The first tokens' output carries the usage so far too: the prompt's counts are known once
             # it is prefilled, and a stream with usage on every chunk needs them (vLLM's
             # continuous_usage_stats); later outputs leave it to the last one.
             usage = Usage.of(req) if first else None
-            return RequestOutput(req.request_id, tokens, text, logprobs, usage=usage, times=times)
+            return RequestOutput(req.output_id, tokens, text, logprobs, usage=usage, times=times,
+                                 index=req.choice)
         if detok is not None and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             text += detok.finish()
         self._detokenizers.pop(req.request_id, None)
-        return RequestOutput(req.request_id, tokens, text, logprobs, req.finish_reason, Usage.of(req),
-                             req.error, req.error_code, times)
+        return RequestOutput(req.output_id, tokens, text, logprobs, req.finish_reason, Usage.of(req),
+                             req.error, req.error_code, times, req.choice)
 
     @property
     def num_followed(self) -> int:

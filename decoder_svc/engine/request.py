@@ -103,6 +103,28 @@ class Request:
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
     times: RequestTimes = field(default_factory=RequestTimes)  # stamps up to the first token
+    # Samples of one prompt (the API's GenerateRequest.n): a request with n > 1 is prefilled once and then
+    # forked into n requests, choices 0..n-1 (engine/fanout.py); it is choice 0 and its n is 1 from then.
+    n: int = 1
+    choice: int = 0  # which of its prompt's samples this is (the API's GenerateResponse.index)
+    stream_id: str = ""  # the request whose stream carries its outputs ("": its own)
+
+    @property
+    def output_id(self) -> str:
+        """The id its outputs are delivered under: the request the client sent."""
+        return self.stream_id or self.request_id
+
+    @property
+    def awaits_fork(self) -> bool:
+        """True while the request is still one prompt to be forked into n samples."""
+        return self.n > 1
+
+    @property
+    def schedule_end(self) -> int:
+        """One past the last token the scheduler may compute now: every known token (pending ones
+        included), or, before a fork, all but the prompt's last (each sample computes that one itself,
+        and samples from its logits)."""
+        return self.num_prompt_tokens - 1 if self.awaits_fork else self.num_tokens_with_pending
 
     @property
     def num_prompt_tokens(self) -> int:

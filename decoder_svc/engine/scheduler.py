@@ -19,6 +19,10 @@ the budget. When blocks run out, the most recently admitted running request
 is preempted: its blocks are freed (they stay cached, so its recompute often hits) and it goes back to
 the front of the queue. Sliding-window layers (Gemma 3) change nothing here: the KV cache manager frees
 their blocks as a request's computed tokens move its window (engine/kv_cache_manager.py).
+
+A request for n samples of one prompt is prefilled once, up to its prompt's last token, then forked into
+n requests that share its KV (engine/fanout.py): the fork happens at the start of the next schedule(),
+and the step's block copies go to the runner with the step (`SchedulerOutput.block_copies`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from decoder_svc.engine.block_manager import BlockManager
 from decoder_svc.engine.embedding_source import EmbeddingSource, EmbeddingState
+from decoder_svc.engine.fanout import fork_child, shares_prefill
 from decoder_svc.engine.image_inputs import ImageInputs
 from decoder_svc.engine.kv_cache_manager import KVCacheManager
 from decoder_svc.engine.request import FinishReason, Request, RequestStatus
@@ -73,6 +78,10 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Requests ended since the last schedule(): the runner drops its per-request state (seeded sampling).
     finished_request_ids: list[str] = field(default_factory=list)
+    # Samples forked this step (engine/fanout.py), and the KV blocks (group, source, destination) the
+    # runner copies for them before it computes the step.
+    forked: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -96,6 +105,8 @@ class SchedulerCounters:
 
     preemptions: int = 0
     finished: int = 0  # ended by a stop condition or the length limit
+    forked_in_kv: int = 0  # samples that started from another sample's prompt KV (no prefill of their own)
+    forked_queued: int = 0  # samples queued as requests of their own (engine/fanout.py says when)
     aborted: int = 0
     failed: int = 0
 
@@ -125,13 +136,63 @@ class Scheduler:
         self._unreported: list[Request] = []  # ended outside update_from_output: reported by the next
         self._finished_ids: list[str] = []  # ended since the last schedule()
         self.counters = SchedulerCounters()
+        self.families: dict[str, list[Request]] = {}  # a forked request's id -> its live samples
 
     # -- membership ------------------------------------------------------------------------------
-    def add(self, request: Request) -> None:
-        """Queue a new request (its id must not be in `requests`)."""
+    def add(self, request: Request) -> list[Request]:
+        """Queue a new request (its id must not be in `requests`). Returns the requests queued: itself,
+        and for n samples that cannot share its KV (fanout.shares_prefill) the other samples too."""
         self.requests[request.request_id] = request
         self.waiting.append(request)
         request.times.added = time.monotonic()
+        if request.awaits_fork and not shares_prefill(request):
+            children = [fork_child(request, i, in_kv=False) for i in range(1, request.n)]
+            self.families[request.request_id] = [request, *children]
+            request.n = 1
+            for child in children:
+                self.requests[child.request_id] = child
+                self.waiting.append(child)
+                child.times.added = request.times.added
+            self.counters.forked_queued += len(children)
+            return [request, *children]
+        return [request]
+
+    def _fork(self, parent: Request, out: SchedulerOutput) -> None:
+        """Fork a request prefilled up to its prompt's last token into its n samples (fanout.py): as many
+        as the sequence budget and the pool allow share its KV and run now; the rest are queued, first in
+        line, as requests of their own."""
+        family, queued = [parent], []
+        seats = self.config.max_num_seqs - len(self.running)
+        for i in range(1, parent.n):
+            child = fork_child(parent, i, in_kv=seats > 0)
+            copies = self._share_kv(parent, child) if seats > 0 else None
+            if copies is None:
+                child = fork_child(parent, i, in_kv=False)
+                queued.append(child)
+            else:
+                seats -= 1
+                out.block_copies += copies
+                self.running.append(child)
+                self.counters.forked_in_kv += 1
+            self.requests[child.request_id] = child
+            child.times.added = parent.times.added
+            family.append(child)
+            out.forked.append(child)
+        for child in reversed(queued):
+            self.waiting.appendleft(child)
+        self.counters.forked_queued += len(queued)
+        self.families[parent.request_id] = family
+        parent.n = 1
+
+    def _share_kv(self, parent: Request, child: Request) -> list[tuple[int, int, int]] | None:
+        """The child's table of the parent's KV, and the copies it needs (None: no free block)."""
+        blocks = self.blocks
+        if isinstance(blocks, KVCacheManager):
+            return blocks.fork(parent, child)
+        if blocks.fork_needs(parent) > blocks.num_free_blocks:
+            return None
+        copy = blocks.fork(parent, child)
+        return [] if copy is None else [(0, *copy)]
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running, or an ended one is still to be reported."""
@@ -141,6 +202,14 @@ class Scheduler:
         """The live (not ended) request with this id, if any."""
         req = self.requests.get(request_id)
         return req if req is not None and not req.is_finished else None
+
+    def live_samples(self, request_id: str) -> list[Request]:
+        """The live requests of the request with this id: itself, or every sample forked from it."""
+        family = self.families.get(request_id)
+        if family is not None:
+            return [r for r in family if not r.is_finished]
+        req = self.get(request_id)
+        return [req] if req is not None else []
 
     def finish_request(self, request: Request, reason: FinishReason, error: str | None = None, *,
                        reported: bool = False) -> None:
@@ -158,6 +227,9 @@ class Scheduler:
         request.finish(reason, error)
         self.counters.count_end(reason)
         self._finished_ids.append(request.request_id)
+        family = self.families.get(request.output_id)
+        if family is not None and all(r.is_finished for r in family):
+            del self.families[request.output_id]
         if reported:
             self.requests.pop(request.request_id, None)
         else:
@@ -168,18 +240,22 @@ class Scheduler:
         """Pick this step's chunks under the token and sequence budgets."""
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
+        for req in [r for r in self.running if r.awaits_fork and r.num_computed_tokens == r.schedule_end]:
+            self._fork(req, out)
         failed: list[Request] = []  # an image failed: the request ends with the image's error
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         prefilling = False  # a prefill chunk is in the step (an image over the budget must come first)
 
         # Running requests: decodes first, then their prefill chunks (sort is stable).
-        for req in sorted(self.running, key=lambda r: r.num_tokens_with_pending - r.num_computed_tokens > 1):
+        for req in sorted(self.running, key=lambda r: r.schedule_end - r.num_computed_tokens > 1):
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING or self._pending_reaches_limit(req):
                 continue  # preempted earlier in this loop, or its last token is on its way
-            wanted = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            wanted = min(req.schedule_end - req.num_computed_tokens, budget)
+            if wanted <= 0:
+                continue  # prefilled up to its fork, which waits for a block
             n = self._limit_by_images(req, req.num_computed_tokens, wanted, failed, not prefilling)
             if n == 0:
                 continue
@@ -205,7 +281,12 @@ class Scheduler:
                     break
                 hit_blocks = self.blocks.find_cached_prefix(req)
                 hit = len(hit_blocks) * self.blocks.block_size
-                wanted = min(req.num_tokens - hit, budget)
+                wanted = min(req.schedule_end - hit, budget)
+                if wanted == 0:  # a fork whose prompt is cached up to its last token: forked next step
+                    if not self.blocks.allocate_slots(req, 0, hit_blocks):
+                        break
+                    self._admit(req, hit)
+                    continue
                 n = self._limit_by_images(req, hit, wanted, failed, not prefilling)
                 if n == 0 or (n < wanted and n < self.blocks.block_size and self._awaits_image(req, hit + n)):
                     # Cut short by an image not ready yet, before filling a block: wait in the queue

@@ -66,6 +66,14 @@ class SlidingWindowBlockManager(BlockManager):
                 (self.free_queue.append if b.block_hash is not None else self.free_queue.appendleft)(b)
         self._req_num_skipped[rid] = max(done, end)
 
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """BlockManager.fork; the child's table has the parent's null entries (blocks out of its window)."""
+        copy = super().fork(parent, child)
+        skipped = self._req_num_skipped.get(parent.request_id)
+        if skipped is not None:
+            self._req_num_skipped[child.request_id] = skipped
+        return copy
+
     def free(self, request: Request) -> None:
         """Drop the request's references (see BlockManager.free)."""
         super().free(request)

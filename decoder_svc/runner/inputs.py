@@ -54,6 +54,9 @@ class ModelInput:
 
     sequences: list[SequenceInput]
     finished_request_ids: list[str] = field(default_factory=list)  # ended: drop their per-request state
+    # (group, source block, destination block): KV blocks copied before the step runs (a prompt's last,
+    # partial block, copied for each sample forked from it: engine/fanout.py)
+    block_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

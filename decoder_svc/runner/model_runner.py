@@ -340,6 +340,22 @@ class ModelRunner:
                          for g in range(1, self.num_groups)]
 
     # -- the step ----------------------------------------------------------------------------------
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy KV blocks (group, source, destination) in every layer of their group, keys and values,
+        queued on the device before the step that reads them."""
+        by_group: dict[int, tuple[list[int], list[int]]] = {}
+        for group, src, dst in copies:
+            srcs, dsts = by_group.setdefault(group, ([], []))
+            srcs.append(src)
+            dsts.append(dst)
+        pools = self.kv_spec.pools
+        for group, (srcs, dsts) in by_group.items():
+            src_t = torch.tensor(srcs, dtype=torch.long, device=self.device)
+            dst_t = torch.tensor(dsts, dtype=torch.long, device=self.device)
+            for layer in pools[group].layers:
+                cache = self.kv_caches[layer]
+                cache.index_copy_(1, dst_t, cache.index_select(1, src_t))
+
     def execute(self, batch: ModelInput) -> ModelOutput:
         """Run one step; sample for every sequence that has `sampling`. An empty batch only drops the
         state of finished requests."""
@@ -351,6 +367,8 @@ class ModelRunner:
         whose last token is PENDING_TOKEN takes the token the previous launch sampled for its request."""
         for request_id in batch.finished_request_ids:
             self.sampler.forget(request_id)
+        if batch.block_copies:
+            self.copy_blocks(batch.block_copies)
         if not batch.sequences:
             return LaunchedStep(None)
         if self._on_cuda and self.device.index is not None:

@@ -63,7 +63,7 @@ def split_rows(batch: ModelInput) -> tuple[ModelInput, RowsLayout | None, torch.
             offset += flat.numel() + pad
         pieces.append(mine)
     stripped = [dataclasses.replace(s, image_rows=[]) for s in batch.sequences]
-    return ModelInput(stripped, batch.finished_request_ids), RowsLayout(pieces, offset), torch.cat(flats)
+    return dataclasses.replace(batch, sequences=stripped), RowsLayout(pieces, offset), torch.cat(flats)
 
 
 def join_rows(batch: ModelInput, layout: RowsLayout, packed: torch.Tensor) -> ModelInput:
@@ -72,7 +72,7 @@ def join_rows(batch: ModelInput, layout: RowsLayout, packed: torch.Tensor) -> Mo
     for seq, pieces in zip(batch.sequences, layout.pieces, strict=True):
         rows = [packed[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape) for p in pieces]
         sequences.append(dataclasses.replace(seq, image_rows=rows))
-    return ModelInput(sequences, batch.finished_request_ids)
+    return dataclasses.replace(batch, sequences=sequences)
 
 
 def broadcast_rows(packed: torch.Tensor) -> None:

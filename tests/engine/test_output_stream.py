@@ -56,5 +56,5 @@ class _Detok:
 
 
 def test_the_front_end_detokenizer_fills_each_message():
-    outputs = asyncio.run(_read_all(OutputStream(_backlog(3), _Detok())))
+    outputs = asyncio.run(_read_all(OutputStream(_backlog(3), _Detok)))
     assert [o.text for o in outputs] == ["<100>", "<101>", "<102>."]

@@ -18,7 +18,8 @@ from gateway.config import GatewayConfig, ImageFetchPolicy, RequestLimits
 
 
 class RecordingDecoder(decoder_pb2_grpc.DecoderServiceServicer):
-    """Answers every call with one token, then, once `release` is set, a last one; records the requests.
+    """Answers every call (each of its `n` choices) with one token, then, once `release` is set, a last
+    one; records the requests.
     A prompt `fail:CODE` (or `fail:CODE:DETAILS`) is answered with that status before any output. With
     logprobs asked, each token has logprob -0.5 and the top ones are ids 100, 101, ... (never the
     sampled token, as sampling can give)."""
@@ -41,16 +42,19 @@ class RecordingDecoder(decoder_pb2_grpc.DecoderServiceServicer):
         logprobs = [decoder_pb2.TokenLogprobs(
             logprob=-0.5, top_ids=[100 + i for i in range(top)],
             top_logprobs=[-0.25 * (i + 1) for i in range(top)])] if top else []
+        choices = range(max(request.n, 1))  # each of the request's samples, told apart by its index
         # As the decoder does: the first message carries the prompt's counts, the last the totals.
-        yield decoder_pb2.GenerateResponse(token_ids=[7], text="a", logprobs=logprobs,
-                                           usage=decoder_pb2.Usage(prompt_tokens=3, completion_tokens=1))
+        for index in choices:
+            yield decoder_pb2.GenerateResponse(token_ids=[7], text="a", logprobs=logprobs, index=index,
+                                               usage=decoder_pb2.Usage(prompt_tokens=3, completion_tokens=1))
         while not self.release.wait(0.05):
             if not context.is_active():
                 return
         self.finished += 1
-        yield decoder_pb2.GenerateResponse(
-            token_ids=[8], text="b", finish_reason=decoder_pb2.FINISH_REASON_LENGTH, logprobs=logprobs,
-            usage=decoder_pb2.Usage(prompt_tokens=3, completion_tokens=2))
+        for index in choices:
+            yield decoder_pb2.GenerateResponse(
+                token_ids=[8], text="b", finish_reason=decoder_pb2.FINISH_REASON_LENGTH, logprobs=logprobs,
+                usage=decoder_pb2.Usage(prompt_tokens=3, completion_tokens=2), index=index)
 
 
 @contextmanager

@@ -24,18 +24,19 @@ def test_a_list_of_prompts_gets_one_choice_per_prompt_and_n_in_openais_order():
         body = reply.json()
         assert [c["index"] for c in body["choices"]] == list(range(6))
         assert all(c["text"] == "ab" and c["finish_reason"] == "length" for c in body["choices"])
-        # Each prompt's n choices: the prompt's text, seeds seed + i, distinct ids under the response's.
+        # One call per prompt (prompts never share a prefill), each for the n samples (the decoder seeds
+        # sample i with seed + i), distinct ids under the response's.
         sent = sorted(decoder.requests, key=lambda r: r.request_id)
-        assert [r.prompt for r in sent] == ["one", "one", "two", "two", "three", "three"]
-        assert [r.sampling.seed for r in sent] == [5, 6] * 3
-        assert len({r.request_id for r in sent}) == 6
+        assert [(r.prompt, r.n, r.sampling.seed) for r in sent] == [("one", 2, 5), ("two", 2, 5),
+                                                                    ("three", 2, 5)]
+        assert len({r.request_id for r in sent}) == 3
         assert all(r.request_id.startswith(body["id"] + "-") for r in sent)
         # The fake decoder counts 3 prompt tokens per call: three prompts, each once; 2 tokens per choice.
         assert body["usage"] == {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21,
                                  "prompt_tokens_details": {"cached_tokens": 0}}
         ids = client.post("/v1/completions", json={"model": "m", "prompt": [[1, 2], [3]]})
         assert ids.status_code == 200 and [c["index"] for c in ids.json()["choices"]] == [0, 1]
-        assert sorted(list(r.prompt_token_ids.ids) for r in decoder.requests[6:]) == [[1, 2], [3]]
+        assert sorted(list(r.prompt_token_ids.ids) for r in decoder.requests[3:]) == [[1, 2], [3]]
 
 
 def test_a_streamed_list_of_prompts_numbers_its_choices_and_sums_usage():

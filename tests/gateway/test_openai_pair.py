@@ -300,3 +300,22 @@ def test_metrics_count_requests_ttft_tokens_and_errors(gateway, client):
     completion_tokens = [line for line in text.splitlines()
                          if line.startswith("mmserve_gateway_completion_tokens_total")]
     assert float(completion_tokens[0].split()[-1]) >= 3
+
+
+def test_n_seeded_choices_equal_separate_requests_seeded_seed_plus_i(pair, client, images):
+    # One decoder call for the 3 choices (GenerateRequest.n); choice i has the tokens of a request of its
+    # own seeded 40 + i, whole and streamed.
+    messages = chat_messages(data_url(images[2]))
+    sampled = dict(model="tiny", messages=messages, max_tokens=6, temperature=1.0, logprobs=True,
+                   extra_body={"ignore_eos": True})
+    separate = [token_ids(client.chat.completions.create(seed=40 + i, **sampled).choices[0].logprobs.content)
+                for i in range(3)]
+    assert len({tuple(t) for t in separate}) > 1
+    whole = client.chat.completions.create(seed=40, n=3, **sampled)
+    assert [token_ids(c.logprobs.content) for c in sorted(whole.choices, key=lambda c: c.index)] == separate
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for chunk in client.chat.completions.create(seed=40, n=3, stream=True, **sampled):
+        for c in chunk.choices:
+            if c.logprobs:
+                streamed[c.index] += token_ids(c.logprobs.content)
+    assert [streamed[i] for i in range(3)] == separate
