@@ -101,6 +101,11 @@ class EncoderConfig:
         "GPU's tensor cores); a family without an FP8 tower refuses it at start. Embeddings then differ from "
         "the --dtype tower's by the rounding (BENCHMARKS.md has the measured cosine)",
         choices=VISION_QUANTIZATION)
+    deterministic: bool = option(
+        False, "batch-invariant embeddings: every image (or video) through the tower in a forward of its "
+        "own, and the attention kernel chosen by shape rather than by a timing, so that an image's embedding "
+        "is the same bits whatever other images shared its batch, in this process or another on the same "
+        "GPU model and software. Costs the batching's gain (BENCHMARKS.md: batch 1 against batch 8)")
     enforce_eager: bool = option(
         False, "no CUDA graphs of the vision tower (on CUDA, demand batches replay graphs: of a fixed-size "
         "tower, captured at startup for 1, 2, 4, ... --max-batch-images images; of a dynamic-resolution "

@@ -45,6 +45,7 @@ from common.stats import to_message
 from common.transport.arena_factory import make_arena
 from common.transport.nixl import NixlExporter, make_exporter
 from common.video.limits import VideoLimits
+from common.vision.attention import use_fixed_choices
 from common.vision.encoders import make_vision_encoder
 from encoder_svc.cache import CacheFullError, EmbeddingCache, EntryKindError, Handle, SaltClashError
 from encoder_svc.config import EncoderConfig
@@ -138,6 +139,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         device = torch.device(config.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if config.deterministic:
+            use_fixed_choices()  # before the warm-up's first forward times anything
         vision = make_vision_encoder(config.model, device, parse_dtype(config.dtype), config.preprocess)
         vision.quantize(config.vision_quantization)  # before the graphs capture its layers
         if not config.enforce_eager:
@@ -148,7 +151,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         arena = make_arena(config.arena, config.cache_bytes, device)
         cache = EmbeddingCache(arena, config.lease_ttl_s, sent_ahead_claim_s=config.sent_ahead_claim_s)
         nixl = make_exporter(arena) if config.nixl else None
-        worker = VisionWorker(vision, cache, config.max_batch_images, config.preprocess_threads)
+        worker = VisionWorker(vision, cache, config.max_batch_images, config.preprocess_threads,
+                              batch_invariant=config.deterministic)
         processes = default_decode_processes() if config.decode_processes is None else config.decode_processes
         decode_pool = DecodePool(processes, config.limits) if processes > 0 else None
         servicer = cls(vision, cache, worker, config.limits, registry, decode_pool, config.video_limits, nixl)

@@ -90,8 +90,12 @@ class VisionWorker:
 
     def __init__(self, vision: VisionEncoder, cache: EmbeddingCache,
                  max_batch_images: int = DEFAULT_MAX_BATCH_IMAGES,
-                 preprocess_threads: int | None = None) -> None:
+                 preprocess_threads: int | None = None, batch_invariant: bool = False) -> None:
         self.vision = vision
+        # --deterministic: each image (or video) of a batch through its own forward, so that its rows
+        # never depend on which others shared the batch (the products' kernels and reduction order
+        # follow the row count); the batch still orders and fences the work.
+        self.batch_invariant = batch_invariant
         self.cache = cache
         self.max_batch_images = max(1, max_batch_images)
         # A demand image that arrives while a prefetch batch runs waits for all of it: kernels already
@@ -378,8 +382,11 @@ class VisionWorker:
         for job, _ in batch:
             job.times.tower_start = started
         # CUDA graphs for demand batches only: their static buffers belong to one stream (graphs.py)
-        feats = self.vision.encode_prepared([prepared for _, prepared in batch],
-                                            use_graphs=batch[0][0].priority == DEMAND)
+        inputs, graphs = [prepared for _, prepared in batch], batch[0][0].priority == DEMAND
+        if self.batch_invariant:
+            feats = [f for one in inputs for f in self.vision.encode_prepared([one], use_graphs=graphs)]
+        else:
+            feats = self.vision.encode_prepared(inputs, use_graphs=graphs)
         launched = time.perf_counter()
         phases["launch"] = launched - started
         for job, _ in batch:  # before complete_many: an Encode woken by it reads the stamps

@@ -41,6 +41,20 @@ ATTENTION_KERNELS = ("sdpa", "triton", "auto")
 _DENSE_FASTER: dict[tuple, bool] = {}
 # (spans, length, heads, head_dim, dtype, device, uniform) -> whether the Triton kernel beat the sdpa choice.
 _TRITON_FASTER: dict[tuple, bool] = {}
+# use_fixed_choices(): kernels chosen by shape alone, never by a timing
+_FIXED = {"on": False}
+# With fixed choices, uniform spans at least this long take the dense cuDNN call (where it beat FA2 on the
+# H100: 4096- and 4900-patch images; FA2 won at 64 and 256).
+FIXED_DENSE_FROM = 1024
+
+
+def use_fixed_choices(on: bool = True) -> None:
+    """Choose the attention kernel by the spans' shape alone (a fixed rule) instead of timing the
+    candidates on first sight, and never the Triton kernel under MMSERVE_VISION_ATTENTION=auto: two
+    processes (or two runs) then compute the same image with the same kernels. The encoder's
+    --deterministic mode sets it; the timed choice can differ between processes as the timings do."""
+    _FIXED["on"] = on
+    _DENSE_FASTER.clear()
 
 
 def attention_kernel() -> str:
@@ -99,6 +113,13 @@ def _dense_is_faster(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: A
     runs each after a warm-up, CUDA events) and remembered; False when cuDNN cannot run it."""
     count = len(spans.cu_seqlens) - 1
     key = (count, spans.max_seqlen, q.shape[1], q.shape[2], q.dtype, q.device)
+    if key not in _DENSE_FASTER and _FIXED["on"]:
+        try:  # once, untimed: whether cuDNN runs this shape at all
+            _dense(q, k, v, count, scale)
+            _DENSE_FASTER[key] = spans.max_seqlen >= FIXED_DENSE_FROM
+        except Exception as exc:  # noqa: BLE001 - no cuDNN attention for this shape or build: FA2
+            log.info("cuDNN attention unavailable for %s (%s); varlen FA2", key[:4], exc)
+            _DENSE_FASTER[key] = False
     if key not in _DENSE_FASTER:
         try:
             dense = _time_ms(lambda: _dense(q, k, v, count, scale))
@@ -208,7 +229,8 @@ class AttentionSpans:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """softmax(q kᵀ * scale) v within each span; q, k, v [N, heads, head_dim] -> [N, heads, head_dim]."""
         if self.use_flash:
-            if self.kernel == "triton" or (self.kernel == "auto" and _triton_is_faster(q, k, v, self, scale)):
+            timed = self.kernel == "auto" and not _FIXED["on"]
+            if self.kernel == "triton" or (timed and _triton_is_faster(q, k, v, self, scale)):
                 return self._triton(q, k, v, scale)
             return self._sdpa(q, k, v, scale)
         out = torch.empty_like(q)

@@ -337,3 +337,13 @@ def test_the_tower_thread_accounts_every_batch_in_its_phases():
         assert set(seconds) == set(TOWER_THREAD_PHASES)
         assert all(s >= 0.0 for s in seconds.values())
         assert seconds["launch"] > 0.0 and seconds["idle"] > 0.0
+
+
+def test_a_batch_invariant_worker_runs_each_image_through_a_forward_of_its_own():
+    """--deterministic: the batch still groups the queued work, but every image is its own forward."""
+    vision = _FakeVision()
+    with _running_worker(vision, max_batch_images=4, batch_invariant=True) as (cache, worker):
+        _run_behind_a_busy_first_batch(vision, worker, cache, [(f"d{i}", DEMAND) for i in range(6)])
+        assert vision.batches == [["first"]] + [[f"d{i}"] for i in range(6)]
+        assert worker.batches == 3, "three batches (1, 4, 2 images) of one-image forwards"
+        assert all(vision.graphed), "demand forwards still replay graphs"
