@@ -92,7 +92,8 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, pool: DecoderPool | None = None) -> None:
         self.config = config
-        self.pool = pool or DecoderPool.of(config.decoders, security=config.upstream)
+        self.pool = pool or DecoderPool.of(config.decoders, config.decoder_check_interval_s,
+                                           security=config.upstream)
         self.fetcher = ImageFetcher(config.images)
         self.bytes_in_flight = GatewayBytes(config.images.max_bytes_in_flight)
         self.named_media = MediaMemo(config.images.max_named_media_bytes,  # vLLM's uuid, per tenant

@@ -2,8 +2,11 @@
 Generate call as an object that can be cancelled.
 
 A decoder that answers UNAVAILABLE before sending anything (down, or draining on SIGTERM) is skipped
-for another one; once tokens have flowed, an error ends the request. The n choices of one OpenAI request
-(`n` > 1) are a GenerationGroup on one decoder, so that they share the prompt's KV there.
+for another one; once tokens have flowed, an error ends the request. The decoders are the --decoder
+targets (discovery.py): with dns:/// or file: ones the pool looks again every health round, adds the
+decoders that appear and retires those that are gone (their channel closes once their calls end).
+The n choices of one OpenAI request (`n` > 1) are a GenerationGroup on one decoder, so that they share
+the prompt's KV there.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from common.pb import decoder_pb2, decoder_pb2_grpc
 from common.security.client_auth import token_interceptors
 from common.security.options import ClientSecurity
 from common.security.tls import open_aio_channel
+from gateway.discovery import DecoderTargets
 
 log = logging.getLogger("mmserve.gateway")
 
@@ -48,14 +52,52 @@ class DecoderPool:
     endpoints: list[DecoderEndpoint]
     health_interval_s: float = 2.0
     security: ClientSecurity = field(default_factory=ClientSecurity)  # TLS and token towards the decoders
+    targets: DecoderTargets | None = None  # where the endpoints come from; None: fixed endpoints
     _turn: itertools.count = field(default_factory=itertools.count)
     _health_task: asyncio.Task | None = None
+    _retired: list[DecoderEndpoint] = field(default_factory=list)  # gone, calls still open
+    _started: bool = False
 
     @classmethod
-    def of(cls, addresses: Sequence[str], health_interval_s: float = 2.0,
+    def of(cls, specs: Sequence[str], health_interval_s: float = 2.0,
            security: ClientSecurity | None = None) -> DecoderPool:
-        """A pool over addresses, connecting with security (plaintext without a token by default)."""
-        return cls([DecoderEndpoint(a) for a in addresses], health_interval_s, security or ClientSecurity())
+        """A pool over --decoder specs (addresses, dns:///NAME:PORT, file:PATH), connecting with
+        security (plaintext without a token by default)."""
+        targets = DecoderTargets(list(specs))
+        return cls([DecoderEndpoint(a) for a in targets.addresses()], health_interval_s,
+                   security or ClientSecurity(), targets)
+
+    def refresh(self) -> tuple[list[str], list[str]]:
+        """Look at the targets again: (addresses added, addresses retired). A retired decoder gets no new
+        calls; its channel closes once its open calls have ended."""
+        self._close_idle_retired()
+        if self.targets is None or not self.targets.dynamic:
+            return [], []
+        now = self.targets.addresses()
+        known = {e.address: e for e in self.endpoints}
+        added = [DecoderEndpoint(a) for a in now if a not in known]
+        gone = [e for e in self.endpoints if e.address not in now]
+        for endpoint in added:
+            if self._started:
+                self._open(endpoint)
+        self.endpoints = [e for e in self.endpoints if e.address in now] + added
+        self._retired.extend(gone)
+        if added or gone:
+            log.info("decoders: +%s -%s -> %d", [e.address for e in added], [e.address for e in gone],
+                     len(self.endpoints))
+        self._close_idle_retired()
+        return [e.address for e in added], [e.address for e in gone]
+
+    def _close_idle_retired(self) -> None:
+        for endpoint in [e for e in self._retired if e.outstanding == 0]:
+            self._retired.remove(endpoint)
+            if endpoint.channel is not None:
+                asyncio.get_running_loop().create_task(endpoint.channel.close())
+
+    def _open(self, endpoint: DecoderEndpoint) -> None:
+        endpoint.channel = open_aio_channel(endpoint.address, self.security.tls, CHANNEL_OPTIONS,
+                                            token_interceptors(self.security.token, aio=True))
+        endpoint.stub = decoder_pb2_grpc.DecoderServiceStub(endpoint.channel)
 
     def pick(self, exclude: Sequence[DecoderEndpoint] = ()) -> DecoderEndpoint | None:
         """The usable decoder with the fewest outstanding requests (None when none is left to try)."""
@@ -84,6 +126,7 @@ class DecoderPool:
     async def _health_loop(self) -> None:
         while True:
             try:
+                self.refresh()
                 await self.check_health()
             except Exception:  # never let the loop die: a failed round leaves the old answers
                 log.exception("decoder health check failed")
@@ -92,16 +135,15 @@ class DecoderPool:
     def start(self) -> None:
         """Open the channels and start health checks (grpc.aio channels belong to the running loop)."""
         for endpoint in self.endpoints:
-            endpoint.channel = open_aio_channel(endpoint.address, self.security.tls, CHANNEL_OPTIONS,
-                                                token_interceptors(self.security.token, aio=True))
-            endpoint.stub = decoder_pb2_grpc.DecoderServiceStub(endpoint.channel)
+            self._open(endpoint)
+        self._started = True
         self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
 
     async def close(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
-        await asyncio.gather(*(e.channel.close() for e in self.endpoints if e.channel is not None),
-                             return_exceptions=True)
+        await asyncio.gather(*(e.channel.close() for e in [*self.endpoints, *self._retired]
+                               if e.channel is not None), return_exceptions=True)
 
     async def generate(self, request: decoder_pb2.GenerateRequest, timeout: float | None) -> Generation:
         """Start a Generate call and wait for its first message, so that errors the decoder finds in the

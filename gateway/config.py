@@ -21,6 +21,7 @@ from common.config import check_options, option, section
 from common.images import DEFAULT_IMAGE_FORMATS, image_format_list
 from common.security.options import ClientSecurity
 from common.server import DEFAULT_MAX_MESSAGE_BYTES
+from gateway.discovery import check_target
 from gateway.lora_modules import LoRAModule, lora_modules_by_name
 from gateway.media_memo import DEFAULT_MAX_TENANTS
 from gateway.model_info import default_served_names
@@ -140,8 +141,13 @@ class GatewayConfig:
     """Everything `mmserve gateway` is started with."""
 
     decoders: list[str] = option(help="a decoder's gRPC address (repeatable: balanced by least outstanding "
-                                 "requests)", flag="--decoder", metavar="HOST:PORT", append=True,
-                                 default_factory=list)
+                                 "requests), dns:///NAME:PORT for every address behind NAME, or file:PATH "
+                                 "for the HOST:PORT lines of a file; both looked at again every "
+                                 "--decoder-check-interval seconds", flag="--decoder", metavar="HOST:PORT",
+                                 append=True, default_factory=list)
+    decoder_check_interval_s: float = option(2.0, "seconds between health checks of the decoders (and "
+                                             "lookups of dns:/// and file: targets)",
+                                             flag="--decoder-check-interval", type=positive_float)
     host: str = option("127.0.0.1", "bind address")
     port: int = option(8000, "HTTP port", type=port_number)
     served_model_names: list[str] = option(
@@ -174,6 +180,8 @@ class GatewayConfig:
         check_options(self)
         if not self.decoders:
             raise ValueError("--decoder: give at least one decoder address")
+        for spec in self.decoders:
+            check_target(spec)
         if not self.served_model_names:
             self.served_model_names = default_served_names(self.model)
         if len(set(self.served_model_names)) != len(self.served_model_names):
