@@ -26,6 +26,7 @@ from common.security.client_auth import token_interceptors
 from common.security.options import ClientSecurity
 from common.security.tls import open_aio_channel
 from gateway.discovery import DecoderTargets
+from gateway.routing import CacheAwareRouter, RouteKeys, route_keys
 
 log = logging.getLogger("mmserve.gateway")
 
@@ -47,12 +48,14 @@ class DecoderEndpoint:
 
 @dataclass
 class DecoderPool:
-    """Decoders balanced by least outstanding requests (ties taken in turn)."""
+    """Decoders balanced by least outstanding requests (ties taken in turn), or, with a router, by where
+    each request's prefix and images probably are cached, within a load slack (routing.py)."""
 
     endpoints: list[DecoderEndpoint]
     health_interval_s: float = 2.0
     security: ClientSecurity = field(default_factory=ClientSecurity)  # TLS and token towards the decoders
     targets: DecoderTargets | None = None  # where the endpoints come from; None: fixed endpoints
+    router: CacheAwareRouter | None = None  # None: least outstanding requests
     _turn: itertools.count = field(default_factory=itertools.count)
     _health_task: asyncio.Task | None = None
     _retired: list[DecoderEndpoint] = field(default_factory=list)  # gone, calls still open
@@ -60,12 +63,13 @@ class DecoderPool:
 
     @classmethod
     def of(cls, specs: Sequence[str], health_interval_s: float = 2.0,
-           security: ClientSecurity | None = None) -> DecoderPool:
+           security: ClientSecurity | None = None, routing: str = "least-outstanding") -> DecoderPool:
         """A pool over --decoder specs (addresses, dns:///NAME:PORT, file:PATH), connecting with
-        security (plaintext without a token by default)."""
+        security (plaintext without a token by default), routing by `routing` (ROUTING_POLICIES)."""
         targets = DecoderTargets(list(specs))
+        router = CacheAwareRouter() if routing == "cache-aware" else None
         return cls([DecoderEndpoint(a) for a in targets.addresses()], health_interval_s,
-                   security or ClientSecurity(), targets)
+                   security or ClientSecurity(), targets=targets, router=router)
 
     def refresh(self) -> tuple[list[str], list[str]]:
         """Look at the targets again: (addresses added, addresses retired). A retired decoder gets no new
@@ -82,6 +86,9 @@ class DecoderPool:
                 self._open(endpoint)
         self.endpoints = [e for e in self.endpoints if e.address in now] + added
         self._retired.extend(gone)
+        if self.router is not None:
+            for endpoint in gone:
+                self.router.forget(endpoint.address)
         if added or gone:
             log.info("decoders: +%s -%s -> %d", [e.address for e in added], [e.address for e in gone],
                      len(self.endpoints))
@@ -99,8 +106,10 @@ class DecoderPool:
                                             token_interceptors(self.security.token, aio=True))
         endpoint.stub = decoder_pb2_grpc.DecoderServiceStub(endpoint.channel)
 
-    def pick(self, exclude: Sequence[DecoderEndpoint] = ()) -> DecoderEndpoint | None:
-        """The usable decoder with the fewest outstanding requests (None when none is left to try)."""
+    def pick(self, exclude: Sequence[DecoderEndpoint] = (), keys: RouteKeys | None = None
+             ) -> DecoderEndpoint | None:
+        """The usable decoder with the fewest outstanding requests, or the router's choice for keys
+        (None when none is left to try)."""
         candidates = [e for e in self.endpoints if e not in exclude]
         usable = [e for e in candidates if e.usable] or candidates  # all look down: try anyway
         if not usable:
@@ -108,6 +117,8 @@ class DecoderPool:
         turn = next(self._turn)
         n = len(usable)
         rotated = [usable[(turn + i) % n] for i in range(n)]
+        if self.router is not None and keys is not None:
+            return self.router.choose(rotated, keys)
         return min(rotated, key=lambda e: e.outstanding)
 
     async def check_health(self) -> dict[str, str]:
@@ -145,18 +156,23 @@ class DecoderPool:
         await asyncio.gather(*(e.channel.close() for e in [*self.endpoints, *self._retired]
                                if e.channel is not None), return_exceptions=True)
 
-    async def generate(self, request: decoder_pb2.GenerateRequest, timeout: float | None) -> Generation:
+    async def generate(self, request: decoder_pb2.GenerateRequest, timeout: float | None,
+                       user: str = "") -> Generation:
         """Start a Generate call and wait for its first message, so that errors the decoder finds in the
-        request (or a decoder that is down) surface before any HTTP response has started."""
+        request (or a decoder that is down) surface before any HTTP response has started. `user` (the
+        OpenAI field) keeps a session on one decoder when the cache-aware router has no better clue."""
         tried: list[DecoderEndpoint] = []
+        keys = route_keys(request, user) if self.router is not None else None
         while True:
-            endpoint = self.pick(exclude=tried)
+            endpoint = self.pick(exclude=tried, keys=keys)
             if endpoint is None:
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
                                            grpc.aio.Metadata(), details="no decoder available")
             tried.append(endpoint)
             generation = Generation(endpoint, endpoint.stub.Generate(request, timeout=timeout),
                                     request.request_id)
+            if self.router is not None:
+                self.router.sent(endpoint.address, keys)
             try:
                 await generation.start()
                 return generation
@@ -167,12 +183,12 @@ class DecoderPool:
                 endpoint.status = "UNREACHABLE"
 
     async def generate_group(self, requests: Sequence[decoder_pb2.GenerateRequest], timeout: float | None,
-                             request_id: str) -> GenerationGroup:
+                             request_id: str, user: str = "") -> GenerationGroup:
         """Start the calls of one request's choices, all on one decoder. The first is started alone and
         its first token awaited (its prefill done, the prompt's full KV blocks in the decoder's prefix
         cache); the others start then, so their prefills hit those blocks instead of all computing the
         prompt at once. Any failure cancels the calls already open."""
-        first = await self.generate(requests[0], timeout)
+        first = await self.generate(requests[0], timeout, user)
         endpoint, started = first.endpoint, [first]
         try:
             rest = [Generation(endpoint, endpoint.stub.Generate(r, timeout=timeout), r.request_id)

@@ -25,6 +25,7 @@ from gateway.discovery import check_target
 from gateway.lora_modules import LoRAModule, lora_modules_by_name
 from gateway.media_memo import DEFAULT_MAX_TENANTS
 from gateway.model_info import default_served_names
+from gateway.routing import ROUTING_POLICIES
 
 # The decoder's own limit on cache_salt (decoder_svc/engine/input_processor.py MAX_SALT_BYTES), which it
 # checks after every prefix is applied: the gateway's tenant prefix, and the decoder's tenant namespace
@@ -148,6 +149,10 @@ class GatewayConfig:
     decoder_check_interval_s: float = option(2.0, "seconds between health checks of the decoders (and "
                                              "lookups of dns:/// and file: targets)",
                                              flag="--decoder-check-interval", type=positive_float)
+    routing: str = option("least-outstanding", "how a request's decoder is chosen: least-outstanding "
+                          "(fewest requests open there), or cache-aware (where its prefix and images were "
+                          "sent lately, within a load slack; the `user` field as a fallback; "
+                          "gateway/routing.py)", choices=ROUTING_POLICIES)
     host: str = option("127.0.0.1", "bind address")
     port: int = option(8000, "HTTP port", type=port_number)
     served_model_names: list[str] = option(
