@@ -78,10 +78,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-fault-seconds", type=float, default=4.0)
     p.add_argument("--link-delay", type=float, default=0.3, help="seconds each proxied chunk waits")
     p.add_argument("--flood-seconds", type=float, default=10.0)
-    p.add_argument("--flood-rate", type=float, default=3.0, help="requests per second during the flood")
+    p.add_argument("--flood-rate", type=float, default=4.0, help="requests per second during the flood")
     p.add_argument("--drain-timeout", type=float, default=15.0, help="the decoders' --drain-timeout")
-    p.add_argument("--encoder-cache-bytes", type=int, default=6 << 20,
-                   help="each encoder's cache (arena); it must hold the largest image's embedding (4 MiB here)")
+    p.add_argument("--flood-image-side", type=int, default=1344,
+                   help="pixels a side of the flood's images (1344: about 576 KiB of embedding each with "
+                   "the tiny model), made before the load starts")
+    p.add_argument("--encoder-cache-bytes", type=int, default=4 << 20,
+                   help="each encoder's cache (arena); it must hold the largest image's embedding "
+                   "(4 MiB for the tiny model)")
+    p.add_argument("--kv-cache-bytes", type=int, default=64 << 20, help="each decoder's KV cache")
     p.add_argument("--hot-images", type=int, default=6)
     p.add_argument("--image-sides", default="56,84,112", help="side lengths of the images, pixels")
     p.add_argument("--text-fraction", type=float, default=0.3)
@@ -141,7 +146,7 @@ class Fleet:
         name = f"decoder{self._decoders_made}"
         self._decoders_made += 1
         extra = ["--encoder", self.proxies[1].address, "--encoder-resolve-interval", "1",
-                 "--drain-timeout", str(a.drain_timeout)]
+                 "--drain-timeout", str(a.drain_timeout), "--kv-cache-bytes", str(a.kv_cache_bytes)]
         return decoder_service(a.model, self.proxies[0].address, self.logs, a.device, a.dtype, extra, name)
 
     def start(self) -> None:
@@ -213,6 +218,7 @@ class LoadState:
     hot: list[bytes]
     clips: list[bytes]
     sides: list[int]
+    flood_images: list[bytes] = field(default_factory=list)
     flood: bool = False
     fresh_seed: int = 10_000
     records: list[Record] = field(default_factory=list)
@@ -236,7 +242,9 @@ def make_body(state: LoadState, args: argparse.Namespace) -> tuple[str, dict]:
         kind = "image"
     content: list[dict] = []
     if kind == "image":
-        if state.flood or rng.random() < 0.3:  # a fresh image: the encoders' caches fill and evict
+        if state.flood and state.flood_images:  # large and distinct: the caches fill and evict
+            image = state.flood_images.pop()
+        elif state.flood or rng.random() < 0.3:  # a fresh image
             state.fresh_seed += 1
             side = rng.choice(state.sides)
             image = noise_image(state.fresh_seed, side, side)
@@ -562,7 +570,11 @@ def make_state(args: argparse.Namespace) -> LoadState:
         from bench.video_serve import make_clip
 
         clips = [make_clip(1.0, 4, 64, seed=7000 + i, codec="mpeg4") for i in range(2)]
-    return LoadState(rng, hot, clips, sides)
+    flood = []
+    if "cache_flood" in selected_faults(args.faults):
+        flood = [noise_image(50_000 + i, args.flood_image_side, args.flood_image_side)
+                 for i in range(int(args.flood_rate * args.flood_seconds * 1.5) + 4)]
+    return LoadState(rng, hot, clips, sides, flood)
 
 
 async def chaos(fleet: Fleet, args: argparse.Namespace, result: dict) -> None:
