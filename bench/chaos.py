@@ -478,10 +478,32 @@ def books(fleet: Fleet) -> dict:
     return {"stats": out, "checks": checks}
 
 
+def stale_maps(fleet: Fleet) -> dict[str, int]:
+    """Per surviving decoder (its processes together): mappings of shm segments that were unlinked, i.e.
+    a dead encoder's arena still mapped. A restarted encoder's decoders must let go of the old one."""
+    out = {}
+    for s in fleet.decoders.values():
+        if s.proc is None or s.proc.poll() is not None:
+            continue
+        count = 0
+        for pid in process_tree(s.proc.pid):
+            try:
+                lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            except OSError:
+                continue
+            count += len({line.split()[-2] for line in lines
+                          if SHM_PREFIX in line and line.endswith("(deleted)")})
+        out[s.name] = count
+    return out
+
+
 async def wait_clean(fleet: Fleet, timeout: float) -> dict:
     t0 = time.monotonic()
     while True:
         result = await asyncio.to_thread(books, fleet)
+        result["stale_shm_maps"] = stale_maps(fleet)
+        result["checks"].update({f"{name}_stale_shm_maps_0": n == 0
+                                 for name, n in result["stale_shm_maps"].items()})
         if all(result["checks"].values()) or time.monotonic() - t0 > timeout:
             result["waited_s"] = round(time.monotonic() - t0, 2)
             return result
