@@ -1,14 +1,17 @@
 """The gateway finds decoders that appear behind a file: or dns:/// target and retires those that go
-(issue 67: a drained decoder's replacement is found without restarting the gateway)."""
+(issue 67: a drained decoder's replacement is found without restarting the gateway), and sends a request
+that a decoder refused before its first token to another one."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 
+import grpc
 import pytest
 
-from gateway.balancer import DecoderPool
+from common.pb import decoder_pb2
+from gateway.balancer import DecoderEndpoint, DecoderPool
 from gateway.config import GatewayConfig
 from gateway.discovery import DecoderTargets
 
@@ -70,3 +73,56 @@ def test_the_pool_adds_what_appears_and_retires_what_goes_once_its_calls_end(tmp
             await pool.close()
 
     asyncio.run(scenario())
+
+
+class _Call:
+    """A fake Generate call: its messages, or the error its first read raises."""
+
+    def __init__(self, messages=(), error: grpc.StatusCode | None = None) -> None:
+        self.messages, self.error, self.cancelled = list(messages), error, False
+
+    async def read(self):
+        if self.error is not None:
+            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), details="x")
+        return self.messages.pop(0) if self.messages else grpc.aio.EOF
+
+    def done(self) -> bool:
+        return self.cancelled
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Stub:
+    def __init__(self, error: grpc.StatusCode | None = None) -> None:
+        self.error, self.calls = error, 0
+
+    def Generate(self, request, timeout=None):  # noqa: N802 - the gRPC method's name
+        self.calls += 1
+        return _Call([decoder_pb2.GenerateResponse(token_ids=[1])], self.error)
+
+
+@pytest.mark.parametrize("first_error, retried", [(grpc.StatusCode.UNAVAILABLE, True),
+                                                  (grpc.StatusCode.INVALID_ARGUMENT, False)])
+def test_a_request_refused_before_its_first_token_goes_to_another_decoder(first_error, retried):
+    # A draining or dead decoder answers UNAVAILABLE before anything streamed: the request is sent to
+    # the next decoder (no byte reached the client). The client's own mistake is not sent twice.
+    async def scenario():
+        down, up = DecoderEndpoint("down"), DecoderEndpoint("up")
+        down.stub, up.stub = _Stub(first_error), _Stub()
+        down.outstanding = -1  # picked first
+        pool = DecoderPool([down, up])
+        request = decoder_pb2.GenerateRequest(prompt="hi")
+        if not retried:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await pool.generate(request, timeout=5)
+            return down, up, None
+        return down, up, await pool.generate(request, timeout=5)
+
+    down, up, generation = asyncio.run(scenario())
+    assert down.stub.calls == 1
+    if retried:
+        assert generation.endpoint is up and up.stub.calls == 1 and down.status == "UNREACHABLE"
+        assert down.outstanding == -1  # its failed call is no longer counted there
+    else:
+        assert up.stub.calls == 0
