@@ -29,6 +29,7 @@ from gateway.discovery import DecoderTargets
 from gateway.routing import CacheAwareRouter, RouteKeys, route_keys
 
 log = logging.getLogger("mmserve.gateway")
+_HASH_ON_LOOP_BYTES = 1 << 20  # larger requests get their routing keys in a worker thread
 
 
 @dataclass
@@ -71,13 +72,14 @@ class DecoderPool:
         return cls([DecoderEndpoint(a) for a in targets.addresses()], health_interval_s,
                    security or ClientSecurity(), targets=targets, router=router)
 
-    def refresh(self) -> tuple[list[str], list[str]]:
-        """Look at the targets again: (addresses added, addresses retired). A retired decoder gets no new
-        calls; its channel closes once its open calls have ended."""
+    def refresh(self, now: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+        """Look at the targets again (or take `now`, what they name, looked up by the caller): (addresses
+        added, addresses retired). A retired decoder gets no new calls; its channel closes once its open
+        calls have ended."""
         self._close_idle_retired()
         if self.targets is None or not self.targets.dynamic:
             return [], []
-        now = self.targets.addresses()
+        now = self.targets.addresses() if now is None else now
         known = {e.address: e for e in self.endpoints}
         added = [DecoderEndpoint(a) for a in now if a not in known]
         gone = [e for e in self.endpoints if e.address not in now]
@@ -137,7 +139,10 @@ class DecoderPool:
     async def _health_loop(self) -> None:
         while True:
             try:
-                self.refresh()
+                if self.targets is not None and self.targets.dynamic:  # DNS and files off the loop
+                    self.refresh(await asyncio.to_thread(self.targets.addresses))
+                else:
+                    self._close_idle_retired()
                 await self.check_health()
             except Exception:  # never let the loop die: a failed round leaves the old answers
                 log.exception("decoder health check failed")
@@ -162,7 +167,10 @@ class DecoderPool:
         request (or a decoder that is down) surface before any HTTP response has started. `user` (the
         OpenAI field) keeps a session on one decoder when the cache-aware router has no better clue."""
         tried: list[DecoderEndpoint] = []
-        keys = route_keys(request, user) if self.router is not None else None
+        keys = None
+        if self.router is not None:  # hashing megabytes of media would hold up the event loop
+            big = request.ByteSize() > _HASH_ON_LOOP_BYTES
+            keys = await asyncio.to_thread(route_keys, request, user) if big else route_keys(request, user)
         while True:
             endpoint = self.pick(exclude=tried, keys=keys)
             if endpoint is None:
