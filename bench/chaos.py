@@ -128,7 +128,7 @@ class Fleet:
     proxies: list[FaultProxy] = field(default_factory=list)
     decoders: dict[str, Service] = field(default_factory=dict)  # listed in the gateway's file
     gateway: Service | None = None
-    pids: set[int] = field(default_factory=set)  # every process of ours seen: none may outlive the run
+    pids: set[tuple[int, int]] = field(default_factory=set)  # (pid, start time) of every process of ours
     died: list[str] = field(default_factory=list)  # services that exited without being told to
     _decoders_made: int = 0
 
@@ -180,7 +180,7 @@ class Fleet:
     def note_pids(self) -> None:
         for s in self.services():
             if s.proc is not None and s.proc.poll() is None:
-                self.pids.update(process_tree(s.proc.pid))
+                self.pids.update(identities(process_tree(s.proc.pid)))
 
     def check_alive(self) -> None:
         for s in self.services():
@@ -357,31 +357,46 @@ def health_status(address: str) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def alive_pids(pids: set[int]) -> list[int]:
-    """The pids that still run (zombies are not counted: they hold nothing but a table entry)."""
-    out = []
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first), or None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def identities(pids: list[int]) -> set[tuple[int, int]]:
+    """(pid, start time) of each: a pid the system hands to another process later is not ours."""
+    out = set()
     for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
+        fields = _stat(pid)
+        if fields is not None:
+            out.add((pid, int(fields[19])))
+    return out
+
+
+def alive_pids(ours: set[tuple[int, int]]) -> list[int]:
+    """The pids of ours that still run (zombies are not counted: they hold nothing but a table entry)."""
+    out = []
+    for pid, started in ours:
+        fields = _stat(pid)
+        if fields is not None and int(fields[19]) == started and fields[0] != "Z":
             out.append(pid)
     return sorted(out)
 
 
 async def encoder_kill(fleet: Fleet, state: LoadState, args: argparse.Namespace) -> dict:
     enc = fleet.encoders[0]
-    tree = process_tree(enc.proc.pid)
+    children = identities(process_tree(enc.proc.pid)[1:])  # they must die with it (they hold its memory)
     t0 = time.monotonic()
     enc.proc.kill()
     enc.proc.wait()
     await asyncio.sleep(args.restart_after)
-    left = alive_pids(set(tree[1:]))  # its children must die with it (they hold its memory)
+    left = alive_pids(children)
     enc.launch()
     await asyncio.to_thread(enc.wait, args.start_timeout)
     fleet.note_pids()
-    return {"killed": enc.name, "children_alive_after_kill": left,
+    return {"killed": enc.name, "children": len(children), "children_alive_after_kill": left,
             "healthy_again_s": round(time.monotonic() - t0, 2)}
 
 

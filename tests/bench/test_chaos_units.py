@@ -140,3 +140,16 @@ def test_unknown_faults_are_refused():
     with pytest.raises(SystemExit):
         chaos.selected_faults("encoder_kill,meteor")
     assert chaos.selected_faults("all") == list(chaos.FAULTS)
+
+
+def test_orphans_are_told_by_pid_and_start_time():
+    import os
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "30"])
+    ours = chaos.identities([child.pid, os.getpid()])
+    assert chaos.alive_pids(ours) == sorted([child.pid, os.getpid()])
+    child.kill()
+    child.wait()
+    assert chaos.alive_pids(ours) == [os.getpid()]
+    assert chaos.alive_pids({(os.getpid(), -1)}) == []  # the same pid, another process: not ours
