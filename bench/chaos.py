@@ -87,6 +87,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="each encoder's cache (arena); it must hold the largest image's embedding "
                    "(4 MiB for the tiny model)")
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20, help="each decoder's KV cache")
+    p.add_argument("--lease-ttl", type=float, default=10.0,
+                   help="the encoders' --lease-ttl: a lease whose answer a broken link lost is collected "
+                   "then (counted as expired), within --idle-timeout")
     p.add_argument("--hot-images", type=int, default=6)
     p.add_argument("--image-sides", default="56,84,112", help="side lengths of the images, pixels")
     p.add_argument("--text-fraction", type=float, default=0.3)
@@ -97,7 +100,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--max-retries", type=int, default=8)
     p.add_argument("--retry-cap", type=float, default=1.0, help="most seconds waited on one Retry-After")
-    p.add_argument("--idle-timeout", type=float, default=30.0, help="seconds for the books to come clean")
+    p.add_argument("--idle-timeout", type=float, default=30.0,
+                   help="seconds for the books to come clean (at least --lease-ttl)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", default=None)
@@ -151,7 +155,7 @@ class Fleet:
 
     def start(self) -> None:
         a = self.args
-        cache = ["--cache-bytes", str(a.encoder_cache_bytes)]
+        cache = ["--cache-bytes", str(a.encoder_cache_bytes), "--lease-ttl", str(a.lease_ttl)]
         self.encoders = [encoder_service(a.model, self.logs, a.device, a.dtype, cache, f"encoder{i}")
                          for i in range(2)]
         self.proxies = [FaultProxy(e.port).start() for e in self.encoders]
@@ -643,6 +647,7 @@ async def chaos(fleet: Fleet, args: argparse.Namespace, result: dict) -> None:
     result["latency"] = window_summary(state.records, windows)
     fleet.check_alive()
     result["books"] = await wait_clean(fleet, args.idle_timeout)
+    result["leases_expired"] = sum(result["books"]["stats"][e.name]["expired_leases"] for e in fleet.encoders)
     flood = faults.get("cache_flood")
     if flood is not None:
         flood["evictions"] = sum(result["books"]["stats"][e.name]["evictions"] for e in fleet.encoders) \

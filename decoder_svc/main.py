@@ -140,9 +140,9 @@ class EngineDied(RuntimeError):
 
 
 _DEATH_GRACE_S = 1.0
-# SIGTERM under load exits within --drain-timeout + _EXIT_MARGIN_S: what the drain leaves of it goes to the
-# engine core's stop (at least _CORE_STOP_MIN_S), then the gRPC server's grace (nothing is in flight).
-_EXIT_MARGIN_S = 1.5
+# The engine core's stop gets what the drain leaves of --drain-timeout + _EXIT_MARGIN_S (at least
+# _CORE_STOP_MIN_S), then the gRPC server its grace (nothing is in flight after the drain).
+_EXIT_MARGIN_S = 1.0
 _CORE_STOP_MIN_S = 0.5
 _GRPC_GRACE_S = 0.3
 

@@ -1,6 +1,7 @@
 """bench.chaos on qwen2.5-vl-tiny, CPU, short: the fleet behind the gateway goes through every fault of
 the schedule and no request is lost, the books come clean, nothing is orphaned. Counts and states only,
-no timing. Starts services in a process group of their own, killed whatever happens: slow."""
+no timing (the benchmark's own drain-time check is left out here). Starts services in a process group
+of their own, killed whatever happens: slow."""
 
 from __future__ import annotations
 
@@ -25,15 +26,16 @@ def test_chaos_smoke_cpu(qwen_model_dir, tmp_path):
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        output, _ = proc.communicate(timeout=900)
+        output, _ = proc.communicate(timeout=900)  # its exit code also counts the drain's time: not used
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the services too, should the benchmark have died
         except ProcessLookupError:
             pass
     res = json.loads(out.read_text())["results"]
-    failed = {k: v for k, v in res["checks"].items() if not v}
-    assert proc.returncode == 0, (failed, res.get("error"), res.get("records_lost"), output[-3000:])
+    # Every check but the drain's exit time (a wall-clock figure: reported, not asserted here).
+    failed = {k: v for k, v in res["checks"].items() if not v and k != "drain_exit_in_time"}
+    assert not failed, (failed, res.get("error"), res.get("records_lost"), output[-3000:])
     counts = res["counts"]
     assert counts["lost"] == 0 and counts["completed"] == counts["requests"] > 0
     assert set(res["faults"]) == {"encoder_kill", "decoder_drain", "encoder_stall", "link_faults",
