@@ -78,7 +78,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-fault-seconds", type=float, default=4.0)
     p.add_argument("--link-delay", type=float, default=0.3, help="seconds each proxied chunk waits")
     p.add_argument("--flood-seconds", type=float, default=10.0)
-    p.add_argument("--flood-rate", type=float, default=2.0, help="requests per second during the flood")
+    p.add_argument("--flood-rate", type=float, default=3.0, help="requests per second during the flood")
     p.add_argument("--drain-timeout", type=float, default=15.0, help="the decoders' --drain-timeout")
     p.add_argument("--flood-image-side", type=int, default=1344,
                    help="pixels a side of the flood's images (1344: about 576 KiB of embedding each with "

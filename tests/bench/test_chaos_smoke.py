@@ -19,7 +19,7 @@ def test_chaos_smoke_cpu(qwen_model_dir, tmp_path):
     out = tmp_path / "chaos.json"
     argv = [sys.executable, "-m", "bench.chaos", "--model", str(qwen_model_dir), "--rate", "1.5",
             "--steady-seconds", "4", "--gap-seconds", "3", "--restart-after", "1", "--stall-seconds", "3",
-            "--link-fault-seconds", "1", "--flood-seconds", "3", "--drain-timeout", "6",
+            "--link-fault-seconds", "1", "--flood-seconds", "4", "--flood-rate", "4", "--drain-timeout", "6",
             "--start-timeout", "240", "--request-timeout", "90", "--logs", str(tmp_path / "logs"),
             "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
