@@ -41,6 +41,8 @@ log = logging.getLogger("mmserve.decoder")
 SERVICE_NAME = "mmserve.v1.DecoderService"
 _DRAIN_POLL_S = 0.05
 MAX_SENT_AHEAD = 65536  # (salt, content hash) of files sent ahead, remembered so a repeat is not resent
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's retry-throttling trailer: retry after this many ms
+DRAIN_RETRY_AFTER_MS = 1000  # another replica can take it at once; this one will not come back
 _SHUTTING_DOWN = "decoder shutting down: the drain timeout ended this request"
 
 
@@ -142,7 +144,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     async def Generate(self, request: decoder_pb2.GenerateRequest, context
                        ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
         started, received = time.perf_counter(), time.monotonic()
-        if self.draining:
+        if self.draining:  # retry info for gRPC clients: gRPC's pushback, in the trailers
+            context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(DRAIN_RETRY_AFTER_MS)),))
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "decoder shutting down: send to another replica")
         parsed = parse_request(request)
         # Internal ids are always unique; the client's id is for logs.

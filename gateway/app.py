@@ -93,7 +93,8 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, pool: DecoderPool | None = None) -> None:
         self.config = config
-        self.pool = pool or DecoderPool.of(config.decoders, security=config.upstream)
+        self.pool = pool or DecoderPool.of(config.decoders, config.decoder_check_interval_s,
+                                           security=config.upstream, routing=config.routing)
         self.fetcher = ImageFetcher(config.images)
         self.bytes_in_flight = GatewayBytes(config.images.max_bytes_in_flight)
         self.named_media = MediaMemo(config.images.max_named_media_bytes,  # vLLM's uuid, per tenant
@@ -187,7 +188,7 @@ class Gateway:
             try:
                 generation = await cancel_on_disconnect(request, self.pool.generate_group(
                     calls.choices(req.n, self.adapter_of(req.model)), self.config.request_timeout_s,
-                    calls.request_id))
+                    calls.request_id, req.user or ""))
             except grpc.aio.AioRpcError as exc:
                 raise explained(req, exc) or exc from None
         except BaseException:

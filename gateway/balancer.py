@@ -2,8 +2,11 @@
 Generate call as an object that can be cancelled.
 
 A decoder that answers UNAVAILABLE before sending anything (down, or draining on SIGTERM) is skipped
-for another one; once tokens have flowed, an error ends the request. The n choices of one OpenAI request
-(`n` > 1) are a GenerationGroup on one decoder, so that they share the prompt's KV there.
+for another one; once tokens have flowed, an error ends the request. The decoders are the --decoder
+targets (discovery.py): with dns:/// or file: ones the pool looks again every health round, adds the
+decoders that appear and retires those that are gone (their channel closes once their calls end).
+The n choices of one OpenAI request (`n` > 1) are a GenerationGroup on one decoder, so that they share
+the prompt's KV there.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from common.pb import decoder_pb2, decoder_pb2_grpc
 from common.security.client_auth import token_interceptors
 from common.security.options import ClientSecurity
 from common.security.tls import open_aio_channel
+from gateway.discovery import DecoderTargets
+from gateway.routing import CacheAwareRouter, RouteKeys, route_keys
 
 log = logging.getLogger("mmserve.gateway")
+_HASH_ON_LOOP_BYTES = 1 << 20  # larger requests get their routing keys in a worker thread
 
 
 @dataclass
@@ -43,22 +49,69 @@ class DecoderEndpoint:
 
 @dataclass
 class DecoderPool:
-    """Decoders balanced by least outstanding requests (ties taken in turn)."""
+    """Decoders balanced by least outstanding requests (ties taken in turn), or, with a router, by where
+    each request's prefix and images probably are cached, within a load slack (routing.py)."""
 
     endpoints: list[DecoderEndpoint]
     health_interval_s: float = 2.0
     security: ClientSecurity = field(default_factory=ClientSecurity)  # TLS and token towards the decoders
+    targets: DecoderTargets | None = None  # where the endpoints come from; None: fixed endpoints
+    router: CacheAwareRouter | None = None  # None: least outstanding requests
     _turn: itertools.count = field(default_factory=itertools.count)
     _health_task: asyncio.Task | None = None
+    _retired: list[DecoderEndpoint] = field(default_factory=list)  # gone, calls still open
+    _started: bool = False
 
     @classmethod
-    def of(cls, addresses: Sequence[str], health_interval_s: float = 2.0,
-           security: ClientSecurity | None = None) -> DecoderPool:
-        """A pool over addresses, connecting with security (plaintext without a token by default)."""
-        return cls([DecoderEndpoint(a) for a in addresses], health_interval_s, security or ClientSecurity())
+    def of(cls, specs: Sequence[str], health_interval_s: float = 2.0,
+           security: ClientSecurity | None = None, routing: str = "least-outstanding") -> DecoderPool:
+        """A pool over --decoder specs (addresses, dns:///NAME:PORT, file:PATH), connecting with
+        security (plaintext without a token by default), routing by `routing` (ROUTING_POLICIES)."""
+        targets = DecoderTargets(list(specs))
+        router = CacheAwareRouter() if routing == "cache-aware" else None
+        return cls([DecoderEndpoint(a) for a in targets.addresses()], health_interval_s,
+                   security or ClientSecurity(), targets=targets, router=router)
 
-    def pick(self, exclude: Sequence[DecoderEndpoint] = ()) -> DecoderEndpoint | None:
-        """The usable decoder with the fewest outstanding requests (None when none is left to try)."""
+    def refresh(self, now: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+        """Look at the targets again (or take `now`, what they name, looked up by the caller): (addresses
+        added, addresses retired). A retired decoder gets no new calls; its channel closes once its open
+        calls have ended."""
+        self._close_idle_retired()
+        if self.targets is None or not self.targets.dynamic:
+            return [], []
+        now = self.targets.addresses() if now is None else now
+        known = {e.address: e for e in self.endpoints}
+        added = [DecoderEndpoint(a) for a in now if a not in known]
+        gone = [e for e in self.endpoints if e.address not in now]
+        for endpoint in added:
+            if self._started:
+                self._open(endpoint)
+        self.endpoints = [e for e in self.endpoints if e.address in now] + added
+        self._retired.extend(gone)
+        if self.router is not None:
+            for endpoint in gone:
+                self.router.forget(endpoint.address)
+        if added or gone:
+            log.info("decoders: +%s -%s -> %d", [e.address for e in added], [e.address for e in gone],
+                     len(self.endpoints))
+        self._close_idle_retired()
+        return [e.address for e in added], [e.address for e in gone]
+
+    def _close_idle_retired(self) -> None:
+        for endpoint in [e for e in self._retired if e.outstanding == 0]:
+            self._retired.remove(endpoint)
+            if endpoint.channel is not None:
+                asyncio.get_running_loop().create_task(endpoint.channel.close())
+
+    def _open(self, endpoint: DecoderEndpoint) -> None:
+        endpoint.channel = open_aio_channel(endpoint.address, self.security.tls, CHANNEL_OPTIONS,
+                                            token_interceptors(self.security.token, aio=True))
+        endpoint.stub = decoder_pb2_grpc.DecoderServiceStub(endpoint.channel)
+
+    def pick(self, exclude: Sequence[DecoderEndpoint] = (), keys: RouteKeys | None = None
+             ) -> DecoderEndpoint | None:
+        """The usable decoder with the fewest outstanding requests, or the router's choice for keys
+        (None when none is left to try)."""
         candidates = [e for e in self.endpoints if e not in exclude]
         usable = [e for e in candidates if e.usable] or candidates  # all look down: try anyway
         if not usable:
@@ -66,6 +119,8 @@ class DecoderPool:
         turn = next(self._turn)
         n = len(usable)
         rotated = [usable[(turn + i) % n] for i in range(n)]
+        if self.router is not None and keys is not None:
+            return self.router.choose(rotated, keys)
         return min(rotated, key=lambda e: e.outstanding)
 
     async def check_health(self) -> dict[str, str]:
@@ -84,6 +139,10 @@ class DecoderPool:
     async def _health_loop(self) -> None:
         while True:
             try:
+                if self.targets is not None and self.targets.dynamic:  # DNS and files off the loop
+                    self.refresh(await asyncio.to_thread(self.targets.addresses))
+                else:
+                    self._close_idle_retired()
                 await self.check_health()
             except Exception:  # never let the loop die: a failed round leaves the old answers
                 log.exception("decoder health check failed")
@@ -92,29 +151,36 @@ class DecoderPool:
     def start(self) -> None:
         """Open the channels and start health checks (grpc.aio channels belong to the running loop)."""
         for endpoint in self.endpoints:
-            endpoint.channel = open_aio_channel(endpoint.address, self.security.tls, CHANNEL_OPTIONS,
-                                                token_interceptors(self.security.token, aio=True))
-            endpoint.stub = decoder_pb2_grpc.DecoderServiceStub(endpoint.channel)
+            self._open(endpoint)
+        self._started = True
         self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
 
     async def close(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
-        await asyncio.gather(*(e.channel.close() for e in self.endpoints if e.channel is not None),
-                             return_exceptions=True)
+        await asyncio.gather(*(e.channel.close() for e in [*self.endpoints, *self._retired]
+                               if e.channel is not None), return_exceptions=True)
 
-    async def generate(self, request: decoder_pb2.GenerateRequest, timeout: float | None) -> Generation:
+    async def generate(self, request: decoder_pb2.GenerateRequest, timeout: float | None,
+                       user: str = "") -> Generation:
         """Start a Generate call and wait for its first message, so that errors the decoder finds in the
-        request (or a decoder that is down) surface before any HTTP response has started."""
+        request (or a decoder that is down) surface before any HTTP response has started. `user` (the
+        OpenAI field) keeps a session on one decoder when the cache-aware router has no better clue."""
         tried: list[DecoderEndpoint] = []
+        keys = None
+        if self.router is not None:  # hashing megabytes of media would hold up the event loop
+            big = request.ByteSize() > _HASH_ON_LOOP_BYTES
+            keys = await asyncio.to_thread(route_keys, request, user) if big else route_keys(request, user)
         while True:
-            endpoint = self.pick(exclude=tried)
+            endpoint = self.pick(exclude=tried, keys=keys)
             if endpoint is None:
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
                                            grpc.aio.Metadata(), details="no decoder available")
             tried.append(endpoint)
             generation = Generation(endpoint, endpoint.stub.Generate(request, timeout=timeout),
                                     request.request_id)
+            if self.router is not None:
+                self.router.sent(endpoint.address, keys)
             try:
                 await generation.start()
                 return generation
@@ -125,12 +191,12 @@ class DecoderPool:
                 endpoint.status = "UNREACHABLE"
 
     async def generate_group(self, requests: Sequence[decoder_pb2.GenerateRequest], timeout: float | None,
-                             request_id: str) -> GenerationGroup:
+                             request_id: str, user: str = "") -> GenerationGroup:
         """Start the calls of one request's choices, all on one decoder. The first is started alone and
         its first token awaited (its prefill done, the prompt's full KV blocks in the decoder's prefix
         cache); the others start then, so their prefills hit those blocks instead of all computing the
         prompt at once. Any failure cancels the calls already open."""
-        first = await self.generate(requests[0], timeout)
+        first = await self.generate(requests[0], timeout, user)
         endpoint, started = first.endpoint, [first]
         try:
             rest = [Generation(endpoint, endpoint.stub.Generate(r, timeout=timeout), r.request_id)

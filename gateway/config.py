@@ -22,8 +22,10 @@ from common.images import DEFAULT_IMAGE_FORMATS, image_format_list
 from common.lora_modules import LoRAModule, lora_modules_by_name
 from common.security.options import ClientSecurity
 from common.server import DEFAULT_MAX_MESSAGE_BYTES
+from gateway.discovery import check_target
 from gateway.media_memo import DEFAULT_MAX_TENANTS
 from gateway.model_info import default_served_names
+from gateway.routing import ROUTING_POLICIES
 
 # The decoder's own limit on cache_salt (decoder_svc/engine/input_processor.py MAX_SALT_BYTES), which it
 # checks after every prefix is applied: the gateway's tenant prefix, and the decoder's tenant namespace
@@ -140,8 +142,17 @@ class GatewayConfig:
     """Everything `mmserve gateway` is started with."""
 
     decoders: list[str] = option(help="a decoder's gRPC address (repeatable: balanced by least outstanding "
-                                 "requests)", flag="--decoder", metavar="HOST:PORT", append=True,
-                                 default_factory=list)
+                                 "requests), dns:///NAME:PORT for every address behind NAME, or file:PATH "
+                                 "for the HOST:PORT lines of a file; both looked at again every "
+                                 "--decoder-check-interval seconds", flag="--decoder", metavar="HOST:PORT",
+                                 append=True, default_factory=list)
+    decoder_check_interval_s: float = option(2.0, "seconds between health checks of the decoders (and "
+                                             "lookups of dns:/// and file: targets)",
+                                             flag="--decoder-check-interval", type=positive_float)
+    routing: str = option("least-outstanding", "how a request's decoder is chosen: least-outstanding "
+                          "(fewest requests open there), or cache-aware (where its prefix and images were "
+                          "sent lately, within a load slack; the `user` field as a fallback; "
+                          "gateway/routing.py)", choices=ROUTING_POLICIES)
     host: str = option("127.0.0.1", "bind address")
     port: int = option(8000, "HTTP port", type=port_number)
     served_model_names: list[str] = option(
@@ -174,6 +185,8 @@ class GatewayConfig:
         check_options(self)
         if not self.decoders:
             raise ValueError("--decoder: give at least one decoder address")
+        for spec in self.decoders:
+            check_target(spec)
         if not self.served_model_names:
             self.served_model_names = default_served_names(self.model)
         if len(set(self.served_model_names)) != len(self.served_model_names):

@@ -119,6 +119,7 @@ class _SamplingFields(_Lenient):
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # vLLM's bound: a signed 64-bit seed
     n: int = Field(default=1, ge=1, le=MAX_N)  # choices: one decoder request for n samples
+    user: str | None = Field(default=None, max_length=256)  # OpenAI's end-user id: session affinity only
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None

@@ -1,6 +1,9 @@
 """Encoder discovery: the set of encoders a decoder routes to, fixed or found by DNS.
 
-`--encoder HOST:PORT` names one encoder, always in the ring. `--encoder dns:///NAME:PORT`
+`--encoder HOST:PORT` names one encoder. Alone, it is always in the ring; beside other encoders it is
+health-checked like a discovered one, so an encoder that was killed or stopped answering leaves the ring
+and its images (and the retries of their Encodes) go to the others; while none answers, every fixed
+address stays in the ring (an honest UNAVAILABLE beats an empty ring). `--encoder dns:///NAME:PORT`
 names every address behind NAME (a Kubernetes headless Service has one A record per ready Pod):
 
 - NAME is resolved at start and again every `interval_s` seconds, on a background thread;
@@ -151,7 +154,8 @@ class MembershipChange:
 
 
 class EncoderPool:
-    """The encoders a decoder routes to: fixed addresses plus every healthy address behind dns:/// targets.
+    """The encoders a decoder routes to: fixed addresses (healthy ones, when there are several encoders)
+    plus every healthy address behind dns:/// targets.
 
     `route(content_hash)` is safe from any thread; `refresh()` runs one resolve-and-check round (the
     background thread started by `start()` calls it every interval_s seconds).
@@ -180,6 +184,9 @@ class EncoderPool:
         self._members: dict[str, _Member] = {}                  # discovered address -> its health
         self._resolved: dict[DnsTarget, list[str]] = {t: [] for t in self.targets}
         self._ring: HashRing | None = HashRing(self.static, replicas) if self.static else None
+        # Fixed addresses are checked only beside other encoders: a lone one has nowhere to fail over to.
+        self.checks_static = len(self.static) + len(self.targets) > 1
+        self._static_members = {a: _Member(in_ring=True) for a in self.static}
         self._replicas = replicas
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -207,7 +214,7 @@ class EncoderPool:
     # -- discovery -----------------------------------------------------------------------------------
     def refresh(self) -> MembershipChange:
         """Resolve every DNS target, health-check what it names, and rebuild the ring if it changed."""
-        if not self.targets:
+        if not self.targets and not self.checks_static:
             return MembershipChange(members=tuple(self.members))
         discovered: list[str] = []
         for target in self.targets:
@@ -219,7 +226,8 @@ class EncoderPool:
                             len(self._resolved[target]))
             discovered.extend(self._resolved[target])
         discovered = [a for a in dict.fromkeys(discovered) if a not in self.static]
-        healthy = dict(zip(discovered, self._checker.map(self._health_check, discovered), strict=True))
+        checked = discovered + (self.static if self.checks_static else [])
+        healthy = dict(zip(checked, self._checker.map(self._health_check, checked), strict=True))
         with self._lock:
             before = self.members
             for address in [a for a in self._members if a not in healthy]:  # gone from DNS
@@ -227,16 +235,12 @@ class EncoderPool:
                 if isinstance(self._health_check, GrpcHealthCheck):
                     self._health_check.forget(address)
             for address, ok in healthy.items():
-                member = self._members.setdefault(address, _Member())
-                if ok:
-                    member.failures, member.successes = 0, member.successes + 1
-                else:
-                    member.failures, member.successes = member.failures + 1, 0
-                if not member.in_ring and member.successes >= (self.admit_after if member.ejected else 1):
-                    member.in_ring, member.ejected = True, False
-                elif member.in_ring and member.failures >= self.eject_after:
-                    member.in_ring, member.ejected = False, True
-            ring_members = self.static + [a for a in discovered if self._members[a].in_ring]
+                member = self._static_members.get(address) or self._members.setdefault(address, _Member())
+                self._note(member, ok)
+            static = [a for a in self.static if self._static_members[a].in_ring]
+            ring_members = static + [a for a in discovered if self._members[a].in_ring]
+            if not ring_members and self.static:  # none answers: keep routing to the fixed ones
+                ring_members = list(self.static)
             if set(ring_members) != set(before):
                 self._ring = HashRing(ring_members, self._replicas) if ring_members else None
             after = self.members
@@ -250,9 +254,21 @@ class EncoderPool:
                             ", ".join(map(str, self.targets)))
         return change
 
+    def _note(self, member: _Member, ok: bool) -> None:
+        """One health answer: eject after eject_after failures in a row, admit after good ones."""
+        if ok:
+            member.failures, member.successes = 0, member.successes + 1
+        else:
+            member.failures, member.successes = member.failures + 1, 0
+        if not member.in_ring and member.successes >= (self.admit_after if member.ejected else 1):
+            member.in_ring, member.ejected = True, False
+        elif member.in_ring and member.failures >= self.eject_after:
+            member.in_ring, member.ejected = False, True
+
     def start(self) -> None:
-        """Re-resolve every interval_s seconds on a daemon thread (nothing to do without DNS targets)."""
-        if not self.targets or self._thread is not None:
+        """Re-resolve and re-check every interval_s seconds on a daemon thread (nothing to do for one
+        fixed encoder)."""
+        if not (self.targets or self.checks_static) or self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name="encoder-discovery", daemon=True)
         self._thread.start()

@@ -197,3 +197,37 @@ def test_bad_settings_are_refused():
         EncoderPool([])
     with pytest.raises(ValueError):
         EncoderPool(["a:1"], interval_s=0)
+
+
+def test_a_fixed_encoder_beside_another_leaves_the_ring_when_it_stops_answering():
+    # Issue 67: with --encoder A --encoder B, A killed kept A's images (and their retries) on A until
+    # the image's deadline; now A is ejected like a discovered replica, and comes back when it answers.
+    health = FakeHealth()
+    pool = EncoderPool(["127.0.0.1:1", "127.0.0.1:2"], health_check=health, eject_after=2)
+    keys = _keys(200)
+    assert {pool.route(k) for k in keys} == {"127.0.0.1:1", "127.0.0.1:2"}
+    health.down.add("127.0.0.1:1")
+    assert pool.refresh().changed is False
+    assert pool.refresh().removed == ("127.0.0.1:1",)
+    assert {pool.route(k) for k in keys} == {"127.0.0.1:2"}
+    health.down.add("127.0.0.1:2")  # none answers: both stay routable rather than an empty ring
+    pool.refresh()
+    pool.refresh()
+    assert sorted(pool.members) == ["127.0.0.1:1", "127.0.0.1:2"]
+    health.down.clear()
+    pool.refresh()
+    assert {k: pool.route(k) for k in keys} == {k: HashRing(["127.0.0.1:1", "127.0.0.1:2"]).route(k)
+                                                for k in keys}
+    pool.close()
+
+
+def test_a_lone_fixed_encoder_is_never_checked():
+    health = FakeHealth()
+    health.down.add("127.0.0.1:1")
+    pool = EncoderPool(["127.0.0.1:1"], health_check=health)
+    for _ in range(3):
+        pool.refresh()
+    assert pool.members == ["127.0.0.1:1"] and pool.checks_static is False
+    pool.start()
+    assert pool._thread is None
+    pool.close()

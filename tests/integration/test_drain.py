@@ -52,6 +52,8 @@ def test_sigterm_drains_in_flight_streams(tiny_model_dir, tmp_path, drain_timeou
             with pytest.raises(grpc.RpcError) as err:  # new work is refused during the drain
                 client.generate_text("USER: hi ASSISTANT:", max_tokens=2)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+            # Retry info for gRPC clients (issue 67): gRPC's pushback trailer.
+            assert dict(err.value.trailing_metadata() or ()).get("grpc-retry-pushback-ms") == "1000"
         thread.join(60)
         if completes:
             assert result.get("tokens") == 600, result

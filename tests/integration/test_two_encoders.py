@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 from common.checkpoint import model_fingerprint
 from common.client import EncoderClient
 from common.hashing import hash_image_file
@@ -49,6 +51,34 @@ def test_images_are_spread_over_two_encoders_and_each_lives_in_one(tiny_model_di
         # hits of its own: the front end's send-ahead Prefetch makes the miss, and the core's ask by hash
         # that follows joins that work, or hits when the tiny tower has already finished it.
         assert all(s.hits >= 4 for s in stats)
+    finally:
+        pair.stop()
+        second.stop()
+
+
+def test_an_image_whose_encoder_was_killed_is_encoded_by_the_other(tiny_model_dir, tmp_path):
+    # Issue 67: with two fixed --encoder addresses, a kill -9'd encoder stayed in the ring, so its images
+    # were asked of it until --encoder-timeout and failed UNAVAILABLE; now it is ejected on failed health
+    # checks and the Encode is retried on the other encoder (idempotent: keyed by content hash).
+    second = Service("encoder2", ["encoder", "--model", str(tiny_model_dir)], free_port(),
+                     tmp_path / "encoder2.log")
+    second.start()
+    pair = Pair(tiny_model_dir, tmp_path, decoder_args=["--encoder", second.address,
+                                                         "--encoder-resolve-interval", "0.5",
+                                                         "--encoder-timeout", "10"])
+    try:
+        pair.start()
+        ring = HashRing([pair.encoder.address, second.address])
+        fingerprint = model_fingerprint(tiny_model_dir)
+        seed = 900
+        while ring.route(hash_image_file(png(make_image(seed)), fingerprint, "")) != pair.encoder.address:
+            seed += 1
+        pair.encoder.stop(signal.SIGKILL)
+        with pair.decoder_client() as client:
+            result = client.generate_text(PROMPT, [png(make_image(seed))], max_tokens=2, ignore_eos=True)
+        assert len(result.token_ids) == 2 and result.finish_reason == "LENGTH"
+        with EncoderClient(second.address) as enc:
+            assert enc.stats().misses == 1  # the killed encoder's image, encoded here
     finally:
         pair.stop()
         second.stop()
