@@ -226,7 +226,10 @@ class EngineCore:
             t=started, s=seconds, tokens=shape.num_tokens, prefill=shape.prefill_chunks,
             decode=shape.decode_chunks, sampled=sum(o.times is not None for o in outputs),
             running=len(scheduler.running), waiting=len(scheduler.waiting), commands=self._commands,
-            idle=self._idle, received=[o.times.received for o in outputs if o.times is not None]))
+            idle=self._idle, received=[o.times.received for o in outputs if o.times is not None],
+            prefilled=[list(c) for c in shape.prompt_chunks()],
+            firsts=[[o.request_id, o.times.received, o.times.added, o.times.images_ready]
+                    for o in outputs if o.times is not None]))
         self._commands, self._idle = 0, 0.0
 
 

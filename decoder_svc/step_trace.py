@@ -7,6 +7,12 @@ more than one token / of one), `sampled` (first tokens among the outputs), `runn
 `commands` (handled since the previous step), `idle` (seconds the loop waited for a command or an
 embedding since the previous step), `received` (when the front end got each request whose first token
 this step sampled: a client on the same host finds its request's crossing of gRPC from it).
+
+For a burst's per-request timeline (`bench/burst_timeline.py`): `prefilled` lists the step's prompt
+chunks as [request id, start, tokens], and `firsts` each first token's request as [request id,
+received, added, images_ready] (RequestTimes' stamps: the front end got it, the engine queued it, its
+last awaited embedding arrived; 0 where not reached). With asynchronous scheduling a step's outputs are
+the step launched before it: a first token is in the record after its last chunk's.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ class StepRecord:
     commands: int
     idle: float
     received: list[float] = field(default_factory=list)
+    prefilled: list[list] = field(default_factory=list)  # [request id, start, tokens] per prompt chunk
+    firsts: list[list] = field(default_factory=list)  # [request id, received, added, images_ready]
 
 
 class StepTrace:

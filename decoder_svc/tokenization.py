@@ -147,26 +147,34 @@ class PromptTokenizer:
         # crops, text between them): each run is written once, then repeated to its length.
         runs = [self.layout.image_runs(count) for count in counts]
         text = self._expand(prompt, [len(r) for r in runs], [_one_per_run(v) for v in videos])
-        ids = self._repeat_runs(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"],
-                                [n for r in runs for n in r], videos)
-        spans = self._video_spans(ids, videos) if videos else []
-        return TokenizedPrompt(ids, self._placeholders(ids, runs), text, spans)
+        ids, image_found, video_found = self._repeat_runs(
+            self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"],
+            [n for r in runs for n in r], videos)
+        spans = self._video_spans(ids, videos, video_found) if videos else []
+        return TokenizedPrompt(ids, self._placeholders(ids, runs, image_found), text, spans)
 
-    def _repeat_runs(self, ids: Sequence[int], counts: list[int],
-                     videos: Sequence[VideoPromptLayout]) -> list[int]:
+    def _repeat_runs(self, ids: Sequence[int], counts: list[int], videos: Sequence[VideoPromptLayout]
+                     ) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]:
         """ids whose image and video tokens, each written once per run, are repeated to their runs'
-        lengths (images in order, then each video's groups in order)."""
+        lengths (images in order, then each video's groups in order); with the (offset, length) of each
+        image run and each video group written, so that nobody scans the expanded ids for them."""
         lengths = iter(counts)
         groups = iter([v.tokens_per_group for v in videos for _ in range(v.groups)])
         out: list[int] = []
+        image_found: list[tuple[int, int]] = []
+        video_found: list[tuple[int, int]] = []
         for token in ids:
             if token == self.image_token_id:
-                out.extend([token] * next(lengths, 1))
+                n = next(lengths, 1)
+                image_found.append((len(out), n))
+                out.extend([token] * n)
             elif token == self.video_token_id and self.video_token_id is not None:
-                out.extend([token] * next(groups, 1))
+                n = next(groups, 1)
+                video_found.append((len(out), n))
+                out.extend([token] * n)
             else:
                 out.append(token)
-        return out
+        return out, image_found, video_found
 
     def _native_image_markers(self, prompt: str, n_images: int) -> str:
         """A prompt that marks its images with the generic `<image>` (the API's and `mmserve generate`'s
@@ -199,8 +207,13 @@ class PromptTokenizer:
             return pads * video.groups
         return "".join(self.layout.video_group_text(pads, t) for t in video.timestamps)
 
-    def _video_spans(self, ids: list[int],
-                     videos: Sequence[VideoPromptLayout]) -> list[list[PlaceholderRange]]:
+    def _video_spans(self, ids: list[int], videos: Sequence[VideoPromptLayout],
+                     found: Sequence[tuple[int, int]] = ()) -> list[list[PlaceholderRange]]:
+        expected = [video.tokens_per_group for video in videos for _ in range(video.groups)]
+        if 0 not in expected and [n for _, n in found] == expected:  # as _repeat_runs wrote them: no scan
+            it = iter(found)
+            return [[PlaceholderRange(next(it)[0], video.tokens_per_group, index)
+                     for _ in range(video.groups)] for index, video in enumerate(videos)]
         positions = [i for i, t in enumerate(ids) if t == self.video_token_id]
         if len(positions) != sum(v.groups * v.tokens_per_group for v in videos):
             raise PlaceholderMismatchError(f"tokenized prompt has {len(positions)} video tokens, expected "
@@ -243,9 +256,15 @@ class PromptTokenizer:
         return self.encode_prompt(text, image_sizes, add_special_tokens=add_special,
                                   image_token_counts=image_token_counts, videos=videos)
 
-    def _placeholders(self, ids: list[int], runs: list[list[int]]) -> list[PlaceholderRange]:
+    def _placeholders(self, ids: list[int], runs: list[list[int]],
+                      found: Sequence[tuple[int, int]] = ()) -> list[PlaceholderRange]:
         # Runs of image tokens, split into runs of the expected lengths (adjacent images merge): one range
         # per run, in order, each naming its image (one run per image but for multi-run layouts).
+        expected = [count for image_runs in runs for count in image_runs]
+        if 0 not in expected and [n for _, n in found] == expected:
+            it = iter(found)  # the runs as _repeat_runs wrote them: no scan of the expanded ids
+            return [PlaceholderRange(next(it)[0], count, index)
+                    for index, image_runs in enumerate(runs) for count in image_runs]
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         total = sum(sum(r) for r in runs)
         if len(positions) != total:

@@ -1,21 +1,19 @@
 """Paged KV blocks with image-aware prefix caching.
 
-A full block's hash chains its parent's hash, its token ids and its extra keys: for every image that
-overlaps the block, (image content hash, offset of the block's first image token within that image);
-the cache salt enters the first block. Blocks nobody holds stay cached in an LRU free queue until a new
-allocation evicts them. A hit never covers a request's last token (its logits are needed) and the
-block's tokens are compared, so a hash collision cannot serve wrong KV.
+A full block's hash chains its parent's hash, its token ids and its extra keys (block_hashing.py: for
+every image that overlaps the block, its content hash and the offset of the block's first image token
+within it; the cache salt and the LoRA adapter enter the first block). Blocks nobody holds stay
+cached in an LRU free queue until a new allocation evicts them. A hit never covers a request's last
+token (its logits are needed) and the block's tokens are compared, so a hash collision cannot serve
+wrong KV.
 """
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 from dataclasses import dataclass, field
 
+from decoder_svc.engine.block_hashing import extend_block_hashes
 from decoder_svc.engine.request import Request
-
-_ROOT = b"mmserve.kv.v1"
 
 
 @dataclass(eq=False)
@@ -83,17 +81,6 @@ class BlockStats:
     prefix_hit_tokens: int
 
 
-def image_extra_keys(request: Request, start: int, end: int) -> tuple:
-    """(content hash, offset of the block's first image token in the image) per image in [start, end)."""
-    return tuple((img.content_hash, max(start - img.offset, 0))
-                 for img in request.images if img.offset < end and img.end > start)
-
-
-def hash_block(parent: bytes, token_ids: tuple[int, ...], extra: tuple) -> bytes:
-    """H(parent, tokens, extra keys); pickling frames each field, so distinct records never collide."""
-    return hashlib.sha256(pickle.dumps((parent, token_ids, extra), protocol=5)).digest()
-
-
 class BlockManager:
     """Allocates KV blocks to requests and reuses cached prefixes (one KV cache group's pool)."""
 
@@ -121,17 +108,7 @@ class BlockManager:
         """Hashes of the request's full blocks among its first num_tokens tokens (memoised)."""
         hashes = self._req_hashes.setdefault(request.request_id, [])
         n_full = (request.num_tokens if num_tokens is None else num_tokens) // self.block_size
-        if len(hashes) < n_full:
-            tokens = request.all_token_ids
-            bs = self.block_size
-            for i in range(len(hashes), n_full):
-                extra = image_extra_keys(request, i * bs, (i + 1) * bs)
-                if i == 0 and request.cache_salt:
-                    extra = (("salt", request.cache_salt),) + extra
-                if i == 0 and request.lora_adapter:  # KV computed under an adapter is its own
-                    extra = (("lora", request.lora_adapter),) + extra
-                parent = hashes[i - 1] if i else _ROOT
-                hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+        extend_block_hashes(hashes, request, n_full, self.block_size)
         return hashes[:n_full]
 
     # -- prefix lookup ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -99,11 +99,18 @@ class InFlightStep:
 
 @dataclass
 class StepShape:
-    """What the last step computed: tokens, and chunks of more than one token (prefill) or one (decode)."""
+    """What the last step computed: tokens, and chunks of more than one token (prefill) or one (decode);
+    `chunks` are the step's own (the step trace reads them; kept, not copied)."""
 
     num_tokens: int = 0
     prefill_chunks: int = 0
     decode_chunks: int = 0
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+
+    def prompt_chunks(self) -> list[tuple[str, int, int]]:
+        """(request id, start, tokens) of each chunk inside its request's prompt."""
+        return [(c.request.request_id, c.start, c.num_tokens) for c in self.chunks
+                if c.start < c.request.num_prompt_tokens]
 
 
 class LLMEngine:
@@ -215,7 +222,8 @@ class LLMEngine:
         for child in scheduled.forked:
             self.outputs.add_request(child)
         decodes = sum(c.num_tokens == 1 for c in scheduled.chunks)
-        self.last_step = StepShape(scheduled.num_batched_tokens, len(scheduled.chunks) - decodes, decodes)
+        self.last_step = StepShape(scheduled.num_batched_tokens, len(scheduled.chunks) - decodes, decodes,
+                                   scheduled.chunks)
         step = self._launch(scheduled)
         if self.async_scheduling:
             step, self._in_flight = self._in_flight, step

@@ -20,6 +20,16 @@ is preempted: its blocks are freed (they stay cached, so its recompute often hit
 the front of the queue. Sliding-window layers (Gemma 3) change nothing here: the KV cache manager frees
 their blocks as a request's computed tokens move its window (engine/kv_cache_manager.py).
 
+Burst ordering (issue 65; tests/engine/test_burst_order.py): when many image requests arrive at once,
+the first ones' first tokens are worth more than starting them all. The rule follows from the order
+above, with nothing else to weigh: the encoder is asked for images in arrival order (the waiting loop's
+demand asks, then lookahead's over the queue's head); requests whose embeddings are ready are prefilled
+in arrival order (admitted requests run before waiting ones, each set in arrival order; a preempted one
+goes back to the queue's front); and since a running prompt's chunk takes the budget before the next
+prompt's, one prompt's chunks are finished before the next prompt's first chunk when the budget cannot
+hold both (the next one takes only what is left). A request whose image is late does not hold back the
+ready ones behind it, and takes its place again once its image is ready.
+
 A request for n samples of one prompt is prefilled once, up to its prompt's last token, then forked into
 n requests that share its KV (engine/fanout.py): the fork happens at the start of the next schedule(),
 and the step's block copies go to the runner with the step (`SchedulerOutput.block_copies`).

@@ -54,5 +54,11 @@ def test_a_request_through_the_pipe_is_stamped_served_and_traced(make_engine, im
     assert [r for rec in records for r in rec["received"]] == [0.5]  # the first token's step names it
     assert sum(r["tokens"] for r in records) >= len(req.prompt_token_ids) + 2
     assert records[0]["commands"] == 1 and records[0]["prefill"] == 1
+    # the burst timeline's fields: which request each prompt chunk was, and the first token's stamps
+    chunks = [c for rec in records for c in rec["prefilled"]]
+    assert {c[0] for c in chunks} == {"r"} and chunks[0][1] == 0
+    assert sum(c[2] for c in chunks) == len(req.prompt_token_ids)
+    firsts = [f for rec in records for f in rec["firsts"]]
+    assert [f[:2] for f in firsts] == [["r", 0.5]] and firsts[0][2] == times.added
     summary = summarize(records)
     assert summary["steps"] == len(records) and summary["first_tokens"] == 1 and 0 < summary["busy"] <= 1

@@ -16,6 +16,7 @@ positions are computed once, at admission; generated tokens take `index + delta`
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -146,24 +147,32 @@ def mrope_positions(num_tokens: int, images: Sequence[tuple], merge_size: int) -
     out = np.empty((3, num_tokens), dtype=np.int64)
     cursor, next_pos = 0, 0
     for offset, (t, h, w), *rest in sorted(images, key=lambda span: span[0]):
-        interval = rest[0] if rest else 1
         text = offset - cursor
         out[:, cursor:offset] = np.arange(next_pos, next_pos + text)
         next_pos += text
-        gh, gw = h // merge_size, w // merge_size
-        # float32 as torch computes it, truncated as .long() does
-        temporal = ((np.arange(t, dtype=np.float32) * np.float32(interval)).astype(np.int64) if rest
-                    else np.arange(t))
-        tt, hh, ww = np.meshgrid(temporal, np.arange(gh), np.arange(gw), indexing="ij")
-        n = t * gh * gw
-        out[0, offset:offset + n] = tt.reshape(-1) + next_pos
-        out[1, offset:offset + n] = hh.reshape(-1) + next_pos
-        out[2, offset:offset + n] = ww.reshape(-1) + next_pos
-        next_pos += max(gh, gw) if n else 0
+        pattern, advance = span_pattern(int(t), int(h), int(w), merge_size, rest[0] if rest else None)
+        n = pattern.shape[1]
+        np.add(pattern, next_pos, out=out[:, offset:offset + n])
+        next_pos += advance
         cursor = offset + n
     out[:, cursor:] = np.arange(next_pos, next_pos + num_tokens - cursor)
     top = int(out.max()) if num_tokens else -1
     return out, top + 1 - num_tokens
+
+
+@functools.lru_cache(maxsize=256)
+def span_pattern(t: int, h: int, w: int, merge_size: int, interval: float | None) -> tuple[np.ndarray, int]:
+    """One span's positions from its start ([3, tokens], read-only: shared by every span of this grid,
+    e.g. a video's groups) and how far the text after it moves on. interval None: an image's temporal
+    positions 0..t-1; else a video's int(index x interval)."""
+    gh, gw = h // merge_size, w // merge_size
+    # float32 as torch computes it, truncated as .long() does
+    temporal = ((np.arange(t, dtype=np.float32) * np.float32(interval)).astype(np.int64)
+                if interval is not None else np.arange(t))
+    tt, hh, ww = np.meshgrid(temporal, np.arange(gh), np.arange(gw), indexing="ij")
+    pattern = np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]).astype(np.int64)
+    pattern.flags.writeable = False
+    return pattern, (max(gh, gw) if t * gh * gw else 0)
 
 
 def is_qwen_vl(config: dict[str, Any]) -> bool:
