@@ -35,11 +35,14 @@ cu_seqlens); decode batches any sequences, one token each, their states stacked 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from decoder_svc.model.config import TextModelConfig
 
 CHUNK_SIZE = 64  # the chunked rule's block, HF's and fla's default
 
@@ -71,6 +74,15 @@ class GatedDeltaNetShape:
                    int(text["linear_num_value_heads"]), int(text["linear_key_head_dim"]),
                    int(text["linear_value_head_dim"]), int(text["linear_conv_kernel_dim"]),
                    float(text.get("rms_norm_eps", 1e-6)), str(text.get("hidden_act", "silu")))
+
+    @classmethod
+    def from_model_config(cls, config: TextModelConfig) -> GatedDeltaNetShape:
+        """The linear layers' shape of a parsed text config (its linear_* fields)."""
+        if not config.linear_layers:
+            raise ValueError("the text config has no linear-attention layer")
+        return cls(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+                   config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel,
+                   config.rms_norm_eps, config.hidden_act)
 
     @property
     def key_dim(self) -> int:
