@@ -152,3 +152,43 @@ def test_the_state_passed_in_is_not_modified_and_matters():
     # (a batch of two rounds its products otherwise than a batch of one: a few ulps)
     assert torch.allclose(both[0], carried[0], atol=1e-6, rtol=0)
     assert torch.allclose(both[1], fresh[0], atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
+def test_the_tiny_checkpoint_s_layers_under_generate(qwen3_5_model_dir, qwen3_5_oracle, qwen_images):
+    """Each linear layer of the tiny checkpoint, loaded by its checkpoint names, fed what HF's layer was fed
+    during a greedy `generate` with an image (the prefill, then one token a step), gives HF's outputs bit
+    for bit, its state carried from call to call."""
+    from safetensors.torch import load_file
+
+    from common.families.qwen3_5.oracle import IMAGE_PAD
+
+    text = qwen3_5_oracle.model.config.text_config.to_dict()
+    weights = load_file(str(qwen3_5_model_dir / "model.safetensors"))
+    hf_layers = qwen3_5_oracle.model.model.language_model.layers
+    calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    hooks = []
+    for i, kind in enumerate(text["layer_types"]):
+        if kind == "linear_attention":
+            def record(module, args, kwargs, out, i=i):
+                calls.setdefault(i, []).append((kwargs["hidden_states"].clone(), out.clone()))
+            hooks.append(hf_layers[i].linear_attn.register_forward_hook(record, with_kwargs=True))
+    try:
+        prompt = f"<|im_start|>user\n<|vision_start|>{IMAGE_PAD}<|vision_end|>what?<|im_end|>\n"
+        qwen3_5_oracle.generate(prompt, qwen_images[:1], 6)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    shape = GatedDeltaNetShape.from_text_config(text)
+    assert sorted(calls) == [0, 1, 2] and all(len(c) == 6 for c in calls.values())  # prefill + 5 steps
+    for i, layer_calls in calls.items():
+        prefix = f"model.language_model.layers.{i}.linear_attn."
+        layer = GatedDeltaNet(shape).eval()
+        layer.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
+        (x, ref), *steps = layer_calls
+        assert x.shape[1] > 64  # the image's tokens and the text: more than one chunk
+        out, state = layer(x)
+        assert torch.equal(out, ref)
+        for x, ref in steps:
+            out, state = layer.step(x, state)
+            assert torch.equal(out, ref)
