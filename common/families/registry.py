@@ -17,7 +17,7 @@ from common.families.text import TextBackbone
 FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL, GEMMA3, PHI4MM)
 # Folders whose FAMILY is declared but not served yet (each one's __init__ says what is missing): no
 # lookup here finds them, so their checkpoints are refused like any other unserved model_type.
-NOT_SERVED_YET: tuple[str, ...] = ()
+NOT_SERVED_YET: tuple[str, ...] = ("qwen3_5",)
 # Reads the layout of a checkpoint no family claims: LLaVA's reader refuses it naming what it serves (e.g.
 # llava_next, whose tiles make the token count vary per image), the message users have always had.
 FALLBACK_LAYOUT_FAMILY = LLAVA

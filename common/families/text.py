@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
+LINEAR = "linear_attention"  # a linear-attention (Gated DeltaNet) layer of a hybrid stack
 # A text config without model_type (older LLaVA exports) is this backbone's.
 DEFAULT_TEXT_MODEL_TYPE = "llama"
 
@@ -42,6 +43,8 @@ class TextBackbone:
     o_bias: bool | None = None    # the output projection's bias; None: the config's attention_bias
     qk_norm: bool = False         # RMSNorm over each head of q and k before the rotary embedding
     partial_rotary: bool = False  # a partial_rotary_factor below 1 is served (else refused)
+    # ...with M-RoPE too: the sections then split the rotated dims' frequencies (else refused)
+    partial_mrope: bool = False
     activations: tuple[str, ...] = ("silu",)  # MLP gate activations it serves
     # A config key that must be true for `sliding_window` to apply (configs that carry a window they do
     # not use); None: the window applies whenever it is set.

@@ -9,10 +9,10 @@ from typing import Any
 
 from common.checkpoint import CheckpointError
 from common.families.registry import supported_text_model_types, text_backbone
-from common.families.text import DEFAULT_TEXT_MODEL_TYPE, FULL, SLIDING, TextBackbone
+from common.families.text import DEFAULT_TEXT_MODEL_TYPE, FULL, LINEAR, SLIDING, TextBackbone
 from decoder_svc.model.longrope import longrope_fields
 
-__all__ = ["FULL", "SLIDING", "TextModelConfig"]
+__all__ = ["FULL", "LINEAR", "SLIDING", "TextModelConfig"]
 
 _ROPE_TYPES = {"default", "linear", "llama3", "longrope"}
 
@@ -47,8 +47,10 @@ class TextModelConfig:
     norm_unit_offset: bool = False  # norms scale by (1 + weight), the product in fp32 before the cast
     embed_scale: float | None = None  # embeddings times this (as a tensor in their dtype): sqrt(hidden)
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim ** -0.5)
-    # Per layer, "sliding_attention" (keys within sliding_window of the query) or "full_attention"; empty:
-    # every layer full (a window on every layer is then served by capping the length, see max_model_len).
+    # Per layer, "sliding_attention" (keys within sliding_window of the query), "full_attention", or
+    # "linear_attention" (a Gated DeltaNet layer of a hybrid stack: no KV, a state; the linear_* fields);
+    # empty: every layer full (a window on every layer is then served by capping the length, see
+    # max_model_len).
     layer_types: tuple[str, ...] = ()
     local_rope_theta: float | None = None  # the sliding layers' rope base (default frequencies, no scaling)
     hidden_act: str = "silu"  # the MLP's gate activation: silu or gelu_pytorch_tanh
@@ -60,6 +62,16 @@ class TextModelConfig:
     rotary_dim: int | None = None
     # LongRoPE's attention scaling: cos and sin are multiplied by it (HF's attention_scaling); 1 elsewhere.
     rope_attention_factor: float = 1.0
+    # Gated attention output (Qwen3-Next, Qwen3.5): q_proj gives 2 * head_dim per head, each head's query
+    # then its gate; the attention output is multiplied by sigmoid(gate) before o_proj.
+    attn_output_gate: bool = False
+    # The linear-attention layers' shape (decoder_svc/model/gated_deltanet.py's GatedDeltaNetShape); 0
+    # where the stack has none.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
 
     @property
     def attention_scale(self) -> float:
@@ -71,6 +83,17 @@ class TextModelConfig:
         if self.layer_types and self.layer_types[layer] == SLIDING:
             return self.sliding_window
         return None
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The indices of the linear-attention layers (a hybrid stack's; empty elsewhere)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == LINEAR)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The indices of the layers that attend over a KV cache (every layer but the linear ones)."""
+        linear = set(self.linear_layers)
+        return tuple(i for i in range(self.num_layers) if i not in linear)
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -133,22 +156,26 @@ class TextModelConfig:
         mrope_interleaved = bool(rope.pop("mrope_interleaved", False))
         if rope_type == "mrope":  # M-RoPE checkpoints' name for default frequencies over 3 axes
             rope_type = "default"
-        if mrope_section and (len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2):
+        partial = float(rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
+        rotated = int(head_dim * partial)  # HF's int(head_dim * partial_rotary_factor)
+        # the sections split the rotated frequencies (all of head_dim's but where partial M-RoPE is served)
+        split = rotated if backbone.partial_mrope else head_dim
+        if mrope_section and (len(mrope_section) != 3 or sum(mrope_section) != split // 2):
+            what = "head_dim / 2" if split == head_dim else "the rotated dims / 2"
             raise CheckpointError(f"mrope_section {list(mrope_section)} must be 3 sections summing to "
-                                  f"head_dim / 2 = {head_dim // 2}")
+                                  f"{what} = {split // 2}")
         rope["rope_type"] = rope_type
         if rope_type not in _ROPE_TYPES:
             raise CheckpointError(f"unsupported rope type {rope_type!r}; supported: {sorted(_ROPE_TYPES)}")
-        partial = float(rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
         if partial != 1.0 and not backbone.partial_rotary:
             raise CheckpointError("partial rotary embeddings are not supported")
         if rope_type == "longrope":
             rope, more = longrope_fields(cfg, rope, head_dim, partial)
             extra.update(more)
         if partial != 1.0:
-            if mrope_section:
+            if mrope_section and not backbone.partial_mrope:
                 raise CheckpointError("M-RoPE with partial rotary embeddings is not supported")
-            extra["rotary_dim"] = int(head_dim * partial)  # HF's int(head_dim * partial_rotary_factor)
+            extra["rotary_dim"] = rotated
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],

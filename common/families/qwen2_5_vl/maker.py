@@ -165,11 +165,12 @@ def make_qwen_model(preset: str, out: str | Path, seed: int = 0, device: str | N
 def write_random_checkpoint(model_cls, config, tokenizer, image_processor: dict, preset: str,
                             copies: str | None, out: str | Path, seed: int, device: str | None,
                             dtype: str | None, gain: float, progress: bool,
-                            vision_only: bool = False) -> Path:
+                            vision_only: bool = False, scale=None) -> Path:
     """Init model_cls(config) at make-model's scale on `device` and write it, the tokenizer, the image
     processor config (image_processor, as preprocessor_config.json) and mmserve_model.json into `out`
     (the Qwen-VL presets' maker). vision_only: write the vision tower's weights alone (the decoder serves
-    such a checkpoint with `--load-format dummy`), for language models too large to write."""
+    such a checkpoint with `--load-format dummy`), for language models too large to write. scale: the
+    family's own weight init (init_random's), where the shared one does not fit its modules."""
     from tqdm.auto import tqdm
 
     out, device, torch_dtype = prepare_output(out, device, dtype,
@@ -186,7 +187,7 @@ def write_random_checkpoint(model_cls, config, tokenizer, image_processor: dict,
         model.config.save_pretrained(out)
         model.generation_config.save_pretrained(out)
     else:
-        model = init_random(model_cls, config, device, torch_dtype, seed, gain)
+        model = init_random(model_cls, config, device, torch_dtype, seed, gain, scale)
         model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
     del model
     steps.update()

@@ -1,0 +1,26 @@
+"""Qwen3.5's image layout: Qwen3-VL's (HF's Qwen3.5 checkpoints use Qwen3VLProcessor, the Qwen2-VL image
+processor and Qwen3-VL's video processor; Qwen3_5Model.get_rope_index is Qwen3-VL's, video grids split
+per frame), so only the checkpoint check differs."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from common.checkpoint import CheckpointError
+from common.families.qwen2_5_vl.layout import QwenImageLayout, read_qwen_layout
+
+QWEN3_5_MODEL_TYPES = ("qwen3_5",)
+
+
+class Qwen3_5ImageLayout(QwenImageLayout):
+    """The image side of a Qwen3.5 checkpoint (grids, token counts, M-RoPE positions: Qwen3-VL's)."""
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path, config: dict[str, Any]) -> QwenImageLayout:
+        """read_qwen_layout's layout of a qwen3_5 checkpoint; CheckpointError for any other."""
+        if config.get("model_type") not in QWEN3_5_MODEL_TYPES:
+            raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen3.5 checkpoint")
+        base = read_qwen_layout(model_dir, config)
+        return cls(**{f.name: getattr(base, f.name) for f in fields(base)})

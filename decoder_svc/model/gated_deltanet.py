@@ -1,0 +1,298 @@
+"""The Gated DeltaNet layer (linear attention with a gated delta-rule state) in plain torch: the reference
+for the GPU kernels to come (fla's chunked and fused-recurrent rules, a causal-conv1d kernel), with its
+state explicit so that a state cache can own it.
+
+The math is Hugging Face's torch fallback for this layer (transformers 5.25: `torch_chunk_gated_delta_rule`,
+`torch_recurrent_gated_delta_rule`, `causal_conv1d_fn` / `_update`, the gated RMSNorm), op for op and with
+the convolution shaped as HF's cached path shapes it: in fp32 a prefill, decode steps and later chunks give
+HF's outputs and states under `generate` bit for bit (tests/qwen3_5/test_gated_deltanet.py). Parameter
+names are the checkpoints' (`...linear_attn.in_proj_qkv.weight`, `conv1d.weight`, `A_log`, ...), so the
+layer loads them as they are.
+
+Per token x [hidden]:
+  qkv = conv1d_causal(in_proj_qkv(x)) then SiLU   (depthwise over time, kernel K; the conv state)
+  q, k [Hk, Dk] (L2-normalised, q scaled by Dk^-0.5), v [Hv, Dv]; each key head serves Hv / Hk value heads
+  beta = sigmoid(in_proj_b(x)) [Hv];  g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias) [Hv] (log decay)
+  S <- S * exp(g);  S <- S + k (beta * (v - S^T k))^T;  o = S^T q    (S [Hv, Dk, Dv]: the recurrent state)
+  out = out_proj(rmsnorm(o) * weight * silu(in_proj_z(x)))
+
+State (GatedDeltaNetState), per sequence b of a batch of B:
+  conv       [B, conv_dim, K - 1], conv_dim = 2 * Hk * Dk + Hv * Dv: the last K - 1 inputs of the
+             convolution (in_proj_qkv's outputs, oldest first; zeros before the first token), the
+             activations' dtype. (HF's cache keeps K columns, the oldest of which is never read.)
+  recurrent  [B, Hv, Dk, Dv] fp32: S after the last token.
+Both are fixed-size whatever the sequence length: one slot per sequence per layer.
+
+`forward` is the chunked (prefill) form over [B, T] tokens, `step` the token-by-token recurrent form
+(decode: T = 1); both take a state (None: a fresh sequence) and return the state after their last token,
+never modifying the one passed in. A prefix's state carried into the next call continues the sequence
+wherever the cut falls (inside a chunk of CHUNK_SIZE too): equal to one call over the whole sequence up
+to the rounding of another chunking (the chunked and recurrent forms sum in different orders). A batch's
+sequences have one length per call (a varlen prefill is a later step: a call per sequence, or fla's
+cu_seqlens); decode batches any sequences, one token each, their states stacked on dim 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from decoder_svc.model.config import TextModelConfig
+
+CHUNK_SIZE = 64  # the chunked rule's block, HF's and fla's default
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetShape:
+    """One layer's sizes, as a text config names them (linear_* fields, rms_norm_eps, hidden_act)."""
+
+    hidden_size: int
+    num_k_heads: int    # linear_num_key_heads
+    num_v_heads: int    # linear_num_value_heads (a multiple of num_k_heads)
+    head_k_dim: int     # linear_key_head_dim
+    head_v_dim: int     # linear_value_head_dim
+    conv_kernel: int    # linear_conv_kernel_dim
+    eps: float = 1e-6   # the gated RMSNorm's
+    activation: str = "silu"  # the convolution's (hidden_act)
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"{self.num_v_heads} value heads are not a multiple of {self.num_k_heads} key "
+                             "heads")
+        if self.activation != "silu":
+            raise ValueError(f"activation {self.activation!r} is not supported; only silu")
+
+    @classmethod
+    def from_text_config(cls, text: dict[str, Any]) -> GatedDeltaNetShape:
+        """The shape a text config (a dict, as config.json's text_config) gives its linear layers."""
+        return cls(int(text["hidden_size"]), int(text["linear_num_key_heads"]),
+                   int(text["linear_num_value_heads"]), int(text["linear_key_head_dim"]),
+                   int(text["linear_value_head_dim"]), int(text["linear_conv_kernel_dim"]),
+                   float(text.get("rms_norm_eps", 1e-6)), str(text.get("hidden_act", "silu")))
+
+    @classmethod
+    def from_model_config(cls, config: TextModelConfig) -> GatedDeltaNetShape:
+        """The linear layers' shape of a parsed text config (its linear_* fields)."""
+        if not config.linear_layers:
+            raise ValueError("the text config has no linear-attention layer")
+        return cls(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+                   config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel,
+                   config.rms_norm_eps, config.hidden_act)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    def conv_state_shape(self, batch: int) -> tuple[int, int, int]:
+        return batch, self.conv_dim, self.conv_kernel - 1
+
+    def recurrent_state_shape(self, batch: int) -> tuple[int, int, int, int]:
+        return batch, self.num_v_heads, self.head_k_dim, self.head_v_dim
+
+    def state_nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one sequence's state of this layer (conv in `dtype`, recurrent in fp32)."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
+        return conv + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetState:
+    """A batch's state of one Gated DeltaNet layer after some tokens (shapes in the module docstring)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    @classmethod
+    def zeros(cls, shape: GatedDeltaNetShape, batch: int, dtype: torch.dtype,
+              device: torch.device | str = "cpu") -> GatedDeltaNetState:
+        """The state before any token."""
+        return cls(torch.zeros(shape.conv_state_shape(batch), dtype=dtype, device=device),
+                   torch.zeros(shape.recurrent_state_shape(batch), dtype=torch.float32, device=device))
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, as HF (and fla) compute it."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:
+    """[B, T, H, D] / [B, T, H] inputs to fp32 [B, Hv, T, ...], keys and queries repeated over their value
+    heads, normalised; queries scaled by Dk^-0.5."""
+    groups = v.shape[2] // k.shape[2]
+    if groups != 1:
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    q, k, v, beta, g = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                        for x in (q, k, v, beta, g))
+    q, k = l2norm(q), l2norm(k)
+    return q, k, v, g, beta
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, state: torch.Tensor, chunk_size: int = CHUNK_SIZE
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule over T tokens in blocks of chunk_size (HF's torch_chunk_gated_delta_rule with
+    L2-normalised q and k). q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dk, Dv]
+    fp32 (S before the first token). Returns (o [B, T, Hv, Dv] in q's dtype, S after the last token)."""
+    dtype, length = q.dtype, k.shape[1]
+    q, k, v, decay, beta = _heads_first(q, k, v, g, beta)
+    q = q * q.shape[-1] ** -0.5
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
+    chunks = (length + pad) // chunk_size
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1])
+                            for x in (q, k, k_beta, v_beta))
+    decay = decay.reshape(decay.shape[0], decay.shape[1], -1, chunk_size)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    cum = decay.cumsum(dim=3)
+    pairwise = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * pairwise  # unit lower triangular once solved
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    decayed_k_beta = k_beta * cum.exp().unsqueeze(-1)
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(system, decayed_k_beta, upper=False, unitriangular=True)
+    s = state.to(new_values)
+    out = torch.zeros_like(new_values)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    for i in range(chunks):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ s
+        out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ v_new
+        s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(out.shape[0], out.shape[1], -1, out.shape[-1])[:, :, :length]
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), s
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rule one token at a time (HF's torch_recurrent_gated_delta_rule): the decode step's form.
+    Same arguments and results as chunk_gated_delta_rule."""
+    dtype = q.dtype
+    q, k, v, decay, beta = _heads_first(q, k, v, g, beta)
+    q = q / (q.shape[-1] ** 0.5)
+    s = state.to(v)
+    out = torch.zeros_like(v)
+    for i in range(v.shape[2]):
+        s = s * decay[:, :, i].exp()[..., None, None]
+        delta = (v[:, :, i] - (s * k[:, :, i].unsqueeze(-1)).sum(dim=-2)) * beta[:, :, i].unsqueeze(-1)
+        s = s + k[:, :, i].unsqueeze(-1) * delta.unsqueeze(-2)
+        out[:, :, i] = (s * q[:, :, i].unsqueeze(-1)).sum(dim=-2)
+    return out.transpose(1, 2).contiguous().to(dtype), s
+
+
+def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor,
+                  decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution then SiLU over x [B, C, T], continuing from conv_state [B, C, K - 1]
+    (the K - 1 inputs before x; None: zeros, a fresh sequence). weight [C, K]. Returns (out [B, C, T], the
+    new conv state).
+
+    The call is shaped as HF's cached path shapes it (a CPU convolution rounds by its input's length, so
+    this keeps HF's bits under `generate`): a fresh sequence left-padded to K, convolved with K - 1 zeros
+    of padding (causal_conv1d_fn); a carried state prepended as HF's K columns (ours K - 1 and a zero
+    column in place of the oldest, which no kept output reads), with that padding (a later prefill chunk)
+    or none (`decode`, causal_conv1d_update)."""
+    batch, channels, length = x.shape
+    taps = weight.shape[-1]
+    if conv_state is None:
+        conv_state = x.new_zeros(batch, channels, taps - 1)
+        inputs = F.pad(x, (taps - length, 0)) if length < taps else x
+    else:
+        inputs = torch.cat([conv_state.new_zeros(batch, channels, 1), conv_state, x.to(conv_state.dtype)], -1)
+    pad = 0 if decode else taps - 1
+    out = F.conv1d(inputs.to(weight.dtype), weight.unsqueeze(1), None, padding=pad, groups=channels)
+    # SiLU where HF applies it (on the kept slice when decoding, else on every input's output): its
+    # vectorised and strided loops round differently.
+    out = F.silu(out[:, :, -length:]) if decode else F.silu(out[:, :, :inputs.shape[-1]])[:, :, -length:]
+    full = torch.cat([conv_state, x.to(conv_state.dtype)], dim=-1)
+    return out.to(x.dtype), full[:, :, full.shape[-1] - (taps - 1):]
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, times weight, gated by SiLU(z) (HF's Qwen3NextRMSNormGated: normalised
+    in fp32, cast back before the weight, the gate applied in fp32)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.to(torch.float32))).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet token mixer over [B, T, hidden] (the sequences of a batch have the same length;
+    the state carries each one across calls). Submodules and parameters are named as the checkpoints'."""
+
+    def __init__(self, shape: GatedDeltaNetShape) -> None:
+        super().__init__()
+        self.shape = shape
+        s = shape
+        self.in_proj_qkv = nn.Linear(s.hidden_size, s.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(s.hidden_size, s.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(s.hidden_size, s.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(s.hidden_size, s.num_v_heads, bias=False)
+        # nn.Conv1d for its [C, 1, K] weight's name and shape; run by causal_conv1d (explicit state)
+        self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim, bias=False,
+                                padding=s.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.num_v_heads))
+        self.norm = GatedRMSNorm(s.head_v_dim, s.eps)
+        self.out_proj = nn.Linear(s.value_dim, s.hidden_size, bias=False)
+
+    def zero_state(self, batch: int, dtype: torch.dtype | None = None) -> GatedDeltaNetState:
+        """The state before any token, on the layer's device (conv state in `dtype`, default the weights')."""
+        weight = self.in_proj_qkv.weight
+        return GatedDeltaNetState.zeros(self.shape, batch, dtype or weight.dtype, weight.device)
+
+    def _mix(self, x: torch.Tensor, state: GatedDeltaNetState | None, recurrent: bool
+             ) -> tuple[torch.Tensor, GatedDeltaNetState]:
+        s = self.shape
+        batch, length, _ = x.shape
+        conv_state = None if state is None else state.conv
+        recurrent_state = state.recurrent if state is not None else torch.zeros(
+            s.recurrent_state_shape(batch), dtype=torch.float32, device=x.device)
+        mixed, conv_state = causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), conv_state,
+                                          self.conv1d.weight.squeeze(1), decode=recurrent)
+        q, k, v = torch.split(mixed.transpose(1, 2), [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q = q.reshape(batch, length, -1, s.head_k_dim)
+        k = k.reshape(batch, length, -1, s.head_k_dim)
+        v = v.reshape(batch, length, -1, s.head_v_dim)
+        z = self.in_proj_z(x).reshape(batch, length, -1, s.head_v_dim)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
+        o, final = rule(q, k, v, g, beta, recurrent_state)
+        o = self.norm(o.reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim))
+        return self.out_proj(o.reshape(batch, length, -1)), GatedDeltaNetState(conv_state, final)
+
+    def forward(self, x: torch.Tensor, state: GatedDeltaNetState | None = None
+                ) -> tuple[torch.Tensor, GatedDeltaNetState]:
+        """The chunked form (prefill, or a chunk of one): x [B, T, hidden] after the state's tokens (None:
+        the first tokens) -> (out [B, T, hidden], the state after x)."""
+        return self._mix(x, state, recurrent=False)
+
+    def step(self, x: torch.Tensor, state: GatedDeltaNetState) -> tuple[torch.Tensor, GatedDeltaNetState]:
+        """The recurrent form (decode): x [B, T, hidden], usually T = 1, token by token from the state."""
+        return self._mix(x, state, recurrent=True)

@@ -1,0 +1,30 @@
+"""Fixtures for the Qwen3.5 tests: the tiny checkpoint (made by the family's maker directly: the family is
+declared, not served, so make-model's registry does not list it) and HF's model on it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The qwen3.5-tiny checkpoint (fp32, random weights scaled so greedy output varies)."""
+    from common.families.qwen3_5.maker import make_qwen3_5_model
+
+    cache = os.environ.get("MMSERVE_TEST_MODEL_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("models")
+    out = root / "qwen3.5-tiny-seed0"
+    if not (out / "mmserve_model.json").exists():
+        make_qwen3_5_model("qwen3.5-tiny", out, seed=0, device="cpu", progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_oracle(qwen3_5_model_dir: Path):
+    """HF's Qwen3_5ForConditionalGeneration, fp32 on CPU (common/families/qwen3_5/oracle.py)."""
+    from common.families.qwen3_5.oracle import Qwen3_5Oracle
+
+    return Qwen3_5Oracle(qwen3_5_model_dir)
