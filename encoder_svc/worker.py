@@ -378,26 +378,43 @@ class VisionWorker:
         return_memory_after(nbytes)
 
     def _encode_and_store(self, batch: list[tuple[_Job, object]], phases: dict[str, float]) -> None:
-        started = time.perf_counter()
-        for job, _ in batch:
-            job.times.tower_start = started
-        # CUDA graphs for demand batches only: their static buffers belong to one stream (graphs.py)
-        inputs, graphs = [prepared for _, prepared in batch], batch[0][0].priority == DEMAND
-        if self.batch_invariant:
-            feats = [f for one in inputs for f in self.vision.encode_prepared([one], use_graphs=graphs)]
-        else:
-            feats = self.vision.encode_prepared(inputs, use_graphs=graphs)
-        launched = time.perf_counter()
-        phases["launch"] = launched - started
-        for job, _ in batch:  # before complete_many: an Encode woken by it reads the stamps
-            job.times.tower_end = launched
+        """The batch's forwards, run by run (VisionEncoder.launch_groups; one image each when batch
+        invariant), each run's rows handed to the cache as soon as it is launched: on a busy GPU a launch
+        waits for room in the device's queue, and the first images of a large batch need not wait for
+        the last ones' launch."""
+        graphs = batch[0][0].priority == DEMAND  # graphs for demand batches only: one stream's (graphs.py)
+        phases.setdefault("launch", 0.0)
+        phases.setdefault("store", 0.0)
+        for group in self._launch_groups(batch, graphs):
+            started = time.perf_counter()
+            for job, _ in group:
+                job.times.tower_start = started
+            feats = self.vision.encode_prepared([prepared for _, prepared in group], use_graphs=graphs)
+            launched = time.perf_counter()
+            phases["launch"] += launched - started
+            for job, _ in group:  # before complete_many: an Encode woken by it reads the stamps
+                job.times.tower_end = launched
+            self.encodes += len(group)
+            grids = [getattr(prepared, "grid", ()) for _, prepared in group]  # Qwen-VL images have one
+            timings = [getattr(prepared, "timing", None) for _, prepared in group]  # videos have one
+            items = [(job.key, feat) for (job, _), feat in zip(group, feats, strict=True)]
+            self.cache.complete_many(items, grids, timings)
+            phases["store"] += time.perf_counter() - launched
         self.batches += 1
-        self.encodes += len(batch)
-        grids = [getattr(prepared, "grid", ()) for _, prepared in batch]  # Qwen-VL images have one
-        timings = [getattr(prepared, "timing", None) for _, prepared in batch]  # videos have one
-        items = [(job.key, feat) for (job, _), feat in zip(batch, feats, strict=True)]
-        self.cache.complete_many(items, grids, timings)
-        phases["store"] = time.perf_counter() - launched
+
+    def _launch_groups(self, batch: list[tuple[_Job, object]],
+                       graphs: bool) -> list[list[tuple[_Job, object]]]:
+        """The batch in the runs its forwards take: one item each when batch invariant, else the
+        encoder's launch_groups (consecutive runs, in order)."""
+        if self.batch_invariant:
+            return [[item] for item in batch]
+        groups, start = [], 0
+        for run in self.vision.launch_groups([prepared for _, prepared in batch], graphs):
+            groups.append(batch[start:start + len(run)])
+            start += len(run)
+        if start != len(batch):
+            raise RuntimeError(f"launch_groups covered {start} of {len(batch)} inputs")
+        return groups
 
     def images_per_s(self) -> float:
         """Images through the tower per second since the worker started."""

@@ -139,6 +139,11 @@ class VisionEncoder(ABC):
             return self.nbytes_for(self.layout.grid(height, width, settings))
         return self.embedding_nbytes
 
+    def launch_groups(self, prepared: Sequence[Any], use_graphs: bool = False) -> list[Sequence[Any]]:
+        """prepared split into consecutive runs, in order, that encode_prepared runs as one forward each
+        (the worker hands each run's rows over before launching the next); default: one run."""
+        return [prepared]
+
     # -- start-up ----------------------------------------------------------------------------------
     def quantize(self, scheme: str) -> list[str]:
         """Quantize the tower's weights in place (`--vision-quantization`; common/vision/fp8.py), before

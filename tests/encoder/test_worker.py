@@ -28,6 +28,9 @@ class _FakeVision:
     def prepare(self, image):
         return image  # "images" are their keys here
 
+    def launch_groups(self, prepared, use_graphs=False):
+        return [prepared]  # VisionEncoder's default: the batch is one forward
+
     def encode_prepared(self, images, use_graphs=False):
         self.graphed.append(use_graphs)
         if not self.batches:
@@ -347,3 +350,31 @@ def test_a_batch_invariant_worker_runs_each_image_through_a_forward_of_its_own()
         assert vision.batches == [["first"]] + [[f"d{i}"] for i in range(6)]
         assert worker.batches == 3, "three batches (1, 4, 2 images) of one-image forwards"
         assert all(vision.graphed), "demand forwards still replay graphs"
+
+
+def test_each_run_of_a_batch_is_handed_over_before_the_next_is_launched():
+    """A batch the encoder runs in several forwards (launch_groups: its graphs' sizes) hands each run's
+    rows to the cache as soon as that run is launched: the first images of a large batch do not wait for
+    the last ones' launch (which, on a busy GPU, waits for room in the device's queue)."""
+
+    class Runs(_FakeVision):
+        def __init__(self) -> None:
+            super().__init__()
+            self.done_before: list[list[str]] = []
+            self.cache = None
+
+        def launch_groups(self, prepared, use_graphs=False):
+            return [prepared[i:i + 2] for i in range(0, len(prepared), 2)]
+
+        def encode_prepared(self, images, use_graphs=False):
+            ready = [k for k in ("d0", "d1", "d2", "d3", "d4") if self.cache.peek(k) is not None]
+            self.done_before.append(ready)
+            return super().encode_prepared(images, use_graphs)
+
+    vision = Runs()
+    with _running_worker(vision, max_batch_images=8) as (cache, worker):
+        vision.cache = cache
+        _run_behind_a_busy_first_batch(vision, worker, cache, [(f"d{i}", DEMAND) for i in range(5)])
+        assert vision.batches == [["first"], ["d0", "d1"], ["d2", "d3"], ["d4"]]
+        assert vision.done_before[1:] == [[], ["d0", "d1"], ["d0", "d1", "d2", "d3"]]
+        assert worker.batches == 2 and worker.encodes == 6

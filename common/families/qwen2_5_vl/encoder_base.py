@@ -157,6 +157,12 @@ class QwenFamilyEncoder(VisionEncoder):
         self._count(len(prepared))
         return out
 
+    def launch_groups(self, prepared: Sequence[PreparedGrid], use_graphs: bool = False
+                      ) -> list[Sequence[PreparedGrid]]:
+        """The runs the graphs capture (graph_chunks) for a graphed batch; one run otherwise."""
+        graphs = self.graphs if use_graphs else None
+        return graph_chunks(prepared, None if graphs is None else graphs.max_patches)
+
     @property
     def patches_videos_on_device(self) -> bool:
         """Whether a video may come as its sampled frames (PreparedGrid.frames), patched on the device: where
