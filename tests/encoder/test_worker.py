@@ -202,6 +202,12 @@ def test_prefetch_batches_stay_small_so_demand_never_waits_long_behind_one():
             pass
         futs += [_submit(cache, worker, f"p{i}", PREFETCH) for i in range(MAX_PREFETCH_BATCH_IMAGES + 2)]
         futs += [_submit(cache, worker, f"d{i}", DEMAND) for i in range(12)]
+        # a prefetch batch takes only prepared jobs: on a loaded machine the preparations may lag, so
+        # wait for all of them (the batch sizes are the contract here, not the preparation's speed)
+        with worker.holding():
+            prepared = [job.prepared for job in worker._jobs.values()]
+        for done in prepared:
+            done.result(10)
         vision.gate.set()
         for f in futs:
             f.result(10)
