@@ -116,6 +116,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    "loads them, the gateway serves each as a model name (README: LoRA adapters); vLLM's "
                    "JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' too "
                    "(base_model_name: the gateway's card parent). A name given twice is refused")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant serving on the encoder and the decoder (both services' "
+                   "--deterministic): the same request gives the same tokens and logprobs whatever else is "
+                   "served beside it; costs throughput")
     p.add_argument("--host", default="127.0.0.1", help="bind address of both services")
     # Real ports (not 0): the decoder is told the encoder's address, and both are printed.
     p.add_argument("--encoder-port", type=int_in_range(1, 65535), default=50051, help="encoder gRPC port")
@@ -240,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         *args.decoder_arg]
         if args.lora_modules:
             decoder_argv += ["--lora-modules", *args.lora_modules]
+        if args.deterministic:
+            encoder_argv.append("--deterministic")
+            decoder_argv.append("--deterministic")
         if security is not None:
             encoder_argv += security.encoder_args()
             decoder_argv += security.decoder_args()

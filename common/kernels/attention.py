@@ -267,10 +267,11 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_o
              mask=d < HEAD_DIM)
 
 
-def row_tiles(max_query_len: int, h_per_kv: int) -> tuple[int, int]:
+def row_tiles(max_query_len: int, h_per_kv: int, invariant: bool = False) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_Q): query rows per program, and the tokens they are (times h_per_kv heads).
-    Decode-heavy batches use 16-row tiles (the smallest a tensor-core dot takes), prefill 64."""
-    block_m = 16 if max_query_len * h_per_kv <= 16 else 64
+    Decode-heavy batches use 16-row tiles (the smallest a tensor-core dot takes), prefill 64; `invariant`:
+    64 whatever the batch (another tile size may take another tensor-core instruction)."""
+    block_m = 16 if max_query_len * h_per_kv <= 16 and not invariant else 64
     block_m = max(block_m, triton.next_power_of_2(h_per_kv))
     return block_m, block_m // h_per_kv
 
@@ -324,7 +325,7 @@ class DecodeRotary:
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: PagedBatch, scale: float,
                     num_splits: int = 1, out: torch.Tensor | None = None,
                     window: int | None = None, rotary: DecodeRotary | None = None,
-                    tiles: AttentionTiles | None = None) -> torch.Tensor:
+                    tiles: AttentionTiles | None = None, invariant: bool = False) -> torch.Tensor:
     """Attention of every query row [tokens, heads, head_dim] over its sequence's paged K/V.
 
     num_splits > 1 divides each sequence's keys among that many programs (then merges them): worth it
@@ -333,8 +334,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: PagedBatch, s
     key_limits[t] instead of up to its own position (both: p - window < key <= key_limits[t]).
     With `rotary` (decode steps, DecodeRotary.applies) q is unrotated and this step's keys and values
     are not in the cache yet: the kernel rotates and stores them. `tiles` overrides the key tile, warps
-    and stages (benchmarks; default `AttentionTiles.for_head_dim`).
+    and stages (benchmarks; default `AttentionTiles.for_head_dim`). `invariant` (the decoder's
+    deterministic mode): one row tile and one program layout for every batch, keys never split, so a
+    row's result is the same bits whatever its chunk and its batch (tiles past its keys add exact zeros).
     """
+    if invariant and (num_splits != 1 or rotary is not None):
+        raise ValueError("invariant attention takes one split and no rotary in the kernel")
     tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q) if out is None else out
     if tokens == 0:
@@ -342,7 +347,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: PagedBatch, s
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     kv_heads = k_cache.shape[2]
     h_per_kv = num_heads // kv_heads
-    block_m, block_q = row_tiles(meta.max_query_len, h_per_kv)
+    block_m, block_q = row_tiles(meta.max_query_len, h_per_kv, invariant)
     block_d = triton.next_power_of_2(max(head_dim, 16))
     num_seqs = meta.num_seqs
     limits = meta.key_limits  # None: causal (the kernel without the limit loads)
@@ -350,7 +355,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: PagedBatch, s
         raise ValueError(f"a sliding window must hold at least one key, not {window}")
     # A decode-only batch (one row per sequence, row i of sequence i) takes one program per sequence and
     # head, which find their rows without a search.
-    decode = meta.max_query_len == 1 and tokens == num_seqs
+    decode = meta.max_query_len == 1 and tokens == num_seqs and not invariant
     if rotary is not None:
         if not DecodeRotary.applies(q, rotary.k, rotary.v, rotary.rot.cache, meta):
             raise ValueError("rotary in attention takes decode steps of full rotary over a power-of-two "

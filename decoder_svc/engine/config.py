@@ -55,6 +55,12 @@ class EngineConfig:
         "none", "fp8: quantize the decoder layers' projections to FP8 (e4m3, per output channel) at load; "
         "FP8 checkpoints (compressed-tensors, HF fine-grained) are served in FP8 whatever this says",
         choices=("none", "fp8"))
+    deterministic: bool = option(
+        False, "batch-invariant serving: every product and attention row computed the same way whatever "
+        "else shares the step, so a greedy request (and a seeded one) gives the same tokens and logprobs "
+        "alone, in any batch, chunked or not, from a cold or a warm prefix cache (with the encoder's "
+        "--deterministic, whatever images shared its tower batch). Costs throughput (BENCHMARKS.md); not "
+        "with --tensor-parallel-size > 1 nor FP8 projections")
     lora_modules: list[str] = option(
         help="LoRA adapters (PEFT's directory layout) a request may name: gRPC GenerateRequest.lora_adapter, "
         "or the gateway's `model`. Each is served per request inside shared batches; prefix-cache entries "
@@ -85,6 +91,12 @@ class EngineConfig:
             self.lora_modules = [f"{name}={path}" for name, path in self.lora_modules.items()]
         check_options(self)
         lora_modules_dict(self.lora_modules)  # a name given twice
+        if self.deterministic and self.tensor_parallel_size > 1:
+            raise ValueError("--deterministic is not supported with --tensor-parallel-size > 1 (the "
+                             "all-reduce's summation order follows the batch)")
+        if self.deterministic and self.quantization == "fp8":
+            raise ValueError("--deterministic is not supported with --quantization fp8 (the FP8 kernels are "
+                             "chosen by the batch's rows)")
         if self.load_format != "dummy":
             require_local_weights(self.model, " (--load-format dummy draws random weights instead)")
         resolve_device_and_dtype(self)  # auto: cuda when torch sees a GPU; the checkpoint's dtype there

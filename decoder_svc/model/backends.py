@@ -32,10 +32,20 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
     return name
 
 
-def make_kernels(name: str, device: torch.device | str) -> tuple[AttentionBackend, type[TorchOps]]:
-    """The attention backend and the elementwise ops for a backend name (see resolve_backend_name)."""
+def make_kernels(name: str, device: torch.device | str,
+                 deterministic: bool = False) -> tuple[AttentionBackend, type[TorchOps]]:
+    """The attention backend and the elementwise ops for a backend name (see resolve_backend_name);
+    `deterministic`: their batch-invariant forms (model/batch_invariant.py)."""
     if resolve_backend_name(name, device) == "triton":
+        if deterministic:
+            from decoder_svc.model.kernel_dispatch import InvariantTritonAttentionBackend, InvariantTritonOps
+
+            return InvariantTritonAttentionBackend(), InvariantTritonOps
         from decoder_svc.model.kernel_dispatch import TritonAttentionBackend, TritonOps
 
         return TritonAttentionBackend(), TritonOps
+    if deterministic:
+        from decoder_svc.model.batch_invariant import TiledTorchAttentionBackend
+
+        return TiledTorchAttentionBackend(), TorchOps
     return TorchAttentionBackend(), TorchOps

@@ -335,3 +335,63 @@ class TritonAttentionBackend(AttentionBackend):
             return paged_attention(q, kv_cache, meta, scale, splits, window=window, rotary=decode)
         rotary_store_kv(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping)
         return paged_attention(q, kv_cache, meta, scale, splits, window=window)
+
+
+class InvariantTritonOps(TritonOps):
+    """TritonOps for the deterministic mode (model/batch_invariant.py): no one-row kernels (a decode row
+    would sum in another order than a prefill row), every product through the model's matmul (the mode
+    sends it to the invariant kernel), LoRA through the reference's products (the gathering kernels split
+    by the row count)."""
+
+    @staticmethod
+    def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """proj(rms_norm(x (+ residual))) in two steps; the new residual as TritonOps.rms_norm's."""
+        h, new_residual = TritonOps.rms_norm(x, weight, eps, residual)
+        return proj(h), new_residual
+
+    @staticmethod
+    def act_linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+        """proj(silu(gate) * up) in two steps."""
+        return proj(TritonOps.silu_and_mul(x))
+
+    @staticmethod
+    def linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+        """proj(x)."""
+        return proj(x)
+
+    @staticmethod
+    def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise ValueError("the deterministic mode does not serve FP8 projections")
+
+    @staticmethod
+    def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 rows: LoRASlots, rank: int) -> torch.Tensor:
+        """TorchOps.lora_add (products per slot over every row, in fp32: the mode's kernel)."""
+        return TorchOps.lora_add(y, x, lora_a, lora_b, rows, rank)
+
+
+class InvariantTritonAttentionBackend(TritonAttentionBackend):
+    """The Triton attention in its invariant setting (paged_attention's `invariant`): one row tile, keys
+    never split, decode steps rotated and stored by the KV-store kernel as prefill's are."""
+
+    def __init__(self) -> None:
+        super().__init__(rotate_in_attention=False)
+
+    def num_splits(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> int:
+        return 1
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        return paged_attention(q, kv_cache, meta, scale, window=window, invariant=True)
+
+    def rotate_and_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary,
+                           positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        if not (q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+            return AttentionBackend.rotate_and_forward(self, q, k, v, rotary, positions, cos_sin, kv_cache,
+                                                       meta, scale, window)
+        rotary_store_kv(q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping)
+        return paged_attention(q, kv_cache, meta, scale, window=window, invariant=True)

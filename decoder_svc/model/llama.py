@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from decoder_svc.model.attention import AttentionBackend, AttentionMetadata
+from decoder_svc.model.batch_invariant import BatchInvariantMatmuls, invariant_matmuls_active
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.kv_groups import group_of_layer, layer_groups
 from decoder_svc.model.lora.batched import LoRASlots
@@ -224,6 +225,8 @@ class LlamaForCausalLM(nn.Module):
         self.layer_group = group_of_layer(self.kv_groups, cfg.num_layers)
         # LoRA adapters (model/lora/): each token row's adapter slot, bound per forward; None without any.
         self.lora: LoRASlots | None = None
+        # The deterministic mode (model/batch_invariant.py): forward runs inside BatchInvariantMatmuls.
+        self.batch_invariant = False
 
     @property
     def uses_mrope(self) -> bool:
@@ -266,6 +269,10 @@ class LlamaForCausalLM(nn.Module):
         deepstack (Qwen3-VL): (image rows [n], levels [L, n, hidden]); level i is added to the hidden
         states of those rows after layer i, as HF's _deepstack_process does.
         lora_slots: each token row's adapter slot [tokens] (model/lora/batched.py); None: the base model."""
+        if self.batch_invariant and not invariant_matmuls_active():
+            with BatchInvariantMatmuls():
+                return self.forward(positions, meta, kv_caches, logits_indices, input_ids, inputs_embeds,
+                                    deepstack, lora_slots)
         x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
         if self.lora is not None:
             self.lora.bind(lora_slots, x.shape[0])

@@ -122,6 +122,7 @@ def load_language_model(
     load_format: str = "auto",
     tp: TensorParallel | None = None,
     lora_modules: dict[str, str] | None = None,
+    deterministic: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model from the checkpoint's text config and load its weights (strictly), with the
     kernels `attention_backend` names (backends.make_kernels: auto, torch or triton).
@@ -131,15 +132,19 @@ def load_language_model(
     weights on the device (model/dummy.py) instead of reading weight files. `tp` (size > 1): this rank's
     shard of every layer, read as slices of the checkpoint's tensors (model/parallel.py). `lora_modules`
     (name -> PEFT adapter directory): the adapters, read and checked before any weight is, then attached
-    in that order as slots 1.. (model/lora/), then the checkpoint's own adapters (lora/builtin.py)."""
+    in that order as slots 1.. (model/lora/), then the checkpoint's own adapters (lora/builtin.py).
+    `deterministic`: batch-invariant kernels and products (model/batch_invariant.py); ValueError with
+    tensor parallelism or FP8 projections, which it does not cover."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose from {LOAD_FORMATS}")
     cfg = TextModelConfig.from_hf(text_config_dict(model_dir))
     fmt = checkpoint_fp8_format(load_config(model_dir))
-    backend, ops = make_kernels(attention_backend, device)
     tp = tp if tp is not None and tp.size > 1 else None
+    if deterministic:
+        _check_deterministic(quantization, fmt, tp)
+    backend, ops = make_kernels(attention_backend, device, deterministic)
     if tp is not None:
         tp.check(cfg)
     full_cfg = cfg
@@ -188,7 +193,18 @@ def load_language_model(
         raise ValueError(f"checkpoint {model_dir} does not match the language model: "
                          f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     attach_adapters(model, adapters, full_cfg)
+    model.batch_invariant = deterministic
     return model.eval()
+
+
+def _check_deterministic(quantization: str, fmt: object, tp: TensorParallel | None) -> None:
+    """ValueError for what the deterministic mode does not make batch-invariant yet."""
+    if tp is not None:
+        raise ValueError("--deterministic is not supported with --tensor-parallel-size > 1 (the all-reduce's "
+                         "summation order follows the batch)")
+    if quantization == "fp8" or fmt is not None:
+        raise ValueError("--deterministic is not supported with FP8 projections (--quantization fp8 or an "
+                         "FP8 checkpoint): their kernels are chosen by the batch's rows")
 
 
 def _builtin_adapter_names(model_dir: str | Path, taken: set[str]) -> list[str]:
