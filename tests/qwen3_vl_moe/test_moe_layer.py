@@ -128,3 +128,16 @@ def test_dense_layers_among_sparse_ones_equal_hf(tmp_path):
     prompt = "<|im_start|>user\nname three colours<|im_end|>\n<|im_start|>assistant\n"
     got = engine.generate("r", prompt, [], sampling=greedy(10)).new_token_ids
     assert got == Qwen3MoeOracle(out).generate(prompt, [], 10)
+
+
+def test_dummy_weights_scale_each_expert_by_its_fan_in(qwen3_moe_model_dir):
+    """--load-format dummy (the 30B benchmark's weights): stacked experts drawn at gain / sqrt(fan-in),
+    the down projections further by 1 / sqrt(layers), like a dense MLP's."""
+    from decoder_svc.model.loader import load_language_model
+
+    model = load_language_model(qwen3_moe_model_dir, "cpu", torch.float32, "torch", load_format="dummy")
+    experts, layers = model.layers[0].mlp.experts, model.config.num_layers
+    hidden, width = model.config.hidden_size, model.config.moe_intermediate_size
+    torch.testing.assert_close(experts.gate_up_proj.std().item(), 1.4 / hidden**0.5, rtol=0.05, atol=0)
+    down = 1.4 / (width * layers) ** 0.5
+    torch.testing.assert_close(experts.down_proj.std().item(), down, rtol=0.05, atol=0)
