@@ -4,9 +4,10 @@ GEMM kernel over all experts (used for gate/up and again for down), SwiGLU betwe
 The layout follows the idea of vLLM's and SGLang's `fused_moe` (the code is this project's own):
 
 - `align_to_blocks` sorts the T x top_k (token, expert) assignments by expert and pads each expert's run
-  to a multiple of BLOCK_M rows. A block of BLOCK_M sorted rows then belongs to one expert, so a program
-  multiplies one BLOCK_M x K tile of rows by one expert's weight tile. Shapes are fixed by (T, top_k,
-  experts, BLOCK_M) alone and nothing is read back to the host: the sort is graph-capture safe. Padding
+  to a multiple of BLOCK_M rows (one single-program kernel at decode sizes, torch's sort beyond). A block
+  of BLOCK_M sorted rows then belongs to one expert, so a program multiplies one BLOCK_M x K tile of rows
+  by one expert's weight tile. Shapes are fixed by (T, top_k, experts, BLOCK_M) alone and nothing is read
+  back to the host: the sort is graph-capture safe. Padding
   rows carry the index T * top_k (masked out); blocks past the last expert's run carry expert -1 (their
   programs return at once), so at one token only the top_k chosen experts' weights are read.
 - `_grouped_gemm_kernel` computes, for each sorted row r = (token t, slot k) of a block of expert e,
@@ -52,8 +53,68 @@ def padded_rows(assignments: int, num_experts: int, block_m: int) -> int:
 
 def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
     """Sort the assignments of topk_ids [T, top_k] (expert ids) by expert, each expert's run padded to
-    block_m rows; within an expert, assignments keep their flat order (token-major). Device ops of fixed
-    shapes only (no host sync)."""
+    block_m rows; within an expert, assignments keep their flat order (token-major). Device work of
+    fixed shapes only (no host sync): one kernel (`_align_kernel`) up to ALIGN_KERNEL_MAX assignments
+    (decode, small prefills), torch's sort beyond (`align_to_blocks_torch`, the same result)."""
+    n = topk_ids.numel()
+    if n > ALIGN_KERNEL_MAX or n == 0:
+        return align_to_blocks_torch(topk_ids, num_experts, block_m)
+    total = padded_rows(n, num_experts, block_m)
+    sorted_rows = torch.empty(total, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(total // block_m, dtype=torch.int32, device=topk_ids.device)
+    _align_kernel[(1,)](topk_ids.reshape(-1), sorted_rows, block_expert, n, total, num_experts,
+                        E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=ALIGN_CHUNK)
+    return BlockAlignment(sorted_rows, block_expert, block_m)
+
+
+# The one-program sort walks the assignments ALIGN_CHUNK at a time (a [chunk, experts] one-hot each);
+# beyond ALIGN_KERNEL_MAX assignments torch's parallel sort is used instead.
+ALIGN_CHUNK = 64
+ALIGN_KERNEL_MAX = 4096
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_rows_ptr, block_expert_ptr, n, total, num_experts,
+                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """align_to_blocks in one program: count each expert's assignments, pad the counts to BLOCK_M, then
+    give each assignment its row (its expert's start + how many of that expert's came before it) and
+    each padding row the index n, and each block its expert (-1 past the last run)."""
+    experts = tl.arange(0, E_PAD)
+    live = experts < num_experts
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, n, CHUNK):
+        idx = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + idx, mask=idx < n, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    # the assignments' rows, chunk by chunk in flat order
+    offsets = starts
+    for start in range(0, n, CHUNK):
+        idx = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + idx, mask=idx < n, other=-1).to(tl.int32)
+        hot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(hot, axis=0) - hot  # same-expert assignments earlier in this chunk
+        dest = tl.sum(hot * (offsets[None, :] + before), axis=1)
+        tl.store(sorted_rows_ptr + dest, idx.to(tl.int32), mask=idx < n)
+        offsets += tl.sum(hot, axis=0)
+    # the padding rows and the blocks' experts, position by position (disjoint from the rows above)
+    for start in range(0, total, CHUNK):
+        pos = start + tl.arange(0, CHUNK)
+        expert = tl.sum(((ends[None, :] <= pos[:, None]) & live[None, :]).to(tl.int32), axis=1)
+        mine = (expert[:, None] == experts[None, :]).to(tl.int32)
+        first = tl.sum(mine * starts[None, :], axis=1)
+        count = tl.sum(mine * counts[None, :], axis=1)
+        is_pad = (pos - first >= count) | (expert >= num_experts)
+        tl.store(sorted_rows_ptr + pos, tl.full((CHUNK,), 0, tl.int32) + n, mask=(pos < total) & is_pad)
+        block_first = (pos % BLOCK_M == 0) & (pos < total)
+        owner = tl.where(expert < num_experts, expert, -1)
+        tl.store(block_expert_ptr + pos // BLOCK_M, owner, mask=block_first)
+
+
+def align_to_blocks_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
+    """align_to_blocks in torch ops (a stable sort by expert; fixed shapes, no host sync)."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     n = flat.numel()

@@ -16,7 +16,14 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from common.kernels.fused_moe import GemmConfig, align_to_blocks, fused_moe, padded_rows  # noqa: E402
+from common.kernels import fused_moe as kernels  # noqa: E402
+from common.kernels.fused_moe import (  # noqa: E402
+    GemmConfig,
+    align_to_blocks,
+    align_to_blocks_torch,
+    fused_moe,
+    padded_rows,
+)
 from decoder_svc.model.moe import experts_reference, route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,9 +47,10 @@ def _check(x, gate_up, down, weights, ids) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_alignment_groups_every_assignment_once_in_its_experts_blocks():
+@pytest.mark.parametrize("align", [align_to_blocks, align_to_blocks_torch], ids=["kernel", "torch"])
+def test_alignment_groups_every_assignment_once_in_its_experts_blocks(align):
     ids = torch.tensor([[3, 0], [3, 1], [3, 0], [1, 3], [3, 2]], device=DEVICE)  # expert 4, 5 empty
-    a = align_to_blocks(ids, num_experts=6, block_m=4)
+    a = align(ids, num_experts=6, block_m=4)
     rows, experts = a.sorted_rows.cpu(), a.block_expert.cpu()
     n = ids.numel()
     assert rows.numel() == padded_rows(n, 6, 4) and rows.numel() % 4 == 0
@@ -59,6 +67,29 @@ def test_alignment_groups_every_assignment_once_in_its_experts_blocks():
             assert members.tolist() == sorted(members.tolist())  # flat order within an expert
     # expert 3 has 5 rows: two blocks; experts 0, 1, 2 one each; 4 and 5 none; the rest unused (-1)
     assert experts.tolist()[:5] == [0, 1, 2, 3, 3] and set(experts.tolist()[5:]) == {-1}
+
+
+@pytest.mark.parametrize("tokens, num_experts, top_k, block_m",
+                         [(1, 8, 2, 16), (5, 6, 3, 4), (37, 4, 2, 16), (19, 16, 4, 8), (70, 12, 3, 16),
+                          (3, 128, 8, 16)])
+def test_the_alignment_kernel_equals_the_torch_sort(tokens, num_experts, top_k, block_m):
+    """Chunks of 64 assignments: 210 of them span four chunks (the per-expert offsets carry over); 128
+    experts (the 30B-A3B's) with 24 assignments leave most empty; expert counts not a power of two."""
+    gen = torch.Generator().manual_seed(tokens + num_experts)
+    ids = torch.rand(tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
+    kernel = align_to_blocks(ids, num_experts, block_m)
+    reference = align_to_blocks_torch(ids, num_experts, block_m)
+    assert torch.equal(kernel.sorted_rows, reference.sorted_rows)
+    assert torch.equal(kernel.block_expert, reference.block_expert)
+
+
+def test_large_batches_take_the_torch_sort(monkeypatch):
+    monkeypatch.setattr(kernels, "ALIGN_KERNEL_MAX", 4)
+    ids = torch.tensor([[1, 0], [0, 2], [2, 1]], device=DEVICE)
+    monkeypatch.setattr(kernels, "_align_kernel", None)  # would fail if launched
+    a = align_to_blocks(ids, 3, 16)
+    # expert 0 holds assignments 1 and 2 (flat t * top_k + k), then padding; one block per expert
+    assert a.sorted_rows[:3].tolist() == [1, 2, 6] and a.block_expert.tolist()[:3] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("tokens, num_experts, top_k", [(1, 8, 2), (5, 6, 3), (37, 4, 2), (19, 16, 4)])

@@ -16,7 +16,7 @@ from decoder_svc.model.moe import experts_reference, route  # noqa: E402
 from tests.gpu.graph_replay import assert_replays_as_eager  # noqa: E402
 
 if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a device
-    from common.kernels.fused_moe import fused_moe
+    from common.kernels.fused_moe import align_to_blocks, align_to_blocks_torch, fused_moe
 
 EXPERTS, HIDDEN, WIDTH, TOP_K = 128, 2048, 768, 8
 
@@ -52,6 +52,16 @@ def test_router_chosen_experts(experts, tokens):
     x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
     weights, ids = route(x @ router.t(), TOP_K, renormalize=True)
     _check(x, gate_up, down, weights, ids)
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 512])
+def test_the_alignment_kernel_equals_the_torch_sort(tokens):
+    ids = torch.rand(tokens, EXPERTS, device="cuda").topk(TOP_K, dim=-1).indices
+    for block_m in (16, 32, 64):
+        kernel = align_to_blocks(ids, EXPERTS, block_m)
+        reference = align_to_blocks_torch(ids, EXPERTS, block_m)
+        assert torch.equal(kernel.sorted_rows, reference.sorted_rows)
+        assert torch.equal(kernel.block_expert, reference.block_expert)
 
 
 def test_few_experts_take_every_token_and_ties(experts):
