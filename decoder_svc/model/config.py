@@ -72,6 +72,15 @@ class TextModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
+    # A mixture-of-experts stack (decoder_svc/model/moe.py): each MoE layer's MLP is num_experts SwiGLU
+    # experts of width moe_intermediate_size, num_experts_per_tok of them per token, their router weights
+    # renormalised to sum to one when moe_renormalize; the layers in dense_mlp_layers keep a dense MLP
+    # (intermediate_size). num_experts 0: every MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_renormalize: bool = True
+    dense_mlp_layers: tuple[int, ...] = ()
 
     @property
     def attention_scale(self) -> float:
@@ -83,6 +92,10 @@ class TextModelConfig:
         if self.layer_types and self.layer_types[layer] == SLIDING:
             return self.sliding_window
         return None
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """True when layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     @property
     def linear_layers(self) -> tuple[int, ...]:

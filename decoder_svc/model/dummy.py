@@ -13,7 +13,8 @@ import zlib
 
 import torch
 
-_RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight")
+# (a MoE layer's stacked experts, [experts, out, in], end in "experts.down_proj")
+_RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
 _TIED_EMBED_STD = 0.15
 
 
@@ -30,7 +31,7 @@ def dummy_state(shapes: dict[str, torch.Size], num_layers: int, tied: bool, devi
         if name.endswith("embed_tokens.weight"):
             t.normal_(0.0, _TIED_EMBED_STD if tied else 1.0, generator=gen)
         elif len(shape) >= 2:
-            std = gain / shape[1] ** 0.5
+            std = gain / shape[-1] ** 0.5  # fan-in: a matrix's columns (also each stacked expert's)
             if name.endswith(_RESIDUAL_OUTPUTS):
                 std /= num_layers ** 0.5
             t.normal_(0.0, std, generator=gen)

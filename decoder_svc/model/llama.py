@@ -21,6 +21,7 @@ from decoder_svc.model.batch_invariant import BatchInvariantMatmuls, invariant_m
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.kv_groups import group_of_layer, layer_groups
 from decoder_svc.model.lora.batched import LoRASlots
+from decoder_svc.model.moe import SparseMoE
 from decoder_svc.model.ops import TorchOps
 from decoder_svc.model.parallel import TensorParallel, all_reduce, gather_vocab
 from decoder_svc.model.rope import cos_sin_table
@@ -127,13 +128,15 @@ class DecoderLayer(nn.Module):
 
     With cfg.sandwich_norms (Gemma 3) the attention and MLP outputs are normed too before their residual
     adds, and the norm before the MLP is `pre_feedforward_layernorm` (`post_attention_layernorm` then
-    norms the attention's output, as HF names them)."""
+    norms the attention's output, as HF names them). In a MoE stack (cfg.layer_is_moe) the MLP is a
+    SparseMoE (model/moe.py)."""
 
     def __init__(self, cfg: TextModelConfig, ops: type[TorchOps], reduce: bool = False,
                  layer: int = 0) -> None:
         super().__init__()
         self.self_attn = SelfAttention(cfg, ops, reduce, cfg.layer_window(layer))
-        self.mlp = MLP(cfg, ops, reduce)
+        self.moe = cfg.layer_is_moe(layer)
+        self.mlp = SparseMoE(cfg, ops, reduce) if self.moe else MLP(cfg, ops, reduce)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, ops)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, ops)
         self.sandwich = cfg.sandwich_norms
@@ -154,8 +157,12 @@ class DecoderLayer(nn.Module):
         if self.sandwich:  # Gemma: the attention's output is normed before its residual add
             h, _ = self.post_attention_layernorm(h)
         norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
-        gate_up, residual = self.norm_into(norm, h, residual, self.mlp.gate_up_proj)
-        out = self.mlp.down(gate_up)
+        if self.moe:  # routed per token: the norm feeds the router and the experts
+            h, residual = norm(h, residual)
+            out = self.mlp(h)
+        else:
+            gate_up, residual = self.norm_into(norm, h, residual, self.mlp.gate_up_proj)
+            out = self.mlp.down(gate_up)
         if self.sandwich:
             out, _ = self.post_feedforward_layernorm(out)
         return out, residual

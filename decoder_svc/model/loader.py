@@ -24,6 +24,7 @@ from decoder_svc.model.dummy import dummy_state
 from decoder_svc.model.llama import LlamaForCausalLM, mrope_axes
 from decoder_svc.model.lora import LoRAError, attach_adapters, load_adapter
 from decoder_svc.model.lora.builtin import builtin_adapter_names, load_builtin_adapter
+from decoder_svc.model.moe import expert_weights_from_checkpoint
 from decoder_svc.model.parallel import (
     TensorParallel,
     finish_shard,
@@ -164,6 +165,7 @@ def load_language_model(
     else:
         _check_has_language_weights(model_dir)
         state = _checkpoint_state(model_dir, full_cfg, tp)
+        expert_weights_from_checkpoint(state, full_cfg)
     blocks: dict = {}
     if fmt is not None:
         shard = (lambda module, scale, local: shard_fp8_scale(module, scale, fmt, local, full_cfg, tp)) \

@@ -32,9 +32,11 @@ class Qwen3VisionEncoder(QwenFamilyEncoder):
     parts = 1 + DeepStack levels)."""
 
     eager_ops = Qwen3VisionOps
+    # The checkpoints' model_types whose tower this is (a family sharing the tower names its own).
+    model_types: tuple[str, ...] = QWEN3_MODEL_TYPES
 
     def _check_model(self, config: dict) -> None:
-        if not is_qwen3_vl(config):
+        if config.get("model_type") not in self.model_types:
             raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen3-VL checkpoint")
 
     def _load_tower(self, vision_config: dict) -> torch.nn.Module:

@@ -111,8 +111,9 @@ def build_qwen3_tokenizer(vocab_size: int, seed: int = 0):
     return tok
 
 
-def build_qwen3_config(preset: Qwen3Preset, tokenizer):
-    """The Qwen3VLConfig of a preset, token ids from the tokenizer."""
+def build_qwen3_config(preset: Qwen3Preset, tokenizer, config_class: type | None = None):
+    """The Qwen3VLConfig of a preset, token ids from the tokenizer (config_class: another config class
+    of Qwen3-VL's fields, with the preset's text fields, e.g. the mixture-of-experts one)."""
     from transformers import Qwen3VLConfig
 
     text = dict(vocab_size=preset.vocab_size, max_position_embeddings=262144, rms_norm_eps=1e-6,
@@ -124,8 +125,8 @@ def build_qwen3_config(preset: Qwen3Preset, tokenizer):
                 **preset.text)
     vision = dict(hidden_act="gelu_pytorch_tanh", in_channels=3, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=preset.text["hidden_size"], **preset.vision)
-    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
-                         **vision_token_ids(tokenizer))
+    return (config_class or Qwen3VLConfig)(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                                           **vision_token_ids(tokenizer))
 
 
 def make_qwen3_model(preset: str, out: str | Path, seed: int = 0, device: str | None = None,

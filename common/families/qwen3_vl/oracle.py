@@ -22,12 +22,17 @@ __all__ = ["IMAGE_PAD", "Qwen3Oracle"]
 class Qwen3Oracle:
     """greedy `generate` and `get_image_features` (merged and DeepStack) of HF's model (fp32, CPU)."""
 
+    # The transformers class run (a family sharing Qwen3-VL's inputs and outputs names its own).
+    hf_class = "Qwen3VLForConditionalGeneration"
+
     def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+        import transformers
+        from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.image_processor = load_qwen_image_processor(model_dir)
-        self.model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model_class = getattr(transformers, self.hf_class)
+        self.model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.merge = int(self.model.config.vision_config.spatial_merge_size)
 
     def pixels(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,241 @@
+"""Mixture-of-experts feed-forward on the GPU: token-to-expert sort into block-aligned groups, one grouped
+GEMM kernel over all experts (used for gate/up and again for down), SwiGLU between them, weighted combine.
+
+The layout follows the idea of vLLM's and SGLang's `fused_moe` (the code is this project's own):
+
+- `align_to_blocks` sorts the T x top_k (token, expert) assignments by expert and pads each expert's run
+  to a multiple of BLOCK_M rows (one single-program kernel at decode sizes, torch's sort beyond). A block
+  of BLOCK_M sorted rows then belongs to one expert, so a program multiplies one BLOCK_M x K tile of rows
+  by one expert's weight tile. Shapes are fixed by (T, top_k, experts, BLOCK_M) alone and nothing is read
+  back to the host: the sort is graph-capture safe. Padding
+  rows carry the index T * top_k (masked out); blocks past the last expert's run carry expert -1 (their
+  programs return at once), so at one token only the top_k chosen experts' weights are read.
+- `_grouped_gemm_kernel` computes, for each sorted row r = (token t, slot k) of a block of expert e,
+  out[r] = A[row of r] @ W[e]^T (W[e] is [N, K], the checkpoint's expert layout), accumulating in fp32;
+  A's row is t for the first product (the token's hidden state, shared by its top_k slots) and r itself
+  for the second (that slot's intermediate). With MUL_WEIGHT the fp32 result is scaled by the slot's
+  routing weight before the one rounding to the output dtype.
+- The combine sums each token's top_k weighted rows (in slot order).
+
+Only imported on GPU paths or under TRITON_INTERPRET=1 (tests/kernels/test_fused_moe.py runs it in
+Triton's interpreter against the torch reference; tests/gpu/test_fused_moe_gpu.py in bf16 on a GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class BlockAlignment:
+    """The (token, slot) assignments sorted by expert in BLOCK_M-row groups (align_to_blocks).
+
+    sorted_rows: [padded] int32, flat assignment index t * top_k + k of each sorted row, or T * top_k for
+    a padding row. block_expert: [padded / BLOCK_M] int32, the expert of each block, -1 past the last run.
+    """
+
+    sorted_rows: torch.Tensor
+    block_expert: torch.Tensor
+    block_m: int
+
+
+def padded_rows(assignments: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted buffer: every assignment plus, for each expert that can be hit, at most
+    block_m - 1 padding rows; a multiple of block_m."""
+    most = assignments + min(num_experts, assignments) * (block_m - 1)
+    return triton.cdiv(most, block_m) * block_m
+
+
+def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
+    """Sort the assignments of topk_ids [T, top_k] (expert ids) by expert, each expert's run padded to
+    block_m rows; within an expert, assignments keep their flat order (token-major). Device work of
+    fixed shapes only (no host sync): one kernel (`_align_kernel`) up to ALIGN_KERNEL_MAX assignments
+    (decode, small prefills), torch's sort beyond (`align_to_blocks_torch`, the same result)."""
+    n = topk_ids.numel()
+    if n > ALIGN_KERNEL_MAX or n == 0:
+        return align_to_blocks_torch(topk_ids, num_experts, block_m)
+    total = padded_rows(n, num_experts, block_m)
+    sorted_rows = torch.empty(total, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(total // block_m, dtype=torch.int32, device=topk_ids.device)
+    _align_kernel[(1,)](topk_ids.reshape(-1), sorted_rows, block_expert, n, total, num_experts,
+                        E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=ALIGN_CHUNK)
+    return BlockAlignment(sorted_rows, block_expert, block_m)
+
+
+# The one-program sort walks the assignments ALIGN_CHUNK at a time (a [chunk, experts] one-hot each);
+# beyond ALIGN_KERNEL_MAX assignments torch's parallel sort is used instead.
+ALIGN_CHUNK = 64
+ALIGN_KERNEL_MAX = 4096
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_rows_ptr, block_expert_ptr, n, total, num_experts,
+                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """align_to_blocks in one program: count each expert's assignments, pad the counts to BLOCK_M, then
+    give each assignment its row (its expert's start + how many of that expert's came before it) and
+    each padding row the index n, and each block its expert (-1 past the last run)."""
+    experts = tl.arange(0, E_PAD)
+    live = experts < num_experts
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, n, CHUNK):
+        idx = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + idx, mask=idx < n, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    # the assignments' rows, chunk by chunk in flat order
+    offsets = starts
+    for start in range(0, n, CHUNK):
+        idx = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + idx, mask=idx < n, other=-1).to(tl.int32)
+        hot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(hot, axis=0) - hot  # same-expert assignments earlier in this chunk
+        dest = tl.sum(hot * (offsets[None, :] + before), axis=1)
+        tl.store(sorted_rows_ptr + dest, idx.to(tl.int32), mask=idx < n)
+        offsets += tl.sum(hot, axis=0)
+    # the padding rows and the blocks' experts, position by position (disjoint from the rows above)
+    for start in range(0, total, CHUNK):
+        pos = start + tl.arange(0, CHUNK)
+        expert = tl.sum(((ends[None, :] <= pos[:, None]) & live[None, :]).to(tl.int32), axis=1)
+        mine = (expert[:, None] == experts[None, :]).to(tl.int32)
+        first = tl.sum(mine * starts[None, :], axis=1)
+        count = tl.sum(mine * counts[None, :], axis=1)
+        is_pad = (pos - first >= count) | (expert >= num_experts)
+        tl.store(sorted_rows_ptr + pos, tl.full((CHUNK,), 0, tl.int32) + n, mask=(pos < total) & is_pad)
+        block_first = (pos % BLOCK_M == 0) & (pos < total)
+        owner = tl.where(expert < num_experts, expert, -1)
+        tl.store(block_expert_ptr + pos // BLOCK_M, owner, mask=block_first)
+
+
+def align_to_blocks_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
+    """align_to_blocks in torch ops (a stable sort by expert; fixed shapes, no host sync)."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+    order = torch.sort(flat, stable=True).indices  # assignments grouped by expert, flat order within
+    expert = flat[order]
+    dest = padded_start[expert] + torch.arange(n, device=device) - count_start[expert]
+    total = padded_rows(n, num_experts, block_m)
+    sorted_rows = torch.full((total,), n, dtype=torch.int32, device=device)
+    sorted_rows[dest] = order.to(torch.int32)
+    block_start = torch.arange(0, total, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return BlockAlignment(sorted_rows, block_expert, block_m)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_rows_ptr, block_expert_ptr, weights_ptr,
+    N, K, num_rows,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[r, :] = A[a(r), :] @ W[e]^T (* weights[r]) for the BLOCK_M sorted rows r of this program's block,
+    e its expert; a(r) = r // TOP_K when A_PER_TOKEN, else r. Programs: (blocks, N / BLOCK_N)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_rows_ptr + offs_m)
+    row_ok = rows < num_rows
+    if A_PER_TOKEN:
+        a_rows = rows // TOP_K
+    else:
+        a_rows = rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+              + offs_k[:, None] * stride_wk)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k + k0 < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(a, w)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    if MUL_WEIGHT:
+        scale = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * scale[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes of the grouped GEMM (BLOCK_M is also the alignment of each expert's run)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(tokens: int) -> GemmConfig:
+    """Tiles by batch size: small row blocks while each expert sees few rows (decode), larger after."""
+    if tokens <= 32:
+        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if tokens <= 512:
+        return GemmConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4)
+    return GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, alignment: BlockAlignment, num_rows: int,
+                 top_k: int, a_per_token: bool, config: GemmConfig,
+                 row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_rows, N] (rows in flat assignment order): each assignment's A row times its expert's weight
+    [N, K] transposed, scaled by row_weights [num_rows] when given. a: [T, K] (a_per_token) or
+    [num_rows, K]; weights: [experts, N, K]."""
+    num_n, k = weights.shape[1], weights.shape[2]
+    out = torch.empty(num_rows, num_n, dtype=a.dtype, device=a.device)
+    blocks = alignment.block_expert.numel()
+    grid = (blocks, triton.cdiv(num_n, config.block_n))
+    scale = row_weights if row_weights is not None else out  # never read without MUL_WEIGHT
+    _grouped_gemm_kernel[grid](
+        a, weights, out, alignment.sorted_rows, alignment.block_expert, scale,
+        num_n, k, num_rows,
+        a.stride(0), a.stride(1), weights.stride(0), weights.stride(1), weights.stride(2),
+        out.stride(0), out.stride(1),
+        TOP_K=top_k, A_PER_TOKEN=a_per_token, MUL_WEIGHT=row_weights is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """The experts' SwiGLU feed-forward of x [T, H], combined: sum over k of topk_weights[t, k] *
+    down[e](silu(g) * u) with (g, u) = gate_up[e] @ x[t] halves, e = topk_ids[t, k].
+    gate_up: [experts, 2 * I, H] (gate rows first); down: [experts, H, I]. Returns [T, H] in x's dtype."""
+    tokens, top_k = topk_ids.shape
+    config = config or default_config(tokens)
+    num_rows = tokens * top_k
+    if num_rows == 0:
+        return torch.zeros_like(x)
+    alignment = align_to_blocks(topk_ids, gate_up.shape[0], config.block_m)
+    h = grouped_gemm(x, gate_up, alignment, num_rows, top_k, True, config)
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    out = grouped_gemm(act, down, alignment, num_rows, top_k, False, config, weights)
+    return out.view(tokens, top_k, -1).sum(dim=1)

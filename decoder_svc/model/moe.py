@@ -1,0 +1,119 @@
+"""The sparse mixture-of-experts feed-forward of a MoE text stack (TextModelConfig.num_experts > 0).
+
+Each token's router logits (a bias-free product, `gate`) go through a softmax in fp32; the top_k experts
+are kept and, where the checkpoint says so (`moe_renormalize`), their probabilities are rescaled to sum to
+one, then cast to the model's dtype. Each chosen expert runs a SwiGLU MLP and the outputs are summed,
+weighted. The experts' weights are two stacked tensors, as Hugging Face 5.x keeps them:
+`experts.gate_up_proj` [experts, 2 * I, hidden] (gate rows, then up rows) and `experts.down_proj`
+[experts, hidden, I] (`expert_weights_from_checkpoint` reads the older transposed layout too).
+
+Two paths compute the experts: the torch reference (`experts_reference`: assignments sorted by expert,
+one product per expert over its grouped rows, the weighted outputs added in expert order; the rounding
+points of HF's loop, so fp32 on a CPU gives HF's bits), and on CUDA with the Triton ops the fused kernels
+(common/kernels/fused_moe.py: block-aligned sort, one grouped GEMM for gate/up and one for down, no host
+sync, so decode steps can be captured in CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decoder_svc.model.ops import TorchOps
+
+if TYPE_CHECKING:
+    from decoder_svc.model.config import TextModelConfig
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] in logits' dtype, expert ids [T, top_k] int64) of router logits [T, experts]:
+    softmax in fp32, the top_k largest (torch.topk's order and tie-breaking), renormalised in fp32 to sum
+    to one when `renormalize`."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert ids[t, k]'s SwiGLU MLP of x[t], for x [T, H] (the torch
+    reference). The (token, slot) assignments are sorted by expert, slot-major within one (the rows HF's
+    loop gathers, in its order); each expert with rows runs two products over them; each output is
+    weighted in x's dtype and added into the result expert by expert (HF's index_add_)."""
+    tokens = x.shape[0]
+    out = torch.zeros_like(x)
+    flat = ids.t().reshape(-1)  # slot-major: assignment j is (token j % T, slot j // T)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        chosen = order[start:start + count]
+        start += count
+        rows, slots = chosen % tokens, chosen // tokens
+        gate, up = F.linear(x[rows], gate_up[expert]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, down[expert])
+        out.index_add_(0, rows, h * weights[rows, slots, None])
+    return out
+
+
+class Experts(nn.Module):
+    """The stacked experts' weights (HF's parameter names and layout)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+
+class SparseMoE(nn.Module):
+    """Router and experts of one layer; forward(x [T, hidden]) -> [T, hidden]. `ops` picks the path: the
+    fused Triton kernels for a CUDA tensor under any ops but the torch reference's, else the reference."""
+
+    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps], reduce: bool = False) -> None:
+        super().__init__()
+        if reduce:
+            raise ValueError(f"{cfg.model_type}: tensor parallelism of mixture-of-experts layers is not "
+                             "supported")
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"{cfg.model_type}: experts with hidden_act {cfg.hidden_act!r}; only silu")
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.moe_renormalize
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.fused = ops is not TorchOps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if self.fused and x.is_cuda:
+            from common.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, gate_up, down, weights, ids)
+        return experts_reference(x, weights, ids, gate_up, down)
+
+
+def expert_weights_from_checkpoint(state: dict[str, torch.Tensor], cfg: TextModelConfig) -> None:
+    """Bring a checkpoint's stacked expert tensors (in `state`, under our names) to our layout, in place.
+    HF 5.x saves gate_up_proj [E, 2I, H] and down_proj [E, H, I]; the released checkpoints (and HF 4.x)
+    keep them transposed, [E, H, 2I] and [E, I, H]. As HF's loader does, a tensor already of our shape is
+    taken as it is (also where the two shapes coincide, H = 2I or H = I); another one is transposed."""
+    if not cfg.num_experts:
+        return
+    hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    ours = {"experts.gate_up_proj": (2 * inter, hidden), "experts.down_proj": (hidden, inter)}
+    for name in [n for n in state if n.endswith(tuple(ours))]:
+        rows, cols = next(shape for suffix, shape in ours.items() if name.endswith(suffix))
+        tensor = state[name]
+        if tuple(tensor.shape[1:]) == (rows, cols):
+            continue
+        if tuple(tensor.shape[1:]) != (cols, rows):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} is neither [E, {rows}, {cols}] nor its "
+                             "transpose")
+        state[name] = tensor.transpose(1, 2).contiguous()

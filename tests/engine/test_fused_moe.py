@@ -1,0 +1,133 @@
+"""The fused MoE kernels (common/kernels/fused_moe.py) against the torch reference (decoder_svc/model/moe.py's
+experts_reference) and against their own contract (the block-aligned sort). On CPU through Triton's
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1 and patches its scalar conversion), in fp32 (the
+interpreter's bf16 tl.dot is wrong), tiny shapes with ragged sizes: tokens per expert ragged, experts
+with no token, top-k ties. tests/gpu/test_fused_moe_gpu.py runs bf16 on a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+pytest.importorskip("triton")
+
+from common.kernels import fused_moe as kernels  # noqa: E402
+from common.kernels.fused_moe import (  # noqa: E402
+    GemmConfig,
+    align_to_blocks,
+    align_to_blocks_torch,
+    fused_moe,
+    padded_rows,
+)
+from decoder_svc.model.moe import experts_reference, route  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Blocks of 16 rows (tl.dot's smallest), N and K tiles of 16: hidden 40 and width 24 leave ragged tiles.
+SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
+HIDDEN, WIDTH = 40, 24
+
+
+def _experts(num_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * WIDTH, HIDDEN, generator=gen) / HIDDEN**0.5
+    down = torch.randn(num_experts, HIDDEN, WIDTH, generator=gen) / WIDTH**0.5
+    return gate_up.to(DEVICE), down.to(DEVICE)
+
+
+def _check(x, gate_up, down, weights, ids) -> None:
+    out = fused_moe(x, gate_up, down, weights, ids, SMALL)
+    ref = experts_reference(x, weights, ids, gate_up, down)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    # fp32 products summed in another order: a few ulps of the outputs' scale
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("align", [align_to_blocks, align_to_blocks_torch], ids=["kernel", "torch"])
+def test_alignment_groups_every_assignment_once_in_its_experts_blocks(align):
+    ids = torch.tensor([[3, 0], [3, 1], [3, 0], [1, 3], [3, 2]], device=DEVICE)  # expert 4, 5 empty
+    a = align(ids, num_experts=6, block_m=4)
+    rows, experts = a.sorted_rows.cpu(), a.block_expert.cpu()
+    n = ids.numel()
+    assert rows.numel() == padded_rows(n, 6, 4) and rows.numel() % 4 == 0
+    real = rows[rows < n]
+    assert sorted(real.tolist()) == list(range(n))  # each assignment once, the rest padding
+    flat = ids.reshape(-1).cpu()
+    for block, expert in enumerate(experts.tolist()):
+        members = rows[block * 4:(block + 1) * 4]
+        members = members[members < n]
+        if expert < 0:
+            assert members.numel() == 0
+        else:
+            assert (flat[members] == expert).all() and members.numel() > 0
+            assert members.tolist() == sorted(members.tolist())  # flat order within an expert
+    # expert 3 has 5 rows: two blocks; experts 0, 1, 2 one each; 4 and 5 none; the rest unused (-1)
+    assert experts.tolist()[:5] == [0, 1, 2, 3, 3] and set(experts.tolist()[5:]) == {-1}
+
+
+@pytest.mark.parametrize("tokens, num_experts, top_k, block_m",
+                         [(1, 8, 2, 16), (5, 6, 3, 4), (37, 4, 2, 16), (19, 16, 4, 8), (70, 12, 3, 16),
+                          (3, 128, 8, 16)])
+def test_the_alignment_kernel_equals_the_torch_sort(tokens, num_experts, top_k, block_m):
+    """Chunks of 64 assignments: 210 of them span four chunks (the per-expert offsets carry over); 128
+    experts (the 30B-A3B's) with 24 assignments leave most empty; expert counts not a power of two."""
+    gen = torch.Generator().manual_seed(tokens + num_experts)
+    ids = torch.rand(tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
+    kernel = align_to_blocks(ids, num_experts, block_m)
+    reference = align_to_blocks_torch(ids, num_experts, block_m)
+    assert torch.equal(kernel.sorted_rows, reference.sorted_rows)
+    assert torch.equal(kernel.block_expert, reference.block_expert)
+
+
+def test_large_batches_take_the_torch_sort(monkeypatch):
+    monkeypatch.setattr(kernels, "ALIGN_KERNEL_MAX", 4)
+    ids = torch.tensor([[1, 0], [0, 2], [2, 1]], device=DEVICE)
+    monkeypatch.setattr(kernels, "_align_kernel", None)  # would fail if launched
+    a = align_to_blocks(ids, 3, 16)
+    # expert 0 holds assignments 1 and 2 (flat t * top_k + k), then padding; one block per expert
+    assert a.sorted_rows[:3].tolist() == [1, 2, 6] and a.block_expert.tolist()[:3] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("tokens, num_experts, top_k", [(1, 8, 2), (5, 6, 3), (37, 4, 2), (19, 16, 4)])
+def test_matches_reference_with_ragged_and_empty_experts(tokens, num_experts, top_k):
+    """Router-chosen experts: at 1 token most experts are empty; at 37 tokens over 4 experts each expert's
+    run spans several 16-row blocks with a ragged last one."""
+    gen = torch.Generator().manual_seed(tokens * 31 + num_experts)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
+    router = torch.randn(num_experts, HIDDEN, generator=gen).to(DEVICE)
+    weights, ids = route(x @ router.t(), top_k, renormalize=True)
+    gate_up, down = _experts(num_experts, seed=tokens)
+    _check(x, gate_up, down, weights, ids)
+
+
+def test_all_tokens_on_one_expert_and_the_others_empty():
+    x = torch.randn(21, HIDDEN, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ids = torch.tensor([[2, 5]] * 21, device=DEVICE)
+    weights = torch.full((21, 2), 0.5, device=DEVICE)
+    gate_up, down = _experts(8, seed=2)
+    _check(x, gate_up, down, weights, ids)
+
+
+def test_top_k_ties_route_as_torch_topk_and_compute_alike():
+    """Equal router logits: torch.topk's choice among ties is the routing (both paths take it), and the
+    renormalised weights are equal."""
+    x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    logits = torch.zeros(6, 8, device=DEVICE)
+    logits[:, 5] = 1.0  # one clear winner, then a seven-way tie for the second and third
+    weights, ids = route(logits, 3, renormalize=True)
+    assert (ids[:, 0] == 5).all() and torch.allclose(weights[:, 1], weights[:, 2])
+    assert torch.allclose(weights.sum(-1), torch.ones(6, device=DEVICE))
+    gate_up, down = _experts(8, seed=4)
+    _check(x, gate_up, down, weights, ids)
+
+
+def test_no_tokens():
+    gate_up, down = _experts(4, seed=5)
+    x = torch.empty(0, HIDDEN, device=DEVICE)
+    out = fused_moe(x, gate_up, down, torch.empty(0, 2, device=DEVICE),
+                    torch.empty(0, 2, dtype=torch.int64, device=DEVICE), SMALL)
+    assert out.shape == (0, HIDDEN)

@@ -1,0 +1,104 @@
+"""The fused MoE kernels (common/kernels/fused_moe.py) on CUDA in bf16 at Qwen3-VL-30B-A3B's expert shapes
+(128 experts, hidden 2048, width 768, 8 active) against the torch reference (decoder_svc/model/moe.py):
+decode batches (most experts empty), ragged prefill batches, all tokens on a few experts, top-k ties; the
+layer picking the kernel under the Triton ops; and a CUDA graph replay (no host sync in the sort)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+pytest.importorskip("triton")
+
+from decoder_svc.model.moe import experts_reference, route  # noqa: E402
+from tests.gpu.graph_replay import assert_replays_as_eager  # noqa: E402
+
+if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a device
+    from common.kernels.fused_moe import align_to_blocks, align_to_blocks_torch, fused_moe
+
+EXPERTS, HIDDEN, WIDTH, TOP_K = 128, 2048, 768, 8
+
+
+@pytest.fixture(scope="module")
+def experts():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, generator=gen, device="cuda") / HIDDEN**0.5
+    down = torch.randn(EXPERTS, HIDDEN, WIDTH, generator=gen, device="cuda") / WIDTH**0.5
+    router = torch.randn(EXPERTS, HIDDEN, generator=gen, device="cuda") / HIDDEN**0.5
+    return gate_up.bfloat16(), down.bfloat16(), router.bfloat16()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _check(x, gate_up, down, weights, ids) -> None:
+    out = fused_moe(x, gate_up, down, weights, ids)
+    # the fp32 reference over the same bf16 weights: the kernel's one rounding per product stays close;
+    # the bf16 reference rounds as often, so it sits at a similar distance
+    exact = experts_reference(x.float(), weights.float(), ids, gate_up.float(), down.float())
+    ref = experts_reference(x, weights, ids, gate_up, down)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert _rel_err(out, exact) < 1e-2
+    assert _rel_err(out, exact) <= 2 * _rel_err(ref, exact) + 1e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 32, 257, 1500])
+def test_router_chosen_experts(experts, tokens):
+    gate_up, down, router = experts
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+    weights, ids = route(x @ router.t(), TOP_K, renormalize=True)
+    _check(x, gate_up, down, weights, ids)
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 512])
+def test_the_alignment_kernel_equals_the_torch_sort(tokens):
+    ids = torch.rand(tokens, EXPERTS, device="cuda").topk(TOP_K, dim=-1).indices
+    for block_m in (16, 32, 64):
+        kernel = align_to_blocks(ids, EXPERTS, block_m)
+        reference = align_to_blocks_torch(ids, EXPERTS, block_m)
+        assert torch.equal(kernel.sorted_rows, reference.sorted_rows)
+        assert torch.equal(kernel.block_expert, reference.block_expert)
+
+
+def test_few_experts_take_every_token_and_ties(experts):
+    gate_up, down, _ = experts
+    x = torch.randn(300, HIDDEN, device="cuda").bfloat16()
+    logits = torch.zeros(300, EXPERTS, device="cuda", dtype=torch.bfloat16)
+    logits[:, :3] = 1.0  # a three-way tie on top, the rest tied below it
+    weights, ids = route(logits, TOP_K, renormalize=True)
+    _check(x, gate_up, down, weights, ids)
+
+
+def test_replays_in_a_cuda_graph(experts):
+    gate_up, down, router = experts
+    x = torch.randn(8, HIDDEN, device="cuda").bfloat16()
+
+    def chain(inp: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(inp @ router.t(), TOP_K, renormalize=True)
+        return fused_moe(inp, gate_up, down, weights, ids)
+
+    assert_replays_as_eager(chain, x, lambda s: torch.randn(8, HIDDEN, device="cuda").bfloat16() * s)
+
+
+def test_the_layer_takes_the_kernel_under_triton_ops():
+    from decoder_svc.model.config import TextModelConfig
+    from decoder_svc.model.kernel_dispatch import TritonOps
+    from decoder_svc.model.moe import SparseMoE
+    from decoder_svc.model.ops import TorchOps
+
+    cfg = TextModelConfig(model_type="moe", vocab_size=16, hidden_size=256, intermediate_size=64,
+                          num_layers=1, num_heads=2, num_kv_heads=2, head_dim=128, rms_norm_eps=1e-6,
+                          rope_theta=1e4, max_position_embeddings=64, num_experts=16, num_experts_per_tok=4,
+                          moe_intermediate_size=96)
+    fused = SparseMoE(cfg, TritonOps).cuda().bfloat16()
+    torch.nn.init.normal_(fused.experts.gate_up_proj, std=256**-0.5)
+    torch.nn.init.normal_(fused.experts.down_proj, std=96**-0.5)
+    reference = SparseMoE(cfg, TorchOps).cuda().bfloat16()
+    reference.load_state_dict(fused.state_dict())
+    assert fused.fused and not reference.fused
+    x = torch.randn(40, 256, device="cuda").bfloat16()
+    assert _rel_err(fused(x), reference(x)) < 1e-2
