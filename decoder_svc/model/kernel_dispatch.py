@@ -343,6 +343,8 @@ class InvariantTritonOps(TritonOps):
     sends it to the invariant kernel), LoRA through the reference's products (the gathering kernels split
     by the row count)."""
 
+    batch_invariant = True  # layers with a kernel of their own (model/moe.py) take the reference instead
+
     @staticmethod
     def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                     proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -87,7 +87,9 @@ class SparseMoE(nn.Module):
         self.renormalize = cfg.moe_renormalize
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        self.fused = ops is not TorchOps
+        # The deterministic mode's ops take the reference: its per-expert products go through the mode's
+        # batch-invariant matmul, where the fused kernel's tiles follow the batch's routing.
+        self.fused = ops is not TorchOps and not getattr(ops, "batch_invariant", False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
