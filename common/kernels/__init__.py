@@ -1,6 +1,7 @@
 """The GPU kernels (Triton and Gluon) and their thin launch wrappers: the decoder's attention, KV store,
 elementwise ops, one-row products (fused GEMV, TMA-streamed GEMV), FP8 products (split-K), LoRA,
-argmax and embedding rows, programmatic dependent launch, and the vision towers' fused ops.
+argmax and embedding rows, programmatic dependent launch, the batch-invariant product, the fused MoE, and the
+vision towers' fused ops.
 
 This package is the bottom layer: it imports torch, triton and the standard library only, never the
 rest of the project (tests/common/test_layering.py checks it), so the encoder and the decoder both build
