@@ -10,7 +10,8 @@ it on CUDA), above the kernels themselves (common/kernels, which know nothing of
   the stacked GEMMs by row count.
 - `TritonAttentionBackend`: the attention backend over common/kernels/attention.py, choosing how many
   programs split each sequence's keys and whether a decode step rotates inside the attention kernel.
-- `InvariantTritonOps`, `InvariantTritonAttentionBackend`: the deterministic mode's (model/batch_invariant.py).
+- `InvariantTritonOps`, `InvariantTritonAttentionBackend`: the deterministic mode's
+  (model/batch_invariant.py).
 
 Only imported on GPU paths or under TRITON_INTERPRET=1 (tests), so the kernels are imported at the top.
 """
