@@ -20,6 +20,8 @@ Spawns one encoder and one decoder (bench.services), then:
    memory of each (nvidia-smi --query-compute-apps);
 5. the reference request again under a fresh cache salt (the cold path, as in 1): identical tokens.
    The same request under the first salt (encoder-cache and prefix-KV hits) is reported beside it.
+   With --deterministic (both services' flag) the warm run must be identical too, and every run's
+   logprobs as well as its tokens (the reference asks for its tokens' logprobs and top 2).
 Each hostile case is also sent once during the load (so a short run covers them all). Lines of the
 service logs that look like faults (tracebacks, ERROR) are reported in the JSON, not checked.
 
@@ -120,6 +122,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder-stall-exit", type=float, default=None,
                    help="the encoder's --stall-exit: a tower owing work without a step this long makes it "
                         "log every thread's stack and exit (default: the encoder's)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="both services' --deterministic; the reference must then repeat bit for bit (warm "
+                   "too, logprobs too)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", default=None, help="directory for the service logs (default: a fresh one)")
     p.add_argument("--out", default=None)
@@ -168,9 +173,10 @@ def prompt(text: str, images: int = 0, videos: int = 0) -> str:
 
 
 def reference_request(image: bytes, salt: str) -> decoder_pb2.GenerateRequest:
-    """The fixed greedy request whose tokens must not change: 16 tokens, EOS ignored."""
+    """The fixed greedy request whose tokens must not change: 16 tokens, EOS ignored, with each token's
+    logprob and the top 2."""
     return generate_request(prompt(REFERENCE_TEXT, images=1), [image], max_tokens=REFERENCE_TOKENS,
-                            temperature=0.0, ignore_eos=True, cache_salt=salt)
+                            temperature=0.0, ignore_eos=True, cache_salt=salt, logprobs=2)
 
 
 @dataclass
@@ -431,12 +437,16 @@ def summarize_outcomes(outcomes: list[Outcome], wall_s: float) -> dict:
     }
 
 
-async def reference_tokens(address: str, image: bytes, salt: str, timeout: float) -> list[int]:
-    """The reference request's tokens (raises on any error)."""
+async def reference_tokens(address: str, image: bytes, salt: str, timeout: float,
+                           logprobs: list | None = None) -> list[int]:
+    """The reference request's tokens (raises on any error); its logprobs ([logprob, top ids, top
+    logprobs] per token) appended to `logprobs` when given."""
     async with AsyncDecoderClient(address, timeout=timeout) as client:
         tokens: list[int] = []
         async for chunk in client.stub.Generate(reference_request(image, salt), timeout=timeout):
             tokens.extend(chunk.token_ids)
+            if logprobs is not None:
+                logprobs += [[lp.logprob, list(lp.top_ids), list(lp.top_logprobs)] for lp in chunk.logprobs]
         return tokens
 
 
@@ -598,7 +608,9 @@ async def soak(args: argparse.Namespace, pair: Pair, result: dict) -> None:
     ref_image = noise_image(424242, min(448, args.max_image_size), min(448, args.max_image_size))
     ref_salt = f"ref-{uuid.uuid4().hex[:12]}"
     ref = result["reference"] = {}
-    ref["before"] = await reference_tokens(pair.decoder.address, ref_image, ref_salt, args.request_timeout)
+    ref["logprobs_before"] = []
+    ref["before"] = await reference_tokens(pair.decoder.address, ref_image, ref_salt, args.request_timeout,
+                                           ref["logprobs_before"])
     print(f"reference before: {ref['before']}", flush=True)
     clips = await asyncio.to_thread(make_clips, args)
     workload = Workload(args, clips)
@@ -641,10 +653,22 @@ async def soak(args: argparse.Namespace, pair: Pair, result: dict) -> None:
                                        "after": encoder_device_memory(enc1)}
     print(f"memory after: {result['memory_after']}", flush=True)
     address, timeout = pair.decoder.address, args.request_timeout
-    ref["after_cold"] = await reference_tokens(address, ref_image, f"ref-{uuid.uuid4().hex[:12]}", timeout)
-    ref["after_warm"] = await reference_tokens(address, ref_image, ref_salt, timeout)
+    ref["logprobs_after_cold"], ref["logprobs_after_warm"] = [], []
+    ref["after_cold"] = await reference_tokens(address, ref_image, f"ref-{uuid.uuid4().hex[:12]}", timeout,
+                                               ref["logprobs_after_cold"])
+    ref["after_warm"] = await reference_tokens(address, ref_image, ref_salt, timeout,
+                                               ref["logprobs_after_warm"])
     ref["warm_matches"] = ref["after_warm"] == ref["before"]
+    ref["logprobs_match"] = {run: ref[f"logprobs_{run}"] == ref["logprobs_before"]
+                             for run in ("after_cold", "after_warm")}
     print(f"reference after: {ref['after_cold']} (warm: {ref['after_warm']})", flush=True)
+
+
+def deterministic_checks(ref: dict) -> dict[str, bool]:
+    """The deterministic mode's promise: the warm run's tokens too, and every run's logprobs, identical."""
+    return {"reference_warm_tokens_identical": bool(ref.get("warm_matches")),
+            "reference_logprobs_identical": bool(ref.get("logprobs_match"))
+            and all(ref["logprobs_match"].values())}
 
 
 def checks_of(result: dict, args: argparse.Namespace, alive: dict[str, bool]) -> dict[str, bool]:
@@ -659,6 +683,7 @@ def checks_of(result: dict, args: argparse.Namespace, alive: dict[str, bool]) ->
                                  and warm.get("by_outcome", {}).get("unexpected", 0) == 0),
         "reference_tokens_identical": (len(ref.get("before", [])) == REFERENCE_TOKENS
                                        and ref.get("after_cold") == ref.get("before")),
+        **(deterministic_checks(ref) if args.deterministic else {}),
         "hostile_cases_all_refused": ("workload" in result and set(load.get("hostile_cases_refused", ()))
                                       == set(result["workload"]["hostile_cases"])),
         "no_expired_leases": ("encoder_counters" in result
@@ -734,6 +759,9 @@ def service_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     dec = ["--encoder-timeout", str(int(args.request_timeout))]
     if args.device.startswith("cuda"):
         dec += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    if args.deterministic:
+        enc.append("--deterministic")
+        dec.append("--deterministic")
     return enc, dec
 
 

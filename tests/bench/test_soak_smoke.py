@@ -16,7 +16,8 @@ from common.pb import decoder_pb2
 
 IDLE_DECODER = {"running": 0, "waiting": 0, "kv_blocks_used": 0, "active_leases": 0}
 IDLE_ENCODER = {"active_leases": 0, "leased_bytes": 0}
-LIMITS = SimpleNamespace(max_rss_growth_mib=512.0, max_gpu_growth_mib=2048.0)
+LIMITS = SimpleNamespace(max_rss_growth_mib=512.0, max_gpu_growth_mib=2048.0, deterministic=False)
+DETERMINISTIC = SimpleNamespace(**{**vars(LIMITS), "deterministic": True})
 
 
 def test_leak_checks_pass_when_idle():
@@ -45,7 +46,8 @@ def _passing_result() -> dict:
     return {"load": {"by_outcome": ok, "hostile_cases_refused": ["nan_temperature"]},
             "warmup": {"by_outcome": dict(ok)},
             "workload": {"hostile_cases": ["nan_temperature"]},
-            "reference": {"before": tokens, "after_cold": list(tokens)},
+            "reference": {"before": tokens, "after_cold": list(tokens), "after_warm": list(tokens),
+                          "warm_matches": True, "logprobs_match": {"after_cold": True, "after_warm": True}},
             "encoder_counters": {"expired_leases": 0},
             "idle_after": {"checks": soak.leak_checks(IDLE_DECODER, IDLE_ENCODER)},
             "memory_growth": {"decoder": {"rss_anon_tree_mib": 10.0}, "encoder": {"rss_anon_tree_mib": 5.0}}}
@@ -80,6 +82,20 @@ def test_checks_fail_on_a_spoiled_result(name, spoil):
     checks = soak.checks_of(result, LIMITS, ALIVE)
     assert checks[name] is False
     assert soak.exit_code(checks) == 1
+
+
+@pytest.mark.parametrize("name, spoil", [
+    ("reference_warm_tokens_identical", lambda r: r["reference"].update(warm_matches=False)),
+    ("reference_logprobs_identical", lambda r: r["reference"]["logprobs_match"].update(after_warm=False)),
+    ("reference_logprobs_identical", lambda r: r["reference"].pop("logprobs_match")),
+])
+def test_the_deterministic_mode_checks_the_warm_run_and_the_logprobs(name, spoil):
+    result = _passing_result()
+    assert soak.exit_code(soak.checks_of(result, DETERMINISTIC, ALIVE)) == 0
+    spoil(result)
+    assert soak.exit_code(soak.checks_of(result, LIMITS, ALIVE)) == 0  # outside the mode: not promised
+    checks = soak.checks_of(result, DETERMINISTIC, ALIVE)
+    assert checks[name] is False and soak.exit_code(checks) == 1
 
 
 def test_a_dead_service_fails():
@@ -126,9 +142,11 @@ def test_classify():
     assert _classify("text", _RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)) == "unexpected"
 
 
-def test_soak_smoke_cpu(qwen_model_dir, tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--deterministic"]], ids=["default", "deterministic"])
+def test_soak_smoke_cpu(qwen_model_dir, tmp_path, mode):
+    """Through a real pair; in the deterministic mode the reference's warm run and logprobs repeat too."""
     out = tmp_path / "soak.json"
-    rc = soak.main(["--model", str(qwen_model_dir), "--device", "cpu", "--dtype", "float32",
+    rc = soak.main([*mode, "--model", str(qwen_model_dir), "--device", "cpu", "--dtype", "float32",
                     "--clients", "3", "--seconds", "4", "--warmup-seconds", "1", "--max-image-size", "256",
                     "--hot-images", "4", "--clips", "2", "--clip-seconds", "1", "--clip-size", "64",
                     "--request-timeout", "60", "--idle-timeout", "15", "--start-timeout", "120",
@@ -143,6 +161,10 @@ def test_soak_smoke_cpu(qwen_model_dir, tmp_path):
     assert set(load["hostile_cases_refused"]) == set(soak.HOSTILE_CASES)  # truncated_video too
     assert load["ttft"]["n"] > 0 and load["tokens_per_s"] > 0
     assert len(res["reference"]["before"]) == soak.REFERENCE_TOKENS
+    assert len(res["reference"]["logprobs_before"]) == soak.REFERENCE_TOKENS
+    if mode:
+        checks = res["checks"]
+        assert checks["reference_logprobs_identical"] and checks["reference_warm_tokens_identical"]
     assert res["idle_after"]["decoder"]["kv_blocks_used"] == 0
     # The same run, had the decoder kept KV blocks after going idle, fails.
     held = {**res["idle_after"]["decoder"], "kv_blocks_used": 2}
