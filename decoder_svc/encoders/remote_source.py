@@ -130,7 +130,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
             if slot is None:
                 self._slots[key] = FetchSlot(prefetch=req.prefetch,
                                          deadline=time.monotonic() + self.retry.total_timeout_s,
-                                         ask=f"{req.request_id}#{next(self._asks)}")
+                                         name=f"{req.request_id}#{next(self._asks)}")
                 self._counters.embeddings_requested += 1
                 self._counters.images_prefetched += int(req.prefetch)
                 # Routes there: the ring may be empty for a while.
@@ -175,7 +175,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             keys = ([(request_id, content_hash)] if content_hash is not None
                     else [k for k in self._slots if k[0] == request_id])
-            cancelled = []
+            cancelled, abandoned = [], []
             for key in keys:
                 slot = self._slots.pop(key, None)
                 if slot is None:
@@ -185,6 +185,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 slot.tensor = None
                 if slot.call is not None:
                     cancelled.append((slot.call, slot.encoder, slot.ask))
+                abandoned.extend(slot.abandoned)
+                slot.abandoned = []
             if content_hash is None:  # the request is gone: nobody will ask for its error code
                 self._failed_requests.pop(request_id, None)
         for call, encoder, ask in cancelled:
@@ -192,6 +194,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
             # already on its way is dropped unread, so its lease is given back by the ask's name.
             call.cancel()
             self._release_asks(encoder, [ask])
+        self._release_abandoned(abandoned)
 
     def error(self, request_id: str, content_hash: str) -> str:
         with self._lock:
@@ -238,6 +241,12 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 return
             slot.started = True
             deadline = slot.deadline
+        try:
+            self._fetch_on_ring(key, req, deadline)
+        finally:  # answers lost on a broken link: their leases go back whatever the image's fate
+            self._release_abandoned(self._take_abandoned(key))
+
+    def _fetch_on_ring(self, key: tuple[str, str], req: EmbeddingRequest, deadline: float) -> None:
         encoder = ""
         try:
             encoder = self._route(key, req, deadline)
@@ -402,9 +411,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
                      busy_until: float | None = None) -> common_pb2.EmbeddingRef:
         """One input's Encode, retried while the encoder is unreachable until `deadline` (its reach); a
         busy encoder is waited for until `busy_until` (busy_timeout_s from the image's first ask)."""
-        with self._lock:
-            slot = self._slots.get((req.request_id, req.content_hash))
-        request = encoder_pb2.EncodeRequest(request_id=slot.ask if slot else req.request_id, accept=accept,
+        key = (req.request_id, req.content_hash)
+        request = encoder_pb2.EncodeRequest(request_id=req.request_id, accept=accept,
                                             cache_salt=req.cache_salt, prefetch=req.prefetch,
                                             lease_owner=self._lease_owner, await_file_ms=await_file_ms)
         item.add_to(request)
@@ -420,9 +428,17 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 raise EncoderUnavailableError(f"encoder unreachable within {policy.total_timeout_s:.0f} s "
                                               f"({attempts} attempts)")
             attempts += 1
+            with self._lock:
+                slot = self._slots.get(key)
+                request.request_id = slot.next_ask() if slot is not None else f"{req.request_id}.{attempts}"
             try:
-                return self._await_encode(encoder, req, request, deadline, busy_until).embeddings[0]
+                answer = self._await_encode(encoder, req, request, deadline, busy_until).embeddings[0]
+            except EncoderBusyError:  # cancelled as it may have been answered
+                self._abandon(key, encoder, request.request_id)
+                raise
             except grpc.RpcError as exc:
+                if exc.code() in TRANSPORT_CODES:  # its answer, if any, may have been lost on the way
+                    self._abandon(key, encoder, request.request_id)
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not isinstance(exc, Unresponsive):
                     raise EncoderBusyError(self.retry.busy_message()) from None  # the call's own timeout
                 if exc.code() not in RETRYABLE or self._closed:
@@ -434,8 +450,11 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 # one it admits) must not all come back together, or each wave admits one again.
                 pause = random.uniform(0.0, backoff)
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # Busy, not down: the encoder answered, refusing for now; RESOURCE_EXHAUSTED says so
+                    # (retriable later, 429 at the gateway), whichever bound ends the waiting.
                     full_since = full_since or time.monotonic()
-                    if time.monotonic() + pause - full_since > policy.full_cache_wait_s:
+                    if (time.monotonic() + pause - full_since > policy.full_cache_wait_s
+                            or time.monotonic() + pause > deadline):
                         raise
                 if time.monotonic() + pause > deadline:
                     raise EncoderUnavailableError(
@@ -444,6 +463,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 log.warning("encoder %s: %s, retrying in %.2f s", encoder, exc.code().name, pause)
                 time.sleep(pause)
                 backoff = min(policy.max_backoff_s, backoff * 2)
+                continue
+            # It answers again: the leases of its answers lost on the way are named by now; give them back.
+            self._release_abandoned(self._take_abandoned(key, encoder))
+            return answer
 
     def _await_encode(self, encoder: str, req: EmbeddingRequest, request: encoder_pb2.EncodeRequest,
                       deadline: float, busy_until: float) -> encoder_pb2.EncodeResponse:
@@ -566,6 +589,34 @@ class RemoteEmbeddingSource(EmbeddingSource):
                         done.code().name)
 
         call.add_done_callback(_log_failure)
+
+    def _take_abandoned(self, key: tuple[str, str], encoder: str | None = None) -> list[tuple[str, str]]:
+        """The key's abandoned asks (of `encoder`, or all), forgotten by the slot."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                return []
+            taken = [a for a in slot.abandoned if encoder is None or a[0] == encoder]
+            slot.abandoned = [a for a in slot.abandoned if a not in taken]
+            return taken
+
+    def _abandon(self, key: tuple[str, str], encoder: str, ask: str) -> None:
+        """An Encode failed on the link: the encoder may have answered it with a lease that was lost on the
+        way. Its ask is released by name once the encoder answers again (then the encoder has named that
+        answer's leases, if any) or when the image's fetch ends; at once if the image is gone already."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None and not slot.released:
+                slot.abandoned.append((encoder, ask))
+                return
+        self._release_abandoned([(encoder, ask)])
+
+    def _release_abandoned(self, abandoned: Sequence[tuple[str, str]]) -> None:
+        by_encoder: dict[str, list[str]] = {}
+        for encoder, ask in abandoned:
+            by_encoder.setdefault(encoder, []).append(ask)
+        for encoder, asks in by_encoder.items():
+            self._release_asks(encoder, asks)
 
     def _release_asks(self, encoder: str, asks: list[str]) -> None:
         """Give back, without waiting, every lease the encoder answered these asks (Encode request_ids)
