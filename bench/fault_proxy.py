@@ -5,6 +5,7 @@
     proxy.mode = "blackhole"                       # connections stay open, nothing is forwarded
     proxy.reset_all()                              # every open connection ends with a TCP RST
     proxy.cut_answer_with = b"..."                  # once: the answer bearing these bytes is lost (below)
+    proxy.hold_answer_with = b"..."                 # once: that answer's connection is held both ways
     proxy.mode = "pass"
 
 It runs its own event loop on a thread, so a busy benchmark loop does not add delays of its own.
@@ -40,6 +41,11 @@ class FaultProxy:
     # and thinks it delivered; the client saw the link break. (Then the pattern is cleared.)
     cut_answer_with: bytes = b""
     answers_cut: int = 0
+    # Once: the same, but the client's connection stays open too, nothing forwarded either way from then
+    # on (a stalled link): the client waits for an answer that never comes, and what it sends on that
+    # connection (a cancel, a Release) never arrives.
+    hold_answer_with: bytes = b""
+    answers_held: int = 0
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _writers: set = field(default_factory=set)
@@ -95,6 +101,10 @@ class FaultProxy:
                     self._writers.discard(writer)
                     _abort(writer)
                     continue
+                if answers and self.hold_answer_with and self.hold_answer_with in data:
+                    self.hold_answer_with, link.cut = b"", True
+                    self.answers_held += 1
+                    continue
                 while self.mode == "blackhole" and not writer.is_closing():
                     await asyncio.sleep(0.05)  # held: the peer sees a link that says nothing
                 if self.mode == "delay":
@@ -134,7 +144,7 @@ class FaultProxy:
 class _Link:
     """One proxied connection's state shared by its two directions."""
 
-    cut: bool = False  # its answer was cut (cut_answer_with): the client's side is gone
+    cut: bool = False  # its answer was cut or held: nothing is forwarded, upstream's side is kept open
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:
