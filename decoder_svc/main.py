@@ -130,7 +130,7 @@ async def serve(config: DecoderConfig, security: ServerSecurity | None = None,
         if servicer.encoders is not None:
             if ended:  # their leases, which a killed core, or an answer lost on a stalled link, left behind
                 freed = await asyncio.to_thread(servicer.encoders.release_requests, ended, core.lease_owner,
-                                                _RELEASE_TIMEOUT_S)
+                                                min(_RELEASE_TIMEOUT_S, stopping.left(_RELEASE_MIN_S)))
                 log.info("released %d encoder leases of %d requests the drain timeout ended", freed,
                          len(ended))
             servicer.encoders.close()
@@ -152,7 +152,10 @@ _DEATH_GRACE_S = 1.0
 _EXIT_MARGIN_S = 1.0
 _CORE_STOP_MIN_S = 0.5
 _GRPC_GRACE_S = 0.3
-_RELEASE_TIMEOUT_S = 0.5  # the ended requests' leases, given back at the encoders after the core stopped
+# The ended requests' leases, given back at the encoders after the core stopped: what is left of the
+# margin, within these bounds (an encoder that does not answer at once has its TTL).
+_RELEASE_TIMEOUT_S = 0.5
+_RELEASE_MIN_S = 0.2
 
 
 def exit_without_teardown(code: int) -> None:

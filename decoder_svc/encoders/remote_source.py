@@ -81,6 +81,7 @@ log = logging.getLogger("mmserve.decoder.encoders")
 # A file the front end sent ahead may reach its encoder after the engine's ask by hash (the ask is small,
 # the file megabytes): the encoder waits up to this long for it before answering NOT_FOUND.
 _SENT_AHEAD_WAIT_MS = 250
+_CLOSE_RELEASE_TIMEOUT_S = 0.5  # the asks in flight at close, given back before the channels go
 
 
 class RemoteEmbeddingSource(EmbeddingSource):
@@ -217,10 +218,15 @@ class RemoteEmbeddingSource(EmbeddingSource):
             self._closed = True
             requests = {rid for rid, _ in self._slots}
             calls, self._open_calls = list(self._open_calls), set()
+            # Asks whose answers may be on their way or lost: given back by name below, before the
+            # channels close (release() gives back nothing once closed).
+            asks = [(slot.encoder, slot.ask) for slot in self._slots.values() if slot.call is not None]
+            asks += [a for slot in self._slots.values() for a in slot.abandoned]
         for rid in requests:
             self.release(rid)
         for call in calls:  # a fetch waiting on a busy encoder would hold the shutdown for its whole wait
             call.cancel()
+        self._release_now(asks, _CLOSE_RELEASE_TIMEOUT_S)
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._prefetch_pool.shutdown(wait=True, cancel_futures=False)
         self.ring.close()
@@ -617,6 +623,22 @@ class RemoteEmbeddingSource(EmbeddingSource):
             by_encoder.setdefault(encoder, []).append(ask)
         for encoder, asks in by_encoder.items():
             self._release_asks(encoder, asks)
+
+    def _release_now(self, asks: Sequence[tuple[str, str]], timeout_s: float) -> None:
+        """Give back the leases of these (encoder, ask)s and wait up to timeout_s for the answers: at
+        close, when the channels are about to go."""
+        by_encoder: dict[str, list[str]] = {}
+        for encoder, ask in asks:
+            if encoder:
+                by_encoder.setdefault(encoder, []).append(ask)
+        calls = [self._stub(encoder).Release.future(encoder_pb2.ReleaseRequest(
+            request_ids=names, lease_owner=self._lease_owner), timeout=timeout_s,
+            metadata=auth_metadata(self._token)) for encoder, names in by_encoder.items()]
+        for call in calls:
+            try:
+                call.result()
+            except grpc.RpcError as exc:  # the encoder's TTL collects them
+                log.info("release of asks at close: %s", exc.code().name)
 
     def _release_asks(self, encoder: str, asks: list[str]) -> None:
         """Give back, without waiting, every lease the encoder answered these asks (Encode request_ids)
