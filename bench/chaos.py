@@ -106,6 +106,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-fraction", type=float, default=0.6)
     p.add_argument("--n2-fraction", type=float, default=0.1, help="requests with n = 2")
     p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--kill-wait-seconds", type=float, default=10.0,
+                   help="decoder_kill waits up to this long for requests on its victim")
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--max-retries", type=int, default=8)
     p.add_argument("--retry-cap", type=float, default=1.0, help="most seconds waited on one Retry-After")
@@ -486,6 +488,13 @@ async def decoder_kill(fleet: Fleet, state: LoadState, args: argparse.Namespace)
     old = next(iter(fleet.decoders.values()))
     children = identities(process_tree(old.proc.pid)[1:])  # its engine core: it must follow the front end
     fresh = fleet.new_decoder()
+    # Killed with requests on it (the load is light): up to --kill-wait-seconds for running or waiting ones.
+    busy, deadline = {}, time.monotonic() + args.kill_wait_seconds
+    while time.monotonic() < deadline:
+        busy = await asyncio.to_thread(decoder_stats, old.address)
+        if busy.get("running", 0) + busy.get("waiting", 0) > 0:
+            break
+        await asyncio.sleep(0.05)
     killed_at = time.monotonic()
     old.proc.kill()
     old.proc.wait()
@@ -499,6 +508,7 @@ async def decoder_kill(fleet: Fleet, state: LoadState, args: argparse.Namespace)
     fleet.note_pids()
     old.proc = None
     return {"killed": old.name, "replacement": fresh.name, "killed_at": killed_at,
+            "requests_on_it": busy.get("running", 0) + busy.get("waiting", 0),
             "children": len(children), "children_alive_after_kill": left,
             "replacement_listed_s": round(time.monotonic() - killed_at, 2)}
 
