@@ -12,6 +12,9 @@
   NOT_FOUND and having the core send the same megabytes again. Fire and forget: a failure changes
   nothing but the time (the core sends the bytes as before).
 
+- `release_requests`: at shutdown, once the engine core is gone, the leases of the requests a drain timeout
+  ended, by request id at every encoder (the core's lease-owner secret is the front end's).
+
 Each hash goes to the encoder that owns it on the same consistent-hash ring the embedding fetches use,
 under the request's cache salt (an entry made under another salt answers nothing).
 """

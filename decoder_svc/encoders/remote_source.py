@@ -21,8 +21,13 @@
 - Several encoders are routed by consistent hash of the content hash; `dns:///NAME:PORT` finds them by
   DNS and follows replicas as they come and go (discovery.py). An image whose encoder left the ring is
   asked of its new owner on the next retry.
-- Leases are this source's own: one lease-owner secret per source (one per decoder process) goes on
-  every Encode and Release, so no other client can release them and this one releases no one else's.
+- Leases are this source's own: one lease-owner secret per source (one per decoder, made by its front
+  end so that it can give back what a killed engine core could not) goes on every Encode and Release, so
+  no other client can release them and this one releases no one else's.
+- Each Encode attempt asks under a name of its own (`request#n.k`): an answer lost on a broken link is
+  given back by its attempt's name once the encoder answers again or the image's fetch ends, and the asks
+  in flight at close are given back before the channels close; a late release never frees another
+  attempt's lease.
 - Security (docs/security.md): TLS or mutual TLS with `tls`; with `token`, this decoder authenticates as
   a service and names each call's tenant (from its scoped cache_salt), so the encoder scopes it too.
 - A hash-only image (no bytes) that the encoder does not hold under the request's cache_salt fails the
