@@ -19,6 +19,10 @@ The faults, in order, each in a window of its own with steady load between them:
                   (hold connections, forward nothing), each for --link-fault-seconds
   cache_flood     every image request uses a fresh image, at --flood-rate, against encoders whose cache is
                   --encoder-cache-bytes (evictions while leases are held)
+  decoder_kill    kill -9 one decoder (its engine core must follow it), drop it from the gateway's file
+                  and start a replacement: requests it had not streamed anything of go to the other
+                  decoder (the gateway before the first token, the client on a 503 otherwise); streams
+                  it was sending are cut, counted apart from the lost
 
 Reported: requests completed, retriable statuses seen before streaming, completed after a retry, lost
 (anything else: an error after streaming began, another status, a broken connection); TTFT p50/p99 of
@@ -57,7 +61,12 @@ from bench.stats import clean, summarize
 from bench.svcstats import decoder_stats, encoder_stats
 from gateway.health import wait_until_http_healthy
 
-FAULTS = ("encoder_kill", "decoder_drain", "encoder_stall", "link_faults", "cache_flood")
+FAULTS = ("encoder_kill", "decoder_drain", "encoder_stall", "link_faults", "cache_flood", "decoder_kill")
+# A stream a decoder was sending when it was killed ends with an error after streaming began: no retry
+# policy can finish it without replaying tokens. Such ends within this many seconds of a decoder_kill are
+# counted apart ("cut by the kill"), not as lost; everything else must still complete.
+KILL_CUT_WINDOW_S = 5.0
+_CUT_STREAM_ENDS = ("error after streaming began", "stream ended early", "RemoteProtocolError")
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "mmserve-enc-"
 RETRIABLE_STATUSES = (429, 503)
@@ -97,6 +106,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-fraction", type=float, default=0.6)
     p.add_argument("--n2-fraction", type=float, default=0.1, help="requests with n = 2")
     p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--kill-wait-seconds", type=float, default=10.0,
+                   help="decoder_kill waits up to this long for requests on its victim")
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--max-retries", type=int, default=8)
     p.add_argument("--retry-cap", type=float, default=1.0, help="most seconds waited on one Retry-After")
@@ -209,11 +220,12 @@ class Record:
     stream: bool
     n: int
     start: float                 # seconds since the load began
-    outcome: str = ""            # completed or lost
+    outcome: str = ""            # completed, lost, or cut (a stream a decoder_kill cut: cut_by_kill)
     detail: str = ""
     retries: int = 0             # retriable statuses (429/503 before streaming) answered first
     ttft: float | None = None    # streamed requests: to the first content
     e2e: float | None = None
+    ended_at: float | None = None  # monotonic, when it ended (a stream cut by a decoder_kill: near the kill)
 
 
 @dataclass
@@ -323,8 +335,10 @@ async def one_request(client: httpx.AsyncClient, state: LoadState, args: argpars
             status, retry_after = await attempt(client, body, rec, t0)
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             rec.outcome, rec.detail = "lost", f"{type(exc).__name__}: {exc}"
+            rec.ended_at = time.monotonic()
             return
         if retry_after is None:
+            rec.ended_at = time.monotonic()
             return
         rec.retries += 1
         await asyncio.sleep(random.uniform(0.5, 1.0) * min(retry_after, args.retry_cap))
@@ -470,8 +484,62 @@ async def cache_flood(fleet: Fleet, state: LoadState, args: argparse.Namespace) 
             "cache_bytes_capacity": [b["cache_bytes_capacity"] for b in before]}
 
 
+async def decoder_kill(fleet: Fleet, state: LoadState, args: argparse.Namespace) -> dict:
+    old = next(iter(fleet.decoders.values()))
+    children = identities(process_tree(old.proc.pid)[1:])  # its engine core: it must follow the front end
+    fresh = fleet.new_decoder()
+    # Killed with requests on it (the load is light): up to --kill-wait-seconds for running or waiting ones.
+    busy, deadline = {}, time.monotonic() + args.kill_wait_seconds
+    while time.monotonic() < deadline:
+        busy = await asyncio.to_thread(decoder_stats, old.address)
+        if busy.get("running", 0) + busy.get("waiting", 0) > 0:
+            break
+        await asyncio.sleep(0.05)
+    killed_at = time.monotonic()
+    old.proc.kill()
+    old.proc.wait()
+    del fleet.decoders[old.name]
+    fleet.write_listing()  # as an orchestrator would: the gateway stops sending there at its next look
+    fresh.launch()
+    await asyncio.to_thread(fresh.wait, args.start_timeout)
+    fleet.decoders[fresh.name] = fresh
+    fleet.write_listing()
+    left = await asyncio.to_thread(_alive_after, children, 10.0)
+    fleet.note_pids()
+    old.proc = None
+    return {"killed": old.name, "replacement": fresh.name, "killed_at": killed_at,
+            "requests_on_it": busy.get("running", 0) + busy.get("waiting", 0),
+            "children": len(children), "children_alive_after_kill": left,
+            "replacement_listed_s": round(time.monotonic() - killed_at, 2)}
+
+
+def _alive_after(ours: set[tuple[int, int]], timeout: float) -> list[int]:
+    """Those of our processes still alive once timeout has passed or none is (an engine core notices its
+    front end's death on its pipe and exits by itself)."""
+    deadline = time.monotonic() + timeout
+    while (left := alive_pids(ours)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def cut_by_kill(records: list[Record], faults: dict[str, dict]) -> int:
+    """Mark the streams a decoder_kill cut (an error after streaming began, or a stream that ended early,
+    within KILL_CUT_WINDOW_S of the kill) as "cut"; returns how many."""
+    kill = faults.get("decoder_kill")
+    if kill is None:
+        return 0
+    cut = 0
+    for r in records:
+        began = r.detail.startswith(_CUT_STREAM_ENDS)
+        if (r.outcome == "lost" and r.stream and began and r.ended_at is not None
+                and kill["killed_at"] <= r.ended_at <= kill["killed_at"] + KILL_CUT_WINDOW_S):
+            r.outcome = "cut"
+            cut += 1
+    return cut
+
+
 FAULT_RUNNERS = {"encoder_kill": encoder_kill, "decoder_drain": decoder_drain, "encoder_stall": encoder_stall,
-                 "link_faults": link_faults, "cache_flood": cache_flood}
+                 "link_faults": link_faults, "cache_flood": cache_flood, "decoder_kill": decoder_kill}
 
 
 # --- after the run -----------------------------------------------------------------------------------
@@ -582,8 +650,9 @@ def window_summary(records: list[Record], windows: list[dict]) -> dict:
 
 
 def counts(records: list[Record]) -> dict:
-    lost = [r for r in records if r.outcome != "completed"]
-    return {"requests": len(records), "completed": len(records) - len(lost),
+    lost = [r for r in records if r.outcome not in ("completed", "cut")]
+    cut = sum(r.outcome == "cut" for r in records)
+    return {"requests": len(records), "completed": len(records) - len(lost) - cut, "cut_by_kill": cut,
             "completed_first_try": sum(r.outcome == "completed" and not r.retries for r in records),
             "completed_after_retry": sum(r.outcome == "completed" and r.retries > 0 for r in records),
             "retriable_statuses_before_streaming": sum(r.retries for r in records),
@@ -640,6 +709,9 @@ async def chaos(fleet: Fleet, args: argparse.Namespace, result: dict) -> None:
     finally:
         stop.set()
         await load
+    cut_by_kill(state.records, faults)
+    for fault in faults.values():
+        fault.pop("killed_at", None)  # a monotonic time: meaningless in the report
     result["faults"] = faults
     result["windows"] = [{k: round(v, 2) if isinstance(v, float) else v for k, v in w.items()}
                          for w in windows]
@@ -654,7 +726,7 @@ async def chaos(fleet: Fleet, args: argparse.Namespace, result: dict) -> None:
             - flood["evictions_before"]
     result["rss_at_end_mib"] = memory(fleet)
     fleet.note_pids()
-    result["records_lost"] = [asdict(r) for r in state.records if r.outcome != "completed"][:20]
+    result["records_lost"] = [asdict(r) for r in state.records if r.outcome not in ("completed", "cut")][:20]
 
 
 def checks_of(result: dict, args: argparse.Namespace) -> dict[str, bool]:
@@ -673,14 +745,18 @@ def checks_of(result: dict, args: argparse.Namespace) -> dict[str, bool]:
     kill = result.get("faults", {}).get("encoder_kill")
     if kill is not None:
         checks["killed_encoder_children_gone"] = not kill["children_alive_after_kill"]
+    dkill = result.get("faults", {}).get("decoder_kill")
+    if dkill is not None:
+        checks["killed_decoder_core_gone"] = not dkill["children_alive_after_kill"]
     return checks
 
 
 def print_summary(result: dict) -> None:
     c = result.get("counts", {})
-    print_table("requests", ["requests", "completed", "after retry", "retriable statuses", "lost"],
+    print_table("requests", ["requests", "completed", "after retry", "retriable statuses", "cut by kill",
+                             "lost"],
                 [[c.get("requests"), c.get("completed"), c.get("completed_after_retry"),
-                  c.get("retriable_statuses_before_streaming"), c.get("lost")]])
+                  c.get("retriable_statuses_before_streaming"), c.get("cut_by_kill"), c.get("lost")]])
     rows = [[name, w["requests"], w["completed"], w["retried"], w["ttft"].get("p50_ms"),
              w["ttft"].get("p99_ms")] for name, w in result.get("latency", {}).items()]
     print_table("TTFT by window (streamed requests, ms)", ["window", "requests", "completed", "retried",

@@ -4,6 +4,8 @@
     proxy.mode = "delay"; proxy.delay_s = 0.3      # every chunk forwarded late
     proxy.mode = "blackhole"                       # connections stay open, nothing is forwarded
     proxy.reset_all()                              # every open connection ends with a TCP RST
+    proxy.cut_answer_with = b"..."                  # once: the answer bearing these bytes is lost (below)
+    proxy.hold_answer_with = b"..."                 # once: that answer's connection is held both ways
     proxy.mode = "pass"
 
 It runs its own event loop on a thread, so a busy benchmark loop does not add delays of its own.
@@ -34,6 +36,16 @@ class FaultProxy:
     delay_s: float = 0.2
     resets: int = 0            # connections ended with RST by reset_all()
     connections: int = 0       # accepted so far
+    # Once: the first chunk from upstream that holds these bytes is dropped and the client's connection
+    # ends with RST, while upstream's stays open (read and discarded): the server wrote its whole answer
+    # and thinks it delivered; the client saw the link break. (Then the pattern is cleared.)
+    cut_answer_with: bytes = b""
+    answers_cut: int = 0
+    # Once: the same, but the client's connection stays open too, nothing forwarded either way from then
+    # on (a stalled link): the client waits for an answer that never comes, and what it sends on that
+    # connection (a cancel, a Release) never arrives.
+    hold_answer_with: bytes = b""
+    answers_held: int = 0
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _writers: set = field(default_factory=set)
@@ -70,15 +82,29 @@ class FaultProxy:
             writer.close()
             return
         self._writers.update((writer, up_writer))
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer),
+        link = _Link()
+        await asyncio.gather(self._pump(reader, up_writer, link), self._pump(up_reader, writer, link, True),
                              return_exceptions=True)
         for w in (writer, up_writer):
             self._writers.discard(w)
             w.close()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: _Link,
+                    answers: bool = False) -> None:
         try:
             while data := await reader.read(65536):
+                if link.cut:
+                    continue  # upstream's connection stays open; what it sends goes nowhere
+                if answers and self.cut_answer_with and self.cut_answer_with in data:
+                    self.cut_answer_with, link.cut = b"", True
+                    self.answers_cut += 1
+                    self._writers.discard(writer)
+                    _abort(writer)
+                    continue
+                if answers and self.hold_answer_with and self.hold_answer_with in data:
+                    self.hold_answer_with, link.cut = b"", True
+                    self.answers_held += 1
+                    continue
                 while self.mode == "blackhole" and not writer.is_closing():
                     await asyncio.sleep(0.05)  # held: the peer sees a link that says nothing
                 if self.mode == "delay":
@@ -86,8 +112,9 @@ class FaultProxy:
                 writer.write(data)
                 await writer.drain()
         finally:
-            with contextlib.suppress(OSError, RuntimeError):
-                writer.close()
+            if not link.cut or answers:  # a cut link keeps upstream's side open until upstream closes it
+                with contextlib.suppress(OSError, RuntimeError):
+                    writer.close()
 
     def reset_all(self) -> int:
         """End every open connection with a TCP RST (SO_LINGER 0); returns how many were open."""
@@ -96,11 +123,7 @@ class FaultProxy:
 
         def reset() -> None:
             for writer in list(self._writers):
-                sock = writer.get_extra_info("socket")
-                if sock is not None:
-                    with contextlib.suppress(OSError):
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                writer.transport.abort()
+                _abort(writer)
                 count[0] += 1
             self._writers.clear()
             done.set()
@@ -115,3 +138,19 @@ class FaultProxy:
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(10)
+
+
+@dataclass
+class _Link:
+    """One proxied connection's state shared by its two directions."""
+
+    cut: bool = False  # its answer was cut or held: nothing is forwarded, upstream's side is kept open
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """End the connection with a TCP RST (SO_LINGER 0), not a FIN."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()

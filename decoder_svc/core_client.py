@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from common.client import new_lease_owner
 from common.errors import UnavailableError
 from common.security.options import ClientSecurity
 from decoder_svc import core_protocol as msg
@@ -62,8 +63,11 @@ class EngineCoreClient:
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked; a clean interpreter
         self._conn, child_conn = ctx.Pipe()
         link = encoder_link or ClientSecurity()
-        self._process = ctx.Process(target=run_core, args=(child_conn, config, link), name="engine-core",
-                                    daemon=True)
+        # The core's leases are taken for this secret: a core killed at shutdown cannot give them back,
+        # the front end can (by request: FrontEndLink.release_requests). Never logged.
+        self.lease_owner = new_lease_owner()
+        self._process = ctx.Process(target=run_core, args=(child_conn, config, link, self.lease_owner),
+                                    name="engine-core", daemon=True)
         self._child_conn = child_conn
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._streams_lock = threading.Lock()
@@ -145,6 +149,11 @@ class EngineCoreClient:
         """Stop delivering request_id's outputs."""
         with self._streams_lock:
             self._streams.pop(request_id, None)
+
+    def open_stream_ids(self) -> list[str]:
+        """The ids of the requests whose outputs someone still awaits."""
+        with self._streams_lock:
+            return list(self._streams)
 
     @property
     def num_open_streams(self) -> int:

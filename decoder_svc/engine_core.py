@@ -82,8 +82,10 @@ def engine_config(config: DecoderConfig) -> EngineConfig:
     return dataclasses.replace(config.engine, detokenize=False)
 
 
-def build_engine(config: DecoderConfig, encoder_link: ClientSecurity) -> LLMEngine:
-    """The engine with a remote embedding source over the configured encoders."""
+def build_engine(config: DecoderConfig, encoder_link: ClientSecurity, lease_owner: str | None = None
+                 ) -> LLMEngine:
+    """The engine with a remote embedding source over the configured encoders; its leases are taken
+    for `lease_owner` (None: a fresh secret), which the front end can then release if the core dies."""
     from common.transport import nixl
     from common.transport.importer import accepted_transports
     from decoder_svc.encoders.discovery import EncoderPool, GrpcHealthCheck
@@ -96,7 +98,7 @@ def build_engine(config: DecoderConfig, encoder_link: ClientSecurity) -> LLMEngi
         nixl.start_reader()  # its agent's start-up (~0.5 s) is then not the first NIXL request's
     source = RemoteEmbeddingSource(pool, device=config.engine.device, transports=transports,
                                    retry=RetryPolicy(total_timeout_s=config.encoders.timeout_s),
-                                   tls=encoder_link.tls, token=encoder_link.token)
+                                   tls=encoder_link.tls, token=encoder_link.token, lease_owner=lease_owner)
     return LLMEngine(engine_config(config), embedding_source=source)
 
 
@@ -233,14 +235,15 @@ class EngineCore:
         self._commands, self._idle = 0, 0.0
 
 
-def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecurity) -> None:
+def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecurity,
+             lease_owner: str | None = None) -> None:
     """The core process's entry point (multiprocessing target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
     configure_logging(config.service.log_level)
     reuse_freed_blocks()  # image bytes follow their requests through the pipe, megabytes each
     dump_stacks_on_signal()
     try:
-        engine = build_engine(config, encoder_link)
+        engine = build_engine(config, encoder_link, lease_owner)
     except LoRAError as exc:  # an adapter we cannot serve: one line, exit 2
         conn.send(msg.StartRefused(f"--lora-modules: {exc}"))
         return

@@ -121,13 +121,18 @@ async def serve(config: DecoderConfig, security: ServerSecurity | None = None,
 
     async def shutdown() -> None:
         refresher.cancel()
-        if core.num_open_streams:  # the drain ran out of time: end the rest with a clear error
+        ended = core.open_stream_ids()
+        if ended:  # the drain ran out of time: end the rest with a clear error
             servicer.end_drain()
             await asyncio.sleep(_DEATH_GRACE_S)
-        # After the drain nothing is in flight: what is left of the margin bounds the core's stop (a core
-        # killed then holds no lease worth keeping; the encoders' TTL collects any).
+        # After the drain nothing is in flight: what is left of the margin bounds the core's stop.
         await asyncio.to_thread(core.stop, stopping.left(_CORE_STOP_MIN_S))
         if servicer.encoders is not None:
+            if ended:  # their leases, which a killed core, or an answer lost on a stalled link, left behind
+                freed = await asyncio.to_thread(servicer.encoders.release_requests, ended, core.lease_owner,
+                                                min(_RELEASE_TIMEOUT_S, stopping.left(_RELEASE_MIN_S)))
+                log.info("released %d encoder leases of %d requests the drain timeout ended", freed,
+                         len(ended))
             servicer.encoders.close()
         log.info("engine core stopped; %.2f s since SIGTERM", stopping.elapsed())
 
@@ -147,6 +152,10 @@ _DEATH_GRACE_S = 1.0
 _EXIT_MARGIN_S = 1.0
 _CORE_STOP_MIN_S = 0.5
 _GRPC_GRACE_S = 0.3
+# The ended requests' leases, given back at the encoders after the core stopped: what is left of the
+# margin, within these bounds (an encoder that does not answer at once has its TTL).
+_RELEASE_TIMEOUT_S = 0.5
+_RELEASE_MIN_S = 0.2
 
 
 def exit_without_teardown(code: int) -> None:

@@ -519,14 +519,18 @@ class EmbeddingCache:
 
     def release_asks(self, asks: Sequence[str], owner: str) -> int:
         """Release owner's leases named (name_leases) after any of `asks`: those of answers its caller
-        cancelled and never read, whose ids it never learnt. Nothing for the empty owner: request ids,
-        unlike lease ids, can be guessed, and the anonymous owner is anyone's. Returns how many."""
+        cancelled and never read, whose ids it never learnt. An ask "R#..." is also released by "R" (a
+        decoder names its asks after its request, so a decoder whose engine core is gone can give back
+        every lease of the requests it ended without knowing their asks). Nothing for the empty owner:
+        request ids, unlike lease ids, can be guessed, and the anonymous owner is anyone's. Returns how
+        many."""
         if not owner or not asks:
             return 0
         wanted = set(asks)
         with self._lock:
             named = [lid for lid, lease in self._leases.items()
-                     if lease.ask in wanted and lease.owner == owner]
+                     if lease.owner == owner and lease.ask
+                     and (lease.ask in wanted or lease.ask.partition("#")[0] in wanted)]
             return sum(self._release_locked(lid, owner) for lid in named)
 
     def _sweep_locked(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -29,4 +29,16 @@ class FetchSlot:
     boosted: bool = False  # asked for by lookahead, then needed now: told the encoder so
     started: bool = False  # a worker took its fetch up (one only: a queued duplicate sends nothing)
     call: grpc.Future | None = None  # its Encode in flight: cancelled when the slot is released
-    ask: str = ""  # the request_id of its Encodes, its own: a Release by it frees an unread answer's lease
+    name: str = ""  # unique to the slot; each Encode's request_id (its ask) is the name and an attempt number
+    ask: str = ""  # its latest Encode's request_id, its own: a Release by it frees an unread answer's lease
+    attempts: int = 0
+    # (encoder, ask) of Encodes that failed on the link: their answers may have been granted leases and lost
+    # on the way (a reset connection). Released by name once the encoder answers again, or the slot ends.
+    abandoned: list[tuple[str, str]] = field(default_factory=list)
+
+    def next_ask(self) -> str:
+        """A fresh request_id for the next Encode: a late Release of a failed attempt's name can never
+        free the lease of the attempt after it."""
+        self.attempts += 1
+        self.ask = f"{self.name}.{self.attempts}"
+        return self.ask

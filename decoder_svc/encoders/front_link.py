@@ -12,6 +12,9 @@
   NOT_FOUND and having the core send the same megabytes again. Fire and forget: a failure changes
   nothing but the time (the core sends the bytes as before).
 
+- `release_requests`: at shutdown, once the engine core is gone, the leases of the requests a drain timeout
+  ended, by request id at every encoder (the core's lease-owner secret is the front end's).
+
 Each hash goes to the encoder that owns it on the same consistent-hash ring the embedding fetches use,
 under the request's cache salt (an entry made under another salt answers nothing).
 """
@@ -124,6 +127,26 @@ class FrontEndLink:
             call.add_done_callback(_log_failure)
             sent += 1
         return sent
+
+    def release_requests(self, request_ids: Sequence[str], lease_owner: str, timeout_s: float = 1.0) -> int:
+        """Give back, at every encoder in the ring, every lease taken for `lease_owner` in answer to
+        these requests' Encodes (the encoder frees an ask "R#..." by "R"): what a shutdown does for the
+        requests it ended once its engine core is gone (stopped or killed), so that none waits for its
+        TTL. Waits up to timeout_s for the answers; returns how many leases were freed."""
+        if not request_ids or not lease_owner:
+            return 0
+        request = encoder_pb2.ReleaseRequest(request_ids=list(request_ids), lease_owner=lease_owner)
+        calls = {encoder: self._stub(encoder).Release.future(request, timeout=timeout_s,
+                                                             metadata=auth_metadata(self._token))
+                 for encoder in self.pool.members}
+        freed = 0
+        for encoder, call in calls.items():
+            try:
+                freed += call.result().released
+            except grpc.RpcError as exc:  # that encoder's TTL collects them
+                log.warning("release of %d ended requests at %s: %s", len(request_ids), encoder,
+                            exc.code().name)
+        return freed
 
     def close(self) -> None:
         """Close the channels and the pool's background work."""

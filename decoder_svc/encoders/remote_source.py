@@ -21,8 +21,13 @@
 - Several encoders are routed by consistent hash of the content hash; `dns:///NAME:PORT` finds them by
   DNS and follows replicas as they come and go (discovery.py). An image whose encoder left the ring is
   asked of its new owner on the next retry.
-- Leases are this source's own: one lease-owner secret per source (one per decoder process) goes on
-  every Encode and Release, so no other client can release them and this one releases no one else's.
+- Leases are this source's own: one lease-owner secret per source (one per decoder, made by its front
+  end so that it can give back what a killed engine core could not) goes on every Encode and Release, so
+  no other client can release them and this one releases no one else's.
+- Each Encode attempt asks under a name of its own (`request#n.k`): an answer lost on a broken link is
+  given back by its attempt's name once the encoder answers again or the image's fetch ends, and the asks
+  in flight at close are given back before the channels close; a late release never frees another
+  attempt's lease.
 - Security (docs/security.md): TLS or mutual TLS with `tls`; with `token`, this decoder authenticates as
   a service and names each call's tenant (from its scoped cache_salt), so the encoder scopes it too.
 - A hash-only image (no bytes) that the encoder does not hold under the request's cache_salt fails the
@@ -81,6 +86,7 @@ log = logging.getLogger("mmserve.decoder.encoders")
 # A file the front end sent ahead may reach its encoder after the engine's ask by hash (the ask is small,
 # the file megabytes): the encoder waits up to this long for it before answering NOT_FOUND.
 _SENT_AHEAD_WAIT_MS = 250
+_CLOSE_RELEASE_TIMEOUT_S = 0.5  # the asks in flight at close, given back before the channels go
 
 
 class RemoteEmbeddingSource(EmbeddingSource):
@@ -130,7 +136,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
             if slot is None:
                 self._slots[key] = FetchSlot(prefetch=req.prefetch,
                                          deadline=time.monotonic() + self.retry.total_timeout_s,
-                                         ask=f"{req.request_id}#{next(self._asks)}")
+                                         name=f"{req.request_id}#{next(self._asks)}")
                 self._counters.embeddings_requested += 1
                 self._counters.images_prefetched += int(req.prefetch)
                 # Routes there: the ring may be empty for a while.
@@ -175,7 +181,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
         with self._lock:
             keys = ([(request_id, content_hash)] if content_hash is not None
                     else [k for k in self._slots if k[0] == request_id])
-            cancelled = []
+            cancelled, abandoned = [], []
             for key in keys:
                 slot = self._slots.pop(key, None)
                 if slot is None:
@@ -185,6 +191,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 slot.tensor = None
                 if slot.call is not None:
                     cancelled.append((slot.call, slot.encoder, slot.ask))
+                abandoned.extend(slot.abandoned)
+                slot.abandoned = []
             if content_hash is None:  # the request is gone: nobody will ask for its error code
                 self._failed_requests.pop(request_id, None)
         for call, encoder, ask in cancelled:
@@ -192,6 +200,7 @@ class RemoteEmbeddingSource(EmbeddingSource):
             # already on its way is dropped unread, so its lease is given back by the ask's name.
             call.cancel()
             self._release_asks(encoder, [ask])
+        self._release_abandoned(abandoned)
 
     def error(self, request_id: str, content_hash: str) -> str:
         with self._lock:
@@ -214,10 +223,15 @@ class RemoteEmbeddingSource(EmbeddingSource):
             self._closed = True
             requests = {rid for rid, _ in self._slots}
             calls, self._open_calls = list(self._open_calls), set()
+            # Asks whose answers may be on their way or lost: given back by name below, before the
+            # channels close (release() gives back nothing once closed).
+            asks = [(slot.encoder, slot.ask) for slot in self._slots.values() if slot.call is not None]
+            asks += [a for slot in self._slots.values() for a in slot.abandoned]
         for rid in requests:
             self.release(rid)
         for call in calls:  # a fetch waiting on a busy encoder would hold the shutdown for its whole wait
             call.cancel()
+        self._release_now(asks, _CLOSE_RELEASE_TIMEOUT_S)
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._prefetch_pool.shutdown(wait=True, cancel_futures=False)
         self.ring.close()
@@ -238,6 +252,12 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 return
             slot.started = True
             deadline = slot.deadline
+        try:
+            self._fetch_on_ring(key, req, deadline)
+        finally:  # answers lost on a broken link: their leases go back whatever the image's fate
+            self._release_abandoned(self._take_abandoned(key))
+
+    def _fetch_on_ring(self, key: tuple[str, str], req: EmbeddingRequest, deadline: float) -> None:
         encoder = ""
         try:
             encoder = self._route(key, req, deadline)
@@ -402,9 +422,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
                      busy_until: float | None = None) -> common_pb2.EmbeddingRef:
         """One input's Encode, retried while the encoder is unreachable until `deadline` (its reach); a
         busy encoder is waited for until `busy_until` (busy_timeout_s from the image's first ask)."""
-        with self._lock:
-            slot = self._slots.get((req.request_id, req.content_hash))
-        request = encoder_pb2.EncodeRequest(request_id=slot.ask if slot else req.request_id, accept=accept,
+        key = (req.request_id, req.content_hash)
+        request = encoder_pb2.EncodeRequest(request_id=req.request_id, accept=accept,
                                             cache_salt=req.cache_salt, prefetch=req.prefetch,
                                             lease_owner=self._lease_owner, await_file_ms=await_file_ms)
         item.add_to(request)
@@ -420,9 +439,17 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 raise EncoderUnavailableError(f"encoder unreachable within {policy.total_timeout_s:.0f} s "
                                               f"({attempts} attempts)")
             attempts += 1
+            with self._lock:
+                slot = self._slots.get(key)
+                request.request_id = slot.next_ask() if slot is not None else f"{req.request_id}.{attempts}"
             try:
-                return self._await_encode(encoder, req, request, deadline, busy_until).embeddings[0]
+                answer = self._await_encode(encoder, req, request, deadline, busy_until).embeddings[0]
+            except EncoderBusyError:  # cancelled as it may have been answered
+                self._abandon(key, encoder, request.request_id)
+                raise
             except grpc.RpcError as exc:
+                if exc.code() in TRANSPORT_CODES:  # its answer, if any, may have been lost on the way
+                    self._abandon(key, encoder, request.request_id)
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not isinstance(exc, Unresponsive):
                     raise EncoderBusyError(self.retry.busy_message()) from None  # the call's own timeout
                 if exc.code() not in RETRYABLE or self._closed:
@@ -434,8 +461,11 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 # one it admits) must not all come back together, or each wave admits one again.
                 pause = random.uniform(0.0, backoff)
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # Busy, not down: the encoder answered, refusing for now; RESOURCE_EXHAUSTED says so
+                    # (retriable later, 429 at the gateway), whichever bound ends the waiting.
                     full_since = full_since or time.monotonic()
-                    if time.monotonic() + pause - full_since > policy.full_cache_wait_s:
+                    if (time.monotonic() + pause - full_since > policy.full_cache_wait_s
+                            or time.monotonic() + pause > deadline):
                         raise
                 if time.monotonic() + pause > deadline:
                     raise EncoderUnavailableError(
@@ -444,6 +474,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
                 log.warning("encoder %s: %s, retrying in %.2f s", encoder, exc.code().name, pause)
                 time.sleep(pause)
                 backoff = min(policy.max_backoff_s, backoff * 2)
+                continue
+            # It answers again: the leases of its answers lost on the way are named by now; give them back.
+            self._release_abandoned(self._take_abandoned(key, encoder))
+            return answer
 
     def _await_encode(self, encoder: str, req: EmbeddingRequest, request: encoder_pb2.EncodeRequest,
                       deadline: float, busy_until: float) -> encoder_pb2.EncodeResponse:
@@ -566,6 +600,50 @@ class RemoteEmbeddingSource(EmbeddingSource):
                         done.code().name)
 
         call.add_done_callback(_log_failure)
+
+    def _take_abandoned(self, key: tuple[str, str], encoder: str | None = None) -> list[tuple[str, str]]:
+        """The key's abandoned asks (of `encoder`, or all), forgotten by the slot."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                return []
+            taken = [a for a in slot.abandoned if encoder is None or a[0] == encoder]
+            slot.abandoned = [a for a in slot.abandoned if a not in taken]
+            return taken
+
+    def _abandon(self, key: tuple[str, str], encoder: str, ask: str) -> None:
+        """An Encode failed on the link: the encoder may have answered it with a lease that was lost on the
+        way. Its ask is released by name once the encoder answers again (then the encoder has named that
+        answer's leases, if any) or when the image's fetch ends; at once if the image is gone already."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None and not slot.released:
+                slot.abandoned.append((encoder, ask))
+                return
+        self._release_abandoned([(encoder, ask)])
+
+    def _release_abandoned(self, abandoned: Sequence[tuple[str, str]]) -> None:
+        by_encoder: dict[str, list[str]] = {}
+        for encoder, ask in abandoned:
+            by_encoder.setdefault(encoder, []).append(ask)
+        for encoder, asks in by_encoder.items():
+            self._release_asks(encoder, asks)
+
+    def _release_now(self, asks: Sequence[tuple[str, str]], timeout_s: float) -> None:
+        """Give back the leases of these (encoder, ask)s and wait up to timeout_s for the answers: at
+        close, when the channels are about to go."""
+        by_encoder: dict[str, list[str]] = {}
+        for encoder, ask in asks:
+            if encoder:
+                by_encoder.setdefault(encoder, []).append(ask)
+        calls = [self._stub(encoder).Release.future(encoder_pb2.ReleaseRequest(
+            request_ids=names, lease_owner=self._lease_owner), timeout=timeout_s,
+            metadata=auth_metadata(self._token)) for encoder, names in by_encoder.items()]
+        for call in calls:
+            try:
+                call.result()
+            except grpc.RpcError as exc:  # the encoder's TTL collects them
+                log.info("release of asks at close: %s", exc.code().name)
 
     def _release_asks(self, encoder: str, asks: list[str]) -> None:
         """Give back, without waiting, every lease the encoder answered these asks (Encode request_ids)

@@ -76,6 +76,24 @@ def test_the_proxy_passes_delays_holds_and_resets(echo):
         proxy.stop()
 
 
+def test_the_proxy_cuts_or_holds_one_answer_and_keeps_the_upstream_side_open(echo):
+    proxy = FaultProxy(echo).start()
+    try:
+        proxy.cut_answer_with = b"secret"
+        with pytest.raises(ConnectionResetError):  # the client's side is reset; the echo server's stays
+            if not _ask(proxy.port, b"a secret answer"):
+                raise ConnectionResetError("closed")
+        assert proxy.answers_cut == 1 and proxy.cut_answer_with == b""
+        assert _ask(proxy.port, b"secret") == b"secret"  # once only
+        proxy.hold_answer_with = b"held"
+        with pytest.raises(TimeoutError):  # connected, and the answer never comes
+            _ask(proxy.port, b"held", timeout=0.5)
+        assert proxy.answers_held == 1
+        assert _ask(proxy.port, b"held") == b"held"
+    finally:
+        proxy.stop()
+
+
 def test_a_proxy_to_a_dead_upstream_closes_the_connection():
     dead = socket.create_server(("127.0.0.1", 0))
     port = dead.getsockname()[1]
@@ -116,6 +134,8 @@ def test_a_clean_result_passes():
     ("not_serving_before_exit", lambda r: r["faults"]["decoder_drain"].update(not_serving_before_exit=False)),
     ("killed_encoder_children_gone", lambda r: r["faults"]["encoder_kill"].update(
         children_alive_after_kill=[7])),
+    ("killed_decoder_core_gone", lambda r: r["faults"].update(
+        decoder_kill={"children_alive_after_kill": [8]})),
     ("no_error", lambda r: r.update(error="RuntimeError: x")),
 ])
 def test_each_check_fails_on_what_it_catches(name, spoil):
@@ -134,6 +154,18 @@ def test_counts_and_windows():
     windows = chaos.window_summary(recs, [{"name": "encoder_kill", "start": 4.0, "end": 6.0}])
     assert windows["steady"]["requests"] == 1 and windows["encoder_kill"]["requests"] == 2
     assert windows["steady"]["ttft"]["n"] == 1
+
+
+def test_streams_a_decoder_kill_cut_are_counted_apart_from_the_lost():
+    killed_at = 1000.0
+    recs = [chaos.Record("image", True, 1, 1.0, "lost", "error after streaming began: x", ended_at=1001.0),
+            chaos.Record("text", True, 1, 1.0, "lost", "error after streaming began: x", ended_at=1030.0),
+            chaos.Record("text", False, 1, 1.0, "lost", "status 500: x", ended_at=1001.0),
+            chaos.Record("text", True, 1, 1.0, "completed", ended_at=1001.0)]
+    assert chaos.cut_by_kill(recs, {"decoder_kill": {"killed_at": killed_at}}) == 1
+    c = chaos.counts(recs)
+    assert (c["completed"], c["cut_by_kill"], c["lost"]) == (1, 1, 2)  # later, or not a stream: lost
+    assert chaos.cut_by_kill(recs, {}) == 0
 
 
 def test_unknown_faults_are_refused():

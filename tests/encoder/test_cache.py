@@ -244,6 +244,22 @@ def test_leases_named_after_an_ask_are_released_by_its_owner_only():
     assert cache.release([other.lease_id], owner="alice") == 1
 
 
+def test_a_request_releases_every_ask_named_after_it_for_its_owner_only():
+    """A decoder's asks are "R#n.k": its front end, once the engine core is gone, gives back every lease
+    of request R by "R" alone (issue 67), and nothing of another request or another owner."""
+    cache = EmbeddingCache(TensorArena(4 * ITEM))
+    first = _put_salted(cache, "k", 1, salt="", owner="alice")
+    retry = cache.acquire("k", owner="alice")[0].result(0)
+    unrelated = cache.acquire("k", owner="alice")[0].result(0)
+    cache.name_leases([first.lease_id], "req-1#0.1")
+    cache.name_leases([retry.lease_id], "req-1#2#0.2")  # a forked choice's ask
+    cache.name_leases([unrelated.lease_id], "req-10#0.1")
+    assert cache.release_asks(["req-1"], owner="mallory") == 0
+    assert cache.release_asks(["req-1"], owner="alice") == 2
+    assert cache.stats().active_leases == 1  # req-10's stays
+    assert cache.release_asks(["req-10"], owner="alice") == 1
+
+
 def test_waiters_leases_belong_to_their_own_owners():
     cache = EmbeddingCache(TensorArena(4 * ITEM))
     f1, _ = cache.acquire("k", owner="one")

@@ -68,6 +68,13 @@ class _BusyEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         self.cond = threading.Condition()
         self.probes = self.encodes = self.abandoned = 0
         self.time_left_when_abandoned: list[float] = []  # of each abandoned call's own deadline, seconds
+        self.released_asks: list[str] = []  # Release by the asks' names
+
+    def Release(self, request, context):  # noqa: N802
+        with self.cond:
+            self.released_asks.extend(request.request_ids)
+            self.cond.notify_all()
+        return encoder_pb2.ReleaseResponse()
 
     def GetStats(self, request, context):  # noqa: N802 - the gRPC method's name
         with self.cond:
@@ -165,6 +172,19 @@ def test_closing_the_source_cancels_a_call_to_a_busy_encoder(serve):
     with encoder.cond:
         assert encoder.cond.wait_for(lambda: encoder.abandoned == 1, BOUND_S)
     assert encoder.time_left_when_abandoned[0] > BOUND_S, "the call ran into its deadline: never cancelled"
+
+
+def test_closing_the_source_gives_back_the_leases_of_the_asks_in_flight_by_name(serve):
+    """An answer may cross the cancel at close (an engine core stopping, or whose front end died): the
+    ask in flight is released by its name before the channels close, not left to the lease's TTL."""
+    encoder = _BusyEncoder(probes=None)
+    source = RemoteEmbeddingSource([serve(encoder)], retry=RetryPolicy(
+        attempt_timeout_s=BOUND_S, total_timeout_s=BOUND_S, busy_timeout_s=2 * BOUND_S))
+    source.request(EmbeddingRequest("r1", HASH, None))
+    with encoder.cond:
+        assert encoder.cond.wait_for(lambda: encoder.encodes == 1, BOUND_S)
+    source.close()
+    assert len(encoder.released_asks) == 1 and encoder.released_asks[0].startswith("r1#")
 
 
 def test_releasing_a_request_cancels_its_encode_in_flight(serve):

@@ -70,6 +70,14 @@ class _HungStub:
         self.cancelled = 0
         self.Encode = FakeMethod(None)
         self.Encode.future = self._start
+        # the asks it never answered are given back by name (their answers may be lost on the way): a
+        # stopped encoder does not answer that either
+        self.released_asks: list[str] = []
+        self.Release = FakeMethod(self._release)
+
+    def _release(self, request, **kwargs):
+        self.released_asks.extend(request.request_ids)
+        raise _Hung()
 
     def _start(self, request, timeout=None, **kwargs) -> _HungCall:
         assert timeout is not None  # an Encode without a timeout could hang forever
@@ -152,5 +160,30 @@ def test_each_attempt_timeout_is_cut_to_what_is_left_of_the_images_deadline(monk
         assert clock.now == pytest.approx(asked_at + policy.total_timeout_s)  # failed on time, not later
         assert source.poll("r1", "cd" * 32) == EmbeddingState.FAILED
         assert "unreachable" in source.error("r1", "cd" * 32)
+    finally:
+        source.close()
+
+
+def test_a_full_cache_at_the_images_deadline_is_busy_not_unreachable(monkeypatch):
+    """An encoder that answers RESOURCE_EXHAUSTED (its cache full of leased entries) until the image's
+    deadline is busy, not down: the image fails RESOURCE_EXHAUSTED with the encoder's own words (429 at the
+    gateway), never "encoder unreachable after 1 attempts (RESOURCE_EXHAUSTED)" with UNAVAILABLE."""
+    clock = _Clock()
+    monkeypatch.setattr(remote_source, "time", clock)
+    policy = RetryPolicy(total_timeout_s=0.5, full_cache_wait_s=5.0)  # the deadline comes first
+    source = RemoteEmbeddingSource(["127.0.0.1:1"], retry=policy)
+    stub = _FullCacheStub()
+    monkeypatch.setattr(source, "_stub", lambda encoder: stub)
+    queued: list = []
+    monkeypatch.setattr(source._pool, "submit", lambda fn, *args: queued.append((fn, args)))
+    try:
+        source.request(EmbeddingRequest("r1", "ef" * 32, None))
+        fn, args = queued.pop()
+        fn(*args)
+        assert stub.calls >= 1
+        assert source.poll("r1", "ef" * 32) == EmbeddingState.FAILED
+        error = source.error("r1", "ef" * 32)
+        assert source.pop_error_code("r1") == "RESOURCE_EXHAUSTED"
+        assert "unreachable" not in error and "embedding cache full" in error
     finally:
         source.close()
