@@ -35,6 +35,7 @@ SERVICE_STARTERS = frozenset({"Pair", "Service", "start_up", "running_up", "Gate
 SLOW_OTHERWISE = frozenset({
     "tests/bench/test_bench_cpu.py",
     "tests/bench/test_chaos_smoke.py",
+    "tests/bench/test_deterministic_cost.py",
     "tests/bench/test_encode_cost.py",
     "tests/bench/test_encode_tput_variants.py",
     "tests/bench/test_n_choices_rss.py",
