@@ -347,33 +347,17 @@ class InvariantTritonOps(TritonOps):
 
     batch_invariant = True  # layers with a kernel of their own (model/moe.py) take the reference instead
 
-    @staticmethod
-    def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                    proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """proj(rms_norm(x (+ residual))) in two steps; the new residual as TritonOps.rms_norm's."""
-        h, new_residual = TritonOps.rms_norm(x, weight, eps, residual)
-        return proj(h), new_residual
-
-    @staticmethod
-    def act_linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
-        """proj(silu(gate) * up) in two steps."""
-        return proj(TritonOps.silu_and_mul(x))
-
-    @staticmethod
-    def linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
-        """proj(x)."""
-        return proj(x)
+    # TorchOps' two-step forms over this class's (Triton) norm and activation, and its plain product
+    norm_linear = classmethod(TorchOps.norm_linear.__func__)
+    act_linear = classmethod(TorchOps.act_linear.__func__)
+    linear = staticmethod(TorchOps.linear)
 
     @staticmethod
     def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         raise ValueError("the deterministic mode does not serve FP8 projections")
 
-    @staticmethod
-    def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 rows: LoRASlots, rank: int) -> torch.Tensor:
-        """TorchOps.lora_add (products per slot over every row, in fp32: the mode's kernel)."""
-        return TorchOps.lora_add(y, x, lora_a, lora_b, rows, rank)
+    lora_add = staticmethod(TorchOps.lora_add)  # products per slot over every row: the mode's kernel
 
 
 class InvariantTritonAttentionBackend(TritonAttentionBackend):

@@ -69,3 +69,23 @@ def test_triton_layers_equal_the_reference(fixture: str, request: pytest.Fixture
     assert want.shape == (5, reference.config.vocab_size)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_model_dir"])
+def test_the_deterministic_kernels_equal_the_reference(fixture: str, request: pytest.FixtureRequest) -> None:
+    """The deterministic mode's GPU side (InvariantTritonAttentionBackend + InvariantTritonOps; on a CPU
+    the mode's products take MKL's padded path) computes the same model, chunked and decoding."""
+    from decoder_svc.model.batch_invariant import invariant_matmuls_active
+    from decoder_svc.model.kernel_dispatch import InvariantTritonAttentionBackend, InvariantTritonOps
+
+    model_dir: Path = request.getfixturevalue(fixture)
+    reference = load_language_model(model_dir)
+    twin = LlamaForCausalLM(reference.config, InvariantTritonAttentionBackend(), InvariantTritonOps)
+    twin.load_state_dict(reference.state_dict())
+    twin.batch_invariant = True
+    ids = torch.randint(0, reference.config.vocab_size, (21,), generator=torch.Generator().manual_seed(3))
+    want = _steps(reference, ids, [13, 8], 3, reference.uses_mrope)
+    got = _steps(twin.eval(), ids, [13, 8], 3, reference.uses_mrope)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert not invariant_matmuls_active()  # the forward's mode ends with it
