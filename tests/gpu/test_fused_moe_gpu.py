@@ -102,3 +102,21 @@ def test_the_layer_takes_the_kernel_under_triton_ops():
     assert fused.fused and not reference.fused
     x = torch.randn(40, 256, device="cuda").bfloat16()
     assert _rel_err(fused(x), reference(x)) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 257])
+def test_fp8_experts_against_the_dequantized_reference(experts, tokens):
+    """FP8 experts (--quantization fp8's per-channel layout): the kernel widens the FP8 tiles to bf16 and
+    scales the fp32 accumulator; the fp32 reference over the dequantized experts is the exact value."""
+    from decoder_svc.model.quant.experts import quantize_experts
+
+    gate_up, down, router = experts
+    state = {"layers.0.mlp.experts.gate_up_proj": gate_up, "layers.0.mlp.experts.down_proj": down}
+    quantize_experts(state, "cuda")
+    q_gate_up, s_gate_up, q_down, s_down = (state[f"layers.0.mlp.experts.{n}"] for n in (
+        "gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"))
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    weights, ids = route(x @ router.t(), TOP_K, renormalize=True)
+    out = fused_moe(x, q_gate_up, q_down, weights, ids, gate_up_scale=s_gate_up, down_scale=s_down)
+    exact = experts_reference(x.float(), weights.float(), ids, q_gate_up, q_down, s_gate_up, s_down)
+    assert out.dtype == torch.bfloat16 and _rel_err(out, exact) < 1e-2
