@@ -164,10 +164,14 @@ def load_language_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(tp.local_config(cfg) if tp else cfg, backend, ops, tp)
     cfg = model.config
+    draw_in_place = load_format == "dummy" and quantization == "none"
     if load_format == "dummy":
-        # Drawn per tensor from its name, so the replicated ones are the same on every rank.
+        # Drawn per tensor from its name, so the replicated ones are the same on every rank. Unquantized,
+        # into the allocated model (below): the drawn state and the model never both take memory (a 30B
+        # MoE's 2 x 61 GB would not fit one 80 GB GPU).
         shapes = {n: p.shape for n, p in model.named_parameters()}
-        state = dummy_state(shapes, cfg.num_layers, cfg.tie_word_embeddings and tp is None, device, dtype)
+        state = {} if draw_in_place else dummy_state(shapes, cfg.num_layers,
+                                                     cfg.tie_word_embeddings and tp is None, device, dtype)
         fmt = None  # nothing is read, so nothing is FP8 yet
     else:
         _check_has_language_weights(model_dir)
@@ -190,13 +194,19 @@ def load_language_model(
         fp8_experts = quantize_experts(state, device)
     state = {n: t.to(dtype) if t.is_floating_point() and t.dtype != FP8_DTYPE and not n.endswith(SCALE)
              and not is_expert_scale(n) else t for n, t in state.items()}
-    tie = (cfg.tie_word_embeddings or "lm_head.weight" not in state) and model.tp is None
+    tie = (cfg.tie_word_embeddings or ("lm_head.weight" not in state and not draw_in_place)) \
+        and model.tp is None
     if tie:
         state.pop("lm_head.weight", None)
     model = model.to(dtype)  # still on meta: nothing allocated yet
     swap_in_fp8_experts(model, fp8_experts)  # on meta too: the experts are never allocated in `dtype`
     model = model.to_empty(device=device)
     swap_in_fp8(model, blocks, ops)  # after .to(dtype), which would cast FP8 weights
+    if draw_in_place:
+        state = dummy_state(shapes, cfg.num_layers, cfg.tie_word_embeddings and tp is None, device, dtype,
+                            into=dict(model.named_parameters()))
+        if tie:
+            state.pop("lm_head.weight", None)
     model.cos_sin = model.rotary_table(cfg).to(device)  # fp32, not in the checkpoint
     model.cos_sin_local = model.local_rotary_table(cfg).to(device)
     model.mrope_axis = mrope_axes(cfg).to(device)
