@@ -3,12 +3,13 @@ active-weights bandwidth bound and HF `generate` in the same run, with the routi
 
     # CPU smoke (tests/bench/test_moe_decode.py runs this shape):
     python -m bench.moe_decode --preset qwen3-vl-moe-tiny --batch-sizes 1,4 --output-len 8
-    # one GPU, the real shapes (the tower written, the language weights drawn on the device; an H200: the
-    # bf16 dummy load holds the drawn weights and the model at once, 2 x 61 GB):
+    # one H100 or H200, the real shapes (the tower written, the language weights drawn on the device, 61 GB
+    # in bf16; each engine is freed before the next and before HF's random init of the same config):
     python -m common.cli make-model --preset qwen3-vl-30b-a3b --out /tmp/moe30b --dtype bfloat16 \
         --weights vision
     python -m bench.moe_decode --model /tmp/moe30b --device cuda --dtype bfloat16 --load-format dummy \
-        --quantization none,fp8 --batch-sizes 1,32 --prompt-len 64 --output-len 128 --out moe_decode.json
+        --quantization none,fp8 --batch-sizes 1,32 --prompt-len 64 --output-len 64 --hf-repeats 2 \
+        --out moe_decode.json
 
 Each --quantization runs in its own engine (the same drawn weights; fp8 quantizes them at load). Streams
 have distinct prompts of --prompt-len tokens (identical prompts would route alike and read fewer
@@ -195,8 +196,10 @@ def run(args: argparse.Namespace) -> dict:
     hf_weights = args.hf_weights
     if hf_weights == "auto":
         hf_weights = "random" if args.load_format == "dummy" else "checkpoint"
+    cuda = torch.device(args.device).type == "cuda"
+    left_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None  # what the engines left behind
     hf = run_hf(args, model, prompts, calibration, batches, hf_weights) if hf_weights != "none" else {}
-    copy_bytes = args.copy_bytes or ((2 << 30) if torch.device(args.device).type == "cuda" else (256 << 20))
+    copy_bytes = args.copy_bytes or ((2 << 30) if cuda else (256 << 20))
     bandwidth = copy_bandwidth(args.device, copy_bytes)
     context = args.prompt_len + args.output_len / 2  # each stream's mean context over the timed steps
     results, base = [], {}
@@ -210,7 +213,8 @@ def run(args: argparse.Namespace) -> dict:
             hit = measured if measured is not None else uniform
             step = parts.total(b, hit, context)
             bound = b * bandwidth / step
-            base.setdefault(b, tps) if e["quantization"] == "none" else None
+            if e["quantization"] == "none":
+                base.setdefault(b, tps)
             results.append({
                 "quantization": e["quantization"], "batch": b, "engine_tokens_per_s": tps,
                 "hf_tokens_per_s": hf.get(b), "engine_over_hf": ratio(tps or 0.0, hf.get(b) or 0.0),
@@ -220,17 +224,17 @@ def run(args: argparse.Namespace) -> dict:
                 "engine_decode_tokens": tokens, "engine_decode_s": seconds})
     print_table(f"MoE decode tokens/s on {args.device} ({args.dtype}, {args.load_format} weights)",
                 ["quant", "batch", "engine", "HF generate", "engine/HF", "bound", "engine/bound",
-                 "experts/layer"],
+                 "experts/layer", "x bf16"],
                 [[r["quantization"], r["batch"], r["engine_tokens_per_s"], r["hf_tokens_per_s"],
                   r["engine_over_hf"], r["bound_tokens_per_s"], r["engine_fraction_of_bound"],
-                  r["experts_hit_per_layer"]] for r in results])
+                  r["experts_hit_per_layer"], r["over_bf16"]] for r in results])
     for e in engines:
         load = e["load"]
         print(f"expert load ({e['quantization']}): {load.tokens} tokens x {e['top_k']} per layer, busiest "
               f"expert {load.imbalance_mean:.2f}x the mean (worst layer {load.imbalance_max:.2f}x), "
               f"{load.experts_per_step} experts per layer at {load.streams} streams", flush=True)
     return save_result("moe_decode", args, results, copy_bandwidth_bytes_per_s=bandwidth,
-                       router_spread=_spread(args), hf_weights=hf_weights,
+                       router_spread=_spread(args), hf_weights=hf_weights, cuda_gib_after_engines=left_gib,
                        expert_load={e["quantization"]: asdict(e["load"]) for e in engines},
                        step_bytes={e["quantization"]: asdict(e["bytes"]) for e in engines})
 

@@ -100,12 +100,13 @@ class ExpertLoad:
     imbalance_mean: float
     imbalance_max: float
     streams: int
-    experts_per_step: float | None  # None when the tokens do not split into `streams` equal prompts
+    experts_per_step: float | None  # None with fewer tokens than streams
 
 
 def expert_load(ids: list[torch.Tensor], num_experts: int, streams: int) -> ExpertLoad:
-    """Summarise per-layer picks [tokens, top_k] of one prefill of `streams` prompts of equal length
-    (their tokens concatenated prompt by prompt, as the engine schedules them)."""
+    """Summarise per-layer picks [tokens, top_k] of one prefill of `streams` prompts of (about) equal
+    length, their tokens concatenated prompt by prompt as the engine schedules them: the tokens are cut
+    into `streams` near-equal runs, and position j of every run is one step's tokens."""
     ids = [i for i in ids if i.numel()]
     if not ids:
         return ExpertLoad(0, [0] * num_experts, 0.0, 0.0, streams, None)
@@ -114,12 +115,12 @@ def expert_load(ids: list[torch.Tensor], num_experts: int, streams: int) -> Expe
     imbalance = share.max(dim=1).values
     tokens = ids[0].shape[0]
     per_step = None
-    if streams > 0 and tokens % streams == 0:
+    if 0 < streams <= tokens:
         hits = []
-        positions = tokens // streams
         for layer in ids:  # one position of every prompt: one decode step's tokens
-            by_position = layer.view(streams, positions, -1).transpose(0, 1).reshape(positions, -1)
-            hits += [len(set(row.tolist())) for row in by_position]
+            prompts = torch.tensor_split(layer, streams)  # a token more or less where lengths differ
+            positions = min(len(p) for p in prompts)
+            hits += [len({e for p in prompts for e in p[j].tolist()}) for j in range(positions)]
         per_step = sum(hits) / len(hits)
     return ExpertLoad(tokens, counts.sum(dim=0).tolist(), imbalance.mean().item(), imbalance.max().item(),
                       streams, per_step)

@@ -48,6 +48,7 @@ def test_moe_decode_smoke_on_dummy_weights(moe_dir, tmp_path):
         assert r["hf_tokens_per_s"] is None or r["hf_tokens_per_s"] > 0
         assert top_k <= r["experts_hit_per_layer"] <= min(r["batch"] * top_k, text["num_local_experts"])
     assert [r["experts_hit_per_layer"] for r in rows if r["batch"] == 1] == [top_k, top_k]
+    assert [r["over_bf16"] is None for r in rows] == [True, True, False, False]  # FP8 over bf16
     for quant, load in payload["expert_load"].items():
         assert load["tokens"] == 2 * 8 and load["streams"] == 2, quant  # two prompts of 8 tokens
         assert sum(load["histogram"]) == load["tokens"] * top_k * layers
@@ -97,7 +98,9 @@ def test_expert_load_counts_the_experts_one_step_hits():
     load = expert_load(ids, num_experts=4, streams=2)
     assert load.tokens == 6 and load.histogram == [1, 2, 2, 1]
     assert load.experts_per_step == pytest.approx(5 / 3) and load.imbalance_max == pytest.approx(2 / 1.5)
-    assert expert_load(ids, num_experts=4, streams=4).experts_per_step is None  # 6 tokens: not 4 prompts
+    # runs of 2, 2, 1, 1 tokens (lengths a token apart): one position, tokens 0, 2, 4, 5
+    assert expert_load(ids, num_experts=4, streams=4).experts_per_step == 4
+    assert expert_load(ids, num_experts=4, streams=7).experts_per_step is None
 
 
 def test_roofline_counts_a_moes_active_parameters(moe_dir):
