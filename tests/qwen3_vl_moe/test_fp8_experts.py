@@ -1,11 +1,14 @@
 """FP8 experts (decoder_svc/model/quant/experts.py): `--quantization fp8` quantizes each MoE layer's stacked
 experts per expert and output channel at load, and the layer computes with them (CPU: the torch reference,
 each expert dequantized as TorchOps.fp8_linear does); FP8 checkpoints load when their experts stayed in
-bf16 and are refused, with a message that says what to do, when their experts are FP8."""
+bf16 and are refused, with a message that says what to do, when their experts are FP8. End to end, the
+FP8 engine's greedy tokens are HF's on the dequantized twin (the checkpoint with every quantized weight
+replaced by its FP8 value): fp32 on a CPU, exact."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -62,6 +65,48 @@ def test_the_fp8_layer_computes_with_its_dequantized_experts(models):
         weights, ids = route(layer.gate(x), layer.top_k, layer.renormalize)
         want = experts_reference(x, weights, ids, *_dequantized(layer.experts))
     assert torch.equal(got, want)
+
+
+def _dequantized_twin(src: Path, out: Path) -> Path:
+    """A copy of src whose decoder projections and experts are what --quantization fp8 makes of them
+    (quantized per output row, per expert for the stacked experts, dequantized to fp32)."""
+    from decoder_svc.model.loader import rename_language_model_key
+    from decoder_svc.model.quant.fp8 import quantize_per_channel
+
+    shutil.copytree(src, out)
+    text = json.loads((src / "config.json").read_text())["text_config"]
+    rows = {"gate_up_proj": 2 * text["moe_intermediate_size"], "down_proj": text["hidden_size"]}
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def fp8_value(w: torch.Tensor) -> torch.Tensor:
+        return dequantize(*quantize_per_channel(w), per_channel_block(w.shape[1]))
+
+    def twin(tensors: dict) -> None:
+        for name, w in tensors.items():
+            ours = rename_language_model_key(name)
+            if ours is None or not ours.startswith("layers."):
+                continue
+            if ours.endswith(".weight") and ours.rsplit(".", 2)[-2] in projections:
+                tensors[name] = fp8_value(w)
+            elif ".experts." in ours:
+                assert w.shape[1] == rows[ours.rsplit(".", 1)[-1]], "HF 5.x's [experts, out, in]"
+                tensors[name] = torch.stack([fp8_value(e) for e in w])
+
+    return _retensor(src, out, twin)
+
+
+def test_fp8_engine_gives_hfs_tokens_on_the_dequantized_twin(qwen3_moe_model_dir, make_qwen3_moe_engine,
+                                                            tmp_path):
+    from common.families.qwen3_vl_moe.oracle import Qwen3MoeOracle
+    from tests.oracle import greedy
+
+    twin = _dequantized_twin(qwen3_moe_model_dir, tmp_path / "twin")
+    prompt = "<|im_start|>user\ndescribe a red car on the table<|im_end|>\n<|im_start|>assistant\n"
+    engine = make_qwen3_moe_engine(quantization="fp8")
+    assert isinstance(engine.model.layers[0].mlp.experts, Fp8Experts)
+    got = engine.generate("r", prompt, [], sampling=greedy(12)).new_token_ids
+    want = Qwen3MoeOracle(twin).generate(prompt, [], 12)
+    assert got == want and len(set(want)) > 3
 
 
 def _retensor(src: Path, out: Path, change) -> Path:
