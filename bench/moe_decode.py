@@ -221,6 +221,7 @@ def run(args: argparse.Namespace) -> dict:
                 "bound_tokens_per_s": bound, "engine_fraction_of_bound": ratio(tps or 0.0, bound),
                 "over_bf16": ratio(tps or 0.0, base.get(b) or 0.0) if e["quantization"] != "none" else None,
                 "experts_hit_per_layer": hit, "experts_hit_uniform": uniform, "step_bytes": step,
+                "bytes_per_token": step / b,
                 "engine_decode_tokens": tokens, "engine_decode_s": seconds})
     print_table(f"MoE decode tokens/s on {args.device} ({args.dtype}, {args.load_format} weights)",
                 ["quant", "batch", "engine", "HF generate", "engine/HF", "bound", "engine/bound",

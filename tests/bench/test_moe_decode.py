@@ -49,6 +49,12 @@ def test_moe_decode_smoke_on_dummy_weights(moe_dir, tmp_path):
         assert top_k <= r["experts_hit_per_layer"] <= min(r["batch"] * top_k, text["num_local_experts"])
     assert [r["experts_hit_per_layer"] for r in rows if r["batch"] == 1] == [top_k, top_k]
     assert [r["over_bf16"] is None for r in rows] == [True, True, False, False]  # FP8 over bf16
+    for r in (r for r in rows if r["batch"] == 1):  # b1 reads: every shared weight, one row, top_k experts
+        parts = payload["step_bytes"][r["quantization"]]
+        context = 8 + 4 / 2  # each stream's mean context over the timed steps
+        want = (parts["shared"] + parts["embedding_row"] + layers * top_k * parts["expert"]
+                + context * parts["kv_per_token"])
+        assert r["bytes_per_token"] == pytest.approx(want)
     for quant, load in payload["expert_load"].items():
         assert load["tokens"] == 2 * 8 and load["streams"] == 2, quant  # two prompts of 8 tokens
         assert sum(load["histogram"]) == load["tokens"] * top_k * layers
@@ -139,3 +145,20 @@ def test_moe_prompts_and_grids_are_qwens(moe_dir):
     layout = Qwen3MoeImageLayout.from_checkpoint(moe_dir, json.loads((moe_dir / "config.json").read_text()))
     t, gh, gw = layout.grid(200, 200, layout.pixel_range())
     assert patches_per_image(moe_dir, 200) == t * gh * gw
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_step_bytes_split_every_weight_once(moe_dir, quantization):
+    from bench.bandwidth import weight_bytes
+    from bench.moe_routing import step_bytes
+    from decoder_svc.model.loader import load_language_model
+
+    model = load_language_model(moe_dir, "cpu", torch.float32, "torch", quantization=quantization)
+    cfg, embed = model.config, model.embed_tokens.weight
+    parts = step_bytes(model, kv_per_token=7)
+    table = 0 if model.lm_head.weight is embed else embed.numel() * embed.element_size()
+    experts = parts.expert * parts.moe_layers * cfg.num_experts
+    assert parts.shared + experts + table == weight_bytes(model)
+    assert parts.embedding_row == cfg.hidden_size * 4 and parts.moe_layers == cfg.num_layers
+    one = model.layers[0].mlp.experts
+    assert parts.expert == sum(p.numel() * p.element_size() for p in one.parameters()) / cfg.num_experts
