@@ -234,7 +234,11 @@ def run(args: argparse.Namespace) -> dict:
         print(f"expert load ({e['quantization']}): {load.tokens} tokens x {e['top_k']} per layer, busiest "
               f"expert {load.imbalance_mean:.2f}x the mean (worst layer {load.imbalance_max:.2f}x), "
               f"{load.experts_per_step} experts per layer at {load.streams} streams", flush=True)
-    return save_result("moe_decode", args, results, copy_bandwidth_bytes_per_s=bandwidth,
+    headline = [[f"MoE decode {r['quantization']} b{r['batch']}: {what}", r[key]] for r in results
+                for what, key in (("tok/s", "engine_tokens_per_s"), ("of bound", "engine_fraction_of_bound"),
+                                  ("HF tok/s", "hf_tokens_per_s"), ("over bf16", "over_bf16"))
+                if r[key] is not None]
+    return save_result("moe_decode", args, results, headline=headline, copy_bandwidth_bytes_per_s=bandwidth,
                        router_spread=_spread(args), hf_weights=hf_weights, cuda_gib_after_engines=left_gib,
                        expert_load={e["quantization"]: asdict(e["load"]) for e in engines},
                        step_bytes={e["quantization"]: asdict(e["bytes"]) for e in engines})

@@ -59,6 +59,8 @@ def test_moe_decode_smoke_on_dummy_weights(moe_dir, tmp_path):
         assert load["tokens"] == 2 * 8 and load["streams"] == 2, quant  # two prompts of 8 tokens
         assert sum(load["histogram"]) == load["tokens"] * top_k * layers
     assert payload["step_bytes"]["fp8"]["expert"] < payload["step_bytes"]["none"]["expert"] / 3
+    figures = dict(payload["headline"])  # bench.merge's table
+    assert figures["MoE decode fp8 b1: over bf16"] == rows[2]["over_bf16"]
 
 
 def _skewed_inputs(tokens: int, hidden: int, seed: int) -> torch.Tensor:
