@@ -8,7 +8,10 @@
 - vision: each distinct image once through the tower (the encoder's cache makes a repeat free),
   2 FLOPs per tower parameter per patch; the tower's attention is left out (under 10% at these sizes).
 - decode: every step reads the language model's weights once, and each running sequence's KV cache;
-  with `concurrency` sequences at a time, ceil(requests / concurrency) x (output_len - 1) steps.
+  with `concurrency` sequences at a time, ceil(requests / concurrency) x (output_len - 1) steps. A
+  mixture of experts counts its active parameters per token (attention, router, top_k experts) for the
+  FLOPs; a decode step of b sequences reads the experts b tokens hit, expected under uniform routing
+  (`expected_experts`).
 - peak: the dense bf16 figure of the GPU's data sheet where known (H100/H200 SXM: 989.4 TFLOP/s),
   else a measured large matmul in the served dtype (e.g. on a CPU); bandwidth: bench.bandwidth's
   measured copy.
@@ -48,11 +51,30 @@ class ModelShape:
     kv_bytes_per_token: int  # K and V of every layer, in the served dtype
     vision_params: int  # the tower and projector; 0 when the checkpoint has no weights to count
     dtype_bytes: int
+    # A mixture of experts (else zeros): layer_params counts each MoE layer's top_k experts and router.
+    moe_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    expert_params: int = 0  # one expert's gate, up and down
 
     @property
     def decode_weight_bytes(self) -> int:
-        """What one decode step reads of the weights."""
+        """What one decode step of one sequence reads of the weights."""
         return (self.layer_params + self.head_params) * self.dtype_bytes
+
+    def decode_step_bytes(self, rows: int) -> float:
+        """What one decode step of `rows` sequences reads of the weights: a mixture of experts reads the
+        experts its rows hit (expected_experts of them per MoE layer) rather than top_k."""
+        extra = expected_experts(self.num_experts, self.top_k, rows) - self.top_k if self.moe_layers else 0
+        return self.decode_weight_bytes + self.moe_layers * extra * self.expert_params * self.dtype_bytes
+
+
+def expected_experts(num_experts: int, top_k: int, rows: int) -> float:
+    """Distinct experts `rows` tokens hit when each picks top_k of num_experts uniformly: the experts a
+    decode step of `rows` sequences reads per MoE layer (top_k at one row, all of them for many)."""
+    if rows <= 1:
+        return float(min(top_k, rows * top_k))
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
 
 
 def model_shape(model_dir: str | Path, dtype: str) -> ModelShape:
@@ -60,12 +82,21 @@ def model_shape(model_dir: str | Path, dtype: str) -> ModelShape:
     config = load_config(model_dir)
     text = TextModelConfig.from_hf(config.get("text_config", config))
     h, q, kv = text.hidden_size, text.num_heads * text.head_dim, text.num_kv_heads * text.head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * text.intermediate_size
+    attention = h * q + 2 * h * kv + q * h
+    expert = 3 * h * text.moe_intermediate_size
+    moe_layers = sum(text.layer_is_moe(i) for i in range(text.num_layers))
+    active_moe = h * text.num_experts + text.num_experts_per_tok * expert  # router + top_k experts
+    dense_mlp = 3 * h * text.intermediate_size
+    layers = text.num_layers
+    layer_params = layers * attention + (layers - moe_layers) * dense_mlp + moe_layers * active_moe
     size = parse_dtype(dtype).itemsize
-    return ModelShape(layer_params=text.num_layers * per_layer, head_params=text.vocab_size * h,
+    return ModelShape(layer_params=layer_params, head_params=text.vocab_size * h,
                       num_layers=text.num_layers, query_width=q,
                       kv_bytes_per_token=2 * text.num_layers * kv * size,
-                      vision_params=_vision_params(model_dir), dtype_bytes=size)
+                      vision_params=_vision_params(model_dir), dtype_bytes=size, moe_layers=moe_layers,
+                      num_experts=text.num_experts if moe_layers else 0,
+                      top_k=text.num_experts_per_tok if moe_layers else 0,
+                      expert_params=expert if moe_layers else 0)
 
 
 def _vision_params(model_dir: str | Path) -> int:
@@ -124,7 +155,8 @@ def roofline(shape: ModelShape, work: Workload, peak: float, bandwidth: float) -
     steps = rounds * max(work.output_len - 1, 0)
     # Each step of a round reads every running sequence's context: n, n + 1, ... tokens.
     kv_tokens = work.requests * sum(n + j for j in range(1, work.output_len))
-    decode = steps * shape.decode_weight_bytes + kv_tokens * shape.kv_bytes_per_token
+    step_bytes = shape.decode_step_bytes(min(max(work.concurrency, 1), work.requests))
+    decode = steps * step_bytes + kv_tokens * shape.kv_bytes_per_token
     compute_s, memory_s = (prefill + vision) / peak, decode / bandwidth
     return {"prefill_flops": prefill, "vision_flops": vision, "decode_bytes": decode, "decode_steps": steps,
             "peak_flops": peak, "bandwidth_bytes_s": bandwidth, "compute_s": compute_s, "memory_s": memory_s,
@@ -145,11 +177,13 @@ def measure_roofline(model_dir: str | Path, device: str, dtype: str, work: Workl
 
 def patches_per_image(model_dir: str | Path, image_size: int) -> int:
     """The vision tower's sequence length for one square image of image_size pixels."""
+    from bench.workload import lays_out_by_grid
     from common.families.llava.layout import load_image_token_layout
-    from common.families.qwen2_5_vl.layout import is_qwen_vl, load_qwen_layout
+    from common.families.registry import layout_family
 
-    if is_qwen_vl(load_config(model_dir)):
-        layout = load_qwen_layout(model_dir)
+    config = load_config(model_dir)
+    if lays_out_by_grid(config):
+        layout = layout_family(config).image_layout(model_dir, config)
         return math.prod(layout.grid(image_size, image_size, layout.pixel_range()))
     layout = load_image_token_layout(model_dir)
     return layout.num_patches + int(layout.has_cls)

@@ -37,6 +37,10 @@
 #      Qwen2.5-VL-7B 1024² embedding, cold/warm TTFT with each; see its block below),
 #      vision_attention (issue 64: the Triton varlen attention kernel at head dims 72/80 beside torch's SDPA
 #      kernels, alone and in the Qwen3-VL-8B / Qwen2.5-VL-7B towers with HF's beside; see its block below),
+#      moe (issue 69: the fused MoE GPU tests, then bench/moe_decode.py on Qwen3-VL-30B-A3B shapes, the tower
+#      made in MOE_MODEL_DIR, default /tmp/moe30b, from MOE_PRESET, default qwen3-vl-30b-a3b, the language
+#      weights drawn on the device: bf16 and FP8 experts, b1 and 32 streams, HF beside; MOE_ARGS adds
+#      options; see its block below),
 #      or a list such as llava,qwen,qwen3.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
@@ -480,6 +484,23 @@ if [[ ",$SECTIONS," == *,vision_attention,* ]]; then
   step vision_attention 240 "$PY" -m bench.vision_attention --device "$DEVICE" --dtype "${DTYPE:-bfloat16}" \
     ${VAARGS[@]+"${VAARGS[@]}"}
   cp "$RES/vision_attention.json" "$RES/vision_attention.log" "$OUT/" 2>/dev/null
+fi
+
+# moe (issue 69): tests/gpu/test_fused_moe_gpu.py (bf16 and FP8 experts against the reference, ragged and
+# empty experts, ties, a graph replay), then bench.moe_decode: decode b1 and 32 streams with bf16 and FP8
+# experts, the routers spread, HF's random init of the same config beside, against the active-weights
+# bound. $OUT gets test_fused_moe.log. Limits: 180 s the tests, 540 s the bench.
+if [[ ",$SECTIONS," == *,moe,* ]]; then
+  MOE_DIR=${MOE_MODEL_DIR:-/tmp/moe30b}
+  read -r -a MOEARGS <<< "${MOE_ARGS:-}"
+  echo "== tests/gpu/test_fused_moe_gpu.py (t=$((SECONDS - START))s)"
+  timeout 180 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fused_moe_gpu.py \
+    > "$OUT/test_fused_moe.log" 2>&1
+  tail -15 "$OUT/test_fused_moe.log"
+  make_once "$MOE_DIR" "${MOE_PRESET:-qwen3-vl-30b-a3b}" --weights vision
+  step moe_decode 540 "$PY" -m bench.moe_decode --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
+    --quantization none,fp8 --batch-sizes 1,32 --prompt-len 64 --output-len 64 --hf-repeats 2 \
+    ${MOEARGS[@]+"${MOEARGS[@]}"}
 fi
 
 echo "== merge (t=$((SECONDS - START))s)"

@@ -41,9 +41,8 @@ class PromptMaker:
             from transformers import AutoTokenizer
 
             from common.checkpoint import load_config
-            from common.families.qwen2_5_vl.layout import is_qwen_vl
 
-            self.qwen = is_qwen_vl(load_config(model_dir))
+            self.qwen = lays_out_by_grid(load_config(model_dir))
 
             self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
             sample = random_words(random.Random(seed + 1), 400)
@@ -74,6 +73,15 @@ class PromptMaker:
             text += " " + random_words(self.rng, max(1, round((tokens - len(ids)) / self.tokens_per_word)))
             ids = self._tok(text, add_special_tokens=False).input_ids
         return self._tok.decode(ids[:tokens]) if len(ids) > tokens else text
+
+
+def lays_out_by_grid(config: dict) -> bool:
+    """True when the checkpoint's family lays images out as Qwen-VL does (its layout is a QwenImageLayout:
+    Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE), so its prompts take Qwen's ChatML and vision tokens."""
+    from common.families.qwen2_5_vl.layout import QwenImageLayout
+    from common.families.registry import layout_family
+
+    return issubclass(layout_family(config).layout_class(), QwenImageLayout)
 
 
 def image_prompt(text: str, num_images: int = 1, shared: str = "", qwen: bool = False) -> str:

@@ -15,6 +15,9 @@ The layout follows the idea of vLLM's and SGLang's `fused_moe` (the code is this
   A's row is t for the first product (the token's hidden state, shared by its top_k slots) and r itself
   for the second (that slot's intermediate). With MUL_WEIGHT the fp32 result is scaled by the slot's
   routing weight before the one rounding to the output dtype.
+- FP8 experts (`--quantization fp8`: float8_e4m3fn weights, one fp32 scale per expert and output channel,
+  decoder_svc/model/quant/experts.py): the kernel widens each weight tile to the activations' dtype and
+  scales the fp32 accumulator by its columns' scales once, after the K loop (before the routing weight).
 - The combine sums each token's top_k weighted rows (in slot order).
 
 Only imported on GPU paths or under TRITON_INTERPRET=1 (tests/kernels/test_fused_moe.py runs it in
@@ -138,14 +141,16 @@ def align_to_blocks_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_rows_ptr, block_expert_ptr, weights_ptr,
+    a_ptr, w_ptr, out_ptr, sorted_rows_ptr, block_expert_ptr, weights_ptr, w_scale_ptr,
     N, K, num_rows,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_se, stride_sn,
+    TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr, W_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[r, :] = A[a(r), :] @ W[e]^T (* weights[r]) for the BLOCK_M sorted rows r of this program's block,
-    e its expert; a(r) = r // TOP_K when A_PER_TOKEN, else r. Programs: (blocks, N / BLOCK_N)."""
+    """out[r, :] = A[a(r), :] @ W[e]^T (* w_scale[e]) (* weights[r]) for the BLOCK_M sorted rows r of this
+    program's block, e its expert; a(r) = r // TOP_K when A_PER_TOKEN, else r. W_SCALED: W is FP8, widened
+    to A's dtype per tile, and w_scale [experts, N] (strides se, sn) scales the accumulator's columns.
+    Programs: (blocks, N / BLOCK_N)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -169,9 +174,15 @@ def _grouped_gemm_kernel(
         k_ok = offs_k + k0 < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if W_SCALED:
+            w = w.to(a.dtype)  # e4m3 values are exact in bf16, fp16 and fp32
         acc += tl.dot(a, w)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    if W_SCALED:
+        w_scale = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + offs_n * stride_sn, mask=n_ok,
+                          other=0.0)
+        acc = acc * w_scale[None, :]
     if MUL_WEIGHT:
         scale = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
@@ -201,21 +212,28 @@ def default_config(tokens: int) -> GemmConfig:
 
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, alignment: BlockAlignment, num_rows: int,
                  top_k: int, a_per_token: bool, config: GemmConfig,
-                 row_weights: torch.Tensor | None = None) -> torch.Tensor:
+                 row_weights: torch.Tensor | None = None,
+                 weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """[num_rows, N] (rows in flat assignment order): each assignment's A row times its expert's weight
     [N, K] transposed, scaled by row_weights [num_rows] when given. a: [T, K] (a_per_token) or
-    [num_rows, K]; weights: [experts, N, K]."""
+    [num_rows, K]; weights: [experts, N, K], FP8 when weight_scale (fp32 [experts, N, 1], per output
+    channel) is given."""
     num_n, k = weights.shape[1], weights.shape[2]
     out = torch.empty(num_rows, num_n, dtype=a.dtype, device=a.device)
     blocks = alignment.block_expert.numel()
     grid = (blocks, triton.cdiv(num_n, config.block_n))
     scale = row_weights if row_weights is not None else out  # never read without MUL_WEIGHT
+    w_scale = weight_scale if weight_scale is not None else out  # never read without W_SCALED
+    if weight_scale is not None and tuple(weight_scale.shape[:2]) != tuple(weights.shape[:2]):
+        raise ValueError(f"expert scales {tuple(weight_scale.shape)} do not fit weights "
+                         f"{tuple(weights.shape)}")
     _grouped_gemm_kernel[grid](
-        a, weights, out, alignment.sorted_rows, alignment.block_expert, scale,
+        a, weights, out, alignment.sorted_rows, alignment.block_expert, scale, w_scale,
         num_n, k, num_rows,
         a.stride(0), a.stride(1), weights.stride(0), weights.stride(1), weights.stride(2),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), w_scale.stride(0), w_scale.stride(1),
         TOP_K=top_k, A_PER_TOKEN=a_per_token, MUL_WEIGHT=row_weights is not None,
+        W_SCALED=weight_scale is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -223,19 +241,23 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, alignment: BlockAlignme
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: GemmConfig | None = None,
+              gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """The experts' SwiGLU feed-forward of x [T, H], combined: sum over k of topk_weights[t, k] *
     down[e](silu(g) * u) with (g, u) = gate_up[e] @ x[t] halves, e = topk_ids[t, k].
-    gate_up: [experts, 2 * I, H] (gate rows first); down: [experts, H, I]. Returns [T, H] in x's dtype."""
+    gate_up: [experts, 2 * I, H] (gate rows first); down: [experts, H, I]. FP8 experts: both float8_e4m3fn
+    with gate_up_scale [experts, 2 * I, 1] and down_scale [experts, H, 1] (fp32, per output channel).
+    Returns [T, H] in x's dtype."""
     tokens, top_k = topk_ids.shape
     config = config or default_config(tokens)
     num_rows = tokens * top_k
     if num_rows == 0:
         return torch.zeros_like(x)
     alignment = align_to_blocks(topk_ids, gate_up.shape[0], config.block_m)
-    h = grouped_gemm(x, gate_up, alignment, num_rows, top_k, True, config)
+    h = grouped_gemm(x, gate_up, alignment, num_rows, top_k, True, config, weight_scale=gate_up_scale)
     gate, up = h.chunk(2, dim=-1)
     act = F.silu(gate) * up
     weights = topk_weights.reshape(-1).to(torch.float32)
-    out = grouped_gemm(act, down, alignment, num_rows, top_k, False, config, weights)
+    out = grouped_gemm(act, down, alignment, num_rows, top_k, False, config, weights, down_scale)
     return out.view(tokens, top_k, -1).sum(dim=1)

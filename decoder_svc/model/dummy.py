@@ -20,10 +20,13 @@ _TIED_EMBED_STD = 0.15
 
 @torch.no_grad()
 def dummy_state(shapes: dict[str, torch.Size], num_layers: int, tied: bool, device: torch.device | str,
-                dtype: torch.dtype, seed: int = 0, gain: float = 1.4) -> dict[str, torch.Tensor]:
+                dtype: torch.dtype, seed: int = 0, gain: float = 1.4,
+                into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """A state dict of `shapes` (parameter name -> shape) drawn on `device` in `dtype`. Each tensor has
     its own generator, seeded from `seed` and its name: tensor-parallel ranks, which draw only their
-    shards, draw the replicated tensors alike."""
+    shards, draw the replicated tensors alike. `into` (name -> an allocated tensor of that shape, e.g.
+    the model's parameters): each draw is written there and that tensor is the state's, so the model
+    and a drawn copy never take memory at once; the values are the same."""
     state = {}
     for name, shape in shapes.items():
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -39,5 +42,8 @@ def dummy_state(shapes: dict[str, torch.Size], num_layers: int, tied: bool, devi
             t.normal_(0.0, 0.5 if "qkv_proj" in name else 0.02, generator=gen)
         else:  # norm weights
             t.normal_(1.0, 0.1, generator=gen)
-        state[name] = t.to(dtype)
+        if into is not None:
+            state[name] = into[name].copy_(t)
+        else:
+            state[name] = t.to(dtype)
     return state

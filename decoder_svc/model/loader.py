@@ -32,6 +32,12 @@ from decoder_svc.model.parallel import (
     shard_fp8_scale,
     shard_slices,
 )
+from decoder_svc.model.quant.experts import (
+    is_expert_scale,
+    quantize_experts,
+    refuse_fp8_experts,
+    swap_in_fp8_experts,
+)
 from decoder_svc.model.quant.formats import checkpoint_fp8_format
 from decoder_svc.model.quant.fp8 import FP8_DTYPE
 from decoder_svc.model.quant.linear import swap_in_fp8
@@ -128,8 +134,9 @@ def load_language_model(
     """Build the model from the checkpoint's text config and load its weights (strictly), with the
     kernels `attention_backend` names (backends.make_kernels: auto, torch or triton).
 
-    quantization "fp8" quantizes the decoder layers' projections per output channel at load; an FP8
-    checkpoint (quant.formats) is served in FP8 whatever it says. load_format "dummy" draws random
+    quantization "fp8" quantizes the decoder layers' projections (and a MoE layer's experts, per expert:
+    quant/experts.py) per output channel at load; an FP8 checkpoint (quant.formats) is served in FP8
+    whatever it says (FP8-quantized experts are refused). load_format "dummy" draws random
     weights on the device (model/dummy.py) instead of reading weight files. `tp` (size > 1): this rank's
     shard of every layer, read as slices of the checkpoint's tensors (model/parallel.py). `lora_modules`
     (name -> PEFT adapter directory): the adapters, read and checked before any weight is, then attached
@@ -157,16 +164,23 @@ def load_language_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(tp.local_config(cfg) if tp else cfg, backend, ops, tp)
     cfg = model.config
+    draw_in_place = load_format == "dummy" and quantization == "none"
     if load_format == "dummy":
-        # Drawn per tensor from its name, so the replicated ones are the same on every rank.
+        # Drawn per tensor from its name, so the replicated ones are the same on every rank. Unquantized,
+        # into the allocated model (below): the drawn state and the model never both take memory (a 30B
+        # MoE's 2 x 61 GB would not fit one 80 GB GPU).
         shapes = {n: p.shape for n, p in model.named_parameters()}
-        state = dummy_state(shapes, cfg.num_layers, cfg.tie_word_embeddings and tp is None, device, dtype)
+        state = {} if draw_in_place else dummy_state(shapes, cfg.num_layers,
+                                                     cfg.tie_word_embeddings and tp is None, device, dtype)
         fmt = None  # nothing is read, so nothing is FP8 yet
     else:
         _check_has_language_weights(model_dir)
         state = _checkpoint_state(model_dir, full_cfg, tp)
+        if fmt is not None:
+            refuse_fp8_experts(state, fmt)
         expert_weights_from_checkpoint(state, full_cfg)
     blocks: dict = {}
+    fp8_experts: list[str] = []
     if fmt is not None:
         shard = (lambda module, scale, local: shard_fp8_scale(module, scale, fmt, local, full_cfg, tp)) \
             if tp is not None else None
@@ -177,13 +191,22 @@ def load_language_model(
     if quantization == "fp8" and fmt is None:
         # From the checkpoint's own precision; with TP, each row's scale over every rank's columns.
         blocks = quantize_projections(state, device, max_over_ranks if tp is not None else None)
+        fp8_experts = quantize_experts(state, device)
     state = {n: t.to(dtype) if t.is_floating_point() and t.dtype != FP8_DTYPE and not n.endswith(SCALE)
-             else t for n, t in state.items()}
-    tie = (cfg.tie_word_embeddings or "lm_head.weight" not in state) and model.tp is None
+             and not is_expert_scale(n) else t for n, t in state.items()}
+    tie = (cfg.tie_word_embeddings or ("lm_head.weight" not in state and not draw_in_place)) \
+        and model.tp is None
     if tie:
         state.pop("lm_head.weight", None)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype)  # still on meta: nothing allocated yet
+    swap_in_fp8_experts(model, fp8_experts)  # on meta too: the experts are never allocated in `dtype`
+    model = model.to_empty(device=device)
     swap_in_fp8(model, blocks, ops)  # after .to(dtype), which would cast FP8 weights
+    if draw_in_place:
+        state = dummy_state(shapes, cfg.num_layers, cfg.tie_word_embeddings and tp is None, device, dtype,
+                            into=dict(model.named_parameters()))
+        if tie:
+            state.pop("lm_head.weight", None)
     model.cos_sin = model.rotary_table(cfg).to(device)  # fp32, not in the checkpoint
     model.cos_sin_local = model.local_rotary_table(cfg).to(device)
     model.mrope_axis = mrope_axes(cfg).to(device)

@@ -11,7 +11,9 @@ Two paths compute the experts: the torch reference (`experts_reference`: assignm
 one product per expert over its grouped rows, the weighted outputs added in expert order; the rounding
 points of HF's loop, so fp32 on a CPU gives HF's bits), and on CUDA with the Triton ops the fused kernels
 (common/kernels/fused_moe.py: block-aligned sort, one grouped GEMM for gate/up and one for down, no host
-sync, so decode steps can be captured in CUDA graphs).
+sync, so decode steps can be captured in CUDA graphs). FP8 experts (`--quantization fp8`,
+decoder_svc/model/quant/experts.py) take both paths too: the reference dequantizes each expert it runs as
+TorchOps.fp8_linear does, the kernels widen the FP8 tiles and scale their fp32 accumulators.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoder_svc.model.ops import TorchOps
+from decoder_svc.model.quant.fp8 import dequantize, per_channel_block
 
 if TYPE_CHECKING:
     from decoder_svc.model.config import TextModelConfig
@@ -40,11 +43,14 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                      down: torch.Tensor) -> torch.Tensor:
+                      down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
+                      down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum over k of weights[t, k] * expert ids[t, k]'s SwiGLU MLP of x[t], for x [T, H] (the torch
     reference). The (token, slot) assignments are sorted by expert, slot-major within one (the rows HF's
     loop gathers, in its order); each expert with rows runs two products over them; each output is
-    weighted in x's dtype and added into the result expert by expert (HF's index_add_)."""
+    weighted in x's dtype and added into the result expert by expert (HF's index_add_). FP8 experts
+    (scales [experts, N, 1] given): each expert used is dequantized in fp32 and rounded once to x's dtype
+    before its product, as TorchOps.fp8_linear does."""
     tokens = x.shape[0]
     out = torch.zeros_like(x)
     flat = ids.t().reshape(-1)  # slot-major: assignment j is (token j % T, slot j // T)
@@ -57,10 +63,18 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         chosen = order[start:start + count]
         start += count
         rows, slots = chosen % tokens, chosen // tokens
-        gate, up = F.linear(x[rows], gate_up[expert]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, down[expert])
+        gate, up = F.linear(x[rows], _expert_weight(gate_up, gate_up_scale, expert, x.dtype)).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, _expert_weight(down, down_scale, expert, x.dtype))
         out.index_add_(0, rows, h * weights[rows, slots, None])
     return out
+
+
+def _expert_weight(stacked: torch.Tensor, scale: torch.Tensor | None, expert: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """One expert's [N, K] weight in `dtype`: as stored, or FP8 dequantized per output channel."""
+    if scale is None:
+        return stacked[expert]
+    return dequantize(stacked[expert], scale[expert], per_channel_block(stacked.shape[2]), dtype)
 
 
 class Experts(nn.Module):
@@ -70,6 +84,11 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(gate_up scales, down scales): None, None for weights in the model's dtype (quant/experts.py's
+        Fp8Experts has FP8 weights and per-channel scales)."""
+        return None, None
 
 
 class SparseMoE(nn.Module):
@@ -94,11 +113,13 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        gate_up_scale, down_scale = self.experts.scales()
         if self.fused and x.is_cuda:
             from common.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, gate_up, down, weights, ids)
-        return experts_reference(x, weights, ids, gate_up, down)
+            return fused_moe(x, gate_up, down, weights, ids, gate_up_scale=gate_up_scale,
+                             down_scale=down_scale)
+        return experts_reference(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
 
 
 def expert_weights_from_checkpoint(state: dict[str, torch.Tensor], cfg: TextModelConfig) -> None:

@@ -30,7 +30,13 @@ class TensorParallel:
     size: int
 
     def check(self, cfg: TextModelConfig) -> None:
-        """CheckpointError when the model's heads or MLP cannot be split over `size` ranks."""
+        """CheckpointError when the model's heads or MLP cannot be split over `size` ranks (a mixture of
+        experts is never split: its experts are not sharded yet)."""
+        if cfg.num_experts:
+            raise CheckpointError(f"{cfg.model_type}: --tensor-parallel-size {self.size} is not supported "
+                                  f"for mixture-of-experts models ({cfg.num_experts} experts per layer are "
+                                  "not sharded); serve it with --tensor-parallel-size 1 (Qwen3-VL-30B-A3B "
+                                  "fits one H100 or H200)")
         h, kv = cfg.num_heads, cfg.num_kv_heads
         if h % self.size or cfg.intermediate_size % self.size:
             raise CheckpointError(f"{h} attention heads and an MLP of {cfg.intermediate_size} cannot be "

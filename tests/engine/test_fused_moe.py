@@ -131,3 +131,57 @@ def test_no_tokens():
     out = fused_moe(x, gate_up, down, torch.empty(0, 2, device=DEVICE),
                     torch.empty(0, 2, dtype=torch.int64, device=DEVICE), SMALL)
     assert out.shape == (0, HIDDEN)
+
+
+def _fp8_experts(num_experts: int, seed: int):
+    """(gate_up, gate_up scales, down, down scales): the experts quantized per expert and output channel,
+    as `--quantization fp8` does at load (decoder_svc/model/quant/experts.py)."""
+    from decoder_svc.model.quant.experts import quantize_experts
+
+    gate_up, down = _experts(num_experts, seed)
+    state = {"layers.0.mlp.experts.gate_up_proj": gate_up, "layers.0.mlp.experts.down_proj": down}
+    assert quantize_experts(state, DEVICE) == ["layers.0.mlp.experts"]
+    return tuple(state[f"layers.0.mlp.experts.{n}"] for n in ("gate_up_proj", "gate_up_proj_scale",
+                                                               "down_proj", "down_proj_scale"))
+
+
+def _check_fp8(x, weights, ids, num_experts: int, seed: int) -> None:
+    gate_up, gate_up_scale, down, down_scale = _fp8_experts(num_experts, seed)
+    assert gate_up.dtype == torch.float8_e4m3fn and gate_up_scale.shape == (num_experts, 2 * WIDTH, 1)
+    out = fused_moe(x, gate_up, down, weights, ids, SMALL, gate_up_scale=gate_up_scale, down_scale=down_scale)
+    ref = experts_reference(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    # the kernel scales the fp32 sum once per column, the reference each weight before the sum: fp32 ulps
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # and the FP8 experts are the model's experts to FP8's precision (not a different function)
+    full = experts_reference(x, weights, ids, *_experts(num_experts, seed))
+    assert ((ref - full).norm() / full.norm()).item() < 0.1
+
+
+@pytest.mark.parametrize("tokens, num_experts, top_k", [(1, 8, 2), (5, 6, 3), (37, 4, 2), (19, 16, 4)])
+def test_fp8_experts_match_the_dequantized_reference(tokens, num_experts, top_k):
+    """FP8 weights widened in the kernel, per-channel scales on the accumulator: ragged runs, empty
+    experts (one token over 8 experts leaves 6 empty), several blocks per expert."""
+    gen = torch.Generator().manual_seed(tokens * 17 + num_experts)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
+    router = torch.randn(num_experts, HIDDEN, generator=gen).to(DEVICE)
+    weights, ids = route(x @ router.t(), top_k, renormalize=True)
+    _check_fp8(x, weights, ids, num_experts, seed=tokens + 1)
+
+
+def test_fp8_experts_with_all_tokens_on_one_expert_and_ties():
+    x = torch.randn(21, HIDDEN, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    _check_fp8(x, torch.full((21, 2), 0.5, device=DEVICE), torch.tensor([[2, 5]] * 21, device=DEVICE), 8, 7)
+    logits = torch.zeros(21, 8, device=DEVICE)
+    logits[:, 1] = 1.0  # a seven-way tie for the second and third places
+    weights, ids = route(logits, 3, renormalize=True)
+    _check_fp8(x, weights, ids, 8, 8)
+
+
+def test_fp8_scales_must_fit_the_experts():
+    gate_up, gate_up_scale, down, down_scale = _fp8_experts(4, 9)
+    x = torch.randn(2, HIDDEN, device=DEVICE)
+    ids = torch.tensor([[0, 1], [2, 3]], device=DEVICE)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(x, gate_up, down, torch.full((2, 2), 0.5, device=DEVICE), ids, SMALL,
+                  gate_up_scale=down_scale, down_scale=gate_up_scale)

@@ -102,3 +102,51 @@ def test_the_layer_takes_the_kernel_under_triton_ops():
     assert fused.fused and not reference.fused
     x = torch.randn(40, 256, device="cuda").bfloat16()
     assert _rel_err(fused(x), reference(x)) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 257])
+def test_fp8_experts_against_the_dequantized_reference(experts, tokens):
+    """FP8 experts (--quantization fp8's per-channel layout): the kernel widens the FP8 tiles to bf16 and
+    scales the fp32 accumulator; the fp32 reference over the dequantized experts is the exact value."""
+    from decoder_svc.model.quant.experts import quantize_experts
+
+    gate_up, down, router = experts
+    state = {"layers.0.mlp.experts.gate_up_proj": gate_up, "layers.0.mlp.experts.down_proj": down}
+    quantize_experts(state, "cuda")
+    q_gate_up, s_gate_up, q_down, s_down = (state[f"layers.0.mlp.experts.{n}"] for n in (
+        "gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"))
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    weights, ids = route(x @ router.t(), TOP_K, renormalize=True)
+    out = fused_moe(x, q_gate_up, q_down, weights, ids, gate_up_scale=s_gate_up, down_scale=s_down)
+    exact = experts_reference(x.float(), weights.float(), ids, q_gate_up, q_down, s_gate_up, s_down)
+    assert out.dtype == torch.bfloat16 and _rel_err(out, exact) < 1e-2
+
+
+def test_the_fp8_layer_takes_the_kernel_under_triton_ops():
+    """--quantization fp8's experts (quantize_experts, then Fp8Experts in the layer): the kernel against the
+    same layer under the torch ops (each expert dequantized to bf16, then the products)."""
+    from decoder_svc.model.config import TextModelConfig
+    from decoder_svc.model.kernel_dispatch import TritonOps
+    from decoder_svc.model.moe import SparseMoE
+    from decoder_svc.model.ops import TorchOps
+    from decoder_svc.model.quant.experts import Fp8Experts, quantize_experts
+
+    cfg = TextModelConfig(model_type="moe", vocab_size=16, hidden_size=256, intermediate_size=64,
+                          num_layers=1, num_heads=2, num_kv_heads=2, head_dim=128, rms_norm_eps=1e-6,
+                          rope_theta=1e4, max_position_embeddings=64, num_experts=16, num_experts_per_tok=4,
+                          moe_intermediate_size=96)
+    state = {"gate.weight": torch.randn(16, 256, device="cuda") / 16,
+             "layers.0.mlp.experts.gate_up_proj": torch.randn(16, 192, 256, device="cuda") / 16,
+             "layers.0.mlp.experts.down_proj": torch.randn(16, 256, 96, device="cuda") / 96**0.5}
+    quantize_experts(state, "cuda")
+    layers = []
+    for ops in (TritonOps, TorchOps):
+        layer = SparseMoE(cfg, ops).cuda().bfloat16()
+        layer.experts = Fp8Experts(16, 256, 96, "cuda")
+        layer.load_state_dict({k.removeprefix("layers.0.mlp."): v.bfloat16() if k == "gate.weight" else v
+                               for k, v in state.items()})
+        layers.append(layer)
+    fused, reference = layers
+    assert fused.fused and not reference.fused
+    x = torch.randn(40, 256, device="cuda").bfloat16()
+    assert _rel_err(fused(x), reference(x)) < 1e-2

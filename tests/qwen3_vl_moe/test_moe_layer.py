@@ -141,3 +141,18 @@ def test_dummy_weights_scale_each_expert_by_its_fan_in(qwen3_moe_model_dir):
     torch.testing.assert_close(experts.gate_up_proj.std().item(), 1.4 / hidden**0.5, rtol=0.05, atol=0)
     down = 1.4 / (width * layers) ** 0.5
     torch.testing.assert_close(experts.down_proj.std().item(), down, rtol=0.05, atol=0)
+
+
+def test_dummy_weights_drawn_into_the_model_equal_the_drawn_state(qwen3_moe_model_dir):
+    """Unquantized, --load-format dummy draws into the allocated model (the drawn copy and the model never
+    take memory at once: a 30B MoE's 2 x 61 GB would not fit one 80 GB GPU); the values are those of the
+    drawn state, which --quantization fp8 still quantizes."""
+    from decoder_svc.model.dummy import dummy_state
+    from decoder_svc.model.loader import load_language_model
+
+    model = load_language_model(qwen3_moe_model_dir, "cpu", torch.float32, "torch", load_format="dummy")
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    cfg = model.config
+    drawn = dummy_state(shapes, cfg.num_layers, cfg.tie_word_embeddings, "cpu", torch.float32)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, drawn[name]), name

@@ -9,11 +9,13 @@ rename_language_model_key in), so an adapter for any layout the loader reads (LL
 maps onto our layers.
 
 Served targets: the attention's q/k/v/o and the MLP's gate/up/down projections, or the fused qkv_proj and
-gate_up_proj as Phi-4 names them. Each module's scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is
-folded into its B here. Anything else (another PEFT type, another language-model module, DoRA, LoRA
-biases, fan-in-fan-out weights, modules to save, a tensor whose rank or shape does not match, a config
-field of the wrong type, a weight that is NaN or Inf or overflows the serving dtype) is refused with a
-one-line LoRAError at start-up that names the file and the field or tensor.
+gate_up_proj as Phi-4 names them. A mixture-of-experts layer's MLP (its experts, per expert or stacked via
+PEFT's `target_parameters`, and its router) is refused with a LoRAError that says so. Each module's
+scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into its B here. Anything else (another
+PEFT type, another language-model module, DoRA, LoRA biases, fan-in-fan-out weights, modules to save, a
+tensor whose rank or shape does not match, a config field of the wrong type, a weight that is NaN or Inf
+or overflows the serving dtype) is refused with a one-line LoRAError at start-up that names the file and
+the field or tensor.
 
 Modules outside the language model (PEFT's usual `target_modules=["q_proj", "v_proj"]` also matches a
 vision tower's projections) are left out: the language model's part is served and one log line at start-up
@@ -48,6 +50,8 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 KeyRenamer = Callable[[str], str | None]
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 _LAYER = re.compile(r"^layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<leaf>\w+)\.weight$")
+_MOE_MODULES = {"gate", "experts", "router", "shared_expert", "shared_expert_gate"}  # MoE MLPs' module names
+_MLP = re.compile(r"^layers\.(?P<layer>\d+)\.mlp\.")  # any module of a layer's MLP (experts, router)
 
 
 class LoRAError(CheckpointError):
@@ -161,7 +165,8 @@ def _read_config(path: Path, name: str) -> dict:
         raise LoRAError(f"{who}: {where}: `use_rslora` must be true or false, not "
                         f"{_short(config['use_rslora'])}")
     refused = {"use_dora": "DoRA", "fan_in_fan_out": "fan-in-fan-out weights", "modules_to_save": "modules "
-               "to save", "use_qalora": "QA-LoRA"}
+               "to save", "use_qalora": "QA-LoRA",
+               "target_parameters": "LoRA on parameters (e.g. a mixture-of-experts layer's stacked experts)"}
     for key, what in refused.items():
         if config.get(key):
             raise LoRAError(f"{who}: {what} ({key}) is not served")
@@ -177,7 +182,9 @@ def _read_config(path: Path, name: str) -> dict:
     elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
         unknown = sorted(set(targets) - set(LORA_TARGETS))
         if unknown:
-            raise LoRAError(f"{who}: unknown target module(s) {unknown}; served: {sorted(LORA_TARGETS)}")
+            moe = ("; LoRA on mixture-of-experts layers (their router and experts) is not served"
+                   if set(unknown) & _MOE_MODULES else "")
+            raise LoRAError(f"{who}: unknown target module(s) {unknown}; served: {sorted(LORA_TARGETS)}{moe}")
     elif targets is not None:
         raise LoRAError(f"{who}: {where}: `target_modules` must be a list of module names or a regex "
                         f"string, not {_short(targets)}")
@@ -243,6 +250,10 @@ def load_adapter(name: str, path: str | Path, cfg: TextModelConfig, rename_key: 
         if ours is None:  # the vision tower's or projector's module: not ours to serve
             adapter.left_out.append(module)
             continue
+        mlp = _MLP.match(ours)
+        if mlp is not None and cfg.layer_is_moe(int(mlp["layer"])):
+            raise LoRAError(f"{who}: {module!r} is in a mixture-of-experts MLP; LoRA on MoE layers (their "
+                            "experts and router) is not served, only on the attention's projections")
         m = _LAYER.match(ours)
         if m is None or m["leaf"] not in LORA_TARGETS:
             raise LoRAError(f"{who}: unknown target module {module!r} (served: the language "
