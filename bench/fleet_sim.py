@@ -23,8 +23,9 @@ text-only request, or a follow-up turn about an earlier image. What is modelled:
 A whole day at a fleet's rate is tens of millions of requests; the default simulates each of
 `--slots` equal parts of the day for `--slot-seconds` of its traffic, one after the other (the queues
 carry over), so the sample holds each hour in proportion to its traffic. `--slot-seconds 3600 --slots 24`
-simulates every request of the day (hours of wall time). TTFT here is the serving path's (encode wait +
-Encode + prefill wait + prefill); the gateway's own time and the network are outside it.
+simulates every request of the day (about 30 min of CPU at the defaults). TTFT here is the serving
+path's (encode wait + Encode + prefill wait + prefill); the gateway's own time and the network are
+outside it.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ class Costs:
 class Mix:
     """What the requests are."""
 
-    image: float = 0.5           # a new image (1024x1024: 1024 tokens) + text
-    followup: float = 0.2        # another turn about an earlier image; the rest: text only
+    image_share: float = 0.5     # a new image (1024x1024: 1024 tokens) + text
+    followup_share: float = 0.2  # another turn about an earlier image; the rest: text only
     prefix_hit: float = 0.75     # cache-aware routing's hit rate (docs/kubernetes.md: 0.70-0.78 measured)
     encoder_hit: float = 0.1     # a "new" image the encoders already hold (a popular image)
     image_tokens: int = 1024     # a 1024x1024 image, Qwen3-VL (TTFT workload: 1538 tokens with its text)
@@ -130,10 +131,10 @@ def make_trace(trace: Trace, mix: Mix) -> list[Request]:
                 t = end
                 break
             roll, output = rng.random(), max(1, round(rng.expovariate(1 / mix.output_tokens)))
-            if roll < mix.image:
+            if roll < mix.image_share:
                 out.append(Request("image", t, mix.image_tokens + mix.text_tokens, output, rng.random(),
                                    rng.random() >= mix.encoder_hit))
-            elif roll < mix.image + mix.followup:
+            elif roll < mix.image_share + mix.followup_share:
                 if rng.random() < mix.prefix_hit:
                     out.append(Request("followup_hit", t, mix.followup_tokens, output, None, False))
                 else:  # the image comes again from its encoder's cache, the whole conversation prefills

@@ -44,7 +44,8 @@ def _servicer() -> DecoderServicer:
 
 
 def _request(nbytes: int) -> decoder_pb2.GenerateRequest:
-    return decoder_pb2.GenerateRequest(prompt="<image> hi", images=[common_pb2.ImageInput(data=b"x" * nbytes)])
+    image = common_pb2.ImageInput(data=b"x" * nbytes)
+    return decoder_pb2.GenerateRequest(prompt="<image> hi", images=[image])
 
 
 def _flood(servicer: DecoderServicer, requests: int, nbytes: int) -> None:
