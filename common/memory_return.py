@@ -7,7 +7,9 @@ cycles (a failed request's exception, its traceback and the frames that held the
 which only a full collection frees. A trim per request of 16 MiB or more never ran for them, so the
 bytes add up here: a trim is due once `every` of them were let go since the last one, and when a burst
 is over (nothing held) with at least `idle_min` let go, then after a full collection, so that the
-cycles' bytes go too. The collection waits for an idle moment: it pauses the event loop (tens of ms).
+cycles' bytes go too. The collection waits for the end of a burst since it pauses the event loop: a
+full collection took 27 ms in the gateway and 160 ms in the decoder's front end on the loaded 2-core VM
+(Python's own full collections pause it the same way, at times of their choosing).
 """
 
 from __future__ import annotations
