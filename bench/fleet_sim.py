@@ -23,7 +23,7 @@ text-only request, or a follow-up turn about an earlier image. What is modelled:
 A whole day at a fleet's rate is tens of millions of requests; the default simulates each of
 `--slots` equal parts of the day for `--slot-seconds` of its traffic, one after the other (the queues
 carry over), so the sample holds each hour in proportion to its traffic. `--slot-seconds 3600 --slots 24`
-simulates every request of the day (about 30 min of CPU at the defaults). TTFT here is the serving
+simulates every request of the day (docs/kubernetes.md says what that costs). TTFT here is the serving
 path's (encode wait + Encode + prefill wait + prefill); the gateway's own time and the network are
 outside it.
 """

@@ -1,15 +1,13 @@
-"""Giving memory back after bursts of requests of a few megabytes each (issue 67's cache flood: 7 MB
-data URLs left the gateway +50% and the decoder +23% over their RSS after warm-up).
+"""Giving memory back after bursts of requests of a few megabytes each (issue 67's cache flood of 7 MB
+data URLs; the figures: RELIABILITY.md, "Faults under load", and bench/experiments/flood_rss.py).
 
-What such requests leave behind (bench/experiments/flood_rss.py; RELIABILITY.md, "Faults under load"):
-mostly free memory glibc keeps in its arenas (common/freed_memory.py), and some garbage in reference
-cycles (a failed request's exception, its traceback and the frames that held the request's bytes),
-which only a full collection frees. A trim per request of 16 MiB or more never ran for them, so the
-bytes add up here: a trim is due once `every` of them were let go since the last one, and when a burst
-is over (nothing held) with at least `idle_min` let go, then after a full collection, so that the
-cycles' bytes go too. The collection waits for the end of a burst since it pauses the event loop: a
-full collection took 27 ms in the gateway and 160 ms in the decoder's front end on the loaded 2-core VM
-(Python's own full collections pause it the same way, at times of their choosing).
+What such requests leave behind is mostly free memory glibc keeps in its arenas (common/freed_memory.py)
+and some garbage in reference cycles (a failed request's exception, its traceback and the frames that
+held the request's bytes), which only a full collection frees. A trim per request of 16 MiB or more
+never runs for them, so the bytes add up here: a trim is due once `every` of them were let go since the
+last one, and when a burst is over (nothing held) with at least `idle_min` let go, then after a full
+collection, so that the cycles' bytes go too. The collection waits for the end of a burst because it
+pauses the event loop (as Python's own full collections do, at times of their choosing).
 """
 
 from __future__ import annotations
