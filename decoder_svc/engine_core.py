@@ -24,7 +24,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from common.checkpoint import CheckpointError
-from common.freed_memory import reuse_freed_blocks
+from common.freed_memory import release_freed_memory, reuse_freed_blocks
+from common.memory_return import TRIM_IDLE_BYTES
 from common.security.options import ClientSecurity
 from common.server import configure_logging
 from common.startup import dump_stacks_on_signal
@@ -135,6 +136,10 @@ class EngineCore:
         self.wakeup = Wakeup()
         engine.source.on_change = self.wakeup.set
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Image files read off the pipe since memory was last given back, and the times it was: a flood
+        # of 7 MB files leaves hundreds of MB free in glibc's arenas, given back once the engine is idle.
+        self.file_bytes_since_trim = 0
+        self.trims = 0
         threading.Thread(target=self._receive, name="core-commands", daemon=True).start()
 
     def _receive(self) -> None:
@@ -146,6 +151,7 @@ class EngineCore:
             while True:
                 message = reader.recv()
                 if isinstance(message, msg.ImageBytes):
+                    self.file_bytes_since_trim += sum(len(f) for f in message.files if f)
                     holders = awaiting.pop(message.request_id, [])
                     for holder, data in zip(holders, message.files, strict=False):
                         holder.set(data)
@@ -207,6 +213,9 @@ class EngineCore:
         while not self._closed:
             if not engine.has_unfinished():
                 timeout = _IDLE_WAIT_S
+                if self.file_bytes_since_trim >= TRIM_IDLE_BYTES:  # a burst of files is over
+                    self.file_bytes_since_trim = 0
+                    self.trims += release_freed_memory()
             else:  # a step that computed nothing waits on the encoder: don't spin a core on it
                 timeout = 0.0 if progressed else _WAITING_POLL_S
             self._run_commands(timeout)

@@ -19,6 +19,7 @@ import grpc
 
 from common.errors import CapacityError, InvalidInputError, ServiceError, as_service_error
 from common.memo import BoundedMemo
+from common.memory_return import MemoryReturn
 from common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from common.stage_totals import StageTotals
 from common.stats import to_message
@@ -44,6 +45,8 @@ MAX_SENT_AHEAD = 65536  # (salt, content hash) of files sent ahead, remembered s
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's retry-throttling trailer: retry after this many ms
 DRAIN_RETRY_AFTER_MS = 1000  # another replica can take it at once; this one will not come back
 _SHUTTING_DOWN = "decoder shutting down: the drain timeout ended this request"
+# A request of this many bytes (its images' and videos' files, mostly) counts toward giving memory back.
+_HEAVY_REQUEST_BYTES = 64 << 10
 
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
@@ -66,6 +69,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.send_ahead_depth = max(1, inputs.config.encoder_max_ahead)
         self.draining = False
         self.ttft_totals = StageTotals(STAGES)  # where time to first token goes (engine/ttft_stages.py)
+        # Requests' files (7 MB data URLs, copied by gRPC, parsing and the lanes) leave free memory in
+        # glibc's arenas and, from failed requests, in reference cycles: given back once enough went by.
+        self.memory = MemoryReturn()
+        self.heavy_open = 0  # requests of _HEAVY_REQUEST_BYTES or more in flight
 
     async def _known_grids(self, parsed: ParsedRequest) -> dict | None:
         """Grids of the request's hash-only images this front end has not hashed itself (where the layout
@@ -156,6 +163,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         last = None
         awaiting = True  # counted in awaiting_first_token until its first output
         self.awaiting_first_token += 1
+        nbytes = request.ByteSize()
+        heavy = nbytes >= _HEAVY_REQUEST_BYTES
+        self.heavy_open += heavy
         try:
             await self._add(request_id, parsed, received)
             added = True
@@ -184,6 +194,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         finally:
             if awaiting:
                 self.awaiting_first_token -= 1
+            if heavy:
+                self.heavy_open -= 1
+                self.memory.freed(nbytes, idle=self.heavy_open == 0)
             self.core.close_stream(request_id)
             if not finished:
                 self._count("aborted" if added else "rejected")

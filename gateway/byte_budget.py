@@ -3,29 +3,29 @@ with every choice's decoder call), and for the whole gateway across the requests
 
 A request over its own budget is refused with 413 naming the limit: it would be refused the same way on
 an idle gateway. The gateway-wide budget is real overload: 429 with Retry-After, and every byte a
-request took is given back when it ends (success, error or a client that left), after which the
-memory is returned to the system (memory.py).
+request took is given back when it ends (success, error or a client that left), and the memory is
+returned to the system once enough was (common/memory_return.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from common.memory_return import MemoryReturn
 from gateway.admission import too_large
 from gateway.errors import APIError
-from gateway.memory import return_freed_memory_soon
 
 RETRY_AFTER_S = 1
-# Give memory back to the system after a request that held at least this many bytes ends.
-TRIM_AFTER_BYTES = 16 * 2**20
 
 
 @dataclass
 class GatewayBytes:
-    """The image and video bytes every request in flight holds together, at most `limit`."""
+    """The image and video bytes every request in flight holds together, at most `limit`; memory is
+    given back to the system once enough of them were released (common/memory_return.py)."""
 
     limit: int
     held: int = 0
+    memory: MemoryReturn = field(default_factory=MemoryReturn)
 
     def reserve(self, n: int, param: str | None) -> None:
         """Hold n more bytes; 429 (overload: retry later) when they do not fit beside the others."""
@@ -37,6 +37,7 @@ class GatewayBytes:
 
     def give_back(self, n: int) -> None:
         self.held -= n
+        self.memory.freed(n, idle=self.held == 0)
 
 
 class ByteBudget:
@@ -73,5 +74,3 @@ class ByteBudget:
         if self.gateway is not None and self._held:
             held, self._held = self._held, 0
             self.gateway.give_back(held)
-            if held >= TRIM_AFTER_BYTES:
-                return_freed_memory_soon()
