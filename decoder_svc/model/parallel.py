@@ -35,8 +35,7 @@ class TensorParallel:
         if cfg.num_experts:
             raise CheckpointError(f"{cfg.model_type}: --tensor-parallel-size {self.size} is not supported "
                                   f"for mixture-of-experts models ({cfg.num_experts} experts per layer are "
-                                  "not sharded); serve it with --tensor-parallel-size 1 (Qwen3-VL-30B-A3B "
-                                  "fits one H100 or H200)")
+                                  "not sharded); serve it with --tensor-parallel-size 1")
         h, kv = cfg.num_heads, cfg.num_kv_heads
         if h % self.size or cfg.intermediate_size % self.size:
             raise CheckpointError(f"{h} attention heads and an MLP of {cfg.intermediate_size} cannot be "
