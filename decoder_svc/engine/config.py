@@ -85,6 +85,9 @@ class EngineConfig:
     # the text). The service sets it and detokenizes on its event loop, so the engine thread spends
     # its time on steps, not on the tokenizer.
     detokenize: bool = True
+    # A hybrid model's linear-attention state slots (one per running request; admission waits for a free
+    # one). None: max_num_seqs.
+    num_state_slots: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_modules, dict):

@@ -84,6 +84,8 @@ class EngineStats:
     requests_failed: int = stat("Requests ended by an error")
     samples_forked: int = stat("Samples of an n > 1 request that started from its prefilled prompt KV")
     samples_queued: int = stat("Samples of an n > 1 request queued as requests of their own (no KV shared)")
+    state_slots_used: int = stat("Linear-attention state slots held by requests (hybrid models)", "gauge")
+    state_slots_total: int = stat("Linear-attention state slots (hybrid models; 0 for others)", "gauge")
     kv_groups: list[KvGroupStats] = stat("KV cache blocks per group of layers with one attention pattern",
                                          "rows", label="group")
 
@@ -155,8 +157,10 @@ class LLMEngine:
             raise
         self.inputs = InputProcessor(config, self.model_config, self.tokenizer, self.fingerprint,
                                      self.eos_token_ids, self.kv_spec.num_blocks * self.kv_spec.block_size)
+        hybrid = bool(self.model_config.linear_layers)
         self.blocks = KVCacheManager.for_groups(self.kv_spec.pools, config.block_size,
-                                                config.enable_prefix_caching)
+                                                config.enable_prefix_caching,
+                                                runner_config.state_slots if hybrid else 0)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.encoder_max_ahead,
                             self.model_config.max_model_len, self.tokenizer.layout.bidirectional_images),
@@ -301,7 +305,7 @@ class LLMEngine:
             image_rows=self.scheduler.images.rows_for_chunk(req, chunk.start, chunk.end),
             sampling=SamplingRow(req.request_id, req.sampling) if chunk.samples else None,
             mrope_positions=req.mrope_positions, mrope_delta=req.mrope_delta,
-            lora_slot=self.lora_slots[req.lora_adapter])
+            lora_slot=self.lora_slots[req.lora_adapter], state_slot=self.blocks.state_slot(req))
 
     # -- introspection ---------------------------------------------------------------------------
     @property
@@ -319,6 +323,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Current state and counters."""
         b, c, i = self.blocks.stats(), self.scheduler.counters, self.scheduler.images.counters
+        slots = self.blocks.state_slots
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_blocks_used=b.used_blocks, kv_blocks_total=b.num_blocks,
@@ -329,6 +334,8 @@ class LLMEngine:
             images_skipped_by_kv_reuse=i.images_skipped_by_kv_reuse, preemptions=c.preemptions,
             requests_finished=c.finished, requests_aborted=c.aborted, requests_failed=c.failed,
             samples_forked=c.forked_in_kv, samples_queued=c.forked_queued,
+            state_slots_used=slots.num_used if slots is not None else 0,
+            state_slots_total=slots.num_slots if slots is not None else 0,
             kv_groups=self.blocks.group_rows(),
         )
 

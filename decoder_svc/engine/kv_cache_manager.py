@@ -14,6 +14,12 @@ groups in step:
   blocks before it takes any, so a failure changes nothing.
 - stats are summed over the groups (zero used blocks means zero in every group); `group_stats` has each,
   `group_rows` each with its name and window (the API's DecoderStats.kv_groups).
+
+A hybrid stack (linear-attention layers beside attention ones) also needs a state slot per running
+request (`state_slots`, engine/state_slots.py): an allocation that would admit a request fails, taking
+nothing, when no slot is free, and `free` gives the slot back with the blocks. Its prefix reuse is off:
+a linear layer's state after a prefix is not in any block, so a KV hit alone cannot resume it (prefix
+snapshots of the state are a later step); forks (n samples) are queued as requests of their own.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 from decoder_svc.engine.block_manager import BlockManager, BlockStats, KVBlock
 from decoder_svc.engine.request import Request
 from decoder_svc.engine.sliding_block_manager import SlidingWindowBlockManager
+from decoder_svc.engine.state_slots import StateSlots
 from decoder_svc.model.kv_groups import KVCacheGroup
 
 
@@ -50,10 +57,14 @@ class PrefixHit:
 class KVCacheManager:
     """Allocates KV blocks in every group's pool and reuses cached prefixes across them."""
 
-    def __init__(self, pools: list[BlockManager]) -> None:
+    def __init__(self, pools: list[BlockManager], state_slots: StateSlots | None = None) -> None:
+        """`state_slots`: a hybrid stack's (None for a stack of attention layers only)."""
         if not pools or len({p.block_size for p in pools}) != 1:
             raise ValueError("one or more pools, all of one block size")
+        if state_slots is not None and any(p.enable_prefix_caching for p in pools):
+            raise ValueError("prefix reuse over a linear layer's state is not served: pools without it")
         self.pools = pools
+        self.state_slots = state_slots
         self.block_size = pools[0].block_size
         self.enable_prefix_caching = pools[0].enable_prefix_caching
         shared: dict[str, list[bytes]] = pools[0]._req_hashes
@@ -65,11 +76,14 @@ class KVCacheManager:
 
     @classmethod
     def for_groups(cls, groups: list[KVCacheGroup] | tuple[KVCacheGroup, ...], block_size: int,
-                   enable_prefix_caching: bool = True) -> KVCacheManager:
-        """A pool per group: a BlockManager for full attention, a SlidingWindowBlockManager per window."""
-        return cls([BlockManager(g.num_blocks, block_size, enable_prefix_caching) if g.window is None else
-                    SlidingWindowBlockManager(g.num_blocks, g.window, block_size, enable_prefix_caching)
-                    for g in groups])
+                   enable_prefix_caching: bool = True, num_state_slots: int = 0) -> KVCacheManager:
+        """A pool per group: a BlockManager for full attention, a SlidingWindowBlockManager per window;
+        `num_state_slots` > 0 (a hybrid stack): that many state slots, and no prefix reuse."""
+        slots = StateSlots(num_state_slots) if num_state_slots else None
+        reuse = enable_prefix_caching and slots is None
+        return cls([BlockManager(g.num_blocks, block_size, reuse) if g.window is None else
+                    SlidingWindowBlockManager(g.num_blocks, g.window, block_size, reuse)
+                    for g in groups], slots)
 
     # -- prefix lookup ---------------------------------------------------------------------------
     def find_cached_prefix(self, request: Request) -> PrefixHit:
@@ -98,7 +112,11 @@ class KVCacheManager:
     # -- allocation ------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make room in every group for num_new_tokens after the request's computed tokens (plus `hit`,
-        a fresh prefix hit). Returns False, taking no block, when some group cannot supply them."""
+        a fresh prefix hit). Returns False, taking no block, when some group cannot supply them or the
+        request needs a state slot and none is free."""
+        slots = self.state_slots
+        if slots is not None and not slots.can_take(request):
+            return False
         tables = hit.tables if hit is not None and len(hit) else [None] * len(self.pools)
         start = request.num_computed_tokens + (len(hit) if hit is not None else 0) * self.block_size
         for pool in self.pools:
@@ -109,12 +127,16 @@ class KVCacheManager:
             return False
         for pool, t in zip(self.pools, tables, strict=True):
             pool.take_slots(request, num_new_tokens, t)
+        if slots is not None:
+            slots.take(request)
         return True
 
     def fork(self, parent: Request, child: Request) -> list[tuple[int, int, int]] | None:
         """Share the parent's KV with the child in every group (BlockManager.fork): the block copies
         the runner makes first, as (group, source, destination); None, taking nothing, when some group
-        lacks a free block for its copy."""
+        lacks a free block for its copy, or the model has linear layers (their state is not shared yet)."""
+        if self.state_slots is not None:
+            return None
         if any(pool.fork_needs(parent) > pool.num_free_blocks for pool in self.pools):
             return None
         copies = []
@@ -125,9 +147,16 @@ class KVCacheManager:
         return copies
 
     def free(self, request: Request) -> None:
-        """Drop the request's blocks in every group (cached ones stay reusable until evicted)."""
+        """Drop the request's blocks in every group (cached ones stay reusable until evicted) and its
+        state slot."""
         for pool in self.pools:
             pool.free(request)
+        if self.state_slots is not None:
+            self.state_slots.free(request)
+
+    def state_slot(self, request: Request) -> int:
+        """The request's state slot; -1 for a model without linear layers."""
+        return -1 if self.state_slots is None else self.state_slots.slot(request)
 
     # -- tables and stats ------------------------------------------------------------------------
     def block_tables(self, request: Request) -> list[list[int]]:

@@ -32,6 +32,9 @@ class TensorParallel:
     def check(self, cfg: TextModelConfig) -> None:
         """CheckpointError when the model's heads or MLP cannot be split over `size` ranks."""
         h, kv = cfg.num_heads, cfg.num_kv_heads
+        if cfg.linear_layers or cfg.attn_output_gate:
+            raise CheckpointError("a hybrid stack (linear-attention layers, gated attention output) is not "
+                                  "split over tensor-parallel ranks yet")
         if h % self.size or cfg.intermediate_size % self.size:
             raise CheckpointError(f"{h} attention heads and an MLP of {cfg.intermediate_size} cannot be "
                                   f"split over {self.size} tensor-parallel ranks")

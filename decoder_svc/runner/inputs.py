@@ -36,6 +36,8 @@ class SequenceInput:
     # long as block_table: entry i holds tokens [i * block_size, (i + 1) * block_size), 0 where freed.
     group_tables: list[list[int]] = field(default_factory=list)
     lora_slot: int = 0  # the LoRA adapter slot its rows run with (model/lora/); 0: the base model
+    # A hybrid stack's state slot of the request (model/linear_state.py); -1: a model without one
+    state_slot: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,5 @@
-"""Fixtures for the Qwen3.5 tests: the tiny checkpoint (made by the family's maker directly: the family is
-declared, not served, so make-model's registry does not list it) and HF's model on it."""
+"""Fixtures for the Qwen3.5 tests: the tiny checkpoint (made by the family's maker directly), HF's model on
+it, and engines over it."""
 
 from __future__ import annotations
 
@@ -28,3 +28,18 @@ def qwen3_5_oracle(qwen3_5_model_dir: Path):
     from common.families.qwen3_5.oracle import Qwen3_5Oracle
 
     return Qwen3_5Oracle(qwen3_5_model_dir)
+
+
+@pytest.fixture
+def make_qwen3_5_engine(qwen3_5_model_dir: Path):
+    """Engines on the tiny Qwen3.5 checkpoint (fp32, CPU, in-process vision tower)."""
+    from decoder_svc.engine import EngineConfig, LLMEngine
+    from decoder_svc.engine.local_source import LocalEmbeddingSource
+
+    def make(**overrides):
+        cfg = dict(model=qwen3_5_model_dir, num_kv_blocks=512, max_num_batched_tokens=2048)
+        cfg.update(overrides)
+        config = EngineConfig(**cfg)
+        return LLMEngine(config, LocalEmbeddingSource.for_engine(config))
+
+    return make
