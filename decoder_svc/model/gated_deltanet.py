@@ -307,8 +307,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward_batch(self, x: torch.Tensor, step: LinearStateStep, layer: int) -> torch.Tensor:
         """The layer over a step's flat token rows x [N, hidden] (model/linear_state.py): each chunk from
-        its slot's state (a zero one where it starts its sequence) in the chunked form, the single-token
-        continuations together in the recurrent form; the slots are left holding the states after them."""
+        its slot's state (a zero one where it starts its sequence) in the chunked form, in pieces cut at
+        its snapshot positions (the state there copied into their slots), the single-token continuations
+        together in the recurrent form; the slots are left holding the states after them."""
         conv_pool, rec_pool = step.pool.conv[layer], step.pool.recurrent[layer]
         qkv, z, b, a = self._project(x)
         o = x.new_empty(x.shape[0], self.shape.num_v_heads, self.shape.head_v_dim)
@@ -319,11 +320,18 @@ class GatedDeltaNet(nn.Module):
             o[rows] = out[:, 0]
             conv_pool[slots], rec_pool[slots] = new.conv, new.recurrent
         for c in step.chunks:
-            lo, hi, slot = c.first_row, c.end_row, c.slot
+            lo, slot = c.first_row, c.slot
             state = None if c.fresh else GatedDeltaNetState(conv_pool[slot:slot + 1], rec_pool[slot:slot + 1])
-            out, new = self._core(qkv[None, lo:hi], b[None, lo:hi], a[None, lo:hi], state, recurrent=False)
-            o[lo:hi] = out[0]
-            conv_pool[slot], rec_pool[slot] = new.conv[0], new.recurrent[0]
+            cuts = [(c.first_row + k, s) for k, s in c.snapshots]
+            for hi in sorted({row for row, _ in cuts} | {c.end_row}):
+                out, state = self._core(qkv[None, lo:hi], b[None, lo:hi], a[None, lo:hi], state,
+                                        recurrent=False)
+                o[lo:hi] = out[0]
+                for row, snap in cuts:
+                    if row == hi:
+                        conv_pool[snap], rec_pool[snap] = state.conv[0], state.recurrent[0]
+                lo = hi
+            conv_pool[slot], rec_pool[slot] = state.conv[0], state.recurrent[0]
         return self._out(o, z)
 
     def forward(self, x: torch.Tensor, state: GatedDeltaNetState | None = None

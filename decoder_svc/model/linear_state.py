@@ -9,7 +9,10 @@ are only read after the request's own earlier chunks wrote them: a chunk at posi
 
 `LinearStateStep` is one step's view of it: which rows of the flat token batch continue which slot. Rows
 of single-token continuations (decodes) run together in the recurrent form; every other chunk (a prefill,
-or a later chunk of one, which carries the state across the cut) runs alone in the chunked form.
+or a later chunk of one, which carries the state across the cut) runs alone in the chunked form. Slots
+past the requests' hold snapshots of the state after prompt prefixes (engine/state_snapshots.py): a
+chunk may name positions inside it whose state is copied into a snapshot slot (the chunk is then run in
+pieces cut there), and a step's `copy_slots` restores a snapshot into a request's slot before it runs.
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ class LinearStatePool:
                                     device=device) for i in cfg.linear_layers}
         return cls(conv, recurrent, num_slots)
 
+    def copy_slots(self, copies: list[tuple[int, int]]) -> None:
+        """Copy slot src into slot dst in every layer, for each (src, dst); no dst is another's src."""
+        if not copies:
+            return
+        device = next(iter(self.conv.values())).device
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
+        for tensors in (self.conv, self.recurrent):
+            for t in tensors.values():
+                t.index_copy_(0, dst, t.index_select(0, src))
+
     @staticmethod
     def bytes_per_slot(cfg: TextModelConfig, dtype: torch.dtype) -> int:
         """Bytes one request's slot takes over every linear layer (0 for a stack without any)."""
@@ -55,12 +69,14 @@ class LinearStatePool:
 @dataclass(frozen=True)
 class LinearChunk:
     """Rows [first_row, end_row) of the flat batch: a chunk of the sequence in `slot`; `fresh` when it
-    starts the sequence (position 0: a zero state, whatever the slot holds)."""
+    starts the sequence (position 0: a zero state, whatever the slot holds); `snapshots` (tokens into the
+    chunk, snapshot slot): where the state after that many of its tokens is copied, in order."""
 
     first_row: int
     end_row: int
     slot: int
     fresh: bool
+    snapshots: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,17 +90,21 @@ class LinearStateStep:
     decode_slots: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, pool: LinearStatePool, sequences: list[tuple[int, int, int, int]],
+    def build(cls, pool: LinearStatePool, sequences: list[tuple[int, int, int, int, tuple]],
               device: torch.device | str) -> LinearStateStep:
-        """From (first row, tokens, start position, slot) per sequence of the step, in row order."""
+        """From (first row, tokens, start position, slot, snapshots) per sequence of the step, in row
+        order (snapshots: LinearChunk's)."""
         chunks, rows, slots = [], [], []
-        for first_row, n, start, slot in sequences:
+        for first_row, n, start, slot, snapshots in sequences:
             if slot < 0 or slot >= pool.num_slots:
                 raise ValueError(f"state slot {slot} is not one of the pool's {pool.num_slots}")
-            if n == 1 and start > 0:
+            if any(not 0 < k <= n or not 0 <= s < pool.num_slots for k, s in snapshots):
+                raise ValueError(f"snapshots {snapshots} do not fit a chunk of {n} tokens and the pool")
+            if n == 1 and start > 0 and not snapshots:
                 rows.append(first_row)
                 slots.append(slot)
             elif n > 0:
-                chunks.append(LinearChunk(first_row, first_row + n, slot, start == 0))
+                chunks.append(LinearChunk(first_row, first_row + n, slot, start == 0,
+                                          tuple(sorted(snapshots))))
         as_tensor = (lambda v: torch.tensor(v, dtype=torch.long, device=device)) if rows else (lambda v: None)
         return cls(pool, tuple(chunks), as_tensor(rows), as_tensor(slots))

@@ -62,6 +62,7 @@ class RunnerConfig:
     progress: bool = True  # a progress bar while capturing graphs
     image_blocks: bool = False  # each image's tokens attend to each other whole (Gemma 3): key limits
     num_state_slots: int | None = None  # a hybrid stack's state slots (None: max_num_seqs)
+    num_state_snapshots: int = 0  # ...and its snapshot slots after them (prefix reuse)
 
     @classmethod
     def for_engine(cls, config: EngineConfig, device: str, dtype: torch.dtype, layout: ImageLayout,
@@ -74,7 +75,16 @@ class RunnerConfig:
             tokens += layout.largest_image_run
         return cls(device, dtype, config.block_size, config.max_num_seqs, tokens, config.num_kv_blocks,
                    config.kv_cache_bytes, config.enforce_eager or eager,
-                   image_blocks=layout.bidirectional_images, num_state_slots=config.num_state_slots)
+                   image_blocks=layout.bidirectional_images, num_state_slots=config.num_state_slots,
+                   num_state_snapshots=cls.snapshots_for(config))
+
+    @staticmethod
+    def snapshots_for(config: EngineConfig) -> int:
+        """A hybrid stack's snapshot slots: num_state_snapshots (None: max_num_seqs), none without prefix
+        caching."""
+        if not config.enable_prefix_caching:
+            return 0
+        return config.max_num_seqs if config.num_state_snapshots is None else config.num_state_snapshots
 
     @property
     def state_slots(self) -> int:
@@ -196,8 +206,9 @@ class _HostRows:
     n_logits: int = 0
     n_pending: int = 0
     img: list[np.ndarray] = dataclasses.field(default_factory=list)
-    # (first row, tokens, start position, state slot) per sequence, for a hybrid stack's linear layers
-    linear: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    # (first row, tokens, start position, state slot, snapshots) per sequence, for a hybrid stack's
+    # linear layers (model/linear_state.py)
+    linear: list[tuple] = dataclasses.field(default_factory=list)
 
 
 class LaunchedStep:
@@ -274,10 +285,12 @@ class ModelRunner:
                      num_blocks, pools)
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
         if self.hybrid:
-            self.linear_pool = LinearStatePool.allocate(self.model_config, cfg.state_slots, cfg.dtype,
-                                                        self.device)
-            log.info("state slots of %d linear-attention layers: %d (%.1f MiB)",
-                     len(self.model_config.linear_layers), cfg.state_slots, self._state_bytes() / 2**20)
+            slots = cfg.state_slots + cfg.num_state_snapshots
+            self.linear_pool = LinearStatePool.allocate(self.model_config, slots, cfg.dtype, self.device)
+            log.info("state slots of %d linear-attention layers: %d for requests, %d for snapshots "
+                     "(%.1f MiB)",
+                     len(self.model_config.linear_layers), cfg.state_slots, cfg.num_state_snapshots,
+                     self._state_bytes() / 2**20)
         if self.graphs is not None:
             # Capture over a valid empty step: one token per sequence, no slots, no context.
             d = self.buffers.dev
@@ -290,8 +303,9 @@ class ModelRunner:
         return self.kv_spec
 
     def _state_bytes(self) -> int:
-        """Bytes of a hybrid stack's state slots (0 for other stacks)."""
-        return self.config.state_slots * LinearStatePool.bytes_per_slot(self.model_config, self.config.dtype)
+        """Bytes of a hybrid stack's state and snapshot slots (0 for other stacks)."""
+        slots = self.config.state_slots + self.config.num_state_snapshots
+        return slots * LinearStatePool.bytes_per_slot(self.model_config, self.config.dtype)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -345,7 +359,7 @@ class ModelRunner:
 
     def _fresh_state(self, pool: LinearStatePool, tokens: int) -> LinearStateStep | None:
         """A step of one new sequence of `tokens` in slot 0 of `pool` (a hybrid stack's; else None)."""
-        return LinearStateStep.build(pool, [(0, tokens, 0, 0)], self.device) if self.hybrid else None
+        return LinearStateStep.build(pool, [(0, tokens, 0, 0, ())], self.device) if self.hybrid else None
 
     def _logit_rows(self, key: GraphKey) -> int:
         """Rows of logits a graph computes: one per sequence that may sample."""
@@ -404,6 +418,8 @@ class ModelRunner:
             self.sampler.forget(request_id)
         if batch.block_copies:
             self.copy_blocks(batch.block_copies)
+        if batch.state_copies:
+            self.linear_pool.copy_slots(batch.state_copies)
         if not batch.sequences:
             return LaunchedStep(None)
         if self._on_cuda and self.device.index is not None:
@@ -495,7 +511,7 @@ class ModelRunner:
             h[table_key(g)][i, :len(gt)] = gt
         h["seq_lens"][i] = seq.end
         if self.hybrid:
-            rows.linear.append((t, n, seq.start, seq.state_slot))
+            rows.linear.append((t, n, seq.start, seq.state_slot, tuple(seq.state_snapshots)))
         if seq.image_rows:
             image_rows = image_slots(ids[t:t + n], seq.start, seq.num_prompt_tokens, self.mm_token_ids)
             rows.img.append(t + image_rows)
