@@ -3,6 +3,7 @@ it, and engines over it."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -24,10 +25,22 @@ def qwen3_5_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen3_5_oracle(qwen3_5_model_dir: Path):
-    """HF's Qwen3_5ForConditionalGeneration, fp32 on CPU (common/families/qwen3_5/oracle.py)."""
+    """HF's Qwen3_5ForConditionalGeneration, fp32 on CPU (common/families/qwen3_5/oracle.py); `generate`
+    remembers its answers."""
     from common.families.qwen3_5.oracle import Qwen3_5Oracle
 
-    return Qwen3_5Oracle(qwen3_5_model_dir)
+    oracle = Qwen3_5Oracle(qwen3_5_model_dir)
+    generate, memo = oracle.generate, {}
+
+    def remembered(prompt: str, images: list, n: int) -> list[int]:
+        """HF's tokens, computed once per prompt, images and n in the session (tests repeat them)."""
+        key = (prompt, tuple(hashlib.sha256(i.tobytes()).hexdigest() + str(i.size) for i in images), n)
+        if key not in memo:
+            memo[key] = generate(prompt, images, n)
+        return list(memo[key])
+
+    oracle.generate = remembered
+    return oracle
 
 
 @pytest.fixture
