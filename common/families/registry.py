@@ -16,7 +16,7 @@ from common.families.qwen3_vl import FAMILY as QWEN3_VL
 from common.families.qwen3_vl_moe import FAMILY as QWEN3_VL_MOE
 from common.families.text import TextBackbone
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, GEMMA3, PHI4MM, QWEN3_5)
+FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, GEMMA3, PHI4MM)
 # Folders whose FAMILY is declared but not served yet (each one's __init__ says what is missing): no
 # lookup here finds them, so their checkpoints are refused like any other unserved model_type.
 NOT_SERVED_YET: tuple[str, ...] = ()
