@@ -33,7 +33,7 @@ def _check(engine, oracle, prompt, imgs, rid):
 
 def test_a_new_question_about_the_same_image_resumes_at_its_end(make_qwen3_5_engine, qwen3_5_oracle,
                                                                   qwen_images):
-    engine = make_qwen3_5_engine(max_num_batched_tokens=13)
+    engine = make_qwen3_5_engine(max_num_batched_tokens=32)  # chunks cut the image
     image = [qwen_images[0]]
     cold = _check(engine, qwen3_5_oracle, ask("what is in the picture?"), image, "cold")
     taken = engine.stats().state_snapshots_taken
