@@ -21,8 +21,8 @@ nothing, when no slot is free, and `free` gives the slot back with the blocks. A
 after a prefix is in no block, so a KV hit alone cannot resume it: a hit is cut back to the longest
 prefix that also has a snapshot of that state at its end (`snapshots`, engine/state_snapshots.py), and
 admitting it queues the copy of the snapshot into the request's slot (`take_state_copies`, run before
-the step's forward). Without snapshots prefix reuse is off. Forks (n samples) are queued as requests of
-their own (the state is not shared yet).
+the step's forward). Without snapshots prefix reuse is off. A fork (n samples) copies the parent's
+state into the child's slot the same way.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class KVCacheManager:
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The (source slot, destination slot) copies to run before the next step: the snapshots the
-        requests admitted since the last call resume from."""
+        requests admitted since the last call resume from, the parents' states of forked samples."""
         copies, self._restores = self._restores, []
         return copies
 
@@ -201,8 +201,11 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> list[tuple[int, int, int]] | None:
         """Share the parent's KV with the child in every group (BlockManager.fork): the block copies
         the runner makes first, as (group, source, destination); None, taking nothing, when some group
-        lacks a free block for its copy, or the model has linear layers (their state is not shared yet)."""
-        if self.state_slots is not None:
+        lacks a free block for its copy. A hybrid stack's child also takes a state slot (None when none is
+        free) and a copy of the parent's state, made before the next step (take_state_copies) while the
+        parent's slot still holds the state after the tokens they share."""
+        slots = self.state_slots
+        if slots is not None and not slots.can_take(child):
             return None
         if any(pool.fork_needs(parent) > pool.num_free_blocks for pool in self.pools):
             return None
@@ -211,6 +214,8 @@ class KVCacheManager:
             copy = pool.fork(parent, child)
             if copy is not None:
                 copies.append((group, *copy))
+        if slots is not None:
+            self._restores.append((slots.slot(parent), slots.take(child)))
         return copies
 
     def free(self, request: Request) -> None:

@@ -1,6 +1,6 @@
 """The hybrid stack in the engine beyond plain parity: a video (Qwen3-VL's timestamped frame groups)
-equal to HF's generate, n samples of one prompt (each its own prefill: a linear layer's state is not
-shared yet), and the modes that do not cover linear layers refusing them."""
+equal to HF's generate, n samples forked from one prefill (the parent's state copied into each child's
+slot), and the modes that do not cover linear layers refusing them."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from decoder_svc.engine.embedding_source import VideoSource
 from decoder_svc.model.config import TextModelConfig
 from decoder_svc.model.loader import text_config_dict
 from decoder_svc.model.parallel import TensorParallel
+from tests.n_samples import check_samples_match_seeded_requests
 from tests.oracle import greedy
 from tests.video.test_engine_video import VIDEO, VIDEO_PROMPT, VideoOracle
 
 N = 8
-TEXT = "<|im_start|>user\ndescribe a red car on the table<|im_end|>\n<|im_start|>assistant\n"
+ONE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what is in the picture?<|im_end|>\n"
+       "<|im_start|>assistant\n")
 
 
 def test_one_video_equals_hf(make_qwen3_5_engine, qwen3_5_oracle, qwen3_5_model_dir):
@@ -28,17 +30,10 @@ def test_one_video_equals_hf(make_qwen3_5_engine, qwen3_5_oracle, qwen3_5_model_
     assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0 and engine.source.num_leases == 0
 
 
-def test_n_samples_are_prefilled_each(make_qwen3_5_engine, qwen3_5_oracle):
-    engine = make_qwen3_5_engine()
-    engine.add_request("n", TEXT, [], sampling=greedy(N), n=3)
-    samples: dict[int, list[int]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            samples.setdefault(out.index, []).extend(out.new_token_ids)
-    ref = qwen3_5_oracle.generate(TEXT, [], N)
-    assert samples == {0: ref, 1: ref, 2: ref}
-    stats = engine.stats()
-    assert stats.samples_forked == 0 and stats.samples_queued == 2 and stats.state_slots_used == 0
+def test_n_samples_fork_the_state(qwen3_5_model_dir, qwen_images):
+    """Three seeded samples of one prefill give what three seeded requests give (two forked: their
+    slots start from a copy of the parent's state); nothing held after."""
+    check_samples_match_seeded_requests(qwen3_5_model_dir, ONE, qwen_images[:1])
 
 
 def test_modes_that_do_not_cover_linear_layers_refuse_them(make_qwen3_5_engine, qwen3_5_model_dir):
