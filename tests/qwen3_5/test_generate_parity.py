@@ -35,7 +35,7 @@ def test_text_and_images_in_one_chunk(make_qwen3_5_engine, qwen3_5_oracle, qwen_
     assert engine.stats().state_slots_total == engine.config.max_num_seqs
     _check(engine, qwen3_5_oracle, TEXT, [], rid="text")
     assert _check(engine, qwen3_5_oracle, ONE, qwen_images[:1], rid="one").usage.images == 1
-    out = _check(engine, qwen3_5_oracle, TWO, qwen_images[1:], rid="two")
+    out = _check(engine, qwen3_5_oracle, TWO, qwen_images[::2], rid="two")
     assert out.usage.images == 2 and out.usage.cached_prompt_tokens == 0  # shares < 1 block with ONE
     _idle(engine)
 
@@ -53,10 +53,10 @@ def test_six_concurrent_requests_with_preemption(make_qwen3_5_engine, qwen3_5_or
     """Six requests share steps (decodes batched in the recurrent form, prefill chunks beside them); the
     KV pool is too small for all, so some are preempted, free their slot and recompute from zero (no
     snapshots to resume from)."""
-    engine = make_qwen3_5_engine(max_num_batched_tokens=96, num_kv_blocks=40, max_num_seqs=6,
+    engine = make_qwen3_5_engine(max_num_batched_tokens=96, num_kv_blocks=24, max_num_seqs=6,
                                  num_state_snapshots=0)
-    plan = [(TEXT, []), (ONE, [qwen_images[0]]), (TWO, qwen_images[1:]), (ONE, [qwen_images[2]]),
-            (TEXT, []), (TWO, qwen_images[:2])]
+    small = qwen_images[0]  # the small image: many requests, few tokens
+    plan = [(TEXT, []), (ONE, [small]), (TWO, [small, small]), (ONE, [small]), (TEXT, []), (TWO, [small] * 2)]
     for i, (prompt, imgs) in enumerate(plan):
         engine.add_request(f"c{i}", prompt, imgs, sampling=greedy(N))
     results = run_all(engine)
@@ -70,7 +70,7 @@ def test_admission_waits_for_a_free_state_slot(make_qwen3_5_engine, qwen3_5_orac
     """Two slots for four requests: two run, two wait; each slot is reused once freed, and a request
     ended early (aborted) gives its slot back."""
     engine = make_qwen3_5_engine(num_state_slots=2)
-    plan = [(TEXT, []), (ONE, [qwen_images[0]]), (ONE, [qwen_images[1]]), (TEXT, [])]
+    plan = [(TEXT, []), (ONE, [qwen_images[0]]), (TWO, [qwen_images[0]] * 2), (TEXT, [])]
     for i, (prompt, imgs) in enumerate(plan):
         engine.add_request(f"s{i}", prompt, imgs, sampling=greedy(N))
     engine.add_request("aborted", TEXT, [], sampling=greedy(N))
