@@ -11,14 +11,15 @@ from common.families.gemma3 import FAMILY as GEMMA3
 from common.families.llava import FAMILY as LLAVA
 from common.families.phi4mm import FAMILY as PHI4MM
 from common.families.qwen2_5_vl import FAMILY as QWEN2_5_VL
+from common.families.qwen3_5 import FAMILY as QWEN3_5
 from common.families.qwen3_vl import FAMILY as QWEN3_VL
 from common.families.qwen3_vl_moe import FAMILY as QWEN3_VL_MOE
 from common.families.text import TextBackbone
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, GEMMA3, PHI4MM)
+FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, GEMMA3, PHI4MM)
 # Folders whose FAMILY is declared but not served yet (each one's __init__ says what is missing): no
 # lookup here finds them, so their checkpoints are refused like any other unserved model_type.
-NOT_SERVED_YET: tuple[str, ...] = ("qwen3_5",)
+NOT_SERVED_YET: tuple[str, ...] = ()
 # Reads the layout of a checkpoint no family claims: LLaVA's reader refuses it naming what it serves (e.g.
 # llava_next, whose tiles make the token count vary per image), the message users have always had.
 FALLBACK_LAYOUT_FAMILY = LLAVA

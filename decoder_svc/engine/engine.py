@@ -33,6 +33,7 @@ from decoder_svc.engine.request import FinishReason, Request
 from decoder_svc.engine.sampling_params import InvalidRequestError
 from decoder_svc.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from decoder_svc.model import generation_eos_ids, load_language_model
+from decoder_svc.model.linear_state import LinearStatePool
 from decoder_svc.model.parallel import TensorParallel
 from decoder_svc.runner import ModelInput, ModelOutput, ModelRunner, RunnerConfig, SamplingRow, SequenceInput
 from decoder_svc.runner.inputs import PENDING_TOKEN
@@ -84,6 +85,13 @@ class EngineStats:
     requests_failed: int = stat("Requests ended by an error")
     samples_forked: int = stat("Samples of an n > 1 request that started from its prefilled prompt KV")
     samples_queued: int = stat("Samples of an n > 1 request queued as requests of their own (no KV shared)")
+    state_slots_used: int = stat("Linear-attention state slots held by requests (hybrid models)", "gauge")
+    state_slots_total: int = stat("Linear-attention state slots (hybrid models; 0 for others)", "gauge")
+    state_snapshots_held: int = stat("Linear-attention state snapshots kept for prefix reuse", "gauge")
+    state_snapshot_bytes: int = stat("Bytes of the linear-attention state snapshots kept", "gauge")
+    state_snapshot_hits: int = stat("Admissions that resumed a prefix from a state snapshot")
+    state_snapshots_taken: int = stat("Linear-attention state snapshots written")
+    state_snapshot_evictions: int = stat("Linear-attention state snapshots dropped for newer ones (LRU)")
     kv_groups: list[KvGroupStats] = stat("KV cache blocks per group of layers with one attention pattern",
                                          "rows", label="group")
 
@@ -155,8 +163,11 @@ class LLMEngine:
             raise
         self.inputs = InputProcessor(config, self.model_config, self.tokenizer, self.fingerprint,
                                      self.eos_token_ids, self.kv_spec.num_blocks * self.kv_spec.block_size)
-        self.blocks = KVCacheManager.for_groups(self.kv_spec.pools, config.block_size,
-                                                config.enable_prefix_caching)
+        hybrid = bool(self.model_config.linear_layers)
+        self.blocks = KVCacheManager.for_groups(
+            self.kv_spec.pools, config.block_size, config.enable_prefix_caching,
+            runner_config.state_slots if hybrid else 0, runner_config.num_state_snapshots,
+            config.state_snapshot_interval, LinearStatePool.bytes_per_slot(self.model_config, self.dtype))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.encoder_max_ahead,
                             self.model_config.max_model_len, self.tokenizer.layout.bidirectional_images),
@@ -247,15 +258,18 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - a bug or bad state of this request only
                 self._fail(chunk.request, exc)
         scheduled.chunks = built  # what the runner's sampled rows line up with
-        batch = ModelInput(sequences, scheduled.finished_request_ids, scheduled.block_copies)
+        batch = ModelInput(sequences, scheduled.finished_request_ids, scheduled.block_copies,
+                           self.blocks.take_state_copies())
         run = self.runner
         try:  # synchronous: the runner's one-call form (the only one tensor parallelism has)
             launched = run.launch(batch) if self.async_scheduling else _Done(run.execute(batch))
         except _DEVICE_ERRORS:
             raise
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep the engine
+            self.blocks.step_launched(ok=False)
             self._fail_batch(scheduled, exc)  # reported with the next update
             return None
+        self.blocks.step_launched(ok=True)
         return InFlightStep(scheduled, launched, started) if sequences else None
 
     def _finish(self, step: InFlightStep | None) -> list[RequestOutput]:
@@ -301,7 +315,9 @@ class LLMEngine:
             image_rows=self.scheduler.images.rows_for_chunk(req, chunk.start, chunk.end),
             sampling=SamplingRow(req.request_id, req.sampling) if chunk.samples else None,
             mrope_positions=req.mrope_positions, mrope_delta=req.mrope_delta,
-            lora_slot=self.lora_slots[req.lora_adapter])
+            lora_slot=self.lora_slots[req.lora_adapter], state_slot=self.blocks.state_slot(req),
+            # last: it reserves snapshot slots that this chunk's forward must write
+            state_snapshots=self.blocks.snapshot_points(req, chunk.start, chunk.end))
 
     # -- introspection ---------------------------------------------------------------------------
     @property
@@ -315,10 +331,14 @@ class LLMEngine:
         self.scheduler.images.counters = type(self.scheduler.images.counters)()
         self.blocks.prefix_queried_tokens = self.blocks.prefix_hit_tokens = 0
         self.blocks.prefix_hit_tokens_by_adapter = {}
+        if self.blocks.snapshots is not None:
+            self.blocks.snapshots.counters = type(self.blocks.snapshots.counters)()
 
     def stats(self) -> EngineStats:
         """Current state and counters."""
         b, c, i = self.blocks.stats(), self.scheduler.counters, self.scheduler.images.counters
+        slots, snaps = self.blocks.state_slots, self.blocks.snapshots
+        counts = snaps.counters if snaps is not None else None
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_blocks_used=b.used_blocks, kv_blocks_total=b.num_blocks,
@@ -329,6 +349,13 @@ class LLMEngine:
             images_skipped_by_kv_reuse=i.images_skipped_by_kv_reuse, preemptions=c.preemptions,
             requests_finished=c.finished, requests_aborted=c.aborted, requests_failed=c.failed,
             samples_forked=c.forked_in_kv, samples_queued=c.forked_queued,
+            state_slots_used=slots.num_used if slots is not None else 0,
+            state_slots_total=slots.num_slots if slots is not None else 0,
+            state_snapshots_held=snaps.num_held if snaps is not None else 0,
+            state_snapshot_bytes=snaps.bytes_held if snaps is not None else 0,
+            state_snapshot_hits=counts.hits if counts is not None else 0,
+            state_snapshots_taken=counts.taken if counts is not None else 0,
+            state_snapshot_evictions=counts.evictions if counts is not None else 0,
             kv_groups=self.blocks.group_rows(),
         )
 

@@ -43,6 +43,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from decoder_svc.model.config import TextModelConfig
+    from decoder_svc.model.linear_state import LinearStateStep
 
 CHUNK_SIZE = 64  # the chunked rule's block, HF's and fla's default
 
@@ -266,26 +267,72 @@ class GatedDeltaNet(nn.Module):
         weight = self.in_proj_qkv.weight
         return GatedDeltaNetState.zeros(self.shape, batch, dtype or weight.dtype, weight.device)
 
-    def _mix(self, x: torch.Tensor, state: GatedDeltaNetState | None, recurrent: bool
-             ) -> tuple[torch.Tensor, GatedDeltaNetState]:
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The input projections of x [..., hidden]: (qkv, z, b, a), row for row."""
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def _core(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: GatedDeltaNetState | None,
+              recurrent: bool) -> tuple[torch.Tensor, GatedDeltaNetState]:
+        """Convolution and delta rule over projected [B, T, ...] inputs -> (o [B, T, Hv, Dv] before the
+        gated norm, the state after the last token)."""
         s = self.shape
-        batch, length, _ = x.shape
+        batch, length, _ = qkv.shape
         conv_state = None if state is None else state.conv
         recurrent_state = state.recurrent if state is not None else torch.zeros(
-            s.recurrent_state_shape(batch), dtype=torch.float32, device=x.device)
-        mixed, conv_state = causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), conv_state,
-                                          self.conv1d.weight.squeeze(1), decode=recurrent)
+            s.recurrent_state_shape(batch), dtype=torch.float32, device=qkv.device)
+        mixed, conv_state = causal_conv1d(qkv.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1),
+                                          decode=recurrent)
         q, k, v = torch.split(mixed.transpose(1, 2), [s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q = q.reshape(batch, length, -1, s.head_k_dim)
         k = k.reshape(batch, length, -1, s.head_k_dim)
         v = v.reshape(batch, length, -1, s.head_v_dim)
-        z = self.in_proj_z(x).reshape(batch, length, -1, s.head_v_dim)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
         o, final = rule(q, k, v, g, beta, recurrent_state)
-        o = self.norm(o.reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim))
-        return self.out_proj(o.reshape(batch, length, -1)), GatedDeltaNetState(conv_state, final)
+        return o, GatedDeltaNetState(conv_state, final)
+
+    def _out(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gated norm of each head's output and the output projection: o [..., Hv, Dv], z [..., value_dim]
+        -> [..., hidden]."""
+        dv = self.shape.head_v_dim
+        out = self.norm(o.reshape(-1, dv), z.reshape(-1, dv))
+        return self.out_proj(out.reshape(*z.shape[:-1], -1))
+
+    def _mix(self, x: torch.Tensor, state: GatedDeltaNetState | None, recurrent: bool
+             ) -> tuple[torch.Tensor, GatedDeltaNetState]:
+        qkv, z, b, a = self._project(x)
+        o, final = self._core(qkv, b, a, state, recurrent)
+        return self._out(o, z), final
+
+    def forward_batch(self, x: torch.Tensor, step: LinearStateStep, layer: int) -> torch.Tensor:
+        """The layer over a step's flat token rows x [N, hidden] (model/linear_state.py): each chunk from
+        its slot's state (a zero one where it starts its sequence) in the chunked form, in pieces cut at
+        its snapshot positions (the state there copied into their slots), the single-token continuations
+        together in the recurrent form; the slots are left holding the states after them."""
+        conv_pool, rec_pool = step.pool.conv[layer], step.pool.recurrent[layer]
+        qkv, z, b, a = self._project(x)
+        o = x.new_empty(x.shape[0], self.shape.num_v_heads, self.shape.head_v_dim)
+        if step.decode_rows is not None:
+            rows, slots = step.decode_rows, step.decode_slots
+            state = GatedDeltaNetState(conv_pool[slots], rec_pool[slots])
+            out, new = self._core(qkv[rows, None], b[rows, None], a[rows, None], state, recurrent=True)
+            o[rows] = out[:, 0]
+            conv_pool[slots], rec_pool[slots] = new.conv, new.recurrent
+        for c in step.chunks:
+            lo, slot = c.first_row, c.slot
+            state = None if c.fresh else GatedDeltaNetState(conv_pool[slot:slot + 1], rec_pool[slot:slot + 1])
+            cuts = [(c.first_row + k, s) for k, s in c.snapshots]
+            for hi in sorted({row for row, _ in cuts} | {c.end_row}):
+                out, state = self._core(qkv[None, lo:hi], b[None, lo:hi], a[None, lo:hi], state,
+                                        recurrent=False)
+                o[lo:hi] = out[0]
+                for row, snap in cuts:
+                    if row == hi:
+                        conv_pool[snap], rec_pool[snap] = state.conv[0], state.recurrent[0]
+                lo = hi
+            conv_pool[slot], rec_pool[slot] = state.conv[0], state.recurrent[0]
+        return self._out(o, z)
 
     def forward(self, x: torch.Tensor, state: GatedDeltaNetState | None = None
                 ) -> tuple[torch.Tensor, GatedDeltaNetState]:

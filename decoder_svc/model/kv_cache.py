@@ -1,7 +1,8 @@
 """The paged KV cache: per layer one tensor of fixed-size blocks, addressed by flat slot numbers.
 
 Layers of one KV cache group (model/kv_groups.py) share a block pool: their tensors have the group's
-block count and the same block ids mean the same tokens in each.
+block count and the same block ids mean the same tokens in each. A hybrid stack's linear-attention layers
+are in no group: their tensors here are empty (their state lives in model/linear_state.py's pool).
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ class KVCacheSpec:
 
     @staticmethod
     def bytes_per_block(cfg: TextModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes across all layers, keys and values."""
+        """Bytes one block takes across all attention layers, keys and values."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return 2 * len(cfg.attention_layers) * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     @classmethod
     def for_model(cls, cfg: TextModelConfig, num_blocks: int, block_size: int,
                   dtype: torch.dtype) -> KVCacheSpec:
-        """A spec with num_blocks blocks for this model (one pool for every layer)."""
-        return cls(num_blocks, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+        """A spec with num_blocks blocks for this model (one pool for every attention layer)."""
+        groups = (KVCacheGroup(cfg.attention_layers, None, num_blocks),) if cfg.linear_layers else ()
+        return cls(num_blocks, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, groups)
 
     @classmethod
     def for_groups(cls, cfg: TextModelConfig, groups: list[KVCacheGroup], block_size: int,
@@ -52,11 +54,11 @@ class KVCacheSpec:
         return self.groups or (KVCacheGroup(tuple(range(self.num_layers)), None, self.num_blocks),)
 
     def layer_blocks(self, layer: int) -> int:
-        """Physical blocks of layer `layer`'s tensor."""
+        """Physical blocks of layer `layer`'s tensor (0 for a layer of no group: a linear-attention one)."""
         for group in self.groups:
             if layer in group.layers:
                 return group.num_physical_blocks
-        return self.num_blocks
+        return 0 if self.groups else self.num_blocks
 
 
 def allocate_kv_cache(spec: KVCacheSpec, device: torch.device | str) -> list[torch.Tensor]:

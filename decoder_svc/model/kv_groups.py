@@ -40,9 +40,10 @@ class KVCacheGroup:
 
 
 def layer_groups(cfg: TextModelConfig) -> list[KVCacheGroup]:
-    """The model's groups without sizes: full layers first (group 0), then one group per window."""
+    """The model's groups without sizes: full layers first (group 0), then one group per window. A hybrid
+    stack's linear-attention layers keep no KV (a state each: model/linear_state.py): in no group."""
     by_window: dict[int | None, list[int]] = {}
-    for i in range(cfg.num_layers):
+    for i in cfg.attention_layers:
         by_window.setdefault(cfg.layer_window(i), []).append(i)
     order = sorted(by_window, key=lambda w: (w is not None, w or 0))
     return [KVCacheGroup(tuple(by_window[w]), w) for w in order]

@@ -4,6 +4,10 @@ and a paged KV cache. Where Gemma 3 differs, the layers read it from TextModelCo
 TritonOps both have its (1 + w) norm and GeGLU.
 Phi-4-mini's partial rotary and LongRoPE live in the cos/sin table alone (rotary_dims wide, its rows
 scaled by rope_attention_factor): the rotary ops rotate as many dims as the table is wide.
+Hybrid stacks (Qwen3.5): the layers cfg.layer_types marks "linear_attention" mix tokens with a Gated
+DeltaNet (model/gated_deltanet.py) over per-request state slots (model/linear_state.py) instead of
+attention over the KV cache; with cfg.attn_output_gate the attention's q projection gives each head's
+query then its gate, and the output is multiplied by sigmoid(gate) before o_proj.
 
 q/k/v are one projection (`qkv_proj`) and gate/up another (`gate_up_proj`), fused at load from the
 checkpoint's separate tensors (loader.PACKED_MODULES): one matrix product each instead of three and
@@ -18,8 +22,10 @@ from torch import nn
 
 from decoder_svc.model.attention import AttentionBackend, AttentionMetadata
 from decoder_svc.model.batch_invariant import BatchInvariantMatmuls, invariant_matmuls_active
-from decoder_svc.model.config import TextModelConfig
+from decoder_svc.model.config import LINEAR, TextModelConfig
+from decoder_svc.model.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
 from decoder_svc.model.kv_groups import group_of_layer, layer_groups
+from decoder_svc.model.linear_state import LinearStateStep
 from decoder_svc.model.lora.batched import LoRASlots
 from decoder_svc.model.moe import SparseMoE
 from decoder_svc.model.ops import TorchOps
@@ -87,7 +93,10 @@ class SelfAttention(nn.Module):
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.attention_scale
         self.window = window  # a sliding layer's window (keys older than it are masked), else None
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        # Gated output: q_proj's rows per head are the head's query then its gate (HF's layout)
+        self.gate = cfg.attn_output_gate
+        self.q_rows = self.q_size * (2 if self.gate else 1)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_rows + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.ops = ops
         if cfg.qk_norm:  # Qwen3, Gemma 3
@@ -103,15 +112,23 @@ class SelfAttention(nn.Module):
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """The block after the q/k/v product: (QK norm,) rotary, attention, o projection."""
-        n = qkv.shape[0]
-        q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        n, q_rows = qkv.shape[0], self.q_rows
+        gate = None
+        if self.gate:
+            q_and_gate = qkv[:, :q_rows].view(n, self.num_heads, 2 * self.head_dim)
+            q, gate = q_and_gate[..., :self.head_dim], q_and_gate[..., self.head_dim:]
+        else:
+            q = qkv[:, :q_rows].view(n, self.num_heads, self.head_dim)
+        k = qkv[:, q_rows:q_rows + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_rows + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = _per_head(self.q_norm, q), _per_head(self.k_norm, k)
         out = backend.rotate_and_forward(q, k, v, self.ops.rotary, positions, cos_sin, kv_cache, meta,
                                          self.scale, window=self.window)
-        out = self.ops.linear(out.reshape(n, self.q_size), self.o_proj)
+        out = out.reshape(n, self.q_size)
+        if gate is not None:  # in the model's dtype, as HF
+            out = out * torch.sigmoid(gate.reshape(n, self.q_size))
+        out = self.ops.linear(out, self.o_proj)
         return all_reduce(out) if self.reduce else out
 
 
@@ -129,12 +146,18 @@ class DecoderLayer(nn.Module):
     With cfg.sandwich_norms (Gemma 3) the attention and MLP outputs are normed too before their residual
     adds, and the norm before the MLP is `pre_feedforward_layernorm` (`post_attention_layernorm` then
     norms the attention's output, as HF names them). In a MoE stack (cfg.layer_is_moe) the MLP is a
-    SparseMoE (model/moe.py)."""
+    SparseMoE (model/moe.py). A hybrid stack's linear-attention layer mixes tokens with `linear_attn` (a
+    Gated DeltaNet over the step's state slots) where the others attend."""
 
     def __init__(self, cfg: TextModelConfig, ops: type[TorchOps], reduce: bool = False,
                  layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(cfg, ops, reduce, cfg.layer_window(layer))
+        self.layer = layer
+        self.linear = bool(cfg.layer_types) and cfg.layer_types[layer] == LINEAR
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(GatedDeltaNetShape.from_model_config(cfg))
+        else:
+            self.self_attn = SelfAttention(cfg, ops, reduce, cfg.layer_window(layer))
         self.moe = cfg.layer_is_moe(layer)
         self.mlp = SparseMoE(cfg, ops, reduce) if self.moe else MLP(cfg, ops, reduce)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, ops)
@@ -147,13 +170,20 @@ class DecoderLayer(nn.Module):
     @property
     def sliding(self) -> bool:
         """True for a sliding-window layer (it takes the local rope table)."""
-        return self.self_attn.window is not None
+        return not self.linear and self.self_attn.window is not None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = self.norm_into(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
-        h = self.self_attn.attend(qkv, positions, cos_sin, kv_cache, meta, backend)
+                backend: AttentionBackend, linear_state: LinearStateStep | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.linear:
+            if linear_state is None:
+                raise ValueError("a linear-attention layer needs the step's state slots (linear_state)")
+            h, residual = self.input_layernorm(x, residual)
+            h = self.linear_attn.forward_batch(h, linear_state, self.layer)
+        else:
+            qkv, residual = self.norm_into(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
+            h = self.self_attn.attend(qkv, positions, cos_sin, kv_cache, meta, backend)
         if self.sandwich:  # Gemma: the attention's output is normed before its residual add
             h, _ = self.post_attention_layernorm(h)
         norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
@@ -178,11 +208,11 @@ class DecoderLayer(nn.Module):
 
 
 def mrope_axes(cfg: TextModelConfig) -> torch.Tensor:
-    """[1, 1, head_dim] int64: the M-RoPE axis (0 t, 1 h, 2 w) of each cos/sin column; the cos and sin
+    """[1, 1, rotary_dims] int64: the M-RoPE axis (0 t, 1 h, 2 w) of each cos/sin column; the cos and sin
     halves repeat the sections (HF's mrope_section over cat(freqs, freqs)). Zeros for 1D rotary.
     Interleaved (Qwen3-VL's apply_interleaved_mrope): column i takes h when i % 3 == 1 and i < 3 * h's
     section, w when i % 3 == 2 and i < 3 * w's section, else t."""
-    half = cfg.head_dim // 2
+    half = cfg.rotary_dims // 2
     if cfg.mrope_interleaved and cfg.mrope_section:
         sections = cfg.mrope_section
         axes = [i % 3 if i % 3 and i < 3 * sections[i % 3] else 0 for i in range(half)]
@@ -268,6 +298,7 @@ class LlamaForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
         lora_slots: torch.Tensor | None = None,
+        linear_state: LinearStateStep | None = None,
     ) -> torch.Tensor:
         """Run every layer over the flat batch; return fp32 logits only for rows logits_indices.
         positions: [tokens], or [3, tokens] for M-RoPE (one row is enough where the three are equal).
@@ -275,11 +306,13 @@ class LlamaForCausalLM(nn.Module):
         reads meta[self.layer_group[i]]); kv_caches: each layer's tensor (its group's pool).
         deepstack (Qwen3-VL): (image rows [n], levels [L, n, hidden]); level i is added to the hidden
         states of those rows after layer i, as HF's _deepstack_process does.
-        lora_slots: each token row's adapter slot [tokens] (model/lora/batched.py); None: the base model."""
+        lora_slots: each token row's adapter slot [tokens] (model/lora/batched.py); None: the base model.
+        linear_state: a hybrid stack's state slots and which rows continue which (model/linear_state.py);
+        the linear layers read and update them. None for a stack without linear layers."""
         if self.batch_invariant and not invariant_matmuls_active():
             with BatchInvariantMatmuls():
                 return self.forward(positions, meta, kv_caches, logits_indices, input_ids, inputs_embeds,
-                                    deepstack, lora_slots)
+                                    deepstack, lora_slots, linear_state)
         x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
         if self.lora is not None:
             self.lora.bind(lora_slots, x.shape[0])
@@ -294,7 +327,8 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             table = self.cos_sin_local if layer.sliding else cos_sin
             layer_meta = meta[self.layer_group[i]] if isinstance(meta, list) else meta
-            x, residual = layer(x, residual, positions, table, kv_cache, layer_meta, self.backend)
+            x, residual = layer(x, residual, positions, table, kv_cache, layer_meta, self.backend,
+                                linear_state)
             if i < levels:
                 # HF adds the level to the layer's output (residual + mlp out), so the sum that our norms
                 # defer is made here; the next layer then starts from it with no residual.

@@ -37,6 +37,9 @@ class TensorParallel:
                                   f"for mixture-of-experts models ({cfg.num_experts} experts per layer are "
                                   "not sharded); serve it with --tensor-parallel-size 1")
         h, kv = cfg.num_heads, cfg.num_kv_heads
+        if cfg.linear_layers or cfg.attn_output_gate:
+            raise CheckpointError("a hybrid stack (linear-attention layers, gated attention output) is not "
+                                  "split over tensor-parallel ranks yet")
         if h % self.size or cfg.intermediate_size % self.size:
             raise CheckpointError(f"{h} attention heads and an MLP of {cfg.intermediate_size} cannot be "
                                   f"split over {self.size} tensor-parallel ranks")

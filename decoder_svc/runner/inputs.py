@@ -36,6 +36,10 @@ class SequenceInput:
     # long as block_table: entry i holds tokens [i * block_size, (i + 1) * block_size), 0 where freed.
     group_tables: list[list[int]] = field(default_factory=list)
     lora_slot: int = 0  # the LoRA adapter slot its rows run with (model/lora/); 0: the base model
+    # A hybrid stack's state slot of the request (model/linear_state.py); -1: a model without one
+    state_slot: int = -1
+    # (tokens into the chunk, snapshot slot): where the linear layers copy the state into a snapshot slot
+    state_snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +61,9 @@ class ModelInput:
     # (group, source block, destination block): KV blocks copied before the step runs (a prompt's last,
     # partial block, copied for each sample forked from it: engine/fanout.py)
     block_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # (source slot, destination slot): a hybrid stack's state slots copied before the step runs (a
+    # snapshot into the slot of a request that resumes from it: engine/state_snapshots.py)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

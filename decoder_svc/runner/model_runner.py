@@ -11,11 +11,16 @@ from its output on the device.
 Image rows must be memory the decoder owns (the remote source copies embeddings out of the encoder's
 arena before handing them over): a step may still be reading them after execute() returns, and the
 caching allocator orders their reuse behind that work on the stream.
+
+A hybrid stack's linear-attention layers keep their state in a pool of slots beside the KV cache
+(model/linear_state.py), one per running request (SequenceInput.state_slot, handed out by the engine's
+KV cache manager); its steps run eagerly (the decode graphs have no state-slot inputs yet).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -28,6 +33,7 @@ import torch
 from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
 from decoder_svc.model.attention import AttentionMetadata
 from decoder_svc.model.kv_groups import KVCacheGroup, split_kv_blocks
+from decoder_svc.model.linear_state import LinearStatePool, LinearStateStep
 from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs
 from decoder_svc.runner.embed_rows import embed_rows, fill_pending
 from decoder_svc.runner.fusion import fuse_image_rows, image_key_limits, image_slots
@@ -55,6 +61,8 @@ class RunnerConfig:
     enforce_eager: bool = False  # no CUDA graphs
     progress: bool = True  # a progress bar while capturing graphs
     image_blocks: bool = False  # each image's tokens attend to each other whole (Gemma 3): key limits
+    num_state_slots: int | None = None  # a hybrid stack's state slots (None: max_num_seqs)
+    num_state_snapshots: int = 0  # ...and its snapshot slots after them (prefix reuse)
 
     @classmethod
     def for_engine(cls, config: EngineConfig, device: str, dtype: torch.dtype, layout: ImageLayout,
@@ -67,7 +75,21 @@ class RunnerConfig:
             tokens += layout.largest_image_run
         return cls(device, dtype, config.block_size, config.max_num_seqs, tokens, config.num_kv_blocks,
                    config.kv_cache_bytes, config.enforce_eager or eager,
-                   image_blocks=layout.bidirectional_images)
+                   image_blocks=layout.bidirectional_images, num_state_slots=config.num_state_slots,
+                   num_state_snapshots=cls.snapshots_for(config))
+
+    @staticmethod
+    def snapshots_for(config: EngineConfig) -> int:
+        """A hybrid stack's snapshot slots: num_state_snapshots (None: max_num_seqs), none without prefix
+        caching."""
+        if not config.enable_prefix_caching:
+            return 0
+        return config.max_num_seqs if config.num_state_snapshots is None else config.num_state_snapshots
+
+    @property
+    def state_slots(self) -> int:
+        """State slots a hybrid stack gets: num_state_slots, else one per running request."""
+        return self.num_state_slots or self.max_num_seqs
 
 
 class StepBuffers:
@@ -169,6 +191,7 @@ class PreparedStep:
     image_slots: torch.Tensor | None  # flat rows that take image embeddings
     pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows of input_ids, rows of the last samples)
     lora_slots: torch.Tensor | None = None  # each token row's adapter slot
+    linear_state: LinearStateStep | None = None  # a hybrid stack's state slots for this step
 
 
 @dataclass
@@ -183,6 +206,9 @@ class _HostRows:
     n_logits: int = 0
     n_pending: int = 0
     img: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # (first row, tokens, start position, state slot, snapshots) per sequence, for a hybrid stack's
+    # linear layers (model/linear_state.py)
+    linear: list[tuple] = dataclasses.field(default_factory=list)
 
 
 class LaunchedStep:
@@ -210,7 +236,10 @@ class ModelRunner:
         self.mm_token_ids = np.asarray(sorted(mm_token_ids), dtype=np.int64)
         self.max_blocks_per_seq = -(-self.model_config.max_model_len // config.block_size)
         self.graphs: StepGraphs | None = None
-        if not config.enforce_eager and StepGraphs.available(self.device, model.backend):
+        # A hybrid stack's state slots (allocated with the KV cache); its steps run eagerly for now.
+        self.hybrid = bool(self.model_config.linear_layers)
+        self.linear_pool: LinearStatePool | None = None
+        if not config.enforce_eager and not self.hybrid and StepGraphs.available(self.device, model.backend):
             self.graphs = StepGraphs(config.max_num_seqs, config.max_num_batched_tokens,
                                      lora=self.model.lora is not None)
         graph_rows = self.graphs.max_tokens if self.graphs is not None else 0
@@ -255,6 +284,13 @@ class ModelRunner:
             log.info("KV cache groups out of %d blocks of every layer (rule: model/kv_groups.py): %s",
                      num_blocks, pools)
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
+        if self.hybrid:
+            slots = cfg.state_slots + cfg.num_state_snapshots
+            self.linear_pool = LinearStatePool.allocate(self.model_config, slots, cfg.dtype, self.device)
+            log.info("state slots of %d linear-attention layers: %d for requests, %d for snapshots "
+                     "(%.1f MiB)",
+                     len(self.model_config.linear_layers), cfg.state_slots, cfg.num_state_snapshots,
+                     self._state_bytes() / 2**20)
         if self.graphs is not None:
             # Capture over a valid empty step: one token per sequence, no slots, no context.
             d = self.buffers.dev
@@ -266,6 +302,11 @@ class ModelRunner:
                      self.graphs.mixed_sizes, self.graphs.memory_bytes / 2**20)
         return self.kv_spec
 
+    def _state_bytes(self) -> int:
+        """Bytes of a hybrid stack's state and snapshot slots (0 for other stacks)."""
+        slots = self.config.state_slots + self.config.num_state_snapshots
+        return slots * LinearStatePool.bytes_per_slot(self.model_config, self.config.dtype)
+
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
@@ -274,6 +315,7 @@ class ModelRunner:
         budget = cfg.kv_cache_bytes
         if budget is None:
             budget = torch.cuda.mem_get_info(self.device)[0] // 2 if self._on_cuda else 512 << 20
+        budget = max(budget - self._state_bytes(), per_block)  # the state slots come out of the budget
         # No point holding more than every sequence at full length.
         useful = self.max_blocks_per_seq * cfg.max_num_seqs
         return max(1, min(budget // per_block, useful))
@@ -291,7 +333,10 @@ class ModelRunner:
         rows = torch.arange(n - min(n, self.config.max_num_seqs), n, device=self.device)
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         positions = torch.arange(n, device=self.device)
-        self.model(positions.expand(3, n) if self.mrope else positions, meta, scratch, rows, input_ids=ids)
+        states = LinearStatePool.allocate(self.model_config, 1, self.config.dtype, self.device)
+        fresh = functools.partial(self._fresh_state, states)
+        self.model(positions.expand(3, n) if self.mrope else positions, meta, scratch, rows, input_ids=ids,
+                   linear_state=fresh(n))
         # The attention kernel's other prefill variants, compiled now rather than in a request's step: a
         # short chunk (its keys split among programs), and for bidirectional images both with key limits.
         short = min(n, 64)
@@ -303,14 +348,18 @@ class ModelRunner:
             m.key_limits = positions[:chunk] if limits else None  # its own position: causal, as a limit
             last = torch.full((1,), chunk - 1, device=self.device)
             self.model(positions[:chunk].expand(3, chunk) if self.mrope else positions[:chunk], m, scratch,
-                       last, input_ids=ids[:chunk])
+                       last, input_ids=ids[:chunk], linear_state=fresh(chunk))
         # One token: the ops time their one-row kernels here (decode_gemv), before any graph is captured.
         one = AttentionMetadata.build([-1], [1], [1], [[0]], bs, self.device)
         self.model(positions[:1].expand(3, 1) if self.mrope else positions[:1], one, scratch, rows[:1] * 0,
-                   input_ids=ids[:1])
+                   input_ids=ids[:1], linear_state=fresh(1))
         torch.cuda.synchronize(self.device)
-        del scratch
+        del scratch, states, fresh
         torch.cuda.empty_cache()
+
+    def _fresh_state(self, pool: LinearStatePool, tokens: int) -> LinearStateStep | None:
+        """A step of one new sequence of `tokens` in slot 0 of `pool` (a hybrid stack's; else None)."""
+        return LinearStateStep.build(pool, [(0, tokens, 0, 0, ())], self.device) if self.hybrid else None
 
     def _logit_rows(self, key: GraphKey) -> int:
         """Rows of logits a graph computes: one per sequence that may sample."""
@@ -369,6 +418,8 @@ class ModelRunner:
             self.sampler.forget(request_id)
         if batch.block_copies:
             self.copy_blocks(batch.block_copies)
+        if batch.state_copies:
+            self.linear_pool.copy_slots(batch.state_copies)
         if not batch.sequences:
             return LaunchedStep(None)
         if self._on_cuda and self.device.index is not None:
@@ -406,7 +457,8 @@ class ModelRunner:
         else:
             positions = self._positions(step.positions, step.num_tokens, batch.is_plain_decode)
             logits = self.model(positions, step.meta, self.kv_caches, step.logits_indices,
-                                inputs_embeds=embeds, deepstack=deepstack, lora_slots=step.lora_slots)
+                                inputs_embeds=embeds, deepstack=deepstack, lora_slots=step.lora_slots,
+                                linear_state=step.linear_state)
         if not rows:
             self._last_tokens, self._last_rows = None, {}
             return LaunchedStep(None)
@@ -458,6 +510,8 @@ class ModelRunner:
         for g, gt in enumerate(seq.group_tables, 1):
             h[table_key(g)][i, :len(gt)] = gt
         h["seq_lens"][i] = seq.end
+        if self.hybrid:
+            rows.linear.append((t, n, seq.start, seq.state_slot, tuple(seq.state_snapshots)))
         if seq.image_rows:
             image_rows = image_slots(ids[t:t + n], seq.start, seq.num_prompt_tokens, self.mm_token_ids)
             rows.img.append(t + image_rows)
@@ -524,9 +578,10 @@ class ModelRunner:
             key_limits=d["key_limits"][:t] if limited else None,
             key_limits_cpu=host["key_limits"][:t] if limited else None))
         pending = (d["pending_rows"][:n_pending], d["pending_samples"][:n_pending]) if n_pending else None
+        linear = LinearStateStep.build(self.linear_pool, rows.linear, self.device) if self.hybrid else None
         return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta,
                             d["logits_indices"][:rows.n_logits], slots_dev, pending,
-                            d["lora_slots"][:t] if lora else None)
+                            d["lora_slots"][:t] if lora else None, linear)
 
     def _pending_source(self, seq: SequenceInput) -> int:
         """The row of the last launch's samples that holds seq's pending token."""

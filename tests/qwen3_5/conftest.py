@@ -1,8 +1,9 @@
-"""Fixtures for the Qwen3.5 tests: the tiny checkpoint (made by the family's maker directly: the family is
-declared, not served, so make-model's registry does not list it) and HF's model on it."""
+"""Fixtures for the Qwen3.5 tests: the tiny checkpoint (made by the family's maker directly), HF's model on
+it, and engines over it."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -24,7 +25,34 @@ def qwen3_5_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen3_5_oracle(qwen3_5_model_dir: Path):
-    """HF's Qwen3_5ForConditionalGeneration, fp32 on CPU (common/families/qwen3_5/oracle.py)."""
+    """HF's Qwen3_5ForConditionalGeneration, fp32 on CPU (common/families/qwen3_5/oracle.py); `generate`
+    remembers its answers."""
     from common.families.qwen3_5.oracle import Qwen3_5Oracle
 
-    return Qwen3_5Oracle(qwen3_5_model_dir)
+    oracle = Qwen3_5Oracle(qwen3_5_model_dir)
+    generate, memo = oracle.generate, {}
+
+    def remembered(prompt: str, images: list, n: int) -> list[int]:
+        """HF's tokens, computed once per prompt, images and n in the session (tests repeat them)."""
+        key = (prompt, tuple(hashlib.sha256(i.tobytes()).hexdigest() + str(i.size) for i in images), n)
+        if key not in memo:
+            memo[key] = generate(prompt, images, n)
+        return list(memo[key])
+
+    oracle.generate = remembered
+    return oracle
+
+
+@pytest.fixture
+def make_qwen3_5_engine(qwen3_5_model_dir: Path):
+    """Engines on the tiny Qwen3.5 checkpoint (fp32, CPU, in-process vision tower)."""
+    from decoder_svc.engine import EngineConfig, LLMEngine
+    from decoder_svc.engine.local_source import LocalEmbeddingSource
+
+    def make(**overrides):
+        cfg = dict(model=qwen3_5_model_dir, num_kv_blocks=512, max_num_batched_tokens=2048)
+        cfg.update(overrides)
+        config = EngineConfig(**cfg)
+        return LLMEngine(config, LocalEmbeddingSource.for_engine(config))
+
+    return make

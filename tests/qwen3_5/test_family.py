@@ -1,4 +1,4 @@
-"""The Qwen3.5 folder: declared (not served yet), its references resolve, its presets' shapes, its layout
+"""The Qwen3.5 folder: served, its references resolve, its presets' shapes, its layout
 (Qwen3-VL's), and its vision encoder equal to HF's get_image_features in fp32."""
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ from common.families.qwen3_5 import FAMILY
 from common.families.registry import NOT_SERVED_YET, find_family
 
 
-def test_declared_and_not_served_yet():
-    assert FAMILY.name in NOT_SERVED_YET and FAMILY not in FAMILIES
-    assert find_family({"model_type": "qwen3_5"}) is None
-    with pytest.raises(KeyError):
-        family_by_name("qwen3_5")
+def test_served():
+    assert FAMILY.name not in NOT_SERVED_YET and FAMILY in FAMILIES
+    assert find_family({"model_type": "qwen3_5"}) is FAMILY and family_by_name("qwen3_5") is FAMILY
 
 
 def test_every_reference_resolves():

@@ -1,6 +1,6 @@
-"""Qwen3.5's TextSpec read by TextModelConfig.from_hf (the family registered for the test only: it is not
-served): the hybrid layer types, the linear layers' shape, partial interleaved M-RoPE, the (1 + w) norms
-and the attention output gate; the Gated DeltaNet shape built from it."""
+"""Qwen3.5's TextSpec read by TextModelConfig.from_hf: the hybrid layer types, the linear layers' shape,
+partial interleaved M-RoPE, the (1 + w) norms and the attention output gate; the Gated DeltaNet shape
+built from it; refused when the family is not in the registry."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from decoder_svc.model.gated_deltanet import GatedDeltaNetShape
 
 
 @pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The family's registry line, as it will be once the engine serves it."""
-    monkeypatch.setattr(registry, "FAMILIES", (*registry.FAMILIES, FAMILY))
+def served() -> None:
+    """The family is in the registry (its text backbone is read by TextModelConfig.from_hf)."""
+    assert FAMILY in registry.FAMILIES
 
 
-def test_not_read_while_not_served(qwen3_5_model_dir):
+def test_refused_when_not_served(monkeypatch: pytest.MonkeyPatch, qwen3_5_model_dir):
+    monkeypatch.setattr(registry, "FAMILIES", tuple(f for f in registry.FAMILIES if f is not FAMILY))
     text = json.loads((qwen3_5_model_dir / "config.json").read_text())["text_config"]
     with pytest.raises(CheckpointError, match="unsupported language model 'qwen3_5_text'"):
         TextModelConfig.from_hf(text)

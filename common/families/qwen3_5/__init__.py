@@ -3,10 +3,9 @@ layers with gated full-attention layers (every 4th), behind Qwen3-VL's vision to
 Images and videos are laid out as Qwen3-VL's (16-px patches merged 2x2, interleaved M-RoPE, timestamped
 video frames); each image's embedding is one [tokens, hidden] tensor.
 
-Declared, not served yet (registry.NOT_SERVED_YET): the decoder has no hybrid layer stack nor the state
-cache its Gated DeltaNet layers need (issue 68). What is here: the layout, the maker's presets, the HF
-oracle, the vision encoder, and the text backbone's declaration (text.py); the layer's torch math is
-decoder_svc/model/gated_deltanet.py.
+Served: the decoder's layers read the hybrid stack from the TextSpec (text.py), the Gated DeltaNet layers'
+state lives in per-request slots beside the paged KV cache (decoder_svc/model/linear_state.py,
+decoder_svc/engine/state_slots.py), and prefix reuse is off for it until state snapshots exist (issue 68).
 """
 
 from common.families.family import ModelFamily

@@ -5,7 +5,7 @@ Qwen3-Next's: RMSNorm over each head of q and k, a sigmoid gate on the attention
 head's query then its gate), a quarter of each head rotated by interleaved M-RoPE whose sections split the
 rotated frequencies. Every RMSNorm but the DeltaNet's gated one scales by (1 + weight) in fp32 (Gemma's).
 Its checkpoints keep the language model under `model.language_model.` (and MTP weights under `mtp.`, which
-no mapping reads). Declared for TextModelConfig.from_hf; no engine runs it yet (the family is not served).
+no mapping reads). Read by TextModelConfig.from_hf; decoder_svc/model/llama.py runs it.
 """
 
 from __future__ import annotations
