@@ -34,8 +34,9 @@ cu_seqlens); decode batches any sequences, one token each, their states stacked 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,20 @@ from torch import nn
 
 if TYPE_CHECKING:
     from decoder_svc.model.config import TextModelConfig
-    from decoder_svc.model.linear_state import LinearStateStep
+
+
+class LinearStateStep(Protocol):
+    """What forward_batch reads of a step (model/linear_state.py's LinearStateStep is one: a Protocol, as
+    that module builds on this one): the state pool, the chunked-form chunks and the single-token rows."""
+
+    @property
+    def pool(self) -> Any: ...  # .conv[layer], .recurrent[layer]: [slots, ...] tensors
+    @property
+    def chunks(self) -> Sequence[Any]: ...  # first_row, end_row, slot, fresh, snapshots
+    @property
+    def decode_rows(self) -> torch.Tensor | None: ...
+    @property
+    def decode_slots(self) -> torch.Tensor | None: ...
 
 CHUNK_SIZE = 64  # the chunked rule's block, HF's and fla's default
 
