@@ -142,11 +142,11 @@ def test_classify():
     assert _classify("text", _RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)) == "unexpected"
 
 
-@pytest.mark.parametrize("mode", [[], ["--deterministic"]], ids=["default", "deterministic"])
-def test_soak_smoke_cpu(qwen_model_dir, tmp_path, mode):
-    """Through a real pair; in the deterministic mode the reference's warm run and logprobs repeat too."""
+def test_soak_smoke_cpu(qwen_model_dir, tmp_path):
+    """Through a real pair (the deterministic mode's end-to-end promise is
+    tests/integration/test_deterministic_pair.py's; its soak checks are tested above)."""
     out = tmp_path / "soak.json"
-    rc = soak.main([*mode, "--model", str(qwen_model_dir), "--device", "cpu", "--dtype", "float32",
+    rc = soak.main(["--model", str(qwen_model_dir), "--device", "cpu", "--dtype", "float32",
                     "--clients", "3", "--seconds", "4", "--warmup-seconds", "1", "--max-image-size", "256",
                     "--hot-images", "4", "--clips", "2", "--clip-seconds", "1", "--clip-size", "64",
                     "--request-timeout", "60", "--idle-timeout", "15", "--start-timeout", "120",
@@ -162,9 +162,6 @@ def test_soak_smoke_cpu(qwen_model_dir, tmp_path, mode):
     assert load["ttft"]["n"] > 0 and load["tokens_per_s"] > 0
     assert len(res["reference"]["before"]) == soak.REFERENCE_TOKENS
     assert len(res["reference"]["logprobs_before"]) == soak.REFERENCE_TOKENS
-    if mode:
-        checks = res["checks"]
-        assert checks["reference_logprobs_identical"] and checks["reference_warm_tokens_identical"]
     assert res["idle_after"]["decoder"]["kv_blocks_used"] == 0
     # The same run, had the decoder kept KV blocks after going idle, fails.
     held = {**res["idle_after"]["decoder"], "kv_blocks_used": 2}
