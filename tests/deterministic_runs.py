@@ -29,21 +29,24 @@ def default_params() -> SamplingParams:
 
 
 def reference_run(engine: LLMEngine, images: list, prompts: tuple[str, str, str], company: int = 0,
-                  warm: bool = False, params: SamplingParams | None = None) -> tuple[list, list]:
+                  warm: bool = False, params: SamplingParams | None = None,
+                  media: dict | None = None) -> tuple[list, list]:
     """The reference request's (tokens, [(logprob, top ids, top logprobs)]), behind `company` other
     requests (images and text, different lengths) and, with `warm`, after the same request filled the
-    prefix cache. prompts: (the reference, an image question, a text question)."""
+    prefix cache. prompts: (the reference, an image question, a text question). `media`: the reference's
+    own media fields (default: the first image; e.g. {"videos": [...]}, or {} for a text reference)."""
     ref, image_ask, text_ask = prompts
     params = params or default_params()
+    media = {"images": images[:1]} if media is None else media
     if warm:
-        engine.add_request("warm", ref, images[:1], sampling=params)
+        engine.add_request("warm", ref, sampling=params, **media)
         run_all(engine)
     for i in range(company):
         with_image = i % 2 == 0
         engine.add_request(f"other{i}", image_ask if with_image else text_ask,
                            [images[1 + i % 7]] if with_image else [],
                            sampling=SamplingParams(max_tokens=6 + i))
-    engine.add_request("ref", ref, images[:1], sampling=params)
+    engine.add_request("ref", ref, sampling=params, **media)
     out = run_all(engine)["ref"]
     assert engine.stats().kv_blocks_used == 0
     return out["tokens"], [(lp.logprob, lp.top_ids, lp.top_logprobs) for lp in out["logprobs"]]

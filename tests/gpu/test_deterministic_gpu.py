@@ -60,16 +60,34 @@ def test_invariant_attention_a_row_is_the_same_whole_chunked_or_decoding():
     assert torch.equal(decode[2:], whole[-1:])
 
 
-@pytest.mark.parametrize("preset", sorted(FAMILIES))
-def test_engine_same_bits_in_company_chunks_and_after_a_prefix_hit(tmp_path_factory, preset):
+CASES = [(preset, "image") for preset in sorted(FAMILIES)] + [
+    ("qwen2.5-vl-tiny", "video"),  # a video's rows, one embedding over many tokens
+    ("phi-4-mm-tiny", "text"),  # without the vision adapter, in steps whose other rows run it
+]
+
+
+def _reference_media(kind: str, images: list, prompts: tuple[str, str, str]) -> tuple[tuple, dict]:
+    """The prompts and the reference request's media for a case."""
+    if kind == "video":
+        from decoder_svc.engine.embedding_source import VideoSource
+        from tests.video.test_engine_video import VIDEO, VIDEO_PROMPT
+        return (VIDEO_PROMPT, *prompts[1:]), {"videos": [VideoSource(VIDEO)]}
+    if kind == "text":
+        return (prompts[2], *prompts[1:]), {}
+    return prompts, {"images": images[:1]}
+
+
+@pytest.mark.parametrize("preset,kind", CASES)
+def test_engine_same_bits_in_company_chunks_and_after_a_prefix_hit(tmp_path_factory, preset, kind):
     from tests.deterministic_runs import deterministic_engine
 
     model = _made(tmp_path_factory, preset, seed=0)
-    images, prompts = pictures(), FAMILIES[preset]
+    images = pictures()
+    prompts, media = _reference_media(kind, images, FAMILIES[preset])
 
     def run(company=0, warm=False, **overrides):
         engine = deterministic_engine(model, dtype="bfloat16", **overrides)
-        return reference_run(engine, images, prompts, company, warm)
+        return reference_run(engine, images, prompts, company, warm, media=media)
 
     alone = run()
     if preset == "qwen3-vl-tiny":  # for the record: the mode off (no assertion: the bug the mode fixes)
@@ -79,7 +97,7 @@ def test_engine_same_bits_in_company_chunks_and_after_a_prefix_hit(tmp_path_fact
         def plain(company):
             config = EngineConfig(model=model, num_kv_blocks=256, dtype="bfloat16")
             return reference_run(LLMEngine(config, LocalEmbeddingSource.for_engine(config)), images, prompts,
-                                 company)
+                                 company, media=media)
         base, among = plain(0), plain(7)
         print(f"mode off, {preset}: tokens same {base[0] == among[0]}, logprobs same {base[1] == among[1]}")
     assert run(7) == alone
