@@ -51,7 +51,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=1024, help="square PNGs, pixels a side")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                   help="dummy: the decoder draws the language weights (a checkpoint made with --weights vision)")
+                   help="dummy: the decoder draws the language weights (made with --weights vision)")
     p.add_argument("--logs", default=None)
     p.add_argument("--out", default=None)
     return p
