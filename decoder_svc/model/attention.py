@@ -153,23 +153,24 @@ class TorchAttentionBackend(AttentionBackend):
     chunk on its own (gather its context from its blocks, dense SDPA with a causal mask)."""
 
     supports_sliding_window = True
+    batch_decodes = True  # single-token queries in one padded call (a subclass may take each on its own)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         # Write first: a sequence's own new tokens (and a prefix another sequence shares this step)
         # must be visible to its queries.
         write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q)  # rows of no sequence (padding) stay zero
         starts_t, seq_lens = meta.host_lens()
         starts = starts_t.tolist()
         limits = meta.host_key_limits()
-        plan = meta.decode_plan
+        plan = meta.decode_plan if self.batch_decodes else None
         if plan is not None:  # one kernel for every single-token query instead of one per sequence
             self._decode_batch(q, kv_cache, plan, scale, out, window)
         done = plan.seqs if plan is not None else set()
         for i, seq_len in enumerate(seq_lens.tolist()):
-            if i not in done and seq_len > 0:
-                q_lo, q_hi = starts[i], starts[i + 1]
+            q_lo, q_hi = starts[i], starts[i + 1]
+            if i not in done and seq_len > 0 and q_hi > q_lo:
                 out[q_lo:q_hi] = self._one_sequence(q[q_lo:q_hi], kv_cache, meta.block_tables[i], seq_len,
                                                     meta.block_size, scale, window,
                                                     None if limits is None else limits[q_lo:q_hi])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from decoder_svc.model.attention import AttentionMetadata, TorchAttentionBackend, write_kv
+from decoder_svc.model.attention import TorchAttentionBackend
 
 aten = torch.ops.aten
 
@@ -79,22 +79,13 @@ class TiledTorchAttentionBackend(TorchAttentionBackend):
     positions with an online softmax, the rows padded to a multiple of CPU_ROW_MULTIPLE: a row's result does
     not depend on its chunk, on the other sequences, nor on whether it decodes (module docstring)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = torch.zeros_like(q)
-        starts_t, seq_lens = meta.host_lens()
-        starts = starts_t.tolist()
-        limits = meta.host_key_limits()
-        for i, seq_len in enumerate(seq_lens.tolist()):
-            q_lo, q_hi = starts[i], starts[i + 1]
-            if seq_len > 0 and q_hi > q_lo:
-                blocks = meta.block_tables[i, :-(-seq_len // meta.block_size)].long()
-                keys, values = self._gather(kv_cache, blocks)
-                rows_limits = None if limits is None else limits[q_lo:q_hi]
-                out[q_lo:q_hi] = tiled_attention(q[q_lo:q_hi], keys[:seq_len], values[:seq_len], scale,
-                                                 window, rows_limits)
-        return out
+    batch_decodes = False  # a decode row takes the same path as a prompt's rows
+
+    def _one_sequence(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_len: int, block_size: int, scale: float, window: int | None = None,
+                      key_limits: torch.Tensor | None = None) -> torch.Tensor:
+        keys, values = self._gather(kv_cache, block_table[:-(-seq_len // block_size)].long())
+        return tiled_attention(q, keys[:seq_len], values[:seq_len], scale, window, key_limits)
 
 
 def tiled_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
