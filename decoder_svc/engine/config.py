@@ -85,14 +85,16 @@ class EngineConfig:
     # the text). The service sets it and detokenizes on its event loop, so the engine thread spends
     # its time on steps, not on the tokenizer.
     detokenize: bool = True
-    # A hybrid model's linear-attention state slots (one per running request; admission waits for a free
-    # one). None: max_num_seqs.
-    num_state_slots: int | None = None
-    # ...and its state snapshots for prefix reuse (engine/state_snapshots.py): how many are kept (LRU;
-    # None: max_num_seqs; 0: no prefix reuse for such a model), and every how many KV blocks of a prompt
-    # one is taken (besides image ends and the prompt's last block boundary).
-    num_state_snapshots: int | None = None
-    state_snapshot_interval: int = 16
+    num_state_slots: int | None = option(
+        None, "a hybrid model's (linear attention) state slots, one per running request: admission waits for "
+        "a free one (default: --max-num-seqs)", type=positive_int)
+    num_state_snapshots: int | None = option(
+        None, "a hybrid model's state snapshots kept for prefix reuse, least recently used dropped first; "
+        "each is one state slot's memory (default: --max-num-seqs; 0: no prefix reuse for such a model)",
+        type=non_negative_int)
+    state_snapshot_interval: int = option(
+        16, "a hybrid model's snapshot is taken every this many KV blocks of a prompt (besides image ends "
+        "and the prompt's last block boundary)", type=positive_int)
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_modules, dict):

@@ -46,6 +46,14 @@ def test_every_flag_reaches_its_field(tmp_path):
     assert (config.drain_timeout_s, config.port) == (4.0, 0)
 
 
+def test_a_hybrid_models_state_flags_reach_the_engine(tmp_path):
+    model = str(decoy_model(tmp_path / "m"))
+    argv = ["--model", model, "--encoder", "a:1", "--num-state-slots", "3", "--num-state-snapshots", "0",
+            "--state-snapshot-interval", "4"]
+    e = from_args(DecoderConfig, build_arg_parser().parse_args(argv)).engine
+    assert (e.num_state_slots, e.num_state_snapshots, e.state_snapshot_interval) == (3, 0, 4)
+
+
 def test_every_option_has_help_and_a_flag_in_the_parser():
     parser = build_arg_parser()
     flags = {s for a in parser._actions for s in a.option_strings}
