@@ -7,11 +7,13 @@ text requests the LoRA path, both with HF's greedy tokens. The deterministic mod
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from bench import decode_tput
 from common.config import from_args
 from common.families.phi4mm.lora_weights import merged_language_state
 from common.images import encode_png
@@ -152,3 +154,18 @@ def test_deterministic_mode_fp8_and_the_flag_merge_nothing(phi4_tiny_dir):
     engine = make_engine(phi4_tiny_dir, merge_builtin_adapter=False)
     _run(engine, "img", ONE)
     assert engine.runner.merged_steps == 0 and engine.runner.lora_steps > 0
+
+
+def test_the_decode_bench_measures_image_decode_merged_and_not(phi4_tiny_dir, tmp_path):
+    """bench.decode_tput --lora-adapter vision --merge-builtin-adapter both: a row per mode and batch, each
+    saying which path its steps took."""
+    out = tmp_path / "decode.json"
+    decode_tput.main(["--model", str(phi4_tiny_dir), "--batch-sizes", "2", "--prompt-len", "8",
+                      "--output-len", "4", "--copy-bytes", str(8 << 20), "--no-hf",
+                      "--lora-adapter", "vision", "--merge-builtin-adapter", "both", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["merge_builtin_adapter"], r["batch"]) for r in rows] == [(True, 2), (False, 2)]
+    for r in rows:
+        on_path, off_path = ("merged_steps", "lora_steps")[::1 if r["merge_builtin_adapter"] else -1]
+        assert r[on_path] >= 3 and r[off_path] == 0, r
+        assert r["weights_bound_tokens_per_s"] > r["bound_tokens_per_s"] > 0
