@@ -12,6 +12,10 @@ Image rows must be memory the decoder owns (the remote source copies embeddings 
 arena before handing them over): a step may still be reading them after execute() returns, and the
 caching allocator orders their reuse behind that work on the stream.
 
+A model with LoRA adapters runs each step one of three ways, from its rows' adapter slots: the base
+model (no row has one), the per-row LoRA product, or the merged weights of the adapter made at load
+(model/lora/merged.py) when every row runs that one; each way has its own CUDA graphs.
+
 A hybrid stack's linear-attention layers keep their state in a pool of slots beside the KV cache
 (model/linear_state.py), one per running request (SequenceInput.state_slot, handed out by the engine's
 KV cache manager); its steps run eagerly (the decode graphs have no state-slot inputs yet).

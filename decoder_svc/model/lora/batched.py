@@ -120,7 +120,8 @@ class LoRALinear(nn.Module):
         return self.ops.lora_add(y, x, self.lora_a, self.lora_b, self.slots, self.rank)
 
     def extra_repr(self) -> str:
-        return f"slots={self.lora_a.shape[0] // self.rank}, rank={self.rank}"
+        merged = self.merged is not None
+        return f"slots={self.lora_a.shape[0] // self.rank}, rank={self.rank}, merged={merged}"
 
 
 def idle_base(proj: nn.Module) -> nn.Module:
