@@ -7,7 +7,10 @@ Both run in this process on the same weights, text-only prompts of --prompt-len 
 request, timed directly. HF: (t(output_len) - t(1)) over batch * (output_len - 1) tokens, i.e. its
 prefill and first token taken out the same way (each t the fastest of HF_REPEATS generates). Bound:
 batch * copy bandwidth / LM weight bytes, with the bandwidth measured here by a large same-device copy
-(read + write bytes per second).
+(read + write bytes per second). With --lora-adapter the bound counts the adapter's bytes too (what a
+step of LoRA products reads); `weights_bound` is the base weights' alone (what a step on a merged adapter
+reads). --merge-builtin-adapter both measures the engine twice, the checkpoint's own adapter merged
+(decoder_svc/model/lora/merged.py) and not, each row saying which path its steps took.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-adapter", default="",
                    help="every request runs with this adapter (a checkpoint's own, e.g. Phi-4-multimodal's "
                    "vision); HF runs the base weights, whose cost is the merged adapter's")
+    p.add_argument("--merge-builtin-adapter", default="on", choices=("on", "off", "both"),
+                   help="the engine's merged copy of the checkpoint's own adapter (off: "
+                   "--no-merge-builtin-adapter); both: one engine each, one after the other")
     p.add_argument("--out", default=None)
     return p
 
@@ -76,31 +82,46 @@ def engine_decode(engine: LLMEngine, prompt: str, batch: int, output_len: int,
     return (time.perf_counter() - t0 if t0 else 0.0), tokens
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark; returns the JSON payload."""
-    model = resolve_model(args)
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    device = torch.device(args.device)
-    prompt = PromptMaker(model, seed=0).text(args.prompt_len)
+def measure_engine(args: argparse.Namespace, model: str, prompt: str, batches: list[int], merge: bool
+                   ) -> tuple[dict[int, tuple[float, int, dict]], int, int]:
+    """({batch: (seconds, tokens, steps by path)}, weight bytes, the adapter's bytes (0 without one)) of
+    one engine; the engine is freed after."""
     bs = 16
     blocks = max(batches) * (-(-(args.prompt_len + args.output_len + 8) // bs)) + 16
     config = EngineConfig(model, device=args.device, dtype=args.dtype, block_size=bs, num_kv_blocks=blocks,
                           max_num_seqs=max(batches),
                           max_num_batched_tokens=max(2048, max(batches) * (args.prompt_len + 8)),
                           enable_prefix_caching=False, quantization=args.quantization,
-                          load_format=args.load_format, async_scheduling=args.async_scheduling)
+                          load_format=args.load_format, async_scheduling=args.async_scheduling,
+                          merge_builtin_adapter=merge)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     weights = weight_bytes(engine.model)
-    if args.lora_adapter:  # its rows also read the adapter's weights
-        weights += adapter_bytes(engine.model)
+    runner = getattr(engine.runner, "runner", engine.runner)  # a tensor-parallel runner wraps rank 0's
     ours = {}
     for b in batches:
         engine_decode(engine, prompt, b, 4, args.lora_adapter)  # warm-up at this batch size
-        ours[b] = engine_decode(engine, prompt, b, args.output_len, args.lora_adapter)
-    del engine
+        before = (runner.lora_steps, runner.merged_steps)
+        seconds, tokens = engine_decode(engine, prompt, b, args.output_len, args.lora_adapter)
+        paths = {"lora_steps": runner.lora_steps - before[0], "merged_steps": runner.merged_steps - before[1]}
+        ours[b] = (seconds, tokens, paths)
+    adapter = adapter_bytes(engine.model) if args.lora_adapter else 0
+    del engine, runner
     gc.collect()
-    if device.type == "cuda":
+    if torch.device(args.device).type == "cuda":
         torch.cuda.empty_cache()
+    return ours, weights, adapter
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark; returns the JSON payload."""
+    model = resolve_model(args)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    device = torch.device(args.device)
+    prompt = PromptMaker(model, seed=0).text(args.prompt_len)
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.merge_builtin_adapter]
+    runs, weights, adapter_weights = {}, 0, 0
+    for merge in modes:
+        runs[merge], weights, adapter_weights = measure_engine(args, model, prompt, batches, merge)
     copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
     bandwidth = copy_bandwidth(args.device, copy_bytes)
     hf: dict[int, float] = {}
@@ -115,20 +136,30 @@ def run(args: argparse.Namespace) -> dict:
             hf[b] = b * (args.output_len - 1) / (tn - t1) if tn > t1 else float("nan")
         del hf_model
     results = []
-    for b in batches:
-        seconds, tokens = ours[b]
-        tps = tokens / seconds if seconds else None
-        bound = bound_tokens_per_s(b, bandwidth, weights)
-        results.append({"batch": b, "engine_tokens_per_s": tps, "hf_tokens_per_s": hf.get(b),
-                        "engine_over_hf": ratio(tps or 0.0, hf.get(b) or 0.0),
-                        "bound_tokens_per_s": bound, "engine_fraction_of_bound": ratio(tps or 0.0, bound),
-                        "engine_decode_tokens": tokens, "engine_decode_s": seconds})
+    for merge, ours in runs.items():
+        for b in batches:
+            seconds, tokens, paths = ours[b]
+            tps = tokens / seconds if seconds else None
+            bound = bound_tokens_per_s(b, bandwidth, weights + adapter_weights)
+            weights_bound = bound_tokens_per_s(b, bandwidth, weights)
+            results.append({"batch": b, "merge_builtin_adapter": merge, "engine_tokens_per_s": tps,
+                            "hf_tokens_per_s": hf.get(b),
+                            "engine_over_hf": ratio(tps or 0.0, hf.get(b) or 0.0),
+                            "bound_tokens_per_s": bound,
+                            "engine_fraction_of_bound": ratio(tps or 0.0, bound),
+                            "weights_bound_tokens_per_s": weights_bound,
+                            "engine_fraction_of_weights_bound": ratio(tps or 0.0, weights_bound),
+                            "engine_decode_tokens": tokens, "engine_decode_s": seconds, **paths})
     adapter = f", adapter {args.lora_adapter}" if args.lora_adapter else ""
     print_table(f"decode tokens/s on {device} ({args.dtype}{adapter})",
-                ["batch", "engine", "HF generate", "engine/HF", "bandwidth bound", "engine/bound"],
-                [[r["batch"], r["engine_tokens_per_s"], r["hf_tokens_per_s"], r["engine_over_hf"],
-                  r["bound_tokens_per_s"], r["engine_fraction_of_bound"]] for r in results])
-    return save_result("decode_tput", args, results, weight_bytes=weights, lora_adapter=args.lora_adapter,
+                ["batch", "merged", "engine", "HF generate", "engine/HF", "bound", "engine/bound",
+                 "engine/weights-bound", "steps lora/merged"],
+                [[r["batch"], "on" if r["merge_builtin_adapter"] else "off", r["engine_tokens_per_s"],
+                  r["hf_tokens_per_s"], r["engine_over_hf"], r["bound_tokens_per_s"],
+                  r["engine_fraction_of_bound"], r["engine_fraction_of_weights_bound"],
+                  f"{r['lora_steps']}/{r['merged_steps']}"] for r in results])
+    return save_result("decode_tput", args, results, weight_bytes=weights + adapter_weights,
+                       base_weight_bytes=weights, lora_adapter=args.lora_adapter,
                        copy_bandwidth_bytes_per_s=bandwidth, decode_gemv=gemv_choices())
 
 

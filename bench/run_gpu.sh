@@ -409,7 +409,9 @@ fi
 #                  on), 32 at once, and HF's generate in the same run (bench.ttft, PHI4_TTFT_ARGS)
 #   decode         decode tok/s at batch 1 and 32 in-process, no adapter (text requests), vs HF and the
 #                  bound (bench.decode_tput, PHI4_DECODE_ARGS)
-#   decode_vision  the same with the vision adapter (image requests' decode; its bound counts the adapter)
+#   decode_vision  the same with the vision adapter (image requests' decode; its bound counts the adapter,
+#                  its weights bound does not), merged at load and not (--merge-builtin-adapter both: two
+#                  engines, each row with the steps that took the LoRA product or the merged weights)
 #   encode         Encode img/s at 1-64 clients vs HF's processor + image embedding (bench.encode_tput,
 #                  PHI4_ENCODE_ARGS)
 #   tower          one 1024x1024 image through our tower and HF's, our kernels (bench.profile_tower)
@@ -425,8 +427,8 @@ if [[ ",$SECTIONS," == *,phi4mm,* ]]; then
       ttft) read -r -a PARGS <<< "${PHI4_TTFT_ARGS:---rounds 5 --hf}"
         step phi4_ttft 240 "$PY" -m bench.ttft --model "$PM" "${DT[@]}" --logs "$RES/logs-phi4" "${PARGS[@]}" ;;
       decode) step phi4_decode 150 "$PY" -m bench.decode_tput --model "$PM" "${DT[@]}" "${DARGS[@]}" ;;
-      decode_vision) step phi4_decode_vision 120 "$PY" -m bench.decode_tput --model "$PM" "${DT[@]}" \
-        "${DARGS[@]}" --no-hf --lora-adapter vision ;;
+      decode_vision) step phi4_decode_vision 200 "$PY" -m bench.decode_tput --model "$PM" "${DT[@]}" \
+        "${DARGS[@]}" --no-hf --lora-adapter vision --merge-builtin-adapter both ;;
       encode) read -r -a PARGS <<< "${PHI4_ENCODE_ARGS:---images 96 --image-size 1024 --concurrency 1,16,64}"
         step phi4_encode 180 "$PY" -m bench.encode_tput --model "$PM" "${DT[@]}" "${PARGS[@]}" ;;
       tower) step phi4_tower 120 "$PY" -m bench.profile_tower --model "$PM" "${DT[@]}" ;;

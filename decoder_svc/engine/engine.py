@@ -145,7 +145,8 @@ class LLMEngine:
             self.model = load_language_model(config.model, self.device, self.dtype, config.attention_backend,
                                              config.quantization, config.load_format, tp=tp,
                                              lora_modules=config.lora_adapters,
-                                             deterministic=config.deterministic)
+                                             deterministic=config.deterministic,
+                                             merge_builtin_adapter=config.merge_builtin_adapter)
             # Adapter i of --lora-modules, then the checkpoint's own, runs in LoRA slot i + 1 (model/lora/);
             # "" is the base model's 0.
             self.lora_slots = {"": 0} | {name: i for i, name in enumerate(config.served_adapters, 1)}

@@ -24,6 +24,7 @@ from decoder_svc.model.dummy import dummy_state
 from decoder_svc.model.llama import LlamaForCausalLM, mrope_axes
 from decoder_svc.model.lora import LoRAError, attach_adapters, load_adapter
 from decoder_svc.model.lora.builtin import builtin_adapter_names, load_builtin_adapter
+from decoder_svc.model.lora.merged import maybe_merge_builtin
 from decoder_svc.model.moe import expert_weights_from_checkpoint
 from decoder_svc.model.parallel import (
     TensorParallel,
@@ -130,6 +131,7 @@ def load_language_model(
     tp: TensorParallel | None = None,
     lora_modules: dict[str, str] | None = None,
     deterministic: bool = False,
+    merge_builtin_adapter: bool = True,
 ) -> LlamaForCausalLM:
     """Build the model from the checkpoint's text config and load its weights (strictly), with the
     kernels `attention_backend` names (backends.make_kernels: auto, torch or triton).
@@ -142,7 +144,10 @@ def load_language_model(
     (name -> PEFT adapter directory): the adapters, read and checked before any weight is, then attached
     in that order as slots 1.. (model/lora/), then the checkpoint's own adapters (lora/builtin.py).
     `deterministic`: batch-invariant kernels and products (model/batch_invariant.py); ValueError with
-    tensor parallelism or FP8 projections, which it does not cover."""
+    tensor parallelism or FP8 projections, which it does not cover. `merge_builtin_adapter`: the
+    checkpoint's own adapter (its first) also gets merged copies of the projections it targets, which the
+    steps whose rows all run it use (lora/merged.py); never in the deterministic mode (a row's products
+    would then follow its step's company) nor with FP8 projections."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
     if load_format not in LOAD_FORMATS:
@@ -150,6 +155,7 @@ def load_language_model(
     cfg = TextModelConfig.from_hf(text_config_dict(model_dir))
     fmt = checkpoint_fp8_format(load_config(model_dir))
     tp = tp if tp is not None and tp.size > 1 else None
+    fp8 = quantization == "fp8" or fmt is not None
     if deterministic:
         _check_deterministic(quantization, fmt, tp, cfg)
     backend, ops = make_kernels(attention_backend, device, deterministic)
@@ -218,6 +224,9 @@ def load_language_model(
         raise ValueError(f"checkpoint {model_dir} does not match the language model: "
                          f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     attach_adapters(model, adapters, full_cfg)
+    if builtin and merge_builtin_adapter:
+        first = len(adapters) - len(builtin)
+        maybe_merge_builtin(model, adapters[first], first + 1, full_cfg, _merge_refusal(deterministic, fp8))
     model.batch_invariant = deterministic
     return model.eval()
 
@@ -235,6 +244,16 @@ def _check_deterministic(quantization: str, fmt: object, tp: TensorParallel | No
     if quantization == "fp8" or fmt is not None:
         raise ValueError("--deterministic is not supported with FP8 projections (--quantization fp8 or an "
                          "FP8 checkpoint): their kernels are chosen by the batch's rows")
+
+
+def _merge_refusal(deterministic: bool, fp8: bool) -> str | None:
+    """Why a built-in adapter must not be merged, or None."""
+    if deterministic:
+        return ("--deterministic (merged and LoRA products round differently, so a row's result would "
+                "follow who else is in its step)")
+    if fp8:
+        return "FP8 projections (merged copies are not quantized)"
+    return None
 
 
 def _builtin_adapter_names(model_dir: str | Path, taken: set[str]) -> list[str]:

@@ -13,7 +13,10 @@ host's launch cost exceeds the GPU's work. Replaying a captured graph removes it
 Graphs take input embeddings (the runner embeds and fuses image rows into the static buffer first), so
 steps with image rows replay too. A model with LoRA adapters has each graph twice: with the batched LoRA
 product, and without it for steps where no row has an adapter (those keep the one-row kernels that fuse a
-norm or the activation into the product, and launch no LoRA kernels). They are captured largest first
+norm or the activation into the product, and launch no LoRA kernels); a model with an adapter merged at
+load (model/lora/merged.py) has a third set, over the merged copies of the projections, for steps whose
+rows all run that adapter: a graph holds its weights' addresses, so the choice is a graph of its own.
+They are captured largest first
 so that every smaller graph fits in the memory pool the first one reserved.
 """
 
@@ -34,11 +37,13 @@ MAX_GRAPH_TOKENS = 512
 @dataclass(frozen=True)
 class GraphKey:
     """Which graph: plain decode over `size` sequences, or any step of up to `size` tokens; `lora`: with
-    the LoRA product (some row has an adapter)."""
+    the LoRA product (some row has an adapter); `merged`: over the merged adapter's weights (every row
+    runs it; never with `lora`)."""
 
     decode: bool
     size: int
     lora: bool = False
+    merged: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -74,12 +79,15 @@ def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
 class StepGraphs:
     """Captured graphs and their output logits, by key."""
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, lora: bool = False) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, lora: bool = False,
+                 merged: bool = False) -> None:
+        """`lora`: the model has adapters (graphs with the LoRA product too); `merged`: one of them is
+        merged (graphs over its merged weights too)."""
         self.decode_sizes = decode_sizes(max_num_seqs)
         self.mixed_sizes = mixed_sizes(max_num_batched_tokens)
-        with_lora = (False, True) if lora else (False,)
-        self.keys = [GraphKey(True, s, a) for a in with_lora for s in self.decode_sizes]
-        self.keys += [GraphKey(False, s, a) for a in with_lora for s in self.mixed_sizes]
+        kinds = [(False, False)] + [(True, False)] * lora + [(False, True)] * merged
+        self.keys = [GraphKey(True, s, a, m) for a, m in kinds for s in self.decode_sizes]
+        self.keys += [GraphKey(False, s, a, m) for a, m in kinds for s in self.mixed_sizes]
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0
 
@@ -93,18 +101,18 @@ class StepGraphs:
         """The most token rows any graph computes (the runner sizes its buffers to hold them)."""
         return max(k.num_tokens for k in self.keys)
 
-    def key_for(self, num_seqs: int, num_tokens: int, plain_decode: bool,
-                lora: bool = False) -> GraphKey | None:
+    def key_for(self, num_seqs: int, num_tokens: int, plain_decode: bool, lora: bool = False,
+                merged: bool = False) -> GraphKey | None:
         """The smallest captured graph that can run this step, or None (run it eagerly). `lora`: some row
-        of the step has an adapter."""
+        of the step has an adapter; `merged`: every row runs the merged one (its weights, no product)."""
         if plain_decode:
             i = bisect.bisect_left(self.decode_sizes, num_seqs)
-            if i < len(self.decode_sizes) and GraphKey(True, self.decode_sizes[i], lora) in self._graphs:
-                return GraphKey(True, self.decode_sizes[i], lora)
+            key = GraphKey(True, self.decode_sizes[i], lora, merged) if i < len(self.decode_sizes) else None
+            if key in self._graphs:
+                return key
         i = bisect.bisect_left(self.mixed_sizes, num_tokens)
-        if i < len(self.mixed_sizes) and GraphKey(False, self.mixed_sizes[i], lora) in self._graphs:
-            return GraphKey(False, self.mixed_sizes[i], lora)
-        return None
+        key = GraphKey(False, self.mixed_sizes[i], lora, merged) if i < len(self.mixed_sizes) else None
+        return key if key in self._graphs else None
 
     def capture(self, run: Callable[[GraphKey], torch.Tensor], progress: bool = True) -> None:
         """Capture run(key) (the model over the runner's static buffers) for every key."""

@@ -12,6 +12,10 @@ Image rows must be memory the decoder owns (the remote source copies embeddings 
 arena before handing them over): a step may still be reading them after execute() returns, and the
 caching allocator orders their reuse behind that work on the stream.
 
+A model with LoRA adapters runs each step one of three ways, from its rows' adapter slots: the base
+model (no row has one), the per-row LoRA product, or the merged weights of the adapter made at load
+(model/lora/merged.py) when every row runs that one; each way has its own CUDA graphs.
+
 A hybrid stack's linear-attention layers keep their state in a pool of slots beside the KV cache
 (model/linear_state.py), one per running request (SequenceInput.state_slot, handed out by the engine's
 KV cache manager); its steps run eagerly (the decode graphs have no state-slot inputs yet).
@@ -240,8 +244,10 @@ class ModelRunner:
         self.hybrid = bool(self.model_config.linear_layers)
         self.linear_pool: LinearStatePool | None = None
         if not config.enforce_eager and not self.hybrid and StepGraphs.available(self.device, model.backend):
+            adapters = self.model.lora
             self.graphs = StepGraphs(config.max_num_seqs, config.max_num_batched_tokens,
-                                     lora=self.model.lora is not None)
+                                     lora=adapters is not None,
+                                     merged=adapters is not None and adapters.merged_slot is not None)
         graph_rows = self.graphs.max_tokens if self.graphs is not None else 0
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs, graph_rows)
         hidden = self.model_config.hidden_size if graph_rows else 0  # the graphs' input embeddings
@@ -255,6 +261,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._staged = torch.cuda.Event() if self._on_cuda else None  # host buffers free to refill
         self.graph_steps = 0  # steps that replayed a CUDA graph (stats, tests)
+        # steps with the per-row LoRA product, and steps on a merged adapter's weights (stats, tests)
+        self.lora_steps = 0
+        self.merged_steps = 0
         # The last launched step's sampled tokens (device) and each sampling request's row in them: where
         # the next step's pending tokens come from.
         self._last_tokens: torch.Tensor | None = None
@@ -372,6 +381,8 @@ class ModelRunner:
         meta = self._group_metas(AttentionMetadata(
             d["slot_mapping"][:n_tok], d["query_start_loc"][:n_seq + 1], d["seq_lens"][:n_seq],
             d["block_tables"][:n_seq], self.config.block_size, max_query_len=1 if key.decode else n_tok))
+        if key.merged:
+            self.model.lora.request_merged()
         return self.model(self._positions(d["positions"], n_tok, key.decode), meta, self.kv_caches,
                           d["logits_indices"][:n_logits],
                           inputs_embeds=self.buffers.embeds[:n_tok],
@@ -429,10 +440,12 @@ class ModelRunner:
         multipart = any(r.dim() == 3 for s in batch.sequences for r in s.image_rows)
         # Steps whose images attend bidirectionally run eagerly too: the graphs have no key limits.
         blocks = self.config.image_blocks and any(s.image_rows for s in batch.sequences)
-        # LoRA kernels only where some row has an adapter: other steps keep the fused one-row products.
-        lora = self.model.lora is not None and any(s.lora_slot for s in batch.sequences)
+        lora, merged = self._adapter_path(batch)
+        self.lora_steps += lora
+        self.merged_steps += merged
         if self.graphs is not None and not multipart and not blocks:
-            key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, batch.is_plain_decode, lora)
+            key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, batch.is_plain_decode, lora,
+                                      merged)
         step = self._prepare(batch, key, lora)
         rows = [s.sampling for s in batch.sequences if s.sampling is not None]
         image_rows = [r for s in batch.sequences for r in s.image_rows]
@@ -456,6 +469,8 @@ class ModelRunner:
             logits = self.graphs.replay(key)[:len(rows)]
         else:
             positions = self._positions(step.positions, step.num_tokens, batch.is_plain_decode)
+            if merged:
+                self.model.lora.request_merged()
             logits = self.model(positions, step.meta, self.kv_caches, step.logits_indices,
                                 inputs_embeds=embeds, deepstack=deepstack, lora_slots=step.lora_slots,
                                 linear_state=step.linear_state)
@@ -465,6 +480,18 @@ class ModelRunner:
         sampled = self.sampler.sample_async(logits, rows)
         self._last_tokens, self._last_rows = sampled.tokens, {r.request_id: i for i, r in enumerate(rows)}
         return LaunchedStep(sampled)
+
+    def _adapter_path(self, batch: ModelInput) -> tuple[bool, bool]:
+        """(lora, merged) for a step: `lora` when some row runs an adapter (the per-row product); instead
+        `merged` when every row runs the adapter merged at load (its merged weights, model/lora/merged.py).
+        Neither: the base model, whose one-row fused products the LoRA kernels would forgo."""
+        adapters = self.model.lora
+        if adapters is None:
+            return False, False
+        slots = {s.lora_slot for s in batch.sequences}
+        if adapters.merged_slot is not None and slots == {adapters.merged_slot}:
+            return False, True
+        return slots != {0}, False
 
     def _prepare(self, batch: ModelInput, key: GraphKey | None, lora: bool = False) -> PreparedStep:
         """Fill the host staging for this step, copy it to the device, and return views of the buffers.

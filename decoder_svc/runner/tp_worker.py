@@ -52,7 +52,8 @@ def run(spec: WorkerSpec) -> None:
     dtype = parse_dtype(cfg.dtype)
     model = load_language_model(cfg.model, device, dtype, cfg.attention_backend, cfg.quantization,
                                 cfg.load_format, tp=TensorParallel(spec.rank, spec.size),
-                                lora_modules=cfg.lora_adapters)
+                                lora_modules=cfg.lora_adapters,
+                                merge_builtin_adapter=cfg.merge_builtin_adapter)
     layout = PromptTokenizer(cfg.model).layout
     config = RunnerConfig.for_engine(cfg, device, dtype, layout, eager=True)
     runner = ModelRunner(model, dataclasses.replace(config, progress=False), spec.mm_token_ids)

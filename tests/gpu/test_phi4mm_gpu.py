@@ -55,6 +55,23 @@ def test_cuda_text_and_images_in_one_batch(phi4_tiny_dir, phi4_oracle, budget):
     assert engine.stats().kv_blocks_used == 0
 
 
+def test_cuda_image_requests_alone_replay_the_merged_graphs(phi4_tiny_dir, phi4_oracle):
+    """Image requests one at a time: every step on the vision adapter's merged weights (decode steps in
+    the merged graph set), HF's tokens; text then on the base graphs (decoder_svc/model/lora/merged.py)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    engine = _engine(phi4_tiny_dir)
+    runner = engine.runner
+    assert any(k.merged for k in runner.graphs._graphs)
+    images = sample_images()
+    for rid, (prompt, idx) in CASES.items():
+        imgs = [images[i] for i in idx]
+        out = engine.generate(rid, prompt, imgs, sampling=greedy(N))
+        assert out.new_token_ids == phi4_oracle.generate(prompt, imgs, N), rid
+    assert runner.lora_steps == 0 and runner.merged_steps >= len(CASES) * N and runner.graph_steps > 0
+    assert engine.generate("t", TEXT, sampling=greedy(N)).new_token_ids == phi4_oracle.generate(TEXT, [], N)
+    assert runner.lora_steps == 0
+
+
 def test_cuda_device_preprocessing_within_tolerance(phi4_tiny_dir):
     encoder = Phi4VisionEncoder(phi4_tiny_dir, device="cuda", dtype=torch.bfloat16)
     assert encoder.preprocess_mode == "torch"

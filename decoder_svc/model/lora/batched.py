@@ -18,6 +18,11 @@ serve it as on a model without adapters. A step with adapters has no `weight` to
 activation, then the base product through `ops.linear` (still the one-row GEMV where that is faster),
 then the LoRA product.
 
+A forward whose rows all run one adapter that was merged at load (merged.py: the checkpoint's own,
+Phi-4-multimodal's vision LoRA, as W + B @ A) runs each projection's merged copy instead, through the
+same ops as the base (its one-row kernels too) and with no LoRA product: the runner asks for it per step
+(LoRASlots.request_merged, read by the next bind) and captures its CUDA graphs that way as a third set.
+
 Tensor parallelism shards the adapters as the base weights (model/parallel.py): a column-parallel module
 (q/k/v, gate/up) keeps A whole and this rank's rows of each part of B; a row-parallel one (o, down) keeps
 this rank's input columns of A and B whole, so its partial products (x_rank @ A_rank^T) @ B^T add up to
@@ -40,23 +45,38 @@ _BLOCK = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
 
 
 class LoRASlots:
-    """The current step's adapter slot per token row, shared by every LoRALinear of a model."""
+    """The current step's adapter slot per token row, shared by every LoRALinear of a model; or, for a
+    step whose rows all run the adapter in `merged_slot`, the merged weights (merged.py)."""
 
     def __init__(self, adapters: int) -> None:
         self.slots: torch.Tensor | None = None
         self.adapters = adapters  # slots after slot 0
         self._adapter_rows: dict[torch.dtype, torch.Tensor] = {}
+        self.merged_slot: int | None = None  # the slot whose adapter has merged weights (merged.py)
+        self.merged = False  # this forward runs the merged weights
+        self._merge_next = False
 
     @property
     def active(self) -> bool:
         """True when some row of the forward may have an adapter (the LoRA product runs)."""
         return self.slots is not None
 
+    def request_merged(self) -> None:
+        """The next forward's rows all run merged_slot's adapter: it takes the merged weights (its bind
+        must get no slots). One forward only; ValueError when no adapter was merged."""
+        if self.merged_slot is None:
+            raise ValueError("no adapter was merged at load")
+        self._merge_next = True
+
     def bind(self, slots: torch.Tensor | None, num_rows: int) -> None:
-        """Take `slots` [num_rows] int64 for the next forward; None: every row on the base model."""
+        """Take `slots` [num_rows] int64 for the next forward; None: every row on the base model, or on
+        the merged weights when request_merged came before."""
+        merged, self._merge_next = self._merge_next, False
         if slots is not None and slots.shape[0] != num_rows:
             raise ValueError(f"{slots.shape[0]} LoRA slots for {num_rows} token rows")
-        self.slots = slots
+        if slots is not None and merged:
+            raise ValueError("a forward on the merged weights takes no per-row slots")
+        self.slots, self.merged = slots, merged
         self._adapter_rows = {}
 
     def adapter_rows(self, dtype: torch.dtype) -> torch.Tensor:
@@ -80,6 +100,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_a", lora_a, persistent=False)
         self.register_buffer("lora_b", lora_b, persistent=False)
         self.rank, self.slots, self.ops = rank, slots, ops
+        # The base with the merged slot's adapter added in (merged.py); None where it targets nothing here.
+        self.merged: nn.Module | None = None
 
     @property
     def in_features(self) -> int:
@@ -92,19 +114,23 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ops.linear(x, self.base)
         if not self.slots.active:
-            return y
+            return self.ops.linear(x, idle_base(self))
+        y = self.ops.linear(x, self.base)
         return self.ops.lora_add(y, x, self.lora_a, self.lora_b, self.slots, self.rank)
 
     def extra_repr(self) -> str:
-        return f"slots={self.lora_a.shape[0] // self.rank}, rank={self.rank}"
+        merged = self.merged is not None
+        return f"slots={self.lora_a.shape[0] // self.rank}, rank={self.rank}, merged={merged}"
 
 
 def idle_base(proj: nn.Module) -> nn.Module:
-    """proj, or its base projection when proj is a LoRALinear whose forward runs no adapter (the ops then
-    treat it as any plain projection: one-row fused kernels, FP8 GEMVs)."""
-    return proj.base if isinstance(proj, LoRALinear) and not proj.slots.active else proj
+    """proj, or the plain projection a LoRALinear runs in a forward without the LoRA product: its merged
+    copy in a merged forward (its base where the merged adapter does not target it), else its base (the
+    ops then treat it as any plain projection: one-row fused kernels, FP8 GEMVs)."""
+    if not isinstance(proj, LoRALinear) or proj.slots.active:
+        return proj
+    return proj.merged if proj.slots.merged and proj.merged is not None else proj.base
 
 
 def _part_rows(module: str, cfg: TextModelConfig) -> dict[str, tuple[int, int]]:
