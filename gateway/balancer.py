@@ -2,7 +2,8 @@
 Generate call as an object that can be cancelled.
 
 A decoder that answers UNAVAILABLE before sending anything (down, or draining on SIGTERM) is skipped
-for another one; once tokens have flowed, an error ends the request. The decoders are the --decoder
+for another one; once tokens have flowed, an error ends the call (gateway/decoder_retry.py starts a
+request again elsewhere when nothing of it had reached the client). The decoders are the --decoder
 targets (discovery.py): with dns:/// or file: ones the pool looks again every health round, adds the
 decoders that appear and retires those that are gone (their channel closes once their calls end).
 The n choices of one OpenAI request (`n` > 1) are a GenerationGroup on one decoder, so that they share
