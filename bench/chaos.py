@@ -20,11 +20,13 @@ The faults, in order, each in a window of its own with steady load between them:
   cache_flood     every image request uses a fresh image, at --flood-rate, against encoders whose cache is
                   --encoder-cache-bytes (evictions while leases are held)
   decoder_kill    kill -9 one decoder (its engine core must follow it), drop it from the gateway's file
-                  and start a replacement: requests it had not streamed anything of go to the other
-                  decoder (the gateway before the first token, the client on a 503 otherwise); streams
-                  it was sending are cut, counted apart from the lost
+                  and start a replacement: requests it had not sent the client anything of go to the
+                  other decoder (the gateway restarts them: counted as gateway_restarts); streams it was
+                  sending are cut, counted apart from the lost
 
-Reported: requests completed, retriable statuses seen before streaming, completed after a retry, lost
+Reported: requests completed, retriable statuses seen before streaming, completed after a retry, the
+gateway's own retries on another decoder (failovers before a first message, restarts after its decoder
+went away; /metrics), lost
 (anything else: an error after streaming began, another status, a broken connection); TTFT p50/p99 of
 streamed requests in steady load and in each fault window; each fault's own figures (restart and drain
 times, whether health said NOT_SERVING before the process stopped); after the run, every surviving
@@ -52,6 +54,7 @@ from pathlib import Path
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.fault_proxy import FaultProxy
 from bench.report import print_table, save_result
@@ -495,6 +498,7 @@ async def decoder_kill(fleet: Fleet, state: LoadState, args: argparse.Namespace)
         if busy.get("running", 0) + busy.get("waiting", 0) > 0:
             break
         await asyncio.sleep(0.05)
+    retries_before = await asyncio.to_thread(gateway_retries, fleet.gateway.address)
     killed_at = time.monotonic()
     old.proc.kill()
     old.proc.wait()
@@ -505,12 +509,29 @@ async def decoder_kill(fleet: Fleet, state: LoadState, args: argparse.Namespace)
     fleet.decoders[fresh.name] = fresh
     fleet.write_listing()
     left = await asyncio.to_thread(_alive_after, children, 10.0)
+    retries_after = await asyncio.to_thread(gateway_retries, fleet.gateway.address)
     fleet.note_pids()
     old.proc = None
     return {"killed": old.name, "replacement": fresh.name, "killed_at": killed_at,
             "requests_on_it": busy.get("running", 0) + busy.get("waiting", 0),
+            # requests the gateway sent to the other decoder meanwhile, nothing of them sent yet
+            "gateway_restarts": retries_after["restart"] - retries_before["restart"],
+            "gateway_failovers": retries_after["failover"] - retries_before["failover"],
             "children": len(children), "children_alive_after_kill": left,
             "replacement_listed_s": round(time.monotonic() - killed_at, 2)}
+
+
+def gateway_retries(address: str) -> dict[str, int]:
+    """The gateway's count of requests it sent to another decoder before anything reached the client, by
+    kind (failover: refused before its first message; restart: its decoder went away)."""
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    out = {"failover": 0, "restart": 0}
+    for family in text_string_to_metric_families(text):
+        if family.name == "mmserve_gateway_decoder_retries":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.labels["kind"]] = int(sample.value)
+    return out
 
 
 def _alive_after(ours: set[tuple[int, int]], timeout: float) -> list[int]:
@@ -725,6 +746,7 @@ async def chaos(fleet: Fleet, args: argparse.Namespace, result: dict) -> None:
         flood["evictions"] = sum(result["books"]["stats"][e.name]["evictions"] for e in fleet.encoders) \
             - flood["evictions_before"]
     result["rss_at_end_mib"] = memory(fleet)
+    result["gateway_retries"] = await asyncio.to_thread(gateway_retries, fleet.gateway.address)
     fleet.note_pids()
     result["records_lost"] = [asdict(r) for r in state.records if r.outcome not in ("completed", "cut")][:20]
 
@@ -753,10 +775,12 @@ def checks_of(result: dict, args: argparse.Namespace) -> dict[str, bool]:
 
 def print_summary(result: dict) -> None:
     c = result.get("counts", {})
+    g = result.get("gateway_retries", {})
     print_table("requests", ["requests", "completed", "after retry", "retriable statuses", "cut by kill",
-                             "lost"],
+                             "lost", "gateway failovers", "gateway restarts"],
                 [[c.get("requests"), c.get("completed"), c.get("completed_after_retry"),
-                  c.get("retriable_statuses_before_streaming"), c.get("cut_by_kill"), c.get("lost")]])
+                  c.get("retriable_statuses_before_streaming"), c.get("cut_by_kill"), c.get("lost"),
+                  g.get("failover"), g.get("restart")]])
     rows = [[name, w["requests"], w["completed"], w["retried"], w["ttft"].get("p50_ms"),
              w["ttft"].get("p99_ms")] for name, w in result.get("latency", {}).items()]
     print_table("TTFT by window (streamed requests, ms)", ["window", "requests", "completed", "retried",

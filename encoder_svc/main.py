@@ -16,6 +16,7 @@ from common.security.options import ServerSecurity, add_server_args, server_secu
 from common.server import GrpcService, configure_logging
 from common.startup import check_port_free, report_usage_error, resolve_checkpoint, start_listening
 from encoder_svc.config import EncoderServiceConfig
+from encoder_svc.memory_return import limit_malloc_arenas
 from encoder_svc.stall import watch_tower
 
 log = logging.getLogger("mmserve.encoder")
@@ -88,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         print(config_json(config))
         return 0
+    limit_malloc_arenas()  # before any thread allocates: trims give bursts' memory back (memory_return.py)
     try:
         # Before the model loads: a busy port fails now, not after seconds (minutes for 7B) of loading.
         security = server_security_from_args(args)

@@ -54,6 +54,7 @@ from encoder_svc.decoded_image import DecodedImage, decode_and_hash
 from encoder_svc.defaults import default_decode_processes
 from encoder_svc.future_bridge import FutureBridge
 from encoder_svc.image_cost import ImageCostCap
+from encoder_svc.memory_return import EncodeBytes
 from encoder_svc.metrics import EncoderMetrics
 from encoder_svc.pending_files import PendingFiles
 from encoder_svc.refs import (
@@ -127,6 +128,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.stage_totals = StageTotals(STAGES)  # where Encodes' time goes (encoder_svc/stages.py)
         self._closing = False
         self._future_bridge: FutureBridge | None = None
+        self.encode_bytes = EncodeBytes()  # requests' bytes, given back after bursts (memory_return.py)
 
     @property
     def closing(self) -> bool:
@@ -435,6 +437,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     # -- RPCs --------------------------------------------------------------------------------------
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context) -> encoder_pb2.EncodeResponse:
+        with self.encode_bytes.holding(request.ByteSize()):
+            return await self._encode(request, context)
+
+    async def _encode(self, request: encoder_pb2.EncodeRequest, context) -> encoder_pb2.EncodeResponse:
         started, asked_at = time.perf_counter(), self.cache.now()  # the leases' time counts from here
         self._check_open()
         try:

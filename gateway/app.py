@@ -32,6 +32,7 @@ from gateway.balancer import DecoderPool
 from gateway.byte_budget import ByteBudget, GatewayBytes
 from gateway.choices import Choices
 from gateway.config import GatewayConfig
+from gateway.decoder_retry import DecoderAttempts
 from gateway.errors import APIError, bad_request, from_rpc_error, quoted
 from gateway.images import ImageFetcher
 from gateway.media_memo import MediaMemo
@@ -95,12 +96,13 @@ class Gateway:
         self.config = config
         self.pool = pool or DecoderPool.of(config.decoders, config.decoder_check_interval_s,
                                            security=config.upstream, routing=config.routing)
+        self.metrics = GatewayMetrics()
+        self.pool.on_failover = self.metrics.decoder_retries.labels("failover").inc
         self.fetcher = ImageFetcher(config.images)
         self.bytes_in_flight = GatewayBytes(config.images.max_bytes_in_flight)
         self.named_media = MediaMemo(config.images.max_named_media_bytes,  # vLLM's uuid, per tenant
                                      config.images.max_named_media_tenants)
         self.adapters = config.lora_adapters
-        self.metrics = GatewayMetrics()
         self.texts = TokenTexts(config.model)
         self.created = int(time.time())
         self.served = ServedModel(tuple(config.served_model_names), model_root(config.model),
@@ -185,17 +187,20 @@ class Gateway:
         try:
             calls: DecoderCalls = await cancel_on_disconnect(
                 request, translate(req, salt, budget, self.tenant(api_key)))
+            attempts = DecoderAttempts(self.pool, calls.choices(req.n, self.adapter_of(req.model)),
+                                       calls.request_id, req.user or "", self.config.request_timeout_s,
+                                       self.config.decoder_retries, on_retry=self._count_restart)
             try:
-                generation = await cancel_on_disconnect(request, self.pool.generate_group(
-                    calls.choices(req.n, self.adapter_of(req.model)), self.config.request_timeout_s,
-                    calls.request_id, req.user or ""))
+                group = await cancel_on_disconnect(request, attempts.start())
             except grpc.aio.AioRpcError as exc:
                 raise explained(req, exc) or exc from None
         except BaseException:
             budget.release()
             raise
-        generation.on_end = budget.release
-        return req, Choices(generation, req.n)
+        return req, Choices(group, req.n, attempts, on_end=budget.release)
+
+    def _count_restart(self) -> None:
+        self.metrics.decoder_retries.labels("restart").inc()
 
     async def _handle(self, request: Request, endpoint: str, schema: type, translate, respond) -> Response:
         started = time.perf_counter()
@@ -228,16 +233,18 @@ class Gateway:
         """The decoders' messages as (choice index, message), observing TTFT (first token of any
         choice), E2E (last choice's end) and token counts (each prompt once: per_prompt choices each) on
         the way."""
-        first, open_choices = True, generation.num
+        open_choices = generation.num
         async for index, chunk in generation:
-            if first and chunk.token_ids:
-                first = False
+            if not generation.first_token_seen and chunk.token_ids:
+                generation.first_token_seen = True
                 self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started)
             if chunk.finish_reason:
-                u = chunk.usage
-                lead = index % per_prompt == 0
-                self.metrics.observe_usage(u.prompt_tokens if lead else 0,
-                                           u.cached_prompt_tokens if lead else 0, u.completion_tokens)
+                if index not in generation.usage_seen:  # once, should the request start again elsewhere
+                    generation.usage_seen.add(index)
+                    u = chunk.usage
+                    lead = index % per_prompt == 0
+                    self.metrics.observe_usage(u.prompt_tokens if lead else 0,
+                                               u.cached_prompt_tokens if lead else 0, u.completion_tokens)
                 open_choices -= 1
                 if not open_choices:
                     self.metrics.e2e.labels(endpoint).observe(time.perf_counter() - started)
@@ -295,9 +302,17 @@ class Gateway:
 
     async def _whole(self, request: Request, endpoint: str, generation: Choices, collect
                      ) -> Response:
-        """A whole (not streamed) response: collect() awaited, the calls cancelled if the client leaves."""
+        """A whole (not streamed) response: collect() awaited, the calls cancelled if the client leaves.
+        Nothing is sent before collect() returns: a decoder that went away meanwhile is replaced and the
+        calls start over (Choices.restart), collect() with them."""
         try:
-            body = await cancel_on_disconnect(request, collect())
+            while True:
+                try:
+                    body = await cancel_on_disconnect(request, collect())
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if not await cancel_on_disconnect(request, generation.restart(exc)):
+                        raise exc from None
         finally:
             generation.cancel()  # already ended unless the client left: free the decoder's blocks now
         self._count(endpoint, 200)
@@ -307,7 +322,6 @@ class Gateway:
                              started: float) -> Response:
         head = ResponseHeader(generation.request_id, self.model_name(req.model))
         top_n, n = req.top_logprobs or 0, generation.num
-        chunks = self._chunks(generation, "chat", started, n)
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 include = req.include_usage
@@ -321,7 +335,7 @@ class Gateway:
                 # UTF-8 character, or a possible stop string) has no event of its own; its text comes
                 # with a later token's, as in vLLM. The last message's text comes with the finish reason,
                 # in one chunk, as vLLM sends it.
-                async for index, chunk in chunks:
+                async for index, chunk in self._chunks(generation, "chat", started, n):
                     logprobs = chat_logprobs(chunk, top_n, self.texts) if req.logprobs else None
                     so_far = running.add(chunk) if running else None
                     if chunk.finish_reason:
@@ -342,7 +356,7 @@ class Gateway:
             logprobs: list[list[dict]] = [[] for _ in range(n)]
             finish: list[str | None] = [None] * n
             finals: list = [None] * n
-            async for index, chunk in chunks:
+            async for index, chunk in self._chunks(generation, "chat", started, n):
                 texts[index].append(chunk.text)
                 if req.logprobs:
                     logprobs[index].extend(chat_logprobs(chunk, top_n, self.texts))
@@ -365,15 +379,19 @@ class Gateway:
                                    generation: Choices, started: float) -> Response:
         head = ResponseHeader(generation.request_id, self.model_name(req.model))
         n = generation.num
-        logprobs = [CompletionLogprobs(req.logprobs, self.texts) for _ in range(n)] \
-            if req.logprobs is not None else None
-        chunks = self._chunks(generation, "completions", started, req.n)
+
+        def fresh_logprobs() -> list[CompletionLogprobs] | None:
+            return [CompletionLogprobs(req.logprobs, self.texts) for _ in range(n)] \
+                if req.logprobs is not None else None
+
         if req.stream:
             async def events() -> AsyncIterator[dict]:
                 include = req.include_usage
                 running = self._running_usage(req, generation)
                 finals: list = [None] * n
-                async for index, chunk in chunks:  # one token per event, the last text with the finish
+                logprobs = fresh_logprobs()
+                # one token per event, the last text with the finish
+                async for index, chunk in self._chunks(generation, "completions", started, req.n):
                     part = logprobs[index].add(chunk) if logprobs is not None else None
                     so_far = running.add(chunk, index // req.n) if running else None
                     finish = FINISH_REASONS.get(chunk.finish_reason) if chunk.finish_reason else None
@@ -391,7 +409,8 @@ class Gateway:
             texts: list[list[str]] = [[] for _ in range(n)]
             finish: list[str | None] = [None] * n
             finals: list = [None] * n
-            async for index, chunk in chunks:
+            logprobs = fresh_logprobs()  # each attempt from nothing
+            async for index, chunk in self._chunks(generation, "completions", started, req.n):
                 texts[index].append(chunk.text)
                 if logprobs is not None:
                     logprobs[index].add(chunk)

@@ -2,7 +2,8 @@
 Generate call as an object that can be cancelled.
 
 A decoder that answers UNAVAILABLE before sending anything (down, or draining on SIGTERM) is skipped
-for another one; once tokens have flowed, an error ends the request. The decoders are the --decoder
+for another one; once tokens have flowed, an error ends the call (gateway/decoder_retry.py starts a
+request again elsewhere when nothing of it had reached the client). The decoders are the --decoder
 targets (discovery.py): with dns:/// or file: ones the pool looks again every health round, adds the
 decoders that appear and retires those that are gone (their channel closes once their calls end).
 The n choices of one OpenAI request (`n` > 1) are a GenerationGroup on one decoder, so that they share
@@ -57,6 +58,7 @@ class DecoderPool:
     security: ClientSecurity = field(default_factory=ClientSecurity)  # TLS and token towards the decoders
     targets: DecoderTargets | None = None  # where the endpoints come from; None: fixed endpoints
     router: CacheAwareRouter | None = None  # None: least outstanding requests
+    on_failover: Callable[[], None] | None = None  # counts each call moved to another decoder on UNAVAILABLE
     _turn: itertools.count = field(default_factory=itertools.count)
     _health_task: asyncio.Task | None = None
     _retired: list[DecoderEndpoint] = field(default_factory=list)  # gone, calls still open
@@ -162,11 +164,12 @@ class DecoderPool:
                                if e.channel is not None), return_exceptions=True)
 
     async def generate(self, request: decoder_pb2.GenerateRequest, timeout: float | None,
-                       user: str = "") -> Generation:
+                       user: str = "", tried: list[DecoderEndpoint] | None = None) -> Generation:
         """Start a Generate call and wait for its first message, so that errors the decoder finds in the
         request (or a decoder that is down) surface before any HTTP response has started. `user` (the
-        OpenAI field) keeps a session on one decoder when the cache-aware router has no better clue."""
-        tried: list[DecoderEndpoint] = []
+        OpenAI field) keeps a session on one decoder when the cache-aware router has no better clue.
+        `tried`: decoders not to send it to; each decoder it is sent to is appended."""
+        tried = [] if tried is None else tried
         keys = None
         if self.router is not None:  # hashing megabytes of media would hold up the event loop
             big = request.ByteSize() > _HASH_ON_LOOP_BYTES
@@ -185,18 +188,21 @@ class DecoderPool:
                 await generation.start()
                 return generation
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or len(tried) == len(self.endpoints):
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or all(e in tried for e in self.endpoints):
                     raise
                 log.warning("decoder %s unavailable (%s); trying another", endpoint.address, exc.details())
                 endpoint.status = "UNREACHABLE"
+                if self.on_failover is not None:
+                    self.on_failover()
 
     async def generate_group(self, requests: Sequence[decoder_pb2.GenerateRequest], timeout: float | None,
-                             request_id: str, user: str = "") -> GenerationGroup:
-        """Start the calls of one request's choices, all on one decoder. The first is started alone and
-        its first token awaited (its prefill done, the prompt's full KV blocks in the decoder's prefix
-        cache); the others start then, so their prefills hit those blocks instead of all computing the
-        prompt at once. Any failure cancels the calls already open."""
-        first = await self.generate(requests[0], timeout, user)
+                             request_id: str, user: str = "", tried: list[DecoderEndpoint] | None = None
+                             ) -> GenerationGroup:
+        """Start the calls of one request's choices, all on one decoder (not one in `tried`; see
+        generate). The first is started alone and its first token awaited (its prefill done, the prompt's
+        full KV blocks in the decoder's prefix cache); the others start then, so their prefills hit those
+        blocks instead of all computing the prompt at once. Any failure cancels the calls already open."""
+        first = await self.generate(requests[0], timeout, user, tried)
         endpoint, started = first.endpoint, [first]
         try:
             rest = [Generation(endpoint, endpoint.stub.Generate(r, timeout=timeout), r.request_id)

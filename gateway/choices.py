@@ -4,11 +4,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
 
 from common.pb import decoder_pb2
 from gateway.balancer import GenerationGroup
+from gateway.decoder_retry import DecoderAttempts
 
 
 @dataclass
@@ -18,6 +21,10 @@ class Choices:
 
     calls: GenerationGroup
     per_call: int  # `n`: the samples each call asks for
+    attempts: DecoderAttempts | None = None  # how the calls were started; None: they cannot be restarted
+    on_end: Callable[[], None] | None = None  # called once, at the first cancel(): the request has ended
+    first_token_seen: bool = False  # across restarts: TTFT is observed once per request
+    usage_seen: set[int] = field(default_factory=set)  # the choices whose usage the metrics have counted
 
     @property
     def request_id(self) -> str:
@@ -35,8 +42,24 @@ class Choices:
         return [member.first for member in self.calls.members]
 
     def cancel(self) -> None:
-        """Cancel every call still open (GenerationGroup.cancel)."""
+        """Cancel every call still open (GenerationGroup.cancel); the first time, call on_end."""
         self.calls.cancel()
+        if self.on_end is not None:
+            on_end, self.on_end = self.on_end, None
+            on_end()
+
+    async def restart(self, exc: grpc.aio.AioRpcError) -> bool:
+        """After exc ended the calls with nothing of them sent to the client: start them again on another
+        decoder (DecoderAttempts.again's rules) and iterate those from now on. False when not restarted
+        (the caller raises exc)."""
+        self.calls.cancel()
+        if self.attempts is None:
+            return False
+        calls = await self.attempts.again(exc)
+        if calls is None:
+            return False
+        self.calls = calls
+        return True
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, decoder_pb2.GenerateResponse]]:
         async for call, message in self.calls:

@@ -174,6 +174,10 @@ class GatewayConfig:
                                  "authentication", flag="--api-key", append=True, default_factory=list)
     request_timeout_s: float = option(600.0, "deadline of each decoder call in seconds (then 504)",
                                       flag="--request-timeout", type=positive_float)
+    decoder_retries: int = option(1, "times a request whose decoder went away (UNAVAILABLE, a broken "
+                                  "connection) before anything of it reached the client is started again "
+                                  "on another healthy decoder, within --request-timeout (0: never)",
+                                  type=int_in_range(0, 8))
     cache_salt_header: str = option("x-cache-salt", "request header that may split a tenant's cache")
     log_level: str = option("INFO", "DEBUG, INFO, WARNING or ERROR")
     images: ImageFetchPolicy = section(ImageFetchPolicy, "image URLs")

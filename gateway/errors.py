@@ -89,6 +89,12 @@ _GATEWAY_CREDENTIALS = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISS
 BAD_GATEWAY = 502
 
 
+def names_a_stage(details: str) -> bool:
+    """Whether a decoder's error details name the stage that failed (an image's Encode), i.e. come from a
+    live decoder's own checks rather than from the transport."""
+    return details.startswith(_STAGE_PREFIXES)
+
+
 def scrub(details: str) -> str:
     """details without network addresses (they stay in the gateway's log)."""
     return _ADDRESS.sub("<address>", details)
@@ -108,7 +114,7 @@ def from_rpc_error(exc: grpc.RpcError) -> APIError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
         return APIError(413, "the request is larger than the decoder's message limit",
                         code="request_too_large")
-    if (code in _GENERIC and not details.startswith(_STAGE_PREFIXES)) or status == 500:
+    if (code in _GENERIC and not names_a_stage(details)) or status == 500:
         log.warning("decoder call failed: %s: %s", code.name, details)
         message = _GENERIC.get(code, "the decoder failed to process the request")
     else:

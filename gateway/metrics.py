@@ -30,6 +30,10 @@ class GatewayMetrics:
         self.disconnects = Counter("mmserve_gateway_client_disconnects",
                                    "requests whose client went away before the end (the call is cancelled)",
                                    registry=r)
+        self.decoder_retries = Counter(
+            "mmserve_gateway_decoder_retries", "requests sent to another decoder before anything reached the "
+            "client: `failover` a call refused UNAVAILABLE before its first message, `restart` a request "
+            "started again after its decoder went away", ["kind"], registry=r)
         self.outstanding = Gauge("mmserve_gateway_decoder_outstanding", "open requests per decoder",
                                  ["decoder"], registry=r)
 
