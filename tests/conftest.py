@@ -16,6 +16,11 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        # One intra-op thread in the test process (the services it starts keep their own): CI's two xdist
+        # workers share two cores with those services, and OpenMP threads waiting on a busy core slowed the
+        # small products of the tiny models several-fold. OMP_NUM_THREADS, where set, still decides.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)
 except ImportError:  # pragma: no cover - torch is a dependency
     pass
 
