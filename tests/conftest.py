@@ -1,4 +1,4 @@
-"""Shared fixtures: checkpoints made by the model maker, once per test session."""
+"""Shared fixtures: checkpoints made by the model maker, once per test session (tests/family_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common.model_maker import make_model
+from tests.family_fixtures import made_checkpoint
 
 # Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU): the kernel tests still
 # check them in CI. Set before any kernel module is imported, since triton.jit reads it then.
@@ -16,6 +16,11 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        # One intra-op thread in the test process (the services it starts keep their own): CI's two xdist
+        # workers share two cores with those services, and OpenMP threads waiting on a busy core slowed the
+        # small products of the tiny models several-fold. OMP_NUM_THREADS, where set, still decides.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)
 except ImportError:  # pragma: no cover - torch is a dependency
     pass
 
@@ -40,32 +45,26 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_triton_interpreter()
 
 
-def _made(tmp_path_factory: pytest.TempPathFactory, preset: str, seed: int) -> Path:
-    # MMSERVE_TEST_MODEL_CACHE lets repeated local runs reuse checkpoints; CI makes them fresh.
-    cache = os.environ.get("MMSERVE_TEST_MODEL_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("models")
-    out = root / f"{preset}-seed{seed}"
-    if not (out / "mmserve_model.json").exists():
-        make_model(preset, out, seed=seed, device="cpu", progress=False)
-    return out
+# The name tests import it by (tests/family_fixtures.py's made_checkpoint).
+_made = made_checkpoint
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random LLaVA checkpoint (fp32, 16 image tokens)."""
-    return _made(tmp_path_factory, "tiny", seed=0)
+    return made_checkpoint(tmp_path_factory, "tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir_other(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second tiny checkpoint with other weights (for model-sensitivity tests)."""
-    return _made(tmp_path_factory, "tiny", seed=1)
+    return made_checkpoint(tmp_path_factory, "tiny", seed=1)
 
 
 @pytest.fixture(scope="session")
 def qwen_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The qwen2.5-vl-tiny checkpoint (fp32, random weights scaled so greedy output varies)."""
-    return _made(tmp_path_factory, "qwen2.5-vl-tiny", seed=0)
+    return made_checkpoint(tmp_path_factory, "qwen2.5-vl-tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +78,7 @@ def qwen_oracle(qwen_model_dir: Path):
 @pytest.fixture(scope="session")
 def qwen3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The qwen3-vl-tiny checkpoint (fp32, random weights scaled so greedy output varies)."""
-    return _made(tmp_path_factory, "qwen3-vl-tiny", seed=0)
+    return made_checkpoint(tmp_path_factory, "qwen3-vl-tiny", seed=0)
 
 
 @pytest.fixture(scope="session")

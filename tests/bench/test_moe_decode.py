@@ -14,12 +14,12 @@ from bench import moe_decode
 from bench.moe_routing import ExpertProbe, expert_load, routers, spread_routers
 from bench.roofline import ModelShape, Workload, expected_experts, model_shape, patches_per_image, roofline
 from bench.workload import QWEN_IMAGE, PromptMaker, build_requests
-from tests.conftest import _made
+from tests.family_fixtures import made_checkpoint
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    return _made(tmp_path_factory, "qwen3-vl-moe-tiny", seed=0)
+    return made_checkpoint(tmp_path_factory, "qwen3-vl-moe-tiny", seed=0)
 
 
 def _text(model_dir) -> dict:

@@ -8,8 +8,7 @@ import pytest
 from PIL import Image
 
 from common.families.llava.oracle import LlavaOracle
-from decoder_svc.engine import EmbeddingSource, EngineConfig, LLMEngine
-from decoder_svc.engine.local_source import LocalEmbeddingSource
+from tests.family_fixtures import engine_factory
 from tests.oracle import make_image
 
 
@@ -29,13 +28,4 @@ def images() -> list[Image.Image]:
 def make_engine(tiny_model_dir: Path, request: pytest.FixtureRequest):
     """A factory of engines on the tiny checkpoint (fp32, CPU) with overridable config; every test that
     uses it runs with synchronous and with asynchronous scheduling (the GPU's default)."""
-
-    def make(source: EmbeddingSource | None = None, **overrides) -> LLMEngine:
-        """An engine over `source` (default: the local tower's), with EngineConfig `overrides`."""
-        cfg = dict(model=tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=2048,
-                   async_scheduling=request.param)
-        cfg.update(overrides)
-        config = EngineConfig(**cfg)
-        return LLMEngine(config, source if source is not None else LocalEmbeddingSource.for_engine(config))
-
-    return make
+    return engine_factory(tiny_model_dir, num_kv_blocks=256, async_scheduling=request.param)

@@ -1,5 +1,5 @@
-"""The gemma-3-tiny checkpoint, made once per session (Gemma 3 is not in the registry yet, so its maker is
-called directly rather than through common.model_maker.make_model)."""
+"""The gemma-3-tiny checkpoints, made once per session (by Gemma 3's maker directly: the pan-and-scan one
+takes a maker option common.model_maker.make_model does not pass)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,14 @@ from PIL import Image
 
 from common.families.gemma3.layout import PanAndScan
 from common.families.gemma3.maker import make_gemma3_model
+from tests.family_fixtures import made_checkpoint
 
 
 def _tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, name: str, **maker_options) -> Path:
-    """gemma-3-tiny (seed 0) made once into MMSERVE_TEST_MODEL_CACHE (or a session folder) as `name`."""
-    cache = os.environ.get("MMSERVE_TEST_MODEL_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("models")
-    out = root / name
-    if not (out / "mmserve_model.json").exists():
-        make_gemma3_model("gemma-3-tiny", out, seed=0, device="cpu", progress=False, **maker_options)
-    return out
+    """gemma-3-tiny (seed 0) made once by Gemma 3's maker (whose options make_model does not take) as
+    `name`."""
+    return made_checkpoint(tmp_path_factory, "gemma-3-tiny", 0, name=name, maker=make_gemma3_model,
+                           **maker_options)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from common.families.llava.oracle import LlavaOracle
-from tests.conftest import _made
+from tests.family_fixtures import made_checkpoint
 from tests.hub_cache import lay_out_hub_cache
 from tests.integration.conftest import png
 from tests.integration.harness import Pair
@@ -51,7 +51,7 @@ CASES = {
 def served(request, tmp_path_factory):
     """(case, running pair, HF oracle) for one preset."""
     preset, case = request.param, CASES[request.param]
-    model_dir = _made(tmp_path_factory, preset, seed=0)
+    model_dir = made_checkpoint(tmp_path_factory, preset, seed=0)
     model, env = model_dir, {}
     if case.hub_id:
         cache = tmp_path_factory.mktemp("hub")

@@ -7,17 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.family_fixtures import engine_factory
+
 
 @pytest.fixture
 def make_qwen3_engine(qwen3_model_dir: Path):
     """Engines on the tiny Qwen3-VL checkpoint (fp32, CPU, in-process vision tower)."""
-    from decoder_svc.engine import EngineConfig, LLMEngine
-    from decoder_svc.engine.local_source import LocalEmbeddingSource
-
-    def make(**overrides):
-        cfg = dict(model=qwen3_model_dir, num_kv_blocks=512, max_num_batched_tokens=2048)
-        cfg.update(overrides)
-        config = EngineConfig(**cfg)
-        return LLMEngine(config, LocalEmbeddingSource.for_engine(config))
-
-    return make
+    return engine_factory(qwen3_model_dir)

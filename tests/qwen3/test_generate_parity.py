@@ -4,26 +4,17 @@ norms, whatever the chunk size (chunks that split images), cache state, batch co
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 import decoder_svc.runner.model_runner as runner_module
 from tests.oracle import greedy, run_all
+from tests.qwen_prompts import ONE, TEXT, THREE, tokens_equal_hf
 
 N = 12
-USER = "<|im_start|>user\n"
-END = "<|im_end|>\n<|im_start|>assistant\n"
-ONE = USER + "<|vision_start|><|image_pad|><|vision_end|>what is in the picture?" + END
-THREE = (USER + "first <|vision_start|><|image_pad|><|vision_end|> then "
-         "<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|image_pad|><|vision_end|> compare them"
-         + END)
-TEXT = USER + "describe a red car on the table" + END
 
-
-def _check(engine, oracle, prompt, imgs, rid="r", n=N):
-    out = engine.generate(rid, prompt, imgs, sampling=greedy(n))
-    assert out.error is None, out.error
-    assert out.new_token_ids == oracle.generate(prompt, imgs, n), "tokens differ from HF"
-    return out
+_check = functools.partial(tokens_equal_hf, n=N)
 
 
 def test_text_only(make_qwen3_engine, qwen3_oracle):

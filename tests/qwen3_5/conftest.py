@@ -1,26 +1,18 @@
-"""Fixtures for the Qwen3.5 tests: the tiny checkpoint (made by the family's maker directly), HF's model on
-it, and engines over it."""
+"""Fixtures for the Qwen3.5 tests: the tiny checkpoint, HF's model on it, and engines over it."""
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 import pytest
+
+from tests.family_fixtures import engine_factory, made_checkpoint
 
 
 @pytest.fixture(scope="session")
 def qwen3_5_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The qwen3.5-tiny checkpoint (fp32, random weights scaled so greedy output varies)."""
-    from common.families.qwen3_5.maker import make_qwen3_5_model
-
-    cache = os.environ.get("MMSERVE_TEST_MODEL_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("models")
-    out = root / "qwen3.5-tiny-seed0"
-    if not (out / "mmserve_model.json").exists():
-        make_qwen3_5_model("qwen3.5-tiny", out, seed=0, device="cpu", progress=False)
-    return out
+    return made_checkpoint(tmp_path_factory, "qwen3.5-tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -29,30 +21,10 @@ def qwen3_5_oracle(qwen3_5_model_dir: Path):
     remembers its answers."""
     from common.families.qwen3_5.oracle import Qwen3_5Oracle
 
-    oracle = Qwen3_5Oracle(qwen3_5_model_dir)
-    generate, memo = oracle.generate, {}
-
-    def remembered(prompt: str, images: list, n: int) -> list[int]:
-        """HF's tokens, computed once per prompt, images and n in the session (tests repeat them)."""
-        key = (prompt, tuple(hashlib.sha256(i.tobytes()).hexdigest() + str(i.size) for i in images), n)
-        if key not in memo:
-            memo[key] = generate(prompt, images, n)
-        return list(memo[key])
-
-    oracle.generate = remembered
-    return oracle
+    return Qwen3_5Oracle(qwen3_5_model_dir)
 
 
 @pytest.fixture
 def make_qwen3_5_engine(qwen3_5_model_dir: Path):
     """Engines on the tiny Qwen3.5 checkpoint (fp32, CPU, in-process vision tower)."""
-    from decoder_svc.engine import EngineConfig, LLMEngine
-    from decoder_svc.engine.local_source import LocalEmbeddingSource
-
-    def make(**overrides):
-        cfg = dict(model=qwen3_5_model_dir, num_kv_blocks=512, max_num_batched_tokens=2048)
-        cfg.update(overrides)
-        config = EngineConfig(**cfg)
-        return LLMEngine(config, LocalEmbeddingSource.for_engine(config))
-
-    return make
+    return engine_factory(qwen3_5_model_dir)

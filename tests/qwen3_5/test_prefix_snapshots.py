@@ -8,14 +8,13 @@ from __future__ import annotations
 import torch
 
 from tests.oracle import greedy
+from tests.qwen_prompts import END, USER, VISION
 
 N = 6
-USER = "<|im_start|>user\n"
-END = "<|im_end|>\n<|im_start|>assistant\n"
 
 
 def ask(question: str) -> str:
-    return USER + "<|vision_start|><|image_pad|><|vision_end|>" + question + END
+    return USER + VISION + question + END
 
 
 def _check(engine, oracle, prompt, imgs, rid):

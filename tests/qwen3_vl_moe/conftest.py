@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import _made
+from tests.family_fixtures import engine_factory, made_checkpoint
 
 
 @pytest.fixture(scope="session")
 def qwen3_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The qwen3-vl-moe-tiny checkpoint (fp32, random weights scaled so greedy output varies)."""
-    return _made(tmp_path_factory, "qwen3-vl-moe-tiny", seed=0)
+    return made_checkpoint(tmp_path_factory, "qwen3-vl-moe-tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -27,13 +27,4 @@ def qwen3_moe_oracle(qwen3_moe_model_dir: Path):
 @pytest.fixture
 def make_qwen3_moe_engine(qwen3_moe_model_dir: Path):
     """Engines on the tiny Qwen3-VL-MoE checkpoint (fp32, CPU, in-process vision tower)."""
-    from decoder_svc.engine import EngineConfig, LLMEngine
-    from decoder_svc.engine.local_source import LocalEmbeddingSource
-
-    def make(**overrides):
-        cfg = dict(model=qwen3_moe_model_dir, num_kv_blocks=512, max_num_batched_tokens=2048)
-        cfg.update(overrides)
-        config = EngineConfig(**cfg)
-        return LLMEngine(config, LocalEmbeddingSource.for_engine(config))
-
-    return make
+    return engine_factory(qwen3_moe_model_dir)

@@ -19,7 +19,7 @@ from PIL import Image
 from common.checkpoint import load_config
 from common.families.gemma3.encoder import load_gemma3_image_processor
 from common.families.gemma3.layout import Gemma3ImageLayout
-from common.families.oracle import greedy_new_tokens
+from common.families.oracle import greedy_new_tokens, image_identity
 
 
 class Gemma3Oracle:
@@ -34,6 +34,7 @@ class Gemma3Oracle:
         self.model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
         pas = Gemma3ImageLayout.from_checkpoint(model_dir, load_config(model_dir)).pan_and_scan
         self.crop_kwargs = pas.processor_kwargs() if pas is not None else {}
+        self._memo: dict = {}
 
     def pixels(self, images: list[Image.Image]) -> torch.Tensor:
         """pixel_values [tower images, 3, S, S] from the PIL image processor (with pan-and-scan, each
@@ -78,5 +79,9 @@ class Gemma3Oracle:
         return out if isinstance(out, torch.Tensor) else out.pooler_output
 
     def generate(self, prompt: str, images: list[Image.Image], n: int) -> list[int]:
-        """HF's greedy new tokens."""
-        return greedy_new_tokens(self.model, self.inputs(prompt, images), n)
+        """HF's greedy new tokens (memoised per prompt, image contents, crop settings and n: tests ask the
+        same again)."""
+        key = (prompt, tuple(map(image_identity, images)), n, str(self.crop_kwargs))
+        if key not in self._memo:
+            self._memo[key] = greedy_new_tokens(self.model, self.inputs(prompt, images), n)
+        return list(self._memo[key])

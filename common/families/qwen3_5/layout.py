@@ -4,23 +4,14 @@ per frame), so only the checkpoint check differs."""
 
 from __future__ import annotations
 
-from dataclasses import fields
-from pathlib import Path
-from typing import Any
-
-from common.checkpoint import CheckpointError
-from common.families.qwen2_5_vl.layout import QwenImageLayout, read_qwen_layout
-
-QWEN3_5_MODEL_TYPES = ("qwen3_5",)
+from common.families.qwen3_vl.layout import Qwen3BasedImageLayout
 
 
-class Qwen3_5ImageLayout(QwenImageLayout):
+class Qwen3_5ImageLayout(Qwen3BasedImageLayout):
     """The image side of a Qwen3.5 checkpoint (grids, token counts, M-RoPE positions: Qwen3-VL's)."""
 
-    @classmethod
-    def from_checkpoint(cls, model_dir: str | Path, config: dict[str, Any]) -> QwenImageLayout:
-        """read_qwen_layout's layout of a qwen3_5 checkpoint; CheckpointError for any other."""
-        if config.get("model_type") not in QWEN3_5_MODEL_TYPES:
-            raise CheckpointError(f"model_type {config.get('model_type')!r} is not a Qwen3.5 checkpoint")
-        base = read_qwen_layout(model_dir, config)
-        return cls(**{f.name: getattr(base, f.name) for f in fields(base)})
+    model_types = ("qwen3_5",)
+    checkpoint_name = "Qwen3.5"
+
+
+QWEN3_5_MODEL_TYPES = Qwen3_5ImageLayout.model_types

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from common.families.oracle import greedy_new_tokens
+from common.families.oracle import greedy_new_tokens, image_identity
 from common.families.qwen2_5_vl.encoder_base import load_qwen_image_processor
 from common.families.qwen2_5_vl.oracle import IMAGE_PAD, qwen_inputs, qwen_pixels
 
@@ -34,6 +34,7 @@ class Qwen3Oracle:
         model_class = getattr(transformers, self.hf_class)
         self.model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.merge = int(self.model.config.vision_config.spatial_merge_size)
+        self._memo: dict = {}
 
     def pixels(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """pixel_values [patches, patch_dim] and image_grid_thw [images, 3], one image at a time."""
@@ -44,8 +45,11 @@ class Qwen3Oracle:
         return qwen_inputs(self.model, self.tokenizer, self.image_processor, prompt, images)
 
     def generate(self, prompt: str, images: list[Image.Image], n: int) -> list[int]:
-        """HF's greedy new tokens."""
-        return greedy_new_tokens(self.model, self.inputs(prompt, images), n)
+        """HF's greedy new tokens (memoised per prompt, image contents and n: tests repeat them)."""
+        key = (prompt, tuple(map(image_identity, images)), n)
+        if key not in self._memo:
+            self._memo[key] = greedy_new_tokens(self.model, self.inputs(prompt, images), n)
+        return list(self._memo[key])
 
     def image_features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
         """get_image_features of one batch as [parts, rows_i, hidden] per image: the merged features
