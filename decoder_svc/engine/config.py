@@ -69,13 +69,13 @@ class EngineConfig:
         "twice is refused", metavar="NAME=PATH", append=True, nargs="+",
         default_factory=list, type=lora_module)
     merge_builtin_adapter: bool = option(
-        True, "no merged copy of the checkpoint's own LoRA adapter (Phi-4-multimodal's vision adapter, which "
+        True, "no merged copy of the checkpoint's own LoRA adapter (a vision adapter it carries, which "
         "every image request runs). By default each projection it targets gets a second copy at load, W + "
         "B @ A in the model's dtype, and a step whose rows all run the adapter uses those instead of the "
         "per-row LoRA product (steps that mix it with text or another adapter keep the product). The cost: "
-        "the targeted projections' weights again; Phi-4-multimodal's adapter targets every layer's qkv, o, "
-        "gate_up and down projections, so the copy is all of its decoder layers, 0.84x the language "
-        "model's weights (32 x 100.7M of 3836M parameters; 6.4 GB in bf16), taken from the memory the KV "
+        "the targeted projections' weights again (logged at load); an adapter that targets every layer's "
+        "qkv, o, gate_up and down projections copies nearly all of the decoder layers (0.84x the language "
+        "model's weights for the one served family that has one), taken from the memory the KV "
         "cache would get. Where memory is tight, turn it off (skipped by itself, with a warning, when the "
         "copy would take over half the GPU memory free at load). Never merged with --deterministic or FP8 "
         "projections", flag="--no-merge-builtin-adapter")
