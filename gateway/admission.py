@@ -144,10 +144,9 @@ def admit_chat(req: ChatCompletionRequest, config: GatewayConfig) -> None:
         raise too_large(f"the rendered prompt ({prompt_bytes} bytes with the template's share)",
                         limits.max_prompt_bytes, "bytes", "prompt_too_large", "messages")
     check_choice_images(n_images + n_videos, req.n, images)
-    # Every choice's decoder call carries the bytes: n choices cost n times them (byte_budget.py).
-    if inline_bytes * req.n > images.max_total_image_bytes:
-        per_choice = f" counted once per choice: n={req.n}" if req.n > 1 else ""
-        raise too_large(f"the request's data-URL images and videos ({inline_bytes} bytes{per_choice})",
+    # One decoder call carries the bytes whatever n is (GenerateRequest.n; byte_budget.py).
+    if inline_bytes > images.max_total_image_bytes:
+        raise too_large(f"the request's data-URL images and videos ({inline_bytes} bytes)",
                         images.max_total_image_bytes, "bytes", "images_too_large", "messages")
     _admit_shared(req, config)
 

@@ -183,7 +183,7 @@ class Gateway:
         salt = self.cache_salt(request, api_key, req.cache_salt)
         # Each choice's call carries the request's images: count them n times, and hold them against the
         # gateway-wide budget until the request ends (GenerationGroup.cancel).
-        budget = ByteBudget(self.config.images.max_total_image_bytes, req.n, self.bytes_in_flight)
+        budget = ByteBudget(self.config.images.max_total_image_bytes, self.bytes_in_flight)
         try:
             calls: DecoderCalls = await cancel_on_disconnect(
                 request, translate(req, salt, budget, self.tenant(api_key)))

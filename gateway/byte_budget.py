@@ -1,5 +1,5 @@
-"""Image and video bytes the gateway holds: per request, counted once per choice (`n` > 1 sends the bytes
-with every choice's decoder call), and for the whole gateway across the requests in flight.
+"""Image and video bytes the gateway holds: per request, once whatever its `n` (one decoder call carries
+them, GenerateRequest.n asks for the samples), and for the whole gateway across the requests in flight.
 
 A request over its own budget is refused with 413 naming the limit: it would be refused the same way on
 an idle gateway. The gateway-wide budget is real overload: 429 with Retry-After, and every byte a
@@ -41,32 +41,29 @@ class GatewayBytes:
 
 
 class ByteBudget:
-    """The bytes one request may still take: `limit` for all its images and videos together, each byte
-    counted `copies` times (once per choice), also held against the gateway-wide budget until release()."""
+    """The bytes one request may still take: `limit` for all its images and videos together, also held
+    against the gateway-wide budget until release()."""
 
-    def __init__(self, limit: int, copies: int = 1, gateway: GatewayBytes | None = None) -> None:
+    def __init__(self, limit: int, gateway: GatewayBytes | None = None) -> None:
         self.limit = limit
-        self.copies = copies
         self.gateway = gateway
-        self.used = 0  # bytes counted against limit: fetched bytes x copies
+        self.used = 0  # fetched bytes counted against limit
         self._held = 0  # of those, what the gateway-wide budget holds for this request
 
     def take(self, n: int, param: str | None) -> None:
-        """Count n fetched bytes (n x copies); 413 past the request's limit, 429 past the gateway's."""
-        cost = n * self.copies
-        if self.used + cost > self.limit:
-            self.used += cost
-            what = "the request's images and videos together" + (
-                f" (counted once per choice: n={self.copies})" if self.copies > 1 else "")
-            raise too_large(what, self.limit, "bytes", "images_too_large", param)
+        """Count n fetched bytes; 413 past the request's limit, 429 past the gateway's."""
+        if self.used + n > self.limit:
+            self.used += n
+            raise too_large("the request's images and videos together", self.limit, "bytes",
+                            "images_too_large", param)
         if self.gateway is not None:
-            self.gateway.reserve(cost, param)
-            self._held += cost
-        self.used += cost
+            self.gateway.reserve(n, param)
+            self._held += n
+        self.used += n
 
     def check_declared(self, n: int, param: str | None) -> None:
         """413 now, before any byte is read, when a body that declares n bytes cannot fit the limit."""
-        if self.used + n * self.copies > self.limit:
+        if self.used + n > self.limit:
             self.take(n, param)
 
     def release(self) -> None:

@@ -60,7 +60,7 @@ class ImageFetchPolicy:
         "(beyond it: 413)", type=positive_int)
     max_bytes_in_flight: int = option(
         512 * 2**20, "most image and video bytes the whole gateway holds for the requests in flight, "
-        "each request's counted once per choice (beyond it: 429 with Retry-After); at least "
+        "each request's counted once whatever its n (beyond it: 429 with Retry-After); at least "
         "--max-total-image-bytes", flag="--max-image-bytes-in-flight", type=positive_int)
     max_images_all_choices: int = option(
         64, "most images and videos of one request counted once per choice (n x per choice): the "

@@ -129,7 +129,7 @@ class ImageFetcher:
         """The bytes of each (url, param), in order: at most fetch_concurrency at once for this request
         (and global_fetch_concurrency for the gateway), all within max_total_image_bytes (images and
         videos together). kinds: each item's "image" (default) or "video"; budget: the request's, when it
-        counts each byte once per choice or holds it against the gateway's budget. The first failure, or
+        holds its bytes against the gateway's budget. The first failure, or
         the caller's cancellation (a client that left), cancels the fetches still running."""
         budget = budget or ByteBudget(self.policy.max_total_image_bytes)
         mine = asyncio.Semaphore(self.policy.fetch_concurrency)

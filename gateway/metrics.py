@@ -39,7 +39,7 @@ class GatewayMetrics:
 
         self.media_bytes_held = Gauge(
             "mmserve_gateway_media_bytes_held", "image and video bytes held for the requests in flight, "
-            "each counted once per choice (--max-image-bytes-in-flight)", registry=r)
+            "each request's once (--max-image-bytes-in-flight)", registry=r)
 
     def observe_usage(self, prompt: int, cached: int, completion: int) -> None:
         self.prompt_tokens.inc(prompt)

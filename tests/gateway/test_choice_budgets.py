@@ -1,7 +1,8 @@
-"""`n` choices cost n times a request's images: their bytes are counted n times against the request's
-budget (413), their number against what the decoder can admit together (400 naming the limit, never a
-429 that SDKs retry), and the gateway holds at most --max-image-bytes-in-flight across requests (429),
-giving every byte back when a request ends. In-process over a fake decoder: no services."""
+"""`n` choices and a request's images: one decoder call carries the bytes whatever n is, so they count
+once against the request's budget (413 past it); n times their number counts against what the decoder can
+admit together (400 naming the limit, never a 429 that SDKs retry); the gateway holds at most
+--max-image-bytes-in-flight across requests (429), giving every byte back when a request ends.
+In-process over a fake decoder: no services."""
 
 from __future__ import annotations
 
@@ -28,16 +29,15 @@ def _held(client) -> int:
     return int(float(re.search(r"^mmserve_gateway_media_bytes_held (\S+)$", text, re.M).group(1)))
 
 
-def test_n_counts_the_image_bytes_n_times_against_the_request_budget():
+def test_the_image_bytes_count_once_whatever_n_is():
     with fake_decoder() as (decoder, address), gateway_client(
-            address, images={"max_total_image_bytes": 3 * len(PNG)}) as client:
-        assert client.post("/v1/chat/completions", json=_chat(n=3)).status_code == 200
-        assert [r.n for r in decoder.requests] == [3]  # one call, its image sent once
-        reply = client.post("/v1/chat/completions", json=_chat(n=4))
+            address, images={"max_total_image_bytes": 2 * len(PNG)}) as client:
+        assert client.post("/v1/chat/completions", json=_chat(n=16, images=2)).status_code == 200
+        assert [r.n for r in decoder.requests] == [16]  # one call, its images sent once
+        reply = client.post("/v1/chat/completions", json=_chat(n=1, images=3))
         assert reply.status_code == 413, reply.text
         error = reply.json()["error"]
-        assert error["code"] == "images_too_large" and "n=4" in error["message"]
-        assert str(3 * len(PNG)) in error["message"]
+        assert error["code"] == "images_too_large" and str(2 * len(PNG)) in error["message"]
         assert len(decoder.requests) == 1  # refused before any decoder call
         assert _held(client) == 0
 
@@ -67,10 +67,10 @@ def test_the_gateway_wide_budget_refuses_with_429_and_every_byte_is_given_back()
     limits = {"max_total_image_bytes": 2 * len(PNG), "max_bytes_in_flight": 3 * len(PNG)}
     with fake_decoder() as (decoder, address), gateway_client(address, images=limits) as client:
         decoder.release.clear()  # the first request's streams stay open: its bytes stay held
-        with client.stream("POST", "/v1/chat/completions", json=_chat(n=2, stream=True)) as first:
+        with client.stream("POST", "/v1/chat/completions", json=_chat(n=4, images=2, stream=True)) as first:
             assert first.status_code == 200
-            assert _held(client) == 2 * len(PNG)
-            busy = client.post("/v1/chat/completions", json=_chat(n=2))
+            assert _held(client) == 2 * len(PNG)  # once, not once per choice
+            busy = client.post("/v1/chat/completions", json=_chat(n=2, images=2))
             assert busy.status_code == 429, busy.text
             assert busy.json()["error"]["code"] == "gateway_busy" and busy.headers["retry-after"] == "1"
             assert _held(client) == 2 * len(PNG)  # the refused request holds nothing
@@ -80,7 +80,7 @@ def test_the_gateway_wide_budget_refuses_with_429_and_every_byte_is_given_back()
             decoder.release.set()
             assert "[DONE]" in "".join(first.iter_text())
         assert _held(client) == 0
-        assert client.post("/v1/chat/completions", json=_chat(n=2)).status_code == 200
+        assert client.post("/v1/chat/completions", json=_chat(n=2, images=2)).status_code == 200
         assert _held(client) == 0
 
 
