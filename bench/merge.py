@@ -59,8 +59,11 @@ def headline(benchmarks: dict[str, dict]) -> list[list]:
         rows += [[f"TTFT {k} p50 ms", _get(t, k, "p50_ms")]
                  for k in ("cold", "warm_prefix", "image_cached_new_text")]
         rows.append(["TTFT cold/warm p50 ratio", t.get("cold_over_warm_p50")])
-    for r in _get(benchmarks, "decode_tput", "results") or []:
-        b = r["batch"]
+    decode_rows = _get(benchmarks, "decode_tput", "results") or []
+    both_merges = len({r.get("merge_builtin_adapter") for r in decode_rows}) > 1  # both modes ran
+    for r in decode_rows:
+        merged = "on" if r.get("merge_builtin_adapter") else "off"
+        b = f"{r['batch']} (adapter merged {merged})" if both_merges else r["batch"]
         rows += [[f"decode tok/s batch {b}: engine", r["engine_tokens_per_s"]],
                  [f"decode tok/s batch {b}: HF generate", r["hf_tokens_per_s"]],
                  [f"decode batch {b}: engine/HF", r["engine_over_hf"]],
