@@ -224,8 +224,11 @@ class RemoteEmbeddingSource(EmbeddingSource):
             requests = {rid for rid, _ in self._slots}
             calls, self._open_calls = list(self._open_calls), set()
             # Asks whose answers may be on their way or lost: given back by name below, before the
-            # channels close (release() gives back nothing once closed).
-            asks = [(slot.encoder, slot.ask) for slot in self._slots.values() if slot.call is not None]
+            # channels close (release() gives back nothing once closed). Every pending slot's latest
+            # ask, not only those with a call tracked: the encoder may hold an Encode whose future is
+            # not tracked yet, and a Release of a name never answered frees nothing.
+            asks = [(slot.encoder, slot.ask) for slot in self._slots.values()
+                    if slot.ask and slot.status == EmbeddingState.PENDING]
             asks += [a for slot in self._slots.values() for a in slot.abandoned]
         for rid in requests:
             self.release(rid)

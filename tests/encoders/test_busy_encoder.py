@@ -174,9 +174,28 @@ def test_closing_the_source_cancels_a_call_to_a_busy_encoder(serve):
     assert encoder.time_left_when_abandoned[0] > BOUND_S, "the call ran into its deadline: never cancelled"
 
 
-def test_closing_the_source_gives_back_the_leases_of_the_asks_in_flight_by_name(serve):
+@pytest.mark.parametrize("tracked_late", [False, True])
+def test_closing_the_source_gives_back_the_leases_of_the_asks_in_flight_by_name(serve, monkeypatch,
+                                                                                 tracked_late):
     """An answer may cross the cancel at close (an engine core stopping, or whose front end died): the
-    ask in flight is released by its name before the channels close, not left to the lease's TTL."""
+    ask in flight is released by its name before the channels close, not left to the lease's TTL. Also
+    when close comes after the encoder got the Encode and before the source tracked its call (a
+    loaded machine's thread switch, held open here until close has run)."""
+    if tracked_late:
+        track, closed = RemoteEmbeddingSource._track, threading.Event()
+
+        def late_track(self, call, key=None):
+            closed.wait(BOUND_S)
+            return track(self, call, key)
+
+        release_now = RemoteEmbeddingSource._release_now
+
+        def release_then_let_track(self, asks, timeout_s):
+            release_now(self, asks, timeout_s)
+            closed.set()
+
+        monkeypatch.setattr(RemoteEmbeddingSource, "_track", late_track)
+        monkeypatch.setattr(RemoteEmbeddingSource, "_release_now", release_then_let_track)
     encoder = _BusyEncoder(probes=None)
     source = RemoteEmbeddingSource([serve(encoder)], retry=RetryPolicy(
         attempt_timeout_s=BOUND_S, total_timeout_s=BOUND_S, busy_timeout_s=2 * BOUND_S))
