@@ -18,7 +18,9 @@ model (no row has one), the per-row LoRA product, or the merged weights of the a
 
 A hybrid stack's linear-attention layers keep their state in a pool of slots beside the KV cache
 (model/linear_state.py), one per running request (SequenceInput.state_slot, handed out by the engine's
-KV cache manager); its steps run eagerly (the decode graphs have no state-slot inputs yet).
+KV cache manager). Its plain decode steps replay graphs whose state slots are an input buffer
+(`state_slots`, one per sequence row; a graph's pad rows use a slot of their own that no request holds,
+`pad_state_slot`); its other steps run eagerly (their chunks' shape is not a graph's).
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ class StepBuffers:
                   "logits_indices": ((max_seqs,), torch.int64),
                   # pending tokens: their rows in input_ids, and their rows in the last step's samples
                   "pending_rows": ((max_seqs,), torch.int64), "pending_samples": ((max_seqs,), torch.int64),
+                  # a hybrid stack's state slot per sequence row of a decode graph (model/linear_state.py)
+                  "state_slots": ((max_seqs,), torch.int64),
                   "input_ids": ((max_tokens,), torch.int64), "slot_mapping": ((max_tokens,), torch.int64),
                   **{f"slot_mapping_{g}": ((max_tokens,), torch.int64) for g in range(1, num_groups)},
                   "positions": (positions, torch.int64),
@@ -209,6 +213,7 @@ class _HostRows:
     max_q: int = 0
     n_logits: int = 0
     n_pending: int = 0
+    state_rows: int = 0  # rows of `state_slots` filled (a hybrid stack's decode graph)
     img: list[np.ndarray] = dataclasses.field(default_factory=list)
     # (first row, tokens, start position, state slot, snapshots) per sequence, for a hybrid stack's
     # linear layers (model/linear_state.py)
@@ -240,14 +245,17 @@ class ModelRunner:
         self.mm_token_ids = np.asarray(sorted(mm_token_ids), dtype=np.int64)
         self.max_blocks_per_seq = -(-self.model_config.max_model_len // config.block_size)
         self.graphs: StepGraphs | None = None
-        # A hybrid stack's state slots (allocated with the KV cache); its steps run eagerly for now.
+        # A hybrid stack's state slots (allocated with the KV cache); only its decode steps have graphs.
         self.hybrid = bool(self.model_config.linear_layers)
         self.linear_pool: LinearStatePool | None = None
-        if not config.enforce_eager and not self.hybrid and StepGraphs.available(self.device, model.backend):
+        self.pad_state_slot = -1  # the slot a decode graph's pad rows read and write (hybrid, graphs)
+        self._decode_rows: torch.Tensor | None = None  # 0, 1, ...: a hybrid decode graph's token rows
+        if not config.enforce_eager and StepGraphs.available(self.device, model.backend):
             adapters = self.model.lora
             self.graphs = StepGraphs(config.max_num_seqs, config.max_num_batched_tokens,
                                      lora=adapters is not None,
-                                     merged=adapters is not None and adapters.merged_slot is not None)
+                                     merged=adapters is not None and adapters.merged_slot is not None,
+                                     decode_only=self.hybrid)
         graph_rows = self.graphs.max_tokens if self.graphs is not None else 0
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs, graph_rows)
         hidden = self.model_config.hidden_size if graph_rows else 0  # the graphs' input embeddings
@@ -295,7 +303,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.device)
         if self.hybrid:
             slots = cfg.state_slots + cfg.num_state_snapshots
-            self.linear_pool = LinearStatePool.allocate(self.model_config, slots, cfg.dtype, self.device)
+            if self.graphs is not None:  # one more, past every slot the engine hands out
+                self.pad_state_slot = slots
+            self.linear_pool = LinearStatePool.allocate(self.model_config, slots + (self.graphs is not None),
+                                                        cfg.dtype, self.device)
             log.info("state slots of %d linear-attention layers: %d for requests, %d for snapshots "
                      "(%.1f MiB)",
                      len(self.model_config.linear_layers), cfg.state_slots, cfg.num_state_snapshots,
@@ -305,6 +316,9 @@ class ModelRunner:
             d = self.buffers.dev
             self.buffers.set("query_start_loc", torch.arange(d["query_start_loc"].numel(), dtype=torch.int32))
             self.buffers.set("logits_indices", torch.arange(d["logits_indices"].numel()))
+            if self.hybrid:
+                self.buffers.set("state_slots", torch.full_like(d["state_slots"], self.pad_state_slot))
+                self._decode_rows = torch.arange(d["state_slots"].numel(), device=self.device)
             self.graphs.capture(self._run_static, progress=self.config.progress)
             log.info("captured %d CUDA graphs (decode %s, up to %d tokens %s) in %.0f MiB",
                      len(self.graphs.keys), self.graphs.decode_sizes, self.graphs.max_tokens,
@@ -312,8 +326,9 @@ class ModelRunner:
         return self.kv_spec
 
     def _state_bytes(self) -> int:
-        """Bytes of a hybrid stack's state and snapshot slots (0 for other stacks)."""
-        slots = self.config.state_slots + self.config.num_state_snapshots
+        """Bytes of a hybrid stack's state and snapshot slots, and a decode graph's pad slot (0 for other
+        stacks)."""
+        slots = self.config.state_slots + self.config.num_state_snapshots + (self.graphs is not None)
         return slots * LinearStatePool.bytes_per_slot(self.model_config, self.config.dtype)
 
     def _num_kv_blocks(self) -> int:
@@ -386,7 +401,17 @@ class ModelRunner:
         return self.model(self._positions(d["positions"], n_tok, key.decode), meta, self.kv_caches,
                           d["logits_indices"][:n_logits],
                           inputs_embeds=self.buffers.embeds[:n_tok],
-                          lora_slots=d["lora_slots"][:n_tok] if key.lora else None)
+                          lora_slots=d["lora_slots"][:n_tok] if key.lora else None,
+                          linear_state=self._graph_linear_state(key))
+
+    def _graph_linear_state(self, key: GraphKey) -> LinearStateStep | None:
+        """A hybrid stack's decode graph's state slots: every row a one-token continuation of the slot
+        its sequence row names in the `state_slots` buffer (None for other stacks)."""
+        if not self.hybrid:
+            return None
+        n = key.num_seqs
+        slots = self.buffers.dev["state_slots"][:n]
+        return LinearStateStep(self.linear_pool, (), self._decode_rows[:n], slots)
 
     def _group_metas(self, meta: AttentionMetadata) -> AttentionMetadata | list[AttentionMetadata]:
         """meta (group 0's) alone for one KV cache group; else one per group: the same lengths, each
@@ -443,7 +468,7 @@ class ModelRunner:
         lora, merged = self._adapter_path(batch)
         self.lora_steps += lora
         self.merged_steps += merged
-        if self.graphs is not None and not multipart and not blocks:
+        if self.graphs is not None and not multipart and not blocks and self._graphable(batch):
             key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, batch.is_plain_decode, lora,
                                       merged)
         step = self._prepare(batch, key, lora)
@@ -481,6 +506,12 @@ class ModelRunner:
         self._last_tokens, self._last_rows = sampled.tokens, {r.request_id: i for i, r in enumerate(rows)}
         return LaunchedStep(sampled)
 
+    def _graphable(self, batch: ModelInput) -> bool:
+        """Whether a graph may run the step: a hybrid stack's only when every sequence continues its slot
+        by one token and takes no snapshot (what its decode graphs compute); any other stack's always."""
+        return not self.hybrid or (batch.is_plain_decode and all(
+            s.start > 0 and not s.state_snapshots for s in batch.sequences))
+
     def _adapter_path(self, batch: ModelInput) -> tuple[bool, bool]:
         """(lora, merged) for a step: `lora` when some row runs an adapter (the per-row product); instead
         `merged` when every row runs the adapter merged at load (its merged weights, model/lora/merged.py).
@@ -507,13 +538,15 @@ class ModelRunner:
         rows.num_seqs = len(batch.sequences)
         if key is not None:
             self._pad_to_graph(rows, key, lora)
+        if key is not None and self.hybrid:
+            self._stage_state_slots(rows, key)
         self._upload(rows, lora)
         slots_dev = None
         if rows.img:
             slots_dev = torch.from_numpy(np.concatenate(rows.img)).to(self.device, non_blocking=True)
         if self._staged is not None:
             self._staged.record()
-        return self._device_views(rows, slots_dev, lora)
+        return self._device_views(rows, slots_dev, lora, key)
 
     def _stage_sequence(self, rows: _HostRows, i: int, seq: SequenceInput, lora: bool) -> None:
         """Write sequence i's tokens, slots, positions, block tables and sampling rows into the staging."""
@@ -582,6 +615,14 @@ class ModelRunner:
         h["logits_indices"][rows.n_logits:self._logit_rows(key)] = 0
         rows.t, rows.num_seqs, rows.n_logits = key.num_tokens, key.num_seqs, self._logit_rows(key)
 
+    def _stage_state_slots(self, rows: _HostRows, key: GraphKey) -> None:
+        """A hybrid decode graph's state slot per sequence row (pad rows: the pad slot)."""
+        slots = self.buffers.np["state_slots"]
+        slots[:key.num_seqs] = self.pad_state_slot
+        for i, (_, _, _, slot, _) in enumerate(rows.linear):
+            slots[i] = slot
+        rows.state_rows = key.num_seqs
+
     def _upload(self, rows: _HostRows, lora: bool) -> None:
         """Copy the filled part of each staging buffer to the device (asynchronously)."""
         t, num_seqs, limited = rows.t, rows.num_seqs, rows.limits is not None
@@ -589,11 +630,12 @@ class ModelRunner:
                              "query_start_loc": num_seqs + 1, "seq_lens": num_seqs, "block_tables": num_seqs,
                              "logits_indices": rows.n_logits, "pending_rows": rows.n_pending,
                              "pending_samples": rows.n_pending, "key_limits": t if limited else 0,
-                             "lora_slots": t if lora else 0,
+                             "lora_slots": t if lora else 0, "state_slots": rows.state_rows,
                              **{k: n for g in range(1, self.num_groups)
                                 for k, n in ((slot_key(g), t), (table_key(g), num_seqs))}})
 
-    def _device_views(self, rows: _HostRows, slots_dev: torch.Tensor | None, lora: bool) -> PreparedStep:
+    def _device_views(self, rows: _HostRows, slots_dev: torch.Tensor | None, lora: bool,
+                      graph: GraphKey | None = None) -> PreparedStep:
         """The step's tensors: views of the device buffers as far as the staging was filled."""
         t, num_seqs, n_pending, limited = rows.t, rows.num_seqs, rows.n_pending, rows.limits is not None
         d, host = self.buffers.dev, self.buffers.host
@@ -605,7 +647,8 @@ class ModelRunner:
             key_limits=d["key_limits"][:t] if limited else None,
             key_limits_cpu=host["key_limits"][:t] if limited else None))
         pending = (d["pending_rows"][:n_pending], d["pending_samples"][:n_pending]) if n_pending else None
-        linear = LinearStateStep.build(self.linear_pool, rows.linear, self.device) if self.hybrid else None
+        linear = (LinearStateStep.build(self.linear_pool, rows.linear, self.device)
+                  if self.hybrid and graph is None else None)
         return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta,
                             d["logits_indices"][:rows.n_logits], slots_dev, pending,
                             d["lora_slots"][:t] if lora else None, linear)
