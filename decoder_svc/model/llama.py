@@ -299,6 +299,7 @@ class LlamaForCausalLM(nn.Module):
         deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
         lora_slots: torch.Tensor | None = None,
         linear_state: LinearStateStep | None = None,
+        merged_adapter: bool = False,
     ) -> torch.Tensor:
         """Run every layer over the flat batch; return fp32 logits only for rows logits_indices.
         positions: [tokens], or [3, tokens] for M-RoPE (one row is enough where the three are equal).
@@ -308,14 +309,16 @@ class LlamaForCausalLM(nn.Module):
         states of those rows after layer i, as HF's _deepstack_process does.
         lora_slots: each token row's adapter slot [tokens] (model/lora/batched.py); None: the base model.
         linear_state: a hybrid stack's state slots and which rows continue which (model/linear_state.py);
-        the linear layers read and update them. None for a stack without linear layers."""
+        the linear layers read and update them. None for a stack without linear layers.
+        merged_adapter: every row runs the adapter merged at load, on its merged weights (no lora_slots;
+        model/lora/merged.py)."""
         if self.batch_invariant and not invariant_matmuls_active():
             with BatchInvariantMatmuls():
                 return self.forward(positions, meta, kv_caches, logits_indices, input_ids, inputs_embeds,
-                                    deepstack, lora_slots, linear_state)
+                                    deepstack, lora_slots, linear_state, merged_adapter)
         x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
         if self.lora is not None:
-            self.lora.bind(lora_slots, x.shape[0])
+            self.lora.bind(lora_slots, x.shape[0], merged_adapter)
         cos_sin = self.cos_sin
         if positions.dim() == 2:  # M-RoPE [3, tokens]
             # Each token's cos/sin row, its columns taken from the rows of its t, h or w position; the

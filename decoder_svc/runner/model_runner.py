@@ -396,13 +396,11 @@ class ModelRunner:
         meta = self._group_metas(AttentionMetadata(
             d["slot_mapping"][:n_tok], d["query_start_loc"][:n_seq + 1], d["seq_lens"][:n_seq],
             d["block_tables"][:n_seq], self.config.block_size, max_query_len=1 if key.decode else n_tok))
-        if key.merged:
-            self.model.lora.request_merged()
         return self.model(self._positions(d["positions"], n_tok, key.decode), meta, self.kv_caches,
                           d["logits_indices"][:n_logits],
                           inputs_embeds=self.buffers.embeds[:n_tok],
                           lora_slots=d["lora_slots"][:n_tok] if key.lora else None,
-                          linear_state=self._graph_linear_state(key))
+                          linear_state=self._graph_linear_state(key), merged_adapter=key.merged)
 
     def _graph_linear_state(self, key: GraphKey) -> LinearStateStep | None:
         """A hybrid stack's decode graph's state slots: every row a one-token continuation of the slot
@@ -494,11 +492,9 @@ class ModelRunner:
             logits = self.graphs.replay(key)[:len(rows)]
         else:
             positions = self._positions(step.positions, step.num_tokens, batch.is_plain_decode)
-            if merged:
-                self.model.lora.request_merged()
             logits = self.model(positions, step.meta, self.kv_caches, step.logits_indices,
                                 inputs_embeds=embeds, deepstack=deepstack, lora_slots=step.lora_slots,
-                                linear_state=step.linear_state)
+                                linear_state=step.linear_state, merged_adapter=merged)
         if not rows:
             self._last_tokens, self._last_rows = None, {}
             return LaunchedStep(None)

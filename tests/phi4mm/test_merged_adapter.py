@@ -68,15 +68,14 @@ def _forward(model, ids: torch.Tensor, slots: torch.Tensor | None, merged: bool 
     n, bs = ids.shape[0], 16
     cache = allocate_kv_cache(KVCacheSpec.for_model(model.config, 2, bs, torch.float32), "cpu")
     meta = AttentionMetadata.build(list(range(n)), [n], [n], [[0, 1]], bs, "cpu")
-    if merged:
-        model.lora.request_merged()
     with torch.inference_mode():
-        return model(torch.arange(n), meta, cache, torch.arange(n), input_ids=ids, lora_slots=slots)
+        return model(torch.arange(n), meta, cache, torch.arange(n), input_ids=ids, lora_slots=slots,
+                     merged_adapter=merged)
 
 
 def test_merged_logits_equal_the_lora_products(model):
     """A forward on the merged weights gives the per-row LoRA product's logits within fp32 rounding, and
-    not the base model's; request_merged holds for one forward only."""
+    not the base model's; merged_adapter holds for its own forward only."""
     ids = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(3))
     lora = _forward(model, ids, torch.full((24,), VISION_SLOT))
     merged = _forward(model, ids, None, merged=True)

@@ -21,7 +21,8 @@ then the LoRA product.
 A forward whose rows all run one adapter that was merged at load (merged.py: the checkpoint's own,
 Phi-4-multimodal's vision LoRA, as W + B @ A) runs each projection's merged copy instead, through the
 same ops as the base (its one-row kernels too) and with no LoRA product: the runner asks for it per step
-(LoRASlots.request_merged, read by the next bind) and captures its CUDA graphs that way as a third set.
+(the model's forward `merged_adapter=True`, which binds no slots) and captures its CUDA graphs that way
+as a third set.
 
 Tensor parallelism shards the adapters as the base weights (model/parallel.py): a column-parallel module
 (q/k/v, gate/up) keeps A whole and this rank's rows of each part of B; a row-parallel one (o, down) keeps
@@ -54,24 +55,17 @@ class LoRASlots:
         self._adapter_rows: dict[torch.dtype, torch.Tensor] = {}
         self.merged_slot: int | None = None  # the slot whose adapter has merged weights (merged.py)
         self.merged = False  # this forward runs the merged weights
-        self._merge_next = False
 
     @property
     def active(self) -> bool:
         """True when some row of the forward may have an adapter (the LoRA product runs)."""
         return self.slots is not None
 
-    def request_merged(self) -> None:
-        """The next forward's rows all run merged_slot's adapter: it takes the merged weights (its bind
-        must get no slots). One forward only; ValueError when no adapter was merged."""
-        if self.merged_slot is None:
+    def bind(self, slots: torch.Tensor | None, num_rows: int, merged: bool = False) -> None:
+        """Take `slots` [num_rows] int64 for the next forward; None: every row on the base model, or with
+        `merged` every row on merged_slot's merged weights (ValueError when no adapter was merged)."""
+        if merged and self.merged_slot is None:
             raise ValueError("no adapter was merged at load")
-        self._merge_next = True
-
-    def bind(self, slots: torch.Tensor | None, num_rows: int) -> None:
-        """Take `slots` [num_rows] int64 for the next forward; None: every row on the base model, or on
-        the merged weights when request_merged came before."""
-        merged, self._merge_next = self._merge_next, False
         if slots is not None and slots.shape[0] != num_rows:
             raise ValueError(f"{slots.shape[0]} LoRA slots for {num_rows} token rows")
         if slots is not None and merged:
