@@ -50,10 +50,11 @@ MODES = (AUTO, "torch", "fla")
 @dataclass(frozen=True)
 class DeltaRuleKernels:
     """The gated delta rule in fla's calling convention, chunked and recurrent alike:
-    f(q [B, T, Hk, Dk], k [B, T, Hk, Dk], v [B, T, Hv, Dv], g [B, T, Hv], beta [B, T, Hv], *, scale,
+    f(q [B, T, Hk, Dk], k [B, T, Hk, Dk], v [B, T, Hv, Dv], *, g [B, T, Hv], beta [B, T, Hv], scale,
     initial_state [N, Hv, Dk, Dv] fp32, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens [N + 1]
     int64 or None) -> (o [B, T, Hv, Dv], final state [N, Hv, Dk, Dv] fp32). With cu_seqlens, B = 1 and the
-    N sequences lie side by side along T. `chunk` may require Hk == Hv (fla 0.4's does)."""
+    N sequences lie side by side along T. `chunk` may require Hk == Hv (fla 0.4's does). Everything after
+    v goes by keyword: fla's recurrent rule has gk and gv between g and beta."""
 
     chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -213,7 +214,7 @@ def _decode(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: torc
     conv_pool.index_copy_(0, slots, window[:, :, 1:])
     q, k, v = (t[:, None] for t in _split_heads(mixed, shape))  # [B, 1, H, D]
     out, final = kernels.recurrent(
-        q, k, v, g.index_select(0, rows)[:, None], beta.index_select(0, rows)[:, None],
+        q, k, v, g=g.index_select(0, rows)[:, None], beta=beta.index_select(0, rows)[:, None],
         scale=shape.head_k_dim ** -0.5, initial_state=rec_pool.index_select(0, slots),
         output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None)
     rec_pool.index_copy_(0, slots, final.to(rec_pool.dtype))
@@ -255,7 +256,7 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
             state = state.index_select(0, _long([previous.index(i) for i in rnd.chunks], device))
         at = _index(rnd.positions, device)
         out, state = kernels.chunk(
-            q[at][None], k[at][None], v[at][None], g[at][None], beta[at][None],
+            q[at][None], k[at][None], v[at][None], g=g[at][None], beta=beta[at][None],
             scale=shape.head_k_dim ** -0.5, initial_state=state, output_final_state=True,
             use_qk_l2norm_in_kernel=True, cu_seqlens=_long(rnd.cu_seqlens, device))
         packed[at] = out[0].to(packed.dtype)

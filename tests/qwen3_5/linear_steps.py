@@ -94,17 +94,22 @@ class FakeFla:
 
     chunk_calls: list[int] = field(default_factory=list)  # sequences per chunked call
     recurrent_calls: list[int] = field(default_factory=list)
+    calls: list[tuple[str, tuple, dict]] = field(default_factory=list)  # (rule, args, kwargs) as passed
 
     def kernels(self) -> DeltaRuleKernels:
         return DeltaRuleKernels(self.chunk, self.recurrent, name="fake")
 
-    def chunk(self, q, k, v, g, beta, **kw):
+    def chunk(self, q, k, v, *, g, beta, **kw):
+        self.calls.append(("chunk", (q, k, v), dict(g=g, beta=beta, **kw)))
         assert q.shape[2] == k.shape[2] == v.shape[2], "fla 0.4's chunked rule: one key head per value head"
         out, final = _per_sequence(chunk_gated_delta_rule, q, k, v, g, beta, **kw)
         self.chunk_calls.append(final.shape[0])
         return out, final
 
-    def recurrent(self, q, k, v, g, beta, **kw):
+    def recurrent(self, q, k, v, *, g, beta, gk=None, gv=None, **kw):
+        # fla's signature: (q, k, v, g, gk, gv, beta, ...): g and beta by keyword, never gk and gv
+        assert gk is None and gv is None
+        self.calls.append(("recurrent", (q, k, v), dict(g=g, beta=beta, **kw)))
         out, final = _per_sequence(recurrent_gated_delta_rule, q, k, v, g, beta, **kw)
         self.recurrent_calls.append(final.shape[0])
         return out, final

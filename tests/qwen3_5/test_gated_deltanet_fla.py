@@ -7,6 +7,8 @@ reference path's up to fp32 rounding. fla's own kernels are checked on the GPU
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -167,3 +169,25 @@ def test_a_sequence_through_several_steps_equals_the_reference_path():
         outs[kind] = layers[kind].forward_batch(rows_input(rows, shape.hidden_size, seed=20), step, LAYER)
     assert torch.allclose(outs["fla"], outs["ref"], atol=ATOL, rtol=0)
     _assert_pools_close(pools["fla"], pools["ref"])
+
+
+@torch.no_grad()
+def test_the_calls_bind_to_fla_s_own_signatures():
+    """Where fla is installed (it imports on a CPU; its kernels do not run there): every argument of the
+    adapter's calls lands on the parameter of that name (fla's recurrent rule has gk and gv between g and
+    beta), with the shapes and dtypes fla documents."""
+    ops = pytest.importorskip("fla.ops.gated_delta_rule")
+    fake = FakeFla()
+    _run(LAYOUTS["snapshots inside chunks"], fake.kernels(), noisy_pool(text_shape()))
+    rules = {"chunk": ops.chunk_gated_delta_rule, "recurrent": ops.fused_recurrent_gated_delta_rule}
+    assert {rule for rule, _, _ in fake.calls} == set(rules)
+    for rule, args, kwargs in fake.calls:
+        bound = inspect.signature(rules[rule]).bind(*args, **kwargs).arguments
+        q, k, v, g, beta, state = (bound[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+        assert q.shape == k.shape and q.shape[:2] == v.shape[:2] and g.shape == beta.shape == v.shape[:3]
+        assert g.dtype == state.dtype == torch.float32
+        assert state.shape[1:] == (v.shape[2], q.shape[3], v.shape[3])
+        assert bound["use_qk_l2norm_in_kernel"] and bound["output_final_state"]
+        assert bound["scale"] == q.shape[-1] ** -0.5
+        seqs = q.shape[0] if bound["cu_seqlens"] is None else len(bound["cu_seqlens"]) - 1
+        assert state.shape[0] == seqs and (bound["cu_seqlens"] is None or q.shape[0] == 1)
