@@ -210,7 +210,7 @@ def _decode(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: torc
     """One token per slot: gathers and index_copy_ only (CUDA-graph safe)."""
     token = qkv.index_select(0, rows).to(conv_pool.dtype)[..., None]
     window = torch.cat([conv_pool.index_select(0, slots), token], dim=-1)  # [B, C, K]: carried, then this
-    mixed = F.silu((window.to(weight.dtype) * weight).sum(-1)).to(qkv.dtype)
+    mixed = F.silu((window.float() * weight.float()).sum(-1)).to(qkv.dtype)  # K taps summed in fp32
     conv_pool.index_copy_(0, slots, window[:, :, 1:])
     q, k, v = (t[:, None] for t in _split_heads(mixed, shape))  # [B, 1, H, D]
     out, final = kernels.recurrent(

@@ -51,7 +51,8 @@ def random_layer(shape: GatedDeltaNetShape, seed: int = 0, device: str = "cpu",
             std = 0.5 if "conv" in name else 1.0 / p.shape[-1] ** 0.5
             p.copy_(torch.randn(p.shape, generator=gen) * std)
     layer.dt_bias.copy_(torch.randn(shape.num_v_heads, generator=gen))
-    layer.A_log.copy_(torch.empty(shape.num_v_heads).uniform_(0.0, 2.5, generator=gen))
+    # per-token decays exp(g) from ~0.99 (a state that lasts) to ~0 (one forgotten at once)
+    layer.A_log.copy_(torch.empty(shape.num_v_heads).uniform_(-4.0, 2.5, generator=gen))
     layer.norm.weight.copy_(1.0 + 0.1 * torch.randn(shape.head_v_dim, generator=gen))
     return layer.to(device=device, dtype=dtype)
 

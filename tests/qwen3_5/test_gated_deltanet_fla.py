@@ -191,3 +191,36 @@ def test_the_calls_bind_to_fla_s_own_signatures():
         assert bound["scale"] == q.shape[-1] ** -0.5
         seqs = q.shape[0] if bound["cu_seqlens"] is None else len(bound["cu_seqlens"]) - 1
         assert state.shape[0] == seqs and (bound["cu_seqlens"] is None or q.shape[0] == 1)
+
+
+
+def test_the_engine_through_the_adapter_gives_hf_s_tokens(make_qwen3_5_engine, qwen3_5_oracle, qwen_images,
+                                                          monkeypatch):
+    """The tiny checkpoint's engine with every linear layer on the adapter (fla's contract in torch):
+    concurrent text and image requests in chunks that cut images, a new question about a seen image
+    resumed from its snapshot, then a fresh request in a slot another one left; tokens equal HF's generate
+    and the first token's logprob HF's to 1e-4 (a state resumed wrongly can still give the same tokens)."""
+    from tests.oracle import greedy, run_all
+    from tests.qwen_prompts import END, ONE, TEXT, TWO, USER, VISION
+
+    fake = FakeFla()
+    monkeypatch.setattr("decoder_svc.model.gated_deltanet.kernels_for", lambda device: fake.kernels())
+    engine = make_qwen3_5_engine(max_num_batched_tokens=13)
+    waves = [{"text": (TEXT, []), "one": (ONE, qwen_images[:1]), "two": (TWO, [qwen_images[0]] * 2)},
+             {"warm": (USER + VISION + "which colours are there?" + END, qwen_images[:1])},
+             {"fresh": (USER + "describe a blue boat on the sea" + END, [])}]
+    results: dict = {}
+    for wave in waves:
+        for rid, (prompt, imgs) in wave.items():
+            engine.add_request(rid, prompt, imgs, sampling=greedy(6, logprobs=1))
+        results.update(run_all(engine))
+    for rid, (prompt, imgs) in {k: v for wave in waves for k, v in wave.items()}.items():
+        assert results[rid]["tokens"] == qwen3_5_oracle.generate(prompt, imgs, 6), rid
+        with torch.no_grad():
+            logits = qwen3_5_oracle.model(**qwen3_5_oracle.inputs(prompt, imgs)).logits[0, -1].float()
+        ref = float(torch.log_softmax(logits, -1)[results[rid]["tokens"][0]])
+        assert abs(results[rid]["logprobs"][0].logprob - ref) < 1e-4, (rid, results[rid]["logprobs"][0], ref)
+    assert results["warm"]["usage"].cached_prompt_tokens > 0  # resumed from the image's snapshot
+    assert fake.chunk_calls and fake.recurrent_calls and max(fake.chunk_calls) > 1  # chunks packed together
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0
