@@ -28,14 +28,14 @@ Both are fixed-size whatever the sequence length: one slot per sequence per laye
 never modifying the one passed in. A prefix's state carried into the next call continues the sequence
 wherever the cut falls (inside a chunk of CHUNK_SIZE too): equal to one call over the whole sequence up
 to the rounding of another chunking (the chunked and recurrent forms sum in different orders). A batch's
-sequences have one length per call (a varlen prefill is a later step: a call per sequence, or fla's
-cu_seqlens); decode batches any sequences, one token each, their states stacked on dim 0.
+sequences have one length per call; decode batches any sequences, one token each, their states stacked
+on dim 0.
 
-`forward_batch`, the serving path over a step's rows and the state pool's slots, is where the GPU kernels
-come in: on a CUDA device where fla imports it hands the delta rule to fla-core (model/gated_deltanet_fla.py:
-one varlen chunked call for the step's prefill chunks, the fused recurrent step for its decode rows);
-MMSERVE_LINEAR_ATTENTION=torch keeps this reference, =fla insists on fla. `forward` and `step` are always
-the reference.
+`forward_batch`, the serving path over a step's rows and the state pool's slots, runs this reference a
+chunk at a time, or, on a CUDA device where fla imports, hands the delta rule to fla-core
+(model/gated_deltanet_fla.py: one varlen chunked call, with cu_seqlens, for all of the step's prefill
+chunks; the fused recurrent step for its decode rows). MMSERVE_LINEAR_ATTENTION=torch keeps the reference,
+=fla insists on fla. `forward` and `step` are always the reference.
 """
 
 from __future__ import annotations
