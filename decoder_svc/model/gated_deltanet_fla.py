@@ -12,7 +12,8 @@ what is missing: no CUDA device, or fla not importable).
   with snapshots is cut there: call r runs the r-th piece of every chunk that has one, from the states
   call r - 1 left (one call when no chunk asks for a snapshot). The convolution is one depthwise conv1d
   over the chunks laid side by side, each after its K - 1 carried inputs; the conv state at any position
-  is read from those columns, so it needs no cut.
+  is read from those columns, so it needs no cut. The plan's index tensors go to the device once per step
+  (cached by the step's chunks), not once per layer.
 - decode rows (one token each): the conv window from the slots, then fla's fused recurrent step from the
   slots' states (gathered; fla 0.4 has no in-place slot indices), both written back by index_copy_. No host
   synchronisation and no shape that depends on data: the slots are a device tensor, so a CUDA graph may
@@ -110,12 +111,19 @@ def kernels_for(device: torch.device, mode: str | None = None,
 class PrefillRound:
     """One chunked call: the r-th piece of every chunk that has one, side by side. `positions` are packed
     rows (the step's chunk rows in chunk order), `chunks` the pieces' chunk indices, `ends` how many of its
-    chunk's tokens each piece ends after, `cu_seqlens` the pieces' bounds within the call."""
+    chunk's tokens each piece ends after, `cu_seqlens` the pieces' bounds within the call; `keep` which of
+    the previous call's final states start these pieces (None: all, in order). After the call the state
+    after piece `sources[j]` goes to slot `dsts[j]` (a snapshot's, or the chunk's own after its last piece),
+    its conv state read from the K - 1 conv columns from `starts[j]`."""
 
     positions: list[int]
     chunks: list[int]
     ends: list[int]
     cu_seqlens: list[int]
+    keep: list[int] | None
+    sources: list[int]
+    starts: list[int]
+    dsts: list[int]
 
 
 @dataclass(frozen=True)
@@ -136,35 +144,91 @@ class PrefillPlan:
 
     @classmethod
     def of(cls, chunks: tuple, taps: int) -> PrefillPlan:
-        """The plan of chunks (first_row, end_row, snapshots) for a convolution of `taps` taps."""
+        """The plan of chunks (first_row, end_row, slot, snapshots) for a convolution of `taps` taps."""
         carry = taps - 1
-        rows, offsets, columns, conv_out, cuts = [], [], [], [], []
+        rows, offsets, columns, conv_out, cuts, starts = [], [], [], [], [], []
         carried = carry * len(chunks)
         column = 0
         for i, c in enumerate(chunks):
             n, packed = c.end_row - c.first_row, len(rows)
             offsets.append(column)
+            starts.append(packed)
             columns += range(i * carry, (i + 1) * carry)
             columns += range(carried + packed, carried + packed + n)
             conv_out += range(column, column + n)
             rows += range(c.first_row, c.end_row)
             cuts.append(sorted({k for k, _ in c.snapshots} | {n}))
             column += carry + n
-        starts = [0]
-        for c in chunks:
-            starts.append(starts[-1] + c.end_row - c.first_row)
-        rounds = []
+        rounds: list[PrefillRound] = []
+        previous = list(range(len(chunks)))  # the chunks whose final states the last call gave
         for r in range(max((len(ends) for ends in cuts), default=0)):
             positions, members, ends, cu = [], [], [], [0]
+            sources, window_starts, dsts = [], [], []
             for i, chunk_cuts in enumerate(cuts):
-                if r < len(chunk_cuts):
-                    lo = chunk_cuts[r - 1] if r else 0
-                    positions += range(starts[i] + lo, starts[i] + chunk_cuts[r])
-                    members.append(i)
-                    ends.append(chunk_cuts[r])
-                    cu.append(len(positions))
-            rounds.append(PrefillRound(positions, members, ends, cu))
+                if r >= len(chunk_cuts):
+                    continue
+                end, c = chunk_cuts[r], chunks[i]
+                positions += range(starts[i] + (chunk_cuts[r - 1] if r else 0), starts[i] + end)
+                targets = [slot for k, slot in c.snapshots if k == end]
+                targets += [c.slot] if end == c.end_row - c.first_row else []
+                for slot in targets:
+                    sources.append(len(members))
+                    window_starts.append(offsets[i] + end)  # the K - 1 inputs before this position
+                    dsts.append(slot)
+                members.append(i)
+                ends.append(end)
+                cu.append(len(positions))
+            keep = None if members == previous else [previous.index(i) for i in members]
+            rounds.append(PrefillRound(positions, members, ends, cu, keep, sources, window_starts, dsts))
+            previous = members
         return cls(rows, offsets, columns, carried, conv_out, rounds)
+
+
+@dataclass(frozen=True)
+class _DeviceRound:
+    """A PrefillRound's index tensors on the device."""
+
+    at: torch.Tensor | slice
+    cu_seqlens: torch.Tensor
+    keep: torch.Tensor | None
+    sources: torch.Tensor | None
+    windows: torch.Tensor | None  # [S, K - 1] conv columns
+    dsts: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _DevicePlan:
+    """A step's PrefillPlan as device index tensors: made once per step, read by every linear layer."""
+
+    rows: torch.Tensor | slice
+    num_rows: int
+    slots: torch.Tensor
+    fresh: torch.Tensor | None
+    columns: torch.Tensor
+    conv_out: torch.Tensor
+    rounds: tuple[_DeviceRound, ...]
+
+
+@functools.lru_cache(maxsize=4)
+def _device_plan(chunks: tuple, taps: int, device: torch.device) -> _DevicePlan:
+    # Keyed by the step's chunks (frozen dataclasses): the first linear layer of a step builds it, the
+    # others find it, so a step copies its indices to the device once.
+    plan = PrefillPlan.of(chunks, taps)
+    fresh = [i for i, c in enumerate(chunks) if c.fresh]
+    rounds = []
+    for rnd in plan.rounds:
+        stores = bool(rnd.dsts)
+        windows = None
+        if stores:  # [S, K - 1]: the conv columns of each state written
+            windows = _long(rnd.starts, device)[:, None] + torch.arange(taps - 1, device=device)
+        rounds.append(_DeviceRound(
+            _index(rnd.positions, device), _long(rnd.cu_seqlens, device),
+            None if rnd.keep is None else _long(rnd.keep, device),
+            _long(rnd.sources, device) if stores else None, windows,
+            _long(rnd.dsts, device) if stores else None))
+    return _DevicePlan(_index(plan.rows, device), len(plan.rows), _long([c.slot for c in chunks], device),
+                       _long(fresh, device) if fresh else None, _long(plan.columns, device),
+                       _long(plan.conv_out, device), tuple(rounds))
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor | slice:
@@ -225,64 +289,38 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
              shape: GatedDeltaNetShape, chunks: tuple, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
              kernels: DeltaRuleKernels, o: torch.Tensor) -> None:
     """Every chunk of the step: one packed convolution, then one chunked call per round of pieces."""
-    device, taps = qkv.device, weight.shape[-1]
-    plan = PrefillPlan.of(chunks, taps)
-    slots = _long([c.slot for c in chunks], device)
-    fresh = [i for i, c in enumerate(chunks) if c.fresh]
-    rows = _index(plan.rows, device)
+    plan = _device_plan(chunks, weight.shape[-1], qkv.device)
+    rows = plan.rows
 
     # The convolution: carried inputs (zeros for fresh chunks) and rows side by side, one conv1d.
-    carried = conv_pool.index_select(0, slots)  # [M, C, K - 1]
-    if fresh:
-        carried.index_fill_(0, _long(fresh, device), 0)
+    carried = conv_pool.index_select(0, plan.slots)  # [M, C, K - 1]
+    if plan.fresh is not None:
+        carried.index_fill_(0, plan.fresh, 0)
     x = qkv[rows].to(conv_pool.dtype)  # [P, C]
     source = torch.cat([carried.permute(1, 0, 2).reshape(carried.shape[1], -1), x.t()], dim=1)
-    columns = source[:, _long(plan.columns, device)]  # [C, L]
+    columns = source[:, plan.columns]  # [C, L]
     conv = F.conv1d(columns[None].to(weight.dtype), weight[:, None], groups=weight.shape[0])[0]
-    mixed = F.silu(conv[:, _long(plan.conv_out, device)].t()).to(qkv.dtype)  # [P, C]
+    mixed = F.silu(conv[:, plan.conv_out].t()).to(qkv.dtype)  # [P, C]
     q, k, v = _split_heads(mixed, shape)
     groups = shape.num_v_heads // shape.num_k_heads
     if groups > 1:  # fla 0.4's chunked rule: one key head per value head
         q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
     beta, g = beta[rows], g[rows]
 
-    packed = o.new_empty(len(plan.rows), shape.num_v_heads, shape.head_v_dim)
-    state = rec_pool.index_select(0, slots)  # [M, Hv, Dk, Dv] fp32
-    if fresh:
-        state.index_fill_(0, _long(fresh, device), 0)
-    previous: list[int] = list(range(len(chunks)))  # the chunks the state's rows belong to
+    packed = o.new_empty(plan.num_rows, shape.num_v_heads, shape.head_v_dim)
+    state = rec_pool.index_select(0, plan.slots)  # [M, Hv, Dk, Dv] fp32
+    if plan.fresh is not None:
+        state.index_fill_(0, plan.fresh, 0)
     for rnd in plan.rounds:
-        if rnd.chunks != previous:  # some chunks ended last round: keep the others' states
-            state = state.index_select(0, _long([previous.index(i) for i in rnd.chunks], device))
-        at = _index(rnd.positions, device)
+        if rnd.keep is not None:  # some chunks ended last round: the others' states go on
+            state = state.index_select(0, rnd.keep)
+        at = rnd.at
         out, state = kernels.chunk(
             q[at][None], k[at][None], v[at][None], g=g[at][None], beta=beta[at][None],
             scale=shape.head_k_dim ** -0.5, initial_state=state, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=_long(rnd.cu_seqlens, device))
+            use_qk_l2norm_in_kernel=True, cu_seqlens=rnd.cu_seqlens)
         packed[at] = out[0].to(packed.dtype)
-        _store(rnd, chunks, plan, state, columns, conv_pool, rec_pool, taps - 1)
-        previous = rnd.chunks
+        if rnd.dsts is not None:  # snapshots here, or chunks' last pieces: their slots take the states
+            rec_pool.index_copy_(0, rnd.dsts, state.index_select(0, rnd.sources).to(rec_pool.dtype))
+            conv_pool.index_copy_(0, rnd.dsts, columns[:, rnd.windows].permute(1, 0, 2).to(conv_pool.dtype))
     o[rows] = packed
-
-
-def _store(rnd: PrefillRound, chunks: tuple, plan: PrefillPlan, state: torch.Tensor, columns: torch.Tensor,
-           conv_pool: torch.Tensor, rec_pool: torch.Tensor, carry: int) -> None:
-    """The states after a round's pieces into the slots that ask for them: snapshot slots at their
-    positions, the chunk's own slot after its last piece."""
-    sources, starts, dsts = [], [], []
-    for j, (i, end) in enumerate(zip(rnd.chunks, rnd.ends, strict=True)):
-        c = chunks[i]
-        targets = [s for k, s in c.snapshots if k == end]
-        if end == c.end_row - c.first_row:
-            targets.append(c.slot)
-        for slot in targets:
-            sources.append(j)
-            starts.append(plan.offsets[i] + end)  # the K - 1 inputs before this position
-            dsts.append(slot)
-    if not dsts:
-        return
-    device = state.device
-    dst = _long(dsts, device)
-    rec_pool.index_copy_(0, dst, state.index_select(0, _long(sources, device)).to(rec_pool.dtype))
-    window = _long(starts, device)[:, None] + torch.arange(carry, device=device)  # [S, K - 1]
-    conv_pool.index_copy_(0, dst, columns[:, window].permute(1, 0, 2).to(conv_pool.dtype))

@@ -96,9 +96,14 @@ def test_the_plan_packs_chunks_and_cuts_them_at_snapshots():
     assert plan.columns == [0, 1, 4, 5, 6, 7, 8, 2, 3, 9, 10, 11]
     assert plan.conv_out == [0, 1, 2, 3, 4, 7, 8, 9]  # each row's window ends on its own column
     first, second = plan.rounds
-    assert (first.positions, first.chunks, first.ends, first.cu_seqlens) == (
-        [0, 1, 5, 6, 7], [0, 1], [2, 3], [0, 2, 5])
-    assert (second.positions, second.chunks, second.ends, second.cu_seqlens) == ([2, 3, 4], [0], [5], [0, 3])
+    assert (first.positions, first.chunks, first.ends, first.cu_seqlens, first.keep) == (
+        [0, 1, 5, 6, 7], [0, 1], [2, 3], [0, 2, 5], None)
+    # after the first call: chunk 0's state at 2 tokens to snapshot slot 4 (its conv state: the 2 inputs
+    # before its token 2, columns 2 and 3), chunk 1's final state to its own slot 1 (columns 10 and 11)
+    assert (first.sources, first.starts, first.dsts) == ([0, 1], [2, 10], [4, 1])
+    assert (second.positions, second.chunks, second.ends, second.cu_seqlens, second.keep) == (
+        [2, 3, 4], [0], [5], [0, 3], [0])
+    assert (second.sources, second.starts, second.dsts) == ([0, 0], [5, 5], [5, 0])  # snapshot 5, own slot 0
 
 
 def _run(layout: list[tuple], kernels: DeltaRuleKernels | None, pool, seed: int = 2):
