@@ -45,6 +45,8 @@
 #      the tower made in QWEN3_MODEL_DIR from QWEN3_PRESET with the language weights drawn on the device:
 #      decode b1 / 32 streams, Encode at 64 clients, cold TTFT, the reference before and after the load, the
 #      mode off and on; DET_ARGS adds options; see its block below),
+#      qwen3_5 (issue 68: the Gated DeltaNet layers' fla kernels against the torch reference on the GPU,
+#      then decode on qwen3.5-9b shapes with fla and with the reference; see its block below),
 #      or a list such as llava,qwen,qwen3.
 #      BUDGET_S (default 500): seconds for the whole script, model making included; each step's timeout
 #      is cut to what is left, so a slow step cannot push the script past the budget (later steps are
@@ -528,6 +530,40 @@ if [[ ",$SECTIONS," == *,deterministic,* ]]; then
     step deterministic_cost 420 "$PY" -m bench.deterministic_cost --model "$DET_DIR" "${DT[@]}" \
       --load-format dummy --logs "$RES/logs-deterministic" ${DETARGS[@]+"${DETARGS[@]}"}
     cp "$RES/deterministic_cost.json" "$RES/deterministic_cost.log" "$OUT/" 2>/dev/null
+  fi
+fi
+
+# qwen3_5 (issue 68): the Gated DeltaNet layers' fla kernels. tests/gpu/test_gated_deltanet_fla_gpu.py (fla
+# against the torch reference in fp32 and bf16: a varlen prefill of resumed and fresh sequences with snapshots,
+# decode rows, the decode step replayed in a CUDA graph, the qwen3.5-tiny engine's greedy tokens), then decode
+# tok/s (bench.decode_tput, no HF) on qwen3.5-9b shapes (QWEN3_5_PRESET), the language weights drawn on the
+# device, once per Q35_KERNELS entry (MMSERVE_LINEAR_ATTENTION: default "fla torch"). fla-core and einops come
+# from .whl (pip --target /tmp/site) when `fla` does not import. $OUT gets test_gated_deltanet_fla.log and
+# qwen3_5_decode_<kernel>.{json,log}. Limits: 300 s the tests, 240 s each decode run; Q35_TESTS=0 /
+# Q35_BENCH=0 skip a part; Q35_ARGS adds decode_tput options.
+if [[ ",$SECTIONS," == *,qwen3_5,* ]]; then
+  if ! "$PY" -c "import fla.ops.gated_delta_rule" >/dev/null 2>&1 && ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+    echo "== installing fla-core and einops from .whl into /tmp/site"
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-*.whl .whl/einops-*.whl 2>&1 | tail -3
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+  "$PY" -c "import fla, einops; print('   fla', fla.__version__, 'from', fla.__file__)" 2>&1 | tail -1
+  if [ "${Q35_TESTS:-1}" = 1 ]; then
+    echo "== tests/gpu/test_gated_deltanet_fla_gpu.py (t=$((SECONDS - START))s)"
+    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=5 tests/gpu/test_gated_deltanet_fla_gpu.py \
+      > "$OUT/test_gated_deltanet_fla.log" 2>&1
+    tail -20 "$OUT/test_gated_deltanet_fla.log"
+  fi
+  if [ "${Q35_BENCH:-1}" = 1 ]; then
+    Q35_DIR=${QWEN3_5_MODEL_DIR:-/tmp/qwen3_5_9b}
+    read -r -a Q35ARGS <<< "${Q35_ARGS:-}"
+    make_once "$Q35_DIR" "${QWEN3_5_PRESET:-qwen3.5-9b}" --weights vision
+    for kernel in ${Q35_KERNELS:-fla torch}; do
+      step "qwen3_5_decode_$kernel" 240 env MMSERVE_LINEAR_ATTENTION="$kernel" "$PY" -m bench.decode_tput \
+        --model "$Q35_DIR" "${DT[@]}" --no-hf --load-format dummy --batch-sizes 1,32 --prompt-len 512 \
+        --output-len 64 ${Q35ARGS[@]+"${Q35ARGS[@]}"}
+      cp "$RES/qwen3_5_decode_$kernel.json" "$RES/qwen3_5_decode_$kernel.log" "$OUT/" 2>/dev/null
+    done
   fi
 fi
 

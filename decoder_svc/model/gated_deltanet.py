@@ -1,6 +1,6 @@
 """The Gated DeltaNet layer (linear attention with a gated delta-rule state) in plain torch: the reference
-for the GPU kernels to come (fla's chunked and fused-recurrent rules, a causal-conv1d kernel), with its
-state explicit so that a state cache can own it.
+for the GPU kernels (fla's chunked and fused-recurrent rules: model/gated_deltanet_fla.py), with its state
+explicit so that a state cache can own it.
 
 The math is Hugging Face's torch fallback for this layer (transformers 5.25: `torch_chunk_gated_delta_rule`,
 `torch_recurrent_gated_delta_rule`, `causal_conv1d_fn` / `_update`, the gated RMSNorm), op for op and with
@@ -28,8 +28,14 @@ Both are fixed-size whatever the sequence length: one slot per sequence per laye
 never modifying the one passed in. A prefix's state carried into the next call continues the sequence
 wherever the cut falls (inside a chunk of CHUNK_SIZE too): equal to one call over the whole sequence up
 to the rounding of another chunking (the chunked and recurrent forms sum in different orders). A batch's
-sequences have one length per call (a varlen prefill is a later step: a call per sequence, or fla's
-cu_seqlens); decode batches any sequences, one token each, their states stacked on dim 0.
+sequences have one length per call; decode batches any sequences, one token each, their states stacked
+on dim 0.
+
+`forward_batch`, the serving path over a step's rows and the state pool's slots, runs this reference a
+chunk at a time, or, on a CUDA device where fla imports, hands the delta rule to fla-core
+(model/gated_deltanet_fla.py: one varlen chunked call, with cu_seqlens, for all of the step's prefill
+chunks; the fused recurrent step for its decode rows). MMSERVE_LINEAR_ATTENTION=torch keeps the reference,
+=fla insists on fla. `forward` and `step` are always the reference.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from decoder_svc.model.gated_deltanet_fla import AUTO, DeltaRuleKernels, forward_packed, kernels_for
 
 if TYPE_CHECKING:
     from decoder_svc.model.config import TextModelConfig
@@ -275,6 +283,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(s.num_v_heads))
         self.norm = GatedRMSNorm(s.head_v_dim, s.eps)
         self.out_proj = nn.Linear(s.value_dim, s.hidden_size, bias=False)
+        # forward_batch's delta-rule kernels: AUTO (kernels_for the rows' device and
+        # MMSERVE_LINEAR_ATTENTION, per call), None (this module's torch reference) or kernels to use
+        self.kernels: DeltaRuleKernels | str | None = AUTO
 
     def zero_state(self, batch: int, dtype: torch.dtype | None = None) -> GatedDeltaNetState:
         """The state before any token, on the layer's device (conv state in `dtype`, default the weights')."""
@@ -284,6 +295,14 @@ class GatedDeltaNet(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The input projections of x [..., hidden]: (qkv, z, b, a), row for row."""
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(beta = sigmoid(b) in b's dtype, g = the log decay in fp32) of projected rows."""
+        return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+    def delta_rule_kernels(self, device: torch.device) -> DeltaRuleKernels | None:
+        """The kernels forward_batch takes on `device` (None: the torch reference)."""
+        return kernels_for(device) if self.kernels == AUTO else self.kernels
 
     def _core(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: GatedDeltaNetState | None,
               recurrent: bool) -> tuple[torch.Tensor, GatedDeltaNetState]:
@@ -300,8 +319,7 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(batch, length, -1, s.head_k_dim)
         k = k.reshape(batch, length, -1, s.head_k_dim)
         v = v.reshape(batch, length, -1, s.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta, g = self._gates(b, a)
         rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
         o, final = rule(q, k, v, g, beta, recurrent_state)
         return o, GatedDeltaNetState(conv_state, final)
@@ -323,9 +341,18 @@ class GatedDeltaNet(nn.Module):
         """The layer over a step's flat token rows x [N, hidden] (model/linear_state.py): each chunk from
         its slot's state (a zero one where it starts its sequence) in the chunked form, in pieces cut at
         its snapshot positions (the state there copied into their slots), the single-token continuations
-        together in the recurrent form; the slots are left holding the states after them."""
-        conv_pool, rec_pool = step.pool.conv[layer], step.pool.recurrent[layer]
+        together in the recurrent form; the slots are left holding the states after them.
+
+        On a CUDA device with fla (model/gated_deltanet_fla.py, `self.kernels`), the same through fla's
+        kernels: the chunks packed into one varlen call (one per snapshot cut), the decode rows in its fused
+        recurrent step; equal up to the rounding of other kernels."""
         qkv, z, b, a = self._project(x)
+        kernels = self.delta_rule_kernels(x.device)
+        if kernels is not None:
+            beta, g = self._gates(b, a)
+            o = forward_packed(qkv, beta, g, self.conv1d.weight.squeeze(1), self.shape, step, layer, kernels)
+            return self._out(o, z)
+        conv_pool, rec_pool = step.pool.conv[layer], step.pool.recurrent[layer]
         o = x.new_empty(x.shape[0], self.shape.num_v_heads, self.shape.head_v_dim)
         if step.decode_rows is not None:
             rows, slots = step.decode_rows, step.decode_slots

@@ -1,0 +1,326 @@
+"""The Gated DeltaNet layer's GPU path: fla-core's (flash-linear-attention, Triton) gated delta rule over a
+step's rows and the state pool's slots, beside the torch reference (model/gated_deltanet.py).
+
+Which path a layer takes (`kernels_for`): MMSERVE_LINEAR_ATTENTION = auto (default: fla on a CUDA device when
+`fla` imports, else the torch reference), torch (the reference everywhere), or fla (fla, or an error naming
+what is missing: no CUDA device, or fla not importable).
+
+`forward_packed` is the layer's step over fla's calling convention (`DeltaRuleKernels`):
+- prefill chunks: one chunked call over all of the step's chunks packed as [1, T_total, H, D] with
+  cu_seqlens, each sequence's initial state gathered from its slot (zeros where the chunk starts its
+  sequence) and its final state written back to the slot. fla gives no state at inner positions, so a chunk
+  with snapshots is cut there: call r runs the r-th piece of every chunk that has one, from the states
+  call r - 1 left (one call when no chunk asks for a snapshot). The convolution is one depthwise conv1d
+  over the chunks laid side by side, each after its K - 1 carried inputs; the conv state at any position
+  is read from those columns, so it needs no cut. The plan's index tensors go to the device once per step
+  (cached by the step's chunks), not once per layer.
+- decode rows (one token each): the conv window from the slots, then fla's fused recurrent step from the
+  slots' states (gathered; fla 0.4 has no in-place slot indices), both written back by index_copy_. No host
+  synchronisation and no shape that depends on data: the slots are a device tensor, so a CUDA graph may
+  capture the step with the slot tensor and the pool as its inputs.
+
+Conventions are the reference's (and HF's when it hands this layer to fla): q and k L2-normalised in the
+kernel (`use_qk_l2norm_in_kernel`), q scaled by Dk^-0.5, g the log decay in fp32, beta = sigmoid(b), the
+recurrent state fp32 [N, Hv, Dk, Dv]. fla's fused recurrent rule serves Hv / Hk value heads from each key
+head itself (value head h reads key head h // (Hv / Hk), repeat_interleave's order); its chunked rule (0.4)
+wants equal heads, so q and k are repeated to the value heads first.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from decoder_svc.model.gated_deltanet import GatedDeltaNetShape, LinearStateStep
+
+log = logging.getLogger("mmserve.decoder.linear_attention")
+
+KERNEL_ENV = "MMSERVE_LINEAR_ATTENTION"
+AUTO = "auto"
+MODES = (AUTO, "torch", "fla")
+
+
+@dataclass(frozen=True)
+class DeltaRuleKernels:
+    """The gated delta rule in fla's calling convention, chunked and recurrent alike:
+    f(q [B, T, Hk, Dk], k [B, T, Hk, Dk], v [B, T, Hv, Dv], *, g [B, T, Hv], beta [B, T, Hv], scale,
+    initial_state [N, Hv, Dk, Dv] fp32, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens [N + 1]
+    int64 or None) -> (o [B, T, Hv, Dv], final state [N, Hv, Dk, Dv] fp32). With cu_seqlens, B = 1 and the
+    N sequences lie side by side along T. `chunk` may require Hk == Hv (fla 0.4's does). Everything after
+    v goes by keyword: fla's recurrent rule has gk and gv between g and beta."""
+
+    chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    name: str = "fla"
+
+
+def linear_attention_mode(mode: str | None = None) -> str:
+    """The mode asked for: `mode`, else MMSERVE_LINEAR_ATTENTION, else auto."""
+    mode = (mode or os.environ.get(KERNEL_ENV) or AUTO).strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+@functools.cache
+def load_fla() -> tuple[DeltaRuleKernels | None, str]:
+    """fla's two rules, or (None, why they do not import). Imported once per process."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception as exc:  # ImportError, or Triton failing at import on a host without a driver
+        return None, f"{type(exc).__name__}: {exc}"
+    return DeltaRuleKernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule), ""
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def kernels_for(device: torch.device, mode: str | None = None,
+                load: Callable[[], tuple[DeltaRuleKernels | None, str]] = load_fla
+                ) -> DeltaRuleKernels | None:
+    """The kernels a layer on `device` takes (None: the torch reference), by `linear_attention_mode(mode)`.
+    Raises RuntimeError when fla is asked for and cannot run: no CUDA device, or fla not importable."""
+    mode = linear_attention_mode(mode)
+    if mode == "torch":
+        return None
+    if device.type != "cuda":
+        if mode == "fla":
+            raise RuntimeError(f"{KERNEL_ENV}=fla needs a CUDA device (fla's kernels are Triton GPU "
+                               f"kernels); this layer runs on {device}. Use auto or torch here.")
+        return None
+    kernels, why = load()
+    if kernels is None and mode == "fla":
+        raise RuntimeError(f"{KERNEL_ENV}=fla but fla (the fla-core package) does not import: {why}")
+    key = (mode, why)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("Gated DeltaNet layers: %s", "fla kernels" if kernels is not None
+                 else f"the torch reference (fla does not import: {why})")
+    return kernels
+
+
+@dataclass(frozen=True)
+class PrefillRound:
+    """One chunked call: the r-th piece of every chunk that has one, side by side. `positions` are packed
+    rows (the step's chunk rows in chunk order), `chunks` the pieces' chunk indices, `ends` how many of its
+    chunk's tokens each piece ends after, `cu_seqlens` the pieces' bounds within the call; `keep` which of
+    the previous call's final states start these pieces (None: all, in order). After the call the state
+    after piece `sources[j]` goes to slot `dsts[j]` (a snapshot's, or the chunk's own after its last piece),
+    its conv state read from the K - 1 conv columns from `starts[j]`."""
+
+    positions: list[int]
+    chunks: list[int]
+    ends: list[int]
+    cu_seqlens: list[int]
+    keep: list[int] | None
+    sources: list[int]
+    starts: list[int]
+    dsts: list[int]
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Where a step's prefill chunks go (host lists; model/linear_state.py's LinearChunk for a chunk).
+
+    Packed rows: the chunks' rows one after another (`rows`: the step's row of each). Conv columns: chunk
+    i's K - 1 carried inputs at [offsets[i], offsets[i] + K - 1), then its rows; `columns` says where each
+    column comes from (j < carried: the j-th carried input, flattened chunk by chunk; else packed row
+    j - carried), `conv_out` which output of a conv1d without padding each packed row takes."""
+
+    rows: list[int]
+    offsets: list[int]
+    columns: list[int]
+    carried: int
+    conv_out: list[int]
+    rounds: list[PrefillRound]
+
+    @classmethod
+    def of(cls, chunks: tuple, taps: int) -> PrefillPlan:
+        """The plan of chunks (first_row, end_row, slot, snapshots) for a convolution of `taps` taps."""
+        carry = taps - 1
+        rows, offsets, columns, conv_out, cuts, starts = [], [], [], [], [], []
+        carried = carry * len(chunks)
+        column = 0
+        for i, c in enumerate(chunks):
+            n, packed = c.end_row - c.first_row, len(rows)
+            offsets.append(column)
+            starts.append(packed)
+            columns += range(i * carry, (i + 1) * carry)
+            columns += range(carried + packed, carried + packed + n)
+            conv_out += range(column, column + n)
+            rows += range(c.first_row, c.end_row)
+            cuts.append(sorted({k for k, _ in c.snapshots} | {n}))
+            column += carry + n
+        rounds: list[PrefillRound] = []
+        previous = list(range(len(chunks)))  # the chunks whose final states the last call gave
+        for r in range(max((len(ends) for ends in cuts), default=0)):
+            positions, members, ends, cu = [], [], [], [0]
+            sources, window_starts, dsts = [], [], []
+            for i, chunk_cuts in enumerate(cuts):
+                if r >= len(chunk_cuts):
+                    continue
+                end, c = chunk_cuts[r], chunks[i]
+                positions += range(starts[i] + (chunk_cuts[r - 1] if r else 0), starts[i] + end)
+                targets = [slot for k, slot in c.snapshots if k == end]
+                targets += [c.slot] if end == c.end_row - c.first_row else []
+                for slot in targets:
+                    sources.append(len(members))
+                    window_starts.append(offsets[i] + end)  # the K - 1 inputs before this position
+                    dsts.append(slot)
+                members.append(i)
+                ends.append(end)
+                cu.append(len(positions))
+            keep = None if members == previous else [previous.index(i) for i in members]
+            rounds.append(PrefillRound(positions, members, ends, cu, keep, sources, window_starts, dsts))
+            previous = members
+        return cls(rows, offsets, columns, carried, conv_out, rounds)
+
+
+@dataclass(frozen=True)
+class _DeviceRound:
+    """A PrefillRound's index tensors on the device."""
+
+    at: torch.Tensor | slice
+    cu_seqlens: torch.Tensor
+    keep: torch.Tensor | None
+    sources: torch.Tensor | None
+    windows: torch.Tensor | None  # [S, K - 1] conv columns
+    dsts: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _DevicePlan:
+    """A step's PrefillPlan as device index tensors: made once per step, read by every linear layer."""
+
+    rows: torch.Tensor | slice
+    num_rows: int
+    slots: torch.Tensor
+    fresh: torch.Tensor | None
+    columns: torch.Tensor
+    conv_out: torch.Tensor
+    rounds: tuple[_DeviceRound, ...]
+
+
+@functools.lru_cache(maxsize=4)
+def _device_plan(chunks: tuple, taps: int, device: torch.device) -> _DevicePlan:
+    # Keyed by the step's chunks (frozen dataclasses): the first linear layer of a step builds it, the
+    # others find it, so a step copies its indices to the device once.
+    plan = PrefillPlan.of(chunks, taps)
+    fresh = [i for i, c in enumerate(chunks) if c.fresh]
+    rounds = []
+    for rnd in plan.rounds:
+        stores = bool(rnd.dsts)
+        windows = None
+        if stores:  # [S, K - 1]: the conv columns of each state written
+            windows = _long(rnd.starts, device)[:, None] + torch.arange(taps - 1, device=device)
+        rounds.append(_DeviceRound(
+            _index(rnd.positions, device), _long(rnd.cu_seqlens, device),
+            None if rnd.keep is None else _long(rnd.keep, device),
+            _long(rnd.sources, device) if stores else None, windows,
+            _long(rnd.dsts, device) if stores else None))
+    return _DevicePlan(_index(plan.rows, device), len(plan.rows), _long([c.slot for c in chunks], device),
+                       _long(fresh, device) if fresh else None, _long(plan.columns, device),
+                       _long(plan.conv_out, device), tuple(rounds))
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor | slice:
+    """values as an index: a slice when they are consecutive (no gather), else a device tensor."""
+    if values and values == list(range(values[0], values[0] + len(values))):
+        return slice(values[0], values[0] + len(values))
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _split_heads(mixed: torch.Tensor, shape: GatedDeltaNetShape) -> tuple[torch.Tensor, ...]:
+    """Convolved rows [..., conv_dim] -> q, k [..., Hk, Dk], v [..., Hv, Dv]."""
+    q, k, v = torch.split(mixed, [shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
+    lead = mixed.shape[:-1]
+    return (q.reshape(*lead, shape.num_k_heads, shape.head_k_dim),
+            k.reshape(*lead, shape.num_k_heads, shape.head_k_dim),
+            v.reshape(*lead, shape.num_v_heads, shape.head_v_dim))
+
+
+def forward_packed(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, conv_weight: torch.Tensor,
+                   shape: GatedDeltaNetShape, step: LinearStateStep, layer: int, kernels: DeltaRuleKernels
+                   ) -> torch.Tensor:
+    """The layer's token mixing over a step's rows with `kernels`: qkv [N, conv_dim] (in_proj_qkv's
+    outputs), beta [N, Hv], g [N, Hv] fp32, conv_weight [conv_dim, K] -> o [N, Hv, Dv] (before the gated
+    norm) in qkv's dtype; the pool's slots of `layer` (and the snapshot slots asked for) left holding the
+    states after the step, as the reference's forward_batch leaves them."""
+    o = qkv.new_empty(qkv.shape[0], shape.num_v_heads, shape.head_v_dim)
+    conv_pool, rec_pool = step.pool.conv[layer], step.pool.recurrent[layer]
+    if step.decode_rows is not None:
+        _decode(qkv, beta, g, conv_weight, shape, step.decode_rows, step.decode_slots, conv_pool, rec_pool,
+                kernels, o)
+    if step.chunks:
+        _prefill(qkv, beta, g, conv_weight, shape, step.chunks, conv_pool, rec_pool, kernels, o)
+    return o
+
+
+def _decode(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: torch.Tensor,
+            shape: GatedDeltaNetShape, rows: torch.Tensor, slots: torch.Tensor, conv_pool: torch.Tensor,
+            rec_pool: torch.Tensor, kernels: DeltaRuleKernels, o: torch.Tensor) -> None:
+    """One token per slot: gathers and index_copy_ only (CUDA-graph safe)."""
+    token = qkv.index_select(0, rows).to(conv_pool.dtype)[..., None]
+    window = torch.cat([conv_pool.index_select(0, slots), token], dim=-1)  # [B, C, K]: carried, then this
+    mixed = F.silu((window.float() * weight.float()).sum(-1)).to(qkv.dtype)  # K taps summed in fp32
+    conv_pool.index_copy_(0, slots, window[:, :, 1:])
+    q, k, v = (t[:, None] for t in _split_heads(mixed, shape))  # [B, 1, H, D]
+    out, final = kernels.recurrent(
+        q, k, v, g=g.index_select(0, rows)[:, None], beta=beta.index_select(0, rows)[:, None],
+        scale=shape.head_k_dim ** -0.5, initial_state=rec_pool.index_select(0, slots),
+        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None)
+    rec_pool.index_copy_(0, slots, final.to(rec_pool.dtype))
+    o.index_copy_(0, rows, out[:, 0].to(o.dtype))
+
+
+def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: torch.Tensor,
+             shape: GatedDeltaNetShape, chunks: tuple, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
+             kernels: DeltaRuleKernels, o: torch.Tensor) -> None:
+    """Every chunk of the step: one packed convolution, then one chunked call per round of pieces."""
+    plan = _device_plan(chunks, weight.shape[-1], qkv.device)
+    rows = plan.rows
+
+    # The convolution: carried inputs (zeros for fresh chunks) and rows side by side, one conv1d.
+    carried = conv_pool.index_select(0, plan.slots)  # [M, C, K - 1]
+    if plan.fresh is not None:
+        carried.index_fill_(0, plan.fresh, 0)
+    x = qkv[rows].to(conv_pool.dtype)  # [P, C]
+    source = torch.cat([carried.permute(1, 0, 2).reshape(carried.shape[1], -1), x.t()], dim=1)
+    columns = source[:, plan.columns]  # [C, L]
+    conv = F.conv1d(columns[None].to(weight.dtype), weight[:, None], groups=weight.shape[0])[0]
+    mixed = F.silu(conv[:, plan.conv_out].t()).to(qkv.dtype)  # [P, C]
+    q, k, v = _split_heads(mixed, shape)
+    groups = shape.num_v_heads // shape.num_k_heads
+    if groups > 1:  # fla 0.4's chunked rule: one key head per value head
+        q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
+    beta, g = beta[rows], g[rows]
+
+    packed = o.new_empty(plan.num_rows, shape.num_v_heads, shape.head_v_dim)
+    state = rec_pool.index_select(0, plan.slots)  # [M, Hv, Dk, Dv] fp32
+    if plan.fresh is not None:
+        state.index_fill_(0, plan.fresh, 0)
+    for rnd in plan.rounds:
+        if rnd.keep is not None:  # some chunks ended last round: the others' states go on
+            state = state.index_select(0, rnd.keep)
+        at = rnd.at
+        out, state = kernels.chunk(
+            q[at][None], k[at][None], v[at][None], g=g[at][None], beta=beta[at][None],
+            scale=shape.head_k_dim ** -0.5, initial_state=state, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=rnd.cu_seqlens)
+        packed[at] = out[0].to(packed.dtype)
+        if rnd.dsts is not None:  # snapshots here, or chunks' last pieces: their slots take the states
+            rec_pool.index_copy_(0, rnd.dsts, state.index_select(0, rnd.sources).to(rec_pool.dtype))
+            conv_pool.index_copy_(0, rnd.dsts, columns[:, rnd.windows].permute(1, 0, 2).to(conv_pool.dtype))
+    o[rows] = packed
