@@ -26,7 +26,7 @@ ARG OFFLINE=0
 # Pin torch: a bare `torch` from PyPI is the multi-GB CUDA build.
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# pyproject extras, comma-separated: "gpu" adds cupy-cuda12x, "nixl" nixl-cu12 (the NIXL transport; CUDA 13:
+# pyproject extras, comma-separated: "gpu" adds cupy-cuda12x and fla-core (Qwen3.5's linear-attention kernels), "nixl" nixl-cu12 (the NIXL transport; CUDA 13:
 # "nixl-cu13"). EXTRA_PIP: more requirements, e.g. "cupy-cuda13x" for a
 # CUDA 13 build (with EXTRAS empty).
 ARG EXTRAS=

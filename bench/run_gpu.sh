@@ -535,7 +535,8 @@ fi
 
 # qwen3_5 (issue 68): the Gated DeltaNet layers' fla kernels. tests/gpu/test_gated_deltanet_fla_gpu.py (fla
 # against the torch reference in fp32 and bf16: a varlen prefill of resumed and fresh sequences with snapshots,
-# decode rows, the decode step replayed in a CUDA graph, the qwen3.5-tiny engine's greedy tokens), then decode
+# decode rows, the decode step replayed in a CUDA graph, the qwen3.5-tiny engine's greedy tokens; with
+# tests/gpu/test_qwen3_5_graphs_gpu.py: the engine's decode graphs over the state slots equal HF), then decode
 # tok/s (bench.decode_tput, no HF) on qwen3.5-9b shapes (QWEN3_5_PRESET), the language weights drawn on the
 # device, once per Q35_KERNELS entry (MMSERVE_LINEAR_ATTENTION: default "fla torch"). fla-core and einops come
 # from .whl (pip --target /tmp/site) when `fla` does not import. $OUT gets test_gated_deltanet_fla.log and
@@ -551,7 +552,7 @@ if [[ ",$SECTIONS," == *,qwen3_5,* ]]; then
   if [ "${Q35_TESTS:-1}" = 1 ]; then
     echo "== tests/gpu/test_gated_deltanet_fla_gpu.py (t=$((SECONDS - START))s)"
     timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=5 tests/gpu/test_gated_deltanet_fla_gpu.py \
-      > "$OUT/test_gated_deltanet_fla.log" 2>&1
+      tests/gpu/test_qwen3_5_graphs_gpu.py > "$OUT/test_gated_deltanet_fla.log" 2>&1
     tail -20 "$OUT/test_gated_deltanet_fla.log"
   fi
   if [ "${Q35_BENCH:-1}" = 1 ]; then
