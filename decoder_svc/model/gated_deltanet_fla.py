@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from decoder_svc.model.gated_deltanet import GatedDeltaNetShape, LinearStateStep
+    from decoder_svc.model.gated_deltanet_shape import GatedDeltaNetShape, LinearStateStep
 
 log = logging.getLogger("mmserve.decoder.linear_attention")
 

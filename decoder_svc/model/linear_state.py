@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from decoder_svc.model.config import TextModelConfig
-from decoder_svc.model.gated_deltanet import GatedDeltaNetShape
+from decoder_svc.model.gated_deltanet_shape import GatedDeltaNetShape
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from common.families import registry
 from common.families.qwen3_5 import FAMILY
 from common.families.text import FULL, LINEAR
 from decoder_svc.model.config import TextModelConfig
-from decoder_svc.model.gated_deltanet import GatedDeltaNetShape
+from decoder_svc.model.gated_deltanet_shape import GatedDeltaNetShape
 
 
 @pytest.fixture
