@@ -90,6 +90,21 @@ def qwen3_oracle(qwen3_model_dir: Path):
 
 
 @pytest.fixture(scope="session")
+def qwen3_5_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The qwen3.5-tiny checkpoint (fp32, random weights scaled so greedy output varies)."""
+    return made_checkpoint(tmp_path_factory, "qwen3.5-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_oracle(qwen3_5_model_dir: Path):
+    """HF's Qwen3_5ForConditionalGeneration, fp32 on CPU (common/families/qwen3_5/oracle.py); `generate`
+    remembers its answers."""
+    from common.families.qwen3_5.oracle import Qwen3_5Oracle
+
+    return Qwen3_5Oracle(qwen3_5_model_dir)
+
+
+@pytest.fixture(scope="session")
 def qwen_images() -> list:
     """224x224, 640x480 and 1000x300 (width x height): 64, 391 and 396 image tokens."""
     from tests.oracle import make_image

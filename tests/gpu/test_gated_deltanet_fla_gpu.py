@@ -13,7 +13,6 @@ import torch
 
 from decoder_svc.model.gated_deltanet import GatedDeltaNet
 from decoder_svc.model.gated_deltanet_fla import KERNEL_ENV, load_fla
-from tests.family_fixtures import made_checkpoint
 from tests.oracle import greedy, run_all
 from tests.qwen3_5.linear_steps import (
     LAYER,
@@ -154,11 +153,6 @@ N = 10
 # two best tokens are nearly tied (then fla may take the other one, and the rest of the text differs).
 LOGPROB_ATOL = 1e-2
 NEAR_TIE = 1e-2
-
-
-@pytest.fixture(scope="module")
-def qwen3_5_model_dir(tmp_path_factory) -> Path:
-    return made_checkpoint(tmp_path_factory, "qwen3.5-tiny", seed=0)
 
 
 def _engine(model_dir: Path, budget: int, device: str = DEVICE):

@@ -7,27 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
-from tests.family_fixtures import made_checkpoint
 from tests.oracle import greedy, run_all
 from tests.qwen_prompts import ONE, TEXT, TWO
 
 N = 12
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return made_checkpoint(tmp_path_factory, "qwen3.5-tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def oracle(model_dir: Path):
-    from common.families.qwen3_5.oracle import Qwen3_5Oracle
-
-    return Qwen3_5Oracle(model_dir)
 
 
 def _engine(model_dir: Path, **overrides) -> LLMEngine:
@@ -36,8 +21,8 @@ def _engine(model_dir: Path, **overrides) -> LLMEngine:
     return LLMEngine(config, LocalEmbeddingSource.for_engine(config))
 
 
-def test_decode_graphs_equal_hf(model_dir, oracle, qwen_images):
-    engine = _engine(model_dir)
+def test_decode_graphs_equal_hf(qwen3_5_model_dir, qwen3_5_oracle, qwen_images):
+    engine = _engine(qwen3_5_model_dir)
     assert engine.runner.uses_cuda_graphs and engine.runner.graphs.mixed_sizes == []
     small = qwen_images[0]
     plan = {"text": (TEXT, [], N), "one": (ONE, [small], N - 4), "two": (TWO, [small, small], N + 3)}
@@ -45,15 +30,15 @@ def test_decode_graphs_equal_hf(model_dir, oracle, qwen_images):
         engine.add_request(rid, prompt, imgs, sampling=greedy(n))
     results = run_all(engine)
     for rid, (prompt, imgs, n) in plan.items():
-        assert results[rid]["tokens"] == oracle.generate(prompt, imgs, n), rid
+        assert results[rid]["tokens"] == qwen3_5_oracle.generate(prompt, imgs, n), rid
     assert engine.runner.graph_steps > 0
     stats = engine.stats()
     assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0
 
 
-def test_a_snapshot_resume_then_graph_decode_equals_hf(model_dir, oracle, qwen_images):
-    engine = _engine(model_dir, max_num_seqs=2)
-    ref = oracle.generate(ONE, [qwen_images[0]], N)
+def test_a_snapshot_resume_then_graph_decode_equals_hf(qwen3_5_model_dir, qwen3_5_oracle, qwen_images):
+    engine = _engine(qwen3_5_model_dir, max_num_seqs=2)
+    ref = qwen3_5_oracle.generate(ONE, [qwen_images[0]], N)
     assert engine.generate("a", ONE, [qwen_images[0]], sampling=greedy(N)).new_token_ids == ref
     again = engine.generate("b", ONE, [qwen_images[0]], sampling=greedy(N))
     assert again.new_token_ids == ref and again.usage.cached_prompt_tokens > 0

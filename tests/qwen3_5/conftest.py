@@ -1,4 +1,5 @@
-"""Fixtures for the Qwen3.5 tests: the tiny checkpoint, HF's model on it, and engines over it."""
+"""Fixtures for the Qwen3.5 tests: engines over the tiny checkpoint (the checkpoint and HF's model on it are
+tests/conftest.py's, which tests/gpu shares)."""
 
 from __future__ import annotations
 
@@ -6,22 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.family_fixtures import engine_factory, made_checkpoint
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The qwen3.5-tiny checkpoint (fp32, random weights scaled so greedy output varies)."""
-    return made_checkpoint(tmp_path_factory, "qwen3.5-tiny", seed=0)
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_oracle(qwen3_5_model_dir: Path):
-    """HF's Qwen3_5ForConditionalGeneration, fp32 on CPU (common/families/qwen3_5/oracle.py); `generate`
-    remembers its answers."""
-    from common.families.qwen3_5.oracle import Qwen3_5Oracle
-
-    return Qwen3_5Oracle(qwen3_5_model_dir)
+from tests.family_fixtures import engine_factory
 
 
 @pytest.fixture
