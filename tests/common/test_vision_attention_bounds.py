@@ -86,8 +86,10 @@ class MemoryWatch:
         return inside
 
     def check(self, kind: str, addresses: np.ndarray, mask: np.ndarray, allowed: np.ndarray) -> None:
-        at = np.minimum(np.searchsorted(allowed, addresses), allowed.size - 1)
-        outside = allowed[at] != addresses
+        if allowed.size:
+            outside = allowed[np.minimum(np.searchsorted(allowed, addresses), allowed.size - 1)] != addresses
+        else:
+            outside = np.ones(addresses.shape, dtype=bool)
         if outside.any():
             self.violations.append(f"{kind} of {addresses.shape}: {int(outside.sum())} addresses outside the "
                                    f"tensors, {int((outside & ~mask).sum())} of them in masked-off lanes")
