@@ -5,9 +5,16 @@ q, k, v are [tokens, heads, head_dim] (last dim contiguous; any token and head s
 views of one fused qkv product work); sequence i is rows [cu_seqlens[i], cu_seqlens[i+1]) and attends
 only within itself. The output is a new contiguous [tokens, heads, head_dim] tensor of q's dtype.
 
-The head dim is padded inside the kernel to a multiple of 16 that `tl.dot` takes: a power-of-two main
-part and a masked power-of-two tail (72 and 80 run as 64 + 16), since `tl.arange` spans powers of two
-only; nothing is padded in memory. Softmax is online, in fp32 (exp2 with log2(e) folded into the scale).
+The head dim runs as two power-of-two parts that `tl.dot` takes, since `tl.arange` spans powers of two
+only: the first D_MAIN dims and a tail window of the last D_TAIL dims (72: dims 0-63 and 56-71, the
+overlap zeroed in q and stored once; 80: 0-63 and 64-79); nothing is padded in memory. Softmax is online,
+in fp32 (exp2 with log2(e) folded into the scale).
+
+Every address the kernel forms, in every lane, is an element of its tensors, and no load has a mask: rows
+past a span's end (a short span, the tensor's last rows) read the span's last row again and are masked
+in the scores and the stores, also in the key blocks a pipelined loop loads ahead past its end; the tail
+window never reaches past the head dim. So no result depends on a masked load's fill or on memory outside
+the tensors (tests/common/test_vision_attention_bounds.py watches every address in the interpreter).
 
 Programs: (query block, head). A query block is BLOCK_M rows of one sequence; `block_map` lists them
 as (sequence, first row within it), made on the host from the bounds once per layout (`make_block_map`),
@@ -69,8 +76,8 @@ def make_block_map(cu_seqlens: np.ndarray | list[int], block_m: int) -> np.ndarr
 
 
 def head_dim_split(head_dim: int) -> tuple[int, int]:
-    """(main, tail): the power-of-two part of the head dim the kernel reads unmasked and the masked
-    power-of-two tail (0: none) that pads it to a multiple of 16. 72 -> (64, 16), 80 -> (64, 16)."""
+    """(main, tail): the power-of-two leading part of the head dim and the power-of-two width (at least
+    16; 0: none) of the window over its last dims that covers the rest. 72 -> (64, 16), 80 -> (64, 16)."""
     if head_dim < 16:
         raise ValueError(f"head dim {head_dim} < 16 is not supported")
     main = 1 << (head_dim.bit_length() - 1)
@@ -85,50 +92,35 @@ def stride_unit(strides: list[int]) -> int:
 
 
 @triton.jit
-def _load_rows(ptrs, n_ok, d_ok, MASK_N: tl.constexpr, MASK_D: tl.constexpr):
-    """A [rows, dims] tile; rows past the span (MASK_N) and dims past the head (MASK_D) read as 0."""
-    if MASK_N:
-        if MASK_D:
-            tile = tl.load(ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        else:
-            tile = tl.load(ptrs, mask=n_ok[:, None], other=0.0)
-    else:
-        if MASK_D:
-            tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
-        else:
-            tile = tl.load(ptrs)
-    return tile
-
-
-@triton.jit
 def _kv_block(acc0, acc1, m_i, l_i, q0, q1, k_seq, v_seq, stride_kt, stride_vt, start_n, length, qk_scale,
-              HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, MASK_D: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, PRECISION: tl.constexpr):
+              D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, TAIL_FIRST: tl.constexpr, BLOCK_N: tl.constexpr,
+              PARTIAL: tl.constexpr, PRECISION: tl.constexpr):
     """One block of BLOCK_N keys folded into the running softmax (m_i, l_i, in log2 units) and outputs
-    (acc0: the main dims, acc1: the tail)."""
-    rows = (start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-    n_ok = rows < length
+    (acc0: the main dims, acc1: the tail window). Rows past the span read its last row again, and in the
+    PARTIAL (last) block their scores are masked: no load has a mask, and no address leaves the span, also
+    in the blocks past the loop's end that a pipelined loop prefetches."""
+    rows = start_n + tl.arange(0, BLOCK_N)
+    if PARTIAL:
+        n_ok = rows < length
+    rows = tl.minimum(rows, length - 1).to(tl.int64)
     offs_d0 = tl.arange(0, D_MAIN)
-    k0 = _load_rows(k_seq + rows[:, None] * stride_kt + offs_d0[None, :], n_ok, offs_d0 < HEAD_DIM, MASK_N,
-                    False)
+    k0 = tl.load(k_seq + rows[:, None] * stride_kt + offs_d0[None, :])
     s = tl.dot(q0, tl.trans(k0), input_precision=PRECISION)
     if D_TAIL > 0:
-        offs_d1 = D_MAIN + tl.arange(0, D_TAIL)
-        d1_ok = offs_d1 < HEAD_DIM
-        k1 = _load_rows(k_seq + rows[:, None] * stride_kt + offs_d1[None, :], n_ok, d1_ok, MASK_N, MASK_D)
-        s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
-    if MASK_N:
+        offs_d1 = TAIL_FIRST + tl.arange(0, D_TAIL)
+        k1 = tl.load(k_seq + rows[:, None] * stride_kt + offs_d1[None, :])
+        s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)  # q1 is 0 on dims the main part has
+    if PARTIAL:
         s = tl.where(n_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])  # one FMA a score
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # finite: m_i starts at -1e30, not -inf
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])  # one FMA a score; a masked key gives exp2(-inf) = 0
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v0 = _load_rows(v_seq + rows[:, None] * stride_vt + offs_d0[None, :], n_ok, offs_d0 < HEAD_DIM, MASK_N,
-                    False)
+    v0 = tl.load(v_seq + rows[:, None] * stride_vt + offs_d0[None, :])
     p = p.to(v0.dtype)
     acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=PRECISION)
     if D_TAIL > 0:
-        v1 = _load_rows(v_seq + rows[:, None] * stride_vt + offs_d1[None, :], n_ok, d1_ok, MASK_N, MASK_D)
+        v1 = tl.load(v_seq + rows[:, None] * stride_vt + offs_d1[None, :])
         acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=PRECISION)
     return acc0, acc1, m_new, l_i
 
@@ -138,7 +130,7 @@ def _varlen_attention_kernel(
     Q, K, V, Out, CU, MAP,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale, blocks_per_seq,
-    HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, MASK_D: tl.constexpr,
+    D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, TAIL_FIRST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_MAP: tl.constexpr, PRECISION: tl.constexpr,
     UNIT: tl.constexpr,
 ):
@@ -163,23 +155,27 @@ def _varlen_attention_kernel(
         return
     begin = begin.to(tl.int64)
 
+    # Query rows past the span read its last row again (finite, inside the tensor) and are never stored.
     offs_m = q_first + tl.arange(0, BLOCK_M)
     m_ok = offs_m < length
-    q_rows = begin + offs_m.to(tl.int64)
+    q_rows = begin + tl.minimum(offs_m, length - 1).to(tl.int64)
     offs_d0 = tl.arange(0, D_MAIN)
     q_head = Q + head * stride_qh
-    q0 = tl.load(q_head + q_rows[:, None] * stride_qt + offs_d0[None, :], mask=m_ok[:, None], other=0.0)
+    q0 = tl.load(q_head + q_rows[:, None] * stride_qt + offs_d0[None, :])
     acc0 = tl.zeros([BLOCK_M, D_MAIN], dtype=tl.float32)
     if D_TAIL > 0:
-        offs_d1 = D_MAIN + tl.arange(0, D_TAIL)
-        d1_ok = offs_d1 < HEAD_DIM
-        q1_ptrs = q_head + q_rows[:, None] * stride_qt + offs_d1[None, :]
-        q1 = tl.load(q1_ptrs, mask=m_ok[:, None] & d1_ok[None, :], other=0.0)
+        # The tail window is the head's last D_TAIL dims, inside it; where it overlaps the main part
+        # (TAIL_FIRST < D_MAIN), q1 is 0 so those dims count once in the scores.
+        offs_d1 = TAIL_FIRST + tl.arange(0, D_TAIL)
+        q1 = tl.load(q_head + q_rows[:, None] * stride_qt + offs_d1[None, :])
+        if TAIL_FIRST < D_MAIN:
+            q1 = tl.where(offs_d1[None, :] >= D_MAIN, q1, tl.zeros_like(q1))
         acc1 = tl.zeros([BLOCK_M, D_TAIL], dtype=tl.float32)
     else:  # unused placeholders (the helper's tail steps are compiled out)
         q1 = q0
         acc1 = acc0
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # A finite start: a row whose first block had no valid key would give exp2(-inf - -inf) = NaN.
+    m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     k_seq = K + begin * stride_kt + head * stride_kh
@@ -187,19 +183,29 @@ def _varlen_attention_kernel(
     n_full = (length // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
         acc0, acc1, m_i, l_i = _kv_block(acc0, acc1, m_i, l_i, q0, q1, k_seq, v_seq, stride_kt, stride_vt,
-                                         start_n, length, qk_scale, HEAD_DIM, D_MAIN, D_TAIL, MASK_D, BLOCK_N,
+                                         start_n, length, qk_scale, D_MAIN, D_TAIL, TAIL_FIRST, BLOCK_N,
                                          False, PRECISION)
     if n_full < length:  # the last, partial key block
         acc0, acc1, m_i, l_i = _kv_block(acc0, acc1, m_i, l_i, q0, q1, k_seq, v_seq, stride_kt, stride_vt,
-                                         n_full, length, qk_scale, HEAD_DIM, D_MAIN, D_TAIL, MASK_D, BLOCK_N,
+                                         n_full, length, qk_scale, D_MAIN, D_TAIL, TAIL_FIRST, BLOCK_N,
                                          True, PRECISION)
 
-    inv_l = 1.0 / l_i
+    inv_l = 1.0 / l_i  # >= 1 term: every query row is a real row of a span of at least one key
     o_rows = Out + head * stride_oh + q_rows[:, None] * stride_ot
     tl.store(o_rows + offs_d0[None, :], (acc0 * inv_l[:, None]).to(Out.dtype.element_ty), mask=m_ok[:, None])
     if D_TAIL > 0:
-        tl.store(o_rows + offs_d1[None, :], (acc1 * inv_l[:, None]).to(Out.dtype.element_ty),
-                 mask=m_ok[:, None] & d1_ok[None, :])
+        o_tail = (acc1 * inv_l[:, None]).to(Out.dtype.element_ty)
+        if TAIL_FIRST < D_MAIN:  # the overlap was stored from acc0
+            tl.store(o_rows + offs_d1[None, :], o_tail, mask=m_ok[:, None] & (offs_d1[None, :] >= D_MAIN))
+        else:
+            tl.store(o_rows + offs_d1[None, :], o_tail, mask=m_ok[:, None])
+
+
+def kernel_constants(head_dim: int, tiles: Tiles, use_map: bool, precision: str, unit: int) -> dict:
+    """The kernel's compile-time arguments for a launch (the offline compile test uses them too)."""
+    main, tail = head_dim_split(head_dim)
+    return dict(D_MAIN=main, D_TAIL=tail, TAIL_FIRST=head_dim - tail if tail else main, BLOCK_M=tiles.block_m,
+                BLOCK_N=tiles.block_n, USE_MAP=use_map, PRECISION=precision, UNIT=unit)
 
 
 _LOG2E = 1.4426950408889634
@@ -220,7 +226,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         raise ValueError(f"q, k, v differ: {tuple(q.shape)} {q.dtype}, {tuple(k.shape)} {k.dtype}, "
                          f"{tuple(v.shape)} {v.dtype}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    main, tail = head_dim_split(head_dim)
+    head_dim_split(head_dim)  # refuses a head dim under 16 before anything is allocated
     if tiles is None:
         tiles = tiles_for(head_dim, block_m_for(max_seqlen))
     out = torch.empty((tokens, heads, head_dim), device=q.device, dtype=q.dtype)
@@ -239,7 +245,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     _varlen_attention_kernel[(blocks, heads)](
         q, k, v, out, cu_seqlens, table, *(stride // unit for stride in strides),
         float(scale) * _LOG2E, per_seq,
-        HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, MASK_D=main + tail > head_dim, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, USE_MAP=block_map is not None, PRECISION=precision, UNIT=unit,
+        **kernel_constants(head_dim, tiles, block_map is not None, precision, unit),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

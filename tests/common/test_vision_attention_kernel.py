@@ -203,15 +203,12 @@ from common.kernels import vision_attention as va
 out = {}
 for head_dim, block_m, use_map in json.loads(sys.argv[1]):
     tiles = va.tiles_for(head_dim, block_m)
-    main, tail = va.head_dim_split(head_dim)
     strides = [16 * head_dim, head_dim] * 4
     signature = {name: "*bf16" for name in ("Q", "K", "V", "Out")} | {"CU": "*i32", "MAP": "*i32"}
     for name in ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh"):
         signature["stride_" + name] = "i32"
     signature |= {"qk_scale": "fp32", "blocks_per_seq": "i32"}
-    constants = dict(HEAD_DIM=head_dim, D_MAIN=main, D_TAIL=tail, MASK_D=main + tail > head_dim,
-                     BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, USE_MAP=use_map, PRECISION="tf32",
-                     UNIT=va.stride_unit(strides))
+    constants = va.kernel_constants(head_dim, tiles, use_map, "tf32", va.stride_unit(strides))
     signature |= {name: "constexpr" for name in constants}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
     kernel = triton.compile(ASTSource(va._varlen_attention_kernel, signature, constants, attrs),
