@@ -17,7 +17,7 @@ splits next to each other so that their partials are still in L2 when the last o
 
 The tile counters are a kept zeroed buffer per device that the kernel leaves zeroed (like
 fp8_split_k.py's): the products of one stream run one after another, so they never share a counter at
-the same time; under graph capture a missing or too small buffer is made for that call only.
+the same time (two streams of invariant products on one device at once would not be safe).
 """
 
 from __future__ import annotations
@@ -182,21 +182,23 @@ def _invariant_matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr, M, 
             _to_output(total, bias_ptr, cols, col_ok, out_ptrs, out_mask, HAS_BIAS)
 
 
+KEPT_COUNTERS = 1 << 16  # tiles a kept counter buffer holds (256 KiB; decode's products need far fewer)
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 counters, one per output tile, that the kernel leaves zeroed again (module docstring:
-    one stream of products per device at a time). Made outside graph capture it is kept; under capture a
-    missing or too small one is made for that call only (its zeroing is a node of the graph: a kept one
-    would not be zeroed until a replay)."""
+    one stream of products per device at a time). One kept buffer per device, made outside graph capture
+    and never replaced (a captured graph keeps its address); a product of more tiles (thousands of rows)
+    or one under capture before the buffer exists gets zeroed counters of its own (under capture a node
+    of the graph: a kept buffer made then would not be zeroed until a replay)."""
     buf = _counters.get(device)
-    if buf is not None and buf.numel() >= tiles:
+    if buf is not None and tiles <= KEPT_COUNTERS:
         return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if tiles > KEPT_COUNTERS or capturing:
         return torch.zeros(tiles, dtype=torch.int32, device=device)
-    buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    _counters[device] = buf
+    buf = _counters[device] = torch.zeros(KEPT_COUNTERS, dtype=torch.int32, device=device)
     return buf
 
 

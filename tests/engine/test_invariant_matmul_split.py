@@ -126,3 +126,18 @@ def test_a_configuration_whose_splits_leave_k_uncovered_is_refused():
         invariant_matmul(x, w.t(), tiles=InvariantTiles(16, 16, 16, split_k=2, k_span=32))
     with pytest.raises(ValueError, match="whole blocks"):
         InvariantTiles(16, 16, 16, split_k=2, k_span=40)
+
+
+def test_the_kept_counters_are_left_zeroed_and_never_replaced(monkeypatch):
+    from common.kernels import invariant_matmul as module
+
+    monkeypatch.setattr(module, "_counters", {})
+    monkeypatch.setattr(module, "KEPT_COUNTERS", 4)
+    tiles = InvariantTiles(16, 16, 16, split_k=2, k_span=32)
+    x, w, _ = _operands(40, 50, 33, torch.float32)
+    small = invariant_matmul(x[:16], w.t(), tiles=tiles)  # 1 x 3 tiles: the kept buffer
+    kept = module._counters[torch.device("cpu")]
+    large = invariant_matmul(x, w.t(), tiles=tiles)  # 3 x 3 tiles: counters of its own
+    assert module._counters[torch.device("cpu")] is kept and kept.numel() == 4
+    assert not kept.any()
+    assert torch.equal(large[:16], small)
