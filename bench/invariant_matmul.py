@@ -17,6 +17,7 @@ back to back in one CUDA graph, as a decode step replays them. `--device cpu` (T
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -104,7 +105,7 @@ def measure_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Nam
             us = timer([functools.partial(invariant_matmul, x, w.t(), tiles=tiles) for w in weights])
             nbytes = 2 * (n * k + m * k + m * n)
             flops = 2 * m * n * k
-            out.append({"matrix": name, "n": n, "k": k, "m": m, "config": label, "split_k": tiles.split_k,
+            out.append({"matrix": name, "n": n, "k": k, "m": m, "config": label, **dataclasses.asdict(tiles),
                         "invariant_us": us, "torch_us": torch_us[m],
                         "invariant_gbps": nbytes / us / 1e3, "torch_gbps": nbytes / torch_us[m] / 1e3,
                         "invariant_tflops": flops / us / 1e6, "torch_tflops": flops / torch_us[m] / 1e6,

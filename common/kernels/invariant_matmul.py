@@ -18,6 +18,9 @@ splits next to each other so that their partials are still in L2 when the last o
 The tile counters are a kept zeroed buffer per device that the kernel leaves zeroed (like
 fp8_split_k.py's): the products of one stream run one after another, so they never share a counter at
 the same time (two streams of invariant products on one device at once would not be safe).
+
+MMSERVE_INVARIANT_TILES replaces the 16-bit tile shape for a process (`_tile_shapes`): the A/B of whole
+runs; bench.invariant_matmul times the product against torch's by rows, `--sweep` over candidate shapes.
 """
 
 from __future__ import annotations
@@ -62,10 +65,28 @@ class InvariantTiles:
             raise ValueError(f"a split of K is whole blocks of {self.block_k}, got {self}")
 
 
-# (block_m, block_n, block_k, num_warps, num_stages) per operand width. 16-row tiles: a one-row decode
-# step computes 16 rows, not 64; 128-deep steps of the weight (256 contiguous bytes of each of its rows in
-# bf16); fp32 takes 32-deep steps (its dot is the FMA one, input_precision="ieee").
-TILE_SHAPES = {2: (16, 64, 128, 4, 4), 4: (16, 64, 32, 4, 3)}
+ENV = "MMSERVE_INVARIANT_TILES"
+
+
+def _tile_shapes(spec: str | None) -> dict[int, tuple[int, int, int, int, int]]:
+    """(block_m, block_n, block_k, num_warps, num_stages) per operand width in bytes. 16-row tiles: a
+    one-row decode step computes 16 rows, not 64; 128-deep steps of the weight (256 contiguous bytes of
+    each of its rows in bf16); fp32 takes 32-deep steps (its dot is the FMA one, input_precision="ieee").
+    `spec` ("BMxBNxBK/warps/stages", from MMSERVE_INVARIANT_TILES) replaces the 16-bit one: an A/B of
+    whole runs (bench.invariant_matmul --sweep times the candidates); read once, at import, so that every
+    product of a process takes the same."""
+    shapes = {2: (16, 64, 128, 4, 4), 4: (16, 64, 32, 4, 3)}
+    if spec:
+        try:
+            blocks, warps, stages = spec.split("/")
+            bm, bn, bk = (int(v) for v in blocks.lower().split("x"))
+            shapes[2] = (bm, bn, bk, int(warps), int(stages))
+        except ValueError:
+            raise ValueError(f"{ENV} is BMxBNxBK/warps/stages (e.g. 64x64x128/4/3), not {spec!r}") from None
+    return shapes
+
+
+TILE_SHAPES = _tile_shapes(os.environ.get(ENV))
 
 
 def split_of_k(n: int, k: int, block_n: int, block_k: int, sms: int) -> tuple[int, int]:

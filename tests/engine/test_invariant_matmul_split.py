@@ -141,3 +141,13 @@ def test_the_kept_counters_are_left_zeroed_and_never_replaced(monkeypatch):
     assert module._counters[torch.device("cpu")] is kept and kept.numel() == 4
     assert not kept.any()
     assert torch.equal(large[:16], small)
+
+
+def test_the_tile_shapes_take_an_override_for_16_bit_operands():
+    from common.kernels.invariant_matmul import _tile_shapes
+
+    assert _tile_shapes(None)[2][0] == 16
+    shapes = _tile_shapes("64x128x64/8/3")
+    assert shapes[2] == (64, 128, 64, 8, 3) and shapes[4] == _tile_shapes(None)[4]
+    with pytest.raises(ValueError, match="BMxBNxBK"):
+        _tile_shapes("64x128/8/3")
