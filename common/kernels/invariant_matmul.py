@@ -103,6 +103,7 @@ def split_of_k(n: int, k: int, block_n: int, block_k: int, sms: int) -> tuple[in
     return split, (blocks_per_split * block_k if split > 1 else 0)
 
 
+@functools.cache
 def invariant_tiles(n: int, k: int, dtype: torch.dtype, sms: int) -> InvariantTiles:
     """The configuration of a product by an [k, n] matrix of `dtype` on a device of `sms` multiprocessors.
     Never a function of M: that is the whole contract (module docstring)."""
@@ -246,8 +247,10 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     if split > 1 and triton.cdiv(k, tiles.k_span) != split:
         raise ValueError(f"{split} splits of {tiles.k_span} do not cover K = {k} with none empty")
     # fp32 partials [split, m, n] and the tiles' arrival counters, only where K is split (else stand-ins)
-    ws = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=a.device)
-    counters = _tile_counters(a.device, m_tiles * n_tiles) if split > 1 else ws
+    ws, counters = a, a
+    if split > 1:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=a.device)
+        counters = _tile_counters(a.device, m_tiles * n_tiles)
     _invariant_matmul_kernel[(split * m_tiles * n_tiles,)](
         a, b, bias if bias is not None else a, out, ws, counters, m, n, k, tiles.k_span, a.stride(0),
         a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
