@@ -41,10 +41,10 @@
 #      made in MOE_MODEL_DIR, default /tmp/moe30b, from MOE_PRESET, default qwen3-vl-30b-a3b, the language
 #      weights drawn on the device: bf16 and FP8 experts, b1 and 32 streams, HF beside; MOE_ARGS adds
 #      options; see its block below),
-#      deterministic (issue 66: tests/gpu/test_deterministic*_gpu.py, then bench/deterministic_cost.py on
-#      the tower made in QWEN3_MODEL_DIR from QWEN3_PRESET with the language weights drawn on the device:
-#      decode b1 / 32 streams, Encode at 64 clients, cold TTFT, the reference before and after the load, the
-#      mode off and on; DET_ARGS adds options; see its block below),
+#      deterministic (issue 66: tests/gpu/test_deterministic*_gpu.py and test_invariant_matmul_gpu.py, then
+#      bench/deterministic_cost.py on the tower made in QWEN3_MODEL_DIR from QWEN3_PRESET with the language
+#      weights drawn on the device: decode b1 / 32 streams, Encode at 64 clients, cold TTFT, the reference
+#      before and after the load, the mode off and on; DET_ARGS adds options; see its block below),
 #      qwen3_5 (issue 68: the Gated DeltaNet layers' fla kernels against the torch reference on the GPU,
 #      then decode on qwen3.5-9b shapes with fla and with the reference; see its block below),
 #      or a list such as llava,qwen,qwen3.
@@ -519,10 +519,10 @@ if [[ ",$SECTIONS," == *,deterministic,* ]]; then
   DET_DIR=${QWEN3_MODEL_DIR:-/tmp/qwen3_8b}
   read -r -a DETARGS <<< "${DET_ARGS:---images 128 --cold-images 8}"
   if [ "${DET_TESTS:-1}" = 1 ]; then
-    echo "== tests/gpu/test_deterministic*_gpu.py (t=$((SECONDS - START))s)"
+    echo "== tests/gpu/test_deterministic*_gpu.py, test_invariant_matmul_gpu.py (t=$((SECONDS - START))s)"
     timeout "${DET_TEST_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rs -s --durations=10 \
       tests/gpu/test_deterministic_gpu.py tests/gpu/test_deterministic_encoder_gpu.py \
-      > "$OUT/test_deterministic.log" 2>&1
+      tests/gpu/test_invariant_matmul_gpu.py > "$OUT/test_deterministic.log" 2>&1
     grep -e "mode off" -e "passed" -e "failed" -e "Error" -e "PASS" -e "FAIL" "$OUT/test_deterministic.log" | tail -40
   fi
   if [ "${DET_BENCH:-1}" = 1 ]; then
