@@ -21,6 +21,8 @@ the same time (two streams of invariant products on one device at once would not
 
 MMSERVE_INVARIANT_TILES replaces the 16-bit tile shape for a process (`_tile_shapes`): the A/B of whole
 runs; bench.invariant_matmul times the product against torch's by rows, `--sweep` over candidate shapes.
+MMSERVE_INVARIANT_SPLIT_K=0 sums all of K in one program per tile (no workspace, no counters): the kernel
+as it was before the split, for an A/B or where the split misbehaves (read once, at import).
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ def _tile_shapes(spec: str | None) -> dict[int, tuple[int, int, int, int, int]]:
 
 
 TILE_SHAPES = _tile_shapes(os.environ.get(ENV))
+SPLIT_ENV = "MMSERVE_INVARIANT_SPLIT_K"
+SPLIT_K_ON = os.environ.get(SPLIT_ENV, "1") != "0"
 
 
 def split_of_k(n: int, k: int, block_n: int, block_k: int, sms: int) -> tuple[int, int]:
@@ -108,7 +112,7 @@ def invariant_tiles(n: int, k: int, dtype: torch.dtype, sms: int) -> InvariantTi
     """The configuration of a product by an [k, n] matrix of `dtype` on a device of `sms` multiprocessors.
     Never a function of M: that is the whole contract (module docstring)."""
     block_m, block_n, block_k, warps, stages = TILE_SHAPES[4 if dtype == torch.float32 else 2]
-    split, span = split_of_k(n, k, block_n, block_k, sms)
+    split, span = split_of_k(n, k, block_n, block_k, sms) if SPLIT_K_ON else (1, 0)
     return InvariantTiles(block_m, block_n, block_k, split, span, warps, stages)
 
 

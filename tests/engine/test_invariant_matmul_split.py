@@ -151,3 +151,17 @@ def test_the_tile_shapes_take_an_override_for_16_bit_operands():
     assert shapes[2] == (64, 128, 64, 8, 3) and shapes[4] == _tile_shapes(None)[4]
     with pytest.raises(ValueError, match="BMxBNxBK"):
         _tile_shapes("64x128/8/3")
+
+
+def test_the_split_can_be_turned_off_for_the_process(monkeypatch):
+    """MMSERVE_INVARIANT_SPLIT_K=0 (read at import): every configuration sums all of K in one program."""
+    from common.kernels import invariant_matmul as module
+
+    assert invariant_tiles(4096, 4096, torch.bfloat16, 132).split_k > 1
+    monkeypatch.setattr(module, "SPLIT_K_ON", False)
+    invariant_tiles.cache_clear()
+    try:
+        tiles = invariant_tiles(4096, 4096, torch.bfloat16, 132)
+        assert tiles.split_k == 1 and tiles.k_span == 0
+    finally:
+        invariant_tiles.cache_clear()
