@@ -1,4 +1,4 @@
-"""Time to first token through the services, with where it goes: cold, warm, and 32 at once.
+"""Time to first token through the services, with where it goes: cold, warm, a follow-up, and 32 at once.
 
     python -m bench.ttft --model DIR [--device cuda --dtype bfloat16] [--hf] [--out ttft.json]
 
@@ -6,6 +6,8 @@ One encoder and one decoder on the checkpoint (any served family), then, one req
 gRPC `Generate` (1 output token):
 - cold: a new --image-size PNG of noise + about --text-tokens tokens of text (every image misses);
 - warm: the identical request again (its prefix is cached: all but the last tokens);
+- follow-up: the same image with a new question of about --followup-tokens tokens (the prefix cached up
+  to the image's end: its KV blocks, and on a hybrid stack the state snapshot taken there);
 each with the decoder's TTFT split (GetStats `ttft_stage_seconds`: input, submit, encode, queue,
 prefill, output; decoder_svc/engine/ttft_stages.py), the request's inbound `crossing` of gRPC (the
 client's call to the front end's `received` stamp, read from the core's step trace; the rest of the
@@ -54,8 +56,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--image-size", type=int, default=1024)
     p.add_argument("--text-tokens", type=int, default=500)
-    p.add_argument("--rounds", type=int, default=5, help="cold/warm pairs (after two unmeasured ones)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="cold, warm and follow-up rounds (after two unmeasured ones)")
     p.add_argument("--concurrency", type=int, default=32, help="requests of the burst (0: none)")
+    p.add_argument("--followup-tokens", type=int, default=32, help="the follow-up question's length")
     p.add_argument("--burst-words", type=int, default=24)
     p.add_argument("--burst-tokens", type=int, default=32)
     p.add_argument("--hf", action="store_true", help="HF generate on the cold prompts")
@@ -137,19 +141,21 @@ def summary(values: list[float]) -> dict:
 
 def cold_warm(probe: Probe, args: argparse.Namespace, words: PromptMaker, texts: list[str],
               seed: int = 10_000) -> tuple[dict, list[tuple[str, bytes]]]:
-    """Cold then warm per round (the first two rounds unmeasured: graphs and caches warm up); the
-    images are made from seed on (another seed for another decoder: every cold image new to the
-    encoder)."""
+    """Cold, warm and follow-up per round (the first two rounds unmeasured: graphs and caches warm up);
+    the images are made from seed on (another seed for another decoder: every cold image new to the
+    encoder); a follow-up asks a new short question about the round's image."""
     salt = uuid.uuid4().hex[:16]
-    cold, warm, cold_splits, warm_splits, prompts = [], [], [], [], []
+    cold, warm, follow, cold_splits, warm_splits, follow_splits, prompts = [], [], [], [], [], [], []
     for i, text in enumerate(texts):
         prompt, png = words.image_prompt(text), random_png(seed + i, args.image_size)
         c, c_split = probe.ttft(prompt, png, salt)
         w, w_split = probe.ttft(prompt, png, salt)
-        print(f"round {i}: cold {ms(c)} ms {c_split['decoder']}  warm {ms(w)} ms {w_split['decoder']}",
-              flush=True)
+        f, f_split = probe.ttft(words.image_prompt(words.text(args.followup_tokens)), png, salt)
+        print(f"round {i}: cold {ms(c)} ms {c_split['decoder']}  warm {ms(w)} ms {w_split['decoder']}  "
+              f"follow-up {ms(f)} ms", flush=True)
         if i >= 2:
             cold.append(c), warm.append(w), cold_splits.append(c_split), warm_splits.append(w_split)
+            follow.append(f), follow_splits.append(f_split)
             prompts.append((prompt, png))
     usage = probe.decoder.generate_text(prompts[0][0], [prompts[0][1]], max_tokens=1, cache_salt=salt).usage
     return {
@@ -159,6 +165,8 @@ def cold_warm(probe: Probe, args: argparse.Namespace, words: PromptMaker, texts:
         "cold_encoder_split_ms": mean_split(cold_splits, "encoder"),
         "cold_tower_gpu_ms": round(statistics.mean(s["encoder_tower_gpu_ms"] for s in cold_splits), 2),
         "warm_split_ms": mean_split(warm_splits, "decoder"),
+        "followup": summary(follow), "followup_split_ms": mean_split(follow_splits, "decoder"),
+        "cold_over_followup": round(statistics.median(cold) / statistics.median(follow), 2),
     }, prompts
 
 
