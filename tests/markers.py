@@ -29,6 +29,7 @@ SERVICE_MODULES = ("common.cli", "encoder_svc", "decoder_svc", "gateway")
 # The tests' ways of starting services (tests/integration/harness.py, tests/gateway/harness.py,
 # tests/encoder/conftest.py, tests/cli_errors.py).
 SERVICE_STARTERS = frozenset({"Pair", "Service", "start_up", "running_up", "GatewayProcess", "EncoderHarness",
+                              "check_up_answers_like_hf",
                               "run_cli", SERVICE_COMMAND})
 # Modules slow without a starter the scan can see: bench's runners start services from outside tests/
 # (the run-time check fails any such module missing here); tensor-parallel worker processes are slow too.

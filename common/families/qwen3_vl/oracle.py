@@ -40,6 +40,10 @@ class Qwen3Oracle:
         """pixel_values [patches, patch_dim] and image_grid_thw [images, 3], one image at a time."""
         return qwen_pixels(self.image_processor, images)
 
+    def chat_text(self, messages: list[dict]) -> str:
+        """The chat template's rendering with the generation prompt."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     def inputs(self, prompt: str, images: list[Image.Image]) -> dict:
         """Model inputs for a raw prompt whose <|image_pad|> markers stand for images, in order."""
         return qwen_inputs(self.model, self.tokenizer, self.image_processor, prompt, images)
