@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 
 from decoder_svc.engine import SamplingParams
+from decoder_svc.runner import model_runner
 from tests.deterministic_runs import QWEN_PROMPTS, deterministic_engine, pictures, reference_run
+from tests.engine.test_graph_shapes import EmulatedGraphs
 from tests.qwen_prompts import ONE, TEXT, tokens_equal_hf
 
 N = 6
@@ -33,6 +35,15 @@ def alone(qwen3_5_model_dir, images) -> tuple[list, list]:
 def test_among_seven_others_same_bits(qwen3_5_model_dir, images, alone):
     engine = deterministic_engine(qwen3_5_model_dir)
     assert reference_run(engine, images, QWEN_PROMPTS, company=7, params=params()) == alone
+
+
+def test_among_seven_others_in_decode_graphs_same_bits(qwen3_5_model_dir, images, alone, monkeypatch):
+    """Decode steps replayed from graphs (tests/engine/test_graph_shapes.py's emulation on a CPU): the rows
+    padded to a graph's size, one row at a time over the static buffers."""
+    monkeypatch.setattr(model_runner, "StepGraphs", EmulatedGraphs)
+    engine = deterministic_engine(qwen3_5_model_dir)
+    assert reference_run(engine, images, QWEN_PROMPTS, company=7, params=params()) == alone
+    assert len({k.size for k in engine.runner.graphs.replayed}) > 1
 
 
 def test_chunked_by_13_same_bits(qwen3_5_model_dir, images, alone):
