@@ -1,16 +1,28 @@
 """The deterministic mode on Qwen3.5's hybrid stack (its Gated DeltaNet layers run token by token in the
-recurrent form: model/gated_deltanet.py `_token_by_token`): the reference request's tokens and logprobs are
-the same bits alone, among 7 others, chunked by 13 and after a prefix hit resumed from a state snapshot;
-its greedy tokens are still HF's."""
+recurrent form: model/gated_deltanet.py `_token_by_token`): one layer gives a sequence's rows, state and
+snapshots the same bits whole or in pieces among other sequences; the engine gives the reference request's
+tokens and logprobs the same bits alone, among 7 others (decode graphs too), chunked by 13 and after a
+prefix hit resumed from a state snapshot; its greedy tokens are still HF's."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from decoder_svc.engine import SamplingParams
+from decoder_svc.model.batch_invariant import BatchInvariantMatmuls
 from decoder_svc.runner import model_runner
 from tests.deterministic_runs import QWEN_PROMPTS, deterministic_engine, pictures, reference_run
 from tests.engine.test_graph_shapes import EmulatedGraphs
+from tests.qwen3_5.linear_steps import (
+    LAYER,
+    build_step,
+    clone_pool,
+    noisy_pool,
+    random_layer,
+    rows_input,
+    text_shape,
+)
 from tests.qwen_prompts import ONE, TEXT, tokens_equal_hf
 
 N = 6
@@ -18,6 +30,44 @@ N = 6
 
 def params() -> SamplingParams:
     return SamplingParams(max_tokens=N, logprobs=3, ignore_eos=True)
+
+
+# The reference sequence's 40 tokens in slot 0 (snapshots into 6 and 7 after 3 and 17 tokens), whole or
+# in four steps beside other sequences: a fresh chunk after another one, a resumed chunk, a decode row
+# among another, a chunk after a decode row. (tokens, start, slot, snapshots) as linear_steps.LAYOUTS.
+WHOLE = [[(40, 0, 0, ((3, 6), (17, 7)))]]
+PIECES = [[(5, 0, 1, ()), (3, 0, 0, ((3, 6),))], [(14, 3, 0, ((14, 7),))],
+          [(1, 9, 2, ()), (1, 17, 0, ())], [(1, 10, 2, ()), (22, 18, 0, ())]]
+
+
+@torch.no_grad()
+def _stepped(layer, pool, steps: list[list[tuple]], x: torch.Tensor) -> torch.Tensor:
+    """Slot 0's sequence's output rows over `steps` (other sequences' rows: noise)."""
+    out, done = [], 0
+    for i, layout in enumerate(steps):
+        step, rows = build_step(pool, layout)
+        inputs = rows_input(rows, x.shape[1], seed=10 + i)
+        first = 0
+        for n, _, slot, _ in layout:
+            if slot == 0:
+                break
+            first += n
+        inputs[first:first + n] = x[done:done + n]
+        with BatchInvariantMatmuls():
+            out.append(layer.forward_batch(inputs, step, LAYER)[first:first + n])
+        done += n
+    return torch.cat(out)
+
+
+def test_a_layer_gives_a_sequence_the_same_bits_whole_or_in_pieces_among_others():
+    shape = text_shape()
+    layer, whole_pool = random_layer(shape), noisy_pool(shape)
+    pieces_pool = clone_pool(whole_pool)
+    x = rows_input(40, shape.hidden_size)
+    assert torch.equal(_stepped(layer, pieces_pool, PIECES, x), _stepped(layer, whole_pool, WHOLE, x))
+    for slot in (0, 6, 7):
+        assert torch.equal(pieces_pool.conv[LAYER][slot], whole_pool.conv[LAYER][slot]), slot
+        assert torch.equal(pieces_pool.recurrent[LAYER][slot], whole_pool.recurrent[LAYER][slot]), slot
 
 
 @pytest.fixture(scope="module")
