@@ -13,7 +13,9 @@ Two things change with a batch and move a greedy answer by an ulp, then a token:
   tiles of fixed absolute positions, in order, one program per row block of a fixed size, never split:
   tiles past a row's last visible key add exact zeros, so a row's sum is the same for any chunking.
 The norms, activations, rotary and sampling are per row already (seeded sampling draws from the request's
-own generator). What stays outside: tensor parallelism (the all-reduce's order follows the message size)
+own generator). A hybrid stack's Gated DeltaNet layers see the mode (`invariant_matmuls_active`) and run
+every token alone through the recurrent form from its sequence's state (model/gated_deltanet.py).
+What stays outside: tensor parallelism (the all-reduce's order follows the message size)
 and FP8 projections (their kernels are chosen by rows); the engine refuses both with the mode.
 """
 

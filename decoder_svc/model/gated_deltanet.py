@@ -36,6 +36,12 @@ chunk at a time, or, on a CUDA device where fla imports, hands the delta rule to
 (model/gated_deltanet_fla.py: one varlen chunked call, with cu_seqlens, for all of the step's prefill
 chunks; the fused recurrent step for its decode rows). MMSERVE_LINEAR_ATTENTION=torch keeps the reference,
 =fla insists on fla. `forward` and `step` are always the reference.
+
+In the deterministic mode (inside model/batch_invariant.py's BatchInvariantMatmuls, on any device)
+`forward_batch` takes neither form per chunk nor fla: every token, of a prefill chunk as of a decode row,
+runs alone through `step`'s arithmetic (conv update, recurrent rule, gated norm) from its sequence's state,
+with tensors of the same shapes whatever else the step holds, so that a token's output is the same bits
+however its prompt was chunked, resumed or batched (`_token_by_token`).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoder_svc.model.batch_invariant import invariant_matmuls_active
 from decoder_svc.model.gated_deltanet_fla import AUTO, DeltaRuleKernels, forward_packed, kernels_for
 from decoder_svc.model.gated_deltanet_shape import GatedDeltaNetShape, LinearStateStep
 
@@ -244,12 +251,15 @@ class GatedDeltaNet(nn.Module):
         o, final = rule(q, k, v, g, beta, recurrent_state)
         return o, GatedDeltaNetState(conv_state, final)
 
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gated norm of each head's output: o [..., Hv, Dv], z [..., value_dim] -> [..., value_dim]."""
+        dv = self.shape.head_v_dim
+        return self.norm(o.reshape(-1, dv), z.reshape(-1, dv)).reshape(z.shape)
+
     def _out(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gated norm of each head's output and the output projection: o [..., Hv, Dv], z [..., value_dim]
         -> [..., hidden]."""
-        dv = self.shape.head_v_dim
-        out = self.norm(o.reshape(-1, dv), z.reshape(-1, dv))
-        return self.out_proj(out.reshape(*z.shape[:-1], -1))
+        return self.out_proj(self._gated_norm(o, z))
 
     def _mix(self, x: torch.Tensor, state: GatedDeltaNetState | None, recurrent: bool
              ) -> tuple[torch.Tensor, GatedDeltaNetState]:
@@ -267,6 +277,8 @@ class GatedDeltaNet(nn.Module):
         kernels: the chunks packed into one varlen call (one per snapshot cut), the decode rows in its fused
         recurrent step; equal up to the rounding of other kernels."""
         qkv, z, b, a = self._project(x)
+        if invariant_matmuls_active():  # the deterministic mode (model/batch_invariant.py)
+            return self.out_proj(self._token_by_token(qkv, z, b, a, step, layer))
         kernels = self.delta_rule_kernels(x.device)
         if kernels is not None:
             beta, g = self._gates(b, a)
@@ -294,6 +306,42 @@ class GatedDeltaNet(nn.Module):
                 lo = hi
             conv_pool[slot], rec_pool[slot] = state.conv[0], state.recurrent[0]
         return self._out(o, z)
+
+    def _token_by_token(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                        step: LinearStateStep, layer: int) -> torch.Tensor:
+        """forward_batch's deterministic form up to the output projection (the gated norm's rows
+        [N, value_dim]): every token of every sequence, a prompt's as a decode row's, on its own through
+        the one-step update (conv update, recurrent rule, gated norm) from its sequence's state, with
+        tensors of the same shapes whatever the step holds. A token's result then depends on its
+        sequence's tokens only: not on the chunking, on decode against prefill, nor on the other rows (the
+        chunked rule's blocks follow where a chunk starts, and batched elementwise and reduction kernels
+        may round a row by where it falls in the batch). Snapshots are the states after their tokens."""
+        conv_pool, rec_pool = step.pool.conv[layer], step.pool.recurrent[layer]
+        normed = torch.empty_like(z)
+
+        def one(row: slice | torch.Tensor, state: GatedDeltaNetState) -> GatedDeltaNetState:
+            # row selects one row, keeping the dim: [1, ...] inputs, a [1, 1, ...] token
+            o, state = self._core(qkv[row, None], b[row, None], a[row, None], state, recurrent=True)
+            normed[row] = self._gated_norm(o[:, 0], z[row])
+            return state
+
+        if step.decode_rows is not None:
+            # one row at a time, indexed by tensors (no host sync: a decode step may be a CUDA graph)
+            for i in range(step.decode_rows.shape[0]):
+                slot = step.decode_slots[i:i + 1]
+                state = one(step.decode_rows[i:i + 1], GatedDeltaNetState(conv_pool[slot], rec_pool[slot]))
+                conv_pool[slot], rec_pool[slot] = state.conv, state.recurrent
+        for c in step.chunks:
+            # a fresh sequence from an explicit zero state: the same shapes as any later token
+            state = (GatedDeltaNetState.zeros(self.shape, 1, conv_pool.dtype, conv_pool.device) if c.fresh
+                     else GatedDeltaNetState(conv_pool[c.slot:c.slot + 1], rec_pool[c.slot:c.slot + 1]))
+            for row in range(c.first_row, c.end_row):
+                state = one(slice(row, row + 1), state)
+                for k, snap in c.snapshots:  # (tokens into the chunk, slot)
+                    if k == row + 1 - c.first_row:
+                        conv_pool[snap], rec_pool[snap] = state.conv[0], state.recurrent[0]
+            conv_pool[c.slot], rec_pool[c.slot] = state.conv[0], state.recurrent[0]
+        return normed
 
     def forward(self, x: torch.Tensor, state: GatedDeltaNetState | None = None
                 ) -> tuple[torch.Tensor, GatedDeltaNetState]:

@@ -157,7 +157,7 @@ def load_language_model(
     tp = tp if tp is not None and tp.size > 1 else None
     fp8 = quantization == "fp8" or fmt is not None
     if deterministic:
-        _check_deterministic(quantization, fmt, tp, cfg)
+        _check_deterministic(quantization, fmt, tp)
     backend, ops = make_kernels(attention_backend, device, deterministic)
     if tp is not None:
         tp.check(cfg)
@@ -231,13 +231,8 @@ def load_language_model(
     return model.eval()
 
 
-def _check_deterministic(quantization: str, fmt: object, tp: TensorParallel | None,
-                         cfg: TextModelConfig) -> None:
+def _check_deterministic(quantization: str, fmt: object, tp: TensorParallel | None) -> None:
     """ValueError for what the deterministic mode does not make batch-invariant yet."""
-    if cfg.linear_layers:
-        raise ValueError("--deterministic is not supported for a model with linear-attention layers yet (the "
-                         "chunked delta rule sums a prompt in another order when the prompt is chunked "
-                         "otherwise)")
     if tp is not None:
         raise ValueError("--deterministic is not supported with --tensor-parallel-size > 1 (the all-reduce's "
                          "summation order follows the batch)")

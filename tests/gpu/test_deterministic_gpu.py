@@ -24,7 +24,7 @@ PHI4 = ("<|user|><|image|>what is in the picture? tell me more<|end|><|assistant
         "<|user|><|image|>color?<|end|><|assistant|>",
         "<|user|>tell a story about the lighthouse<|end|><|assistant|>")
 FAMILIES = {"tiny": LLAVA, "qwen2.5-vl-tiny": QWEN_PROMPTS, "qwen3-vl-tiny": QWEN_PROMPTS,
-            "gemma-3-tiny": GEMMA, "phi-4-mm-tiny": PHI4}
+            "gemma-3-tiny": GEMMA, "phi-4-mm-tiny": PHI4, "qwen3.5-tiny": QWEN_PROMPTS}
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (152064, 3584)])

@@ -1,6 +1,6 @@
 """The hybrid stack in the engine beyond plain parity: a video (Qwen3-VL's timestamped frame groups)
 equal to HF's generate, n samples forked from one prefill (the parent's state copied into each child's
-slot), and the modes that do not cover linear layers refusing them."""
+slot), and tensor parallelism, which does not cover linear layers, refusing them."""
 
 from __future__ import annotations
 
@@ -36,9 +36,8 @@ def test_n_samples_fork_the_state(qwen3_5_model_dir, qwen_images):
     check_samples_match_seeded_requests(qwen3_5_model_dir, ONE, qwen_images[:1])
 
 
-def test_modes_that_do_not_cover_linear_layers_refuse_them(make_qwen3_5_engine, qwen3_5_model_dir):
-    with pytest.raises(ValueError, match="deterministic is not supported for a model with linear-attention"):
-        make_qwen3_5_engine(deterministic=True)
+def test_tensor_parallelism_refuses_linear_layers(qwen3_5_model_dir):
+    """(The deterministic mode covers them: test_deterministic.py.)"""
     cfg = TextModelConfig.from_hf(text_config_dict(qwen3_5_model_dir))
     with pytest.raises(CheckpointError, match="hybrid stack .* is not split over tensor-parallel ranks"):
         TensorParallel(0, 2).check(cfg)
