@@ -9,7 +9,9 @@ prefill and first token taken out the same way (each t the fastest of HF_REPEATS
 batch * copy bandwidth / LM weight bytes, with the bandwidth measured here by a large same-device copy
 (read + write bytes per second). With --lora-adapter the bound counts the adapter's bytes too (what a
 step of LoRA products reads); `weights_bound` is the base weights' alone (what a step on a merged adapter
-reads). --merge-builtin-adapter both measures the engine twice, the checkpoint's own adapter merged
+reads). A hybrid stack's linear layers also read and write each sequence's state every step:
+`state_bound` counts those bytes beside the weights (batch x 2 x the state slot's bytes).
+--merge-builtin-adapter both measures the engine twice, the checkpoint's own adapter merged
 (decoder_svc/model/lora/merged.py) and not, each row saying which path its steps took.
 """
 
@@ -29,9 +31,11 @@ from bench.models import add_model_args, resolve_model
 from bench.report import print_table, save_result
 from bench.stats import ratio
 from bench.workload import PromptMaker
+from common.checkpoint import parse_dtype
 from decoder_svc.engine.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.engine.sampling_params import SamplingParams
+from decoder_svc.model.linear_state import LinearStatePool
 
 HF_REPEATS = 3  # HF's timings are the fastest of this many generates each
 
@@ -83,9 +87,9 @@ def engine_decode(engine: LLMEngine, prompt: str, batch: int, output_len: int,
 
 
 def measure_engine(args: argparse.Namespace, model: str, prompt: str, batches: list[int], merge: bool
-                   ) -> tuple[dict[int, tuple[float, int, dict]], int, int]:
-    """({batch: (seconds, tokens, steps by path)}, weight bytes, the adapter's bytes (0 without one)) of
-    one engine; the engine is freed after."""
+                   ) -> tuple[dict[int, tuple[float, int, dict]], int, int, int]:
+    """({batch: (seconds, tokens, steps by path)}, weight bytes, the adapter's bytes (0 without one), a
+    sequence's linear-state bytes (0 for a stack without linear layers)) of one engine; freed after."""
     bs = 16
     blocks = max(batches) * (-(-(args.prompt_len + args.output_len + 8) // bs)) + 16
     config = EngineConfig(model, device=args.device, dtype=args.dtype, block_size=bs, num_kv_blocks=blocks,
@@ -96,6 +100,7 @@ def measure_engine(args: argparse.Namespace, model: str, prompt: str, batches: l
                           merge_builtin_adapter=merge)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     weights = weight_bytes(engine.model)
+    state = LinearStatePool.bytes_per_slot(engine.model.config, parse_dtype(args.dtype))
     runner = getattr(engine.runner, "runner", engine.runner)  # a tensor-parallel runner wraps rank 0's
     ours = {}
     for b in batches:
@@ -109,7 +114,7 @@ def measure_engine(args: argparse.Namespace, model: str, prompt: str, batches: l
     gc.collect()
     if torch.device(args.device).type == "cuda":
         torch.cuda.empty_cache()
-    return ours, weights, adapter
+    return ours, weights, adapter, state
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -119,9 +124,9 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     prompt = PromptMaker(model, seed=0).text(args.prompt_len)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.merge_builtin_adapter]
-    runs, weights, adapter_weights = {}, 0, 0
+    runs, weights, adapter_weights, state = {}, 0, 0, 0
     for merge in modes:
-        runs[merge], weights, adapter_weights = measure_engine(args, model, prompt, batches, merge)
+        runs[merge], weights, adapter_weights, state = measure_engine(args, model, prompt, batches, merge)
     copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
     bandwidth = copy_bandwidth(args.device, copy_bytes)
     hf: dict[int, float] = {}
@@ -142,6 +147,8 @@ def run(args: argparse.Namespace) -> dict:
             tps = tokens / seconds if seconds else None
             bound = bound_tokens_per_s(b, bandwidth, weights + adapter_weights)
             weights_bound = bound_tokens_per_s(b, bandwidth, weights)
+            # the states are read and written: twice their bytes at the copy bandwidth, per sequence
+            state_bound = bound_tokens_per_s(b, bandwidth, weights + adapter_weights + 2 * b * state)
             results.append({"batch": b, "merge_builtin_adapter": merge, "engine_tokens_per_s": tps,
                             "hf_tokens_per_s": hf.get(b),
                             "engine_over_hf": ratio(tps or 0.0, hf.get(b) or 0.0),
@@ -149,17 +156,22 @@ def run(args: argparse.Namespace) -> dict:
                             "engine_fraction_of_bound": ratio(tps or 0.0, bound),
                             "weights_bound_tokens_per_s": weights_bound,
                             "engine_fraction_of_weights_bound": ratio(tps or 0.0, weights_bound),
+                            "state_bound_tokens_per_s": state_bound if state else None,
+                            "engine_fraction_of_state_bound": (ratio(tps or 0.0, state_bound) if state
+                                                               else None),
                             "engine_decode_tokens": tokens, "engine_decode_s": seconds, **paths})
     adapter = f", adapter {args.lora_adapter}" if args.lora_adapter else ""
     print_table(f"decode tokens/s on {device} ({args.dtype}{adapter})",
                 ["batch", "merged", "engine", "HF generate", "engine/HF", "bound", "engine/bound",
-                 "engine/weights-bound", "steps lora/merged"],
+                 "engine/weights-bound", "engine/state-bound", "steps lora/merged"],
                 [[r["batch"], "on" if r["merge_builtin_adapter"] else "off", r["engine_tokens_per_s"],
                   r["hf_tokens_per_s"], r["engine_over_hf"], r["bound_tokens_per_s"],
                   r["engine_fraction_of_bound"], r["engine_fraction_of_weights_bound"],
-                  f"{r['lora_steps']}/{r['merged_steps']}"] for r in results])
+                  r["engine_fraction_of_state_bound"], f"{r['lora_steps']}/{r['merged_steps']}"]
+                 for r in results])
     return save_result("decode_tput", args, results, weight_bytes=weights + adapter_weights,
                        base_weight_bytes=weights, lora_adapter=args.lora_adapter,
+                       linear_state_bytes_per_sequence=state,
                        copy_bandwidth_bytes_per_s=bandwidth, decode_gemv=gemv_choices())
 
 

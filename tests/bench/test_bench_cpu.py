@@ -147,6 +147,20 @@ def test_ttft_prefix(services, tiny_model_dir, out_dir):
     assert res["warm_prefix"]["mean_cached_prompt_tokens"] > res["cold"]["mean_cached_prompt_tokens"]
 
 
+def test_decode_tput_counts_a_hybrid_stacks_states(qwen3_5_model_dir, out_dir):
+    """A hybrid stack's decode also reads and writes each sequence's linear state: the state bound counts
+    batch x 2 x its bytes beside the weights, so it falls below the weights' bound, the more so at 2."""
+    decode_tput.main(["--model", str(qwen3_5_model_dir), "--batch-sizes", "1,2", "--prompt-len", "8",
+                      "--output-len", "3", "--copy-bytes", str(8 << 20), "--no-hf",
+                      "--out", str(out_dir / "decode_hybrid.json")])
+    payload = _load(out_dir / "decode_hybrid.json")
+    state, weights = payload["linear_state_bytes_per_sequence"], payload["weight_bytes"]
+    assert state > 0
+    for r in payload["results"]:
+        ratio = r["bound_tokens_per_s"] / r["state_bound_tokens_per_s"]
+        assert abs(ratio - (weights + 2 * r["batch"] * state) / weights) < 1e-9
+
+
 def test_decode_tput(tiny_model_dir, out_dir):
     decode_tput.main(["--model", str(tiny_model_dir), "--batch-sizes", "1,2", "--prompt-len", "8",
                       "--output-len", "4", "--copy-bytes", str(8 << 20),
@@ -154,6 +168,8 @@ def test_decode_tput(tiny_model_dir, out_dir):
     payload = _load(out_dir / "decode.json")
     assert payload["weight_bytes"] > 0 and payload["copy_bandwidth_bytes_per_s"] > 0
     assert [r["batch"] for r in payload["results"]] == [1, 2]
+    assert payload["linear_state_bytes_per_sequence"] == 0  # no linear layers: no state bound
+    assert all(r["state_bound_tokens_per_s"] is None for r in payload["results"])
     for r in payload["results"]:
         assert r["engine_decode_tokens"] == r["batch"] * 3
         assert r["engine_tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0  # counted tokens over a wait
