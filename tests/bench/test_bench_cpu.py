@@ -147,13 +147,13 @@ def test_ttft_prefix(services, tiny_model_dir, out_dir):
     assert res["warm_prefix"]["mean_cached_prompt_tokens"] > res["cold"]["mean_cached_prompt_tokens"]
 
 
-def test_decode_tput_counts_a_hybrid_stacks_states(qwen3_5_model_dir, out_dir):
+def test_decode_tput_counts_a_hybrid_stacks_states(qwen3_5_model_dir, tmp_path):
     """A hybrid stack's decode also reads and writes each sequence's linear state: the state bound counts
     batch x 2 x its bytes beside the weights, so it falls below the weights' bound, the more so at 2."""
     decode_tput.main(["--model", str(qwen3_5_model_dir), "--batch-sizes", "1,2", "--prompt-len", "8",
                       "--output-len", "3", "--copy-bytes", str(8 << 20), "--no-hf",
-                      "--out", str(out_dir / "decode_hybrid.json")])
-    payload = _load(out_dir / "decode_hybrid.json")
+                      "--out", str(tmp_path / "decode_hybrid.json")])  # not out_dir: test_merge's set
+    payload = _load(tmp_path / "decode_hybrid.json")
     state, weights = payload["linear_state_bytes_per_sequence"], payload["weight_bytes"]
     assert state > 0
     for r in payload["results"]:
