@@ -211,8 +211,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(s.head_v_dim, s.eps)
         self.out_proj = nn.Linear(s.value_dim, s.hidden_size, bias=False)
         # forward_batch's delta-rule kernels: AUTO (kernels_for the rows' device and
-        # MMSERVE_LINEAR_ATTENTION, per call), None (this module's torch reference) or kernels to use
+        # MMSERVE_LINEAR_ATTENTION, resolved at the first batch on a device), None (this module's torch
+        # reference) or kernels to use
         self.kernels: DeltaRuleKernels | str | None = AUTO
+        self._resolved: tuple[torch.device, DeltaRuleKernels | None] | None = None
 
     def zero_state(self, batch: int, dtype: torch.dtype | None = None) -> GatedDeltaNetState:
         """The state before any token, on the layer's device (conv state in `dtype`, default the weights')."""
@@ -228,8 +230,13 @@ class GatedDeltaNet(nn.Module):
         return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
     def delta_rule_kernels(self, device: torch.device) -> DeltaRuleKernels | None:
-        """The kernels forward_batch takes on `device` (None: the torch reference)."""
-        return kernels_for(device) if self.kernels == AUTO else self.kernels
+        """The kernels forward_batch takes on `device` (None: the torch reference); AUTO is resolved once
+        per device, not at every layer's every step."""
+        if self.kernels != AUTO:
+            return self.kernels
+        if self._resolved is None or self._resolved[0] != device:
+            self._resolved = (device, kernels_for(device))
+        return self._resolved[1]
 
     def _core(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: GatedDeltaNetState | None,
               recurrent: bool) -> tuple[torch.Tensor, GatedDeltaNetState]:

@@ -79,6 +79,13 @@ class LinearChunk:
     snapshots: tuple[tuple[int, int], ...] = ()
 
 
+def continues_slot(num_tokens: int, start: int, snapshots: tuple | list) -> bool:
+    """Whether a sequence's part of a step is one token continuing its slot's state and taking no
+    snapshot: what the recurrent (decode) form runs, and what a hybrid stack's decode graphs compute.
+    A first token starts from a zero state instead: the chunked form."""
+    return num_tokens == 1 and start > 0 and not snapshots
+
+
 @dataclass(frozen=True)
 class LinearStateStep:
     """What the linear layers of one step read and write: the pool, the chunked-form chunks, and the
@@ -100,7 +107,7 @@ class LinearStateStep:
                 raise ValueError(f"state slot {slot} is not one of the pool's {pool.num_slots}")
             if any(not 0 < k <= n or not 0 <= s < pool.num_slots for k, s in snapshots):
                 raise ValueError(f"snapshots {snapshots} do not fit a chunk of {n} tokens and the pool")
-            if n == 1 and start > 0 and not snapshots:
+            if continues_slot(n, start, snapshots):
                 rows.append(first_row)
                 slots.append(slot)
             elif n > 0:

@@ -39,7 +39,7 @@ import torch
 from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
 from decoder_svc.model.attention import AttentionMetadata
 from decoder_svc.model.kv_groups import KVCacheGroup, split_kv_blocks
-from decoder_svc.model.linear_state import LinearStatePool, LinearStateStep
+from decoder_svc.model.linear_state import LinearStatePool, LinearStateStep, continues_slot
 from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs
 from decoder_svc.runner.embed_rows import embed_rows, fill_pending
 from decoder_svc.runner.fusion import fuse_image_rows, image_key_limits, image_slots
@@ -506,7 +506,7 @@ class ModelRunner:
         """Whether a graph may run the step: a hybrid stack's only when every sequence continues its slot
         by one token and takes no snapshot (what its decode graphs compute); any other stack's always."""
         return not self.hybrid or (batch.is_plain_decode and all(
-            s.start > 0 and not s.state_snapshots for s in batch.sequences))
+            continues_slot(s.num_tokens, s.start, s.state_snapshots) for s in batch.sequences))
 
     def _adapter_path(self, batch: ModelInput) -> tuple[bool, bool]:
         """(lora, merged) for a step: `lora` when some row runs an adapter (the per-row product); instead

@@ -69,6 +69,18 @@ def test_forcing_fla_without_cuda_or_without_fla_is_a_clear_error(monkeypatch):
         kernels_for(CUDA, load=_fake_fla)
 
 
+def test_a_layer_resolves_the_mode_once_per_device(monkeypatch):
+    import decoder_svc.model.gated_deltanet as gdn
+    calls = []
+    monkeypatch.setattr(gdn, "kernels_for", lambda device: calls.append(device) or None)
+    layer = random_layer(text_shape())
+    for _ in range(3):
+        assert layer.delta_rule_kernels(torch.device("cpu")) is None
+    assert calls == [torch.device("cpu")]  # not once per layer per step
+    layer.delta_rule_kernels(CUDA)
+    assert calls == [torch.device("cpu"), CUDA]  # another device: resolved again
+
+
 @torch.no_grad()
 def test_a_layer_forced_to_fla_on_a_cpu_refuses_to_run(monkeypatch):
     shape = text_shape()
