@@ -76,6 +76,13 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# The wheels a bare device image lacks (grpc health and reflection, blake3, fla-core, ...) come from .whl:
+# installed once into /tmp/site when the services' or fla's imports fail there (on a GPU run only).
+if [ "${DEVICE:-cuda}" = cuda ] && ls .whl/*.whl >/dev/null 2>&1 && ! "$PY" -c "import grpc_health, blake3, fla.ops.gated_delta_rule" \
+    >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -3
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
 SECTIONS=${SECTIONS:-llava}
 if [[ ",$SECTIONS," != *,llava,* ]]; then MODEL=/nonexistent-skip; fi
@@ -539,15 +546,10 @@ fi
 # tests/gpu/test_qwen3_5_graphs_gpu.py: the engine's decode graphs over the state slots equal HF), then decode
 # tok/s (bench.decode_tput, no HF) on qwen3.5-9b shapes (QWEN3_5_PRESET), the language weights drawn on the
 # device, once per Q35_KERNELS entry (MMSERVE_LINEAR_ATTENTION: default "fla torch"). fla-core and einops come
-# from .whl (pip --target /tmp/site) when `fla` does not import. $OUT gets test_gated_deltanet_fla.log and
+# from .whl (the script installs them into /tmp/site). $OUT gets test_gated_deltanet_fla.log and
 # qwen3_5_decode_<kernel>.{json,log}. Limits: 300 s the tests, 240 s each decode run; Q35_TESTS=0 /
 # Q35_BENCH=0 skip a part; Q35_ARGS adds decode_tput options.
 if [[ ",$SECTIONS," == *,qwen3_5,* ]]; then
-  if ! "$PY" -c "import fla.ops.gated_delta_rule" >/dev/null 2>&1 && ls .whl/fla_core-*.whl >/dev/null 2>&1; then
-    echo "== installing fla-core and einops from .whl into /tmp/site"
-    "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-*.whl .whl/einops-*.whl 2>&1 | tail -3
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-  fi
   "$PY" -c "import fla, einops; print('   fla', fla.__version__, 'from', fla.__file__)" 2>&1 | tail -1
   if [ "${Q35_TESTS:-1}" = 1 ]; then
     echo "== tests/gpu/test_gated_deltanet_fla_gpu.py (t=$((SECONDS - START))s)"

@@ -242,6 +242,13 @@ def _long(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim in fp32, in x's dtype: what fla's in-kernel l2norm and the
+    torch reference compute."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def _split_heads(mixed: torch.Tensor, shape: GatedDeltaNetShape) -> tuple[torch.Tensor, ...]:
     """Convolved rows [..., conv_dim] -> q, k [..., Hk, Dk], v [..., Hv, Dv]."""
     q, k, v = torch.split(mixed, [shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
@@ -302,6 +309,9 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
     conv = F.conv1d(columns[None].to(weight.dtype), weight[:, None], groups=weight.shape[0])[0]
     mixed = F.silu(conv[:, plan.conv_out].t()).to(qkv.dtype)  # [P, C]
     q, k, v = _split_heads(mixed, shape)
+    # q and k normalised here, not by fla's chunked rule: its l2norm kernel takes the row count as a
+    # compile-time constant, so every new prompt length would compile it again inside a request's step.
+    q, k = _l2norm(q), _l2norm(k)
     groups = shape.num_v_heads // shape.num_k_heads
     if groups > 1:  # fla 0.4's chunked rule: one key head per value head
         q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
@@ -318,7 +328,7 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
         out, state = kernels.chunk(
             q[at][None], k[at][None], v[at][None], g=g[at][None], beta=beta[at][None],
             scale=shape.head_k_dim ** -0.5, initial_state=state, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=rnd.cu_seqlens)
+            use_qk_l2norm_in_kernel=False, cu_seqlens=rnd.cu_seqlens)
         packed[at] = out[0].to(packed.dtype)
         if rnd.dsts is not None:  # snapshots here, or chunks' last pieces: their slots take the states
             rec_pool.index_copy_(0, rnd.dsts, state.index_select(0, rnd.sources).to(rec_pool.dtype))

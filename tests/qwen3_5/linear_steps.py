@@ -118,8 +118,12 @@ class FakeFla:
 
 def _per_sequence(rule, q, k, v, g, beta, *, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, cu_seqlens):
-    # The reference normalises q and k and scales q by Dk^-0.5 itself: the only choices it can stand for.
-    assert use_qk_l2norm_in_kernel and output_final_state and scale == q.shape[-1] ** -0.5
+    # The reference normalises q and k and scales q by Dk^-0.5 itself: the only choices it can stand for
+    # (without the in-kernel l2norm the caller has normalised them: normalising again changes ~1e-8).
+    assert output_final_state and scale == q.shape[-1] ** -0.5
+    if not use_qk_l2norm_in_kernel:
+        assert torch.allclose(q.float().norm(dim=-1), torch.ones(()), atol=1e-4), "q not normalised"
+        assert torch.allclose(k.float().norm(dim=-1), torch.ones(()), atol=1e-4), "k not normalised"
     assert initial_state.dtype == torch.float32 and g.dtype == torch.float32
     if cu_seqlens is None:
         return rule(q, k, v, g, beta, initial_state)
