@@ -88,7 +88,7 @@ class KVCacheManager:
     @classmethod
     def for_groups(cls, groups: list[KVCacheGroup] | tuple[KVCacheGroup, ...], block_size: int,
                    enable_prefix_caching: bool = True, num_state_slots: int = 0, num_snapshots: int = 0,
-                   snapshot_interval: int = 16, snapshot_bytes: int = 0) -> KVCacheManager:
+                   snapshot_interval: int = 64, snapshot_bytes: int = 0) -> KVCacheManager:
         """A pool per group: a BlockManager for full attention, a SlidingWindowBlockManager per window.
         `num_state_slots` > 0 (a hybrid stack): that many state slots, then `num_snapshots` snapshot slots
         of `snapshot_bytes` each, taken every `snapshot_interval` blocks (and at image ends); prefix reuse
@@ -171,17 +171,17 @@ class KVCacheManager:
         if self.snapshots is None or start >= request.num_prompt_tokens:
             return []
         spans = [(img.offset, img.end) for img in request.images]
-        points = sorted(p for p in self.snapshots.positions(request.num_prompt_tokens, spans, self.block_size)
-                        if start < p <= end)
+        points = [p for p in self.snapshots.positions(request.num_prompt_tokens, spans, self.block_size)
+                  if start < p <= end]
         if not points:
             return []
         hashes = self.pools[0].block_hashes(request)
         out = []
-        for p in points:
+        for p in points:  # most useful first: a short pool keeps those
             slot = self.snapshots.reserve(hashes[p // self.block_size - 1])
             if slot is not None:
                 out.append((p - start, slot))
-        return out
+        return sorted(out)
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The (source slot, destination slot) copies to run before the next step: the snapshots the

@@ -10,8 +10,9 @@ images' content hashes, the cache salt and the LoRA adapter of everything before
 Where: at block-aligned prompt positions p (0 < p < the prompt's length): every `interval` blocks, the
 last block boundary at or before the end of each image or video span (a new question about the same
 image shares the prefix up to there), and the last block boundary of the prompt (the same prompt again,
-a conversation's next turn). The linear layers split a chunk at those positions and copy the state there
-into a snapshot slot of the state pool (model/linear_state.py), in the same forward.
+a conversation's next turn); when slots run short the last two kinds are reserved first. The linear
+layers split a chunk at those positions and copy the state there into a snapshot slot of the state pool
+(model/linear_state.py), in the same forward.
 
 Slots: the pool's slots after the requests' own (`first_slot` on). A snapshot is `pending` from the
 step whose forward writes it until the next step is built (`promote`): only then can a request resume
@@ -96,11 +97,14 @@ class StateSnapshots:
         """Bytes of the indexed snapshots."""
         return self.num_held * self.bytes_per_snapshot
 
-    def positions(self, prompt_tokens: int, spans: list[tuple[int, int]], block_size: int) -> set[int]:
+    def positions(self, prompt_tokens: int, spans: list[tuple[int, int]], block_size: int) -> list[int]:
         """The prompt positions where a request's state is snapshotted: block-aligned, in (0, prompt_tokens
-        - 1] (a prefix hit never covers the prompt's last token); spans: (offset, end) of its images."""
+        - 1] (a prefix hit never covers the prompt's last token); spans: (offset, end) of its images.
+        Most useful first, the order slots are reserved in when they run short: the prompt's last
+        boundary (the same prompt again, a conversation's next turn), the images' last boundaries (a new
+        question about the same image), then the interval points; each kind latest first."""
         last = (prompt_tokens - 1) // block_size * block_size
         step = self.interval_blocks * block_size
-        points = set(range(step, last + 1, step)) | {last}
-        points |= {end // block_size * block_size for _, end in spans}
-        return {p for p in points if 0 < p <= last}
+        images = sorted({end // block_size * block_size for _, end in spans}, reverse=True)
+        ranked = [last, *images, *range(last // step * step, 0, -step)]
+        return [p for p in dict.fromkeys(ranked) if 0 < p <= last]

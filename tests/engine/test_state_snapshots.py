@@ -52,6 +52,7 @@ def test_snapshots_visible_once_promoted_and_lru():
 def test_snapshot_positions():
     snaps = StateSnapshots(num_slots=1, first_slot=0, interval_blocks=2, bytes_per_snapshot=1)
     # every 2 blocks of 16, the last boundary before the prompt's last token, each image's last boundary
-    assert snaps.positions(100, [(5, 40)], 16) == {32, 64, 96}
-    assert snaps.positions(97, [(5, 40), (41, 90)], 16) == {32, 64, 80, 96}
-    assert snaps.positions(16, [(1, 15)], 16) == set()  # nothing before the last token's block
+    # most useful first: the prompt's last boundary, the images' (latest first), the interval points
+    assert snaps.positions(100, [(5, 40)], 16) == [96, 32, 64]
+    assert snaps.positions(97, [(5, 40), (41, 90)], 16) == [96, 80, 32, 64]
+    assert snaps.positions(16, [(1, 15)], 16) == []  # nothing before the last token's block

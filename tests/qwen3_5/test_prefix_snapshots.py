@@ -71,6 +71,20 @@ def test_snapshots_are_kept_under_a_budget(make_qwen3_5_engine, qwen3_5_oracle, 
     assert engine.stats().kv_blocks_cached_free > 0  # its KV was still cached: the snapshot decided
 
 
+def test_a_short_pool_keeps_the_most_useful_snapshots(make_qwen3_5_engine, qwen3_5_oracle, qwen_images):
+    """Two slots and a snapshot every block: the prompt's one step wants many, and the two it keeps are its
+    last block boundary and the image's, not its first two; so the same prompt again resumes at its last
+    block, and a new question about the image at the image's end."""
+    engine = make_qwen3_5_engine(num_state_snapshots=2, state_snapshot_interval=1)
+    prompt = ask("what is in the picture? answer in one long sentence about every object you see")
+    _check(engine, qwen3_5_oracle, prompt, qwen_images[:1], "cold")
+    assert engine.stats().state_snapshots_held == 2
+    warm = _check(engine, qwen3_5_oracle, prompt, qwen_images[:1], "warm")
+    assert warm.cached_prompt_tokens == (warm.prompt_tokens - 1) // 16 * 16
+    other = _check(engine, qwen3_5_oracle, ask("which colours are there?"), qwen_images[:1], "other")
+    assert 0 < other.cached_prompt_tokens < warm.cached_prompt_tokens  # the image's end
+
+
 def test_no_reuse_without_snapshots(make_qwen3_5_engine, qwen3_5_oracle, qwen_images):
     engine = make_qwen3_5_engine(num_state_snapshots=0)
     prompt = ask("what is in the picture?")
