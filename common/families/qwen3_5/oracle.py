@@ -21,6 +21,10 @@ class Qwen3_5Oracle(Qwen3Oracle):
 
     hf_class = "Qwen3_5ForConditionalGeneration"
 
+    def __init__(self, model_dir) -> None:
+        super().__init__(model_dir)
+        torch_fallbacks(self.model)
+
     def image_features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
         """get_image_features of one batch as [rows_i, hidden] per image (the merged features: Qwen3.5 has
         no DeepStack levels)."""
@@ -29,3 +33,33 @@ class Qwen3_5Oracle(Qwen3Oracle):
         merged = out.pooler_output
         merged = merged if isinstance(merged, torch.Tensor) else torch.cat(list(merged))
         return list(merged.split([int(g.prod()) // self.merge**2 for g in grids]))
+
+
+# Per-layer attributes older transformers bind to fla's (or causal-conv1d's) kernels when those import,
+# whatever device the model is on, and the torch fallbacks of the modeling module that replace them.
+_FALLBACKS = {"chunk_gated_delta_rule": "torch_chunk_gated_delta_rule",
+              "recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule",
+              "causal_conv1d_update": "torch_causal_conv1d_update"}
+
+
+def torch_fallbacks(model: torch.nn.Module) -> int:
+    """Point a CPU model's Gated DeltaNet layers at HF's torch fallbacks (the oracle). Newer transformers
+    pick the fallback per call by the inputs' device and bind nothing per layer: then this changes nothing.
+    Older ones bind fla's Triton kernels at construction when fla imports (a GPU machine), which fail on
+    CPU tensors. Returns the number of attributes replaced."""
+    import sys
+
+    if next(model.parameters()).device.type != "cpu":
+        return 0
+    modeling = sys.modules[type(model).__module__]
+    replaced = 0
+    for module in model.modules():
+        for name, fallback in _FALLBACKS.items():
+            reference = getattr(modeling, fallback, None)
+            if reference is not None and getattr(module, name, reference) is not reference:
+                setattr(module, name, reference)
+                replaced += 1
+        if getattr(module, "causal_conv1d_fn", None) is not None:
+            module.causal_conv1d_fn = None  # None: the layer's own conv1d + silu
+            replaced += 1
+    return replaced
