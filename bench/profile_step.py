@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> dict:
     config = EngineConfig(
         model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch, 1), num_kv_blocks=blocks,
         enable_prefix_caching=warm, attention_backend=args.attention_backend,
+        # a hybrid stack's snapshot slots as a service's default (64 requests) has them, not one per
+        # profiled sequence: a prompt's one step wants several
+        num_state_snapshots=64 if warm else None,
         enforce_eager=args.enforce_eager, quantization=args.quantization, load_format=args.load_format)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     prompt = PromptMaker(model, seed=0).text(args.prompt_len)
