@@ -14,8 +14,10 @@ what is missing: no CUDA device, or fla not importable).
   over the chunks laid side by side, each after its K - 1 carried inputs; the conv state at any position
   is read from those columns, so it needs no cut. The plan's index tensors go to the device once per step
   (cached by the step's chunks), not once per layer.
-- decode rows (one token each): the conv window from the slots, then fla's fused recurrent step from the
-  slots' states (gathered; fla 0.4 has no in-place slot indices), both written back by index_copy_. No host
+- decode rows (one token each): the conv window from the slots (written back by index_copy_), then the
+  recurrent step on the slots' states in place (`decode_in_place`: common/kernels/delta_rule_decode.py,
+  each state read and written once) or, where that kernel does not take the head dims, fla's fused
+  recurrent step over the gathered states (fla 0.4 has no slot indices), written back. No host
   synchronisation and no shape that depends on data: the slots are a device tensor, so a CUDA graph may
   capture the step with the slot tensor and the pool as its inputs.
 
@@ -60,6 +62,10 @@ class DeltaRuleKernels:
     chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     name: str = "fla"
+    # f(q [B, Hk, Dk], k, v [B, Hv, Dv], g [B, Hv], beta [B, Hv], state_pool, slots [B], scale, out) -> None:
+    # one token per row, the slots' states updated in place (delta_rule_decode_'s contract); None: `recurrent`
+    decode_in_place: Callable[..., None] | None = None
+    decode_supports: Callable[[int, int], bool] | None = None  # (Dk, Dv): does decode_in_place take them
 
 
 def linear_attention_mode(mode: str | None = None) -> str:
@@ -75,9 +81,12 @@ def load_fla() -> tuple[DeltaRuleKernels | None, str]:
     """fla's two rules, or (None, why they do not import). Imported once per process."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+        from common.kernels.delta_rule_decode import delta_rule_decode_, supports
     except Exception as exc:  # ImportError, or Triton failing at import on a host without a driver
         return None, f"{type(exc).__name__}: {exc}"
-    return DeltaRuleKernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule), ""
+    return DeltaRuleKernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
+                            decode_in_place=delta_rule_decode_, decode_supports=supports), ""
 
 
 _logged: set[tuple[str, str]] = set()
@@ -283,6 +292,13 @@ def _decode(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: torc
     window = torch.cat([conv_pool.index_select(0, slots), token], dim=-1)  # [B, C, K]: carried, then this
     mixed = F.silu((window.float() * weight.float()).sum(-1)).to(qkv.dtype)  # K taps summed in fp32
     conv_pool.index_copy_(0, slots, window[:, :, 1:])
+    if kernels.decode_in_place is not None and kernels.decode_supports(shape.head_k_dim, shape.head_v_dim):
+        q, k, v = _split_heads(mixed, shape)  # [B, H, D]
+        out = o.new_empty(v.shape)
+        kernels.decode_in_place(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), rec_pool, slots,
+                                shape.head_k_dim ** -0.5, out)
+        o.index_copy_(0, rows, out)
+        return
     q, k, v = (t[:, None] for t in _split_heads(mixed, shape))  # [B, 1, H, D]
     out, final = kernels.recurrent(
         q, k, v, g=g.index_select(0, rows)[:, None], beta=beta.index_select(0, rows)[:, None],

@@ -96,9 +96,24 @@ class FakeFla:
     chunk_calls: list[int] = field(default_factory=list)  # sequences per chunked call
     recurrent_calls: list[int] = field(default_factory=list)
     calls: list[tuple[str, tuple, dict]] = field(default_factory=list)  # (rule, args, kwargs) as passed
+    # with the real in-place decode kernel (common/kernels/delta_rule_decode.py, Triton's interpreter on a
+    # CPU), as load_fla pairs it with fla's rules; rows per call
+    in_place: bool = False
+    in_place_calls: list[int] = field(default_factory=list)
 
     def kernels(self) -> DeltaRuleKernels:
-        return DeltaRuleKernels(self.chunk, self.recurrent, name="fake")
+        if not self.in_place:
+            return DeltaRuleKernels(self.chunk, self.recurrent, name="fake")
+        from common.kernels.delta_rule_decode import supports
+
+        return DeltaRuleKernels(self.chunk, self.recurrent, name="fake", decode_in_place=self.decode_in_place,
+                                decode_supports=supports)
+
+    def decode_in_place(self, q, k, v, g, beta, state_pool, slots, scale, out):
+        from common.kernels.delta_rule_decode import delta_rule_decode_
+
+        self.in_place_calls.append(q.shape[0])
+        delta_rule_decode_(q, k, v, g, beta, state_pool, slots, scale, out)
 
     def chunk(self, q, k, v, *, g, beta, **kw):
         self.calls.append(("chunk", (q, k, v), dict(g=g, beta=beta, **kw)))

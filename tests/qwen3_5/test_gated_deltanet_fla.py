@@ -118,8 +118,8 @@ def test_the_plan_packs_chunks_and_cuts_them_at_snapshots():
     assert (second.sources, second.starts, second.dsts) == ([0, 0], [5, 5], [5, 0])  # snapshot 5, own slot 0
 
 
-def _run(layout: list[tuple], kernels: DeltaRuleKernels | None, pool, seed: int = 2):
-    shape = text_shape()
+def _run(layout: list[tuple], kernels: DeltaRuleKernels | None, pool, seed: int = 2, shape=None):
+    shape = shape or text_shape()
     layer = random_layer(shape)
     layer.kernels = kernels
     step, rows = build_step(pool, layout)
@@ -132,14 +132,21 @@ def _assert_pools_close(mine, ref) -> None:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("in_place", [False, True], ids=["fla-decode", "in-place-decode"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_the_adapter_equals_the_reference_path(name):
+def test_the_adapter_equals_the_reference_path(name, in_place):
+    """in_place: decode rows through the in-place kernel (its value dim needs whole 32-wide blocks)."""
+    if in_place:
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("the kernel runs in Triton's interpreter here (a CPU host)")
     layout = LAYOUTS[name]
-    pool = noisy_pool(text_shape())
+    shape = text_shape(value_dim=32 if in_place else 8)
+    pool = noisy_pool(shape)
     ref_pool, fla_pool = clone_pool(pool), clone_pool(pool)
-    fake = FakeFla()
-    ref = _run(layout, None, ref_pool)
-    out = _run(layout, fake.kernels(), fla_pool)
+    fake = FakeFla(in_place=in_place)
+    ref = _run(layout, None, ref_pool, shape=shape)
+    out = _run(layout, fake.kernels(), fla_pool, shape=shape)
     assert torch.allclose(out, ref, atol=ATOL, rtol=0)
     _assert_pools_close(fla_pool, ref_pool)
     # every slot a sequence or snapshot of the step names was written; the others kept what they held
@@ -155,7 +162,8 @@ def test_the_adapter_equals_the_reference_path(name):
     assert len(fake.chunk_calls) == (pieces if chunks else 0)
     assert fake.chunk_calls[:1] == ([len(chunks)] if chunks else [])  # every chunk in the first call
     decodes = len(layout) - len(chunks)
-    assert fake.recurrent_calls == ([decodes] if decodes else [])
+    assert (fake.in_place_calls if in_place else fake.recurrent_calls) == ([decodes] if decodes else [])
+    assert not (fake.recurrent_calls if in_place else fake.in_place_calls)
 
 
 @torch.no_grad()
