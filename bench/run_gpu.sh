@@ -547,8 +547,11 @@ fi
 # tok/s (bench.decode_tput, no HF) on qwen3.5-9b shapes (QWEN3_5_PRESET), the language weights drawn on the
 # device, once per Q35_KERNELS entry (MMSERVE_LINEAR_ATTENTION: default "fla torch"). fla-core and einops come
 # from .whl (the script installs them into /tmp/site). $OUT gets test_gated_deltanet_fla.log and
-# qwen3_5_decode_<kernel>.{json,log}. Limits: 300 s the tests, 240 s each decode run; Q35_TESTS=0 /
-# Q35_BENCH=0 skip a part; Q35_ARGS adds decode_tput options.
+# qwen3_5_decode_<kernel>.{json,log}, then qwen3_5_prefill_profile_<tail>.{json,log} (bench.profile_step
+# --warm-tail: a warm request's prefill step of 11 new tokens over a 1530-token prompt, and a cold-like one of
+# 1520 new tokens; wall time against the GPU kernels' time, the kernel table). Limits: 300 s the tests,
+# 240 s each decode run, 150 s each profile; Q35_TESTS=0 / Q35_BENCH=0 / Q35_PROFILE=0 skip a part;
+# Q35_ARGS adds decode_tput options.
 if [[ ",$SECTIONS," == *,qwen3_5,* ]]; then
   "$PY" -c "import fla, einops; print('   fla', fla.__version__, 'from', fla.__file__)" 2>&1 | tail -1
   if [ "${Q35_TESTS:-1}" = 1 ]; then
@@ -557,8 +560,8 @@ if [[ ",$SECTIONS," == *,qwen3_5,* ]]; then
       tests/gpu/test_qwen3_5_graphs_gpu.py > "$OUT/test_gated_deltanet_fla.log" 2>&1
     tail -20 "$OUT/test_gated_deltanet_fla.log"
   fi
+  Q35_DIR=${QWEN3_5_MODEL_DIR:-/tmp/qwen3_5_9b}
   if [ "${Q35_BENCH:-1}" = 1 ]; then
-    Q35_DIR=${QWEN3_5_MODEL_DIR:-/tmp/qwen3_5_9b}
     read -r -a Q35ARGS <<< "${Q35_ARGS:-}"
     make_once "$Q35_DIR" "${QWEN3_5_PRESET:-qwen3.5-9b}" --weights vision
     for kernel in ${Q35_KERNELS:-fla torch}; do
@@ -566,6 +569,15 @@ if [[ ",$SECTIONS," == *,qwen3_5,* ]]; then
         --model "$Q35_DIR" "${DT[@]}" --no-hf --load-format dummy --batch-sizes 1,32 --prompt-len 512 \
         --output-len 64 ${Q35ARGS[@]+"${Q35ARGS[@]}"}
       cp "$RES/qwen3_5_decode_$kernel.json" "$RES/qwen3_5_decode_$kernel.log" "$OUT/" 2>/dev/null
+    done
+  fi
+  if [ "${Q35_PROFILE:-1}" = 1 ]; then  # where a prefill step's time goes: a warm tail, then a cold-like chunk
+    make_once "$Q35_DIR" "${QWEN3_5_PRESET:-qwen3.5-9b}" --weights vision
+    for tail in 11 1520; do
+      prompt=$([ "$tail" = 11 ] && echo 1530 || echo 16)
+      step "qwen3_5_prefill_profile_$tail" 150 "$PY" -m bench.profile_step --model "$Q35_DIR" "${DT[@]}" \
+        --load-format dummy --prompt-len "$prompt" --warm-tail "$tail" --steps 4 --top 30
+      cp "$RES/qwen3_5_prefill_profile_$tail.json" "$RES/qwen3_5_prefill_profile_$tail.log" "$OUT/" 2>/dev/null
     done
   fi
 fi
