@@ -14,12 +14,15 @@ what is missing: no CUDA device, or fla not importable).
   over the chunks laid side by side, each after its K - 1 carried inputs; the conv state at any position
   is read from those columns, so it needs no cut. The plan's index tensors go to the device once per step
   (cached by the step's chunks), not once per layer.
+  A round whose pieces are all short (at most SHORT_PIECE tokens, one of fla's chunks: a warm request's
+  uncached tail, a prompt's last piece after its last snapshot) runs the rule token by token in one launch
+  instead (`recurrent_in_place`, below), without fla's dozen launches and host synchronisation.
 - decode rows (one token each): the conv window from the slots (written back by index_copy_), then the
-  recurrent step on the slots' states in place (`decode_in_place`: common/kernels/delta_rule_decode.py,
-  each state read and written once) or, where that kernel does not take the head dims, fla's fused
-  recurrent step over the gathered states (fla 0.4 has no slot indices), written back. No host
-  synchronisation and no shape that depends on data: the slots are a device tensor, so a CUDA graph may
-  capture the step with the slot tensor and the pool as its inputs.
+  recurrent step on the slots' states in place (`recurrent_in_place`:
+  common/kernels/delta_rule_recurrent.py, each state read and written once) or, where that kernel does not
+  take the head dims, fla's fused recurrent step over the gathered states (fla 0.4 has no slot indices),
+  written back. No host synchronisation and no shape that depends on data: the slots are a device tensor,
+  so a CUDA graph may capture the step with the slot tensor and the pool as its inputs.
 
 Conventions are the reference's (and HF's when it hands this layer to fla): q and k L2-normalised in the
 kernel (`use_qk_l2norm_in_kernel`), q scaled by Dk^-0.5, g the log decay in fp32, beta = sigmoid(b), the
@@ -35,6 +38,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mmserve.decoder.linear_attention")
 
 KERNEL_ENV = "MMSERVE_LINEAR_ATTENTION"
+SHORT_PIECE = 64  # a prefill round whose pieces are this short runs token by token (one fla chunk's length)
 AUTO = "auto"
 MODES = (AUTO, "torch", "fla")
 
@@ -62,10 +67,11 @@ class DeltaRuleKernels:
     chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     name: str = "fla"
-    # f(q [B, Hk, Dk], k, v [B, Hv, Dv], g [B, Hv], beta [B, Hv], state_pool, slots [B], scale, out) -> None:
-    # one token per row, the slots' states updated in place (delta_rule_decode_'s contract); None: `recurrent`
-    decode_in_place: Callable[..., None] | None = None
-    decode_supports: Callable[[int, int], bool] | None = None  # (Dk, Dv): does decode_in_place take them
+    # f(q [N, Hk, Dk], k, v [N, Hv, Dv], g [N, Hv], beta [N, Hv], state_pool, slots [B], scale, out,
+    # cu_seqlens=None, normalize=True) -> None: the rule token by token, the slots' states updated in place
+    # (delta_rule_recurrent_'s contract); None: decode through `recurrent`, every prefill through `chunk`
+    recurrent_in_place: Callable[..., None] | None = None
+    recurrent_supports: Callable[[int, int], bool] | None = None  # (Dk, Dv): does it take them
 
 
 def linear_attention_mode(mode: str | None = None) -> str:
@@ -82,11 +88,11 @@ def load_fla() -> tuple[DeltaRuleKernels | None, str]:
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-        from common.kernels.delta_rule_decode import delta_rule_decode_, supports
+        from common.kernels.delta_rule_recurrent import delta_rule_recurrent_, supports
     except Exception as exc:  # ImportError, or Triton failing at import on a host without a driver
         return None, f"{type(exc).__name__}: {exc}"
     return DeltaRuleKernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
-                            decode_in_place=delta_rule_decode_, decode_supports=supports), ""
+                            recurrent_in_place=delta_rule_recurrent_, recurrent_supports=supports), ""
 
 
 _logged: set[tuple[str, str]] = set()
@@ -203,6 +209,8 @@ class _DeviceRound:
     sources: torch.Tensor | None
     windows: torch.Tensor | None  # [S, K - 1] conv columns
     dsts: torch.Tensor | None
+    longest: int  # tokens in the round's longest piece
+    order: torch.Tensor  # arange(pieces): the pieces' rows of the running states
 
 
 @dataclass(frozen=True)
@@ -234,7 +242,9 @@ def _device_plan(chunks: tuple, taps: int, device: torch.device) -> _DevicePlan:
             _index(rnd.positions, device), _long(rnd.cu_seqlens, device),
             None if rnd.keep is None else _long(rnd.keep, device),
             _long(rnd.sources, device) if stores else None, windows,
-            _long(rnd.dsts, device) if stores else None))
+            _long(rnd.dsts, device) if stores else None,
+            max(b - a for a, b in pairwise(rnd.cu_seqlens)),
+            torch.arange(len(rnd.chunks), device=device)))
     return _DevicePlan(_index(plan.rows, device), len(plan.rows), _long([c.slot for c in chunks], device),
                        _long(fresh, device) if fresh else None, _long(plan.columns, device),
                        _long(plan.conv_out, device), tuple(rounds))
@@ -249,6 +259,12 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor | slice:
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _in_place(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape) -> bool:
+    """Whether the in-place recurrent kernel serves this layer's rows (it takes these head dims)."""
+    return kernels.recurrent_in_place is not None and kernels.recurrent_supports(shape.head_k_dim,
+                                                                                 shape.head_v_dim)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -292,11 +308,11 @@ def _decode(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: torc
     window = torch.cat([conv_pool.index_select(0, slots), token], dim=-1)  # [B, C, K]: carried, then this
     mixed = F.silu((window.float() * weight.float()).sum(-1)).to(qkv.dtype)  # K taps summed in fp32
     conv_pool.index_copy_(0, slots, window[:, :, 1:])
-    if kernels.decode_in_place is not None and kernels.decode_supports(shape.head_k_dim, shape.head_v_dim):
+    if _in_place(kernels, shape):
         q, k, v = _split_heads(mixed, shape)  # [B, H, D]
         out = o.new_empty(v.shape)
-        kernels.decode_in_place(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), rec_pool, slots,
-                                shape.head_k_dim ** -0.5, out)
+        kernels.recurrent_in_place(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), rec_pool,
+                                   slots, shape.head_k_dim ** -0.5, out)
         o.index_copy_(0, rows, out)
         return
     q, k, v = (t[:, None] for t in _split_heads(mixed, shape))  # [B, 1, H, D]
@@ -328,6 +344,8 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
     # q and k normalised here, not by fla's chunked rule: its l2norm kernel takes the row count as a
     # compile-time constant, so every new prompt length would compile it again inside a request's step.
     q, k = _l2norm(q), _l2norm(k)
+    short = _in_place(kernels, shape)
+    q_heads, k_heads = q, k  # [P, Hk, Dk]: the in-place kernel serves grouped value heads itself
     groups = shape.num_v_heads // shape.num_k_heads
     if groups > 1:  # fla 0.4's chunked rule: one key head per value head
         q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
@@ -341,11 +359,21 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
         if rnd.keep is not None:  # some chunks ended last round: the others' states go on
             state = state.index_select(0, rnd.keep)
         at = rnd.at
-        out, state = kernels.chunk(
-            q[at][None], k[at][None], v[at][None], g=g[at][None], beta=beta[at][None],
-            scale=shape.head_k_dim ** -0.5, initial_state=state, output_final_state=True,
-            use_qk_l2norm_in_kernel=False, cu_seqlens=rnd.cu_seqlens)
-        packed[at] = out[0].to(packed.dtype)
+        if short and rnd.longest <= SHORT_PIECE:  # token by token, the running states updated in place
+            # the conv's rows are a transposed view: the kernel wants each row's heads contiguous
+            values = v[at].contiguous()
+            out = packed.new_empty(values.shape)
+            kernels.recurrent_in_place(q_heads[at].contiguous(), k_heads[at].contiguous(), values,
+                                       g[at].contiguous(), beta[at].contiguous(), state, rnd.order,
+                                       shape.head_k_dim ** -0.5, out, cu_seqlens=rnd.cu_seqlens,
+                                       normalize=False)
+            packed[at] = out
+        else:
+            out, state = kernels.chunk(
+                q[at][None], k[at][None], v[at][None], g=g[at][None], beta=beta[at][None],
+                scale=shape.head_k_dim ** -0.5, initial_state=state, output_final_state=True,
+                use_qk_l2norm_in_kernel=False, cu_seqlens=rnd.cu_seqlens)
+            packed[at] = out[0].to(packed.dtype)
         if rnd.dsts is not None:  # snapshots here, or chunks' last pieces: their slots take the states
             rec_pool.index_copy_(0, rnd.dsts, state.index_select(0, rnd.sources).to(rec_pool.dtype))
             conv_pool.index_copy_(0, rnd.dsts, columns[:, rnd.windows].permute(1, 0, 2).to(conv_pool.dtype))

@@ -2,8 +2,9 @@
 reference on the same device: a varlen prefill of several sequences (fresh and resumed from their slots,
 snapshots inside chunks) beside decode rows, in fp32 and bf16; the decode step captured in a CUDA graph and
 replayed with other rows and slots; and the qwen3.5-tiny engine giving the same greedy tokens with fla as
-with the reference (fp32). At these head dims (128) the decode rows take the in-place kernel
-(common/kernels/delta_rule_decode.py) that load_fla pairs with fla's rules. Skipped without fla (fla-core)."""
+with the reference (fp32). At these head dims (128) the decode rows and the short prefill pieces take the
+in-place kernel (common/kernels/delta_rule_recurrent.py) that load_fla pairs with fla's rules. Skipped
+without fla (fla-core)."""
 
 from __future__ import annotations
 

@@ -96,24 +96,25 @@ class FakeFla:
     chunk_calls: list[int] = field(default_factory=list)  # sequences per chunked call
     recurrent_calls: list[int] = field(default_factory=list)
     calls: list[tuple[str, tuple, dict]] = field(default_factory=list)  # (rule, args, kwargs) as passed
-    # with the real in-place decode kernel (common/kernels/delta_rule_decode.py, Triton's interpreter on a
-    # CPU), as load_fla pairs it with fla's rules; rows per call
+    # with the real in-place recurrent kernel (common/kernels/delta_rule_recurrent.py, Triton's interpreter
+    # on a CPU), as load_fla pairs it with fla's rules: (rows, sequences) per call
     in_place: bool = False
-    in_place_calls: list[int] = field(default_factory=list)
+    in_place_calls: list[tuple[int, int]] = field(default_factory=list)
 
     def kernels(self) -> DeltaRuleKernels:
         if not self.in_place:
             return DeltaRuleKernels(self.chunk, self.recurrent, name="fake")
-        from common.kernels.delta_rule_decode import supports
+        from common.kernels.delta_rule_recurrent import supports
 
-        return DeltaRuleKernels(self.chunk, self.recurrent, name="fake", decode_in_place=self.decode_in_place,
-                                decode_supports=supports)
+        return DeltaRuleKernels(self.chunk, self.recurrent, name="fake",
+                                recurrent_in_place=self.recurrent_in_place, recurrent_supports=supports)
 
-    def decode_in_place(self, q, k, v, g, beta, state_pool, slots, scale, out):
-        from common.kernels.delta_rule_decode import delta_rule_decode_
+    def recurrent_in_place(self, q, k, v, g, beta, state_pool, slots, scale, out, **kw):
+        from common.kernels.delta_rule_recurrent import delta_rule_recurrent_
 
-        self.in_place_calls.append(q.shape[0])
-        delta_rule_decode_(q, k, v, g, beta, state_pool, slots, scale, out)
+        cu = kw.get("cu_seqlens")
+        self.in_place_calls.append((q.shape[0], q.shape[0] if cu is None else cu.shape[0] - 1))
+        delta_rule_recurrent_(q, k, v, g, beta, state_pool, slots, scale, out, **kw)
 
     def chunk(self, q, k, v, *, g, beta, **kw):
         self.calls.append(("chunk", (q, k, v), dict(g=g, beta=beta, **kw)))

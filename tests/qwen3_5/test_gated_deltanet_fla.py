@@ -7,6 +7,7 @@ reference path's up to fp32 rounding. fla's own kernels are checked on the GPU
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from decoder_svc.model.gated_deltanet_fla import (
     KERNEL_ENV,
+    SHORT_PIECE,
     DeltaRuleKernels,
     PrefillPlan,
     kernels_for,
@@ -135,13 +137,13 @@ def _assert_pools_close(mine, ref) -> None:
 @pytest.mark.parametrize("in_place", [False, True], ids=["fla-decode", "in-place-decode"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_the_adapter_equals_the_reference_path(name, in_place):
-    """in_place: decode rows through the in-place kernel (its value dim needs whole 32-wide blocks)."""
+    """in_place: decode rows and short rounds through the in-place kernel (value dims in blocks of 16)."""
     if in_place:
         pytest.importorskip("triton")
         if torch.cuda.is_available():
             pytest.skip("the kernel runs in Triton's interpreter here (a CPU host)")
     layout = LAYOUTS[name]
-    shape = text_shape(value_dim=32 if in_place else 8)
+    shape = text_shape(value_dim=16 if in_place else 8)
     pool = noisy_pool(shape)
     ref_pool, fla_pool = clone_pool(pool), clone_pool(pool)
     fake = FakeFla(in_place=in_place)
@@ -156,14 +158,27 @@ def test_the_adapter_equals_the_reference_path(name, in_place):
         assert torch.equal(fla_pool.conv[LAYER][slot], pool.conv[LAYER][slot])
     for slot in written:
         assert not torch.allclose(fla_pool.recurrent[LAYER][slot], pool.recurrent[LAYER][slot], atol=1e-3)
-    # one chunked call for the whole step, or one per piece of the most-cut chunk; one recurrent call
+    # one call for the whole step's chunks, or one per piece of the most-cut chunk (rounds), each a chunked
+    # call, or with the in-place kernel one launch where the round's pieces are short; one decode call
     chunks = [snaps for n, start, _, snaps in layout if not (n == 1 and start > 0 and not snaps)]
     pieces = max((len({k for k, _ in snaps} | {n}) for (n, *_, snaps) in layout if snaps), default=1)
-    assert len(fake.chunk_calls) == (pieces if chunks else 0)
-    assert fake.chunk_calls[:1] == ([len(chunks)] if chunks else [])  # every chunk in the first call
+    rounds = pieces if chunks else 0
+    step, _ = build_step(pool, layout)
+    longest = [max(b - a for a, b in zip(r.cu_seqlens, r.cu_seqlens[1:], strict=False))
+               for r in PrefillPlan.of(step.chunks, 4).rounds]
+    assert len(longest) == rounds
+    short = sum(n <= SHORT_PIECE for n in longest) if in_place else 0
+    assert len(fake.chunk_calls) == rounds - short
+    first_chunked = next((i for i, n in enumerate(longest) if not (in_place and n <= SHORT_PIECE)), None)
+    if first_chunked == 0:
+        assert fake.chunk_calls[0] == len(chunks)  # every chunk in the first call
     decodes = len(layout) - len(chunks)
-    assert (fake.in_place_calls if in_place else fake.recurrent_calls) == ([decodes] if decodes else [])
-    assert not (fake.recurrent_calls if in_place else fake.in_place_calls)
+    prefill_launches = [c for c in fake.in_place_calls if c != (decodes, decodes)]
+    assert len(prefill_launches) == short
+    if in_place:
+        assert fake.recurrent_calls == [] and fake.in_place_calls.count((decodes, decodes)) == (decodes > 0)
+    else:
+        assert fake.recurrent_calls == ([decodes] if decodes else []) and fake.in_place_calls == []
 
 
 @torch.no_grad()
@@ -220,8 +235,9 @@ def test_the_calls_bind_to_fla_s_own_signatures():
 
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["fla-decode", "in-place-kernel"])
 def test_the_engine_through_the_adapter_gives_hf_s_tokens(make_qwen3_5_engine, qwen3_5_oracle, qwen_images,
-                                                          monkeypatch):
+                                                          monkeypatch, in_place):
     """The tiny checkpoint's engine with every linear layer on the adapter (fla's contract in torch):
     concurrent text and image requests in chunks that cut images, a new question about a seen image
     resumed from its snapshot, then a fresh request in a slot another one left; tokens equal HF's generate
@@ -229,7 +245,9 @@ def test_the_engine_through_the_adapter_gives_hf_s_tokens(make_qwen3_5_engine, q
     from tests.oracle import greedy, run_all
     from tests.qwen_prompts import END, ONE, TEXT, TWO, USER, VISION
 
-    fake = FakeFla()
+    if in_place and (torch.cuda.is_available() or importlib.util.find_spec("triton") is None):
+        pytest.skip("the in-place kernel runs in Triton's interpreter here (a CPU host)")
+    fake = FakeFla(in_place=in_place)
     monkeypatch.setattr("decoder_svc.model.gated_deltanet.kernels_for", lambda device: fake.kernels())
     engine = make_qwen3_5_engine(max_num_batched_tokens=13)
     waves = [{"text": (TEXT, []), "one": (ONE, qwen_images[:1]), "two": (TWO, [qwen_images[0]] * 2)},
@@ -247,6 +265,11 @@ def test_the_engine_through_the_adapter_gives_hf_s_tokens(make_qwen3_5_engine, q
         ref = float(torch.log_softmax(logits, -1)[results[rid]["tokens"][0]])
         assert abs(results[rid]["logprobs"][0].logprob - ref) < 1e-4, (rid, results[rid]["logprobs"][0], ref)
     assert results["warm"]["usage"].cached_prompt_tokens > 0  # resumed from the image's snapshot
-    assert fake.chunk_calls and fake.recurrent_calls and max(fake.chunk_calls) > 1  # chunks packed together
+    if in_place:  # 13-token steps: every piece short, chunks packed into one launch, decode rows too
+        assert not fake.chunk_calls and not fake.recurrent_calls
+        assert max(seqs for rows, seqs in fake.in_place_calls if rows > seqs) > 1
+        assert any(rows == seqs for rows, seqs in fake.in_place_calls)
+    else:
+        assert fake.chunk_calls and fake.recurrent_calls and max(fake.chunk_calls) > 1  # chunks packed
     stats = engine.stats()
     assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0
