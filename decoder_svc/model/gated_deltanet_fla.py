@@ -24,8 +24,9 @@ what is missing: no CUDA device, or fla not importable).
   written back. No host synchronisation and no shape that depends on data: the slots are a device tensor,
   so a CUDA graph may capture the step with the slot tensor and the pool as its inputs.
 
-Conventions are the reference's (and HF's when it hands this layer to fla): q and k L2-normalised in the
-kernel (`use_qk_l2norm_in_kernel`), q scaled by Dk^-0.5, g the log decay in fp32, beta = sigmoid(b), the
+Conventions are the reference's (and HF's when it hands this layer to fla): q and k L2-normalised (by the
+recurrent kernels themselves; before the chunked rule, whose l2norm kernel compiles per row count), q
+scaled by Dk^-0.5, g the log decay in fp32, beta = sigmoid(b), the
 recurrent state fp32 [N, Hv, Dk, Dv]. fla's fused recurrent rule serves Hv / Hk value heads from each key
 head itself (value head h reads key head h // (Hv / Hk), repeat_interleave's order); its chunked rule (0.4)
 wants equal heads, so q and k are repeated to the value heads first.
@@ -269,7 +270,7 @@ def _in_place(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape) -> bool:
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim in fp32, in x's dtype: what fla's in-kernel l2norm and the
-    torch reference compute."""
+    torch reference compute (gated_deltanet.l2norm, in the input's dtype; that module imports this one)."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
