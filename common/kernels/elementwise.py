@@ -100,6 +100,28 @@ def _gated_act_kernel(x_ptr, out_ptr, x_stride, out_stride, n_cols, GELU: tl.con
 
 
 @triton.jit
+def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, n_rows, x_stride, gate_stride, out_stride, n_cols,
+                           eps, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # A Gated DeltaNet layer's output norm over rows of one head each (HF's Qwen3NextRMSNormGated):
+    # rmsnorm in fp32, rounded, times the weight (rounded: a dtype product), times SiLU(gate) in fp32.
+    cols = tl.arange(0, BLOCK)
+    col_mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    wait_for_inputs()
+    release_dependents()
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=1) / n_cols
+    normed = _round(x * tl.math.rsqrt(var + eps)[:, None], dtype)
+    h = _round(normed.to(tl.float32) * w[None, :], dtype)
+    gate = tl.load(gate_ptr + rows[:, None] * gate_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = h.to(tl.float32) * (gate / (1.0 + tl.exp(-gate)))
+    tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], _round(out, dtype), mask=mask)
+
+
+@triton.jit
 def rotate_pair(x1, x2, cos, sin, dtype: tl.constexpr):
     """Rotate-half RoPE of the two halves x1, x2 [heads, half] with cos, sin [half] (fp32, already rounded
     to the dtype): out1 = x1*c - x2*s, out2 = x2*c + x1*s, each product rounded to `dtype` before the sum,
@@ -254,6 +276,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                                 HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
                                 num_warps=num_warps, **small_kernel_launch_options())
     return out, new_residual
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate [R, D] (one head per row) -> a new [R, D] in x's dtype: rmsnorm(x) * weight * silu(gate), as
+    the Gated DeltaNet layer's GatedRMSNorm computes it (weight [D], any float dtype, rounded to x's)."""
+    _row_major(x, "x")
+    _row_major(gate, "gate")
+    if gate.shape != x.shape or weight.shape != (x.shape[1],):
+        raise ValueError(f"gate must be {tuple(x.shape)} and weight [{x.shape[1]}], got {tuple(gate.shape)} "
+                         f"and {tuple(weight.shape)}")
+    n_rows, n_cols = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if n_rows == 0 or n_cols == 0:
+        return out
+    weight = weight.to(x.dtype).contiguous()
+    block = triton.next_power_of_2(n_cols)
+    block_rows = max(1, min(16, 4096 // block))  # about 4K values per program
+    _gated_rms_norm_kernel[(triton.cdiv(n_rows, block_rows),)](
+        x, gate, weight, out, n_rows, x.stride(0), gate.stride(0), out.stride(0), n_cols, eps,
+        BLOCK_ROWS=block_rows, BLOCK=block, num_warps=4, **small_kernel_launch_options())
+    return out
 
 
 def gated_act(x: torch.Tensor, gelu: bool) -> torch.Tensor:

@@ -290,7 +290,11 @@ class GatedDeltaNet(nn.Module):
         if kernels is not None:
             beta, g = self._gates(b, a)
             o = forward_packed(qkv, beta, g, self.conv1d.weight.squeeze(1), self.shape, step, layer, kernels)
-            return self._out(o, z)
+            if kernels.gated_norm is None:
+                return self._out(o, z)
+            dv = self.shape.head_v_dim
+            normed = kernels.gated_norm(o.reshape(-1, dv), z.reshape(-1, dv), self.norm.weight, self.norm.eps)
+            return self.out_proj(normed.reshape(z.shape))
         conv_pool, rec_pool = step.pool.conv[layer], step.pool.recurrent[layer]
         o = x.new_empty(x.shape[0], self.shape.num_v_heads, self.shape.head_v_dim)
         if step.decode_rows is not None:

@@ -45,12 +45,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from decoder_svc.model.fla_indices import chunk_indices, chunk_offsets, seed
+from decoder_svc.model.fla_indices import install as install_seeded_indices
+
 if TYPE_CHECKING:
     from decoder_svc.model.gated_deltanet_shape import GatedDeltaNetShape, LinearStateStep
 
 log = logging.getLogger("mmserve.decoder.linear_attention")
 
 KERNEL_ENV = "MMSERVE_LINEAR_ATTENTION"
+FLA_CHUNK = 64  # fla's chunked rule's block (its varlen indices are per block)
 SHORT_PIECE = 64  # a prefill round whose pieces are this short runs token by token (one fla chunk's length)
 AUTO = "auto"
 MODES = (AUTO, "torch", "fla")
@@ -73,6 +77,9 @@ class DeltaRuleKernels:
     # (delta_rule_recurrent_'s contract); None: decode through `recurrent`, every prefill through `chunk`
     recurrent_in_place: Callable[..., None] | None = None
     recurrent_supports: Callable[[int, int], bool] | None = None  # (Dk, Dv): does it take them
+    # f(o [R, Dv], z [R, Dv], weight [Dv], eps) -> the layer's gated output norm in one launch (rows of one
+    # head each; GatedRMSNorm's contract); None: the torch module
+    gated_norm: Callable[..., torch.Tensor] | None = None
 
 
 def linear_attention_mode(mode: str | None = None) -> str:
@@ -90,10 +97,13 @@ def load_fla() -> tuple[DeltaRuleKernels | None, str]:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
         from common.kernels.delta_rule_recurrent import delta_rule_recurrent_, supports
+        from common.kernels.elementwise import gated_rms_norm
     except Exception as exc:  # ImportError, or Triton failing at import on a host without a driver
         return None, f"{type(exc).__name__}: {exc}"
+    install_seeded_indices()  # fla's chunk indices from the step's plan, not read back per call
     return DeltaRuleKernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
-                            recurrent_in_place=delta_rule_recurrent_, recurrent_supports=supports), ""
+                            recurrent_in_place=delta_rule_recurrent_, recurrent_supports=supports,
+                            gated_norm=gated_rms_norm), ""
 
 
 _logged: set[tuple[str, str]] = set()
@@ -227,39 +237,81 @@ class _DevicePlan:
     rounds: tuple[_DeviceRound, ...]
 
 
+class _Upload:
+    """Index lists gathered for one host-to-device copy: on CUDA from pinned memory without waiting (a
+    plain copy of each list would synchronise the host with the GPU once per list)."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+        self.spans: list[tuple[int, int]] = []
+
+    def add(self, values: list[int]) -> int:
+        """Queue values; returns their handle for `send`'s result."""
+        self.spans.append((len(self.values), len(values)))
+        self.values += values
+        return len(self.spans) - 1
+
+    def send(self, device: torch.device) -> list[torch.Tensor]:
+        """Every queued list as a long tensor on `device`, by handle (views of one copy)."""
+        host = torch.tensor(self.values, dtype=torch.long)
+        if device.type == "cuda":
+            # the copy reads the pinned buffer after this returns; torch's pinned-memory allocator keeps a
+            # buffer used by a non-blocking copy from reuse until the copy is done
+            sent = host.pin_memory().to(device, non_blocking=True)
+        else:
+            sent = host.to(device)
+        return [sent[start:start + n] for start, n in self.spans]
+
+
 @functools.lru_cache(maxsize=4)
 def _device_plan(chunks: tuple, taps: int, device: torch.device) -> _DevicePlan:
     # Keyed by the step's chunks (frozen dataclasses): the first linear layer of a step builds it, the
-    # others find it, so a step copies its indices to the device once.
+    # others find it, so a step copies its indices to the device once, in one copy.
     plan = PrefillPlan.of(chunks, taps)
     fresh = [i for i, c in enumerate(chunks) if c.fresh]
-    rounds = []
+    up = _Upload()
+    handles = {"slots": up.add([c.slot for c in chunks]), "fresh": up.add(fresh),
+               "columns": up.add(plan.columns), "conv_out": up.add(plan.conv_out)}
+    if not _consecutive(plan.rows):
+        handles["rows"] = up.add(plan.rows)
+    per_round = []
     for rnd in plan.rounds:
-        stores = bool(rnd.dsts)
-        windows = None
-        if stores:  # [S, K - 1]: the conv columns of each state written
-            windows = _long(rnd.starts, device)[:, None] + torch.arange(taps - 1, device=device)
+        lengths = [b - a for a, b in pairwise(rnd.cu_seqlens)]
+        h = {"cu": up.add(rnd.cu_seqlens), "order": up.add(list(range(len(rnd.chunks)))),
+             "chunk_indices": up.add([x for pair in chunk_indices(lengths, FLA_CHUNK) for x in pair]),
+             "chunk_offsets": up.add(chunk_offsets(lengths, FLA_CHUNK))}
+        if not _consecutive(rnd.positions):
+            h["at"] = up.add(rnd.positions)
+        if rnd.keep is not None:
+            h["keep"] = up.add(rnd.keep)
+        if rnd.dsts:  # the K - 1 conv columns of each state written, and where they go
+            h["windows"] = up.add([start + j for start in rnd.starts for j in range(taps - 1)])
+            h["sources"], h["dsts"] = up.add(rnd.sources), up.add(rnd.dsts)
+        per_round.append(h)
+    sent = up.send(device)
+    rounds = []
+    for rnd, h in zip(plan.rounds, per_round, strict=True):
+        cu = sent[h["cu"]]
+        seed(cu, sent[h["chunk_indices"]].view(-1, 2), sent[h["chunk_offsets"]], FLA_CHUNK)
+        stores = "dsts" in h
         rounds.append(_DeviceRound(
-            _index(rnd.positions, device), _long(rnd.cu_seqlens, device),
-            None if rnd.keep is None else _long(rnd.keep, device),
-            _long(rnd.sources, device) if stores else None, windows,
-            _long(rnd.dsts, device) if stores else None,
-            max(b - a for a, b in pairwise(rnd.cu_seqlens)),
-            torch.arange(len(rnd.chunks), device=device)))
-    return _DevicePlan(_index(plan.rows, device), len(plan.rows), _long([c.slot for c in chunks], device),
-                       _long(fresh, device) if fresh else None, _long(plan.columns, device),
-                       _long(plan.conv_out, device), tuple(rounds))
+            sent[h["at"]] if "at" in h else _as_slice(rnd.positions), cu,
+            sent[h["keep"]] if "keep" in h else None,
+            sent[h["sources"]] if stores else None,
+            sent[h["windows"]].view(-1, taps - 1) if stores else None,
+            sent[h["dsts"]] if stores else None,
+            max(b - a for a, b in pairwise(rnd.cu_seqlens)), sent[h["order"]]))
+    return _DevicePlan(sent[handles["rows"]] if "rows" in handles else _as_slice(plan.rows), len(plan.rows),
+                       sent[handles["slots"]], sent[handles["fresh"]] if fresh else None,
+                       sent[handles["columns"]], sent[handles["conv_out"]], tuple(rounds))
 
 
-def _index(values: list[int], device: torch.device) -> torch.Tensor | slice:
-    """values as an index: a slice when they are consecutive (no gather), else a device tensor."""
-    if values and values == list(range(values[0], values[0] + len(values))):
-        return slice(values[0], values[0] + len(values))
-    return torch.tensor(values, dtype=torch.long, device=device)
+def _consecutive(values: list[int]) -> bool:
+    return bool(values) and values == list(range(values[0], values[0] + len(values)))
 
 
-def _long(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+def _as_slice(values: list[int]) -> slice:
+    return slice(values[0], values[0] + len(values))
 
 
 def _in_place(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape) -> bool:
@@ -348,7 +400,8 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
     short = _in_place(kernels, shape)
     q_heads, k_heads = q, k  # [P, Hk, Dk]: the in-place kernel serves grouped value heads itself
     groups = shape.num_v_heads // shape.num_k_heads
-    if groups > 1:  # fla 0.4's chunked rule: one key head per value head
+    chunked = not short or any(rnd.longest > SHORT_PIECE for rnd in plan.rounds)
+    if groups > 1 and chunked:  # fla 0.4's chunked rule: one key head per value head
         q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
     beta, g = beta[rows], g[rows]
 

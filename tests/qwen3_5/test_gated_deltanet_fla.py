@@ -173,10 +173,10 @@ def test_the_adapter_equals_the_reference_path(name, in_place):
     if first_chunked == 0:
         assert fake.chunk_calls[0] == len(chunks)  # every chunk in the first call
     decodes = len(layout) - len(chunks)
-    prefill_launches = [c for c in fake.in_place_calls if c != (decodes, decodes)]
+    prefill_launches = [c for c in fake.in_place_calls if c[2]]
     assert len(prefill_launches) == short
     if in_place:
-        assert fake.recurrent_calls == [] and fake.in_place_calls.count((decodes, decodes)) == (decodes > 0)
+        assert fake.recurrent_calls == [] and fake.in_place_calls.count((decodes, decodes, False)) == (decodes > 0)
     else:
         assert fake.recurrent_calls == ([decodes] if decodes else []) and fake.in_place_calls == []
 
@@ -267,8 +267,8 @@ def test_the_engine_through_the_adapter_gives_hf_s_tokens(make_qwen3_5_engine, q
     assert results["warm"]["usage"].cached_prompt_tokens > 0  # resumed from the image's snapshot
     if in_place:  # 13-token steps: every piece short, chunks packed into one launch, decode rows too
         assert not fake.chunk_calls and not fake.recurrent_calls
-        assert max(seqs for rows, seqs in fake.in_place_calls if rows > seqs) > 1
-        assert any(rows == seqs for rows, seqs in fake.in_place_calls)
+        assert max(seqs for rows, seqs, varlen in fake.in_place_calls if varlen) > 1
+        assert any(not varlen for *_, varlen in fake.in_place_calls)
     else:
         assert fake.chunk_calls and fake.recurrent_calls and max(fake.chunk_calls) > 1  # chunks packed
     stats = engine.stats()

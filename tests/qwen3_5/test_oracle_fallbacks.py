@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
 from common.families.qwen3_5.oracle import torch_fallbacks
 
 
@@ -26,6 +28,18 @@ def torch_causal_conv1d_update(*args, **kwargs):
     return "torch conv update"
 
 
+class FusedRMSNormGated(torch.nn.Module):
+    """fla's fused gated norm, as older transformers built it whenever fla imported."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(dim) + 0.5)
+        self.eps = eps
+
+    def forward(self, x, gate):
+        raise AssertionError("a Triton kernel on a CPU tensor")
+
+
 class OldGatedDeltaNet(torch.nn.Module):
     """What transformers before the per-call device check built: the kernels bound at construction."""
 
@@ -36,6 +50,7 @@ class OldGatedDeltaNet(torch.nn.Module):
         self.recurrent_gated_delta_rule = fla_chunk
         self.causal_conv1d_update = fla_chunk
         self.causal_conv1d_fn = fla_chunk
+        self.norm = FusedRMSNormGated(8, eps=1e-6)
 
 
 class OldModel(torch.nn.Module):
@@ -46,12 +61,18 @@ class OldModel(torch.nn.Module):
 
 def test_a_cpu_model_s_layers_take_the_torch_fallbacks():
     model = OldModel()
-    assert torch_fallbacks(model) == 8
+    weight = model.layers[0].norm.weight.detach().clone()
+    assert torch_fallbacks(model) == 10
     for layer in model.layers[:2]:
         assert layer.chunk_gated_delta_rule() == "torch chunk"
         assert layer.recurrent_gated_delta_rule() == "torch recurrent"
         assert layer.causal_conv1d_update() == "torch conv update"
         assert layer.causal_conv1d_fn is None
+    norm = model.layers[0].norm
+    assert isinstance(norm, Qwen3_5RMSNormGated) and torch.equal(norm.weight, weight)
+    x, gate = torch.randn(3, 8), torch.randn(3, 8)
+    reference = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight * torch.nn.functional.silu(gate)
+    torch.testing.assert_close(norm(x, gate), reference)
     assert torch_fallbacks(model) == 0  # nothing left to replace
 
 

@@ -46,7 +46,7 @@ def torch_fallbacks(model: torch.nn.Module) -> int:
     """Point a CPU model's Gated DeltaNet layers at HF's torch fallbacks (the oracle). Newer transformers
     pick the fallback per call by the inputs' device and bind nothing per layer: then this changes nothing.
     Older ones bind fla's Triton kernels at construction when fla imports (a GPU machine), which fail on
-    CPU tensors. Returns the number of attributes replaced."""
+    CPU tensors, and build the output norm as fla's fused module. Returns the number of attributes replaced."""
     import sys
 
     if next(model.parameters()).device.type != "cpu":
@@ -62,4 +62,18 @@ def torch_fallbacks(model: torch.nn.Module) -> int:
         if getattr(module, "causal_conv1d_fn", None) is not None:
             module.causal_conv1d_fn = None  # None: the layer's own conv1d + silu
             replaced += 1
+        norm = getattr(module, "norm", None)
+        if type(norm).__name__ == "FusedRMSNormGated":
+            module.norm = _torch_gated_norm(modeling, norm, next(model.parameters()).dtype)
+            replaced += 1
     return replaced
+
+
+def _torch_gated_norm(modeling, fused: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The modeling module's gated RMS norm (norm, then times silu(gate)) with fla's module's weight and eps
+    (fla's module was made on the GPU in the checkpoint's dtype: the copy takes the model's)."""
+    (cls,) = [c for name, c in vars(modeling).items()
+              if name.endswith("RMSNormGated") and isinstance(c, type) and c is not type(fused)]
+    norm = cls(fused.weight.shape[-1], eps=fused.eps)
+    norm.weight = torch.nn.Parameter(fused.weight.detach().to("cpu", dtype).clone())
+    return norm
