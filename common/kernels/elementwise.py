@@ -116,9 +116,38 @@ def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, n_rows, x_stride, ga
     var = tl.sum(x * x, axis=1) / n_cols
     normed = _round(x * tl.math.rsqrt(var + eps)[:, None], dtype)
     h = _round(normed.to(tl.float32) * w[None, :], dtype)
-    gate = tl.load(gate_ptr + rows[:, None] * gate_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + rows[:, None] * gate_stride + cols[None, :], mask=mask, other=0.0)
+    gate = gate.to(tl.float32)
     out = h.to(tl.float32) * (gate / (1.0 + tl.exp(-gate)))
     tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], _round(out, dtype), mask=mask)
+
+
+@triton.jit
+def _delta_gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, beta_ptr, g_ptr, n_rows, a_stride, b_stride,
+                        n_heads, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # A Gated DeltaNet layer's gates per token and value head: beta = sigmoid(b) (rounded to b's dtype, as
+    # torch's sigmoid in that dtype), g = -exp(A_log) * softplus(a + dt_bias) in fp32 (softplus's
+    # threshold 20 as torch's).
+    wait_for_inputs()
+    release_dependents()
+    cols = tl.arange(0, BLOCK)
+    col_mask = cols < n_heads
+    decay = -tl.exp(tl.load(a_log_ptr + cols, mask=col_mask, other=0.0).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    b = tl.load(b_ptr + rows[:, None] * b_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    beta = _round(1.0 / (1.0 + tl.exp(-b)), beta_ptr.dtype.element_ty)
+    tl.store(beta_ptr + rows[:, None] * n_heads + cols[None, :], beta, mask=mask)
+    a = tl.load(a_ptr + rows[:, None] * a_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a = a + dt_bias[None, :]
+    # log1p(exp(a)) as max(a, 0) + log1p(exp(-|a|)), log1p(y) = log(u) * y / (u - 1) with u = 1 + y
+    # (exact where u rounds to 1): accurate where exp(a) is tiny, as torch's log1p is
+    y = tl.exp(-tl.abs(a))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+    softplus = tl.where(a > 20.0, a, tl.maximum(a, 0.0) + log1p)
+    tl.store(g_ptr + rows[:, None] * n_heads + cols[None, :], decay[None, :] * softplus, mask=mask)
 
 
 @triton.jit
@@ -297,6 +326,28 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         x, gate, weight, out, n_rows, x.stride(0), gate.stride(0), out.stride(0), n_cols, eps,
         BLOCK_ROWS=block_rows, BLOCK=block, num_warps=4, **small_kernel_launch_options())
     return out
+
+
+def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer's gates of projected rows a, b [N, H]: (beta = sigmoid(b) [N, H] in b's dtype,
+    g = -exp(A_log) * softplus(a + dt_bias) [N, H] fp32), GatedDeltaNet._gates's contract, one launch."""
+    _row_major(a, "a")
+    _row_major(b, "b")
+    if b.shape != a.shape or a_log.shape != (a.shape[1],) or dt_bias.shape != (a.shape[1],):
+        raise ValueError(f"a, b [N, H] and A_log, dt_bias [H] expected, got {tuple(a.shape)}, "
+                         f"{tuple(b.shape)}, {tuple(a_log.shape)}, {tuple(dt_bias.shape)}")
+    n_rows, n_heads = a.shape
+    beta = torch.empty((n_rows, n_heads), dtype=b.dtype, device=b.device)
+    g = torch.empty((n_rows, n_heads), dtype=torch.float32, device=a.device)
+    if n_rows == 0 or n_heads == 0:
+        return beta, g
+    block = triton.next_power_of_2(n_heads)
+    block_rows = max(1, min(64, 2048 // block))
+    _delta_gates_kernel[(triton.cdiv(n_rows, block_rows),)](
+        a, b, a_log.contiguous(), dt_bias.contiguous(), beta, g, n_rows, a.stride(0), b.stride(0), n_heads,
+        BLOCK_ROWS=block_rows, BLOCK=block, num_warps=4, **small_kernel_launch_options())
+    return beta, g
 
 
 def gated_act(x: torch.Tensor, gelu: bool) -> torch.Tensor:

@@ -288,7 +288,7 @@ class GatedDeltaNet(nn.Module):
             return self.out_proj(self._token_by_token(qkv, z, b, a, step, layer))
         kernels = self.delta_rule_kernels(x.device)
         if kernels is not None:
-            beta, g = self._gates(b, a)
+            beta, g = kernels.gates(a, b, self.A_log, self.dt_bias) if kernels.gates else self._gates(b, a)
             o = forward_packed(qkv, beta, g, self.conv1d.weight.squeeze(1), self.shape, step, layer, kernels)
             if kernels.gated_norm is None:
                 return self._out(o, z)

@@ -80,6 +80,8 @@ class DeltaRuleKernels:
     # f(o [R, Dv], z [R, Dv], weight [Dv], eps) -> the layer's gated output norm in one launch (rows of one
     # head each; GatedRMSNorm's contract); None: the torch module
     gated_norm: Callable[..., torch.Tensor] | None = None
+    # f(a [N, Hv], b [N, Hv], A_log, dt_bias) -> (beta, g): the gates in one launch; None: the torch ops
+    gates: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def linear_attention_mode(mode: str | None = None) -> str:
@@ -97,13 +99,13 @@ def load_fla() -> tuple[DeltaRuleKernels | None, str]:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
         from common.kernels.delta_rule_recurrent import delta_rule_recurrent_, supports
-        from common.kernels.elementwise import gated_rms_norm
+        from common.kernels.elementwise import delta_gates, gated_rms_norm
     except Exception as exc:  # ImportError, or Triton failing at import on a host without a driver
         return None, f"{type(exc).__name__}: {exc}"
     install_seeded_indices()  # fla's chunk indices from the step's plan, not read back per call
     return DeltaRuleKernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
                             recurrent_in_place=delta_rule_recurrent_, recurrent_supports=supports,
-                            gated_norm=gated_rms_norm), ""
+                            gated_norm=gated_rms_norm, gates=delta_gates), ""
 
 
 _logged: set[tuple[str, str]] = set()

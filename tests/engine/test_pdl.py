@@ -34,7 +34,8 @@ from common.kernels import (  # noqa: E402
 )
 
 PRODUCTS = [decode_gemv, fp8_linear, fp8_split_k, stream_gemv]
-SMALL_KERNELS = {elementwise: {"_rms_norm_kernel", "_gated_act_kernel", "_rotary_kernel", "_gated_rms_norm_kernel"},
+SMALL_KERNELS = {elementwise: {"_rms_norm_kernel", "_gated_act_kernel", "_rotary_kernel",
+                               "_gated_rms_norm_kernel", "_delta_gates_kernel"},
                  attention: {"_paged_attention_kernel", "_merge_splits_kernel"},
                  kv_store: {"_store_kv_kernel", "_rotary_store_kv_kernel"}}
 

@@ -97,7 +97,7 @@ class FakeFla:
     recurrent_calls: list[int] = field(default_factory=list)
     calls: list[tuple[str, tuple, dict]] = field(default_factory=list)  # (rule, args, kwargs) as passed
     # with the real in-place recurrent kernel (common/kernels/delta_rule_recurrent.py, Triton's interpreter
-    # on a CPU) and the other Triton kernels load_fla pairs with fla's rules (the gated output norm):
+    # on a CPU) and the other Triton kernels load_fla pairs with fla's rules (gates, gated output norm):
     # (rows, sequences, over cu_seqlens: a prefill round; else decode rows) per in-place call
     in_place: bool = False
     in_place_calls: list[tuple[int, int, bool]] = field(default_factory=list)
@@ -106,17 +106,18 @@ class FakeFla:
         if not self.in_place:
             return DeltaRuleKernels(self.chunk, self.recurrent, name="fake")
         from common.kernels.delta_rule_recurrent import supports
-        from common.kernels.elementwise import gated_rms_norm
+        from common.kernels.elementwise import delta_gates, gated_rms_norm
 
         return DeltaRuleKernels(self.chunk, self.recurrent, name="fake",
                                 recurrent_in_place=self.recurrent_in_place, recurrent_supports=supports,
-                                gated_norm=gated_rms_norm)
+                                gated_norm=gated_rms_norm, gates=delta_gates)
 
     def recurrent_in_place(self, q, k, v, g, beta, state_pool, slots, scale, out, **kw):
         from common.kernels.delta_rule_recurrent import delta_rule_recurrent_
 
         cu = kw.get("cu_seqlens")
-        self.in_place_calls.append((q.shape[0], q.shape[0] if cu is None else cu.shape[0] - 1, cu is not None))
+        sequences = q.shape[0] if cu is None else cu.shape[0] - 1
+        self.in_place_calls.append((q.shape[0], sequences, cu is not None))
         delta_rule_recurrent_(q, k, v, g, beta, state_pool, slots, scale, out, **kw)
 
     def chunk(self, q, k, v, *, g, beta, **kw):

@@ -38,6 +38,7 @@ from tests.qwen3_5.linear_steps import (
 # size ~1 and states agree to ~5e-7 (measured); a state read from the wrong slot, or noise read for a
 # fresh sequence, is off by ~0.1 or more.
 ATOL = 5e-6
+KERNELS_ATOL = 2e-5  # with the Triton kernels (gates, output norm): their fp32 sums in another order
 
 CUDA = torch.device("cuda")  # kernels_for only reads the device's type: no GPU needed
 
@@ -149,7 +150,7 @@ def test_the_adapter_equals_the_reference_path(name, in_place):
     fake = FakeFla(in_place=in_place)
     ref = _run(layout, None, ref_pool, shape=shape)
     out = _run(layout, fake.kernels(), fla_pool, shape=shape)
-    assert torch.allclose(out, ref, atol=ATOL, rtol=0)
+    assert torch.allclose(out, ref, atol=KERNELS_ATOL if in_place else ATOL, rtol=0)
     _assert_pools_close(fla_pool, ref_pool)
     # every slot a sequence or snapshot of the step names was written; the others kept what they held
     written = {slot for _, _, slot, _ in layout} | {s for *_, snaps in layout for _, s in snaps}
@@ -176,7 +177,8 @@ def test_the_adapter_equals_the_reference_path(name, in_place):
     prefill_launches = [c for c in fake.in_place_calls if c[2]]
     assert len(prefill_launches) == short
     if in_place:
-        assert fake.recurrent_calls == [] and fake.in_place_calls.count((decodes, decodes, False)) == (decodes > 0)
+        assert fake.recurrent_calls == []
+        assert fake.in_place_calls.count((decodes, decodes, False)) == (decodes > 0)
     else:
         assert fake.recurrent_calls == ([decodes] if decodes else []) and fake.in_place_calls == []
 

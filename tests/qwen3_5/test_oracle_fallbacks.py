@@ -6,7 +6,6 @@ fallbacks; a model on another device keeps them."""
 from __future__ import annotations
 
 import torch
-
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
 from common.families.qwen3_5.oracle import torch_fallbacks
@@ -71,7 +70,8 @@ def test_a_cpu_model_s_layers_take_the_torch_fallbacks():
     norm = model.layers[0].norm
     assert isinstance(norm, Qwen3_5RMSNormGated) and torch.equal(norm.weight, weight)
     x, gate = torch.randn(3, 8), torch.randn(3, 8)
-    reference = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight * torch.nn.functional.silu(gate)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    reference = normed * weight * torch.nn.functional.silu(gate)
     torch.testing.assert_close(norm(x, gate), reference)
     assert torch_fallbacks(model) == 0  # nothing left to replace
 

@@ -46,7 +46,8 @@ def torch_fallbacks(model: torch.nn.Module) -> int:
     """Point a CPU model's Gated DeltaNet layers at HF's torch fallbacks (the oracle). Newer transformers
     pick the fallback per call by the inputs' device and bind nothing per layer: then this changes nothing.
     Older ones bind fla's Triton kernels at construction when fla imports (a GPU machine), which fail on
-    CPU tensors, and build the output norm as fla's fused module. Returns the number of attributes replaced."""
+    CPU tensors, and build the output norm as fla's fused module. Returns the number of attributes
+    replaced."""
     import sys
 
     if next(model.parameters()).device.type != "cpu":

@@ -1,8 +1,8 @@
-"""The Gated DeltaNet layer's output norm as one Triton kernel (common/kernels/elementwise.py's
-gated_rms_norm), run in Triton's interpreter on a CPU host: it equals the layer's torch GatedRMSNorm
+"""The Gated DeltaNet layer's small Triton kernels (common/kernels/elementwise.py), run in Triton's
+interpreter on a CPU host: gated_rms_norm equals the layer's torch GatedRMSNorm
 (decoder_svc/model/gated_deltanet.py, HF's Qwen3NextRMSNormGated) on rows of one head each, for strided
 rows, a row count that is not a multiple of the kernel's row block, and a head dim that is not a power of
-two."""
+two; delta_gates equals the layer's `_gates` (beta and the log decay)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from common.kernels.elementwise import gated_rms_norm  # noqa: E402
-from decoder_svc.model.gated_deltanet import GatedRMSNorm  # noqa: E402
+from common.kernels.elementwise import delta_gates, gated_rms_norm  # noqa: E402
+from decoder_svc.model.gated_deltanet import GatedDeltaNet, GatedRMSNorm  # noqa: E402
+from tests.qwen3_5.linear_steps import text_shape  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="needs Triton's interpreter (a CPU host)")
 
@@ -51,3 +52,23 @@ def test_strided_rows():
 def test_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="gate must be"):
         gated_rms_norm(torch.ones(4, 8), torch.ones(4, 7), torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 70])
+def test_delta_gates_equal_the_layer_s(dtype, rows):
+    layer = GatedDeltaNet(text_shape())
+    heads = layer.shape.num_v_heads
+    gen = torch.Generator().manual_seed(rows)
+    with torch.no_grad():
+        layer.A_log.copy_(torch.randn(heads, generator=gen))
+        layer.dt_bias.copy_(torch.randn(heads, generator=gen))
+    wide = (torch.randn(rows, 2 * heads + 3, generator=gen) * 8).to(dtype)
+    a, b = wide[:, :heads], wide[:, heads + 3:]  # strided rows, as slices of a wider projection
+    a[0, 0] = 30.0  # past softplus's threshold
+    beta, g = delta_gates(a, b, layer.A_log.to(dtype), layer.dt_bias.to(dtype))
+    with torch.no_grad():
+        ref_beta, ref_g = layer.to(dtype)._gates(b, a)
+    assert beta.dtype == dtype and g.dtype == torch.float32
+    torch.testing.assert_close(beta, ref_beta, atol=1e-6 if dtype == torch.float32 else 4e-3, rtol=0)
+    torch.testing.assert_close(g, ref_g, atol=1e-5, rtol=1e-5)
