@@ -23,12 +23,12 @@ EPS = 1e-6
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=8e-3, rtol=1.6e-2)}
 
 
-def _codes(sequences: list[tuple[int | None, int, int]], positions: int) -> torch.Tensor:
+def _codes(sequences: list[tuple[int | None, int, int]], positions: int, taps: int = TAPS) -> torch.Tensor:
     """Source codes [rows, positions] for sequences (slot or None for a fresh one, x row of the first
     token, tokens): token t's inputs from K - 1 before it on (the conv's K taps: up to the token itself;
     a window of K - 1: up to the one before it), those before the sequence from the slot's carried columns
     (oldest first) or zeros."""
-    carry = TAPS - 1
+    carry = taps - 1
     codes = []
     for slot, first, tokens in sequences:
         for t in range(tokens):
@@ -124,16 +124,17 @@ def test_q_and_k_heads_normalised_v_left(dtype):
     assert not torch.allclose(out[:, :normalize_channels].float(), plain[:, :normalize_channels].float())
 
 
-def test_fresh_sequence_equals_torch_causal_conv1d():
+@pytest.mark.parametrize("taps", [2, TAPS, 5])
+def test_fresh_sequence_equals_torch_causal_conv1d(taps):
     """A fresh sequence's codes (zeros, then its rows): F.conv1d with K - 1 zeros of left padding."""
     channels, tokens = 40, 11
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(tokens, channels, generator=gen)
-    weight = torch.randn(channels, TAPS, generator=gen)
-    carried = torch.zeros(1, channels, TAPS - 1)
+    weight = torch.randn(channels, taps, generator=gen)
+    carried = torch.zeros(1, channels, taps - 1)
     out = torch.empty(tokens, channels)
-    packed_causal_conv_(x, _codes([(None, 0, tokens)], TAPS), carried, weight, out)
-    conv = F.conv1d(x.t()[None], weight[:, None], padding=TAPS - 1, groups=channels)[0, :, :tokens]
+    packed_causal_conv_(x, _codes([(None, 0, tokens)], taps, taps), carried, weight, out)
+    conv = F.conv1d(x.t()[None], weight[:, None], padding=taps - 1, groups=channels)[0, :, :tokens]
     torch.testing.assert_close(out, F.silu(conv.t()), atol=1e-5, rtol=1e-5)
 
 
