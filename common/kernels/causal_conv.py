@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 BLOCK_ROWS = 32  # rows per program: each tap's weights loaded once for 32 rows
-BLOCK_CHANNELS = 128  # channels per program without the norm (with it: one head, head_dim channels)
+BLOCK_CHANNELS = 128  # channels per program (with the norm: whole heads, at least one)
 MAX_TAPS = 8
 
 
@@ -53,7 +53,7 @@ def _packed_causal_conv_kernel(x_ptr, sources_ptr, carried_ptr, weight_ptr, out_
                                rows, channels, normalize_channels, eps,
                                x_stride, carried_s, carried_c, carried_k, weight_c, weight_k, out_stride,
                                TAPS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-                               NORMALIZE: tl.constexpr):
+                               HEAD: tl.constexpr, NORMALIZE: tl.constexpr):
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = p < rows
@@ -66,11 +66,13 @@ def _packed_causal_conv_kernel(x_ptr, sources_ptr, carried_ptr, weight_ptr, out_
         acc += w[None, :] * _inputs(x_ptr, carried_ptr, codes[:, None], c[None, :], mask, x_stride,
                                     carried_s, carried_c, carried_k, TAPS - 1)
     y = (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty)
-    if NORMALIZE:  # the block is one head: q and k heads normalised, v's left as they are
-        yf = y.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(yf * yf, axis=1) + eps)
-        scale = tl.where((c < normalize_channels)[None, :], inv[:, None], 1.0)
-        y = (yf * scale).to(out_ptr.dtype.element_ty)
+    if NORMALIZE:  # the block holds whole heads: q and k heads normalised, v's left as they are
+        yf = tl.reshape(y.to(tl.float32), (BLOCK_P, BLOCK_C // HEAD, HEAD))
+        inv = 1.0 / tl.sqrt(tl.sum(yf * yf, axis=2) + eps)  # [BLOCK_P, heads]
+        scale = tl.reshape(tl.broadcast_to(inv[:, :, None], (BLOCK_P, BLOCK_C // HEAD, HEAD)),
+                           (BLOCK_P, BLOCK_C))
+        scale = tl.where((c < normalize_channels)[None, :], scale, 1.0)
+        y = (y.to(tl.float32) * scale).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + p[:, None].to(tl.int64) * out_stride + c[None, :], y, mask=mask)
 
 
@@ -95,6 +97,10 @@ def supports(channels: int, taps: int, head_dim: int) -> bool:
     norm's block; head_dim 0: no heads normalised)."""
     heads_ok = head_dim == 0 or (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0)
     return channels > 0 and 2 <= taps <= MAX_TAPS and heads_ok
+
+
+def _largest_power_of_two_dividing(n: int) -> int:
+    return n & -n
 
 
 def _check_sources(sources: torch.Tensor, rows: int, codes: int, name: str) -> None:
@@ -133,12 +139,16 @@ def packed_causal_conv_(x: torch.Tensor, sources: torch.Tensor, carried: torch.T
         raise ValueError("x and out need channel stride 1")
     _check_sources(sources, rows, taps, "sources")
     _check_carried(carried, channels, taps)
-    block_c = head_dim if normalize_channels else min(BLOCK_CHANNELS, triton.next_power_of_2(channels))
+    block_c = min(BLOCK_CHANNELS, triton.next_power_of_2(channels))
+    if normalize_channels:  # whole heads per block; a block never straddles the q/k-v boundary
+        block_c = head_dim * max(1, min(BLOCK_CHANNELS // head_dim, _largest_power_of_two_dividing(
+            normalize_channels // head_dim)))
     grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(channels, block_c))
     _packed_causal_conv_kernel[grid](
         x, sources, carried, weight, out, rows, channels, normalize_channels, eps,
         x.stride(0), *carried.stride(), *weight.stride(), out.stride(0),
-        TAPS=taps, BLOCK_P=BLOCK_ROWS, BLOCK_C=block_c, NORMALIZE=normalize_channels > 0,
+        TAPS=taps, BLOCK_P=BLOCK_ROWS, BLOCK_C=block_c, HEAD=head_dim if normalize_channels else block_c,
+        NORMALIZE=normalize_channels > 0,
         num_warps=4 if BLOCK_ROWS * block_c <= 4096 else 8)
 
 

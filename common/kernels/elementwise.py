@@ -145,7 +145,7 @@ def _delta_gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, beta_ptr, g_ptr, n
     # (exact where u rounds to 1): accurate where exp(a) is tiny, as torch's log1p is
     y = tl.exp(-tl.abs(a))
     u = 1.0 + y
-    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
     softplus = tl.where(a > 20.0, a, tl.maximum(a, 0.0) + log1p)
     tl.store(g_ptr + rows[:, None] * n_heads + cols[None, :], decay[None, :] * softplus, mask=mask)
 
@@ -321,7 +321,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         return out
     weight = weight.to(x.dtype).contiguous()
     block = triton.next_power_of_2(n_cols)
-    block_rows = max(1, min(16, 4096 // block))  # about 4K values per program
+    block_rows = max(1, min(64, 4096 // block))  # about 4K values per program
     _gated_rms_norm_kernel[(triton.cdiv(n_rows, block_rows),)](
         x, gate, weight, out, n_rows, x.stride(0), gate.stride(0), out.stride(0), n_cols, eps,
         BLOCK_ROWS=block_rows, BLOCK=block, num_warps=4, **small_kernel_launch_options())

@@ -82,6 +82,12 @@ class DeltaRuleKernels:
     gated_norm: Callable[..., torch.Tensor] | None = None
     # f(a [N, Hv], b [N, Hv], A_log, dt_bias) -> (beta, g): the gates in one launch; None: the torch ops
     gates: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # the prefill convolution over source codes (common/kernels/causal_conv.py's packed_causal_conv_,
+    # gather_conv_windows_ and supports(channels, taps, head_dim)); None: torch's conv1d over gathered
+    # columns
+    causal_conv: Callable[..., None] | None = None
+    conv_windows: Callable[..., None] | None = None
+    conv_supports: Callable[[int, int, int], bool] | None = None
 
 
 def linear_attention_mode(mode: str | None = None) -> str:
@@ -98,6 +104,7 @@ def load_fla() -> tuple[DeltaRuleKernels | None, str]:
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
+        from common.kernels import causal_conv
         from common.kernels.delta_rule_recurrent import delta_rule_recurrent_, supports
         from common.kernels.elementwise import delta_gates, gated_rms_norm
     except Exception as exc:  # ImportError, or Triton failing at import on a host without a driver
@@ -105,7 +112,10 @@ def load_fla() -> tuple[DeltaRuleKernels | None, str]:
     install_seeded_indices()  # fla's chunk indices from the step's plan, not read back per call
     return DeltaRuleKernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
                             recurrent_in_place=delta_rule_recurrent_, recurrent_supports=supports,
-                            gated_norm=gated_rms_norm, gates=delta_gates), ""
+                            gated_norm=gated_rms_norm, gates=delta_gates,
+                            causal_conv=causal_conv.packed_causal_conv_,
+                            conv_windows=causal_conv.gather_conv_windows_,
+                            conv_supports=causal_conv.supports), ""
 
 
 _logged: set[tuple[str, str]] = set()
@@ -237,6 +247,9 @@ class _DevicePlan:
     columns: torch.Tensor
     conv_out: torch.Tensor
     rounds: tuple[_DeviceRound, ...]
+    codes: torch.Tensor  # int32 [P, K]: where each packed row's conv inputs come from (conv_codes)
+    window_codes: torch.Tensor  # int32 [S, K - 1]: the conv state of each slot the step writes ...
+    window_dsts: torch.Tensor  # [S]: ... and those slots
 
 
 class _Upload:
@@ -290,6 +303,8 @@ def _device_plan(chunks: tuple, taps: int, device: torch.device) -> _DevicePlan:
             h["windows"] = up.add([start + j for start in rnd.starts for j in range(taps - 1)])
             h["sources"], h["dsts"] = up.add(rnd.sources), up.add(rnd.dsts)
         per_round.append(h)
+    codes, window_codes, window_dsts = conv_codes(chunks, taps)
+    handles.update(codes=up.add(codes), window_codes=up.add(window_codes), window_dsts=up.add(window_dsts))
     sent = up.send(device)
     rounds = []
     for rnd, h in zip(plan.rounds, per_round, strict=True):
@@ -305,7 +320,32 @@ def _device_plan(chunks: tuple, taps: int, device: torch.device) -> _DevicePlan:
             max(b - a for a, b in pairwise(rnd.cu_seqlens)), sent[h["order"]]))
     return _DevicePlan(sent[handles["rows"]] if "rows" in handles else _as_slice(plan.rows), len(plan.rows),
                        sent[handles["slots"]], sent[handles["fresh"]] if fresh else None,
-                       sent[handles["columns"]], sent[handles["conv_out"]], tuple(rounds))
+                       sent[handles["columns"]], sent[handles["conv_out"]], tuple(rounds),
+                       sent[handles["codes"]].view(-1, taps).to(torch.int32),
+                       sent[handles["window_codes"]].view(-1, taps - 1).to(torch.int32),
+                       sent[handles["window_dsts"]])
+
+
+def conv_codes(chunks: tuple, taps: int) -> tuple[list[int], list[int], list[int]]:
+    """The source codes of common/kernels/causal_conv.py for a step's chunks, over the step's rows and
+    the layer's whole conv-state pool: (codes [P * K], each packed row's K inputs, oldest first; window
+    codes [S * (K - 1)], the K - 1 inputs before each position whose state the step keeps: a snapshot's,
+    or the chunk's own after its last token; the S slots those go to)."""
+    carry = taps - 1
+
+    def code(c, i: int) -> int:  # input i of chunk c (i < 0: the i-th before it, from its slot)
+        if i >= 0:
+            return c.first_row + i
+        return -1 if c.fresh else -(c.slot * carry + carry + i) - 2
+
+    codes, windows, dsts = [], [], []
+    for c in chunks:
+        n = c.end_row - c.first_row
+        codes += [code(c, t - carry + j) for t in range(n) for j in range(taps)]
+        for end, slot in [*c.snapshots, (n, c.slot)]:
+            windows += [code(c, end - carry + j) for j in range(carry)]
+            dsts.append(slot)
+    return codes, windows, dsts
 
 
 def _consecutive(values: list[int]) -> bool:
@@ -327,6 +367,12 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     torch reference compute (gated_deltanet.l2norm, in the input's dtype; that module imports this one)."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _heads_in_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] with each row's heads side by side (what the in-place kernel reads): x itself where
+    they are (the conv kernel's rows), else a copy (torch's conv gives a transposed view)."""
+    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
 
 
 def _split_heads(mixed: torch.Tensor, shape: GatedDeltaNetShape) -> tuple[torch.Tensor, ...]:
@@ -386,19 +432,32 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
     plan = _device_plan(chunks, weight.shape[-1], qkv.device)
     rows = plan.rows
 
-    # The convolution: carried inputs (zeros for fresh chunks) and rows side by side, one conv1d.
-    carried = conv_pool.index_select(0, plan.slots)  # [M, C, K - 1]
-    if plan.fresh is not None:
-        carried.index_fill_(0, plan.fresh, 0)
-    x = qkv[rows].to(conv_pool.dtype)  # [P, C]
-    source = torch.cat([carried.permute(1, 0, 2).reshape(carried.shape[1], -1), x.t()], dim=1)
-    columns = source[:, plan.columns]  # [C, L]
-    conv = F.conv1d(columns[None].to(weight.dtype), weight[:, None], groups=weight.shape[0])[0]
-    mixed = F.silu(conv[:, plan.conv_out].t()).to(qkv.dtype)  # [P, C]
-    q, k, v = _split_heads(mixed, shape)
-    # q and k normalised here, not by fla's chunked rule: its l2norm kernel takes the row count as a
-    # compile-time constant, so every new prompt length would compile it again inside a request's step.
-    q, k = _l2norm(q), _l2norm(k)
+    taps = weight.shape[-1]
+    if kernels.causal_conv is not None and kernels.conv_supports(shape.conv_dim, taps, shape.head_k_dim):
+        # One launch: each row's inputs read where they lie (step rows, carried slots), SiLU, q and k
+        # normalised; then every state the step keeps gathered (before any slot is written), and written.
+        mixed = qkv.new_empty(plan.num_rows, shape.conv_dim)
+        kernels.causal_conv(qkv, plan.codes, conv_pool, weight, mixed, normalize_channels=2 * shape.key_dim,
+                            head_dim=shape.head_k_dim)
+        windows = conv_pool.new_empty(plan.window_dsts.shape[0], shape.conv_dim, taps - 1)
+        kernels.conv_windows(qkv, plan.window_codes, conv_pool, windows)
+        conv_pool.index_copy_(0, plan.window_dsts, windows)
+        q, k, v = _split_heads(mixed, shape)
+        columns = None
+    else:
+        # carried inputs (zeros for fresh chunks) and rows side by side, one conv1d
+        carried = conv_pool.index_select(0, plan.slots)  # [M, C, K - 1]
+        if plan.fresh is not None:
+            carried.index_fill_(0, plan.fresh, 0)
+        x = qkv[rows].to(conv_pool.dtype)  # [P, C]
+        source = torch.cat([carried.permute(1, 0, 2).reshape(carried.shape[1], -1), x.t()], dim=1)
+        columns = source[:, plan.columns]  # [C, L]
+        conv = F.conv1d(columns[None].to(weight.dtype), weight[:, None], groups=weight.shape[0])[0]
+        mixed = F.silu(conv[:, plan.conv_out].t()).to(qkv.dtype)  # [P, C]
+        q, k, v = _split_heads(mixed, shape)
+        # q and k normalised here, not by fla's chunked rule: its l2norm kernel takes the row count as a
+        # compile-time constant, so every new prompt length would compile it again inside a request's step.
+        q, k = _l2norm(q), _l2norm(k)
     short = _in_place(kernels, shape)
     q_heads, k_heads = q, k  # [P, Hk, Dk]: the in-place kernel serves grouped value heads itself
     groups = shape.num_v_heads // shape.num_k_heads
@@ -416,13 +475,13 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
             state = state.index_select(0, rnd.keep)
         at = rnd.at
         if short and rnd.longest <= SHORT_PIECE:  # token by token, the running states updated in place
-            # the conv's rows are a transposed view: the kernel wants each row's heads contiguous
-            values = v[at].contiguous()
+            values = _heads_in_rows(v[at])
             out = packed.new_empty(values.shape)
-            kernels.recurrent_in_place(q_heads[at].contiguous(), k_heads[at].contiguous(), values,
-                                       g[at].contiguous(), beta[at].contiguous(), state, rnd.order,
-                                       shape.head_k_dim ** -0.5, out, cu_seqlens=rnd.cu_seqlens,
-                                       normalize=False)
+            gates = (g[at], beta[at]) if g.stride() == beta.stride() else (g[at].contiguous(),
+                                                                           beta[at].contiguous())
+            kernels.recurrent_in_place(_heads_in_rows(q_heads[at]), _heads_in_rows(k_heads[at]), values,
+                                       *gates, state, rnd.order, shape.head_k_dim ** -0.5, out,
+                                       cu_seqlens=rnd.cu_seqlens, normalize=False)
             packed[at] = out
         else:
             out, state = kernels.chunk(
@@ -432,5 +491,7 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
             packed[at] = out[0].to(packed.dtype)
         if rnd.dsts is not None:  # snapshots here, or chunks' last pieces: their slots take the states
             rec_pool.index_copy_(0, rnd.dsts, state.index_select(0, rnd.sources).to(rec_pool.dtype))
-            conv_pool.index_copy_(0, rnd.dsts, columns[:, rnd.windows].permute(1, 0, 2).to(conv_pool.dtype))
+            if columns is not None:  # (the conv kernel's path wrote them all already)
+                conv_pool.index_copy_(0, rnd.dsts,
+                                      columns[:, rnd.windows].permute(1, 0, 2).to(conv_pool.dtype))
     o[rows] = packed

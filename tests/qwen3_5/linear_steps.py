@@ -97,7 +97,8 @@ class FakeFla:
     recurrent_calls: list[int] = field(default_factory=list)
     calls: list[tuple[str, tuple, dict]] = field(default_factory=list)  # (rule, args, kwargs) as passed
     # with the real in-place recurrent kernel (common/kernels/delta_rule_recurrent.py, Triton's interpreter
-    # on a CPU) and the other Triton kernels load_fla pairs with fla's rules (gates, gated output norm):
+    # on a CPU) and the other Triton kernels load_fla pairs with fla's rules (gates, the prefill conv, the
+    # gated output norm):
     # (rows, sequences, over cu_seqlens: a prefill round; else decode rows) per in-place call
     in_place: bool = False
     in_place_calls: list[tuple[int, int, bool]] = field(default_factory=list)
@@ -105,12 +106,16 @@ class FakeFla:
     def kernels(self) -> DeltaRuleKernels:
         if not self.in_place:
             return DeltaRuleKernels(self.chunk, self.recurrent, name="fake")
+        from common.kernels import causal_conv
         from common.kernels.delta_rule_recurrent import supports
         from common.kernels.elementwise import delta_gates, gated_rms_norm
 
         return DeltaRuleKernels(self.chunk, self.recurrent, name="fake",
                                 recurrent_in_place=self.recurrent_in_place, recurrent_supports=supports,
-                                gated_norm=gated_rms_norm, gates=delta_gates)
+                                gated_norm=gated_rms_norm, gates=delta_gates,
+                                causal_conv=causal_conv.packed_causal_conv_,
+                                conv_windows=causal_conv.gather_conv_windows_,
+                                conv_supports=causal_conv.supports)
 
     def recurrent_in_place(self, q, k, v, g, beta, state_pool, slots, scale, out, **kw):
         from common.kernels.delta_rule_recurrent import delta_rule_recurrent_
