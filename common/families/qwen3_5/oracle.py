@@ -9,6 +9,8 @@ checked against.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from common.families.qwen3_vl.oracle import IMAGE_PAD, Qwen3Oracle
@@ -48,8 +50,6 @@ def torch_fallbacks(model: torch.nn.Module) -> int:
     Older ones bind fla's Triton kernels at construction when fla imports (a GPU machine), which fail on
     CPU tensors, and build the output norm as fla's fused module. Returns the number of attributes
     replaced."""
-    import sys
-
     if next(model.parameters()).device.type != "cpu":
         return 0
     modeling = sys.modules[type(model).__module__]
