@@ -55,6 +55,7 @@ from torch import nn
 from decoder_svc.model.batch_invariant import invariant_matmuls_active
 from decoder_svc.model.gated_deltanet_fla import AUTO, DeltaRuleKernels, forward_packed, kernels_for
 from decoder_svc.model.gated_deltanet_shape import GatedDeltaNetShape, LinearStateStep
+from decoder_svc.model.linear_kernels_check import checked
 
 CHUNK_SIZE = 64  # the chunked rule's block, HF's and fla's default
 
@@ -191,6 +192,11 @@ class GatedRMSNorm(nn.Module):
         return (h * F.silu(gate.to(torch.float32))).to(dtype)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the device now (no check may copy to it then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet token mixer over [B, T, hidden] (the sequences of a batch have the same length;
     the state carries each one across calls). Submodules and parameters are named as the checkpoints'."""
@@ -235,7 +241,12 @@ class GatedDeltaNet(nn.Module):
         if self.kernels != AUTO:
             return self.kernels
         if self._resolved is None or self._resolved[0] != device:
-            self._resolved = (device, kernels_for(device))
+            kernels = kernels_for(device)
+            if kernels is not None:
+                if _capturing(device):  # checked at the first eager step
+                    return kernels
+                kernels = checked(kernels, self.shape, device, self.in_proj_qkv.weight.dtype)
+            self._resolved = (device, kernels)
         return self._resolved[1]
 
     def _core(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: GatedDeltaNetState | None,

@@ -1,0 +1,114 @@
+"""A first-use check of the Gated DeltaNet layer's own Triton kernels on a device (the gates, the prefill
+convolution and the gated output norm that load_fla pairs with fla's rules: model/gated_deltanet_fla.py).
+
+Each kernel runs once on a few rows of the layer's real shapes and dtype (so with the block sizes serving
+will compile) and is compared with its torch formula. A kernel that fails to compile or run, or disagrees
+beyond the dtype's rounding, is dropped with a warning naming it, and the layer computes that part with
+torch ops (the reference path's); the rest of the fast path stays. A broken kernel on a new GPU, driver or
+Triton version then costs speed, not answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from decoder_svc.model.gated_deltanet_fla import DeltaRuleKernels
+from decoder_svc.model.gated_deltanet_shape import GatedDeltaNetShape
+
+log = logging.getLogger("mmserve.decoder.linear_attention")
+
+ROWS = 5  # a fresh sequence's tokens in the check: fewer than the conv's taps reach back, and more
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # a few roundings of the dtype
+    return bool(torch.isfinite(got).all()) and torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def _check_gates(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape, device, dtype, gen) -> bool:
+    heads = shape.num_v_heads
+    a, b = (torch.randn(ROWS, heads, generator=gen).to(device, dtype) for _ in range(2))
+    a_log, dt_bias = (torch.randn(heads, generator=gen).to(device) for _ in range(2))
+    beta, g = kernels.gates(a, b, a_log, dt_bias)
+    want_g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return _close(beta, b.sigmoid(), dtype) and _close(g, want_g, torch.float32)
+
+
+def _check_gated_norm(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape, device, dtype, gen) -> bool:
+    dv = shape.head_v_dim
+    x, gate = (torch.randn(ROWS * shape.num_v_heads, dv, generator=gen).to(device, dtype) for _ in range(2))
+    weight = (torch.rand(dv, generator=gen) + 0.5).to(device, dtype)
+    got = kernels.gated_norm(x, gate, weight, shape.eps)
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + shape.eps)
+    return _close(got, (weight.float() * h) * F.silu(gate.float()), dtype)
+
+
+def _check_conv(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape, device, dtype, gen) -> bool:
+    channels, taps = shape.conv_dim, shape.conv_kernel
+    x = torch.randn(ROWS, channels, generator=gen).to(device, dtype)
+    weight = (torch.randn(channels, taps, generator=gen) / taps).to(device, dtype)
+    pool = torch.zeros(2, channels, taps - 1, device=device, dtype=dtype)
+    # a fresh sequence over rows 0..ROWS-1: taps before its start are zeros
+    codes = torch.tensor([[t - (taps - 1) + j if t - (taps - 1) + j >= 0 else -1 for j in range(taps)]
+                          for t in range(ROWS)], dtype=torch.int32, device=device)
+    mixed = x.new_empty(ROWS, channels)
+    kernels.causal_conv(x, codes, pool, weight, mixed, normalize_channels=2 * shape.key_dim,
+                        head_dim=shape.head_k_dim)
+    want = F.silu(F.conv1d(x.float().t()[None], weight.float()[:, None], padding=taps - 1,
+                           groups=channels)[0, :, :ROWS].t())
+    qk = want[:, :2 * shape.key_dim].reshape(ROWS, -1, shape.head_k_dim)
+    want[:, :2 * shape.key_dim] = (qk * torch.rsqrt(qk.square().sum(-1, keepdim=True) + 1e-6)).flatten(1)
+    window_codes = torch.tensor([[ROWS - (taps - 1) + j for j in range(taps - 1)]], dtype=torch.int32,
+                                device=device)
+    windows = pool.new_empty(1, channels, taps - 1)
+    kernels.conv_windows(x, window_codes, pool, windows)
+    return _close(mixed, want, dtype) and torch.equal(windows[0], x[ROWS - (taps - 1):].t())
+
+
+_CHECKS = {"gates": (_check_gates,), "gated_norm": (_check_gated_norm,),
+           "causal_conv": (_check_conv, "conv_windows")}
+
+
+def checked(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape, device: torch.device, dtype: torch.dtype,
+            ) -> DeltaRuleKernels:
+    """`kernels` without the optional ones (gates, gated_norm, causal_conv with conv_windows) that fail
+    their check on `device` at this layer's shapes in `dtype` (each dropped one logged as a warning).
+    Once per (kernels, shape, device, dtype): every layer of a stack shares the result."""
+    key = (kernels, shape, device, dtype)
+    try:
+        return _results[key]
+    except KeyError:
+        pass
+    except TypeError:  # kernels holding unhashable callables (tests' fakes): checked every time
+        return _check(kernels, shape, device, dtype)
+    _results[key] = _check(kernels, shape, device, dtype)
+    return _results[key]
+
+
+_results: dict[tuple, DeltaRuleKernels] = {}
+
+
+def _check(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape, device: torch.device, dtype: torch.dtype,
+           ) -> DeltaRuleKernels:
+    gen = torch.Generator().manual_seed(0)
+    dropped = {}
+    for name, (check, *partners) in _CHECKS.items():
+        if getattr(kernels, name) is None:
+            continue
+        if name == "causal_conv" and not kernels.conv_supports(shape.conv_dim, shape.conv_kernel,
+                                                               shape.head_k_dim):
+            continue
+        try:
+            ok = check(kernels, shape, device, dtype, gen)
+            why = "its result differs from the torch formula's"
+        except Exception as exc:  # a kernel that does not compile or launch here
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        if not ok:
+            log.warning("Gated DeltaNet kernel %s dropped on %s (%s): that part runs in torch ops", name,
+                        device, why)
+            dropped.update({n: None for n in (name, *partners)})
+    return dataclasses.replace(kernels, **dropped) if dropped else kernels
