@@ -547,7 +547,7 @@ fi
 # tok/s (bench.decode_tput, no HF) on qwen3.5-9b shapes (QWEN3_5_PRESET), the language weights drawn on the
 # device, once per Q35_KERNELS entry (MMSERVE_LINEAR_ATTENTION: default "fla torch"). fla-core and einops come
 # from .whl (the script installs them into /tmp/site). $OUT gets test_gated_deltanet_fla.log and
-# qwen3_5_decode_<kernel>.{json,log}, then qwen3_5_prefill_profile_<tail>.{json,log} (bench.profile_step
+# qwen3_5_decode_<kernel>.{json,log}, then qwen3_5_prefill_profile_<tail>.json (bench.profile_step
 # --warm-tail: a warm request's prefill step of 11 new tokens over a 1530-token prompt, and a cold-like one of
 # 1520 new tokens; wall time against the GPU kernels' time, the kernel table). Limits: 300 s the tests,
 # 240 s each decode run, 150 s each profile; Q35_TESTS=0 / Q35_BENCH=0 / Q35_PROFILE=0 skip a part;
@@ -556,7 +556,7 @@ if [[ ",$SECTIONS," == *,qwen3_5,* ]]; then
   "$PY" -c "import fla, einops; print('   fla', fla.__version__, 'from', fla.__file__)" 2>&1 | tail -1
   if [ "${Q35_TESTS:-1}" = 1 ]; then
     echo "== tests/gpu/test_gated_deltanet_fla_gpu.py (t=$((SECONDS - START))s)"
-    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=5 tests/gpu/test_gated_deltanet_fla_gpu.py \
+    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=5 tests/gpu/test_gated_deltanet_fla_gpu.py \
       tests/gpu/test_qwen3_5_graphs_gpu.py > "$OUT/test_gated_deltanet_fla.log" 2>&1
     tail -20 "$OUT/test_gated_deltanet_fla.log"
   fi
@@ -577,7 +577,7 @@ if [[ ",$SECTIONS," == *,qwen3_5,* ]]; then
       prompt=$([ "$tail" = 11 ] && echo 1530 || echo 16)
       step "qwen3_5_prefill_profile_$tail" 150 "$PY" -m bench.profile_step --model "$Q35_DIR" "${DT[@]}" \
         --load-format dummy --prompt-len "$prompt" --warm-tail "$tail" --steps 4 --top 30
-      cp "$RES/qwen3_5_prefill_profile_$tail.json" "$RES/qwen3_5_prefill_profile_$tail.log" "$OUT/" 2>/dev/null
+      cp "$RES/qwen3_5_prefill_profile_$tail.json" "$OUT/" 2>/dev/null  # its table is in run_gpu.log
     done
   fi
 fi
