@@ -257,25 +257,23 @@ class _Upload:
     plain copy of each list would synchronise the host with the GPU once per list)."""
 
     def __init__(self) -> None:
-        self.values: list[int] = []
-        self.spans: list[tuple[int, int]] = []
+        self.pieces: list[torch.Tensor] = []
 
-    def add(self, values: list[int]) -> int:
-        """Queue values; returns their handle for `send`'s result."""
-        self.spans.append((len(self.values), len(values)))
-        self.values += values
-        return len(self.spans) - 1
+    def add(self, values: list[int] | torch.Tensor) -> int:
+        """Queue values (a list, or a host int64 tensor); returns their handle for `send`'s result."""
+        self.pieces.append(torch.as_tensor(values, dtype=torch.long).flatten())
+        return len(self.pieces) - 1
 
     def send(self, device: torch.device) -> list[torch.Tensor]:
-        """Every queued list as a long tensor on `device`, by handle (views of one copy)."""
-        host = torch.tensor(self.values, dtype=torch.long)
+        """Every queued piece as a long tensor on `device`, by handle (views of one copy)."""
+        host = torch.cat(self.pieces) if self.pieces else torch.empty(0, dtype=torch.long)
         if device.type == "cuda":
             # the copy reads the pinned buffer after this returns; torch's pinned-memory allocator keeps a
             # buffer used by a non-blocking copy from reuse until the copy is done
             sent = host.pin_memory().to(device, non_blocking=True)
         else:
             sent = host.to(device)
-        return [sent[start:start + n] for start, n in self.spans]
+        return list(sent.split([piece.numel() for piece in self.pieces]))
 
 
 @functools.lru_cache(maxsize=4)
@@ -326,26 +324,31 @@ def _device_plan(chunks: tuple, taps: int, device: torch.device) -> _DevicePlan:
                        sent[handles["window_dsts"]])
 
 
-def conv_codes(chunks: tuple, taps: int) -> tuple[list[int], list[int], list[int]]:
+def conv_codes(chunks: tuple, taps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The source codes of common/kernels/causal_conv.py for a step's chunks, over the step's rows and
-    the layer's whole conv-state pool: (codes [P * K], each packed row's K inputs, oldest first; window
-    codes [S * (K - 1)], the K - 1 inputs before each position whose state the step keeps: a snapshot's,
-    or the chunk's own after its last token; the S slots those go to)."""
+    the layer's whole conv-state pool, as host int64 tensors: (codes [P * K], each packed row's K inputs,
+    oldest first; window codes [S * (K - 1)], the K - 1 inputs before each position whose state the step
+    keeps: a snapshot's, or the chunk's own after its last token; the S slots those go to)."""
     carry = taps - 1
-
-    def code(c, i: int) -> int:  # input i of chunk c (i < 0: the i-th before it, from its slot)
-        if i >= 0:
-            return c.first_row + i
-        return -1 if c.fresh else -(c.slot * carry + carry + i) - 2
-
     codes, windows, dsts = [], [], []
     for c in chunks:
         n = c.end_row - c.first_row
-        codes += [code(c, t - carry + j) for t in range(n) for j in range(taps)]
-        for end, slot in [*c.snapshots, (n, c.slot)]:
-            windows += [code(c, end - carry + j) for j in range(carry)]
-            dsts.append(slot)
-    return codes, windows, dsts
+        ends = torch.tensor([*(k for k, _ in c.snapshots), n], dtype=torch.long)
+        rows = torch.arange(n)[:, None] - carry + torch.arange(taps)[None, :]  # [n, K]: inputs per row
+        before = ends[:, None] - carry + torch.arange(carry)[None, :]  # [ends, K - 1]: before each end
+        codes.append(_codes_of(c, rows, carry).flatten())
+        windows.append(_codes_of(c, before, carry).flatten())
+        dsts += [slot for _, slot in c.snapshots] + [c.slot]
+    empty = torch.empty(0, dtype=torch.long)
+    return (torch.cat(codes) if codes else empty, torch.cat(windows) if windows else empty,
+            torch.tensor(dsts, dtype=torch.long))
+
+
+def _codes_of(c, inputs: torch.Tensor, carry: int) -> torch.Tensor:
+    """Codes of a chunk's inputs, given as indices into it (i < 0: the carried input -i before it: its
+    slot's column carry + i, or zeros for a fresh chunk)."""
+    carried = -1 if c.fresh else -(c.slot * carry + carry + inputs) - 2
+    return torch.where(inputs >= 0, c.first_row + inputs, carried)
 
 
 def _consecutive(values: list[int]) -> bool:
