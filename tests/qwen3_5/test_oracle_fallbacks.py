@@ -5,10 +5,14 @@ fallbacks; a model on another device keeps them."""
 
 from __future__ import annotations
 
+import functools
+import sys
+import types
+
 import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
-from common.families.qwen3_5.oracle import torch_fallbacks
+from common.families.qwen3_5.oracle import torch_fallbacks, torch_paths
 
 
 def fla_chunk(*args, **kwargs):
@@ -79,3 +83,36 @@ def test_a_cpu_model_s_layers_take_the_torch_fallbacks():
 def test_a_model_on_another_device_keeps_its_kernels():
     model = OldModel().to("meta")
     assert torch_fallbacks(model) == 0 and model.layers[0].chunk_gated_delta_rule is fla_chunk
+
+
+def _dispatching(torch_function):
+    """What some transformers versions wrap each fallback in: fla's kernel whenever fla imports."""
+    @functools.wraps(torch_function)
+    def wrapped(*args, **kwargs):
+        return fla_chunk(*args, **kwargs)
+    return wrapped
+
+
+def test_fallbacks_under_a_device_blind_dispatcher_run_as_torch():
+    modeling = types.ModuleType("old_modeling")
+    modeling.torch_chunk_gated_delta_rule = _dispatching(torch_chunk_gated_delta_rule)
+
+    class Layer(torch.nn.Module):
+        chunk_gated_delta_rule = None
+
+        def forward(self):  # the layer calls the module-level name
+            return modeling.torch_chunk_gated_delta_rule()
+
+    Layer.__module__ = "old_modeling"
+    sys.modules["old_modeling"] = modeling
+    try:
+        layer = Layer()
+        layer.proj = torch.nn.Linear(2, 2)
+        layer.chunk_gated_delta_rule = modeling.torch_chunk_gated_delta_rule  # bound at construction
+        assert torch_fallbacks(layer) == 1 and layer.chunk_gated_delta_rule() == "torch chunk"
+        dispatcher = modeling.torch_chunk_gated_delta_rule
+        with torch_paths(modeling):
+            assert layer() == "torch chunk"
+        assert modeling.torch_chunk_gated_delta_rule is dispatcher  # restored
+    finally:
+        del sys.modules["old_modeling"]

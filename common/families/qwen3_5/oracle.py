@@ -9,7 +9,10 @@ checked against.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -27,10 +30,14 @@ class Qwen3_5Oracle(Qwen3Oracle):
         super().__init__(model_dir)
         torch_fallbacks(self.model)
 
+    def generate(self, prompt: str, images: list, n: int) -> list[int]:
+        with torch_paths(sys.modules[type(self.model).__module__]):
+            return super().generate(prompt, images, n)
+
     def image_features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
         """get_image_features of one batch as [rows_i, hidden] per image (the merged features: Qwen3.5 has
         no DeepStack levels)."""
-        with torch.no_grad():
+        with torch.no_grad(), torch_paths(sys.modules[type(self.model).__module__]):
             out = self.model.get_image_features(pixel_values=pixel_values, image_grid_thw=grids)
         merged = out.pooler_output
         merged = merged if isinstance(merged, torch.Tensor) else torch.cat(list(merged))
@@ -56,7 +63,7 @@ def torch_fallbacks(model: torch.nn.Module) -> int:
     replaced = 0
     for module in model.modules():
         for name, fallback in _FALLBACKS.items():
-            reference = getattr(modeling, fallback, None)
+            reference = _torch_function(modeling, fallback)
             if reference is not None and getattr(module, name, reference) is not reference:
                 setattr(module, name, reference)
                 replaced += 1
@@ -68,6 +75,31 @@ def torch_fallbacks(model: torch.nn.Module) -> int:
             module.norm = _torch_gated_norm(modeling, norm, next(model.parameters()).dtype)
             replaced += 1
     return replaced
+
+
+@contextlib.contextmanager
+def torch_paths(modeling) -> Iterator[None]:
+    """The modeling module's fallbacks as their own torch functions while the block runs. Some transformers
+    versions wrap each fallback in a dispatcher that picks fla's kernel whenever fla imports, whatever the
+    inputs' device; a layer calling the module-level name then reaches a Triton kernel with CPU tensors."""
+    saved = {}
+    for fallback in _FALLBACKS.values():
+        wrapper = getattr(modeling, fallback, None)
+        function = _torch_function(modeling, fallback)
+        if wrapper is not function:
+            saved[fallback] = wrapper
+            setattr(modeling, fallback, function)
+    try:
+        yield
+    finally:
+        for fallback, wrapper in saved.items():
+            setattr(modeling, fallback, wrapper)
+
+
+def _torch_function(modeling, name: str):
+    """The torch function behind the modeling module's `name`, under any kernel dispatch decorators."""
+    function = getattr(modeling, name, None)
+    return None if function is None else inspect.unwrap(function)
 
 
 def _torch_gated_norm(modeling, fused: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
