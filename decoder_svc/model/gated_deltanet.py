@@ -53,7 +53,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoder_svc.model.batch_invariant import invariant_matmuls_active
-from decoder_svc.model.gated_deltanet_fla import AUTO, DeltaRuleKernels, forward_packed, kernels_for
+from decoder_svc.model.gated_deltanet_fla import (
+    AUTO,
+    DeltaRuleKernels,
+    forward_packed,
+    graph_rows_supported,
+    kernels_for,
+)
 from decoder_svc.model.gated_deltanet_shape import GatedDeltaNetShape, LinearStateStep
 from decoder_svc.model.linear_kernels_check import checked
 
@@ -249,6 +255,12 @@ class GatedDeltaNet(nn.Module):
             self._resolved = (device, kernels)
         return self._resolved[1]
 
+    def runs_graph_rows(self, device: torch.device) -> bool:
+        """Whether forward_batch takes a CUDA graph's small step (LinearGraphRows) on `device`: its kernels
+        there include the in-place ones for this layer's shapes."""
+        kernels = self.delta_rule_kernels(device)
+        return kernels is not None and graph_rows_supported(kernels, self.shape)
+
     def _core(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: GatedDeltaNetState | None,
               recurrent: bool) -> tuple[torch.Tensor, GatedDeltaNetState]:
         """Convolution and delta rule over projected [B, T, ...] inputs -> (o [B, T, Hv, Dv] before the
@@ -295,6 +307,9 @@ class GatedDeltaNet(nn.Module):
         kernels: the chunks packed into one varlen call (one per snapshot cut), the decode rows in its fused
         recurrent step; equal up to the rounding of other kernels."""
         qkv, z, b, a = self._project(x)
+        if step.graph is not None and (invariant_matmuls_active() or not self.runs_graph_rows(x.device)):
+            raise ValueError("a graph's step (LinearGraphRows) needs this layer's in-place kernels, outside "
+                             "the deterministic mode")
         if invariant_matmuls_active():  # the deterministic mode (model/batch_invariant.py)
             return self.out_proj(self._token_by_token(qkv, z, b, a, step, layer))
         kernels = self.delta_rule_kernels(x.device)

@@ -42,20 +42,22 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from decoder_svc.model.fla_indices import chunk_indices, chunk_offsets, seed
 from decoder_svc.model.fla_indices import install as install_seeded_indices
+from decoder_svc.model.linear_state import SHORT_PIECE, conv_source_codes
 
 if TYPE_CHECKING:
     from decoder_svc.model.gated_deltanet_shape import GatedDeltaNetShape, LinearStateStep
+    from decoder_svc.model.linear_state import LinearGraphRows
 
 log = logging.getLogger("mmserve.decoder.linear_attention")
 
 KERNEL_ENV = "MMSERVE_LINEAR_ATTENTION"
 FLA_CHUNK = 64  # fla's chunked rule's block (its varlen indices are per block)
-SHORT_PIECE = 64  # a prefill round whose pieces are this short runs token by token (one fla chunk's length)
 AUTO = "auto"
 MODES = (AUTO, "torch", "fla")
 
@@ -329,26 +331,18 @@ def conv_codes(chunks: tuple, taps: int) -> tuple[torch.Tensor, torch.Tensor, to
     the layer's whole conv-state pool, as host int64 tensors: (codes [P * K], each packed row's K inputs,
     oldest first; window codes [S * (K - 1)], the K - 1 inputs before each position whose state the step
     keeps: a snapshot's, or the chunk's own after its last token; the S slots those go to)."""
-    carry = taps - 1
     codes, windows, dsts = [], [], []
     for c in chunks:
         n = c.end_row - c.first_row
-        ends = torch.tensor([*(k for k, _ in c.snapshots), n], dtype=torch.long)
-        rows = torch.arange(n)[:, None] - carry + torch.arange(taps)[None, :]  # [n, K]: inputs per row
-        before = ends[:, None] - carry + torch.arange(carry)[None, :]  # [ends, K - 1]: before each end
-        codes.append(_codes_of(c, rows, carry).flatten())
-        windows.append(_codes_of(c, before, carry).flatten())
+        rows, before = conv_source_codes(c.first_row, n, c.slot, c.fresh, [*(k for k, _ in c.snapshots), n],
+                                         taps)
+        codes.append(rows.ravel())
+        windows.append(before.ravel())
         dsts += [slot for _, slot in c.snapshots] + [c.slot]
-    empty = torch.empty(0, dtype=torch.long)
-    return (torch.cat(codes) if codes else empty, torch.cat(windows) if windows else empty,
+    if not chunks:
+        return tuple(torch.empty(0, dtype=torch.long) for _ in range(3))
+    return (torch.from_numpy(np.concatenate(codes)), torch.from_numpy(np.concatenate(windows)),
             torch.tensor(dsts, dtype=torch.long))
-
-
-def _codes_of(c, inputs: torch.Tensor, carry: int) -> torch.Tensor:
-    """Codes of a chunk's inputs, given as indices into it (i < 0: the carried input -i before it: its
-    slot's column carry + i, or zeros for a fresh chunk)."""
-    carried = -1 if c.fresh else -(c.slot * carry + carry + inputs) - 2
-    return torch.where(inputs >= 0, c.first_row + inputs, carried)
 
 
 def _consecutive(values: list[int]) -> bool:
@@ -396,12 +390,43 @@ def forward_packed(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, conv_
     states after the step, as the reference's forward_batch leaves them."""
     o = qkv.new_empty(qkv.shape[0], shape.num_v_heads, shape.head_v_dim)
     conv_pool, rec_pool = step.pool.conv[layer], step.pool.recurrent[layer]
+    if step.graph is not None:
+        if not graph_rows_supported(kernels, shape):
+            raise ValueError(f"a graph's step needs the in-place kernels, which {kernels.name} lacks here")
+        _graph_rows(qkv, beta, g, conv_weight, shape, step.graph, conv_pool, rec_pool, kernels, o)
+        return o
     if step.decode_rows is not None:
         _decode(qkv, beta, g, conv_weight, shape, step.decode_rows, step.decode_slots, conv_pool, rec_pool,
                 kernels, o)
     if step.chunks:
         _prefill(qkv, beta, g, conv_weight, shape, step.chunks, conv_pool, rec_pool, kernels, o)
     return o
+
+
+def graph_rows_supported(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape) -> bool:
+    """Whether `kernels` run a CUDA graph's small step for this layer (LinearGraphRows): the prefill
+    convolution over source codes and the in-place recurrent kernel, both taking its shapes."""
+    return (_in_place(kernels, shape) and kernels.causal_conv is not None and kernels.conv_windows is not None
+            and kernels.conv_supports(shape.conv_dim, shape.conv_kernel, shape.head_k_dim))
+
+
+def _graph_rows(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: torch.Tensor,
+                shape: GatedDeltaNetShape, rows: LinearGraphRows, conv_pool: torch.Tensor,
+                rec_pool: torch.Tensor, kernels: DeltaRuleKernels, o: torch.Tensor) -> None:
+    """Every sequence of a graph's step token by token over its slot, in place: the convolution over
+    source codes (the conv states kept gathered before any slot is written), then one launch of the
+    recurrent rule over all sequences, which also writes the snapshots. Shapes fixed by the graph; nothing
+    read back to the host."""
+    mixed = qkv.new_empty(qkv.shape[0], shape.conv_dim)
+    kernels.causal_conv(qkv, rows.conv_codes, conv_pool, weight, mixed, normalize_channels=2 * shape.key_dim,
+                        head_dim=shape.head_k_dim)
+    windows = conv_pool.new_empty(rows.window_slots.shape[0], shape.conv_dim, weight.shape[-1] - 1)
+    kernels.conv_windows(qkv, rows.window_codes, conv_pool, windows)
+    conv_pool.index_copy_(0, rows.window_slots, windows)  # the pad entries all write the pad slot
+    q, k, v = _split_heads(mixed, shape)
+    kernels.recurrent_in_place(q, k, v, g, beta, rec_pool, rows.slots, shape.head_k_dim ** -0.5, o,
+                               cu_seqlens=rows.cu_seqlens, normalize=False, fresh=rows.fresh,
+                               snapshot_rows=rows.snapshot_rows, snapshot_slots=rows.snapshot_slots)
 
 
 def _decode(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: torch.Tensor,

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 class LinearStateStep(Protocol):
     """What forward_batch reads of a step (model/linear_state.py's LinearStateStep is one: a Protocol, as
-    that module builds on this one): the state pool, the chunked-form chunks and the single-token rows."""
+    that module builds on this one): the state pool, the chunked-form chunks and the single-token rows,
+    or a CUDA graph's rows."""
 
     @property
     def pool(self) -> Any: ...  # .conv[layer], .recurrent[layer]: [slots, ...] tensors
@@ -25,6 +26,8 @@ class LinearStateStep(Protocol):
     def decode_rows(self) -> torch.Tensor | None: ...
     @property
     def decode_slots(self) -> torch.Tensor | None: ...
+    @property
+    def graph(self) -> Any: ...  # a CUDA graph's step (LinearGraphRows), else None
 
 
 

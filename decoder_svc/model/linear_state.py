@@ -13,12 +13,17 @@ or a later chunk of one, which carries the state across the cut) runs alone in t
 past the requests' hold snapshots of the state after prompt prefixes (engine/state_snapshots.py): a
 chunk may name positions inside it whose state is copied into a snapshot slot (the chunk is then run in
 pieces cut there), and a step's `copy_slots` restores a snapshot into a request's slot before it runs.
+
+A CUDA graph of a small step sees it as `LinearGraphRows` instead: buffers of the graph's fixed shapes,
+filled per step by `stage_graph_rows`, in which every sequence (a decode row, a warm request's few new
+tokens, a short prompt) runs token by token from its slot's state, or a zero one where it starts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from decoder_svc.model.config import TextModelConfig
@@ -79,6 +84,80 @@ class LinearChunk:
     snapshots: tuple[tuple[int, int], ...] = ()
 
 
+# A sequence of at most this many tokens in a step runs its delta rule token by token (one launch, its
+# bounds on the device) rather than through the chunked form: one chunk of fla's chunked rule.
+SHORT_PIECE = 64
+
+
+def conv_source_codes(first_row: int, tokens: int, slot: int, fresh: bool, ends: list[int], taps: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """common/kernels/causal_conv.py's source codes for one sequence's rows [first_row, first_row + tokens)
+    of a step, over the step's rows and the layer's conv-state pool: (codes int64 [tokens, K], each row's K
+    inputs, oldest first; windows int64 [len(ends), K - 1], the K - 1 inputs before each of `ends` (tokens
+    into the sequence) whose conv state is kept). An input before the sequence's first row is its slot's
+    carried column (code -(slot * (K - 1) + column) - 2), or zeros (-1) for a fresh sequence."""
+    carry = taps - 1
+    rows = np.arange(tokens)[:, None] - carry + np.arange(taps)[None, :]
+    before = np.asarray(ends, dtype=np.int64)[:, None] - carry + np.arange(carry)[None, :]
+
+    def codes(inputs: np.ndarray) -> np.ndarray:
+        carried = -1 if fresh else -(slot * carry + carry + inputs) - 2
+        return np.where(inputs >= 0, first_row + inputs, carried)
+
+    return codes(rows), codes(before)
+
+
+@dataclass(frozen=True)
+class LinearGraphRows:
+    """A small step as a CUDA graph of T rows and S sequences runs it (device buffers of those fixed
+    shapes): sequence s is rows [cu_seqlens[s], cu_seqlens[s + 1]) of slot slots[s], from a zero state
+    where fresh[s] is nonzero; the state after row snapshot_rows[s] (-1: none) is copied into slot
+    snapshot_slots[s] too. The convolution reads conv_codes; slot window_slots[j] keeps the inputs
+    window_codes[j] names (the S sequences' own slots, then their snapshot slots; codes as
+    `conv_source_codes` makes them). The graph's pad sequences, and sequences taking no snapshot, name one
+    slot that no request holds."""
+
+    cu_seqlens: torch.Tensor  # [S + 1] int32
+    slots: torch.Tensor  # [S] int64
+    fresh: torch.Tensor  # [S] int32
+    snapshot_rows: torch.Tensor  # [S] int32
+    snapshot_slots: torch.Tensor  # [S] int64
+    conv_codes: torch.Tensor  # [T, K] int32
+    window_codes: torch.Tensor  # [2S, K - 1] int32
+    window_slots: torch.Tensor  # [2S] int64
+
+
+def graph_takes(num_tokens: int, snapshots: tuple | list) -> bool:
+    """Whether a graph's step (LinearGraphRows) can run a sequence's part: short, and at most one
+    snapshot."""
+    return num_tokens <= SHORT_PIECE and len(snapshots) <= 1
+
+
+def stage_graph_rows(sequences: list[tuple], num_seqs: int, pad_slot: int, out: dict[str, np.ndarray]
+                     ) -> None:
+    """Fill a graph's LinearGraphRows host buffers (out: numpy arrays by field name, each at least as long
+    as the graph needs; conv_codes exactly its T rows) for `sequences`, (first row, tokens, start position,
+    slot, snapshots) in row order, each one `graph_takes`; the rest of the graph's sequences and rows are
+    pads: fresh, on pad_slot, with zero inputs."""
+    taps = out["conv_codes"].shape[1]
+    out["slots"][:num_seqs], out["fresh"][:num_seqs] = pad_slot, 1
+    out["snapshot_rows"][:num_seqs], out["snapshot_slots"][:num_seqs] = -1, pad_slot
+    out["conv_codes"][:] = -1
+    out["window_codes"][:2 * num_seqs], out["window_slots"][:2 * num_seqs] = -1, pad_slot
+    for i, (first_row, n, start, slot, snapshots) in enumerate(sequences):
+        if not graph_takes(n, snapshots):
+            raise ValueError(f"a graph's step takes sequences of at most {SHORT_PIECE} tokens and one "
+                             "snapshot")
+        ends = [n, *(k for k, _ in snapshots)]
+        codes, windows = conv_source_codes(first_row, n, slot, start == 0, ends, taps)
+        out["slots"][i], out["fresh"][i] = slot, start == 0
+        out["conv_codes"][first_row:first_row + n] = codes
+        out["window_codes"][i], out["window_slots"][i] = windows[0], slot
+        for k, snapshot_slot in snapshots:
+            out["snapshot_rows"][i], out["snapshot_slots"][i] = first_row + k - 1, snapshot_slot
+            out["window_codes"][num_seqs + i], out["window_slots"][num_seqs + i] = windows[1], snapshot_slot
+
+
 def continues_slot(num_tokens: int, start: int, snapshots: tuple | list) -> bool:
     """Whether a sequence's part of a step is one token continuing its slot's state and taking no
     snapshot: what the recurrent (decode) form runs, and what a hybrid stack's decode graphs compute.
@@ -89,12 +168,14 @@ def continues_slot(num_tokens: int, start: int, snapshots: tuple | list) -> bool
 @dataclass(frozen=True)
 class LinearStateStep:
     """What the linear layers of one step read and write: the pool, the chunked-form chunks, and the
-    single-token continuations' rows and slots (device tensors; None when there is none)."""
+    single-token continuations' rows and slots (device tensors; None when there is none); or, for a CUDA
+    graph of a small step, `graph` alone."""
 
     pool: LinearStatePool
     chunks: tuple[LinearChunk, ...] = ()
     decode_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
+    graph: LinearGraphRows | None = None
 
     @classmethod
     def build(cls, pool: LinearStatePool, sequences: list[tuple[int, int, int, int, tuple]],

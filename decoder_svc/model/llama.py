@@ -265,6 +265,13 @@ class LlamaForCausalLM(nn.Module):
         # The deterministic mode (model/batch_invariant.py): forward runs inside BatchInvariantMatmuls.
         self.batch_invariant = False
 
+    def graphs_run_linear_steps(self, device: torch.device) -> bool:
+        """Whether CUDA graphs may capture this stack's small steps beyond plain decode: true for a stack
+        without linear layers; for a hybrid one, when every linear layer takes a graph's rows on `device`
+        (model/linear_state.py's LinearGraphRows) and the deterministic mode is off."""
+        linear = [layer.linear_attn for layer in self.layers if layer.linear]
+        return not linear or (not self.batch_invariant and all(m.runs_graph_rows(device) for m in linear))
+
     @property
     def uses_mrope(self) -> bool:
         """True when positions are [3, tokens] (Qwen2.5-VL) rather than [tokens]."""

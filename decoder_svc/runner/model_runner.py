@@ -20,7 +20,10 @@ A hybrid stack's linear-attention layers keep their state in a pool of slots bes
 (model/linear_state.py), one per running request (SequenceInput.state_slot, handed out by the engine's
 KV cache manager). Its plain decode steps replay graphs whose state slots are an input buffer
 (`state_slots`, one per sequence row; a graph's pad rows use a slot of their own that no request holds,
-`pad_state_slot`); its other steps run eagerly (their chunks' shape is not a graph's).
+`pad_state_slot`). Where its linear layers have the in-place kernels, its other small steps (every
+sequence short, taking at most one snapshot: a warm request's new tokens, a follow-up question, a short
+prompt, decodes beside them) replay the mixed graphs too, each sequence run token by token from its
+slot (model/linear_state.py's LinearGraphRows, over the `linear_*` buffers); longer chunks run eagerly.
 """
 
 from __future__ import annotations
@@ -39,7 +42,14 @@ import torch
 from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
 from decoder_svc.model.attention import AttentionMetadata
 from decoder_svc.model.kv_groups import KVCacheGroup, split_kv_blocks
-from decoder_svc.model.linear_state import LinearStatePool, LinearStateStep, continues_slot
+from decoder_svc.model.linear_state import (
+    LinearGraphRows,
+    LinearStatePool,
+    LinearStateStep,
+    continues_slot,
+    graph_takes,
+    stage_graph_rows,
+)
 from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs
 from decoder_svc.runner.embed_rows import embed_rows, fill_pending
 from decoder_svc.runner.fusion import fuse_image_rows, image_key_limits, image_slots
@@ -112,7 +122,10 @@ class StepBuffers:
     _ALIGN = 64
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, position_rows: int = 1, num_groups: int = 1) -> None:
+                 device: torch.device, position_rows: int = 1, num_groups: int = 1, conv_taps: int = 0,
+                 graph_tokens: int = 0) -> None:
+        """conv_taps: a hybrid stack's convolution taps when its mixed graphs run linear layers (their
+        buffers for graph_tokens rows); 0: none."""
         pin = device.type == "cuda"
         positions = (position_rows, max_tokens) if position_rows > 1 else (max_tokens,)
         shapes = {"query_start_loc": ((max_seqs + 1,), torch.int32), "seq_lens": ((max_seqs,), torch.int32),
@@ -121,6 +134,9 @@ class StepBuffers:
                   "pending_rows": ((max_seqs,), torch.int64), "pending_samples": ((max_seqs,), torch.int64),
                   # a hybrid stack's state slot per sequence row of a decode graph (model/linear_state.py)
                   "state_slots": ((max_seqs,), torch.int64),
+                  # ... and for its mixed graphs (model/linear_state.py's LinearGraphRows' other fields)
+                  **{f"linear_{name}": (shape if conv_taps else (0,) * len(shape), dt)
+                     for name, (shape, dt) in _graph_rows_buffers(max_seqs, graph_tokens, conv_taps).items()},
                   "input_ids": ((max_tokens,), torch.int64), "slot_mapping": ((max_tokens,), torch.int64),
                   **{f"slot_mapping_{g}": ((max_tokens,), torch.int64) for g in range(1, num_groups)},
                   "positions": (positions, torch.int64),
@@ -171,6 +187,20 @@ class StepBuffers:
             self._dev_arena[:end].copy_(self._host_arena[:end], non_blocking=True)
 
 
+def _graph_rows_buffers(max_seqs: int, graph_tokens: int, taps: int) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Shapes and dtypes of LinearGraphRows' fields beyond cu_seqlens and slots (StepBuffers' `linear_*`)."""
+    return {"fresh": ((max_seqs,), torch.int32), "snapshot_rows": ((max_seqs,), torch.int32),
+            "snapshot_slots": ((max_seqs,), torch.int64), "window_slots": ((2 * max_seqs,), torch.int64),
+            "window_codes": ((2 * max_seqs, max(taps - 1, 0)), torch.int32),
+            "conv_codes": ((graph_tokens, taps), torch.int32)}
+
+
+def _graph_rows_used(num_seqs: int, num_tokens: int) -> dict[str, int]:
+    """Rows of each `linear_*` buffer that a graph of num_seqs sequences over num_tokens rows reads."""
+    return {"fresh": num_seqs, "snapshot_rows": num_seqs, "snapshot_slots": num_seqs,
+            "window_slots": 2 * num_seqs, "window_codes": 2 * num_seqs, "conv_codes": num_tokens}
+
+
 def describe(group: KVCacheGroup) -> str:
     """A KV cache group in words (the start-up log)."""
     pattern = f"window {group.window}" if group.window else "full"
@@ -213,7 +243,8 @@ class _HostRows:
     max_q: int = 0
     n_logits: int = 0
     n_pending: int = 0
-    state_rows: int = 0  # rows of `state_slots` filled (a hybrid stack's decode graph)
+    state_rows: int = 0  # rows of `state_slots` filled (a hybrid stack's graph)
+    linear_graph: bool = False  # a hybrid mixed graph's LinearGraphRows buffers filled too
     img: list[np.ndarray] = dataclasses.field(default_factory=list)
     # (first row, tokens, start position, state slot, snapshots) per sequence, for a hybrid stack's
     # linear layers (model/linear_state.py)
@@ -250,20 +281,24 @@ class ModelRunner:
         self.linear_pool: LinearStatePool | None = None
         self.pad_state_slot = -1  # the slot a decode graph's pad rows read and write (hybrid, graphs)
         self._decode_rows: torch.Tensor | None = None  # 0, 1, ...: a hybrid decode graph's token rows
+        self.linear_graphs = False  # a hybrid stack's mixed graphs run its linear layers
         if not config.enforce_eager and StepGraphs.available(self.device, model.backend):
             adapters = self.model.lora
+            self.linear_graphs = self.hybrid and model.graphs_run_linear_steps(self.device)
             self.graphs = StepGraphs(config.max_num_seqs, config.max_num_batched_tokens,
                                      lora=adapters is not None,
                                      merged=adapters is not None and adapters.merged_slot is not None,
-                                     decode_only=self.hybrid)
+                                     decode_only=self.hybrid and not self.linear_graphs)
         graph_rows = self.graphs.max_tokens if self.graphs is not None else 0
+        taps = self.model_config.linear_conv_kernel if self.linear_graphs else 0  # the graphs' conv codes
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs, graph_rows)
         hidden = self.model_config.hidden_size if graph_rows else 0  # the graphs' input embeddings
         self.mrope = model.uses_mrope
         self.num_groups = len(model.kv_groups)  # KV cache groups (model/kv_groups.py)
         self.buffers = StepBuffers(max_tokens, max(config.max_num_seqs, graph_rows), self.max_blocks_per_seq,
                                    hidden, config.dtype, self.device, position_rows=3 if self.mrope else 1,
-                                   num_groups=self.num_groups)
+                                   num_groups=self.num_groups, conv_taps=taps,
+                                   graph_tokens=graph_rows)
         self.sampler = Sampler(self.device)
         self.kv_spec: KVCacheSpec | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -319,6 +354,11 @@ class ModelRunner:
             if self.hybrid:
                 self.buffers.set("state_slots", torch.full_like(d["state_slots"], self.pad_state_slot))
                 self._decode_rows = torch.arange(d["state_slots"].numel(), device=self.device)
+            if self.linear_graphs:  # every sequence a pad: fresh, zero inputs, the pad slot, no snapshot
+                pad = self.pad_state_slot
+                for name, value in (("fresh", 1), ("snapshot_rows", -1), ("snapshot_slots", pad),
+                                    ("window_slots", pad), ("window_codes", -1), ("conv_codes", -1)):
+                    self.buffers.set(f"linear_{name}", torch.full_like(d[f"linear_{name}"], value))
             self.graphs.capture(self._run_static, progress=self.config.progress)
             log.info("captured %d CUDA graphs (decode %s, up to %d tokens %s) in %.0f MiB",
                      len(self.graphs.keys), self.graphs.decode_sizes, self.graphs.max_tokens,
@@ -403,13 +443,18 @@ class ModelRunner:
                           linear_state=self._graph_linear_state(key), merged_adapter=key.merged)
 
     def _graph_linear_state(self, key: GraphKey) -> LinearStateStep | None:
-        """A hybrid stack's decode graph's state slots: every row a one-token continuation of the slot
-        its sequence row names in the `state_slots` buffer (None for other stacks)."""
+        """A hybrid stack's graph's view of the state slots (None for other stacks): a decode graph's rows
+        each a one-token continuation of the slot its sequence row names in `state_slots`; a mixed
+        graph's sequences as LinearGraphRows over the step's buffers."""
         if not self.hybrid:
             return None
-        n = key.num_seqs
-        slots = self.buffers.dev["state_slots"][:n]
-        return LinearStateStep(self.linear_pool, (), self._decode_rows[:n], slots)
+        n, d = key.num_seqs, self.buffers.dev
+        if key.decode:
+            return LinearStateStep(self.linear_pool, (), self._decode_rows[:n], d["state_slots"][:n])
+        used = _graph_rows_used(n, key.num_tokens)
+        return LinearStateStep(self.linear_pool, graph=LinearGraphRows(
+            d["query_start_loc"][:n + 1], d["state_slots"][:n],
+            **{name: d[f"linear_{name}"][:rows] for name, rows in used.items()}))
 
     def _group_metas(self, meta: AttentionMetadata) -> AttentionMetadata | list[AttentionMetadata]:
         """meta (group 0's) alone for one KV cache group; else one per group: the same lengths, each
@@ -467,8 +512,8 @@ class ModelRunner:
         self.lora_steps += lora
         self.merged_steps += merged
         if self.graphs is not None and not multipart and not blocks and self._graphable(batch):
-            key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, batch.is_plain_decode, lora,
-                                      merged)
+            key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, self._decode_graphable(batch),
+                                      lora, merged)
         step = self._prepare(batch, key, lora)
         rows = [s.sampling for s in batch.sequences if s.sampling is not None]
         image_rows = [r for s in batch.sequences for r in s.image_rows]
@@ -503,9 +548,17 @@ class ModelRunner:
         return LaunchedStep(sampled)
 
     def _graphable(self, batch: ModelInput) -> bool:
-        """Whether a graph may run the step: a hybrid stack's only when every sequence continues its slot
-        by one token and takes no snapshot (what its decode graphs compute); any other stack's always."""
-        return not self.hybrid or (batch.is_plain_decode and all(
+        """Whether a graph may run the step: any other stack's always; a hybrid stack's when its decode
+        graphs compute it, or (with linear_graphs) when a graph's rows take every sequence (graph_takes)."""
+        if self._decode_graphable(batch):
+            return True
+        return not self.hybrid or self.linear_graphs and all(
+            graph_takes(s.num_tokens, s.state_snapshots) for s in batch.sequences)
+
+    def _decode_graphable(self, batch: ModelInput) -> bool:
+        """Whether a decode graph computes the step: one text token per sequence, and for a hybrid stack
+        each continuing its slot without a snapshot (a first token starts from a zero state instead)."""
+        return batch.is_plain_decode and (not self.hybrid or all(
             continues_slot(s.num_tokens, s.start, s.state_snapshots) for s in batch.sequences))
 
     def _adapter_path(self, batch: ModelInput) -> tuple[bool, bool]:
@@ -612,12 +665,20 @@ class ModelRunner:
         rows.t, rows.num_seqs, rows.n_logits = key.num_tokens, key.num_seqs, self._logit_rows(key)
 
     def _stage_state_slots(self, rows: _HostRows, key: GraphKey) -> None:
-        """A hybrid decode graph's state slot per sequence row (pad rows: the pad slot)."""
-        slots = self.buffers.np["state_slots"]
+        """A hybrid graph's state slot per sequence row (pad rows: the pad slot); for a mixed graph its
+        sequences' LinearGraphRows too."""
+        h = self.buffers.np
+        rows.state_rows = key.num_seqs
+        if not key.decode:
+            out = {name: h[f"linear_{name}"] for name in _graph_rows_used(0, 0)}
+            out["slots"], out["conv_codes"] = h["state_slots"], out["conv_codes"][:key.num_tokens]
+            stage_graph_rows(rows.linear, key.num_seqs, self.pad_state_slot, out)
+            rows.linear_graph = True
+            return
+        slots = h["state_slots"]
         slots[:key.num_seqs] = self.pad_state_slot
         for i, (_, _, _, slot, _) in enumerate(rows.linear):
             slots[i] = slot
-        rows.state_rows = key.num_seqs
 
     def _upload(self, rows: _HostRows, lora: bool) -> None:
         """Copy the filled part of each staging buffer to the device (asynchronously)."""
@@ -627,6 +688,8 @@ class ModelRunner:
                              "logits_indices": rows.n_logits, "pending_rows": rows.n_pending,
                              "pending_samples": rows.n_pending, "key_limits": t if limited else 0,
                              "lora_slots": t if lora else 0, "state_slots": rows.state_rows,
+                             **{f"linear_{name}": n * rows.linear_graph
+                                for name, n in _graph_rows_used(rows.state_rows, t).items()},
                              **{k: n for g in range(1, self.num_groups)
                                 for k, n in ((slot_key(g), t), (table_key(g), num_seqs))}})
 

@@ -1,7 +1,9 @@
 """Qwen3.5's hybrid stack on a CUDA device (fp32): decode steps replay real CUDA graphs whose state slots
-are an input buffer, pad rows on a slot of their own, and the tokens equal HF's generate; a follow-up
-resumed from a snapshot decodes in graphs too. (The CPU tests run the same path through an emulation:
-tests/qwen3_5/test_decode_graphs.py.)"""
+are an input buffer, pad rows on a slot of their own; with fla (the in-place kernels) its short prefill
+steps replay the mixed graphs too, each sequence token by token over its slot (model/linear_state.py's
+LinearGraphRows); the tokens equal HF's generate; a follow-up resumed from a snapshot runs its new tokens
+and decodes in graphs. (The CPU tests run the same paths through an emulation:
+tests/qwen3_5/test_decode_graphs.py, tests/qwen3_5/test_mixed_graphs.py.)"""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from pathlib import Path
 
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
+from decoder_svc.model.gated_deltanet_fla import load_fla
 from tests.oracle import greedy, run_all
-from tests.qwen_prompts import ONE, TEXT, TWO
+from tests.qwen_prompts import END, ONE, TEXT, TWO, USER, VISION
 
 N = 12
 
@@ -21,9 +24,26 @@ def _engine(model_dir: Path, **overrides) -> LLMEngine:
     return LLMEngine(config, LocalEmbeddingSource.for_engine(config))
 
 
-def test_decode_graphs_equal_hf(qwen3_5_model_dir, qwen3_5_oracle, qwen_images):
+def _record_replays(engine: LLMEngine) -> list:
+    """The keys of the graphs the engine's runner replays from now on."""
+    graphs, replayed = engine.runner.graphs, []
+    replay = graphs.replay
+
+    def recording(key):
+        replayed.append(key)
+        return replay(key)
+
+    graphs.replay = recording
+    return replayed
+
+
+def test_graphs_equal_hf(qwen3_5_model_dir, qwen3_5_oracle, qwen_images):
     engine = _engine(qwen3_5_model_dir)
-    assert engine.runner.uses_cuda_graphs and engine.runner.graphs.mixed_sizes == []
+    runner = engine.runner
+    fla = load_fla()[0] is not None
+    assert runner.uses_cuda_graphs and runner.linear_graphs == fla
+    assert runner.graphs.mixed_sizes == ([16, 32, 64] if fla else [])
+    replayed = _record_replays(engine)
     small = qwen_images[0]
     plan = {"text": (TEXT, [], N), "one": (ONE, [small], N - 4), "two": (TWO, [small, small], N + 3)}
     for rid, (prompt, imgs, n) in plan.items():
@@ -31,15 +51,20 @@ def test_decode_graphs_equal_hf(qwen3_5_model_dir, qwen3_5_oracle, qwen_images):
     results = run_all(engine)
     for rid, (prompt, imgs, n) in plan.items():
         assert results[rid]["tokens"] == qwen3_5_oracle.generate(prompt, imgs, n), rid
-    assert engine.runner.graph_steps > 0
+    assert any(k.decode for k in replayed) and any(not k.decode for k in replayed) == fla
     stats = engine.stats()
     assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0
 
 
-def test_a_snapshot_resume_then_graph_decode_equals_hf(qwen3_5_model_dir, qwen3_5_oracle, qwen_images):
+def test_a_snapshot_resume_then_graphs_equal_hf(qwen3_5_model_dir, qwen3_5_oracle, qwen_images):
+    """A new question about a seen image: resumed from the image's snapshot, its new tokens (a short
+    step) in a mixed graph where fla serves, then decode graphs."""
     engine = _engine(qwen3_5_model_dir, max_num_seqs=2)
     ref = qwen3_5_oracle.generate(ONE, [qwen_images[0]], N)
     assert engine.generate("a", ONE, [qwen_images[0]], sampling=greedy(N)).new_token_ids == ref
-    again = engine.generate("b", ONE, [qwen_images[0]], sampling=greedy(N))
-    assert again.new_token_ids == ref and again.usage.cached_prompt_tokens > 0
-    assert engine.runner.graph_steps > 0
+    replayed = _record_replays(engine)
+    follow_up = USER + VISION + "which colours are there?" + END
+    again = engine.generate("b", follow_up, [qwen_images[0]], sampling=greedy(N))
+    assert again.new_token_ids == qwen3_5_oracle.generate(follow_up, [qwen_images[0]], N)
+    assert again.usage.cached_prompt_tokens > 0 and any(k.decode for k in replayed)
+    assert any(not k.decode for k in replayed) == engine.runner.linear_graphs

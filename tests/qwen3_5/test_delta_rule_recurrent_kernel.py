@@ -79,6 +79,59 @@ def test_sequences_over_cu_seqlens(normalize):
     assert torch.equal(pool[others], before[others])
 
 
+def test_fresh_sequences_start_from_zeros_and_empty_ones_leave_a_shared_slot_alone():
+    """A hybrid CUDA graph's step: fresh sequences (a zero state, whatever their slot holds), and unused
+    empty sequences that name the slot a pad sequence writes: only the pad's state lands there."""
+    lengths, slots, fresh = [3, 0, 2, 0, 1], [2, 7, 5, 7, 7], [0, 0, 1, 0, 1]
+    key_heads, value_heads, dk, dv = 2, 4, 16, 32
+    q, k, v, g, beta = _inputs(sum(lengths), key_heads, value_heads, dk, dv, seed=5)
+    pool = torch.randn(8, value_heads, dk, dv, generator=torch.Generator().manual_seed(6))
+    before = pool.clone()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = torch.full((sum(lengths), value_heads, dv), float("nan"))
+    delta_rule_recurrent_(q, k, v, g, beta, pool, torch.tensor(slots), dk ** -0.5, out, cu_seqlens=cu,
+                          fresh=torch.tensor(fresh, dtype=torch.int32))
+    for i, slot in enumerate(slots):
+        a, b = int(cu[i]), int(cu[i + 1])
+        if a == b:
+            continue
+        start = torch.zeros_like(before[slot:slot + 1]) if fresh[i] else before[slot:slot + 1]
+        ref_out, ref_state = recurrent_gated_delta_rule(*(x[None, a:b] for x in (q, k, v, g, beta)), start)
+        torch.testing.assert_close(out[a:b], ref_out[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(pool[slot], ref_state[0], atol=ATOL, rtol=0)
+    others = [s for s in range(pool.shape[0]) if s not in slots]
+    assert torch.equal(pool[others], before[others])
+
+
+def test_snapshots_after_a_row_of_a_sequence():
+    """The state after row 2 of the first sequence (its 3rd of 4 tokens) and after the second's last row
+    go to snapshot slots 6 and 4; a sequence with -1 takes none (its snapshot slot, 7, stays as it was)."""
+    lengths, slots = [4, 2, 3], [0, 1, 2]
+    snap_rows, snap_slots = [2, 5, -1], [6, 4, 7]
+    key_heads, value_heads, dk, dv = 2, 4, 16, 32
+    q, k, v, g, beta = _inputs(sum(lengths), key_heads, value_heads, dk, dv, seed=7)
+    pool = torch.randn(8, value_heads, dk, dv, generator=torch.Generator().manual_seed(8))
+    before = pool.clone()
+    cu = torch.tensor([0, 4, 6, 9], dtype=torch.int32)
+    out = torch.empty(sum(lengths), value_heads, dv)
+    delta_rule_recurrent_(q, k, v, g, beta, pool, torch.tensor(slots), dk ** -0.5, out, cu_seqlens=cu,
+                          snapshot_rows=torch.tensor(snap_rows, dtype=torch.int32),
+                          snapshot_slots=torch.tensor(snap_slots))
+    for i, slot in enumerate(slots):
+        a, b = int(cu[i]), int(cu[i + 1])
+        _, ref_state = recurrent_gated_delta_rule(*(x[None, a:b] for x in (q, k, v, g, beta)),
+                                                  before[slot:slot + 1])
+        torch.testing.assert_close(pool[slot], ref_state[0], atol=ATOL, rtol=0)
+        if snap_rows[i] >= 0:
+            _, at = recurrent_gated_delta_rule(*(x[None, a:snap_rows[i] + 1] for x in (q, k, v, g, beta)),
+                                               before[slot:slot + 1])
+            torch.testing.assert_close(pool[snap_slots[i]], at[0], atol=ATOL, rtol=0)
+    assert torch.equal(pool[[3, 5, 7]], before[[3, 5, 7]])
+    with pytest.raises(ValueError, match="together"):
+        delta_rule_recurrent_(q, k, v, g, beta, pool, torch.tensor(slots), dk ** -0.5, out, cu_seqlens=cu,
+                              snapshot_rows=torch.tensor(snap_rows, dtype=torch.int32))
+
+
 def test_rows_of_a_wider_tensor_and_a_bf16_output():
     """q, k, v as views into one projected row (the decode path's split), out in bf16."""
     rows, heads, dk, dv = 3, 2, 16, 32
