@@ -9,8 +9,9 @@ host's launch cost exceeds the GPU's work. Replaying a captured graph removes it
 - any other step of at most 512 tokens (a prefill chunk after a prefix-cache hit, a short prompt,
   decodes mixed with a small chunk), keyed by the number of tokens: 16, 32, ... 512. Padding tokens
   are one-token sequences with no context; unused sequence slots are empty. A hybrid stack (linear-
-  attention layers with state slots) has none of these: only its decode steps replay, their state
-  slots an input buffer like the block tables (the runner's `state_slots`).
+  attention layers with state slots) has its decode graphs' state slots as an input buffer like the block
+  tables (the runner's `state_slots`); it has these other graphs only where its linear layers run a
+  graph's rows (model/linear_state.py's LinearGraphRows), for steps whose sequences are all short.
 
 Graphs take input embeddings (the runner embeds and fuses image rows into the static buffer first), so
 steps with image rows replay too. A model with LoRA adapters has each graph twice: with the batched LoRA
@@ -85,7 +86,7 @@ class StepGraphs:
                  merged: bool = False, decode_only: bool = False) -> None:
         """`lora`: the model has adapters (graphs with the LoRA product too); `merged`: one of them is
         merged (graphs over its merged weights too); `decode_only`: no graphs for other steps (a hybrid
-        stack's chunks run its linear layers in a shape no graph holds)."""
+        stack whose linear layers cannot run a graph's rows)."""
         self.decode_sizes = decode_sizes(max_num_seqs)
         self.mixed_sizes = [] if decode_only else mixed_sizes(max_num_batched_tokens)
         kinds = [(False, False)] + [(True, False)] * lora + [(False, True)] * merged
