@@ -244,7 +244,7 @@ def test_the_engine_through_the_adapter_gives_hf_s_tokens(make_qwen3_5_engine, q
     concurrent text and image requests in chunks that cut images, a new question about a seen image
     resumed from its snapshot, then a fresh request in a slot another one left; tokens equal HF's generate
     and the first token's logprob HF's to 1e-4 (a state resumed wrongly can still give the same tokens)."""
-    from tests.oracle import greedy, run_all
+    from tests.oracle import waves_equal_hf
     from tests.qwen_prompts import END, ONE, TEXT, TWO, USER, VISION
 
     if in_place and (torch.cuda.is_available() or importlib.util.find_spec("triton") is None):
@@ -256,17 +256,7 @@ def test_the_engine_through_the_adapter_gives_hf_s_tokens(make_qwen3_5_engine, q
     waves = [{"text": (TEXT, []), "one": (ONE, qwen_images[:1]), "two": (TWO, [qwen_images[0]] * 2)},
              {"warm": (USER + VISION + "which colours are there?" + END, qwen_images[:1])},
              {"fresh": (USER + "describe a blue boat on the sea" + END, [])}]
-    results: dict = {}
-    for wave in waves:
-        for rid, (prompt, imgs) in wave.items():
-            engine.add_request(rid, prompt, imgs, sampling=greedy(6, logprobs=1))
-        results.update(run_all(engine))
-    for rid, (prompt, imgs) in {k: v for wave in waves for k, v in wave.items()}.items():
-        assert results[rid]["tokens"] == qwen3_5_oracle.generate(prompt, imgs, 6), rid
-        with torch.no_grad():
-            logits = qwen3_5_oracle.model(**qwen3_5_oracle.inputs(prompt, imgs)).logits[0, -1].float()
-        ref = float(torch.log_softmax(logits, -1)[results[rid]["tokens"][0]])
-        assert abs(results[rid]["logprobs"][0].logprob - ref) < 1e-4, (rid, results[rid]["logprobs"][0], ref)
+    results = waves_equal_hf(engine, qwen3_5_oracle, waves, 6)
     assert results["warm"]["usage"].cached_prompt_tokens > 0  # resumed from the image's snapshot
     if in_place:  # 29-token steps: every piece short, chunks packed into one launch, decode rows too
         assert not fake.chunk_calls and not fake.recurrent_calls

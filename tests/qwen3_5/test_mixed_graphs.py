@@ -41,7 +41,7 @@ def test_short_steps_replay_mixed_graphs_and_equal_hf(fake, make_qwen3_5_engine,
     question about a seen image resumed from its snapshot, then a fresh request in a slot another one
     left (its state must start from zeros): tokens equal HF's generate and the first
     token's logprob HF's to 1e-4; no slot or block left held."""
-    from tests.oracle import greedy, run_all
+    from tests.oracle import waves_equal_hf
     from tests.qwen_prompts import END, ONE, TEXT, TWO, USER, VISION
 
     engine = make_qwen3_5_engine(max_num_batched_tokens=24)
@@ -53,17 +53,7 @@ def test_short_steps_replay_mixed_graphs_and_equal_hf(fake, make_qwen3_5_engine,
              # lies beyond it), so it runs in a graph, from a zero state
              {"fresh": (USER + "describe a blue boat on the sea, the gulls above it, the harbour behind it "
                         "and the evening light over the water" + END, [])}]
-    results: dict = {}
-    for wave in waves:
-        for rid, (prompt, imgs) in wave.items():
-            engine.add_request(rid, prompt, imgs, sampling=greedy(6, logprobs=1))
-        results.update(run_all(engine))
-    for rid, (prompt, imgs) in {k: v for wave in waves for k, v in wave.items()}.items():
-        assert results[rid]["tokens"] == qwen3_5_oracle.generate(prompt, imgs, 6), rid
-        with torch.no_grad():
-            logits = qwen3_5_oracle.model(**qwen3_5_oracle.inputs(prompt, imgs)).logits[0, -1].float()
-        ref = float(torch.log_softmax(logits, -1)[results[rid]["tokens"][0]])
-        assert abs(results[rid]["logprobs"][0].logprob - ref) < 1e-4, (rid, results[rid]["logprobs"][0], ref)
+    results = waves_equal_hf(engine, qwen3_5_oracle, waves, 6)
     assert results["warm"]["usage"].cached_prompt_tokens > 0  # resumed from the image's snapshot
     fresh = results["fresh"]["usage"]
     assert fresh.cached_prompt_tokens == 0 and fresh.prompt_tokens > 32
