@@ -12,11 +12,17 @@ With `--warm-tail N` it profiles a warm request's one prefill step instead (the 
 request's time to first token): the prompt is computed once, then each of `--steps` requests repeats it
 with N new tokens at its end and one output token, so its step computes the uncached tail (the prompt's
 last partial block and the N tokens) over the cached prefix and samples the first token.
+
+Both report the kernel launches per step, and with `--host-top K` the K Python functions that take the
+most host time per step (cProfile over a separate run of the same steps: where a host-bound step's time
+goes, e.g. which wrappers around the kernels).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import statistics
 import time
@@ -51,6 +57,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="dummy: random language weights drawn on the device (a checkpoint made with "
                    "make-model --weights vision)")
     p.add_argument("--top", type=int, default=12, help="kernels to list")
+    p.add_argument("--host-top", type=int, default=0,
+                   help="list this many Python functions by host time per step (cProfile; 0: none)")
     p.add_argument("--out", default=None)
     return p
 
@@ -125,18 +133,18 @@ def run(args: argparse.Namespace) -> dict:
                 engine.step()
             _sync(device)
         kernels = _kernel_table(prof, args.steps)
+    host = _host_table(lambda: [engine.step() for _ in range(args.steps)], args.steps, args.host_top)
     gpu_us = sum(k["us_per_step"] for k in kernels)
     result = {"batch": args.batch, "graphs": runner.uses_cuda_graphs, "wall_ms_per_step": wall * 1e3,
               "tokens_per_s": args.batch / wall,
               **{f"{k}_ms_per_step": v / args.steps * 1e3 for k, v in parts.items()},
-              "gpu_kernel_ms_per_step": gpu_us / 1e3, "kernels": kernels[:args.top]}
+              "gpu_kernel_ms_per_step": gpu_us / 1e3, "launches_per_step": _launches(kernels),
+              "kernels": kernels[:args.top], "host_functions": host}
     print_table(f"decode step, batch {args.batch}, graphs {runner.uses_cuda_graphs}",
                 ["wall ms", "tok/s", "prepare ms", "model ms", "sample ms", "GPU kernels ms"],
                 [[result[k] for k in ("wall_ms_per_step", "tokens_per_s", "prepare_ms_per_step",
                                       "model_ms_per_step", "sample_ms_per_step", "gpu_kernel_ms_per_step")]])
-    if kernels:
-        print_table("kernels per step", ["kernel", "calls", "us"],
-                    [[k["kernel"], k["calls_per_step"], k["us_per_step"]] for k in kernels[:args.top]])
+    _print_tables(kernels[:args.top], host)
     return save_result("profile_step", args, result, decode_gemv=gemv_choices())
 
 
@@ -174,18 +182,46 @@ def _warm_prefill(args: argparse.Namespace, engine: LLMEngine, prompt: str, devi
             for _ in range(args.steps):
                 one_request()
         kernels = _kernel_table(prof, args.steps)
+    host = _host_table(lambda: [one_request() for _ in range(args.steps)], args.steps, args.host_top)
     wall = statistics.median(walls)
     result = {"prompt_tokens": len(ids) + args.warm_tail, "tokens_computed": statistics.median(tokens),
               "graphs": engine.runner.uses_cuda_graphs, "graph_steps": engine.runner.graph_steps,
               "wall_ms": wall * 1e3, "gpu_kernel_ms": sum(k["us_per_step"] for k in kernels) / 1e3,
-              "kernels": kernels[:args.top]}
+              "launches_per_step": _launches(kernels), "kernels": kernels[:args.top], "host_functions": host}
     print_table(f"warm prefill step: {result['tokens_computed']} tokens over a {len(ids)}-token prompt",
                 ["wall ms (median)", "GPU kernels ms", "graphs"],
                 [[result["wall_ms"], result["gpu_kernel_ms"], result["graphs"]]])
+    _print_tables(kernels[:args.top], host)
+    return save_result("profile_warm_prefill", args, result, decode_gemv=gemv_choices())
+
+
+def _host_table(run_steps, steps: int, top: int) -> list[dict]:
+    """The `top` Python functions by their own host time over run_steps() (cProfile), per step."""
+    if top <= 0:
+        return []
+    profiler = cProfile.Profile()
+    profiler.runcall(run_steps)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, tottime, cumtime, _)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [{"function": f"{name} ({'/'.join(file.rsplit('/', 2)[-2:])}:{line})" if line else name,
+             "calls_per_step": calls / steps, "self_ms_per_step": tottime / steps * 1e3,
+             "cumulative_ms_per_step": cumtime / steps * 1e3}
+            for (file, line, name), (_, calls, tottime, cumtime, _) in rows]
+
+
+def _launches(kernels: list[dict]) -> float:
+    """Kernel launches (and copies) per step, over every kernel the profile saw."""
+    return sum(k["calls_per_step"] for k in kernels)
+
+
+def _print_tables(kernels: list[dict], host: list[dict]) -> None:
     if kernels:
         print_table("kernels per step", ["kernel", "calls", "us"],
-                    [[k["kernel"], k["calls_per_step"], k["us_per_step"]] for k in kernels[:args.top]])
-    return save_result("profile_warm_prefill", args, result, decode_gemv=gemv_choices())
+                    [[k["kernel"], k["calls_per_step"], k["us_per_step"]] for k in kernels])
+    if host:
+        print_table("host functions per step (cProfile)", ["function", "calls", "self ms", "cumulative ms"],
+                    [[h["function"][:70], h["calls_per_step"], h["self_ms_per_step"],
+                      h["cumulative_ms_per_step"]] for h in host])
 
 
 def _kernel_table(prof, steps: int) -> list[dict]:

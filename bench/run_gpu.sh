@@ -315,7 +315,7 @@ if [[ ",$SECTIONS," == *,ttft,* ]]; then
     grep -h "CUDA graph\|WARNING" "$RES/logs-ttft-$fam/encoder.log" 2>/dev/null | tail -4
     if [ "${TTFT_WARM_TAIL:-0}" -gt 0 ]; then
       step "warm_step_$fam" 120 "$PY" -m bench.profile_step --model "/tmp/ttft-$fam" "${DT[@]}" \
-        --prompt-len "${TTFT_WARM_PROMPT:-1870}" --warm-tail "$TTFT_WARM_TAIL" --steps 8 --top 14
+        --prompt-len "${TTFT_WARM_PROMPT:-1870}" --warm-tail "$TTFT_WARM_TAIL" --steps 8 --top 14 --host-top 20
     fi
     [ "${TTFT_KEEP_MODELS:-0}" = 1 ] || rm -rf "/tmp/ttft-$fam"
   done
@@ -576,7 +576,7 @@ if [[ ",$SECTIONS," == *,qwen3_5,* ]]; then
     for tail in 11 1520; do
       prompt=$([ "$tail" = 11 ] && echo 1530 || echo 16)
       step "qwen3_5_prefill_profile_$tail" 150 "$PY" -m bench.profile_step --model "$Q35_DIR" "${DT[@]}" \
-        --load-format dummy --prompt-len "$prompt" --warm-tail "$tail" --steps 4 --top 30
+        --load-format dummy --prompt-len "$prompt" --warm-tail "$tail" --steps 4 --top 30 --host-top 25
       cp "$RES/qwen3_5_prefill_profile_$tail.json" "$OUT/" 2>/dev/null  # its table is in run_gpu.log
     done
   fi

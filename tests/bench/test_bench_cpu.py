@@ -225,11 +225,17 @@ def test_profile_step_warm_prefill(tiny_model_dir, out_dir):
     """The warm request's prefill step: only the uncached tail is computed (the prompt's last partial
     block and the new tokens), over a cached prefix."""
     profile_step.main(["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32",
-                       "--prompt-len", "70", "--warm-tail", "3", "--steps", "2",
+                       "--prompt-len", "70", "--warm-tail", "3", "--steps", "2", "--host-top", "40",
                        "--out", str(out_dir / "warm.json")])
     res = _load(out_dir / "warm.json")["results"]
     assert res["prompt_tokens"] > 70 and 3 <= res["tokens_computed"] < 3 + 16
     assert res["wall_ms"] > 0
+    # the host's time by function, per step: the engine's own functions among them
+    host = res["host_functions"]
+    assert len(host) == 40 and all(h["self_ms_per_step"] >= 0 and h["calls_per_step"] > 0 for h in host)
+    assert host == sorted(host, key=lambda h: -h["self_ms_per_step"])
+    assert any("decoder_svc" in h["function"] or "runner/" in h["function"] or "engine/" in h["function"]
+               for h in host)
 
 
 def test_ttft_by_transport_one_decoder_each(tiny_model_dir, out_dir):
