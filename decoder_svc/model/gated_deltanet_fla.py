@@ -66,10 +66,10 @@ MODES = (AUTO, "torch", "fla")
 class DeltaRuleKernels:
     """The gated delta rule in fla's calling convention, chunked and recurrent alike:
     f(q [B, T, Hk, Dk], k [B, T, Hk, Dk], v [B, T, Hv, Dv], *, g [B, T, Hv], beta [B, T, Hv], scale,
-    initial_state [N, Hv, Dk, Dv] fp32, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens [N + 1]
-    int64 or None) -> (o [B, T, Hv, Dv], final state [N, Hv, Dk, Dv] fp32). With cu_seqlens, B = 1 and the
-    N sequences lie side by side along T. `chunk` may require Hk == Hv (fla 0.4's does). Everything after
-    v goes by keyword: fla's recurrent rule has gk and gv between g and beta."""
+    initial_state [N, Hv, Dk, Dv] fp32 (None: zeros), output_final_state, use_qk_l2norm_in_kernel,
+    cu_seqlens [N + 1] int64 or None) -> (o [B, T, Hv, Dv], final state [N, Hv, Dk, Dv] fp32). With
+    cu_seqlens, B = 1 and the N sequences lie side by side along T. `chunk` may require Hk == Hv (fla 0.4's
+    does). Everything after v goes by keyword: fla's recurrent rule has gk and gv between g and beta."""
 
     chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -246,6 +246,7 @@ class _DevicePlan:
     num_rows: int
     slots: torch.Tensor
     fresh: torch.Tensor | None
+    all_fresh: bool  # every chunk starts its sequence
     columns: torch.Tensor
     conv_out: torch.Tensor
     rounds: tuple[_DeviceRound, ...]
@@ -320,7 +321,8 @@ def _device_plan(chunks: tuple, taps: int, device: torch.device) -> _DevicePlan:
             max(b - a for a, b in pairwise(rnd.cu_seqlens)), sent[h["order"]]))
     return _DevicePlan(sent[handles["rows"]] if "rows" in handles else _as_slice(plan.rows), len(plan.rows),
                        sent[handles["slots"]], sent[handles["fresh"]] if fresh else None,
-                       sent[handles["columns"]], sent[handles["conv_out"]], tuple(rounds),
+                       len(fresh) == len(chunks), sent[handles["columns"]], sent[handles["conv_out"]],
+                       tuple(rounds),
                        sent[handles["codes"]].view(-1, taps).to(torch.int32),
                        sent[handles["window_codes"]].view(-1, taps - 1).to(torch.int32),
                        sent[handles["window_dsts"]])
@@ -494,15 +496,20 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
         q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
     beta, g = beta[rows], g[rows]
 
-    packed = o.new_empty(plan.num_rows, shape.num_v_heads, shape.head_v_dim)
-    state = rec_pool.index_select(0, plan.slots)  # [M, Hv, Dk, Dv] fp32
-    if plan.fresh is not None:
+    # the chunks' rows of o itself where they lie together (no copy at the end)
+    packed = o[rows] if isinstance(rows, slice) else o.new_empty(plan.num_rows, shape.num_v_heads,
+                                                                 shape.head_v_dim)
+    # [M, Hv, Dk, Dv] fp32; None while every chunk starts its sequence (fla starts from zeros itself)
+    state = None if plan.all_fresh else rec_pool.index_select(0, plan.slots)
+    if state is not None and plan.fresh is not None:
         state.index_fill_(0, plan.fresh, 0)
     for rnd in plan.rounds:
         if rnd.keep is not None:  # some chunks ended last round: the others' states go on
             state = state.index_select(0, rnd.keep)
         at = rnd.at
         if short and rnd.longest <= SHORT_PIECE:  # token by token, the running states updated in place
+            if state is None:
+                state = rec_pool.new_zeros(plan.slots.shape[0], *rec_pool.shape[1:])
             values = _heads_in_rows(v[at])
             out = packed.new_empty(values.shape)
             gates = (g[at], beta[at]) if g.stride() == beta.stride() else (g[at].contiguous(),
@@ -522,4 +529,5 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
             if columns is not None:  # (the conv kernel's path wrote them all already)
                 conv_pool.index_copy_(0, rnd.dsts,
                                       columns[:, rnd.windows].permute(1, 0, 2).to(conv_pool.dtype))
-    o[rows] = packed
+    if not isinstance(rows, slice):
+        o[rows] = packed

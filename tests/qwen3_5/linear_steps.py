@@ -149,6 +149,9 @@ def _per_sequence(rule, q, k, v, g, beta, *, scale, initial_state, output_final_
     if not use_qk_l2norm_in_kernel:
         assert torch.allclose(q.float().norm(dim=-1), torch.ones(()), atol=1e-4), "q not normalised"
         assert torch.allclose(k.float().norm(dim=-1), torch.ones(()), atol=1e-4), "k not normalised"
+    if initial_state is None:  # fla's contract: every sequence from a zero state
+        sequences = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+        initial_state = torch.zeros(sequences, v.shape[2], k.shape[-1], v.shape[-1], device=q.device)
     assert initial_state.dtype == torch.float32 and g.dtype == torch.float32
     if cu_seqlens is None:
         return rule(q, k, v, g, beta, initial_state)

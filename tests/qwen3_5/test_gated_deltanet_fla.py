@@ -214,6 +214,18 @@ def test_a_sequence_through_several_steps_equals_the_reference_path():
 
 
 @torch.no_grad()
+def test_a_step_of_fresh_chunks_gathers_no_state():
+    """Every chunk starts its sequence: fla's chunked rule starts from zeros itself (initial_state None),
+    whatever the slots hold; a step with a resumed chunk hands over the gathered states."""
+    fake = FakeFla()
+    _run(LAYOUTS["fresh chunks of several lengths"], fake.kernels(), noisy_pool(text_shape()))
+    assert [kwargs["initial_state"] for rule, _, kwargs in fake.calls if rule == "chunk"] == [None]
+    fake = FakeFla()
+    _run(LAYOUTS["resumed and fresh chunks between decode rows"], fake.kernels(), noisy_pool(text_shape()))
+    assert all(kwargs["initial_state"] is not None for _, _, kwargs in fake.calls)
+
+
+@torch.no_grad()
 def test_the_calls_bind_to_fla_s_own_signatures():
     """Where fla is installed (it imports on a CPU; its kernels do not run there): every argument of the
     adapter's calls lands on the parameter of that name (fla's recurrent rule has gk and gv between g and
