@@ -307,7 +307,9 @@ class GatedDeltaNet(nn.Module):
         kernels: the chunks packed into one varlen call (one per snapshot cut), the decode rows in its fused
         recurrent step; equal up to the rounding of other kernels."""
         qkv, z, b, a = self._project(x)
-        if step.graph is not None and (invariant_matmuls_active() or not self.runs_graph_rows(x.device)):
+        # a graph's step (LinearGraphRows) runs on the kernels alone (forward_packed checks which it needs)
+        graph = step.graph is not None
+        if graph and (invariant_matmuls_active() or self.delta_rule_kernels(x.device) is None):
             raise ValueError("a graph's step (LinearGraphRows) needs this layer's in-place kernels, outside "
                              "the deterministic mode")
         if invariant_matmuls_active():  # the deterministic mode (model/batch_invariant.py)
