@@ -247,12 +247,14 @@ class _DevicePlan:
     slots: torch.Tensor
     fresh: torch.Tensor | None
     all_fresh: bool  # every chunk starts its sequence
-    columns: torch.Tensor
-    conv_out: torch.Tensor
+    # torch's convolution (None where the conv kernel runs): PrefillPlan's columns and conv_out
+    columns: torch.Tensor | None
+    conv_out: torch.Tensor | None
     rounds: tuple[_DeviceRound, ...]
-    codes: torch.Tensor  # int32 [P, K]: where each packed row's conv inputs come from (conv_codes)
-    window_codes: torch.Tensor  # int32 [S, K - 1]: the conv state of each slot the step writes ...
-    window_dsts: torch.Tensor  # [S]: ... and those slots
+    # the conv kernel's (None where torch's convolution runs):
+    codes: torch.Tensor | None  # int32 [P, K]: where each packed row's conv inputs come from (conv_codes)
+    window_codes: torch.Tensor | None  # int32 [S, K - 1]: the conv state of each slot the step writes ...
+    window_dsts: torch.Tensor | None  # [S]: ... and those slots
 
 
 class _Upload:
@@ -280,14 +282,16 @@ class _Upload:
 
 
 @functools.lru_cache(maxsize=4)
-def _device_plan(chunks: tuple, taps: int, device: torch.device) -> _DevicePlan:
+def _device_plan(chunks: tuple, taps: int, device: torch.device, conv_kernel: bool) -> _DevicePlan:
     # Keyed by the step's chunks (frozen dataclasses): the first linear layer of a step builds it, the
-    # others find it, so a step copies its indices to the device once, in one copy.
+    # others find it, so a step copies its indices to the device once, in one copy. Only the indices of
+    # the convolution that runs go: the kernel's source codes, or torch's columns (conv_kernel False).
     plan = PrefillPlan.of(chunks, taps)
     fresh = [i for i, c in enumerate(chunks) if c.fresh]
     up = _Upload()
-    handles = {"slots": up.add([c.slot for c in chunks]), "fresh": up.add(fresh),
-               "columns": up.add(plan.columns), "conv_out": up.add(plan.conv_out)}
+    handles = {"slots": up.add([c.slot for c in chunks]), "fresh": up.add(fresh)}
+    if not conv_kernel:
+        handles.update(columns=up.add(plan.columns), conv_out=up.add(plan.conv_out))
     if not _consecutive(plan.rows):
         handles["rows"] = up.add(plan.rows)
     per_round = []
@@ -300,12 +304,15 @@ def _device_plan(chunks: tuple, taps: int, device: torch.device) -> _DevicePlan:
             h["at"] = up.add(rnd.positions)
         if rnd.keep is not None:
             h["keep"] = up.add(rnd.keep)
-        if rnd.dsts:  # the K - 1 conv columns of each state written, and where they go
-            h["windows"] = up.add([start + j for start in rnd.starts for j in range(taps - 1)])
+        if rnd.dsts:  # the states written, and (torch's conv) the K - 1 conv columns of each
+            if not conv_kernel:
+                h["windows"] = up.add([start + j for start in rnd.starts for j in range(taps - 1)])
             h["sources"], h["dsts"] = up.add(rnd.sources), up.add(rnd.dsts)
         per_round.append(h)
-    codes, window_codes, window_dsts = conv_codes(chunks, taps)
-    handles.update(codes=up.add(codes), window_codes=up.add(window_codes), window_dsts=up.add(window_dsts))
+    if conv_kernel:
+        codes, window_codes, window_dsts = conv_codes(chunks, taps)
+        handles.update(codes=up.add(codes), window_codes=up.add(window_codes),
+                       window_dsts=up.add(window_dsts))
     sent = up.send(device)
     rounds = []
     for rnd, h in zip(plan.rounds, per_round, strict=True):
@@ -316,16 +323,19 @@ def _device_plan(chunks: tuple, taps: int, device: torch.device) -> _DevicePlan:
             sent[h["at"]] if "at" in h else _as_slice(rnd.positions), cu,
             sent[h["keep"]] if "keep" in h else None,
             sent[h["sources"]] if stores else None,
-            sent[h["windows"]].view(-1, taps - 1) if stores else None,
+            sent[h["windows"]].view(-1, taps - 1) if "windows" in h else None,
             sent[h["dsts"]] if stores else None,
             max(b - a for a, b in pairwise(rnd.cu_seqlens)), sent[h["order"]]))
-    return _DevicePlan(sent[handles["rows"]] if "rows" in handles else _as_slice(plan.rows), len(plan.rows),
-                       sent[handles["slots"]], sent[handles["fresh"]] if fresh else None,
-                       len(fresh) == len(chunks), sent[handles["columns"]], sent[handles["conv_out"]],
-                       tuple(rounds),
-                       sent[handles["codes"]].view(-1, taps).to(torch.int32),
-                       sent[handles["window_codes"]].view(-1, taps - 1).to(torch.int32),
-                       sent[handles["window_dsts"]])
+
+    def took(name: str, shape: tuple[int, ...] = (-1,), dtype: torch.dtype = torch.long
+             ) -> torch.Tensor | None:
+        return sent[handles[name]].view(shape).to(dtype) if name in handles else None
+
+    return _DevicePlan(took("rows") if "rows" in handles else _as_slice(plan.rows), len(plan.rows),
+                       sent[handles["slots"]], took("fresh") if fresh else None, len(fresh) == len(chunks),
+                       took("columns"), took("conv_out"), tuple(rounds),
+                       took("codes", (-1, taps), torch.int32),
+                       took("window_codes", (-1, taps - 1), torch.int32), took("window_dsts"))
 
 
 def conv_codes(chunks: tuple, taps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -459,11 +469,12 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
              shape: GatedDeltaNetShape, chunks: tuple, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
              kernels: DeltaRuleKernels, o: torch.Tensor) -> None:
     """Every chunk of the step: one packed convolution, then one chunked call per round of pieces."""
-    plan = _device_plan(chunks, weight.shape[-1], qkv.device)
-    rows = plan.rows
-
     taps = weight.shape[-1]
-    if kernels.causal_conv is not None and kernels.conv_supports(shape.conv_dim, taps, shape.head_k_dim):
+    conv_kernel = kernels.causal_conv is not None and kernels.conv_supports(shape.conv_dim, taps,
+                                                                             shape.head_k_dim)
+    plan = _device_plan(chunks, taps, qkv.device, conv_kernel)
+    rows = plan.rows
+    if conv_kernel:
         # One launch: each row's inputs read where they lie (step rows, carried slots), SiLU, q and k
         # normalised; then every state the step keeps gathered (before any slot is written), and written.
         mixed = qkv.new_empty(plan.num_rows, shape.conv_dim)

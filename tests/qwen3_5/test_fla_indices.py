@@ -87,12 +87,19 @@ def test_a_step_s_plan_seeds_every_round(fake_fla):
     fla_indices.install("fakefla.")
     chunks = (LinearChunk(0, 150, 0, True, ((64, 3), (128, 4))), LinearChunk(150, 152, 1, False),
               LinearChunk(152, 300, 2, False, ((100, 5),)))
-    plan = _device_plan(chunks, 4, torch.device("cpu"))
-    assert len(plan.rounds) == 3
-    helpers = modules["fakefla.ops.common.chunk_delta_h"]
-    for rnd in plan.rounds:
-        assert torch.equal(helpers.prepare_chunk_indices(rnd.cu_seqlens, FLA_CHUNK),
-                           fla_chunk_indices(rnd.cu_seqlens, FLA_CHUNK))
-        assert torch.equal(helpers.prepare_chunk_offsets(rnd.cu_seqlens, FLA_CHUNK),
-                           fla_chunk_offsets(rnd.cu_seqlens, FLA_CHUNK))
-    assert calls == []
+    for conv_kernel in (True, False):
+        plan = _device_plan(chunks, 4, torch.device("cpu"), conv_kernel)
+        assert len(plan.rounds) == 3
+        helpers = modules["fakefla.ops.common.chunk_delta_h"]
+        for rnd in plan.rounds:
+            assert torch.equal(helpers.prepare_chunk_indices(rnd.cu_seqlens, FLA_CHUNK),
+                               fla_chunk_indices(rnd.cu_seqlens, FLA_CHUNK))
+            assert torch.equal(helpers.prepare_chunk_offsets(rnd.cu_seqlens, FLA_CHUNK),
+                               fla_chunk_offsets(rnd.cu_seqlens, FLA_CHUNK))
+        assert calls == []
+        # only the indices of the convolution that runs are built and sent
+        kernel_side = (plan.codes, plan.window_codes, plan.window_dsts)
+        windows = [rnd.windows for rnd in plan.rounds if rnd.dsts is not None]
+        torch_side = (plan.columns, plan.conv_out, *windows)
+        assert all((t is not None) == conv_kernel for t in kernel_side)
+        assert all((t is not None) != conv_kernel for t in torch_side)
