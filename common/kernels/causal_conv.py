@@ -49,11 +49,15 @@ def _inputs(x_ptr, carried_ptr, codes, channels, mask, x_stride, carried_s, carr
 
 
 @triton.jit
-def _packed_causal_conv_kernel(x_ptr, sources_ptr, carried_ptr, weight_ptr, out_ptr,
+def _packed_causal_conv_kernel(x_ptr, sources_ptr, carried_ptr, weight_ptr, out_ptr, k_ptr, v_ptr,
                                rows, channels, normalize_channels, eps,
                                x_stride, carried_s, carried_c, carried_k, weight_c, weight_k, out_stride,
+                               k_stride, v_stride,
                                TAPS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-                               HEAD: tl.constexpr, NORMALIZE: tl.constexpr):
+                               HEAD: tl.constexpr, NORMALIZE: tl.constexpr, SPLIT: tl.constexpr,
+                               GROUPS: tl.constexpr):
+    # SPLIT: out_ptr is q's output, k_ptr / v_ptr k's and v's; q and k each key head written to GROUPS
+    # consecutive heads. Else out_ptr is [P, C] (k_ptr, v_ptr unused).
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = p < rows
@@ -73,7 +77,21 @@ def _packed_causal_conv_kernel(x_ptr, sources_ptr, carried_ptr, weight_ptr, out_
                            (BLOCK_P, BLOCK_C))
         scale = tl.where((c < normalize_channels)[None, :], scale, 1.0)
         y = (y.to(tl.float32) * scale).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + p[:, None].to(tl.int64) * out_stride + c[None, :], y, mask=mask)
+    row = p[:, None].to(tl.int64)
+    if SPLIT:  # q and k below normalize_channels (half each), v from there on
+        key = normalize_channels // 2
+        is_v = c >= normalize_channels
+        is_k = (c >= key) & (c < normalize_channels)
+        is_q = c < key
+        within = tl.where(is_v, c - normalize_channels, tl.where(is_k, c - key, c))
+        tl.store(v_ptr + row * v_stride + within[None, :], y, mask=mask & is_v[None, :])
+        head = within // HEAD
+        for r in tl.static_range(GROUPS):
+            column = ((head * GROUPS + r) * HEAD + within % HEAD)[None, :]
+            tl.store(out_ptr + row * out_stride + column, y, mask=mask & is_q[None, :])
+            tl.store(k_ptr + row * k_stride + column, y, mask=mask & is_k[None, :])
+    else:
+        tl.store(out_ptr + row * out_stride + c[None, :], y, mask=mask)
 
 
 @triton.jit
@@ -116,27 +134,39 @@ def _check_carried(carried: torch.Tensor, channels: int, taps: int) -> None:
 
 
 def packed_causal_conv_(x: torch.Tensor, sources: torch.Tensor, carried: torch.Tensor, weight: torch.Tensor,
-                        out: torch.Tensor, *, normalize_channels: int = 0, head_dim: int = 0,
-                        eps: float = 1e-6) -> None:
+                        out: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor], *,
+                        normalize_channels: int = 0, head_dim: int = 0, eps: float = 1e-6) -> None:
     """out [P, C] = silu(depthwise causal conv), row p's K inputs named by sources[p] (int32 [P, K],
     contiguous, taps oldest first) over x [N, C] and carried [S, C, K - 1] (any strides); weight [C, K]
     (any strides, any float dtype); x's and out's channel stride 1, any row stride. With
     normalize_channels > 0 (a multiple of head_dim) each head of head_dim channels below it is
-    L2-normalised after the silu. Sums in fp32; out's dtype is the result's."""
-    rows, channels = out.shape
+    L2-normalised after the silu. Sums in fp32; out's dtype is the result's.
+
+    Or out = (q, k, v), the channels split where a Gated DeltaNet layer's are (q, k: normalize_channels / 2
+    each, normalised; v: the rest), each a tensor of its own: q, k [P, H * G, head_dim], v [P, Hv, Dv]
+    (heads side by side in a row, any row stride), where H = normalize_channels / 2 / head_dim; each key
+    head is written to G consecutive heads (G = 1: as they are; G = Hv / H: one per value head, as fla's
+    chunked rule takes them)."""
+    split = isinstance(out, tuple)
+    q_out, k_out, v_out = out if split else (out, out, out)
+    rows = q_out.shape[0]
+    channels = x.shape[1]
     taps = weight.shape[1]
-    if rows == 0:
-        return
     if not supports(channels, taps, head_dim if normalize_channels else 0):
         raise ValueError(f"{channels} channels, {taps} taps, head dim {head_dim}: unsupported")
     if normalize_channels and (normalize_channels % head_dim or normalize_channels > channels):
         raise ValueError(f"normalize_channels {normalize_channels}: a multiple of head_dim {head_dim} "
                          f"up to {channels}")
-    if x.shape[1] != channels or weight.shape[0] != channels:
-        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}: "
-                         "channel counts differ")
-    if x.stride(1) != 1 or out.stride(1) != 1:
-        raise ValueError("x and out need channel stride 1")
+    groups = 1
+    if split:
+        groups = _check_split(q_out, k_out, v_out, rows, channels, normalize_channels, head_dim)
+    elif out.shape[1] != channels or out.stride(1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} needs {channels} channels at stride 1")
+    if weight.shape[0] != channels or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: channel counts differ, or x's "
+                         "channel stride is not 1")
+    if rows == 0:
+        return
     _check_sources(sources, rows, taps, "sources")
     _check_carried(carried, channels, taps)
     block_c = min(BLOCK_CHANNELS, triton.next_power_of_2(channels))
@@ -145,11 +175,31 @@ def packed_causal_conv_(x: torch.Tensor, sources: torch.Tensor, carried: torch.T
             normalize_channels // head_dim)))
     grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(channels, block_c))
     _packed_causal_conv_kernel[grid](
-        x, sources, carried, weight, out, rows, channels, normalize_channels, eps,
-        x.stride(0), *carried.stride(), *weight.stride(), out.stride(0),
+        x, sources, carried, weight, q_out, k_out, v_out, rows, channels, normalize_channels, eps,
+        x.stride(0), *carried.stride(), *weight.stride(), q_out.stride(0), k_out.stride(0), v_out.stride(0),
         TAPS=taps, BLOCK_P=BLOCK_ROWS, BLOCK_C=block_c, HEAD=head_dim if normalize_channels else block_c,
-        NORMALIZE=normalize_channels > 0,
+        NORMALIZE=normalize_channels > 0, SPLIT=split, GROUPS=groups,
         num_warps=4 if BLOCK_ROWS * block_c <= 4096 else 8)
+
+
+def _check_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, channels: int,
+                 normalize_channels: int, head_dim: int) -> int:
+    """The heads each key head is written to (G) of split outputs, after checking their shapes."""
+    if not normalize_channels:
+        raise ValueError("split outputs need normalize_channels (the q and k channels) and head_dim")
+    key_heads = normalize_channels // 2 // head_dim
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3 or t.shape[0] != rows or t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+            raise ValueError(f"{name} {tuple(t.shape)} (strides {t.stride()}) must be [{rows}, heads, dim] "
+                             "with its heads side by side in a row")
+    if (normalize_channels % (2 * head_dim) or q.shape != k.shape or q.shape[2] != head_dim
+            or q.shape[1] % key_heads):
+        raise ValueError(f"q, k {tuple(q.shape)}, {tuple(k.shape)}: [P, {key_heads} * G, {head_dim}] "
+                         "expected")
+    if v.shape[1] * v.shape[2] != channels - normalize_channels:
+        raise ValueError(f"v {tuple(v.shape)} does not hold the {channels - normalize_channels} value "
+                         "channels")
+    return q.shape[1] // key_heads
 
 
 def gather_conv_windows_(x: torch.Tensor, sources: torch.Tensor, carried: torch.Tensor,

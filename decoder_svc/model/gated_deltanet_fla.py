@@ -474,16 +474,21 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
                                                                              shape.head_k_dim)
     plan = _device_plan(chunks, taps, qkv.device, conv_kernel)
     rows = plan.rows
+    short = _in_place(kernels, shape)
+    chunked = not short or any(rnd.longest > SHORT_PIECE for rnd in plan.rounds)
+    # fla 0.4's chunked rule takes one key head per value head; the in-place kernel takes either
+    groups = shape.num_v_heads // shape.num_k_heads if chunked else 1
     if conv_kernel:
         # One launch: each row's inputs read where they lie (step rows, carried slots), SiLU, q and k
-        # normalised; then every state the step keeps gathered (before any slot is written), and written.
-        mixed = qkv.new_empty(plan.num_rows, shape.conv_dim)
-        kernels.causal_conv(qkv, plan.codes, conv_pool, weight, mixed, normalize_channels=2 * shape.key_dim,
-                            head_dim=shape.head_k_dim)
+        # normalised, written as the rules read them (q, k, v apart, key heads repeated for fla); then
+        # every state the step keeps gathered (before any slot is written), and written.
+        q, k = (qkv.new_empty(plan.num_rows, shape.num_k_heads * groups, shape.head_k_dim) for _ in "qk")
+        v = qkv.new_empty(plan.num_rows, shape.num_v_heads, shape.head_v_dim)
+        kernels.causal_conv(qkv, plan.codes, conv_pool, weight, (q, k, v),
+                            normalize_channels=2 * shape.key_dim, head_dim=shape.head_k_dim)
         windows = conv_pool.new_empty(plan.window_dsts.shape[0], shape.conv_dim, taps - 1)
         kernels.conv_windows(qkv, plan.window_codes, conv_pool, windows)
         conv_pool.index_copy_(0, plan.window_dsts, windows)
-        q, k, v = _split_heads(mixed, shape)
         columns = None
     else:
         # carried inputs (zeros for fresh chunks) and rows side by side, one conv1d
@@ -499,12 +504,8 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
         # q and k normalised here, not by fla's chunked rule: its l2norm kernel takes the row count as a
         # compile-time constant, so every new prompt length would compile it again inside a request's step.
         q, k = _l2norm(q), _l2norm(k)
-    short = _in_place(kernels, shape)
-    q_heads, k_heads = q, k  # [P, Hk, Dk]: the in-place kernel serves grouped value heads itself
-    groups = shape.num_v_heads // shape.num_k_heads
-    chunked = not short or any(rnd.longest > SHORT_PIECE for rnd in plan.rounds)
-    if groups > 1 and chunked:  # fla 0.4's chunked rule: one key head per value head
-        q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
+        if groups > 1:
+            q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
     beta, g = beta[rows], g[rows]
 
     # the chunks' rows of o itself where they lie together (no copy at the end)
@@ -525,7 +526,7 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
             out = packed.new_empty(values.shape)
             gates = (g[at], beta[at]) if g.stride() == beta.stride() else (g[at].contiguous(),
                                                                            beta[at].contiguous())
-            kernels.recurrent_in_place(_heads_in_rows(q_heads[at]), _heads_in_rows(k_heads[at]), values,
+            kernels.recurrent_in_place(_heads_in_rows(q[at]), _heads_in_rows(k[at]), values,
                                        *gates, state, rnd.order, shape.head_k_dim ** -0.5, out,
                                        cu_seqlens=rnd.cu_seqlens, normalize=False)
             packed[at] = out

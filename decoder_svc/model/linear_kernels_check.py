@@ -62,11 +62,22 @@ def _check_conv(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape, device, dt
                            groups=channels)[0, :, :ROWS].t())
     qk = want[:, :2 * shape.key_dim].reshape(ROWS, -1, shape.head_k_dim)
     want[:, :2 * shape.key_dim] = (qk * torch.rsqrt(qk.square().sum(-1, keepdim=True) + 1e-6)).flatten(1)
+    # the prefill's form: q, k, v apart, each key head repeated for every value head it serves
+    groups = shape.num_v_heads // shape.num_k_heads
+    q, k = (x.new_empty(ROWS, shape.num_k_heads * groups, shape.head_k_dim) for _ in "qk")
+    v = x.new_empty(ROWS, shape.num_v_heads, shape.head_v_dim)
+    kernels.causal_conv(x, codes, pool, weight, (q, k, v), normalize_channels=2 * shape.key_dim,
+                        head_dim=shape.head_k_dim)
+    split = [t.reshape(ROWS, -1, shape.head_k_dim).repeat_interleave(groups, dim=1).flatten(1)
+             for t in want[:, :2 * shape.key_dim].chunk(2, dim=1)]
     window_codes = torch.tensor([[ROWS - (taps - 1) + j for j in range(taps - 1)]], dtype=torch.int32,
                                 device=device)
     windows = pool.new_empty(1, channels, taps - 1)
     kernels.conv_windows(x, window_codes, pool, windows)
-    return _close(mixed, want, dtype) and torch.equal(windows[0], x[ROWS - (taps - 1):].t())
+    parts_ok = all(_close(got.flatten(1), expected, dtype)
+                   for got, expected in zip((q, k, v), (*split, want[:, 2 * shape.key_dim:]), strict=True))
+    return (_close(mixed, want, dtype) and parts_ok
+            and torch.equal(windows[0], x[ROWS - (taps - 1):].t()))
 
 
 _CHECKS = {"gates": (_check_gates,), "gated_norm": (_check_gated_norm,),

@@ -124,6 +124,34 @@ def test_q_and_k_heads_normalised_v_left(dtype):
     assert not torch.allclose(out[:, :normalize_channels].float(), plain[:, :normalize_channels].float())
 
 
+@pytest.mark.parametrize("groups", [1, 3])
+def test_split_outputs_take_q_k_v_apart_and_repeat_key_heads(groups):
+    """out = (q, k, v): the same values as one [P, C] output, each part in its own tensor (row slices of
+    wider ones), q's and k's key heads each written to `groups` consecutive heads."""
+    head_dim, key_heads, dtype = 16, 2, torch.bfloat16
+    normalize_channels, channels = 2 * key_heads * head_dim, 2 * key_heads * head_dim + 72
+    x, carried, weight = _setup(channels, dtype, seed=2)
+    sources = _codes(SEQUENCES, TAPS)
+    rows = sources.shape[0]
+    whole = _out(rows, channels, dtype)
+    packed_causal_conv_(x, sources, carried, weight, whole, normalize_channels=normalize_channels,
+                        head_dim=head_dim, eps=EPS)
+    q, k = (_out(rows, key_heads * groups * head_dim, dtype).view(rows, -1, head_dim) for _ in range(2))
+    v = _out(rows, 72, dtype).view(rows, 4, 18)
+    packed_causal_conv_(x, sources, carried, weight, (q, k, v), normalize_channels=normalize_channels,
+                        head_dim=head_dim, eps=EPS)
+    key = normalize_channels // 2
+    want_q, want_k = (whole[:, lo:lo + key].reshape(rows, key_heads, head_dim) for lo in (0, key))
+    assert torch.equal(q, want_q.repeat_interleave(groups, dim=1))
+    assert torch.equal(k, want_k.repeat_interleave(groups, dim=1))
+    assert torch.equal(v, whole[:, normalize_channels:].reshape(rows, 4, 18))
+    with pytest.raises(ValueError, match="value channels"):
+        packed_causal_conv_(x, sources, carried, weight, (q, k, v[:, :3]),
+                            normalize_channels=normalize_channels, head_dim=head_dim)
+    with pytest.raises(ValueError, match="need normalize_channels"):
+        packed_causal_conv_(x, sources, carried, weight, (q, k, v))
+
+
 @pytest.mark.parametrize("taps", [2, TAPS, 5])
 def test_fresh_sequence_equals_torch_causal_conv1d(taps):
     """A fresh sequence's codes (zeros, then its rows): F.conv1d with K - 1 zeros of left padding."""
