@@ -231,7 +231,7 @@ class _DeviceRound:
     at: torch.Tensor | slice
     cu_seqlens: torch.Tensor
     keep: torch.Tensor | None
-    sources: torch.Tensor | None
+    sources: torch.Tensor | None  # None also where every piece's state is stored, in order
     windows: torch.Tensor | None  # [S, K - 1] conv columns
     dsts: torch.Tensor | None
     longest: int  # tokens in the round's longest piece
@@ -307,7 +307,9 @@ def _device_plan(chunks: tuple, taps: int, device: torch.device, conv_kernel: bo
         if rnd.dsts:  # the states written, and (torch's conv) the K - 1 conv columns of each
             if not conv_kernel:
                 h["windows"] = up.add([start + j for start in rnd.starts for j in range(taps - 1)])
-            h["sources"], h["dsts"] = up.add(rnd.sources), up.add(rnd.dsts)
+            h["dsts"] = up.add(rnd.dsts)
+            if rnd.sources != list(range(len(rnd.chunks))):  # else the states go as they are
+                h["sources"] = up.add(rnd.sources)
         per_round.append(h)
     if conv_kernel:
         codes, window_codes, window_dsts = conv_codes(chunks, taps)
@@ -318,13 +320,12 @@ def _device_plan(chunks: tuple, taps: int, device: torch.device, conv_kernel: bo
     for rnd, h in zip(plan.rounds, per_round, strict=True):
         cu = sent[h["cu"]]
         seed(cu, sent[h["chunk_indices"]].view(-1, 2), sent[h["chunk_offsets"]], FLA_CHUNK)
-        stores = "dsts" in h
         rounds.append(_DeviceRound(
             sent[h["at"]] if "at" in h else _as_slice(rnd.positions), cu,
             sent[h["keep"]] if "keep" in h else None,
-            sent[h["sources"]] if stores else None,
+            sent[h["sources"]] if "sources" in h else None,
             sent[h["windows"]].view(-1, taps - 1) if "windows" in h else None,
-            sent[h["dsts"]] if stores else None,
+            sent[h["dsts"]] if "dsts" in h else None,
             max(b - a for a, b in pairwise(rnd.cu_seqlens)), sent[h["order"]]))
 
     def took(name: str, shape: tuple[int, ...] = (-1,), dtype: torch.dtype = torch.long
@@ -537,7 +538,8 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
                 use_qk_l2norm_in_kernel=False, cu_seqlens=rnd.cu_seqlens)
             packed[at] = out[0].to(packed.dtype)
         if rnd.dsts is not None:  # snapshots here, or chunks' last pieces: their slots take the states
-            rec_pool.index_copy_(0, rnd.dsts, state.index_select(0, rnd.sources).to(rec_pool.dtype))
+            kept = state if rnd.sources is None else state.index_select(0, rnd.sources)
+            rec_pool.index_copy_(0, rnd.dsts, kept.to(rec_pool.dtype))
             if columns is not None:  # (the conv kernel's path wrote them all already)
                 conv_pool.index_copy_(0, rnd.dsts,
                                       columns[:, rnd.windows].permute(1, 0, 2).to(conv_pool.dtype))
