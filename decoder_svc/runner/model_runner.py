@@ -187,18 +187,25 @@ class StepBuffers:
             self._dev_arena[:end].copy_(self._host_arena[:end], non_blocking=True)
 
 
+# LinearGraphRows' fields beyond cu_seqlens and slots (StepBuffers' `linear_*`): (rows per sequence, or
+# None: one per token row; columns: 0 a vector, else "window" (taps - 1) or "taps"; dtype).
+_GRAPH_ROWS_FIELDS = {"fresh": (1, 0, torch.int32), "snapshot_rows": (1, 0, torch.int32),
+                      "snapshot_slots": (1, 0, torch.int64), "window_slots": (2, 0, torch.int64),
+                      "window_codes": (2, "window", torch.int32), "conv_codes": (None, "taps", torch.int32)}
+
+
 def _graph_rows_buffers(max_seqs: int, graph_tokens: int, taps: int) -> dict[str, tuple[tuple, torch.dtype]]:
-    """Shapes and dtypes of LinearGraphRows' fields beyond cu_seqlens and slots (StepBuffers' `linear_*`)."""
-    return {"fresh": ((max_seqs,), torch.int32), "snapshot_rows": ((max_seqs,), torch.int32),
-            "snapshot_slots": ((max_seqs,), torch.int64), "window_slots": ((2 * max_seqs,), torch.int64),
-            "window_codes": ((2 * max_seqs, max(taps - 1, 0)), torch.int32),
-            "conv_codes": ((graph_tokens, taps), torch.int32)}
+    """Shapes and dtypes of the `linear_*` buffers (_GRAPH_ROWS_FIELDS)."""
+    columns = {"window": max(taps - 1, 0), "taps": taps}
+    rows = _graph_rows_used(max_seqs, graph_tokens)
+    return {name: ((rows[name], columns[cols]) if cols else (rows[name],), dt)
+            for name, (_, cols, dt) in _GRAPH_ROWS_FIELDS.items()}
 
 
 def _graph_rows_used(num_seqs: int, num_tokens: int) -> dict[str, int]:
     """Rows of each `linear_*` buffer that a graph of num_seqs sequences over num_tokens rows reads."""
-    return {"fresh": num_seqs, "snapshot_rows": num_seqs, "snapshot_slots": num_seqs,
-            "window_slots": 2 * num_seqs, "window_codes": 2 * num_seqs, "conv_codes": num_tokens}
+    return {name: num_tokens if per_seq is None else per_seq * num_seqs
+            for name, (per_seq, _, _) in _GRAPH_ROWS_FIELDS.items()}
 
 
 def describe(group: KVCacheGroup) -> str:
