@@ -313,6 +313,8 @@ if [[ ",$SECTIONS," == *,ttft,* ]]; then
     step "ttft_$fam" 240 "$PY" -m bench.ttft --model "/tmp/ttft-$fam" "${DT[@]}" --logs "$RES/logs-ttft-$fam" \
       "${TARGS[@]}"
     grep -h "CUDA graph\|WARNING" "$RES/logs-ttft-$fam/encoder.log" 2>/dev/null | tail -4
+    # the decoder's graphs and any kernel its first-use checks dropped (a hybrid's "... kernel X dropped")
+    grep -h "captured\|dropped\|WARNING" "$RES"/logs-ttft-"$fam"/decoder*.log 2>/dev/null | tail -6
     if [ "${TTFT_WARM_TAIL:-0}" -gt 0 ]; then
       step "warm_step_$fam" 120 "$PY" -m bench.profile_step --model "/tmp/ttft-$fam" "${DT[@]}" \
         --prompt-len "${TTFT_WARM_PROMPT:-1870}" --warm-tail "$TTFT_WARM_TAIL" --steps 8 --top 14 --host-top 20
