@@ -136,6 +136,8 @@ def test_split_outputs_take_q_k_v_apart_and_repeat_key_heads(groups):
     whole = _out(rows, channels, dtype)
     packed_causal_conv_(x, sources, carried, weight, whole, normalize_channels=normalize_channels,
                         head_dim=head_dim, eps=EPS)
+    expected = _reference_conv(x, sources, carried, weight, dtype, normalize_channels, head_dim)
+    torch.testing.assert_close(whole, expected, **TOLERANCE[dtype])  # so the parts below are the reference's
     q, k = (_out(rows, key_heads * groups * head_dim, dtype).view(rows, -1, head_dim) for _ in range(2))
     v = _out(rows, 72, dtype).view(rows, 4, 18)
     packed_causal_conv_(x, sources, carried, weight, (q, k, v), normalize_channels=normalize_channels,
