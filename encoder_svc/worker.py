@@ -291,8 +291,9 @@ class VisionWorker:
             if batch:
                 phases = {"idle": time.perf_counter() - idle_from}
                 self._batch_since = self._progress_at = time.monotonic()
+                ran = False
                 try:
-                    self._run_batch(batch, phases)
+                    ran = self._run_batch(batch, phases)
                     fence_from = time.perf_counter()
                     self._wait_for_device()
                     phases["fence"] = time.perf_counter() - fence_from
@@ -300,7 +301,10 @@ class VisionWorker:
                 finally:
                     self._batch_since = None
                     self._progress_at = time.monotonic()
+                    # counted with its phases, so the stats never show a batch without its split
                     self.thread_times.add(phases)
+                    if ran:
+                        self.batches += 1
 
     def stalled_for_s(self) -> float:
         """Seconds the tower has owed work without a step: since the batch in progress began (preparing
@@ -343,14 +347,16 @@ class VisionWorker:
                 out.append((job, prepared))
         return out
 
-    def _run_batch(self, jobs: list[_Job], phases: dict[str, float]) -> None:
+    def _run_batch(self, jobs: list[_Job], phases: dict[str, float]) -> bool:
         """Run jobs' prepared inputs through the tower and store the rows; phases gains the seconds this
-        thread waited for the preparations and spent launching and storing."""
+        thread waited for the preparations and spent launching and storing. True when the tower ran the
+        batch through (False: nothing was left to run, or it failed)."""
         waited_from = time.perf_counter()
         batch = self._prepared(jobs)
         phases["prepare_wait"] = time.perf_counter() - waited_from
         if not batch:
-            return
+            return False
+        ran = False
         t0 = time.monotonic()
         stream = self._streams.get(batch[0][0].priority)
         try:
@@ -366,6 +372,7 @@ class VisionWorker:
                         self._device_timers.append((start, done))
             else:
                 self._encode_and_store(batch, phases)
+            ran = True
         except Exception as exc:  # the tower failed: every job of the batch fails, the worker lives on
             log.exception("vision batch of %d failed", len(batch))
             for job, _ in batch:
@@ -376,6 +383,7 @@ class VisionWorker:
         for job in jobs:
             job.prepared = None  # the inputs go now, so that a large batch's memory can be given back
         return_memory_after(nbytes)
+        return ran
 
     def _encode_and_store(self, batch: list[tuple[_Job, object]], phases: dict[str, float]) -> None:
         """The batch's forwards, run by run (VisionEncoder.launch_groups; one image each when batch
@@ -400,7 +408,6 @@ class VisionWorker:
             items = [(job.key, feat) for (job, _), feat in zip(group, feats, strict=True)]
             self.cache.complete_many(items, grids, timings)
             phases["store"] += time.perf_counter() - launched
-        self.batches += 1
 
     def _launch_groups(self, batch: list[tuple[_Job, object]],
                        graphs: bool) -> list[list[tuple[_Job, object]]]:
