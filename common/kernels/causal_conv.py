@@ -36,16 +36,18 @@ def _inputs(x_ptr, carried_ptr, codes, channels, mask, x_stride, carried_s, carr
     """The inputs that `codes` name at `channels` (broadcastable to `mask`'s shape), in fp32."""
     codes = codes.to(tl.int64)
     from_x = codes >= 0
-    carried = -codes - 2  # >= 0 for carried inputs
-    from_carried = carried >= 0
     row = tl.where(from_x, codes, 0)
-    carried = tl.where(from_carried, carried, 0)
-    slot = carried // CARRY
-    column = carried % CARRY
-    xs = tl.load(x_ptr + row * x_stride + channels, mask=mask & from_x, other=0.0).to(tl.float32)
-    cs = tl.load(carried_ptr + slot * carried_s + channels * carried_c + column * carried_k,
-                 mask=mask & from_carried, other=0.0).to(tl.float32)
-    return tl.where(from_x, xs, cs)
+    values = tl.load(x_ptr + row * x_stride + channels, mask=mask & from_x, other=0.0).to(tl.float32)
+    if tl.min(codes) < -1:  # some rows read carried inputs (a chunk's first K - 1 rows): most tiles do not
+        carried = -codes - 2  # >= 0 for carried inputs
+        from_carried = carried >= 0
+        carried = tl.where(from_carried, carried, 0)
+        slot = carried // CARRY
+        column = carried % CARRY
+        cs = tl.load(carried_ptr + slot * carried_s + channels * carried_c + column * carried_k,
+                     mask=mask & from_carried, other=0.0).to(tl.float32)
+        values = tl.where(from_carried, cs, values)
+    return values
 
 
 @triton.jit
@@ -78,18 +80,25 @@ def _packed_causal_conv_kernel(x_ptr, sources_ptr, carried_ptr, weight_ptr, out_
         scale = tl.where((c < normalize_channels)[None, :], scale, 1.0)
         y = (y.to(tl.float32) * scale).to(out_ptr.dtype.element_ty)
     row = p[:, None].to(tl.int64)
-    if SPLIT:  # q and k below normalize_channels (half each), v from there on
+    if SPLIT:
+        # The block lies within one of q, k (normalize_channels / 2 channels each) and v (the rest), whole
+        # heads: its first channel says which. Offsets are a scalar base plus aranges, so stores vectorise.
+        first = tl.program_id(1) * BLOCK_C
         key = normalize_channels // 2
-        is_v = c >= normalize_channels
-        is_k = (c >= key) & (c < normalize_channels)
-        is_q = c < key
-        within = tl.where(is_v, c - normalize_channels, tl.where(is_k, c - key, c))
-        tl.store(v_ptr + row * v_stride + within[None, :], y, mask=mask & is_v[None, :])
-        head = within // HEAD
+        in_q = first < key
+        in_k = (first >= key) & (first < normalize_channels)
+        in_v = first >= normalize_channels
+        offset = tl.arange(0, BLOCK_C)[None, :] + (first - normalize_channels)
+        tl.store(v_ptr + row * v_stride + offset, y, mask=mask & in_v)
+        y3 = tl.reshape(y, (BLOCK_P, BLOCK_C // HEAD, HEAD))
+        head = (tl.where(in_q, first, first - key) // HEAD + tl.arange(0, BLOCK_C // HEAD))[None, :, None]
+        dim = tl.arange(0, HEAD)[None, None, :]
+        row3 = row[:, :, None]
+        rows_ok = row_ok[:, None, None]
         for r in tl.static_range(GROUPS):
-            column = ((head * GROUPS + r) * HEAD + within % HEAD)[None, :]
-            tl.store(out_ptr + row * out_stride + column, y, mask=mask & is_q[None, :])
-            tl.store(k_ptr + row * k_stride + column, y, mask=mask & is_k[None, :])
+            column = (head * GROUPS + r) * HEAD + dim
+            tl.store(out_ptr + row3 * out_stride + column, y3, mask=rows_ok & in_q)
+            tl.store(k_ptr + row3 * k_stride + column, y3, mask=rows_ok & in_k)
     else:
         tl.store(out_ptr + row * out_stride + c[None, :], y, mask=mask)
 
@@ -170,9 +179,9 @@ def packed_causal_conv_(x: torch.Tensor, sources: torch.Tensor, carried: torch.T
     _check_sources(sources, rows, taps, "sources")
     _check_carried(carried, channels, taps)
     block_c = min(BLOCK_CHANNELS, triton.next_power_of_2(channels))
-    if normalize_channels:  # whole heads per block; a block never straddles the q/k-v boundary
+    if normalize_channels:  # whole heads per block; a block never straddles the q-k (split) or k-v boundary
         block_c = head_dim * max(1, min(BLOCK_CHANNELS // head_dim, _largest_power_of_two_dividing(
-            normalize_channels // head_dim)))
+            normalize_channels // head_dim // (2 if split else 1))))
     grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(channels, block_c))
     _packed_causal_conv_kernel[grid](
         x, sources, carried, weight, q_out, k_out, v_out, rows, channels, normalize_channels, eps,

@@ -124,14 +124,16 @@ def test_q_and_k_heads_normalised_v_left(dtype):
     assert not torch.allclose(out[:, :normalize_channels].float(), plain[:, :normalize_channels].float())
 
 
+@pytest.mark.parametrize("key_heads", [2, 3])
 @pytest.mark.parametrize("groups", [1, 3])
-def test_split_outputs_take_q_k_v_apart_and_repeat_key_heads(groups):
+def test_split_outputs_take_q_k_v_apart_and_repeat_key_heads(groups, key_heads):
     """out = (q, k, v): the same values as one [P, C] output, each part in its own tensor (row slices of
-    wider ones), q's and k's key heads each written to `groups` consecutive heads."""
-    head_dim, key_heads, dtype = 16, 2, torch.bfloat16
+    wider ones), q's and k's key heads each written to `groups` consecutive heads. Blocks of two heads
+    (key_heads 2) and of one (3); a third row block with no carried input (a long fresh sequence)."""
+    head_dim, dtype = 16, torch.bfloat16
     normalize_channels, channels = 2 * key_heads * head_dim, 2 * key_heads * head_dim + 72
     x, carried, weight = _setup(channels, dtype, seed=2)
-    sources = _codes(SEQUENCES, TAPS)
+    sources = _codes([*SEQUENCES, (None, 0, 40)], TAPS)
     rows = sources.shape[0]
     whole = _out(rows, channels, dtype)
     packed_causal_conv_(x, sources, carried, weight, whole, normalize_channels=normalize_channels,
