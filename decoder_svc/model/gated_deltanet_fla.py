@@ -46,7 +46,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from decoder_svc.model.fla_direct import direct
 from decoder_svc.model.fla_indices import chunk_indices, chunk_offsets, seed
 from decoder_svc.model.fla_indices import install as install_seeded_indices
 from decoder_svc.model.linear_state import SHORT_PIECE, conv_source_codes
@@ -106,7 +105,6 @@ def load_fla() -> tuple[DeltaRuleKernels | None, str]:
     """fla's two rules, or (None, why they do not import). Imported once per process."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-        from fla.ops.gated_delta_rule import chunk as fla_chunk
 
         from common.kernels import causal_conv
         from common.kernels.delta_rule_recurrent import delta_rule_recurrent_, supports
@@ -114,9 +112,7 @@ def load_fla() -> tuple[DeltaRuleKernels | None, str]:
     except Exception as exc:  # ImportError, or Triton failing at import on a host without a driver
         return None, f"{type(exc).__name__}: {exc}"
     install_seeded_indices()  # fla's chunk indices from the step's plan, not read back per call
-    # the chunked rule below fla's autograd wrapper (model/fla_direct.py): less host time per call
-    chunk = direct(chunk_gated_delta_rule, getattr(fla_chunk, "chunk_gated_delta_rule_fwd", None))
-    return DeltaRuleKernels(chunk, fused_recurrent_gated_delta_rule,
+    return DeltaRuleKernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
                             recurrent_in_place=delta_rule_recurrent_, recurrent_supports=supports,
                             gated_norm=gated_rms_norm, gates=delta_gates,
                             causal_conv=causal_conv.packed_causal_conv_,
