@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from common.arg_types import port_number, positive_float
+from common.arg_types import non_negative_int, port_number, positive_float
 from common.config import ServiceOptions, check_options, option, section
 from decoder_svc.engine.config import EngineConfig
 
@@ -49,6 +49,11 @@ class EncoderLinkConfig:
     send_ahead: bool = option(
         True, "no sending of a new image file to its encoder as its request arrives (the engine then "
         "sends it when the encoder answers its ask by hash NOT_FOUND)", flag="--no-send-ahead")
+    retain_bytes: int = option(
+        256 << 20, "bytes of image embeddings kept after their requests end, for the next request with the "
+        "same image (a follow-up question: no Encode round trip), least recently used dropped first; on the "
+        "decoder's device, outside the KV cache's budget (0: none kept)", flag="--embedding-retain-bytes",
+        type=non_negative_int, metavar="BYTES")
     transports: str | None = option(
         None, "embedding transports to ask encoders for, best first, comma-separated from cuda_ipc, shm, "
         "nixl, inline (default: every one this process can read, in that order; inline is always the "

@@ -99,7 +99,8 @@ def build_engine(config: DecoderConfig, encoder_link: ClientSecurity, lease_owne
         nixl.start_reader()  # its agent's start-up (~0.5 s) is then not the first NIXL request's
     source = RemoteEmbeddingSource(pool, device=config.engine.device, transports=transports,
                                    retry=RetryPolicy(total_timeout_s=config.encoders.timeout_s),
-                                   tls=encoder_link.tls, token=encoder_link.token, lease_owner=lease_owner)
+                                   tls=encoder_link.tls, token=encoder_link.token, lease_owner=lease_owner,
+                                   retain_bytes=config.encoders.retain_bytes)
     return LLMEngine(engine_config(config), embedding_source=source)
 
 

@@ -140,7 +140,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class DecoderStats(_message.Message):
-    __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "images_encoded", "images_encoder_cache_hits", "images_skipped_by_kv_reuse", "preemptions", "requests_finished", "requests_aborted", "active_leases", "images_prefetched", "lookahead_ready_at_prefill", "kv_blocks_cached_free", "lookahead_waited_at_prefill", "requests_failed", "embedding_transports", "lookahead_boosted", "ttft_stage_seconds", "ttft_calls", "prefix_cache_hit_tokens_by_adapter", "kv_groups", "samples_forked", "samples_queued")
+    __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "images_encoded", "images_encoder_cache_hits", "images_skipped_by_kv_reuse", "preemptions", "requests_finished", "requests_aborted", "active_leases", "images_prefetched", "lookahead_ready_at_prefill", "kv_blocks_cached_free", "lookahead_waited_at_prefill", "requests_failed", "embedding_transports", "lookahead_boosted", "ttft_stage_seconds", "ttft_calls", "prefix_cache_hit_tokens_by_adapter", "kv_groups", "samples_forked", "samples_queued", "embeddings_retained_hits", "embeddings_retained_bytes", "embeddings_retained_evictions")
     class EmbeddingTransportsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,9 @@ class DecoderStats(_message.Message):
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FORKED_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_RETAINED_HITS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_RETAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_RETAINED_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_blocks_used: int
@@ -214,7 +217,10 @@ class DecoderStats(_message.Message):
     kv_groups: _containers.RepeatedCompositeFieldContainer[KvGroupStats]
     samples_forked: int
     samples_queued: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., images_encoded: _Optional[int] = ..., images_encoder_cache_hits: _Optional[int] = ..., images_skipped_by_kv_reuse: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., active_leases: _Optional[int] = ..., images_prefetched: _Optional[int] = ..., lookahead_ready_at_prefill: _Optional[int] = ..., kv_blocks_cached_free: _Optional[int] = ..., lookahead_waited_at_prefill: _Optional[int] = ..., requests_failed: _Optional[int] = ..., embedding_transports: _Optional[_Mapping[str, int]] = ..., lookahead_boosted: _Optional[int] = ..., ttft_stage_seconds: _Optional[_Mapping[str, float]] = ..., ttft_calls: _Optional[int] = ..., prefix_cache_hit_tokens_by_adapter: _Optional[_Mapping[str, int]] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupStats, _Mapping]]] = ..., samples_forked: _Optional[int] = ..., samples_queued: _Optional[int] = ...) -> None: ...
+    embeddings_retained_hits: int
+    embeddings_retained_bytes: int
+    embeddings_retained_evictions: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., images_encoded: _Optional[int] = ..., images_encoder_cache_hits: _Optional[int] = ..., images_skipped_by_kv_reuse: _Optional[int] = ..., preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., active_leases: _Optional[int] = ..., images_prefetched: _Optional[int] = ..., lookahead_ready_at_prefill: _Optional[int] = ..., kv_blocks_cached_free: _Optional[int] = ..., lookahead_waited_at_prefill: _Optional[int] = ..., requests_failed: _Optional[int] = ..., embedding_transports: _Optional[_Mapping[str, int]] = ..., lookahead_boosted: _Optional[int] = ..., ttft_stage_seconds: _Optional[_Mapping[str, float]] = ..., ttft_calls: _Optional[int] = ..., prefix_cache_hit_tokens_by_adapter: _Optional[_Mapping[str, int]] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupStats, _Mapping]]] = ..., samples_forked: _Optional[int] = ..., samples_queued: _Optional[int] = ..., embeddings_retained_hits: _Optional[int] = ..., embeddings_retained_bytes: _Optional[int] = ..., embeddings_retained_evictions: _Optional[int] = ...) -> None: ...
 
 class KvGroupStats(_message.Message):
     __slots__ = ("name", "window", "blocks_used", "blocks_total", "blocks_cached_free")

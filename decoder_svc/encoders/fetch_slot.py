@@ -35,6 +35,7 @@ class FetchSlot:
     # (encoder, ask) of Encodes that failed on the link: their answers may have been granted leases and lost
     # on the way (a reset connection). Released by name once the encoder answers again, or the slot ends.
     abandoned: list[tuple[str, str]] = field(default_factory=list)
+    retain_key: tuple | None = None  # what its rows are kept under after release (retained.py's retain_key)
 
     def next_ask(self) -> str:
         """A fresh request_id for the next Encode: a late Release of a failed attempt's name can never

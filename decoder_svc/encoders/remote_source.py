@@ -60,6 +60,7 @@ from decoder_svc.encoders.discovery import EncoderPool, NoEncoderError
 from decoder_svc.encoders.encode_items import EncodeItem, by_hash, with_bytes
 from decoder_svc.encoders.fetch_slot import FetchSlot
 from decoder_svc.encoders.leases import LeaseLapsedError, lease_held_through
+from decoder_svc.encoders.retained import RetainedEmbeddings, retain_key
 from decoder_svc.encoders.retry_policy import (
     ENCODER_STAGE,
     PROBE_TIMEOUT_S,
@@ -95,8 +96,10 @@ class RemoteEmbeddingSource(EmbeddingSource):
     def __init__(self, addresses: list[str] | EncoderPool, device: torch.device | str = "cpu",
                  retry: RetryPolicy = RetryPolicy(), max_workers: int = 8,
                  transports: list[int] | None = None, lease_owner: str | None = None,
-                 tls: ClientTls | None = None, token: str | None = None) -> None:
+                 tls: ClientTls | None = None, token: str | None = None, retain_bytes: int = 0) -> None:
         self.device = torch.device(device)
+        # Embeddings kept after their requests, for the next request with the same image (retained.py)
+        self._retained = RetainedEmbeddings(retain_bytes)
         # Binds our leases to us at the encoder; never logged or sent anywhere but the encoders.
         self._lease_owner = new_lease_owner() if lease_owner is None else lease_owner
         self._token = token  # never logged
@@ -133,8 +136,14 @@ class RemoteEmbeddingSource(EmbeddingSource):
             if self._closed:
                 return
             slot = self._slots.get(key)
-            if slot is None:
-                self._slots[key] = FetchSlot(prefetch=req.prefetch,
+            kept = self._retained.take(retain_key(req)) if slot is None else None
+            if kept is not None:  # this decoder still holds its rows: no Encode (a cache hit, ours)
+                self._slots[key] = FetchSlot(status=EmbeddingState.READY, prefetch=req.prefetch, tensor=kept,
+                                             cache_hit=True, started=True, retain_key=retain_key(req),
+                                             transport="retained")
+                self._counters.embeddings_retained_hits += 1
+            elif slot is None:
+                self._slots[key] = FetchSlot(prefetch=req.prefetch, retain_key=retain_key(req),
                                          deadline=time.monotonic() + self.retry.total_timeout_s,
                                          name=f"{req.request_id}#{next(self._asks)}")
                 self._counters.embeddings_requested += 1
@@ -188,6 +197,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
                     continue
                 # Leases went back when the rows were copied; a fetch still in flight gives its own back.
                 slot.released = True
+                if slot.status == EmbeddingState.READY and slot.tensor is not None:
+                    self._retained.keep(slot.retain_key, slot.tensor)
                 slot.tensor = None
                 if slot.call is not None:
                     cancelled.append((slot.call, slot.encoder, slot.ask))
@@ -232,6 +243,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
             asks += [a for slot in self._slots.values() for a in slot.abandoned]
         for rid in requests:
             self.release(rid)
+        with self._lock:
+            self._retained.clear()
         for call in calls:  # a fetch waiting on a busy encoder would hold the shutdown for its whole wait
             call.cancel()
         self._release_now(asks, _CLOSE_RELEASE_TIMEOUT_S)
@@ -245,6 +258,8 @@ class RemoteEmbeddingSource(EmbeddingSource):
         """A copy of the counters, with the routing ring's size."""
         with self._lock:
             return dataclasses.replace(self._counters, encoders=len(self.ring.members),
+                                       embeddings_retained_bytes=self._retained.bytes_held,
+                                       embeddings_retained_evictions=self._retained.evictions,
                                        embedding_transports=dict(self._counters.embedding_transports))
 
     # -- the worker side ------------------------------------------------------------------------

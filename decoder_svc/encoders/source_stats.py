@@ -19,6 +19,11 @@ class RemoteSourceStats:
     encoder_busy_waits: int = stat("Waits past an Encode's attempt timeout because its encoder was busy, "
                                    "not unreachable (it answered a stats call)")
     embeddings_from_encoder_cache: int = stat("Embeddings an encoder served from its cache")
+    embeddings_retained_hits: int = stat("Embeddings this decoder still held from an earlier request "
+                                         "with the same image (no encoder asked)")
+    embeddings_retained_bytes: int = stat("Bytes of embeddings held for later requests "
+                                          "(--embedding-retain-bytes)", "gauge")
+    embeddings_retained_evictions: int = stat("Held embeddings dropped for newer ones")
     images_resent: int = stat("Images whose bytes had to follow their hash (the encoder did not have it)")
     embedding_failures: int = stat("Image embeddings that failed (the request failed with them)")
     active_leases: int = stat("Embedding leases this decoder holds now", "gauge")

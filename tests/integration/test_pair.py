@@ -64,6 +64,27 @@ def test_identical_second_request_reuses_prefix_and_skips_its_images(pair, test_
     assert enc_after.hits + enc_after.misses == enc_before.hits + enc_before.misses
 
 
+def test_a_follow_up_question_takes_the_image_s_embedding_kept_by_the_decoder(pair, oracle, test_images):
+    """A new question about the same image reuses the prefix up to a block boundary inside the image; the
+    image's last tokens take its rows from the decoder's retained copy (--embedding-retain-bytes): no
+    Encode, no lease, the same tokens as HF."""
+    first_prompt = "USER: <image>\nWhat is in this picture? ASSISTANT:"
+    follow_up = "USER: <image>\nDescribe the colours you see, one by one. ASSISTANT:"
+    with pair.decoder_client() as client:
+        client.generate_text(first_prompt, [png(test_images[1])], max_tokens=4, cache_salt="follow-up")
+        dec_before, enc_before = client.stats(), pair.encoder_client().stats()
+        result = client.generate_text(follow_up, [png(test_images[1])], max_tokens=N, cache_salt="follow-up")
+        dec_after, enc_after = client.stats(), pair.encoder_client().stats()
+    oracle.assert_same_tokens(result.token_ids, follow_up, [test_images[1]], N)
+    assert result.usage.cached_prompt_tokens > 0 and result.usage.images_skipped_by_kv_reuse == 0
+    assert result.usage.images_encoder_cache_hits == 1  # a cache's: the decoder's own
+    assert dec_after.embeddings_retained_hits == dec_before.embeddings_retained_hits + 1
+    assert dec_after.embeddings_retained_bytes > 0
+    assert enc_after.hits + enc_after.misses == enc_before.hits + enc_before.misses  # no Encode at all
+    dec, enc = pair.wait_idle()
+    assert dec.active_leases == 0 and enc.active_leases == 0
+
+
 def test_same_text_with_another_image_reuses_nothing_past_the_image_start(pair, oracle, test_images):
     prompt = ("USER: Here is a long preamble that fills more than one block of tokens for sure, then "
               "<image>\nand more text after the image. ASSISTANT:")
