@@ -64,6 +64,9 @@ class ImageLayout(ABC):
     # image by default, a hash-only image may have a grid (its crops) to look up
     per_image_crops: ClassVar[bool] = False
     merge_size: int  # patches merged per token side (1: none); a video's tokens per frame follow it
+    # image embeddings carry this many DeepStack levels besides the rows themselves (Qwen3-VL: added to
+    # the hidden states after the first layers); 0: plain rows
+    deepstack_levels: int = 0
 
     @classmethod
     @abstractmethod

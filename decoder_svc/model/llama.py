@@ -313,7 +313,8 @@ class LlamaForCausalLM(nn.Module):
         meta: one for every layer, or one per KV cache group (their block tables and slots; layer i
         reads meta[self.layer_group[i]]); kv_caches: each layer's tensor (its group's pool).
         deepstack (Qwen3-VL): (image rows [n], levels [L, n, hidden]); level i is added to the hidden
-        states of those rows after layer i, as HF's _deepstack_process does.
+        states of those rows after layer i, as HF's _deepstack_process does. Image rows None: levels
+        [L, tokens, hidden] over every row, zeros off the image rows (a CUDA graph's static buffer).
         lora_slots: each token row's adapter slot [tokens] (model/lora/batched.py); None: the base model.
         linear_state: a hybrid stack's state slots and which rows continue which (model/linear_state.py);
         the linear layers read and update them. None for a stack without linear layers.
@@ -344,7 +345,10 @@ class LlamaForCausalLM(nn.Module):
                 # defer is made here; the next layer then starts from it with no residual.
                 slots, rows = deepstack
                 x = x + residual
-                x[slots] = x[slots] + rows[i]
+                if slots is None:  # every row (x + 0 is x: the other rows keep their values exactly)
+                    x = x + rows[i]
+                else:
+                    x[slots] = x[slots] + rows[i]
                 residual = None
         # Norm and lm_head only on the rows we sample from: the rest are partial prefill chunks.
         rows = None if residual is None else residual[logits_indices]

@@ -14,12 +14,14 @@ host's launch cost exceeds the GPU's work. Replaying a captured graph removes it
   graph's rows (model/linear_state.py's LinearGraphRows), for steps whose sequences are all short.
 
 Graphs take input embeddings (the runner embeds and fuses image rows into the static buffer first), so
-steps with image rows replay too. A model with LoRA adapters has each graph twice: with the batched LoRA
-product, and without it for steps where no row has an adapter (those keep the one-row kernels that fuse a
-norm or the activation into the product, and launch no LoRA kernels); a model with an adapter merged at
-load (model/lora/merged.py) has a third set, over the merged copies of the projections, for steps whose
-rows all run that adapter: a graph holds its weights' addresses, so the choice is a graph of its own.
-They are captured largest first
+steps with image rows replay too; a model whose image rows carry DeepStack levels (Qwen3-VL) has its
+other steps' graphs twice, the second set adding a static buffer of levels (zero off the image rows)
+after the first layers, for the steps with image rows, so that a text step's graph computes as it always
+did. A model with LoRA adapters has each graph twice: with the batched LoRA product, and without it for
+steps where no row has an adapter (those keep the one-row kernels that fuse a norm or the activation into
+the product, and launch no LoRA kernels); a model with an adapter merged at load (model/lora/merged.py)
+has a third set, over the merged copies of the projections, for steps whose rows all run that adapter: a
+graph holds its weights' addresses, so the choice is a graph of its own. They are captured largest first
 so that every smaller graph fits in the memory pool the first one reserved.
 """
 
@@ -41,12 +43,14 @@ MAX_GRAPH_TOKENS = 512
 class GraphKey:
     """Which graph: plain decode over `size` sequences, or any step of up to `size` tokens; `lora`: with
     the LoRA product (some row has an adapter); `merged`: over the merged adapter's weights (every row
-    runs it; never with `lora`)."""
+    runs it; never with `lora`); `deepstack`: a step with DeepStack image rows (never a decode graph),
+    their levels added after the first layers from a buffer of the runner's."""
 
     decode: bool
     size: int
     lora: bool = False
     merged: bool = False
+    deepstack: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -83,15 +87,17 @@ class StepGraphs:
     """Captured graphs and their output logits, by key."""
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, lora: bool = False,
-                 merged: bool = False, decode_only: bool = False) -> None:
+                 merged: bool = False, decode_only: bool = False, deepstack: bool = False) -> None:
         """`lora`: the model has adapters (graphs with the LoRA product too); `merged`: one of them is
         merged (graphs over its merged weights too); `decode_only`: no graphs for other steps (a hybrid
-        stack whose linear layers cannot run a graph's rows)."""
+        stack whose linear layers cannot run a graph's rows); `deepstack`: its image rows carry DeepStack
+        levels (the other steps' graphs again, with them: a text step's graph stays as it was)."""
         self.decode_sizes = decode_sizes(max_num_seqs)
         self.mixed_sizes = [] if decode_only else mixed_sizes(max_num_batched_tokens)
         kinds = [(False, False)] + [(True, False)] * lora + [(False, True)] * merged
         self.keys = [GraphKey(True, s, a, m) for a, m in kinds for s in self.decode_sizes]
-        self.keys += [GraphKey(False, s, a, m) for a, m in kinds for s in self.mixed_sizes]
+        self.keys += [GraphKey(False, s, a, m, d) for d in (False, True)[:1 + deepstack] for a, m in kinds
+                      for s in self.mixed_sizes]
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0
 
@@ -106,16 +112,18 @@ class StepGraphs:
         return max(k.num_tokens for k in self.keys)
 
     def key_for(self, num_seqs: int, num_tokens: int, plain_decode: bool, lora: bool = False,
-                merged: bool = False) -> GraphKey | None:
+                merged: bool = False, deepstack: bool = False) -> GraphKey | None:
         """The smallest captured graph that can run this step, or None (run it eagerly). `lora`: some row
-        of the step has an adapter; `merged`: every row runs the merged one (its weights, no product)."""
-        if plain_decode:
+        of the step has an adapter; `merged`: every row runs the merged one (its weights, no product);
+        `deepstack`: the step has image rows with DeepStack levels."""
+        if plain_decode and not deepstack:
             i = bisect.bisect_left(self.decode_sizes, num_seqs)
             key = GraphKey(True, self.decode_sizes[i], lora, merged) if i < len(self.decode_sizes) else None
             if key in self._graphs:
                 return key
         i = bisect.bisect_left(self.mixed_sizes, num_tokens)
-        key = GraphKey(False, self.mixed_sizes[i], lora, merged) if i < len(self.mixed_sizes) else None
+        key = (GraphKey(False, self.mixed_sizes[i], lora, merged, deepstack) if i < len(self.mixed_sizes)
+               else None)
         return key if key in self._graphs else None
 
     def capture(self, run: Callable[[GraphKey], torch.Tensor], progress: bool = True) -> None:

@@ -79,6 +79,7 @@ class RunnerConfig:
     image_blocks: bool = False  # each image's tokens attend to each other whole (Gemma 3): key limits
     num_state_slots: int | None = None  # a hybrid stack's state slots (None: max_num_seqs)
     num_state_snapshots: int = 0  # ...and its snapshot slots after them (prefix reuse)
+    deepstack_levels: int = 0  # DeepStack levels of its image rows (Qwen3-VL's; the graphs' level buffer)
 
     @classmethod
     def for_engine(cls, config: EngineConfig, device: str, dtype: torch.dtype, layout: ImageLayout,
@@ -92,7 +93,7 @@ class RunnerConfig:
         return cls(device, dtype, config.block_size, config.max_num_seqs, tokens, config.num_kv_blocks,
                    config.kv_cache_bytes, config.enforce_eager or eager,
                    image_blocks=layout.bidirectional_images, num_state_slots=config.num_state_slots,
-                   num_state_snapshots=cls.snapshots_for(config))
+                   num_state_snapshots=cls.snapshots_for(config), deepstack_levels=layout.deepstack_levels)
 
     @staticmethod
     def snapshots_for(config: EngineConfig) -> int:
@@ -123,9 +124,10 @@ class StepBuffers:
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, position_rows: int = 1, num_groups: int = 1, conv_taps: int = 0,
-                 graph_tokens: int = 0) -> None:
+                 graph_tokens: int = 0, deepstack_levels: int = 0) -> None:
         """conv_taps: a hybrid stack's convolution taps when its mixed graphs run linear layers (their
-        buffers for graph_tokens rows); 0: none."""
+        buffers for graph_tokens rows); 0: none. deepstack_levels: the DeepStack levels of the graphs'
+        image rows (a buffer of them for graph_tokens rows; 0: none)."""
         pin = device.type == "cuda"
         positions = (position_rows, max_tokens) if position_rows > 1 else (max_tokens,)
         shapes = {"query_start_loc": ((max_seqs + 1,), torch.int32), "seq_lens": ((max_seqs,), torch.int32),
@@ -164,6 +166,9 @@ class StepBuffers:
             self.host[slot_key(g)].fill_(-1)
             self.dev[slot_key(g)].fill_(-1)
         self.embeds = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)  # hidden 0: no graphs
+        # the DeepStack levels a graph adds after its first layers: a step's image rows, zeros elsewhere
+        self.deepstack = (torch.zeros(deepstack_levels, graph_tokens, hidden_size, dtype=dtype, device=device)
+                          if deepstack_levels and graph_tokens and hidden_size else None)
 
     def set(self, name: str, values: torch.Tensor) -> None:
         """Fill a buffer on both sides (start-up: what graphs are captured over)."""
@@ -295,7 +300,8 @@ class ModelRunner:
             self.graphs = StepGraphs(config.max_num_seqs, config.max_num_batched_tokens,
                                      lora=adapters is not None,
                                      merged=adapters is not None and adapters.merged_slot is not None,
-                                     decode_only=self.hybrid and not self.linear_graphs)
+                                     decode_only=self.hybrid and not self.linear_graphs,
+                                     deepstack=config.deepstack_levels > 0)
         graph_rows = self.graphs.max_tokens if self.graphs is not None else 0
         taps = self.model_config.linear_conv_kernel if self.linear_graphs else 0  # the graphs' conv codes
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs, graph_rows)
@@ -305,7 +311,7 @@ class ModelRunner:
         self.buffers = StepBuffers(max_tokens, max(config.max_num_seqs, graph_rows), self.max_blocks_per_seq,
                                    hidden, config.dtype, self.device, position_rows=3 if self.mrope else 1,
                                    num_groups=self.num_groups, conv_taps=taps,
-                                   graph_tokens=graph_rows)
+                                   graph_tokens=graph_rows, deepstack_levels=config.deepstack_levels)
         self.sampler = Sampler(self.device)
         self.kv_spec: KVCacheSpec | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -446,6 +452,7 @@ class ModelRunner:
         return self.model(self._positions(d["positions"], n_tok, key.decode), meta, self.kv_caches,
                           d["logits_indices"][:n_logits],
                           inputs_embeds=self.buffers.embeds[:n_tok],
+                          deepstack=(None, self.buffers.deepstack[:, :n_tok]) if key.deepstack else None,
                           lora_slots=d["lora_slots"][:n_tok] if key.lora else None,
                           linear_state=self._graph_linear_state(key), merged_adapter=key.merged)
 
@@ -511,16 +518,20 @@ class ModelRunner:
         if self._on_cuda and self.device.index is not None:
             torch.cuda.set_device(self.device)  # the engine thread may not be the one that built us
         key = None
-        # Steps with multi-part image rows (DeepStack) run eagerly: the graphs have no inputs for them.
+        # Steps with multi-part image rows (DeepStack) take the graphs with the level buffer; rows with
+        # another number of levels than the buffer's run eagerly.
         multipart = any(r.dim() == 3 for s in batch.sequences for r in s.image_rows)
-        # Steps whose images attend bidirectionally run eagerly too: the graphs have no key limits.
+        deepstack_ok = not multipart or self.buffers.deepstack is not None and all(
+            r.dim() == 3 and r.shape[0] - 1 == self.buffers.deepstack.shape[0]
+            for s in batch.sequences for r in s.image_rows)
+        # Steps whose images attend bidirectionally run eagerly: the graphs have no key limits.
         blocks = self.config.image_blocks and any(s.image_rows for s in batch.sequences)
         lora, merged = self._adapter_path(batch)
         self.lora_steps += lora
         self.merged_steps += merged
-        if self.graphs is not None and not multipart and not blocks and self._graphable(batch):
+        if self.graphs is not None and deepstack_ok and not blocks and self._graphable(batch):
             key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, self._decode_graphable(batch),
-                                      lora, merged)
+                                      lora, merged, deepstack=multipart)
         step = self._prepare(batch, key, lora)
         rows = [s.sampling for s in batch.sequences if s.sampling is not None]
         image_rows = [r for s in batch.sequences for r in s.image_rows]
@@ -540,6 +551,10 @@ class ModelRunner:
         if step.image_slots is not None:
             levels = fuse_image_rows(embeds, step.image_slots, image_rows)
             deepstack = (step.image_slots, levels) if levels is not None else None
+        if key is not None and key.deepstack:  # the graph's level buffer: this step's rows, zeros elsewhere
+            buffer = self.buffers.deepstack[:, :key.num_tokens]
+            buffer.zero_()
+            buffer[:, deepstack[0]] = deepstack[1]
         if key is not None:
             logits = self.graphs.replay(key)[:len(rows)]
         else:

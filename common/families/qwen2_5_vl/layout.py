@@ -53,6 +53,7 @@ class QwenImageLayout(ImageLayout):
     max_pixels: int
     image_token_id: int
     vision_start_token_id: int
+    deepstack_levels: int = 0  # the vision config's deepstack_visual_indexes (Qwen3-VL)
 
     @classmethod
     def load_text_processor(cls, model_dir: str | Path) -> TextProcessor:
@@ -206,4 +207,4 @@ def read_qwen_layout(model_dir: str | Path, config: dict[str, Any]) -> QwenImage
     if image_token is None or vision_start is None:
         raise CheckpointError("config.json names no image_token_id / vision_start_token_id")
     return QwenImageLayout(patch, merge, temporal, min_pixels, max_pixels, int(image_token),
-                           int(vision_start))
+                           int(vision_start), len(vision.get("deepstack_visual_indexes") or ()))
