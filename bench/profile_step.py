@@ -47,6 +47,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--piecewise-graphs", action="store_true",
+                   help="a hybrid model's longer prefill steps in piecewise CUDA graphs (the engine's option)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--quantization", default="none", choices=("none", "fp8"),
                    help="the engine's --quantization")
@@ -82,7 +84,8 @@ def run(args: argparse.Namespace) -> dict:
         # a hybrid stack's snapshot slots as a service's default (64 requests) has them, not one per
         # profiled sequence: a prompt's one step wants several
         num_state_snapshots=64 if warm else None,
-        enforce_eager=args.enforce_eager, quantization=args.quantization, load_format=args.load_format)
+        enforce_eager=args.enforce_eager, quantization=args.quantization, load_format=args.load_format,
+        piecewise_graphs=args.piecewise_graphs)
     engine = LLMEngine(config, LocalEmbeddingSource.for_engine(config))
     prompt = PromptMaker(model, seed=0).text(args.prompt_len)
     if warm:

@@ -304,7 +304,8 @@ fi
 # TTFT_PRESETS (default "qwen2.5-vl-7b qwen3-vl-8b llava-1.5-7b"), TTFT_ARGS (default "--rounds 5 --hf";
 # CPU smoke: TTFT_PRESETS=qwen2.5-vl-tiny TTFT_ARGS="--rounds 1 --concurrency 2 --image-size 256").
 # TTFT_WARM_TAIL=N (default 0: none) also profiles, per preset, a warm request's prefill step in-process
-# (bench.profile_step --warm-tail N over a TTFT_WARM_PROMPT-token prompt, default 1870). The encoder's
+# (bench.profile_step --warm-tail N over a TTFT_WARM_PROMPT-token prompt, default 1870; TTFT_WARM_ARGS: more
+# of its flags, e.g. --piecewise-graphs). The encoder's
 # tower-graph lines are printed after each step.
 if [[ ",$SECTIONS," == *,ttft,* ]]; then
   read -r -a TARGS <<< "${TTFT_ARGS:---rounds 5 --hf}"
@@ -317,7 +318,8 @@ if [[ ",$SECTIONS," == *,ttft,* ]]; then
     grep -h "captured\|dropped\|WARNING" "$RES"/logs-ttft-"$fam"/decoder*.log 2>/dev/null | tail -6
     if [ "${TTFT_WARM_TAIL:-0}" -gt 0 ]; then
       step "warm_step_$fam" 120 "$PY" -m bench.profile_step --model "/tmp/ttft-$fam" "${DT[@]}" \
-        --prompt-len "${TTFT_WARM_PROMPT:-1870}" --warm-tail "$TTFT_WARM_TAIL" --steps 8 --top 14 --host-top 20
+        --prompt-len "${TTFT_WARM_PROMPT:-1870}" --warm-tail "$TTFT_WARM_TAIL" --steps 8 --top 14 --host-top 20 \
+        ${TTFT_WARM_ARGS:-}
     fi
     [ "${TTFT_KEEP_MODELS:-0}" = 1 ] || rm -rf "/tmp/ttft-$fam"
   done

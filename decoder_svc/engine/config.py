@@ -48,6 +48,10 @@ class EngineConfig:
     attention_backend: str = option("auto", "kernels: auto takes Triton on CUDA and the torch reference "
                                     "elsewhere", choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "no CUDA graphs for decode steps")
+    piecewise_graphs: bool = option(
+        False, "a hybrid model's (linear attention) longer prefill steps replay piecewise CUDA graphs: "
+        "everything but the linear layers' token mixing, which runs eagerly between the pieces "
+        "(experimental: CPU-tested, not yet measured on a GPU)")
     async_scheduling: str = option(
         "auto", "launch each step before reading the previous one's tokens, so the host's work between "
         "steps overlaps the GPU's: auto (on with CUDA and one rank), on, off", choices=("auto", "on", "off"))

@@ -46,6 +46,7 @@ however its prompt was chunked, resumed or batched (`_token_by_token`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -317,7 +318,10 @@ class GatedDeltaNet(nn.Module):
         kernels = self.delta_rule_kernels(x.device)
         if kernels is not None:
             beta, g = kernels.gates(a, b, self.A_log, self.dt_bias) if kernels.gates else self._gates(b, a)
-            o = forward_packed(qkv, beta, g, self.conv1d.weight.squeeze(1), self.shape, step, layer, kernels)
+            mix = functools.partial(forward_packed, qkv, beta, g, self.conv1d.weight.squeeze(1), self.shape,
+                                    layer=layer, kernels=kernels)
+            # a piecewise graph runs the mixing between its pieces (runner/piecewise_graphs.py)
+            o = mix(step) if step.piecewise is None else step.piecewise(mix, x.shape[0])
             if kernels.gated_norm is None:
                 return self._out(o, z)
             dv = self.shape.head_v_dim

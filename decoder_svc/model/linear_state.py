@@ -21,6 +21,7 @@ tokens, a short prompt) runs token by token from its slot's state, or a zero one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,17 +166,27 @@ def continues_slot(num_tokens: int, start: int, snapshots: tuple | list) -> bool
     return num_tokens == 1 and start > 0 and not snapshots
 
 
+# A layer's token mixing over a step (gated_deltanet_fla.forward_packed with the layer's projected rows
+# bound): step -> o [rows, Hv, Dv].
+Mix = Callable[["LinearStateStep"], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class LinearStateStep:
     """What the linear layers of one step read and write: the pool, the chunked-form chunks, and the
     single-token continuations' rows and slots (device tensors; None when there is none); or, for a CUDA
-    graph of a small step, `graph` alone."""
+    graph of a small step, `graph` alone.
+
+    `piecewise` (a piecewise graph's capture or emulation, runner/piecewise_graphs.py): each layer hands
+    its token mixing to it, with the step's row count, instead of running it; it returns the tensor the
+    rest of the layer reads as the mixing's output."""
 
     pool: LinearStatePool
     chunks: tuple[LinearChunk, ...] = ()
     decode_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     graph: LinearGraphRows | None = None
+    piecewise: Callable[[Mix, int], torch.Tensor] | None = None
 
     @classmethod
     def build(cls, pool: LinearStatePool, sequences: list[tuple[int, int, int, int, tuple]],

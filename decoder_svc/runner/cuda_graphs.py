@@ -35,6 +35,8 @@ import torch
 from tqdm import tqdm
 
 from decoder_svc.model.attention import AttentionBackend
+from decoder_svc.model.linear_state import LinearStateStep
+from decoder_svc.runner.piecewise_graphs import PiecewiseGraph
 
 MAX_GRAPH_TOKENS = 512
 
@@ -51,6 +53,7 @@ class GraphKey:
     lora: bool = False
     merged: bool = False
     deepstack: bool = False
+    piecewise: bool = False  # a hybrid stack's prefill step: pieces between its layers' mixing
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +77,15 @@ def decode_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def piecewise_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts of a hybrid stack's piecewise graphs, ascending: from 128 (shorter steps are the mixed
+    graphs' or eager) doubling until one holds the step budget."""
+    sizes = [128]
+    while sizes[-1] < max_num_batched_tokens:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
 def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
     """Token counts of the graphs for other small steps, ascending."""
     sizes, size = [16], 16
@@ -87,18 +99,22 @@ class StepGraphs:
     """Captured graphs and their output logits, by key."""
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, lora: bool = False,
-                 merged: bool = False, decode_only: bool = False, deepstack: bool = False) -> None:
+                 merged: bool = False, decode_only: bool = False, deepstack: bool = False,
+                 piecewise: bool = False) -> None:
         """`lora`: the model has adapters (graphs with the LoRA product too); `merged`: one of them is
         merged (graphs over its merged weights too); `decode_only`: no graphs for other steps (a hybrid
         stack whose linear layers cannot run a graph's rows); `deepstack`: its image rows carry DeepStack
-        levels (the other steps' graphs again, with them: a text step's graph stays as it was)."""
+        levels (the other steps' graphs again, with them: a text step's graph stays as it was);
+        `piecewise`: a hybrid stack's longer prefill steps too, as piecewise graphs (piecewise_graphs.py)."""
         self.decode_sizes = decode_sizes(max_num_seqs)
         self.mixed_sizes = [] if decode_only else mixed_sizes(max_num_batched_tokens)
         kinds = [(False, False)] + [(True, False)] * lora + [(False, True)] * merged
         self.keys = [GraphKey(True, s, a, m) for a, m in kinds for s in self.decode_sizes]
         self.keys += [GraphKey(False, s, a, m, d) for d in (False, True)[:1 + deepstack] for a, m in kinds
                       for s in self.mixed_sizes]
-        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.piecewise_sizes = piecewise_sizes(max_num_batched_tokens) if piecewise else []
+        self.keys += [GraphKey(False, s, piecewise=True) for s in self.piecewise_sizes]
+        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor] | PiecewiseGraph] = {}
         self.memory_bytes = 0
 
     @staticmethod
@@ -112,10 +128,16 @@ class StepGraphs:
         return max(k.num_tokens for k in self.keys)
 
     def key_for(self, num_seqs: int, num_tokens: int, plain_decode: bool, lora: bool = False,
-                merged: bool = False, deepstack: bool = False) -> GraphKey | None:
+                merged: bool = False, deepstack: bool = False, piecewise: bool = False) -> GraphKey | None:
         """The smallest captured graph that can run this step, or None (run it eagerly). `lora`: some row
         of the step has an adapter; `merged`: every row runs the merged one (its weights, no product);
-        `deepstack`: the step has image rows with DeepStack levels."""
+        `deepstack`: the step has image rows with DeepStack levels; `piecewise`: a hybrid stack's step
+        that only a piecewise graph runs."""
+        if piecewise:
+            i = bisect.bisect_left(self.piecewise_sizes, num_tokens)
+            key = GraphKey(False, self.piecewise_sizes[i], piecewise=True) if i < len(self.piecewise_sizes) \
+                else None
+            return key if key in self._graphs else None
         if plain_decode and not deepstack:
             i = bisect.bisect_left(self.decode_sizes, num_seqs)
             key = GraphKey(True, self.decode_sizes[i], lora, merged) if i < len(self.decode_sizes) else None
@@ -126,14 +148,21 @@ class StepGraphs:
                else None)
         return key if key in self._graphs else None
 
-    def capture(self, run: Callable[[GraphKey], torch.Tensor], progress: bool = True) -> None:
-        """Capture run(key) (the model over the runner's static buffers) for every key."""
+    def capture(self, run: Callable[..., torch.Tensor], progress: bool = True,
+                mix_out: torch.Tensor | None = None) -> None:
+        """Capture run(key) (the model over the runner's static buffers) for every key; a piecewise key's
+        as run(key, break) in pieces, each mixing's output copied into mix_out at a replay."""
         free_before = torch.cuda.mem_get_info()[0]
         pool = None
         keys = sorted(self.keys, key=lambda k: (-k.num_tokens, k.decode))
         for key in tqdm(keys, desc="capturing CUDA graphs", disable=not progress, leave=False):
             run(key)  # warm-up: compiles kernels and creates library handles outside the capture
             torch.cuda.synchronize()
+            if key.piecewise:
+                pieces = PiecewiseGraph(mix_out)
+                pool = pieces.capture(lambda cut, key=key: run(key, cut), pool)
+                self._graphs[key] = pieces
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = run(key)
@@ -142,8 +171,12 @@ class StepGraphs:
         torch.cuda.synchronize()
         self.memory_bytes = max(free_before - torch.cuda.mem_get_info()[0], 0)
 
-    def replay(self, key: GraphKey) -> torch.Tensor:
-        """Replay a graph; returns its (static) logits."""
+    def replay(self, key: GraphKey, linear_state: LinearStateStep | None = None, rows: int = 0
+               ) -> torch.Tensor:
+        """Replay a graph; returns its (static) logits. A piecewise graph's mixings run over the live
+        step's `linear_state`, its first `rows` rows (the step's own, before the padding) kept."""
+        if key.piecewise:
+            return self._graphs[key].replay(linear_state, rows)
         graph, out = self._graphs[key]
         graph.replay()
         return out

@@ -43,6 +43,7 @@ from decoder_svc.model import KVCacheSpec, LlamaForCausalLM, allocate_kv_cache
 from decoder_svc.model.attention import AttentionMetadata
 from decoder_svc.model.kv_groups import KVCacheGroup, split_kv_blocks
 from decoder_svc.model.linear_state import (
+    LinearChunk,
     LinearGraphRows,
     LinearStatePool,
     LinearStateStep,
@@ -54,6 +55,7 @@ from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs
 from decoder_svc.runner.embed_rows import embed_rows, fill_pending
 from decoder_svc.runner.fusion import fuse_image_rows, image_key_limits, image_slots
 from decoder_svc.runner.inputs import PENDING_TOKEN, ModelInput, ModelOutput, SequenceInput
+from decoder_svc.runner.piecewise_graphs import Break
 from decoder_svc.runner.sampler import PendingSample, Sampler, SamplerOutput
 
 if TYPE_CHECKING:
@@ -80,6 +82,7 @@ class RunnerConfig:
     num_state_slots: int | None = None  # a hybrid stack's state slots (None: max_num_seqs)
     num_state_snapshots: int = 0  # ...and its snapshot slots after them (prefix reuse)
     deepstack_levels: int = 0  # DeepStack levels of its image rows (Qwen3-VL's; the graphs' level buffer)
+    piecewise_graphs: bool = False  # a hybrid stack's longer prefill steps in piecewise graphs
 
     @classmethod
     def for_engine(cls, config: EngineConfig, device: str, dtype: torch.dtype, layout: ImageLayout,
@@ -93,7 +96,8 @@ class RunnerConfig:
         return cls(device, dtype, config.block_size, config.max_num_seqs, tokens, config.num_kv_blocks,
                    config.kv_cache_bytes, config.enforce_eager or eager,
                    image_blocks=layout.bidirectional_images, num_state_slots=config.num_state_slots,
-                   num_state_snapshots=cls.snapshots_for(config), deepstack_levels=layout.deepstack_levels)
+                   num_state_snapshots=cls.snapshots_for(config), deepstack_levels=layout.deepstack_levels,
+                   piecewise_graphs=config.piecewise_graphs)
 
     @staticmethod
     def snapshots_for(config: EngineConfig) -> int:
@@ -142,12 +146,12 @@ class StepBuffers:
                   "input_ids": ((max_tokens,), torch.int64), "slot_mapping": ((max_tokens,), torch.int64),
                   **{f"slot_mapping_{g}": ((max_tokens,), torch.int64) for g in range(1, num_groups)},
                   "positions": (positions, torch.int64),
-                  "block_tables": ((max_seqs, max_blocks), torch.int32),
-                  **{f"block_tables_{g}": ((max_seqs, max_blocks), torch.int32)
-                     for g in range(1, num_groups)},
                   "key_limits": ((max_tokens,), torch.int64),
                   # each token row's LoRA adapter slot (0: the base model, and every graph pad row)
-                  "lora_slots": ((max_tokens,), torch.int64)}
+                  "lora_slots": ((max_tokens,), torch.int64),
+                  # last: an upload copies the arena's prefix up to the last row it needs, and these are
+                  # the large ones (max_seqs x a sequence's most blocks), of which a step needs its own rows
+                  **{table_key(g): ((max_seqs, max_blocks), torch.int32) for g in range(num_groups)}}
         self.offsets: dict[str, int] = {}
         size = 0
         for name, (shape, dt) in shapes.items():
@@ -256,6 +260,9 @@ class _HostRows:
     n_logits: int = 0
     n_pending: int = 0
     state_rows: int = 0  # rows of `state_slots` filled (a hybrid stack's graph)
+    # sequences whose block tables the step reads: its own (a graph's pad sequences have no context, so
+    # their rows of the device tables are never read and not copied: 64 KiB a row at 262144 positions)
+    tables: int = 0
     linear_graph: bool = False  # a hybrid mixed graph's LinearGraphRows buffers filled too
     img: list[np.ndarray] = dataclasses.field(default_factory=list)
     # (first row, tokens, start position, state slot, snapshots) per sequence, for a hybrid stack's
@@ -301,7 +308,8 @@ class ModelRunner:
                                      lora=adapters is not None,
                                      merged=adapters is not None and adapters.merged_slot is not None,
                                      decode_only=self.hybrid and not self.linear_graphs,
-                                     deepstack=config.deepstack_levels > 0)
+                                     deepstack=config.deepstack_levels > 0,
+                                     piecewise=config.piecewise_graphs and self.linear_graphs)
         graph_rows = self.graphs.max_tokens if self.graphs is not None else 0
         taps = self.model_config.linear_conv_kernel if self.linear_graphs else 0  # the graphs' conv codes
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs, graph_rows)
@@ -312,6 +320,12 @@ class ModelRunner:
                                    hidden, config.dtype, self.device, position_rows=3 if self.mrope else 1,
                                    num_groups=self.num_groups, conv_taps=taps,
                                    graph_tokens=graph_rows, deepstack_levels=config.deepstack_levels)
+        # what each linear layer's token mixing writes for a piecewise graph's next piece to read
+        self._mix_out = None
+        if self.graphs is not None and self.graphs.piecewise_sizes:
+            shape = (self.graphs.max_tokens, self.model_config.linear_num_value_heads,
+                     self.model_config.linear_value_head_dim)
+            self._mix_out = torch.zeros(shape, dtype=config.dtype, device=self.device)
         self.sampler = Sampler(self.device)
         self.kv_spec: KVCacheSpec | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -372,7 +386,7 @@ class ModelRunner:
                 for name, value in (("fresh", 1), ("snapshot_rows", -1), ("snapshot_slots", pad),
                                     ("window_slots", pad), ("window_codes", -1), ("conv_codes", -1)):
                     self.buffers.set(f"linear_{name}", torch.full_like(d[f"linear_{name}"], value))
-            self.graphs.capture(self._run_static, progress=self.config.progress)
+            self.graphs.capture(self._run_static, progress=self.config.progress, mix_out=self._mix_out)
             log.info("captured %d CUDA graphs (decode %s, up to %d tokens %s) in %.0f MiB",
                      len(self.graphs.keys), self.graphs.decode_sizes, self.graphs.max_tokens,
                      self.graphs.mixed_sizes, self.graphs.memory_bytes / 2**20)
@@ -442,9 +456,10 @@ class ModelRunner:
         """Rows of logits a graph computes: one per sequence that may sample."""
         return key.num_seqs if key.decode else min(key.num_tokens, self.config.max_num_seqs)
 
-    def _run_static(self, key: GraphKey) -> torch.Tensor:
+    def _run_static(self, key: GraphKey, cut: Break | None = None) -> torch.Tensor:
         """The model over the static buffers, shaped as `key` (what a graph captures). It must write no
-        buffer: a write would be captured and repeated at every replay."""
+        buffer: a write would be captured and repeated at every replay. `cut`: a piecewise key's break at
+        each linear layer's mixing (None: the mixing runs in place, over a pad sequence)."""
         d, n_tok, n_seq, n_logits = self.buffers.dev, key.num_tokens, key.num_seqs, self._logit_rows(key)
         meta = self._group_metas(AttentionMetadata(
             d["slot_mapping"][:n_tok], d["query_start_loc"][:n_seq + 1], d["seq_lens"][:n_seq],
@@ -454,14 +469,18 @@ class ModelRunner:
                           inputs_embeds=self.buffers.embeds[:n_tok],
                           deepstack=(None, self.buffers.deepstack[:, :n_tok]) if key.deepstack else None,
                           lora_slots=d["lora_slots"][:n_tok] if key.lora else None,
-                          linear_state=self._graph_linear_state(key), merged_adapter=key.merged)
+                          linear_state=self._graph_linear_state(key, cut), merged_adapter=key.merged)
 
-    def _graph_linear_state(self, key: GraphKey) -> LinearStateStep | None:
+    def _graph_linear_state(self, key: GraphKey, cut: Break | None = None) -> LinearStateStep | None:
         """A hybrid stack's graph's view of the state slots (None for other stacks): a decode graph's rows
         each a one-token continuation of the slot its sequence row names in `state_slots`; a mixed
-        graph's sequences as LinearGraphRows over the step's buffers."""
+        graph's sequences as LinearGraphRows over the step's buffers; a piecewise graph's mixing handed to
+        `cut`, or (its warm-up) run over one fresh pad sequence of all its rows in the pad slot."""
         if not self.hybrid:
             return None
+        if key.piecewise:
+            pad = LinearChunk(0, key.num_tokens, self.pad_state_slot, fresh=True)
+            return LinearStateStep(self.linear_pool, (pad,), piecewise=cut)
         n, d = key.num_seqs, self.buffers.dev
         if key.decode:
             return LinearStateStep(self.linear_pool, (), self._decode_rows[:n], d["state_slots"][:n])
@@ -529,9 +548,12 @@ class ModelRunner:
         lora, merged = self._adapter_path(batch)
         self.lora_steps += lora
         self.merged_steps += merged
-        if self.graphs is not None and deepstack_ok and not blocks and self._graphable(batch):
-            key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, self._decode_graphable(batch),
-                                      lora, merged, deepstack=multipart)
+        if self.graphs is not None and deepstack_ok and not blocks:
+            if self._graphable(batch):
+                key = self.graphs.key_for(len(batch.sequences), batch.num_tokens,
+                                          self._decode_graphable(batch), lora, merged, deepstack=multipart)
+            elif self.graphs.piecewise_sizes and not lora and not merged:  # a hybrid stack's longer step
+                key = self.graphs.key_for(len(batch.sequences), batch.num_tokens, False, piecewise=True)
         step = self._prepare(batch, key, lora)
         rows = [s.sampling for s in batch.sequences if s.sampling is not None]
         image_rows = [r for s in batch.sequences for r in s.image_rows]
@@ -556,7 +578,7 @@ class ModelRunner:
             buffer.zero_()
             buffer[:, deepstack[0]] = deepstack[1]
         if key is not None:
-            logits = self.graphs.replay(key)[:len(rows)]
+            logits = self.graphs.replay(key, step.linear_state, batch.num_tokens)[:len(rows)]
         else:
             positions = self._positions(step.positions, step.num_tokens, batch.is_plain_decode)
             logits = self.model(positions, step.meta, self.kv_caches, step.logits_indices,
@@ -606,10 +628,10 @@ class ModelRunner:
         rows = _HostRows(limits=h["key_limits"] if key is None and self.config.image_blocks else None)
         for i, seq in enumerate(batch.sequences):
             self._stage_sequence(rows, i, seq, lora)
-        rows.num_seqs = len(batch.sequences)
+        rows.num_seqs = rows.tables = len(batch.sequences)
         if key is not None:
             self._pad_to_graph(rows, key, lora)
-        if key is not None and self.hybrid:
+        if key is not None and self.hybrid and not key.piecewise:  # (a piecewise graph's mixing: eager)
             self._stage_state_slots(rows, key)
         self._upload(rows, lora)
         slots_dev = None
@@ -706,14 +728,15 @@ class ModelRunner:
         """Copy the filled part of each staging buffer to the device (asynchronously)."""
         t, num_seqs, limited = rows.t, rows.num_seqs, rows.limits is not None
         self.buffers.upload({"input_ids": t, "positions": t, "slot_mapping": t,
-                             "query_start_loc": num_seqs + 1, "seq_lens": num_seqs, "block_tables": num_seqs,
+                             "query_start_loc": num_seqs + 1, "seq_lens": num_seqs,
+                             "block_tables": rows.tables,
                              "logits_indices": rows.n_logits, "pending_rows": rows.n_pending,
                              "pending_samples": rows.n_pending, "key_limits": t if limited else 0,
                              "lora_slots": t if lora else 0, "state_slots": rows.state_rows,
                              **{f"linear_{name}": n * rows.linear_graph
                                 for name, n in _graph_rows_used(rows.state_rows, t).items()},
                              **{k: n for g in range(1, self.num_groups)
-                                for k, n in ((slot_key(g), t), (table_key(g), num_seqs))}})
+                                for k, n in ((slot_key(g), t), (table_key(g), rows.tables))}})
 
     def _device_views(self, rows: _HostRows, slots_dev: torch.Tensor | None, lora: bool,
                       graph: GraphKey | None = None) -> PreparedStep:
@@ -729,7 +752,7 @@ class ModelRunner:
             key_limits_cpu=host["key_limits"][:t] if limited else None))
         pending = (d["pending_rows"][:n_pending], d["pending_samples"][:n_pending]) if n_pending else None
         linear = (LinearStateStep.build(self.linear_pool, rows.linear, self.device)
-                  if self.hybrid and graph is None else None)
+                  if self.hybrid and (graph is None or graph.piecewise) else None)
         return PreparedStep(t, d["input_ids"][:t], d["positions"][..., :t], meta,
                             d["logits_indices"][:rows.n_logits], slots_dev, pending,
                             d["lora_slots"][:t] if lora else None, linear)

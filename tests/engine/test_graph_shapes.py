@@ -13,12 +13,15 @@ import pytest
 
 from decoder_svc.runner import model_runner
 from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs, decode_sizes, mixed_sizes
+from decoder_svc.runner.piecewise_graphs import live_break
 from tests.engine.test_parity import ONE, START, TEXT, TWO
 from tests.oracle import greedy, run_all
 
 
 class EmulatedGraphs(StepGraphs):
-    """StepGraphs whose replay re-runs the captured function eagerly (same buffers, same shapes)."""
+    """StepGraphs whose replay re-runs the captured function eagerly (same buffers, same shapes); a
+    piecewise graph's with every linear layer's mixing over the live step between its pieces, its output
+    through the static tensor, as a replay runs it (runner/piecewise_graphs.py's live_break)."""
 
     replayed: list[GraphKey]
 
@@ -26,12 +29,14 @@ class EmulatedGraphs(StepGraphs):
     def available(device, backend) -> bool:
         return True
 
-    def capture(self, run, progress: bool = True) -> None:
-        self._run, self.replayed = run, []
+    def capture(self, run, progress: bool = True, mix_out=None) -> None:
+        self._run, self._mix_out, self.replayed = run, mix_out, []
         self._graphs = {key: None for key in self.keys}
 
-    def replay(self, key: GraphKey):
+    def replay(self, key: GraphKey, linear_state=None, rows: int = 0):
         self.replayed.append(key)
+        if key.piecewise:
+            return self._run(key, live_break(self._mix_out, linear_state, rows))
         return self._run(key)
 
 

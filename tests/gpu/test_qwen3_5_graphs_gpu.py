@@ -2,8 +2,9 @@
 are an input buffer, pad rows on a slot of their own; with fla (the in-place kernels) its short prefill
 steps replay the mixed graphs too, each sequence token by token over its slot (model/linear_state.py's
 LinearGraphRows); the tokens equal HF's generate; a follow-up resumed from a snapshot runs its new tokens
-and decodes in graphs. (The CPU tests run the same paths through an emulation:
-tests/qwen3_5/test_decode_graphs.py, tests/qwen3_5/test_mixed_graphs.py.)"""
+and decodes in graphs; with --piecewise-graphs its longer prefill steps replay piecewise graphs, the
+linear layers' mixing (fla's chunked rule) run between the pieces. (The CPU tests run the same paths
+through an emulation: tests/qwen3_5/test_decode_graphs.py, test_mixed_graphs.py, test_piecewise_graphs.py.)"""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ def _record_replays(engine: LLMEngine) -> list:
     graphs, replayed = engine.runner.graphs, []
     replay = graphs.replay
 
-    def recording(key):
+    def recording(key, *live):  # (a piecewise graph's live step and rows)
         replayed.append(key)
-        return replay(key)
+        return replay(key, *live)
 
     graphs.replay = recording
     return replayed
@@ -68,3 +69,25 @@ def test_a_snapshot_resume_then_graphs_equal_hf(qwen3_5_model_dir, qwen3_5_oracl
     assert again.new_token_ids == qwen3_5_oracle.generate(follow_up, [qwen_images[0]], N)
     assert again.usage.cached_prompt_tokens > 0 and any(k.decode for k in replayed)
     assert any(not k.decode for k in replayed) == engine.runner.linear_graphs
+
+
+def test_piecewise_graphs_equal_hf(qwen3_5_model_dir, qwen3_5_oracle, qwen_images):
+    """Steps of up to 200 tokens (chunks cut at the images' snapshots, two sequences in a step, decodes
+    beside them) in piecewise graphs of 128 and 256 rows where fla serves, then a follow-up resumed from a
+    snapshot: the tokens equal HF's."""
+    engine = _engine(qwen3_5_model_dir, max_num_batched_tokens=200, piecewise_graphs=True)
+    fla = engine.runner.linear_graphs
+    assert engine.runner.graphs.piecewise_sizes == ([128, 256] if fla else [])
+    replayed = _record_replays(engine)
+    plan = {"text": (TEXT, []), "one": (ONE, qwen_images[:1]), "two": (TWO, qwen_images[1:3])}
+    for rid, (prompt, imgs) in plan.items():
+        engine.add_request(rid, prompt, imgs, sampling=greedy(N))
+    results = run_all(engine)
+    for rid, (prompt, imgs) in plan.items():
+        assert results[rid]["tokens"] == qwen3_5_oracle.generate(prompt, imgs, N), rid
+    follow_up = USER + VISION + "which colours are there, one by one, left to right?" + END
+    again = engine.generate("again", follow_up, qwen_images[:1], sampling=greedy(N))
+    assert again.new_token_ids == qwen3_5_oracle.generate(follow_up, qwen_images[:1], N)
+    assert any(k.piecewise for k in replayed) == fla
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0

@@ -38,16 +38,16 @@ class PadRowGraphs(EmulatedGraphs):
 
     pad_slots: list[list[int]]
 
-    def capture(self, run, progress: bool = True) -> None:
-        super().capture(run, progress)
+    def capture(self, run, progress: bool = True, mix_out=None) -> None:
+        super().capture(run, progress, mix_out)
         self.pad_slots = []
 
-    def replay(self, key):
+    def replay(self, key, linear_state=None, rows=0):
         if key.lora:
             d = self._run.__self__.buffers.dev  # the runner whose static forward was captured
             rows = slice(0, key.num_tokens)
             self.pad_slots.append(d["lora_slots"][rows][d["slot_mapping"][rows] == -1].tolist())
-        return super().replay(key)
+        return super().replay(key, linear_state, rows)
 
 
 def test_graph_pad_rows_take_the_base_models_slot(make_lora_engine, monkeypatch):
