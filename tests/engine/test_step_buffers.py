@@ -36,13 +36,14 @@ def test_one_copy_brings_every_used_row_and_nothing_past_the_last():
     assert torch.equal(b.dev["query_start_loc"][:2], b.host["query_start_loc"][:2])
     assert torch.equal(b.dev["positions"][:, :1], b.host["positions"][:, :1])
     assert torch.equal(b.dev["block_tables"][0], b.host["block_tables"][0])
-    assert not b.dev["block_tables"][1:].any()  # past the prefix: untouched
-    assert not b.dev["key_limits"].any() and not b.dev["lora_slots"].any()
+    assert not b.dev["block_tables"][1:].any()  # the tables are last: past the used row, untouched
 
-    b.upload({"lora_slots": 3})  # the last buffer: the whole arena up to its third row
+    for t in b.dev.values():
+        t.zero_()
+    b.upload({"lora_slots": 3})  # the buffer before the tables: the arena up to its third row
     assert torch.equal(b.dev["lora_slots"][:3], b.host["lora_slots"][:3])
-    assert not b.dev["lora_slots"][3:].any()
-    assert torch.equal(b.dev["block_tables"], b.host["block_tables"])
+    assert not b.dev["lora_slots"][3:].any() and not b.dev["block_tables"].any()
+    assert torch.equal(b.dev["key_limits"], b.host["key_limits"])  # before it in the arena
 
 
 def test_start_up_values_reach_both_sides():

@@ -35,7 +35,9 @@ ACROSS_HOSTS = ["--arena", "private", "--nixl"]  # no SHM segment: what an encod
 def _nixl_pair(model_dir, workdir) -> Pair:
     return Pair(model_dir, workdir, encoder_args=ACROSS_HOSTS,
                 decoder_args=["--num-kv-blocks", "512", "--max-num-batched-tokens", "64",
-                              "--encoder-timeout", "30", "--max-image-tokens", "1024"]).start()
+                              "--encoder-timeout", "30", "--max-image-tokens", "1024",
+                              # every image read over NIXL: none from an earlier request's kept rows
+                              "--embedding-retain-bytes", "0"]).start()
 
 
 @pytest.fixture(scope="module")
