@@ -48,7 +48,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--piecewise-graphs", action="store_true",
-                   help="a hybrid model's longer prefill steps in piecewise CUDA graphs (the engine's option)")
+                   help="a hybrid model's longer prefill steps in piecewise CUDA graphs (the engine option)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--quantization", default="none", choices=("none", "fp8"),
                    help="the engine's --quantization")
