@@ -301,7 +301,9 @@ fi
 # and deleted after its step: three 7-8B checkpoints do not fit the disk together): cold and warm TTFT of
 # one 1024x1024 image + 500 tokens through gRPC with the decoder's TTFT split and the encoder's Encode
 # split, 32 one-image requests at once against their roofline, and HF's generate on the Qwen families.
-# TTFT_PRESETS (default "qwen2.5-vl-7b qwen3-vl-8b llava-1.5-7b"), TTFT_ARGS (default "--rounds 5 --hf";
+# TTFT_PRESETS (default "qwen2.5-vl-7b qwen3-vl-8b llava-1.5-7b"), TTFT_ARGS (default "--rounds 5 --hf"; words
+# split on spaces: several decoder flags go in TTFT_DECODER_ARGS, one string, e.g. "--kv-cache-bytes=N
+# --piecewise-graphs", instead of TTFT_ARGS' --decoder-args;
 # CPU smoke: TTFT_PRESETS=qwen2.5-vl-tiny TTFT_ARGS="--rounds 1 --concurrency 2 --image-size 256").
 # TTFT_WARM_TAIL=N (default 0: none) also profiles, per preset, a warm request's prefill step in-process
 # (bench.profile_step --warm-tail N over a TTFT_WARM_PROMPT-token prompt, default 1870; TTFT_WARM_ARGS: more
@@ -312,7 +314,7 @@ if [[ ",$SECTIONS," == *,ttft,* ]]; then
   for fam in ${TTFT_PRESETS:-qwen2.5-vl-7b qwen3-vl-8b llava-1.5-7b}; do
     make_once "/tmp/ttft-$fam" "$fam"
     step "ttft_$fam" 240 "$PY" -m bench.ttft --model "/tmp/ttft-$fam" "${DT[@]}" --logs "$RES/logs-ttft-$fam" \
-      "${TARGS[@]}"
+      "${TARGS[@]}" ${TTFT_DECODER_ARGS:+--decoder-args "$TTFT_DECODER_ARGS"}
     grep -h "CUDA graph\|WARNING" "$RES/logs-ttft-$fam/encoder.log" 2>/dev/null | tail -4
     # the decoder's graphs and any kernel its first-use checks dropped (a hybrid's "... kernel X dropped")
     grep -h "captured\|dropped\|WARNING" "$RES"/logs-ttft-"$fam"/decoder*.log 2>/dev/null | tail -6
