@@ -387,9 +387,10 @@ class ModelRunner:
                                     ("window_slots", pad), ("window_codes", -1), ("conv_codes", -1)):
                     self.buffers.set(f"linear_{name}", torch.full_like(d[f"linear_{name}"], value))
             self.graphs.capture(self._run_static, progress=self.config.progress, mix_out=self._mix_out)
-            log.info("captured %d CUDA graphs (decode %s, up to %d tokens %s) in %.0f MiB",
+            log.info("captured %d CUDA graphs (decode %s, up to %d tokens %s%s) in %.0f MiB",
                      len(self.graphs.keys), self.graphs.decode_sizes, self.graphs.max_tokens,
-                     self.graphs.mixed_sizes, self.graphs.memory_bytes / 2**20)
+                     self.graphs.mixed_sizes, f", piecewise {self.graphs.piecewise_sizes}"
+                     if self.graphs.piecewise_sizes else "", self.graphs.memory_bytes / 2**20)
         return self.kv_spec
 
     def _state_bytes(self) -> int:
