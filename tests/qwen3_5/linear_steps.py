@@ -4,8 +4,10 @@ implemented by the torch reference (`FAKE_FLA`), so that the adapter's bookkeepi
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from decoder_svc.model.gated_deltanet import (
@@ -18,6 +20,10 @@ from decoder_svc.model.gated_deltanet_fla import DeltaRuleKernels
 from decoder_svc.model.linear_state import LinearStatePool, LinearStateStep
 
 LAYER = 5  # a linear layer's index in its stack (the pool is keyed by it)
+
+# A test module whose Triton kernels run in Triton's interpreter (a CPU host; tests/gpu runs them compiled)
+INTERPRETED = pytest.mark.skipif(torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                                 reason="the Triton kernels run in Triton's interpreter here (a CPU host)")
 
 # A sequence of a step: (tokens, start position, slot, snapshots (tokens into the chunk, snapshot slot)).
 # start 0: a fresh sequence (its slot's noise must not be read); one token after 0: a decode row.

@@ -11,28 +11,21 @@ real graphs."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
-import torch
 
 from decoder_svc.model.linear_state import SHORT_PIECE, conv_source_codes, stage_graph_rows
 from decoder_svc.runner import model_runner
 from decoder_svc.runner.inputs import ModelInput, SequenceInput
 from tests.engine.test_graph_shapes import EmulatedGraphs
-from tests.qwen3_5.linear_steps import FakeFla
+from tests.qwen3_5.linear_steps import INTERPRETED, FakeFla
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
-                                reason="the Triton kernels run in Triton's interpreter here (a CPU host)")
+pytestmark = INTERPRETED
 
 
 @pytest.fixture
-def fake(monkeypatch) -> FakeFla:
-    fake = FakeFla(in_place=True)
-    monkeypatch.setattr("decoder_svc.model.gated_deltanet.kernels_for", lambda device: fake.kernels())
-    monkeypatch.setattr(model_runner, "StepGraphs", EmulatedGraphs)
-    return fake
+def fake(fake_fla_graphs) -> FakeFla:
+    return fake_fla_graphs
 
 
 def test_short_steps_replay_mixed_graphs_and_equal_hf(fake, make_qwen3_5_engine, qwen3_5_oracle, qwen_images):

@@ -12,28 +12,19 @@ real graphs.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-import torch
 
-from decoder_svc.runner import model_runner
 from decoder_svc.runner.cuda_graphs import GraphKey, StepGraphs, piecewise_sizes
-from tests.engine.test_graph_shapes import EmulatedGraphs
 from tests.oracle import waves_equal_hf
-from tests.qwen3_5.linear_steps import FakeFla
+from tests.qwen3_5.linear_steps import INTERPRETED, FakeFla
 from tests.qwen_prompts import END, ONE, TEXT, TWO, USER, VISION
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
-                                reason="the Triton kernels run in Triton's interpreter here (a CPU host)")
+pytestmark = INTERPRETED
 
 
 @pytest.fixture
-def fake(monkeypatch) -> FakeFla:
-    fake = FakeFla(in_place=True)
-    monkeypatch.setattr("decoder_svc.model.gated_deltanet.kernels_for", lambda device: fake.kernels())
-    monkeypatch.setattr(model_runner, "StepGraphs", EmulatedGraphs)
-    return fake
+def fake(fake_fla_graphs) -> FakeFla:
+    return fake_fla_graphs
 
 
 def test_sizes_and_keys():
