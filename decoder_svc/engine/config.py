@@ -108,9 +108,9 @@ class EngineConfig:
         "each is one state slot's memory (default: --max-num-seqs; 0: no prefix reuse for such a model)",
         type=non_negative_int)
     state_snapshot_interval: int = option(
-        64, "a hybrid model's snapshot is taken every this many KV blocks of a prompt (besides image ends "
-        "and the prompt's last block boundary); each one cuts a prefill chunk's linear-attention call in "
-        "two", type=positive_int)
+        64, "a hybrid model's snapshot is taken every this many KV blocks of a prompt, except inside an "
+        "image (besides image ends and the prompt's last block boundary); each one cuts a prefill "
+        "chunk's linear-attention call in two", type=positive_int)
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_modules, dict):

@@ -7,10 +7,11 @@ snapshot is keyed exactly like the KV block it ends with: that block's hash, whi
 images' content hashes, the cache salt and the LoRA adapter of everything before it
 (engine/block_hashing.py).
 
-Where: at block-aligned prompt positions p (0 < p < the prompt's length): every `interval` blocks, the
-last block boundary at or before the end of each image or video span (a new question about the same
-image shares the prefix up to there), and the last block boundary of the prompt (the same prompt again,
-a conversation's next turn); when slots run short the last two kinds are reserved first. The linear
+Where: at block-aligned prompt positions p (0 < p < the prompt's length): every `interval` blocks except
+inside an image, the last block boundary at or before the end of each image or video span (a new
+question about the same image shares the prefix up to there), and the last block boundary of the prompt
+(the same prompt again, a conversation's next turn); when slots run short the last two kinds are
+reserved first. The linear
 layers split a chunk at those positions and copy the state there into a snapshot slot of the state pool
 (model/linear_state.py), in the same forward.
 
@@ -102,9 +103,13 @@ class StateSnapshots:
         - 1] (a prefix hit never covers the prompt's last token); spans: (offset, end) of its images.
         Most useful first, the order slots are reserved in when they run short: the prompt's last
         boundary (the same prompt again, a conversation's next turn), the images' last boundaries (a new
-        question about the same image), then the interval points; each kind latest first."""
+        question about the same image), then the interval points; each kind latest first. An interval
+        point inside an image is left out: a prefix that reaches it holds the image's tokens up to there,
+        so it reaches the image's own snapshot too (and each snapshot costs a slot and cuts the prefill)."""
         last = (prompt_tokens - 1) // block_size * block_size
         step = self.interval_blocks * block_size
         images = sorted({end // block_size * block_size for _, end in spans}, reverse=True)
-        ranked = [last, *images, *range(last // step * step, 0, -step)]
+        intervals = [p for p in range(last // step * step, 0, -step)
+                     if not any(offset < p < end for offset, end in spans)]
+        ranked = [last, *images, *intervals]
         return [p for p in dict.fromkeys(ranked) if 0 < p <= last]

@@ -54,5 +54,7 @@ def test_snapshot_positions():
     # every 2 blocks of 16, the last boundary before the prompt's last token, each image's last boundary
     # most useful first: the prompt's last boundary, the images' (latest first), the interval points
     assert snaps.positions(100, [(5, 40)], 16) == [96, 32, 64]
-    assert snaps.positions(97, [(5, 40), (41, 90)], 16) == [96, 80, 32, 64]
+    # 64 lies inside the second image: a prefix reaching it reaches that image's own snapshot (80)
+    assert snaps.positions(97, [(5, 40), (41, 90)], 16) == [96, 80, 32]
+    assert snaps.positions(97, [(5, 40)], 16) == [96, 32, 64]
     assert snaps.positions(16, [(1, 15)], 16) == []  # nothing before the last token's block
