@@ -136,14 +136,15 @@ class RemoteEmbeddingSource(EmbeddingSource):
             if self._closed:
                 return
             slot = self._slots.get(key)
-            kept = self._retained.take(retain_key(req)) if slot is None else None
+            kept_as = retain_key(req)
+            kept = self._retained.take(kept_as) if slot is None else None
             if kept is not None:  # this decoder still holds its rows: no Encode (a cache hit, ours)
                 self._slots[key] = FetchSlot(status=EmbeddingState.READY, prefetch=req.prefetch, tensor=kept,
-                                             cache_hit=True, started=True, retain_key=retain_key(req),
+                                             cache_hit=True, started=True, retain_key=kept_as,
                                              transport="retained")
                 self._counters.embeddings_retained_hits += 1
             elif slot is None:
-                self._slots[key] = FetchSlot(prefetch=req.prefetch, retain_key=retain_key(req),
+                self._slots[key] = FetchSlot(prefetch=req.prefetch, retain_key=kept_as,
                                          deadline=time.monotonic() + self.retry.total_timeout_s,
                                          name=f"{req.request_id}#{next(self._asks)}")
                 self._counters.embeddings_requested += 1
