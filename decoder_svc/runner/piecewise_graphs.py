@@ -30,12 +30,18 @@ from decoder_svc.model.linear_state import LinearStateStep, Mix
 Break = Callable[[Mix, int], torch.Tensor]
 
 
+def mix_into(out: torch.Tensor, mix: Mix, step: LinearStateStep, rows: int) -> None:
+    """Run a mixing over the live `step`, its first `rows` rows (the step's own) into the static `out`:
+    what a replay does between two pieces, and what `live_break` does in its place."""
+    out[:rows].copy_(mix(step)[:rows])
+
+
 def live_break(out: torch.Tensor, step: LinearStateStep, rows: int) -> Break:
-    """A break that runs each mixing over the live `step` and writes its first `rows` rows into `out`
-    (what a replay does between two pieces): out's view of the mixing's shape is what the layer reads."""
+    """A break that runs each mixing as a replay does (`mix_into`): out's view of the mixing's shape is
+    what the layer reads."""
 
     def run(mix: Mix, num_rows: int) -> torch.Tensor:
-        out[:rows].copy_(mix(step)[:rows])
+        mix_into(out, mix, step, rows)
         return out[:num_rows]
 
     return run
@@ -87,5 +93,5 @@ class PiecewiseGraph:
         for i, piece in enumerate(self.pieces):
             piece.replay()
             if i < len(self.mixes):
-                self.out[:rows].copy_(self.mixes[i](step)[:rows])
+                mix_into(self.out, self.mixes[i], step, rows)
         return self.logits
