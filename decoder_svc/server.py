@@ -45,7 +45,7 @@ MAX_SENT_AHEAD = 65536  # (salt, content hash) of files sent ahead, remembered s
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's retry-throttling trailer: retry after this many ms
 DRAIN_RETRY_AFTER_MS = 1000  # another replica can take it at once; this one will not come back
 _SHUTTING_DOWN = "decoder shutting down: the drain timeout ended this request"
-# A request of this many bytes (its images' and videos' files, mostly) counts toward giving memory back.
+# A request with this many bytes of image and video files counts toward giving memory back.
 _HEAVY_REQUEST_BYTES = 64 << 10
 
 
@@ -163,7 +163,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         last = None
         awaiting = True  # counted in awaiting_first_token until its first output
         self.awaiting_first_token += 1
-        nbytes = request.ByteSize()
+        nbytes = parsed.file_bytes
         heavy = nbytes >= _HEAVY_REQUEST_BYTES
         self.heavy_open += heavy
         try:

@@ -36,6 +36,13 @@ class ParsedRequest:
     lora_adapter: str = ""  # a --lora-modules name ("": the base model); the engine checks it
     n: int = 1  # samples of the prompt (0 on the wire means 1); the engine checks the bound
 
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the images' and videos' files it carries (what makes a request heavy), counted from the
+        parsed fields (the message's ByteSize would walk and size every field again)."""
+        return (sum(len(image) for image in self.images if isinstance(image, bytes))
+                + sum(len(video.data) for video in self.videos if isinstance(video.data, bytes)))
+
     def new_request(self, request_id: str, known_grids: Mapping[str, Grid] | None = None) -> NewRequest:
         """The engine's input for it, named request_id; known_grids: grids of its hash-only images."""
         return NewRequest(request_id, self.prompt, self.images, messages=self.messages,
