@@ -11,7 +11,11 @@ Where: at block-aligned prompt positions p (0 < p < the prompt's length): every 
 inside an image, the last block boundary at or before the end of each image or video span (a new
 question about the same image shares the prefix up to there), and the last block boundary of the prompt
 (the same prompt again, a conversation's next turn); when slots run short the last two kinds are
-reserved first. The linear
+reserved first. Image ends and interval points go down to a multiple of STATE_CHUNK tokens where one lies
+past 0: a prefill from the prompt's start (or from another such snapshot) reads the state there from the
+chunked rule's own chunk states, where another position would cut the prefill into one more chunked call
+per layer (model/gated_deltanet_fla.py); the prompt's last boundary stays, as the piece after it is under a
+block, which one launch of the token-by-token kernel runs. The linear
 layers split a chunk at those positions and copy the state there into a snapshot slot of the state pool
 (model/linear_state.py), in the same forward.
 
@@ -25,6 +29,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from math import lcm
+
+# fla's chunk of the gated delta rule (model/gated_deltanet_fla.py's FLA_CHUNK): snapshots at multiples of it
+STATE_CHUNK = 64
 
 
 @dataclass
@@ -105,11 +113,17 @@ class StateSnapshots:
         boundary (the same prompt again, a conversation's next turn), the images' last boundaries (a new
         question about the same image), then the interval points; each kind latest first. An interval
         point inside an image is left out: a prefix that reaches it holds the image's tokens up to there,
-        so it reaches the image's own snapshot too (and each snapshot costs a slot and cuts the prefill)."""
+        so it reaches the image's own snapshot too (and each snapshot costs a slot). An image's and an
+        interval point go down to a multiple of STATE_CHUNK (and of the block) where that is past 0."""
+        chunk = lcm(block_size, STATE_CHUNK)
+
+        def aligned(p: int) -> int:
+            return p // chunk * chunk or p // block_size * block_size
+
         last = (prompt_tokens - 1) // block_size * block_size
         step = self.interval_blocks * block_size
-        images = sorted({end // block_size * block_size for _, end in spans}, reverse=True)
-        intervals = [p for p in range(last // step * step, 0, -step)
+        images = sorted({aligned(end) for _, end in spans}, reverse=True)
+        intervals = [aligned(p) for p in range(last // step * step, 0, -step)
                      if not any(offset < p < end for offset, end in spans)]
         ranked = [last, *images, *intervals]
         return [p for p in dict.fromkeys(ranked) if 0 < p <= last]

@@ -8,9 +8,12 @@ what is missing: no CUDA device, or fla not importable).
 `forward_packed` is the layer's step over fla's calling convention (`DeltaRuleKernels`):
 - prefill chunks: one chunked call over all of the step's chunks packed as [1, T_total, H, D] with
   cu_seqlens, each sequence's initial state gathered from its slot (zeros where the chunk starts its
-  sequence) and its final state written back to the slot. fla gives no state at inner positions, so a chunk
-  with snapshots is cut there: call r runs the r-th piece of every chunk that has one, from the states
-  call r - 1 left (one call when no chunk asks for a snapshot). The convolution is one depthwise conv1d
+  sequence) and its final state written back to the slot. A snapshot a whole number of fla's 64-token
+  chunks after a piece's start is read from the states fla's chunked pipeline computes at its chunk
+  bounds (`chunk_states`, fla_chunk_states.py: the same values a call ending there would return); a chunk
+  with a snapshot elsewhere is cut there: call r runs the r-th piece of every chunk that has one, from
+  the states call r - 1 left (one call when every snapshot falls on a chunk bound; the engine places them
+  so, engine/state_snapshots.py). The convolution is one depthwise conv1d
   over the chunks laid side by side, each after its K - 1 carried inputs; the conv state at any position
   is read from those columns, so it needs no cut. The plan's index tensors go to the device once per step
   (cached by the step's chunks), not once per layer.
@@ -38,7 +41,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -90,6 +93,10 @@ class DeltaRuleKernels:
     causal_conv: Callable[..., None] | None = None
     conv_windows: Callable[..., None] | None = None
     conv_supports: Callable[[int, int, int], bool] | None = None
+    # `chunk` over cu_seqlens (no final-state or l2norm flags) that also returns the states at the start of
+    # each of its FLA_CHUNK-token chunks, fp32 [chunks, Hv, Dk, Dv] in fla's order (fla_chunk_states.py);
+    # None: a snapshot inside a chunk cuts it into another call
+    chunk_states: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 def linear_attention_mode(mode: str | None = None) -> str:
@@ -109,6 +116,7 @@ def load_fla() -> tuple[DeltaRuleKernels | None, str]:
         from common.kernels import causal_conv
         from common.kernels.delta_rule_recurrent import delta_rule_recurrent_, supports
         from common.kernels.elementwise import delta_gates, gated_rms_norm
+        from decoder_svc.model.fla_chunk_states import chunk_with_states
     except Exception as exc:  # ImportError, or Triton failing at import on a host without a driver
         return None, f"{type(exc).__name__}: {exc}"
     install_seeded_indices()  # fla's chunk indices from the step's plan, not read back per call
@@ -117,7 +125,7 @@ def load_fla() -> tuple[DeltaRuleKernels | None, str]:
                             gated_norm=gated_rms_norm, gates=delta_gates,
                             causal_conv=causal_conv.packed_causal_conv_,
                             conv_windows=causal_conv.gather_conv_windows_,
-                            conv_supports=causal_conv.supports), ""
+                            conv_supports=causal_conv.supports, chunk_states=chunk_with_states), ""
 
 
 _logged: set[tuple[str, str]] = set()
@@ -154,7 +162,9 @@ class PrefillRound:
     chunk's tokens each piece ends after, `cu_seqlens` the pieces' bounds within the call; `keep` which of
     the previous call's final states start these pieces (None: all, in order). After the call the state
     after piece `sources[j]` goes to slot `dsts[j]` (a snapshot's, or the chunk's own after its last piece),
-    its conv state read from the K - 1 conv columns from `starts[j]`."""
+    its conv state read from the K - 1 conv columns from `starts[j]`. Snapshots inside a piece, where the
+    rule gives the states at its chunk boundaries (`chunk_states`): the state at boundary `inner_sources[j]`
+    (fla's chunk order over the call) goes to slot `inner_dsts[j]`, its conv state from `inner_starts[j]`."""
 
     positions: list[int]
     chunks: list[int]
@@ -164,6 +174,9 @@ class PrefillRound:
     sources: list[int]
     starts: list[int]
     dsts: list[int]
+    inner_sources: list[int] = field(default_factory=list)
+    inner_starts: list[int] = field(default_factory=list)
+    inner_dsts: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -183,10 +196,13 @@ class PrefillPlan:
     rounds: list[PrefillRound]
 
     @classmethod
-    def of(cls, chunks: tuple, taps: int) -> PrefillPlan:
-        """The plan of chunks (first_row, end_row, slot, snapshots) for a convolution of `taps` taps."""
+    def of(cls, chunks: tuple, taps: int, state_chunk: int = 0) -> PrefillPlan:
+        """The plan of chunks (first_row, end_row, slot, snapshots) for a convolution of `taps` taps.
+        `state_chunk` > 0: the chunked rule also gives the state every `state_chunk` tokens from a piece's
+        start (DeltaRuleKernels.chunk_states), so a snapshot there is read from those states instead of
+        cutting the chunk into another round."""
         carry = taps - 1
-        rows, offsets, columns, conv_out, cuts, starts = [], [], [], [], [], []
+        rows, offsets, columns, conv_out, cuts, inner, starts = [], [], [], [], [], [], []
         carried = carry * len(chunks)
         column = 0
         for i, c in enumerate(chunks):
@@ -197,18 +213,29 @@ class PrefillPlan:
             columns += range(carried + packed, carried + packed + n)
             conv_out += range(column, column + n)
             rows += range(c.first_row, c.end_row)
-            cuts.append(sorted({k for k, _ in c.snapshots} | {n}))
+            chunk_cuts, chunk_inner = _cuts(sorted({k for k, _ in c.snapshots}), n, state_chunk)
+            cuts.append(chunk_cuts)
+            inner.append(chunk_inner)
             column += carry + n
         rounds: list[PrefillRound] = []
         previous = list(range(len(chunks)))  # the chunks whose final states the last call gave
         for r in range(max((len(ends) for ends in cuts), default=0)):
             positions, members, ends, cu = [], [], [], [0]
             sources, window_starts, dsts = [], [], []
+            inner_sources, inner_starts, inner_dsts = [], [], []
+            boundaries = 0  # state chunks of the round's earlier pieces (fla's chunk order)
             for i, chunk_cuts in enumerate(cuts):
                 if r >= len(chunk_cuts):
                     continue
-                end, c = chunk_cuts[r], chunks[i]
-                positions += range(starts[i] + (chunk_cuts[r - 1] if r else 0), starts[i] + end)
+                begin, end, c = chunk_cuts[r - 1] if r else 0, chunk_cuts[r], chunks[i]
+                positions += range(starts[i] + begin, starts[i] + end)
+                for k in (k for k in inner[i] if begin < k < end):
+                    for slot in (slot for at, slot in c.snapshots if at == k):
+                        inner_sources.append(boundaries + (k - begin) // state_chunk)
+                        inner_starts.append(offsets[i] + k)
+                        inner_dsts.append(slot)
+                if state_chunk:
+                    boundaries += -(-(end - begin) // state_chunk)
                 targets = [slot for k, slot in c.snapshots if k == end]
                 targets += [c.slot] if end == c.end_row - c.first_row else []
                 for slot in targets:
@@ -219,9 +246,26 @@ class PrefillPlan:
                 ends.append(end)
                 cu.append(len(positions))
             keep = None if members == previous else [previous.index(i) for i in members]
-            rounds.append(PrefillRound(positions, members, ends, cu, keep, sources, window_starts, dsts))
+            rounds.append(PrefillRound(positions, members, ends, cu, keep, sources, window_starts, dsts,
+                                       inner_sources, inner_starts, inner_dsts))
             previous = members
         return cls(rows, offsets, columns, carried, conv_out, rounds)
+
+
+def _cuts(snapshots: list[int], n: int, state_chunk: int) -> tuple[list[int], list[int]]:
+    """Where a chunk of n tokens with snapshots at these offsets (sorted) is cut, the end n included, and
+    which snapshots its pieces' chunk states give instead (a whole number of `state_chunk`s after the start
+    of the piece they fall in; none when state_chunk is 0)."""
+    cuts, inner, begin = [], [], 0
+    for k in snapshots:
+        if k >= n:
+            continue
+        if state_chunk and k > begin and (k - begin) % state_chunk == 0:
+            inner.append(k)
+        else:
+            cuts.append(k)
+            begin = k
+    return [*cuts, n], inner
 
 
 @dataclass(frozen=True)
@@ -236,6 +280,11 @@ class _DeviceRound:
     dsts: torch.Tensor | None
     longest: int  # tokens in the round's longest piece
     order: torch.Tensor  # arange(pieces): the pieces' rows of the running states
+    # snapshots from the states at chunk boundaries (None: none in this round): which states, the K - 1
+    # conv columns of each (torch's conv only), and their slots
+    inner_sources: torch.Tensor | None = None
+    inner_windows: torch.Tensor | None = None
+    inner_dsts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -282,11 +331,12 @@ class _Upload:
 
 
 @functools.lru_cache(maxsize=4)
-def _device_plan(chunks: tuple, taps: int, device: torch.device, conv_kernel: bool) -> _DevicePlan:
+def _device_plan(chunks: tuple, taps: int, device: torch.device, conv_kernel: bool, state_chunk: int = 0
+                 ) -> _DevicePlan:
     # Keyed by the step's chunks (frozen dataclasses): the first linear layer of a step builds it, the
     # others find it, so a step copies its indices to the device once, in one copy. Only the indices of
     # the convolution that runs go: the kernel's source codes, or torch's columns (conv_kernel False).
-    plan = PrefillPlan.of(chunks, taps)
+    plan = PrefillPlan.of(chunks, taps, state_chunk)
     fresh = [i for i, c in enumerate(chunks) if c.fresh]
     up = _Upload()
     handles = {"slots": up.add([c.slot for c in chunks]), "fresh": up.add(fresh)}
@@ -306,10 +356,14 @@ def _device_plan(chunks: tuple, taps: int, device: torch.device, conv_kernel: bo
             h["keep"] = up.add(rnd.keep)
         if rnd.dsts:  # the states written, and (torch's conv) the K - 1 conv columns of each
             if not conv_kernel:
-                h["windows"] = up.add([start + j for start in rnd.starts for j in range(taps - 1)])
+                h["windows"] = up.add(_window_columns(rnd.starts, taps))
             h["dsts"] = up.add(rnd.dsts)
             if rnd.sources != list(range(len(rnd.chunks))):  # else the states go as they are
                 h["sources"] = up.add(rnd.sources)
+        if rnd.inner_dsts:
+            h["inner_sources"], h["inner_dsts"] = up.add(rnd.inner_sources), up.add(rnd.inner_dsts)
+            if not conv_kernel:
+                h["inner_windows"] = up.add(_window_columns(rnd.inner_starts, taps))
         per_round.append(h)
     if conv_kernel:
         codes, window_codes, window_dsts = conv_codes(chunks, taps)
@@ -326,7 +380,10 @@ def _device_plan(chunks: tuple, taps: int, device: torch.device, conv_kernel: bo
             sent[h["sources"]] if "sources" in h else None,
             sent[h["windows"]].view(-1, taps - 1) if "windows" in h else None,
             sent[h["dsts"]] if "dsts" in h else None,
-            max(b - a for a, b in pairwise(rnd.cu_seqlens)), sent[h["order"]]))
+            max(b - a for a, b in pairwise(rnd.cu_seqlens)), sent[h["order"]],
+            sent[h["inner_sources"]] if "inner_sources" in h else None,
+            sent[h["inner_windows"]].view(-1, taps - 1) if "inner_windows" in h else None,
+            sent[h["inner_dsts"]] if "inner_dsts" in h else None))
 
     def took(name: str, shape: tuple[int, ...] = (-1,), dtype: torch.dtype = torch.long
              ) -> torch.Tensor | None:
@@ -356,6 +413,11 @@ def conv_codes(chunks: tuple, taps: int) -> tuple[torch.Tensor, torch.Tensor, to
         return tuple(torch.empty(0, dtype=torch.long) for _ in range(3))
     return (torch.from_numpy(np.concatenate(codes)), torch.from_numpy(np.concatenate(windows)),
             torch.tensor(dsts, dtype=torch.long))
+
+
+def _window_columns(starts: list[int], taps: int) -> list[int]:
+    """The K - 1 conv columns from each start (torch's convolution: a state's carried inputs)."""
+    return [start + j for start in starts for j in range(taps - 1)]
 
 
 def _consecutive(values: list[int]) -> bool:
@@ -473,7 +535,7 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
     taps = weight.shape[-1]
     conv_kernel = kernels.causal_conv is not None and kernels.conv_supports(shape.conv_dim, taps,
                                                                              shape.head_k_dim)
-    plan = _device_plan(chunks, taps, qkv.device, conv_kernel)
+    plan = _device_plan(chunks, taps, qkv.device, conv_kernel, FLA_CHUNK if kernels.chunk_states else 0)
     rows = plan.rows
     short = _in_place(kernels, shape)
     chunked = not short or any(rnd.longest > SHORT_PIECE for rnd in plan.rounds)
@@ -531,6 +593,16 @@ def _prefill(qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, weight: tor
                                        *gates, state, rnd.order, shape.head_k_dim ** -0.5, out,
                                        cu_seqlens=rnd.cu_seqlens, normalize=False)
             packed[at] = out
+        elif rnd.inner_dsts is not None:  # snapshots inside its pieces, from the states at chunk bounds
+            out, state, bounds = kernels.chunk_states(
+                q[at][None], k[at][None], v[at][None], g=g[at][None], beta=beta[at][None],
+                scale=shape.head_k_dim ** -0.5, initial_state=state, cu_seqlens=rnd.cu_seqlens)
+            packed[at] = out[0].to(packed.dtype)
+            kept = bounds.index_select(0, rnd.inner_sources)
+            rec_pool.index_copy_(0, rnd.inner_dsts, kept.to(rec_pool.dtype))
+            if columns is not None:
+                conv_pool.index_copy_(0, rnd.inner_dsts,
+                                      columns[:, rnd.inner_windows].permute(1, 0, 2).to(conv_pool.dtype))
         else:
             out, state = kernels.chunk(
                 q[at][None], k[at][None], v[at][None], g=g[at][None], beta=beta[at][None],

@@ -54,7 +54,18 @@ def test_snapshot_positions():
     # every 2 blocks of 16, the last boundary before the prompt's last token, each image's last boundary
     # most useful first: the prompt's last boundary, the images' (latest first), the interval points
     assert snaps.positions(100, [(5, 40)], 16) == [96, 32, 64]
-    # 64 lies inside the second image: a prefix reaching it reaches that image's own snapshot (80)
-    assert snaps.positions(97, [(5, 40), (41, 90)], 16) == [96, 80, 32]
+    # 64 lies inside the second image: a prefix reaching it reaches that image's own snapshot, whose end
+    # (80) goes down to 64, a multiple of fla's chunk (the first image's end, 32, has none past 0)
+    assert snaps.positions(97, [(5, 40), (41, 90)], 16) == [96, 64, 32]
     assert snaps.positions(97, [(5, 40)], 16) == [96, 32, 64]
     assert snaps.positions(16, [(1, 15)], 16) == []  # nothing before the last token's block
+    # a 1024-token image after 16 tokens, a 500-token question: its end (1040) on a chunk bound, 1024; the
+    # prompt's last boundary stays at its block (1536); interval points (every 1024) inside the image left out
+    wide = StateSnapshots(num_slots=1, first_slot=0, interval_blocks=64, bytes_per_snapshot=1)
+    assert wide.positions(1538, [(16, 1040)], 16) == [1536, 1024]
+    assert wide.positions(1570, [(16, 1040)], 16) == [1568, 1024]
+    # interval points on the chunk bounds too (every 3 blocks of 16: 48 -> 48, 96 -> 64, 144 -> 128)
+    thirds = StateSnapshots(num_slots=1, first_slot=0, interval_blocks=3, bytes_per_snapshot=1)
+    assert thirds.positions(150, [], 16) == [144, 128, 64, 48]
+    # a block of 48 tokens: positions on multiples of both (192)
+    assert wide.positions(500, [(0, 450)], 48) == [480, 384]

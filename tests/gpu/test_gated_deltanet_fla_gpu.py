@@ -110,6 +110,81 @@ def test_varlen_prefill_and_decode_rows_equal_the_reference(fla_kernels, dtype):
         assert _rel(a[lo:lo + 8], b[lo:lo + 8]) > 0.1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_snapshots_from_chunk_states_equal_a_cut_call(fla_kernels, dtype):
+    """Snapshots on 64-token bounds read from fla's chunk states (model/fla_chunk_states.py) give what a
+    prefill cut there gives: outputs, the snapshot slots and the sequences' own slots, in fp32 and bf16. The
+    same arithmetic on the same chunks: bit for bit unless the autotuner picks another configuration for the
+    state kernel with fp32 states than with the inputs' dtype (printed; a state read from the wrong chunk is
+    off by orders of magnitude more than the bound)."""
+    from dataclasses import replace
+
+    from tests.qwen3_5.linear_steps import LAYOUTS
+
+    shape = _shape()
+    layer = random_layer(shape, device=DEVICE, dtype=dtype)
+    pool = noisy_pool(shape, device=DEVICE, dtype=dtype, slots=SLOTS)
+    layout = LAYOUTS["snapshots on chunk bounds"] + [(300, 0, 11, ((64, 12), (256, 10)))]
+    states_pool, cut_pool = clone_pool(pool), clone_pool(pool)
+    got = _run(layer, fla_kernels, states_pool, layout, 4, dtype)
+    want = _run(layer, replace(fla_kernels, chunk_states=None), cut_pool, layout, 4, dtype)
+    bound = 1e-5 if dtype == torch.float32 else 1e-3
+    assert _rel(got, want) < bound
+    for key in pool.recurrent:
+        assert _rel(states_pool.recurrent[key], cut_pool.recurrent[key]) < bound
+        assert torch.equal(states_pool.conv[key], cut_pool.conv[key])
+    same_states = all(torch.equal(states_pool.recurrent[k], cut_pool.recurrent[k]) for k in pool.recurrent)
+    print(f"chunk states vs cut calls, {dtype}: outputs equal bits {torch.equal(got, want)}, states equal "
+          f"bits {same_states}")
+
+
+def test_chunk_with_states_is_flas_rule_with_its_inner_states(fla_kernels):
+    """chunk_with_states' output and final states are fla's chunked rule's, and its state at chunk m of a
+    sequence is the final state fla gives for the sequence's first 64 m tokens (bf16 inputs; equal bits
+    printed, as in the test above)."""
+    from decoder_svc.model.fla_chunk_states import chunk_with_states
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    lengths, heads, dim = [200, 64, 130], 4, 128
+    total = sum(lengths)
+    def rows() -> torch.Tensor:
+        return torch.randn(1, total, heads, dim, device=DEVICE, generator=gen)
+
+    q, k = (torch.nn.functional.normalize(rows(), dim=-1).to(torch.bfloat16) for _ in "qk")
+    v = rows().to(torch.bfloat16)
+    g = -torch.rand(1, total, heads, device=DEVICE, generator=gen)
+    beta = torch.rand(1, total, heads, device=DEVICE, generator=gen).to(torch.bfloat16)
+    h0 = 0.3 * torch.randn(len(lengths), heads, dim, dim, device=DEVICE, generator=gen)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, device=DEVICE)
+    o, final, states = chunk_with_states(q, k, v, g=g, beta=beta, scale=dim ** -0.5, initial_state=h0,
+                                         cu_seqlens=cu)
+    ref_o, ref_final = fla_kernels.chunk(q, k, v, g=g, beta=beta, scale=dim ** -0.5, initial_state=h0,
+                                         output_final_state=True, use_qk_l2norm_in_kernel=False,
+                                         cu_seqlens=cu)
+    assert _rel(o, ref_o) < 1e-3 and _rel(final, ref_final) < 1e-3
+    equal = [torch.equal(o, ref_o), torch.equal(final, ref_final)]
+    index = 0
+    for i, n in enumerate(lengths):
+        a = bounds[i]
+        for m in range(-(-n // 64)):
+            if m == 0:
+                assert torch.equal(states[index], h0[i])
+            else:
+                t = slice(a, a + 64 * m)
+                _, before = fla_kernels.chunk(q[:, t], k[:, t], v[:, t], g=g[:, t], beta=beta[:, t],
+                                              scale=dim ** -0.5, initial_state=h0[i:i + 1],
+                                              output_final_state=True, use_qk_l2norm_in_kernel=False,
+                                              cu_seqlens=torch.tensor([0, 64 * m], device=DEVICE))
+                assert _rel(states[index], before[0]) < 1e-3, (i, m)
+                equal.append(torch.equal(states[index], before[0]))
+            index += 1
+    assert index == states.shape[0]
+    print(f"chunk_with_states vs fla's rule: output, final states, inner states equal bits {equal}")
+
+
 def test_decode_step_replays_in_a_cuda_graph(fla_kernels):
     """The decode step captured once, the pool and the slot tensor its inputs: replays with new rows and
     other slots give the eager fla step's bits, and the reference's values."""

@@ -16,7 +16,7 @@ from decoder_svc.model.gated_deltanet import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from decoder_svc.model.gated_deltanet_fla import DeltaRuleKernels
+from decoder_svc.model.gated_deltanet_fla import FLA_CHUNK, DeltaRuleKernels
 from decoder_svc.model.linear_state import LinearStatePool, LinearStateStep
 
 LAYER = 5  # a linear layer's index in its stack (the pool is keyed by it)
@@ -35,6 +35,11 @@ LAYOUTS = {
     "snapshots inside chunks": [
         (150, 0, 0, ((3, 6), (64, 7), (150, 8))), (1, 9, 1, ()), (20, 5, 2, ((10, 9),)), (30, 0, 3, ())],
     "two snapshots at one position": [(12, 0, 0, ((5, 6), (5, 7), (12, 8))), (7, 3, 1, ((7, 9),))],
+    # on fla's 64-token chunk bounds from the piece's start: read from its chunk states, no cut (the second
+    # sequence's at 64 + 3, after its cut at 3; the last one resumed at 9)
+    "snapshots on chunk bounds": [
+        (200, 0, 0, ((64, 6), (128, 7), (200, 8))), (150, 0, 1, ((3, 9), (67, 5))), (1, 4, 2, ()),
+        (130, 9, 3, ((64, 4),))],
     "decode rows only": [(1, 3, 2, ()), (1, 9, 0, ()), (1, 1, 5, ())],
 }
 SLOTS = 10  # 0..5 requests', 6..9 snapshots'
@@ -108,10 +113,15 @@ class FakeFla:
     # (rows, sequences, over cu_seqlens: a prefill round; else decode rows) per in-place call
     in_place: bool = False
     in_place_calls: list[tuple[int, int, bool]] = field(default_factory=list)
+    # with the chunked rule that also gives the states at its 64-token chunk bounds (fla_chunk_states.py):
+    # snapshots there are read from them rather than cutting the chunk; its calls count in chunk_calls too
+    states: bool = True
+    state_calls: list[int] = field(default_factory=list)
 
     def kernels(self) -> DeltaRuleKernels:
+        states = self.chunk_states if self.states else None
         if not self.in_place:
-            return DeltaRuleKernels(self.chunk, self.recurrent, name="fake")
+            return DeltaRuleKernels(self.chunk, self.recurrent, name="fake", chunk_states=states)
         from common.kernels import causal_conv
         from common.kernels.delta_rule_recurrent import supports
         from common.kernels.elementwise import delta_gates, gated_rms_norm
@@ -121,7 +131,7 @@ class FakeFla:
                                 gated_norm=gated_rms_norm, gates=delta_gates,
                                 causal_conv=causal_conv.packed_causal_conv_,
                                 conv_windows=causal_conv.gather_conv_windows_,
-                                conv_supports=causal_conv.supports)
+                                conv_supports=causal_conv.supports, chunk_states=states)
 
     def recurrent_in_place(self, q, k, v, g, beta, state_pool, slots, scale, out, **kw):
         from common.kernels.delta_rule_recurrent import delta_rule_recurrent_
@@ -137,6 +147,24 @@ class FakeFla:
         out, final = _per_sequence(chunk_gated_delta_rule, q, k, v, g, beta, **kw)
         self.chunk_calls.append(final.shape[0])
         return out, final
+
+    def chunk_states(self, q, k, v, *, g, beta, scale, initial_state, cu_seqlens):
+        """`chunk`, and the state each 64-token chunk starts from (fla's chunk order): the reference's
+        final state over the sequence's tokens before it."""
+        out, final = self.chunk(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                                output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens)
+        self.state_calls.append(final.shape[0])
+        bounds = cu_seqlens.tolist()
+        states = []
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            start = (initial_state[i:i + 1] if initial_state is not None
+                     else final.new_zeros(1, *final.shape[1:]))
+            states.append(start)
+            for j in range(FLA_CHUNK, b - a, FLA_CHUNK):
+                t = slice(a, a + j)
+                _, before = chunk_gated_delta_rule(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], start)
+                states.append(before)
+        return out, final, torch.cat(states)
 
     def recurrent(self, q, k, v, *, g, beta, gk=None, gv=None, **kw):
         # fla's signature: (q, k, v, g, gk, gv, beta, ...): g and beta by keyword, never gk and gv

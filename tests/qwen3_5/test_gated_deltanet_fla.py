@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from decoder_svc.model.gated_deltanet_fla import (
+    FLA_CHUNK,
     KERNEL_ENV,
     SHORT_PIECE,
     DeltaRuleKernels,
@@ -134,11 +135,25 @@ def _assert_pools_close(mine, ref) -> None:
     assert torch.allclose(mine.conv[LAYER], ref.conv[LAYER], atol=ATOL, rtol=0)
 
 
+def _split(n: int, snapshots: tuple, state_chunk: int) -> tuple[int, set[int]]:
+    """(calls, snapshot offsets read from chunk states) of a chunk of n tokens: one call more per snapshot
+    before its end, but for those a whole number of state chunks after the previous cut."""
+    cuts, last, inner = 1, 0, set()
+    for k in sorted({k for k, _ in snapshots if k < n}):
+        if state_chunk and (k - last) % state_chunk == 0:
+            inner.add(k)
+        else:
+            cuts, last = cuts + 1, k
+    return cuts, inner
+
+
 @torch.no_grad()
+@pytest.mark.parametrize("states", [True, False], ids=["chunk-states", "cuts-only"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["fla-decode", "in-place-decode"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_the_adapter_equals_the_reference_path(name, in_place):
-    """in_place: decode rows and short rounds through the in-place kernel (value dims in blocks of 16)."""
+def test_the_adapter_equals_the_reference_path(name, in_place, states):
+    """in_place: decode rows and short rounds through the in-place kernel (value dims in blocks of 16);
+    states: snapshots on 64-token bounds read from the chunked rule's chunk states, not cut."""
     if in_place:
         pytest.importorskip("triton")
         if torch.cuda.is_available():
@@ -147,7 +162,7 @@ def test_the_adapter_equals_the_reference_path(name, in_place):
     shape = text_shape(value_dim=16 if in_place else 8)
     pool = noisy_pool(shape)
     ref_pool, fla_pool = clone_pool(pool), clone_pool(pool)
-    fake = FakeFla(in_place=in_place)
+    fake = FakeFla(in_place=in_place, states=states)
     ref = _run(layout, None, ref_pool, shape=shape)
     out = _run(layout, fake.kernels(), fla_pool, shape=shape)
     assert torch.allclose(out, ref, atol=KERNELS_ATOL if in_place else ATOL, rtol=0)
@@ -162,11 +177,19 @@ def test_the_adapter_equals_the_reference_path(name, in_place):
     # one call for the whole step's chunks, or one per piece of the most-cut chunk (rounds), each a chunked
     # call, or with the in-place kernel one launch where the round's pieces are short; one decode call
     chunks = [snaps for n, start, _, snaps in layout if not (n == 1 and start > 0 and not snaps)]
-    pieces = max((len({k for k, _ in snaps} | {n}) for (n, *_, snaps) in layout if snaps), default=1)
+    state_chunk = FLA_CHUNK if states else 0
+    splits = [_split(n, snaps, state_chunk) for n, _, _, snaps in layout]
+    pieces = max((calls for (calls, _), (*_, snaps) in zip(splits, layout, strict=True) if snaps), default=1)
     rounds = pieces if chunks else 0
     step, _ = build_step(pool, layout)
-    longest = [max(b - a for a, b in zip(r.cu_seqlens, r.cu_seqlens[1:], strict=False))
-               for r in PrefillPlan.of(step.chunks, 4).rounds]
+    plan = PrefillPlan.of(step.chunks, 4, state_chunk)
+    longest = [max(b - a for a, b in zip(r.cu_seqlens, r.cu_seqlens[1:], strict=False)) for r in plan.rounds]
+    # each snapshot on a bound read from its round's chunk states, in one call of that round
+    on_bounds = sum(k in inner for (_, inner), (*_, snaps) in zip(splits, layout, strict=True)
+                    for k, _ in snaps)
+    assert sum(len(r.inner_dsts) for r in plan.rounds) == on_bounds
+    assert len(fake.state_calls) == sum(bool(r.inner_dsts) for r in plan.rounds)
+    assert (on_bounds > 0) == (states and name == "snapshots on chunk bounds")
     assert len(longest) == rounds
     short = sum(n <= SHORT_PIECE for n in longest) if in_place else 0
     assert len(fake.chunk_calls) == rounds - short
