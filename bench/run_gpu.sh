@@ -314,7 +314,8 @@ if [[ ",$SECTIONS," == *,ttft,* ]]; then
   for fam in ${TTFT_PRESETS:-qwen2.5-vl-7b qwen3-vl-8b llava-1.5-7b}; do
     make_once "/tmp/ttft-$fam" "$fam"
     step "ttft_$fam" 240 "$PY" -m bench.ttft --model "/tmp/ttft-$fam" "${DT[@]}" --logs "$RES/logs-ttft-$fam" \
-      "${TARGS[@]}" ${TTFT_DECODER_ARGS:+--decoder-args "$TTFT_DECODER_ARGS"}
+      "${TARGS[@]}" ${TTFT_DECODER_ARGS:+"--decoder-args=$TTFT_DECODER_ARGS"}
+    cp "$RES/ttft_$fam.json" "$OUT/" 2>/dev/null  # each preset's own (the merge keeps one ttft result)
     grep -h "CUDA graph\|WARNING" "$RES/logs-ttft-$fam/encoder.log" 2>/dev/null | tail -4
     # the decoder's graphs and any kernel its first-use checks dropped (a hybrid's "... kernel X dropped")
     grep -h "captured\|dropped\|WARNING" "$RES"/logs-ttft-"$fam"/decoder*.log 2>/dev/null | tail -6
@@ -322,6 +323,7 @@ if [[ ",$SECTIONS," == *,ttft,* ]]; then
       step "warm_step_$fam" 120 "$PY" -m bench.profile_step --model "/tmp/ttft-$fam" "${DT[@]}" \
         --prompt-len "${TTFT_WARM_PROMPT:-1870}" --warm-tail "$TTFT_WARM_TAIL" --steps 8 --top 14 --host-top 20 \
         ${TTFT_WARM_ARGS:-}
+      cp "$RES/warm_step_$fam.json" "$OUT/" 2>/dev/null
     fi
     [ "${TTFT_KEEP_MODELS:-0}" = 1 ] || rm -rf "/tmp/ttft-$fam"
   done

@@ -285,3 +285,23 @@ def test_decode_benches_draw_dummy_weights(tiny_model_dir, out_dir):
                        "--batch-sizes", "1", "--output-len", "3", "--repeats", "1", "--engine-only",
                        "--load-format", "dummy", "--out", str(out_dir / "dummy_serve.json")])
     assert _load(out_dir / "dummy_serve.json")["results"]
+
+
+def test_run_gpu_ttft_section_on_a_cpu(tmp_path):
+    """bench/run_gpu.sh's ttft section as a CPU smoke run: one decoder flag in TTFT_DECODER_ARGS reaches
+    bench.ttft (a lone "--flag=value" once read as an option of its own), and each preset's JSON comes back
+    beside the merge."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), DEVICE="cpu", DTYPE="float32", SECTIONS="ttft", BUDGET_S="240",
+               TTFT_PRESETS="qwen2.5-vl-tiny", TTFT_ARGS="--rounds 1 --concurrency 0 --image-size 256",
+               TTFT_DECODER_ARGS="--kv-cache-bytes=50000000", TTFT_KEEP_MODELS="0")
+    subprocess.run(["bash", str(root / "bench" / "run_gpu.sh")], env=env, check=True, timeout=300,
+                   capture_output=True)
+    result = json.loads((out / "ttft_qwen2.5-vl-tiny.json").read_text())
+    assert result["config"]["decoder_args"] == "--kv-cache-bytes=50000000"
+    assert result["results"]["single"]["cold"]["n"] == 1
+    assert (out / "results.json").exists()
