@@ -14,10 +14,11 @@ client's call to the front end's `received` stamp, read from the core's step tra
 client's figure is the first token's way back; `crossing_floor` is what the same requests' crossing
 costs a bare gRPC server on this host, bench/grpc_floor.py) and the encoder's Encode split
 (`stage_seconds`) over the cold rounds. Then --concurrency requests at once (distinct images,
---burst-words words each, --burst-tokens output tokens): TTFT p50 / max, wall, and the wall over a
-roofline made of the images at the cold rounds' tower device time each (measured alone: batching
-only lowers it), the prompt tokens at the cold rounds' prefill rate and the decode steps at the copy
-bandwidth (the language model's weights read once per step). With --hf, HF's
+--burst-words words each, --burst-tokens output tokens; with --arrival-seconds S they arrive as a Poisson
+process over about S seconds instead, and the TTFT has its p99 and p99 / p50): TTFT p50 / max, wall, and
+the wall over a roofline made of the images at the cold rounds' tower device time each (measured alone:
+batching only lowers it), the prompt tokens at the cold rounds' prefill rate and the decode steps at the
+copy bandwidth (the language model's weights read once per step). With --hf, HF's
 `generate(max_new_tokens=1)` on the same weights and the cold prompts after the services stop (its
 processor excluded, as in bench/qwen_gpu.py).
 The result says how the embeddings came (`embedding_transports`). --transports cuda_ipc,nixl,inline
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import time
 import uuid
@@ -39,6 +41,7 @@ from google.protobuf.json_format import MessageToDict
 from bench.grpc_floor import crossing_floor
 from bench.report import save_result
 from bench.services import Service, decoder_service, encoder_service, start_all, workdir
+from bench.stats import percentile
 from bench.step_trace import read_trace, summarize
 from bench.svcstats import stage_split
 from bench.workload import PromptMaker, random_png, random_words
@@ -59,6 +62,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5,
                    help="cold, warm and follow-up rounds (after two unmeasured ones)")
     p.add_argument("--concurrency", type=int, default=32, help="requests of the burst (0: none)")
+    p.add_argument("--arrival-seconds", type=float, default=0.0,
+                   help="the burst's requests arrive as a Poisson process over about this many seconds "
+                   "instead of at once (0); its TTFT then has a p99 and p99 / p50")
     p.add_argument("--followup-tokens", type=int, default=32, help="the follow-up question's length")
     p.add_argument("--burst-words", type=int, default=24)
     p.add_argument("--burst-tokens", type=int, default=32)
@@ -139,6 +145,19 @@ def summary(values: list[float]) -> dict:
             "max_ms": ms(v[-1]), "n": len(v)}
 
 
+def poisson_offsets(count: int, seconds: float, rng: random.Random) -> list[float]:
+    """Arrival times (s from the first) of `count` requests of a Poisson process whose rate puts about
+    `seconds` between the first and the last: exponential gaps of mean seconds / (count - 1). All 0 when
+    seconds is 0 (at once)."""
+    if seconds <= 0 or count < 2:
+        return [0.0] * count
+    offsets, at = [0.0], 0.0
+    for _ in range(count - 1):
+        at += rng.expovariate((count - 1) / seconds)
+        offsets.append(at)
+    return offsets
+
+
 def cold_warm(probe: Probe, args: argparse.Namespace, words: PromptMaker, texts: list[str],
               seed: int = 10_000) -> tuple[dict, list[tuple[str, bytes]]]:
     """Cold, warm and follow-up per round (the first two rounds unmeasured: graphs and caches warm up);
@@ -170,10 +189,12 @@ def cold_warm(probe: Probe, args: argparse.Namespace, words: PromptMaker, texts:
     }, prompts
 
 
-async def _burst(address: str, jobs: list[tuple[str, bytes]], n: int) -> tuple[list[float], float]:
+async def _burst(address: str, jobs: list[tuple[str, bytes]], n: int, offsets: list[float]
+                 ) -> tuple[list[float], float]:
     salt = uuid.uuid4().hex[:16]
 
-    async def one(client: AsyncDecoderClient, prompt: str, png: bytes) -> float:
+    async def one(client: AsyncDecoderClient, prompt: str, png: bytes, offset: float) -> float:
+        await asyncio.sleep(offset)  # its arrival (0: at once); the TTFT counts from there
         started, first = time.perf_counter(), float("nan")
         async for chunk in client.generate(prompt, [png], max_tokens=n, ignore_eos=True, cache_salt=salt):
             if first != first and chunk.token_ids:  # NaN until the first token
@@ -182,18 +203,21 @@ async def _burst(address: str, jobs: list[tuple[str, bytes]], n: int) -> tuple[l
 
     async with AsyncDecoderClient(address, timeout=600) as client:
         started = time.perf_counter()
-        ttfts = await asyncio.gather(*(one(client, p, png) for p, png in jobs))
+        ttfts = await asyncio.gather(*(one(client, p, png, at) for (p, png), at in zip(jobs, offsets,
+                                                                                      strict=True)))
         return list(ttfts), time.perf_counter() - started
 
 
 def burst(probe: Probe, args: argparse.Namespace, words: PromptMaker, single: dict,
           weight_bytes: int, seed: int = 20_000) -> dict:
-    """--concurrency distinct one-image requests at once, against their roofline."""
+    """--concurrency distinct one-image requests at once (or arriving over --arrival-seconds), against
+    their roofline."""
     jobs = [(words.image_prompt(random_words(words.rng, args.burst_words)),
              random_png(seed + i, args.image_size)) for i in range(args.concurrency)]
+    offsets = poisson_offsets(args.concurrency, args.arrival_seconds, random.Random(seed))
     before = probe.snapshot()
     since = time.monotonic()
-    ttfts, wall = asyncio.run(_burst(probe.address, jobs, args.burst_tokens))
+    ttfts, wall = asyncio.run(_burst(probe.address, jobs, args.burst_tokens, offsets))
     until = time.monotonic()
     after = probe.snapshot()
     split = split_between(before, after)
@@ -206,7 +230,13 @@ def burst(probe: Probe, args: argparse.Namespace, words: PromptMaker, single: di
         single["prompt_tokens"] or 1, 1)
     decode_s = args.burst_tokens * weight_bytes / COPY_BANDWIDTH
     roofline = tower_s + prefill_s + decode_s
-    return {"ttft": summary(ttfts), "wall_ms": ms(wall), "prompt_tokens": prompt_tokens,
+    ttft = summary(ttfts)
+    if args.arrival_seconds > 0:  # spread arrivals: the tail against the median
+        ttft["p99_ms"] = ms(percentile(ttfts, 99))
+        ttft["p99_over_p50"] = round(ttft["p99_ms"] / ttft["p50_ms"], 2) if ttft["p50_ms"] else None
+    return {"ttft": ttft, "arrival_seconds": args.arrival_seconds,
+            "arrivals_span_ms": ms(offsets[-1]) if offsets else 0.0, "wall_ms": ms(wall),
+            "prompt_tokens": prompt_tokens,
             "tower_gpu_ms_in_burst": split["encoder_tower_gpu_ms"],
             "roofline_ms": ms(roofline),
             "roofline_parts_ms": {"tower_gpu": ms(tower_s), "prefill": ms(prefill_s), "decode": ms(decode_s)},

@@ -297,11 +297,25 @@ def test_run_gpu_ttft_section_on_a_cpu(tmp_path):
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), DEVICE="cpu", DTYPE="float32", SECTIONS="ttft", BUDGET_S="240",
-               TTFT_PRESETS="qwen2.5-vl-tiny", TTFT_ARGS="--rounds 1 --concurrency 0 --image-size 256",
+               TTFT_PRESETS="qwen2.5-vl-tiny",
+               TTFT_ARGS="--rounds 1 --concurrency 3 --arrival-seconds 0.3 --burst-tokens 2 --image-size 256",
                TTFT_DECODER_ARGS="--kv-cache-bytes=50000000", TTFT_KEEP_MODELS="0")
     subprocess.run(["bash", str(root / "bench" / "run_gpu.sh")], env=env, check=True, timeout=300,
                    capture_output=True)
     result = json.loads((out / "ttft_qwen2.5-vl-tiny.json").read_text())
     assert result["config"]["decoder_args"] == "--kv-cache-bytes=50000000"
     assert result["results"]["single"]["cold"]["n"] == 1
+    burst = result["results"]["burst"]  # three requests arriving over about 0.3 s
+    assert burst["ttft"]["n"] == 3 and burst["ttft"]["p99_ms"] >= burst["ttft"]["p50_ms"] > 0
+    assert burst["arrival_seconds"] == 0.3 and burst["arrivals_span_ms"] > 0
     assert (out / "results.json").exists()
+
+
+def test_poisson_offsets():
+    import random
+
+    assert ttft.poisson_offsets(4, 0.0, random.Random(0)) == [0.0] * 4  # at once
+    offsets = ttft.poisson_offsets(64, 2.0, random.Random(1))
+    assert offsets[0] == 0.0 and offsets == sorted(offsets) and len(set(offsets)) == 64
+    spans = [ttft.poisson_offsets(64, 2.0, random.Random(seed))[-1] for seed in range(200)]
+    assert 1.9 < sum(spans) / len(spans) < 2.1  # 63 gaps of mean 2 / 63 s
