@@ -1,5 +1,7 @@
 """A first-use check of the Gated DeltaNet layer's own Triton kernels on a device (the gates, the prefill
-convolution and the gated output norm that load_fla pairs with fla's rules: model/gated_deltanet_fla.py).
+convolution and the gated output norm that load_fla pairs with fla's rules: model/gated_deltanet_fla.py), and
+on a CUDA device of the chunked rule with its chunk states (built from fla's internals, which another fla
+version may change: dropped, a snapshot inside a chunk cuts it again).
 
 Each kernel runs once on a few rows of the layer's real shapes and dtype (so with the block sizes serving
 will compile) and is compared with its torch formula. A kernel that fails to compile or run, or disagrees
@@ -16,7 +18,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from decoder_svc.model.gated_deltanet_fla import DeltaRuleKernels
+from decoder_svc.model.gated_deltanet_fla import FLA_CHUNK, DeltaRuleKernels
 from decoder_svc.model.gated_deltanet_shape import GatedDeltaNetShape
 
 log = logging.getLogger("mmserve.decoder.linear_attention")
@@ -80,14 +82,45 @@ def _check_conv(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape, device, dt
             and torch.equal(windows[0], x[ROWS - (taps - 1):].t()))
 
 
+def _check_chunk_states(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape, device, dtype, gen) -> bool:
+    """chunk_states (fla's pipeline run by model/fla_chunk_states.py, bound to fla's internals) against fla's
+    public chunked rule: the output and final state of one sequence of two chunks and a few rows, and the
+    state at its second chunk bound against a call that ends there."""
+    heads, dk, dv, n = shape.num_v_heads, shape.head_k_dim, shape.head_v_dim, 2 * FLA_CHUNK + ROWS
+
+    def rows(width: int) -> torch.Tensor:
+        return torch.randn(1, n, heads, width, generator=gen)
+
+    q, k = (F.normalize(rows(dk), dim=-1).to(device, dtype) for _ in "qk")
+    v = rows(dv).to(device, dtype)
+    g = (-0.1 * torch.rand(1, n, heads, generator=gen)).to(device)
+    beta = torch.rand(1, n, heads, generator=gen).to(device, dtype)
+    h0 = (0.1 * torch.randn(1, heads, dk, dv, generator=gen)).to(device)
+
+    def rule(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.chunk(q[:, :t], k[:, :t], v[:, :t], g=g[:, :t], beta=beta[:, :t], scale=dk ** -0.5,
+                             initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
+                             cu_seqlens=torch.tensor([0, t], device=device))
+
+    o, final, states = kernels.chunk_states(q, k, v, g=g, beta=beta, scale=dk ** -0.5, initial_state=h0,
+                                            cu_seqlens=torch.tensor([0, n], device=device))
+    want_o, want_final = rule(n)
+    _, at_bound = rule(2 * FLA_CHUNK)
+    return (states.shape[0] == 3 and torch.equal(states[0], h0[0]) and _close(o, want_o, dtype)
+            and _close(final, want_final, dtype) and _close(states[2], at_bound[0], dtype))
+
+
 _CHECKS = {"gates": (_check_gates,), "gated_norm": (_check_gated_norm,),
-           "causal_conv": (_check_conv, "conv_windows")}
+           "causal_conv": (_check_conv, "conv_windows"), "chunk_states": (_check_chunk_states,)}
+# Checked where fla runs only: elsewhere the rules are tests' stand-ins, whose calls the tests count.
+_CUDA_ONLY = {"chunk_states"}
 
 
 def checked(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape, device: torch.device, dtype: torch.dtype,
             ) -> DeltaRuleKernels:
-    """`kernels` without the optional ones (gates, gated_norm, causal_conv with conv_windows) that fail
-    their check on `device` at this layer's shapes in `dtype` (each dropped one logged as a warning).
+    """`kernels` without the optional ones (gates, gated_norm, causal_conv with conv_windows, chunk_states)
+    that fail their check on `device` at this layer's shapes in `dtype` (each dropped one logged as a
+    warning).
     Once per (kernels, shape, device, dtype): every layer of a stack shares the result."""
     key = (kernels, shape, device, dtype)
     try:
@@ -108,7 +141,7 @@ def _check(kernels: DeltaRuleKernels, shape: GatedDeltaNetShape, device: torch.d
     gen = torch.Generator().manual_seed(0)
     dropped = {}
     for name, (check, *partners) in _CHECKS.items():
-        if getattr(kernels, name) is None:
+        if getattr(kernels, name) is None or (name in _CUDA_ONLY and device.type != "cuda"):
             continue
         if name == "causal_conv" and not kernels.conv_supports(shape.conv_dim, shape.conv_kernel,
                                                                shape.head_k_dim):

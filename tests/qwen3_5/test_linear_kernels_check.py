@@ -63,3 +63,31 @@ def test_wrong_conv_windows_drop_the_convolution():
 
     got = checked(_kernels(conv_windows=shifted_windows), text_shape(), CPU, torch.float32)
     assert got.causal_conv is None and got.conv_windows is None and got.gates is delta_gates
+
+
+def test_the_chunk_state_check_against_the_chunked_rule():
+    """The chunk-state check (run by `checked` on a CUDA device only, where fla runs) passes the chunk states
+    of the rule it checks against and fails ones read a chunk off or lost; off a CUDA device `checked` does
+    not run it (the rules there are stand-ins)."""
+    from decoder_svc.model.linear_kernels_check import _check_chunk_states
+    from tests.qwen3_5.linear_steps import FakeFla
+
+    def gen() -> torch.Generator:
+        return torch.Generator().manual_seed(0)
+
+    fake = FakeFla()
+    kernels = fake.kernels()
+    assert _check_chunk_states(kernels, text_shape(), CPU, torch.float32, gen())
+
+    def shifted(*args, **kwargs):
+        o, final, states = fake.chunk_states(*args, **kwargs)
+        return o, final, states.roll(1, dims=0)
+
+    def zeroed(*args, **kwargs):
+        o, final, states = fake.chunk_states(*args, **kwargs)
+        return o, final, torch.zeros_like(states)
+
+    for wrong in (shifted, zeroed):
+        bad = DeltaRuleKernels(fake.chunk, fake.recurrent, name="test", chunk_states=wrong)
+        assert not _check_chunk_states(bad, text_shape(), CPU, torch.float32, gen())
+        assert checked(bad, text_shape(), CPU, torch.float32).chunk_states is wrong  # not checked here
