@@ -557,14 +557,17 @@ fi
 # from .whl (the script installs them into /tmp/site). $OUT gets test_gated_deltanet_fla.log and
 # qwen3_5_decode_<kernel>.{json,log}, then qwen3_5_prefill_profile_<tail>.json (bench.profile_step
 # --warm-tail: a warm request's prefill step of 11 new tokens over a 1530-token prompt, and a cold-like one of
-# 1520 new tokens; wall time against the GPU kernels' time, the kernel table). Limits: 300 s the tests,
-# 240 s each decode run, 150 s each profile; Q35_TESTS=0 / Q35_BENCH=0 / Q35_PROFILE=0 skip a part;
+# 1520 new tokens; wall time against the GPU kernels' time, the kernel table). Limits: 300 s the tests
+# (Q35_TESTS_TIMEOUT), 240 s each decode run, 150 s each profile; Q35_TESTS=0 / Q35_BENCH=0 / Q35_PROFILE=0
+# skip a part; Q35_TESTS_K picks tests (pytest -k); Q35_PROFILE_CASES lists the profiles as PROMPT:TAIL
+# (default "1530:11 16:1520"; "1024:50" is a follow-up's step: 50 new tokens after a 1024-token prefix);
 # Q35_ARGS adds decode_tput options.
 if [[ ",$SECTIONS," == *,qwen3_5,* ]]; then
   "$PY" -c "import fla, einops; print('   fla', fla.__version__, 'from', fla.__file__)" 2>&1 | tail -1
   if [ "${Q35_TESTS:-1}" = 1 ]; then
     echo "== tests/gpu/test_gated_deltanet_fla_gpu.py (t=$((SECONDS - START))s)"
-    timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=5 tests/gpu/test_gated_deltanet_fla_gpu.py \
+    timeout "${Q35_TESTS_TIMEOUT:-300}" "$PY" -m pytest -q -s -p no:cacheprovider -rfEs --durations=5 \
+      ${Q35_TESTS_K:+-k "$Q35_TESTS_K"} tests/gpu/test_gated_deltanet_fla_gpu.py \
       tests/gpu/test_qwen3_5_graphs_gpu.py > "$OUT/test_gated_deltanet_fla.log" 2>&1
     tail -20 "$OUT/test_gated_deltanet_fla.log"
   fi
@@ -581,8 +584,8 @@ if [[ ",$SECTIONS," == *,qwen3_5,* ]]; then
   fi
   if [ "${Q35_PROFILE:-1}" = 1 ]; then  # where a prefill step's time goes: a warm tail, then a cold-like chunk
     make_once "$Q35_DIR" "${QWEN3_5_PRESET:-qwen3.5-9b}" --weights vision
-    for tail in 11 1520; do
-      prompt=$([ "$tail" = 11 ] && echo 1530 || echo 16)
+    for case in ${Q35_PROFILE_CASES:-1530:11 16:1520}; do
+      prompt=${case%%:*} tail=${case##*:}
       step "qwen3_5_prefill_profile_$tail" 150 "$PY" -m bench.profile_step --model "$Q35_DIR" "${DT[@]}" \
         --load-format dummy --prompt-len "$prompt" --warm-tail "$tail" --steps 4 --top 30 --host-top 25
       cp "$RES/qwen3_5_prefill_profile_$tail.json" "$OUT/" 2>/dev/null  # its table is in run_gpu.log
