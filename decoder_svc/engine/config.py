@@ -51,7 +51,8 @@ class EngineConfig:
     piecewise_graphs: bool = option(
         False, "a hybrid model's (linear attention) longer prefill steps replay piecewise CUDA graphs: "
         "everything but the linear layers' token mixing, which runs eagerly between the pieces "
-        "(experimental: CPU-tested, not yet measured on a GPU)")
+        "(experimental: slower than eager on an H100 for a 9B hybrid model, its steps padded to the "
+        "next graph; see BENCHMARKS.md)")
     async_scheduling: str = option(
         "auto", "launch each step before reading the previous one's tokens, so the host's work between "
         "steps overlaps the GPU's: auto (on with CUDA and one rank), on, off", choices=("auto", "on", "off"))
@@ -109,8 +110,9 @@ class EngineConfig:
         type=non_negative_int)
     state_snapshot_interval: int = option(
         64, "a hybrid model's snapshot is taken every this many KV blocks of a prompt, except inside an "
-        "image (besides image ends and the prompt's last block boundary); each one cuts a prefill "
-        "chunk's linear-attention call in two", type=positive_int)
+        "image (besides image ends and the prompt's last block boundary), at a multiple of 64 tokens; "
+        "where the linear attention has no state at 64-token bounds (not fla) each one cuts a prefill "
+        "chunk's call in two", type=positive_int)
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_modules, dict):

@@ -15,9 +15,8 @@ reserved first. Image ends and interval points go down to a multiple of STATE_CH
 past 0: a prefill from the prompt's start (or from another such snapshot) reads the state there from the
 chunked rule's own chunk states, where another position would cut the prefill into one more chunked call
 per layer (model/gated_deltanet_fla.py); the prompt's last boundary stays, as the piece after it is under a
-block, which one launch of the token-by-token kernel runs. The linear
-layers split a chunk at those positions and copy the state there into a snapshot slot of the state pool
-(model/linear_state.py), in the same forward.
+block, which one launch of the token-by-token kernel runs. The linear layers write the state at those
+positions into a snapshot slot of the state pool (model/linear_state.py), in the same forward.
 
 Slots: the pool's slots after the requests' own (`first_slot` on). A snapshot is `pending` from the
 step whose forward writes it until the next step is built (`promote`): only then can a request resume
@@ -31,8 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from math import lcm
 
-# fla's chunk of the gated delta rule (model/gated_deltanet_fla.py's FLA_CHUNK): snapshots at multiples of it
-STATE_CHUNK = 64
+from decoder_svc.model.gated_deltanet_fla import FLA_CHUNK as STATE_CHUNK  # snapshots at multiples of it
 
 
 @dataclass
