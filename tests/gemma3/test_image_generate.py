@@ -61,12 +61,15 @@ def want(gemma3_oracle, images) -> dict[str, tuple[list[int], torch.Tensor]]:
 
 
 def assert_same(out, want: tuple[list[int], torch.Tensor], name: str) -> None:
-    """Same greedy tokens as HF, and the first token's top logprobs within fp32 rounding."""
+    """Same greedy tokens as HF, and the first token's top logprobs within fp32 rounding: HF's top values,
+    and at each of our top ids HF's own logprob (two ids within the rounding of each other may swap
+    places, as two near-tied ranks did once in a full run)."""
     tokens, logprobs = want
     assert not out.error and out.new_token_ids == tokens, name
     first = out.logprobs[0]
-    assert first.top_ids == logprobs.topk(TOP).indices.tolist(), name
-    assert torch.allclose(torch.tensor(first.top_logprobs), logprobs.topk(TOP).values, atol=2e-4), name
+    mine = torch.tensor(first.top_logprobs)
+    assert torch.allclose(mine, logprobs.topk(TOP).values, atol=2e-4), name
+    assert torch.allclose(logprobs[first.top_ids], mine, atol=2e-4), name
 
 
 def test_images_and_the_block_mask_change_hfs_output(gemma3_oracle, images, want) -> None:
