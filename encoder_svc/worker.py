@@ -299,12 +299,13 @@ class VisionWorker:
                     phases["fence"] = time.perf_counter() - fence_from
                     self._collect_device_times()
                 finally:
-                    self._batch_since = None
-                    self._progress_at = time.monotonic()
-                    # counted with its phases, so the stats never show a batch without its split
+                    # counted with its phases, so the stats never show a batch without its split; and
+                    # before the batch ends, so that an idle worker (stalled_for_s() == 0) has counted it
                     self.thread_times.add(phases)
                     if ran:
                         self.batches += 1
+                    self._batch_since = None
+                    self._progress_at = time.monotonic()
 
     def stalled_for_s(self) -> float:
         """Seconds the tower has owed work without a step: since the batch in progress began (preparing

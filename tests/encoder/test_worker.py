@@ -71,6 +71,16 @@ def _run_behind_a_busy_first_batch(vision: _FakeVision, worker: VisionWorker, ca
     vision.gate.set()
     for f in futs:
         f.result(10)
+    _until_idle(worker)
+
+
+def _until_idle(worker: VisionWorker) -> None:
+    """Wait until the worker's thread has ended its batch: a waiter wakes when its rows are stored,
+    before the thread counts the batch."""
+    deadline = time.monotonic() + 10
+    while worker.stalled_for_s() > 0.0:
+        assert time.monotonic() < deadline, "the worker never went idle"
+        time.sleep(0.001)
 
 
 def test_demand_before_prefetch_and_batches_of_one_priority():
@@ -341,6 +351,7 @@ def test_the_tower_thread_accounts_every_batch_in_its_phases():
         bad = _submit(cache, worker, "bad", DEMAND)
         with contextlib.suppress(RuntimeError):
             bad.result(10)
+        _until_idle(worker)
         seconds, batches = worker.thread_times.snapshot()
         assert worker.batches == 3 and batches == 4, "the failed batch is counted too"
         assert set(seconds) == set(TOWER_THREAD_PHASES)
