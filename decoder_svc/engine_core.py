@@ -35,7 +35,8 @@ from decoder_svc.core_pipe import MessageReader
 from decoder_svc.engine.config import EngineConfig
 from decoder_svc.engine.engine import LLMEngine
 from decoder_svc.engine.following_bytes import FollowingBytes, awaiting_files
-from decoder_svc.engine.sampling_params import InvalidRequestError, SamplingParams
+from decoder_svc.engine.sampling_params import InvalidRequestError
+from decoder_svc.engine.warm_up import WarmUpError, warm_up
 from decoder_svc.model.lora.adapter import LoRAError
 from decoder_svc.stats import DecoderStats
 from decoder_svc.step_trace import StepRecord, StepTrace, now
@@ -102,17 +103,6 @@ def build_engine(config: DecoderConfig, encoder_link: ClientSecurity, lease_owne
                                    tls=encoder_link.tls, token=encoder_link.token, lease_owner=lease_owner,
                                    retain_bytes=config.encoders.retain_bytes)
     return LLMEngine(engine_config(config), embedding_source=source)
-
-
-def warm_up(engine: LLMEngine) -> None:
-    """A 2-token text generation touches every layer once. Raises InvalidRequestError when the KV
-    cache cannot hold one request of the default length (a configuration error)."""
-    capacity = engine.kv_spec.num_blocks * engine.kv_spec.block_size
-    if capacity <= engine.config.default_max_tokens:
-        raise InvalidRequestError(f"the KV cache holds {capacity} tokens, fewer than one request of "
-                                  f"--max-tokens-default {engine.config.default_max_tokens}")
-    engine.generate("warm-up", "warm up", sampling=SamplingParams(max_tokens=2))
-    engine.reset_stats()  # stats count users' requests only
 
 
 class _FrontEndGone:
@@ -265,10 +255,13 @@ def run_core(conn: Connection, config: DecoderConfig, encoder_link: ClientSecuri
         return
     try:
         try:
-            warm_up(engine)
+            warm_up(engine, full=engine.config.full_warm_up)
         except InvalidRequestError as exc:
             conn.send(msg.StartRefused(f"the warm-up request does not fit: {exc}; give more --num-kv-blocks "
                                    "or --kv-cache-bytes, or a smaller --max-tokens-default"))
+            return
+        except WarmUpError:
+            conn.send(msg.StartFailed(traceback.format_exc()))
             return
         spec = engine.kv_spec
         info = msg.CoreInfo(spec.num_blocks * spec.block_size, spec.num_blocks, spec.block_size)

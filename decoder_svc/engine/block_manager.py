@@ -247,6 +247,17 @@ class BlockManager:
         self._req_num_registered.pop(rid, None)
         self._req_hashes.pop(rid, None)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, leaving the pool as at its start; False (nothing changed) while a
+        request holds blocks."""
+        if self.req_blocks:
+            return False
+        for b in self.blocks:
+            b.block_hash, b.token_ids = None, ()
+        self.cached.clear()
+        self.free_queue = FreeBlockQueue(self.blocks)
+        return True
+
     def block_table(self, request: Request) -> list[int]:
         """Physical block ids of the request, in order."""
         return [b.block_id for b in self.req_blocks.get(request.request_id, [])]

@@ -53,6 +53,10 @@ class EngineConfig:
         "everything but the linear layers' token mixing, which runs eagerly between the pieces "
         "(experimental: slower than eager on an H100 for a 9B hybrid model, its steps padded to the "
         "next graph; see BENCHMARKS.md)")
+    warm_up: str = option(
+        "auto", "before the service is ready: 'full' runs a cold prompt of every step shape, two at once, "
+        "and a follow-up resumed from its prefix, so that the first users find the GPU's kernels compiled; "
+        "'short' one 2-token request; auto: full on a GPU", choices=("auto", "full", "short"))
     async_scheduling: str = option(
         "auto", "launch each step before reading the previous one's tokens, so the host's work between "
         "steps overlaps the GPU's: auto (on with CUDA and one rank), on, off", choices=("auto", "on", "off"))
@@ -128,6 +132,11 @@ class EngineConfig:
         if self.load_format != "dummy":
             require_local_weights(self.model, " (--load-format dummy draws random weights instead)")
         resolve_device_and_dtype(self)  # auto: cuda when torch sees a GPU; the checkpoint's dtype there
+
+    @property
+    def full_warm_up(self) -> bool:
+        """Whether the service runs the full warm-up (engine/warm_up.py): --warm-up, auto on a GPU."""
+        return self.warm_up == "full" or (self.warm_up == "auto" and str(self.device).startswith("cuda"))
 
     @property
     def lora_adapters(self) -> dict[str, str]:

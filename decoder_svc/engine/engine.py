@@ -326,6 +326,11 @@ class LLMEngine:
         """Tokens the last step computed (0: every request waited, e.g. on images)."""
         return self.last_step.num_tokens
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (KV blocks, state snapshots); False, changing nothing, while a
+        request is running or queued."""
+        return not self.has_unfinished() and self.blocks.reset_prefix_cache()
+
     def reset_stats(self) -> None:
         """Zero the counters, not the caches (the service calls it after its warm-up request)."""
         self.scheduler.counters = type(self.scheduler.counters)()

@@ -133,6 +133,18 @@ class KVCacheManager:
         return PrefixHit([full_hits[id(p)][:k] if id(p) in full_hits else p.hit_blocks(request, k)
                           for p in self.pools])
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (KV blocks and state snapshots); False, changing nothing, while a
+        request holds blocks or a snapshot or restore is in progress."""
+        pending = self.snapshots is not None and self.snapshots.num_pending > 0
+        if pending or self._restores or any(pool.req_blocks for pool in self.pools):
+            return False
+        for pool in self.pools:
+            pool.reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
+        return True
+
     def record_prefix_query(self, queried_tokens: int, hit_tokens: int, adapter: str = "") -> None:
         """Count one admission's prefix lookup in the stats (hits also per LoRA adapter, "" the base)."""
         self.prefix_queried_tokens += queried_tokens

@@ -50,6 +50,7 @@ class StateSnapshots:
         if interval_blocks < 1:
             raise ValueError("the snapshot interval is at least one block")
         self.num_slots = num_slots
+        self.first_slot = first_slot
         self.interval_blocks = interval_blocks
         self.bytes_per_snapshot = bytes_per_snapshot
         self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
@@ -94,10 +95,24 @@ class StateSnapshots:
         self._free.extend(self._pending.values())
         self._pending.clear()
 
+    def clear(self) -> bool:
+        """Forget every snapshot, the slots free as at the start; False (nothing changed) while one is
+        pending (its step has not been built on yet)."""
+        if self._pending:
+            return False
+        self._index.clear()
+        self._free = list(range(self.first_slot + self.num_slots - 1, self.first_slot - 1, -1))
+        return True
+
     @property
     def num_held(self) -> int:
         """Indexed snapshots."""
         return len(self._index)
+
+    @property
+    def num_pending(self) -> int:
+        """Snapshots reserved and not yet visible."""
+        return len(self._pending)
 
     @property
     def bytes_held(self) -> int:

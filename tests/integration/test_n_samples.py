@@ -16,7 +16,9 @@ SEED = 77
 @pytest.fixture(scope="module")
 def samples_pair(tiny_model_dir, tmp_path_factory):
     p = Pair(tiny_model_dir, tmp_path_factory.mktemp("n_samples"),
-             decoder_args=["--num-kv-blocks", "512", "--max-num-batched-tokens", "256"]).start()
+             # the full warm-up (a GPU's default) too: the counters below are the users' requests' only
+             decoder_args=["--num-kv-blocks", "512", "--max-num-batched-tokens", "256",
+                           "--warm-up", "full"]).start()
     yield p
     p.stop()
 
@@ -25,6 +27,14 @@ def _idle(pair) -> None:
     dec, enc = pair.wait_idle()
     assert (dec.running, dec.waiting, dec.kv_blocks_used, dec.active_leases) == (0, 0, 0, 0)
     assert enc.active_leases == 0
+
+
+def test_the_full_warm_up_leaves_no_request_counted_and_no_prefix_cached(samples_pair):
+    """The first test of the module (one worker runs a file's tests in order): the pair as it started."""
+    with samples_pair.decoder_client() as client:
+        stats = client.stats()
+    assert (stats.requests_finished, stats.prefix_cache_queried_tokens, stats.kv_blocks_used,
+            stats.kv_blocks_cached_free) == (0, 0, 0, 0)
 
 
 def test_n_samples_match_separate_seeded_calls_with_one_encode_and_one_prefill(samples_pair, test_images):
