@@ -267,6 +267,8 @@ def test_ttft_split_with_the_crossing(tiny_model_dir, out_dir):
         split = res[f"{case}_split_ms"]
         assert 0 < split["crossing"] < res[case]["max_ms"]
         assert sum(split.values()) <= res[case]["max_ms"] * 1.05  # service stages + crossing within TTFT
+    first = res["first_rounds_ms"]  # the two unmeasured rounds, the decoder's first requests among them
+    assert all(len(first[case]) == 2 and min(first[case]) > 0 for case in ("cold", "warm", "followup"))
     floor = res["crossing_floor"]  # the measured round's request through a bare gRPC server, 3 times
     assert floor["n"] == 3 and 0 < floor["min_ms"] <= floor["p50_ms"] and floor["request_bytes"] > 1000
 
