@@ -34,11 +34,14 @@ from decoder_svc.model.gated_deltanet_shape import GatedDeltaNetShape
 @dataclass(frozen=True)
 class LinearStatePool:
     """Every linear layer's state slots: conv[layer] [slots, conv_dim, K - 1] (model dtype) and
-    recurrent[layer] [slots, Hv, Dk, Dv] (fp32), keyed by the layer's index in the stack."""
+    recurrent[layer] [slots, Hv, Dk, Dv] (fp32), keyed by the layer's index in the stack. Allocated, each
+    kind is one tensor over the layers (`stacks`: conv, recurrent; the dicts hold views of it), so that a
+    copy between slots is a few launches, not a few per layer."""
 
     conv: dict[int, torch.Tensor]
     recurrent: dict[int, torch.Tensor]
     num_slots: int
+    stacks: tuple[torch.Tensor, ...] = ()  # [layers, slots, ...] per kind, or none (per-layer tensors)
 
     @classmethod
     def allocate(cls, cfg: TextModelConfig, num_slots: int, dtype: torch.dtype,
@@ -46,20 +49,27 @@ class LinearStatePool:
         """Zeroed slots for every linear layer of cfg (none for a stack without any)."""
         if not cfg.linear_layers:
             return cls({}, {}, 0)
-        shape = GatedDeltaNetShape.from_model_config(cfg)
-        conv = {i: torch.zeros(shape.conv_state_shape(num_slots), dtype=dtype, device=device)
-                for i in cfg.linear_layers}
-        recurrent = {i: torch.zeros(shape.recurrent_state_shape(num_slots), dtype=torch.float32,
-                                    device=device) for i in cfg.linear_layers}
-        return cls(conv, recurrent, num_slots)
+        shape, layers = GatedDeltaNetShape.from_model_config(cfg), len(cfg.linear_layers)
+        conv = torch.zeros((layers, *shape.conv_state_shape(num_slots)), dtype=dtype, device=device)
+        recurrent = torch.zeros((layers, *shape.recurrent_state_shape(num_slots)), dtype=torch.float32,
+                                device=device)
+        return cls({layer: conv[j] for j, layer in enumerate(cfg.linear_layers)},
+                   {layer: recurrent[j] for j, layer in enumerate(cfg.linear_layers)}, num_slots,
+                   (conv, recurrent))
 
     def copy_slots(self, copies: list[tuple[int, int]]) -> None:
         """Copy slot src into slot dst in every layer, for each (src, dst); no dst is another's src."""
         if not copies:
             return
         device = next(iter(self.conv.values())).device
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
+        # pinned and asynchronous: a blocking copy would wait for the step in flight (async scheduling)
+        indices = torch.tensor([[s for s, _ in copies], [d for _, d in copies]], dtype=torch.long,
+                               pin_memory=device.type == "cuda")
+        src, dst = indices.to(device, non_blocking=True)
+        if self.stacks:  # every layer at once: the slots are dimension 1
+            for stack in self.stacks:
+                stack.index_copy_(1, dst, stack.index_select(1, src))
+            return
         for tensors in (self.conv, self.recurrent):
             for t in tensors.values():
                 t.index_copy_(0, dst, t.index_select(0, src))

@@ -68,3 +68,27 @@ def test_the_9b_layout_and_refusals(served):
         TextModelConfig.from_hf({**text, "rope_parameters": rope})
     with pytest.raises(CheckpointError, match="not a multiple"):
         TextModelConfig.from_hf({**text, "linear_num_key_heads": 12})
+
+
+def test_the_state_pool_is_one_tensor_per_kind_and_copies_every_layer_s_slot(served, qwen3_5_model_dir):
+    """LinearStatePool.allocate: each layer's slots are views of one tensor per kind (conv, recurrent), so a
+    restore (copy_slots) is a few launches for every layer."""
+    import torch
+
+    from decoder_svc.model.linear_state import LinearStatePool
+
+    text = json.loads((qwen3_5_model_dir / "config.json").read_text())["text_config"]
+    cfg = TextModelConfig.from_hf(text)
+    pool = LinearStatePool.allocate(cfg, 4, torch.float32, "cpu")
+    conv, recurrent = pool.stacks
+    assert conv.shape[0] == recurrent.shape[0] == len(cfg.linear_layers)
+    for j, layer in enumerate(cfg.linear_layers):
+        assert pool.conv[layer].data_ptr() == conv[j].data_ptr() and pool.conv[layer].is_contiguous()
+        assert pool.recurrent[layer].data_ptr() == recurrent[j].data_ptr()
+        pool.conv[layer][1].fill_(layer + 1)
+        pool.recurrent[layer][1].fill_(-(layer + 1))
+    pool.copy_slots([(1, 3)])
+    for layer in cfg.linear_layers:
+        assert torch.equal(pool.conv[layer][3], pool.conv[layer][1])
+        assert torch.equal(pool.recurrent[layer][3], pool.recurrent[layer][1])
+        assert not pool.conv[layer][2].any() and not pool.recurrent[layer][0].any()
