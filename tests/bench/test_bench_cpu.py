@@ -292,7 +292,7 @@ def test_decode_benches_draw_dummy_weights(tiny_model_dir, out_dir):
 def test_run_gpu_ttft_section_on_a_cpu(tmp_path):
     """bench/run_gpu.sh's ttft section as a CPU smoke run: one decoder flag in TTFT_DECODER_ARGS reaches
     bench.ttft (a lone "--flag=value" once read as an option of its own), and each preset's JSON comes back
-    beside the merge."""
+    beside the merge; MPS=1 where no MPS daemon can start says so and runs on."""
     import os
     import subprocess
 
@@ -301,7 +301,11 @@ def test_run_gpu_ttft_section_on_a_cpu(tmp_path):
     env = dict(os.environ, OUT=str(out), DEVICE="cpu", DTYPE="float32", SECTIONS="ttft", BUDGET_S="240",
                TTFT_PRESETS="qwen2.5-vl-tiny",
                TTFT_ARGS="--rounds 1 --concurrency 3 --arrival-seconds 0.3 --burst-tokens 2 --image-size 256",
-               TTFT_DECODER_ARGS="--kv-cache-bytes=50000000", TTFT_KEEP_MODELS="0")
+               TTFT_DECODER_ARGS="--kv-cache-bytes=50000000", TTFT_KEEP_MODELS="0", MPS="1",
+               PATH=f"{tmp_path}:{os.environ['PATH']}")
+    mps = tmp_path / "nvidia-cuda-mps-control"  # a stand-in that fails, as on a host without MPS
+    mps.write_text("#!/bin/sh\nexit 1\n")
+    mps.chmod(0o755)
     subprocess.run(["bash", str(root / "bench" / "run_gpu.sh")], env=env, check=True, timeout=300,
                    capture_output=True)
     result = json.loads((out / "ttft_qwen2.5-vl-tiny.json").read_text())
@@ -311,6 +315,7 @@ def test_run_gpu_ttft_section_on_a_cpu(tmp_path):
     assert burst["ttft"]["n"] == 3 and burst["ttft"]["p99_ms"] >= burst["ttft"]["p50_ms"] > 0
     assert burst["arrival_seconds"] == 0.3 and burst["arrivals_span_ms"] > 0
     assert (out / "results.json").exists()
+    assert "MPS: the daemon did not start" in (out / "run_gpu.log").read_text()
 
 
 def test_poisson_offsets():
