@@ -31,10 +31,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -56,181 +54,17 @@ from decoder_svc.runner.embed_rows import embed_rows, fill_pending
 from decoder_svc.runner.fusion import fuse_image_rows, image_key_limits, image_slots
 from decoder_svc.runner.inputs import PENDING_TOKEN, ModelInput, ModelOutput, SequenceInput
 from decoder_svc.runner.piecewise_graphs import Break
+from decoder_svc.runner.runner_config import RunnerConfig
 from decoder_svc.runner.sampler import PendingSample, Sampler, SamplerOutput
-
-if TYPE_CHECKING:
-    from common.families.layout import ImageLayout
-    from decoder_svc.engine.config import EngineConfig
+from decoder_svc.runner.step_buffers import StepBuffers, graph_rows_used, slot_key, table_key
 
 log = logging.getLogger("mmserve.decoder.runner")
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    """Sizes and switches of the runner."""
-
-    device: str
-    dtype: torch.dtype
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    num_kv_blocks: int | None = None  # wins over kv_cache_bytes
-    kv_cache_bytes: int | None = None  # default: half the GPU memory free after warm-up, or 512 MiB on CPU
-    enforce_eager: bool = False  # no CUDA graphs
-    progress: bool = True  # a progress bar while capturing graphs
-    image_blocks: bool = False  # each image's tokens attend to each other whole (Gemma 3): key limits
-    num_state_slots: int | None = None  # a hybrid stack's state slots (None: max_num_seqs)
-    num_state_snapshots: int = 0  # ...and its snapshot slots after them (prefix reuse)
-    deepstack_levels: int = 0  # DeepStack levels of its image rows (Qwen3-VL's; the graphs' level buffer)
-    piecewise_graphs: bool = False  # a hybrid stack's longer prefill steps in piecewise graphs
-
-    @classmethod
-    def for_engine(cls, config: EngineConfig, device: str, dtype: torch.dtype, layout: ImageLayout,
-                   eager: bool = False) -> RunnerConfig:
-        """The runner's sizes and switches for an engine. Where images attend bidirectionally, an image
-        (a block of one) larger than the token budget runs whole, over the budget: the buffers hold one
-        more."""
-        tokens = config.max_num_batched_tokens
-        if layout.bidirectional_images:
-            tokens += layout.largest_image_run
-        return cls(device, dtype, config.block_size, config.max_num_seqs, tokens, config.num_kv_blocks,
-                   config.kv_cache_bytes, config.enforce_eager or eager,
-                   image_blocks=layout.bidirectional_images, num_state_slots=config.num_state_slots,
-                   num_state_snapshots=cls.snapshots_for(config), deepstack_levels=layout.deepstack_levels,
-                   piecewise_graphs=config.piecewise_graphs)
-
-    @staticmethod
-    def snapshots_for(config: EngineConfig) -> int:
-        """A hybrid stack's snapshot slots: num_state_snapshots (None: max_num_seqs), none without prefix
-        caching."""
-        if not config.enable_prefix_caching:
-            return 0
-        return config.max_num_seqs if config.num_state_snapshots is None else config.num_state_snapshots
-
-    @property
-    def state_slots(self) -> int:
-        """State slots a hybrid stack gets: num_state_slots, else one per running request."""
-        return self.num_state_slots or self.max_num_seqs
-
-
-class StepBuffers:
-    """The step's input tensors on the device, each with a same-shaped (pinned) host twin to fill, and
-    the input embeddings (device only) that CUDA graphs read. KV cache groups after the first have
-    their own slot mapping and block tables (`slot_mapping_1`, `block_tables_1`, ...).
-
-    The tensors of each side are views of one byte arena laid out alike, so a step's inputs go up in one
-    copy (the arena's prefix up to the last byte the step uses) rather than one per tensor: at batch 1
-    the copies were a dozen small transfers, each with its own latency on the stream. The small
-    per-sequence tensors come first and the per-token ones in the order small steps use them, so the
-    prefix stays short."""
-
-    _ALIGN = 64
-
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, position_rows: int = 1, num_groups: int = 1, conv_taps: int = 0,
-                 graph_tokens: int = 0, deepstack_levels: int = 0) -> None:
-        """conv_taps: a hybrid stack's convolution taps when its mixed graphs run linear layers (their
-        buffers for graph_tokens rows); 0: none. deepstack_levels: the DeepStack levels of the graphs'
-        image rows (a buffer of them for graph_tokens rows; 0: none)."""
-        pin = device.type == "cuda"
-        positions = (position_rows, max_tokens) if position_rows > 1 else (max_tokens,)
-        shapes = {"query_start_loc": ((max_seqs + 1,), torch.int32), "seq_lens": ((max_seqs,), torch.int32),
-                  "logits_indices": ((max_seqs,), torch.int64),
-                  # pending tokens: their rows in input_ids, and their rows in the last step's samples
-                  "pending_rows": ((max_seqs,), torch.int64), "pending_samples": ((max_seqs,), torch.int64),
-                  # a hybrid stack's state slot per sequence row of a decode graph (model/linear_state.py)
-                  "state_slots": ((max_seqs,), torch.int64),
-                  # ... and for its mixed graphs (model/linear_state.py's LinearGraphRows' other fields)
-                  **{f"linear_{name}": (shape if conv_taps else (0,) * len(shape), dt)
-                     for name, (shape, dt) in _graph_rows_buffers(max_seqs, graph_tokens, conv_taps).items()},
-                  "input_ids": ((max_tokens,), torch.int64), "slot_mapping": ((max_tokens,), torch.int64),
-                  **{f"slot_mapping_{g}": ((max_tokens,), torch.int64) for g in range(1, num_groups)},
-                  "positions": (positions, torch.int64),
-                  "key_limits": ((max_tokens,), torch.int64),
-                  # each token row's LoRA adapter slot (0: the base model, and every graph pad row)
-                  "lora_slots": ((max_tokens,), torch.int64),
-                  # last: an upload copies the arena's prefix up to the last row it needs, and these are
-                  # the large ones (max_seqs x a sequence's most blocks), of which a step needs its own rows
-                  **{table_key(g): ((max_seqs, max_blocks), torch.int32) for g in range(num_groups)}}
-        self.offsets: dict[str, int] = {}
-        size = 0
-        for name, (shape, dt) in shapes.items():
-            self.offsets[name] = size
-            size += -(-math.prod(shape) * dt.itemsize // self._ALIGN) * self._ALIGN
-        self._host_arena = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
-        self._dev_arena = torch.zeros(size, dtype=torch.uint8, device=device)
-
-        def views(arena: torch.Tensor) -> dict[str, torch.Tensor]:
-            return {k: arena[self.offsets[k]:self.offsets[k] + math.prod(s) * t.itemsize].view(t).view(s)
-                    for k, (s, t) in shapes.items()}
-
-        self.host, self.dev = views(self._host_arena), views(self._dev_arena)
-        self.np = {k: v.numpy() for k, v in self.host.items()}
-        for g in range(num_groups):  # never stored: a padded graph row must not write into any block
-            self.host[slot_key(g)].fill_(-1)
-            self.dev[slot_key(g)].fill_(-1)
-        self.embeds = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)  # hidden 0: no graphs
-        # the DeepStack levels a graph adds after its first layers: a step's image rows, zeros elsewhere
-        self.deepstack = (torch.zeros(deepstack_levels, graph_tokens, hidden_size, dtype=dtype, device=device)
-                          if deepstack_levels and graph_tokens and hidden_size else None)
-
-    def set(self, name: str, values: torch.Tensor) -> None:
-        """Fill a buffer on both sides (start-up: what graphs are captured over)."""
-        self.host[name].copy_(values)
-        self.dev[name].copy_(values)
-
-    def upload(self, counts: dict[str, int]) -> None:
-        """Copy the first counts[name] rows of each host buffer to the device, asynchronously, in one copy
-        of the arena's prefix (it may carry stale rows of other buffers: no step reads rows it did not
-        fill)."""
-        end = 0
-        for name, n in counts.items():
-            if n:
-                buf = self.host[name]
-                if name == "positions" and buf.dim() == 2:  # [rows, tokens]: the last row's first n
-                    used = (buf.shape[0] - 1) * buf.stride(0) + n
-                else:
-                    used = n * buf.stride(0)
-                end = max(end, self.offsets[name] + used * buf.element_size())
-        if end:
-            self._dev_arena[:end].copy_(self._host_arena[:end], non_blocking=True)
-
-
-# LinearGraphRows' fields beyond cu_seqlens and slots (StepBuffers' `linear_*`): (rows per sequence, or
-# None: one per token row; columns: 0 a vector, else "window" (taps - 1) or "taps"; dtype).
-_GRAPH_ROWS_FIELDS = {"fresh": (1, 0, torch.int32), "snapshot_rows": (1, 0, torch.int32),
-                      "snapshot_slots": (1, 0, torch.int64), "window_slots": (2, 0, torch.int64),
-                      "window_codes": (2, "window", torch.int32), "conv_codes": (None, "taps", torch.int32)}
-
-
-def _graph_rows_buffers(max_seqs: int, graph_tokens: int, taps: int) -> dict[str, tuple[tuple, torch.dtype]]:
-    """Shapes and dtypes of the `linear_*` buffers (_GRAPH_ROWS_FIELDS)."""
-    columns = {"window": max(taps - 1, 0), "taps": taps}
-    rows = _graph_rows_used(max_seqs, graph_tokens)
-    return {name: ((rows[name], columns[cols]) if cols else (rows[name],), dt)
-            for name, (_, cols, dt) in _GRAPH_ROWS_FIELDS.items()}
-
-
-def _graph_rows_used(num_seqs: int, num_tokens: int) -> dict[str, int]:
-    """Rows of each `linear_*` buffer that a graph of num_seqs sequences over num_tokens rows reads."""
-    return {name: num_tokens if per_seq is None else per_seq * num_seqs
-            for name, (per_seq, _, _) in _GRAPH_ROWS_FIELDS.items()}
 
 
 def describe(group: KVCacheGroup) -> str:
     """A KV cache group in words (the start-up log)."""
     pattern = f"window {group.window}" if group.window else "full"
     return f"{len(group.layers)} layers {pattern}: {group.num_blocks} blocks"
-
-
-def slot_key(group: int) -> str:
-    """The buffer name of a KV cache group's slot mapping."""
-    return f"slot_mapping_{group}" if group else "slot_mapping"
-
-
-def table_key(group: int) -> str:
-    """The buffer name of a KV cache group's block tables."""
-    return f"block_tables_{group}" if group else "block_tables"
 
 
 @dataclass
@@ -485,7 +319,7 @@ class ModelRunner:
         n, d = key.num_seqs, self.buffers.dev
         if key.decode:
             return LinearStateStep(self.linear_pool, (), self._decode_rows[:n], d["state_slots"][:n])
-        used = _graph_rows_used(n, key.num_tokens)
+        used = graph_rows_used(n, key.num_tokens)
         return LinearStateStep(self.linear_pool, graph=LinearGraphRows(
             d["query_start_loc"][:n + 1], d["state_slots"][:n],
             **{name: d[f"linear_{name}"][:rows] for name, rows in used.items()}))
@@ -715,7 +549,7 @@ class ModelRunner:
         h = self.buffers.np
         rows.state_rows = key.num_seqs
         if not key.decode:
-            out = {name: h[f"linear_{name}"] for name in _graph_rows_used(0, 0)}
+            out = {name: h[f"linear_{name}"] for name in graph_rows_used(0, 0)}
             out["slots"], out["conv_codes"] = h["state_slots"], out["conv_codes"][:key.num_tokens]
             stage_graph_rows(rows.linear, key.num_seqs, self.pad_state_slot, out)
             rows.linear_graph = True
@@ -735,7 +569,7 @@ class ModelRunner:
                              "pending_samples": rows.n_pending, "key_limits": t if limited else 0,
                              "lora_slots": t if lora else 0, "state_slots": rows.state_rows,
                              **{f"linear_{name}": n * rows.linear_graph
-                                for name, n in _graph_rows_used(rows.state_rows, t).items()},
+                                for name, n in graph_rows_used(rows.state_rows, t).items()},
                              **{k: n for g in range(1, self.num_groups)
                                 for k, n in ((slot_key(g), t), (table_key(g), rows.tables))}})
 

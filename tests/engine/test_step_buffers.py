@@ -1,11 +1,11 @@
-"""The runner's step buffers (decoder_svc/runner/model_runner.py: StepBuffers): one arena per side, a
+"""The runner's step buffers (decoder_svc/runner/step_buffers.py): one arena per side, a
 step's inputs uploaded in one copy of the arena's prefix."""
 
 from __future__ import annotations
 
 import torch
 
-from decoder_svc.runner.model_runner import StepBuffers
+from decoder_svc.runner.step_buffers import StepBuffers
 
 
 def _buffers(position_rows: int = 1, groups: int = 1) -> StepBuffers:
