@@ -17,6 +17,7 @@ from common.checkpoint import CheckpointError
 from common.families.llava.oracle import LlavaOracle
 from decoder_svc.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
+from decoder_svc.engine.warm_up import warm_up
 from decoder_svc.runner.tensor_parallel import RANK_DIED_EXIT_CODE
 from tests.integration.conftest import png
 from tests.integration.harness import Pair
@@ -33,9 +34,12 @@ def _engine(model_dir: Path, tp: int, **overrides) -> LLMEngine:
     return LLMEngine(cfg, LocalEmbeddingSource.for_engine(cfg))
 
 
-def _serve(model_dir: Path, tp: int, plan: dict, **overrides) -> tuple[dict, LLMEngine]:
+def _serve(model_dir: Path, tp: int, plan: dict, full_warm_up: bool = False, **overrides
+           ) -> tuple[dict, LLMEngine]:
     engine = _engine(model_dir, tp, **overrides)
     try:
+        if full_warm_up:  # the service's start on a GPU (engine/warm_up.py)
+            warm_up(engine, full=True)
         for rid, (prompt, images) in plan.items():
             engine.add_request(rid, prompt, images, sampling=greedy(N))
         results = run_all(engine)
@@ -68,10 +72,10 @@ def test_two_ranks_give_one_ranks_tokens(preset):
     assert engine.stats().kv_blocks_used == 0
 
 
-def test_two_ranks_equal_hf(tiny_model_dir):
+def test_two_ranks_equal_hf_after_the_full_warm_up(tiny_model_dir):
     oracle = LlavaOracle(tiny_model_dir)
     image = make_image(5)
-    tokens, engine = _serve(tiny_model_dir, 2, {"r": (LLAVA_ONE, [image])})
+    tokens, engine = _serve(tiny_model_dir, 2, {"r": (LLAVA_ONE, [image])}, full_warm_up=True)
     heads = oracle.model.config.text_config.num_attention_heads
     assert engine.model.tp is not None and engine.model_config.num_heads * 2 == heads  # a real split
     oracle.assert_same_tokens(tokens["r"], LLAVA_ONE, [image], N)
