@@ -12,11 +12,13 @@ from common.families.llava import FAMILY as LLAVA
 from common.families.phi4mm import FAMILY as PHI4MM
 from common.families.qwen2_5_vl import FAMILY as QWEN2_5_VL
 from common.families.qwen3_5 import FAMILY as QWEN3_5
+from common.families.qwen3_5_moe import FAMILY as QWEN3_5_MOE
 from common.families.qwen3_vl import FAMILY as QWEN3_VL
 from common.families.qwen3_vl_moe import FAMILY as QWEN3_VL_MOE
 from common.families.text import TextBackbone
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, GEMMA3, PHI4MM)
+FAMILIES: tuple[ModelFamily, ...] = (LLAVA, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN3_5_MOE, GEMMA3,
+                                     PHI4MM)
 # Folders whose FAMILY is declared but not served yet (each one's __init__ says what is missing): no
 # lookup here finds them, so their checkpoints are refused like any other unserved model_type.
 NOT_SERVED_YET: tuple[str, ...] = ()

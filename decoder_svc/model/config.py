@@ -75,12 +75,15 @@ class TextModelConfig:
     # A mixture-of-experts stack (decoder_svc/model/moe.py): each MoE layer's MLP is num_experts SwiGLU
     # experts of width moe_intermediate_size, num_experts_per_tok of them per token, their router weights
     # renormalised to sum to one when moe_renormalize; the layers in dense_mlp_layers keep a dense MLP
-    # (intermediate_size). num_experts 0: every MLP is dense.
+    # (intermediate_size). num_experts 0: every MLP is dense. shared_expert_intermediate_size > 0: each MoE
+    # layer also runs a shared SwiGLU expert of that width on every token, scaled by a sigmoid gate (Qwen3.5-
+    # MoE, Qwen2-MoE's rule).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     moe_renormalize: bool = True
     dense_mlp_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     @property
     def attention_scale(self) -> float:
@@ -185,6 +188,9 @@ class TextModelConfig:
         if rope_type == "longrope":
             rope, more = longrope_fields(cfg, rope, head_dim, partial)
             extra.update(more)
+        # a stack with an MoE layer everywhere may have no dense width (Qwen3.5-MoE): its fields give one
+        intermediate = extra.pop("intermediate_size") if "intermediate_size" in extra \
+            else cfg["intermediate_size"]
         if partial != 1.0:
             if mrope_section and not backbone.partial_mrope:
                 raise CheckpointError("M-RoPE with partial rotary embeddings is not supported")
@@ -193,7 +199,7 @@ class TextModelConfig:
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=intermediate,
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,

@@ -27,6 +27,7 @@ from decoder_svc.model.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
 from decoder_svc.model.kv_groups import group_of_layer, layer_groups
 from decoder_svc.model.linear_state import LinearStateStep
 from decoder_svc.model.lora.batched import LoRASlots
+from decoder_svc.model.mlp import MLP
 from decoder_svc.model.moe import SparseMoE
 from decoder_svc.model.ops import TorchOps
 from decoder_svc.model.parallel import TensorParallel, all_reduce, gather_vocab
@@ -55,31 +56,6 @@ class RMSNorm(nn.Module):
 def make_norm(cfg: TextModelConfig, size: int, ops: type[TorchOps]) -> RMSNorm:
     """The config's norm over `size` features."""
     return RMSNorm(size, cfg.rms_norm_eps, ops, cfg.norm_unit_offset)
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one product (GeGLU with tanh GELU
-    where cfg.hidden_act says so: Gemma). Tensor-parallel (`reduce`): this rank's hidden columns, and the
-    partial outputs summed over the ranks."""
-
-    def __init__(self, cfg: TextModelConfig, ops: type[TorchOps], reduce: bool = False) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.ops = ops
-        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
-        self.reduce = reduce
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The block after the gate/up product: activation and down projection (one kernel at one row)."""
-        if self.gelu:
-            out = self.ops.linear(self.ops.gelu_tanh_and_mul(gate_up), self.down_proj)
-        else:
-            out = self.ops.act_linear(gate_up, self.down_proj)
-        return all_reduce(out) if self.reduce else out
 
 
 class SelfAttention(nn.Module):

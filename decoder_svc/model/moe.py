@@ -7,6 +7,10 @@ weighted. The experts' weights are two stacked tensors, as Hugging Face 5.x keep
 `experts.gate_up_proj` [experts, 2 * I, hidden] (gate rows, then up rows) and `experts.down_proj`
 [experts, hidden, I] (`expert_weights_from_checkpoint` reads the older transposed layout too).
 
+A layer may also have a shared expert (cfg.shared_expert_intermediate_size > 0, Qwen3.5-MoE): a dense
+SwiGLU MLP run on every token, its output scaled by sigmoid(`shared_expert_gate`(x)) and added to the
+routed experts' sum, as HF's Qwen2-MoE-style block computes it.
+
 Two paths compute the experts: the torch reference (`experts_reference`: assignments sorted by expert,
 one product per expert over its grouped rows, the weighted outputs added in expert order; the rounding
 points of HF's loop, so fp32 on a CPU gives HF's bits), and on CUDA with the Triton ops the fused kernels
@@ -18,12 +22,14 @@ TorchOps.fp8_linear does, the kernels widen the FP8 tiles and scale their fp32 a
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoder_svc.model.mlp import MLP
 from decoder_svc.model.ops import TorchOps
 from decoder_svc.model.quant.fp8 import dequantize, per_channel_block
 
@@ -109,8 +115,19 @@ class SparseMoE(nn.Module):
         # The deterministic mode's ops take the reference: its per-expert products go through the mode's
         # batch-invariant matmul, where the fused kernel's tiles follow the batch's routing.
         self.fused = ops is not TorchOps and not getattr(ops, "batch_invariant", False)
+        self.shared_expert: MLP | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, ops, intermediate_size=cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = self.routed(x)
+        if self.shared_expert is None:
+            return routed
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         gate_up_scale, down_scale = self.experts.scales()
@@ -129,6 +146,7 @@ def expert_weights_from_checkpoint(state: dict[str, torch.Tensor], cfg: TextMode
     taken as it is (also where the two shapes coincide, H = 2I or H = I); another one is transposed."""
     if not cfg.num_experts:
         return
+    stack_expert_modules(state, cfg.num_experts)
     hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
     ours = {"experts.gate_up_proj": (2 * inter, hidden), "experts.down_proj": (hidden, inter)}
     for name in [n for n in state if n.endswith(tuple(ours))]:
@@ -140,3 +158,31 @@ def expert_weights_from_checkpoint(state: dict[str, torch.Tensor], cfg: TextMode
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} is neither [E, {rows}, {cols}] nor its "
                              "transpose")
         state[name] = tensor.transpose(1, 2).contiguous()
+
+
+_EXPERT_MODULE = re.compile(
+    r"^(?P<prefix>.*experts\.)(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_expert_modules(state: dict[str, torch.Tensor], num_experts: int) -> None:
+    """One module per expert (`experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]:
+    Qwen2-MoE's layout, in which HF 5.x saves Qwen3.5-MoE) to the stacked tensors, in place:
+    `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and `experts.down_proj`
+    [E, H, I]. A layer's experts must all be there."""
+    layers: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name in [n for n in state if "experts." in n]:
+        match = _EXPERT_MODULE.match(name)
+        if match is not None:
+            by_proj = layers.setdefault(match["prefix"], {})
+            by_proj.setdefault(match["proj"], {})[int(match["expert"])] = state.pop(name)
+    for prefix, by_proj in layers.items():
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            found = sorted(by_proj.get(proj, {}))
+            if found != list(range(num_experts)):
+                raise ValueError(f"{prefix}*.{proj}: the checkpoint has {len(found)} of the {num_experts} "
+                                 "experts")
+        gate, up, down = (by_proj[p] for p in ("gate_proj", "up_proj", "down_proj"))
+        state[prefix + "gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]])
+                                                      for e in range(num_experts)])
+        state[prefix + "down_proj"] = torch.stack([down[e] for e in range(num_experts)])
+

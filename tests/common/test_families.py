@@ -185,7 +185,8 @@ def test_the_seam_checks_see_every_family_folder():
 def test_the_makers_import_no_circle():
     """The shared maker module (common/model_maker.py) reaches the families' makers only through the
     registry, at call time; a family's maker imports the shared helpers and, for Qwen3-VL, Qwen2.5-VL's
-    (for Qwen3.5 and Qwen3-VL-MoE, those two), never the other way round."""
+    (for Qwen3.5 and Qwen3-VL-MoE, those two; for Qwen3.5-MoE, those and its two parents'), never the other
+    way round."""
     shared = _imported_modules(ROOT / "common/model_maker.py")
     assert not {m for m in shared if _family_folder(m)}
     top = _imported_modules(ROOT / "common/model_maker.py", top_level_only=True)
@@ -194,7 +195,8 @@ def test_the_makers_import_no_circle():
         imported = _imported_modules(ROOT / f"common/families/{name}/maker.py")
         others = {_family_folder(m) for m in imported} - {None, name}
         allowed = {"qwen3_vl": {"qwen2_5_vl"}, "qwen3_5": {"qwen2_5_vl", "qwen3_vl"},
-                   "qwen3_vl_moe": {"qwen2_5_vl", "qwen3_vl"}}
+                   "qwen3_vl_moe": {"qwen2_5_vl", "qwen3_vl"},
+                   "qwen3_5_moe": {"qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe"}}
         assert others <= allowed.get(name, set()), (name, others)
 
 

@@ -31,7 +31,7 @@ from common.video.rules import VideoTiming
 
 # model_type -> family (the sampling and resize rules)
 VIDEO_MODEL_FAMILIES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl",
-                        "qwen3_vl_moe": "qwen3_vl", "qwen3_5": "qwen3_vl"}
+                        "qwen3_vl_moe": "qwen3_vl", "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl"}
 
 
 @dataclass(frozen=True)

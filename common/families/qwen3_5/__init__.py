@@ -5,7 +5,9 @@ video frames); each image's embedding is one [tokens, hidden] tensor.
 
 Served: the decoder's layers read the hybrid stack from the TextSpec (text.py), the Gated DeltaNet layers'
 state lives in per-request slots beside the paged KV cache (decoder_svc/model/linear_state.py,
-decoder_svc/engine/state_slots.py), and prefix reuse is off for it until state snapshots exist (issue 68).
+decoder_svc/engine/state_slots.py), and a prefix is reused from snapshots of that state taken at image ends,
+every few blocks and at the prompt's last block boundary (decoder_svc/engine/state_snapshots.py). The MoE
+sibling is common/families/qwen3_5_moe/.
 """
 
 from common.families.family import ModelFamily

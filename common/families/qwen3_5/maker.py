@@ -64,10 +64,12 @@ QWEN3_5_PRESETS: dict[str, Qwen3_5Preset] = {
 }
 
 
-def build_qwen3_5_config(preset: Qwen3_5Preset, tokenizer):
-    """The Qwen3_5Config of a preset, token ids from the tokenizer."""
+def build_qwen3_5_config(preset: Qwen3_5Preset, tokenizer, config_class=None):
+    """The Qwen3_5Config (or `config_class`, e.g. Qwen3_5MoeConfig) of a preset, token ids from the
+    tokenizer."""
     from transformers import Qwen3_5Config
 
+    config_class = config_class or Qwen3_5Config
     text = dict(vocab_size=preset.vocab_size, max_position_embeddings=262144, rms_norm_eps=1e-6,
                 hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
                 full_attention_interval=4,
@@ -78,8 +80,8 @@ def build_qwen3_5_config(preset: Qwen3_5Preset, tokenizer):
                 **preset.text)
     vision = dict(hidden_act="gelu_pytorch_tanh", in_channels=3, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=preset.text["hidden_size"], **preset.vision)
-    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
-                         **vision_token_ids(tokenizer))
+    return config_class(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                        **vision_token_ids(tokenizer))
 
 
 @torch.no_grad()
@@ -99,7 +101,7 @@ def qwen3_5_scale(model: torch.nn.Module, seed: int, gain: float) -> None:
         p.copy_(t.to(p))
 
     for module in model.modules():
-        kind = type(module).__name__
+        kind = type(module).__name__.replace("Qwen3_5Moe", "Qwen3_5")  # the MoE sibling's classes too
         if kind == "Qwen3_5RMSNorm":
             redraw(module.weight, torch.normal(0.0, 0.1, module.weight.shape, generator=gen))
         elif kind == "Qwen3_5GatedDeltaNet":

@@ -70,6 +70,13 @@ def qwen3_moe_scale(model: torch.nn.Module, seed: int, gain: float) -> None:
     from common.model_maker import _scale_init
 
     _scale_init(model, seed, gain)
+    redraw_experts(model, seed, gain)
+
+
+@torch.no_grad()
+def redraw_experts(model: torch.nn.Module, seed: int, gain: float) -> None:
+    """Each stacked expert matrix N(0, gain / sqrt(its fan-in)), the down projections further divided by
+    sqrt(layers) (the shared init reads a stacked tensor's dim 1 as its fan-in, which is wrong here)."""
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     layers = model.config.text_config.num_hidden_layers
     for name, param in model.named_parameters():
