@@ -105,6 +105,20 @@ def qwen3_5_oracle(qwen3_5_model_dir: Path):
 
 
 @pytest.fixture(scope="session")
+def qwen3_5_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The qwen3.5-moe-tiny checkpoint (fp32, random weights scaled so greedy output varies)."""
+    return made_checkpoint(tmp_path_factory, "qwen3.5-moe-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_oracle(qwen3_5_moe_model_dir: Path):
+    """HF's Qwen3_5MoeForConditionalGeneration, fp32 on CPU (common/families/qwen3_5_moe/oracle.py)."""
+    from common.families.qwen3_5_moe.oracle import Qwen3_5MoeOracle
+
+    return Qwen3_5MoeOracle(qwen3_5_moe_model_dir)
+
+
+@pytest.fixture(scope="session")
 def qwen_images() -> list:
     """224x224, 640x480 and 1000x300 (width x height): 64, 391 and 396 image tokens."""
     from tests.oracle import make_image

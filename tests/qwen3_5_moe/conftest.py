@@ -1,5 +1,5 @@
-"""Fixtures for the Qwen3.5-MoE tests: the qwen3.5-moe-tiny checkpoint (made once per session), HF's
-Qwen3_5MoeForConditionalGeneration on it, and engines over it (fp32, CPU, in-process vision tower)."""
+"""Fixtures for the Qwen3.5-MoE tests: engines over the qwen3.5-moe-tiny checkpoint (fp32, CPU, in-process
+vision tower); the checkpoint and HF's model on it are tests/conftest.py's, which tests/gpu shares."""
 
 from __future__ import annotations
 
@@ -7,21 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.family_fixtures import engine_factory, made_checkpoint
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The qwen3.5-moe-tiny checkpoint (fp32, random weights scaled so greedy output varies)."""
-    return made_checkpoint(tmp_path_factory, "qwen3.5-moe-tiny", seed=0)
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_moe_oracle(qwen3_5_moe_model_dir: Path):
-    """HF's Qwen3_5MoeForConditionalGeneration, fp32 on CPU (common/families/qwen3_5_moe/oracle.py)."""
-    from common.families.qwen3_5_moe.oracle import Qwen3_5MoeOracle
-
-    return Qwen3_5MoeOracle(qwen3_5_moe_model_dir)
+from tests.family_fixtures import engine_factory
 
 
 @pytest.fixture
