@@ -27,8 +27,9 @@ experts per layer a step of that many streams hits), and reported with the timin
 
 Bound: a decode step of b streams reads every weight outside the experts once (attention, norms,
 routers, the output head, b embedding rows), the experts it hits in every MoE layer (top_k at b = 1; at
-larger b the probe's count, and the uniform expectation for reference) and each stream's KV cache (its
-mean context over the run); bound tokens/s = b x copy bandwidth / those bytes.
+larger b the probe's count, and the uniform expectation for reference), each stream's KV cache (its
+mean context over the run) and, for a hybrid stack (Qwen3.5-MoE), each stream's linear-layer state read
+and written; bound tokens/s = b x copy bandwidth / those bytes.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from common.checkpoint import parse_dtype
 from decoder_svc.engine.engine import EngineConfig, LLMEngine
 from decoder_svc.engine.local_source import LocalEmbeddingSource
 from decoder_svc.engine.sampling_params import SamplingParams
+from decoder_svc.model.linear_state import LinearStatePool
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -126,8 +128,9 @@ def run_engine(args: argparse.Namespace, model: Path, quantization: str, prompts
     probe.close()
     load = expert_load(probe.layer_ids(), cfg.num_experts, most)
     size = parse_dtype(args.dtype).itemsize
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
-    parts = step_bytes(engine.model, kv)
+    kv = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * size
+    state = 2 * LinearStatePool.bytes_per_slot(cfg, parse_dtype(args.dtype))  # a hybrid stack's (Qwen3.5-MoE)
+    parts = step_bytes(engine.model, kv, state)
     timings = {}
     for b in batches:
         decode_streams(engine, prompts[:b], 4)  # warm-up at this batch size

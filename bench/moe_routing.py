@@ -134,15 +134,16 @@ class StepBytes:
     embedding_row: int  # one row of the input embedding (each sequence reads its token's)
     expert: float  # one expert of one layer (gate, up, down and any FP8 scales)
     moe_layers: int
-    kv_per_token: int  # K and V of one token over every layer
+    kv_per_token: int  # K and V of one token over every attention layer
+    state_per_stream: int = 0  # a hybrid stack's linear-layer state, read and written by each stream's step
 
     def total(self, streams: int, experts_hit: float, context: float) -> float:
         """A step of `streams` sequences of `context` tokens each, hitting `experts_hit` experts per layer."""
         return (self.shared + streams * self.embedding_row + self.moe_layers * experts_hit * self.expert
-                + streams * context * self.kv_per_token)
+                + streams * (context * self.kv_per_token + self.state_per_stream))
 
 
-def step_bytes(model: nn.Module, kv_per_token: int) -> StepBytes:
+def step_bytes(model: nn.Module, kv_per_token: int, state_per_stream: int = 0) -> StepBytes:
     """StepBytes of our language model (decoder_svc LlamaForCausalLM, any quantization)."""
     cfg = model.config
     embed = model.embed_tokens.weight
@@ -156,4 +157,5 @@ def step_bytes(model: nn.Module, kv_per_token: int) -> StepBytes:
             shared += size
     moe_layers = sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
     per_expert = experts / (moe_layers * cfg.num_experts) if moe_layers else 0.0
-    return StepBytes(shared, embed.shape[1] * embed.element_size(), per_expert, moe_layers, kv_per_token)
+    return StepBytes(shared, embed.shape[1] * embed.element_size(), per_expert, moe_layers, kv_per_token,
+                     state_per_stream)

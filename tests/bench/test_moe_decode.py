@@ -164,3 +164,22 @@ def test_step_bytes_split_every_weight_once(moe_dir, quantization):
     assert parts.embedding_row == cfg.hidden_size * 4 and parts.moe_layers == cfg.num_layers
     one = model.layers[0].mlp.experts
     assert parts.expert == sum(p.numel() * p.element_size() for p in one.parameters()) / cfg.num_experts
+
+
+def test_a_hybrid_moe_step_reads_and_writes_each_streams_state(qwen3_5_moe_model_dir, tmp_path):
+    """bench.moe_decode on Qwen3.5-MoE (a hybrid stack): the bound counts the linear layers' state of
+    every stream, read and written, and the KV of the attention layers only."""
+    from bench import moe_decode
+    from decoder_svc.model.config import TextModelConfig
+    from decoder_svc.model.linear_state import LinearStatePool
+    from decoder_svc.model.loader import text_config_dict
+
+    out = tmp_path / "moe.json"
+    moe_decode.main(["--model", str(qwen3_5_moe_model_dir), "--batch-sizes", "1,2", "--output-len", "3",
+                     "--prompt-len", "8", "--hf-weights", "none", "--out", str(out)])
+    payload = json.loads(out.read_text())
+    cfg = TextModelConfig.from_hf(text_config_dict(qwen3_5_moe_model_dir))
+    parts = payload["step_bytes"]["none"]
+    assert parts["state_per_stream"] == 2 * LinearStatePool.bytes_per_slot(cfg, torch.float32) > 0
+    assert parts["kv_per_token"] == 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * 4
+    assert all(r["engine_tokens_per_s"] > 0 for r in payload["results"])
