@@ -5,7 +5,8 @@ are kept and, where the checkpoint says so (`moe_renormalize`), their probabilit
 one, then cast to the model's dtype. Each chosen expert runs a SwiGLU MLP and the outputs are summed,
 weighted. The experts' weights are two stacked tensors, as Hugging Face 5.x keeps them:
 `experts.gate_up_proj` [experts, 2 * I, hidden] (gate rows, then up rows) and `experts.down_proj`
-[experts, hidden, I] (`expert_weights_from_checkpoint` reads the older transposed layout too).
+[experts, hidden, I] (`expert_weights_from_checkpoint` reads the older transposed layout and one module
+per expert too).
 
 A layer may also have a shared expert (cfg.shared_expert_intermediate_size > 0, Qwen3.5-MoE): a dense
 SwiGLU MLP run on every token, its output scaled by sigmoid(`shared_expert_gate`(x)) and added to the
