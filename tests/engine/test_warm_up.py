@@ -55,15 +55,15 @@ def test_the_full_warm_up_runs_a_packed_eager_prompt_and_a_prefix_hit_then_forge
     assert not engine.has_unfinished()
 
 
-def test_after_the_warm_up_a_users_request_is_as_on_a_fresh_engine(make_engine):
-    warmed, fresh = make_engine(), make_engine()
-    warm_up(warmed, full=True)
-    warm_up(fresh, full=False)
-    long_prompt = warm_up_batches(warmed)[0][0].token_ids  # the warm-up's own prompt: no longer cached
-    outs = [e.generate("user", prompt_token_ids=long_prompt, sampling=SamplingParams(max_tokens=6))
-            for e in (warmed, fresh)]
-    assert outs[0].new_token_ids == outs[1].new_token_ids
-    assert outs[0].usage.cached_prompt_tokens == 0
+def test_after_the_warm_up_users_requests_equal_hf_and_find_nothing_cached(make_engine, hf_oracle, images):
+    engine = make_engine()
+    warm_up(engine, full=True)
+    long_prompt = warm_up_batches(engine)[0][0].token_ids  # the warm-up's own prompt: no longer cached
+    again = engine.generate("again", prompt_token_ids=long_prompt, sampling=SamplingParams(max_tokens=2))
+    assert again.usage.cached_prompt_tokens == 0
+    prompt = "USER: <image>\nWhat is in this picture? ASSISTANT:"
+    out = engine.generate("user", prompt, images[:1], sampling=SamplingParams(max_tokens=8))
+    hf_oracle.assert_same_tokens(out.new_token_ids, prompt, images[:1], 8)
 
 
 def test_a_smaller_cache_scales_the_prompts_down_and_a_tiny_one_gets_the_short_warm_up_only(make_engine):
