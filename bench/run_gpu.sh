@@ -325,11 +325,14 @@ fi
 # TTFT_WARM_TAIL=N (default 0: none) also profiles, per preset, a warm request's prefill step in-process
 # (bench.profile_step --warm-tail N over a TTFT_WARM_PROMPT-token prompt, default 1870; TTFT_WARM_ARGS: more
 # of its flags, e.g. --piecewise-graphs). The encoder's
-# tower-graph lines are printed after each step.
+# tower-graph lines are printed after each step. TTFT_MAKE_ARGS: make-model's flags, e.g. "--weights vision"
+# with TTFT_DECODER_ARGS="--load-format=dummy" for a checkpoint too large for the disk (Qwen3-VL-30B-A3B: the
+# decoder draws its language weights; HF then has no weights to load: leave --hf out).
 if [[ ",$SECTIONS," == *,ttft,* ]]; then
   read -r -a TARGS <<< "${TTFT_ARGS:---rounds 5 --hf}"
+  read -r -a TMAKE <<< "${TTFT_MAKE_ARGS:-}"
   for fam in ${TTFT_PRESETS:-qwen2.5-vl-7b qwen3-vl-8b llava-1.5-7b}; do
-    make_once "/tmp/ttft-$fam" "$fam"
+    make_once "/tmp/ttft-$fam" "$fam" ${TMAKE[@]+"${TMAKE[@]}"}
     step "ttft_$fam" 240 "$PY" -m bench.ttft --model "/tmp/ttft-$fam" "${DT[@]}" --logs "$RES/logs-ttft-$fam" \
       "${TARGS[@]}" ${TTFT_DECODER_ARGS:+"--decoder-args=$TTFT_DECODER_ARGS"}
     cp "$RES/ttft_$fam.json" "$OUT/" 2>/dev/null  # each preset's own (the merge keeps one ttft result)
