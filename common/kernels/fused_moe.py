@@ -1,10 +1,11 @@
 """Mixture-of-experts feed-forward on the GPU: token-to-expert sort into block-aligned groups, one grouped
-GEMM kernel over all experts (used for gate/up and again for down), SwiGLU between them, weighted combine.
+GEMM kernel over all experts (used for gate/up and again for down, the second making the SwiGLU of the
+first's output as it reads it), weighted combine.
 
 The layout follows the idea of vLLM's and SGLang's `fused_moe` (the code is this project's own):
 
 - `align_to_blocks` sorts the T x top_k (token, expert) assignments by expert and pads each expert's run
-  to a multiple of BLOCK_M rows (one single-program kernel at decode sizes, torch's sort beyond). A block
+  to a multiple of BLOCK_M rows (one kernel at decode sizes, torch's sort beyond). A block
   of BLOCK_M sorted rows then belongs to one expert, so a program multiplies one BLOCK_M x K tile of rows
   by one expert's weight tile. Shapes are fixed by (T, top_k, experts, BLOCK_M) alone and nothing is read
   back to the host: the sort is graph-capture safe. Padding
@@ -13,14 +14,15 @@ The layout follows the idea of vLLM's and SGLang's `fused_moe` (the code is this
 - `_grouped_gemm_kernel` computes, for each sorted row r = (token t, slot k) of a block of expert e,
   out[r] = A[row of r] @ W[e]^T (W[e] is [N, K], the checkpoint's expert layout), accumulating in fp32;
   A's row is t for the first product (the token's hidden state, shared by its top_k slots) and r itself
-  for the second (that slot's intermediate). With MUL_WEIGHT the fp32 result is scaled by the slot's
-  routing weight before the one rounding to the output dtype.
+  for the second (that slot's intermediate, silu(g) * u of the first product's halves, rounded as
+  torch's F.silu(g) * u rounds). With MUL_WEIGHT the fp32 result is scaled by the slot's routing weight
+  before the one rounding to the output dtype.
 - FP8 experts (`--quantization fp8`: float8_e4m3fn weights, one fp32 scale per expert and output channel,
   decoder_svc/model/quant/experts.py): the kernel widens each weight tile to the activations' dtype and
   scales the fp32 accumulator by its columns' scales once, after the K loop (before the routing weight).
 - The combine sums each token's top_k weighted rows (in slot order).
 
-Only imported on GPU paths or under TRITON_INTERPRET=1 (tests/kernels/test_fused_moe.py runs it in
+Only imported on GPU paths or under TRITON_INTERPRET=1 (tests/engine/test_fused_moe.py runs it in
 Triton's interpreter against the torch reference; tests/gpu/test_fused_moe_gpu.py in bf16 on a GPU).
 """
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -57,31 +58,38 @@ def padded_rows(assignments: int, num_experts: int, block_m: int) -> int:
 def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
     """Sort the assignments of topk_ids [T, top_k] (expert ids) by expert, each expert's run padded to
     block_m rows; within an expert, assignments keep their flat order (token-major). Device work of
-    fixed shapes only (no host sync): one kernel (`_align_kernel`) up to ALIGN_KERNEL_MAX assignments
-    (decode, small prefills), torch's sort beyond (`align_to_blocks_torch`, the same result)."""
+    fixed shapes only (no host sync): one kernel (`_align_kernel`, its programs side by side) up to
+    ALIGN_KERNEL_MAX assignments (decode steps), torch's sort beyond (`align_to_blocks_torch`, the same
+    result)."""
     n = topk_ids.numel()
     if n > ALIGN_KERNEL_MAX or n == 0:
         return align_to_blocks_torch(topk_ids, num_experts, block_m)
     total = padded_rows(n, num_experts, block_m)
     sorted_rows = torch.empty(total, dtype=torch.int32, device=topk_ids.device)
     block_expert = torch.empty(total // block_m, dtype=torch.int32, device=topk_ids.device)
-    _align_kernel[(1,)](topk_ids.reshape(-1), sorted_rows, block_expert, n, total, num_experts,
-                        E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=ALIGN_CHUNK)
+    _align_kernel[(triton.cdiv(total, ALIGN_CHUNK),)](
+        topk_ids.reshape(-1), sorted_rows, block_expert, n, total, num_experts,
+        N_PAD=max(triton.next_power_of_2(n), ALIGN_CHUNK), E_PAD=triton.next_power_of_2(num_experts),
+        BLOCK_M=block_m, CHUNK=ALIGN_CHUNK)
     return BlockAlignment(sorted_rows, block_expert, block_m)
 
 
-# The one-program sort walks the assignments ALIGN_CHUNK at a time (a [chunk, experts] one-hot each);
-# beyond ALIGN_KERNEL_MAX assignments torch's parallel sort is used instead.
+# Each program of the sort owns ALIGN_CHUNK assignments and ALIGN_CHUNK rows of the sorted buffer, and
+# counts every assignment itself (a [chunk, experts] one-hot per ALIGN_CHUNK of them) and compares its own
+# with all n: the work per program grows with n, so beyond ALIGN_KERNEL_MAX (32 decode tokens at top-8)
+# torch's parallel sort is faster. (One program doing everything cost 133 us per layer at 256 assignments
+# on an H100, 2026-12-07.)
 ALIGN_CHUNK = 64
-ALIGN_KERNEL_MAX = 4096
+ALIGN_KERNEL_MAX = 256
 
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_rows_ptr, block_expert_ptr, n, total, num_experts,
-                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """align_to_blocks in one program: count each expert's assignments, pad the counts to BLOCK_M, then
-    give each assignment its row (its expert's start + how many of that expert's came before it) and
-    each padding row the index n, and each block its expert (-1 past the last run)."""
+                  N_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """align_to_blocks, program p: count each expert's assignments and pad the counts to BLOCK_M (every
+    program alike), then give assignments p*CHUNK.. their rows (their expert's start + how many of that
+    expert's come before them in flat order), and rows p*CHUNK.. that no assignment takes the index n,
+    each block starting there its expert (-1 past the last run)."""
     experts = tl.arange(0, E_PAD)
     live = experts < num_experts
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
@@ -92,28 +100,26 @@ def _align_kernel(ids_ptr, sorted_rows_ptr, block_expert_ptr, n, total, num_expe
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    # the assignments' rows, chunk by chunk in flat order
-    offsets = starts
-    for start in range(0, n, CHUNK):
-        idx = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + idx, mask=idx < n, other=-1).to(tl.int32)
+    mine = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    if tl.program_id(0) * CHUNK < n:
+        ids = tl.load(ids_ptr + mine, mask=mine < n, other=-1).to(tl.int32)
+        every = tl.arange(0, N_PAD)
+        all_ids = tl.load(ids_ptr + every, mask=every < n, other=-2).to(tl.int32)
+        earlier = (all_ids[None, :] == ids[:, None]) & (every[None, :] < mine[:, None])
+        before = tl.sum(earlier.to(tl.int32), axis=1)  # same-expert assignments earlier in flat order
         hot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        before = tl.cumsum(hot, axis=0) - hot  # same-expert assignments earlier in this chunk
-        dest = tl.sum(hot * (offsets[None, :] + before), axis=1)
-        tl.store(sorted_rows_ptr + dest, idx.to(tl.int32), mask=idx < n)
-        offsets += tl.sum(hot, axis=0)
-    # the padding rows and the blocks' experts, position by position (disjoint from the rows above)
-    for start in range(0, total, CHUNK):
-        pos = start + tl.arange(0, CHUNK)
-        expert = tl.sum(((ends[None, :] <= pos[:, None]) & live[None, :]).to(tl.int32), axis=1)
-        mine = (expert[:, None] == experts[None, :]).to(tl.int32)
-        first = tl.sum(mine * starts[None, :], axis=1)
-        count = tl.sum(mine * counts[None, :], axis=1)
-        is_pad = (pos - first >= count) | (expert >= num_experts)
-        tl.store(sorted_rows_ptr + pos, tl.full((CHUNK,), 0, tl.int32) + n, mask=(pos < total) & is_pad)
-        block_first = (pos % BLOCK_M == 0) & (pos < total)
-        owner = tl.where(expert < num_experts, expert, -1)
-        tl.store(block_expert_ptr + pos // BLOCK_M, owner, mask=block_first)
+        dest = tl.sum(hot * starts[None, :], axis=1) + before
+        tl.store(sorted_rows_ptr + dest, mine.to(tl.int32), mask=mine < n)
+    # the padding rows and the blocks' experts among this program's rows (disjoint from the rows above)
+    expert = tl.sum(((ends[None, :] <= mine[:, None]) & live[None, :]).to(tl.int32), axis=1)
+    owned = (expert[:, None] == experts[None, :]).to(tl.int32)
+    first = tl.sum(owned * starts[None, :], axis=1)
+    count = tl.sum(owned * counts[None, :], axis=1)
+    is_pad = (mine - first >= count) | (expert >= num_experts)
+    tl.store(sorted_rows_ptr + mine, tl.full((CHUNK,), 0, tl.int32) + n, mask=(mine < total) & is_pad)
+    block_first = (mine % BLOCK_M == 0) & (mine < total)
+    owner = tl.where(expert < num_experts, expert, -1)
+    tl.store(block_expert_ptr + mine // BLOCK_M, owner, mask=block_first)
 
 
 def align_to_blocks_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
@@ -144,13 +150,14 @@ def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_rows_ptr, block_expert_ptr, weights_ptr, w_scale_ptr,
     N, K, num_rows,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_se, stride_sn,
-    TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr, W_SCALED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, A_SWIGLU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[r, :] = A[a(r), :] @ W[e]^T (* w_scale[e]) (* weights[r]) for the BLOCK_M sorted rows r of this
-    program's block, e its expert; a(r) = r // TOP_K when A_PER_TOKEN, else r. W_SCALED: W is FP8, widened
-    to A's dtype per tile, and w_scale [experts, N] (strides se, sn) scales the accumulator's columns.
-    Programs: (blocks, N / BLOCK_N)."""
+    program's block, e its expert; a(r) = r // TOP_K when A_PER_TOKEN, else r. A_SWIGLU: A's row is
+    silu(g) * u of the stored row's halves [g | u] (K columns each), each rounded to A's dtype as torch's
+    two elementwise ops round. W_SCALED: W is FP8, widened to A's dtype per tile, and w_scale
+    [experts, N] (strides se, sn) scales the accumulator's columns. Programs: (blocks, N / BLOCK_N)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -173,6 +180,11 @@ def _grouped_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k + k0 < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if A_SWIGLU:
+            up = tl.load(a_ptrs + K * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = a.to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(a.dtype)
+            a = (silu.to(tl.float32) * up.to(tl.float32)).to(a.dtype)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if W_SCALED:
             w = w.to(a.dtype)  # e4m3 values are exact in bf16, fp16 and fp32
@@ -213,12 +225,14 @@ def default_config(tokens: int) -> GemmConfig:
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, alignment: BlockAlignment, num_rows: int,
                  top_k: int, a_per_token: bool, config: GemmConfig,
                  row_weights: torch.Tensor | None = None,
-                 weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 weight_scale: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """[num_rows, N] (rows in flat assignment order): each assignment's A row times its expert's weight
     [N, K] transposed, scaled by row_weights [num_rows] when given. a: [T, K] (a_per_token) or
-    [num_rows, K]; weights: [experts, N, K], FP8 when weight_scale (fp32 [experts, N, 1], per output
-    channel) is given."""
+    [num_rows, K], or with `swiglu` [num_rows, 2K] whose halves [g | u] make the row silu(g) * u;
+    weights: [experts, N, K], FP8 when weight_scale (fp32 [experts, N, 1], per output channel) is given."""
     num_n, k = weights.shape[1], weights.shape[2]
+    if a.shape[1] != (2 * k if swiglu else k):
+        raise ValueError(f"rows of {a.shape[1]} columns for experts of {k} inputs (swiglu={swiglu})")
     out = torch.empty(num_rows, num_n, dtype=a.dtype, device=a.device)
     blocks = alignment.block_expert.numel()
     grid = (blocks, triton.cdiv(num_n, config.block_n))
@@ -232,7 +246,7 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, alignment: BlockAlignme
         num_n, k, num_rows,
         a.stride(0), a.stride(1), weights.stride(0), weights.stride(1), weights.stride(2),
         out.stride(0), out.stride(1), w_scale.stride(0), w_scale.stride(1),
-        TOP_K=top_k, A_PER_TOKEN=a_per_token, MUL_WEIGHT=row_weights is not None,
+        TOP_K=top_k, A_PER_TOKEN=a_per_token, A_SWIGLU=swiglu, MUL_WEIGHT=row_weights is not None,
         W_SCALED=weight_scale is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -256,8 +270,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
         return torch.zeros_like(x)
     alignment = align_to_blocks(topk_ids, gate_up.shape[0], config.block_m)
     h = grouped_gemm(x, gate_up, alignment, num_rows, top_k, True, config, weight_scale=gate_up_scale)
-    gate, up = h.chunk(2, dim=-1)
-    act = F.silu(gate) * up
-    weights = topk_weights.reshape(-1).to(torch.float32)
-    out = grouped_gemm(act, down, alignment, num_rows, top_k, False, config, weights, down_scale)
+    # the down product reads h's halves and makes silu(g) * u itself (two elementwise launches saved)
+    out = grouped_gemm(h, down, alignment, num_rows, top_k, False, config, topk_weights.reshape(-1),
+                       down_scale, swiglu=True)
     return out.view(tokens, top_k, -1).sum(dim=1)

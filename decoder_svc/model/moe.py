@@ -15,8 +15,9 @@ routed experts' sum, as HF's Qwen2-MoE-style block computes it.
 Two paths compute the experts: the torch reference (`experts_reference`: assignments sorted by expert,
 one product per expert over its grouped rows, the weighted outputs added in expert order; the rounding
 points of HF's loop, so fp32 on a CPU gives HF's bits), and on CUDA with the Triton ops the fused kernels
-(common/kernels/fused_moe.py: block-aligned sort, one grouped GEMM for gate/up and one for down, no host
-sync, so decode steps can be captured in CUDA graphs). FP8 experts (`--quantization fp8`,
+(common/kernels/moe_route.py: the router's softmax and top-k in one launch; common/kernels/fused_moe.py:
+block-aligned sort, one grouped GEMM for gate/up and one for down, no host sync, so decode steps can be
+captured in CUDA graphs). FP8 experts (`--quantization fp8`,
 decoder_svc/model/quant/experts.py) take both paths too: the reference dequantizes each expert it runs as
 TorchOps.fp8_linear does, the kernels widen the FP8 tiles and scale their fp32 accumulators.
 """
@@ -129,14 +130,17 @@ class SparseMoE(nn.Module):
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         gate_up_scale, down_scale = self.experts.scales()
         if self.fused and x.is_cuda:
             from common.kernels.fused_moe import fused_moe
+            from common.kernels.moe_route import route_topk
 
+            weights, ids = route_topk(logits, self.top_k, self.renormalize)
             return fused_moe(x, gate_up, down, weights, ids, gate_up_scale=gate_up_scale,
                              down_scale=down_scale)
+        weights, ids = route(logits, self.top_k, self.renormalize)
         return experts_reference(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
 
 

@@ -24,6 +24,7 @@ from common.kernels.fused_moe import (  # noqa: E402
     fused_moe,
     padded_rows,
 )
+from common.kernels.moe_route import route_topk  # noqa: E402
 from decoder_svc.model.moe import experts_reference, route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,10 +72,11 @@ def test_alignment_groups_every_assignment_once_in_its_experts_blocks(align):
 
 @pytest.mark.parametrize("tokens, num_experts, top_k, block_m",
                          [(1, 8, 2, 16), (5, 6, 3, 4), (37, 4, 2, 16), (19, 16, 4, 8), (70, 12, 3, 16),
-                          (3, 128, 8, 16)])
+                          (3, 128, 8, 16), (32, 128, 8, 16)])
 def test_the_alignment_kernel_equals_the_torch_sort(tokens, num_experts, top_k, block_m):
-    """Chunks of 64 assignments: 210 of them span four chunks (the per-expert offsets carry over); 128
-    experts (the 30B-A3B's) with 24 assignments leave most empty; expert counts not a power of two."""
+    """Programs of 64 assignments: 210 of them span four programs (each counts the earlier ones); 128
+    experts (the 30B-A3B's) with 24 assignments leave most empty; 32 streams at top-8 (256 assignments,
+    the kernel's largest); expert counts not a power of two."""
     gen = torch.Generator().manual_seed(tokens + num_experts)
     ids = torch.rand(tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
     kernel = align_to_blocks(ids, num_experts, block_m)
@@ -185,3 +187,50 @@ def test_fp8_scales_must_fit_the_experts():
     with pytest.raises(ValueError, match="do not fit"):
         fused_moe(x, gate_up, down, torch.full((2, 2), 0.5, device=DEVICE), ids, SMALL,
                   gate_up_scale=down_scale, down_scale=gate_up_scale)
+
+
+@pytest.mark.parametrize("tokens, num_experts, top_k, renormalize",
+                         [(1, 128, 8, True), (5, 6, 3, True), (40, 16, 4, False), (17, 8, 1, True),
+                          (33, 128, 8, True)])
+def test_the_router_kernel_equals_route(tokens, num_experts, top_k, renormalize):
+    """Tokens over several programs of 16, expert counts and top_k not powers of two: the same experts in
+    the same (descending) order, the same weights to fp32's last bits."""
+    gen = torch.Generator().manual_seed(tokens * 7 + num_experts)
+    logits = (torch.randn(tokens, num_experts, generator=gen) * 3).to(DEVICE)
+    weights, ids = route_topk(logits, top_k, renormalize)
+    ref_weights, ref_ids = route(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == logits.dtype
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_the_router_kernel_takes_the_lowest_expert_among_ties():
+    logits = torch.zeros(3, 8, device=DEVICE)
+    logits[:, 6] = 2.0
+    logits[1, 2] = logits[1, 5] = 1.0
+    weights, ids = route_topk(logits, 3, renormalize=True)
+    assert ids.tolist() == [[6, 0, 1], [6, 2, 5], [6, 0, 1]]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(3, device=DEVICE))
+    # and the experts computed from its choice are route's experts computed from the same choice
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    gate_up, down = _experts(8, seed=9)
+    _check(x, gate_up, down, weights, ids)
+
+
+def test_the_router_kernel_refuses_what_it_cannot_route():
+    with pytest.raises(ValueError, match="top_k 9 of 8"):
+        route_topk(torch.zeros(2, 8, device=DEVICE), 9, True)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        route_topk(torch.zeros(8, 2, device=DEVICE).t(), 1, True)
+    weights, ids = route_topk(torch.zeros(0, 8, device=DEVICE), 2, True)
+    assert weights.shape == ids.shape == (0, 2)
+
+
+def test_the_down_product_refuses_rows_that_are_not_gate_and_up_halves():
+    from common.kernels.fused_moe import grouped_gemm
+
+    _, down = _experts(4, seed=10)
+    ids = torch.tensor([[0, 1]], device=DEVICE)
+    alignment = align_to_blocks(ids, 4, SMALL.block_m)
+    with pytest.raises(ValueError, match="swiglu=True"):
+        grouped_gemm(torch.zeros(2, WIDTH, device=DEVICE), down, alignment, 2, 2, False, SMALL, swiglu=True)

@@ -17,6 +17,7 @@ from tests.gpu.graph_replay import assert_replays_as_eager  # noqa: E402
 
 if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a device
     from common.kernels.fused_moe import align_to_blocks, align_to_blocks_torch, fused_moe
+    from common.kernels.moe_route import route_topk
 
 EXPERTS, HIDDEN, WIDTH, TOP_K = 128, 2048, 768, 8
 
@@ -54,6 +55,23 @@ def test_router_chosen_experts(experts, tokens):
     _check(x, gate_up, down, weights, ids)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 32, 512])
+def test_the_router_kernel_equals_route(experts, tokens):
+    """bf16 logits of the router: the same weights (to one bf16 ulp: Triton's exponentials) and, where the
+    nine largest logits of a token are distinct (no tie for torch.topk to break its own way), the same
+    experts in the same order."""
+    _, _, router = experts
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    logits = x @ router.t()
+    weights, ids = route_topk(logits, TOP_K, renormalize=True)
+    ref_weights, ref_ids = route(logits, TOP_K, renormalize=True)
+    torch.testing.assert_close(weights.float(), ref_weights.float(), rtol=8e-3, atol=0)
+    top = logits.float().topk(TOP_K + 1, dim=-1).values
+    distinct = (top[:, :-1] > top[:, 1:]).all(dim=-1)
+    assert distinct.any()
+    assert torch.equal(ids[distinct].long(), ref_ids[distinct])
+
+
 @pytest.mark.parametrize("tokens", [1, 32, 512])
 def test_the_alignment_kernel_equals_the_torch_sort(tokens):
     ids = torch.rand(tokens, EXPERTS, device="cuda").topk(TOP_K, dim=-1).indices
@@ -77,8 +95,8 @@ def test_replays_in_a_cuda_graph(experts):
     gate_up, down, router = experts
     x = torch.randn(8, HIDDEN, device="cuda").bfloat16()
 
-    def chain(inp: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(inp @ router.t(), TOP_K, renormalize=True)
+    def chain(inp: torch.Tensor) -> torch.Tensor:  # the layer's fused path: router kernel, sort, products
+        weights, ids = route_topk(inp @ router.t(), TOP_K, renormalize=True)
         return fused_moe(inp, gate_up, down, weights, ids)
 
     assert_replays_as_eager(chain, x, lambda s: torch.randn(8, HIDDEN, device="cuda").bfloat16() * s)
