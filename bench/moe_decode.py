@@ -201,6 +201,11 @@ def run(args: argparse.Namespace) -> dict:
         hf_weights = "random" if args.load_format == "dummy" else "checkpoint"
     cuda = torch.device(args.device).type == "cuda"
     left_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None  # what the engines left behind
+    tilings = []
+    if cuda:  # the decode batches' measured tilings (common/kernels/fused_moe.py's choose_config)
+        from common.kernels.fused_moe import tuning_summary
+
+        tilings = tuning_summary()
     hf = run_hf(args, model, prompts, calibration, batches, hf_weights) if hf_weights != "none" else {}
     copy_bytes = args.copy_bytes or ((2 << 30) if cuda else (256 << 20))
     bandwidth = copy_bandwidth(args.device, copy_bytes)
@@ -244,7 +249,8 @@ def run(args: argparse.Namespace) -> dict:
     return save_result("moe_decode", args, results, headline=headline, copy_bandwidth_bytes_per_s=bandwidth,
                        router_spread=_spread(args), hf_weights=hf_weights, cuda_gib_after_engines=left_gib,
                        expert_load={e["quantization"]: asdict(e["load"]) for e in engines},
-                       step_bytes={e["quantization"]: asdict(e["bytes"]) for e in engines})
+                       step_bytes={e["quantization"]: asdict(e["bytes"]) for e in engines},
+                       moe_tilings=tilings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,11 +28,15 @@ Triton's interpreter against the torch reference; tests/gpu/test_fused_moe_gpu.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import logging
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+log = logging.getLogger("mmserve.decoder.fused_moe")
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,99 @@ def default_config(tokens: int) -> GemmConfig:
     return GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
+# Decode batches (up to TUNED_TOKENS tokens) take the fastest of these tilings for their shapes, measured
+# once per MoeKey (`choose_config`; one tiling serves both products, the sort's blocks being shared). At
+# one token each chosen expert is a GEMV whose speed is the share of the SMs its programs keep streaming:
+# the N tile and the K depth decide it, and the best differs with the experts' shapes and between cards,
+# so it is measured, not guessed.
+TUNED_TOKENS = 64
+DECODE_CONFIGS = (
+    GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
+    GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4),
+    GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
+    GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3),
+    GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3),
+    GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=6),
+    GemmConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4),
+    GemmConfig(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=4),
+)
+TIMING_ROUTINGS = 8  # distinct random routings a timing rotates over, so weights stream from memory
+
+
+@dataclass(frozen=True)
+class MoeKey:
+    """What a tiling is chosen for: the batch's tokens (rounded up to a power of two) and the layer's
+    expert shapes and dtypes."""
+
+    tokens: int
+    top_k: int
+    experts: int
+    hidden: int
+    width: int
+    dtype: torch.dtype
+    weight_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class MoeChoice:
+    """The chosen tiling and every candidate's time (us per MoE call: sort and both products)."""
+
+    config: GemmConfig
+    times_us: dict[GemmConfig, float]
+
+
+CHOICES: dict[MoeKey, MoeChoice] = {}  # one per process: the shapes are the model's
+
+
+def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                  gate_up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None) -> GemmConfig:
+    """The tiling fused_moe launches for x [T, H] through these experts: default_config's beyond
+    TUNED_TOKENS tokens; else the fastest of DECODE_CONFIGS, measured once per MoeKey as decode runs it
+    (the sort and both products over TIMING_ROUTINGS random routings of the key's tokens, back to back in
+    a replayed CUDA graph: graph_timing.graph_time_us; a second or so per key, the first time also
+    Triton's compiles). Never measured inside a graph capture (the runner runs every graph's batch once
+    before capturing it, so keys are measured before SERVING): an unmeasured key there takes
+    default_config. Without graphs (--enforce-eager) a key is measured when its batch size first runs."""
+    if x.shape[0] > TUNED_TOKENS or not x.is_cuda:
+        return default_config(x.shape[0])
+    tokens = triton.next_power_of_2(x.shape[0])
+    key = MoeKey(tokens, top_k, gate_up.shape[0], gate_up.shape[2], down.shape[2], x.dtype, gate_up.dtype)
+    if key in CHOICES:
+        return CHOICES[key].config
+    if torch.cuda.is_current_stream_capturing():
+        return default_config(tokens)
+    from common.kernels.graph_timing import graph_time_us
+
+    gen = torch.Generator(device=x.device).manual_seed(tokens)
+    routings = [torch.rand(tokens, key.experts, generator=gen, device=x.device).topk(top_k, dim=-1).indices
+                for _ in range(TIMING_ROUTINGS)]
+    weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=x.dtype, device=x.device)
+    rows = torch.randn(tokens, key.hidden, generator=gen, device=x.device).to(x.dtype)
+
+    def experts(ids: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+        return fused_moe(rows, gate_up, down, weights, ids, config, gate_up_scale, down_scale)
+
+    times = {config: graph_time_us([functools.partial(experts, ids, config) for ids in routings])
+             for config in DECODE_CONFIGS}
+    best = min(times, key=times.get)
+    CHOICES[key] = MoeChoice(best, times)
+    log.info("fused MoE, %d tokens x top-%d of %d experts (%dx%d, %s): block %dx%dx%d, %d stages (%.1f us; "
+             "default %.1f)", tokens, top_k, key.experts, key.hidden, key.width,
+             str(key.weight_dtype).removeprefix("torch."), best.block_m, best.block_n, best.block_k,
+             best.num_stages, times[best], times[DECODE_CONFIGS[0]])
+    return best
+
+
+def tuning_summary() -> list[dict]:
+    """The measured choices as JSON rows (benchmarks put them beside their figures)."""
+    return [{"tokens": k.tokens, "top_k": k.top_k, "experts": k.experts, "hidden": k.hidden,
+             "width": k.width, "weight_dtype": str(k.weight_dtype).removeprefix("torch."),
+             "chosen": asdict(c.config),
+             "times_us": {f"{g.block_m}x{g.block_n}x{g.block_k}/{g.num_warps}w{g.num_stages}s": round(t, 2)
+                          for g, t in c.times_us.items()}} for k, c in CHOICES.items()]
+
+
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, alignment: BlockAlignment, num_rows: int,
                  top_k: int, a_per_token: bool, config: GemmConfig,
                  row_weights: torch.Tensor | None = None,
@@ -264,10 +361,10 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     with gate_up_scale [experts, 2 * I, 1] and down_scale [experts, H, 1] (fp32, per output channel).
     Returns [T, H] in x's dtype."""
     tokens, top_k = topk_ids.shape
-    config = config or default_config(tokens)
     num_rows = tokens * top_k
     if num_rows == 0:
         return torch.zeros_like(x)
+    config = config or choose_config(x, gate_up, down, top_k, gate_up_scale, down_scale)
     alignment = align_to_blocks(topk_ids, gate_up.shape[0], config.block_m)
     h = grouped_gemm(x, gate_up, alignment, num_rows, top_k, True, config, weight_scale=gate_up_scale)
     # the down product reads h's halves and makes silu(g) * u itself (two elementwise launches saved)

@@ -168,3 +168,34 @@ def test_the_fp8_layer_takes_the_kernel_under_triton_ops():
     assert fused.fused and not reference.fused
     x = torch.randn(40, 256, device="cuda").bfloat16()
     assert _rel_err(fused(x), reference(x)) < 1e-2
+
+
+def test_decode_batches_take_the_fastest_measured_tiling(experts):
+    """choose_config: a decode batch's key is measured once (every candidate timed), outside a capture;
+    the chosen tiling computes what the default one does; a key first met inside a graph capture takes the
+    default tiling without timing anything there."""
+    from common.kernels import fused_moe as kernels
+
+    gate_up, down, router = experts
+    kernels.CHOICES.clear()
+    x = torch.randn(3, HIDDEN, device="cuda").bfloat16()
+    config = kernels.choose_config(x, gate_up, down, TOP_K)
+    (key, choice), = kernels.CHOICES.items()
+    assert key.tokens == 4 and config in kernels.DECODE_CONFIGS and choice.config == config
+    assert set(choice.times_us) == set(kernels.DECODE_CONFIGS)
+    assert min(choice.times_us.values()) == choice.times_us[config]
+    weights, ids = route_topk(x @ router.t(), TOP_K, renormalize=True)
+    chosen = fused_moe(x, gate_up, down, weights, ids)
+    default = fused_moe(x, gate_up, down, weights, ids, kernels.default_config(3))
+    assert _rel_err(chosen, default) < 1e-2
+    assert kernels.tuning_summary()[0]["tokens"] == 4
+
+    y = torch.randn(16, HIDDEN, device="cuda").bfloat16()
+    fused_moe(y, gate_up, down, *route_topk(y @ router.t(), TOP_K, True), kernels.default_config(16))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert kernels.choose_config(y, gate_up, down, TOP_K) == kernels.default_config(16)
+    assert len(kernels.CHOICES) == 1
+    big = torch.randn(kernels.TUNED_TOKENS + 1, HIDDEN, device="cuda").bfloat16()
+    assert kernels.choose_config(big, gate_up, down, TOP_K) == kernels.default_config(big.shape[0])
+    kernels.CHOICES.clear()
