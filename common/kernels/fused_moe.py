@@ -20,7 +20,7 @@ The layout follows the idea of vLLM's and SGLang's `fused_moe` (the code is this
 - FP8 experts (`--quantization fp8`: float8_e4m3fn weights, one fp32 scale per expert and output channel,
   decoder_svc/model/quant/experts.py): the kernel widens each weight tile to the activations' dtype and
   scales the fp32 accumulator by its columns' scales once, after the K loop (before the routing weight).
-- The combine sums each token's top_k weighted rows (in slot order).
+- The combine sums each token's top_k weighted rows (in slot order, fp32, one rounding).
 
 Only imported on GPU paths or under TRITON_INTERPRET=1 (tests/engine/test_fused_moe.py runs it in
 Triton's interpreter against the torch reference; tests/gpu/test_fused_moe_gpu.py in bf16 on a GPU).
@@ -370,4 +370,27 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     # the down product reads h's halves and makes silu(g) * u itself (two elementwise launches saved)
     out = grouped_gemm(h, down, alignment, num_rows, top_k, False, config, topk_weights.reshape(-1),
                        down_scale, swiglu=True)
-    return out.view(tokens, top_k, -1).sum(dim=1)
+    return combine(out, tokens, top_k)
+
+
+@triton.jit
+def _combine_kernel(rows_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t, h] = sum over k (in slot order) of rows[t * TOP_K + k, h], in fp32, rounded once.
+    Programs: (tokens, H / BLOCK_H)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(rows_ptr + (t * TOP_K + k) * H + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def combine(rows: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """[tokens, H]: each token's top_k weighted expert rows (rows [tokens * top_k, H], contiguous) summed
+    in one launch (torch's strided sum over the slots took 4.6 us a layer at one token on an H100)."""
+    hidden = rows.shape[1]
+    out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
+    block = min(triton.next_power_of_2(hidden), 1024)
+    _combine_kernel[(tokens, triton.cdiv(hidden, block))](rows, out, hidden, TOP_K=top_k, BLOCK_H=block)
+    return out
