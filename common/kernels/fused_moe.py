@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 log = logging.getLogger("mmserve.decoder.fused_moe")
 
@@ -299,14 +300,18 @@ def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     def experts(ids: torch.Tensor, config: GemmConfig) -> torch.Tensor:
         return fused_moe(rows, gate_up, down, weights, ids, config, gate_up_scale, down_scale)
 
-    times = {config: graph_time_us([functools.partial(experts, ids, config) for ids in routings])
-             for config in DECODE_CONFIGS}
+    times = {}
+    for config in DECODE_CONFIGS:
+        try:
+            times[config] = graph_time_us([functools.partial(experts, ids, config) for ids in routings])
+        except OutOfResources:  # a tiling this card's shared memory cannot hold (the first always fits)
+            continue
     best = min(times, key=times.get)
     CHOICES[key] = MoeChoice(best, times)
     log.info("fused MoE, %d tokens x top-%d of %d experts (%dx%d, %s): block %dx%dx%d, %d stages (%.1f us; "
              "default %.1f)", tokens, top_k, key.experts, key.hidden, key.width,
              str(key.weight_dtype).removeprefix("torch."), best.block_m, best.block_n, best.block_k,
-             best.num_stages, times[best], times[DECODE_CONFIGS[0]])
+             best.num_stages, times[best], times.get(DECODE_CONFIGS[0], float("nan")))
     return best
 
 

@@ -182,7 +182,8 @@ def test_decode_batches_take_the_fastest_measured_tiling(experts):
     config = kernels.choose_config(x, gate_up, down, TOP_K)
     (key, choice), = kernels.CHOICES.items()
     assert key.tokens == 4 and config in kernels.DECODE_CONFIGS and choice.config == config
-    assert set(choice.times_us) == set(kernels.DECODE_CONFIGS)
+    assert set(choice.times_us) <= set(kernels.DECODE_CONFIGS)
+    assert kernels.DECODE_CONFIGS[0] in choice.times_us  # the default tiling always fits
     assert min(choice.times_us.values()) == choice.times_us[config]
     weights, ids = route_topk(x @ router.t(), TOP_K, renormalize=True)
     chosen = fused_moe(x, gate_up, down, weights, ids)
