@@ -534,6 +534,8 @@ fi
 # experts, the routers spread, HF's random init of the same config beside, against the active-weights
 # bound. $OUT gets test_fused_moe.log. Limits: 180 s the tests, 540 s the bench. MOE_TESTS: the GPU test
 # files instead (e.g. with tests/gpu/test_qwen3_5_moe_gpu.py for MOE_PRESET=qwen3.5-35b-a3b).
+# MOE_PREFILL_PROFILE=1 then profiles one 1520-token prefill step's kernels (bench.profile_step --warm-tail
+# 1520 over a 16-token prompt; $OUT gets moe_prefill_profile.{json,log}; 100 s).
 if [[ ",$SECTIONS," == *,moe,* ]]; then
   MOE_DIR=${MOE_MODEL_DIR:-/tmp/moe30b}
   read -r -a MOEARGS <<< "${MOE_ARGS:-}"
@@ -545,6 +547,12 @@ if [[ ",$SECTIONS," == *,moe,* ]]; then
   step moe_decode 540 "$PY" -m bench.moe_decode --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
     --quantization none,fp8 --batch-sizes 1,32 --prompt-len 64 --output-len 64 --hf-repeats 2 \
     ${MOEARGS[@]+"${MOEARGS[@]}"}
+  if [ "${MOE_PREFILL_PROFILE:-0}" = 1 ]; then  # where a cold-like 1520-token prefill step's time goes
+    step moe_prefill_profile 100 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
+      --prompt-len 16 --warm-tail 1520 --steps 3 --top 24
+    cp "$RES/moe_prefill_profile.json" "$RES/moe_prefill_profile.log" "$OUT/" 2>/dev/null
+    grep -A30 "kernels per step" "$RES/moe_prefill_profile.log" | head -32
+  fi
 fi
 
 # deterministic (issue 66): the GPU tests of the mode (kernels, engine per family, encoder), then what the
