@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from common.kernels.graph_timing import graph_time_us
+
 log = logging.getLogger("mmserve.decoder.fused_moe")
 
 
@@ -82,8 +84,8 @@ def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> B
 # Each program of the sort owns ALIGN_CHUNK assignments and ALIGN_CHUNK rows of the sorted buffer, and
 # counts every assignment itself (a [chunk, experts] one-hot per ALIGN_CHUNK of them) and compares its own
 # with all n: the work per program grows with n, so beyond ALIGN_KERNEL_MAX (32 decode tokens at top-8)
-# torch's parallel sort is faster. (One program doing everything cost 133 us per layer at 256 assignments
-# on an H100, 2026-12-07.)
+# torch's parallel sort is faster. (One program doing everything serialised the whole sort: BENCHMARKS.md,
+# Qwen3-VL-30B-A3B.)
 ALIGN_CHUNK = 64
 ALIGN_KERNEL_MAX = 256
 
@@ -289,8 +291,6 @@ def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
         return CHOICES[key].config
     if torch.cuda.is_current_stream_capturing():
         return default_config(tokens)
-    from common.kernels.graph_timing import graph_time_us
-
     gen = torch.Generator(device=x.device).manual_seed(tokens)
     routings = [torch.rand(tokens, key.experts, generator=gen, device=x.device).topk(top_k, dim=-1).indices
                 for _ in range(TIMING_ROUTINGS)]
@@ -393,7 +393,7 @@ def _combine_kernel(rows_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.const
 
 def combine(rows: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
     """[tokens, H]: each token's top_k weighted expert rows (rows [tokens * top_k, H], contiguous) summed
-    in one launch (torch's strided sum over the slots took 4.6 us a layer at one token on an H100)."""
+    in one launch."""
     hidden = rows.shape[1]
     out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
     block = min(triton.next_power_of_2(hidden), 1024)

@@ -2,9 +2,8 @@
 logits, the top_k largest probabilities, renormalised to sum to one when asked, cast to the logits' dtype.
 
 It replaces the chain of torch launches of decoder_svc/model/moe.py's `route` (softmax, topk's sort,
-the renormalising sum and division, two casts: about 20 us per layer at one token on an H100, 2026-12-07)
-and returns the same values: the top_k in descending order, ties taken lowest expert first (torch.topk
-documents no order among ties). The exponentials are
+the renormalising sum and division, two casts) and returns the same values: the top_k in descending
+order, ties taken lowest expert first (torch.topk documents no order among ties). The exponentials are
 Triton's, so a probability may differ from torch's in its last fp32 bits; a weight rounded to bf16 then
 differs in rare cases by one bf16 ulp. Fixed shapes, no host sync: capturable in CUDA graphs.
 
