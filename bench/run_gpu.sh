@@ -534,8 +534,9 @@ fi
 # experts, the routers spread, HF's random init of the same config beside, against the active-weights
 # bound. $OUT gets test_fused_moe.log. Limits: 180 s the tests, 540 s the bench. MOE_TESTS: the GPU test
 # files instead (e.g. with tests/gpu/test_qwen3_5_moe_gpu.py for MOE_PRESET=qwen3.5-35b-a3b).
-# MOE_PREFILL_PROFILE=1 then profiles one 1520-token prefill step's kernels (bench.profile_step --warm-tail
-# 1520 over a 16-token prompt; $OUT gets moe_prefill_profile.{json,log}; 100 s).
+# MOE_PREFILL_PROFILE=1 then profiles one 1520-token prefill step (bench.profile_step --warm-tail 1520 over a
+# 16-token prompt; 100 s) and a follow-up's 24-token step over a 1520-token cached prefix (80 s): kernels and
+# host time; $OUT gets moe_prefill_profile.{json,log} and moe_followup_profile.{json,log}.
 if [[ ",$SECTIONS," == *,moe,* ]]; then
   MOE_DIR=${MOE_MODEL_DIR:-/tmp/moe30b}
   read -r -a MOEARGS <<< "${MOE_ARGS:-}"
@@ -547,11 +548,15 @@ if [[ ",$SECTIONS," == *,moe,* ]]; then
   step moe_decode 540 "$PY" -m bench.moe_decode --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
     --quantization none,fp8 --batch-sizes 1,32 --prompt-len 64 --output-len 64 --hf-repeats 2 \
     ${MOEARGS[@]+"${MOEARGS[@]}"}
-  if [ "${MOE_PREFILL_PROFILE:-0}" = 1 ]; then  # where a cold-like 1520-token prefill step's time goes
+  if [ "${MOE_PREFILL_PROFILE:-0}" = 1 ]; then  # where a cold-like prefill step's and a follow-up's time goes
     step moe_prefill_profile 100 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
-      --prompt-len 16 --warm-tail 1520 --steps 3 --top 24
-    cp "$RES/moe_prefill_profile.json" "$RES/moe_prefill_profile.log" "$OUT/" 2>/dev/null
-    grep -A30 "kernels per step" "$RES/moe_prefill_profile.log" | head -32
+      --prompt-len 16 --warm-tail 1520 --steps 3 --top 24 --host-top 12
+    step moe_followup_profile 80 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
+      --prompt-len 1520 --warm-tail 24 --steps 4 --top 16 --host-top 12
+    for f in moe_prefill_profile moe_followup_profile; do
+      cp "$RES/$f.json" "$RES/$f.log" "$OUT/" 2>/dev/null
+      grep -A30 "kernels per step" "$RES/$f.log" | head -32
+    done
   fi
 fi
 
