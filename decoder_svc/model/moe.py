@@ -113,6 +113,7 @@ class SparseMoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.moe_renormalize
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.ops = ops
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         # The deterministic mode's ops take the reference: its per-expert products go through the mode's
         # batch-invariant matmul, where the fused kernel's tiles follow the batch's routing.
@@ -130,7 +131,7 @@ class SparseMoE(nn.Module):
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum."""
-        logits = self.gate(x)
+        logits = self.ops.linear(x, self.gate)  # one row: the tuned one-row kernel where it is faster
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         gate_up_scale, down_scale = self.experts.scales()
         if self.fused and x.is_cuda:
