@@ -21,6 +21,8 @@ The layout follows the idea of vLLM's and SGLang's `fused_moe` (the code is this
   decoder_svc/model/quant/experts.py): the kernel widens each weight tile to the activations' dtype and
   scales the fp32 accumulator by its columns' scales once, after the K loop (before the routing weight).
 - The combine sums each token's top_k weighted rows (in slot order, fp32, one rounding).
+- Every launch is a programmatic dependent launch on Hopper (pdl.py): it starts while the kernel before
+  drains and waits before its first read (the products have nothing to stream before the sort's output).
 
 Only imported on GPU paths or under TRITON_INTERPRET=1 (tests/engine/test_fused_moe.py runs it in
 Triton's interpreter against the torch reference; tests/gpu/test_fused_moe_gpu.py in bf16 on a GPU).
@@ -38,6 +40,12 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from common.kernels.graph_timing import graph_time_us
+from common.kernels.pdl import (
+    launch_options,
+    release_dependents,
+    small_kernel_launch_options,
+    wait_for_inputs,
+)
 
 log = logging.getLogger("mmserve.decoder.fused_moe")
 
@@ -77,7 +85,7 @@ def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> B
     _align_kernel[(triton.cdiv(total, ALIGN_CHUNK),)](
         topk_ids.reshape(-1), sorted_rows, block_expert, n, total, num_experts,
         N_PAD=max(triton.next_power_of_2(n), ALIGN_CHUNK), E_PAD=triton.next_power_of_2(num_experts),
-        BLOCK_M=block_m, CHUNK=ALIGN_CHUNK)
+        BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, **small_kernel_launch_options())
     return BlockAlignment(sorted_rows, block_expert, block_m)
 
 
@@ -97,6 +105,8 @@ def _align_kernel(ids_ptr, sorted_rows_ptr, block_expert_ptr, n, total, num_expe
     program alike), then give assignments p*CHUNK.. their rows (their expert's start + how many of that
     expert's come before them in flat order), and rows p*CHUNK.. that no assignment takes the index n,
     each block starting there its expert (-1 past the last run)."""
+    wait_for_inputs()  # launched early (pdl.py): the router's ids are read after the wait
+    release_dependents()
     experts = tl.arange(0, E_PAD)
     live = experts < num_experts
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
@@ -165,6 +175,9 @@ def _grouped_gemm_kernel(
     silu(g) * u of the stored row's halves [g | u] (K columns each), each rounded to A's dtype as torch's
     two elementwise ops round. W_SCALED: W is FP8, widened to A's dtype per tile, and w_scale
     [experts, N] (strides se, sn) scales the accumulator's columns. Programs: (blocks, N / BLOCK_N)."""
+    # launched early (pdl.py); nothing is read before the wait: which expert's weights to stream is
+    # itself the sort's output
+    wait_for_inputs()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -198,6 +211,7 @@ def _grouped_gemm_kernel(
         acc += tl.dot(a, w)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    release_dependents()  # after the main loop, as the other products (pdl.py)
     if W_SCALED:
         w_scale = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + offs_n * stride_sn, mask=n_ok,
                           other=0.0)
@@ -351,7 +365,7 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, alignment: BlockAlignme
         TOP_K=top_k, A_PER_TOKEN=a_per_token, A_SWIGLU=swiglu, MUL_WEIGHT=row_weights is not None,
         W_SCALED=weight_scale is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(),
     )
     return out
 
@@ -382,6 +396,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
 def _combine_kernel(rows_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t, h] = sum over k (in slot order) of rows[t * TOP_K + k, h], in fp32, rounded once.
     Programs: (tokens, H / BLOCK_H)."""
+    wait_for_inputs()
+    release_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -397,5 +413,6 @@ def combine(rows: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
     hidden = rows.shape[1]
     out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
     block = min(triton.next_power_of_2(hidden), 1024)
-    _combine_kernel[(tokens, triton.cdiv(hidden, block))](rows, out, hidden, TOP_K=top_k, BLOCK_H=block)
+    _combine_kernel[(tokens, triton.cdiv(hidden, block))](rows, out, hidden, TOP_K=top_k, BLOCK_H=block,
+                                                          **small_kernel_launch_options())
     return out

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.pdl import release_dependents, small_kernel_launch_options, wait_for_inputs
+
 # tokens per program: BLOCK_T x next_power_of_2(experts) probabilities in registers
 BLOCK_T = 16
 
@@ -25,6 +27,8 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, tokens, num_experts, stride_
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
                   BLOCK_T: tl.constexpr, E_PAD: tl.constexpr):
     """Programs: tokens / BLOCK_T. weights [tokens, TOP_K] (logits' dtype), ids [tokens, TOP_K] int32."""
+    wait_for_inputs()  # launched early (pdl.py): the logits are read after the wait
+    release_dependents()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, E_PAD)
     row_ok = rows < tokens
@@ -67,5 +71,5 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
         _route_kernel[(triton.cdiv(tokens, BLOCK_T),)](
             logits, weights, ids, tokens, num_experts, logits.stride(0), TOP_K=top_k,
             K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_T=BLOCK_T,
-            E_PAD=triton.next_power_of_2(num_experts))
+            E_PAD=triton.next_power_of_2(num_experts), **small_kernel_launch_options())
     return weights, ids
