@@ -534,9 +534,10 @@ fi
 # experts, the routers spread, HF's random init of the same config beside, against the active-weights
 # bound. $OUT gets test_fused_moe.log. Limits: 180 s the tests, 540 s the bench. MOE_TESTS: the GPU test
 # files instead (e.g. with tests/gpu/test_qwen3_5_moe_gpu.py for MOE_PRESET=qwen3.5-35b-a3b).
-# MOE_PREFILL_PROFILE=1 then profiles one 1520-token prefill step (bench.profile_step --warm-tail 1520 over a
-# 16-token prompt; 100 s), a follow-up's 24-token step over a 1520-token cached prefix (80 s), both with host
-# time, and a batch-1 decode step (70 s); $OUT gets moe_{prefill,followup,decode}_profile.{json,log}.
+# MOE_PREFILL_PROFILE=1 then, in this order (each while the budget lasts): profiles one 1520-token prefill
+# step with its host time (bench.profile_step --warm-tail 1520 over a 16-token prompt; 100 s), times every
+# grouped-GEMM tiling at MOE_TILING_TOKENS (bench.moe_tiling; 150 s), profiles a batch-1 decode step (70 s)
+# and a follow-up's 24-token step over a 1520-token cached prefix (80 s); $OUT gets each one's json and log.
 if [[ ",$SECTIONS," == *,moe,* ]]; then
   MOE_DIR=${MOE_MODEL_DIR:-/tmp/moe30b}
   read -r -a MOEARGS <<< "${MOE_ARGS:-}"
@@ -551,11 +552,12 @@ if [[ ",$SECTIONS," == *,moe,* ]]; then
   if [ "${MOE_PREFILL_PROFILE:-0}" = 1 ]; then  # where a cold-like prefill step's and a follow-up's time goes
     step moe_prefill_profile 100 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
       --prompt-len 16 --warm-tail 1520 --steps 3 --top 24 --host-top 12
-    step moe_followup_profile 80 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
-      --prompt-len 1520 --warm-tail 24 --steps 4 --top 16 --host-top 12
+    step moe_tiling 150 "$PY" -m bench.moe_tiling "${DT[@]}" --tokens "${MOE_TILING_TOKENS:-1,32,512,1536}"
     step moe_decode_profile 70 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
       --batch 1 --steps 8 --top 24
-    for f in moe_prefill_profile moe_followup_profile moe_decode_profile; do
+    step moe_followup_profile 80 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
+      --prompt-len 1520 --warm-tail 24 --steps 4 --top 16 --host-top 12
+    for f in moe_prefill_profile moe_tiling moe_decode_profile moe_followup_profile; do
       cp "$RES/$f.json" "$RES/$f.log" "$OUT/" 2>/dev/null
       grep -A30 "kernels per step" "$RES/$f.log" | head -32
     done
