@@ -7,14 +7,15 @@ decode and prefill token counts, beside cuBLAS's dense products of the same usef
 
 Per token count: every tiling (`--configs`, default: the decode tilings choose_config measures plus the
 prefill candidates below) times the whole fused_moe call (sort, both products, combine) and, for the
-tiling default_config picks, each of those parts alone. Routing is uniform (each token's top_k drawn at
-random), as trained routers spread; `--routings` distinct routings and copies of the experts beyond L2
-rotate so the weights stream from memory as in a model. Time per call: CUDA graphs of the calls replayed
-(graph_timing.graph_time_us) up to --graph-tokens tokens, CUDA events around eager calls beyond (as the
-decoder runs them: graphs for decode and short prefills, eager for long ones). The dense reference:
-torch's products of the same rows without any sort or padding ([T * top_k, H] @ [H, 2I] and
-[T * top_k, I] @ [I, H]), i.e. what one perfectly balanced expert would cost. TFLOP/s counts the useful
-FLOPs only (2 * T * top_k * 3 * H * I).
+tiling default_config picks, each of those parts alone; and the same call through torch's grouped GEMM
+(moe_grouped_mm.py, the other path fused_moe's prefill may take). Routing is uniform (each token's
+top_k drawn at random), as trained routers spread; `--routings` distinct routings and copies of the
+experts beyond L2 rotate so the weights stream from memory as in a model. Time per call: CUDA graphs of
+the calls replayed (graph_timing.graph_time_us) up to --graph-tokens tokens, CUDA events around eager
+calls beyond (graph_timing.event_time_us; as the decoder runs them: graphs for decode and short
+prefills, eager for long ones). The dense reference: torch's products of the same rows without any sort
+or padding ([T * top_k, H] @ [H, 2I] and [T * top_k, I] @ [I, H]), what one perfectly balanced expert
+would cost. TFLOP/s counts the useful FLOPs only (2 * T * top_k * 3 * H * I).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,34 +79,20 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def _timer(device: torch.device, graph: bool, repeats: int) -> Callable[[list[Callable[[], object]]], float]:
-    """us per call of a list of calls: graph replays, CUDA events around eager calls, or on a CPU the
+    """us per call of a list of calls: graph replays or CUDA events around eager calls, or on a CPU the
     wall clock (the interpreter's smoke run: meaningless as a speed)."""
-    if device.type == "cuda" and graph:
-        from common.kernels.graph_timing import graph_time_us
+    if device.type == "cuda":
+        from common.kernels.graph_timing import event_time_us, graph_time_us
 
-        return graph_time_us
+        return graph_time_us if graph else functools.partial(event_time_us, rounds=repeats)
 
-    def eager_us(calls: list[Callable[[], object]]) -> float:
+    def wall_us(calls: list[Callable[[], object]]) -> float:
+        start = time.perf_counter()
         for call in calls:
             call()
-        if device.type != "cuda":
-            start = time.perf_counter()
-            for call in calls:
-                call()
-            return (time.perf_counter() - start) * 1e6 / len(calls)
-        torch.cuda.synchronize(device)
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for call in calls:
-                call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / len(calls))
-        return statistics.median(times)
+        return (time.perf_counter() - start) * 1e6 / len(calls)
 
-    return eager_us
+    return wall_us
 
 
 @dataclass
@@ -156,6 +142,7 @@ def time_tokens(layer: Layer, tokens: int, configs: list, args: argparse.Namespa
         row["tilings"][config_name(config)] = {
             "us": round(us, 2), "tflops": round(flops / us / 1e6, 1),
             "rows_allocated_per_row": round(padded_rows(rows, layer.experts, config.block_m) / rows, 2)}
+    row["grouped_mm"] = _time_grouped_mm(timer, x, work, topk_w, flops)
     done = {k: v for k, v in row["tilings"].items() if v}
     row["best"] = min(done, key=lambda k: done[k]["us"])
     default = default_config(tokens) if tokens > 64 else DECODE_CONFIGS[0]
@@ -179,6 +166,25 @@ def time_tokens(layer: Layer, tokens: int, configs: list, args: argparse.Namespa
     dense_us *= 2  # the timer's figure is per call: the two products make one reference
     row["dense_reference"] = {"us": round(dense_us, 2), "tflops": round(flops / dense_us / 1e6, 1)}
     return row
+
+
+def _time_grouped_mm(timer, x: torch.Tensor, work: list, topk_w: torch.Tensor, flops: int) -> dict | None:
+    """torch's grouped GEMM path (moe_grouped_mm.py, fused_moe's other prefill path) over the same work,
+    combine included; None where it does not apply, the error where it fails."""
+    from common.kernels.fused_moe import combine
+    from common.kernels.moe_grouped_mm import grouped_mm_rows, supported
+
+    if not supported(x, work[0][0][0]):
+        return None
+
+    def call(w, ids):
+        return combine(grouped_mm_rows(x, w[0], w[1], topk_w, ids), *ids.shape)
+
+    try:
+        us = timer([functools.partial(call, w, i) for w, i in work])
+    except RuntimeError as e:
+        return {"error": str(e)[:300]}
+    return {"us": round(us, 2), "tflops": round(flops / us / 1e6, 1)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -206,13 +212,17 @@ def run(args: argparse.Namespace) -> dict:
         row = time_tokens(layer, tokens, configs, args, gen)
         rows.append(row)
         best, default = row["tilings"][row["best"]], row["tilings"].get(row["default"]) or {}
+        grouped = row["grouped_mm"] or {}
+        grouped_us = grouped.get("us", grouped.get("error"))
         print(f"{tokens} tokens: best {row['best']} {best['us']} us ({best['tflops']} TFLOP/s), default "
-              f"{row['default']} {default.get('us')} us, dense {row['dense_reference']['us']} us", flush=True)
+              f"{row['default']} {default.get('us')} us, grouped_mm {grouped_us} us, dense "
+              f"{row['dense_reference']['us']} us", flush=True)
     table = [[r["tokens"], r["best"], r["tilings"][r["best"]]["us"], r["tilings"][r["best"]]["tflops"],
-              r["default"], (r["tilings"].get(r["default"]) or {}).get("us", "-"), r["dense_reference"]["us"],
+              r["default"], (r["tilings"].get(r["default"]) or {}).get("us", "-"),
+              (r["grouped_mm"] or {}).get("us", "-"), r["dense_reference"]["us"],
               r["dense_reference"]["tflops"]] for r in rows]
     print_table("MoE layer experts by tiling", ["tokens", "best", "us", "TFLOP/s", "default", "default us",
-                                                 "dense us", "dense TFLOP/s"], table)
+                                                 "grouped_mm us", "dense us", "dense TFLOP/s"], table)
     return save_result("moe_tiling", args, rows, pdl=os.environ.get("MMSERVE_PDL", "1"))
 
 

@@ -21,6 +21,8 @@ The layout follows the idea of vLLM's and SGLang's `fused_moe` (the code is this
   decoder_svc/model/quant/experts.py): the kernel widens each weight tile to the activations' dtype and
   scales the fp32 accumulator by its columns' scales once, after the K loop (before the routing weight).
 - The combine sums each token's top_k weighted rows (in slot order, fp32, one rounding).
+- Prefill batches may instead take torch's grouped GEMM (moe_grouped_mm.py), where it was measured
+  faster for that size (`prefill_backend`).
 - Every launch is a programmatic dependent launch on Hopper (pdl.py): it starts while the kernel before
   drains and waits before its first read (the products have nothing to stream before the sort's output).
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -39,7 +42,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from common.kernels.graph_timing import graph_time_us
+from common.kernels import moe_grouped_mm
+from common.kernels.graph_timing import event_time_us, graph_time_us
 from common.kernels.pdl import (
     launch_options,
     release_dependents,
@@ -330,12 +334,84 @@ def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
 
 
 def tuning_summary() -> list[dict]:
-    """The measured choices as JSON rows (benchmarks put them beside their figures)."""
-    return [{"tokens": k.tokens, "top_k": k.top_k, "experts": k.experts, "hidden": k.hidden,
-             "width": k.width, "weight_dtype": str(k.weight_dtype).removeprefix("torch."),
-             "chosen": asdict(c.config),
-             "times_us": {f"{g.block_m}x{g.block_n}x{g.block_k}/{g.num_warps}w{g.num_stages}s": round(t, 2)
-                          for g, t in c.times_us.items()}} for k, c in CHOICES.items()]
+    """The measured choices as JSON rows (benchmarks put them beside their figures): decode tilings, then
+    prefill paths."""
+    def shape(k: MoeKey) -> dict:
+        return {"tokens": k.tokens, "top_k": k.top_k, "experts": k.experts, "hidden": k.hidden,
+                "width": k.width, "weight_dtype": str(k.weight_dtype).removeprefix("torch.")}
+
+    decode = [{**shape(k), "chosen": asdict(c.config),
+               "times_us": {f"{g.block_m}x{g.block_n}x{g.block_k}/{g.num_warps}w{g.num_stages}s": round(t, 2)
+                            for g, t in c.times_us.items()}} for k, c in CHOICES.items()]
+    prefill = [{**shape(k), "chosen": c.backend,
+                "times_us": {b: round(t, 2) for b, t in c.times_us.items()}}
+               for k, c in PREFILL_CHOICES.items()]
+    return decode + prefill
+
+
+# Prefill batches (more than TUNED_TOKENS tokens, outside CUDA graphs) may take torch's grouped GEMM
+# (moe_grouped_mm.py: no padding, CUTLASS's kernels on Hopper) instead of default_config's tiling: each
+# size (rounded up to a power of two) takes the faster of the two, measured once (`prefill_backend`).
+# MMSERVE_MOE_PREFILL=triton or grouped_mm fixes the choice (the A/B of the benchmarks).
+PREFILL_ENV = "MMSERVE_MOE_PREFILL"
+PREFILL_BACKENDS = ("auto", "triton", "grouped_mm")
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    """The path a prefill size takes and each path's time (us per MoE call)."""
+
+    backend: str
+    times_us: dict[str, float]
+
+
+PREFILL_CHOICES: dict[MoeKey, PrefillChoice] = {}  # one per process: the shapes are the model's
+
+
+def prefill_backend(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> str:
+    """"triton" or "grouped_mm" for x [T, H] through these experts: "triton" for decode sizes (up to
+    TUNED_TOKENS tokens), off a GPU, inside a graph capture, and for experts the grouped GEMM does not take
+    (FP8); else MMSERVE_MOE_PREFILL's fixed choice, or (auto) the faster of the two for T rounded up to a
+    power of two, timed once eagerly over a few random routings (a grouped GEMM that fails here, e.g. a
+    layout this torch build refuses, leaves the key on "triton")."""
+    mode = os.environ.get(PREFILL_ENV, "auto")
+    if mode not in PREFILL_BACKENDS:
+        raise ValueError(f"{PREFILL_ENV}={mode!r}: expected one of {', '.join(PREFILL_BACKENDS)}")
+    if (x.shape[0] <= TUNED_TOKENS or not x.is_cuda or torch.cuda.is_current_stream_capturing()
+            or not moe_grouped_mm.supported(x, gate_up)):
+        return "triton"
+    if mode != "auto":
+        return mode
+    tokens = triton.next_power_of_2(x.shape[0])
+    key = MoeKey(tokens, top_k, gate_up.shape[0], gate_up.shape[2], down.shape[2], x.dtype, gate_up.dtype)
+    if key not in PREFILL_CHOICES:
+        PREFILL_CHOICES[key] = _measure_prefill(key, x.device, gate_up, down)
+    return PREFILL_CHOICES[key].backend
+
+
+def _measure_prefill(key: MoeKey, device: torch.device, gate_up: torch.Tensor,
+                     down: torch.Tensor) -> PrefillChoice:
+    gen = torch.Generator(device=device).manual_seed(key.tokens)
+    routings = [torch.rand(key.tokens, key.experts, generator=gen, device=device).topk(key.top_k, dim=-1)
+                .indices for _ in range(3)]
+    weights = torch.full((key.tokens, key.top_k), 1.0 / key.top_k, dtype=key.dtype, device=device)
+    rows = torch.randn(key.tokens, key.hidden, generator=gen, device=device).to(key.dtype)
+    config = default_config(key.tokens)
+    times = {"triton": event_time_us([functools.partial(fused_moe, rows, gate_up, down, weights, ids, config)
+                                      for ids in routings])}
+    try:
+        times["grouped_mm"] = event_time_us([
+            functools.partial(moe_grouped_mm.grouped_mm_rows, rows, gate_up, down, weights, ids)
+            for ids in routings])
+    except RuntimeError as e:
+        log.warning("fused MoE, %d tokens: torch's grouped GEMM failed (%s); the Triton tiling serves",
+                    key.tokens, e)
+        return PrefillChoice("triton", times)
+    backend = min(times, key=times.get)
+    log.info("fused MoE prefill, %d tokens x top-%d of %d experts (%dx%d): %s (triton %.1f us, grouped_mm "
+             "%.1f us)", key.tokens, key.top_k, key.experts, key.hidden, key.width, backend,
+             times["triton"], times["grouped_mm"])
+    return PrefillChoice(backend, times)
 
 
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, alignment: BlockAlignment, num_rows: int,
@@ -378,11 +454,15 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     down[e](silu(g) * u) with (g, u) = gate_up[e] @ x[t] halves, e = topk_ids[t, k].
     gate_up: [experts, 2 * I, H] (gate rows first); down: [experts, H, I]. FP8 experts: both float8_e4m3fn
     with gate_up_scale [experts, 2 * I, 1] and down_scale [experts, H, 1] (fp32, per output channel).
-    Returns [T, H] in x's dtype."""
+    Returns [T, H] in x's dtype. `config` given: these Triton tiles; else choose_config's, or for a prefill
+    the path prefill_backend picks."""
     tokens, top_k = topk_ids.shape
     num_rows = tokens * top_k
     if num_rows == 0:
         return torch.zeros_like(x)
+    if config is None and prefill_backend(x, gate_up, down, top_k) == "grouped_mm":
+        rows = moe_grouped_mm.grouped_mm_rows(x, gate_up, down, topk_weights, topk_ids)
+        return combine(rows, tokens, top_k)
     config = config or choose_config(x, gate_up, down, top_k, gate_up_scale, down_scale)
     alignment = align_to_blocks(topk_ids, gate_up.shape[0], config.block_m)
     h = grouped_gemm(x, gate_up, alignment, num_rows, top_k, True, config, weight_scale=gate_up_scale)

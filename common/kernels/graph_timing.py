@@ -1,6 +1,7 @@
 """Timing GPU calls as decode runs them: captured back to back in one CUDA graph and replayed, over
-enough copies of the weights that none is read from L2. The start-up choices between kernels
-(stream_gemv.choose, the decoder's fused-GEMV choice) and the benchmarks use it."""
+enough copies of the weights that none is read from L2; or eagerly between CUDA events, as long
+prefills run. The start-up choices between kernels (stream_gemv.choose, the decoder's fused-GEMV choice,
+fused_moe's tilings) and the benchmarks use it."""
 
 from __future__ import annotations
 
@@ -40,3 +41,21 @@ def graph_time_us(calls: list[Callable[[], object]], replays: int = 10, rounds: 
         best = min(best, start.elapsed_time(end) * 1e3 / (replays * len(calls)))
     del graph
     return best
+
+
+def event_time_us(calls: list[Callable[[], object]], rounds: int = 5) -> float:
+    """Microseconds per call of `calls` launched eagerly back to back between two CUDA events (the median
+    of `rounds`), as long prefills run outside graphs. Each call runs once first."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for call in calls:
+            call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return sorted(times)[len(times) // 2]

@@ -200,3 +200,44 @@ def test_decode_batches_take_the_fastest_measured_tiling(experts):
     big = torch.randn(kernels.TUNED_TOKENS + 1, HIDDEN, device="cuda").bfloat16()
     assert kernels.choose_config(big, gate_up, down, TOP_K) == kernels.default_config(big.shape[0])
     kernels.CHOICES.clear()
+
+
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("tokens", [65, 1500])
+def test_each_prefill_path_against_the_reference(experts, backend, tokens, monkeypatch):
+    """MMSERVE_MOE_PREFILL fixes the prefill path: torch's grouped GEMM (CUTLASS's on Hopper) and the Triton
+    tiling both stay as close to the fp32 reference as the bf16 reference does."""
+    from common.kernels import fused_moe as kernels
+
+    monkeypatch.setenv(kernels.PREFILL_ENV, backend)
+    gate_up, down, router = experts
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    assert kernels.prefill_backend(x, gate_up, down, TOP_K) == backend
+    _check(x, gate_up, down, *route_topk(x @ router.t(), TOP_K, renormalize=True))
+
+
+def test_prefill_takes_the_faster_measured_path(experts, monkeypatch):
+    """auto: a prefill size (rounded up to a power of two) is timed once on both paths and takes the faster;
+    inside a graph capture, and for FP8 experts, the Triton tiling without timing anything."""
+    from common.kernels import fused_moe as kernels
+
+    monkeypatch.delenv(kernels.PREFILL_ENV, raising=False)
+    gate_up, down, _ = experts
+    kernels.PREFILL_CHOICES.clear()
+    x = torch.randn(300, HIDDEN, device="cuda").bfloat16()
+    backend = kernels.prefill_backend(x, gate_up, down, TOP_K)
+    (key, choice), = kernels.PREFILL_CHOICES.items()
+    assert key.tokens == 512 and choice.backend == backend
+    assert set(choice.times_us) == {"triton", "grouped_mm"}
+    assert choice.times_us[backend] == min(choice.times_us.values())
+    assert kernels.prefill_backend(x[:280], gate_up, down, TOP_K) == backend  # the same key, not re-timed
+    assert len(kernels.PREFILL_CHOICES) == 1
+    assert any(row.get("chosen") == backend for row in kernels.tuning_summary())
+
+    y = torch.randn(1000, HIDDEN, device="cuda").bfloat16()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert kernels.prefill_backend(y, gate_up, down, TOP_K) == "triton"
+    fp8 = gate_up.to(torch.float8_e4m3fn)
+    assert kernels.prefill_backend(y, fp8, down.to(torch.float8_e4m3fn), TOP_K) == "triton"
+    assert len(kernels.PREFILL_CHOICES) == 1
