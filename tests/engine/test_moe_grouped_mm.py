@@ -21,16 +21,7 @@ from common.kernels import fused_moe as kernels  # noqa: E402
 from common.kernels.fused_moe import combine  # noqa: E402
 from common.kernels.moe_grouped_mm import grouped_mm_rows, sort_by_expert, supported  # noqa: E402
 from decoder_svc.model.moe import experts_reference, route  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-HIDDEN, WIDTH = 40, 24
-
-
-def _experts(num_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    gate_up = torch.randn(num_experts, 2 * WIDTH, HIDDEN, generator=gen) / HIDDEN**0.5
-    down = torch.randn(num_experts, HIDDEN, WIDTH, generator=gen) / WIDTH**0.5
-    return gate_up.to(DEVICE), down.to(DEVICE)
+from tests.engine.test_fused_moe import DEVICE, HIDDEN, _experts  # noqa: E402  (the same tiny experts)
 
 
 def _grouped(x, gate_up, down, weights, ids) -> torch.Tensor:
