@@ -63,8 +63,16 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_s
         # fp32 add then one rounding: bit-identical to torch's dtype add.
         h = _round(h.to(tl.float32) + r.to(tl.float32), dtype)
         tl.store(res_ptr + row * res_stride + cols, h, mask=mask)
+    out = _normed(h, w, n_cols, eps, dtype, UNIT_OFFSET)
+    tl.store(out_ptr + row * out_stride + cols, _round(out, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _normed(h, w, n_cols, eps, dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """fp32 weight * rmsnorm(h) over the last axis of h (rows of `dtype` values, masked columns 0), with
+    HF's rounding points; the caller rounds once to the output dtype."""
     hf = h.to(tl.float32)
-    var = tl.sum(hf * hf, axis=0) / n_cols
+    var = tl.sum(hf * hf, axis=len(h.shape) - 1, keep_dims=True) / n_cols
     if UNIT_OFFSET:
         # Gemma: (1 + weight) in fp32, the product in fp32, one rounding at the end (HF Gemma3RMSNorm).
         out = hf * tl.math.rsqrt(var + eps) * (1.0 + w.to(tl.float32))
@@ -73,7 +81,35 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_s
         normed = _round(hf * tl.math.rsqrt(var + eps), dtype)
         # Product of two dtype values is exact in fp32, so this single rounding equals torch's dtype mul.
         out = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, _round(out, out_ptr.dtype.element_ty), mask=mask)
+    return out
+
+
+@triton.jit
+def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, q_s_tok, q_s_head, k_s_tok, k_s_head,
+                    n_q_heads, n_k_heads, head_dim, eps, UNIT_OFFSET: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Programs (tokens, head blocks): blocks below cdiv(n_q_heads, BLOCK_H) norm BLOCK_H of the token's
+    query heads, the rest its key heads; each head's row over head_dim, the outputs contiguous."""
+    tok = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    if block < q_blocks:
+        x_ptr, w_ptr, o_ptr, s_tok, s_head, n_heads = q_ptr, wq_ptr, qo_ptr, q_s_tok, q_s_head, n_q_heads
+        first = block * BLOCK_H
+    else:
+        x_ptr, w_ptr, o_ptr, s_tok, s_head, n_heads = k_ptr, wk_ptr, ko_ptr, k_s_tok, k_s_head, n_k_heads
+        first = (block - q_blocks) * BLOCK_H
+    w = tl.load(w_ptr + d, mask=d_ok, other=0.0)
+    wait_for_inputs()  # launched early (pdl.py): nothing but the weights is read before
+    release_dependents()
+    heads = first + tl.arange(0, BLOCK_H)
+    ok = (heads < n_heads)[:, None] & d_ok[None, :]
+    h = tl.load(x_ptr + tok * s_tok + heads[:, None] * s_head + d[None, :], mask=ok, other=0.0)
+    out = _normed(h, w[None, :], head_dim, eps, x_ptr.dtype.element_ty, UNIT_OFFSET)
+    tl.store(o_ptr + (tok * n_heads + heads[:, None]) * head_dim + d[None, :],
+             _round(out, o_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -305,6 +341,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                                 HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
                                 num_warps=num_warps, **small_kernel_launch_options())
     return out, new_residual
+
+
+def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm over each head of q [T, Hq, D] and k [T, Hk, D] (strided views, e.g. of one qkv buffer;
+    the last dim contiguous) with their own [D] weights, in one launch; new contiguous tensors, each head
+    rounded as rms_norm rounds a row."""
+    if q.dim() != 3 or k.dim() != 3 or q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError(f"q and k must be [T, heads, D] with a contiguous last dim, got {tuple(q.shape)} "
+                         f"{q.stride()} and {tuple(k.shape)} {k.stride()}")
+    head_dim = q.shape[2]
+    for name, x, w in (("q", q, q_weight), ("k", k, k_weight)):
+        if x.shape[2] != head_dim or x.shape[0] != q.shape[0] or x.dtype != q.dtype:
+            raise ValueError(f"{name}: {tuple(x.shape)} {x.dtype} does not pair with q {tuple(q.shape)}")
+        if w.shape != (head_dim,) or w.dtype != q.dtype:
+            raise ValueError(f"{name} weight must be [{head_dim}] {q.dtype}, got {tuple(w.shape)} {w.dtype}")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    tokens, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]
+    if tokens == 0:
+        return q_out, k_out
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = max(1, min(triton.next_power_of_2(max(n_q, n_k)), 4096 // block_d))  # <= 4096 values a program
+    grid = (tokens, triton.cdiv(n_q, block_h) + triton.cdiv(n_k, block_h))
+    _qk_norm_kernel[grid](q, k, q_weight.contiguous(), k_weight.contiguous(), q_out, k_out, q.stride(0),
+                          q.stride(1), k.stride(0), k.stride(1), n_q, n_k, head_dim, eps,
+                          UNIT_OFFSET=unit_offset, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+                          **small_kernel_launch_options())
+    return q_out, k_out
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -68,6 +68,13 @@ class TritonOps:
         return elementwise.rms_norm(x, weight, eps, residual, unit_offset=True)
 
     @staticmethod
+    def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """TorchOps.qk_norm in one launch (each head rounded as rms_norm rounds a row), reading the heads
+        where the qkv product left them."""
+        return elementwise.qk_rms_norm(q, k, q_weight, k_weight, eps, unit_offset)
+
+    @staticmethod
     def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
         """x [T, 2*I] = cat(gate, up) -> new tensor gelu_tanh(gate) * up [T, I] (Gemma's MLP)."""
         return elementwise.gated_act(x, gelu=True)

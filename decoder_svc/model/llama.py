@@ -98,7 +98,7 @@ class SelfAttention(nn.Module):
         k = qkv[:, q_rows:q_rows + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_rows + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = _per_head(self.q_norm, q), _per_head(self.k_norm, k)
+            q, k = self.norm_heads(q, k)
         out = backend.rotate_and_forward(q, k, v, self.ops.rotary, positions, cos_sin, kv_cache, meta,
                                          self.scale, window=self.window)
         out = out.reshape(n, self.q_size)
@@ -106,6 +106,13 @@ class SelfAttention(nn.Module):
             out = out * torch.sigmoid(gate.reshape(n, self.q_size))
         out = self.ops.linear(out, self.o_proj)
         return all_reduce(out) if self.reduce else out
+
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_norm and k_norm over each head (one launch where the ops have qk_norm)."""
+        if hasattr(self.ops, "qk_norm"):
+            return self.ops.qk_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                    self.q_norm.unit_offset)
+        return _per_head(self.q_norm, q), _per_head(self.k_norm, k)
 
 
 def _per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,15 @@ class TorchOps:
         return (hf * (1.0 + weight.float())).to(h.dtype), h
 
     @staticmethod
+    def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """rms_norm (offset_rms_norm with `unit_offset`) over each head of q [T, Hq, D] and k [T, Hk, D]
+        (strided views of the qkv product) with their own weights: new tensors of their shapes."""
+        norm = TorchOps.offset_rms_norm if unit_offset else TorchOps.rms_norm
+        return tuple(norm(x.reshape(-1, x.shape[-1]), w, eps)[0].view(x.shape)
+                     for x, w in ((q, q_weight), (k, k_weight)))
+
+    @staticmethod
     def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
         """x [T, 2*I] = cat(gate, up) -> gelu_pytorch_tanh(gate) * up [T, I] in x.dtype (Gemma's MLP)."""
         gate, up = x.chunk(2, dim=-1)

@@ -169,6 +169,48 @@ def test_triton_rms_norm_strided_rows_and_empty():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
+@pytest.mark.parametrize("tokens, q_heads, k_heads, head_dim, gated",
+                         [(1, 4, 2, 16, False), (5, 6, 2, 24, False), (3, 3, 1, 40, True),
+                          (0, 4, 2, 16, False)])
+def test_triton_qk_norm_reads_the_heads_in_place_in_one_launch(dtype, unit_offset, tokens, q_heads, k_heads,
+                                                               head_dim, gated):
+    """Each head of q and k, strided views of one qkv row (a gated query interleaves its gate per head),
+    normed with its own weight: equal, bit for bit, to the one-row kernel over the heads copied into rows,
+    close to the reference; qkv untouched; new contiguous tensors."""
+    gen = _gen(tokens * 97 + q_heads * head_dim + DTYPES.index(dtype) + 7 * unit_offset)
+    q_width = q_heads * head_dim * (2 if gated else 1)
+    qkv = _rand((tokens, q_width + 2 * k_heads * head_dim), dtype, gen)
+    qkv0 = qkv.clone()
+    if gated:
+        q = qkv[:, :q_width].view(tokens, q_heads, 2 * head_dim)[..., :head_dim]
+    else:
+        q = qkv[:, :q_width].view(tokens, q_heads, head_dim)
+    k = qkv[:, q_width:q_width + k_heads * head_dim].view(tokens, k_heads, head_dim)
+    wq, wk = (_rand(head_dim, dtype, gen, scale=0.3, offset=0.8) for _ in range(2))
+    q_out, k_out = TritonOps.qk_norm(q, k, wq, wk, 1e-6, unit_offset)
+    ref_q, ref_k = TorchOps.qk_norm(q, k, wq, wk, 1e-6, unit_offset)
+    row_norm = TritonOps.offset_rms_norm if unit_offset else TritonOps.rms_norm
+    for out, ref, x, w in ((q_out, ref_q, q, wq), (k_out, ref_k, k, wk)):
+        assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
+        rows = row_norm(x.reshape(-1, head_dim).contiguous(), w, 1e-6)[0].view(x.shape)
+        assert torch.equal(out, rows)
+        torch.testing.assert_close(out, ref, **TOL[dtype])
+    assert torch.equal(qkv, qkv0)
+
+
+def test_triton_qk_norm_refuses_what_does_not_pair():
+    q = torch.zeros(2, 4, 16, device=DEVICE)
+    w = torch.ones(16, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        TritonOps.qk_norm(q.transpose(1, 2), q, w, w, 1e-6)
+    with pytest.raises(ValueError, match="does not pair"):
+        TritonOps.qk_norm(q, torch.zeros(3, 2, 16, device=DEVICE), w, w, 1e-6)
+    with pytest.raises(ValueError, match="k weight must be"):
+        TritonOps.qk_norm(q, q, w, torch.ones(8, device=DEVICE), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 48), (7, 300)])
 def test_triton_silu_and_mul(dtype, shape):
     n_tok, inter = shape

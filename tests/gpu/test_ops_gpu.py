@@ -75,6 +75,26 @@ def test_offset_rms_norm_gpu(dtype, n_tok, width):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_tok", TOKENS)
+@pytest.mark.parametrize("q_heads, k_heads, head_dim, unit_offset",  # Qwen3-VL-8B, -30B-A3B, Gemma 3 4B
+                         [(32, 8, 128, False), (32, 4, 128, False), (8, 4, 256, True)])
+def test_qk_norm_gpu(dtype, n_tok, q_heads, k_heads, head_dim, unit_offset):
+    """The one-launch QK norm over the heads of a qkv product equals the row kernel over the heads copied
+    into rows, bit for bit, and stays close to the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(500 + n_tok + head_dim)
+    qkv = _rand((n_tok, (q_heads + 2 * k_heads) * head_dim), dtype, gen, scale=3.0)
+    q = qkv[:, :q_heads * head_dim].view(n_tok, q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim:(q_heads + k_heads) * head_dim].view(n_tok, k_heads, head_dim)
+    wq, wk = _rand(head_dim, dtype, gen, scale=0.2, offset=1.0), _rand(head_dim, dtype, gen, scale=0.2)
+    q_out, k_out = TritonOps.qk_norm(q, k, wq, wk, 1e-6, unit_offset)
+    ref_q, ref_k = TorchOps.qk_norm(q, k, wq, wk, 1e-6, unit_offset)
+    row_norm = TritonOps.offset_rms_norm if unit_offset else TritonOps.rms_norm
+    for out, ref, x, w in ((q_out, ref_q, q, wq), (k_out, ref_k, k, wk)):
+        assert torch.equal(out, row_norm(x.reshape(-1, head_dim).contiguous(), w, 1e-6)[0].view(x.shape))
+        assert _rel_err(out, ref) < REL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_tok", TOKENS)
 def test_gelu_tanh_and_mul_gpu(dtype, n_tok):
     gen = torch.Generator(device="cuda").manual_seed(400 + n_tok)
     x = _rand((n_tok, 2 * 10240), dtype, gen, scale=4.0)  # gemma-3-4b's intermediate size
