@@ -32,6 +32,7 @@ Triton's interpreter against the torch reference; tests/gpu/test_fused_moe_gpu.p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -372,8 +373,9 @@ def prefill_backend(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     """"triton" or "grouped_mm" for x [T, H] through these experts: "triton" for decode sizes (up to
     TUNED_TOKENS tokens), off a GPU, inside a graph capture, and for experts the grouped GEMM does not take
     (FP8); else MMSERVE_MOE_PREFILL's fixed choice, or (auto) the faster of the two for T rounded up to a
-    power of two, timed once eagerly over a few random routings (a grouped GEMM that fails here, e.g. a
-    layout this torch build refuses, leaves the key on "triton")."""
+    power of two, timed once eagerly over a few random routings, every smaller power of two above
+    TUNED_TOKENS with it (a grouped GEMM that fails here, e.g. a layout this torch build refuses, leaves
+    the size on "triton")."""
     mode = os.environ.get(PREFILL_ENV, "auto")
     if mode not in PREFILL_BACKENDS:
         raise ValueError(f"{PREFILL_ENV}={mode!r}: expected one of {', '.join(PREFILL_BACKENDS)}")
@@ -385,7 +387,14 @@ def prefill_backend(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     tokens = triton.next_power_of_2(x.shape[0])
     key = MoeKey(tokens, top_k, gate_up.shape[0], gate_up.shape[2], down.shape[2], x.dtype, gate_up.dtype)
     if key not in PREFILL_CHOICES:
-        PREFILL_CHOICES[key] = _measure_prefill(key, x.device, gate_up, down)
+        # every smaller prefill size too: the start-up's largest prefill measures them all, so a user's
+        # first prompt of another length finds its size measured
+        size = 2 * TUNED_TOKENS
+        while size <= tokens:
+            smaller = dataclasses.replace(key, tokens=size)
+            if smaller not in PREFILL_CHOICES:
+                PREFILL_CHOICES[smaller] = _measure_prefill(smaller, x.device, gate_up, down)
+            size *= 2
     return PREFILL_CHOICES[key].backend
 
 

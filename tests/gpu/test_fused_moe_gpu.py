@@ -217,8 +217,9 @@ def test_each_prefill_path_against_the_reference(experts, backend, tokens, monke
 
 
 def test_prefill_takes_the_faster_measured_path(experts, monkeypatch):
-    """auto: a prefill size (rounded up to a power of two) is timed once on both paths and takes the faster;
-    inside a graph capture, and for FP8 experts, the Triton tiling without timing anything."""
+    """auto: a prefill size (rounded up to a power of two) is timed once on both paths, the smaller sizes
+    with it, and takes the faster; inside a graph capture, and for FP8 experts, the Triton tiling without
+    timing anything."""
     from common.kernels import fused_moe as kernels
 
     monkeypatch.delenv(kernels.PREFILL_ENV, raising=False)
@@ -226,12 +227,13 @@ def test_prefill_takes_the_faster_measured_path(experts, monkeypatch):
     kernels.PREFILL_CHOICES.clear()
     x = torch.randn(300, HIDDEN, device="cuda").bfloat16()
     backend = kernels.prefill_backend(x, gate_up, down, TOP_K)
-    (key, choice), = kernels.PREFILL_CHOICES.items()
-    assert key.tokens == 512 and choice.backend == backend
-    assert set(choice.times_us) == {"triton", "grouped_mm"}
+    assert sorted(k.tokens for k in kernels.PREFILL_CHOICES) == [128, 256, 512]  # the smaller sizes too
+    choice = next(c for k, c in kernels.PREFILL_CHOICES.items() if k.tokens == 512)
+    assert choice.backend == backend and set(choice.times_us) == {"triton", "grouped_mm"}
     assert choice.times_us[backend] == min(choice.times_us.values())
     assert kernels.prefill_backend(x[:280], gate_up, down, TOP_K) == backend  # the same key, not re-timed
-    assert len(kernels.PREFILL_CHOICES) == 1
+    kernels.prefill_backend(x[:100], gate_up, down, TOP_K)
+    assert len(kernels.PREFILL_CHOICES) == 3
     assert any(row.get("chosen") == backend for row in kernels.tuning_summary())
 
     y = torch.randn(1000, HIDDEN, device="cuda").bfloat16()
@@ -240,4 +242,4 @@ def test_prefill_takes_the_faster_measured_path(experts, monkeypatch):
         assert kernels.prefill_backend(y, gate_up, down, TOP_K) == "triton"
     fp8 = gate_up.to(torch.float8_e4m3fn)
     assert kernels.prefill_backend(y, fp8, down.to(torch.float8_e4m3fn), TOP_K) == "triton"
-    assert len(kernels.PREFILL_CHOICES) == 1
+    assert len(kernels.PREFILL_CHOICES) == 3
