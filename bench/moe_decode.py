@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
     left_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None  # what the engines left behind
     tilings = []
     if cuda:  # the decode batches' measured tilings (common/kernels/fused_moe.py's choose_config)
-        from common.kernels.fused_moe import tuning_summary
+        from common.kernels.moe_tuning import tuning_summary
 
         tilings = tuning_summary()
     hf = run_hf(args, model, prompts, calibration, batches, hf_weights) if hf_weights != "none" else {}

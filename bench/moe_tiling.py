@@ -8,7 +8,7 @@ decode and prefill token counts, beside cuBLAS's dense products of the same usef
 Per token count: every tiling (`--configs`, default: the decode tilings choose_config measures plus the
 prefill candidates below) times the whole fused_moe call (sort, both products, combine) and, for the
 tiling default_config picks, each of those parts alone; and the same call through torch's grouped GEMM
-(moe_grouped_mm.py, the other path fused_moe's prefill may take). Routing is uniform (each token's
+(moe_grouped_mm.py, the other path a prefill may take: moe_tuning.py). Routing is uniform (each token's
 top_k drawn at random), as trained routers spread; `--routings` distinct routings and copies of the
 experts beyond L2 rotate so the weights stream from memory as in a model. Time per call: CUDA graphs of
 the calls replayed (graph_timing.graph_time_us) up to --graph-tokens tokens, CUDA events around eager
@@ -113,7 +113,6 @@ def time_tokens(layer: Layer, tokens: int, configs: list, args: argparse.Namespa
     from triton.runtime.errors import OutOfResources
 
     from common.kernels.fused_moe import (
-        DECODE_CONFIGS,
         align_to_blocks,
         combine,
         default_config,
@@ -121,6 +120,7 @@ def time_tokens(layer: Layer, tokens: int, configs: list, args: argparse.Namespa
         grouped_gemm,
         padded_rows,
     )
+    from common.kernels.moe_tuning import DECODE_CONFIGS, TUNED_TOKENS
 
     device, dtype = layer.weights[0][0].device, layer.weights[0][0].dtype
     hidden, width, top_k, rows = layer.hidden, layer.width, layer.top_k, tokens * layer.top_k
@@ -145,7 +145,7 @@ def time_tokens(layer: Layer, tokens: int, configs: list, args: argparse.Namespa
     row["grouped_mm"] = _time_grouped_mm(timer, x, work, topk_w, flops)
     done = {k: v for k, v in row["tilings"].items() if v}
     row["best"] = min(done, key=lambda k: done[k]["us"])
-    default = default_config(tokens) if tokens > 64 else DECODE_CONFIGS[0]
+    default = default_config(tokens) if tokens > TUNED_TOKENS else DECODE_CONFIGS[0]
     row["default"] = config_name(default)
     (gate_up, down), i = work[0]
     align = align_to_blocks(i, layer.experts, default.block_m)
@@ -169,7 +169,7 @@ def time_tokens(layer: Layer, tokens: int, configs: list, args: argparse.Namespa
 
 
 def _time_grouped_mm(timer, x: torch.Tensor, work: list, topk_w: torch.Tensor, flops: int) -> dict | None:
-    """torch's grouped GEMM path (moe_grouped_mm.py, fused_moe's other prefill path) over the same work,
+    """torch's grouped GEMM path (moe_grouped_mm.py, a prefill's other path) over the same work,
     combine included; None where it does not apply, the error where it fails."""
     from common.kernels.fused_moe import combine
     from common.kernels.moe_grouped_mm import grouped_mm_rows, supported
@@ -189,7 +189,7 @@ def _time_grouped_mm(timer, x: torch.Tensor, work: list, topk_w: torch.Tensor, f
 
 def run(args: argparse.Namespace) -> dict:
     """Time; returns the JSON payload."""
-    from common.kernels.fused_moe import DECODE_CONFIGS
+    from common.kernels.moe_tuning import DECODE_CONFIGS
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)

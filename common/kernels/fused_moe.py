@@ -21,8 +21,8 @@ The layout follows the idea of vLLM's and SGLang's `fused_moe` (the code is this
   decoder_svc/model/quant/experts.py): the kernel widens each weight tile to the activations' dtype and
   scales the fp32 accumulator by its columns' scales once, after the K loop (before the routing weight).
 - The combine sums each token's top_k weighted rows (in slot order, fp32, one rounding).
-- Prefill batches may instead take torch's grouped GEMM (moe_grouped_mm.py), where it was measured
-  faster for that size (`prefill_backend`).
+- Which tiling a batch takes, and whether a prefill takes torch's grouped GEMM instead
+  (moe_grouped_mm.py), is measured, not guessed: moe_tuning.py, whose `moe_experts` the layer calls.
 - Every launch is a programmatic dependent launch on Hopper (pdl.py): it starts while the kernel before
   drains and waits before its first read (the products have nothing to stream before the sort's output).
 
@@ -32,27 +32,18 @@ Triton's interpreter against the torch reference; tests/gpu/test_fused_moe_gpu.p
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import logging
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
-from common.kernels import moe_grouped_mm
-from common.kernels.graph_timing import event_time_us, graph_time_us
 from common.kernels.pdl import (
     launch_options,
     release_dependents,
     small_kernel_launch_options,
     wait_for_inputs,
 )
-
-log = logging.getLogger("mmserve.decoder.fused_moe")
 
 
 @dataclass(frozen=True)
@@ -248,181 +239,6 @@ def default_config(tokens: int) -> GemmConfig:
     return GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
-# Decode batches (up to TUNED_TOKENS tokens) take the fastest of these tilings for their shapes, measured
-# once per MoeKey (`choose_config`; one tiling serves both products, the sort's blocks being shared). At
-# one token each chosen expert is a GEMV whose speed is the share of the SMs its programs keep streaming:
-# the N tile and the K depth decide it, and the best differs with the experts' shapes and between cards,
-# so it is measured, not guessed.
-TUNED_TOKENS = 64
-DECODE_CONFIGS = (
-    GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
-    GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4),
-    GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
-    GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3),
-    GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3),
-    GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=6),
-    GemmConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4),
-    GemmConfig(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=4),
-)
-TIMING_ROUTINGS = 8  # distinct random routings a timing rotates over, so weights stream from memory
-
-
-@dataclass(frozen=True)
-class MoeKey:
-    """What a tiling is chosen for: the batch's tokens (rounded up to a power of two) and the layer's
-    expert shapes and dtypes."""
-
-    tokens: int
-    top_k: int
-    experts: int
-    hidden: int
-    width: int
-    dtype: torch.dtype
-    weight_dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class MoeChoice:
-    """The chosen tiling and every candidate's time (us per MoE call: sort and both products)."""
-
-    config: GemmConfig
-    times_us: dict[GemmConfig, float]
-
-
-CHOICES: dict[MoeKey, MoeChoice] = {}  # one per process: the shapes are the model's
-
-
-def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-                  gate_up_scale: torch.Tensor | None = None,
-                  down_scale: torch.Tensor | None = None) -> GemmConfig:
-    """The tiling fused_moe launches for x [T, H] through these experts: default_config's beyond
-    TUNED_TOKENS tokens; else the fastest of DECODE_CONFIGS, measured once per MoeKey as decode runs it
-    (the sort and both products over TIMING_ROUTINGS random routings of the key's tokens, back to back in
-    a replayed CUDA graph: graph_timing.graph_time_us; a second or so per key, the first time also
-    Triton's compiles). Never measured inside a graph capture (the runner runs every graph's batch once
-    before capturing it, so keys are measured before SERVING): an unmeasured key there takes
-    default_config. Without graphs (--enforce-eager) a key is measured when its batch size first runs."""
-    if x.shape[0] > TUNED_TOKENS or not x.is_cuda:
-        return default_config(x.shape[0])
-    tokens = triton.next_power_of_2(x.shape[0])
-    key = MoeKey(tokens, top_k, gate_up.shape[0], gate_up.shape[2], down.shape[2], x.dtype, gate_up.dtype)
-    if key in CHOICES:
-        return CHOICES[key].config
-    if torch.cuda.is_current_stream_capturing():
-        return default_config(tokens)
-    gen = torch.Generator(device=x.device).manual_seed(tokens)
-    routings = [torch.rand(tokens, key.experts, generator=gen, device=x.device).topk(top_k, dim=-1).indices
-                for _ in range(TIMING_ROUTINGS)]
-    weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=x.dtype, device=x.device)
-    rows = torch.randn(tokens, key.hidden, generator=gen, device=x.device).to(x.dtype)
-
-    def experts(ids: torch.Tensor, config: GemmConfig) -> torch.Tensor:
-        return fused_moe(rows, gate_up, down, weights, ids, config, gate_up_scale, down_scale)
-
-    times = {}
-    for config in DECODE_CONFIGS:
-        try:
-            times[config] = graph_time_us([functools.partial(experts, ids, config) for ids in routings])
-        except OutOfResources:  # a tiling this card's shared memory cannot hold (the first always fits)
-            continue
-    best = min(times, key=times.get)
-    CHOICES[key] = MoeChoice(best, times)
-    log.info("fused MoE, %d tokens x top-%d of %d experts (%dx%d, %s): block %dx%dx%d, %d stages (%.1f us; "
-             "default %.1f)", tokens, top_k, key.experts, key.hidden, key.width,
-             str(key.weight_dtype).removeprefix("torch."), best.block_m, best.block_n, best.block_k,
-             best.num_stages, times[best], times.get(DECODE_CONFIGS[0], float("nan")))
-    return best
-
-
-def tuning_summary() -> list[dict]:
-    """The measured choices as JSON rows (benchmarks put them beside their figures): decode tilings, then
-    prefill paths."""
-    def shape(k: MoeKey) -> dict:
-        return {"tokens": k.tokens, "top_k": k.top_k, "experts": k.experts, "hidden": k.hidden,
-                "width": k.width, "weight_dtype": str(k.weight_dtype).removeprefix("torch.")}
-
-    decode = [{**shape(k), "chosen": asdict(c.config),
-               "times_us": {f"{g.block_m}x{g.block_n}x{g.block_k}/{g.num_warps}w{g.num_stages}s": round(t, 2)
-                            for g, t in c.times_us.items()}} for k, c in CHOICES.items()]
-    prefill = [{**shape(k), "chosen": c.backend,
-                "times_us": {b: round(t, 2) for b, t in c.times_us.items()}}
-               for k, c in PREFILL_CHOICES.items()]
-    return decode + prefill
-
-
-# Prefill batches (more than TUNED_TOKENS tokens, outside CUDA graphs) may take torch's grouped GEMM
-# (moe_grouped_mm.py: no padding, CUTLASS's kernels on Hopper) instead of default_config's tiling: each
-# size (rounded up to a power of two) takes the faster of the two, measured once (`prefill_backend`).
-# MMSERVE_MOE_PREFILL=triton or grouped_mm fixes the choice (the A/B of the benchmarks).
-PREFILL_ENV = "MMSERVE_MOE_PREFILL"
-PREFILL_BACKENDS = ("auto", "triton", "grouped_mm")
-
-
-@dataclass(frozen=True)
-class PrefillChoice:
-    """The path a prefill size takes and each path's time (us per MoE call)."""
-
-    backend: str
-    times_us: dict[str, float]
-
-
-PREFILL_CHOICES: dict[MoeKey, PrefillChoice] = {}  # one per process: the shapes are the model's
-
-
-def prefill_backend(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> str:
-    """"triton" or "grouped_mm" for x [T, H] through these experts: "triton" for decode sizes (up to
-    TUNED_TOKENS tokens), off a GPU, inside a graph capture, and for experts the grouped GEMM does not take
-    (FP8); else MMSERVE_MOE_PREFILL's fixed choice, or (auto) the faster of the two for T rounded up to a
-    power of two, timed once eagerly over a few random routings, every smaller power of two above
-    TUNED_TOKENS with it (a grouped GEMM that fails here, e.g. a layout this torch build refuses, leaves
-    the size on "triton")."""
-    mode = os.environ.get(PREFILL_ENV, "auto")
-    if mode not in PREFILL_BACKENDS:
-        raise ValueError(f"{PREFILL_ENV}={mode!r}: expected one of {', '.join(PREFILL_BACKENDS)}")
-    if (x.shape[0] <= TUNED_TOKENS or not x.is_cuda or torch.cuda.is_current_stream_capturing()
-            or not moe_grouped_mm.supported(x, gate_up)):
-        return "triton"
-    if mode != "auto":
-        return mode
-    tokens = triton.next_power_of_2(x.shape[0])
-    key = MoeKey(tokens, top_k, gate_up.shape[0], gate_up.shape[2], down.shape[2], x.dtype, gate_up.dtype)
-    if key not in PREFILL_CHOICES:
-        # every smaller prefill size too: the start-up's largest prefill measures them all, so a user's
-        # first prompt of another length finds its size measured
-        size = 2 * TUNED_TOKENS
-        while size <= tokens:
-            smaller = dataclasses.replace(key, tokens=size)
-            if smaller not in PREFILL_CHOICES:
-                PREFILL_CHOICES[smaller] = _measure_prefill(smaller, x.device, gate_up, down)
-            size *= 2
-    return PREFILL_CHOICES[key].backend
-
-
-def _measure_prefill(key: MoeKey, device: torch.device, gate_up: torch.Tensor,
-                     down: torch.Tensor) -> PrefillChoice:
-    gen = torch.Generator(device=device).manual_seed(key.tokens)
-    routings = [torch.rand(key.tokens, key.experts, generator=gen, device=device).topk(key.top_k, dim=-1)
-                .indices for _ in range(3)]
-    weights = torch.full((key.tokens, key.top_k), 1.0 / key.top_k, dtype=key.dtype, device=device)
-    rows = torch.randn(key.tokens, key.hidden, generator=gen, device=device).to(key.dtype)
-    config = default_config(key.tokens)
-    times = {"triton": event_time_us([functools.partial(fused_moe, rows, gate_up, down, weights, ids, config)
-                                      for ids in routings])}
-    try:
-        times["grouped_mm"] = event_time_us([
-            functools.partial(moe_grouped_mm.grouped_mm_rows, rows, gate_up, down, weights, ids)
-            for ids in routings])
-    except RuntimeError as e:
-        log.warning("fused MoE, %d tokens: torch's grouped GEMM failed (%s); the Triton tiling serves",
-                    key.tokens, e)
-        return PrefillChoice("triton", times)
-    backend = min(times, key=times.get)
-    log.info("fused MoE prefill, %d tokens x top-%d of %d experts (%dx%d): %s (triton %.1f us, grouped_mm "
-             "%.1f us)", key.tokens, key.top_k, key.experts, key.hidden, key.width, backend,
-             times["triton"], times["grouped_mm"])
-    return PrefillChoice(backend, times)
-
-
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, alignment: BlockAlignment, num_rows: int,
                  top_k: int, a_per_token: bool, config: GemmConfig,
                  row_weights: torch.Tensor | None = None,
@@ -463,16 +279,13 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     down[e](silu(g) * u) with (g, u) = gate_up[e] @ x[t] halves, e = topk_ids[t, k].
     gate_up: [experts, 2 * I, H] (gate rows first); down: [experts, H, I]. FP8 experts: both float8_e4m3fn
     with gate_up_scale [experts, 2 * I, 1] and down_scale [experts, H, 1] (fp32, per output channel).
-    Returns [T, H] in x's dtype. `config` given: these Triton tiles; else choose_config's, or for a prefill
-    the path prefill_backend picks."""
+    Returns [T, H] in x's dtype, through `config`'s tiles (default_config's when None; the layer's choice
+    of tiling and path is moe_tuning.moe_experts')."""
     tokens, top_k = topk_ids.shape
     num_rows = tokens * top_k
     if num_rows == 0:
         return torch.zeros_like(x)
-    if config is None and prefill_backend(x, gate_up, down, top_k) == "grouped_mm":
-        rows = moe_grouped_mm.grouped_mm_rows(x, gate_up, down, topk_weights, topk_ids)
-        return combine(rows, tokens, top_k)
-    config = config or choose_config(x, gate_up, down, top_k, gate_up_scale, down_scale)
+    config = config or default_config(tokens)
     alignment = align_to_blocks(topk_ids, gate_up.shape[0], config.block_m)
     h = grouped_gemm(x, gate_up, alignment, num_rows, top_k, True, config, weight_scale=gate_up_scale)
     # the down product reads h's halves and makes silu(g) * u itself (two elementwise launches saved)

@@ -1,7 +1,7 @@
 """Timing GPU calls as decode runs them: captured back to back in one CUDA graph and replayed, over
 enough copies of the weights that none is read from L2; or eagerly between CUDA events, as long
 prefills run. The start-up choices between kernels (stream_gemv.choose, the decoder's fused-GEMV choice,
-fused_moe's tilings) and the benchmarks use it."""
+the MoE tilings, moe_tuning.py) and the benchmarks use it."""
 
 from __future__ import annotations
 

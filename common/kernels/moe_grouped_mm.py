@@ -9,8 +9,8 @@ activations' dtype, as HF's loop weights each expert's output) and the rows put 
 order, for fused_moe's `combine` to sum each token's top_k rows in fp32.
 
 Only for weights in the activations' dtype (bf16/fp16 on a GPU; fp32 for the CPU tests): FP8 experts stay
-on the Triton kernels. fused_moe measures this path against its own tiling per prefill size and takes the
-faster (`choose_prefill`), never inside a CUDA graph capture.
+on the Triton kernels. moe_tuning.prefill_backend measures this path against the Triton tiling per prefill
+size and takes the faster, never inside a CUDA graph capture.
 """
 
 from __future__ import annotations

@@ -135,12 +135,11 @@ class SparseMoE(nn.Module):
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         gate_up_scale, down_scale = self.experts.scales()
         if self.fused and x.is_cuda:
-            from common.kernels.fused_moe import fused_moe
             from common.kernels.moe_route import route_topk
+            from common.kernels.moe_tuning import moe_experts
 
             weights, ids = route_topk(logits, self.top_k, self.renormalize)
-            return fused_moe(x, gate_up, down, weights, ids, gate_up_scale=gate_up_scale,
-                             down_scale=down_scale)
+            return moe_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
         weights, ids = route(logits, self.top_k, self.renormalize)
         return experts_reference(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
 

@@ -1,7 +1,7 @@
 """The prefill path of a MoE layer through torch's grouped GEMM (common/kernels/moe_grouped_mm.py) against the
 torch reference (decoder_svc/model/moe.py's experts_reference), on CPU in fp32 (torch's own loop of products
 stands in for CUTLASS's kernels; the SiLU and the combine in Triton's interpreter), and the choice between it
-and the Triton tiling (fused_moe.prefill_backend). tests/gpu/test_fused_moe_gpu.py runs it in bf16."""
+and the Triton tiling (moe_tuning.prefill_backend). tests/gpu/test_fused_moe_gpu.py runs it in bf16."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 if not hasattr(torch, "_grouped_mm"):
     pytest.skip("this torch has no grouped GEMM", allow_module_level=True)
 
-from common.kernels import fused_moe as kernels  # noqa: E402
+from common.kernels import moe_tuning as tuning  # noqa: E402
 from common.kernels.fused_moe import combine  # noqa: E402
 from common.kernels.moe_grouped_mm import grouped_mm_rows, sort_by_expert, supported  # noqa: E402
 from decoder_svc.model.moe import experts_reference, route  # noqa: E402
@@ -66,17 +66,17 @@ def test_fp8_experts_are_not_taken():
 
 def test_decode_sizes_and_cpu_tensors_take_the_triton_tiling(monkeypatch):
     gate_up, down = _experts(4, seed=4)
-    small = torch.randn(kernels.TUNED_TOKENS, HIDDEN).to(DEVICE)
-    assert kernels.prefill_backend(small, gate_up, down, 2) == "triton"
+    small = torch.randn(tuning.TUNED_TOKENS, HIDDEN).to(DEVICE)
+    assert tuning.prefill_backend(small, gate_up, down, 2) == "triton"
     if DEVICE == "cpu":
-        monkeypatch.setenv(kernels.PREFILL_ENV, "grouped_mm")
-        big = torch.randn(kernels.TUNED_TOKENS + 1, HIDDEN)
-        assert kernels.prefill_backend(big, gate_up, down, 2) == "triton"  # a GPU path only
-    assert kernels.PREFILL_CHOICES == {}  # nothing measured
+        monkeypatch.setenv(tuning.PREFILL_ENV, "grouped_mm")
+        big = torch.randn(tuning.TUNED_TOKENS + 1, HIDDEN)
+        assert tuning.prefill_backend(big, gate_up, down, 2) == "triton"  # a GPU path only
+    assert tuning.PREFILL_CHOICES == {}  # nothing measured
 
 
 def test_an_unknown_backend_is_refused(monkeypatch):
-    monkeypatch.setenv(kernels.PREFILL_ENV, "cutlass")
+    monkeypatch.setenv(tuning.PREFILL_ENV, "cutlass")
     gate_up, down = _experts(4, seed=5)
     with pytest.raises(ValueError, match="MMSERVE_MOE_PREFILL='cutlass'"):
-        kernels.prefill_backend(torch.randn(80, HIDDEN).to(DEVICE), gate_up, down, 2)
+        tuning.prefill_backend(torch.randn(80, HIDDEN).to(DEVICE), gate_up, down, 2)

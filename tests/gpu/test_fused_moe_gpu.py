@@ -18,6 +18,7 @@ from tests.gpu.graph_replay import assert_replays_as_eager  # noqa: E402
 if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a device
     from common.kernels.fused_moe import align_to_blocks, align_to_blocks_torch, fused_moe
     from common.kernels.moe_route import route_topk
+    from common.kernels.moe_tuning import moe_experts
 
 EXPERTS, HIDDEN, WIDTH, TOP_K = 128, 2048, 768, 8
 
@@ -36,7 +37,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _check(x, gate_up, down, weights, ids) -> None:
-    out = fused_moe(x, gate_up, down, weights, ids)
+    out = moe_experts(x, gate_up, down, weights, ids)  # what the layer calls: the measured tiling or path
     # the fp32 reference over the same bf16 weights: the kernel's one rounding per product stays close;
     # the bf16 reference rounds as often, so it sits at a similar distance
     exact = experts_reference(x.float(), weights.float(), ids, gate_up.float(), down.float())
@@ -174,32 +175,32 @@ def test_decode_batches_take_the_fastest_measured_tiling(experts):
     """choose_config: a decode batch's key is measured once (every candidate timed), outside a capture;
     the chosen tiling computes what the default one does; a key first met inside a graph capture takes the
     default tiling without timing anything there."""
-    from common.kernels import fused_moe as kernels
+    from common.kernels import moe_tuning as tuning
 
     gate_up, down, router = experts
-    kernels.CHOICES.clear()
+    tuning.CHOICES.clear()
     x = torch.randn(3, HIDDEN, device="cuda").bfloat16()
-    config = kernels.choose_config(x, gate_up, down, TOP_K)
-    (key, choice), = kernels.CHOICES.items()
-    assert key.tokens == 4 and config in kernels.DECODE_CONFIGS and choice.config == config
-    assert set(choice.times_us) <= set(kernels.DECODE_CONFIGS)
-    assert kernels.DECODE_CONFIGS[0] in choice.times_us  # the default tiling always fits
+    config = tuning.choose_config(x, gate_up, down, TOP_K)
+    (key, choice), = tuning.CHOICES.items()
+    assert key.tokens == 4 and config in tuning.DECODE_CONFIGS and choice.config == config
+    assert set(choice.times_us) <= set(tuning.DECODE_CONFIGS)
+    assert tuning.DECODE_CONFIGS[0] in choice.times_us  # the default tiling always fits
     assert min(choice.times_us.values()) == choice.times_us[config]
     weights, ids = route_topk(x @ router.t(), TOP_K, renormalize=True)
-    chosen = fused_moe(x, gate_up, down, weights, ids)
-    default = fused_moe(x, gate_up, down, weights, ids, kernels.default_config(3))
+    chosen = tuning.moe_experts(x, gate_up, down, weights, ids)
+    default = fused_moe(x, gate_up, down, weights, ids, tuning.default_config(3))
     assert _rel_err(chosen, default) < 1e-2
-    assert kernels.tuning_summary()[0]["tokens"] == 4
+    assert tuning.tuning_summary()[0]["tokens"] == 4
 
     y = torch.randn(16, HIDDEN, device="cuda").bfloat16()
-    fused_moe(y, gate_up, down, *route_topk(y @ router.t(), TOP_K, True), kernels.default_config(16))
+    fused_moe(y, gate_up, down, *route_topk(y @ router.t(), TOP_K, True), tuning.default_config(16))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert kernels.choose_config(y, gate_up, down, TOP_K) == kernels.default_config(16)
-    assert len(kernels.CHOICES) == 1
-    big = torch.randn(kernels.TUNED_TOKENS + 1, HIDDEN, device="cuda").bfloat16()
-    assert kernels.choose_config(big, gate_up, down, TOP_K) == kernels.default_config(big.shape[0])
-    kernels.CHOICES.clear()
+        assert tuning.choose_config(y, gate_up, down, TOP_K) == tuning.default_config(16)
+    assert len(tuning.CHOICES) == 1
+    big = torch.randn(tuning.TUNED_TOKENS + 1, HIDDEN, device="cuda").bfloat16()
+    assert tuning.choose_config(big, gate_up, down, TOP_K) == tuning.default_config(big.shape[0])
+    tuning.CHOICES.clear()
 
 
 @pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
@@ -207,12 +208,12 @@ def test_decode_batches_take_the_fastest_measured_tiling(experts):
 def test_each_prefill_path_against_the_reference(experts, backend, tokens, monkeypatch):
     """MMSERVE_MOE_PREFILL fixes the prefill path: torch's grouped GEMM (CUTLASS's on Hopper) and the Triton
     tiling both stay as close to the fp32 reference as the bf16 reference does."""
-    from common.kernels import fused_moe as kernels
+    from common.kernels import moe_tuning as tuning
 
-    monkeypatch.setenv(kernels.PREFILL_ENV, backend)
+    monkeypatch.setenv(tuning.PREFILL_ENV, backend)
     gate_up, down, router = experts
     x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
-    assert kernels.prefill_backend(x, gate_up, down, TOP_K) == backend
+    assert tuning.prefill_backend(x, gate_up, down, TOP_K) == backend
     _check(x, gate_up, down, *route_topk(x @ router.t(), TOP_K, renormalize=True))
 
 
@@ -220,26 +221,26 @@ def test_prefill_takes_the_faster_measured_path(experts, monkeypatch):
     """auto: a prefill size (rounded up to a power of two) is timed once on both paths, the smaller sizes
     with it, and takes the faster; inside a graph capture, and for FP8 experts, the Triton tiling without
     timing anything."""
-    from common.kernels import fused_moe as kernels
+    from common.kernels import moe_tuning as tuning
 
-    monkeypatch.delenv(kernels.PREFILL_ENV, raising=False)
+    monkeypatch.delenv(tuning.PREFILL_ENV, raising=False)
     gate_up, down, _ = experts
-    kernels.PREFILL_CHOICES.clear()
+    tuning.PREFILL_CHOICES.clear()
     x = torch.randn(300, HIDDEN, device="cuda").bfloat16()
-    backend = kernels.prefill_backend(x, gate_up, down, TOP_K)
-    assert sorted(k.tokens for k in kernels.PREFILL_CHOICES) == [128, 256, 512]  # the smaller sizes too
-    choice = next(c for k, c in kernels.PREFILL_CHOICES.items() if k.tokens == 512)
+    backend = tuning.prefill_backend(x, gate_up, down, TOP_K)
+    assert sorted(k.tokens for k in tuning.PREFILL_CHOICES) == [128, 256, 512]  # the smaller sizes too
+    choice = next(c for k, c in tuning.PREFILL_CHOICES.items() if k.tokens == 512)
     assert choice.backend == backend and set(choice.times_us) == {"triton", "grouped_mm"}
     assert choice.times_us[backend] == min(choice.times_us.values())
-    assert kernels.prefill_backend(x[:280], gate_up, down, TOP_K) == backend  # the same key, not re-timed
-    kernels.prefill_backend(x[:100], gate_up, down, TOP_K)
-    assert len(kernels.PREFILL_CHOICES) == 3
-    assert any(row.get("chosen") == backend for row in kernels.tuning_summary())
+    assert tuning.prefill_backend(x[:280], gate_up, down, TOP_K) == backend  # the same key, not re-timed
+    tuning.prefill_backend(x[:100], gate_up, down, TOP_K)
+    assert len(tuning.PREFILL_CHOICES) == 3
+    assert any(row.get("chosen") == backend for row in tuning.tuning_summary())
 
     y = torch.randn(1000, HIDDEN, device="cuda").bfloat16()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert kernels.prefill_backend(y, gate_up, down, TOP_K) == "triton"
+        assert tuning.prefill_backend(y, gate_up, down, TOP_K) == "triton"
     fp8 = gate_up.to(torch.float8_e4m3fn)
-    assert kernels.prefill_backend(y, fp8, down.to(torch.float8_e4m3fn), TOP_K) == "triton"
-    assert len(kernels.PREFILL_CHOICES) == 3
+    assert tuning.prefill_backend(y, fp8, down.to(torch.float8_e4m3fn), TOP_K) == "triton"
+    assert len(tuning.PREFILL_CHOICES) == 3
