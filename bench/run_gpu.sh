@@ -530,7 +530,7 @@ if [[ ",$SECTIONS," == *,vision_attention,* ]]; then
 fi
 
 # moe (issue 69): tests/gpu/test_fused_moe_gpu.py (bf16 and FP8 experts against the reference, ragged and
-# empty experts, ties, a graph replay), then bench.moe_decode: decode b1 and 32 streams with bf16 and FP8
+# empty experts, ties, a graph replay, both prefill paths) and the QK norm's GPU test, then bench.moe_decode: decode b1 and 32 streams with bf16 and FP8
 # experts, the routers spread, HF's random init of the same config beside, against the active-weights
 # bound. $OUT gets test_fused_moe.log. Limits: 180 s the tests, 540 s the bench. MOE_TESTS: the GPU test
 # files instead (e.g. with tests/gpu/test_qwen3_5_moe_gpu.py for MOE_PRESET=qwen3.5-35b-a3b).
@@ -541,7 +541,7 @@ fi
 if [[ ",$SECTIONS," == *,moe,* ]]; then
   MOE_DIR=${MOE_MODEL_DIR:-/tmp/moe30b}
   read -r -a MOEARGS <<< "${MOE_ARGS:-}"
-  read -r -a MOETESTS <<< "${MOE_TESTS:-tests/gpu/test_fused_moe_gpu.py}"
+  read -r -a MOETESTS <<< "${MOE_TESTS:-tests/gpu/test_fused_moe_gpu.py tests/gpu/test_ops_gpu.py::test_qk_norm_gpu}"
   echo "== ${MOETESTS[*]} (t=$((SECONDS - START))s)"
   timeout 180 "$PY" -m pytest -q -p no:cacheprovider -rs "${MOETESTS[@]}" > "$OUT/test_fused_moe.log" 2>&1
   tail -15 "$OUT/test_fused_moe.log"
