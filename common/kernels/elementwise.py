@@ -96,18 +96,18 @@ def _qk_norm_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, q_s_tok, q_s_h
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     if block < q_blocks:
-        x_ptr, w_ptr, o_ptr, s_tok, s_head, n_heads = q_ptr, wq_ptr, qo_ptr, q_s_tok, q_s_head, n_q_heads
+        src_ptr, w_ptr, o_ptr, s_tok, s_head, n_heads = q_ptr, wq_ptr, qo_ptr, q_s_tok, q_s_head, n_q_heads
         first = block * BLOCK_H
     else:
-        x_ptr, w_ptr, o_ptr, s_tok, s_head, n_heads = k_ptr, wk_ptr, ko_ptr, k_s_tok, k_s_head, n_k_heads
+        src_ptr, w_ptr, o_ptr, s_tok, s_head, n_heads = k_ptr, wk_ptr, ko_ptr, k_s_tok, k_s_head, n_k_heads
         first = (block - q_blocks) * BLOCK_H
     w = tl.load(w_ptr + d, mask=d_ok, other=0.0)
     wait_for_inputs()  # launched early (pdl.py): nothing but the weights is read before
     release_dependents()
     heads = first + tl.arange(0, BLOCK_H)
     ok = (heads < n_heads)[:, None] & d_ok[None, :]
-    h = tl.load(x_ptr + tok * s_tok + heads[:, None] * s_head + d[None, :], mask=ok, other=0.0)
-    out = _normed(h, w[None, :], head_dim, eps, x_ptr.dtype.element_ty, UNIT_OFFSET)
+    h = tl.load(src_ptr + tok * s_tok + heads[:, None] * s_head + d[None, :], mask=ok, other=0.0)
+    out = _normed(h, w[None, :], head_dim, eps, src_ptr.dtype.element_ty, UNIT_OFFSET)
     tl.store(o_ptr + (tok * n_heads + heads[:, None]) * head_dim + d[None, :],
              _round(out, o_ptr.dtype.element_ty), mask=ok)
 

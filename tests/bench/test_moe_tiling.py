@@ -33,7 +33,7 @@ def test_every_tiling_is_timed_and_the_parts_are_reported(tmp_path):
         assert row["dense_reference"]["us"] > 0
         assert row["grouped_mm"]["us"] > 0  # torch's grouped GEMM on fp32 experts (its CPU loop here)
         assert all(t["rows_allocated_per_row"] >= 1 for t in row["tilings"].values())
-    assert rows[1]["default"] == "32x64x64/4w4s"  # default_config beyond the decode sizes
+    assert rows[1]["default"] == "64x128x64/4w4s"  # default_config beyond the decode sizes
 
 
 def test_a_tiling_is_parsed_and_named_back():

