@@ -112,14 +112,8 @@ def time_tokens(layer: Layer, tokens: int, configs: list, args: argparse.Namespa
     reference."""
     from triton.runtime.errors import OutOfResources
 
-    from common.kernels.fused_moe import (
-        align_to_blocks,
-        combine,
-        default_config,
-        fused_moe,
-        grouped_gemm,
-        padded_rows,
-    )
+    from common.kernels.fused_moe import combine, default_config, fused_moe, grouped_gemm
+    from common.kernels.moe_align import align_to_blocks, padded_rows
     from common.kernels.moe_tuning import DECODE_CONFIGS, TUNED_TOKENS
 
     device, dtype = layer.weights[0][0].device, layer.weights[0][0].dtype

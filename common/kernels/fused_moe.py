@@ -4,13 +4,10 @@ first's output as it reads it), weighted combine.
 
 The layout follows the idea of vLLM's and SGLang's `fused_moe` (the code is this project's own):
 
-- `align_to_blocks` sorts the T x top_k (token, expert) assignments by expert and pads each expert's run
-  to a multiple of BLOCK_M rows (one kernel at decode sizes, torch's sort beyond). A block
-  of BLOCK_M sorted rows then belongs to one expert, so a program multiplies one BLOCK_M x K tile of rows
-  by one expert's weight tile. Shapes are fixed by (T, top_k, experts, BLOCK_M) alone and nothing is read
-  back to the host: the sort is graph-capture safe. Padding
-  rows carry the index T * top_k (masked out); blocks past the last expert's run carry expert -1 (their
-  programs return at once), so at one token only the top_k chosen experts' weights are read.
+- `align_to_blocks` (moe_align.py) sorts the T x top_k (token, expert) assignments by expert and pads each
+  expert's run to a multiple of BLOCK_M rows, so a program multiplies one BLOCK_M x K tile of rows by one
+  expert's weight tile; blocks past the last run carry expert -1 and return at once (at one token only
+  the top_k chosen experts' weights are read). Nothing is read back to the host: graph-capture safe.
 - `_grouped_gemm_kernel` computes, for each sorted row r = (token t, slot k) of a block of expert e,
   out[r] = A[row of r] @ W[e]^T (W[e] is [N, K], the checkpoint's expert layout), accumulating in fp32;
   A's row is t for the first product (the token's hidden state, shared by its top_k slots) and r itself
@@ -39,124 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.moe_align import BlockAlignment, align_to_blocks
 from common.kernels.pdl import (
     launch_options,
     release_dependents,
     small_kernel_launch_options,
     wait_for_inputs,
 )
-
-
-@dataclass(frozen=True)
-class BlockAlignment:
-    """The (token, slot) assignments sorted by expert in BLOCK_M-row groups (align_to_blocks).
-
-    sorted_rows: [padded] int32, flat assignment index t * top_k + k of each sorted row, or T * top_k for
-    a padding row. block_expert: [padded / BLOCK_M] int32, the expert of each block, -1 past the last run.
-    """
-
-    sorted_rows: torch.Tensor
-    block_expert: torch.Tensor
-    block_m: int
-
-
-def padded_rows(assignments: int, num_experts: int, block_m: int) -> int:
-    """Rows of the sorted buffer: every assignment plus, for each expert that can be hit, at most
-    block_m - 1 padding rows; a multiple of block_m."""
-    most = assignments + min(num_experts, assignments) * (block_m - 1)
-    return triton.cdiv(most, block_m) * block_m
-
-
-def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
-    """Sort the assignments of topk_ids [T, top_k] (expert ids) by expert, each expert's run padded to
-    block_m rows; within an expert, assignments keep their flat order (token-major). Device work of
-    fixed shapes only (no host sync): one kernel (`_align_kernel`, its programs side by side) up to
-    ALIGN_KERNEL_MAX assignments (decode steps), torch's sort beyond (`align_to_blocks_torch`, the same
-    result)."""
-    n = topk_ids.numel()
-    if n > ALIGN_KERNEL_MAX or n == 0:
-        return align_to_blocks_torch(topk_ids, num_experts, block_m)
-    total = padded_rows(n, num_experts, block_m)
-    sorted_rows = torch.empty(total, dtype=torch.int32, device=topk_ids.device)
-    block_expert = torch.empty(total // block_m, dtype=torch.int32, device=topk_ids.device)
-    _align_kernel[(triton.cdiv(total, ALIGN_CHUNK),)](
-        topk_ids.reshape(-1), sorted_rows, block_expert, n, total, num_experts,
-        N_PAD=max(triton.next_power_of_2(n), ALIGN_CHUNK), E_PAD=triton.next_power_of_2(num_experts),
-        BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, **small_kernel_launch_options())
-    return BlockAlignment(sorted_rows, block_expert, block_m)
-
-
-# Each program of the sort owns ALIGN_CHUNK assignments and ALIGN_CHUNK rows of the sorted buffer, and
-# counts every assignment itself (a [chunk, experts] one-hot per ALIGN_CHUNK of them) and compares its own
-# with all n: the work per program grows with n, so beyond ALIGN_KERNEL_MAX (32 decode tokens at top-8)
-# torch's parallel sort is faster. (One program doing everything serialised the whole sort: BENCHMARKS.md,
-# Qwen3-VL-30B-A3B.)
-ALIGN_CHUNK = 64
-ALIGN_KERNEL_MAX = 256
-
-
-@triton.jit
-def _align_kernel(ids_ptr, sorted_rows_ptr, block_expert_ptr, n, total, num_experts,
-                  N_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """align_to_blocks, program p: count each expert's assignments and pad the counts to BLOCK_M (every
-    program alike), then give assignments p*CHUNK.. their rows (their expert's start + how many of that
-    expert's come before them in flat order), and rows p*CHUNK.. that no assignment takes the index n,
-    each block starting there its expert (-1 past the last run)."""
-    wait_for_inputs()  # launched early (pdl.py): the router's ids are read after the wait
-    release_dependents()
-    experts = tl.arange(0, E_PAD)
-    live = experts < num_experts
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for start in range(0, n, CHUNK):
-        idx = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + idx, mask=idx < n, other=-1).to(tl.int32)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    mine = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    if tl.program_id(0) * CHUNK < n:
-        ids = tl.load(ids_ptr + mine, mask=mine < n, other=-1).to(tl.int32)
-        every = tl.arange(0, N_PAD)
-        all_ids = tl.load(ids_ptr + every, mask=every < n, other=-2).to(tl.int32)
-        earlier = (all_ids[None, :] == ids[:, None]) & (every[None, :] < mine[:, None])
-        before = tl.sum(earlier.to(tl.int32), axis=1)  # same-expert assignments earlier in flat order
-        hot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        dest = tl.sum(hot * starts[None, :], axis=1) + before
-        tl.store(sorted_rows_ptr + dest, mine.to(tl.int32), mask=mine < n)
-    # the padding rows and the blocks' experts among this program's rows (disjoint from the rows above)
-    expert = tl.sum(((ends[None, :] <= mine[:, None]) & live[None, :]).to(tl.int32), axis=1)
-    owned = (expert[:, None] == experts[None, :]).to(tl.int32)
-    first = tl.sum(owned * starts[None, :], axis=1)
-    count = tl.sum(owned * counts[None, :], axis=1)
-    is_pad = (mine - first >= count) | (expert >= num_experts)
-    tl.store(sorted_rows_ptr + mine, tl.full((CHUNK,), 0, tl.int32) + n, mask=(mine < total) & is_pad)
-    block_first = (mine % BLOCK_M == 0) & (mine < total)
-    owner = tl.where(expert < num_experts, expert, -1)
-    tl.store(block_expert_ptr + mine // BLOCK_M, owner, mask=block_first)
-
-
-def align_to_blocks_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
-    """align_to_blocks in torch ops (a stable sort by expert; fixed shapes, no host sync)."""
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    n = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    count_start = torch.cumsum(counts, 0) - counts
-    order = torch.sort(flat, stable=True).indices  # assignments grouped by expert, flat order within
-    expert = flat[order]
-    dest = padded_start[expert] + torch.arange(n, device=device) - count_start[expert]
-    total = padded_rows(n, num_experts, block_m)
-    sorted_rows = torch.full((total,), n, dtype=torch.int32, device=device)
-    sorted_rows[dest] = order.to(torch.int32)
-    block_start = torch.arange(0, total, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return BlockAlignment(sorted_rows, block_expert, block_m)
 
 
 @triton.jit

@@ -16,12 +16,12 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from common.kernels import fused_moe as kernels  # noqa: E402
-from common.kernels.fused_moe import (  # noqa: E402
-    GemmConfig,
+from common.kernels import moe_align  # noqa: E402
+from common.kernels.fused_moe import GemmConfig, fused_moe  # noqa: E402
+from common.kernels.moe_align import (  # noqa: E402
     align_to_blocks,
+    align_to_blocks_chunked,
     align_to_blocks_torch,
-    fused_moe,
     padded_rows,
 )
 from common.kernels.moe_route import route_topk  # noqa: E402
@@ -48,7 +48,8 @@ def _check(x, gate_up, down, weights, ids) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("align", [align_to_blocks, align_to_blocks_torch], ids=["kernel", "torch"])
+@pytest.mark.parametrize("align", [align_to_blocks, align_to_blocks_chunked, align_to_blocks_torch],
+                         ids=["kernel", "chunked", "torch"])
 def test_alignment_groups_every_assignment_once_in_its_experts_blocks(align):
     ids = torch.tensor([[3, 0], [3, 1], [3, 0], [1, 3], [3, 2]], device=DEVICE)  # expert 4, 5 empty
     a = align(ids, num_experts=6, block_m=4)
@@ -85,13 +86,30 @@ def test_the_alignment_kernel_equals_the_torch_sort(tokens, num_experts, top_k, 
     assert torch.equal(kernel.block_expert, reference.block_expert)
 
 
-def test_large_batches_take_the_torch_sort(monkeypatch):
-    monkeypatch.setattr(kernels, "ALIGN_KERNEL_MAX", 4)
+def test_large_batches_take_the_chunked_sort(monkeypatch):
+    monkeypatch.setattr(moe_align, "ALIGN_KERNEL_MAX", 4)
     ids = torch.tensor([[1, 0], [0, 2], [2, 1]], device=DEVICE)
-    monkeypatch.setattr(kernels, "_align_kernel", None)  # would fail if launched
+    monkeypatch.setattr(moe_align, "_align_kernel", None)  # would fail if launched
     a = align_to_blocks(ids, 3, 16)
     # expert 0 holds assignments 1 and 2 (flat t * top_k + k), then padding; one block per expert
     assert a.sorted_rows[:3].tolist() == [1, 2, 6] and a.block_expert.tolist()[:3] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("tokens, num_experts, top_k, block_m, chunk",
+                         [(40, 6, 3, 16, 64), (37, 4, 2, 16, 64), (200, 16, 4, 8, 128), (70, 128, 8, 16, 256),
+                          (1, 8, 2, 16, 64)])
+def test_the_chunked_sort_equals_the_torch_sort(tokens, num_experts, top_k, block_m, chunk, monkeypatch):
+    """Chunks of 64 to 256 assignments (the last one ragged), the counts read back in pieces of 2 chunks:
+    an expert's run spans chunks and its assignments keep their flat order across them; 128 experts with
+    most empty; one token (a single ragged chunk)."""
+    monkeypatch.setattr(moe_align, "SORT_CHUNK", chunk)
+    monkeypatch.setattr(moe_align, "COUNT_ROWS", 2)
+    gen = torch.Generator().manual_seed(tokens * 7 + num_experts)
+    ids = torch.rand(tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
+    chunked = align_to_blocks_chunked(ids, num_experts, block_m)
+    reference = align_to_blocks_torch(ids, num_experts, block_m)
+    assert torch.equal(chunked.sorted_rows, reference.sorted_rows)
+    assert torch.equal(chunked.block_expert, reference.block_expert)
 
 
 @pytest.mark.parametrize("tokens, num_experts, top_k", [(1, 8, 2), (5, 6, 3), (37, 4, 2), (19, 16, 4)])

@@ -31,6 +31,7 @@ from common.kernels import (  # noqa: E402
     fp8_split_k,
     fused_moe,
     kv_store,
+    moe_align,
     moe_route,
     pdl,
     stream_gemv,
@@ -43,7 +44,8 @@ SMALL_KERNELS = {elementwise: {"_rms_norm_kernel", "_gated_act_kernel", "_rotary
                  kv_store: {"_store_kv_kernel", "_rotary_store_kv_kernel"},
                  # a MoE layer's kernels read nothing before the wait (the experts a product streams are
                  # the sort's output)
-                 fused_moe: {"_align_kernel", "_grouped_gemm_kernel", "_combine_kernel"},
+                 fused_moe: {"_grouped_gemm_kernel", "_combine_kernel"},
+                 moe_align: {"_align_kernel", "_chunk_counts_kernel", "_place_kernel"},
                  moe_route: {"_route_kernel"}}
 
 

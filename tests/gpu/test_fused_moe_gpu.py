@@ -16,7 +16,8 @@ from decoder_svc.model.moe import experts_reference, route  # noqa: E402
 from tests.gpu.graph_replay import assert_replays_as_eager  # noqa: E402
 
 if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a device
-    from common.kernels.fused_moe import align_to_blocks, align_to_blocks_torch, fused_moe
+    from common.kernels.fused_moe import fused_moe
+    from common.kernels.moe_align import align_to_blocks, align_to_blocks_chunked, align_to_blocks_torch
     from common.kernels.moe_route import route_topk
     from common.kernels.moe_tuning import moe_experts
 
@@ -73,14 +74,16 @@ def test_the_router_kernel_equals_route(experts, tokens):
     assert torch.equal(ids[distinct].long(), ref_ids[distinct])
 
 
-@pytest.mark.parametrize("tokens", [1, 32, 512])
-def test_the_alignment_kernel_equals_the_torch_sort(tokens):
+@pytest.mark.parametrize("tokens", [1, 32, 33, 512, 1536, 4096])
+def test_the_alignment_kernels_equal_the_torch_sort(tokens):
+    """The one-kernel sort up to 256 assignments, the two-kernel sort beyond (and at every size here)."""
     ids = torch.rand(tokens, EXPERTS, device="cuda").topk(TOP_K, dim=-1).indices
-    for block_m in (16, 32, 64):
-        kernel = align_to_blocks(ids, EXPERTS, block_m)
+    for block_m in (16, 32, 64, 128):
         reference = align_to_blocks_torch(ids, EXPERTS, block_m)
-        assert torch.equal(kernel.sorted_rows, reference.sorted_rows)
-        assert torch.equal(kernel.block_expert, reference.block_expert)
+        for align in (align_to_blocks, align_to_blocks_chunked):
+            got = align(ids, EXPERTS, block_m)
+            assert torch.equal(got.sorted_rows, reference.sorted_rows), align.__name__
+            assert torch.equal(got.block_expert, reference.block_expert), align.__name__
 
 
 def test_few_experts_take_every_token_and_ties(experts):
