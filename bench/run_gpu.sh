@@ -537,7 +537,8 @@ fi
 # MOE_PREFILL_PROFILE=1 then, in this order (each while the budget lasts): profiles one 1520-token prefill
 # step with its host time (bench.profile_step --warm-tail 1520 over a 16-token prompt; 100 s), times every
 # grouped-GEMM tiling at MOE_TILING_TOKENS (bench.moe_tiling; 150 s), profiles a batch-1 decode step (70 s)
-# and a follow-up's 24-token step over a 1520-token cached prefix (80 s); $OUT gets each one's json and log.
+# and a follow-up's 24-token step over a 1520-token cached prefix (80 s); $OUT gets their json and logs in
+# moe_profiles.tgz.
 if [[ ",$SECTIONS," == *,moe,* ]]; then
   MOE_DIR=${MOE_MODEL_DIR:-/tmp/moe30b}
   read -r -a MOEARGS <<< "${MOE_ARGS:-}"
@@ -557,8 +558,10 @@ if [[ ",$SECTIONS," == *,moe,* ]]; then
       --batch 1 --steps 8 --top 24
     step moe_followup_profile 80 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
       --prompt-len 1520 --warm-tail 24 --steps 4 --top 16 --host-top 12
-    for f in moe_prefill_profile moe_tiling moe_decode_profile moe_followup_profile; do
-      cp "$RES/$f.json" "$RES/$f.log" "$OUT/" 2>/dev/null
+    # one archive: a device call brings back at most 8 files, and results.json and the logs must fit beside
+    (cd "$RES" && tar czf "$OUT/moe_profiles.tgz" moe_prefill_profile.* moe_tiling.* moe_decode_profile.* \
+      moe_followup_profile.* 2>/dev/null)
+    for f in moe_prefill_profile moe_decode_profile moe_followup_profile; do
       grep -A30 "kernels per step" "$RES/$f.log" | head -32
     done
   fi
