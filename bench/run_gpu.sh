@@ -553,7 +553,7 @@ if [[ ",$SECTIONS," == *,moe,* ]]; then
   if [ "${MOE_PREFILL_PROFILE:-0}" = 1 ]; then  # where a cold-like prefill step's and a follow-up's time goes
     step moe_prefill_profile 100 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
       --prompt-len 16 --warm-tail 1520 --steps 3 --top 24 --host-top 12
-    step moe_tiling 150 "$PY" -m bench.moe_tiling "${DT[@]}" --tokens "${MOE_TILING_TOKENS:-1,32,512,1536}"
+    step moe_tiling 150 "$PY" -m bench.moe_tiling "${DT[@]}" --tokens "${MOE_TILING_TOKENS:-1,32,128,512,1536}"
     step moe_decode_profile 70 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
       --batch 1 --steps 8 --top 24
     step moe_followup_profile 80 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
