@@ -87,7 +87,6 @@ def _align_kernel(ids_ptr, sorted_rows_ptr, block_expert_ptr, n, total, num_expe
     wait_for_inputs()  # launched early (pdl.py): the router's ids are read after the wait
     release_dependents()
     experts = tl.arange(0, E_PAD)
-    live = experts < num_experts
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for start in range(0, n, CHUNK):
         idx = start + tl.arange(0, CHUNK)
@@ -107,15 +106,34 @@ def _align_kernel(ids_ptr, sorted_rows_ptr, block_expert_ptr, n, total, num_expe
         dest = tl.sum(hot * starts[None, :], axis=1) + before
         tl.store(sorted_rows_ptr + dest, mine.to(tl.int32), mask=mine < n)
     # the padding rows and the blocks' experts among this program's rows (disjoint from the rows above)
-    expert = tl.sum(((ends[None, :] <= mine[:, None]) & live[None, :]).to(tl.int32), axis=1)
+    _pad_rows(mine, ends, starts, counts, experts, num_experts, n, total, sorted_rows_ptr, block_expert_ptr,
+              BLOCK_M)
+
+
+@triton.jit
+def _pad_rows(row, ends, run_start, counts, experts, num_experts, n, total, sorted_rows_ptr,
+              block_expert_ptr, BLOCK_M: tl.constexpr):
+    """For the sorted buffer's rows `row` (a vector): the index n in each one no assignment takes (past its
+    expert's count within the expert's padded run), and in each row that starts a block, the block's
+    expert (-1 past the last run). ends / run_start / counts: per expert, [E_PAD]."""
+    live = experts < num_experts
+    expert = tl.sum(((ends[None, :] <= row[:, None]) & live[None, :]).to(tl.int32), axis=1)
     owned = (expert[:, None] == experts[None, :]).to(tl.int32)
-    first = tl.sum(owned * starts[None, :], axis=1)
+    first = tl.sum(owned * run_start[None, :], axis=1)
     count = tl.sum(owned * counts[None, :], axis=1)
-    is_pad = (mine - first >= count) | (expert >= num_experts)
-    tl.store(sorted_rows_ptr + mine, tl.full((CHUNK,), 0, tl.int32) + n, mask=(mine < total) & is_pad)
-    block_first = (mine % BLOCK_M == 0) & (mine < total)
+    is_pad = (row - first >= count) | (expert >= num_experts)
+    tl.store(sorted_rows_ptr + row, tl.zeros_like(row) + n, mask=(row < total) & is_pad)
     owner = tl.where(expert < num_experts, expert, -1)
-    tl.store(block_expert_ptr + mine // BLOCK_M, owner, mask=block_first)
+    tl.store(block_expert_ptr + row // BLOCK_M, owner, mask=(row % BLOCK_M == 0) & (row < total))
+
+
+def expert_order(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order: the flat assignment indices grouped by expert, flat order within (a stable sort); counts
+    [experts] int64: each expert's assignments) of flat int64 expert ids. Device ops only (bincount would
+    read its maximum back to the host)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.sort(flat, stable=True).indices, counts
 
 
 def align_to_blocks_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
@@ -123,13 +141,11 @@ def align_to_blocks_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     n = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    order, counts = expert_order(flat, num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
     count_start = torch.cumsum(counts, 0) - counts
-    order = torch.sort(flat, stable=True).indices  # assignments grouped by expert, flat order within
     expert = flat[order]
     dest = padded_start[expert] + torch.arange(n, device=device) - count_start[expert]
     total = padded_rows(n, num_experts, block_m)
@@ -225,12 +241,5 @@ def _place_kernel(ids_ptr, counts_ptr, sorted_rows_ptr, block_expert_ptr, n, tot
         tl.store(sorted_rows_ptr + dest, mine.to(tl.int32), mask=mine < n)
     run_start = ends - padded
     for row0 in range(p * rows_per_program, (p + 1) * rows_per_program, SUB):
-        row = row0 + tl.arange(0, SUB)
-        expert = tl.sum(((ends[None, :] <= row[:, None]) & live[None, :]).to(tl.int32), axis=1)
-        owned = (expert[:, None] == experts[None, :]).to(tl.int32)
-        first_row = tl.sum(owned * run_start[None, :], axis=1)
-        count = tl.sum(owned * every[None, :], axis=1)
-        is_pad = (row - first_row >= count) | (expert >= num_experts)
-        tl.store(sorted_rows_ptr + row, tl.full((SUB,), 0, tl.int32) + n, mask=(row < total) & is_pad)
-        owner = tl.where(expert < num_experts, expert, -1)
-        tl.store(block_expert_ptr + row // BLOCK_M, owner, mask=(row % BLOCK_M == 0) & (row < total))
+        _pad_rows(row0 + tl.arange(0, SUB), ends, run_start, every, experts, num_experts, n, total,
+                  sorted_rows_ptr, block_expert_ptr, BLOCK_M)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from common.kernels.elementwise import gated_act
+from common.kernels.moe_align import expert_order
 
 
 def supported(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
@@ -28,10 +29,7 @@ def supported(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order [T * top_k] int64: flat assignment indices sorted by expert, stable; ends [experts] int32:
     each expert's run's end in that order). Device work only."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would read its maximum back
-    order = torch.sort(flat, stable=True).indices
+    order, counts = expert_order(topk_ids.reshape(-1).to(torch.int64), num_experts)
     return order, torch.cumsum(counts, 0).to(torch.int32)
 
 
