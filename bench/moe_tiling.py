@@ -8,9 +8,11 @@ decode and prefill token counts, beside cuBLAS's dense products of the same usef
 Per token count: every tiling (`--configs`, default: the decode tilings choose_config measures plus the
 prefill candidates below) times the whole fused_moe call (sort, both products, combine) and, for the
 tiling default_config picks, each of those parts alone; and the same call through torch's grouped GEMM
-(moe_grouped_mm.py, the other path a prefill may take: moe_tuning.py). Routing is uniform (each token's
-top_k drawn at random), as trained routers spread; `--routings` distinct routings and copies of the
-experts beyond L2 rotate so the weights stream from memory as in a model. Time per call: CUDA graphs of
+(moe_grouped_mm.py, the other path a prefill may take: moe_tuning.py); up to moe_tuning.GEMV_TOKENS
+tokens also the per-assignment GEMVs (moe_gemv.py); each with the rate at which it reads the experts the
+routing hits. Routing is uniform (each token's top_k drawn at random), as trained routers spread;
+`--routings` distinct routings and copies of the experts beyond L2 rotate so the weights stream from
+memory as in a model. Time per call: CUDA graphs of
 the calls replayed (graph_timing.graph_time_us) up to --graph-tokens tokens, CUDA events around eager
 calls beyond (graph_timing.event_time_us; as the decoder runs them: graphs for decode and short
 prefills, eager for long ones). The dense reference: torch's products of the same rows without any sort
@@ -40,22 +42,34 @@ PREFILL_CANDIDATES = (
 
 
 def parse_config(text: str):
-    """'BMxBNxBK/Ww/Ss' -> GemmConfig (e.g. 64x128x64/8w3s)."""
+    """'BMxBNxBK/Ww/Ss' -> GemmConfig (e.g. 64x128x64/8w3s); 'gemvBNxBK/Ww[+combine]' -> GemvConfig (the
+    per-assignment GEMVs of moe_gemv.py, e.g. gemv16x256/4w)."""
     from common.kernels.fused_moe import GemmConfig
+    from common.kernels.moe_gemv import GemvConfig
 
     try:
+        if text.startswith("gemv"):
+            tiles, rest = text.removeprefix("gemv").split("/")
+            block_n, block_k = (int(v) for v in tiles.split("x"))
+            warps, _, fused = rest.partition("+")
+            if fused not in ("", "combine"):
+                raise ValueError(fused)
+            return GemvConfig(block_n, block_k, int(warps.removesuffix("w")), fuse_combine=bool(fused))
         tiles, rest = text.split("/")
         block_m, block_n, block_k = (int(v) for v in tiles.split("x"))
         warps, stages = rest.removesuffix("s").split("w")
         return GemmConfig(block_m, block_n, block_k, int(warps), int(stages))
     except ValueError as e:
         raise argparse.ArgumentTypeError(
-            f"tiling {text!r}: expected BMxBNxBK/Ww/Ss, e.g. 64x128x64/8w3s") from e
+            f"tiling {text!r}: expected BMxBNxBK/Ww/Ss (e.g. 64x128x64/8w3s) or gemvBNxBK/Ww[+combine]"
+        ) from e
 
 
 def config_name(config) -> str:
-    """The GemmConfig as parse_config reads it."""
-    return f"{config.block_m}x{config.block_n}x{config.block_k}/{config.num_warps}w{config.num_stages}s"
+    """The tiling as parse_config reads it."""
+    from common.kernels.moe_tuning import config_name as name
+
+    return name(config)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -112,9 +126,9 @@ def time_tokens(layer: Layer, tokens: int, configs: list, args: argparse.Namespa
     reference."""
     from triton.runtime.errors import OutOfResources
 
-    from common.kernels.fused_moe import combine, default_config, fused_moe, grouped_gemm
+    from common.kernels.fused_moe import GemmConfig, combine, default_config, grouped_gemm
     from common.kernels.moe_align import align_to_blocks, padded_rows
-    from common.kernels.moe_tuning import DECODE_CONFIGS, TUNED_TOKENS
+    from common.kernels.moe_tuning import DECODE_CONFIGS, GEMV_TOKENS, TUNED_TOKENS, run_experts
 
     device, dtype = layer.weights[0][0].device, layer.weights[0][0].dtype
     hidden, width, top_k, rows = layer.hidden, layer.width, layer.top_k, tokens * layer.top_k
@@ -125,9 +139,16 @@ def time_tokens(layer: Layer, tokens: int, configs: list, args: argparse.Namespa
     topk_w = torch.full((tokens, top_k), 1.0 / top_k, dtype=dtype, device=device)
     work = [(w, i) for w in layer.weights for i in ids][:max(args.routings, len(layer.weights))]
     flops = 2 * rows * 3 * hidden * width
-    row = {"tokens": tokens, "useful_gflop": round(flops / 1e9, 3), "tilings": {}}
+    # the weight bytes a call must read at least: each expert the routing hits, once (averaged over routings)
+    hit = sum(i.unique().numel() for i in ids) / len(ids)
+    expert_bytes = hit * 3 * hidden * width * layer.weights[0][0].element_size()
+    row = {"tokens": tokens, "useful_gflop": round(flops / 1e9, 3), "experts_hit": hit,
+           "expert_mb": round(expert_bytes / 1e6, 1), "tilings": {}}
     for config in configs:
-        calls = [functools.partial(fused_moe, x, w[0], w[1], topk_w, i, config) for w, i in work]
+        gemm = isinstance(config, GemmConfig)
+        if not gemm and tokens > GEMV_TOKENS:
+            continue  # the GEMVs are measured where choose_config measures them
+        calls = [functools.partial(run_experts, x, w[0], w[1], topk_w, i, config) for w, i in work]
         try:
             us = timer(calls)
         except OutOfResources:
@@ -135,7 +156,9 @@ def time_tokens(layer: Layer, tokens: int, configs: list, args: argparse.Namespa
             continue
         row["tilings"][config_name(config)] = {
             "us": round(us, 2), "tflops": round(flops / us / 1e6, 1),
-            "rows_allocated_per_row": round(padded_rows(rows, layer.experts, config.block_m) / rows, 2)}
+            "weight_tb_s": round(expert_bytes / us / 1e6, 2),
+            "rows_allocated_per_row": round(padded_rows(rows, layer.experts, config.block_m) / rows, 2)
+            if gemm else 1.0}
     row["grouped_mm"] = _time_grouped_mm(timer, x, work, topk_w, flops)
     done = {k: v for k, v in row["tilings"].items() if v}
     row["best"] = min(done, key=lambda k: done[k]["us"])
@@ -183,13 +206,14 @@ def _time_grouped_mm(timer, x: torch.Tensor, work: list, topk_w: torch.Tensor, f
 
 def run(args: argparse.Namespace) -> dict:
     """Time; returns the JSON payload."""
-    from common.kernels.moe_tuning import DECODE_CONFIGS
+    from common.kernels.moe_tuning import DECODE_CONFIGS, GEMV_CONFIGS
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     experts, hidden, width = args.experts, args.hidden, args.width
     configs = ([parse_config(c) for c in args.configs.split(",") if c] if args.configs else
-               list(dict.fromkeys([*DECODE_CONFIGS, *(parse_config(c) for c in PREFILL_CANDIDATES)])))
+               list(dict.fromkeys([*DECODE_CONFIGS, *GEMV_CONFIGS,
+                                   *(parse_config(c) for c in PREFILL_CANDIDATES)])))
     gen = torch.Generator(device=device).manual_seed(0)
     copies = 1
     if device.type == "cuda":

@@ -20,6 +20,7 @@ from triton.runtime.errors import OutOfResources
 from common.kernels import moe_grouped_mm
 from common.kernels.fused_moe import GemmConfig, combine, default_config, fused_moe
 from common.kernels.graph_timing import event_time_us, graph_time_us
+from common.kernels.moe_gemv import GemvConfig, gemv_moe
 
 log = logging.getLogger("mmserve.decoder.fused_moe")
 
@@ -35,6 +36,17 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk
         rows = moe_grouped_mm.grouped_mm_rows(x, gate_up, down, topk_weights, topk_ids)
         return combine(rows, tokens, top_k)
     config = choose_config(x, gate_up, down, top_k, gate_up_scale, down_scale)
+    return run_experts(x, gate_up, down, topk_weights, topk_ids, config, gate_up_scale, down_scale)
+
+
+def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, config: GemmConfig | GemvConfig,
+                gate_up_scale: torch.Tensor | None = None,
+                down_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_moe's contract through `config`'s path: the per-assignment GEMVs (moe_gemv.py) for a
+    GemvConfig, the sort and grouped GEMM (fused_moe.py) for a GemmConfig."""
+    if isinstance(config, GemvConfig):
+        return gemv_moe(x, gate_up, down, topk_weights, topk_ids, config, gate_up_scale, down_scale)
     return fused_moe(x, gate_up, down, topk_weights, topk_ids, config, gate_up_scale, down_scale)
 
 
@@ -53,6 +65,18 @@ DECODE_CONFIGS = (
     GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=6),
     GemmConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4),
     GemmConfig(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=4),
+)
+# Batches of up to GEMV_TOKENS tokens also try one GEMV per assignment without a sort (moe_gemv.py): at a
+# token or two it streams the chosen experts with many small programs; beyond, assignments that share an
+# expert read it again, and the measurement says where that stops paying.
+GEMV_TOKENS = 8
+GEMV_CONFIGS = (
+    GemvConfig(block_n=16, block_k=256, num_warps=4),
+    GemvConfig(block_n=8, block_k=256, num_warps=4),
+    GemvConfig(block_n=32, block_k=128, num_warps=4),
+    GemvConfig(block_n=16, block_k=512, num_warps=8),
+    GemvConfig(block_n=8, block_k=256, num_warps=4, fuse_combine=True),
+    GemvConfig(block_n=4, block_k=256, num_warps=2, fuse_combine=True),
 )
 TIMING_ROUTINGS = 8  # distinct random routings a timing rotates over, so weights stream from memory
 
@@ -73,10 +97,11 @@ class MoeKey:
 
 @dataclass(frozen=True)
 class MoeChoice:
-    """The chosen tiling and every candidate's time (us per MoE call: sort and both products)."""
+    """The chosen tiling and every candidate's time (us per MoE call: sort and both products, or the
+    GEMVs and combine)."""
 
-    config: GemmConfig
-    times_us: dict[GemmConfig, float]
+    config: GemmConfig | GemvConfig
+    times_us: dict[GemmConfig | GemvConfig, float]
 
 
 CHOICES: dict[MoeKey, MoeChoice] = {}  # one per process: the shapes are the model's
@@ -84,9 +109,10 @@ CHOICES: dict[MoeKey, MoeChoice] = {}  # one per process: the shapes are the mod
 
 def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                   gate_up_scale: torch.Tensor | None = None,
-                  down_scale: torch.Tensor | None = None) -> GemmConfig:
+                  down_scale: torch.Tensor | None = None) -> GemmConfig | GemvConfig:
     """The tiling moe_experts launches for x [T, H] through these experts: default_config's beyond
-    TUNED_TOKENS tokens; else the fastest of DECODE_CONFIGS, measured once per MoeKey as decode runs it
+    TUNED_TOKENS tokens; else the fastest of DECODE_CONFIGS (and up to GEMV_TOKENS tokens of
+    GEMV_CONFIGS), measured once per MoeKey as decode runs it
     (the sort and both products over TIMING_ROUTINGS random routings of the key's tokens, back to back in
     a replayed CUDA graph: graph_timing.graph_time_us; a second or so per key, the first time also
     Triton's compiles). Never measured inside a graph capture (the runner runs every graph's batch once
@@ -106,22 +132,28 @@ def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=x.dtype, device=x.device)
     rows = torch.randn(tokens, key.hidden, generator=gen, device=x.device).to(x.dtype)
 
-    def experts(ids: torch.Tensor, config: GemmConfig) -> torch.Tensor:
-        return fused_moe(rows, gate_up, down, weights, ids, config, gate_up_scale, down_scale)
+    def experts(ids: torch.Tensor, config: GemmConfig | GemvConfig) -> torch.Tensor:
+        return run_experts(rows, gate_up, down, weights, ids, config, gate_up_scale, down_scale)
 
     times = {}
-    for config in DECODE_CONFIGS:
+    for config in DECODE_CONFIGS + (GEMV_CONFIGS if tokens <= GEMV_TOKENS else ()):
         try:
             times[config] = graph_time_us([functools.partial(experts, ids, config) for ids in routings])
         except OutOfResources:  # a tiling this card's shared memory cannot hold (the first always fits)
             continue
     best = min(times, key=times.get)
     CHOICES[key] = MoeChoice(best, times)
-    log.info("fused MoE, %d tokens x top-%d of %d experts (%dx%d, %s): block %dx%dx%d, %d stages (%.1f us; "
-             "default %.1f)", tokens, top_k, key.experts, key.hidden, key.width,
-             str(key.weight_dtype).removeprefix("torch."), best.block_m, best.block_n, best.block_k,
-             best.num_stages, times[best], times.get(DECODE_CONFIGS[0], float("nan")))
+    log.info("fused MoE, %d tokens x top-%d of %d experts (%dx%d, %s): %s (%.1f us; default %.1f)",
+             tokens, top_k, key.experts, key.hidden, key.width, str(key.weight_dtype).removeprefix("torch."),
+             config_name(best), times[best], times.get(DECODE_CONFIGS[0], float("nan")))
     return best
+
+
+def config_name(config: GemmConfig | GemvConfig) -> str:
+    """A tiling's short name in logs and the benchmarks' JSON."""
+    if isinstance(config, GemvConfig):
+        return config.name
+    return f"{config.block_m}x{config.block_n}x{config.block_k}/{config.num_warps}w{config.num_stages}s"
 
 
 def tuning_summary() -> list[dict]:
@@ -131,9 +163,9 @@ def tuning_summary() -> list[dict]:
         return {"tokens": k.tokens, "top_k": k.top_k, "experts": k.experts, "hidden": k.hidden,
                 "width": k.width, "weight_dtype": str(k.weight_dtype).removeprefix("torch.")}
 
-    decode = [{**shape(k), "chosen": asdict(c.config),
-               "times_us": {f"{g.block_m}x{g.block_n}x{g.block_k}/{g.num_warps}w{g.num_stages}s": round(t, 2)
-                            for g, t in c.times_us.items()}} for k, c in CHOICES.items()]
+    decode = [{**shape(k), "chosen": {"name": config_name(c.config), **asdict(c.config)},
+               "times_us": {config_name(g): round(t, 2) for g, t in c.times_us.items()}}
+              for k, c in CHOICES.items()]
     prefill = [{**shape(k), "chosen": c.backend,
                 "times_us": {b: round(t, 2) for b, t in c.times_us.items()}}
                for k, c in PREFILL_CHOICES.items()]

@@ -21,12 +21,17 @@ def test_every_tiling_is_timed_and_the_parts_are_reported(tmp_path):
     out = tmp_path / "tiling.json"
     moe_tiling.main(["--device", "cpu", "--dtype", "float32", "--experts", "4", "--hidden", "32",
                      "--width", "16", "--top-k", "2", "--tokens", "3,70",
-                     "--configs", "16x16x16/4w1s,32x16x16/4w1s", "--routings", "2", "--repeats", "1",
-                     "--out", str(out)])
+                     "--configs", "16x16x16/4w1s,32x16x16/4w1s,gemv8x16/4w+combine", "--routings", "2",
+                     "--repeats", "1", "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert [r["tokens"] for r in rows] == [3, 70]
+    # the GEMVs only where choose_config would measure them (a few tokens)
+    assert set(rows[0]["tilings"]) == {"16x16x16/4w1s", "32x16x16/4w1s", "gemv8x16/4w+combine"}
+    assert set(rows[1]["tilings"]) == {"16x16x16/4w1s", "32x16x16/4w1s"}
     for row in rows:
-        assert set(row["tilings"]) == {"16x16x16/4w1s", "32x16x16/4w1s"}
+        assert 1 <= row["experts_hit"] <= 4
+        assert row["expert_mb"] == round(row["experts_hit"] * 3 * 32 * 16 * 4 / 1e6, 1)
+        assert all(t["weight_tb_s"] >= 0 for t in row["tilings"].values())  # tiny on the interpreter
         assert row["best"] in row["tilings"]
         assert row["useful_gflop"] == round(2 * row["tokens"] * 2 * 3 * 32 * 16 / 1e9, 3)
         assert set(row["default_parts_us"]) == {"sort", "gate_up", "down", "combine"}
@@ -43,3 +48,9 @@ def test_a_tiling_is_parsed_and_named_back():
     assert moe_tiling.config_name(config) == "64x128x64/8w3s"
     with pytest.raises(Exception, match="expected BMxBNxBK"):
         moe_tiling.parse_config("64x128/8w")
+    gemv = moe_tiling.parse_config("gemv8x256/4w+combine")
+    assert (gemv.block_n, gemv.block_k, gemv.num_warps, gemv.fuse_combine) == (8, 256, 4, True)
+    assert moe_tiling.config_name(gemv) == "gemv8x256/4w+combine"
+    assert moe_tiling.config_name(moe_tiling.parse_config("gemv16x512/8w")) == "gemv16x512/8w"
+    with pytest.raises(Exception, match="gemvBNxBK"):
+        moe_tiling.parse_config("gemv8x256/4w+sum")

@@ -17,20 +17,26 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from common.kernels import moe_align  # noqa: E402
-from common.kernels.fused_moe import GemmConfig, fused_moe  # noqa: E402
+from common.kernels.fused_moe import GemmConfig  # noqa: E402
 from common.kernels.moe_align import (  # noqa: E402
     align_to_blocks,
     align_to_blocks_chunked,
     align_to_blocks_torch,
     padded_rows,
 )
+from common.kernels.moe_gemv import GemvConfig, gemv_moe  # noqa: E402
 from common.kernels.moe_route import route_topk  # noqa: E402
+from common.kernels.moe_tuning import config_name, run_experts  # noqa: E402
 from decoder_svc.model.moe import experts_reference, route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Blocks of 16 rows (tl.dot's smallest), N and K tiles of 16: hidden 40 and width 24 leave ragged tiles.
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
 HIDDEN, WIDTH = 40, 24
+# Every path a batch may take (moe_tuning.choose_config): the sort and grouped GEMM, the per-assignment
+# GEMVs with the separate combine and with the combine in the down product (K tiles of 16 leave ragged ones).
+PATHS = (SMALL, GemvConfig(block_n=16, block_k=16, num_warps=4),
+         GemvConfig(block_n=8, block_k=16, num_warps=2, fuse_combine=True))
 
 
 def _experts(num_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,11 +47,12 @@ def _experts(num_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check(x, gate_up, down, weights, ids) -> None:
-    out = fused_moe(x, gate_up, down, weights, ids, SMALL)
     ref = experts_reference(x, weights, ids, gate_up, down)
-    assert out.shape == ref.shape and out.dtype == x.dtype
-    # fp32 products summed in another order: a few ulps of the outputs' scale
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for config in PATHS:
+        out = run_experts(x, gate_up, down, weights, ids, config)
+        assert out.shape == ref.shape and out.dtype == x.dtype, config_name(config)
+        # fp32 products summed in another order: a few ulps of the outputs' scale
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=config_name(config))
 
 
 @pytest.mark.parametrize("align", [align_to_blocks, align_to_blocks_chunked, align_to_blocks_torch],
@@ -148,9 +155,10 @@ def test_top_k_ties_route_as_torch_topk_and_compute_alike():
 def test_no_tokens():
     gate_up, down = _experts(4, seed=5)
     x = torch.empty(0, HIDDEN, device=DEVICE)
-    out = fused_moe(x, gate_up, down, torch.empty(0, 2, device=DEVICE),
-                    torch.empty(0, 2, dtype=torch.int64, device=DEVICE), SMALL)
-    assert out.shape == (0, HIDDEN)
+    for config in PATHS:
+        out = run_experts(x, gate_up, down, torch.empty(0, 2, device=DEVICE),
+                          torch.empty(0, 2, dtype=torch.int64, device=DEVICE), config)
+        assert out.shape == (0, HIDDEN)
 
 
 def _fp8_experts(num_experts: int, seed: int):
@@ -168,11 +176,12 @@ def _fp8_experts(num_experts: int, seed: int):
 def _check_fp8(x, weights, ids, num_experts: int, seed: int) -> None:
     gate_up, gate_up_scale, down, down_scale = _fp8_experts(num_experts, seed)
     assert gate_up.dtype == torch.float8_e4m3fn and gate_up_scale.shape == (num_experts, 2 * WIDTH, 1)
-    out = fused_moe(x, gate_up, down, weights, ids, SMALL, gate_up_scale=gate_up_scale, down_scale=down_scale)
     ref = experts_reference(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
-    assert out.shape == ref.shape and out.dtype == x.dtype
-    # the kernel scales the fp32 sum once per column, the reference each weight before the sum: fp32 ulps
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for config in PATHS:
+        out = run_experts(x, gate_up, down, weights, ids, config, gate_up_scale, down_scale)
+        assert out.shape == ref.shape and out.dtype == x.dtype, config_name(config)
+        # the kernel scales the fp32 sum once per column, the reference each weight before the sum: fp32 ulps
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=config_name(config))
     # and the FP8 experts are the model's experts to FP8's precision (not a different function)
     full = experts_reference(x, weights, ids, *_experts(num_experts, seed))
     assert ((ref - full).norm() / full.norm()).item() < 0.1
@@ -202,9 +211,22 @@ def test_fp8_scales_must_fit_the_experts():
     gate_up, gate_up_scale, down, down_scale = _fp8_experts(4, 9)
     x = torch.randn(2, HIDDEN, device=DEVICE)
     ids = torch.tensor([[0, 1], [2, 3]], device=DEVICE)
-    with pytest.raises(ValueError, match="do not fit"):
-        fused_moe(x, gate_up, down, torch.full((2, 2), 0.5, device=DEVICE), ids, SMALL,
-                  gate_up_scale=down_scale, down_scale=gate_up_scale)
+    for config in PATHS:
+        with pytest.raises(ValueError, match="do not fit"):
+            run_experts(x, gate_up, down, torch.full((2, 2), 0.5, device=DEVICE), ids, config,
+                        gate_up_scale=down_scale, down_scale=gate_up_scale)
+
+
+def test_the_gemvs_combine_in_the_down_product_as_the_separate_combine_does():
+    """Slot order and one rounding per slot either way: the same bits."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(3, HIDDEN, generator=gen).to(DEVICE)
+    weights, ids = route(torch.randn(3, 8, generator=gen).to(DEVICE), 4, renormalize=False)
+    gate_up, down = _experts(8, seed=13)
+    separate = gemv_moe(x, gate_up, down, weights, ids, GemvConfig(block_n=8, block_k=16, num_warps=2))
+    fused = gemv_moe(x, gate_up, down, weights, ids,
+                     GemvConfig(block_n=8, block_k=16, num_warps=2, fuse_combine=True))
+    assert torch.equal(separate, fused)
 
 
 @pytest.mark.parametrize("tokens, num_experts, top_k, renormalize",

@@ -18,8 +18,9 @@ from tests.gpu.graph_replay import assert_replays_as_eager  # noqa: E402
 if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a device
     from common.kernels.fused_moe import fused_moe
     from common.kernels.moe_align import align_to_blocks, align_to_blocks_chunked, align_to_blocks_torch
+    from common.kernels.moe_gemv import GemvConfig, gemv_moe
     from common.kernels.moe_route import route_topk
-    from common.kernels.moe_tuning import moe_experts
+    from common.kernels.moe_tuning import GEMV_CONFIGS, config_name, moe_experts, run_experts
 
 EXPERTS, HIDDEN, WIDTH, TOP_K = 128, 2048, 768, 8
 
@@ -38,14 +39,18 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _check(x, gate_up, down, weights, ids) -> None:
-    out = moe_experts(x, gate_up, down, weights, ids)  # what the layer calls: the measured tiling or path
+    # what the layer calls (the measured tiling or path), and at a few tokens every GEMV candidate too
+    outs = {"chosen": moe_experts(x, gate_up, down, weights, ids)}
+    if x.shape[0] <= 8:
+        outs.update({config_name(c): run_experts(x, gate_up, down, weights, ids, c) for c in GEMV_CONFIGS})
     # the fp32 reference over the same bf16 weights: the kernel's one rounding per product stays close;
     # the bf16 reference rounds as often, so it sits at a similar distance
     exact = experts_reference(x.float(), weights.float(), ids, gate_up.float(), down.float())
     ref = experts_reference(x, weights, ids, gate_up, down)
-    assert out.dtype == torch.bfloat16 and out.shape == x.shape
-    assert _rel_err(out, exact) < 1e-2
-    assert _rel_err(out, exact) <= 2 * _rel_err(ref, exact) + 1e-3
+    for name, out in outs.items():
+        assert out.dtype == torch.bfloat16 and out.shape == x.shape, name
+        assert _rel_err(out, exact) < 1e-2, name
+        assert _rel_err(out, exact) <= 2 * _rel_err(ref, exact) + 1e-3, name
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 32, 257, 1500])
@@ -106,6 +111,19 @@ def test_replays_in_a_cuda_graph(experts):
     assert_replays_as_eager(chain, x, lambda s: torch.randn(8, HIDDEN, device="cuda").bfloat16() * s)
 
 
+@pytest.mark.parametrize("fuse_combine", [False, True])
+def test_the_gemvs_replay_in_a_cuda_graph(experts, fuse_combine):
+    gate_up, down, router = experts
+    x = torch.randn(2, HIDDEN, device="cuda").bfloat16()
+    config = GemvConfig(fuse_combine=fuse_combine)
+
+    def chain(inp: torch.Tensor) -> torch.Tensor:  # router kernel, then the GEMVs: no sort
+        weights, ids = route_topk(inp @ router.t(), TOP_K, renormalize=True)
+        return gemv_moe(inp, gate_up, down, weights, ids, config)
+
+    assert_replays_as_eager(chain, x, lambda s: torch.randn(2, HIDDEN, device="cuda").bfloat16() * s)
+
+
 def test_the_layer_takes_the_kernel_under_triton_ops():
     from decoder_svc.model.config import TextModelConfig
     from decoder_svc.model.kernel_dispatch import TritonOps
@@ -139,9 +157,14 @@ def test_fp8_experts_against_the_dequantized_reference(experts, tokens):
         "gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"))
     x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
     weights, ids = route(x @ router.t(), TOP_K, renormalize=True)
-    out = fused_moe(x, q_gate_up, q_down, weights, ids, gate_up_scale=s_gate_up, down_scale=s_down)
     exact = experts_reference(x.float(), weights.float(), ids, q_gate_up, q_down, s_gate_up, s_down)
-    assert out.dtype == torch.bfloat16 and _rel_err(out, exact) < 1e-2
+    configs = [None, *(GEMV_CONFIGS if tokens <= 8 else ())]  # the default tiling, the GEMVs at few tokens
+    for config in configs:
+        if config is None:
+            out = fused_moe(x, q_gate_up, q_down, weights, ids, gate_up_scale=s_gate_up, down_scale=s_down)
+        else:
+            out = run_experts(x, q_gate_up, q_down, weights, ids, config, s_gate_up, s_down)
+        assert out.dtype == torch.bfloat16 and _rel_err(out, exact) < 1e-2, config
 
 
 def test_the_fp8_layer_takes_the_kernel_under_triton_ops():
@@ -185,8 +208,9 @@ def test_decode_batches_take_the_fastest_measured_tiling(experts):
     x = torch.randn(3, HIDDEN, device="cuda").bfloat16()
     config = tuning.choose_config(x, gate_up, down, TOP_K)
     (key, choice), = tuning.CHOICES.items()
-    assert key.tokens == 4 and config in tuning.DECODE_CONFIGS and choice.config == config
-    assert set(choice.times_us) <= set(tuning.DECODE_CONFIGS)
+    candidates = tuning.DECODE_CONFIGS + tuning.GEMV_CONFIGS  # 4 tokens: the GEMVs are candidates too
+    assert key.tokens == 4 and config in candidates and choice.config == config
+    assert set(choice.times_us) <= set(candidates) and set(tuning.GEMV_CONFIGS) <= set(choice.times_us)
     assert tuning.DECODE_CONFIGS[0] in choice.times_us  # the default tiling always fits
     assert min(choice.times_us.values()) == choice.times_us[config]
     weights, ids = route_topk(x @ router.t(), TOP_K, renormalize=True)
