@@ -536,7 +536,7 @@ fi
 # files instead (e.g. with tests/gpu/test_qwen3_5_moe_gpu.py for MOE_PRESET=qwen3.5-35b-a3b).
 # MOE_PREFILL_PROFILE=1 then, in this order (each while the budget lasts): profiles one 1520-token prefill
 # step with its host time (bench.profile_step --warm-tail 1520 over a 16-token prompt; 100 s), times every
-# grouped-GEMM tiling at MOE_TILING_TOKENS (bench.moe_tiling; 150 s), profiles a batch-1 decode step (70 s)
+# grouped-GEMM tiling (and per-assignment GEMV) at MOE_TILING_TOKENS (bench.moe_tiling; 150 s), profiles a batch-1 decode step (70 s)
 # and a follow-up's 24-token step over a 1520-token cached prefix (80 s); $OUT gets their json and logs in
 # moe_profiles.tgz.
 if [[ ",$SECTIONS," == *,moe,* ]]; then
@@ -553,7 +553,7 @@ if [[ ",$SECTIONS," == *,moe,* ]]; then
   if [ "${MOE_PREFILL_PROFILE:-0}" = 1 ]; then  # where a cold-like prefill step's and a follow-up's time goes
     step moe_prefill_profile 100 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
       --prompt-len 16 --warm-tail 1520 --steps 3 --top 24 --host-top 12
-    step moe_tiling 150 "$PY" -m bench.moe_tiling "${DT[@]}" --tokens "${MOE_TILING_TOKENS:-1,32,128,512,1536}"
+    step moe_tiling 150 "$PY" -m bench.moe_tiling "${DT[@]}" --tokens "${MOE_TILING_TOKENS:-1,4,32,128,512,1536}"
     step moe_decode_profile 70 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
       --batch 1 --steps 8 --top 24
     step moe_followup_profile 80 "$PY" -m bench.profile_step --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
