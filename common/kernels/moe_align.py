@@ -171,6 +171,21 @@ def align_to_blocks_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: i
     sums the counts of all chunks (each expert's padded run) and of the chunks before p (where its
     chunk's assignments of each expert start within the run), places its chunk and writes its share of
     the padding rows and the blocks' experts."""
+    return _sort_in_chunks(topk_ids, num_experts, block_m)[0]
+
+
+def expert_runs(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [T * top_k] int32: the flat assignment indices grouped by expert, flat order within, as
+    `expert_order`'s; ends [experts] int32: where each expert's run ends in that order) of topk_ids
+    [T, top_k]: the two-kernel sort with one-row blocks (no padding), then the chunks' counts summed.
+    Four launches, device work only."""
+    alignment, counts = _sort_in_chunks(topk_ids, num_experts, 1)
+    return alignment.sorted_rows, counts.sum(0, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def _sort_in_chunks(topk_ids: torch.Tensor, num_experts: int,
+                    block_m: int) -> tuple[BlockAlignment, torch.Tensor]:
+    # align_to_blocks_chunked's sort, with the chunks' counts [chunks, experts] int32
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     total = padded_rows(n, num_experts, block_m)
@@ -185,7 +200,7 @@ def align_to_blocks_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: i
     _place_kernel[(chunks,)](flat, counts, sorted_rows, block_expert, n, total, num_experts, chunks,
                              rows_per_program, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=SORT_CHUNK, SUB=SUB,
                              COUNT_ROWS=COUNT_ROWS, **small_kernel_launch_options())
-    return BlockAlignment(sorted_rows, block_expert, block_m)
+    return BlockAlignment(sorted_rows, block_expert, block_m), counts
 
 
 @triton.jit

@@ -1,12 +1,12 @@
 """A MoE layer's experts through torch's grouped GEMM (`torch._grouped_mm`: CUTLASS's grouped kernels on
 Hopper, a loop of products elsewhere), for prefill-sized batches, beside fused_moe's Triton kernels.
 
-The (token, slot) assignments are sorted by expert (stable: token-major within an expert), the tokens'
-rows gathered in that order, and each expert's run multiplied by its weights with no padding: the
-groups' ends (`offs`, int32, on the device) tell the kernel where runs start, so nothing is read back to
-the host. Then SiLU(g) * u (elementwise.gated_act), the down product, the routing weight (in the
-activations' dtype, as HF's loop weights each expert's output) and the rows put back in assignment
-order, for fused_moe's `combine` to sum each token's top_k rows in fp32.
+The (token, slot) assignments are sorted by expert (stable: token-major within an expert; moe_align's
+kernels), the tokens' rows gathered in that order, and each expert's run multiplied by its weights with
+no padding: the groups' ends (`offs`, int32, on the device) tell the kernel where runs start, so
+nothing is read back to the host. Then SiLU(g) * u (elementwise.gated_act), the down product, the
+routing weight (in the activations' dtype, as HF's loop weights each expert's output) and the rows put
+back in assignment order, for fused_moe's `combine` to sum each token's top_k rows in fp32.
 
 Only for weights in the activations' dtype (bf16/fp16 on a GPU; fp32 for the CPU tests): FP8 experts stay
 on the Triton kernels. moe_tuning.prefill_backend measures this path against the Triton tiling per prefill
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from common.kernels.elementwise import gated_act
-from common.kernels.moe_align import expert_order
+from common.kernels.moe_align import expert_runs
 
 
 def supported(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
@@ -27,10 +27,13 @@ def supported(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order [T * top_k] int64: flat assignment indices sorted by expert, stable; ends [experts] int32:
-    each expert's run's end in that order). Device work only."""
-    order, counts = expert_order(topk_ids.reshape(-1).to(torch.int64), num_experts)
-    return order, torch.cumsum(counts, 0).to(torch.int32)
+    """(order [T * top_k] int32: flat assignment indices sorted by expert, stable; ends [experts] int32:
+    each expert's run's end in that order). Device work only: moe_align's two-kernel sort (torch's sort
+    took a prefill layer some twenty launches)."""
+    if topk_ids.numel() == 0:
+        return (torch.empty(0, dtype=torch.int32, device=topk_ids.device),
+                torch.zeros(num_experts, dtype=torch.int32, device=topk_ids.device))
+    return expert_runs(topk_ids, num_experts)
 
 
 def grouped_mm_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -43,4 +46,4 @@ def grouped_mm_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)  # [T * top_k, 2I], expert by expert
     y = torch._grouped_mm(gated_act(h, gelu=False), down.transpose(1, 2), offs=ends)
     y.mul_(topk_weights.reshape(-1).index_select(0, order).unsqueeze(1))
-    return torch.empty_like(y).index_copy_(0, order, y)  # back in assignment order
+    return torch.empty_like(y).index_put_((order,), y)  # back in assignment order

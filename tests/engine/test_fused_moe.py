@@ -274,3 +274,15 @@ def test_the_down_product_refuses_rows_that_are_not_gate_and_up_halves():
     alignment = align_to_blocks(ids, 4, SMALL.block_m)
     with pytest.raises(ValueError, match="swiglu=True"):
         grouped_gemm(torch.zeros(2, WIDTH, device=DEVICE), down, alignment, 2, 2, False, SMALL, swiglu=True)
+
+
+@pytest.mark.parametrize("tokens, num_experts, top_k", [(1, 8, 2), (70, 12, 3), (300, 16, 4)])
+def test_the_expert_runs_equal_torchs_stable_sort(tokens, num_experts, top_k):
+    """The grouped-GEMM path's sort (the two-kernel sort with one-row blocks) against torch's."""
+    gen = torch.Generator().manual_seed(tokens)
+    # the last expert left empty
+    ids = torch.randint(0, num_experts - 1, (tokens, top_k), generator=gen).to(DEVICE)
+    order, ends = moe_align.expert_runs(ids, num_experts)
+    ref_order, counts = moe_align.expert_order(ids.reshape(-1).long(), num_experts)
+    assert order.dtype == torch.int32 and torch.equal(order.long(), ref_order)
+    assert ends.dtype == torch.int32 and torch.equal(ends.long(), counts.cumsum(0))
