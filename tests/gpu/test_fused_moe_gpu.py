@@ -17,7 +17,13 @@ from tests.gpu.graph_replay import assert_replays_as_eager  # noqa: E402
 
 if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a device
     from common.kernels.fused_moe import fused_moe
-    from common.kernels.moe_align import align_to_blocks, align_to_blocks_chunked, align_to_blocks_torch
+    from common.kernels.moe_align import (
+        align_to_blocks,
+        align_to_blocks_chunked,
+        align_to_blocks_torch,
+        expert_order,
+        expert_runs,
+    )
     from common.kernels.moe_gemv import GemvConfig, gemv_moe
     from common.kernels.moe_route import route_topk
     from common.kernels.moe_tuning import GEMV_CONFIGS, config_name, moe_experts, run_experts
@@ -89,6 +95,9 @@ def test_the_alignment_kernels_equal_the_torch_sort(tokens):
             got = align(ids, EXPERTS, block_m)
             assert torch.equal(got.sorted_rows, reference.sorted_rows), align.__name__
             assert torch.equal(got.block_expert, reference.block_expert), align.__name__
+    order, ends = expert_runs(ids, EXPERTS)  # the grouped-GEMM path's sort
+    ref_order, counts = expert_order(ids.reshape(-1), EXPERTS)
+    assert torch.equal(order.long(), ref_order) and torch.equal(ends.long(), counts.cumsum(0))
 
 
 def test_few_experts_take_every_token_and_ties(experts):
