@@ -32,6 +32,7 @@ import triton.language as tl
 
 from common.kernels.elementwise import _round
 from common.kernels.fused_moe import combine
+from common.kernels.moe_route import check_logits, top_k_of
 from common.kernels.pdl import launch_options, release_dependents, wait_for_inputs
 
 
@@ -83,18 +84,36 @@ def _slot_row(a_ptr, w_ptr, w_scale_ptr, expert, a_row, offs_n, n_ok, N, K,
 
 @triton.jit
 def _expert_gemv_kernel(
-    a_ptr, w_ptr, ids_ptr, weights_ptr, w_scale_ptr, out_ptr, N, K,
-    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_om,
+    a_ptr, w_ptr, ids_ptr, weights_ptr, w_scale_ptr, out_ptr, logits_ptr, N, K, num_experts,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_om, stride_lt,
     TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, A_SWIGLU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     W_SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUTE: tl.constexpr = False, RENORMALIZE: tl.constexpr = False, E_PAD: tl.constexpr = 1,
+    K_PAD: tl.constexpr = 1,
 ):
     """out[r, n] = A[a(r)] . W[ids[r]][n] (* w_scale) (* weights[r]) for assignment r = t * TOP_K + k;
-    a(r) = t when A_PER_TOKEN, else r. Programs: (assignments, N / BLOCK_N)."""
+    a(r) = t when A_PER_TOKEN, else r. ROUTE: the router's choice is made here first (moe_route.top_k_of
+    over token t's logits [num_experts], each program for itself), and the programs of the first N block
+    write ids[r] and weights[r] (in the logits' dtype) for the down product. Programs: (assignments,
+    N / BLOCK_N)."""
     wait_for_inputs()  # the expert to stream is the router's output
     r = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    expert = tl.load(ids_ptr + r)
+    if ROUTE:
+        t = r // TOP_K
+        experts = tl.arange(0, E_PAD)
+        live = experts < num_experts
+        logits = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + experts, mask=live,
+                         other=-float("inf")).to(tl.float32)
+        probs, chosen = top_k_of(logits[None, :], live, TOP_K, K_PAD, RENORMALIZE)
+        mine = tl.arange(0, K_PAD)[None, :] == r % TOP_K
+        expert = tl.sum(tl.where(mine, chosen, 0))
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + r, expert)
+            tl.store(weights_ptr + r, tl.sum(tl.where(mine, probs, 0.0)).to(weights_ptr.dtype.element_ty))
+    else:
+        expert = tl.load(ids_ptr + r)
     if A_PER_TOKEN:
         a_row = r // TOP_K
     else:
@@ -134,15 +153,27 @@ def _expert_gemv_combine_kernel(
 
 def _launch(kernel, grid: tuple[int, int], a: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             row_weights: torch.Tensor, weight_scale: torch.Tensor | None, out: torch.Tensor, k: int,
-            config: GemvConfig, **constants) -> None:
+            config: GemvConfig, logits: torch.Tensor | None = None, **constants) -> None:
     w_scale = weight_scale if weight_scale is not None else out  # never read without W_SCALED
+    route = {}
+    if kernel is _expert_gemv_kernel:
+        route = {"logits_ptr": out if logits is None else logits,  # never read without ROUTE
+                 "num_experts": weights.shape[0], "stride_lt": 0 if logits is None else logits.stride(0)}
     kernel[grid](
-        a, weights, ids, row_weights, w_scale, out, weights.shape[1], k,
-        a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), w_scale.stride(0),
-        w_scale.stride(1), out.stride(0),
-        W_SCALED=weight_scale is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, **constants, **launch_options(),
+        a, weights, ids, row_weights, w_scale, out, N=weights.shape[1], K=k,
+        stride_am=a.stride(0), stride_we=weights.stride(0), stride_wn=weights.stride(1),
+        stride_wk=weights.stride(2), stride_se=w_scale.stride(0), stride_sn=w_scale.stride(1),
+        stride_om=out.stride(0), W_SCALED=weight_scale is not None, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, **route, **constants, **launch_options(),
     )
+
+
+def _check_scales(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None,
+                  down_scale: torch.Tensor | None) -> None:
+    for name, w, scale in (("gate_up", gate_up, gate_up_scale), ("down", down, down_scale)):
+        if scale is not None and tuple(scale.shape[:2]) != tuple(w.shape[:2]):
+            raise ValueError(f"{name} expert scales {tuple(scale.shape)} do not fit weights "
+                             f"{tuple(w.shape)}")
 
 
 def gemv_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
@@ -152,28 +183,59 @@ def gemv_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_we
     """fused_moe.fused_moe's contract (x [T, H] through the experts, each token's top_k rows weighted and
     summed; FP8 experts with per-channel scales), computed one assignment at a time without a sort."""
     tokens, top_k = topk_ids.shape
-    num_rows = tokens * top_k
-    if num_rows == 0:
+    if tokens == 0:
         return torch.zeros_like(x)
+    _check_scales(gate_up, down, gate_up_scale, down_scale)
     config = config or GemvConfig()
-    for name, w, scale in (("gate_up", gate_up, gate_up_scale), ("down", down, down_scale)):
-        if scale is not None and tuple(scale.shape[:2]) != tuple(w.shape[:2]):
-            raise ValueError(f"{name} expert scales {tuple(scale.shape)} do not fit weights "
-                             f"{tuple(w.shape)}")
-    ids = topk_ids.reshape(-1)
-    row_weights = topk_weights.reshape(-1)
-    inter, hidden = down.shape[2], down.shape[1]
-    h = torch.empty(num_rows, 2 * inter, dtype=x.dtype, device=x.device)
-    _launch(_expert_gemv_kernel, (num_rows, triton.cdiv(2 * inter, config.block_n)), x, gate_up, ids,
-            row_weights, gate_up_scale, h, gate_up.shape[2], config,
-            TOP_K=top_k, A_PER_TOKEN=True, A_SWIGLU=False, MUL_WEIGHT=False)
+    ids, row_weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
+    h = _gate_up(x, gate_up, ids, row_weights, gate_up_scale, top_k, config)
+    return _down(h, down, ids, row_weights, down_scale, tokens, top_k, config)
+
+
+def routed_gemv_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
+                    gate_up: torch.Tensor, down: torch.Tensor, config: GemvConfig | None = None,
+                    gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """gemv_moe from the router's logits [T, experts]: moe_route.route_topk's choice (the same weights
+    and experts, ties lowest expert first) made by the gate/up product's programs themselves, one launch
+    fewer a layer."""
+    check_logits(logits, top_k)
+    tokens = x.shape[0]
+    if tokens == 0:
+        return torch.zeros_like(x)
+    _check_scales(gate_up, down, gate_up_scale, down_scale)
+    config = config or GemvConfig()
+    ids = torch.empty(tokens * top_k, dtype=torch.int32, device=x.device)
+    row_weights = torch.empty(tokens * top_k, dtype=logits.dtype, device=x.device)
+    h = _gate_up(x, gate_up, ids, row_weights, gate_up_scale, top_k, config, logits,
+                 ROUTE=True, RENORMALIZE=renormalize, E_PAD=triton.next_power_of_2(logits.shape[1]),
+                 K_PAD=triton.next_power_of_2(top_k))
+    return _down(h, down, ids, row_weights, down_scale, tokens, top_k, config)
+
+
+def _gate_up(x: torch.Tensor, gate_up: torch.Tensor, ids: torch.Tensor, row_weights: torch.Tensor,
+             scale: torch.Tensor | None, top_k: int, config: GemvConfig, logits: torch.Tensor | None = None,
+             **route) -> torch.Tensor:
+    # [T * top_k, 2I]: each assignment's gate and up rows
+    rows = ids.numel()
+    h = torch.empty(rows, gate_up.shape[1], dtype=x.dtype, device=x.device)
+    _launch(_expert_gemv_kernel, (rows, triton.cdiv(gate_up.shape[1], config.block_n)), x, gate_up, ids,
+            row_weights, scale, h, gate_up.shape[2], config, logits,
+            TOP_K=top_k, A_PER_TOKEN=True, A_SWIGLU=False, MUL_WEIGHT=False, **route)
+    return h
+
+
+def _down(h: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, row_weights: torch.Tensor,
+          scale: torch.Tensor | None, tokens: int, top_k: int, config: GemvConfig) -> torch.Tensor:
+    # [T, H]: the down products of silu(g) * u, weighted and summed per token
+    hidden, inter = down.shape[1], down.shape[2]
     if config.fuse_combine:
-        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+        out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
         _launch(_expert_gemv_combine_kernel, (tokens, triton.cdiv(hidden, config.block_n)), h, down, ids,
-                row_weights, down_scale, out, inter, config, TOP_K=top_k)
+                row_weights, scale, out, inter, config, TOP_K=top_k)
         return out
-    rows = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
-    _launch(_expert_gemv_kernel, (num_rows, triton.cdiv(hidden, config.block_n)), h, down, ids,
-            row_weights, down_scale, rows, inter, config,
+    rows = torch.empty(tokens * top_k, hidden, dtype=h.dtype, device=h.device)
+    _launch(_expert_gemv_kernel, (tokens * top_k, triton.cdiv(hidden, config.block_n)), h, down, ids,
+            row_weights, scale, rows, inter, config,
             TOP_K=top_k, A_PER_TOKEN=False, A_SWIGLU=True, MUL_WEIGHT=True)
     return combine(rows, tokens, top_k)

@@ -20,9 +20,26 @@ from triton.runtime.errors import OutOfResources
 from common.kernels import moe_grouped_mm
 from common.kernels.fused_moe import GemmConfig, combine, default_config, fused_moe
 from common.kernels.graph_timing import event_time_us, graph_time_us
-from common.kernels.moe_gemv import GemvConfig, gemv_moe
+from common.kernels.moe_gemv import GemvConfig, gemv_moe, routed_gemv_moe
+from common.kernels.moe_route import route_topk
 
 log = logging.getLogger("mmserve.decoder.fused_moe")
+
+
+def routed_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
+                   gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
+                   down_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """What a MoE layer calls on the GPU: its routed experts' weighted sum for x [T, H] from the router's
+    logits [T, experts]. A batch whose measured choice is the GEMVs routes inside them
+    (moe_gemv.routed_gemv_moe); any other takes the router kernel (moe_route.route_topk), then
+    moe_experts."""
+    if 0 < x.shape[0] <= GEMV_TOKENS:
+        config = choose_config(x, gate_up, down, top_k, gate_up_scale, down_scale)
+        if isinstance(config, GemvConfig):
+            return routed_gemv_moe(x, logits, top_k, renormalize, gate_up, down, config, gate_up_scale,
+                                   down_scale)
+    weights, ids = route_topk(logits, top_k, renormalize)
+    return moe_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
 
 
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
@@ -97,8 +114,8 @@ class MoeKey:
 
 @dataclass(frozen=True)
 class MoeChoice:
-    """The chosen tiling and every candidate's time (us per MoE call: sort and both products, or the
-    GEMVs and combine)."""
+    """The chosen tiling and every candidate's time (us per MoE call from the router's logits: route,
+    sort, both products and combine, or the GEMVs and combine)."""
 
     config: GemmConfig | GemvConfig
     times_us: dict[GemmConfig | GemvConfig, float]
@@ -127,18 +144,23 @@ def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     if torch.cuda.is_current_stream_capturing():
         return default_config(tokens)
     gen = torch.Generator(device=x.device).manual_seed(tokens)
-    routings = [torch.rand(tokens, key.experts, generator=gen, device=x.device).topk(top_k, dim=-1).indices
+    # random router logits: each routing spreads the tokens over the experts, as trained routers do
+    routings = [torch.randn(tokens, key.experts, generator=gen, device=x.device).to(x.dtype)
                 for _ in range(TIMING_ROUTINGS)]
-    weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=x.dtype, device=x.device)
     rows = torch.randn(tokens, key.hidden, generator=gen, device=x.device).to(x.dtype)
 
-    def experts(ids: torch.Tensor, config: GemmConfig | GemvConfig) -> torch.Tensor:
+    def experts(logits: torch.Tensor, config: GemmConfig | GemvConfig) -> torch.Tensor:
+        # from the logits, as routed_experts runs each path (the GEMVs route themselves)
+        if isinstance(config, GemvConfig):
+            return routed_gemv_moe(rows, logits, top_k, True, gate_up, down, config, gate_up_scale,
+                                   down_scale)
+        weights, ids = route_topk(logits, top_k, True)
         return run_experts(rows, gate_up, down, weights, ids, config, gate_up_scale, down_scale)
 
     times = {}
     for config in DECODE_CONFIGS + (GEMV_CONFIGS if tokens <= GEMV_TOKENS else ()):
         try:
-            times[config] = graph_time_us([functools.partial(experts, ids, config) for ids in routings])
+            times[config] = graph_time_us([functools.partial(experts, logits, config) for logits in routings])
         except OutOfResources:  # a tiling this card's shared memory cannot hold (the first always fits)
             continue
     best = min(times, key=times.get)

@@ -15,9 +15,9 @@ routed experts' sum, as HF's Qwen2-MoE-style block computes it.
 Two paths compute the experts: the torch reference (`experts_reference`: assignments sorted by expert,
 one product per expert over its grouped rows, the weighted outputs added in expert order; the rounding
 points of HF's loop, so fp32 on a CPU gives HF's bits), and on CUDA with the Triton ops the fused kernels
-(common/kernels/moe_route.py: the router's softmax and top-k in one launch; common/kernels/fused_moe.py:
-block-aligned sort, one grouped GEMM for gate/up and one for down, no host sync, so decode steps can be
-captured in CUDA graphs). FP8 experts (`--quantization fp8`,
+(common/kernels/moe_tuning.py's routed_experts: the router's softmax and top-k in one launch, then
+fused_moe.py's block-aligned sort and grouped GEMMs, or at a few tokens moe_gemv.py's GEMVs that route
+themselves; no host sync, so decode steps can be captured in CUDA graphs). FP8 experts (`--quantization fp8`,
 decoder_svc/model/quant/experts.py) take both paths too: the reference dequantizes each expert it runs as
 TorchOps.fp8_linear does, the kernels widen the FP8 tiles and scale their fp32 accumulators.
 """
@@ -135,11 +135,10 @@ class SparseMoE(nn.Module):
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         gate_up_scale, down_scale = self.experts.scales()
         if self.fused and x.is_cuda:
-            from common.kernels.moe_route import route_topk
-            from common.kernels.moe_tuning import moe_experts
+            from common.kernels.moe_tuning import routed_experts
 
-            weights, ids = route_topk(logits, self.top_k, self.renormalize)
-            return moe_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
+            return routed_experts(x, logits, self.top_k, self.renormalize, gate_up, down, gate_up_scale,
+                                  down_scale)
         weights, ids = route(logits, self.top_k, self.renormalize)
         return experts_reference(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
 

@@ -24,7 +24,7 @@ from common.kernels.moe_align import (  # noqa: E402
     align_to_blocks_torch,
     padded_rows,
 )
-from common.kernels.moe_gemv import GemvConfig, gemv_moe  # noqa: E402
+from common.kernels.moe_gemv import GemvConfig, gemv_moe, routed_gemv_moe  # noqa: E402
 from common.kernels.moe_route import route_topk  # noqa: E402
 from common.kernels.moe_tuning import config_name, run_experts  # noqa: E402
 from decoder_svc.model.moe import experts_reference, route  # noqa: E402
@@ -286,3 +286,32 @@ def test_the_expert_runs_equal_torchs_stable_sort(tokens, num_experts, top_k):
     ref_order, counts = moe_align.expert_order(ids.reshape(-1).long(), num_experts)
     assert order.dtype == torch.int32 and torch.equal(order.long(), ref_order)
     assert ends.dtype == torch.int32 and torch.equal(ends.long(), counts.cumsum(0))
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("fuse_combine", [False, True])
+def test_the_gemvs_that_route_themselves_equal_the_router_kernel_then_the_gemvs(renormalize, fuse_combine):
+    """routed_gemv_moe makes route_topk's choice inside the gate/up programs: the same bits as the router
+    kernel followed by gemv_moe, ties (equal logits) included, and the reference's values."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(5, HIDDEN, generator=gen).to(DEVICE)
+    logits = torch.randn(5, 12, generator=gen).to(DEVICE)
+    logits[3] = 0.5  # a twelve-way tie: the lowest experts first
+    logits[4, 7:] = 2.0  # a five-way tie for the top three
+    gate_up, down = _experts(12, seed=22)
+    config = GemvConfig(block_n=16, block_k=16, num_warps=4, fuse_combine=fuse_combine)
+    routed = routed_gemv_moe(x, logits, 3, renormalize, gate_up, down, config)
+    weights, ids = route_topk(logits, 3, renormalize)
+    assert ids[3].tolist() == [0, 1, 2] and ids[4].tolist() == [7, 8, 9]
+    assert torch.equal(routed, gemv_moe(x, gate_up, down, weights, ids, config))
+    torch.testing.assert_close(routed, experts_reference(x, weights, ids.long(), gate_up, down),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_gemvs_that_route_themselves_refuse_what_the_router_kernel_refuses():
+    gate_up, down = _experts(4, seed=23)
+    x = torch.randn(2, HIDDEN, device=DEVICE)
+    with pytest.raises(ValueError, match="top_k 5 of 4"):
+        routed_gemv_moe(x, torch.zeros(2, 4, device=DEVICE), 5, True, gate_up, down)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        routed_gemv_moe(x, torch.zeros(4, 2, device=DEVICE).t(), 2, True, gate_up, down)

@@ -24,7 +24,7 @@ if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a dev
         expert_order,
         expert_runs,
     )
-    from common.kernels.moe_gemv import GemvConfig, gemv_moe
+    from common.kernels.moe_gemv import GemvConfig, gemv_moe, routed_gemv_moe
     from common.kernels.moe_route import route_topk
     from common.kernels.moe_tuning import GEMV_CONFIGS, config_name, moe_experts, run_experts
 
@@ -126,11 +126,21 @@ def test_the_gemvs_replay_in_a_cuda_graph(experts, fuse_combine):
     x = torch.randn(2, HIDDEN, device="cuda").bfloat16()
     config = GemvConfig(fuse_combine=fuse_combine)
 
-    def chain(inp: torch.Tensor) -> torch.Tensor:  # router kernel, then the GEMVs: no sort
-        weights, ids = route_topk(inp @ router.t(), TOP_K, renormalize=True)
-        return gemv_moe(inp, gate_up, down, weights, ids, config)
+    def chain(inp: torch.Tensor) -> torch.Tensor:  # the GEMVs route themselves: no router kernel, no sort
+        return routed_gemv_moe(inp, inp @ router.t(), TOP_K, True, gate_up, down, config)
 
     assert_replays_as_eager(chain, x, lambda s: torch.randn(2, HIDDEN, device="cuda").bfloat16() * s)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_the_gemvs_that_route_themselves_equal_the_router_kernel_then_the_gemvs(experts, tokens):
+    gate_up, down, router = experts
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    logits = x @ router.t()
+    weights, ids = route_topk(logits, TOP_K, renormalize=True)
+    for config in GEMV_CONFIGS:
+        routed = routed_gemv_moe(x, logits, TOP_K, True, gate_up, down, config)
+        assert torch.equal(routed, gemv_moe(x, gate_up, down, weights, ids, config)), config_name(config)
 
 
 def test_the_layer_takes_the_kernel_under_triton_ops():
