@@ -3,10 +3,13 @@
 At one decode token each of the top_k chosen experts multiplies a single row, so the grouped GEMM's
 block-aligned sort buys nothing: its BLOCK_M-row tiles are one row and padding, its grid is top_k blocks
 times the N tiles (at top-8 and N of a few thousand, a wave and a half of programs on an H100's SMs),
-and the sort itself is one more launch per layer. Here every program reads its assignment's expert
+and the sort itself is one more launch per layer. Here every program takes its assignment's expert
 straight from the router's ids and streams BLOCK_N of that expert's weight rows over all K, like the
-dense one-row product (decode_gemv.py): many small programs keep the memory system busy, and the
-layer is route, gate/up, down, combine (or route, gate/up, down-and-combine with `fuse_combine`).
+dense one-row product (decode_gemv.py): many small programs keep the memory system busy. The layer is
+gate/up, down, combine (`gemv_moe`, from ids), or with `routed_gemv_moe` the gate/up programs make the
+router's choice themselves from its logits (moe_route.top_k_of: a softmax and top-k over a hundred-odd
+values, cheaper than a launch), and with `fuse_combine` the down programs sum the slots: two launches
+where the grouped path takes five (route, sort, gate/up, down, combine).
 
 Rounding follows fused_moe.py's: the gate/up rows in the activations' dtype, silu(g) * u rounded as
 torch's two elementwise ops round, each slot's down row scaled by its routing weight in fp32 and rounded
