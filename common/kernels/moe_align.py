@@ -163,6 +163,10 @@ def align_to_blocks_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
 SORT_CHUNK = 256
 SUB = 64
 COUNT_ROWS = 64
+# Rows of the sorted buffer (padding included) per placement program at most: at 128 tokens of top-8 with
+# 64-row blocks, four chunks' programs wrote 9088 rows, most of them padding (a sort of 81 us in a layer of
+# 489: BENCHMARKS.md, Qwen3-VL-30B-A3B).
+PAD_ROWS_PER_PROGRAM = 512
 
 
 def align_to_blocks_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
@@ -196,10 +200,13 @@ def _sort_in_chunks(topk_ids: torch.Tensor, num_experts: int,
     e_pad = triton.next_power_of_2(num_experts)
     _chunk_counts_kernel[(chunks,)](flat, counts, n, num_experts, E_PAD=e_pad, CHUNK=SORT_CHUNK, SUB=SUB,
                                     **small_kernel_launch_options())
-    rows_per_program = triton.cdiv(triton.cdiv(total, chunks), SUB) * SUB
-    _place_kernel[(chunks,)](flat, counts, sorted_rows, block_expert, n, total, num_experts, chunks,
-                             rows_per_program, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=SORT_CHUNK, SUB=SUB,
-                             COUNT_ROWS=COUNT_ROWS, **small_kernel_launch_options())
+    # the padding rows are shared out over more programs than there are chunks where they are many (large
+    # blocks, few assignments): the programs past the last chunk only write padding rows and blocks' experts
+    programs = max(chunks, triton.cdiv(total, PAD_ROWS_PER_PROGRAM))
+    rows_per_program = triton.cdiv(triton.cdiv(total, programs), SUB) * SUB
+    _place_kernel[(programs,)](flat, counts, sorted_rows, block_expert, n, total, num_experts, chunks,
+                               rows_per_program, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=SORT_CHUNK, SUB=SUB,
+                               COUNT_ROWS=COUNT_ROWS, **small_kernel_launch_options())
     return BlockAlignment(sorted_rows, block_expert, block_m), counts
 
 
@@ -224,10 +231,10 @@ def _place_kernel(ids_ptr, counts_ptr, sorted_rows_ptr, block_expert_ptr, n, tot
                   rows_per_program, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
                   SUB: tl.constexpr, COUNT_ROWS: tl.constexpr):
     """Program p: each expert's count (all chunks) and its count in the chunks before p, from counts;
-    then chunk p's assignments at their expert's padded start + the earlier chunks' count + their rank
-    among the chunk's assignments of that expert (flat order); then rows p * rows_per_program.. of the
-    sorted buffer: the padding rows no assignment takes get n, and each block starting there its expert
-    (-1 past the last run)."""
+    then chunk p's assignments (none for p >= chunks) at their expert's padded start + the earlier
+    chunks' count + their rank among the chunk's assignments of that expert (flat order); then rows
+    p * rows_per_program.. of the sorted buffer: the padding rows no assignment takes get n, and each
+    block starting there its expert (-1 past the last run). Programs: at least chunks."""
     wait_for_inputs()  # launched early (pdl.py): the chunks' counts are read after the wait
     release_dependents()
     p = tl.program_id(0)

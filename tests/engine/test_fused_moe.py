@@ -102,15 +102,18 @@ def test_large_batches_take_the_chunked_sort(monkeypatch):
     assert a.sorted_rows[:3].tolist() == [1, 2, 6] and a.block_expert.tolist()[:3] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("tokens, num_experts, top_k, block_m, chunk",
-                         [(40, 6, 3, 16, 64), (37, 4, 2, 16, 64), (200, 16, 4, 8, 128), (70, 128, 8, 16, 256),
-                          (1, 8, 2, 16, 64)])
-def test_the_chunked_sort_equals_the_torch_sort(tokens, num_experts, top_k, block_m, chunk, monkeypatch):
+@pytest.mark.parametrize("tokens, num_experts, top_k, block_m, chunk, pad_rows",
+                         [(40, 6, 3, 16, 64, 512), (37, 4, 2, 16, 64, 64), (200, 16, 4, 8, 128, 512),
+                          (70, 128, 8, 16, 256, 512), (70, 128, 8, 16, 256, 128), (1, 8, 2, 16, 64, 64)])
+def test_the_chunked_sort_equals_the_torch_sort(tokens, num_experts, top_k, block_m, chunk, pad_rows,
+                                                 monkeypatch):
     """Chunks of 64 to 256 assignments (the last one ragged), the counts read back in pieces of 2 chunks:
     an expert's run spans chunks and its assignments keep their flat order across them; 128 experts with
-    most empty; one token (a single ragged chunk)."""
+    most empty; one token (a single ragged chunk); and (pad_rows small) more placement programs than
+    chunks, those past the last chunk writing padding rows only."""
     monkeypatch.setattr(moe_align, "SORT_CHUNK", chunk)
     monkeypatch.setattr(moe_align, "COUNT_ROWS", 2)
+    monkeypatch.setattr(moe_align, "PAD_ROWS_PER_PROGRAM", pad_rows)
     gen = torch.Generator().manual_seed(tokens * 7 + num_experts)
     ids = torch.rand(tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
     chunked = align_to_blocks_chunked(ids, num_experts, block_m)
