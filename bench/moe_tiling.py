@@ -48,6 +48,12 @@ def parse_config(text: str):
     from common.kernels.moe_gemv import GemvConfig
 
     try:
+        if text.startswith("tma"):
+            from common.kernels.moe_stream_gemv import StreamMoeConfig
+
+            block_n, rest = text.removeprefix("tma").split("st")
+            stages, warps = rest.removesuffix("w").split("w")
+            return StreamMoeConfig(int(block_n), int(stages), int(warps))
         if text.startswith("gemv"):
             tiles, rest = text.removeprefix("gemv").split("/")
             block_n, block_k = (int(v) for v in tiles.split("x"))
@@ -61,7 +67,8 @@ def parse_config(text: str):
         return GemmConfig(block_m, block_n, block_k, int(warps), int(stages))
     except ValueError as e:
         raise argparse.ArgumentTypeError(
-            f"tiling {text!r}: expected BMxBNxBK/Ww/Ss (e.g. 64x128x64/8w3s) or gemvBNxBK/Ww[+combine]"
+            f"tiling {text!r}: expected BMxBNxBK/Ww/Ss (e.g. 64x128x64/8w3s), gemvBNxBK/Ww[+combine] or "
+            "tmaBNstSwW"
         ) from e
 
 
@@ -128,6 +135,8 @@ def time_tokens(layer: Layer, tokens: int, configs: list, args: argparse.Namespa
 
     from common.kernels.fused_moe import GemmConfig, combine, default_config, grouped_gemm
     from common.kernels.moe_align import align_to_blocks, padded_rows
+    from common.kernels.moe_stream_gemv import StreamMoeConfig
+    from common.kernels.moe_stream_gemv import usable as stream_usable
     from common.kernels.moe_tuning import DECODE_CONFIGS, GEMV_TOKENS, TUNED_TOKENS, run_experts
 
     device, dtype = layer.weights[0][0].device, layer.weights[0][0].dtype
@@ -148,6 +157,8 @@ def time_tokens(layer: Layer, tokens: int, configs: list, args: argparse.Namespa
         gemm = isinstance(config, GemmConfig)
         if not gemm and tokens > GEMV_TOKENS:
             continue  # the GEMVs are measured where choose_config measures them
+        if isinstance(config, StreamMoeConfig) and not stream_usable(x, *layer.weights[0]):
+            continue  # TMA: Hopper only
         calls = [functools.partial(run_experts, x, w[0], w[1], topk_w, i, config) for w, i in work]
         try:
             us = timer(calls)
@@ -206,13 +217,13 @@ def _time_grouped_mm(timer, x: torch.Tensor, work: list, topk_w: torch.Tensor, f
 
 def run(args: argparse.Namespace) -> dict:
     """Time; returns the JSON payload."""
-    from common.kernels.moe_tuning import DECODE_CONFIGS, GEMV_CONFIGS
+    from common.kernels.moe_tuning import DECODE_CONFIGS, GEMV_CONFIGS, STREAM_CONFIGS
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     experts, hidden, width = args.experts, args.hidden, args.width
     configs = ([parse_config(c) for c in args.configs.split(",") if c] if args.configs else
-               list(dict.fromkeys([*DECODE_CONFIGS, *GEMV_CONFIGS,
+               list(dict.fromkeys([*DECODE_CONFIGS, *GEMV_CONFIGS, *STREAM_CONFIGS,
                                    *(parse_config(c) for c in PREFILL_CANDIDATES)])))
     gen = torch.Generator(device=device).manual_seed(0)
     copies = 1

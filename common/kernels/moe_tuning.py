@@ -22,6 +22,9 @@ from common.kernels.fused_moe import GemmConfig, combine, default_config, fused_
 from common.kernels.graph_timing import event_time_us, graph_time_us
 from common.kernels.moe_gemv import GemvConfig, gemv_moe, routed_gemv_moe
 from common.kernels.moe_route import route_topk
+from common.kernels.moe_stream_gemv import CONFIGS as STREAM_CONFIGS
+from common.kernels.moe_stream_gemv import StreamMoeConfig, stream_moe
+from common.kernels.moe_stream_gemv import usable as stream_usable
 
 log = logging.getLogger("mmserve.decoder.fused_moe")
 
@@ -56,14 +59,19 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk
     return run_experts(x, gate_up, down, topk_weights, topk_ids, config, gate_up_scale, down_scale)
 
 
+Config = GemmConfig | GemvConfig | StreamMoeConfig  # a path and its tiling
+
+
 def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, config: GemmConfig | GemvConfig,
-                gate_up_scale: torch.Tensor | None = None,
+                topk_ids: torch.Tensor, config: Config, gate_up_scale: torch.Tensor | None = None,
                 down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """fused_moe's contract through `config`'s path: the per-assignment GEMVs (moe_gemv.py) for a
-    GemvConfig, the sort and grouped GEMM (fused_moe.py) for a GemmConfig."""
+    GemvConfig, the same through TMA (moe_stream_gemv.py) for a StreamMoeConfig, the sort and grouped
+    GEMM (fused_moe.py) for a GemmConfig."""
     if isinstance(config, GemvConfig):
         return gemv_moe(x, gate_up, down, topk_weights, topk_ids, config, gate_up_scale, down_scale)
+    if isinstance(config, StreamMoeConfig):
+        return stream_moe(x, gate_up, down, topk_weights, topk_ids, config, gate_up_scale, down_scale)
     return fused_moe(x, gate_up, down, topk_weights, topk_ids, config, gate_up_scale, down_scale)
 
 
@@ -117,8 +125,8 @@ class MoeChoice:
     """The chosen tiling and every candidate's time (us per MoE call from the router's logits: route,
     sort, both products and combine, or the GEMVs and combine)."""
 
-    config: GemmConfig | GemvConfig
-    times_us: dict[GemmConfig | GemvConfig, float]
+    config: Config
+    times_us: dict[Config, float]
 
 
 CHOICES: dict[MoeKey, MoeChoice] = {}  # one per process: the shapes are the model's
@@ -126,10 +134,11 @@ CHOICES: dict[MoeKey, MoeChoice] = {}  # one per process: the shapes are the mod
 
 def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                   gate_up_scale: torch.Tensor | None = None,
-                  down_scale: torch.Tensor | None = None) -> GemmConfig | GemvConfig:
+                  down_scale: torch.Tensor | None = None) -> Config:
     """The tiling moe_experts launches for x [T, H] through these experts: default_config's beyond
     TUNED_TOKENS tokens; else the fastest of DECODE_CONFIGS (and up to GEMV_TOKENS tokens of
-    GEMV_CONFIGS), measured once per MoeKey as decode runs it
+    GEMV_CONFIGS and, on Hopper, moe_stream_gemv's CONFIGS) that computes what DECODE_CONFIGS[0]
+    computes (to bf16 rounding, on the first routing), measured once per MoeKey as decode runs it
     (the sort and both products over TIMING_ROUTINGS random routings of the key's tokens, back to back in
     a replayed CUDA graph: graph_timing.graph_time_us; a second or so per key, the first time also
     Triton's compiles). Never measured inside a graph capture (the runner runs every graph's batch once
@@ -149,7 +158,7 @@ def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
                 for _ in range(TIMING_ROUTINGS)]
     rows = torch.randn(tokens, key.hidden, generator=gen, device=x.device).to(x.dtype)
 
-    def experts(logits: torch.Tensor, config: GemmConfig | GemvConfig) -> torch.Tensor:
+    def experts(logits: torch.Tensor, config: Config) -> torch.Tensor:
         # from the logits, as routed_experts runs each path (the GEMVs route themselves)
         if isinstance(config, GemvConfig):
             return routed_gemv_moe(rows, logits, top_k, True, gate_up, down, config, gate_up_scale,
@@ -157,9 +166,17 @@ def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
         weights, ids = route_topk(logits, top_k, True)
         return run_experts(rows, gate_up, down, weights, ids, config, gate_up_scale, down_scale)
 
+    candidates = DECODE_CONFIGS
+    if tokens <= GEMV_TOKENS:
+        candidates += GEMV_CONFIGS + (STREAM_CONFIGS if stream_usable(x, gate_up, down) else ())
+    reference = experts(routings[0], DECODE_CONFIGS[0]).float()
     times = {}
-    for config in DECODE_CONFIGS + (GEMV_CONFIGS if tokens <= GEMV_TOKENS else ()):
+    for config in candidates:
         try:
+            if not _agrees(experts(routings[0], config).float(), reference):
+                log.warning("fused MoE, %d tokens: %s disagrees with %s; not a candidate", tokens,
+                            config_name(config), config_name(DECODE_CONFIGS[0]))
+                continue
             times[config] = graph_time_us([functools.partial(experts, logits, config) for logits in routings])
         except OutOfResources:  # a tiling this card's shared memory cannot hold (the first always fits)
             continue
@@ -171,9 +188,14 @@ def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     return best
 
 
-def config_name(config: GemmConfig | GemvConfig) -> str:
+def _agrees(got: torch.Tensor, reference: torch.Tensor) -> bool:
+    # the same function to a few bf16 roundings (products summed in other orders), not a broken kernel
+    return bool(torch.isfinite(got).all()) and (got - reference).norm() <= 1e-2 * reference.norm() + 1e-6
+
+
+def config_name(config: Config) -> str:
     """A tiling's short name in logs and the benchmarks' JSON."""
-    if isinstance(config, GemvConfig):
+    if isinstance(config, GemvConfig | StreamMoeConfig):
         return config.name
     return f"{config.block_m}x{config.block_n}x{config.block_k}/{config.num_warps}w{config.num_stages}s"
 

@@ -54,3 +54,6 @@ def test_a_tiling_is_parsed_and_named_back():
     assert moe_tiling.config_name(moe_tiling.parse_config("gemv16x512/8w")) == "gemv16x512/8w"
     with pytest.raises(Exception, match="gemvBNxBK"):
         moe_tiling.parse_config("gemv8x256/4w+sum")
+    tma = moe_tiling.parse_config("tma16st6w4")
+    assert (tma.block_n, tma.stages, tma.warps) == (16, 6, 4)
+    assert moe_tiling.config_name(tma) == "tma16st6w4"

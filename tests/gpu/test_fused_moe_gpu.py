@@ -16,6 +16,7 @@ from decoder_svc.model.moe import experts_reference, route  # noqa: E402
 from tests.gpu.graph_replay import assert_replays_as_eager  # noqa: E402
 
 if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a device
+    from common.kernels import moe_stream_gemv
     from common.kernels.fused_moe import fused_moe
     from common.kernels.moe_align import (
         align_to_blocks,
@@ -48,7 +49,8 @@ def _check(x, gate_up, down, weights, ids) -> None:
     # what the layer calls (the measured tiling or path), and at a few tokens every GEMV candidate too
     outs = {"chosen": moe_experts(x, gate_up, down, weights, ids)}
     if x.shape[0] <= 8:
-        outs.update({config_name(c): run_experts(x, gate_up, down, weights, ids, c) for c in GEMV_CONFIGS})
+        few = GEMV_CONFIGS + (moe_stream_gemv.CONFIGS if moe_stream_gemv.usable(x, gate_up, down) else ())
+        outs.update({config_name(c): run_experts(x, gate_up, down, weights, ids, c) for c in few})
     # the fp32 reference over the same bf16 weights: the kernel's one rounding per product stays close;
     # the bf16 reference rounds as often, so it sits at a similar distance
     exact = experts_reference(x.float(), weights.float(), ids, gate_up.float(), down.float())
@@ -132,6 +134,18 @@ def test_the_gemvs_replay_in_a_cuda_graph(experts, fuse_combine):
     assert_replays_as_eager(chain, x, lambda s: torch.randn(2, HIDDEN, device="cuda").bfloat16() * s)
 
 
+def test_the_tma_gemvs_replay_in_a_cuda_graph(experts):
+    gate_up, down, router = experts
+    x = torch.randn(2, HIDDEN, device="cuda").bfloat16()
+    assert moe_stream_gemv.usable(x, gate_up, down)  # an H100 or H200
+
+    def chain(inp: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_topk(inp @ router.t(), TOP_K, renormalize=True)
+        return moe_stream_gemv.stream_moe(inp, gate_up, down, weights, ids)
+
+    assert_replays_as_eager(chain, x, lambda s: torch.randn(2, HIDDEN, device="cuda").bfloat16() * s)
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 8])
 def test_the_gemvs_that_route_themselves_equal_the_router_kernel_then_the_gemvs(experts, tokens):
     gate_up, down, router = experts
@@ -177,7 +191,8 @@ def test_fp8_experts_against_the_dequantized_reference(experts, tokens):
     x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
     weights, ids = route(x @ router.t(), TOP_K, renormalize=True)
     exact = experts_reference(x.float(), weights.float(), ids, q_gate_up, q_down, s_gate_up, s_down)
-    configs = [None, *(GEMV_CONFIGS if tokens <= 8 else ())]  # the default tiling, the GEMVs at few tokens
+    few = GEMV_CONFIGS + (moe_stream_gemv.CONFIGS if moe_stream_gemv.usable(x, q_gate_up, q_down) else ())
+    configs = [None, *(few if tokens <= 8 else ())]  # the default tiling, the GEMVs at few tokens
     for config in configs:
         if config is None:
             out = fused_moe(x, q_gate_up, q_down, weights, ids, gate_up_scale=s_gate_up, down_scale=s_down)
