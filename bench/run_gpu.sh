@@ -532,7 +532,7 @@ fi
 # moe (issue 69): tests/gpu/test_fused_moe_gpu.py (bf16 and FP8 experts against the reference, ragged and
 # empty experts, ties, a graph replay, both prefill paths) and the QK norm's GPU test, then bench.moe_decode: decode b1 and 32 streams with bf16 and FP8
 # experts, the routers spread, HF's random init of the same config beside, against the active-weights
-# bound. $OUT gets test_fused_moe.log. Limits: 180 s the tests, 540 s the bench. MOE_TESTS: the GPU test
+# bound. $OUT gets test_fused_moe.log. Limits: MOE_TESTS_TIMEOUT (240 s) the tests, 540 s the bench. MOE_TESTS: the GPU test
 # files instead (e.g. with tests/gpu/test_qwen3_5_moe_gpu.py for MOE_PRESET=qwen3.5-35b-a3b).
 # MOE_PREFILL_PROFILE=1 then, in this order (each while the budget lasts): profiles one 1520-token prefill
 # step with its host time (bench.profile_step --warm-tail 1520 over a 16-token prompt; 100 s), times every
@@ -544,7 +544,7 @@ if [[ ",$SECTIONS," == *,moe,* ]]; then
   read -r -a MOEARGS <<< "${MOE_ARGS:-}"
   read -r -a MOETESTS <<< "${MOE_TESTS:-tests/gpu/test_fused_moe_gpu.py tests/gpu/test_ops_gpu.py::test_qk_norm_gpu}"
   echo "== ${MOETESTS[*]} (t=$((SECONDS - START))s)"
-  timeout 180 "$PY" -m pytest -q -p no:cacheprovider -rs "${MOETESTS[@]}" > "$OUT/test_fused_moe.log" 2>&1
+  timeout "${MOE_TESTS_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider -rs "${MOETESTS[@]}" > "$OUT/test_fused_moe.log" 2>&1
   tail -15 "$OUT/test_fused_moe.log"
   make_once "$MOE_DIR" "${MOE_PRESET:-qwen3-vl-30b-a3b}" --weights vision
   step moe_decode 540 "$PY" -m bench.moe_decode --model "$MOE_DIR" "${DT[@]}" --load-format dummy \
