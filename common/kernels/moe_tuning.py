@@ -180,6 +180,11 @@ def choose_config(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
             times[config] = graph_time_us([functools.partial(experts, logits, config) for logits in routings])
         except OutOfResources:  # a tiling this card's shared memory cannot hold (the first always fits)
             continue
+        except Exception as e:  # noqa: BLE001 - a candidate this card or build cannot compile or launch
+            if config == DECODE_CONFIGS[0]:
+                raise
+            log.warning("fused MoE, %d tokens: %s failed (%s); not a candidate", tokens, config_name(config),
+                        str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
     best = min(times, key=times.get)
     CHOICES[key] = MoeChoice(best, times)
     log.info("fused MoE, %d tokens x top-%d of %d experts (%dx%d, %s): %s (%.1f us; default %.1f)",
