@@ -179,7 +179,9 @@ def stream_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_
                              f"{tuple(w.shape)}")
     config = config or CONFIGS[0]
     x = x.contiguous()
-    ids, row_weights = topk_ids.reshape(-1).contiguous(), topk_weights.reshape(-1).contiguous()
+    # int32 expert ids (the router kernel's; torch.topk's int64 would make 64-bit TMA coordinates)
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    row_weights = topk_weights.reshape(-1).contiguous()
     rows = tokens * top_k
     h = _product(x, gate_up, ids, row_weights, gate_up_scale, rows, gate_up.shape[2], top_k, config,
                  a_per_token=True, swiglu=False)
