@@ -42,8 +42,8 @@ PREFILL_CANDIDATES = (
 
 
 def parse_config(text: str):
-    """'BMxBNxBK/Ww/Ss' -> GemmConfig (e.g. 64x128x64/8w3s); 'gemvBNxBK/Ww[+combine]' -> GemvConfig (the
-    per-assignment GEMVs of moe_gemv.py, e.g. gemv16x256/4w)."""
+    """'BMxBNxBK/Ww/Ss[+swap]' -> GemmConfig (e.g. 64x128x64/8w3s); 'gemvBNxBK/Ww[+combine]' -> GemvConfig
+    (the per-assignment GEMVs of moe_gemv.py, e.g. gemv16x256/4w); 'tmaBNstSwW' -> StreamMoeConfig."""
     from common.kernels.fused_moe import GemmConfig
     from common.kernels.moe_gemv import GemvConfig
 
@@ -63,12 +63,15 @@ def parse_config(text: str):
             return GemvConfig(block_n, block_k, int(warps.removesuffix("w")), fuse_combine=bool(fused))
         tiles, rest = text.split("/")
         block_m, block_n, block_k = (int(v) for v in tiles.split("x"))
+        rest, _, swap = rest.partition("+")
+        if swap not in ("", "swap"):
+            raise ValueError(swap)
         warps, stages = rest.removesuffix("s").split("w")
-        return GemmConfig(block_m, block_n, block_k, int(warps), int(stages))
+        return GemmConfig(block_m, block_n, block_k, int(warps), int(stages), swap_ab=bool(swap))
     except ValueError as e:
         raise argparse.ArgumentTypeError(
-            f"tiling {text!r}: expected BMxBNxBK/Ww/Ss (e.g. 64x128x64/8w3s), gemvBNxBK/Ww[+combine] or "
-            "tmaBNstSwW"
+            f"tiling {text!r}: expected BMxBNxBK/Ww/Ss[+swap] (e.g. 64x128x64/8w3s), "
+            "gemvBNxBK/Ww[+combine] or tmaBNstSwW"
         ) from e
 
 

@@ -46,18 +46,33 @@ from common.kernels.pdl import (
 
 
 @triton.jit
+def _a_tile(ptrs, mask, up_offset, A_SWIGLU: tl.constexpr):
+    # A's tile as stored, or with A_SWIGLU silu(g) * u of the stored halves (u at ptrs + up_offset), each
+    # rounded to A's dtype as torch's two elementwise ops round
+    a = tl.load(ptrs, mask=mask, other=0.0)
+    if A_SWIGLU:
+        up = tl.load(ptrs + up_offset, mask=mask, other=0.0)
+        g = a.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(a.dtype)
+        a = (silu.to(tl.float32) * up.to(tl.float32)).to(a.dtype)
+    return a
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_rows_ptr, block_expert_ptr, weights_ptr, w_scale_ptr,
     N, K, num_rows,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_se, stride_sn,
     TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, A_SWIGLU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     W_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
     """out[r, :] = A[a(r), :] @ W[e]^T (* w_scale[e]) (* weights[r]) for the BLOCK_M sorted rows r of this
     program's block, e its expert; a(r) = r // TOP_K when A_PER_TOKEN, else r. A_SWIGLU: A's row is
     silu(g) * u of the stored row's halves [g | u] (K columns each), each rounded to A's dtype as torch's
     two elementwise ops round. W_SCALED: W is FP8, widened to A's dtype per tile, and w_scale
-    [experts, N] (strides se, sn) scales the accumulator's columns. Programs: (blocks, N / BLOCK_N)."""
+    [experts, N] (strides se, sn) scales the accumulator's columns. SWAP_AB: the same values computed as
+    (W . A^T)^T (decode blocks of a few rows). Programs: (blocks, N / BLOCK_N)."""
     # launched early (pdl.py); nothing is read before the wait: which expert's weights to stream is
     # itself the sort's output
     wait_for_inputs()
@@ -76,24 +91,36 @@ def _grouped_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
-              + offs_k[:, None] * stride_wk)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k + k0 < K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if A_SWIGLU:
-            up = tl.load(a_ptrs + K * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = a.to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(a.dtype)
-            a = (silu.to(tl.float32) * up.to(tl.float32)).to(a.dtype)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if W_SCALED:
-            w = w.to(a.dtype)  # e4m3 values are exact in bf16, fp16 and fp32
-        acc += tl.dot(a, w)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    if SWAP_AB:
+        # out^T = W . A^T: the weight tile is the product's left operand (its rows the MMA's wide M, a
+        # converted FP8 tile fed from registers), the block's few rows its narrow N
+        a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_k[:, None] * stride_ak  # [BLOCK_K, BLOCK_M]
+        w_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k + k0 < K
+            a = _a_tile(a_ptrs, k_ok[:, None] & row_ok[None, :], K * stride_ak, A_SWIGLU)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if W_SCALED:
+                w = w.to(a.dtype)  # e4m3 values are exact in bf16, fp16 and fp32
+            acc_t += tl.dot(w, a)
+            a_ptrs += BLOCK_K * stride_ak
+            w_ptrs += BLOCK_K * stride_wk
+        acc = tl.trans(acc_t)
+    else:
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k + k0 < K
+            a = _a_tile(a_ptrs, row_ok[:, None] & k_ok[None, :], K * stride_ak, A_SWIGLU)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if W_SCALED:
+                w = w.to(a.dtype)
+            acc += tl.dot(a, w)
+            a_ptrs += BLOCK_K * stride_ak
+            w_ptrs += BLOCK_K * stride_wk
     release_dependents()  # after the main loop, as the other products (pdl.py)
     if W_SCALED:
         w_scale = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + offs_n * stride_sn, mask=n_ok,
@@ -115,6 +142,7 @@ class GemmConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False  # the weight tile as the MMA's left operand (_grouped_gemm_kernel's SWAP_AB)
 
 
 def default_config(tokens: int) -> GemmConfig:
@@ -168,7 +196,7 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, alignment: BlockAlignme
         out.stride(0), out.stride(1), w_scale.stride(0), w_scale.stride(1),
         TOP_K=top_k, A_PER_TOKEN=a_per_token, A_SWIGLU=swiglu, MUL_WEIGHT=row_weights is not None,
         W_SCALED=weight_scale is not None,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWAP_AB=config.swap_ab,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(),
     )
     return out

@@ -90,6 +90,10 @@ DECODE_CONFIGS = (
     GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=6),
     GemmConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4),
     GemmConfig(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=4),
+    # the weight tile as the MMA's left operand: a block's few rows are the narrow side
+    GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, swap_ab=True),
+    GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, swap_ab=True),
+    GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap_ab=True),
 )
 # Batches of up to GEMV_TOKENS tokens also try one GEMV per assignment without a sort (moe_gemv.py): at a
 # token or two it streams the chosen experts with many small programs; beyond, assignments that share an
@@ -202,7 +206,8 @@ def config_name(config: Config) -> str:
     """A tiling's short name in logs and the benchmarks' JSON."""
     if isinstance(config, GemvConfig | StreamMoeConfig):
         return config.name
-    return f"{config.block_m}x{config.block_n}x{config.block_k}/{config.num_warps}w{config.num_stages}s"
+    swap = "+swap" if config.swap_ab else ""
+    return f"{config.block_m}x{config.block_n}x{config.block_k}/{config.num_warps}w{config.num_stages}s{swap}"
 
 
 def tuning_summary() -> list[dict]:

@@ -54,6 +54,8 @@ def test_a_tiling_is_parsed_and_named_back():
     assert moe_tiling.config_name(moe_tiling.parse_config("gemv16x512/8w")) == "gemv16x512/8w"
     with pytest.raises(Exception, match="gemvBNxBK"):
         moe_tiling.parse_config("gemv8x256/4w+sum")
+    swapped = moe_tiling.parse_config("16x64x128/4w4s+swap")
+    assert swapped.swap_ab and moe_tiling.config_name(swapped) == "16x64x128/4w4s+swap"
     tma = moe_tiling.parse_config("tma16st6w4")
     assert (tma.block_n, tma.stages, tma.warps) == (16, 6, 4)
     assert moe_tiling.config_name(tma) == "tma16st6w4"

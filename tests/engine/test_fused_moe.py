@@ -33,9 +33,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Blocks of 16 rows (tl.dot's smallest), N and K tiles of 16: hidden 40 and width 24 leave ragged tiles.
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
 HIDDEN, WIDTH = 40, 24
-# Every path a batch may take (moe_tuning.choose_config): the sort and grouped GEMM, the per-assignment
+# Every path a batch may take (moe_tuning.choose_config): the sort and grouped GEMM (either operand order),
+# the per-assignment
 # GEMVs with the separate combine and with the combine in the down product (K tiles of 16 leave ragged ones).
-PATHS = (SMALL, GemvConfig(block_n=16, block_k=16, num_warps=4),
+PATHS = (SMALL, GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1, swap_ab=True),
+         GemvConfig(block_n=16, block_k=16, num_warps=4),
          GemvConfig(block_n=8, block_k=16, num_warps=2, fuse_combine=True))
 
 

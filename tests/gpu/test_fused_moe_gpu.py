@@ -30,6 +30,10 @@ if torch.cuda.is_available():  # tests/gpu/conftest.py skips these without a dev
     from common.kernels.moe_tuning import GEMV_CONFIGS, config_name, moe_experts, run_experts
 
 EXPERTS, HIDDEN, WIDTH, TOP_K = 128, 2048, 768, 8
+if torch.cuda.is_available():
+    from common.kernels.moe_tuning import DECODE_CONFIGS
+
+    SWAPPED = tuple(c for c in DECODE_CONFIGS if c.swap_ab)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +55,8 @@ def _check(x, gate_up, down, weights, ids) -> None:
     if x.shape[0] <= 8:
         few = GEMV_CONFIGS + (moe_stream_gemv.CONFIGS if moe_stream_gemv.usable(x, gate_up, down) else ())
         outs.update({config_name(c): run_experts(x, gate_up, down, weights, ids, c) for c in few})
+    if x.shape[0] <= 64:  # the decode tilings with the operands swapped
+        outs.update({config_name(c): run_experts(x, gate_up, down, weights, ids, c) for c in SWAPPED})
     # the fp32 reference over the same bf16 weights: the kernel's one rounding per product stays close;
     # the bf16 reference rounds as often, so it sits at a similar distance
     exact = experts_reference(x.float(), weights.float(), ids, gate_up.float(), down.float())
@@ -192,7 +198,8 @@ def test_fp8_experts_against_the_dequantized_reference(experts, tokens):
     weights, ids = route(x @ router.t(), TOP_K, renormalize=True)
     exact = experts_reference(x.float(), weights.float(), ids, q_gate_up, q_down, s_gate_up, s_down)
     few = GEMV_CONFIGS + (moe_stream_gemv.CONFIGS if moe_stream_gemv.usable(x, q_gate_up, q_down) else ())
-    configs = [None, *(few if tokens <= 8 else ())]  # the default tiling, the GEMVs at few tokens
+    # the default tiling, the swapped decode tilings, the GEMVs at few tokens
+    configs = [None, *(SWAPPED if tokens <= 64 else ()), *(few if tokens <= 8 else ())]
     for config in configs:
         if config is None:
             out = fused_moe(x, q_gate_up, q_down, weights, ids, gate_up_scale=s_gate_up, down_scale=s_down)
