@@ -170,6 +170,15 @@ def _shared_memory_bytes() -> int:
     return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
 
 
+def check_expert_scales(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None,
+                        down_scale: torch.Tensor | None) -> None:
+    """Raise ValueError unless each FP8 scale given is [experts, N, ...] of its weight [experts, N, K]."""
+    for name, w, scale in (("gate_up", gate_up, gate_up_scale), ("down", down, down_scale)):
+        if scale is not None and tuple(scale.shape[:2]) != tuple(w.shape[:2]):
+            raise ValueError(f"{name} expert scales {tuple(scale.shape)} do not fit weights "
+                             f"{tuple(w.shape)}")
+
+
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, alignment: BlockAlignment, num_rows: int,
                  top_k: int, a_per_token: bool, config: GemmConfig,
                  row_weights: torch.Tensor | None = None,

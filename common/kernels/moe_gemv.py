@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from common.kernels.elementwise import _round
-from common.kernels.fused_moe import combine
+from common.kernels.fused_moe import check_expert_scales, combine
 from common.kernels.moe_route import check_logits, top_k_of
 from common.kernels.pdl import launch_options, release_dependents, wait_for_inputs
 
@@ -171,14 +171,6 @@ def _launch(kernel, grid: tuple[int, int], a: torch.Tensor, weights: torch.Tenso
     )
 
 
-def _check_scales(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None,
-                  down_scale: torch.Tensor | None) -> None:
-    for name, w, scale in (("gate_up", gate_up, gate_up_scale), ("down", down, down_scale)):
-        if scale is not None and tuple(scale.shape[:2]) != tuple(w.shape[:2]):
-            raise ValueError(f"{name} expert scales {tuple(scale.shape)} do not fit weights "
-                             f"{tuple(w.shape)}")
-
-
 def gemv_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, config: GemvConfig | None = None,
              gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None
@@ -188,7 +180,7 @@ def gemv_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_we
     tokens, top_k = topk_ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
-    _check_scales(gate_up, down, gate_up_scale, down_scale)
+    check_expert_scales(gate_up, down, gate_up_scale, down_scale)
     config = config or GemvConfig()
     ids, row_weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
     h = _gate_up(x, gate_up, ids, row_weights, gate_up_scale, top_k, config)
@@ -206,7 +198,7 @@ def routed_gemv_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormali
     tokens = x.shape[0]
     if tokens == 0:
         return torch.zeros_like(x)
-    _check_scales(gate_up, down, gate_up_scale, down_scale)
+    check_expert_scales(gate_up, down, gate_up_scale, down_scale)
     config = config or GemvConfig()
     ids = torch.empty(tokens * top_k, dtype=torch.int32, device=x.device)
     row_weights = torch.empty(tokens * top_k, dtype=logits.dtype, device=x.device)

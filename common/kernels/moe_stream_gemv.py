@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from common.kernels.fused_moe import combine
+from common.kernels.fused_moe import check_expert_scales, combine
 from common.kernels.pdl import launch_options, release_dependents, wait_for_inputs
 from common.kernels.stream_gemv import ROW_BYTES, WEIGHT_DTYPES, available
 
@@ -173,10 +173,7 @@ def stream_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_
     tokens, top_k = topk_ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
-    for name, w, scale in (("gate_up", gate_up, gate_up_scale), ("down", down, down_scale)):
-        if scale is not None and tuple(scale.shape[:2]) != tuple(w.shape[:2]):
-            raise ValueError(f"{name} expert scales {tuple(scale.shape)} do not fit weights "
-                             f"{tuple(w.shape)}")
+    check_expert_scales(gate_up, down, gate_up_scale, down_scale)
     config = config or CONFIGS[0]
     x = x.contiguous()
     # int32 expert ids (the router kernel's; torch.topk's int64 would make 64-bit TMA coordinates)
