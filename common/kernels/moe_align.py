@@ -163,9 +163,9 @@ def align_to_blocks_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
 SORT_CHUNK = 256
 SUB = 64
 COUNT_ROWS = 64
-# Rows of the sorted buffer (padding included) per placement program at most: at 128 tokens of top-8 with
-# 64-row blocks, four chunks' programs wrote 9088 rows, most of them padding (a sort of 81 us in a layer of
-# 489: BENCHMARKS.md, Qwen3-VL-30B-A3B).
+# Rows of the sorted buffer (padding included) per placement program at most: with large blocks and few
+# assignments, a handful of chunks' programs wrote thousands of padding rows each (BENCHMARKS.md,
+# Qwen3-VL-30B-A3B).
 PAD_ROWS_PER_PROGRAM = 512
 
 

@@ -1,7 +1,7 @@
 """Mixture-of-experts GEMVs for a few tokens with the experts' weights streamed by TMA (Hopper, Gluon).
 
-moe_gemv.py's plain-Triton GEMV keeps one weight tile per warp in flight and reads the chosen experts at
-about two thirds of the rate stream_gemv.py's TMA ring reaches for the dense products (BENCHMARKS.md,
+moe_gemv.py's plain-Triton GEMV keeps one weight tile per warp in flight and reads the chosen experts well
+below the rate stream_gemv.py's TMA ring reaches for the dense products (BENCHMARKS.md,
 Qwen3-VL-30B-A3B). This is that ring for one (token, slot) assignment per program row: the experts'
 stacked weights [E, N, K] are one [E * N, K] TMA descriptor, and a program streams BLOCK_N rows of its
 assignment's expert through STAGES shared-memory tiles. The expert is the router's output, so unlike the
